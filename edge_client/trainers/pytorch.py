@@ -1,0 +1,69 @@
+"""The torch backend, for devices with no ONNX Runtime training build (aarch64 Pi/Jetson, Python >= 3.12).
+
+It rebuilds the manifest's architecture from the model zoo and exchanges the same flat buffer as the ORT
+backend. Its optimisers match ORT's: plain SGD, and AdamW with eps 1e-6 and no weight decay.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from edge_client.trainers.base import Trainer
+from models.flat_weights import flatten_weights, load_flat_weights
+from models.manifest import Manifest
+from models.zoo import build_model
+
+
+class TorchTrainer(Trainer):
+    def __init__(
+        self,
+        manifest: Manifest,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.manifest = manifest
+        self.device = torch.device(device)
+        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape, seed=seed).to(
+            self.device
+        )
+        params = self.model.parameters()
+        if optimizer == "sgd":
+            self._optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr)
+        elif optimizer == "adamw":
+            self._optimizer = torch.optim.AdamW(params, lr=lr, eps=1e-6, weight_decay=0.0)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose 'sgd' or 'adamw'")
+
+    def get_weights(self) -> np.ndarray:
+        return flatten_weights(self.model, self.manifest)
+
+    def set_weights(self, buffer: np.ndarray) -> None:
+        load_flat_weights(self.model, self.manifest, self.check_weights(buffer))
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
+        self.model.train()
+        self._optimizer.zero_grad(set_to_none=True)
+        logits, _ = self.model(self._tensor(x), self._tensor(class_mask))
+        loss = F.cross_entropy(logits, self._tensor(y))
+        loss.backward()
+        self._optimizer.step()
+        return float(loss.item())
+
+    @torch.no_grad()
+    def forward(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray
+    ) -> tuple[float, np.ndarray, np.ndarray]:
+        self.model.eval()
+        logits, features = self.model(self._tensor(x), self._tensor(class_mask))
+        loss = F.cross_entropy(logits, self._tensor(y))
+        return float(loss.item()), logits.cpu().numpy(), features.cpu().numpy()
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

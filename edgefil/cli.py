@@ -1,0 +1,75 @@
+"""The `edgefil` command. Each subcommand imports what it needs when it runs, so device-side commands never
+pull in host-only packages (torch, onnx)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated shape such as 1,8,8, got {text!r}") from err
+
+
+def _export(args: argparse.Namespace) -> int:
+    from models.export import export_registered
+    from models.zoo import REGISTRY
+
+    if args.list:
+        for name, spec in sorted(REGISTRY.items()):
+            print(f"{name:16s} default input {spec.default_input_shape}  {spec.summary}")
+        return 0
+    if not args.model or not args.classes or not args.out:
+        raise SystemExit("edgefil export: --model, --classes and --out are required (or --list)")
+    manifest = export_registered(
+        args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal
+    )
+    print(
+        f"exported {manifest.model} ({manifest.num_parameters:,} parameters, input {manifest.input_shape}, "
+        f"{manifest.num_classes} classes, IR {manifest.ir_version}) to {args.out}"
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from firmware_sim.demo import run_local_demo
+
+    run_local_demo(out_dir=args.out, epochs=args.epochs, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgefil", description=__doc__)
+    from edgefil import __version__
+
+    parser.add_argument("--version", action="version", version=f"edgefil {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    export = commands.add_parser("export", help="export a registered model to ONNX Runtime Training artifacts")
+    export.add_argument("--model", help="registered model name (see --list)")
+    export.add_argument("--classes", type=int, help="total number of classes of the scenario (head size)")
+    export.add_argument("--out", help="artifact directory to write")
+    export.add_argument("--input-shape", type=_shape, help="input shape without batch, e.g. 1,28,28")
+    export.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    export.add_argument("--nominal", action="store_true", help="ship a weight-less checkpoint")
+    export.add_argument("--list", action="store_true", help="list the registered models")
+    export.set_defaults(run=_export)
+
+    demo = commands.add_parser("demo", help="the main job: train on the embedded digits through ORT artifacts")
+    demo.add_argument("--out", default="runs/demo", help="folder for the artifacts and results")
+    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Emulated devices and the data they see: datasets, incremental scenarios, (later) limits and fleets."""

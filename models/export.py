@@ -1,0 +1,194 @@
+"""Export a registered model to ONNX Runtime Training artifacts plus a verified manifest (host side).
+
+The artifact set: `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask`, `labels` and
+return `(loss, logits, features)`), one optimizer model per optimizer (`optimizer_sgd.onnx`,
+`optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for shipping when the
+weights arrive from the coordinator as a flat buffer), and `manifest.json`.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnxruntime.training import artifacts
+
+from edgefil import __version__
+from models.manifest import (
+    CHECKPOINT,
+    EVAL_MODEL,
+    MANIFEST_NAME,
+    MAX_IR_VERSION,
+    OPTIMIZER_MODELS,
+    TRAINING_MODEL,
+    Manifest,
+    ManifestError,
+    ParameterInfo,
+    sha256_file,
+)
+from models.zoo import ClassifierModel, build_model
+
+OPSET = 17
+INPUT_NAMES = ["input", "class_mask"]
+OUTPUT_NAMES = ["logits", "features"]
+_OPTIMIZERS = {"sgd": artifacts.OptimType.SGD, "adamw": artifacts.OptimType.AdamW}
+
+
+def export_model(
+    model: ClassifierModel,
+    name: str,
+    input_shape: tuple[int, ...],
+    out_dir: str | Path,
+    nominal: bool = False,
+) -> Manifest:
+    """Write the artifact set of `model` (its current weights) to `out_dir` and return its manifest."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    num_classes = model.head.out_features
+    model = model.cpu().eval()
+    with tempfile.TemporaryDirectory(prefix="edgefil-export-") as tmp:
+        tmp_dir = Path(tmp)
+        onnx_model = _to_onnx(model, input_shape, num_classes, tmp_dir / "base.onnx")
+        if onnx_model.ir_version > MAX_IR_VERSION:
+            raise ManifestError(
+                f"onnx {onnx.__version__} wrote IR version {onnx_model.ir_version}; onnxruntime-training 1.19 "
+                f"reads at most {MAX_IR_VERSION}: install onnx==1.17.0"
+            )
+        trainable = [p.name for p in onnx_model.graph.initializer if p.name in dict(model.named_parameters())]
+        for optimizer, optim_file in OPTIMIZER_MODELS.items():
+            gen_dir = tmp_dir / optimizer
+            gen_dir.mkdir()  # generate_artifacts needs an existing directory
+            _quiet_generate(onnx_model, trainable, _OPTIMIZERS[optimizer], gen_dir)
+            optim_model = onnx.load(str(gen_dir / "optimizer_model.onnx"))
+            _use_torch_adamw(optim_model)
+            onnx.save(optim_model, str(out_dir / optim_file))
+        generated = tmp_dir / "sgd"
+        parameters = _ort_flat_order(model, generated)
+        shutil.move(generated / TRAINING_MODEL, out_dir / TRAINING_MODEL)
+        shutil.move(generated / EVAL_MODEL, out_dir / EVAL_MODEL)
+        checkpoint = generated / ("nominal_checkpoint" if nominal else "checkpoint")
+        shutil.move(checkpoint, out_dir / CHECKPOINT)
+
+    manifest = Manifest(
+        model=name,
+        input_shape=tuple(input_shape),
+        num_classes=num_classes,
+        feature_dim=model.head.in_features,
+        parameters=parameters,
+        opset=OPSET,
+        ir_version=onnx_model.ir_version,
+        nominal_checkpoint=nominal,
+        edgefil_version=__version__,
+    )
+    files = [TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()]
+    manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
+    (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def export_registered(
+    name: str,
+    num_classes: int,
+    out_dir: str | Path,
+    input_shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    nominal: bool = False,
+) -> Manifest:
+    """Build a registry model with seeded initial weights and export it."""
+    model = build_model(name, num_classes, input_shape, seed=seed)
+    shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
+    return export_model(model, name, shape, out_dir, nominal=nominal)
+
+
+def _default_shape(name: str) -> tuple[int, ...]:
+    from models.zoo import REGISTRY
+
+    return REGISTRY[name].default_input_shape
+
+
+def _to_onnx(
+    model: ClassifierModel, input_shape: tuple[int, ...], num_classes: int, path: Path
+) -> onnx.ModelProto:
+    example = (torch.zeros(2, *input_shape), torch.ones(num_classes))
+    torch.onnx.export(
+        model,
+        example,
+        str(path),
+        input_names=INPUT_NAMES,
+        output_names=OUTPUT_NAMES,
+        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}, "features": {0: "batch"}},
+        opset_version=OPSET,
+        training=torch.onnx.TrainingMode.TRAINING,
+        do_constant_folding=False,
+        export_params=True,
+        dynamo=False,
+    )
+    return onnx.load(str(path))
+
+
+def _ort_flat_order(model: ClassifierModel, directory: Path) -> tuple[ParameterInfo, ...]:
+    """Read the flat-buffer layout off ORT itself: it follows neither torch's nor the checkpoint's name order.
+
+    A buffer of 0, 1, 2, ... is copied into the parameters; each parameter's first value is its offset
+    (exact in float32 below 2**24 values).
+    """
+    from onnxruntime import OrtValue
+    from onnxruntime.training.api import CheckpointState, Module
+
+    from edge_client.trainers.ort import session_options
+
+    state = CheckpointState.load_checkpoint(str(directory / CHECKPOINT))
+    module = Module(
+        str(directory / TRAINING_MODEL), state, str(directory / EVAL_MODEL), session_options=session_options()
+    )
+    size = module.get_parameters_size(trainable_only=True)
+    if size >= 2**24:
+        raise ManifestError(f"{size} parameters: the layout probe is exact only below 2**24 values")
+    numbered = OrtValue.ortvalue_from_numpy(np.arange(size, dtype=np.float32))  # keeps its numpy array alive
+    module.copy_buffer_to_parameters(numbered._ortvalue)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    offsets = {name: int(state.parameters[name].data.ravel()[0]) for name in shapes}
+    order = tuple(ParameterInfo(n, shapes[n]) for n in sorted(shapes, key=offsets.__getitem__))
+    expected = 0
+    for info in order:  # the layout must tile the buffer exactly
+        if offsets[info.name] != expected:
+            raise ManifestError(f"ORT flat buffer has an unexpected layout at parameter {info.name}")
+        expected += info.size
+    if expected != size:
+        raise ManifestError(f"ORT holds {size} trainable values, the torch model {expected}")
+    return order
+
+
+def _use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
+    """Switch ORT's AdamW kernel from Hugging Face mode (eps added before bias correction) to PyTorch mode,
+    so that the ORT and torch backends take the same AdamW steps."""
+    for node in optimizer_model.graph.node:
+        if node.op_type == "AdamWOptimizer":
+            for attribute in node.attribute:
+                if attribute.name == "adam_mode":
+                    attribute.i = 0
+
+
+def _quiet_generate(
+    onnx_model: onnx.ModelProto, trainable: list[str], optimizer: artifacts.OptimType, directory: Path
+) -> None:
+    level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.WARNING)  # generate_artifacts logs every file at INFO
+    try:
+        artifacts.generate_artifacts(
+            onnx_model,
+            requires_grad=trainable,
+            loss=artifacts.LossType.CrossEntropyLoss,
+            optimizer=optimizer,
+            artifact_directory=directory,
+            loss_input_names=["logits"],
+            additional_output_names=OUTPUT_NAMES,
+            nominal_checkpoint=True,
+        )
+    finally:
+        logging.getLogger().setLevel(level)

@@ -1,0 +1,171 @@
+"""The artifact manifest: what an exported model is, and the checks a device runs before trusting it.
+
+Read on devices, so it imports neither torch nor onnx: the IR version is read straight from the model file's
+protobuf header.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from math import prod
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+# onnxruntime-training 1.19 loads models up to IR version 10 ("max supported IR version: 10").
+MAX_IR_VERSION = 10
+TRAINING_MODEL = "training_model.onnx"
+EVAL_MODEL = "eval_model.onnx"
+CHECKPOINT = "checkpoint"
+OPTIMIZER_MODELS = {"sgd": "optimizer_sgd.onnx", "adamw": "optimizer_adamw.onnx"}
+
+
+class ManifestError(ValueError):
+    """An artifact directory that must not be loaded: missing, tampered with, or built for another runtime."""
+
+
+@dataclass(frozen=True)
+class ParameterInfo:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a device needs to know about an artifact set. `parameters` is the flat-buffer order."""
+
+    model: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    feature_dim: int
+    parameters: tuple[ParameterInfo, ...]
+    opset: int
+    ir_version: int
+    nominal_checkpoint: bool
+    edgefil_version: str
+    files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    format: int = MANIFEST_FORMAT
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["num_parameters"] = self.num_parameters
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            data = json.loads(text)
+            declared_count = data.pop("num_parameters")
+            manifest = cls(
+                model=str(data["model"]),
+                input_shape=tuple(int(d) for d in data["input_shape"]),
+                num_classes=int(data["num_classes"]),
+                feature_dim=int(data["feature_dim"]),
+                parameters=tuple(
+                    ParameterInfo(str(p["name"]), tuple(int(d) for d in p["shape"]))
+                    for p in data["parameters"]
+                ),
+                opset=int(data["opset"]),
+                ir_version=int(data["ir_version"]),
+                nominal_checkpoint=bool(data["nominal_checkpoint"]),
+                edgefil_version=str(data["edgefil_version"]),
+                files={str(k): str(v) for k, v in data["files"].items()},
+                format=int(data["format"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ManifestError(f"malformed manifest: {err!r}") from err
+        if manifest.format != MANIFEST_FORMAT:
+            raise ManifestError(
+                f"manifest format {manifest.format} is not supported (this edgefil reads {MANIFEST_FORMAT})"
+            )
+        if declared_count != manifest.num_parameters:
+            raise ManifestError(
+                f"manifest declares {declared_count} parameters but its parameter list sums to "
+                f"{manifest.num_parameters}"
+            )
+        return manifest
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_ir_version(path: Path) -> int:
+    """The `ir_version` field (number 1) of an ONNX ModelProto, parsed from the protobuf wire format."""
+    data = Path(path).read_bytes()
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _varint(data, pos)
+            if number == 1:
+                return value
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 2:
+            length, pos = _varint(data, pos)
+            pos += length
+        elif wire_type == 5:
+            pos += 4
+        else:
+            break
+    raise ManifestError(f"{path} is not an ONNX model (no ir_version field)")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ManifestError("truncated protobuf varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
+    """Read and verify an artifact directory's manifest; raise ManifestError on any mismatch."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{directory} has no {MANIFEST_NAME}: not an edgefil artifact directory")
+    manifest = Manifest.from_json(path.read_text())
+    required = {TRAINING_MODEL, EVAL_MODEL, CHECKPOINT}
+    missing = sorted(required - manifest.files.keys())
+    if missing:
+        raise ManifestError(f"manifest in {directory} lists no hash for {', '.join(missing)}")
+    for name, expected in manifest.files.items():
+        file_path = directory / name
+        if not file_path.is_file():
+            raise ManifestError(f"artifact file {file_path} is missing")
+        if check_hashes and sha256_file(file_path) != expected:
+            raise ManifestError(f"artifact file {file_path} does not match its sha256 in the manifest")
+    if manifest.ir_version > MAX_IR_VERSION:
+        raise ManifestError(
+            f"artifacts use ONNX IR version {manifest.ir_version}; onnxruntime-training 1.19 reads at most "
+            f"{MAX_IR_VERSION} (export with onnx==1.17.0)"
+        )
+    for name in (TRAINING_MODEL, EVAL_MODEL):
+        ir_version = read_ir_version(directory / name)
+        if ir_version > MAX_IR_VERSION:
+            raise ManifestError(
+                f"{directory / name} has ONNX IR version {ir_version}; onnxruntime-training 1.19 reads at "
+                f"most {MAX_IR_VERSION} (export with onnx==1.17.0)"
+            )
+    return manifest

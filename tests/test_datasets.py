@@ -1,0 +1,238 @@
+"""Embedded datasets (digits, digit domains, MNIST-1D) and the load_dataset dispatcher."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from firmware_sim import datasets
+from firmware_sim.datasets import ArrayDataset, load_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+N_DIGITS = 1797
+SMALL_MNIST1D = 1000  # generation is ~1 s per 1,000 samples; keep the tests fast
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(monkeypatch, tmp_path_factory):
+    # One cache for the whole session (so generated MNIST-1D is shared), never the user's own.
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path_factory.getbasetemp() / "edgefil-cache"))
+
+
+def _check_arrays(ds: ArrayDataset, feature_shape: tuple[int, ...]) -> None:
+    for x, y in ((ds.x_train, ds.y_train), (ds.x_test, ds.y_test)):
+        assert x.dtype == np.float32 and y.dtype == np.int64
+        assert x.shape == (len(y), *feature_shape)
+        assert set(np.unique(y)) == set(range(ds.num_classes))
+    assert ds.input_shape == feature_shape
+
+
+def _rows(x: np.ndarray) -> set[bytes]:
+    return {row.tobytes() for row in np.ascontiguousarray(x, dtype=np.float32)}
+
+
+# --- digits --------------------------------------------------------------------------------------
+
+def test_digits_shapes_range_and_stratified_split():
+    ds = load_dataset("digits", test_fraction=0.3, seed=1)
+    _check_arrays(ds, (1, 8, 8))
+    assert ds.num_classes == 10
+    assert len(ds.y_train) + len(ds.y_test) == N_DIGITS
+    assert len(ds.y_test) == pytest.approx(0.3 * N_DIGITS, abs=1)
+    for x in (ds.x_train, ds.x_test):
+        assert x.min() == 0.0 and x.max() == 1.0
+    # stratified: every class keeps (about) the overall test share
+    train_counts, test_counts = np.bincount(ds.y_train), np.bincount(ds.y_test)
+    np.testing.assert_allclose(test_counts / (train_counts + test_counts), 0.3, atol=0.02)
+    assert not _rows(ds.x_train) & _rows(ds.x_test)
+
+
+def test_digits_split_is_seeded():
+    a, b, c = (datasets.load_digits_dataset(seed=s) for s in (0, 0, 1))
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    assert _rows(a.x_test) != _rows(c.x_test)
+
+
+# --- digit domains -------------------------------------------------------------------------------
+
+def test_digit_domains_shapes_and_labels():
+    domains = load_dataset("digits_domains")
+    assert [d.name for d in domains] == ["digits-original", "digits-rot90", "digits-inverted", "digits-noisy"]
+    for d in domains:
+        _check_arrays(d, (1, 8, 8))
+        assert d.num_classes == 10
+        assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+
+
+def test_digit_domains_are_the_documented_transforms():
+    # With shared images the split is the same in every domain, so each domain is its transform.
+    original, rotated, inverted, noisy = datasets.load_digits_domains(disjoint=False)
+    for d in (rotated, inverted, noisy):
+        np.testing.assert_array_equal(d.y_train, original.y_train)
+        np.testing.assert_array_equal(d.y_test, original.y_test)
+    np.testing.assert_array_equal(rotated.x_train, np.rot90(original.x_train, axes=(-2, -1)))
+    np.testing.assert_allclose(inverted.x_train, 1.0 - original.x_train)
+    # blurred + noisy: clearly changed, yet still the same digits
+    diff = np.abs(noisy.x_train - original.x_train).mean()
+    corr = np.corrcoef(noisy.x_train.ravel(), original.x_train.ravel())[0, 1]
+    assert diff > 0.05 and corr > 0.7
+
+
+def test_digit_domains_differ_from_each_other():
+    domains = datasets.load_digits_domains()
+    means = [np.concatenate([d.x_train, d.x_test]).mean(axis=0) for d in domains]
+    for i in range(len(means)):
+        for j in range(i + 1, len(means)):
+            assert np.abs(means[i] - means[j]).mean() > 0.02, (domains[i].name, domains[j].name)
+
+
+def test_digit_domains_disjoint_images():
+    original, rotated, inverted, noisy = datasets.load_digits_domains(seed=3)
+    every = lambda d: np.concatenate([d.x_train, d.x_test])  # noqa: E731
+    assert sum(len(every(d)) for d in (original, rotated, inverted, noisy)) == N_DIGITS
+    seen = _rows(every(original))
+    unrotated = np.rot90(every(rotated), k=-1, axes=(-2, -1))
+    assert not seen & _rows(unrotated)
+    assert not seen & _rows(1.0 - every(inverted))
+    assert not _rows(unrotated) & _rows(1.0 - every(inverted))
+
+
+# --- MNIST-1D ------------------------------------------------------------------------------------
+
+def test_mnist1d_shapes_and_standardisation():
+    ds = load_dataset("mnist1d", num_samples=SMALL_MNIST1D, test_fraction=0.25, seed=0)
+    _check_arrays(ds, (1, 40))
+    assert ds.num_classes == 10
+    assert len(ds.y_train) + len(ds.y_test) == SMALL_MNIST1D
+    assert len(ds.y_test) == SMALL_MNIST1D // 4
+    assert abs(float(ds.x_train.mean())) < 1e-4 and float(ds.x_train.std()) == pytest.approx(1.0, abs=1e-4)
+    assert abs(float(ds.x_test.mean())) < 0.2  # same statistics, not refitted on the test split
+
+
+def _no_network(*args, **kwargs):
+    raise AssertionError("MNIST-1D generation tried to open a socket")
+
+
+def test_mnist1d_generation_is_offline_deterministic_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setattr(socket, "socket", _no_network)
+    monkeypatch.setattr(socket, "create_connection", _no_network)
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "a"))
+    a = datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=5)
+    assert len(list((tmp_path / "a").glob("mnist1d-*.npz"))) == 1
+    assert not list((tmp_path / "a").glob("*.tmp"))
+    np.testing.assert_array_equal(np.random.get_state()[1], before)  # the caller's global RNG is untouched
+
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "b"))
+    b = datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=5)  # generated afresh, not read from "a"
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+
+    c = datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=6)
+    assert not np.array_equal(a.x_train, c.x_train)
+
+
+def test_mnist1d_cache_hit_does_not_regenerate(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path))
+    first = datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=0)
+
+    def fail(params):
+        raise AssertionError(f"regenerated {params}")
+
+    monkeypatch.setattr(datasets, "_generate_mnist1d", fail)
+    again = datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=0)
+    np.testing.assert_array_equal(first.x_test, again.x_test)
+    with pytest.raises(AssertionError, match="regenerated"):  # other arguments: another cache entry
+        datasets.load_mnist1d(num_samples=SMALL_MNIST1D, seed=1)
+
+
+def test_mnist1d_rejects_bad_test_fraction():
+    with pytest.raises(ValueError, match="test_fraction"):
+        datasets.load_mnist1d(num_samples=SMALL_MNIST1D, test_fraction=1.0)
+
+
+# --- dispatcher ----------------------------------------------------------------------------------
+
+def test_load_dataset_passes_options_to_the_loader():
+    a, b = load_dataset("digits", test_fraction=0.5), datasets.load_digits_dataset(test_fraction=0.5)
+    np.testing.assert_array_equal(a.x_test, b.x_test)
+    assert len(a.y_test) == pytest.approx(N_DIGITS / 2, abs=1)
+
+
+def test_unknown_dataset_lists_known_names():
+    with pytest.raises(ValueError, match="unknown dataset 'nope'") as err:
+        load_dataset("nope")
+    for name in ("digits", "digits_domains", "mnist1d", "cifar10", "digit10"):
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar100", "digit10"])
+def test_folder_dataset_without_root_says_what_to_pass(name):
+    with pytest.raises(ValueError, match="root="):
+        load_dataset(name)
+
+
+def _fake_folders(monkeypatch) -> list[tuple]:
+    """Replace firmware_sim.folders by a recorder; returns the list of calls made to it."""
+    calls: list[tuple] = []
+
+    def load_folder_dataset(name, root):
+        calls.append(("load", name, root))
+        x = np.zeros((4, 1, 2, 2), np.float32)
+        return ArrayDataset(name, x, np.arange(4) % 2, x, np.arange(4) % 2, num_classes=2)
+
+    def to_common_shape(ds, shape):
+        calls.append(("shape", ds.name, shape))
+        x = np.zeros((4, *shape), np.float32)
+        return ArrayDataset(ds.name, x, ds.y_train, x, ds.y_test, ds.num_classes)
+
+    fake = types.SimpleNamespace(
+        FOLDER_DATASETS=("mnist", "emnist", "usps", "svhn", "cifar10", "cifar100"),
+        load_folder_dataset=load_folder_dataset,
+        to_common_shape=to_common_shape,
+    )
+    monkeypatch.setitem(sys.modules, "firmware_sim.folders", fake)
+    monkeypatch.setattr("firmware_sim.folders", fake, raising=False)
+    return calls
+
+
+def test_folder_dataset_is_read_from_root(monkeypatch):
+    calls = _fake_folders(monkeypatch)
+    ds = load_dataset("svhn", root="/data/x")
+    assert ds.name == "svhn" and calls == [("load", "svhn", "/data/x")]
+    with pytest.raises(TypeError, match="takes no options"):
+        load_dataset("svhn", root="/data/x", seed=1)
+
+
+def test_digit10_is_four_folder_domains_in_one_shape(monkeypatch):
+    calls = _fake_folders(monkeypatch)
+    stream = load_dataset("digit10", root="/d", shape=[3, 32, 32])
+    assert [d.name for d in stream] == ["mnist", "emnist", "usps", "svhn"]
+    assert all(d.input_shape == (3, 32, 32) for d in stream)
+    assert [c for c in calls if c[0] == "load"] == [("load", n, "/d") for n in ("mnist", "emnist", "usps", "svhn")]
+    assert {c[2] for c in calls if c[0] == "shape"} == {(3, 32, 32)}
+
+
+def test_import_and_embedded_loading_do_not_need_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "import firmware_sim.datasets as d\n"
+        "heavy = {'torch', 'sklearn', 'scipy', 'mnist1d', 'matplotlib'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+        f"d.load_dataset('digits_domains'); d.load_dataset('mnist1d', num_samples={SMALL_MNIST1D})\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    env = {**os.environ, "EDGEFIL_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,86 @@
+"""ORT artifacts and the torch model they came from compute the same things."""
+import numpy as np
+import pytest
+import torch
+
+from edge_client.trainers.ort import OrtTrainer
+from edge_client.trainers.pytorch import TorchTrainer
+from models.flat_weights import flatten_weights, load_flat_weights
+from models.zoo import build_model
+
+CASES = [("lenet", (1, 8, 8)), ("cnn1d", (1, 40)), ("small_cnn", (3, 32, 32)), ("mlp", (1, 8, 8))]
+
+
+def _batch(shape, n=16, classes=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, *shape), dtype=np.float32), rng.integers(0, classes, n).astype(np.int64)
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_flat_buffer_round_trips_exactly(export_artifacts, name, shape):
+    trainer = OrtTrainer(export_artifacts(name, 10, shape))
+    first = trainer.get_weights()
+    new = np.random.default_rng(1).standard_normal(first.size).astype(np.float32)
+    trainer.set_weights(new)
+    assert np.array_equal(trainer.get_weights(), new)
+    trainer.set_weights(first)
+    assert np.array_equal(trainer.get_weights(), first)
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_exported_weights_are_the_torch_models_in_manifest_order(export_artifacts, name, shape):
+    trainer = OrtTrainer(export_artifacts(name, 10, shape))
+    model = build_model(name, 10, shape, seed=0)
+    assert np.array_equal(trainer.get_weights(), flatten_weights(model, trainer.manifest))
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_one_step_gives_the_same_loss_and_weights(export_artifacts, name, shape, optimizer):
+    ort_trainer = OrtTrainer(export_artifacts(name, 10, shape), optimizer=optimizer, lr=0.05)
+    torch_trainer = TorchTrainer(ort_trainer.manifest, optimizer=optimizer, lr=0.05, seed=7)
+    start = np.random.default_rng(2).normal(0, 0.1, ort_trainer.manifest.num_parameters).astype(np.float32)
+    ort_trainer.set_weights(start)
+    torch_trainer.set_weights(start)
+    x, y = _batch(shape)
+    mask = ort_trainer.mask(None)
+    ort_loss = ort_trainer.train_step(x, y, mask)
+    torch_loss = torch_trainer.train_step(x, y, mask)
+    np.testing.assert_allclose(ort_loss, torch_loss, rtol=1e-5)
+    after_ort, after_torch = ort_trainer.get_weights(), torch_trainer.get_weights()
+    assert not np.array_equal(after_ort, start)  # the step moved the weights
+    if optimizer == "sgd":
+        np.testing.assert_allclose(after_ort, after_torch, rtol=1e-5, atol=1e-7)
+    else:
+        # Adam's first step is about lr * g / (|g| + eps): where |g| is near eps, float32 noise in the gradient
+        # moves the step by up to lr. So AdamW must agree to 0.1 % of lr on all but 0.1 % of the weights.
+        close = np.isclose(after_ort, after_torch, rtol=0, atol=1e-3 * 0.05)
+        assert close.mean() > 0.999
+
+
+@pytest.mark.parametrize("name,shape", CASES + [("resnet18_cifar", (3, 32, 32))])
+def test_eval_logits_and_features_match_torch(export_artifacts, name, shape):
+    trainer = OrtTrainer(export_artifacts(name, 10, shape))
+    model = build_model(name, 10, shape, seed=0).eval()
+    x, y = _batch(shape, n=8)
+    mask = np.ones(10, dtype=np.float32)
+    mask[[0, 3]] = 0.0
+    loss, logits, features = trainer.forward(x, y, mask)
+    with torch.no_grad():
+        ref_logits, ref_features = model(torch.from_numpy(x), torch.from_numpy(mask))
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits, torch.from_numpy(y))
+    np.testing.assert_allclose(features, ref_features.numpy(), rtol=1e-4, atol=1e-5)
+    visible = mask == 1
+    np.testing.assert_allclose(logits[:, visible], ref_logits.numpy()[:, visible], rtol=1e-4, atol=1e-5)
+    assert np.all(logits[:, ~visible] < -1e8)
+    np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
+
+
+def test_torch_flat_buffer_round_trips(export_artifacts):
+    trainer = OrtTrainer(export_artifacts("lenet"))
+    model = build_model("lenet", 10, seed=5)
+    buffer = np.arange(trainer.manifest.num_parameters, dtype=np.float32)
+    load_flat_weights(model, trainer.manifest, buffer)
+    assert np.array_equal(flatten_weights(model, trainer.manifest), buffer)
+    with pytest.raises(ValueError, match="float32 buffer"):
+        load_flat_weights(model, trainer.manifest, buffer[:-1])
