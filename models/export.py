@@ -7,11 +7,14 @@ weights arrive from the coordinator as a flat buffer), and `manifest.json`.
 """
 from __future__ import annotations
 
-import logging
+import contextlib
+import os
 import shutil
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -174,12 +177,30 @@ def _use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
                     attribute.i = 0
 
 
+@contextlib.contextmanager
+def _native_stderr_captured() -> Iterator[None]:
+    """ORT's gradient builder logs every graph pass to file descriptor 2 at INFO level, past any Python
+    logging setting. Hold that output back, and show it only if generation fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _quiet_generate(
     onnx_model: onnx.ModelProto, trainable: list[str], optimizer: artifacts.OptimType, directory: Path
 ) -> None:
-    level = logging.getLogger().level
-    logging.getLogger().setLevel(logging.WARNING)  # generate_artifacts logs every file at INFO
-    try:
+    with _native_stderr_captured():
         artifacts.generate_artifacts(
             onnx_model,
             requires_grad=trainable,
@@ -190,5 +211,3 @@ def _quiet_generate(
             additional_output_names=OUTPUT_NAMES,
             nominal_checkpoint=True,
         )
-    finally:
-        logging.getLogger().setLevel(level)

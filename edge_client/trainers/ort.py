@@ -1,11 +1,15 @@
-"""The default backend: ONNX Runtime Training running the exported artifacts. Needs no torch and no onnx."""
+"""The default backend: ONNX Runtime Training running the exported artifacts. Needs no torch and no onnx.
+
+It drives ORT's training binding layer (`onnxruntime.capi._pybind_state`: CheckpointState, Module, Optimizer)
+directly: the thin `onnxruntime.training.api` wrappers live in a package whose `__init__` imports onnx, and torch
+too where torch is installed, which a device must not need. Pinned to onnxruntime-training 1.19.2.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-from onnxruntime import OrtValue, SessionOptions
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.capi import _pybind_state as C
 
 from edge_client.trainers.base import Trainer
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
@@ -13,9 +17,9 @@ from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_M
 ORT_WARNING = 2  # session log severity: ORT logs every graph transformer at the default INFO level
 
 
-def session_options(threads: int = 1) -> SessionOptions:
+def session_options(threads: int = 1) -> C.SessionOptions:
     """Small models train fastest single-threaded; larger ones may gain from more intra-op threads."""
-    options = SessionOptions()
+    options = C.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = ORT_WARNING
@@ -32,30 +36,33 @@ class OrtTrainer(Trainer):
         self.manifest = load_manifest(directory)
         if optimizer not in OPTIMIZER_MODELS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_MODELS)}")
-        self._state = CheckpointState.load_checkpoint(str(directory / CHECKPOINT))
-        self._module = Module(
-            str(directory / TRAINING_MODEL),
-            self._state,
-            str(directory / EVAL_MODEL),
-            session_options=session_options(threads),
+        options = session_options(threads)
+        self._device = device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        self._state = C.load_checkpoint(str(directory / CHECKPOINT))
+        self._module = C.Module(
+            str(directory / TRAINING_MODEL), self._state, str(directory / EVAL_MODEL), device, options
         )
-        if self._module.get_parameters_size(trainable_only=True) != self.manifest.num_parameters:
+        size = self._module.get_parameters_size(True)
+        if size != self.manifest.num_parameters:
             raise ValueError(
-                f"{directory}: the model holds {self._module.get_parameters_size(True)} trainable values, "
-                f"the manifest lists {self.manifest.num_parameters}"
+                f"{directory}: the model holds {size} trainable values, the manifest lists "
+                f"{self.manifest.num_parameters}"
             )
-        self._optimizer = Optimizer(str(directory / OPTIMIZER_MODELS[optimizer]), self._module)
+        self._optimizer = C.Optimizer(str(directory / OPTIMIZER_MODELS[optimizer]), self._state, device, options)
         self._optimizer.set_learning_rate(lr)
+        # An OrtValue made from numpy aliases the array's memory without owning it: keep both.
+        self._host_buffer = np.zeros(size, dtype=np.float32)
+        self._buffer = C.OrtValue.ortvalue_from_numpy(self._host_buffer, device)
         self._has_weights = not self.manifest.nominal_checkpoint
 
     def get_weights(self) -> np.ndarray:
         self._require_weights()
-        return self._module.get_contiguous_parameters(trainable_only=True).numpy().copy()
+        self._module.copy_parameters_to_buffer(self._buffer, True)
+        return self._host_buffer.copy()
 
     def set_weights(self, buffer: np.ndarray) -> None:
         buffer = self.check_weights(buffer)
-        value = OrtValue.ortvalue_from_numpy(buffer)  # the wrapper owns the numpy array: keep it alive
-        self._module.copy_buffer_to_parameters(value._ortvalue, trainable_only=True)
+        self._module.copy_buffer_to_parameters(C.OrtValue.ortvalue_from_numpy(buffer, self._device), True)
         self._has_weights = True
 
     def set_learning_rate(self, lr: float) -> None:
@@ -63,18 +70,19 @@ class OrtTrainer(Trainer):
 
     def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
         self._require_weights()
-        self._module.train()
-        loss, _, _ = self._module(x, class_mask, y)
-        self._optimizer.step()
+        fetches = C.OrtValueVector()
+        self._module.train_step([x, class_mask, y], fetches)
+        self._optimizer.optimizer_step()
         self._module.lazy_reset_grad()
-        return float(loss)
+        return float(fetches[0].numpy())
 
     def forward(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray
     ) -> tuple[float, np.ndarray, np.ndarray]:
         self._require_weights()
-        self._module.eval()
-        loss, logits, features = self._module(x, class_mask, y)
+        fetches = C.OrtValueVector()
+        self._module.eval_step([x, class_mask, y], fetches)
+        loss, logits, features = (value.numpy() for value in fetches)
         return float(loss), logits, features
 
     def _require_weights(self) -> None:
