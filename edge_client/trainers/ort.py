@@ -14,6 +14,9 @@ from onnxruntime.capi import _pybind_state as C
 from edge_client.trainers.base import Trainer
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
 
+# Every exported parameter is trainable, so "all" and "trainable" name the same buffer; a nominal checkpoint
+# accepts only the "all" form.
+ALL_PARAMETERS = False  # the `trainable_only` flag of ORT's buffer copies
 ORT_WARNING = 2  # session log severity: ORT logs every graph transformer at the default INFO level
 
 
@@ -42,14 +45,16 @@ class OrtTrainer(Trainer):
         self._module = C.Module(
             str(directory / TRAINING_MODEL), self._state, str(directory / EVAL_MODEL), device, options
         )
-        size = self._module.get_parameters_size(True)
+        size = self._module.get_parameters_size(False)
         if size != self.manifest.num_parameters:
             raise ValueError(
-                f"{directory}: the model holds {size} trainable values, the manifest lists "
+                f"{directory}: the model holds {size} parameter values, the manifest lists "
                 f"{self.manifest.num_parameters}"
             )
-        self._optimizer = C.Optimizer(str(directory / OPTIMIZER_MODELS[optimizer]), self._state, device, options)
-        self._optimizer.set_learning_rate(lr)
+        self._optimizer_path = str(directory / OPTIMIZER_MODELS[optimizer])
+        self._options = options
+        self._lr = lr
+        self._optimizer: C.Optimizer | None = None  # built once the parameters hold data (see _require_weights)
         # An OrtValue made from numpy aliases the array's memory without owning it: keep both.
         self._host_buffer = np.zeros(size, dtype=np.float32)
         self._buffer = C.OrtValue.ortvalue_from_numpy(self._host_buffer, device)
@@ -57,19 +62,26 @@ class OrtTrainer(Trainer):
 
     def get_weights(self) -> np.ndarray:
         self._require_weights()
-        self._module.copy_parameters_to_buffer(self._buffer, True)
+        self._module.copy_parameters_to_buffer(self._buffer, ALL_PARAMETERS)
         return self._host_buffer.copy()
 
     def set_weights(self, buffer: np.ndarray) -> None:
         buffer = self.check_weights(buffer)
-        self._module.copy_buffer_to_parameters(C.OrtValue.ortvalue_from_numpy(buffer, self._device), True)
+        self._module.copy_buffer_to_parameters(C.OrtValue.ortvalue_from_numpy(buffer, self._device), ALL_PARAMETERS)
         self._has_weights = True
 
     def set_learning_rate(self, lr: float) -> None:
-        self._optimizer.set_learning_rate(lr)
+        self._lr = lr
+        if self._optimizer is not None:
+            self._optimizer.set_learning_rate(lr)
 
     def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
         self._require_weights()
+        if self._optimizer is None:
+            # ORT sizes the optimizer state from the parameters' data: with a nominal checkpoint that data
+            # exists only after set_weights(), and building the optimizer earlier crashes the process.
+            self._optimizer = C.Optimizer(self._optimizer_path, self._state, self._device, self._options)
+            self._optimizer.set_learning_rate(self._lr)
         fetches = C.OrtValueVector()
         self._module.train_step([x, class_mask, y], fetches)
         self._optimizer.optimizer_step()

@@ -1,0 +1,194 @@
+"""Artifact export, the manifest, and every way an artifact set is refused."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from edge_client.trainers.ort import OrtTrainer
+from edgefil import __version__
+from edgefil.cli import main
+from models.manifest import (
+    CHECKPOINT,
+    EVAL_MODEL,
+    MANIFEST_NAME,
+    MAX_IR_VERSION,
+    OPTIMIZER_MODELS,
+    TRAINING_MODEL,
+    ManifestError,
+    load_manifest,
+    read_ir_version,
+    sha256_file,
+)
+from models.zoo import build_model
+
+
+@pytest.fixture
+def lenet_copy(export_artifacts, tmp_path):
+    target = tmp_path / "lenet"
+    shutil.copytree(export_artifacts("lenet"), target)
+    return target
+
+
+def _edit_manifest(directory, **changes):
+    path = directory / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "name,classes,shape",
+    [("lenet", 10, (1, 28, 28)), ("cnn1d", 10, (1, 40)), ("small_cnn", 100, (3, 32, 32)), ("mlp", 4, (2, 5))],
+)
+def test_manifest_describes_the_exported_model(export_artifacts, name, classes, shape):
+    directory = export_artifacts(name, classes, shape)
+    manifest = load_manifest(directory)
+    model = build_model(name, classes, shape)
+    assert manifest.model == name
+    assert manifest.input_shape == shape
+    assert manifest.num_classes == classes
+    assert manifest.feature_dim == model.head.in_features
+    assert manifest.edgefil_version == __version__
+    assert manifest.opset == 17
+    assert manifest.ir_version == read_ir_version(directory / TRAINING_MODEL) <= MAX_IR_VERSION
+    torch_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert {p.name: p.shape for p in manifest.parameters} == torch_shapes
+    assert manifest.num_parameters == sum(p.numel() for p in model.parameters())
+    expected_files = {TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()}
+    assert set(manifest.files) == expected_files
+    for file_name, digest in manifest.files.items():
+        assert sha256_file(directory / file_name) == digest
+
+
+def test_eval_model_returns_loss_logits_and_penultimate_features(export_artifacts):
+    trainer = OrtTrainer(export_artifacts("cnn1d", 10, (1, 40)))
+    x = np.random.default_rng(0).random((5, 1, 40), dtype=np.float32)
+    loss, logits, features = trainer.forward(x, np.zeros(5, dtype=np.int64), trainer.mask(None))
+    assert np.isfinite(loss)
+    assert logits.shape == (5, 10)
+    assert features.shape == (5, trainer.manifest.feature_dim)
+
+
+def test_cli_export_writes_a_loadable_artifact_set(tmp_path, capsys):
+    out = tmp_path / "mlp"
+    assert main(["export", "--model", "mlp", "--classes", "6", "--out", str(out), "--input-shape", "1,8,8"]) == 0
+    assert "exported mlp" in capsys.readouterr().out
+    trainer = OrtTrainer(out)
+    assert trainer.manifest.num_classes == 6
+    assert main(["export", "--list"]) == 0
+    assert "resnet18_cifar" in capsys.readouterr().out
+
+
+def test_nominal_checkpoint_is_smaller_and_needs_weights_before_use(export_artifacts):
+    full_dir = export_artifacts("lenet")
+    nominal_dir = export_artifacts("lenet", nominal=True)
+    assert load_manifest(nominal_dir).nominal_checkpoint
+    assert (nominal_dir / CHECKPOINT).stat().st_size < (full_dir / CHECKPOINT).stat().st_size / 10
+    weights = OrtTrainer(full_dir).get_weights()
+    trainer = OrtTrainer(nominal_dir)
+    x = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    y = np.zeros(2, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="nominal"):
+        trainer.evaluate(x, y)
+    with pytest.raises(RuntimeError, match="nominal"):
+        trainer.fit(x, y)
+    trainer.set_weights(weights)
+    assert np.array_equal(trainer.get_weights(), weights)
+    trainer.fit(x, y)
+    assert not np.array_equal(trainer.get_weights(), weights)
+
+
+def test_tampered_file_is_refused(lenet_copy):
+    with open(lenet_copy / EVAL_MODEL, "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ManifestError, match="sha256"):
+        OrtTrainer(lenet_copy)
+
+
+def test_missing_file_and_missing_manifest_are_refused(lenet_copy):
+    (lenet_copy / OPTIMIZER_MODELS["adamw"]).unlink()
+    with pytest.raises(ManifestError, match="missing"):
+        load_manifest(lenet_copy)
+    (lenet_copy / MANIFEST_NAME).unlink()
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        load_manifest(lenet_copy)
+
+
+def test_wrong_parameter_count_is_refused(lenet_copy):
+    data = json.loads((lenet_copy / MANIFEST_NAME).read_text())
+    _edit_manifest(lenet_copy, num_parameters=data["num_parameters"] + 1)
+    with pytest.raises(ManifestError, match="parameters"):
+        load_manifest(lenet_copy)
+    # a consistent manifest whose parameter list does not match the model files
+    data["parameters"][0]["shape"][0] += 1
+    data["num_parameters"] = sum(int(np.prod(p["shape"])) for p in data["parameters"])
+    (lenet_copy / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="parameter values"):
+        OrtTrainer(lenet_copy)
+
+
+def test_ir_version_too_new_is_refused(lenet_copy):
+    _edit_manifest(lenet_copy, ir_version=MAX_IR_VERSION + 1)
+    with pytest.raises(ManifestError, match="IR version"):
+        load_manifest(lenet_copy)
+
+
+def test_model_file_with_a_newer_ir_is_refused_even_if_the_manifest_hides_it(lenet_copy):
+    path = lenet_copy / TRAINING_MODEL
+    data = bytearray(path.read_bytes())
+    assert data[0] == 0x08  # field 1 (ir_version), varint: the first field torch's exporter writes
+    data[1] = MAX_IR_VERSION + 4
+    path.write_bytes(bytes(data))
+    files = json.loads((lenet_copy / MANIFEST_NAME).read_text())["files"]
+    _edit_manifest(lenet_copy, files={**files, TRAINING_MODEL: sha256_file(path)})
+    with pytest.raises(ManifestError, match=f"IR version {MAX_IR_VERSION + 4}"):
+        load_manifest(lenet_copy)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"model": "lenet"}'])
+def test_malformed_manifest_is_refused(lenet_copy, text):
+    (lenet_copy / MANIFEST_NAME).write_text(text)
+    with pytest.raises(ManifestError, match="malformed"):
+        load_manifest(lenet_copy)
+
+
+def test_unknown_manifest_format_is_refused(lenet_copy):
+    _edit_manifest(lenet_copy, format=99)
+    with pytest.raises(ManifestError, match="format 99"):
+        load_manifest(lenet_copy)
+
+
+def test_bad_weight_buffers_are_refused_and_leave_the_weights_alone(export_artifacts):
+    trainer = OrtTrainer(export_artifacts("lenet"))
+    weights = trainer.get_weights()
+    nan = weights.copy()
+    nan[3] = np.nan
+    inf = weights.copy()
+    inf[-1] = np.inf
+    for bad, message in [
+        (weights[:-1], "float32 buffer"),
+        (weights.astype(np.float64), "float32 buffer"),
+        (weights.reshape(1, -1), "float32 buffer"),
+        (nan, "NaN"),
+        (inf, "NaN or Inf"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            trainer.set_weights(bad)
+    assert np.array_equal(trainer.get_weights(), weights)
+
+
+def test_bad_batches_are_refused(export_artifacts):
+    trainer = OrtTrainer(export_artifacts("lenet"))
+    good_x = np.zeros((4, 1, 8, 8), dtype=np.float32)
+    good_y = np.zeros(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="inputs must have shape"):
+        trainer.fit(np.zeros((4, 1, 28, 28), dtype=np.float32), good_y)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        trainer.fit(good_x, good_y[:3])
+    with pytest.raises(ValueError, match="labels must lie"):
+        trainer.fit(good_x, good_y + 10)
+    with pytest.raises(ValueError, match="class mask"):
+        trainer.fit(good_x, good_y, class_mask=np.ones(3))
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        OrtTrainer(export_artifacts("lenet"), optimizer="lamb")
