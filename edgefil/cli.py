@@ -3,6 +3,7 @@ pull in host-only packages (torch, onnx)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Sequence
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # onnxruntime.training imports torch's cpp_extension, which warns about a missing CUDA runtime on CPU hosts.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     return int(args.run(args))
 

@@ -18,14 +18,16 @@ from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_M
 # accepts only the "all" form.
 ALL_PARAMETERS = False  # the `trainable_only` flag of ORT's buffer copies
 ORT_WARNING = 2  # session log severity: ORT logs every graph transformer at the default INFO level
+# The generated optimizer graph always draws a harmless "Error merging shape info" warning from ORT 1.19.
+ORT_ERROR = 3
 
 
-def session_options(threads: int = 1) -> C.SessionOptions:
+def session_options(threads: int = 1, log_severity: int = ORT_WARNING) -> C.SessionOptions:
     """Small models train fastest single-threaded; larger ones may gain from more intra-op threads."""
     options = C.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.log_severity_level = ORT_WARNING
+    options.log_severity_level = log_severity
     return options
 
 
@@ -52,9 +54,9 @@ class OrtTrainer(Trainer):
                 f"{self.manifest.num_parameters}"
             )
         self._optimizer_path = str(directory / OPTIMIZER_MODELS[optimizer])
-        self._options = options
+        self._optimizer_options = session_options(threads, log_severity=ORT_ERROR)
         self._lr = lr
-        self._optimizer: C.Optimizer | None = None  # built once the parameters hold data (see _require_weights)
+        self._optimizer: C.Optimizer | None = None  # built once the parameters hold data (train_step)
         # An OrtValue made from numpy aliases the array's memory without owning it: keep both.
         self._host_buffer = np.zeros(size, dtype=np.float32)
         self._buffer = C.OrtValue.ortvalue_from_numpy(self._host_buffer, device)
@@ -67,7 +69,8 @@ class OrtTrainer(Trainer):
 
     def set_weights(self, buffer: np.ndarray) -> None:
         buffer = self.check_weights(buffer)
-        self._module.copy_buffer_to_parameters(C.OrtValue.ortvalue_from_numpy(buffer, self._device), ALL_PARAMETERS)
+        value = C.OrtValue.ortvalue_from_numpy(buffer, self._device)
+        self._module.copy_buffer_to_parameters(value, ALL_PARAMETERS)
         self._has_weights = True
 
     def set_learning_rate(self, lr: float) -> None:
@@ -80,7 +83,9 @@ class OrtTrainer(Trainer):
         if self._optimizer is None:
             # ORT sizes the optimizer state from the parameters' data: with a nominal checkpoint that data
             # exists only after set_weights(), and building the optimizer earlier crashes the process.
-            self._optimizer = C.Optimizer(self._optimizer_path, self._state, self._device, self._options)
+            self._optimizer = C.Optimizer(
+                self._optimizer_path, self._state, self._device, self._optimizer_options
+            )
             self._optimizer.set_learning_rate(self._lr)
         fetches = C.OrtValueVector()
         self._module.train_step([x, class_mask, y], fetches)
