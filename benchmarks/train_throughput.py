@@ -56,6 +56,7 @@ def main() -> None:
             manifest = export_registered(name, 10, directory, input_shape=shape, seed=0)
             x = rng.random((args.samples, *shape), dtype=np.float32)
             y = rng.integers(0, 10, args.samples)
+            best = {"ort": 0.0, "torch": 0.0}
             for threads in args.threads:
                 ort_trainer = OrtTrainer(directory, optimizer="sgd", lr=0.01, threads=threads)
                 torch.set_num_threads(threads)
@@ -63,10 +64,15 @@ def main() -> None:
                 torch_trainer.set_weights(ort_trainer.get_weights())
                 ort_rate = samples_per_second(ort_trainer, x, y, args.batch, args.repeats)
                 torch_rate = samples_per_second(torch_trainer, x, y, args.batch, args.repeats)
+                best = {"ort": max(best["ort"], ort_rate), "torch": max(best["torch"], torch_rate)}
                 print(
                     f"{name:10s} {manifest.num_parameters:9,d} {threads:7d} {ort_rate:14,.0f} "
                     f"{torch_rate:16,.0f} {ort_rate / torch_rate:9.2f}"
                 )
+            print(
+                f"{name:10s} {'':9s} {'best':>7s} {best['ort']:14,.0f} {best['torch']:16,.0f} "
+                f"{best['ort'] / best['torch']:9.2f}"
+            )
 
 
 if __name__ == "__main__":
