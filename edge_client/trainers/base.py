@@ -1,7 +1,8 @@
 """The Trainer interface every backend implements, and the batching loop they share.
 
-A backend supplies one optimisation step and one forward pass; epochs, shuffling, batching and metrics live here
-once, so two backends given the same weights and the same data order take the same steps.
+A backend supplies one optimisation step and one forward pass; epochs, shuffling, batching, metrics, the proximal
+term and the last-layer importance score live here once, so two backends given the same weights and the same data
+order take the same steps and give the same scores.
 """
 from __future__ import annotations
 
@@ -13,12 +14,23 @@ import numpy as np
 
 from models.manifest import Manifest
 
+GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
+
 
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
     accuracy: float
     samples: int
+
+
+@dataclass(frozen=True)
+class Proximal:
+    """A pull towards `reference` (flat float32 buffer, manifest order) that adds `mu * (w - reference)` to every
+    step's gradient: FedProx's term, and Re-Fed's PIM with mu = q(lambda) = (1 - lambda) / (2 lambda)."""
+
+    mu: float
+    reference: np.ndarray
 
 
 def iterate_batches(
@@ -30,10 +42,41 @@ def iterate_batches(
         yield order[start : start + batch_size]
 
 
+def proximal_pull(stepped: np.ndarray, before: np.ndarray, proximal: Proximal, lr: float) -> np.ndarray:
+    """`stepped - lr * mu * (before - reference)`: the proximal gradient applied after the optimiser's own step.
+
+    For SGD this is exactly a step on loss + mu/2 ||w - reference||^2. For AdamW it is a decoupled pull (like
+    AdamW's decoupled weight decay): the term bypasses Adam's moment estimates. ORT runs its optimiser as one
+    graph with no hook to edit gradients, so this form is the one both backends can take identically.
+    """
+    scale = np.float32(lr * proximal.mu)
+    return stepped - scale * (before - proximal.reference)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64; masked logits (about -1e9) come out as exactly 0."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def last_layer_grad_norms(logits: np.ndarray, features: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Squared norm of each sample's cross-entropy gradient w.r.t. the linear head (weight and bias), in closed form.
+
+    The logit gradient is p - onehot(y); the weight gradient is its outer product with the head input h, so
+    ||dL/dW||^2 + ||dL/db||^2 = ||p - onehot(y)||^2 * (||h||^2 + 1), from one forward pass and no backward pass.
+    """
+    residual = softmax(logits)
+    residual[np.arange(len(y)), y] -= 1.0
+    features = features.astype(np.float64)
+    return (residual**2).sum(axis=1) * ((features**2).sum(axis=1) + 1.0)
+
+
 class Trainer(ABC):
     """Trains one model on a device. Weights cross the boundary as one flat float32 buffer (manifest order)."""
 
     manifest: Manifest
+    _learning_rate: float
 
     @abstractmethod
     def get_weights(self) -> np.ndarray: ...
@@ -42,7 +85,8 @@ class Trainer(ABC):
     def set_weights(self, buffer: np.ndarray) -> None: ...
 
     @abstractmethod
-    def set_learning_rate(self, lr: float) -> None: ...
+    def _apply_learning_rate(self, lr: float) -> None:
+        """Hand a new learning rate to the backend's optimiser (set_learning_rate records it here first)."""
 
     @abstractmethod
     def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
@@ -54,6 +98,21 @@ class Trainer(ABC):
     ) -> tuple[float, np.ndarray, np.ndarray]:
         """Eval-mode forward pass: (mean loss, logits, penultimate features)."""
 
+    @abstractmethod
+    def _exact_grad_norms(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
+    ) -> np.ndarray:
+        """Squared norm of each sample's full-parameter gradient (float64), leaving weights and optimiser as they were."""
+
+    @property
+    def learning_rate(self) -> float:
+        """The step size of the next optimiser step; the proximal pull scales with it."""
+        return self._learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._learning_rate = float(lr)
+        self._apply_learning_rate(self._learning_rate)
+
     def fit(
         self,
         x: np.ndarray,
@@ -62,15 +121,22 @@ class Trainer(ABC):
         batch_size: int = 32,
         class_mask: np.ndarray | None = None,
         rng: np.random.Generator | None = None,
+        proximal: Proximal | None = None,
     ) -> float:
-        """Train for `epochs` passes over (x, y); returns the mean training loss of the last epoch."""
+        """Train for `epochs` passes over (x, y); returns the mean training loss of the last epoch (without the
+        proximal term). With `proximal`, every step is followed by `proximal_pull`."""
         x, y = self._check_batch(x, y)
         mask = self.mask(class_mask)
+        if proximal is not None:
+            proximal = self._check_proximal(proximal)
         last = 0.0
         for _ in range(epochs):
             total = 0.0
             for idx in iterate_batches(len(y), batch_size, rng):
+                before = self.get_weights() if proximal is not None else None
                 total += self.train_step(x[idx], y[idx], mask) * len(idx)
+                if proximal is not None:
+                    self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
             last = total / max(len(y), 1)
         return last
 
@@ -86,6 +152,33 @@ class Trainer(ABC):
             correct += int((logits.argmax(axis=1) == y[idx]).sum())
         n = max(len(y), 1)
         return EvalResult(loss=loss_sum / n, accuracy=correct / n, samples=len(y))
+
+    def per_sample_grad_norms(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        mode: str = "last-layer",
+        class_mask: np.ndarray | None = None,
+        batch_size: int = 256,
+    ) -> np.ndarray:
+        """G(x_i) = ||grad_w l(f_w(x_i), y_i)||^2 per sample (Re-Fed Eq. 4), float64 of shape (n,).
+
+        "last-layer" takes the gradient w.r.t. the head only, in closed form from eval forward passes of
+        `batch_size` samples: cheap, and a lower bound of "exact". "exact" takes every parameter (a backward pass
+        per sample); `batch_size` bounds the torch backend's per-sample gradients held at once (batch_size x
+        parameters floats). Neither mode changes the weights or the optimiser state.
+        """
+        if mode not in GRAD_NORM_MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(GRAD_NORM_MODES)}")
+        x, y = self._check_batch(x, y)
+        mask = self.mask(class_mask)
+        if mode == "exact":
+            return self._exact_grad_norms(x, y, mask, batch_size)
+        norms = np.empty(len(y), dtype=np.float64)
+        for idx in iterate_batches(len(y), batch_size, None):
+            _, logits, features = self.forward(x[idx], y[idx], mask)
+            norms[idx] = last_layer_grad_norms(logits, features, y[idx])
+        return norms
 
     def mask(self, class_mask: np.ndarray | None) -> np.ndarray:
         """A float32 mask over all classes: ones (nothing hidden) unless a mask of seen classes is given."""
@@ -107,6 +200,12 @@ class Trainer(ABC):
         if not np.isfinite(buffer).all():
             raise ValueError("weights contain NaN or Inf values")
         return np.ascontiguousarray(buffer)
+
+    def _check_proximal(self, proximal: Proximal) -> Proximal:
+        """Refuse a negative or non-finite mu, or a reference that is not a valid weight buffer, before training."""
+        if not (np.isfinite(proximal.mu) and proximal.mu >= 0):
+            raise ValueError(f"proximal mu must be finite and >= 0, got {proximal.mu}")
+        return Proximal(float(proximal.mu), self.check_weights(proximal.reference))
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)

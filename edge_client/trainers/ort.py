@@ -55,8 +55,8 @@ class OrtTrainer(Trainer):
             )
         self._optimizer_path = str(directory / OPTIMIZER_MODELS[optimizer])
         self._optimizer_options = session_options(threads, log_severity=ORT_ERROR)
-        self._lr = lr
         self._optimizer: C.Optimizer | None = None  # built once the parameters hold data (train_step)
+        self.set_learning_rate(lr)
         # An OrtValue made from numpy aliases the array's memory without owning it: keep both.
         self._host_buffer = np.zeros(size, dtype=np.float32)
         self._buffer = C.OrtValue.ortvalue_from_numpy(self._host_buffer, device)
@@ -73,8 +73,7 @@ class OrtTrainer(Trainer):
         self._module.copy_buffer_to_parameters(value, ALL_PARAMETERS)
         self._has_weights = True
 
-    def set_learning_rate(self, lr: float) -> None:
-        self._lr = lr
+    def _apply_learning_rate(self, lr: float) -> None:
         if self._optimizer is not None:
             self._optimizer.set_learning_rate(lr)
 
@@ -86,7 +85,7 @@ class OrtTrainer(Trainer):
             self._optimizer = C.Optimizer(
                 self._optimizer_path, self._state, self._device, self._optimizer_options
             )
-            self._optimizer.set_learning_rate(self._lr)
+            self._optimizer.set_learning_rate(self.learning_rate)
         fetches = C.OrtValueVector()
         self._module.train_step([x, class_mask, y], fetches)
         self._optimizer.optimizer_step()
@@ -102,9 +101,30 @@ class OrtTrainer(Trainer):
         loss, logits, features = (value.numpy() for value in fetches)
         return float(loss), logits, features
 
+    def _exact_grad_norms(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
+    ) -> np.ndarray:
+        """One batch-of-one train step per sample with no optimizer step, the gradients read off the checkpoint
+        state (ORT's graph computes a batch's mean gradient only, so `batch_size` has no use here). The
+        gradients are reset after each sample so the next training step starts from zero."""
+        self._require_weights()
+        names = self._state.parameter_names()
+        norms = np.empty(len(y), dtype=np.float64)
+        for i in range(len(y)):
+            try:
+                self._module.train_step([x[i : i + 1], class_mask, y[i : i + 1]], C.OrtValueVector())
+                norms[i] = sum(_squared_norm(self._state.get_parameter(name).grad.numpy()) for name in names)
+            finally:
+                self._module.lazy_reset_grad()
+        return norms
+
     def _require_weights(self) -> None:
         if not self._has_weights:
             raise RuntimeError(
                 "this artifact set ships a nominal (weight-less) checkpoint: call set_weights() with the "
                 "model's flat weight buffer first"
             )
+
+
+def _squared_norm(array: np.ndarray) -> float:
+    return float(np.square(array, dtype=np.float64).sum())

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from edge_client.trainers.base import Trainer
+from edge_client.trainers.base import Trainer, iterate_batches
 from models.flat_weights import flatten_weights, load_flat_weights
 from models.manifest import Manifest
 from models.zoo import build_model
@@ -36,6 +37,7 @@ class TorchTrainer(Trainer):
             self._optimizer = torch.optim.AdamW(params, lr=lr, eps=1e-6, weight_decay=0.0)
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose 'sgd' or 'adamw'")
+        self.set_learning_rate(lr)
 
     def get_weights(self) -> np.ndarray:
         return flatten_weights(self.model, self.manifest)
@@ -43,7 +45,7 @@ class TorchTrainer(Trainer):
     def set_weights(self, buffer: np.ndarray) -> None:
         load_flat_weights(self.model, self.manifest, self.check_weights(buffer))
 
-    def set_learning_rate(self, lr: float) -> None:
+    def _apply_learning_rate(self, lr: float) -> None:
         for group in self._optimizer.param_groups:
             group["lr"] = lr
 
@@ -64,6 +66,27 @@ class TorchTrainer(Trainer):
         logits, features = self.model(self._tensor(x), self._tensor(class_mask))
         loss = F.cross_entropy(logits, self._tensor(y))
         return float(loss.item()), logits.cpu().numpy(), features.cpu().numpy()
+
+    def _exact_grad_norms(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
+    ) -> np.ndarray:
+        """Per-sample gradients with torch.func (vmap over grad of a batch-of-one loss), `batch_size` samples at
+        a time; in train mode, as ORT's training graph computes them. Reads the parameters, never writes them."""
+        self.model.train()
+        params = {name: p.detach() for name, p in self.model.named_parameters()}
+        mask = self._tensor(class_mask)
+
+        def sample_loss(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            logits, _ = functional_call(self.model, params, (xi[None], mask))
+            return F.cross_entropy(logits, yi[None])
+
+        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+        norms = np.empty(len(y), dtype=np.float64)
+        for idx in iterate_batches(len(y), batch_size, None):
+            grads = per_sample_grads(params, self._tensor(x[idx]), self._tensor(y[idx]))
+            squared = sum(g.flatten(1).pow(2).sum(1, dtype=torch.float64) for g in grads.values())
+            norms[idx] = squared.cpu().numpy()
+        return norms
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

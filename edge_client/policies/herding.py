@@ -1,0 +1,48 @@
+"""`herding`: iCaRL's exemplar selection. Per class (balanced quotas), greedily pick the samples whose running
+feature mean stays closest to the class mean, with L2-normalised penultimate features of the current model."""
+from __future__ import annotations
+
+import numpy as np
+
+from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples, balanced_quotas, interleave_by_class
+
+
+def herding_order(features: np.ndarray, count: int) -> np.ndarray:
+    """Indices of `count` rows chosen greedily so their mean approximates the mean of all rows."""
+    target = features.mean(axis=0)
+    chosen: list[int] = []
+    running = np.zeros_like(target)
+    available = np.ones(len(features), dtype=bool)
+    for k in range(1, count + 1):
+        candidates = (running + features) / k  # mean after adding each candidate
+        distance = np.linalg.norm(candidates - target, axis=1)
+        distance[~available] = np.inf
+        best = int(distance.argmin())
+        chosen.append(best)
+        available[best] = False
+        running += features[best]
+    return np.asarray(chosen, dtype=np.int64)
+
+
+class Herding(ReplayPolicy):
+    name = "herding"
+
+    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
+        features = _normalised_features(old, ctx)
+        quotas = balanced_quotas(old.y, keep)
+        chosen = {}
+        for c, quota in quotas.items():
+            members = np.flatnonzero(old.y == c)
+            if quota:
+                chosen[c] = members[herding_order(features[members], quota)]
+        return interleave_by_class(chosen)
+
+
+def _normalised_features(old: Samples, ctx: SelectionContext) -> np.ndarray:
+    mask = ctx.trainer.mask(ctx.class_mask)
+    parts = []
+    for start in range(0, len(old), 256):
+        _, _, features = ctx.trainer.forward(old.x[start : start + 256], old.y[start : start + 256], mask)
+        parts.append(features)
+    features = np.concatenate(parts).astype(np.float64)
+    return features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
