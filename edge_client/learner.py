@@ -1,0 +1,168 @@
+"""One device's continual learner: the replay store, a replay policy and a trainer, tied together.
+
+`observe()` takes the stream; at a task switch the policy ranks the samples of earlier tasks and the store keeps
+the best M - N_new of them (Re-Fed's cache), then the new task's samples are stored. `train()` runs E local
+epochs on everything the store holds. The store enforces its budgets; this class only decides what to ask for.
+
+Choices (documented, configurable where it matters):
+- New data larger than the room left (N_new >= M, or later chunks of a task) is subsampled uniformly.
+- A later chunk of the current task that does not fit makes the policy rank the old cache again (smaller keep).
+- With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
+- Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.policies import ReplayPolicy, Samples, SelectionContext
+from edge_client.policies.reservoir import reservoir_update
+from edge_client.state import ClientState, load_state, save_state
+from edge_client.store import ReplayStore
+from edge_client.stream import Chunk, NoveltyDetector
+from edge_client.trainers.base import EvalResult, Proximal, Trainer
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    epochs: int = 1
+    batch_size: int = 32
+    mask_seen_classes: bool = True
+    detect_new_tasks: bool = False  # start a task when unseen labels appear (when the stream does not say)
+
+
+class Learner:
+    def __init__(
+        self,
+        trainer: Trainer,
+        store: ReplayStore,
+        policy: ReplayPolicy,
+        config: LearnerConfig = LearnerConfig(),
+        seed: int = 0,
+    ) -> None:
+        self.trainer = trainer
+        self.store = store
+        self.policy = policy
+        self.config = config
+        self.rng = np.random.default_rng(seed)
+        self.state = ClientState()
+        self._detector = NoveltyDetector()
+
+    # --- the stream -------------------------------------------------------------------------------
+
+    def observe(self, chunk: Chunk, global_weights: np.ndarray | None = None) -> bool:
+        """Take a chunk of the stream; returns True when it started a new task."""
+        announced = chunk.task is not None and chunk.task != self.state.task
+        detected = chunk.task is None and self.config.detect_new_tasks and self._detector.is_new_task(chunk.y)
+        starts = announced or detected or self.state.task < 0
+        if starts:
+            self.state.task = chunk.task if chunk.task is not None else self.state.task + 1
+        self._admit(chunk.x, chunk.y, global_weights)
+        self._detector.update(chunk.y)
+        self.state.seen_classes = sorted(self._detector.seen)
+        self.state.n_seen += len(chunk.y)
+        return starts
+
+    def start_task(self, task: int, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None = None) -> None:
+        """A task boundary announced together with the task's data."""
+        self.observe(Chunk(x, y, task), global_weights)
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def train(self, epochs: int | None = None, proximal: Proximal | None = None) -> float:
+        """E local epochs on the store's contents (cache + current task); returns the last epoch's loss."""
+        x, y = self.store.get(self.store.ids())
+        return self.trainer.fit(
+            x, y, epochs=epochs or self.config.epochs, batch_size=self.config.batch_size,
+            class_mask=self.class_mask(), rng=self.rng, proximal=proximal,
+        )
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
+        return self.trainer.evaluate(x, y, class_mask=self.class_mask())
+
+    def class_mask(self) -> np.ndarray | None:
+        if not self.config.mask_seen_classes or not self.state.seen_classes:
+            return None
+        mask = np.zeros(self.trainer.manifest.num_classes, dtype=np.float32)
+        mask[self.state.seen_classes] = 1.0
+        return mask
+
+    # --- persistence ------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        self.state.weights = self.trainer.get_weights()
+        save_state(directory, self.state)
+
+    def restore(self, directory: str | Path) -> bool:
+        """Reload the saved state (weights included); False when there is none."""
+        state = load_state(directory)
+        if state is None:
+            return False
+        if state.weights is not None:
+            self.trainer.set_weights(state.weights)
+        self.state = state
+        self._detector = NoveltyDetector(state.seen_classes)
+        return True
+
+    # --- what the store keeps ---------------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        limit = self.store.budget.max_samples
+        return limit if limit is not None else len(self.store) + self.store.room_for(1 << 30)
+
+    def _admit(self, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None) -> None:
+        if self.policy.streaming:
+            self._admit_reservoir(x, y)
+            return
+        task = self.state.task
+        ids = self.store.ids()
+        tasks = self.store.tasks(ids)
+        current, old = ids[tasks == task], ids[tasks != task]
+        room = max(self._capacity() - len(current), 0)
+        if len(y) > room:
+            pick = np.sort(self.rng.choice(len(y), room, replace=False))
+            x, y = x[pick], y[pick]
+        keep_old = room - len(y)
+        bytes_short = self.store.room_for(len(y)) < len(y)  # the byte budget will cut into the cache too
+        if len(old) > keep_old or (bytes_short and len(old)):
+            ranked = old[self._rank(old, min(keep_old, len(old)), global_weights)]
+            if len(ranked) < len(old):
+                self.store.keep_only(np.concatenate([current, ranked]))
+            old = ranked
+        self._insert_within_bytes(x, y, ranked_old=old)
+
+    def _rank(self, old_ids: np.ndarray, keep: int, global_weights: np.ndarray | None) -> np.ndarray:
+        if keep <= 0:
+            return np.empty(0, dtype=np.int64)
+        x, y = self.store.get(old_ids)
+        ctx = SelectionContext(
+            trainer=self.trainer,
+            global_weights=self.trainer.get_weights() if global_weights is None else global_weights,
+            class_mask=self.class_mask(),
+            rng=self.rng,
+            batch_size=self.config.batch_size,
+        )
+        return self.policy.rank(Samples(x, y, self.store.tasks(old_ids)), keep, ctx)
+
+    def _insert_within_bytes(self, x: np.ndarray, y: np.ndarray, ranked_old: np.ndarray) -> None:
+        """Insert; where the byte budget is the tighter one, drop the lowest-ranked cache, then new samples."""
+        ranked_old = list(ranked_old)
+        while self.store.room_for(len(y)) < len(y) and ranked_old:
+            short = len(y) - self.store.room_for(len(y))
+            drop, ranked_old = ranked_old[-short:], ranked_old[:-short]
+            self.store.delete(np.asarray(drop, dtype=np.int64))
+        room = self.store.room_for(len(y))
+        if room < len(y):
+            pick = np.sort(self.rng.choice(len(y), room, replace=False))
+            x, y = x[pick], y[pick]
+        if len(y):
+            self.store.insert(x, y, self.state.task)
+
+    def _admit_reservoir(self, x: np.ndarray, y: np.ndarray) -> None:
+        ids = self.store.ids()
+        stays, enters = reservoir_update(self.state.n_seen, len(ids), len(y), self._capacity(), self.rng)
+        if len(stays) < len(ids):
+            self.store.keep_only(ids[stays])
+        self._insert_within_bytes(x[enters], y[enters], ranked_old=self.rng.permutation(ids[stays]))

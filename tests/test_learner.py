@@ -1,0 +1,199 @@
+"""The learner: task switches cache M - N_new old samples by policy, detection, budgets, restart."""
+import numpy as np
+import pytest
+
+from edge_client.learner import Learner, LearnerConfig
+from edge_client.policies import make_policy
+from edge_client.store import Budget, BudgetExceededError, ReplayStore
+from edge_client.stream import Chunk, chunked
+from edge_client.trainers.ort import OrtTrainer
+
+
+def _task_data(classes, n, seed):
+    rng = np.random.default_rng(seed)
+    y = rng.choice(classes, n)
+    x = (y[:, None, None, None] / 10 + 0.05 * rng.standard_normal((n, 1, 8, 8))).astype(np.float32)
+    return x, y
+
+
+@pytest.fixture
+def make_learner(export_artifacts, tmp_path):
+    def make(policy="random", max_samples=100, max_bytes=None, config=LearnerConfig(), name="store", **options):
+        trainer = OrtTrainer(export_artifacts("lenet"), optimizer="adamw", lr=3e-3)
+        store = ReplayStore(tmp_path / name, Budget(max_samples, max_bytes), sample_shape=(1, 8, 8))
+        return Learner(trainer, store, make_policy(policy, **options), config, seed=0)
+
+    return make
+
+
+@pytest.mark.parametrize("policy", ["random", "class-balanced", "herding", "refed"])
+def test_a_task_switch_caches_m_minus_n_new_old_samples(make_learner, policy):
+    learner = make_learner(policy, max_samples=100, **({"pim_epochs": 1} if policy == "refed" else {}))
+    learner.start_task(0, *_task_data([0, 1], 90, 0))
+    assert len(learner.store) == 90
+    learner.train()
+    learner.start_task(1, *_task_data([2, 3], 70, 1))
+    ids = learner.store.ids()
+    tasks = learner.store.tasks(ids)
+    assert (tasks == 1).sum() == 70
+    assert (tasks == 0).sum() == 100 - 70  # the cache: M - N_new
+    assert learner.state.seen_classes == [0, 1, 2, 3]
+
+
+def test_new_data_larger_than_the_budget_is_subsampled(make_learner):
+    learner = make_learner(max_samples=50)
+    learner.start_task(0, *_task_data([0, 1], 40, 0))
+    learner.start_task(1, *_task_data([2, 3], 80, 1))
+    assert len(learner.store) == 50
+    assert set(learner.store.tasks().tolist()) == {1}
+
+
+def test_the_cache_follows_the_policy_ranking(make_learner):
+    """class-balanced keeps both old classes equally even when the old task was lopsided."""
+    learner = make_learner("class-balanced", max_samples=60)
+    x0, y0 = _task_data([0], 45, 0)
+    x1, y1 = _task_data([1], 5, 1)
+    learner.start_task(0, np.concatenate([x0, x1]), np.concatenate([y0, y1]))
+    learner.start_task(1, *_task_data([2], 50, 2))
+    old = learner.store.labels(learner.store.ids(task=0))
+    assert sorted(old.tolist()) == [0] * 5 + [1] * 5
+
+
+def test_unseen_labels_start_a_task_when_detection_is_on(make_learner):
+    learner = make_learner(max_samples=100, config=LearnerConfig(detect_new_tasks=True))
+    x, y = _task_data([0, 1], 60, 0)
+    starts = [learner.observe(c) for c in chunked(x, y, task=None, size=20)]
+    assert starts == [True, False, False] and learner.state.task == 0
+    assert learner.observe(Chunk(*_task_data([5], 10, 1))) is True
+    assert learner.state.task == 1
+    assert learner.observe(Chunk(*_task_data([0, 5], 10, 2))) is False
+
+    quiet = make_learner(max_samples=100, name="quiet")
+    quiet.observe(Chunk(x, y))
+    assert quiet.observe(Chunk(*_task_data([5], 10, 1))) is False  # detection off: same task
+
+
+def test_later_chunks_of_a_task_never_overflow_the_budget(make_learner):
+    learner = make_learner(max_samples=80)
+    learner.start_task(0, *_task_data([0, 1], 60, 0))
+    x, y = _task_data([2, 3], 120, 1)
+    for chunk in chunked(x, y, task=1, size=25):
+        learner.observe(chunk)
+        assert len(learner.store) <= 80
+    assert len(learner.store) == 80
+
+
+def test_reservoir_streams_within_the_budget(make_learner):
+    learner = make_learner("reservoir", max_samples=40)
+    for t in range(4):
+        x, y = _task_data([2 * t, 2 * t + 1], 30, t)
+        for chunk in chunked(x, y, task=t, size=10):
+            learner.observe(chunk)
+            assert len(learner.store) <= 40
+    assert len(learner.store) == 40
+    assert len(set(learner.store.tasks().tolist())) > 1  # a uniform sample of everything seen
+
+
+def test_a_byte_budget_tighter_than_m_drops_the_lowest_ranked_first(make_learner, tmp_path):
+    # a byte budget under which 30 stored samples leave room for some, not all, of 30 more
+    for max_bytes in range(64 * 1024, 4 << 20, 8192):
+        try:
+            probe = ReplayStore(tmp_path / f"probe-{max_bytes}", Budget(max_bytes=max_bytes), (1, 8, 8))
+        except BudgetExceededError:  # below what an empty store needs
+            continue
+        with probe:
+            if probe.room_for(30) < 30:
+                continue
+            probe.insert(*_task_data([0], 30, 9), task=0)
+            room = probe.room_for(1000)
+        if 5 <= room < 25:
+            break
+    learner = make_learner("class-balanced", max_samples=1000, max_bytes=max_bytes)
+    learner.start_task(0, *_task_data([0, 1], 30, 0))
+    learner.start_task(1, *_task_data([2, 3], 30, 1))
+    assert learner.store.bytes_on_disk() <= max_bytes
+    tasks = learner.store.tasks()
+    assert (tasks == 1).sum() == 30  # the new task first; the cache takes what is left
+    assert 0 < (tasks == 0).sum() < 30
+    old_labels = learner.store.labels(learner.store.ids(task=0))
+    assert abs(int((old_labels == 0).sum()) - int((old_labels == 1).sum())) <= 1  # a prefix of the ranking
+
+
+def test_state_survives_a_restart(make_learner, tmp_path):
+    learner = make_learner(max_samples=100)
+    learner.start_task(0, *_task_data([0, 1], 60, 0))
+    learner.train()
+    learner.start_task(1, *_task_data([2], 30, 1))
+    learner.state.round = 7
+    learner.save(tmp_path / "state")
+    weights, ids = learner.trainer.get_weights(), learner.store.ids()
+    x_before, _ = learner.store.get(ids)
+    learner.store.close()
+
+    again = make_learner(max_samples=100)  # a fresh process would build exactly this
+    assert again.restore(tmp_path / "state")
+    assert np.array_equal(again.trainer.get_weights(), weights)
+    assert (again.state.task, again.state.round, again.state.seen_classes) == (1, 7, [0, 1, 2])
+    assert np.array_equal(again.store.ids(), ids)
+    assert np.array_equal(again.store.get(ids)[0], x_before)
+    again.start_task(2, *_task_data([3], 30, 2))  # and it carries on
+    assert len(again.store) == 100
+
+
+RESTART_SCRIPT = """
+import hashlib, json, os, signal, sys
+import numpy as np
+from edge_client.learner import Learner, LearnerConfig
+from edge_client.policies import make_policy
+from edge_client.store import Budget, ReplayStore
+from edge_client.trainers.ort import OrtTrainer
+
+artifacts, work, phase = sys.argv[1], sys.argv[2], sys.argv[3]
+learner = Learner(
+    OrtTrainer(artifacts, optimizer="adamw", lr=3e-3),
+    ReplayStore(os.path.join(work, "store"), Budget(max_samples=80), sample_shape=(1, 8, 8)),
+    make_policy("random"),
+)
+def report():
+    x, y = learner.store.get(learner.store.ids())
+    print(json.dumps({
+        "weights": hashlib.sha256(learner.trainer.get_weights().tobytes()).hexdigest(),
+        "store": hashlib.sha256(x.tobytes() + y.tobytes()).hexdigest(),
+        "task": learner.state.task, "round": learner.state.round, "seen": learner.state.seen_classes,
+    }), flush=True)
+if phase == "first":
+    rng = np.random.default_rng(0)
+    for task in (0, 1):
+        y = rng.choice([2 * task, 2 * task + 1], 60)
+        x = (y[:, None, None, None] / 10 + 0.05 * rng.standard_normal((60, 1, 8, 8))).astype(np.float32)
+        learner.start_task(task, x, y)
+        learner.train()
+        learner.state.round += 1
+        learner.save(os.path.join(work, "state"))
+    report()
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean shutdown
+else:
+    assert learner.restore(os.path.join(work, "state"))
+    report()
+"""
+
+
+def test_client_state_survives_a_killed_process(export_artifacts, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def run(phase):
+        return subprocess.run(
+            [sys.executable, "-c", RESTART_SCRIPT, str(export_artifacts("lenet")), str(tmp_path), phase],
+            capture_output=True, text=True, timeout=120,
+        )
+
+    first = run("first")
+    assert first.returncode == -9, first.stderr
+    second = run("second")
+    assert second.returncode == 0, second.stderr
+    before = json.loads(first.stdout.strip().splitlines()[-1])
+    after = json.loads(second.stdout.strip().splitlines()[-1])
+    assert after == before
+    assert (after["task"], after["round"], after["seen"]) == (1, 2, [0, 1, 2, 3])
