@@ -256,7 +256,7 @@ class ReplayStore:
         existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
         self._block = os.statvfs(existing).f_frsize
         self._set_shape(shape)
-        directory = os.stat(self.directory).st_blocks * 512 if self.directory.exists() else max(self._block, 4096)
+        directory = _size(os.stat(self.directory)) if self.directory.exists() else max(self._block, 4096)
         empty = _State(pages=EMPTY_PAGES, file_pages=EMPTY_PAGES, free=0, depth=1, doomed=0, rows=0, next_id=0,
                        now=directory + self._file_bytes(EMPTY_PAGES * PAGE), journal=0)
         need = max(empty.now + self._file_bytes(JOURNAL_HEADER + EMPTY_PAGES * JOURNAL_RECORD, fresh=True),

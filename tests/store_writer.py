@@ -2,7 +2,8 @@
 
     python tests/store_writer.py DIRECTORY SEED MAX_BYTES MAX_SAMPLES
 
-Prints `ready` once the store is open, then for every operation `begin <op> <args>` before the call and `done
+It waits for a line on stdin before opening the store (so the parent can start it ahead, while numpy loads),
+prints `ready` once the store is open, then for every operation `begin <op> <args>` before the call and `done
 <result>` once it returned (flushed at once, so the parent knows what committed):
 
     begin insert <seed> <n> <task>    done <first id>   x, y = batch(seed, n); ids first id .. first id + n - 1
@@ -39,6 +40,7 @@ def report(line: str) -> None:
 def main() -> None:
     directory, seed, max_bytes, max_samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rng = np.random.default_rng(seed)
+    sys.stdin.readline()
     store = ReplayStore(directory, Budget(max_samples=max_samples, max_bytes=max_bytes), SHAPE)
     report("ready")
     task = 0
