@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from timing import best_time  # benchmarks/timing.py: scripts run from their folder
 from edge_client.policies import Samples, SelectionContext
 from edge_client.policies.refed import ReFed
 from edge_client.trainers.ort import OrtTrainer
 from firmware_sim.scenarios import preset
 from models.export import export_registered
-
-
-def best_time(run, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -46,7 +37,7 @@ def main() -> None:
         trainer.fit(x_old, y_old, epochs=10, batch_size=32, rng=rng)
         weights = trainer.get_weights()
         store_x, store_y = np.concatenate([x_old, x_new]), np.concatenate([y_old, y_new])
-        epoch = best_time(lambda: trainer.fit(store_x, store_y, epochs=1, batch_size=32, rng=rng), args.repeats)
+        epoch = best_time(lambda _: trainer.fit(store_x, store_y, epochs=1, batch_size=32, rng=rng), args.repeats)
         trainer.set_weights(weights)
         old = Samples(x_old, y_old, np.zeros(len(y_old), dtype=np.int64))
         ctx = SelectionContext(trainer, weights, None, rng, batch_size=32)
@@ -55,7 +46,7 @@ def main() -> None:
         print(f"{'importance':12s} {'switch ms':>10s} {'x local epoch':>14s}")
         for mode in ("last-layer", "exact"):
             policy = ReFed(pim_epochs=args.pim_epochs, importance=mode)
-            cost = best_time(lambda: policy.rank(old, 100, ctx), args.repeats)
+            cost = best_time(lambda _: policy.rank(old, 100, ctx), args.repeats)
             print(f"{mode:12s} {cost * 1000:10.0f} {cost / epoch:14.1f}")
 
 

@@ -12,15 +12,14 @@ files. MB/s counts sample bytes (float32), not labels or overhead.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from timing import best_time  # benchmarks/timing.py: scripts run from their folder
 from edge_client.store import Budget, ReplayStore
 
 SHAPES = [((8, 8), "8x8 digits"), ((3, 32, 32), "3x32x32 CIFAR-sized")]
@@ -49,16 +48,6 @@ def read_files(directory: Path, batches: list[tuple[np.ndarray, np.ndarray]], sh
         raw = np.fromfile(directory / f"batch-{i:05d}.bin", dtype=np.uint8)
         samples, labels = raw[: x.nbytes].view(np.float32).reshape(len(x), *shape), raw[x.nbytes :].view(np.int64)
         assert samples.shape == x.shape and len(labels) == len(x)
-
-
-def best_of(repeats: int, run) -> float:
-    """Best wall time of `repeats` runs of run(k) (k: the repeat's index, for a fresh directory)."""
-    best = math.inf
-    for k in range(repeats):
-        start = time.perf_counter()
-        run(k)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -93,15 +82,17 @@ def main() -> None:
                 directory.mkdir()
                 write_files(directory, batches)
 
-            insert_s, write_s = best_of(args.repeats, store_insert), best_of(args.repeats, files_write)
+            insert_s, write_s = best_time(store_insert, args.repeats), best_time(files_write, args.repeats)
             with ReplayStore(root / f"store-{shape}-0", budget) as store:
                 ids = store.ids()
                 id_batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
-                get_s = best_of(args.repeats, lambda k: [store.get(b) for b in id_batches])
+                get_s = best_time(lambda k: [store.get(b) for b in id_batches], args.repeats)
                 shuffled = np.random.default_rng(1).permutation(ids)
-                random_s = best_of(args.repeats, lambda k: [store.get(shuffled[i : i + args.batch])
-                                                            for i in range(0, len(ids), args.batch)])
-            read_s = best_of(args.repeats, lambda k: read_files(root / f"files-{shape}-0", batches, shape))
+                random_s = best_time(
+                    lambda k: [store.get(shuffled[i : i + args.batch]) for i in range(0, len(ids), args.batch)],
+                    args.repeats,
+                )
+            read_s = best_time(lambda k: read_files(root / f"files-{shape}-0", batches, shape), args.repeats)
             for name, store_s, files_s in [("insert / write", insert_s, write_s), ("get / read", get_s, read_s),
                                            ("get random batches", random_s, read_s)]:
                 print(f"{label:21s} {name:18s} {args.samples / store_s:15,.0f} {mb / store_s:7.1f} "

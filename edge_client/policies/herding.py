@@ -39,10 +39,6 @@ class Herding(ReplayPolicy):
 
 
 def _normalised_features(old: Samples, ctx: SelectionContext) -> np.ndarray:
-    mask = ctx.trainer.mask(ctx.class_mask)
-    parts = []
-    for start in range(0, len(old), 256):
-        _, _, features = ctx.trainer.forward(old.x[start : start + 256], old.y[start : start + 256], mask)
-        parts.append(features)
-    features = np.concatenate(parts).astype(np.float64)
+    _, features = ctx.trainer.outputs(old.x, old.y, ctx.class_mask)
+    features = features.astype(np.float64)
     return features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)

@@ -174,11 +174,17 @@ class Trainer(ABC):
         mask = self.mask(class_mask)
         if mode == "exact":
             return self._exact_grad_norms(x, y, mask, batch_size)
-        norms = np.empty(len(y), dtype=np.float64)
-        for idx in iterate_batches(len(y), batch_size, None):
-            _, logits, features = self.forward(x[idx], y[idx], mask)
-            norms[idx] = last_layer_grad_norms(logits, features, y[idx])
-        return norms
+        logits, features = self.outputs(x, y, mask, batch_size)
+        return last_layer_grad_norms(logits, features, y)
+
+    def outputs(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, batch_size: int = 256
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Eval-mode (logits, penultimate features) for all of x, computed `batch_size` samples at a time."""
+        x, y = self._check_batch(x, y)
+        mask = self.mask(class_mask)
+        parts = [self.forward(x[idx], y[idx], mask)[1:] for idx in iterate_batches(len(y), batch_size, None)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def mask(self, class_mask: np.ndarray | None) -> np.ndarray:
         """A float32 mask over all classes: ones (nothing hidden) unless a mask of seen classes is given."""
