@@ -42,11 +42,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> int:
+    from edge_client.device import run_device
+
+    run_device(args.config)
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from coordinator.server import run_coordinator
+
+    results = run_coordinator(args.config, resume=args.resume, device=args.device)
+    print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
+          f"accuracy matrix: {results['accuracy_matrix']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgefil", description=__doc__)
     from edgefil import __version__
 
     parser.add_argument("--version", action="version", version=f"edgefil {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a registered model to ONNX Runtime Training artifacts")
@@ -64,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=8)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
+
+    client = commands.add_parser("client", help="run one device: connect, register, train when selected, upload")
+    client.add_argument("--config", required=True, help="device config file (TOML, see edge_client/config.py)")
+    client.set_defaults(run=_client)
+
+    coordinator = commands.add_parser("coordinator", help="run the rounds of a federation over MQTT")
+    coordinator.add_argument("--config", required=True, help="coordinator config file (TOML)")
+    coordinator.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    coordinator.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to aggregate (overrides the config)")
+    coordinator.set_defaults(run=_coordinator)
+
+    from coordinator.broker import add_broker_parser
+
+    add_broker_parser(commands)
     return parser
 
 
@@ -71,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # onnxruntime.training imports torch's cpp_extension, which warns about a missing CUDA runtime on CPU hosts.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return int(args.run(args))
 
 

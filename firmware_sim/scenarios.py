@@ -294,3 +294,25 @@ def build(scenario: Scenario) -> ScenarioData:
         tasks = tuple(_make_task(scenario, t, d, labels, d.name) for t, d in enumerate(domains))
         first = domains[0]
     return ScenarioData(scenario, tasks, first.num_classes, first.input_shape)
+
+
+class ClientSource:
+    """One client's share of a scenario, task by task: the data stream of a simulated device."""
+
+    def __init__(self, scenario: Scenario | Mapping[str, Any], client: int) -> None:
+        if not isinstance(scenario, Scenario):
+            scenario = scenario_from_config(scenario)
+        if not 0 <= client < scenario.n_clients:
+            raise ValueError(f"client {client} is not one of the scenario's {scenario.n_clients} clients")
+        self.client = client
+        self.data = scenario.build()
+
+    def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.data.tasks[task].client_train(self.client)
+
+
+def scenario_from_config(config: Mapping[str, Any]) -> Scenario:
+    """A scenario from a config table: `preset = "digits-class"` plus overrides, or every field spelled out."""
+    config = dict(config)
+    name = config.pop("preset", None)
+    return preset(name, **config) if name is not None else Scenario.from_dict(config)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from onnxruntime.capi import _pybind_state as C
 
 from edge_client.trainers.base import Trainer
+from edge_client.trainers.ort_capi import C
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
 
 # Every exported parameter is trainable, so "all" and "trainable" name the same buffer; a nominal checkpoint

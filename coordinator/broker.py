@@ -1,0 +1,469 @@
+"""The MQTT broker the fleet talks through.
+
+`MosquittoBroker` runs mosquitto with a config generated from the fleet: one loopback listener (optionally
+TLS), a hashed password per device and an ACL that confines each device to its own topics:
+
+    device -> coordinator   edgefil/<fleet>/dev/<device_id>/<kind>   device writes its own, coordinator reads
+    coordinator -> device   edgefil/<fleet>/to/<device_id>/<kind>    device reads its own, coordinator writes
+    coordinator -> all      edgefil/<fleet>/all/<kind>               devices read, coordinator writes
+
+The ACL is written as one explicit block per user rather than `pattern` lines: a pattern applies to every user,
+the coordinator included, and a per-user block grants nothing to a name that is not in the fleet. mosquitto
+drops a publish the ACL denies without telling the client (an MQTT 3.1.1 QoS 1 publish is still acknowledged),
+and disconnects a client that sends a packet over `max_packet_size`.
+
+`EmbeddedBroker` is amqtt in a background thread, for machines without mosquitto: anonymous, no passwords, no
+ACL, so it is for a trusted loopback only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_RUNNING = re.compile(rb"mosquitto version \S+ running")
+_RELOADED = b"Reloading config."
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str
+    password: str
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Server side PEM files; clients verify the server with `cafile`."""
+
+    cafile: str
+    certfile: str
+    keyfile: str
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    cafile: str | None = None  # set when the listener uses TLS
+
+
+def mosquitto_path() -> str | None:
+    """The mosquitto binary; Debian puts it in /usr/sbin, which a non-root PATH often lacks."""
+    found = shutil.which("mosquitto")
+    if found:
+        return found
+    return "/usr/sbin/mosquitto" if os.access("/usr/sbin/mosquitto", os.X_OK) else None
+
+
+def _mosquitto_passwd_path() -> str:
+    found = shutil.which("mosquitto_passwd")
+    for candidate in (found, "/usr/bin/mosquitto_passwd", "/usr/sbin/mosquitto_passwd"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError("mosquitto_passwd not found (Debian/Ubuntu: apt-get install mosquitto)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{kind} must match [A-Za-z0-9_-]{{1,64}}, got {value!r}")
+    return value
+
+
+def _check_password(user: str, password: str) -> str:
+    # mosquitto_passwd reads `user:password` lines; an empty password or a line break would change the file.
+    if not isinstance(password, str) or not password or any(c in password for c in ":\r\n\0"):
+        raise ValueError(f"password of {user!r} must be non-empty without ':' or line breaks")
+    return password
+
+
+def topic_prefix(fleet: str) -> str:
+    return f"edgefil/{_check_name('fleet', fleet)}"
+
+
+def generate_password(nbytes: int = 18) -> str:
+    return secrets.token_urlsafe(nbytes)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only the owner can read, replacing any old one in one step."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class MosquittoBroker:
+    """A mosquitto process with a generated config: loopback listener, a password per device, per-device ACL,
+    optional TLS."""
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        fleet: str,
+        devices: Mapping[str, str],
+        coordinator: Credentials,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: TlsFiles | None = None,
+        max_packet_bytes: int = 2 * 1024 * 1024,
+        persistence: bool = False,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.prefix = topic_prefix(fleet)
+        self.coordinator = Credentials(
+            _check_name("coordinator username", coordinator.username),
+            _check_password(coordinator.username, coordinator.password),
+        )
+        self._devices: dict[str, str] = {}
+        for device_id, password in devices.items():
+            self._check_device(device_id, password)
+            self._devices[device_id] = password
+        if max_packet_bytes < 1024:
+            raise ValueError("max_packet_bytes below 1 KiB leaves no room for a CONNECT")
+        self.host = host
+        self.port = port or free_port(host)  # picked once, so restart() keeps it
+        self.tls = tls
+        self.max_packet_bytes = max_packet_bytes
+        self.persistence = persistence
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+
+    @property
+    def conf_path(self) -> Path:
+        return self.workdir / "mosquitto.conf"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "mosquitto.log"
+
+    @property
+    def address(self) -> BrokerAddress:
+        return BrokerAddress(self.host, self.port, self.tls.cafile if self.tls else None)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _check_device(self, device_id: str, password: str) -> None:
+        _check_name("device id", device_id)
+        if device_id == self.coordinator.username:
+            raise ValueError(f"device id {device_id!r} is the coordinator's username")
+        _check_password(device_id, password)
+
+    def _acl(self) -> str:
+        p = self.prefix
+        blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
+        for device_id in sorted(self._devices):
+            blocks.append(
+                f"user {device_id}\ntopic write {p}/dev/{device_id}/#\n"
+                f"topic read {p}/to/{device_id}/#\ntopic read {p}/all/#\n"
+            )
+        return "\n".join(blocks)
+
+    def _write_passwords(self, path: Path) -> None:
+        """Hash with `mosquitto_passwd -U` in a private temporary file, so only the hashed file is ever at `path`."""
+        users = {self.coordinator.username: self.coordinator.password, **self._devices}
+        plain = path.with_name(path.name + ".plain")
+        fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.writelines(f"{user}:{password}\n" for user, password in users.items())
+            done = subprocess.run([_mosquitto_passwd_path(), "-U", str(plain)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"mosquitto_passwd -U failed: {done.stderr.strip() or done.stdout.strip()}")
+            os.replace(plain, path)
+        finally:
+            plain.unlink(missing_ok=True)
+
+    def _conf(self) -> str:
+        w = self.workdir
+        lines = [
+            "per_listener_settings false",
+            "allow_anonymous false",
+            f"password_file {w / 'passwd'}",
+            f"acl_file {w / 'acl'}",
+            f"max_packet_size {self.max_packet_bytes}",
+            "max_queued_messages 10000",
+            f"persistence {'true' if self.persistence else 'false'}",
+        ]
+        if self.persistence:
+            lines.append(f"persistence_location {w}/")
+        if os.geteuid() == 0:  # started as root, mosquitto switches to user `mosquitto`, who cannot read the workdir
+            lines.append("user root")
+        lines.append(f"log_dest file {self.log_path}")
+        lines += [f"log_type {kind}" for kind in ("error", "warning", "notice", "information")]
+        lines.append(f"listener {self.port} {self.host}")
+        if self.tls:
+            lines += [
+                f"cafile {Path(self.tls.cafile).resolve()}",
+                f"certfile {Path(self.tls.certfile).resolve()}",
+                f"keyfile {Path(self.tls.keyfile).resolve()}",
+                "tls_version tlsv1.2",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def write_config(self) -> Path:
+        """Write mosquitto.conf, the hashed passwd and the acl into the workdir; return the config's path."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._write_passwords(self.workdir / "passwd")
+        _write_private(self.workdir / "acl", self._acl())
+        _write_private(self.conf_path, self._conf())
+        return self.conf_path
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _log_since(self, offset: int) -> bytes:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def _tail(self, lines: int = 20) -> str:
+        parts = []
+        for path in (self.workdir / "mosquitto.out", self.log_path):
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {path.name}\n" + "\n".join(text))
+        return "\n".join(parts) or "(mosquitto wrote no log)"
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Spawn mosquitto and return once it logged that it runs and its port accepts TCP."""
+        if self.running:
+            raise RuntimeError("mosquitto is already running")
+        exe = mosquitto_path()
+        if exe is None:
+            raise RuntimeError("mosquitto not found (Debian/Ubuntu: apt-get install mosquitto)")
+        conf = self.write_config()
+        offset = self._log_size()
+        self._out = open(self.workdir / "mosquitto.out", "ab")
+        self._proc = subprocess.Popen(
+            [exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self._release()
+                raise RuntimeError(f"mosquitto exited with code {code} on start:\n{self._tail()}")
+            # The log line tells our mosquitto from another process that may hold the port.
+            if _RUNNING.search(self._log_since(offset)) and _accepts(self.host, self.port):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mosquitto not up on {self.host}:{self.port} after {timeout} s:\n{self._tail()}")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (mosquitto saves its persistence file), SIGKILL if it does not exit in `timeout`."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._release()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing saved."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        self._proc = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def add_device(self, device_id: str, password: str, timeout: float = 5.0) -> None:
+        """Add (or re-key) a device. A running broker reloads on SIGHUP; this returns once mosquitto logged the
+        reload, which it finishes before it reads from any client again, so the device can connect right away."""
+        self._check_device(device_id, password)
+        self._devices[device_id] = password
+        if not self.running:
+            return
+        assert self._proc is not None
+        offset = self._log_size()
+        self.write_config()
+        self._proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while _RELOADED not in self._log_since(offset):
+            if not self.running or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto did not reload its config:\n{self._tail()}")
+            time.sleep(0.01)
+
+    def __enter__(self) -> MosquittoBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_AMQTT_SHUTDOWN_S = 3.0
+
+
+def _amqtt_config(host: str, port: int) -> dict:
+    return {
+        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
+        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+    }
+
+
+async def _serve_amqtt(
+    host: str, port: int, started: Callable[[asyncio.AbstractEventLoop, asyncio.Event], None]
+) -> None:
+    """Run amqtt until the event handed to `started` is set (or the task is cancelled, e.g. by Ctrl-C)."""
+    from amqtt.broker import Broker
+
+    broker = Broker(_amqtt_config(host, port))
+    await broker.start()
+    stop = asyncio.Event()
+    try:
+        started(asyncio.get_running_loop(), stop)
+        await stop.wait()
+    finally:
+        # amqtt 0.12.1 can wait forever for a connection it was still setting up when shutdown began.
+        try:
+            await asyncio.wait_for(broker.shutdown(), _AMQTT_SHUTDOWN_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+class EmbeddedBroker:
+    """Pure-Python broker (amqtt) for machines without mosquitto: loopback, anonymous, no ACL. Any client that
+    reaches the port may read and write every topic, so keep it on a trusted host."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> BrokerAddress:
+        return BrokerAddress(self.host, self.port)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._stop is not None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Run amqtt in a thread with its own event loop; return once amqtt has bound and is listening (no TCP
+        probe: amqtt logs an error for every connection that closes without a CONNECT)."""
+        if self._thread is not None:
+            raise RuntimeError("the embedded broker is already running")
+        ready = threading.Event()
+        self._error = None
+
+        def started(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+            self._loop, self._stop = loop, stop
+            ready.set()
+
+        def run() -> None:
+            try:
+                asyncio.run(_serve_amqtt(self.host, self.port, started))
+            except BaseException as err:  # handed to start(); the thread has no one else to tell
+                self._error = err
+            finally:
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name=f"amqtt-{self.port}", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout) or self._stop is None:
+            error = self._error
+            self.stop()
+            raise RuntimeError(f"amqtt did not start on {self.host}:{self.port}: {error!r}") from error
+
+    def stop(self) -> None:
+        """Shut amqtt down (its clients are disconnected) and join its thread; idempotent."""
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+        self._thread.join(10.0)
+        self._thread = self._loop = self._stop = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_embedded(host: str, port: int) -> None:
+    """Run the embedded broker in the foreground until Ctrl-C."""
+
+    def started(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        print(f"edgefil broker: mqtt://{host}:{port} (embedded amqtt: anonymous, no ACL); Ctrl-C stops", flush=True)
+
+    try:
+        asyncio.run(_serve_amqtt(host, port, started))
+    except KeyboardInterrupt:
+        pass
+
+
+def _run_broker(args: argparse.Namespace) -> int:
+    serve_embedded(args.host, args.port)
+    return 0
+
+
+def add_broker_parser(commands: argparse._SubParsersAction) -> None:
+    """Add `edgefil broker` to the `edgefil` command's subparsers."""
+    broker = commands.add_parser(
+        "broker", help="run the embedded MQTT broker (amqtt; anonymous, no ACL: loopback or trusted hosts only)"
+    )
+    broker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    broker.add_argument("--port", type=int, default=1883, help="port to listen on")
+    broker.set_defaults(run=_run_broker)

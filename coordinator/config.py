@@ -1,0 +1,90 @@
+"""The coordinator's configuration file (TOML), read into typed settings.
+
+    fleet = "demo"
+    out = "runs/demo"                   # run folder: checkpoint/, results.json
+    artifacts = "artifacts/lenet"       # the model every device trains (its manifest must match theirs)
+    devices = ["dev-0", "dev-1"]        # the roster: messages from any other id are rejected
+    rounds_per_task = 3
+    fraction = 1.0                      # r: share of the available devices selected each round
+    min_clients = 2                     # quorum: a round aggregates only with at least this many updates
+    deadline_s = 60.0                   # updates after this are logged and dropped
+    wait_for_devices_s = 120.0          # how long a round waits for `min_clients` devices to be online
+    max_attempts = 3                    # a round that misses its quorum is run again this many times at most
+    seed = 0
+    device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
+
+    [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
+    [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
+    [strategy]  name = "fedavg" | "fedprox", and its options (weighted, mu)
+    [client]    sent to devices in every round: epochs, lr, batch_size (optional)
+
+Relative paths are taken relative to the file's folder. Unknown keys are errors.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from edge_client.link import BrokerSettings
+from edge_client.topics import check_name
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    fleet: str
+    out: Path
+    artifacts: Path
+    devices: tuple[str, ...]
+    scenario: Mapping[str, Any]
+    broker: BrokerSettings = BrokerSettings(username="coordinator")
+    rounds_per_task: int = 3
+    fraction: float = 1.0
+    min_clients: int = 1
+    deadline_s: float = 60.0
+    wait_for_devices_s: float = 120.0
+    max_attempts: int = 3
+    seed: int = 0
+    device: str = "auto"
+    strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
+    client: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name(self.fleet, "fleet")
+        for device in self.devices:
+            check_name(device, "device id")
+        if not self.devices:
+            raise ValueError("devices: the roster is empty")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if not 1 <= self.min_clients <= len(self.devices):
+            raise ValueError(f"min_clients must be in [1, {len(self.devices)}], got {self.min_clients}")
+        if self.rounds_per_task < 1 or self.max_attempts < 1 or self.deadline_s <= 0:
+            raise ValueError("rounds_per_task and max_attempts must be >= 1 and deadline_s > 0")
+        if "name" not in self.strategy:
+            raise ValueError("[strategy] needs a name")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path(".")) -> CoordinatorConfig:
+        raw = dict(raw)
+        broker = {"username": "coordinator", **raw.pop("broker", {})}
+        unknown = sorted(set(broker) - {f.name for f in fields(BrokerSettings)})
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in [broker]")
+        for key in ("out", "artifacts"):
+            if key not in raw:
+                raise ValueError(f"coordinator config needs {key!r}")
+            raw[key] = (base / raw[key]).resolve()
+        raw["devices"] = tuple(raw.get("devices", ()))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in the coordinator config; known: {sorted(known)}")
+        return cls(**raw, broker=BrokerSettings(**broker))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CoordinatorConfig:
+        path = Path(path)
+        with open(path, "rb") as handle:
+            return cls.from_dict(tomllib.load(handle), base=path.parent)

@@ -1,0 +1,111 @@
+"""The coordinator's gate: every payload from the broker passes here before anything else sees it.
+
+A message is turned into an event only when its topic belongs to this fleet's devices, its device is on the
+roster and is the one named in the payload, it decodes under the current schema, and (for updates) its chunks
+reassemble into exactly the model's number of finite float32 values. Everything else is rejected with a logged
+reason and counted; nothing raises. Round-level checks (right round, selected, before the deadline) are the
+round's business (`rounds.py`).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from edge_client import topics, wire
+
+log = logging.getLogger("edgefil.coordinator")
+
+
+@dataclass(frozen=True)
+class Registration:
+    device: str
+    backend: str
+    profile: str
+
+
+@dataclass(frozen=True)
+class Status:
+    device: str
+    state: str
+    round: int
+
+
+@dataclass(frozen=True)
+class Update:
+    device: str
+    round: int
+    task: int
+    model: str
+    num_samples: int
+    metrics: Mapping[str, float]
+    weights: np.ndarray  # flat float32 view over the reassembled bytes (no copy)
+
+
+Event = Registration | Status | Update
+DEVICE_KINDS = frozenset({"register", "status", "update"})
+
+
+class Inbox:
+    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int) -> None:
+        self.fleet = fleet
+        self.roster = roster
+        self.manifest = manifest
+        self.num_parameters = num_parameters
+        self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters, max_pending=2 * len(roster) + 8)
+        self.rejections: Counter[str] = Counter()
+
+    def accept(self, topic: str, payload: bytes) -> Event | None:
+        """The event this message makes, or None (rejected and counted, or a chunk of an unfinished update)."""
+        try:
+            return self._accept(topic, payload)
+        except wire.WireError as err:
+            self.reject(err.reason, f"{topic}: {err}")
+            return None
+
+    def reject(self, reason: str, detail: str) -> None:
+        self.rejections[reason] += 1
+        log.warning("rejected (%s) %s", reason, detail)
+
+    def drop_partial_updates(self, before_round: int) -> int:
+        """Free the chunks of updates for rounds that are closed."""
+        return self.reassembler.drop(lambda header: header["round"] < before_round)
+
+    def _accept(self, topic: str, payload: bytes) -> Event | None:
+        parsed = topics.parse(self.fleet, topic)
+        if parsed is None or parsed.direction != topics.FROM_DEVICE:
+            if parsed is not None:
+                return None  # the coordinator's own messages to devices, echoed by a wildcard subscription
+            raise wire.WireError("topic", "not a topic of this fleet")
+        if parsed.kind not in DEVICE_KINDS:
+            raise wire.WireError("kind", f"devices do not send {parsed.kind!r}")
+        if parsed.device not in self.roster:
+            raise wire.WireError("unknown-device", f"{parsed.device!r} is not on the roster")
+        message = wire.decode(payload)
+        if message["kind"] != parsed.kind:
+            raise wire.WireError("kind", f"a {message['kind']} message on the {parsed.kind} topic")
+        if message.get("device") != parsed.device:
+            raise wire.WireError("impersonation", f"{parsed.device!r} sent a message signed {message['device']!r}")
+        if message["kind"] == "register":
+            if message["manifest"] != self.manifest:
+                raise wire.WireError("manifest-mismatch", f"{parsed.device} trains another model")
+            return Registration(parsed.device, message["backend"], message["profile"])
+        if message["kind"] == "status":
+            return Status(parsed.device, message["state"], message["round"])
+        return self._take_chunk(parsed.device, message)
+
+    def _take_chunk(self, device: str, message: wire.Message) -> Update | None:
+        if message["num_samples"] < 0:
+            raise wire.WireError("field", f"negative sample count {message['num_samples']}")
+        blob = self.reassembler.add(device, message)
+        if blob is None:
+            return None
+        header = blob.header
+        return Update(
+            device=device, round=header["round"], task=header["task"], model=header["model"],
+            num_samples=header["num_samples"], metrics=dict(header["metrics"]),
+            weights=blob.weights(self.num_parameters),
+        )

@@ -1,0 +1,73 @@
+"""Rounds: who is selected, what counts as a valid update for the open round, and when the round closes.
+
+Choices (configurable in the coordinator config, documented in docs/protocol.md):
+- Selection draws ceil(r * available) devices (at least the quorum, at most all available) with the run's seeded
+  generator, so a resumed run draws as the original would have.
+- A round closes when every selected device has delivered, or at its deadline. Updates that arrive after the
+  close are logged as late and dropped.
+- A round with fewer updates than the quorum is not aggregated; it is run again (new selection) up to
+  `max_attempts` times, after which the run stops with an error rather than go on with a stale model.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.inbox import Update
+
+
+def select(available: list[str], fraction: float, quorum: int, rng: np.random.Generator) -> list[str]:
+    """ceil(fraction * |available|) devices, at least `quorum` (when that many are available), sorted."""
+    if not available:
+        return []
+    k = min(len(available), max(quorum, math.ceil(fraction * len(available))))
+    return sorted(rng.choice(sorted(available), size=k, replace=False).tolist())
+
+
+@dataclass
+class OpenRound:
+    """The round being collected: its identity, selection, deadline and the updates accepted so far."""
+
+    number: int
+    task: int
+    model: str  # sha256 of the global weights the devices must start from
+    selected: list[str]
+    deadline: float  # time.monotonic() value
+    updates: dict[str, Update] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, number: int, task: int, model: str, selected: list[str], deadline_s: float) -> OpenRound:
+        return cls(number, task, model, selected, time.monotonic() + deadline_s)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.updates) == len(self.selected)
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def missing(self) -> list[str]:
+        return [d for d in self.selected if d not in self.updates]
+
+    def offer(self, update: Update, counts: Counter[str]) -> str | None:
+        """Accept an update for this round; otherwise return why not (and count it under that reason)."""
+        reason = None
+        if update.round < self.number:
+            reason = "late"
+        elif update.round > self.number or update.model != self.model:
+            reason = "wrong-round"
+        elif update.device not in self.selected:
+            reason = "not-selected"
+        elif update.device in self.updates:
+            reason = "duplicate"
+        elif update.task != self.task:
+            reason = "wrong-task"
+        if reason is None:
+            self.updates[update.device] = update
+        else:
+            counts[reason] += 1
+        return reason

@@ -1,0 +1,265 @@
+"""The coordinator: runs the rounds of every task over MQTT, aggregates, evaluates and checkpoints.
+
+One thread does all protocol work, in the order messages arrive (the link's inbox): a round is opened by
+publishing the global weights to every device and a round message to each selected one, then collected until
+every selected device has answered or the deadline passes. Every payload goes through the inbox gate first;
+only validated updates of the open round reach the strategy. After aggregation the global model is evaluated
+on every task seen so far and the run state is checkpointed atomically, then `results.json` is rewritten.
+
+Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so
+the first selection sees every device that is coming); later rounds only wait while fewer than the quorum are
+online. A device that (re)registers while selected for the open round without having delivered gets the
+round's weights and message again on its own topics (after a broker restart, or its own restart).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.checkpoint import RunState, load_run_state, save_run_state
+from coordinator.compute import as_tensor
+from coordinator.config import CoordinatorConfig
+from coordinator.evaluation import Evaluator
+from coordinator.inbox import Inbox, Registration, Status, Update
+from coordinator.rounds import OpenRound, select
+from coordinator.strategies import ClientUpdate, make_strategy
+from edge_client import topics, wire
+from edge_client.device import manifest_digest
+from edge_client.durable import write_atomically
+from edge_client.link import CONNECTED, Link
+from firmware_sim.metrics import average_accuracy, backward_transfer, forgetting
+from firmware_sim.scenarios import scenario_from_config
+from models.manifest import load_manifest
+
+log = logging.getLogger("edgefil.coordinator")
+CHECKPOINT_DIR = "checkpoint"
+RESULTS_FILE = "results.json"
+
+
+class QuorumError(RuntimeError):
+    """Not enough devices to run a round, after waiting and retrying as configured."""
+
+
+def initial_weights(artifacts: Path) -> np.ndarray:
+    """The exported model's starting weights, read from its checkpoint by ORT (what every device starts from)."""
+    from edge_client.trainers.ort import OrtTrainer
+
+    return OrtTrainer(artifacts).get_weights()
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, resume: bool = False) -> None:
+        self.config = config
+        self.manifest = load_manifest(config.artifacts)
+        self.data = scenario_from_config(config.scenario).build()
+        options = {k: v for k, v in config.strategy.items() if k != "name"}
+        self.strategy = make_strategy(config.strategy["name"], device=config.device, **options)
+        self.evaluator = Evaluator(self.data, self.manifest, device=str(self.strategy.device))
+        self.inbox = Inbox(
+            config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters
+        )
+        self.checkpoint_dir = config.out / CHECKPOINT_DIR
+        self.state = self._load_or_start(resume)
+        self.counters: Counter[str] = self.inbox.rejections
+        self.counters.update(self.state.counters)
+        self.rng = np.random.default_rng()
+        self.rng.bit_generator.state = self.state.rng
+        self.registered: dict[str, Registration] = {}
+        self.online: set[str] = set()
+        self.open_round: OpenRound | None = None
+        self._weights_chunks: list[bytes] = []
+        self._first_round = True
+        self.link = Link(
+            config.broker, client_id=f"coordinator-{config.fleet}",
+            subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
+        )
+
+    def _load_or_start(self, resume: bool) -> RunState:
+        state = load_run_state(self.checkpoint_dir)
+        if state is not None and not resume:
+            raise FileExistsError(f"{self.checkpoint_dir} holds a run: pass --resume, or choose another `out`")
+        if state is not None:
+            log.info("resuming after round %d (task %d)", state.round, state.task)
+            return state
+        return RunState(
+            weights=initial_weights(self.config.artifacts),
+            rng=np.random.default_rng(self.config.seed).bit_generator.state,
+        )
+
+    # --- the run ----------------------------------------------------------------------------------
+
+    def run(self, connect_timeout: float = 60.0) -> dict[str, Any]:
+        self.config.out.mkdir(parents=True, exist_ok=True)
+        self.link.start(timeout=connect_timeout)
+        try:
+            while self.state.task < len(self.data.tasks):
+                self.run_round()
+        finally:
+            self.link.wait_idle(timeout=5.0)
+            self.link.stop()
+        results = self.results()
+        log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
+        return results
+
+    def run_round(self) -> None:
+        number, task = self.state.round + 1, self.state.task
+        for attempt in range(1, self.config.max_attempts + 1):
+            selected = select(self._wait_for_devices(), self.config.fraction, self.config.min_clients, self.rng)
+            self._open(number, task, selected)
+            while not self.open_round.complete and self.open_round.remaining_s() > 0:
+                self._pump(self.open_round.remaining_s())
+            collected, missing = self.open_round, self.open_round.missing()
+            self.open_round = None
+            self.inbox.drop_partial_updates(before_round=number + 1)
+            if missing:
+                log.warning("round %d closed at its deadline without %s", number, ", ".join(missing))
+                self.counters["missed-deadline"] += len(missing)
+            if len(collected.updates) >= self.config.min_clients:
+                self._close(collected)
+                return
+            self.counters["round-retried"] += 1
+            log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again",
+                        number, attempt, len(collected.updates), self.config.min_clients)
+        raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
+                          f"{self.config.max_attempts} times")
+
+    def _open(self, number: int, task: int, selected: list[str]) -> None:
+        weights = wire.weights_bytes(self.state.weights)
+        model = wire.blob_id(weights)
+        self._weights_chunks = wire.encode_blob("weights", weights, round=number, version=self.state.round)
+        self.open_round = OpenRound.open(number, task, model, selected, self.config.deadline_s)
+        log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
+        for chunk in self._weights_chunks:
+            self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
+        for device in selected:
+            self._send_round(device)
+
+    def _send_round(self, device: str, with_weights: bool = False) -> None:
+        fleet, current = self.config.fleet, self.open_round
+        if with_weights:
+            for chunk in self._weights_chunks:
+                self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
+        config = {**self.config.client, **self.strategy.configure(current.number, [device]).get(device, {})}
+        self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
+            "round", round=current.number, task=current.task, model=current.model,
+            deadline_s=max(current.remaining_s(), 0.0), config=config,
+        ))
+
+    def _close(self, collected: OpenRound) -> None:
+        updates = [
+            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics)) for u in collected.updates.values()
+        ]
+        started = time.perf_counter()
+        result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
+        aggregate_s = time.perf_counter() - started
+        state = self.state
+        state.weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
+        state.round = collected.number
+        state.round_in_task += 1
+        accuracies = self.evaluator.accuracies(state.weights, collected.task)
+        state.history.append({
+            "round": collected.number, "task": collected.task, "selected": collected.selected,
+            "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
+            "accuracy": accuracies, "aggregate_s": aggregate_s,
+            "train_loss": {u.device: u.metrics.get("loss") for u in updates},
+        })
+        log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
+                 collected.task, " ".join(f"{a:.3f}" for a in accuracies))
+        if state.round_in_task == self.config.rounds_per_task:
+            state.accuracy_matrix.append(accuracies)
+            state.task += 1
+            state.round_in_task = 0
+        state.rng = self.rng.bit_generator.state
+        state.counters = dict(self.counters)
+        save_run_state(self.checkpoint_dir, state)
+        write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
+
+    # --- devices ----------------------------------------------------------------------------------
+
+    def _wait_for_devices(self) -> list[str]:
+        """The devices that can be selected now, after waiting as the module docstring says."""
+        wanted = len(self.config.devices) if self._first_round else self.config.min_clients
+        deadline = time.monotonic() + self.config.wait_for_devices_s
+        while len(self._available()) < wanted and time.monotonic() < deadline:
+            self._pump(min(1.0, deadline - time.monotonic()))
+        self._first_round = False
+        available = self._available()
+        if len(available) < self.config.min_clients:
+            raise QuorumError(f"{len(available)} devices online after {self.config.wait_for_devices_s:.0f} s, "
+                              f"quorum is {self.config.min_clients}")
+        return available
+
+    def _available(self) -> list[str]:
+        return sorted(d for d in self.registered if d in self.online)
+
+    def _pump(self, timeout: float) -> None:
+        """Handle at most one inbox item, waiting up to `timeout` for it."""
+        item = self.link.get(timeout=max(timeout, 0.0))
+        if item is None or item[0] == CONNECTED:
+            return
+        event = self.inbox.accept(*item)
+        if isinstance(event, Registration):
+            self._on_registration(event)
+        elif isinstance(event, Status):
+            (self.online.discard if event.state == "offline" else self.online.add)(event.device)
+        elif isinstance(event, Update):
+            self._on_update(event)
+
+    def _on_registration(self, event: Registration) -> None:
+        log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
+        self.registered[event.device] = event
+        self.online.add(event.device)
+        current = self.open_round
+        if current is not None and event.device in current.missing():
+            self._send_round(event.device, with_weights=True)
+
+    def _on_update(self, update: Update) -> None:
+        current = self.open_round
+        if current is None:
+            self.counters["late" if update.round <= self.state.round else "wrong-round"] += 1
+            log.warning("update of %s for round %d arrived between rounds: dropped", update.device, update.round)
+            return
+        reason = current.offer(update, self.counters)
+        if reason is not None:
+            log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def results(self) -> dict[str, Any]:
+        state = self.state
+        done = len(state.accuracy_matrix)
+        square = np.zeros((done, done))
+        for i, row in enumerate(state.accuracy_matrix):
+            square[i, : len(row)] = row
+        last_row = state.history[-1]["accuracy"] if state.history else []
+        return {
+            "fleet": self.config.fleet,
+            "scenario": self.data.scenario.to_dict(),
+            "strategy": dict(self.config.strategy),
+            "rounds_completed": state.round,
+            "tasks_completed": done,
+            "accuracy_matrix": state.accuracy_matrix,
+            "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
+            "average_accuracy": average_accuracy(square) if done else 0.0,
+            "forgetting": forgetting(square) if done else 0.0,
+            "backward_transfer": backward_transfer(square) if done else 0.0,
+            "counters": dict(self.counters),
+            "bytes_sent": self.link.bytes_sent,
+            "bytes_received": self.link.bytes_received,
+            "reconnects": max(self.link.connects - 1, 0),
+            "history": state.history,
+        }
+
+
+def run_coordinator(config_path: str | Path, resume: bool = False, device: str | None = None) -> dict[str, Any]:
+    """`edgefil coordinator --config FILE [--resume] [--device cpu|cuda]`."""
+    config = CoordinatorConfig.load(config_path)
+    if device is not None:
+        config = CoordinatorConfig(**{**config.__dict__, "device": device})
+    return Coordinator(config, resume=resume).run()

@@ -1,0 +1,237 @@
+"""The device daemon: one real device, from connecting to uploading, driven by the coordinator's messages.
+
+Loop: on every (re)connect announce yourself (registration and status, both retained, so a coordinator that
+starts later still learns of this device); assemble global weights as they
+arrive; on a round message for a new round, take the round's global weights, start the task when it is new
+(the policy picks the cache, the store enforces the budget), train, save the client state atomically, upload.
+
+Restarts on either side are safe: a round message for the round this device already trained (same global
+model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
+coordinator that re-sends after a broker restart or its own resume gets an update without a second training.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_client import topics, wire
+from edge_client.config import DeviceConfig
+from edge_client.learner import Learner, LearnerConfig
+from edge_client.link import CONNECTED, Link, Will
+from edge_client.policies import make_policy
+from edge_client.sources import TaskSource, open_source
+from edge_client.store import Budget, ReplayStore
+from edge_client.trainers.base import Proximal, Trainer
+from models.manifest import load_manifest
+
+log = logging.getLogger("edgefil.device")
+KEPT_MODELS = 2  # global weight blobs kept in memory: the current one and the next, arriving early
+
+
+def make_trainer(config: DeviceConfig) -> Trainer:
+    settings = config.trainer
+    if settings.backend == "ort":
+        from edge_client.trainers.ort import OrtTrainer
+
+        return OrtTrainer(config.artifacts, optimizer=settings.optimizer, lr=settings.lr, threads=settings.threads)
+    if settings.backend == "torch":
+        from edge_client.trainers.pytorch import TorchTrainer
+
+        return TorchTrainer(load_manifest(config.artifacts), optimizer=settings.optimizer, lr=settings.lr)
+    raise ValueError(f"unknown trainer backend {settings.backend!r}; choose 'ort' or 'torch'")
+
+
+def manifest_digest(artifacts: Path) -> str:
+    """What a device and the coordinator compare at registration: the sha256 of manifest.json."""
+    return hashlib.sha256((Path(artifacts) / "manifest.json").read_bytes()).hexdigest()
+
+
+@dataclass
+class _Update:
+    round: int
+    model: str
+    chunks: list[bytes]
+
+
+class Device:
+    def __init__(self, config: DeviceConfig, source: TaskSource | None = None) -> None:
+        self.config = config
+        self.id = config.device_id
+        self.trainer = make_trainer(config)
+        self.num_parameters = self.trainer.manifest.num_parameters
+        store = ReplayStore(
+            config.state_dir / "store", Budget(config.store.max_samples, config.store.max_bytes),
+            tuple(self.trainer.manifest.input_shape),
+        )
+        policy = make_policy(**config.policy)
+        settings = config.learner
+        self.learner = Learner(
+            self.trainer, store, policy,
+            LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
+                          mask_seen_classes=settings.mask_seen_classes),
+            seed=_seed_of(self.id),
+        )
+        self.learner.restore(config.state_dir)
+        self.source = source if source is not None else open_source(config.data)
+        self.manifest = manifest_digest(config.artifacts)
+        self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256
+        self.reassembler = wire.Reassembler(max_blob_bytes=4 * self.num_parameters, max_pending=4)
+        self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
+        self.last_update: _Update | None = None
+        self.rejected = 0
+        self.stop_requested = threading.Event()
+        fleet = config.fleet
+        self.link = Link(
+            config.broker, client_id=f"{fleet}-{self.id}",
+            subscriptions=[topics.to_device(fleet, self.id, "#"), topics.to_all(fleet, "#")],
+            will=Will(topics.from_device(fleet, self.id, "status"), self._status("offline")),
+        )
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def run(self, connect_timeout: float = 60.0) -> None:
+        self.link.start(timeout=connect_timeout)
+        log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
+        try:
+            while not self.stop_requested.is_set():
+                item = self.link.get(timeout=self.config.heartbeat_s)
+                try:
+                    if item is None:
+                        self._publish_status("idle")
+                    else:
+                        self.handle(*item)
+                except Exception:  # the daemon outlives any one message; what failed is in the log
+                    log.exception("%s failed to handle a message; carrying on", self.id)
+        finally:
+            self._publish_status("offline")
+            self.link.wait_idle(timeout=5.0)
+            self.link.stop()
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        if topic == CONNECTED:
+            self._announce()
+            return
+        parsed = topics.parse(self.config.fleet, topic)
+        try:
+            if parsed is None:
+                raise wire.WireError("topic", f"unexpected topic {topic}")
+            message = wire.decode(payload)
+            if message["kind"] == "weights":
+                self._take_weights(message)
+            elif message["kind"] == "round" and parsed.device == self.id:
+                self._take_round(message)
+            else:
+                raise wire.WireError("kind", f"{message['kind']} on {topic}")
+        except wire.WireError as err:
+            self.rejected += 1
+            log.warning("%s ignored a message on %s: %s", self.id, topic, err)
+
+    # --- protocol steps ---------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        fleet, backend = self.config.fleet, self.config.trainer.backend
+        self.link.publish(topics.from_device(fleet, self.id, "register"), wire.encode(
+            "register", device=self.id, profile=self.config.profile, backend=backend, manifest=self.manifest,
+            software=_software_version(),
+        ), retain=True)
+        self._publish_status("idle")
+
+    def _take_weights(self, message: wire.Message) -> None:
+        blob = self.reassembler.add("coordinator", message)
+        if blob is None:
+            return
+        self.models[blob.sha256] = blob.weights(self.num_parameters)
+        while len(self.models) > KEPT_MODELS:
+            self.models.pop(next(iter(self.models)))
+        if self.waiting is not None and self.waiting["model"] == blob.sha256:
+            waiting, self.waiting = self.waiting, None
+            self._take_round(waiting)
+
+    def _take_round(self, message: wire.Message) -> None:
+        round_, model = message["round"], message["model"]
+        done = self.learner.state.round
+        if round_ == done and self._resend(round_, model):
+            return
+        if round_ <= done and self.learner.state.task >= 0:
+            log.info("%s ignored round %d: already past it (at %d)", self.id, round_, done)
+            return
+        if model not in self.models:
+            self.waiting = message  # its weights are still on their way
+            return
+        self._train_round(message, self.models[model])
+
+    def _train_round(self, message: wire.Message, global_weights: np.ndarray) -> None:
+        round_, task, config = message["round"], message["task"], message["config"]
+        self._publish_status("training", round_)
+        self.trainer.set_weights(global_weights)
+        if "lr" in config:
+            self.trainer.set_learning_rate(float(config["lr"]))
+        if task != self.learner.state.task:
+            x, y = self.source.task_data(task)
+            self.learner.start_task(task, x, y, global_weights=global_weights)
+        mu = float(config.get("mu", 0.0))
+        loss = self.learner.train(
+            epochs=int(config["epochs"]) if "epochs" in config else None,
+            proximal=Proximal(mu, global_weights) if mu > 0 else None,
+        )
+        self.learner.state.round = round_
+        self.learner.state.model = message["model"]
+        self.learner.save(self.config.state_dir)
+        log.info("%s trained round %d (task %d): loss %.4f on %d stored samples",
+                 self.id, round_, task, loss, len(self.learner.store))
+        self._upload(round_, message["model"], {"loss": loss})
+
+    def _resend(self, round_: int, model: str) -> bool:
+        """Answer a repeated round message with the update already made for it; False when there is none."""
+        if self.last_update is not None and (self.last_update.round, self.last_update.model) == (round_, model):
+            for chunk in self.last_update.chunks:
+                self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
+            return True
+        if self.learner.state.model == model and self.learner.state.weights is not None:
+            self._upload(round_, model, {})  # after a restart: the saved weights are this round's result
+            return True
+        return False
+
+    def _upload(self, round_: int, model: str, metrics: dict[str, float]) -> None:
+        store = self.learner.store
+        chunks = wire.encode_blob(
+            "update", wire.weights_bytes(self.trainer.get_weights()), device=self.id, round=round_,
+            task=self.learner.state.task, model=model, num_samples=len(store),
+            metrics={**metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk()},
+        )
+        self.last_update = _Update(round_, model, chunks)
+        for chunk in chunks:
+            self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
+        self._publish_status("idle", round_)
+
+    def _status(self, state: str, round_: int | None = None) -> bytes:
+        done = self.learner.state.round if round_ is None else round_
+        return wire.encode("status", device=self.id, state=state, round=done)
+
+    def _publish_status(self, state: str, round_: int | None = None) -> None:
+        topic = topics.from_device(self.config.fleet, self.id, "status")
+        self.link.publish(topic, self._status(state, round_), retain=True)
+
+
+def _seed_of(device_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
+
+
+def _software_version() -> str:
+    from edgefil import __version__
+
+    return __version__
+
+
+def run_device(config_path: str | Path) -> None:
+    """`edgefil client --config FILE`: run until SIGTERM/SIGINT, then leave cleanly (status offline)."""
+    device = Device(DeviceConfig.load(config_path))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: device.stop_requested.set())
+    device.run()

@@ -1,0 +1,162 @@
+"""One MQTT connection (paho) for a device or the coordinator: QoS 1, automatic reconnects, a single inbox.
+
+paho runs the network in its own thread; this class turns everything that thread sees into items of one queue
+(messages, and a CONNECTED marker after every successful (re)connect), so the owner handles all protocol logic
+on its own thread, in order. Subscriptions are renewed on every connect (clean sessions: a broker restart
+loses nothing the protocol cannot resend). Publishing while disconnected is queued by paho and sent on reconnect.
+"""
+from __future__ import annotations
+
+import queue
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import paho.mqtt.client as mqtt
+
+QOS = 1
+CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where and how to connect. `cafile` switches TLS on (the broker's CA certificate)."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    cafile: str | None = None
+    keepalive: int = 10  # seconds; the broker declares the client gone (last will) after 1.5x this
+
+
+@dataclass(frozen=True)
+class Will:
+    topic: str
+    payload: bytes
+    retain: bool = True
+
+
+class ConnectionRefused(ConnectionError):
+    """The broker answered and said no (bad credentials, not authorised): retrying will not help."""
+
+
+class Link:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client_id: str,
+        subscriptions: Sequence[str] = (),
+        will: Will | None = None,
+        max_queued: int = 0,
+    ) -> None:
+        self.settings = settings
+        self.subscriptions = list(subscriptions)
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.connects = 0
+        self._lock = threading.Lock()
+        self._unacked: set[int] = set()  # message ids handed to paho and not yet acknowledged by the broker
+        self._early_acks: set[int] = set()  # acknowledged before publish() returned
+        self._connected = threading.Event()
+        self._refused: str | None = None
+        self._decided = threading.Event()
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311
+        )
+        if settings.username is not None:
+            client.username_pw_set(settings.username, settings.password)
+        if settings.cafile:
+            client.tls_set(ca_certs=settings.cafile, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        if will is not None:
+            client.will_set(will.topic, will.payload, qos=QOS, retain=will.retain)
+        client.max_queued_messages_set(max_queued)
+        client.max_inflight_messages_set(64)
+        client.reconnect_delay_set(min_delay=1, max_delay=8)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        self._client = client
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no."""
+        self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)
+        self._client.loop_start()
+        if not self._decided.wait(timeout):
+            self.stop()
+            raise ConnectionError(f"no MQTT broker answered at {self.settings.host}:{self.settings.port}")
+        if self._refused is not None:
+            self.stop()
+            raise ConnectionRefused(f"broker at {self.settings.host}:{self.settings.port} refused: {self._refused}")
+
+    def stop(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # --- traffic ----------------------------------------------------------------------------------
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        """Hand a message to paho (QoS 1). Raises only when paho's own queue is full; while disconnected the
+        message waits in paho and goes out after the reconnect."""
+        info = self._client.publish(topic, payload, qos=QOS, retain=retain)
+        if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+            raise BufferError(f"MQTT outgoing queue is full; {topic} not sent")
+        self.bytes_sent += len(payload)
+        with self._lock:
+            if info.mid in self._early_acks:
+                self._early_acks.discard(info.mid)
+            else:
+                self._unacked.add(info.mid)
+
+    def get(self, timeout: float | None) -> tuple[str, bytes] | None:
+        """The next (topic, payload) from the inbox, (CONNECTED, b"") after a (re)connect, None on timeout."""
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every QoS 1 message handed to paho is acknowledged (best effort before a clean exit)."""
+        deadline = time.monotonic() + timeout
+        while self._unacked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._unacked
+
+    # --- paho callbacks (network thread) ----------------------------------------------------------
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._refused = str(reason_code)
+            self._decided.set()
+            client.disconnect()  # stop paho from retrying with the same credentials
+            return
+        for topic in self.subscriptions:
+            client.subscribe(topic, qos=QOS)
+        self.connects += 1
+        self._connected.set()
+        self._decided.set()
+        self.inbox.put((CONNECTED, b""))
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connected.clear()
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self._lock:
+            if mid in self._unacked:
+                self._unacked.discard(mid)
+            else:
+                self._early_acks.add(mid)
+
+    def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        self.bytes_received += len(message.payload)
+        self.inbox.put((message.topic, message.payload))

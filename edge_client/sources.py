@@ -1,0 +1,39 @@
+"""Where a device's data comes from, task by task: a folder of files on a real device, a scenario in simulation."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+
+class TaskSource(Protocol):
+    def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples (x float32, y int64) the device receives for `task`."""
+
+
+class FolderSource:
+    """`task-<t>.npz` files with arrays `x` and `y`, dropped into a folder by whatever collects the data."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"data folder {self.folder} does not exist")
+
+    def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
+        path = self.folder / f"task-{task}.npz"
+        if not path.is_file():
+            raise FileNotFoundError(f"no data for task {task}: {path} is missing")
+        with np.load(path, allow_pickle=False) as data:
+            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+
+
+def open_source(data: Mapping[str, Any]) -> TaskSource:
+    """The `[data]` section of a device config: `folder = ...`, or `scenario = {...}` with `client = k`."""
+    if "folder" in data:
+        return FolderSource(data["folder"])
+    if "scenario" in data:
+        from firmware_sim.scenarios import ClientSource  # simulation only: needs the dataset loaders
+
+        return ClientSource(data["scenario"], int(data.get("client", 0)))
+    raise ValueError("[data] needs `folder` or `scenario` (with `client`)")

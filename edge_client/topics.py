@@ -1,0 +1,57 @@
+"""MQTT topic names of the protocol (docs/protocol.md). Both sides import this; the broker's ACL mirrors it.
+
+    edgefil/<fleet>/dev/<device>/<kind>   device -> coordinator   (register, status, update)
+    edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights)
+    edgefil/<fleet>/all/<kind>            coordinator -> every device (weights)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "edgefil"
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Fleet and device names become topic levels: no '/', '+', '#' or empty names."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{what} must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+    return name
+
+
+def prefix(fleet: str) -> str:
+    return f"{ROOT}/{check_name(fleet, 'fleet')}"
+
+
+def from_device(fleet: str, device: str, kind: str) -> str:
+    return f"{prefix(fleet)}/{FROM_DEVICE}/{check_name(device, 'device id')}/{kind}"
+
+
+def to_device(fleet: str, device: str, kind: str) -> str:
+    return f"{prefix(fleet)}/{TO_DEVICE}/{check_name(device, 'device id')}/{kind}"
+
+
+def to_all(fleet: str, kind: str) -> str:
+    return f"{prefix(fleet)}/{TO_ALL}/{kind}"
+
+
+@dataclass(frozen=True)
+class Topic:
+    direction: str  # FROM_DEVICE, TO_DEVICE or TO_ALL
+    device: str | None
+    kind: str
+
+
+def parse(fleet: str, topic: str) -> Topic | None:
+    """The parts of a protocol topic of this fleet, or None for anything else (another fleet, a bad name)."""
+    head = prefix(fleet) + "/"
+    if not topic.startswith(head):
+        return None
+    parts = topic[len(head):].split("/")
+    if len(parts) == 3 and parts[0] in (FROM_DEVICE, TO_DEVICE) and NAME.fullmatch(parts[1]) and parts[2]:
+        return Topic(parts[0], parts[1], parts[2])
+    if len(parts) == 2 and parts[0] == TO_ALL and parts[1]:
+        return Topic(TO_ALL, None, parts[1])
+    return None

@@ -1,0 +1,254 @@
+"""The protocol codec: the only place that knows the byte layout of messages (docs/protocol.md).
+
+Every payload is one msgpack map with the schema version `v` and a `kind`. Weights travel as raw little-endian
+float32 bytes straight from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload,
+each chunk carrying its own sha256 and the sha256 of the whole blob. `Reassembler` puts blobs back together
+idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and verified.
+
+Anything that does not match the schema raises `WireError` with a short `reason` the receiver counts.
+Unknown extra fields are ignored (additions within a schema version stay compatible); a new `v` is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+# The payload limit of one message, chunk data and header included: under the 1 MB default packet limit of
+# clustered brokers such as EMQX (the topic and MQTT header fit in the difference).
+MAX_MESSAGE_BYTES = 1_000_000
+CHUNK_HEADER_ROOM = 4_096  # what a chunk's fields other than its data may take
+CHUNK_BYTES = MAX_MESSAGE_BYTES - CHUNK_HEADER_ROOM
+MIN_CHUNK_BYTES = 1024  # every chunk but a blob's last carries at least this much (bounds the chunk count)
+WEIGHTS_DTYPE = "<f4"
+MAX_METRICS = 64
+
+Message = dict[str, Any]
+
+
+class WireError(ValueError):
+    """A message that must not be used; `reason` is a short tag for counting (e.g. "malformed", "schema")."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+# --- schemas --------------------------------------------------------------------------------------
+
+_NUMBER = (int, float)
+_CHUNK_FIELDS: Mapping[str, type | tuple[type, ...]] = {
+    "blob": str,  # sha256 (hex) of the whole blob
+    "size": int,  # bytes of the whole blob
+    "dtype": str,  # element type of the blob: always WEIGHTS_DTYPE in this version
+    "index": int,
+    "count": int,
+    "offset": int,  # where this chunk's data goes in the blob
+    "chunk_sha256": bytes,
+    "data": bytes,
+}
+SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
+    # device -> coordinator
+    "register": {"device": str, "profile": str, "backend": str, "manifest": str, "software": str},
+    "status": {"device": str, "state": str, "round": int},
+    "update": {
+        **_CHUNK_FIELDS, "device": str, "round": int, "task": int, "model": str, "num_samples": int, "metrics": dict,
+    },
+    # coordinator -> device
+    "round": {"round": int, "task": int, "model": str, "deadline_s": _NUMBER, "config": dict},
+    "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
+}
+_PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})
+BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """One message; checked against its schema so a sender cannot emit what a receiver would refuse."""
+    message = {"v": SCHEMA_VERSION, "kind": kind, **fields}
+    _check_fields(message)
+    payload = msgpack.packb(message, use_bin_type=True)
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise WireError("oversized", f"{kind} message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return payload
+
+
+def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate one payload; raises WireError for anything that is not a well-formed message."""
+    if len(payload) > max_bytes:
+        raise WireError("oversized", f"payload of {len(payload)} bytes exceeds {max_bytes}")
+    try:
+        message = msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+            max_array_len=4096, max_map_len=4096, max_ext_len=0,
+        )
+    except Exception as err:  # msgpack raises several unrelated types for bad input
+        raise WireError("malformed", f"not a msgpack message ({type(err).__name__})") from None
+    if not isinstance(message, dict):
+        raise WireError("malformed", f"payload is a msgpack {type(message).__name__}, not a map")
+    if message.get("v") != SCHEMA_VERSION:
+        raise WireError("schema", f"schema version {message.get('v')!r}, this side speaks {SCHEMA_VERSION}")
+    _check_fields(message)
+    return message
+
+
+def _check_fields(message: Message) -> None:
+    kind = message.get("kind")
+    if kind not in SCHEMAS:
+        raise WireError("kind", f"unknown message kind {kind!r}")
+    for name, expected in SCHEMAS[kind].items():
+        value = message.get(name)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {type(value).__name__}")
+    if kind == "update":
+        _check_metrics(message["metrics"])
+    if kind in BLOB_KINDS:
+        _check_chunk_fields(message)
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    return "number" if expected == _NUMBER else getattr(expected, "__name__", str(expected))
+
+
+def _check_metrics(metrics: dict) -> None:
+    if len(metrics) > MAX_METRICS:
+        raise WireError("field", f"update.metrics has {len(metrics)} entries, at most {MAX_METRICS}")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not isinstance(value, _NUMBER) or isinstance(value, bool):
+            raise WireError("field", f"update.metrics must map names to numbers, got {key!r}: {value!r}")
+
+
+def _check_chunk_fields(message: Message) -> None:
+    size, index, count, offset, data = (message[k] for k in ("size", "index", "count", "offset", "data"))
+    if message["dtype"] != WEIGHTS_DTYPE:
+        raise WireError("dtype", f"blob dtype {message['dtype']!r}; weights travel as {WEIGHTS_DTYPE}")
+    if size < 0 or size % 4:
+        raise WireError("field", f"blob size {size} is not a whole number of float32 values")
+    if not 0 <= index < count or not 0 <= offset <= offset + len(data) <= size:
+        raise WireError("field", f"chunk {index}/{count} at {offset}+{len(data)} does not fit a blob of {size} bytes")
+    if hashlib.sha256(data).digest() != message["chunk_sha256"]:
+        raise WireError("chunk-hash", f"chunk {index}/{count} of blob {message['blob'][:12]} fails its sha256")
+
+
+# --- blobs ----------------------------------------------------------------------------------------
+
+def weights_bytes(weights: np.ndarray) -> memoryview:
+    """The wire form of a flat weight buffer: little-endian float32, no copy when it already is one."""
+    array = np.ascontiguousarray(weights, dtype=WEIGHTS_DTYPE).reshape(-1)
+    return memoryview(array).cast("B")
+
+
+def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES, **fields: Any) -> list[bytes]:
+    """All chunk messages of one blob, each a complete message with the blob's fields repeated (any order works)."""
+    if kind not in BLOB_KINDS:
+        raise ValueError(f"{kind!r} does not carry a blob; blob kinds: {sorted(BLOB_KINDS)}")
+    if chunk_bytes < MIN_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}")
+    view = memoryview(data).cast("B")
+    blob = hashlib.sha256(view).hexdigest()
+    count = max(1, math.ceil(len(view) / chunk_bytes))
+    chunks = []
+    for index in range(count):
+        piece = view[index * chunk_bytes:(index + 1) * chunk_bytes]
+        chunks.append(encode(
+            kind, blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index, count=count,
+            offset=index * chunk_bytes, chunk_sha256=hashlib.sha256(piece).digest(), data=bytes(piece), **fields,
+        ))
+    return chunks
+
+
+def blob_id(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A reassembled, verified blob and the fields its chunks carried (chunk bookkeeping removed)."""
+
+    sha256: str
+    data: bytearray
+    header: Message
+
+    def weights(self, expected_length: int) -> np.ndarray:
+        """The blob as weights: exactly `expected_length` finite float32 values, else WireError."""
+        if len(self.data) != 4 * expected_length:
+            raise WireError("weights-length", f"{len(self.data) // 4} values, the model has {expected_length}")
+        values = np.frombuffer(self.data, dtype=WEIGHTS_DTYPE)
+        if not np.isfinite(values).all():
+            raise WireError("weights-nonfinite", f"{int((~np.isfinite(values)).sum())} NaN/Inf values")
+        return values
+
+
+class _Pending:
+    def __init__(self, header: Message, size: int, count: int) -> None:
+        self.header = header
+        self.data = bytearray(size)
+        self.chunks: dict[int, bytes] = {}
+        self.count = count
+
+
+class Reassembler:
+    """Collects chunks per (source, blob) and returns each blob once, when it is whole and its sha256 matches.
+
+    Memory stays bounded: blobs larger than `max_blob_bytes` are refused, at most `max_pending` blobs are held
+    part-way (the oldest is dropped), and the last `remember` delivered blobs are recognised so their late
+    duplicates are ignored instead of being assembled again.
+    """
+
+    def __init__(self, max_blob_bytes: int, max_pending: int = 32, remember: int = 4096) -> None:
+        self.max_blob_bytes = max_blob_bytes
+        self.max_pending = max_pending
+        self.remember = remember
+        self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
+        self._done: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def add(self, source: str, message: Message) -> Blob | None:
+        """Take one decoded chunk message; returns the blob it completes, else None."""
+        key = (source, message["blob"])
+        if key in self._done:
+            return None
+        if message["size"] > self.max_blob_bytes:
+            raise WireError("oversized", f"blob of {message['size']} bytes exceeds {self.max_blob_bytes}")
+        header = {k: v for k, v in message.items() if k not in _PER_CHUNK}
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._open(key, header, message["size"], message["count"])
+        elif header != pending.header or message["count"] != pending.count:
+            raise WireError("chunk-mismatch", f"chunk {message['index']} disagrees with earlier chunks of its blob")
+        index, data = message["index"], message["data"]
+        if index in pending.chunks:
+            if pending.chunks[index] != message["chunk_sha256"]:
+                raise WireError("chunk-mismatch", f"chunk {index} arrived twice with different data")
+            return None
+        pending.data[message["offset"]:message["offset"] + len(data)] = data
+        pending.chunks[index] = message["chunk_sha256"]
+        if len(pending.chunks) < pending.count:
+            return None
+        del self._pending[key]
+        if hashlib.sha256(pending.data).hexdigest() != key[1]:
+            raise WireError("blob-hash", f"reassembled blob does not match its sha256 {key[1][:12]}")
+        self._done[key] = None
+        while len(self._done) > self.remember:
+            self._done.popitem(last=False)
+        return Blob(key[1], pending.data, pending.header)
+
+    def drop(self, stale: Callable[[Message], bool]) -> int:
+        """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
+        keys = [key for key, pending in self._pending.items() if stale(pending.header)]
+        for key in keys:
+            del self._pending[key]
+        return len(keys)
+
+    def _open(self, key: tuple[str, str], header: Message, size: int, count: int) -> _Pending:
+        if count > max(1, math.ceil(size / MIN_CHUNK_BYTES)):
+            raise WireError("field", f"{count} chunks for a blob of {size} bytes")
+        while len(self._pending) >= self.max_pending:
+            self._pending.popitem(last=False)
+        pending = self._pending[key] = _Pending(header, size, count)
+        return pending
+

@@ -1,0 +1,166 @@
+"""A real fleet for end-to-end tests: a mosquitto with a password per device, a coordinator process and device
+daemon processes (`python -m edgefil.cli ...`), each with its own config file, state folder and log."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.broker import Credentials, MosquittoBroker, generate_password
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def write_toml(path: Path, data: dict[str, Any]) -> Path:
+    """Top-level scalars first, then one [section] per nested table (enough for our config files)."""
+    plain = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict) or k in ("scenario",)]
+    tables = [
+        f"[{k}]\n" + "\n".join(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
+        for k, v in data.items() if isinstance(v, dict) and k not in ("scenario",)
+    ]
+    path.write_text("\n".join(plain) + "\n\n" + "\n\n".join(tables) + "\n")
+    return path
+
+
+@dataclass
+class Fleet:
+    root: Path
+    artifacts: Path
+    n_devices: int = 5
+    fleet: str = "test"
+    scenario: dict[str, Any] = field(default_factory=lambda: {"preset": "digits-class"})
+    coordinator_options: dict[str, Any] = field(default_factory=dict)
+    device_options: dict[str, Any] = field(default_factory=dict)
+    keepalive: int = 2
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.devices = [f"dev-{i}" for i in range(self.n_devices)]
+        self.passwords = {d: generate_password() for d in self.devices}
+        self.coordinator_credentials = Credentials("coordinator", generate_password())
+        self.broker = MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials)
+        self.scenario = {**self.scenario, "n_clients": self.n_devices}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    # --- configs ----------------------------------------------------------------------------------
+
+    def broker_section(self, username: str, password: str) -> dict[str, Any]:
+        address = self.broker.address
+        return {"host": address.host, "port": address.port, "username": username, "password": password,
+                "keepalive": self.keepalive}
+
+    def coordinator_config(self) -> Path:
+        config = {
+            "fleet": self.fleet, "out": str(self.root / "run"), "artifacts": str(self.artifacts),
+            "devices": self.devices, "rounds_per_task": 2, "min_clients": 2, "deadline_s": 30.0,
+            "wait_for_devices_s": 60.0, "scenario": self.scenario,
+            "broker": self.broker_section("coordinator", self.coordinator_credentials.password),
+            "strategy": {"name": "fedavg"}, "client": {"epochs": 2},
+        }
+        for key, value in self.coordinator_options.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+        return write_toml(self.root / "coordinator.toml", config)
+
+    def device_config(self, index: int) -> Path:
+        device = self.devices[index]
+        config = {
+            "device_id": device, "fleet": self.fleet, "artifacts": str(self.artifacts),
+            "state_dir": str(self.root / "devices" / device), "heartbeat_s": 1.0,
+            "broker": self.broker_section(device, self.passwords[device]),
+            "trainer": {"backend": "ort", "optimizer": "adamw", "lr": 3e-3},
+            "learner": {"epochs": 2, "batch_size": 32},
+            "store": {"max_samples": 200},
+            "policy": {"name": "refed", "pim_epochs": 2},
+            "data": {"scenario": self.scenario, "client": index},
+        }
+        for key, value in self.device_options.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+        return write_toml(self.root / f"{device}.toml", config)
+
+    # --- processes --------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgefil.cli", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        log.close()
+        self.processes[name] = proc
+        return proc
+
+    def start(self) -> None:
+        self.broker.start()
+        for i in range(self.n_devices):
+            self.start_device(i)
+
+    def start_device(self, index: int) -> subprocess.Popen:
+        return self._spawn(self.devices[index], ["client", "--config", str(self.device_config(index))])
+
+    def start_coordinator(self, resume: bool = False) -> subprocess.Popen:
+        args = ["coordinator", "--config", str(self.coordinator_config())] + (["--resume"] if resume else [])
+        return self._spawn("coordinator", args)
+
+    def kill(self, name: str) -> None:
+        proc = self.processes[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def wait_coordinator(self, timeout: float) -> int:
+        proc = self.processes["coordinator"]
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"coordinator still running after {timeout} s:\n{self.log_tail('coordinator')}")
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.broker.stop()
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def results(self) -> dict[str, Any]:
+        return json.loads((self.root / "run" / "results.json").read_text())
+
+    def rounds_done(self) -> int:
+        path = self.root / "run" / "results.json"
+        return json.loads(path.read_text())["rounds_completed"] if path.exists() else 0
+
+    def wait_rounds(self, rounds: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.rounds_done() < rounds:
+            if time.monotonic() > deadline or self.processes["coordinator"].poll() is not None:
+                raise AssertionError(f"round {rounds} not reached:\n{self.log_tail('coordinator')}")
+            time.sleep(0.1)
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.root / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"

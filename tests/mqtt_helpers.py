@@ -1,0 +1,86 @@
+"""A paho 2 client for tests: connects synchronously (so a refused CONNACK is a value, not a reconnect loop),
+then runs paho's network thread and records every message it receives."""
+from __future__ import annotations
+
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.reasoncodes import ReasonCode
+
+from coordinator.broker import BrokerAddress
+
+
+class Peer:
+    def __init__(self, address: BrokerAddress, username: str | None = None, password: str | None = None,
+                 tls: bool | None = None) -> None:
+        self.address = address
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+        self.client.reconnect_delay_set(0.1, 0.2)  # paho's default (1 s) makes close() wait that long after a drop
+        if username is not None:
+            self.client.username_pw_set(username, password)
+        if tls if tls is not None else address.cafile is not None:
+            self.client.tls_set(ca_certs=address.cafile)
+        self.connack: ReasonCode | None = None
+        self.disconnected = threading.Event()
+        self.messages: list[tuple[str, bytes]] = []
+        self._changed = threading.Condition()
+        self._subacks: dict[int, list[ReasonCode]] = {}
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = lambda *args: self.disconnected.set()
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = self._on_subscribe
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connack = reason_code
+
+    def _on_message(self, client, userdata, message) -> None:
+        with self._changed:
+            self.messages.append((message.topic, bytes(message.payload)))
+            self._changed.notify_all()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._changed:
+            self._subacks[mid] = list(reason_codes)
+            self._changed.notify_all()
+
+    def connect(self, timeout: float = 5.0) -> ReasonCode | None:
+        """The CONNACK's reason, or None when the connection broke first; on success the network thread runs."""
+        self.client.connect(self.address.host, self.address.port, keepalive=30)
+        deadline = time.monotonic() + timeout
+        while self.connack is None and time.monotonic() < deadline:
+            if self.client.loop(timeout=0.05) != mqtt.MQTT_ERR_SUCCESS:
+                break
+        if self.connack is not None and not self.connack.is_failure:
+            self.client.loop_start()
+        else:
+            self.client.disconnect()
+        return self.connack
+
+    def subscribe(self, topic: str, qos: int = 1, timeout: float = 5.0) -> list[ReasonCode]:
+        _, mid = self.client.subscribe(topic, qos)
+        with self._changed:
+            assert self._changed.wait_for(lambda: mid in self._subacks, timeout), f"no SUBACK for {topic}"
+            return self._subacks[mid]
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout: float = 5.0) -> None:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        info.wait_for_publish(timeout)
+        assert info.is_published(), f"publish on {topic} not acknowledged"
+
+    def expect(self, topic: str, timeout: float = 5.0, index: int = 0) -> bytes:
+        """The payload of the index-th message received on `topic`, waiting for it up to `timeout`."""
+        def on_topic() -> list[bytes]:
+            return [payload for t, payload in self.messages if t == topic]
+
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(on_topic()) > index, timeout), f"no message {index} on {topic}"
+            return on_topic()[index]
+
+    def topics(self) -> list[str]:
+        with self._changed:
+            return [topic for topic, _ in self.messages]
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()

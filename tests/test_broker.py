@@ -1,0 +1,325 @@
+"""The broker against real mosquitto and amqtt processes and real paho clients: passwords, the per-device ACL,
+TLS, the packet limit, restarts and the embedded broker."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.broker import (
+    BrokerAddress,
+    Credentials,
+    EmbeddedBroker,
+    MosquittoBroker,
+    TlsFiles,
+    free_port,
+    generate_password,
+    mosquitto_path,
+    topic_prefix,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mqtt_helpers import Peer  # noqa: E402
+
+needs_mosquitto = pytest.mark.skipif(
+    mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it with apt-get)"
+)
+
+FLEET = "lab"
+P = topic_prefix(FLEET)
+QUIET = 0.7  # seconds to wait for a message that must not come, after a later one did
+
+
+@pytest.fixture
+def passwords() -> dict[str, str]:
+    return {"dev-a": generate_password(), "dev-b": generate_password(), "coordinator": generate_password()}
+
+
+def make_broker(workdir: Path, passwords: dict[str, str], **kwargs) -> MosquittoBroker:
+    devices = {name: pw for name, pw in passwords.items() if name != "coordinator"}
+    return MosquittoBroker(workdir, FLEET, devices, Credentials("coordinator", passwords["coordinator"]), **kwargs)
+
+
+@pytest.fixture
+def broker(tmp_path, passwords):
+    with make_broker(tmp_path / "broker", passwords) as running:
+        yield running
+
+
+@pytest.fixture
+def peers(passwords):
+    """connect(address, user) -> a connected Peer logged in with that user's password; all closed afterwards."""
+    made: list[Peer] = []
+
+    def connect(address, user: str) -> Peer:
+        peer = Peer(address, user, passwords[user])
+        made.append(peer)
+        reason = peer.connect()
+        assert reason is not None and not reason.is_failure, f"{user} refused: {reason}"
+        return peer
+
+    yield connect
+    for peer in made:
+        peer.close()
+
+
+@needs_mosquitto
+def test_device_and_coordinator_exchange_messages(broker, peers):
+    coordinator = peers(broker.address, "coordinator")
+    coordinator.subscribe(f"{P}/#")
+    device = peers(broker.address, "dev-a")
+    device.subscribe(f"{P}/to/dev-a/#")
+    device.subscribe(f"{P}/all/#")
+
+    device.publish(f"{P}/dev/dev-a/update", b"weights-a")
+    assert coordinator.expect(f"{P}/dev/dev-a/update") == b"weights-a"
+    coordinator.publish(f"{P}/to/dev-a/round", b"round-1")
+    coordinator.publish(f"{P}/all/weights", b"global")
+    assert device.expect(f"{P}/to/dev-a/round") == b"round-1"
+    assert device.expect(f"{P}/all/weights") == b"global"
+
+
+@needs_mosquitto
+def test_wrong_password_unknown_user_and_anonymous_are_refused(broker, passwords):
+    attempts = [
+        Peer(broker.address, "dev-a", passwords["dev-b"]),
+        Peer(broker.address, "dev-z", passwords["dev-a"]),
+        Peer(broker.address),
+    ]
+    for peer in attempts:
+        reason = peer.connect()
+        assert reason is not None and reason.is_failure, reason
+        assert reason.getName() == "Not authorized"
+    right = Peer(broker.address, "dev-a", passwords["dev-a"])  # the refusals above are not a broken broker
+    assert not right.connect().is_failure
+    right.close()
+
+
+@needs_mosquitto
+def test_a_device_cannot_write_or_read_topics_of_another(broker, peers):
+    coordinator = peers(broker.address, "coordinator")
+    coordinator.subscribe(f"{P}/#")
+    a = peers(broker.address, "dev-a")
+    b = peers(broker.address, "dev-b")
+    b.subscribe(f"{P}/to/dev-b/#")
+    b.subscribe(f"{P}/all/#")
+    a.subscribe(f"{P}/to/dev-b/#")  # mosquitto may grant the SUBACK; what matters is that nothing arrives
+    a.subscribe(f"{P}/#")
+
+    forged = [f"{P}/dev/dev-b/update", f"{P}/to/dev-b/round", f"{P}/all/weights"]
+    for topic in forged:
+        a.publish(topic, b"forged")  # QoS 1: acknowledged although dropped
+    a.publish(f"{P}/dev/dev-a/update", b"after")  # same connection, so it arrives after anything forged would
+    b.publish(f"{P}/dev/dev-b/update", b"private-b")
+    coordinator.publish(f"{P}/to/dev-b/round", b"for-b")
+
+    assert coordinator.expect(f"{P}/dev/dev-a/update") == b"after"
+    assert coordinator.expect(f"{P}/dev/dev-b/update") == b"private-b"
+    assert b.expect(f"{P}/to/dev-b/round") == b"for-b"
+    time.sleep(QUIET)
+    assert [m for m in coordinator.messages if m[1] == b"forged"] == []
+    assert b.messages == [(f"{P}/to/dev-b/round", b"for-b")]
+    assert a.messages == []  # neither b's update nor the coordinator's message to b
+
+
+@needs_mosquitto
+def test_password_file_is_hashed_and_no_plaintext_stays_on_disk(broker, passwords):
+    lines = (broker.workdir / "passwd").read_text().splitlines()
+    assert sorted(line.split(":", 1)[0] for line in lines) == sorted(passwords)
+    assert all(line.split(":", 1)[1].startswith("$7$") for line in lines)  # PBKDF2-SHA512
+    for path in broker.workdir.iterdir():
+        data = path.read_bytes()
+        for password in passwords.values():
+            assert password.encode() not in data, f"{path.name} holds a plaintext password"
+    assert oct((broker.workdir / "passwd").stat().st_mode & 0o777) == "0o600"
+
+
+@needs_mosquitto
+def test_restart_and_crash_keep_the_port_and_clients_reconnect(broker, peers):
+    port = broker.address.port
+    for interrupt in (broker.restart, lambda: (broker.kill(), broker.start())):
+        interrupt()
+        assert broker.running and broker.address.port == port
+        coordinator = peers(broker.address, "coordinator")
+        coordinator.subscribe(f"{P}/dev/+/update")
+        device = peers(broker.address, "dev-a")
+        device.publish(f"{P}/dev/dev-a/update", b"again")
+        assert coordinator.expect(f"{P}/dev/dev-a/update") == b"again"
+    broker.stop()
+    broker.stop()  # idempotent
+    assert not broker.running
+
+
+@needs_mosquitto
+def test_persistence_keeps_a_retained_status_across_restart(tmp_path, passwords, peers):
+    with make_broker(tmp_path / "broker", passwords, persistence=True) as broker:
+        device = peers(broker.address, "dev-a")
+        device.publish(f"{P}/dev/dev-a/status", b"online", retain=True)
+        broker.restart()
+        coordinator = peers(broker.address, "coordinator")
+        coordinator.subscribe(f"{P}/dev/+/status")
+        assert coordinator.expect(f"{P}/dev/dev-a/status") == b"online"
+        assert (broker.workdir / "mosquitto.db").exists()
+
+
+@needs_mosquitto
+def test_add_device_while_running(broker, passwords, peers):
+    passwords["dev-c"] = generate_password()
+    refused = Peer(broker.address, "dev-c", passwords["dev-c"])
+    assert refused.connect().is_failure
+    broker.add_device("dev-c", passwords["dev-c"])
+    coordinator = peers(broker.address, "coordinator")
+    coordinator.subscribe(f"{P}/dev/#")
+    device = peers(broker.address, "dev-c")  # right after add_device returns
+    device.publish(f"{P}/dev/dev-c/update", b"hello")
+    assert coordinator.expect(f"{P}/dev/dev-c/update") == b"hello"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_server_cert(folder: Path) -> TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgefil test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             cwd=folder)
+    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=folder)
+    (folder / "server.ext").write_text("basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\n"
+                                       "extendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "server.crt", "-days", "2", "-extfile", "server.ext", cwd=folder)
+    return TlsFiles(str(folder / "ca.crt"), str(folder / "server.crt"), str(folder / "server.key"))
+
+
+@needs_mosquitto
+def test_tls_listener(tmp_path, passwords, peers):
+    tls = make_server_cert(tmp_path)
+    with make_broker(tmp_path / "broker", passwords, tls=tls) as broker:
+        assert broker.address.cafile == tls.cafile
+        coordinator = peers(broker.address, "coordinator")  # verifies the certificate against the CA
+        coordinator.subscribe(f"{P}/#")
+        device = peers(broker.address, "dev-a")
+        device.publish(f"{P}/dev/dev-a/update", b"over tls")
+        assert coordinator.expect(f"{P}/dev/dev-a/update") == b"over tls"
+
+        plain = Peer(broker.address, "dev-a", passwords["dev-a"], tls=False)
+        reason = plain.connect(timeout=3.0)
+        assert reason is None or reason.is_failure
+
+
+@needs_mosquitto
+def test_a_publish_over_the_packet_limit_is_not_delivered(tmp_path, passwords, peers):
+    limit = 64 * 1024
+    with make_broker(tmp_path / "broker", passwords, max_packet_bytes=limit) as broker:
+        coordinator = peers(broker.address, "coordinator")
+        coordinator.subscribe(f"{P}/#")
+        device = peers(broker.address, "dev-a")
+        device.publish(f"{P}/dev/dev-a/update", bytes(limit - 1024))
+        assert len(coordinator.expect(f"{P}/dev/dev-a/update")) == limit - 1024
+
+        device.client.publish(f"{P}/dev/dev-a/big", bytes(limit), qos=1)
+        assert device.disconnected.wait(5.0), "mosquitto kept a client that sent an oversized packet"
+        time.sleep(QUIET)
+        assert f"{P}/dev/dev-a/big" not in coordinator.topics()
+
+
+@needs_mosquitto
+def test_start_fails_with_the_log_when_the_port_is_taken(tmp_path, passwords):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        broker = make_broker(tmp_path / "broker", passwords, port=squatter.getsockname()[1])
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            broker.start(timeout=5.0)
+        assert not broker.running
+
+
+def test_names_and_passwords_are_validated(tmp_path):
+    assert topic_prefix("fleet_1-x") == "edgefil/fleet_1-x"
+    for bad in ["", "a/b", "a+b", "#", "é", "x" * 65]:
+        with pytest.raises(ValueError):
+            topic_prefix(bad)
+    coordinator = Credentials("coordinator", "pw")
+    with pytest.raises(ValueError):
+        MosquittoBroker(tmp_path, FLEET, {"dev/1": "pw"}, coordinator)
+    with pytest.raises(ValueError):
+        MosquittoBroker(tmp_path, FLEET, {"coordinator": "pw"}, coordinator)
+    with pytest.raises(ValueError):
+        MosquittoBroker(tmp_path, FLEET, {"dev-1": "a:b"}, coordinator)
+    assert len({generate_password() for _ in range(100)}) == 100
+
+
+def test_embedded_broker_round_trips_a_megabyte_at_qos_1():
+    payload = os.urandom(1024 * 1024)
+    with EmbeddedBroker() as broker:
+        assert broker.running
+        receiver = Peer(broker.address)
+        sender = Peer(broker.address)
+        try:
+            assert not receiver.connect().is_failure and not sender.connect().is_failure
+            receiver.subscribe(f"{P}/all/#")
+            sender.publish(f"{P}/all/weights", payload)
+            assert receiver.expect(f"{P}/all/weights") == payload
+        finally:
+            receiver.close()
+            sender.close()
+    assert not broker.running
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", broker.address.port), timeout=1.0).close()
+
+
+def test_broker_command_serves_until_ctrl_c(tmp_path):
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import argparse
+        from coordinator.broker import add_broker_parser
+        parser = argparse.ArgumentParser(prog="edgefil")
+        add_broker_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["broker", "--port", "{port}"])
+        raise SystemExit(args.run(args))
+    """)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert f"127.0.0.1:{port}" in proc.stdout.readline()
+        peer = Peer(BrokerAddress("127.0.0.1", port))
+        assert not peer.connect().is_failure
+        peer.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10.0) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@needs_mosquitto
+def test_last_will_on_its_own_status_is_delivered_and_a_forged_will_dropped(broker, passwords, peers):
+    status = f"{P}/dev/dev-a/status"
+    coordinator = peers(broker.address, "coordinator")
+    coordinator.subscribe(f"{P}/dev/+/status")
+    wills = {status: Peer(broker.address, "dev-a", passwords["dev-a"]),
+             f"{P}/dev/dev-b/status": Peer(broker.address, "dev-a", passwords["dev-a"])}
+    for topic, device in wills.items():
+        device.client.will_set(topic, b"offline", qos=1, retain=True)
+        assert not device.connect().is_failure  # mosquitto 2.0.11 accepts a forged will and drops it later
+    wills[status].publish(status, b"online", retain=True)
+    assert coordinator.expect(status) == b"online"
+    for device in wills.values():
+        device.client.socket().shutdown(socket.SHUT_RDWR)  # gone without a DISCONNECT, as when a device dies
+        device.close()
+    assert coordinator.expect(status, index=1) == b"offline"
+    late = peers(broker.address, "coordinator")
+    late.subscribe(f"{P}/dev/+/status")
+    assert late.expect(status) == b"offline"  # retained
+    time.sleep(QUIET)
+    assert f"{P}/dev/dev-b/status" not in coordinator.topics() + late.topics()
