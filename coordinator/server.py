@@ -167,7 +167,7 @@ class Coordinator:
             "round": collected.number, "task": collected.task, "selected": collected.selected,
             "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
             "accuracy": accuracies, "aggregate_s": aggregate_s,
-            "train_loss": {u.device: u.metrics.get("loss") for u in updates},
+            "metrics": {u.device: dict(u.metrics) for u in updates},
         })
         log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
                  collected.task, " ".join(f"{a:.3f}" for a in accuracies))

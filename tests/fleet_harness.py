@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.broker import Credentials, MosquittoBroker, generate_password
+from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,13 +52,18 @@ class Fleet:
     coordinator_options: dict[str, Any] = field(default_factory=dict)
     device_options: dict[str, Any] = field(default_factory=dict)
     keepalive: int = 2
+    outsiders: tuple[str, ...] = ()  # broker accounts that are not on the coordinator's roster
+    embedded: bool = False  # the pure-Python broker (anonymous, no ACL) instead of mosquitto
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.devices = [f"dev-{i}" for i in range(self.n_devices)]
-        self.passwords = {d: generate_password() for d in self.devices}
+        self.passwords = {d: generate_password() for d in (*self.devices, *self.outsiders)}
         self.coordinator_credentials = Credentials("coordinator", generate_password())
-        self.broker = MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials)
+        self.broker = (
+            EmbeddedBroker() if self.embedded
+            else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials)
+        )
         self.scenario = {**self.scenario, "n_clients": self.n_devices}
         self.processes: dict[str, subprocess.Popen] = {}
 

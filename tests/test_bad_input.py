@@ -1,0 +1,102 @@
+"""Bad input never crashes the coordinator and never enters aggregation: during a real run, a compromised device
+(dev-0's credentials), a broker account that is not on the roster and an anonymous client send every kind of
+malformed message many times; each is rejected, counted under its reason, and the run completes as usual."""
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import numpy as np
+import pytest
+
+from coordinator.broker import mosquitto_path
+from edge_client import topics, wire
+from fleet_harness import Fleet
+from models.manifest import load_manifest
+from mqtt_helpers import Peer
+
+pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+TIMES = 12  # of each malformed kind
+CHANCE = 0.1
+
+
+def update_chunks(weights: np.ndarray, device: str = "dev-0", round_: int = 1, **fields) -> list[bytes]:
+    header = dict(device=device, round=round_, task=0, model="0" * 64, num_samples=10, metrics={})
+    return wire.encode_blob("update", wire.weights_bytes(weights), **{**header, **fields})
+
+
+def raw_chunk(**overrides) -> bytes:
+    """A chunk message built by hand, to say what the codec itself refuses to write."""
+    data = np.zeros(16, dtype="<f8").tobytes()
+    message = dict(v=wire.SCHEMA_VERSION, kind="update", blob=hashlib.sha256(data).hexdigest(), size=len(data),
+                   dtype="<f4", index=0, count=1, offset=0, chunk_sha256=hashlib.sha256(data).digest(), data=data,
+                   device="dev-0", round=1, task=0, model="0" * 64, num_samples=1, metrics={})
+    return msgpack.packb({**message, **overrides}, use_bin_type=True)
+
+
+def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, list[bytes]]:
+    """One batch of each kind, keyed by the reason the coordinator must count it under."""
+    good = lambda: rng.standard_normal(n_params).astype(np.float32)  # noqa: E731
+    nan = good()
+    nan[rng.integers(n_params)] = np.nan
+    tampered = wire.decode(update_chunks(good())[0])
+    tampered["data"] = bytes(len(tampered["data"]))  # zeros, keeping the original chunk_sha256
+    return {
+        "malformed": [b"\xc1 not msgpack", b"", msgpack.packb([1, 2, 3])],
+        "schema": [msgpack.packb({"v": 99, "kind": "update"})],
+        "kind": [wire.encode("status", device="dev-0", state="idle", round=0)],  # a status on the update topic
+        "field": [raw_chunk(num_samples="many")],
+        "dtype": [raw_chunk(dtype="<f8")],
+        "weights-length": update_chunks(good()[:-1]),
+        "weights-nonfinite": update_chunks(nan),
+        "chunk-hash": [msgpack.packb(tampered, use_bin_type=True)],
+        "oversized": [bytes(wire.MAX_MESSAGE_BYTES + 1)],
+        "impersonation": update_chunks(good(), device="dev-1"),
+        "wrong-round": update_chunks(good(), round_=10_000),
+    }
+
+
+def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=3, outsiders=("intruder",),
+                  coordinator_options={"rounds_per_task": 3, "min_clients": 3})
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        n_params = load_manifest(artifacts).num_parameters
+        fleet.wait_rounds(1, timeout=120)
+
+        anonymous = Peer(fleet.broker.address)
+        assert anonymous.connect().is_failure  # unauthenticated: the broker says no
+        wrong = Peer(fleet.broker.address, "dev-1", "not-the-password")
+        assert wrong.connect().is_failure
+
+        rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
+        intruder = Peer(fleet.broker.address, "intruder", fleet.passwords["intruder"])
+        assert not rogue.connect().is_failure and not intruder.connect().is_failure
+        own_update = topics.from_device(fleet.fleet, "dev-0", "update")
+        rng = np.random.default_rng(0)
+        for _ in range(TIMES):
+            for reason, payloads in malformed_messages(n_params, rng).items():
+                for payload in payloads:
+                    rogue.publish(own_update, payload)
+            for payload in update_chunks(rng.standard_normal(n_params).astype(np.float32), device="intruder"):
+                intruder.publish(topics.from_device(fleet.fleet, "intruder", "update"), payload)
+            # the broker's ACL: dev-0 may not speak for dev-1; this never reaches the coordinator
+            rogue.publish(topics.from_device(fleet.fleet, "dev-1", "update"), b"\xc1 forged")
+        sent_by = fleet.rounds_done()
+        fleet.wait_rounds(min(sent_by + 2, 15), timeout=120)  # later rounds prove the messages were processed
+        rogue.close()
+        intruder.close()
+
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        results = fleet.results()
+        counters = results["counters"]
+        for reason, payloads in malformed_messages(n_params, rng).items():
+            assert counters.get(reason, 0) == TIMES * len(payloads), (reason, counters)
+        assert counters.get("unknown-device", 0) == TIMES  # intruder's single-chunk updates
+        assert results["rounds_completed"] == 15
+        assert all(sorted(r["received"]) == fleet.devices for r in results["history"])
+        assert results["final_accuracy"] > 3 * CHANCE
+    finally:
+        fleet.stop()

@@ -1,0 +1,111 @@
+"""Coordinator parts without a broker: selection, the round's acceptance rules, the inbox gate, checkpoints,
+configuration files."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from coordinator.checkpoint import RunState, load_run_state, save_run_state
+from coordinator.config import CoordinatorConfig
+from coordinator.inbox import Inbox, Registration, Status, Update
+from coordinator.rounds import OpenRound, select
+from edge_client import topics, wire
+from edge_client.config import DeviceConfig
+from edge_client.durable import StateError
+
+FLEET = "f"
+MODEL = "ab" * 32
+
+
+@pytest.mark.parametrize("n, fraction, quorum, expected", [(10, 0.3, 2, 3), (10, 0.1, 2, 2), (3, 1.0, 1, 3), (4, 0.5, 9, 4)])
+def test_selection_takes_ceil_r_n_at_least_the_quorum(n, fraction, quorum, expected):
+    available = [f"d{i}" for i in range(n)]
+    chosen = select(available, fraction, quorum, np.random.default_rng(0))
+    assert len(chosen) == expected and len(set(chosen)) == expected and set(chosen) <= set(available)
+    assert chosen == sorted(chosen)
+    assert chosen == select(list(reversed(available)), fraction, quorum, np.random.default_rng(0))  # seeded
+
+
+def update(device="d1", round_=5, model=MODEL, task=0) -> Update:
+    return Update(device, round_, task, model, 10, {}, np.zeros(3, np.float32))
+
+
+def test_open_round_accepts_each_selected_device_once_and_names_every_refusal():
+    current = OpenRound.open(5, 0, MODEL, ["d1", "d2"], deadline_s=60)
+    counts: Counter[str] = Counter()
+    assert current.offer(update(), counts) is None
+    assert current.offer(update(), counts) == "duplicate"
+    assert current.offer(update(round_=4), counts) == "late"
+    assert current.offer(update(round_=6), counts) == "wrong-round"
+    assert current.offer(update("d2", model="cd" * 32), counts) == "wrong-round"
+    assert current.offer(update("d3"), counts) == "not-selected"
+    assert current.offer(update("d2", task=1), counts) == "wrong-task"
+    assert not current.complete and current.missing() == ["d2"]
+    assert current.offer(update("d2"), counts) is None and current.complete
+    assert counts == Counter({"duplicate": 1, "late": 1, "wrong-round": 2, "not-selected": 1, "wrong-task": 1})
+
+
+def test_inbox_turns_valid_messages_into_events_and_counts_the_rest():
+    inbox = Inbox(FLEET, {"d1", "d2"}, manifest="m" * 64, num_parameters=8)
+    register = wire.encode("register", device="d1", profile="pi4", backend="ort", manifest="m" * 64, software="0")
+    event = inbox.accept(topics.from_device(FLEET, "d1", "register"), register)
+    assert event == Registration("d1", "ort", "pi4")
+    status = wire.encode("status", device="d2", state="idle", round=0)
+    assert inbox.accept(topics.from_device(FLEET, "d2", "status"), status) == Status("d2", "idle", 0)
+    w = np.arange(8, dtype=np.float32)
+    chunks = wire.encode_blob("update", wire.weights_bytes(w), device="d1", round=1, task=0, model=MODEL,
+                              num_samples=4, metrics={"loss": 1.0})
+    event = inbox.accept(topics.from_device(FLEET, "d1", "update"), chunks[0])
+    assert isinstance(event, Update) and event.num_samples == 4
+    np.testing.assert_array_equal(event.weights, w)
+    assert not inbox.rejections
+
+    refused = {
+        "unknown-device": (topics.from_device(FLEET, "d9", "register"), register),
+        "impersonation": (topics.from_device(FLEET, "d2", "register"), register),
+        "manifest-mismatch": (topics.from_device(FLEET, "d1", "register"),
+                              wire.encode("register", device="d1", profile="p", backend="ort", manifest="x",
+                                          software="0")),
+        "kind": (topics.from_device(FLEET, "d1", "update"), status),
+        "topic": ("elsewhere/d1/update", status),
+    }
+    for reason, (topic, payload) in refused.items():
+        assert inbox.accept(topic, payload) is None, reason
+    assert inbox.rejections == Counter({reason: 1 for reason in refused})
+    # the coordinator's own messages, echoed back by a wildcard subscription, are not counted as bad input
+    assert inbox.accept(topics.to_device(FLEET, "d1", "round"), b"x") is None
+    assert sum(inbox.rejections.values()) == len(refused)
+
+
+def test_run_state_checkpoint_round_trips_and_refuses_a_tampered_weight_file(tmp_path):
+    state = RunState(weights=np.arange(5, dtype=np.float32), round=3, task=1, round_in_task=1,
+                     rng=np.random.default_rng(4).bit_generator.state, history=[{"round": 3}],
+                     accuracy_matrix=[[0.9]], counters={"late": 2})
+    save_run_state(tmp_path, state)
+    loaded = load_run_state(tmp_path)
+    np.testing.assert_array_equal(loaded.weights, state.weights)
+    assert (loaded.round, loaded.task, loaded.history, loaded.counters) == (3, 1, [{"round": 3}], {"late": 2})
+    rng = np.random.default_rng()
+    rng.bit_generator.state = loaded.rng
+    assert rng.random() == np.random.default_rng(4).random()
+    weight_file = next(tmp_path.glob("weights-*.f32"))
+    weight_file.write_bytes(b"\0" * weight_file.stat().st_size)
+    with pytest.raises(StateError, match="sha256"):
+        load_run_state(tmp_path)
+
+
+def test_configs_refuse_unknown_keys_and_bad_values(tmp_path):
+    base = {"fleet": FLEET, "out": "run", "artifacts": "a", "devices": ["d1", "d2"], "scenario": {"preset": "x"}}
+    config = CoordinatorConfig.from_dict(base, base=tmp_path)
+    assert config.out == (tmp_path / "run").resolve() and config.broker.username == "coordinator"
+    for bad in ({"rounds": 3}, {"fraction": 0.0}, {"min_clients": 3}, {"devices": ["a/b"]}, {"broker": {"pw": "x"}}):
+        with pytest.raises(ValueError):
+            CoordinatorConfig.from_dict({**base, **bad}, base=tmp_path)
+    device = {"device_id": "d1", "fleet": FLEET, "artifacts": "a", "state_dir": "s", "data": {"folder": "data"}}
+    loaded = DeviceConfig.from_dict(device, base=tmp_path)
+    assert loaded.broker.username == "d1" and loaded.data["folder"] == str((tmp_path / "data").resolve())
+    for bad in ({"device_id": "d 1"}, {"trainer": {"speed": 2}}, {"policy": {"lam": 0.5}}, {"extra": 1}):
+        with pytest.raises(ValueError):
+            DeviceConfig.from_dict({**device, **bad}, base=tmp_path)

@@ -1,0 +1,154 @@
+"""The protocol codec: message schemas, chunked float32 blobs, idempotent reassembly, and every refusal."""
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edge_client import topics, wire
+
+HEADER = dict(device="dev-0", round=3, task=1, model="ab" * 32, num_samples=40, metrics={"loss": 0.25})
+
+
+def weights(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def test_small_messages_round_trip_with_their_schema_version():
+    payload = wire.encode("round", round=2, task=0, model="f" * 64, deadline_s=30, config={"epochs": 2, "mu": 0.1})
+    message = wire.decode(payload)
+    assert message["v"] == wire.SCHEMA_VERSION and message["kind"] == "round"
+    assert message["config"] == {"epochs": 2, "mu": 0.1}
+
+
+def test_weights_travel_as_raw_little_endian_float32_in_chunks_under_the_limit():
+    w = weights(700_000)  # 2.8 MB: three chunks
+    chunks = wire.encode_blob("update", wire.weights_bytes(w), **HEADER)
+    assert len(chunks) == 3 and all(len(c) <= wire.MAX_MESSAGE_BYTES for c in chunks)
+    data = b"".join(wire.decode(c)["data"] for c in chunks)
+    assert data == w.astype("<f4").tobytes()
+    assert wire.decode(chunks[0])["blob"] == hashlib.sha256(data).hexdigest()
+
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.lists(st.integers(0, 5), min_size=6, max_size=30), n=st.integers(1, 3000))
+def test_reassembly_is_idempotent_under_duplicates_and_reordering(order, n):
+    w = weights(n, seed=n)
+    chunks = wire.encode_blob("update", wire.weights_bytes(w), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER)
+    sequence = [chunks[i % len(chunks)] for i in order] + chunks  # everything arrives at least once
+    reassembler = wire.Reassembler(max_blob_bytes=4 * n)
+    delivered = [b for c in sequence if (b := reassembler.add("dev-0", wire.decode(c))) is not None]
+    assert len(delivered) == 1
+    np.testing.assert_array_equal(delivered[0].weights(n), w)
+    assert delivered[0].header["round"] == 3 and "data" not in delivered[0].header
+
+
+def test_two_sources_sending_the_same_blob_are_kept_apart():
+    chunks = wire.encode_blob("update", wire.weights_bytes(weights(10)), **HEADER)
+    reassembler = wire.Reassembler(max_blob_bytes=40)
+    assert reassembler.add("a", wire.decode(chunks[0])) is not None
+    assert reassembler.add("b", wire.decode(chunks[0])) is not None
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (b"\xc1", "malformed"),
+    (b"", "malformed"),
+    (msgpack.packb([1, 2]), "malformed"),
+    (msgpack.packb({"v": 2, "kind": "round"}), "schema"),
+    (msgpack.packb({"kind": "round"}), "schema"),
+    (msgpack.packb({"v": 1, "kind": "hello"}), "kind"),
+    (msgpack.packb({"v": 1, "kind": "status", "device": "d", "state": "idle", "round": "3"}), "field"),
+    (msgpack.packb({"v": 1, "kind": "status", "device": "d", "state": "idle", "round": True}), "field"),
+    (bytes(wire.MAX_MESSAGE_BYTES + 1), "oversized"),
+])
+def test_bad_payloads_are_refused_with_a_reason(payload, reason):
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(payload)
+    assert err.value.reason == reason
+
+
+def chunk_fields(**overrides) -> bytes:
+    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(64)), **HEADER)[0])
+    return msgpack.packb({**message, **overrides}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"dtype": "<f8"}, "dtype"),
+    ({"data": bytes(256)}, "chunk-hash"),
+    ({"size": 255}, "field"),  # not whole float32 values
+    ({"offset": 4}, "field"),  # runs past the end of the blob
+    ({"index": 1}, "field"),  # index >= count
+    ({"metrics": {"loss": "low"}}, "field"),
+    ({"metrics": {f"m{i}": 1.0 for i in range(wire.MAX_METRICS + 1)}}, "field"),
+])
+def test_bad_chunks_are_refused_with_a_reason(overrides, reason):
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(chunk_fields(**overrides))
+    assert err.value.reason == reason
+
+
+def test_reassembler_refuses_blobs_larger_than_the_model_and_bad_weights():
+    w = weights(64)
+    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER)[0])
+    with pytest.raises(wire.WireError, match="oversized"):
+        wire.Reassembler(max_blob_bytes=4 * 63).add("dev-0", message)
+    blob = wire.Reassembler(max_blob_bytes=4 * 64).add("dev-0", message)
+    with pytest.raises(wire.WireError) as err:
+        blob.weights(65)
+    assert err.value.reason == "weights-length"
+    w[7] = np.inf
+    inf_blob = wire.Reassembler(4 * 64).add("d", wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER)[0]))
+    with pytest.raises(wire.WireError) as err:
+        inf_blob.weights(64)
+    assert err.value.reason == "weights-nonfinite"
+
+
+def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_delivered():
+    chunks = [wire.decode(c) for c in wire.encode_blob(
+        "update", wire.weights_bytes(weights(2000)), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER)]
+    reassembler = wire.Reassembler(max_blob_bytes=8000)
+    assert reassembler.add("dev-0", chunks[0]) is None
+    with pytest.raises(wire.WireError) as err:
+        reassembler.add("dev-0", {**chunks[1], "round": 4})
+    assert err.value.reason == "chunk-mismatch"
+    # a forged blob whose chunks are each self-consistent but do not hash to the blob id
+    forged = [dict(c) for c in chunks]
+    forged[-1]["data"] = bytes(len(forged[-1]["data"]))
+    forged[-1]["chunk_sha256"] = hashlib.sha256(forged[-1]["data"]).digest()
+    fresh = wire.Reassembler(max_blob_bytes=8000)
+    for c in forged[:-1]:
+        assert fresh.add("dev-0", c) is None
+    with pytest.raises(wire.WireError) as err:
+        fresh.add("dev-0", forged[-1])
+    assert err.value.reason == "blob-hash"
+
+
+def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():
+    reassembler = wire.Reassembler(max_blob_bytes=8000, max_pending=2)
+    for round_ in range(3):
+        first = wire.encode_blob("update", wire.weights_bytes(weights(2000, round_)),
+                                 chunk_bytes=wire.MIN_CHUNK_BYTES, **{**HEADER, "round": round_})[0]
+        reassembler.add("dev-0", wire.decode(first))
+    assert len(reassembler._pending) == 2
+    assert reassembler.drop(lambda header: header["round"] < 2) == 1
+
+
+def test_the_codec_will_not_write_what_a_receiver_refuses():
+    with pytest.raises(wire.WireError):
+        wire.encode("status", device="d", state="idle")  # round missing
+    with pytest.raises(ValueError):
+        wire.encode_blob("round", b"")
+
+
+def test_topics_parse_and_refuse_bad_names():
+    assert topics.parse("f", topics.from_device("f", "dev-1", "update")) == topics.Topic("dev", "dev-1", "update")
+    assert topics.parse("f", topics.to_all("f", "weights")) == topics.Topic("all", None, "weights")
+    assert topics.parse("f", "edgefil/other/dev/dev-1/update") is None
+    assert topics.parse("f", "edgefil/f/dev/a/b/c") is None
+    for bad in ("", "a/b", "a+", "#", "x" * 65):
+        with pytest.raises(ValueError):
+            topics.from_device("f", bad, "update")
