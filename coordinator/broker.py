@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+from edge_client import topics
+
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
 _RELOADED = b"Reloading config."
 
@@ -83,21 +84,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _check_name(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{kind} must match [A-Za-z0-9_-]{{1,64}}, got {value!r}")
-    return value
-
-
 def _check_password(user: str, password: str) -> str:
     # mosquitto_passwd reads `user:password` lines; an empty password or a line break would change the file.
     if not isinstance(password, str) or not password or any(c in password for c in ":\r\n\0"):
         raise ValueError(f"password of {user!r} must be non-empty without ':' or line breaks")
     return password
-
-
-def topic_prefix(fleet: str) -> str:
-    return f"edgefil/{_check_name('fleet', fleet)}"
 
 
 def generate_password(nbytes: int = 18) -> str:
@@ -138,9 +129,9 @@ class MosquittoBroker:
         persistence: bool = False,
     ) -> None:
         self.workdir = Path(workdir).resolve()
-        self.prefix = topic_prefix(fleet)
+        self.prefix = topics.prefix(fleet)
         self.coordinator = Credentials(
-            _check_name("coordinator username", coordinator.username),
+            topics.check_name(coordinator.username, "coordinator username"),
             _check_password(coordinator.username, coordinator.password),
         )
         self._devices: dict[str, str] = {}
@@ -174,7 +165,7 @@ class MosquittoBroker:
         return self._proc is not None and self._proc.poll() is None
 
     def _check_device(self, device_id: str, password: str) -> None:
-        _check_name("device id", device_id)
+        topics.check_name(device_id, "device id")
         if device_id == self.coordinator.username:
             raise ValueError(f"device id {device_id!r} is the coordinator's username")
         _check_password(device_id, password)
@@ -184,8 +175,8 @@ class MosquittoBroker:
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
         for device_id in sorted(self._devices):
             blocks.append(
-                f"user {device_id}\ntopic write {p}/dev/{device_id}/#\n"
-                f"topic read {p}/to/{device_id}/#\ntopic read {p}/all/#\n"
+                f"user {device_id}\ntopic write {p}/{topics.FROM_DEVICE}/{device_id}/#\n"
+                f"topic read {p}/{topics.TO_DEVICE}/{device_id}/#\ntopic read {p}/{topics.TO_ALL}/#\n"
             )
         return "\n".join(blocks)
 

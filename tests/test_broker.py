@@ -22,11 +22,11 @@ from coordinator.broker import (
     free_port,
     generate_password,
     mosquitto_path,
-    topic_prefix,
 )
+from edge_client.topics import prefix as topic_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mqtt_helpers import Peer  # noqa: E402
+from mqtt_helpers import Peer, make_server_cert  # noqa: E402
 
 needs_mosquitto = pytest.mark.skipif(
     mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it with apt-get)"
@@ -180,24 +180,6 @@ def test_add_device_while_running(broker, passwords, peers):
     device = peers(broker.address, "dev-c")  # right after add_device returns
     device.publish(f"{P}/dev/dev-c/update", b"hello")
     assert coordinator.expect(f"{P}/dev/dev-c/update") == b"hello"
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_server_cert(folder: Path) -> TlsFiles:
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgefil test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=folder)
-    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=folder)
-    (folder / "server.ext").write_text("basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\n"
-                                       "extendedKeyUsage=serverAuth\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.crt", "-days", "2", "-extfile", "server.ext", cwd=folder)
-    return TlsFiles(str(folder / "ca.crt"), str(folder / "server.crt"), str(folder / "server.key"))
 
 
 @needs_mosquitto
