@@ -112,6 +112,7 @@ class Device:
             self._publish_status("offline")
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
+            self.learner.store.close()
 
     def handle(self, topic: str, payload: bytes) -> None:
         if topic == CONNECTED:

@@ -59,7 +59,8 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
 def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=3, outsiders=("intruder",),
-                  coordinator_options={"rounds_per_task": 3, "min_clients": 3})
+                  coordinator_options={"rounds_per_task": 3, "min_clients": 3,
+                                       "strategy": {"name": "fedprox", "mu": 0.01}})
     try:
         fleet.start()
         fleet.start_coordinator()

@@ -1,0 +1,142 @@
+"""The device daemon against a real mosquitto, with the test playing the coordinator: it registers, trains on
+its round, answers a repeated round with the same update (also after a process restart, from its saved state),
+and shrugs off garbage. Its data comes from a folder of task files, as on a real device."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
+from edge_client import topics, wire
+from edge_client.config import DeviceConfig
+from edge_client.device import Device, manifest_digest
+from edge_client.sources import FolderSource
+from edge_client.trainers.ort import OrtTrainer
+from firmware_sim.datasets import load_dataset
+from mqtt_helpers import Peer
+
+pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+FLEET = "lab"
+
+
+@pytest.fixture
+def setup(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    data = load_dataset("digits")
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    first = np.isin(data.y_train, [0, 1])
+    np.savez(folder / "task-0.npz", x=data.x_train[first][:80], y=data.y_train[first][:80])
+    broker = MosquittoBroker(tmp_path / "broker", FLEET, {"dev-0": "pw"}, Credentials("coordinator", "pw-c"))
+    broker.start()
+    config = DeviceConfig.from_dict({
+        "device_id": "dev-0", "fleet": FLEET, "artifacts": str(artifacts), "state_dir": str(tmp_path / "state"),
+        "heartbeat_s": 0.5, "broker": {"port": broker.address.port, "password": "pw", "keepalive": 2},
+        "store": {"max_samples": 50}, "policy": {"name": "random"}, "data": {"folder": str(folder)},
+    })
+    coordinator = Peer(broker.address, "coordinator", "pw-c")
+    assert not coordinator.connect().is_failure
+    coordinator.subscribe(f"{topics.prefix(FLEET)}/dev/+/+")
+    yield config, coordinator, OrtTrainer(artifacts).get_weights()
+    coordinator.close()
+    broker.stop()
+
+
+def start(config: DeviceConfig) -> tuple[Device, threading.Thread]:
+    """Build and run a device on its own thread (its replay store belongs to the thread that opened it)."""
+    built: list[Device] = []
+    ready = threading.Event()
+
+    def run() -> None:
+        built.append(Device(config))
+        ready.set()
+        built[0].run()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(60)
+    return built[0], thread
+
+
+def updates(coordinator: Peer, n_params: int) -> list[wire.Blob]:
+    reassembler = wire.Reassembler(4 * n_params)
+    topic = topics.from_device(FLEET, "dev-0", "update")
+    blobs = []
+    for i, (t, payload) in enumerate(list(coordinator.messages)):
+        if t == topic and (blob := reassembler.add(f"{i}", wire.decode(payload))) is not None:
+            blobs.append(blob)
+    return blobs
+
+
+def send_round(coordinator: Peer, weights: np.ndarray, round_: int = 1, **config) -> str:
+    blob = wire.weights_bytes(weights)
+    for chunk in wire.encode_blob("weights", blob, round=round_, version=0):
+        coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
+    model = wire.blob_id(blob)
+    coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
+        "round", round=round_, task=0, model=model, deadline_s=30, config={"epochs": 1, **config}))
+    return model
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup):
+    config, coordinator, initial = setup
+    n = len(initial)
+    device, thread = start(config)
+    register = wire.decode(coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30))
+    assert register["manifest"] == manifest_digest(config.artifacts) and register["backend"] == "ort"
+
+    coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), b"\xc1 garbage")  # ignored, not fatal
+    model = send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 1)
+    first = updates(coordinator, n)[0]
+    assert first.header["round"] == 1 and first.header["model"] == model and first.header["num_samples"] == 50
+    assert not np.array_equal(first.weights(n), initial)  # it trained
+    assert device.rejected == 1 and thread.is_alive()
+
+    send_round(coordinator, initial)  # the same round again (e.g. after a broker restart): same update
+    wait_for(lambda: len(updates(coordinator, n)) == 2)
+    assert updates(coordinator, n)[1].sha256 == first.sha256
+
+    device.stop_requested.set()
+    thread.join(15)
+    assert wire.decode(coordinator.messages[-1][1])["state"] == "offline"
+
+    restarted, thread = start(config)  # a new process would do the same: restore, then answer from the state
+    assert restarted.learner.state.round == 1 and restarted.learner.state.model == model
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 3)
+    assert updates(coordinator, n)[2].sha256 == first.sha256
+
+    # FedProx: the coordinator sends mu and the device applies the proximal term; a strong pull keeps the
+    # update near the global weights it started from
+    send_round(coordinator, initial, round_=2, epochs=10)
+    wait_for(lambda: len(updates(coordinator, n)) == 4)
+    send_round(coordinator, initial, round_=3, epochs=10, mu=500.0)
+    wait_for(lambda: len(updates(coordinator, n)) == 5)
+    free, pulled = updates(coordinator, n)[3:]
+    assert (free.header["round"], pulled.header["round"]) == (2, 3)
+    distance = lambda blob: np.linalg.norm(blob.weights(n) - initial)  # noqa: E731
+    assert distance(pulled) < 0.5 * distance(free)
+    restarted.stop_requested.set()
+    thread.join(15)
+
+
+def test_folder_source_reads_task_files_and_names_what_is_missing(tmp_path):
+    np.savez(tmp_path / "task-0.npz", x=np.zeros((3, 1, 8, 8)), y=np.array([1, 2, 3]))
+    x, y = FolderSource(tmp_path).task_data(0)
+    assert x.dtype == np.float32 and y.dtype == np.int64 and len(y) == 3
+    with pytest.raises(FileNotFoundError, match="task-1.npz"):
+        FolderSource(tmp_path).task_data(1)
+    with pytest.raises(FileNotFoundError):
+        FolderSource(tmp_path / "nowhere")
