@@ -113,6 +113,7 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
     assert wire.decode(coordinator.messages[-1][1])["state"] == "offline"
 
     restarted, thread = start(config)  # a new process would do the same: restore, then answer from the state
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30, index=1)  # subscribed again
     assert restarted.learner.state.round == 1 and restarted.learner.state.model == model
     send_round(coordinator, initial)
     wait_for(lambda: len(updates(coordinator, n)) == 3)
