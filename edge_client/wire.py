@@ -51,7 +51,7 @@ _CHUNK_FIELDS: Mapping[str, type | tuple[type, ...]] = {
     "count": int,
     "offset": int,  # where this chunk's data goes in the blob
     "chunk_sha256": bytes,
-    "data": bytes,
+    "data": (bytes, memoryview),  # a sender may pass a view of its buffer; a receiver always gets bytes
 }
 SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     # device -> coordinator
@@ -68,10 +68,10 @@ _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})
 BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
 
 
-def encode(kind: str, **fields: Any) -> bytes:
+def encode(kind: str, _verify_chunk: bool = True, **fields: Any) -> bytes:
     """One message; checked against its schema so a sender cannot emit what a receiver would refuse."""
     message = {"v": SCHEMA_VERSION, "kind": kind, **fields}
-    _check_fields(message)
+    _check_fields(message, verify_chunk=_verify_chunk)
     payload = msgpack.packb(message, use_bin_type=True)
     if len(payload) > MAX_MESSAGE_BYTES:
         raise WireError("oversized", f"{kind} message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -97,7 +97,7 @@ def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     return message
 
 
-def _check_fields(message: Message) -> None:
+def _check_fields(message: Message, verify_chunk: bool = True) -> None:
     kind = message.get("kind")
     if kind not in SCHEMAS:
         raise WireError("kind", f"unknown message kind {kind!r}")
@@ -108,7 +108,7 @@ def _check_fields(message: Message) -> None:
     if kind == "update":
         _check_metrics(message["metrics"])
     if kind in BLOB_KINDS:
-        _check_chunk_fields(message)
+        _check_chunk_fields(message, verify_chunk)
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:
@@ -123,7 +123,7 @@ def _check_metrics(metrics: dict) -> None:
             raise WireError("field", f"update.metrics must map names to numbers, got {key!r}: {value!r}")
 
 
-def _check_chunk_fields(message: Message) -> None:
+def _check_chunk_fields(message: Message, verify_hash: bool) -> None:
     size, index, count, offset, data = (message[k] for k in ("size", "index", "count", "offset", "data"))
     if message["dtype"] != WEIGHTS_DTYPE:
         raise WireError("dtype", f"blob dtype {message['dtype']!r}; weights travel as {WEIGHTS_DTYPE}")
@@ -131,7 +131,7 @@ def _check_chunk_fields(message: Message) -> None:
         raise WireError("field", f"blob size {size} is not a whole number of float32 values")
     if not 0 <= index < count or not 0 <= offset <= offset + len(data) <= size:
         raise WireError("field", f"chunk {index}/{count} at {offset}+{len(data)} does not fit a blob of {size} bytes")
-    if hashlib.sha256(data).digest() != message["chunk_sha256"]:
+    if verify_hash and hashlib.sha256(data).digest() != message["chunk_sha256"]:
         raise WireError("chunk-hash", f"chunk {index}/{count} of blob {message['blob'][:12]} fails its sha256")
 
 
@@ -155,9 +155,9 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
     chunks = []
     for index in range(count):
         piece = view[index * chunk_bytes:(index + 1) * chunk_bytes]
-        chunks.append(encode(
-            kind, blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index, count=count,
-            offset=index * chunk_bytes, chunk_sha256=hashlib.sha256(piece).digest(), data=bytes(piece), **fields,
+        chunks.append(encode(  # the chunk hash is computed right here: no need to verify it again
+            kind, _verify_chunk=False, blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index, count=count,
+            offset=index * chunk_bytes, chunk_sha256=hashlib.sha256(piece).digest(), data=piece, **fields,
         ))
     return chunks
 
