@@ -13,6 +13,7 @@ round's weights and message again on its own topics (after a broker restart, or 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -147,7 +148,7 @@ class Coordinator:
                 self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
         config = {**self.config.client, **self.strategy.configure(current.number, [device]).get(device, {})}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
-            "round", round=current.number, task=current.task, model=current.model,
+            "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
             deadline_s=max(current.remaining_s(), 0.0), config=config,
         ))
 
@@ -261,5 +262,5 @@ def run_coordinator(config_path: str | Path, resume: bool = False, device: str |
     """`edgefil coordinator --config FILE [--resume] [--device cpu|cuda]`."""
     config = CoordinatorConfig.load(config_path)
     if device is not None:
-        config = CoordinatorConfig(**{**config.__dict__, "device": device})
+        config = dataclasses.replace(config, device=device)
     return Coordinator(config, resume=resume).run()

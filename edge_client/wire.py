@@ -61,7 +61,7 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
         **_CHUNK_FIELDS, "device": str, "round": int, "task": int, "model": str, "num_samples": int, "metrics": dict,
     },
     # coordinator -> device
-    "round": {"round": int, "task": int, "model": str, "deadline_s": _NUMBER, "config": dict},
+    "round": {"round": int, "task": int, "model": str, "version": int, "deadline_s": _NUMBER, "config": dict},
     "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})

@@ -50,9 +50,13 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from coordinator.server import run_coordinator
+    from coordinator.server import QuorumError, run_coordinator
 
-    results = run_coordinator(args.config, resume=args.resume, device=args.device)
+    try:
+        results = run_coordinator(args.config, resume=args.resume, device=args.device)
+    except (QuorumError, FileExistsError) as err:
+        print(f"edgefil coordinator: {err}", file=sys.stderr)
+        return 2
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
           f"accuracy matrix: {results['accuracy_matrix']}")
     return 0

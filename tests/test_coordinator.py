@@ -109,3 +109,19 @@ def test_configs_refuse_unknown_keys_and_bad_values(tmp_path):
     for bad in ({"device_id": "d 1"}, {"trainer": {"speed": 2}}, {"policy": {"lam": 0.5}}, {"extra": 1}):
         with pytest.raises(ValueError):
             DeviceConfig.from_dict({**device, **bad}, base=tmp_path)
+
+
+def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts):
+    from coordinator.server import CHECKPOINT_DIR, Coordinator
+
+    config = CoordinatorConfig.from_dict({
+        "fleet": FLEET, "out": "run", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "devices": ["d1"], "scenario": {"preset": "digits-class", "n_clients": 1},
+    }, base=tmp_path)
+    fresh = Coordinator(config)
+    assert fresh.state.round == 0 and fresh.state.weights.dtype == np.float32
+    save_run_state(tmp_path / "run" / CHECKPOINT_DIR, RunState(weights=fresh.state.weights, round=2, task=1, rng=fresh.state.rng))
+    with pytest.raises(FileExistsError, match="--resume"):
+        Coordinator(config)
+    resumed = Coordinator(config, resume=True)
+    assert (resumed.state.round, resumed.state.task) == (2, 1)

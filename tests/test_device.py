@@ -76,7 +76,7 @@ def send_round(coordinator: Peer, weights: np.ndarray, round_: int = 1, **config
         coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
     model = wire.blob_id(blob)
     coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
-        "round", round=round_, task=0, model=model, deadline_s=30, config={"epochs": 1, **config}))
+        "round", round=round_, task=0, model=model, version=round_ - 1, deadline_s=30, config={"epochs": 1, **config}))
     return model
 
 

@@ -19,7 +19,7 @@ def weights(n: int, seed: int = 0) -> np.ndarray:
 
 
 def test_small_messages_round_trip_with_their_schema_version():
-    payload = wire.encode("round", round=2, task=0, model="f" * 64, deadline_s=30, config={"epochs": 2, "mu": 0.1})
+    payload = wire.encode("round", round=2, task=0, model="f" * 64, version=1, deadline_s=30, config={"epochs": 2, "mu": 0.1})
     message = wire.decode(payload)
     assert message["v"] == wire.SCHEMA_VERSION and message["kind"] == "round"
     assert message["config"] == {"epochs": 2, "mu": 0.1}
