@@ -17,8 +17,13 @@ one `mosquitto_pub -f <chunk file> --repeat <chunks> --repeat-delay 0.002` (mosq
 several files in one connection; --repeat waits for each PUBACK, then the delay; with a delay under 2 ms its
 loop polls with a zero timeout and spins a core, which on a small machine slows everything else). QoS 1 both
 ways; the subscribers are started and have their SUBACK before the clock starts; the clock runs from the first
-pub's start to the last sub's exit. The fixed cost of that procedure (process start, connect, authentication,
-disconnect) is timed by running it with one 1-byte message per sender, and is shown subtracted as well.
+pub's start to the last sub's exit. The clients' start-up (process start, connect, authentication, one publish,
+disconnect) is timed as 1 then N concurrent mosquitto_pub of a 1-byte message, and is shown subtracted as well.
+(Not the whole procedure with 1-byte messages: a message that small reaches a mosquitto_sub about 40 ms late here,
+a small-packet TCP delay that the ~1 MB messages do not hit, so it would overstate the start-up.)
+
+A second table gives the CPU seconds each method spent per round, split by process (from /proc): on a machine
+with few cores and many processes, wall time follows total CPU time.
 
     .venv/bin/python benchmarks/transport.py [--devices 20] [--params 100000,1000000,11000000] [--repeats 3]
 """
@@ -82,7 +87,7 @@ def device_worker(device_id: str, host: str, port: int, max_parameters: int) -> 
         for chunk in wire.encode_blob(
             "update", wire.weights_bytes(weights), device=device_id, round=round_message["round"],
             task=round_message["task"], model=round_message["model"], num_samples=1, metrics={},
-        ):
+        ).chunks:
             link.publish(update_topic, chunk)
 
     try:
@@ -102,7 +107,7 @@ def device_worker(device_id: str, host: str, port: int, max_parameters: int) -> 
                 blob = reassembler.add("coordinator", message)
                 if blob is None:
                     continue
-                models[blob.sha256] = blob
+                models[blob.id] = blob
                 while len(models) > 1:
                     models.popitem(last=False)
                 if waiting is None or waiting["model"] not in models:
@@ -250,9 +255,8 @@ class Coordinator:
         counts: Counter[str] = Counter()
         cpu = meter()
         started = time.perf_counter()
-        data = wire.weights_bytes(weights)
-        model = wire.blob_id(data)
-        chunks = wire.encode_blob("weights", data, round=number, version=number - 1)
+        encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=number, version=number - 1)
+        model, chunks = encoded.id, encoded.chunks
         current = OpenRound.open(number, 0, model, list(self.devices), ROUND_TIMEOUT_S)
         for chunk in chunks:
             self.link.publish(topics.to_all(FLEET, "weights"), chunk)
@@ -307,7 +311,7 @@ class Clients:
                 f.write(options)
         pub, sub = shutil.which("mosquitto_pub"), shutil.which("mosquitto_sub")
         if not pub or not sub:
-            raise RuntimeError("mosquitto_pub/mosquitto_sub not found (Debian/Ubuntu: apt-get install mosquitto-clients)")
+            raise RuntimeError("mosquitto_pub/sub not found (Debian/Ubuntu: apt-get install mosquitto-clients)")
         return cls(workdir, {**os.environ, "XDG_CONFIG_HOME": str(config)}, pub, sub)
 
     def subscribe(self, topic: str, count: int, name: str) -> subprocess.Popen:
@@ -459,7 +463,8 @@ def run(args: argparse.Namespace) -> None:
             edgefil = [coordinator.round(rng.standard_normal(params, dtype=np.float32), meter)
                        for _ in range(args.repeats)]
             message = workdir / f"message-{params}.bin"
-            message.write_bytes(rng.standard_normal(params, dtype=np.float32).tobytes()[:math.ceil(model_bytes / count)])
+            message_bytes = math.ceil(model_bytes / count)  # count equal messages carry the model's bytes
+            message.write_bytes(rng.standard_normal(params, dtype=np.float32).tobytes()[:message_bytes])
             startup, baseline = [], []
             for _ in range(args.repeats):
                 startup.append(clients.startup(tiny, n))
@@ -470,7 +475,8 @@ def run(args: argparse.Namespace) -> None:
             s_best, s_median = c_best - u_best, c_median - u_median
             mb = moved / 1e6
             print(f"{label(params):>6s} {model_bytes / 1e6:8.1f} {count:4d} {mb:8.0f} | "
-                  f"{e_best:9.3f} {e_median:7.3f} {mb / e_best:6.0f} | {c_best:9.3f} {c_median:7.3f} {mb / c_best:6.0f} | "
+                  f"{e_best:9.3f} {e_median:7.3f} {mb / e_best:6.0f} | "
+                  f"{c_best:9.3f} {c_median:7.3f} {mb / c_best:6.0f} | "
                   f"{u_best:7.3f} {s_best:8.3f} {s_median:7.3f} {quotient(mb, s_best, '6.0f')} | "
                   f"{e_best / c_best:5.2f} {quotient(e_best, s_best, '6.2f')}", flush=True)
             cpu_rows.append((params, [c for _, c in edgefil], [c for _, c in baseline]))

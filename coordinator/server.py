@@ -131,10 +131,10 @@ class Coordinator:
                           f"{self.config.max_attempts} times")
 
     def _open(self, number: int, task: int, selected: list[str]) -> None:
-        weights = wire.weights_bytes(self.state.weights)
-        model = wire.blob_id(weights)
-        self._weights_chunks = wire.encode_blob("weights", weights, round=number, version=self.state.round)
-        self.open_round = OpenRound.open(number, task, model, selected, self.config.deadline_s)
+        encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
+                                   version=self.state.round)
+        self._weights_chunks = encoded.chunks
+        self.open_round = OpenRound.open(number, task, encoded.id, selected, self.config.deadline_s)
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)

@@ -147,10 +147,10 @@ class Device:
         blob = self.reassembler.add("coordinator", message)
         if blob is None:
             return
-        self.models[blob.sha256] = blob.weights(self.num_parameters)
+        self.models[blob.id] = blob.weights(self.num_parameters)
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
-        if self.waiting is not None and self.waiting["model"] == blob.sha256:
+        if self.waiting is not None and self.waiting["model"] == blob.id:
             waiting, self.waiting = self.waiting, None
             self._take_round(waiting)
 
@@ -205,7 +205,7 @@ class Device:
             "update", wire.weights_bytes(self.trainer.get_weights()), device=self.id, round=round_,
             task=self.learner.state.task, model=model, num_samples=len(store),
             metrics={**metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk()},
-        )
+        ).chunks
         self.last_update = _Update(round_, model, chunks)
         for chunk in chunks:
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)

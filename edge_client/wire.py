@@ -2,7 +2,7 @@
 
 Every payload is one msgpack map with the schema version `v` and a `kind`. Weights travel as raw little-endian
 float32 bytes straight from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload,
-each chunk carrying its own sha256 and the sha256 of the whole blob. `Reassembler` puts blobs back together
+each chunk carrying its own sha256 and the blob's id, the sha256 of those chunk digests. `Reassembler` puts blobs back together
 idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and verified.
 
 Anything that does not match the schema raises `WireError` with a short `reason` the receiver counts.
@@ -44,7 +44,7 @@ class WireError(ValueError):
 
 _NUMBER = (int, float)
 _CHUNK_FIELDS: Mapping[str, type | tuple[type, ...]] = {
-    "blob": str,  # sha256 (hex) of the whole blob
+    "blob": str,  # the blob's id (blob_id): sha256 (hex) over its chunks' digests
     "size": int,  # bytes of the whole blob
     "dtype": str,  # element type of the blob: always WEIGHTS_DTYPE in this version
     "index": int,
@@ -143,34 +143,48 @@ def weights_bytes(weights: np.ndarray) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES, **fields: Any) -> list[bytes]:
-    """All chunk messages of one blob, each a complete message with the blob's fields repeated (any order works)."""
+@dataclass(frozen=True)
+class EncodedBlob:
+    id: str  # the blob's identity: see blob_id
+    chunks: list[bytes]  # complete messages, each with the blob's fields repeated (any order works)
+
+
+def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES, **fields: Any) -> EncodedBlob:
+    """All chunk messages of one blob. Every byte is hashed once: each chunk's sha256, then the id over those."""
     if kind not in BLOB_KINDS:
         raise ValueError(f"{kind!r} does not carry a blob; blob kinds: {sorted(BLOB_KINDS)}")
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}")
     view = memoryview(data).cast("B")
-    blob = hashlib.sha256(view).hexdigest()
-    count = max(1, math.ceil(len(view) / chunk_bytes))
-    chunks = []
-    for index in range(count):
-        piece = view[index * chunk_bytes:(index + 1) * chunk_bytes]
-        chunks.append(encode(  # the chunk hash is computed right here: no need to verify it again
-            kind, _verify_chunk=False, blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index, count=count,
-            offset=index * chunk_bytes, chunk_sha256=hashlib.sha256(piece).digest(), data=piece, **fields,
-        ))
-    return chunks
+    pieces = [view[start:start + chunk_bytes] for start in range(0, max(len(view), 1), chunk_bytes)]
+    digests = [hashlib.sha256(piece).digest() for piece in pieces]
+    blob = _hash_list(digests)
+    chunks = [
+        encode(  # the chunk hashes were computed just above: no need to verify them again
+            kind, _verify_chunk=False, blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index,
+            count=len(pieces), offset=index * chunk_bytes, chunk_sha256=digest, data=piece, **fields,
+        )
+        for index, (piece, digest) in enumerate(zip(pieces, digests))
+    ]
+    return EncodedBlob(blob, chunks)
 
 
-def blob_id(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def blob_id(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """A blob's identity: the sha256 (hex) of its chunks' sha256 digests in order (a hash list, as BitTorrent's
+    piece hashes): it commits to every byte, and a receiver checks it while hashing each byte only once."""
+    view = memoryview(data).cast("B")
+    return _hash_list([hashlib.sha256(view[i:i + chunk_bytes]).digest() for i in range(0, max(len(view), 1), chunk_bytes)])
+
+
+def _hash_list(digests: list[bytes]) -> str:
+    return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 @dataclass(frozen=True)
 class Blob:
     """A reassembled, verified blob and the fields its chunks carried (chunk bookkeeping removed)."""
 
-    sha256: str
+    id: str
     data: bytearray
     header: Message
 
@@ -188,12 +202,19 @@ class _Pending:
     def __init__(self, header: Message, size: int, count: int) -> None:
         self.header = header
         self.data = bytearray(size)
-        self.chunks: dict[int, bytes] = {}
+        self.chunks: dict[int, tuple[int, int, bytes]] = {}  # index -> (offset, length, sha256)
         self.count = count
+
+    def verified(self, blob: str) -> bool:
+        """Chunks tile the blob exactly, in index order, and their digests hash to the blob's id."""
+        parts = [self.chunks[i] for i in range(self.count)]
+        ends = [offset + length for offset, length, _ in parts]
+        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == len(self.data)
+        return tiles and _hash_list([digest for _, _, digest in parts]) == blob
 
 
 class Reassembler:
-    """Collects chunks per (source, blob) and returns each blob once, when it is whole and its sha256 matches.
+    """Collects chunks per (source, blob) and returns each blob once, when it is whole and matches its id.
 
     Memory stays bounded: blobs larger than `max_blob_bytes` are refused, at most `max_pending` blobs are held
     part-way (the oldest is dropped), and the last `remember` delivered blobs are recognised so their late
@@ -221,17 +242,18 @@ class Reassembler:
         elif header != pending.header or message["count"] != pending.count:
             raise WireError("chunk-mismatch", f"chunk {message['index']} disagrees with earlier chunks of its blob")
         index, data = message["index"], message["data"]
+        offset, digest = message["offset"], message["chunk_sha256"]
         if index in pending.chunks:
-            if pending.chunks[index] != message["chunk_sha256"]:
+            if pending.chunks[index] != (offset, len(data), digest):
                 raise WireError("chunk-mismatch", f"chunk {index} arrived twice with different data")
             return None
-        pending.data[message["offset"]:message["offset"] + len(data)] = data
-        pending.chunks[index] = message["chunk_sha256"]
+        pending.data[offset:offset + len(data)] = data
+        pending.chunks[index] = (offset, len(data), digest)
         if len(pending.chunks) < pending.count:
             return None
         del self._pending[key]
-        if hashlib.sha256(pending.data).hexdigest() != key[1]:
-            raise WireError("blob-hash", f"reassembled blob does not match its sha256 {key[1][:12]}")
+        if not pending.verified(key[1]):
+            raise WireError("blob-hash", f"reassembled blob does not match its id {key[1][:12]}")
         self._done[key] = None
         while len(self._done) > self.remember:
             self._done.popitem(last=False)

@@ -22,7 +22,7 @@ CHANCE = 0.1
 
 def update_chunks(weights: np.ndarray, device: str = "dev-0", round_: int = 1, **fields) -> list[bytes]:
     header = dict(device=device, round=round_, task=0, model="0" * 64, num_samples=10, metrics={})
-    return wire.encode_blob("update", wire.weights_bytes(weights), **{**header, **fields})
+    return wire.encode_blob("update", wire.weights_bytes(weights), **{**header, **fields}).chunks
 
 
 def raw_chunk(**overrides) -> bytes:

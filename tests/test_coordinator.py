@@ -56,7 +56,7 @@ def test_inbox_turns_valid_messages_into_events_and_counts_the_rest():
     assert inbox.accept(topics.from_device(FLEET, "d2", "status"), status) == Status("d2", "idle", 0)
     w = np.arange(8, dtype=np.float32)
     chunks = wire.encode_blob("update", wire.weights_bytes(w), device="d1", round=1, task=0, model=MODEL,
-                              num_samples=4, metrics={"loss": 1.0})
+                              num_samples=4, metrics={"loss": 1.0}).chunks
     event = inbox.accept(topics.from_device(FLEET, "d1", "update"), chunks[0])
     assert isinstance(event, Update) and event.num_samples == 4
     np.testing.assert_array_equal(event.weights, w)

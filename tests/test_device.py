@@ -71,10 +71,10 @@ def updates(coordinator: Peer, n_params: int) -> list[wire.Blob]:
 
 
 def send_round(coordinator: Peer, weights: np.ndarray, round_: int = 1, **config) -> str:
-    blob = wire.weights_bytes(weights)
-    for chunk in wire.encode_blob("weights", blob, round=round_, version=0):
+    encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=round_, version=round_ - 1)
+    for chunk in encoded.chunks:
         coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
-    model = wire.blob_id(blob)
+    model = encoded.id
     coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
         "round", round=round_, task=0, model=model, version=round_ - 1, deadline_s=30, config={"epochs": 1, **config}))
     return model
@@ -106,7 +106,7 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
 
     send_round(coordinator, initial)  # the same round again (e.g. after a broker restart): same update
     wait_for(lambda: len(updates(coordinator, n)) == 2)
-    assert updates(coordinator, n)[1].sha256 == first.sha256
+    assert updates(coordinator, n)[1].id == first.id
 
     device.stop_requested.set()
     thread.join(15)
@@ -117,7 +117,7 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
     assert restarted.learner.state.round == 1 and restarted.learner.state.model == model
     send_round(coordinator, initial)
     wait_for(lambda: len(updates(coordinator, n)) == 3)
-    assert updates(coordinator, n)[2].sha256 == first.sha256
+    assert updates(coordinator, n)[2].id == first.id
 
     # FedProx: the coordinator sends mu and the device applies the proximal term; a strong pull keeps the
     # update near the global weights it started from

@@ -27,18 +27,22 @@ def test_small_messages_round_trip_with_their_schema_version():
 
 def test_weights_travel_as_raw_little_endian_float32_in_chunks_under_the_limit():
     w = weights(700_000)  # 2.8 MB: three chunks
-    chunks = wire.encode_blob("update", wire.weights_bytes(w), **HEADER)
+    encoded = wire.encode_blob("update", wire.weights_bytes(w), **HEADER)
+    chunks = encoded.chunks
     assert len(chunks) == 3 and all(len(c) <= wire.MAX_MESSAGE_BYTES for c in chunks)
-    data = b"".join(wire.decode(c)["data"] for c in chunks)
+    decoded = [wire.decode(c) for c in chunks]
+    data = b"".join(c["data"] for c in decoded)
     assert data == w.astype("<f4").tobytes()
-    assert wire.decode(chunks[0])["blob"] == hashlib.sha256(data).hexdigest()
+    # the id is the sha256 of the chunks' sha256 digests, in order
+    digests = b"".join(hashlib.sha256(c["data"]).digest() for c in decoded)
+    assert decoded[0]["blob"] == encoded.id == hashlib.sha256(digests).hexdigest() == wire.blob_id(data)
 
 
 @settings(max_examples=40, deadline=None)
 @given(order=st.lists(st.integers(0, 5), min_size=6, max_size=30), n=st.integers(1, 3000))
 def test_reassembly_is_idempotent_under_duplicates_and_reordering(order, n):
     w = weights(n, seed=n)
-    chunks = wire.encode_blob("update", wire.weights_bytes(w), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER)
+    chunks = wire.encode_blob("update", wire.weights_bytes(w), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER).chunks
     sequence = [chunks[i % len(chunks)] for i in order] + chunks  # everything arrives at least once
     reassembler = wire.Reassembler(max_blob_bytes=4 * n)
     delivered = [b for c in sequence if (b := reassembler.add("dev-0", wire.decode(c))) is not None]
@@ -48,7 +52,7 @@ def test_reassembly_is_idempotent_under_duplicates_and_reordering(order, n):
 
 
 def test_two_sources_sending_the_same_blob_are_kept_apart():
-    chunks = wire.encode_blob("update", wire.weights_bytes(weights(10)), **HEADER)
+    chunks = wire.encode_blob("update", wire.weights_bytes(weights(10)), **HEADER).chunks
     reassembler = wire.Reassembler(max_blob_bytes=40)
     assert reassembler.add("a", wire.decode(chunks[0])) is not None
     assert reassembler.add("b", wire.decode(chunks[0])) is not None
@@ -72,7 +76,7 @@ def test_bad_payloads_are_refused_with_a_reason(payload, reason):
 
 
 def chunk_fields(**overrides) -> bytes:
-    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(64)), **HEADER)[0])
+    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(64)), **HEADER).chunks[0])
     return msgpack.packb({**message, **overrides}, use_bin_type=True)
 
 
@@ -93,7 +97,7 @@ def test_bad_chunks_are_refused_with_a_reason(overrides, reason):
 
 def test_reassembler_refuses_blobs_larger_than_the_model_and_bad_weights():
     w = weights(64)
-    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER)[0])
+    message = wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER).chunks[0])
     with pytest.raises(wire.WireError, match="oversized"):
         wire.Reassembler(max_blob_bytes=4 * 63).add("dev-0", message)
     blob = wire.Reassembler(max_blob_bytes=4 * 64).add("dev-0", message)
@@ -101,7 +105,7 @@ def test_reassembler_refuses_blobs_larger_than_the_model_and_bad_weights():
         blob.weights(65)
     assert err.value.reason == "weights-length"
     w[7] = np.inf
-    inf_blob = wire.Reassembler(4 * 64).add("d", wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER)[0]))
+    inf_blob = wire.Reassembler(4 * 64).add("d", wire.decode(wire.encode_blob("update", wire.weights_bytes(w), **HEADER).chunks[0]))
     with pytest.raises(wire.WireError) as err:
         inf_blob.weights(64)
     assert err.value.reason == "weights-nonfinite"
@@ -109,7 +113,7 @@ def test_reassembler_refuses_blobs_larger_than_the_model_and_bad_weights():
 
 def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_delivered():
     chunks = [wire.decode(c) for c in wire.encode_blob(
-        "update", wire.weights_bytes(weights(2000)), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER)]
+        "update", wire.weights_bytes(weights(2000)), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER).chunks]
     reassembler = wire.Reassembler(max_blob_bytes=8000)
     assert reassembler.add("dev-0", chunks[0]) is None
     with pytest.raises(wire.WireError) as err:
@@ -125,13 +129,22 @@ def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_deliver
     with pytest.raises(wire.WireError) as err:
         fresh.add("dev-0", forged[-1])
     assert err.value.reason == "blob-hash"
+    # genuine chunks placed so they overlap (a gap elsewhere) do not make the blob either
+    shifted = [dict(c) for c in chunks]
+    shifted[1]["offset"] -= 4
+    fresh = wire.Reassembler(max_blob_bytes=8000)
+    for c in shifted[:-1]:
+        assert fresh.add("dev-0", c) is None
+    with pytest.raises(wire.WireError) as err:
+        fresh.add("dev-0", shifted[-1])
+    assert err.value.reason == "blob-hash"
 
 
 def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():
     reassembler = wire.Reassembler(max_blob_bytes=8000, max_pending=2)
     for round_ in range(3):
         first = wire.encode_blob("update", wire.weights_bytes(weights(2000, round_)),
-                                 chunk_bytes=wire.MIN_CHUNK_BYTES, **{**HEADER, "round": round_})[0]
+                                 chunk_bytes=wire.MIN_CHUNK_BYTES, **{**HEADER, "round": round_}).chunks[0]
         reassembler.add("dev-0", wire.decode(first))
     assert len(reassembler._pending) == 2
     assert reassembler.drop(lambda header: header["round"] < 2) == 1
