@@ -34,7 +34,7 @@ from edge_client import topics, wire
 from edge_client.device import manifest_digest
 from edge_client.durable import write_atomically
 from edge_client.link import CONNECTED, Link
-from firmware_sim.metrics import average_accuracy, backward_transfer, forgetting
+from firmware_sim.metrics import accuracy_matrix, average_accuracy, backward_transfer, forgetting
 from firmware_sim.scenarios import scenario_from_config
 from models.manifest import load_manifest
 
@@ -235,9 +235,7 @@ class Coordinator:
     def results(self) -> dict[str, Any]:
         state = self.state
         done = len(state.accuracy_matrix)
-        square = np.zeros((done, done))
-        for i, row in enumerate(state.accuracy_matrix):
-            square[i, : len(row)] = row
+        square = accuracy_matrix(state.accuracy_matrix) if done else None
         last_row = state.history[-1]["accuracy"] if state.history else []
         return {
             "fleet": self.config.fleet,
@@ -246,6 +244,7 @@ class Coordinator:
             "rounds_completed": state.round,
             "tasks_completed": done,
             "accuracy_matrix": state.accuracy_matrix,
+            # the global model after the last completed round, on every task seen (mid-task too, unlike the matrix)
             "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
             "average_accuracy": average_accuracy(square) if done else 0.0,
             "forgetting": forgetting(square) if done else 0.0,
