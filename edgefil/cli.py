@@ -62,6 +62,17 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet_run(args: argparse.Namespace) -> int:
+    from firmware_sim.fleet import run_fleet_file
+
+    try:
+        results = run_fleet_file(args.fleet_file, resume=args.resume)
+    except KeyboardInterrupt:
+        return 130
+    print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgefil", description=__doc__)
     from edgefil import __version__
@@ -95,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     coordinator.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to aggregate (overrides the config)")
     coordinator.set_defaults(run=_coordinator)
+
+    fleet = commands.add_parser("fleet", help="virtual devices, a broker and the coordinator on this machine")
+    fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True)
+    fleet_run = fleet_commands.add_parser("run", help="run a fleet file (see firmware_sim/fleet.py)")
+    fleet_run.add_argument("fleet_file", help="fleet file (TOML)")
+    fleet_run.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    fleet_run.set_defaults(run=_fleet_run)
 
     from coordinator.broker import add_broker_parser
 

@@ -1,0 +1,218 @@
+"""A fleet of virtual devices on one machine: the broker, the coordinator and N device daemons.
+
+`edgefil fleet run FLEET.toml` exports the model, starts a broker (mosquitto with a password per device and the
+ACL when it is installed, else the embedded one), starts worker processes that each host many virtual devices
+(every device is the real `edge_client.device.Device`, on its own thread, with its own MQTT connection, state
+folder and replay store), and runs the coordinator in this process. Ctrl-C stops everything; the coordinator's
+checkpoint and every device's state stay, so `--resume` continues the run.
+
+    name = "demo"                  # fleet (topic prefix) name
+    out = "runs/demo"              # artifacts/, devices/<id>/, logs/, checkpoint/, results.json
+    devices = 10
+    workers = 2                    # processes hosting the virtual devices
+    model = "lenet"
+    seed = 0
+    broker = "auto"                # auto | mosquitto | embedded
+    scenario = {preset = "digits-class"}     # n_clients is set to `devices`
+    [replay]       policy = "refed", max_samples = 200 (M), max_bytes, and policy options (lam, pim_epochs, ...)
+    [trainer]      backend, optimizer, lr, threads          (the device config's [trainer])
+    [client]       epochs, lr, ...                          (sent in every round)
+    [strategy]     name = "fedavg", options
+    [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
+from coordinator.config import CoordinatorConfig
+from coordinator.server import Coordinator
+from edge_client.link import BrokerSettings
+from firmware_sim.scenarios import scenario_from_config
+
+log = logging.getLogger("edgefil.fleet")
+STORE_KEYS = ("max_samples", "max_bytes")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    name: str
+    out: Path
+    devices: int
+    scenario: Mapping[str, Any]
+    workers: int = 2
+    model: str = "lenet"
+    seed: int = 0
+    broker: str = "auto"
+    replay: Mapping[str, Any] = field(default_factory=lambda: {"policy": "refed", "max_samples": 200})
+    trainer: Mapping[str, Any] = field(default_factory=lambda: {"backend": "ort", "optimizer": "adamw", "lr": 3e-3})
+    client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 2})
+    strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
+    coordinator: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.workers < 1:
+            raise ValueError("devices and workers must be at least 1")
+        if self.broker not in ("auto", "mosquitto", "embedded"):
+            raise ValueError(f"broker must be auto, mosquitto or embedded; got {self.broker!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> FleetConfig:
+        path = Path(path)
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in {path}; known: {sorted(known)}")
+        return cls(**{**raw, "out": (path.parent / raw.get("out", "runs/" + raw.get("name", "fleet"))).resolve()})
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [f"dev-{i:03d}" for i in range(self.devices)]
+
+
+class Fleet:
+    """One run of a fleet: `run()` blocks until the coordinator finishes or Ctrl-C, and always cleans up."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.scenario = {**config.scenario, "n_clients": config.devices}
+        self.passwords = {d: generate_password() for d in config.device_ids}
+        self.coordinator_password = generate_password()
+        self.broker: MosquittoBroker | EmbeddedBroker | None = None
+        self._stop = mp.get_context("spawn").Event()
+        self._workers: list[mp.process.BaseProcess] = []
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        out = self.config.out
+        for folder in ("devices", "logs"):
+            (out / folder).mkdir(parents=True, exist_ok=True)
+        artifacts = self._export()
+        try:
+            self.broker = self._start_broker()
+            self._start_workers(artifacts)
+            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume)
+            return coordinator.run()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.terminate()
+        if self.broker is not None:
+            self.broker.stop()
+
+    # --- parts ------------------------------------------------------------------------------------
+
+    def _export(self) -> Path:
+        from models.export import export_registered  # host only
+
+        artifacts = self.config.out / "artifacts"
+        if not (artifacts / "manifest.json").is_file():
+            data = scenario_from_config(self.scenario).build()
+            artifacts.mkdir(parents=True, exist_ok=True)
+            export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
+        return artifacts
+
+    def _start_broker(self) -> MosquittoBroker | EmbeddedBroker:
+        use_mosquitto = self.config.broker == "mosquitto" or (
+            self.config.broker == "auto" and mosquitto_path() is not None
+        )
+        broker: MosquittoBroker | EmbeddedBroker = (
+            MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
+                            Credentials("coordinator", self.coordinator_password))
+            if use_mosquitto else EmbeddedBroker()
+        )
+        broker.start()
+        log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
+        return broker
+
+    def _settings(self, username: str, password: str) -> dict[str, Any]:
+        address = self.broker.address
+        return {"host": address.host, "port": address.port, "username": username, "password": password}
+
+    def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
+        device = self.config.device_ids[index]
+        replay = dict(self.config.replay)
+        store = {k: replay.pop(k) for k in STORE_KEYS if k in replay}
+        return {
+            "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            "state_dir": str(self.config.out / "devices" / device),
+            "broker": self._settings(device, self.passwords[device]),
+            "trainer": dict(self.config.trainer), "store": store,
+            "policy": {"name": replay.pop("policy", "refed"), **replay},
+            "data": {"scenario": self.scenario, "client": index},
+        }
+
+    def _start_workers(self, artifacts: Path) -> None:
+        configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
+        context = mp.get_context("spawn")
+        for k in range(min(self.config.workers, len(configs))):
+            share = configs[k :: self.config.workers]
+            log_file = str(self.config.out / "logs" / f"worker-{k}.log")
+            worker = context.Process(target=host_devices, args=(share, self._stop, log_file), daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            fleet=self.config.name, out=self.config.out, artifacts=artifacts,
+            devices=tuple(self.config.device_ids), scenario=self.scenario,
+            broker=BrokerSettings(**self._settings("coordinator", self.coordinator_password)),
+            seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
+            **dict(self.config.coordinator),
+        )
+
+
+def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
+    """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
+    it), until the fleet says stop. Ctrl-C is the parent's to handle."""
+    from edge_client.config import DeviceConfig
+    from edge_client.device import Device
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(filename=log_file, level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    devices: list[Device] = []
+    lock = threading.Lock()
+
+    def run(raw: dict[str, Any]) -> None:
+        try:
+            device = Device(DeviceConfig.from_dict(raw))
+        except Exception:
+            logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
+            return
+        with lock:
+            devices.append(device)
+        device.run()
+
+    threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
+    for thread in threads:
+        thread.start()
+    stop.wait()
+    with lock:
+        for device in devices:
+            device.stop_requested.set()
+    for thread in threads:
+        thread.join(30)
+
+
+def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
+    """`edgefil fleet run FLEET.toml [--resume]`."""
+    fleet = Fleet(FleetConfig.load(path))
+    try:
+        return fleet.run(resume=resume)
+    except KeyboardInterrupt:
+        log.warning("stopped; the run resumes with: edgefil fleet run %s --resume", path)
+        raise

@@ -1,0 +1,71 @@
+"""`edgefil fleet run`: virtual devices hosted by worker processes against a broker and the coordinator, all
+started from one fleet file; Ctrl-C stops everything and `--resume` finishes the run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FLEET = """
+name = "mini"
+out = "run"
+devices = 4
+workers = 2
+broker = "{broker}"
+scenario = {{preset = "digits-class", n_tasks = 3}}
+[replay]
+policy = "random"
+max_samples = 120
+[coordinator]
+rounds_per_task = 2
+min_clients = 4
+deadline_s = 30.0
+"""
+
+
+def rounds_done(out: Path) -> int:
+    path = out / "results.json"
+    return json.loads(path.read_text())["rounds_completed"] if path.exists() else 0
+
+
+def fleet(path: Path, *extra: str) -> subprocess.Popen:
+    log = open(path.parent / "fleet.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(path), *extra],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="embedded"))
+    out = tmp_path / "run"
+    proc = fleet(path)
+    deadline = time.monotonic() + 120
+    while rounds_done(out) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()[-3000:]
+        time.sleep(0.1)
+    workers = children_of(proc.pid)
+    assert len(workers) >= 2  # the worker processes
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    for pid in workers:  # no worker left behind
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
+    kept = json.loads((out / "results.json").read_text())
+
+    assert fleet(path, "--resume").wait(180) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
+    final = json.loads((out / "results.json").read_text())
+    assert final["rounds_completed"] == 6
+    assert [r["round"] for r in final["history"]] == list(range(1, 7))
+    assert final["history"][: len(kept["history"])] == kept["history"]
+    assert all(len(r["received"]) == 4 for r in final["history"])
+    assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
