@@ -123,21 +123,21 @@ def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_deliver
     forged = [dict(c) for c in chunks]
     forged[-1]["data"] = bytes(len(forged[-1]["data"]))
     forged[-1]["chunk_sha256"] = hashlib.sha256(forged[-1]["data"]).digest()
-    fresh = wire.Reassembler(max_blob_bytes=8000)
-    for c in forged[:-1]:
-        assert fresh.add("dev-0", c) is None
-    with pytest.raises(wire.WireError) as err:
-        fresh.add("dev-0", forged[-1])
-    assert err.value.reason == "blob-hash"
+    assert last_chunk_refusal(forged) == "blob-hash"
     # genuine chunks placed so they overlap (a gap elsewhere) do not make the blob either
     shifted = [dict(c) for c in chunks]
     shifted[1]["offset"] -= 4
-    fresh = wire.Reassembler(max_blob_bytes=8000)
-    for c in shifted[:-1]:
-        assert fresh.add("dev-0", c) is None
+    assert last_chunk_refusal(shifted) == "blob-hash"
+
+
+def last_chunk_refusal(chunks: list[dict]) -> str:
+    """Feed a blob's chunks to a fresh reassembler: all but the last are taken; the reason the last is refused."""
+    reassembler = wire.Reassembler(max_blob_bytes=8000)
+    for c in chunks[:-1]:
+        assert reassembler.add("dev-0", c) is None
     with pytest.raises(wire.WireError) as err:
-        fresh.add("dev-0", shifted[-1])
-    assert err.value.reason == "blob-hash"
+        reassembler.add("dev-0", chunks[-1])
+    return err.value.reason
 
 
 def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():
