@@ -12,6 +12,7 @@
     max_attempts = 3                    # a round that misses its quorum is run again this many times at most
     seed = 0
     device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
+    virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
@@ -47,6 +48,7 @@ class CoordinatorConfig:
     max_attempts: int = 3
     seed: int = 0
     device: str = "auto"
+    virtual_time: bool = False
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     client: Mapping[str, Any] = field(default_factory=dict)
 

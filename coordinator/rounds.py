@@ -5,6 +5,8 @@ Choices (configurable in the coordinator config, documented in docs/protocol.md)
   generator, so a resumed run draws as the original would have.
 - A round closes when every selected device has delivered, or at its deadline. Updates that arrive after the
   close are logged as late and dropped.
+- In virtual time (simulated fleets), an update whose reported `device_seconds` (download + compute + upload on
+  the emulated device) exceed the deadline is late too, however fast the host delivered it.
 - A round with fewer updates than the quorum is not aggregated; it is run again (new selection) up to
   `max_attempts` times, after which the run stops with an error rather than go on with a stale model.
 """
@@ -37,21 +39,30 @@ class OpenRound:
     model: str  # sha256 of the global weights the devices must start from
     selected: list[str]
     deadline: float  # time.monotonic() value
+    virtual_deadline_s: float | None = None  # virtual time: the deadline in the devices' own seconds
     updates: dict[str, Update] = field(default_factory=dict)
+    too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
 
     @classmethod
-    def open(cls, number: int, task: int, model: str, selected: list[str], deadline_s: float) -> OpenRound:
-        return cls(number, task, model, selected, time.monotonic() + deadline_s)
+    def open(
+        cls, number: int, task: int, model: str, selected: list[str], deadline_s: float, virtual: bool = False
+    ) -> OpenRound:
+        return cls(number, task, model, selected, time.monotonic() + deadline_s, deadline_s if virtual else None)
 
     @property
     def complete(self) -> bool:
-        return len(self.updates) == len(self.selected)
+        """Every selected device has answered (a device too slow in device time has answered too)."""
+        return len(self.updates) + len(self.too_slow) == len(self.selected)
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
 
     def missing(self) -> list[str]:
         return [d for d in self.selected if d not in self.updates]
+
+    def _too_slow(self, update: Update) -> bool:
+        limit = self.virtual_deadline_s
+        return limit is not None and update.metrics.get("device_seconds", 0.0) > limit
 
     def offer(self, update: Update, counts: Counter[str]) -> str | None:
         """Accept an update for this round; otherwise return why not (and count it under that reason)."""
@@ -66,6 +77,9 @@ class OpenRound:
             reason = "duplicate"
         elif update.task != self.task:
             reason = "wrong-task"
+        elif self._too_slow(update):
+            reason = "late"
+            self.too_slow.add(update.device)
         if reason is None:
             self.updates[update.device] = update
         else:

@@ -134,7 +134,9 @@ class Coordinator:
         encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
                                    version=self.state.round)
         self._weights_chunks = encoded.chunks
-        self.open_round = OpenRound.open(number, task, encoded.id, selected, self.config.deadline_s)
+        self.open_round = OpenRound.open(
+            number, task, encoded.id, selected, self.config.deadline_s, virtual=self.config.virtual_time
+        )
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)

@@ -13,6 +13,7 @@
     [store]    max_samples (M), max_bytes
     [policy]   name = "refed" | "random" | ..., any other key goes to the policy (e.g. lam, pim_epochs)
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
+    [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time = false
 
 Relative paths are taken relative to the file's folder. Unknown keys are errors: a typo must not pass silently.
 """
@@ -62,6 +63,7 @@ class DeviceConfig:
     store: StoreSettings = StoreSettings()
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     data: Mapping[str, Any] = field(default_factory=dict)
+    emulation: Mapping[str, Any] = field(default_factory=dict)  # virtual devices only: profile, host_gflops, real_time
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], base: Path = Path(".")) -> DeviceConfig:

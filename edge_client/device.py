@@ -15,6 +15,7 @@ import hashlib
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from edge_client import topics, wire
 from edge_client.config import DeviceConfig
+from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.link import CONNECTED, Link, Will
 from edge_client.policies import make_policy
@@ -45,6 +47,21 @@ def make_trainer(config: DeviceConfig) -> Trainer:
 
         return TorchTrainer(load_manifest(config.artifacts), optimizer=settings.optimizer, lr=settings.lr)
     raise ValueError(f"unknown trainer backend {settings.backend!r}; choose 'ort' or 'torch'")
+
+
+def make_environment(config: DeviceConfig) -> Environment:
+    """The real device's own surroundings, or a virtual device's emulated profile (simulation only)."""
+    if not config.emulation:
+        return RealEnvironment()
+    from firmware_sim.emulation import EmulatedEnvironment
+    from firmware_sim.limits import HostCalibration
+    from firmware_sim.profiles import load_profile
+
+    emulation = config.emulation
+    return EmulatedEnvironment(
+        load_profile(emulation["profile"]), HostCalibration(float(emulation["host_gflops"])),
+        real_time=bool(emulation.get("real_time", False)),
+    )
 
 
 def manifest_digest(artifacts: Path) -> str:
@@ -79,6 +96,7 @@ class Device:
         )
         self.learner.restore(config.state_dir)
         self.source = source if source is not None else open_source(config.data)
+        self.environment = make_environment(config)
         self.manifest = manifest_digest(config.artifacts)
         self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * self.num_parameters, max_pending=4)
@@ -169,7 +187,19 @@ class Device:
 
     def _train_round(self, message: wire.Message, global_weights: np.ndarray) -> None:
         round_, task, config = message["round"], message["task"], message["config"]
+        blob_bytes = 4 * self.num_parameters
+        messages = max(1, -(-blob_bytes // wire.CHUNK_BYTES))
+        device_seconds = self.environment.transfer(blob_bytes, messages, upload=False)
+        try:
+            self.environment.check_training(
+                self.trainer.manifest, self.config.learner.batch_size, self.config.trainer.optimizer
+            )
+        except MemoryError as err:  # an out-of-memory kill: the device drops out (its will says offline)
+            log.error("%s: %s; leaving the fleet", self.id, err)
+            self.stop_requested.set()
+            return
         self._publish_status("training", round_)
+        started = time.thread_time()  # this thread's CPU time: virtual devices share the host's cores
         self.trainer.set_weights(global_weights)
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
@@ -181,12 +211,15 @@ class Device:
             epochs=int(config["epochs"]) if "epochs" in config else None,
             proximal=Proximal(mu, global_weights) if mu > 0 else None,
         )
+        device_seconds += self.environment.compute(time.thread_time() - started)
+        device_seconds += self.environment.transfer(blob_bytes, messages, upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
+        self.learner.state.metrics = {"loss": loss, "device_seconds": device_seconds}
         self.learner.save(self.config.state_dir)
-        log.info("%s trained round %d (task %d): loss %.4f on %d stored samples",
-                 self.id, round_, task, loss, len(self.learner.store))
-        self._upload(round_, message["model"], {"loss": loss})
+        log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
+                 self.id, round_, task, loss, len(self.learner.store), device_seconds)
+        self._upload(round_, message["model"], self.learner.state.metrics)
 
     def _resend(self, round_: int, model: str) -> bool:
         """Answer a repeated round message with the update already made for it; False when there is none."""
@@ -195,7 +228,7 @@ class Device:
                 self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
             return True
         if self.learner.state.model == model and self.learner.state.weights is not None:
-            self._upload(round_, model, {})  # after a restart: the saved weights are this round's result
+            self._upload(round_, model, self.learner.state.metrics)  # after a restart: the saved round's result
             return True
         return False
 

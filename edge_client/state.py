@@ -21,7 +21,8 @@ class ClientState:
     round: int = 0
     seen_classes: list[int] = field(default_factory=list)
     n_seen: int = 0  # samples seen since the start (reservoir sampling needs it)
-    model: str = ""  # sha256 of the global model the saved weights were trained from ("" before any round)
+    model: str = ""  # id of the global model the saved weights were trained from ("" before any round)
+    metrics: dict[str, float] = field(default_factory=dict)  # what the last update reported (for a resend)
     weights: np.ndarray | None = None
 
 
@@ -42,6 +43,7 @@ def load_state(directory: str | Path) -> ClientState | None:
             seen_classes=[int(c) for c in record["seen_classes"]],
             n_seen=int(record["n_seen"]),
             model=str(record.get("model", "")),
+            metrics={str(k): float(v) for k, v in record.get("metrics", {}).items()},
             weights=weights,
         )
     except (KeyError, TypeError, ValueError) as err:

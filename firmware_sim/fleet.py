@@ -14,6 +14,10 @@ checkpoint and every device's state stay, so `--resume` continues the run.
     seed = 0
     broker = "auto"                # auto | mosquitto | embedded
     scenario = {preset = "digits-class"}     # n_clients is set to `devices`
+    profiles = {raspberry-pi-4-4gb = 6, jetson-nano = 4}   # emulated devices by profile (counts sum to
+                                   # `devices`); none: devices run unemulated at the host's speed
+    real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
+                                   # to the devices' reported device seconds)
     [replay]       policy = "refed", max_samples = 200 (M), max_bytes, and policy options (lam, pim_epochs, ...)
     [trainer]      backend, optimizer, lr, threads          (the device config's [trainer])
     [client]       epochs, lr, ...                          (sent in every round)
@@ -35,6 +39,7 @@ from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, gen
 from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
 from edge_client.link import BrokerSettings
+from firmware_sim.limits import calibrate_host
 from firmware_sim.scenarios import scenario_from_config
 
 log = logging.getLogger("edgefil.fleet")
@@ -56,10 +61,15 @@ class FleetConfig:
     client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 2})
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     coordinator: Mapping[str, Any] = field(default_factory=dict)
+    profiles: Mapping[str, int] = field(default_factory=dict)
+    real_time: bool = False
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.workers < 1:
             raise ValueError("devices and workers must be at least 1")
+        if self.profiles and sum(self.profiles.values()) != self.devices:
+            raise ValueError(f"profile counts {dict(self.profiles)} add up to {sum(self.profiles.values())}, "
+                             f"not to devices = {self.devices}")
         if self.broker not in ("auto", "mosquitto", "embedded"):
             raise ValueError(f"broker must be auto, mosquitto or embedded; got {self.broker!r}")
 
@@ -77,6 +87,12 @@ class FleetConfig:
     @property
     def device_ids(self) -> list[str]:
         return [f"dev-{i:03d}" for i in range(self.devices)]
+
+    def device_profiles(self) -> list[str | None]:
+        """Each device's profile, in device order (None: not emulated)."""
+        if not self.profiles:
+            return [None] * self.devices
+        return [name for name, count in self.profiles.items() for _ in range(count)]
 
 
 class Fleet:
@@ -96,6 +112,7 @@ class Fleet:
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
         artifacts = self._export()
+        self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
             self.broker = self._start_broker()
             self._start_workers(artifacts)
@@ -146,8 +163,12 @@ class Fleet:
         device = self.config.device_ids[index]
         replay = dict(self.config.replay)
         store = {k: replay.pop(k) for k in STORE_KEYS if k in replay}
+        profile = self.config.device_profiles()[index]
+        emulation = {} if profile is None else {
+            "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
+        }
         return {
-            "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            "emulation": emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": dict(self.config.trainer), "store": store,
@@ -171,6 +192,7 @@ class Fleet:
             devices=tuple(self.config.device_ids), scenario=self.scenario,
             broker=BrokerSettings(**self._settings("coordinator", self.coordinator_password)),
             seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
+            virtual_time=bool(self.config.profiles) and not self.config.real_time,
             **dict(self.config.coordinator),
         )
 

@@ -54,6 +54,7 @@ class Fleet:
     keepalive: int = 2
     outsiders: tuple[str, ...] = ()  # broker accounts that are not on the coordinator's roster
     embedded: bool = False  # the pure-Python broker (anonymous, no ACL) instead of mosquitto
+    per_device: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra config sections by device index
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ class Fleet:
             "policy": {"name": "refed", "pim_epochs": 2},
             "data": {"scenario": self.scenario, "client": index},
         }
-        for key, value in self.device_options.items():
+        for key, value in {**self.device_options, **self.per_device.get(index, {})}.items():
             config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
         return write_toml(self.root / f"{device}.toml", config)
 

@@ -1,0 +1,33 @@
+"""What a device's surroundings impose on a round: whether training fits in memory, how long the compute and the
+transfers take in the device's own time. A real device runs in `RealEnvironment` (nothing emulated: its clock is
+the wall clock); a virtual device in a simulated fleet gets `firmware_sim.emulation.EmulatedEnvironment`, which
+applies its profile's RAM, speed and link."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from models.manifest import Manifest
+
+
+class Environment(Protocol):
+    def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
+        """Raise MemoryError when a training step would not fit (as an out-of-memory kill would end it)."""
+
+    def compute(self, host_seconds: float) -> float:
+        """Device seconds that `host_seconds` of this host's CPU work take on the device."""
+
+    def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
+        """Device seconds to move `nbytes` in `messages` messages over the device's link."""
+
+
+class RealEnvironment:
+    """The device itself: no emulated limits; compute is what it measured, transfers are real (0 extra)."""
+
+    def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
+        return None
+
+    def compute(self, host_seconds: float) -> float:
+        return host_seconds
+
+    def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
+        return 0.0

@@ -1,0 +1,53 @@
+"""A virtual device's environment: its profile's RAM, compute speed and link applied to each round, on a virtual
+clock (`edge_client.environment.Environment`).
+
+Virtual time (default): nothing sleeps; the device reports the round's device seconds (download + compute +
+upload) with its update and a coordinator in virtual-time mode drops updates whose device time exceeds the round's
+deadline, as a real slow device would miss it. Real-time mode also sleeps the difference, so wall-clock deadlines
+apply unchanged (slower: a run takes as long as on the devices).
+"""
+from __future__ import annotations
+
+import time
+
+from firmware_sim.limits import (
+    HostCalibration,
+    VirtualClock,
+    check_memory,
+    compute_seconds,
+    training_peak_bytes,
+    transfer_seconds,
+)
+from firmware_sim.profiles import DeviceProfile
+from models.manifest import Manifest
+
+
+class EmulatedEnvironment:
+    def __init__(self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False) -> None:
+        self.profile = profile
+        self.host = host
+        self.real_time = real_time
+        self.clock = VirtualClock()
+
+    def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
+        peak = training_peak_bytes(
+            manifest.model, manifest.num_classes, tuple(manifest.input_shape), batch_size, optimizer,
+            manifest.num_parameters,
+        )
+        check_memory(self.profile, peak)
+
+    def compute(self, host_seconds: float) -> float:
+        seconds = compute_seconds(host_seconds, self.profile, self.host)
+        self._spend(seconds, already=host_seconds)
+        return seconds
+
+    def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
+        mbps = self.profile.up_mbps if upload else self.profile.down_mbps
+        seconds = transfer_seconds(nbytes, mbps, self.profile.latency_ms, messages)
+        self._spend(seconds, already=0.0)
+        return seconds
+
+    def _spend(self, seconds: float, already: float) -> None:
+        self.clock.advance(seconds)
+        if self.real_time and seconds > already:
+            time.sleep(seconds - already)

@@ -1,0 +1,97 @@
+"""Emulated device limits in action over a real broker: a slow profile misses the deadline that a fast one meets
+(virtual time), and a device without enough RAM for training drops out of the fleet."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.broker import mosquitto_path
+from coordinator.inbox import Update
+from coordinator.rounds import OpenRound
+from fleet_harness import Fleet
+from firmware_sim.emulation import EmulatedEnvironment
+from firmware_sim.limits import HostCalibration
+from firmware_sim.profiles import load_profile
+
+needs_mosquitto = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed")
+HOST_GFLOPS = 50.0
+
+
+def profile_file(folder, name: str, gflops: float, ram_bytes: int = 2**31) -> str:
+    path = folder / f"{name}.toml"
+    path.write_text(f"""
+name = "{name}"
+description = "test profile"
+disk_bytes = 1000000000
+ram_bytes = {ram_bytes}
+cpu_gflops = {gflops}
+threads = 1
+up_mbps = 100.0
+down_mbps = 100.0
+latency_ms = 1.0
+[sources]
+disk_bytes = "test"
+ram_bytes = "test"
+cpu_gflops = "test"
+threads = "test"
+up_mbps = "test"
+down_mbps = "test"
+latency_ms = "test"
+availability = "test"
+""")
+    return str(path)
+
+
+def test_emulated_environment_scales_compute_and_charges_transfers(tmp_path):
+    slow = load_profile(profile_file(tmp_path, "slow", gflops=HOST_GFLOPS / 4))
+    env = EmulatedEnvironment(slow, HostCalibration(HOST_GFLOPS))
+    assert env.compute(0.5) == pytest.approx(2.0)  # a device 4x slower than the host
+    # 1 MB up at 100 Mb/s: 0.08 s, plus 1 ms latency for each of 2 messages
+    assert env.transfer(1_000_000, 2, upload=True) == pytest.approx(0.082)
+    assert env.clock.now() == pytest.approx(2.082)
+
+
+def test_an_update_too_slow_in_device_time_is_late_and_still_closes_the_round():
+    from collections import Counter
+
+    current = OpenRound.open(1, 0, "m", ["fast", "slow"], deadline_s=10.0, virtual=True)
+    counts: Counter[str] = Counter()
+    fast = Update("fast", 1, 0, "m", 5, {"device_seconds": 3.0}, None)
+    slow = Update("slow", 1, 0, "m", 5, {"device_seconds": 30.0}, None)
+    assert current.offer(fast, counts) is None
+    assert current.offer(slow, counts) == "late"
+    assert current.complete and list(current.updates) == ["fast"] and counts["late"] == 1
+
+
+@needs_mosquitto
+def test_a_slow_device_misses_the_deadline_a_fast_one_meets_and_a_device_short_of_ram_drops_out(
+    tmp_path, export_artifacts
+):
+    def emulation(name: str, gflops: float, ram_bytes: int = 2**31) -> dict:
+        return {"emulation": {"profile": profile_file(tmp_path, name, gflops, ram_bytes), "host_gflops": HOST_GFLOPS}}
+
+    fleet = Fleet(
+        tmp_path / "fleet", export_artifacts("lenet", 10, (1, 8, 8)), n_devices=3,
+        scenario={"preset": "digits-class", "n_tasks": 2},
+        coordinator_options={"rounds_per_task": 2, "min_clients": 1, "deadline_s": 20.0, "virtual_time": True,
+                             "wait_for_devices_s": 30.0},
+        per_device={
+            0: emulation("fast", gflops=HOST_GFLOPS * 10),
+            1: emulation("slow", gflops=HOST_GFLOPS / 10_000),  # ~0.05 host s of training -> ~500 device s
+            2: emulation("tiny-ram", gflops=HOST_GFLOPS, ram_bytes=1_000_000),
+        },
+    )
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        assert fleet.wait_coordinator(timeout=200) == 0, fleet.log_tail("coordinator")
+        results = fleet.results()
+    finally:
+        fleet.stop()
+    assert results["rounds_completed"] == 4
+    history = results["history"]
+    assert all(r["received"] == ["dev-0"] for r in history)
+    assert all(r["metrics"]["dev-0"]["device_seconds"] < 20.0 for r in history)
+    assert "dev-1" in history[0]["selected"] and results["counters"]["late"] >= 1
+    # the device short of RAM left at its first round and was not selected once the coordinator saw it go
+    assert "dev-2" in history[0]["selected"] and "dev-2" not in history[-1]["selected"]
+    assert "needs" in fleet.log_tail("dev-2") and fleet.processes["dev-2"].poll() == 0
