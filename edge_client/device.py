@@ -237,7 +237,10 @@ class Device:
         chunks = wire.encode_blob(
             "update", wire.weights_bytes(self.trainer.get_weights()), device=self.id, round=round_,
             task=self.learner.state.task, model=model, num_samples=len(store),
-            metrics={**metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk()},
+            metrics={
+                **metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk(),
+                "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
+            },
         ).chunks
         self.last_update = _Update(round_, model, chunks)
         for chunk in chunks:
