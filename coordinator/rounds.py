@@ -3,7 +3,7 @@
 Choices (configurable in the coordinator config, documented in docs/protocol.md):
 - Selection draws ceil(r * available) devices (at least the quorum, at most all available) with the run's seeded
   generator, so a resumed run draws as the original would have.
-- A round closes when every selected device has delivered, or at its deadline. Updates that arrive after the
+- A round closes when every selected device has delivered (or went offline), or at its deadline. Updates that arrive after the
   close are logged as late and dropped.
 - In virtual time (simulated fleets), an update whose reported `device_seconds` (download + compute + upload on
   the emulated device) exceed the deadline is late too, however fast the host delivered it.
@@ -42,6 +42,7 @@ class OpenRound:
     virtual_deadline_s: float | None = None  # virtual time: the deadline in the devices' own seconds
     updates: dict[str, Update] = field(default_factory=dict)
     too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
+    gone: set[str] = field(default_factory=set)  # went offline before delivering: the round does not wait
 
     @classmethod
     def open(
@@ -51,8 +52,12 @@ class OpenRound:
 
     @property
     def complete(self) -> bool:
-        """Every selected device has answered (a device too slow in device time has answered too)."""
-        return len(self.updates) + len(self.too_slow) == len(self.selected)
+        """Every selected device has answered or gone (a device too slow in device time has answered too)."""
+        return set(self.selected) <= set(self.updates) | self.too_slow | self.gone
+
+    def went_offline(self, device: str) -> None:
+        if device in self.selected and device not in self.updates:
+            self.gone.add(device)
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -82,6 +87,7 @@ class OpenRound:
             self.too_slow.add(update.device)
         if reason is None:
             self.updates[update.device] = update
+            self.gone.discard(update.device)  # it came back in time after all
         else:
             counts[reason] += 1
         return reason

@@ -210,17 +210,24 @@ class Coordinator:
         if isinstance(event, Registration):
             self._on_registration(event)
         elif isinstance(event, Status):
-            (self.online.discard if event.state == "offline" else self.online.add)(event.device)
+            self._on_status(event)
         elif isinstance(event, Update):
             self._on_update(event)
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
-        self.registered[event.device] = event
-        self.online.add(event.device)
+        self.registered[event.device] = event  # online is what its (retained) status says
         current = self.open_round
         if current is not None and event.device in current.missing():
             self._send_round(event.device, with_weights=True)
+
+    def _on_status(self, event: Status) -> None:
+        if event.state != "offline":
+            self.online.add(event.device)
+            return
+        self.online.discard(event.device)
+        if self.open_round is not None:
+            self.open_round.went_offline(event.device)
 
     def _on_update(self, update: Update) -> None:
         current = self.open_round

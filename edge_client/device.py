@@ -34,6 +34,7 @@ from models.manifest import load_manifest
 
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 2  # global weight blobs kept in memory: the current one and the next, arriving early
+AVAILABILITY_POLL_S = 1.0  # how often an idle device looks at its availability schedule
 
 
 def make_trainer(config: DeviceConfig) -> Trainer:
@@ -61,6 +62,8 @@ def make_environment(config: DeviceConfig) -> Environment:
     return EmulatedEnvironment(
         load_profile(emulation["profile"]), HostCalibration(float(emulation["host_gflops"])),
         real_time=bool(emulation.get("real_time", False)),
+        availability_seed=int(emulation.get("availability_seed", _seed_of(config.device_id))),
+        time_scale=float(emulation.get("time_scale", 1.0)),
     )
 
 
@@ -103,6 +106,7 @@ class Device:
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.last_update: _Update | None = None
         self.rejected = 0
+        self._last_status = 0.0
         self.stop_requested = threading.Event()
         fleet = config.fleet
         self.link = Link(
@@ -118,12 +122,16 @@ class Device:
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
         try:
             while not self.stop_requested.is_set():
-                item = self.link.get(timeout=self.config.heartbeat_s)
+                away = self.environment.offline_for()
+                if away > 0:
+                    self._stay_away(away)
+                    continue
+                item = self.link.get(timeout=AVAILABILITY_POLL_S)
                 try:
-                    if item is None:
-                        self._publish_status("idle")
-                    else:
+                    if item is not None:
                         self.handle(*item)
+                    elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
+                        self._publish_status("idle")
                 except Exception:  # the daemon outlives any one message; what failed is in the log
                     log.exception("%s failed to handle a message; carrying on", self.id)
         finally:
@@ -131,6 +139,17 @@ class Device:
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
             self.learner.store.close()
+
+    def _stay_away(self, seconds: float) -> None:
+        """Offline (availability): say so, disconnect, come back when due (or leave for good on stop)."""
+        log.info("%s goes offline for %.1f s", self.id, seconds)
+        self._publish_status("offline")
+        self.link.wait_idle(timeout=5.0)
+        self.link.stop()
+        self.stop_requested.wait(min(seconds, 1e9))
+        if not self.stop_requested.is_set():
+            self.link.start()  # the CONNECTED marker makes the device announce itself again
+            log.info("%s is back online", self.id)
 
     def handle(self, topic: str, payload: bytes) -> None:
         if topic == CONNECTED:
@@ -212,6 +231,9 @@ class Device:
             proximal=Proximal(mu, global_weights) if mu > 0 else None,
         )
         device_seconds += self.environment.compute(time.thread_time() - started)
+        if self.environment.offline_for() > 0:  # went away while training: the round is lost
+            log.info("%s went offline during round %d; dropping it", self.id, round_)
+            return
         device_seconds += self.environment.transfer(blob_bytes, messages, upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
@@ -252,6 +274,7 @@ class Device:
         return wire.encode("status", device=self.id, state=state, round=done)
 
     def _publish_status(self, state: str, round_: int | None = None) -> None:
+        self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
         self.link.publish(topic, self._status(state, round_), retain=True)
 

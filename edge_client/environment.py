@@ -1,7 +1,7 @@
 """What a device's surroundings impose on a round: whether training fits in memory, how long the compute and the
 transfers take in the device's own time. A real device runs in `RealEnvironment` (nothing emulated: its clock is
 the wall clock); a virtual device in a simulated fleet gets `firmware_sim.emulation.EmulatedEnvironment`, which
-applies its profile's RAM, speed and link."""
+applies its profile's RAM, speed, link and availability."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -19,6 +19,9 @@ class Environment(Protocol):
     def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
         """Device seconds to move `nbytes` in `messages` messages over the device's link."""
 
+    def offline_for(self) -> float:
+        """Wall seconds until the device is back online: 0 while it is online, inf when it never comes back."""
+
 
 class RealEnvironment:
     """The device itself: no emulated limits; compute is what it measured, transfers are real (0 extra)."""
@@ -30,4 +33,7 @@ class RealEnvironment:
         return host_seconds
 
     def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
+        return 0.0
+
+    def offline_for(self) -> float:
         return 0.0

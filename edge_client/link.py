@@ -85,7 +85,10 @@ class Link:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
-        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no."""
+        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no.
+        A stopped link may be started again."""
+        self._decided.clear()
+        self._refused = None
         self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)
         self._client.loop_start()
         if not self._decided.wait(timeout):

@@ -1,6 +1,9 @@
 """A virtual device's environment: its profile's RAM, compute speed and link applied to each round, on a virtual
 clock (`edge_client.environment.Environment`).
 
+Availability follows the profile's schedule on the wall clock since the device joined, sped up by `time_scale`
+(profile seconds per wall second), so hour-long on/off periods show within a short run.
+
 Virtual time (default): nothing sleeps; the device reports the round's device seconds (download + compute +
 upload) with its update and a coordinator in virtual-time mode drops updates whose device time exceeds the round's
 deadline, as a real slow device would miss it. Real-time mode also sleeps the difference, so wall-clock deadlines
@@ -8,9 +11,11 @@ apply unchanged (slower: a run takes as long as on the devices).
 """
 from __future__ import annotations
 
+import math
 import time
 
 from firmware_sim.limits import (
+    AvailabilitySchedule,
     HostCalibration,
     VirtualClock,
     check_memory,
@@ -23,11 +28,19 @@ from models.manifest import Manifest
 
 
 class EmulatedEnvironment:
-    def __init__(self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False) -> None:
+    def __init__(
+        self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False, availability_seed: int = 0,
+        time_scale: float = 1.0,
+    ) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.profile = profile
         self.host = host
         self.real_time = real_time
         self.clock = VirtualClock()
+        self.schedule = AvailabilitySchedule(profile.availability, availability_seed)
+        self.time_scale = time_scale  # availability: profile seconds per wall second since the device joined
+        self._joined = time.monotonic()
 
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         peak = training_peak_bytes(
@@ -46,6 +59,13 @@ class EmulatedEnvironment:
         seconds = transfer_seconds(nbytes, mbps, self.profile.latency_ms, messages)
         self._spend(seconds, already=0.0)
         return seconds
+
+    def offline_for(self) -> float:
+        t = (time.monotonic() - self._joined) * self.time_scale
+        if self.schedule.online(t):
+            return 0.0
+        back = self.schedule.next_change(t)
+        return math.inf if back is None else (back - t) / self.time_scale
 
     def _spend(self, seconds: float, already: float) -> None:
         self.clock.advance(seconds)

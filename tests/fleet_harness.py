@@ -100,7 +100,8 @@ class Fleet:
             "data": {"scenario": self.scenario, "client": index},
         }
         for key, value in {**self.device_options, **self.per_device.get(index, {})}.items():
-            config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+            merge = isinstance(value, dict) and key in config and key != "policy"  # a policy is replaced whole
+            config[key] = {**config[key], **value} if merge else value
         return write_toml(self.root / f"{device}.toml", config)
 
     # --- processes --------------------------------------------------------------------------------

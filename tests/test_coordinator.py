@@ -125,3 +125,13 @@ def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts)
         Coordinator(config)
     resumed = Coordinator(config, resume=True)
     assert (resumed.state.round, resumed.state.task) == (2, 1)
+
+
+def test_a_selected_device_that_goes_offline_does_not_hold_the_round_but_may_still_deliver():
+    current = OpenRound.open(5, 0, MODEL, ["d1", "d2"], deadline_s=60)
+    counts: Counter[str] = Counter()
+    assert current.offer(update("d1"), counts) is None
+    current.went_offline("d2")
+    assert current.complete and current.missing() == ["d2"]
+    assert current.offer(update("d2"), counts) is None  # back in time after all
+    assert current.updates.keys() == {"d1", "d2"} and not current.gone

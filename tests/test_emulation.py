@@ -16,7 +16,7 @@ needs_mosquitto = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto
 HOST_GFLOPS = 50.0
 
 
-def profile_file(folder, name: str, gflops: float, ram_bytes: int = 2**31) -> str:
+def profile_file(folder, name: str, gflops: float, ram_bytes: int = 2**31, availability: str = "") -> str:
     path = folder / f"{name}.toml"
     path.write_text(f"""
 name = "{name}"
@@ -28,6 +28,7 @@ threads = 1
 up_mbps = 100.0
 down_mbps = 100.0
 latency_ms = 1.0
+{availability}
 [sources]
 disk_bytes = "test"
 ram_bytes = "test"
@@ -95,3 +96,35 @@ def test_a_slow_device_misses_the_deadline_a_fast_one_meets_and_a_device_short_o
     # the device short of RAM left at its first round and was not selected once the coordinator saw it go
     assert "dev-2" in history[0]["selected"] and "dev-2" not in history[-1]["selected"]
     assert "needs" in fleet.log_tail("dev-2") and fleet.processes["dev-2"].poll() == 0
+
+
+@needs_mosquitto
+def test_a_device_follows_its_availability_trace_it_leaves_and_comes_back(tmp_path, export_artifacts):
+    (tmp_path / "trace.csv").write_text("0,10\n20,inf\n")  # online, away from 10 s to 20 s after joining, back
+    away = f'[availability]\nmode = "trace"\ntrace = "{tmp_path / "trace.csv"}"'
+    emulate = lambda name, gflops, **kw: {"emulation": {  # noqa: E731
+        "profile": profile_file(tmp_path, name, gflops, availability=kw.pop("availability", "")),
+        "host_gflops": HOST_GFLOPS, **kw}}
+    fleet = Fleet(
+        tmp_path / "fleet", export_artifacts("lenet", 10, (1, 8, 8)), n_devices=3,
+        scenario={"preset": "digits-class", "n_tasks": 2},
+        coordinator_options={"rounds_per_task": 7, "min_clients": 1, "deadline_s": 30.0, "wait_for_devices_s": 20.0},
+        device_options={"policy": {"name": "random"}},
+        per_device={
+            0: emulate("pacer", gflops=HOST_GFLOPS / 100, real_time=True),  # sleeps: every round lasts a while
+            1: emulate("wanderer", gflops=HOST_GFLOPS, availability=away),
+        },
+    )
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        history = fleet.results()["history"]
+    finally:
+        fleet.stop()
+    absent = [r["round"] for r in history if "dev-1" not in r["selected"]]
+    back = [r["round"] for r in history if "dev-1" in r["received"] and absent and r["round"] > absent[0]]
+    assert absent, "dev-1 was never left out while away"
+    assert back, "dev-1 never took part again after coming back"
+    log = fleet.log_tail("dev-1", lines=400)
+    assert "goes offline" in log and "back online" in log

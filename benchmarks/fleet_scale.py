@@ -1,0 +1,509 @@
+"""Fleet scale: host memory per virtual device and the coordinator's round overhead as the fleet grows.
+
+For each fleet size N (default 10, 50, 200) this runs a whole fleet in this process through the library API
+(`firmware_sim.fleet.Fleet`: broker, `--workers` worker processes hosting the N real `Device`s, the coordinator
+here), on the embedded digits class-incremental scenario cut to one task (`n_tasks = 1`, two classes, the
+~270 training samples split over the N clients), `--rounds` rounds, every device selected every round
+(`fraction = 1`, `min_clients = N`), random replay with M = `--replay-m`, one local epoch, no emulation (devices
+train at the host's speed). The total training data is the same at every N, so the devices' summed training
+work per round stays about constant and what grows with N is overhead.
+
+Instrumentation lives here only: a `Fleet` subclass notes when the workers start and samples memory just before
+the fleet stops, and a `Coordinator` subclass (swapped into `firmware_sim.fleet` for the run) times each round's
+phases and every registration. Devices' own training times come from their `trained round` log lines and the
+`device_seconds` they report (their training thread's CPU time).
+
+Memory: PSS (/proc/<pid>/smaps_rollup, shared pages split between the processes sharing them) and RSS summed
+over the worker processes, sampled once all N devices registered and again after the last round. Per device:
+  total/N    the workers' PSS after the rounds divided by N (includes each worker's fixed cost: Python and its
+             imports, so it is an upper bound that falls with N);
+  net/N      (that PSS minus the PSS of `--workers` idle worker processes that imported the same modules) / N;
+  marginal   (PSS(N) - PSS(previous N)) / (N - previous N): the cost of one more device.
+Round overhead: wall = coordinator opens the round (encodes and publishes the weights and N round messages)
+until its close (aggregate, evaluate, checkpoint, results.json) returns. floor = the devices' training CPU time
+packed onto the host's cores: max(slowest device, sum of devices / cores); overhead = wall - floor, everything
+that is not training (the coordinator, the broker, MQTT and the devices' protocol work, scheduling). ratio is
+the median wall at N over the median wall at the first N.
+
+    .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers 2]
+        [--broker mosquitto|embedded|mosquitto,embedded] [--replay-m 50] [--out DIR] [--keep]
+
+Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
+the main module (this file) again in every one of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+MB = 1024 * 1024
+
+
+# --- /proc probes ---------------------------------------------------------------------------------
+
+def memory_of(pid: int) -> dict[str, float]:
+    """Rss, Pss, private and anonymous bytes (smaps_rollup), threads and open descriptors of one process."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+        status = Path(f"/proc/{pid}/status").read_text()
+        out["threads"] = int(status.split("Threads:", 1)[1].split()[0])
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        pass
+    return out
+
+
+def memory_sum(pids: list[int]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for pid in pids:
+        for key, value in memory_of(pid).items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def cpu_of(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return 0.0, 0.0
+    fields = text[text.rfind(")") + 2:].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def host_busy() -> float:
+    """CPU seconds all the host's cores have been busy (not idle, not waiting for I/O) since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / TICK
+
+
+def idle_worker(ready, stop, fleet_imports: bool) -> None:  # noqa: ANN001 (spawned target)
+    """A worker with no devices: the imports a fleet worker makes (firmware_sim.fleet, to unpickle its target
+    `host_devices`, then edge_client.device and the ORT trainer, which the first device loads); without
+    `fleet_imports`, only the device's own modules."""
+    if fleet_imports:
+        import firmware_sim.fleet  # noqa: F401
+    from edge_client.device import Device  # noqa: F401
+    from edge_client.trainers.ort import OrtTrainer  # noqa: F401
+
+    ready.set()
+    stop.wait()
+
+
+def idle_workers_memory(count: int, fleet_imports: bool = True) -> dict[str, float]:
+    """Summed memory of `count` device-less workers alive together (so they share pages as the real ones do)."""
+    context = mp.get_context("spawn")
+    stop = context.Event()
+    procs, readies = [], []
+    for _ in range(count):
+        ready = context.Event()
+        proc = context.Process(target=idle_worker, args=(ready, stop, fleet_imports), daemon=True)
+        proc.start()
+        procs.append(proc)
+        readies.append(ready)
+    for ready in readies:
+        ready.wait(120)
+    time.sleep(0.5)
+    memory = memory_sum([p.pid for p in procs])
+    stop.set()
+    for proc in procs:
+        proc.join(10)
+    return memory
+
+
+def maps_library(pid: int, name: str) -> bool:
+    try:
+        return name in Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        return False
+
+
+# --- one fleet run ----------------------------------------------------------------------------------
+
+@dataclass
+class Round:
+    number: int
+    selected: int
+    opened: float = 0.0          # time.time() at _open's start
+    sent: float = 0.0            # _open returned: weights and round messages handed to paho
+    last_update: float = 0.0     # the last update accepted
+    close_start: float = 0.0
+    closed: float = 0.0
+    evaluate_s: float = 0.0
+    attempts: int = 1
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds spent during the round, by process
+
+
+@dataclass
+class Probe:
+    devices: int
+    idle_s: float = 0.0                   # the idle window after all registered (0: none)
+    idle_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per second in that window
+    started: float = 0.0                  # Fleet.run called
+    workers_started: float = 0.0          # first worker process started
+    first_registered: float = 0.0
+    all_registered: float = 0.0
+    worker_pids: list[int] = field(default_factory=list)
+    broker_pid: int | None = None
+    rounds: dict[int, Round] = field(default_factory=dict)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def snapshot(self, moment: str) -> None:
+        self.memory[moment] = memory_sum(self.worker_pids)
+        self.memory[moment]["libtorch"] = float(all(maps_library(p, "libtorch_cpu") for p in self.worker_pids))
+        if self.broker_pid is not None:
+            self.broker_memory[moment] = memory_of(self.broker_pid)
+
+    def cpu(self) -> dict[str, float]:
+        workers = [cpu_of(pid) for pid in self.worker_pids]
+        return {
+            "coordinator": time.process_time(),  # this process: the coordinator and its MQTT thread
+            "broker": sum(cpu_of(self.broker_pid)) if self.broker_pid else 0.0,
+            "workers": sum(u + s for u, s in workers),
+            "workers_sys": sum(s for _, s in workers),
+            "host": host_busy(),
+        }
+
+
+def instrumented_classes(probe: Probe):  # noqa: ANN201
+    from coordinator.server import Coordinator
+    from firmware_sim.fleet import Fleet
+
+    class MeasuredFleet(Fleet):
+        def _start_broker(self):  # noqa: ANN202
+            broker = super()._start_broker()
+            proc = getattr(broker, "_proc", None)
+            probe.broker_pid = proc.pid if proc is not None else None
+            return broker
+
+        def _start_workers(self, artifacts: Path) -> None:
+            probe.workers_started = time.time()
+            super()._start_workers(artifacts)
+            probe.worker_pids = [w.pid for w in self._workers]
+
+        def stop(self) -> None:
+            if probe.worker_pids and "after" not in probe.memory:
+                probe.snapshot("after")
+            super().stop()
+
+    class TimedCoordinator(Coordinator):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            evaluate = self.evaluator.accuracies
+
+            def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                start = time.perf_counter()
+                result = evaluate(*a, **k)
+                probe.rounds[self.state.round].evaluate_s = time.perf_counter() - start
+                return result
+
+            self.evaluator.accuracies = timed
+
+        def _on_registration(self, event) -> None:  # noqa: ANN001
+            super()._on_registration(event)
+            now = time.time()
+            probe.first_registered = probe.first_registered or now
+            if len(self.registered) == probe.devices and not probe.all_registered:
+                probe.all_registered = now
+                probe.snapshot("registered")
+
+        def _wait_for_devices(self) -> list[str]:
+            first = self._first_round
+            available = super()._wait_for_devices()
+            if first and probe.idle_s > 0:  # keep handling messages (heartbeats), measure what idling costs
+                before, started = probe.cpu(), time.monotonic()
+                while (left := started + probe.idle_s - time.monotonic()) > 0:
+                    self._pump(left)
+                elapsed = time.monotonic() - started
+                probe.idle_cpu = {k: (v - before[k]) / elapsed for k, v in probe.cpu().items()}
+                available = self._available()
+            return available
+
+        def _open(self, number: int, task: int, selected: list[str]) -> None:
+            previous = probe.rounds.get(number)
+            current = probe.rounds[number] = Round(number, len(selected), opened=time.time(), cpu=probe.cpu())
+            if previous is not None:
+                current.attempts = previous.attempts + 1
+            super()._open(number, task, selected)
+            current.sent = time.time()
+
+        def _on_update(self, update) -> None:  # noqa: ANN001
+            super()._on_update(update)
+            if self.open_round is not None and self.open_round.complete:
+                probe.rounds[self.open_round.number].last_update = time.time()
+
+        def _close(self, collected) -> None:  # noqa: ANN001
+            current = probe.rounds[collected.number]
+            current.close_start = time.time()
+            super()._close(collected)
+            current.closed = time.time()
+            current.cpu = {k: v - current.cpu[k] for k, v in probe.cpu().items()}
+
+    return MeasuredFleet, TimedCoordinator
+
+
+def trained_times(logs: Path) -> dict[int, list[float]]:
+    """Round number -> the times the devices logged `trained round` (worker logs, local-time asctime)."""
+    out: dict[int, list[float]] = {}
+    for path in logs.glob("worker-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if " trained round " not in line:
+                continue
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            number = int(line.split(" trained round ", 1)[1].split()[0])
+            out.setdefault(number, []).append(stamp)
+    return out
+
+
+def log_problems(logs: Path, limit: int = 5) -> list[str]:
+    lines = []
+    for path in sorted(logs.glob("worker-*.log")):
+        lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines()
+                  if " ERROR " in line or " WARNING " in line or "Traceback" in line]
+    return lines[:limit]
+
+
+def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str) -> dict:
+    import firmware_sim.fleet as fleet_module
+    from firmware_sim.fleet import FleetConfig
+
+    probe = Probe(devices=n, idle_s=args.idle_s)
+    MeasuredFleet, TimedCoordinator = instrumented_classes(probe)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    if artifacts is not None:  # the model does not depend on N: export once, copy
+        shutil.copytree(artifacts, out / "artifacts")
+    config = FleetConfig(
+        name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
+        scenario={"preset": "digits-class", "n_tasks": 1},
+        replay={"policy": "random", "max_samples": args.replay_m},
+        client={"epochs": 1},
+        coordinator={
+            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": n,
+            "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
+        },
+    )
+    original = fleet_module.Coordinator
+    fleet_module.Coordinator = TimedCoordinator
+    probe.started = time.time()
+    try:
+        results = MeasuredFleet(config).run()
+    finally:
+        fleet_module.Coordinator = original
+    trained = trained_times(out / "logs")
+    return {"n": n, "broker": broker, "probe": probe, "results": results, "trained": trained,
+            "problems": log_problems(out / "logs"), "cores": os.cpu_count() or 1}
+
+
+# --- summary ------------------------------------------------------------------------------------------
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(run: dict) -> dict:
+    probe: Probe = run["probe"]
+    n, cores = run["n"], run["cores"]
+    history = {h["round"]: h for h in run["results"]["history"]}
+    rows = []
+    for number, r in sorted(probe.rounds.items()):
+        h = history.get(number)
+        if h is None or not r.closed:
+            continue
+        device_cpu = [m.get("device_seconds", 0.0) for m in h["metrics"].values()]
+        trained = run["trained"].get(number, [])
+        floor = max(max(device_cpu, default=0.0), sum(device_cpu) / min(cores, n))
+        wall = r.closed - r.opened
+        rows.append({
+            "wall": wall, "open": r.sent - r.opened, "collect": r.last_update - r.sent,
+            "close": r.closed - r.close_start, "aggregate": h["aggregate_s"], "evaluate": r.evaluate_s,
+            "first_trained": (min(trained) - r.sent) if trained else float("nan"),
+            "last_trained": (max(trained) - r.sent) if trained else float("nan"),
+            "upload": (r.last_update - max(trained)) if trained else float("nan"),
+            "dev_sum": sum(device_cpu), "dev_max": max(device_cpu, default=0.0), "floor": floor,
+            "overhead": wall - floor, "received": len(h["received"]), "attempts": r.attempts,
+            # busy CPU of the host's other processes (other users of the machine) during the round
+            "other": r.cpu["host"] - r.cpu["coordinator"] - r.cpu["broker"] - r.cpu["workers"],
+            **{f"cpu_{k}": v for k, v in r.cpu.items()},
+        })
+    keys = rows[0].keys() if rows else []
+    med = {k: median([row[k] for row in rows]) for k in keys}
+    med["rounds"] = len(rows)
+    med["walls"] = [row["wall"] for row in rows]
+    after, registered = probe.memory.get("after", {}), probe.memory.get("registered", {})
+    return {
+        "n": n, "broker": run["broker"], "rounds": med, "rows": rows,
+        "startup": (probe.all_registered - probe.workers_started) if probe.all_registered else float("nan"),
+        "first_registered": (probe.first_registered - probe.workers_started) if probe.first_registered else float("nan"),
+        "registered": registered, "after": after, "idle_cpu": probe.idle_cpu,
+        "broker_after": probe.broker_memory.get("after", {}), "problems": run["problems"],
+        "completed": run["results"]["rounds_completed"], "accuracy": run["results"]["final_accuracy"],
+    }
+
+
+def fmt(value: float, spec: str) -> str:
+    """format(value, spec), or a right-aligned "-" of the same width for NaN."""
+    width = int(re.match(r"\d*", spec).group() or 0)
+    return "-".rjust(width) if value != value else format(value, spec)
+
+
+def print_tables(summaries: list[dict], idle: dict[str, float], idle_devices_only: dict[str, float],
+                 args: argparse.Namespace) -> None:
+    cores = os.cpu_count() or 1
+    print(f"\nfleet scale: {args.workers} worker processes, {cores} cores, digits-class with 1 task, "
+          f"{args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
+    print(f"{args.workers} idle workers (a worker's imports, no device): PSS {idle.get('Pss', 0) / MB:.0f} MB, "
+          f"RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous {idle.get('Anonymous', 0) / MB:.0f} MB; without "
+          f"importing firmware_sim.fleet (coordinator.server -> torch): PSS "
+          f"{idle_devices_only.get('Pss', 0) / MB:.0f} MB, anonymous {idle_devices_only.get('Anonymous', 0) / MB:.0f} MB")
+    mapped = [f"{s['broker']} N={s['n']}" for s in summaries if s["after"].get("libtorch")]
+    if mapped:
+        print(f"workers map libtorch_cpu (imported through firmware_sim.fleet): {', '.join(mapped)}")
+
+    print("\nstartup and host memory (worker processes summed; MB = MiB)")
+    print(f"{'broker':>9s} {'N':>4s} {'first reg s':>11s} {'all reg s':>9s} {'PSS reg':>8s} {'PSS after':>9s} "
+          f"{'RSS after':>9s} {'anon after':>10s} {'total/N':>8s} {'net/N':>6s} {'marginal':>8s} "
+          f"{'threads':>7s} {'fds':>5s} {'broker RSS':>10s}")
+    previous: dict[str, dict] = {}
+    for s in summaries:
+        after, reg = s["after"], s["registered"]
+        pss = after.get("Pss", float("nan"))
+        prev = previous.get(s["broker"])
+        marginal = ((pss - prev["after"].get("Pss", float("nan"))) / (s["n"] - prev["n"]) / MB
+                    if prev is not None else float("nan"))
+        print(f"{s['broker']:>9s} {s['n']:4d} {fmt(s['first_registered'], '11.1f')} {fmt(s['startup'], '9.1f')} "
+              f"{fmt(reg.get('Pss', float('nan')) / MB, '8.0f')} {fmt(pss / MB, '9.0f')} "
+              f"{fmt(after.get('Rss', float('nan')) / MB, '9.0f')} {fmt(after.get('Anonymous', float('nan')) / MB, '10.0f')} "
+              f"{fmt(pss / s['n'] / MB, '8.2f')} {fmt((pss - idle.get('Pss', 0)) / s['n'] / MB, '6.2f')} "
+              f"{fmt(marginal, '8.2f')} {after.get('threads', 0):7.0f} {after.get('fds', 0):5.0f} "
+              f"{fmt(s['broker_after'].get('Rss', float('nan')) / MB, '10.1f')}")
+        previous[s["broker"]] = s
+
+    print("\nround timing (seconds, median over rounds; open = encode+publish weights and N round messages, "
+          "close = aggregate+evaluate+checkpoint+results.json)")
+    print(f"{'broker':>9s} {'N':>4s} {'rounds':>6s} {'wall':>6s} {'ratio':>6s} {'open':>6s} {'1st trained':>11s} "
+          f"{'last trained':>12s} {'upload':>6s} {'close':>6s} {'aggregate':>9s} {'evaluate':>8s} {'dev CPU sum':>11s} "
+          f"{'dev max':>7s} {'floor':>6s} {'overhead':>8s} {'overhead/N ms':>13s}")
+    base: dict[str, float] = {}
+    for s in summaries:
+        r = s["rounds"]
+        if not r.get("rounds"):
+            print(f"{s['broker']:>9s} {s['n']:4d}  no round completed ({s['completed']})")
+            continue
+        base.setdefault(s["broker"], r["wall"])
+        print(f"{s['broker']:>9s} {s['n']:4d} {r['rounds']:6d} {r['wall']:6.2f} {r['wall'] / base[s['broker']]:6.2f} "
+              f"{r['open']:6.3f} {fmt(r['first_trained'], '11.2f')} {fmt(r['last_trained'], '12.2f')} "
+              f"{fmt(r['upload'], '6.3f')} {r['close']:6.3f} {r['aggregate']:9.4f} {r['evaluate']:8.4f} "
+              f"{r['dev_sum']:11.3f} {r['dev_max']:7.3f} {r['floor']:6.3f} {r['overhead']:8.2f} "
+              f"{r['overhead'] / s['n'] * 1e3:13.1f}")
+
+    print("\nCPU seconds per round (median), by process: the coordinator process, the broker, all workers (of "
+          "which kernel); dev train = the devices' training threads; workers-dev = the devices' other work; "
+          "per device = (coordinator + broker + workers-dev) / N; other procs = the host's busy CPU outside this "
+          "fleet (other users of the machine: it slows the rounds)")
+    print(f"{'broker':>9s} {'N':>4s} {'coordinator':>11s} {'broker':>7s} {'workers':>7s} {'w. sys':>6s} "
+          f"{'dev train':>9s} {'workers-dev':>11s} {'per device ms':>13s} {'other procs':>11s}  {'walls s':s}")
+    for s in summaries:
+        r = s["rounds"]
+        if not r.get("rounds"):
+            continue
+        other = r["cpu_workers"] - r["dev_sum"]
+        print(f"{s['broker']:>9s} {s['n']:4d} {r['cpu_coordinator']:11.2f} {r['cpu_broker']:7.2f} "
+              f"{r['cpu_workers']:7.2f} {r['cpu_workers_sys']:6.2f} {r['dev_sum']:9.2f} {other:11.2f} "
+              f"{(r['cpu_coordinator'] + r['cpu_broker'] + other) / s['n'] * 1e3:13.1f} {r['other']:11.2f}  "
+              f"{' '.join(f'{w:.2f}' for w in r['walls'])}")
+    idle = [s for s in summaries if s["idle_cpu"]]
+    if idle:
+        print(f"\nidle fleet (all registered, no round open, {args.idle_s:.0f} s; devices heartbeat every 5 s): "
+              f"CPU cores busy")
+        print(f"{'broker':>9s} {'N':>4s} {'coordinator':>11s} {'broker':>7s} {'workers':>7s} {'w. sys':>6s} "
+              f"{'per device %':>12s}")
+        for s in idle:
+            c = s["idle_cpu"]
+            total = c["coordinator"] + c["broker"] + c["workers"]
+            print(f"{s['broker']:>9s} {s['n']:4d} {c['coordinator']:11.3f} {c['broker']:7.3f} {c['workers']:7.3f} "
+                  f"{c['workers_sys']:6.3f} {total / s['n'] * 100:12.3f} {c['host'] - total:11.3f}")
+    for s in summaries:
+        if s["completed"] < args.rounds:
+            print(f"\n{s['broker']} N={s['n']}: only {s['completed']} of {args.rounds} rounds completed")
+        if s["problems"]:
+            print(f"\n{s['broker']} N={s['n']}: worker log warnings/errors (first {len(s['problems'])}):")
+            for line in s["problems"]:
+                print("  " + line[:200])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes hosting the devices")
+    parser.add_argument("--broker", default="mosquitto", help="mosquitto, embedded, or both comma-separated")
+    parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
+    parser.add_argument("--deadline-s", type=float, default=600.0, help="round deadline")
+    parser.add_argument("--wait-s", type=float, default=600.0, help="how long round 1 waits for all devices")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="after all devices registered, idle this long (devices heartbeat) and measure CPU")
+    parser.add_argument("--out", default=None, help="run folders (default: a temporary folder, removed)")
+    parser.add_argument("--keep", action="store_true", help="keep the run folders")
+    parser.add_argument("--json", default=None, help="also write the summaries to this file")
+    args = parser.parse_args()
+    sizes = sorted(int(n) for n in args.devices.split(","))
+    brokers = [b.strip() for b in args.broker.split(",")]
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
+    started = time.perf_counter()
+    idle = idle_workers_memory(args.workers)
+    idle_devices_only = idle_workers_memory(args.workers, fleet_imports=False)
+    summaries, artifacts = [], None
+    try:
+        for broker in brokers:
+            for n in sizes:
+                t0 = time.perf_counter()
+                out = base / f"{broker}-{n}"
+                try:
+                    run = run_fleet(n, args, out, artifacts, broker)
+                except Exception as err:  # report it and go on with the other sizes
+                    print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
+                    continue
+                artifacts = artifacts or out / "artifacts"
+                summary = summarize(run)
+                summaries.append(summary)
+                print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
+                      f"(all registered after {summary['startup']:.1f} s, "
+                      f"final accuracy {summary['accuracy']:.3f})", flush=True)
+        print_tables(summaries, idle, idle_devices_only, args)
+        print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                [{k: v for k, v in s.items()} for s in summaries], indent=1, default=float))
+    finally:
+        if not args.keep and not args.out:
+            shutil.rmtree(base, ignore_errors=True)
+        elif args.keep or args.out:
+            print(f"run folders kept in {base}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Reports of runs: one run folder's `results.json` -> summary.md and three plots; several runs -> one table and
+one plot, so methods can be compared (`edgefil report DIR [DIR ...]`).
+
+Every number comes from `firmware_sim.metrics`; this module only gathers the metrics' inputs from the
+coordinator's per-round history and lays the results out. matplotlib is imported by the plot helpers only (and
+drawn on bare `Figure`s, no pyplot, so no display or global backend is involved), which keeps importing this
+module cheap."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from firmware_sim.metrics import (
+    accuracy_matrix,
+    average_accuracy,
+    backward_transfer,
+    forgetting,
+    peak_storage,
+    rounds_to_best,
+    traffic_summary,
+)
+
+RESULTS = "results.json"
+
+
+def load_run(folder: str | Path) -> dict[str, Any]:
+    """The `results.json` of a run folder; errors name the file, since a report often reads many folders."""
+    path = Path(folder) / RESULTS
+    try:
+        results = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no {RESULTS} here; is {folder} a run folder?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(results, dict) or not {"accuracy_matrix", "history"} <= results.keys():
+        raise ValueError(f"{path}: not a run's results (no accuracy_matrix or history)")
+    return results
+
+
+def _reports(history: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Each device's reported metrics in round order (a device reports only in rounds it was received in)."""
+    reports: dict[str, list[Mapping[str, Any]]] = {}
+    for entry in history:
+        for device, metrics in entry["metrics"].items():
+            reports.setdefault(device, []).append(metrics)
+    return dict(sorted(reports.items()))
+
+
+def _series(reports: Mapping[str, Sequence[Mapping[str, Any]]], key: str) -> dict[str, list[Any]]:
+    return {d: [m[key] for m in ms if key in m] for d, ms in reports.items()}
+
+
+def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The numbers a report shows. Accuracy metrics come from the accuracy matrix (None before a task completes);
+    "average_accuracy" is the average incremental accuracy (the final-style accuracy after each task, averaged
+    over tasks). Traffic uses each device's last reported cumulative bytes; storage the peak of its stored-byte
+    readings, checked against `budget` where it names the device (else budget and within_budget are None)."""
+    acc = accuracy_matrix(results["accuracy_matrix"]) if results["accuracy_matrix"] else None
+    tasks = len(acc) if acc is not None else 0
+    reports = _reports(results["history"])
+    sent = {d: s[-1] for d, s in _series(reports, "bytes_sent").items() if s}
+    received = {d: s[-1] for d, s in _series(reports, "bytes_received").items() if s}
+    budget = budget or {}
+    stored = _series(reports, "stored_bytes")
+    storage = peak_storage(stored, {d: budget.get(d, math.inf) for d in stored})
+    for device in stored.keys() - budget.keys():
+        storage[device].update(budget=None, within_budget=None)
+    return {
+        "rounds": results["rounds_completed"],
+        "tasks_completed": tasks,
+        "accuracy_matrix": acc,
+        "final_accuracy": average_accuracy(acc) if tasks else None,
+        "average_accuracy": float(np.mean([average_accuracy(acc, after=t) for t in range(tasks)])) if tasks else None,
+        "forgetting": forgetting(acc) if tasks else None,
+        "backward_transfer": backward_transfer(acc) if tasks else None,
+        "cor": rounds_to_best(results["history"], results["scenario"]["n_tasks"]),
+        "traffic": traffic_summary(sent, received),
+        "storage": storage,
+        "device_seconds": {d: float(sum(s)) if s else None for d, s in _series(reports, "device_seconds").items()},
+        "refusals": dict(results.get("counters", {})),
+    }
+
+
+def _round_accuracy(history: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+    """Per round: the global model's mean accuracy over the tasks seen so far (the coordinator's final_accuracy)."""
+    return [e["round"] for e in history], [float(np.mean(e["accuracy"])) for e in history]
+
+
+def _mean_cor(summary: Mapping[str, Any]) -> float | None:
+    counts = [c for c in summary["cor"] if c is not None]
+    return float(np.mean(counts)) if counts else None
+
+
+# --- markdown -----------------------------------------------------------------------------------------------
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None or np.isnan(value) else f"{value:.2%}"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "kB", "MB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
+    sc, strategy = results["scenario"], dict(results["strategy"])
+    name = strategy.pop("name", "?")
+    options = ", ".join(f"{k}={v}" for k, v in strategy.items())
+    traffic = s["traffic"]
+    headline = _table(["metric", "value"], [
+        ["final accuracy", _pct(s["final_accuracy"])],
+        ["average accuracy", _pct(s["average_accuracy"])],
+        ["forgetting", _pct(s["forgetting"])],
+        ["backward transfer", _pct(s["backward_transfer"])],
+        ["rounds", s["rounds"]],
+        ["tasks completed", f"{s['tasks_completed']} of {sc['n_tasks']}"],
+        ["device traffic (sent / received)", f"{_bytes(traffic['sent'])} / {_bytes(traffic['received'])}"],
+        ["coordinator traffic (sent / received)",
+         f"{_bytes(results.get('bytes_sent'))} / {_bytes(results.get('bytes_received'))}"],
+        ["reconnects", results.get("reconnects", "—")],
+    ])
+    acc = s["accuracy_matrix"]
+    matrix = _table(["after task"] + [f"task {j}" for j in range(s["tasks_completed"])],
+                    [[i] + [_pct(v) if j <= i else "" for j, v in enumerate(row)] for i, row in enumerate(acc)]
+                    ) if acc is not None else "No task completed yet."
+    cor = _table(["task", "rounds to best"], [[t, "—" if c is None else c] for t, c in enumerate(s["cor"])])
+    devices = _table(["device", "peak stored", "sent", "received", "device seconds"], [
+        [d, _bytes(s["storage"].get(d, {}).get("peak")), _bytes(t["sent"]), _bytes(t["received"]),
+         "—" if s["device_seconds"].get(d) is None else f"{s['device_seconds'][d]:.2f}"]
+        for d, t in traffic["devices"].items()
+    ])
+    refusals = _table(["reason", "count"], sorted(s["refusals"].items())) if s["refusals"] else "None."
+    return "\n\n".join([
+        f"# Run report: {label}",
+        f"Fleet `{results.get('fleet', '?')}`, strategy `{name}`{f' ({options})' if options else ''}; scenario "
+        f"`{sc.get('dataset', '?')}`, {sc.get('kind', '?')}-incremental, {sc['n_tasks']} tasks, "
+        f"{sc.get('n_clients', '?')} clients, Dirichlet alpha {sc.get('alpha', '?')}.",
+        headline,
+        "## Accuracy matrix\n\nRow i: the global model after task i, on each task seen so far.",
+        matrix,
+        "## Rounds to best accuracy (CoR)\n\nPer task: rounds from its start until its best accuracy (1 = first).",
+        cor,
+        "## Devices\n\nTraffic is each device's cumulative MQTT bytes at its last report.",
+        devices,
+        "## Refusals",
+        refusals,
+    ]) + "\n"
+
+
+def _comparison_markdown(labels: Sequence[str], runs: Sequence[Mapping[str, Any]],
+                         summaries: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for label, results, s in zip(labels, runs, summaries):
+        cor = _mean_cor(s)
+        peaks = [p["peak"] for p in s["storage"].values()]
+        rows.append([label, results["strategy"].get("name", "?"), s["rounds"], _pct(s["final_accuracy"]),
+                     _pct(s["average_accuracy"]), _pct(s["forgetting"]), _pct(s["backward_transfer"]),
+                     "—" if cor is None else f"{cor:.2f}",
+                     _bytes(s["traffic"]["sent"] + s["traffic"]["received"]), _bytes(max(peaks, default=None))])
+    header = ["run", "strategy", "rounds", "final acc.", "average acc.", "forgetting", "BWT", "mean CoR",
+              "device traffic", "max peak stored"]
+    return "# Run comparison\n\n" + _table(header, rows) + "\n"
+
+
+# --- plots --------------------------------------------------------------------------------------------------
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _plot_matrix(acc: np.ndarray | None, path: Path) -> Path:
+    n = 0 if acc is None else len(acc)
+    fig = _figure(2.5 + 0.7 * n, 2 + 0.6 * n)
+    ax = fig.add_subplot()
+    if n == 0:
+        ax.text(0.5, 0.5, "no task completed yet", ha="center", va="center")
+        ax.set_axis_off()
+    else:
+        image = ax.imshow(np.ma.masked_invalid(acc), cmap="viridis", vmin=0.0, vmax=1.0)
+        fig.colorbar(image, ax=ax, label="accuracy")
+        size = 10 if n <= 6 else 7 if n <= 12 else 5
+        for (i, j), value in np.ndenumerate(acc):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=size,
+                        color="black" if value > 0.6 else "white")
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.set_xlabel("evaluated on task")
+        ax.set_ylabel("after training task")
+    ax.set_title("Accuracy matrix")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _plot_per_task(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    tasks = max((e["task"] for e in history), default=-1) + 1
+    for t in range(tasks):
+        points = [(e["round"], e["accuracy"][t]) for e in history if len(e["accuracy"]) > t]
+        ax.plot(*zip(*points), marker="o", markersize=3, label=f"task {t}")
+        ax.axvline(min(e["round"] for e in history if e["task"] == t) - 0.5, color="grey", lw=0.5, ls=":")
+    if history:
+        ax.plot(*_round_accuracy(history), color="black", lw=2, ls="--", label="mean of seen tasks")
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("round (dotted: a task starts)")
+    ax.set_ylabel("accuracy of the global model")
+    ax.set_title("Accuracy on each task over rounds")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _device_axis(ax, devices: Sequence[str]) -> None:
+    ax.set_xticks(range(len(devices)))
+    if len(devices) <= 40:
+        ax.set_xticklabels(devices, rotation=90, fontsize="small")
+    else:
+        ax.set_xticklabels([])
+        ax.set_xlabel(f"{len(devices)} devices")
+
+
+def _plot_devices(summary: Mapping[str, Any], path: Path) -> Path:
+    traffic, storage = summary["traffic"]["devices"], summary["storage"]
+    devices = sorted(traffic.keys() | storage.keys())
+    x = np.arange(len(devices))
+    fig = _figure(max(8, 0.35 * len(devices) + 3), 4.5)
+    left, right = fig.subplots(1, 2)
+    left.bar(x, [storage.get(d, {}).get("peak", 0) / 1e3 for d in devices], color="tab:green")
+    left.set_ylabel("kB")
+    left.set_title("Peak stored bytes (replay)")
+    for offset, key, colour in ((-0.2, "sent", "tab:blue"), (0.2, "received", "tab:orange")):
+        right.bar(x + offset, [traffic.get(d, {}).get(key, 0) / 1e6 for d in devices], width=0.4, color=colour,
+                  label=key)
+    right.set_ylabel("MB")
+    right.set_title("MQTT traffic per device")
+    right.margins(y=0.15)
+    right.legend(fontsize="small", ncols=2, loc="upper left")
+    for ax in (left, right):
+        _device_axis(ax, devices)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _plot_comparison(labels: Sequence[str], runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    for label, results in zip(labels, runs):
+        ax.plot(*_round_accuracy(results["history"]), marker="o", markersize=3, label=label)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean accuracy over seen tasks")
+    ax.set_title("Global model accuracy per round")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# --- entry points -------------------------------------------------------------------------------------------
+
+def write_report(folder: str | Path, results: Mapping[str, Any] | None = None) -> list[Path]:
+    """Write summary.md, accuracy_matrix.png, accuracy_per_task.png and storage_traffic.png into the run folder
+    (`results` defaults to the folder's results.json). Returns the written paths, summary.md first."""
+    folder = Path(folder)
+    results = load_run(folder) if results is None else results
+    summary = run_summary(results)
+    markdown = folder / "summary.md"
+    markdown.write_text(_summary_markdown(results.get("label") or folder.resolve().name, results, summary))
+    return [
+        markdown,
+        _plot_matrix(summary["accuracy_matrix"], folder / "accuracy_matrix.png"),
+        _plot_per_task(results["history"], folder / "accuracy_per_task.png"),
+        _plot_devices(summary, folder / "storage_traffic.png"),
+    ]
+
+
+def compare_runs(folders: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> list[Path]:
+    """Write out/comparison.md (one row per run) and out/comparison.png (mean accuracy over seen tasks per round,
+    one line per run). Labels default to each run's label, else its folder name. Returns both paths."""
+    runs = [load_run(f) for f in folders]
+    if labels is None:
+        labels = [r.get("label") or Path(f).resolve().name for f, r in zip(folders, runs)]
+    if len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs: give one label per run folder")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = out / "comparison.md"
+    markdown.write_text(_comparison_markdown(labels, runs, [run_summary(r) for r in runs]))
+    return [markdown, _plot_comparison(labels, runs, out / "comparison.png")]
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    try:
+        if len(args.runs) == 1:
+            if args.out or args.labels:
+                raise ValueError("--out and --labels apply to a comparison of several run folders")
+            paths = write_report(args.runs[0])
+        else:
+            out = args.out or Path(args.runs[0]).resolve().parent / "comparison"
+            paths = compare_runs(args.runs, out, args.labels)
+    except (OSError, ValueError) as err:
+        print(f"edgefil report: {err}", file=sys.stderr)
+        return 2
+    print(paths[0].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def add_report_parser(commands: argparse._SubParsersAction) -> None:
+    """Add `edgefil report DIR [DIR ...] [--out DIR] [--labels a,b,c]` to the `edgefil` command's subparsers."""
+    report = commands.add_parser(
+        "report", help="summary.md and plots of a run folder; with several folders, a comparison table and plot"
+    )
+    report.add_argument("runs", nargs="+", metavar="DIR", help="run folders, each holding results.json")
+    report.add_argument("--out", help="folder for the comparison (default: the first DIR's parent / comparison)")
+    report.add_argument("--labels", type=lambda text: text.split(","),
+                        help="comma-separated run names for the comparison (default: the folder names)")
+    report.set_defaults(run=_run_report)

@@ -1,0 +1,142 @@
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from firmware_sim import metrics
+from firmware_sim.report import add_report_parser, compare_runs, load_run, run_summary, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROUNDS = [  # (round, task, accuracy on tasks 0..task); two rounds per task
+    (1, 0, [0.5]), (2, 0, [0.8]),
+    (3, 1, [0.6, 0.7]), (4, 1, [0.5, 0.7]),
+    (5, 2, [0.4, 0.6, 0.9]), (6, 2, [0.45, 0.65, 0.85]),
+]
+
+
+def _device(n: int, stored: int, seconds: float | None) -> dict:
+    report = {"loss": 1.0, "stored_samples": stored // 1024, "stored_bytes": stored,
+              "bytes_sent": 100 * n, "bytes_received": 1000 * n}
+    return report if seconds is None else {**report, "device_seconds": seconds}
+
+
+def results(strategy: str = "fedavg", shift: float = 0.0) -> dict:
+    """A hand-written 3-task run: dev-a reports every round (with device time), dev-b misses rounds 4 and 6."""
+    history = []
+    for rnd, task, acc in ROUNDS:
+        devices = {"dev-a": _device(rnd, 8192 * min(rnd, 2), 0.5)}
+        if rnd not in (4, 6):
+            devices["dev-b"] = _device(rnd - 1, 4096 * (3 - abs(rnd - 3)), None)
+        history.append({"round": rnd, "task": task, "selected": sorted(devices), "received": sorted(devices),
+                        "samples": 100, "accuracy": [a - shift for a in acc], "aggregate_s": 0.001,
+                        "metrics": devices})
+    rows = [history[1]["accuracy"], history[3]["accuracy"], history[5]["accuracy"]]
+    return {"fleet": "t", "scenario": {"dataset": "digits", "kind": "class", "n_tasks": 3, "n_clients": 2,
+                                       "alpha": 1.0},
+            "strategy": {"name": strategy}, "rounds_completed": 6, "tasks_completed": 3, "accuracy_matrix": rows,
+            "final_accuracy": float(np.mean(rows[-1])), "average_accuracy": 0.0, "forgetting": 0.0,
+            "backward_transfer": 0.0, "counters": {"stale": 2}, "bytes_sent": 5000, "bytes_received": 7000,
+            "reconnects": 0, "history": history}
+
+
+def run_folder(tmp_path, name: str, data: dict):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_run_summary_matches_the_metrics_and_hand_checked_values():
+    data = results()
+    s = run_summary(data, budget={"dev-a": 10_000})
+    acc = metrics.accuracy_matrix(data["accuracy_matrix"])
+    np.testing.assert_array_equal(s["accuracy_matrix"], acc)
+    assert s["final_accuracy"] == metrics.average_accuracy(acc) == pytest.approx((0.45 + 0.65 + 0.85) / 3)
+    assert s["average_accuracy"] == pytest.approx(np.mean([metrics.average_accuracy(acc, t) for t in range(3)]))
+    assert s["forgetting"] == metrics.forgetting(acc)
+    assert s["backward_transfer"] == metrics.backward_transfer(acc)
+    # task 0 peaks in its 2nd round; task 1 ties (0.7, 0.7): first; task 2 peaks in its 1st round
+    assert s["cor"] == metrics.rounds_to_best(data["history"], 3) == [2, 1, 1]
+    # last reports: dev-a in round 6 (600 / 6000), dev-b in round 5 (400 / 4000)
+    assert s["traffic"]["devices"] == {"dev-a": {"sent": 600, "received": 6000},
+                                       "dev-b": {"sent": 400, "received": 4000}}
+    assert (s["traffic"]["sent"], s["traffic"]["received"]) == (1000, 10_000)
+    assert s["storage"]["dev-a"] == {"peak": 16384, "budget": 10_000, "within_budget": False}
+    assert s["storage"]["dev-b"] == {"peak": 12288, "budget": None, "within_budget": None}
+    assert s["device_seconds"] == {"dev-a": pytest.approx(3.0), "dev-b": None}
+    assert (s["rounds"], s["tasks_completed"], s["refusals"]) == (6, 3, {"stale": 2})
+
+
+def test_run_summary_before_the_first_task_completes():
+    data = results()
+    data.update(accuracy_matrix=[], history=data["history"][:1], rounds_completed=1)
+    s = run_summary(data)
+    assert (s["final_accuracy"], s["average_accuracy"], s["forgetting"], s["accuracy_matrix"]) == (None,) * 4
+    assert s["cor"] == [1, None, None]
+
+
+def test_write_report_writes_the_summary_and_three_pngs(tmp_path):
+    folder = run_folder(tmp_path, "refed-run", results())
+    paths = write_report(folder)
+    assert [p.name for p in paths] == ["summary.md", "accuracy_matrix.png", "accuracy_per_task.png",
+                                       "storage_traffic.png"]
+    assert all(p.parent == folder for p in paths)
+    text = paths[0].read_text()
+    s = run_summary(results())
+    for expected in ("refed-run", f"{s['final_accuracy']:.2%}", f"{s['average_accuracy']:.2%}",
+                     f"{s['forgetting']:.2%}", f"{s['backward_transfer']:.2%}", "| 2 | 45.00% | 65.00% | 85.00% |",
+                     "| dev-b | 12.3 kB | 400 B | 4.0 kB | — |", "| stale | 2 |"):
+        assert expected in text
+    for png in paths[1:]:
+        data = png.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+
+
+def test_load_run_names_the_file_when_missing_or_corrupt(tmp_path):
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        load_run(tmp_path)
+    (tmp_path / "results.json").write_text('{"history": [')
+    with pytest.raises(ValueError, match=f"{tmp_path}.*not valid JSON"):
+        load_run(tmp_path)
+    (tmp_path / "results.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a run's results"):
+        load_run(tmp_path)
+
+
+def test_compare_runs_writes_a_table_with_every_run_and_a_plot(tmp_path):
+    folders = [run_folder(tmp_path, "a", results()), run_folder(tmp_path, "b", results("fedprox", shift=0.1))]
+    md, png = compare_runs(folders, tmp_path / "cmp", labels=["avg", "prox"])
+    text = md.read_text()
+    assert "| avg | fedavg | 6 | 65.00% |" in text and "| prox | fedprox | 6 | 55.00% |" in text
+    assert "| 1.33 | 11.0 kB | 16.4 kB |" in text  # mean CoR (2+1+1)/3, device traffic, max peak stored
+    assert png.read_bytes().startswith(PNG)
+    with pytest.raises(ValueError, match="2 runs"):
+        compare_runs(folders, tmp_path / "cmp", labels=["only-one"])
+
+
+def parser():
+    parser = argparse.ArgumentParser(prog="edgefil")
+    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_report_command_compares_several_folders(tmp_path, capsys):
+    one, two = run_folder(tmp_path, "r1", results()), run_folder(tmp_path, "r2", results(shift=0.2))
+    args = parser().parse_args(["report", str(one), str(two), "--labels", "a,b"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "| a | fedavg |" in out and "| b | fedavg |" in out
+    assert (tmp_path / "comparison" / "comparison.md").exists()
+    assert (tmp_path / "comparison" / "comparison.png").exists()
+
+
+def test_report_command_on_one_folder_prints_its_summary(tmp_path, capsys):
+    folder = run_folder(tmp_path, "r1", results())
+    args = parser().parse_args(["report", str(folder)])
+    assert args.run(args) == 0
+    assert "# Run report: r1" in capsys.readouterr().out
+    assert (folder / "accuracy_matrix.png").exists()
+    args = parser().parse_args(["report", str(tmp_path)])
+    assert args.run(args) == 2
+    assert "results.json" in capsys.readouterr().err
