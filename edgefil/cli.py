@@ -69,7 +69,8 @@ def _fleet_run(args: argparse.Namespace) -> int:
         results = run_fleet_file(args.fleet_file, resume=args.resume)
     except KeyboardInterrupt:
         return 130
-    print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds")
+    print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
+          f"report: {results['report']}")
     return 0
 
 
@@ -115,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_run.set_defaults(run=_fleet_run)
 
     from coordinator.broker import add_broker_parser
+    from firmware_sim.report import add_report_parser
 
     add_broker_parser(commands)
+    add_report_parser(commands)
     return parser
 
 

@@ -3,8 +3,9 @@
 `edgefil fleet run FLEET.toml` exports the model, starts a broker (mosquitto with a password per device and the
 ACL when it is installed, else the embedded one), starts worker processes that each host many virtual devices
 (every device is the real `edge_client.device.Device`, on its own thread, with its own MQTT connection, state
-folder and replay store), and runs the coordinator in this process. Ctrl-C stops everything; the coordinator's
-checkpoint and every device's state stay, so `--resume` continues the run.
+folder and replay store), and runs the coordinator in this process; at the end it writes the run's report
+(summary.md and plots, firmware_sim/report.py). Ctrl-C stops everything; the coordinator's checkpoint and every
+device's state stay, so `--resume` continues the run.
 
     name = "demo"                  # fleet (topic prefix) name
     out = "runs/demo"              # artifacts/, devices/<id>/, logs/, checkpoint/, results.json
@@ -18,6 +19,7 @@ checkpoint and every device's state stay, so `--resume` continues the run.
                                    # `devices`); none: devices run unemulated at the host's speed
     real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
                                    # to the devices' reported device seconds)
+    time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
     [replay]       policy = "refed", max_samples = 200 (M), max_bytes, and policy options (lam, pim_epochs, ...)
     [trainer]      backend, optimizer, lr, threads          (the device config's [trainer])
     [client]       epochs, lr, ...                          (sent in every round)
@@ -40,6 +42,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
 from edge_client.link import BrokerSettings
 from firmware_sim.limits import calibrate_host
+from firmware_sim.report import write_report
 from firmware_sim.scenarios import scenario_from_config
 
 log = logging.getLogger("edgefil.fleet")
@@ -63,6 +66,7 @@ class FleetConfig:
     coordinator: Mapping[str, Any] = field(default_factory=dict)
     profiles: Mapping[str, int] = field(default_factory=dict)
     real_time: bool = False
+    time_scale: float = 60.0
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.workers < 1:
@@ -117,9 +121,11 @@ class Fleet:
             self.broker = self._start_broker()
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume)
-            return coordinator.run()
+            results = coordinator.run()
         finally:
             self.stop()
+        written = write_report(out, results)
+        return {**results, "report": str(written[0])}
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,6 +172,7 @@ class Fleet:
         profile = self.config.device_profiles()[index]
         emulation = {} if profile is None else {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
+            "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
         }
         return {
             "emulation": emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
@@ -231,7 +238,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
 
 
 def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """`edgefil fleet run FLEET.toml [--resume]`."""
+    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report."""
     fleet = Fleet(FleetConfig.load(path))
     try:
         return fleet.run(resume=resume)

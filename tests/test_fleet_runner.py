@@ -79,4 +79,6 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     assert all(len(r["received"]) == 4 for r in final["history"])
     # emulated (profiles in the fleet file): every update reports its round's time on its device
     assert all(m["device_seconds"] > 0 for r in final["history"] for m in r["metrics"].values())
+    assert {"summary.md", "accuracy_matrix.png", "accuracy_per_task.png", "storage_traffic.png"} <= {
+        p.name for p in out.iterdir()}  # the run's report
     assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
