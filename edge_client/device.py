@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -28,7 +29,7 @@ from edge_client.learner import Learner, LearnerConfig
 from edge_client.link import CONNECTED, Link, Will
 from edge_client.policies import make_policy
 from edge_client.sources import TaskSource, open_source
-from edge_client.store import Budget, ReplayStore
+from edge_client.store import Budget, ReplayStore, StoreDiskFullError
 from edge_client.trainers.base import Proximal, Trainer
 from models.manifest import load_manifest
 
@@ -222,9 +223,14 @@ class Device:
         self.trainer.set_weights(global_weights)
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
+        disk_full = False
         if task != self.learner.state.task:
             x, y = self.source.task_data(task)
-            self.learner.start_task(task, x, y, global_weights=global_weights)
+            try:
+                self.learner.start_task(task, x, y, global_weights=global_weights)
+            except StoreDiskFullError as err:  # the store kept its last committed state: train on that
+                log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
+                disk_full = True
         mu = float(config.get("mu", 0.0))
         loss = self.learner.train(
             epochs=int(config["epochs"]) if "epochs" in config else None,
@@ -237,8 +243,15 @@ class Device:
         device_seconds += self.environment.transfer(blob_bytes, messages, upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
-        self.learner.state.metrics = {"loss": loss, "device_seconds": device_seconds}
-        self.learner.save(self.config.state_dir)
+        self.learner.state.metrics = {
+            "loss": loss, "device_seconds": device_seconds, "disk_full": float(disk_full),
+            "disk_free_bytes": float(shutil.disk_usage(self.config.state_dir).free),
+        }
+        try:
+            self.learner.save(self.config.state_dir)
+        except OSError as err:  # the previous state stays whole (atomic replace); report and go on
+            log.warning("%s: could not save its state: %s", self.id, err)
+            self.learner.state.metrics["disk_full"] = 1.0
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
         self._upload(round_, message["model"], self.learner.state.metrics)

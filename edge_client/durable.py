@@ -25,10 +25,14 @@ class StateError(ValueError):
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file, fsync it, rename it over `path`, then fsync the directory entry."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:  # e.g. ENOSPC: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

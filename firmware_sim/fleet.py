@@ -41,12 +41,16 @@ from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, gen
 from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
 from edge_client.link import BrokerSettings
+from firmware_sim import disk
 from firmware_sim.limits import calibrate_host
+from firmware_sim.profiles import load_profile
 from firmware_sim.report import write_report
 from firmware_sim.scenarios import scenario_from_config
+from models.manifest import load_manifest
 
 log = logging.getLogger("edgefil.fleet")
 STORE_KEYS = ("max_samples", "max_bytes")
+STATE_SLACK_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Fleet:
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
         self._stop = mp.get_context("spawn").Event()
         self._workers: list[mp.process.BaseProcess] = []
+        self._mounted: list[Path] = []
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         out = self.config.out
@@ -118,6 +123,7 @@ class Fleet:
         artifacts = self._export()
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
+            self._mount_disks()
             self.broker = self._start_broker()
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume)
@@ -135,6 +141,8 @@ class Fleet:
                 worker.terminate()
         if self.broker is not None:
             self.broker.stop()
+        while self._mounted:
+            disk.unmount(self._mounted.pop())
 
     # --- parts ------------------------------------------------------------------------------------
 
@@ -147,6 +155,14 @@ class Fleet:
             artifacts.mkdir(parents=True, exist_ok=True)
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
         return artifacts
+
+    def _mount_disks(self) -> None:
+        """Each emulated device's folder on a disk of its profile's capacity (see firmware_sim/disk.py)."""
+        for device, profile in zip(self.config.device_ids, self.config.device_profiles()):
+            if profile is not None:
+                folder = self.config.out / "devices" / device
+                if disk.mount(folder, load_profile(profile).disk_bytes):
+                    self._mounted.append(folder)
 
     def _start_broker(self) -> MosquittoBroker | EmbeddedBroker:
         use_mosquitto = self.config.broker == "mosquitto" or (
@@ -167,9 +183,12 @@ class Fleet:
 
     def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
+        profile = self.config.device_profiles()[index]
         replay = dict(self.config.replay)
         store = {k: replay.pop(k) for k in STORE_KEYS if k in replay}
-        profile = self.config.device_profiles()[index]
+        if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
+            room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
+            store["max_bytes"] = min(store.get("max_bytes", room), room)
         emulation = {} if profile is None else {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
             "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
@@ -202,6 +221,12 @@ class Fleet:
             virtual_time=bool(self.config.profiles) and not self.config.real_time,
             **dict(self.config.coordinator),
         )
+
+
+def state_reserve_bytes(artifacts: Path) -> int:
+    """Disk a device needs beside its store: two weight files (old and new, during the atomic replace) plus room
+    for state.json and file-system blocks."""
+    return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
 def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:

@@ -141,3 +141,38 @@ def test_folder_source_reads_task_files_and_names_what_is_missing(tmp_path):
         FolderSource(tmp_path).task_data(1)
     with pytest.raises(FileNotFoundError):
         FolderSource(tmp_path / "nowhere")
+
+
+def test_a_device_whose_disk_fills_keeps_a_valid_store_and_reports_it(setup, tmp_path):
+    from edge_client.store import Budget, ReplayStore
+    from firmware_sim import disk
+
+    config, coordinator, initial = setup
+    folder = tmp_path / "small-disk"
+    if not disk.mount(folder, 48 * 1024):  # smaller than the samples, and than a weight file (124 KB)
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        config = DeviceConfig.from_dict({**_raw(config), "state_dir": str(folder), "store": {"max_samples": 200}})
+        device, thread = start(config)
+        coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+        send_round(coordinator, initial)
+        wait_for(lambda: len(updates(coordinator, len(initial))) == 1)
+        reported = updates(coordinator, len(initial))[0].header["metrics"]
+        assert reported["disk_full"] == 1.0 and reported["disk_free_bytes"] < 48 * 1024
+        device.stop_requested.set()
+        thread.join(15)
+        store = ReplayStore(folder / "store", Budget(200))
+        store.check()  # valid after the failed writes
+        assert len(store) == reported["stored_samples"] < 80
+        store.close()
+    finally:
+        disk.unmount(folder)
+
+
+def _raw(config: DeviceConfig) -> dict:
+    """A config back as the mapping it was read from (to change a field)."""
+    from dataclasses import asdict
+
+    raw = asdict(config)
+    raw["artifacts"], raw["state_dir"] = str(config.artifacts), str(config.state_dir)
+    return raw
