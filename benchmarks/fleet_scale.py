@@ -23,10 +23,16 @@ Round overhead: wall = coordinator opens the round (encodes and publishes the we
 until its close (aggregate, evaluate, checkpoint, results.json) returns. floor = the devices' training CPU time
 packed onto the host's cores: max(slowest device, sum of devices / cores); overhead = wall - floor, everything
 that is not training (the coordinator, the broker, MQTT and the devices' protocol work, scheduling). ratio is
-the median wall at N over the median wall at the first N.
+the median wall at N over the median wall at the first N (same broker).
+CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
+amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty). "other
+procs" is the host's busy CPU outside the fleet during the round (/proc/stat): on a shared machine, anything
+above zero slowed the round. An idle window (`--idle-s`, after all devices registered, before round 1) measures
+what an idle fleet costs: heartbeats, keepalives, MQTT threads.
+Startup: from the first worker process start until the N-th registration reached the coordinator.
 
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers 2]
-        [--broker mosquitto|embedded|mosquitto,embedded] [--replay-m 50] [--out DIR] [--keep]
+        [--broker mosquitto,embedded] [--replay-m 50] [--idle-s 10] [--out DIR] [--keep] [--json FILE]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -274,12 +280,16 @@ def trained_times(logs: Path) -> dict[int, list[float]]:
     return out
 
 
-def log_problems(logs: Path, limit: int = 5) -> list[str]:
-    lines = []
+def log_problems(logs: Path) -> list[tuple[int, str]]:
+    """The worker logs' warnings and errors, grouped by message shape (ids and numbers blanked): (count, first)."""
+    groups: dict[str, list] = {}
     for path in sorted(logs.glob("worker-*.log")):
-        lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines()
-                  if " ERROR " in line or " WARNING " in line or "Traceback" in line]
-    return lines[:limit]
+        for line in path.read_text(errors="replace").splitlines():
+            if " WARNING " in line or " ERROR " in line or line.startswith("Traceback"):
+                message = line[24:]
+                shape = re.sub(r"dev-\d+", "dev-N", re.sub(r"\d+(\.\d+)?", "#", message))
+                groups.setdefault(shape, [0, f"{path.name}: {message}"])[0] += 1
+    return sorted(((count, first) for count, first in groups.values()), reverse=True)
 
 
 def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str) -> dict:
@@ -447,9 +457,10 @@ def print_tables(summaries: list[dict], idle: dict[str, float], idle_devices_onl
         if s["completed"] < args.rounds:
             print(f"\n{s['broker']} N={s['n']}: only {s['completed']} of {args.rounds} rounds completed")
         if s["problems"]:
-            print(f"\n{s['broker']} N={s['n']}: worker log warnings/errors (first {len(s['problems'])}):")
-            for line in s["problems"]:
-                print("  " + line[:200])
+            total = sum(count for count, _ in s["problems"])
+            print(f"\n{s['broker']} N={s['n']}: {total} warnings/errors in the worker logs, by kind (count, first):")
+            for count, first in s["problems"][:5]:
+                print(f"  {count:6d}  {first[:160]}")
 
 
 def main() -> None:
@@ -457,7 +468,8 @@ def main() -> None:
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes hosting the devices")
-    parser.add_argument("--broker", default="mosquitto", help="mosquitto, embedded, or both comma-separated")
+    parser.add_argument("--broker", default="mosquitto,embedded",
+                        help="mosquitto, embedded, or both comma-separated (default: both)")
     parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="round deadline")
     parser.add_argument("--wait-s", type=float, default=600.0, help="how long round 1 waits for all devices")

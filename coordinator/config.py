@@ -13,6 +13,7 @@
     seed = 0
     device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
     virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time
+    train_tasks = 0                     # train only the first N tasks (1: the Fixed baseline); 0: every task
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
@@ -49,6 +50,7 @@ class CoordinatorConfig:
     seed: int = 0
     device: str = "auto"
     virtual_time: bool = False
+    train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     client: Mapping[str, Any] = field(default_factory=dict)
 

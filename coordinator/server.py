@@ -100,7 +100,10 @@ class Coordinator:
         self.link.start(timeout=connect_timeout)
         try:
             while self.state.task < len(self.data.tasks):
-                self.run_round()
+                if self.config.train_tasks and self.state.task >= self.config.train_tasks:
+                    self.evaluate_only()
+                else:
+                    self.run_round()
         finally:
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
@@ -129,6 +132,18 @@ class Coordinator:
                         number, attempt, len(collected.updates), self.config.min_clients)
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
                           f"{self.config.max_attempts} times")
+
+    def evaluate_only(self) -> None:
+        """A task past `train_tasks` (the Fixed baseline): no round, the unchanged model is evaluated on it."""
+        state, task = self.state, self.state.task
+        accuracies = self.evaluator.accuracies(state.weights, task)
+        state.history.append({
+            "round": state.round, "task": task, "selected": [], "received": [], "samples": 0,
+            "accuracy": accuracies, "aggregate_s": 0.0, "metrics": {}, "trained": False,
+        })
+        log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s", task,
+                 self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
+        self._finish_round(accuracies, task_done=True)
 
     def _open(self, number: int, task: int, selected: list[str]) -> None:
         encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
@@ -174,7 +189,12 @@ class Coordinator:
         })
         log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
                  collected.task, " ".join(f"{a:.3f}" for a in accuracies))
-        if state.round_in_task == self.config.rounds_per_task:
+        self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
+
+    def _finish_round(self, accuracies: list[float], task_done: bool) -> None:
+        """Move the schedule on, then checkpoint and rewrite results.json (atomically, in that order)."""
+        state = self.state
+        if task_done:
             state.accuracy_matrix.append(accuracies)
             state.task += 1
             state.round_in_task = 0

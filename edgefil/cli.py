@@ -36,9 +36,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from firmware_sim.demo import run_local_demo
+    from firmware_sim.demo import run_demo
 
-    run_local_demo(out_dir=args.out, epochs=args.epochs, seed=args.seed)
+    run_demo(args.out, devices=args.devices, tasks=args.tasks, rounds_per_task=args.rounds_per_task,
+             budget=args.budget, seed=args.seed)
     return 0
 
 
@@ -92,9 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--list", action="store_true", help="list the registered models")
     export.set_defaults(run=_export)
 
-    demo = commands.add_parser("demo", help="the main job: train on the embedded digits through ORT artifacts")
-    demo.add_argument("--out", default="runs/demo", help="folder for the artifacts and results")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo = commands.add_parser(
+        "demo", help="the main job: a fleet of virtual devices, Re-Fed vs random caching vs Fixed, compared"
+    )
+    demo.add_argument("--out", default="runs/demo", help="folder for the runs and the comparison")
+    demo.add_argument("--devices", type=int, default=10)
+    demo.add_argument("--tasks", type=int, default=5, help="class-incremental digits tasks (2 classes each)")
+    demo.add_argument("--rounds-per-task", type=int, default=3)
+    demo.add_argument("--budget", type=int, default=200, help="the replay budget M, in samples per device")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 

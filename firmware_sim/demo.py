@@ -1,38 +1,55 @@
-"""The README's main job. For now one device: export LeNet to ORT training artifacts and train it on the embedded
-digits through ONNX Runtime, printing test accuracy after each epoch. (The fleet demo replaces it later.)"""
+"""The README's main job: a fleet of virtual devices of mixed profiles (10 by default) on the embedded
+class-incremental digits, run once per method at the same replay budget M — Re-Fed caching, random caching, and
+the Fixed baseline (trained on the first task only) — over the embedded broker, then the comparison table and
+plots (firmware_sim/report.py). Each run is a real `edgefil fleet run`: coordinator, device daemons, MQTT."""
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.report import compare_runs
 
-from edge_client.trainers.ort import OrtTrainer
-from firmware_sim.datasets import load_dataset
-from models.export import export_registered
+# A mixed fleet, cycled over the devices: slow Wi-Fi boards, a duty-cycled Pi Zero, Jetsons, one x86 box.
+PROFILE_CYCLE = (
+    "raspberry-pi-4-4gb", "jetson-nano", "raspberry-pi-zero-2w", "jetson-orin-nano", "raspberry-pi-4-4gb",
+    "generic", "jetson-nano", "raspberry-pi-zero-2w", "raspberry-pi-4-4gb", "jetson-orin-nano",
+)
+METHODS: dict[str, dict[str, Any]] = {
+    "refed": {"replay": {"policy": "refed", "pim_epochs": 2}},
+    "random": {"replay": {"policy": "random"}},
+    "fixed": {"replay": {"policy": "random"}, "coordinator": {"train_tasks": 1}},
+}
 
-DEMO_MODEL = "lenet"
-DEMO_OPTIMIZER = "adamw"
-DEMO_LR = 3e-3
-DEMO_BATCH = 32
+
+def demo_profiles(devices: int) -> dict[str, int]:
+    return dict(Counter(PROFILE_CYCLE[i % len(PROFILE_CYCLE)] for i in range(devices)))
 
 
-def run_local_demo(out_dir: str | Path = "runs/demo", epochs: int = 8, seed: int = 0) -> dict:
-    out = Path(out_dir)
-    data = load_dataset("digits", seed=seed)
-    artifacts = out / "artifacts"
-    manifest = export_registered(DEMO_MODEL, data.num_classes, artifacts, input_shape=data.input_shape, seed=seed)
-    print(f"exported {manifest.model}: {manifest.num_parameters:,} parameters -> {artifacts}")
-    trainer = OrtTrainer(artifacts, optimizer=DEMO_OPTIMIZER, lr=DEMO_LR)
-    rng = np.random.default_rng(seed)
-    history = []
-    print(f"training on {len(data.y_train)} digits, testing on {len(data.y_test)} (ONNX Runtime Training)")
-    for epoch in range(1, epochs + 1):
-        loss = trainer.fit(data.x_train, data.y_train, epochs=1, batch_size=DEMO_BATCH, rng=rng)
-        result = trainer.evaluate(data.x_test, data.y_test)
-        history.append({"epoch": epoch, "train_loss": loss, "test_loss": result.loss, "test_accuracy": result.accuracy})
-        print(f"epoch {epoch:2d}  train loss {loss:.4f}  test accuracy {result.accuracy:.2%}")
-    results = {"model": DEMO_MODEL, "dataset": data.name, "history": history}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"final test accuracy {history[-1]['test_accuracy']:.2%}; results in {out / 'results.json'}")
-    return results
+def run_demo(
+    out: str | Path = "runs/demo", devices: int = 10, tasks: int = 5, rounds_per_task: int = 3,
+    budget: int = 200, seed: int = 0,
+) -> list[Path]:
+    out = Path(out)
+    runs = []
+    for method, options in METHODS.items():
+        print(f"--- {method}: {devices} virtual devices, {tasks} tasks x {rounds_per_task} rounds, M = {budget}")
+        config = FleetConfig(
+            name=f"demo-{method}", out=out / method, devices=devices, workers=2, seed=seed, broker="embedded",
+            scenario={"preset": "digits-class", "n_tasks": tasks, "seed": seed},
+            profiles=demo_profiles(devices),
+            replay={"max_samples": budget, **options["replay"]},
+            client={"epochs": 2},
+            coordinator={
+                "rounds_per_task": rounds_per_task, "min_clients": max(1, devices // 2), "deadline_s": 60.0,
+                "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
+            },
+        )
+        results = Fleet(config).run()
+        print(f"{method}: final accuracy {results['final_accuracy']:.2%}; report {results['report']}")
+        runs.append(out / method)
+    written = compare_runs(runs, out / "comparison", labels=list(METHODS))
+    print((out / "comparison" / "comparison.md").read_text())
+    print("plots: " + ", ".join(str(p) for p in written if p.suffix == ".png"))
+    return written

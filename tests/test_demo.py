@@ -1,15 +1,18 @@
+"""The README's main job, shrunk: the fleet demo runs Re-Fed, random caching and Fixed over the embedded broker
+and prints the comparison, writing each run's results and the plots."""
 import json
 
 from edgefil.cli import main
 
 
-def test_demo_trains_the_embedded_digits_through_ort_and_writes_results(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--epochs", "3"]) == 0
+def test_demo_compares_refed_random_and_fixed_on_a_small_fleet(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), "--devices", "3", "--tasks", "2", "--rounds-per-task", "1"]) == 0
     printed = capsys.readouterr().out
-    results = json.loads((tmp_path / "results.json").read_text())
-    history = results["history"]
-    assert [h["epoch"] for h in history] == [1, 2, 3]
-    assert history[-1]["test_accuracy"] > 0.5  # ten classes: chance is 0.1
-    assert history[-1]["train_loss"] < history[0]["train_loss"]
-    assert f"{history[-1]['test_accuracy']:.2%}" in printed
-    assert (tmp_path / "artifacts" / "manifest.json").is_file()
+    for method in ("refed", "random", "fixed"):
+        results = json.loads((tmp_path / method / "results.json").read_text())
+        assert [len(row) for row in results["accuracy_matrix"]] == [1, 2]
+        assert method in printed
+    fixed = json.loads((tmp_path / "fixed" / "results.json").read_text())
+    assert [h["received"] != [] for h in fixed["history"]] == [True, False]  # trained on the first task only
+    assert (tmp_path / "comparison" / "comparison.md").read_text() in printed
+    assert (tmp_path / "comparison" / "comparison.png").stat().st_size > 5000
