@@ -142,6 +142,30 @@ def maps_library(pid: int, name: str) -> bool:
         return False
 
 
+class ForeignLogCounter(logging.Handler):
+    """Counts (instead of printing) this process's log records from outside edgefil, e.g. the embedded broker's
+    (amqtt, asyncio) tracebacks, by logger, message and exception."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        first = re.sub(r"\d+", "#", (record.getMessage().splitlines() or [""])[0])  # packet ids, ports, ...
+        what = f"{record.name} {record.levelname}: {first[:80]}"
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            what += f" ({type(error).__name__}: {str(error)[:80]})"
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def take(self) -> list[tuple[int, str]]:
+        counts, self.counts = self.counts, {}
+        return sorted(((n, what) for what, n in counts.items()), reverse=True)
+
+
+FOREIGN = ForeignLogCounter()
+
+
 # --- one fleet run ----------------------------------------------------------------------------------
 
 @dataclass
@@ -322,7 +346,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         fleet_module.Coordinator = original
     trained = trained_times(out / "logs")
     return {"n": n, "broker": broker, "probe": probe, "results": results, "trained": trained,
-            "problems": log_problems(out / "logs"), "cores": os.cpu_count() or 1}
+            "problems": log_problems(out / "logs"), "foreign": FOREIGN.take(), "cores": os.cpu_count() or 1}
 
 
 # --- summary ------------------------------------------------------------------------------------------
@@ -367,6 +391,7 @@ def summarize(run: dict) -> dict:
         "first_registered": (probe.first_registered - probe.workers_started) if probe.first_registered else float("nan"),
         "registered": registered, "after": after, "idle_cpu": probe.idle_cpu,
         "broker_after": probe.broker_memory.get("after", {}), "problems": run["problems"],
+        "foreign": run["foreign"],
         "completed": run["results"]["rounds_completed"], "accuracy": run["results"]["final_accuracy"],
     }
 
@@ -461,6 +486,12 @@ def print_tables(summaries: list[dict], idle: dict[str, float], idle_devices_onl
             print(f"\n{s['broker']} N={s['n']}: {total} warnings/errors in the worker logs, by kind (count, first):")
             for count, first in s["problems"][:5]:
                 print(f"  {count:6d}  {first[:160]}")
+        if s["foreign"]:
+            total = sum(count for count, _ in s["foreign"])
+            print(f"\n{s['broker']} N={s['n']}: {total} warnings/errors logged in this process outside edgefil "
+                  f"(the embedded broker runs here), by kind:")
+            for count, what in s["foreign"][:5]:
+                print(f"  {count:6d}  {what[:200]}")
 
 
 def main() -> None:
@@ -482,8 +513,13 @@ def main() -> None:
     sizes = sorted(int(n) for n in args.devices.split(","))
     brokers = [b.strip() for b in args.broker.split(",")]
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # edgefil's own warnings (a round closed at its deadline, ...) print; any other logger's are counted
+    printed = logging.StreamHandler(sys.stderr)
+    printed.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    printed.addFilter(lambda record: record.name.startswith("edgefil"))
+    FOREIGN.addFilter(lambda record: not record.name.startswith("edgefil"))
+    logging.basicConfig(level=logging.WARNING, handlers=[printed, FOREIGN])
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
     idle = idle_workers_memory(args.workers)

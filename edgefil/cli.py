@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--devices", type=int, default=10)
     demo.add_argument("--tasks", type=int, default=5, help="class-incremental digits tasks (2 classes each)")
     demo.add_argument("--rounds-per-task", type=int, default=3)
-    demo.add_argument("--budget", type=int, default=200, help="the replay budget M, in samples per device")
+    demo.add_argument("--budget", type=int, default=100, help="the replay budget M, in samples per device")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 

@@ -27,18 +27,17 @@ def demo_profiles(devices: int) -> dict[str, int]:
     return dict(Counter(PROFILE_CYCLE[i % len(PROFILE_CYCLE)] for i in range(devices)))
 
 
-def run_demo(
-    out: str | Path = "runs/demo", devices: int = 10, tasks: int = 5, rounds_per_task: int = 3,
-    budget: int = 200, seed: int = 0,
-) -> list[Path]:
-    out = Path(out)
-    runs = []
+def run_methods(
+    out: Path, scenario: dict[str, Any], model: str = "lenet", devices: int = 10, rounds_per_task: int = 3,
+    budget: int = 100, seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """One fleet run per method in METHODS, same fleet, data and budget; each run's results by method."""
+    runs = {}
     for method, options in METHODS.items():
-        print(f"--- {method}: {devices} virtual devices, {tasks} tasks x {rounds_per_task} rounds, M = {budget}")
+        print(f"--- {method}: {devices} virtual devices, {scenario}, {rounds_per_task} rounds per task, M = {budget}")
         config = FleetConfig(
-            name=f"demo-{method}", out=out / method, devices=devices, workers=2, seed=seed, broker="embedded",
-            scenario={"preset": "digits-class", "n_tasks": tasks, "seed": seed},
-            profiles=demo_profiles(devices),
+            name=f"demo-{method}", out=out / method, devices=devices, workers=2, model=model, seed=seed,
+            broker="embedded", scenario={**scenario, "seed": seed}, profiles=demo_profiles(devices),
             replay={"max_samples": budget, **options["replay"]},
             client={"epochs": 2},
             coordinator={
@@ -46,10 +45,19 @@ def run_demo(
                 "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
             },
         )
-        results = Fleet(config).run()
-        print(f"{method}: final accuracy {results['final_accuracy']:.2%}; report {results['report']}")
-        runs.append(out / method)
-    written = compare_runs(runs, out / "comparison", labels=list(METHODS))
+        runs[method] = Fleet(config).run()
+        print(f"{method}: final accuracy {runs[method]['final_accuracy']:.2%}; report {runs[method]['report']}")
+    return runs
+
+
+def run_demo(
+    out: str | Path = "runs/demo", devices: int = 10, tasks: int = 5, rounds_per_task: int = 3,
+    budget: int = 100, seed: int = 0,
+) -> list[Path]:
+    out = Path(out)
+    scenario = {"preset": "digits-class", "n_tasks": tasks}
+    run_methods(out, scenario, devices=devices, rounds_per_task=rounds_per_task, budget=budget, seed=seed)
+    written = compare_runs([out / m for m in METHODS], out / "comparison", labels=list(METHODS))
     print((out / "comparison" / "comparison.md").read_text())
     print("plots: " + ", ".join(str(p) for p in written if p.suffix == ".png"))
     return written
