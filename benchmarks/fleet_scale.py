@@ -49,7 +49,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
