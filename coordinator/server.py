@@ -122,7 +122,7 @@ class Coordinator:
             self.open_round = None
             self.inbox.drop_partial_updates(before_round=number + 1)
             if missing:
-                log.warning("round %d closed at its deadline without %s", number, ", ".join(missing))
+                log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
             if len(collected.updates) >= self.config.min_clients:
                 self._close(collected)
