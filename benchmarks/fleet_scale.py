@@ -242,7 +242,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
                 start = time.perf_counter()
                 result = evaluate(*a, **k)
-                probe.rounds[self.state.round].evaluate_s = time.perf_counter() - start
+                if self.state.round in probe.rounds:  # (not for a task evaluated without training)
+                    probe.rounds[self.state.round].evaluate_s = time.perf_counter() - start
                 return result
 
             self.evaluator.accuracies = timed

@@ -275,6 +275,7 @@ class Device:
             metrics={
                 **metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk(),
                 "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
+                "store_budget_bytes": store.budget.max_bytes or 0,
             },
         ).chunks
         self.last_update = _Update(round_, model, chunks)

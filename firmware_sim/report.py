@@ -57,6 +57,15 @@ def _series(reports: Mapping[str, Sequence[Mapping[str, Any]]], key: str) -> dic
     return {d: [m[key] for m in ms if key in m] for d, ms in reports.items()}
 
 
+def reported_budgets(results: Mapping[str, Any]) -> dict[str, int]:
+    """Each device's store byte budget, as its updates report it (devices without one are left out)."""
+    return {
+        device: int(metrics["store_budget_bytes"])
+        for entry in results["history"] for device, metrics in entry["metrics"].items()
+        if metrics.get("store_budget_bytes")
+    }
+
+
 def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The numbers a report shows. Accuracy metrics come from the accuracy matrix (None before a task completes);
     "average_accuracy" is the average incremental accuracy (the final-style accuracy after each task, averaged
@@ -67,7 +76,7 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
     reports = _reports(results["history"])
     sent = {d: s[-1] for d, s in _series(reports, "bytes_sent").items() if s}
     received = {d: s[-1] for d, s in _series(reports, "bytes_received").items() if s}
-    budget = budget or {}
+    budget = budget if budget is not None else reported_budgets(results)
     stored = _series(reports, "stored_bytes")
     storage = peak_storage(stored, {d: budget.get(d, math.inf) for d in stored})
     for device in stored.keys() - budget.keys():

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from firmware_sim.report import run_summary
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FLEET = """
@@ -77,8 +79,11 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     assert [r["round"] for r in final["history"]] == list(range(1, 7))
     assert final["history"][: len(kept["history"])] == kept["history"]
     assert all(len(r["received"]) == 4 for r in final["history"])
-    # emulated (profiles in the fleet file): every update reports its round's time on its device
+    # emulated (profiles in the fleet file): every update reports its round's time on its device, and a store
+    # byte budget that leaves its disk room; no device ever stored more than that
     assert all(m["device_seconds"] > 0 for r in final["history"] for m in r["metrics"].values())
+    storage = run_summary(final)["storage"]
+    assert len(storage) == 4 and all(s["within_budget"] for s in storage.values())
     assert {"summary.md", "accuracy_matrix.png", "accuracy_per_task.png", "storage_traffic.png"} <= {
         p.name for p in out.iterdir()}  # the run's report
     assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
