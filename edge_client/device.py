@@ -157,9 +157,12 @@ class Device:
             self._announce()
             return
         parsed = topics.parse(self.config.fleet, topic)
+        if parsed is None or parsed.direction == topics.FROM_DEVICE:
+            # not meant for a device: amqtt 0.12 hands new clients retained messages of others' subscriptions
+            self.rejected += 1
+            log.debug("%s ignored a message on %s", self.id, topic)
+            return
         try:
-            if parsed is None:
-                raise wire.WireError("topic", f"unexpected topic {topic}")
             message = wire.decode(payload)
             if message["kind"] == "weights":
                 self._take_weights(message)

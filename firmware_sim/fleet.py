@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import signal
-import threading
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,6 +40,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
 from edge_client.link import BrokerSettings
 from firmware_sim import disk
+from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import write_report
@@ -227,39 +226,6 @@ def state_reserve_bytes(artifacts: Path) -> int:
     """Disk a device needs beside its store: two weight files (old and new, during the atomic replace) plus room
     for state.json and file-system blocks."""
     return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
-
-
-def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
-    """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
-    it), until the fleet says stop. Ctrl-C is the parent's to handle."""
-    from edge_client.config import DeviceConfig
-    from edge_client.device import Device
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(filename=log_file, level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    devices: list[Device] = []
-    lock = threading.Lock()
-
-    def run(raw: dict[str, Any]) -> None:
-        try:
-            device = Device(DeviceConfig.from_dict(raw))
-        except Exception:
-            logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
-            return
-        with lock:
-            devices.append(device)
-        device.run()
-
-    threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
-    for thread in threads:
-        thread.start()
-    stop.wait()
-    with lock:
-        for device in devices:
-            device.stop_requested.set()
-    for thread in threads:
-        thread.join(30)
 
 
 def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
