@@ -74,6 +74,9 @@ class Coordinator:
         self.registered: dict[str, Registration] = {}
         self.online: set[str] = set()
         self.open_round: OpenRound | None = None
+        # valid updates for the next round that came while none was open (e.g. after a failed attempt's close):
+        # a device that re-sends the same update is deduplicated by the wire layer, so they are kept here
+        self._kept: dict[str, Update] = {}
         self._weights_chunks: list[bytes] = []
         self._first_round = True
         self.link = Link(
@@ -125,8 +128,10 @@ class Coordinator:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
             if len(collected.updates) >= self.config.min_clients:
+                self._kept.clear()
                 self._close(collected)
                 return
+            self._kept.update(collected.updates)  # still valid for the next attempt: same round, same weights
             self.counters["round-retried"] += 1
             log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again",
                         number, attempt, len(collected.updates), self.config.min_clients)
@@ -156,7 +161,10 @@ class Coordinator:
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
         for device in selected:
-            self._send_round(device)
+            if device in self._kept:
+                self.open_round.offer(self._kept.pop(device), self.counters)
+            else:
+                self._send_round(device)
 
     def _send_round(self, device: str, with_weights: bool = False) -> None:
         fleet, current = self.config.fleet, self.open_round
@@ -242,16 +250,23 @@ class Coordinator:
             self._send_round(event.device, with_weights=True)
 
     def _on_status(self, event: Status) -> None:
+        current = self.open_round
         if event.state != "offline":
             self.online.add(event.device)
+            if current is not None and event.device in current.gone:  # back (or the offline was stale)
+                current.gone.discard(event.device)
+                self._send_round(event.device, with_weights=True)
             return
         self.online.discard(event.device)
-        if self.open_round is not None:
-            self.open_round.went_offline(event.device)
+        if current is not None:
+            current.went_offline(event.device)
 
     def _on_update(self, update: Update) -> None:
         current = self.open_round
         if current is None:
+            if update.round == self.state.round + 1:
+                self._kept[update.device] = update  # for the coming round (its model is checked then)
+                return
             self.counters["late" if update.round <= self.state.round else "wrong-round"] += 1
             log.warning("update of %s for round %d arrived between rounds: dropped", update.device, update.round)
             return
