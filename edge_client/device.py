@@ -211,7 +211,7 @@ class Device:
     def _train_round(self, message: wire.Message, global_weights: np.ndarray) -> None:
         round_, task, config = message["round"], message["task"], message["config"]
         blob_bytes = 4 * self.num_parameters
-        messages = max(1, -(-blob_bytes // wire.CHUNK_BYTES))
+        messages = wire.chunk_count(blob_bytes)
         device_seconds = self.environment.transfer(blob_bytes, messages, upload=False)
         try:
             self.environment.check_training(

@@ -156,7 +156,7 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}")
     view = memoryview(data).cast("B")
-    pieces = [view[start:start + chunk_bytes] for start in range(0, max(len(view), 1), chunk_bytes)]
+    pieces = _pieces(view, chunk_bytes)
     digests = [hashlib.sha256(piece).digest() for piece in pieces]
     blob = _hash_list(digests)
     chunks = [
@@ -172,8 +172,16 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
 def blob_id(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> str:
     """A blob's identity: the sha256 (hex) of its chunks' sha256 digests in order (a hash list, as BitTorrent's
     piece hashes): it commits to every byte, and a receiver checks it while hashing each byte only once."""
-    view = memoryview(data).cast("B")
-    return _hash_list([hashlib.sha256(view[i:i + chunk_bytes]).digest() for i in range(0, max(len(view), 1), chunk_bytes)])
+    return _hash_list([hashlib.sha256(piece).digest() for piece in _pieces(memoryview(data).cast("B"), chunk_bytes)])
+
+
+def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many messages a blob of `nbytes` travels in (an empty blob still takes one)."""
+    return max(1, math.ceil(nbytes / chunk_bytes))
+
+
+def _pieces(view: memoryview, chunk_bytes: int) -> list[memoryview]:
+    return [view[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(chunk_count(len(view), chunk_bytes))]
 
 
 def _hash_list(digests: list[bytes]) -> str:
