@@ -231,7 +231,7 @@ class Coordinator:
     def wait_registered(self, timeout: float = 120.0) -> None:
         from coordinator.inbox import Inbox, Registration
 
-        inbox = Inbox(FLEET, set(self.devices), MANIFEST, 1)
+        inbox = Inbox(FLEET, set(self.devices), MANIFEST, 1, num_classes=10)
         registered: set[str] = set()
         deadline = time.monotonic() + timeout
         while len(registered) < len(self.devices):
@@ -251,7 +251,7 @@ class Coordinator:
 
         self.number += 1
         number, n = self.number, len(weights)
-        inbox = Inbox(FLEET, set(self.devices), MANIFEST, n)
+        inbox = Inbox(FLEET, set(self.devices), MANIFEST, n, num_classes=10)
         counts: Counter[str] = Counter()
         cpu = meter()
         started = time.perf_counter()

@@ -2,12 +2,14 @@
 
 A message is turned into an event only when its topic belongs to this fleet's devices, its device is on the
 roster and is the one named in the payload, it decodes under the current schema, and (for updates) its chunks
-reassemble into exactly the model's number of finite float32 values. Everything else is rejected with a logged
-reason and counted; nothing raises. Round-level checks (right round, selected, before the deadline) are the
+reassemble into exactly the model's number of finite float32 values, followed by declared attachments that decode
+(generators: `generator/<class>`, a valid record of that class). Everything else is rejected with a logged reason
+and counted; nothing raises. Round-level checks (right round, selected, before the deadline) are the
 round's business (`rounds.py`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Mapping
 import numpy as np
 
 from edge_client import topics, wire
+from edge_client.generators.record import GeneratorFormatError, GeneratorRecord, decode_record
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -43,19 +46,35 @@ class Update:
     num_samples: int
     metrics: Mapping[str, float]
     weights: np.ndarray  # flat float32 view over the reassembled bytes (no copy)
+    label_counts: tuple[int, ...] = ()
+    generators: Mapping[int, GeneratorRecord] = dataclasses.field(default_factory=dict)
 
 
-Event = Registration | Status | Update
-DEVICE_KINDS = frozenset({"register", "status", "update"})
+@dataclass(frozen=True)
+class Request:
+    """A device asks for the coordinator's cached generators of classes it meets for the first time."""
+
+    device: str
+    round: int
+    classes: tuple[int, ...]
+
+
+Event = Registration | Status | Update | Request
+DEVICE_KINDS = frozenset({"register", "status", "update", "request"})
+GENERATOR_PREFIX = "generator/"
+MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model (generators)
 
 
 class Inbox:
-    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int) -> None:
+    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int, num_classes: int) -> None:
         self.fleet = fleet
         self.roster = roster
         self.manifest = manifest
         self.num_parameters = num_parameters
-        self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters, max_pending=2 * len(roster) + 8)
+        self.num_classes = num_classes
+        self.reassembler = wire.Reassembler(
+            max_blob_bytes=4 * num_parameters + MAX_ATTACHMENT_BYTES, max_pending=2 * len(roster) + 8
+        )
         self.rejections: Counter[str] = Counter()
 
     def accept(self, topic: str, payload: bytes) -> Event | None:
@@ -95,6 +114,8 @@ class Inbox:
             return Registration(parsed.device, message["backend"], message["profile"])
         if message["kind"] == "status":
             return Status(parsed.device, message["state"], message["round"])
+        if message["kind"] == "request":
+            return Request(parsed.device, message["round"], tuple(message["classes"]))
         return self._take_chunk(parsed.device, message)
 
     def _take_chunk(self, device: str, message: wire.Message) -> Update | None:
@@ -104,8 +125,24 @@ class Inbox:
         if blob is None:
             return None
         header = blob.header
+        weights, attachments = blob.split(self.num_parameters)
         return Update(
             device=device, round=header["round"], task=header["task"], model=header["model"],
-            num_samples=header["num_samples"], metrics=dict(header["metrics"]),
-            weights=blob.weights(self.num_parameters),
+            num_samples=header["num_samples"], metrics=dict(header["metrics"]), weights=weights,
+            label_counts=tuple(header.get("label_counts", ())), generators=self._generators(attachments),
         )
+
+    def _generators(self, attachments: Mapping[str, memoryview]) -> dict[int, GeneratorRecord]:
+        records = {}
+        for name, data in attachments.items():
+            label = name.removeprefix(GENERATOR_PREFIX)
+            if not name.startswith(GENERATOR_PREFIX) or not label.isdigit() or int(label) >= self.num_classes:
+                raise wire.WireError("attachments", f"unknown attachment {name!r}")
+            try:
+                record = decode_record(bytes(data))
+            except GeneratorFormatError as err:
+                raise wire.WireError("generator", f"{name}: {err}") from None
+            if record.label != int(label):
+                raise wire.WireError("generator", f"{name} holds the generator of class {record.label}")
+            records[int(label)] = record
+        return records

@@ -10,6 +10,11 @@ Choices: the first round after a start or a resume waits up to `wait_for_devices
 the first selection sees every device that is coming); later rounds only wait while fewer than the quorum are
 online. A device that (re)registers while selected for the open round without having delivered gets the
 round's weights and message again on its own topics (after a broker restart, or its own restart).
+
+Personalized rules (pFedGRP): a device's personalized model goes to it with the round message (`personal`), and a
+device's request for cached generators is answered at once, rounds open or not. On flowing-data scenarios each
+round also evaluates every client's model (its personalized one, else the global one) on that client's test data
+seen so far: the per-client accuracies, IAA (Eq. 9), AA and AFM (Eqs. 10-11) go into the history and results.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import dataclasses
 import json
 import logging
 import time
+
+import msgpack
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,20 +34,23 @@ from coordinator.checkpoint import RunState, load_run_state, save_run_state
 from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator
-from coordinator.inbox import Inbox, Registration, Status, Update
+from coordinator.inbox import Inbox, Registration, Request, Status, Update
 from coordinator.rounds import OpenRound, select
 from coordinator.strategies import ClientUpdate, make_strategy
 from edge_client import topics, wire
 from edge_client.device import manifest_digest
 from edge_client.durable import write_atomically
 from edge_client.link import CONNECTED, Link
-from firmware_sim.metrics import accuracy_matrix, average_accuracy, backward_transfer, forgetting
+from firmware_sim.metrics import (
+    accuracy_matrix, average_accuracy, average_of_iaa, backward_transfer, forgetting, iaa_forgetting,
+)
 from firmware_sim.scenarios import scenario_from_config
 from models.manifest import load_manifest
 
 log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
 RESULTS_FILE = "results.json"
+PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models
 
 
 class QuorumError(RuntimeError):
@@ -60,13 +70,20 @@ class Coordinator:
         self.manifest = load_manifest(config.artifacts)
         self.data = scenario_from_config(config.scenario).build()
         options = {k: v for k, v in config.strategy.items() if k != "name"}
-        self.strategy = make_strategy(config.strategy["name"], device=config.device, **options)
+        self.strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(self.strategy.device))
+        self.flowing = self.data.scenario.kind == "flowing"
+        if self.flowing and config.rounds_per_task != 1:
+            raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
         self.inbox = Inbox(
-            config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters
+            config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
+            self.manifest.num_classes,
         )
         self.checkpoint_dir = config.out / CHECKPOINT_DIR
         self.state = self._load_or_start(resume)
+        self.personalized = self._load_personalized() if resume else {}
+        if resume:
+            self.strategy.load(self.checkpoint_dir)
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.rng = np.random.default_rng()
@@ -95,6 +112,16 @@ class Coordinator:
             weights=initial_weights(self.config.artifacts),
             rng=np.random.default_rng(self.config.seed).bit_generator.state,
         )
+
+    def _load_personalized(self) -> dict[str, np.ndarray]:
+        """The personalized models of the checkpointed round (written just before the run state)."""
+        path = self.checkpoint_dir / PERSONALIZED_FILE
+        if not path.exists():
+            return {}
+        saved = msgpack.unpackb(path.read_bytes(), raw=False)
+        if saved["round"] != self.state.round:
+            return {}
+        return {d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()}
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -171,15 +198,23 @@ class Coordinator:
         if with_weights:
             for chunk in self._weights_chunks:
                 self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
+        personal = {}
+        if device in self.personalized:
+            encoded = wire.encode_blob("weights", wire.weights_bytes(self.personalized[device]), round=current.number,
+                                       version=self.state.round)
+            for chunk in encoded.chunks:
+                self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
+            personal = {"personal": encoded.id}
         config = {**self.config.client, **self.strategy.configure(current.number, [device]).get(device, {})}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
-            deadline_s=max(current.remaining_s(), 0.0), config=config,
+            deadline_s=max(current.remaining_s(), 0.0), config=config, **personal,
         ))
 
     def _close(self, collected: OpenRound) -> None:
         updates = [
-            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics)) for u in collected.updates.values()
+            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics), u.label_counts, u.generators)
+            for u in collected.updates.values()
         ]
         started = time.perf_counter()
         result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
@@ -188,12 +223,16 @@ class Coordinator:
         state.weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
         state.round = collected.number
         state.round_in_task += 1
+        self.personalized.update(
+            {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
+        )
         accuracies = self.evaluator.accuracies(state.weights, collected.task)
         state.history.append({
             "round": collected.number, "task": collected.task, "selected": collected.selected,
             "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
             "accuracy": accuracies, "aggregate_s": aggregate_s,
             "metrics": {u.device: dict(u.metrics) for u in updates},
+            **self._client_evaluation(collected.task),
         })
         log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
                  collected.task, " ".join(f"{a:.3f}" for a in accuracies))
@@ -208,8 +247,25 @@ class Coordinator:
             state.round_in_task = 0
         state.rng = self.rng.bit_generator.state
         state.counters = dict(self.counters)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.strategy.save(self.checkpoint_dir)
+        if self.personalized:
+            write_atomically(self.checkpoint_dir / PERSONALIZED_FILE, msgpack.packb({
+                "round": state.round, "models": {d: w.tobytes() for d, w in self.personalized.items()},
+            }, use_bin_type=True))
         save_run_state(self.checkpoint_dir, state)
         write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
+
+    def _client_evaluation(self, task: int) -> dict[str, Any]:
+        """Flowing data: each client's model (personalized, else global) on its test data seen so far, and IAA."""
+        if not self.flowing:
+            return {}
+        accuracy = {
+            k: self.evaluator.client_accuracy(self.personalized.get(device, self.state.weights), k, task)
+            for k, device in enumerate(self.config.devices)
+        }
+        return {"client_accuracy": {self.config.devices[k]: a for k, a in accuracy.items()},
+                "iaa": self.evaluator.iaa(accuracy, task)}
 
     # --- devices ----------------------------------------------------------------------------------
 
@@ -241,6 +297,8 @@ class Coordinator:
             self._on_status(event)
         elif isinstance(event, Update):
             self._on_update(event)
+        elif isinstance(event, Request):
+            self._on_request(event)
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
@@ -274,7 +332,23 @@ class Coordinator:
         if reason is not None:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
 
+    def _on_request(self, request: Request) -> None:
+        """Send the cached generators of the classes asked for that the rule has (an empty answer otherwise)."""
+        cached = self.strategy.cached_generators(request.classes)
+        data, layout = wire.pack_attachments(b"", {f"generator/{c}": b for c, b in cached.items()})
+        for chunk in wire.encode_blob("generators", data, round=request.round, attachments=layout).chunks:
+            self.link.publish(topics.to_device(self.config.fleet, request.device, "generators"), chunk)
+        log.info("%s asked for generators of classes %s: sent %s", request.device, list(request.classes),
+                 sorted(cached))
+
     # --- results ----------------------------------------------------------------------------------
+
+    def _iaa_summary(self) -> dict[str, Any]:
+        """pFedGRP's metrics over the rounds so far (flowing-data scenarios only)."""
+        iaa = [entry["iaa"] for entry in self.state.history if "iaa" in entry]
+        if not iaa:
+            return {}
+        return {"iaa": iaa, "aa": average_of_iaa(iaa), "afm": iaa_forgetting(iaa)}
 
     def results(self) -> dict[str, Any]:
         state = self.state
@@ -293,6 +367,7 @@ class Coordinator:
             "average_accuracy": average_accuracy(square) if done else 0.0,
             "forgetting": forgetting(square) if done else 0.0,
             "backward_transfer": backward_transfer(square) if done else 0.0,
+            **self._iaa_summary(),
             "counters": dict(self.counters),
             "bytes_sent": self.link.bytes_sent,
             "bytes_received": self.link.bytes_received,

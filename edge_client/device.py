@@ -5,6 +5,12 @@ starts later still learns of this device); assemble global weights as they
 arrive; on a round message for a new round, take the round's global weights, start the task when it is new
 (the policy picks the cache, the store enforces the budget), train, save the client state atomically, upload.
 
+Generator replay (pFedGRP): a round message may name the device's personalized model (`personal`, the teacher of
+the alignment term) besides the global one; the device waits for both. When its new data bring a class it has no
+generator of and the coordinator has one cached (`generator_classes` in the round's config), it asks for it while
+it trains the task model and warm-starts from it if the answer comes within `generator_wait_s`. The update carries
+this round's generators and the device's label counts.
+
 Restarts on either side are safe: a round message for the round this device already trained (same global
 model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
 coordinator that re-sends after a broker restart or its own resume gets an update without a second training.
@@ -12,6 +18,7 @@ coordinator that re-sends after a broker restart or its own resume gets an updat
 from __future__ import annotations
 
 import hashlib
+import collections
 import logging
 import shutil
 import signal
@@ -34,8 +41,9 @@ from edge_client.trainers.base import Proximal, Trainer
 from models.manifest import load_manifest
 
 log = logging.getLogger("edgefil.device")
-KEPT_MODELS = 2  # global weight blobs kept in memory: the current one and the next, arriving early
+KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
 AVAILABILITY_POLL_S = 1.0  # how often an idle device looks at its availability schedule
+MAX_GENERATOR_BYTES = 64 << 20  # the largest answer to a generator request the device assembles
 
 
 def make_trainer(config: DeviceConfig) -> Trainer:
@@ -99,12 +107,15 @@ class Device:
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)
+        self.learner.open_policy(config.state_dir, config.artifacts)
         self.source = source if source is not None else open_source(config.data)
         self.environment = make_environment(config)
         self.manifest = manifest_digest(config.artifacts)
         self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * self.num_parameters, max_pending=4)
+        self.generator_reassembler = wire.Reassembler(max_blob_bytes=MAX_GENERATOR_BYTES, max_pending=2)
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
+        self.backlog: collections.deque[tuple[str, bytes]] = collections.deque()  # set aside while awaiting a reply
         self.last_update: _Update | None = None
         self.rejected = 0
         self._last_status = 0.0
@@ -127,7 +138,7 @@ class Device:
                 if away > 0:
                     self._stay_away(away)
                     continue
-                item = self.link.get(timeout=AVAILABILITY_POLL_S)
+                item = self.backlog.popleft() if self.backlog else self.link.get(timeout=AVAILABILITY_POLL_S)
                 try:
                     if item is not None:
                         self.handle(*item)
@@ -168,6 +179,8 @@ class Device:
                 self._take_weights(message)
             elif message["kind"] == "round" and parsed.device == self.id:
                 self._take_round(message)
+            elif message["kind"] == "generators":
+                log.debug("%s ignored a late answer to a generator request", self.id)
             else:
                 raise wire.WireError("kind", f"{message['kind']} on {topic}")
         except wire.WireError as err:
@@ -191,7 +204,7 @@ class Device:
         self.models[blob.id] = blob.weights(self.num_parameters)
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
-        if self.waiting is not None and self.waiting["model"] == blob.id:
+        if self.waiting is not None and blob.id in _needed(self.waiting):
             waiting, self.waiting = self.waiting, None
             self._take_round(waiting)
 
@@ -203,7 +216,7 @@ class Device:
         if round_ <= done and self.learner.state.task >= 0:
             log.info("%s ignored round %d: already past it (at %d)", self.id, round_, done)
             return
-        if model not in self.models:
+        if any(blob not in self.models for blob in _needed(message)):
             self.waiting = message  # its weights are still on their way
             return
         self._train_round(message, self.models[model])
@@ -234,19 +247,25 @@ class Device:
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
+        asked = self._request_generators(round_, config.get("generator_classes", []))
         mu = float(config.get("mu", 0.0))
         loss = self.learner.train(
             epochs=int(config["epochs"]) if "epochs" in config else None,
             proximal=Proximal(mu, global_weights) if mu > 0 else None,
+            teacher=self.models[message["personal"]] if "personal" in message else None,
         )
+        offered = self._await_generators(round_, float(config.get("generator_wait_s", 10.0))) if asked else {}
+        self.learner.finish_round(offered)
         device_seconds += self.environment.compute(time.thread_time() - started)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return
-        device_seconds += self.environment.transfer(blob_bytes, messages, upload=True)
+        upload_bytes = blob_bytes + sum(len(a) for a in self.learner.policy.attachments(self.learner).values())
+        device_seconds += self.environment.transfer(upload_bytes, wire.chunk_count(upload_bytes), upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
         self.learner.state.metrics = {
+            **self.learner.policy.metrics(),
             "loss": loss, "device_seconds": device_seconds, "disk_full": float(disk_full),
             "disk_free_bytes": float(shutil.disk_usage(self.config.state_dir).free),
         }
@@ -258,6 +277,41 @@ class Device:
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
         self._upload(round_, message["model"], self.learner.state.metrics)
+
+    def _request_generators(self, round_: int, cached: list[int]) -> bool:
+        """Ask the coordinator for the cached generators the policy wants (classes new to this device)."""
+        wanted = self.learner.policy.wanted_generators(self.learner, cached)
+        if not wanted:
+            return False
+        self.link.publish(topics.from_device(self.config.fleet, self.id, "request"),
+                          wire.encode("request", device=self.id, round=round_, classes=wanted))
+        return True
+
+    def _await_generators(self, round_: int, timeout: float) -> dict:
+        """The coordinator's answer to this round's request (decoded generators by class); {} when it does not
+        come in time. Other messages that arrive meanwhile are set aside, in order, for the main loop."""
+        from edge_client.generators.record import GeneratorFormatError, decode_record
+
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            item = self.link.get(timeout=left)
+            if item is None:
+                break
+            parsed = topics.parse(self.config.fleet, item[0])
+            if parsed is None or parsed.kind != "generators" or parsed.device != self.id:
+                self.backlog.append(item)
+                continue
+            try:
+                blob = self.generator_reassembler.add("coordinator", wire.decode(item[1]))
+                if blob is None or blob.header["round"] != round_:
+                    continue
+                return {int(name.split("/")[1]): decode_record(bytes(data))
+                        for name, data in blob.split(0)[1].items()}
+            except (wire.WireError, GeneratorFormatError, ValueError, IndexError) as err:
+                self.rejected += 1
+                log.warning("%s ignored an answer to its generator request: %s", self.id, err)
+        log.info("%s: no cached generators arrived in %.1f s; training them from scratch", self.id, timeout)
+        return {}
 
     def _resend(self, round_: int, model: str) -> bool:
         """Answer a repeated round message with the update already made for it; False when there is none."""
@@ -271,14 +325,17 @@ class Device:
         return False
 
     def _upload(self, round_: int, model: str, metrics: dict[str, float]) -> None:
-        store = self.learner.store
+        store, policy = self.learner.store, self.learner.policy
+        data, layout = wire.pack_attachments(wire.weights_bytes(self.trainer.get_weights()),
+                                             policy.attachments(self.learner))
         chunks = wire.encode_blob(
-            "update", wire.weights_bytes(self.trainer.get_weights()), device=self.id, round=round_,
-            task=self.learner.state.task, model=model, num_samples=len(store),
+            "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
+            num_samples=len(store), attachments=layout, label_counts=self.learner.state.label_counts,
             metrics={
-                **metrics, "stored_samples": len(store), "stored_bytes": store.bytes_on_disk(),
+                **metrics, "stored_samples": len(store),
+                "stored_bytes": store.bytes_on_disk() + policy.storage_bytes(),
                 "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
-                "store_budget_bytes": store.budget.max_bytes or 0,
+                "store_budget_bytes": self.learner.byte_budget or 0,
             },
         ).chunks
         self.last_update = _Update(round_, model, chunks)
@@ -294,6 +351,11 @@ class Device:
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
         self.link.publish(topic, self._status(state, round_), retain=True)
+
+
+def _needed(message: wire.Message) -> list[str]:
+    """The weight blobs a round message needs: the global model, and the personalized one when it names one."""
+    return [message["model"], *([message["personal"]] if "personal" in message else [])]
 
 
 def _seed_of(device_id: str) -> int:

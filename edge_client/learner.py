@@ -9,6 +9,8 @@ Choices (documented, configurable where it matters):
 - A later chunk of the current task that does not fit makes the policy rank the old cache again (smaller keep).
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
 - Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
+- A policy that keeps more than samples (generator replay) shares the store's byte budget M: before new data are
+  stored, the store may take M less what the policy holds; the policy may take M less what the store holds.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import numpy as np
 from edge_client.policies import ReplayPolicy, Samples, SelectionContext
 from edge_client.policies.reservoir import reservoir_update
 from edge_client.state import ClientState, load_state, save_state
-from edge_client.store import ReplayStore
+from edge_client.store import Budget, ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
-from edge_client.trainers.base import EvalResult, Proximal, Trainer
+from edge_client.trainers.base import Alignment, EvalResult, Proximal, Trainer
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class Learner:
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
         self._detector = NoveltyDetector()
+        self.byte_budget = store.budget.max_bytes  # M in bytes, shared with what the policy keeps
+
+    def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
+        """Let the policy open what it keeps besides the store (generator replay's bank)."""
+        self.policy.open(self, Path(state_dir), Path(model_artifacts))
 
     # --- the stream -------------------------------------------------------------------------------
 
@@ -59,6 +66,8 @@ class Learner:
         starts = announced or detected or self.state.task < 0
         if starts:
             self.state.task = chunk.task if chunk.task is not None else self.state.task + 1
+            self.state.task_counts = []
+        self._count_labels(chunk.y)
         self._admit(chunk.x, chunk.y, global_weights)
         self._detector.update(chunk.y)
         self.state.seen_classes = sorted(self._detector.seen)
@@ -71,13 +80,35 @@ class Learner:
 
     # --- training ---------------------------------------------------------------------------------
 
-    def train(self, epochs: int | None = None, proximal: Proximal | None = None) -> float:
-        """E local epochs on the store's contents (cache + current task); returns the last epoch's loss."""
+    def train(
+        self, epochs: int | None = None, proximal: Proximal | None = None, teacher: np.ndarray | None = None
+    ) -> float:
+        """E local epochs on the store's contents (cache + current task) and the policy's replay samples; returns
+        the last epoch's loss. With `teacher` weights and a policy with lambda_align > 0, samples of classes seen
+        before the current task carry the alignment term (pFedGRP's Eq. 6)."""
         x, y = self.store.get(self.store.ids())
+        replay = self.policy.replay_samples(self)
+        if replay is not None and len(replay):
+            x, y = np.concatenate([x, replay.x]), np.concatenate([y, replay.y])
         return self.trainer.fit(
             x, y, epochs=epochs or self.config.epochs, batch_size=self.config.batch_size,
-            class_mask=self.class_mask(), rng=self.rng, proximal=proximal,
+            class_mask=self.class_mask(), rng=self.rng, proximal=proximal, alignment=self._alignment(teacher, x, y),
         )
+
+    def finish_round(self, offered: dict | None = None) -> None:
+        """After local training: the policy's own update on the current task's real samples (e.g. generators)."""
+        x, y = self.store.get(self.store.ids(self.state.task))
+        self.policy.after_training(self, x, y, offered or {})
+
+    def _alignment(self, teacher: np.ndarray | None, x: np.ndarray, y: np.ndarray) -> Alignment | None:
+        if teacher is None or self.policy.lambda_align <= 0:
+            return None
+        before = np.asarray(self.state.label_counts, dtype=np.int64) - _padded(self.state.task_counts,
+                                                                                len(self.state.label_counts))
+        applies = np.isin(y, np.flatnonzero(before > 0)).astype(np.float32)
+        if not applies.any():  # the first task: nothing seen before (no alignment at t = 1)
+            return None
+        return Alignment(self.policy.lambda_align, self.trainer.teacher_logits(teacher, x), applies)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         return self.trainer.evaluate(x, y, class_mask=self.class_mask())
@@ -108,11 +139,24 @@ class Learner:
 
     # --- what the store keeps ---------------------------------------------------------------------
 
+    def _count_labels(self, y: np.ndarray) -> None:
+        k = self.trainer.manifest.num_classes
+        counts = np.bincount(np.asarray(y, dtype=np.int64), minlength=k)
+        self.state.label_counts = (_padded(self.state.label_counts, k) + counts).tolist()
+        self.state.task_counts = (_padded(self.state.task_counts, k) + counts).tolist()
+
+    def _share_budget(self) -> None:
+        """The store may take M less what the policy keeps on disk (nothing, for sample-caching policies)."""
+        if self.byte_budget is not None:
+            room = max(self.byte_budget - self.policy.storage_bytes(), 0)
+            self.store.budget = Budget(self.store.budget.max_samples, room)
+
     def _capacity(self) -> int:
         limit = self.store.budget.max_samples
         return limit if limit is not None else len(self.store) + self.store.room_for(1 << 30)
 
     def _admit(self, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None) -> None:
+        self._share_budget()
         if self.policy.streaming:
             self._admit_reservoir(x, y)
             return
@@ -124,7 +168,7 @@ class Learner:
         if len(y) > room:
             pick = np.sort(self.rng.choice(len(y), room, replace=False))
             x, y = x[pick], y[pick]
-        keep_old = room - len(y)
+        keep_old = room - len(y) if self.policy.keeps_old else 0
         bytes_short = self.store.room_for(len(y)) < len(y)  # the byte budget will cut into the cache too
         if len(old) > keep_old or (bytes_short and len(old)):
             ranked = old[self._rank(old, min(keep_old, len(old)), global_weights)]
@@ -166,3 +210,9 @@ class Learner:
         if len(stays) < len(ids):
             self.store.keep_only(ids[stays])
         self._insert_within_bytes(x[enters], y[enters], ranked_old=self.rng.permutation(ids[stays]))
+
+
+def _padded(counts: list[int], length: int) -> np.ndarray:
+    out = np.zeros(length, dtype=np.int64)
+    out[: len(counts)] = counts
+    return out

@@ -21,6 +21,8 @@ class ClientState:
     round: int = 0
     seen_classes: list[int] = field(default_factory=list)
     n_seen: int = 0  # samples seen since the start (reservoir sampling needs it)
+    label_counts: list[int] = field(default_factory=list)  # samples seen per class since the start
+    task_counts: list[int] = field(default_factory=list)  # samples seen per class in the current task
     model: str = ""  # id of the global model the saved weights were trained from ("" before any round)
     metrics: dict[str, float] = field(default_factory=dict)  # what the last update reported (for a resend)
     weights: np.ndarray | None = None
@@ -42,6 +44,8 @@ def load_state(directory: str | Path) -> ClientState | None:
             round=int(record["round"]),
             seen_classes=[int(c) for c in record["seen_classes"]],
             n_seen=int(record["n_seen"]),
+            label_counts=[int(n) for n in record.get("label_counts", [])],
+            task_counts=[int(n) for n in record.get("task_counts", [])],
             model=str(record.get("model", "")),
             metrics={str(k): float(v) for k, v in record.get("metrics", {}).items()},
             weights=weights,

@@ -28,6 +28,7 @@ CHUNK_BYTES = MAX_MESSAGE_BYTES - CHUNK_HEADER_ROOM
 MIN_CHUNK_BYTES = 1024  # every chunk but a blob's last carries at least this much (bounds the chunk count)
 WEIGHTS_DTYPE = "<f4"
 MAX_METRICS = 64
+MAX_ATTACHMENTS = 256
 
 Message = dict[str, Any]
 
@@ -60,9 +61,19 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "update": {
         **_CHUNK_FIELDS, "device": str, "round": int, "task": int, "model": str, "num_samples": int, "metrics": dict,
     },
+    "request": {"device": str, "round": int, "classes": list},  # cached generators of these classes, please
     # coordinator -> device
     "round": {"round": int, "task": int, "model": str, "version": int, "deadline_s": _NUMBER, "config": dict},
     "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
+    "generators": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
+}
+# Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
+# weights in a blob (update, generators), each padded to 4 bytes. `personal`: the id of the device's personalized
+# model blob in a round message. `label_counts`: samples seen per class (update).
+OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
+    "update": {"attachments": list, "label_counts": list},
+    "generators": {"attachments": list},
+    "round": {"personal": str},
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})
 BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
@@ -105,8 +116,16 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
         value = message.get(name)
         if not isinstance(value, expected) or isinstance(value, bool):
             raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {type(value).__name__}")
+    for name, expected in OPTIONAL.get(kind, {}).items():
+        if name in message and not isinstance(message[name], expected):
+            raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {type(message[name]).__name__}")
     if kind == "update":
         _check_metrics(message["metrics"])
+        _check_ints(message.get("label_counts", []), "update.label_counts")
+    if kind == "request":
+        _check_ints(message["classes"], "request.classes")
+    if "attachments" in message:
+        _check_attachments(message["attachments"])
     if kind in BLOB_KINDS:
         _check_chunk_fields(message, verify_chunk)
 
@@ -121,6 +140,23 @@ def _check_metrics(metrics: dict) -> None:
     for key, value in metrics.items():
         if not isinstance(key, str) or not isinstance(value, _NUMBER) or isinstance(value, bool):
             raise WireError("field", f"update.metrics must map names to numbers, got {key!r}: {value!r}")
+
+
+def _check_ints(values: list, where: str) -> None:
+    if len(values) > 4096 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise WireError("field", f"{where} must be a list of at most 4096 non-negative ints")
+
+
+def _check_attachments(attachments: list) -> None:
+    if len(attachments) > MAX_ATTACHMENTS:
+        raise WireError("attachments", f"{len(attachments)} attachments, at most {MAX_ATTACHMENTS}")
+    for entry in attachments:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0):
+            raise WireError("attachments", f"an attachment is [name, length], got {entry!r}")
+    names = [entry[0] for entry in attachments]
+    if len(set(names)) != len(names):
+        raise WireError("attachments", "attachment names repeat")
 
 
 def _check_chunk_fields(message: Message, verify_hash: bool) -> None:
@@ -141,6 +177,20 @@ def weights_bytes(weights: np.ndarray) -> memoryview:
     """The wire form of a flat weight buffer: little-endian float32, no copy when it already is one."""
     array = np.ascontiguousarray(weights, dtype=WEIGHTS_DTYPE).reshape(-1)
     return memoryview(array).cast("B")
+
+
+def _padded(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def pack_attachments(weights: bytes | memoryview, attachments: Mapping[str, bytes]) -> tuple[bytes, list]:
+    """One blob of weights followed by named byte strings (each padded to 4 bytes), and the `attachments` field
+    that describes them."""
+    parts, layout = [bytes(weights)], []
+    for name, data in attachments.items():
+        parts.append(bytes(data) + bytes(_padded(len(data)) - len(data)))
+        layout.append([name, len(data)])
+    return b"".join(parts), layout
 
 
 @dataclass(frozen=True)
@@ -197,13 +247,26 @@ class Blob:
     header: Message
 
     def weights(self, expected_length: int) -> np.ndarray:
-        """The blob as weights: exactly `expected_length` finite float32 values, else WireError."""
-        if len(self.data) != 4 * expected_length:
-            raise WireError("weights-length", f"{len(self.data) // 4} values, the model has {expected_length}")
-        values = np.frombuffer(self.data, dtype=WEIGHTS_DTYPE)
+        """The blob's weights: exactly `expected_length` finite float32 values, else WireError."""
+        return self.split(expected_length)[0]
+
+    def split(self, expected_length: int) -> tuple[np.ndarray, dict[str, memoryview]]:
+        """The weights (`expected_length` finite float32 values; 0 for an attachments-only blob) and the named
+        attachments after them; WireError unless the declared layout tiles the blob exactly."""
+        layout = self.header.get("attachments", [])
+        end = 4 * expected_length
+        if len(self.data) != end + sum(_padded(n) for _, n in layout):
+            raise WireError("weights-length", f"a blob of {len(self.data)} bytes is not {expected_length} values "
+                                              f"and {len(layout)} declared attachments")
+        view = memoryview(self.data)
+        attachments = {}
+        for name, n in layout:
+            attachments[name] = view[end:end + n]
+            end += _padded(n)
+        values = np.frombuffer(self.data, dtype=WEIGHTS_DTYPE, count=expected_length)
         if not np.isfinite(values).all():
             raise WireError("weights-nonfinite", f"{int((~np.isfinite(values)).sum())} NaN/Inf values")
-        return values
+        return values, attachments
 
 
 class _Pending:

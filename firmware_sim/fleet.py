@@ -146,6 +146,7 @@ class Fleet:
     # --- parts ------------------------------------------------------------------------------------
 
     def _export(self) -> Path:
+        """The model's artifacts, and the generator's beside them when the devices replay from generators."""
         from models.export import export_registered  # host only
 
         artifacts = self.config.out / "artifacts"
@@ -153,6 +154,15 @@ class Fleet:
             data = scenario_from_config(self.scenario).build()
             artifacts.mkdir(parents=True, exist_ok=True)
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
+        if self.config.replay.get("policy") == "generator" and not self.config.replay.get("artifacts"):
+            kind = self.config.replay.get("kind", "vae")
+            folder = self.config.out / f"generator-{kind}"
+            if not (folder / "generator.json").is_file():
+                from models.generator_export import export_generator_artifacts
+                from models.generators import default_spec
+
+                shape = tuple(load_manifest(artifacts).input_shape)
+                export_generator_artifacts(default_spec(kind, shape), folder, seed=self.config.seed)
         return artifacts
 
     def _mount_disks(self) -> None:

@@ -1,6 +1,10 @@
 """Reports of runs: one run folder's `results.json` -> summary.md and three plots; several runs -> one table and
 one plot, so methods can be compared (`edgefil report DIR [DIR ...]`).
 
+Runs of flowing scenarios also carry pFedGRP's IAA: `results["iaa"]` (one value per round, from which AA and AFM
+are computed) and per-round history entries with "iaa" and "client_accuracy" (device -> a_k^t), drawn as a
+fourth plot. Runs without them are reported exactly as before.
+
 Every number comes from `firmware_sim.metrics`; this module only gathers the metrics' inputs from the
 coordinator's per-round history and lays the results out. matplotlib is imported by the plot helpers only (and
 drawn on bare `Figure`s, no pyplot, so no display or global backend is involved), which keeps importing this
@@ -20,8 +24,10 @@ import numpy as np
 from firmware_sim.metrics import (
     accuracy_matrix,
     average_accuracy,
+    average_of_iaa,
     backward_transfer,
     forgetting,
+    iaa_forgetting,
     peak_storage,
     rounds_to_best,
     traffic_summary,
@@ -70,7 +76,9 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
     """The numbers a report shows. Accuracy metrics come from the accuracy matrix (None before a task completes);
     "average_accuracy" is the average incremental accuracy (the final-style accuracy after each task, averaged
     over tasks). Traffic uses each device's last reported cumulative bytes; storage the peak of its stored-byte
-    readings, checked against `budget` where it names the device (else budget and within_budget are None)."""
+    readings, checked against `budget` where it names the device (else budget and within_budget are None).
+    "aa" and "afm" (pFedGRP's Eqs. 10-11) come from the run's per-round IAA, None where it has none."""
+    iaa = results.get("iaa") or None
     acc = accuracy_matrix(results["accuracy_matrix"]) if results["accuracy_matrix"] else None
     tasks = len(acc) if acc is not None else 0
     reports = _reports(results["history"])
@@ -89,6 +97,9 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
         "average_accuracy": float(np.mean([average_accuracy(acc, after=t) for t in range(tasks)])) if tasks else None,
         "forgetting": forgetting(acc) if tasks else None,
         "backward_transfer": backward_transfer(acc) if tasks else None,
+        "iaa": iaa,
+        "aa": average_of_iaa(iaa) if iaa else None,
+        "afm": iaa_forgetting(iaa) if iaa else None,
         "cor": rounds_to_best(results["history"], results["scenario"]["n_tasks"]),
         "traffic": traffic_summary(sent, received),
         "storage": storage,
@@ -100,6 +111,12 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
 def _round_accuracy(history: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
     """Per round: the global model's mean accuracy over the tasks seen so far (the coordinator's final_accuracy)."""
     return [e["round"] for e in history], [float(np.mean(e["accuracy"])) for e in history]
+
+
+def _round_iaa(history: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+    """Per round that carries one: pFedGRP's IAA (flowing runs)."""
+    points = [(e["round"], float(e["iaa"])) for e in history if "iaa" in e]
+    return [r for r, _ in points], [v for _, v in points]
 
 
 def _mean_cor(summary: Mapping[str, Any]) -> float | None:
@@ -133,7 +150,12 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
     name = strategy.pop("name", "?")
     options = ", ".join(f"{k}={v}" for k, v in strategy.items())
     traffic = s["traffic"]
+    flowing = [
+        ["AA (IAA averaged over rounds)", _pct(s["aa"])],
+        ["AFM (mean IAA drop per round)", _pct(s["afm"])],
+    ] if s["aa"] is not None else []
     headline = _table(["metric", "value"], [
+        *flowing,
         ["final accuracy", _pct(s["final_accuracy"])],
         ["average accuracy", _pct(s["average_accuracy"])],
         ["forgetting", _pct(s["forgetting"])],
@@ -156,11 +178,16 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
         for d, t in traffic["devices"].items()
     ])
     refusals = _table(["reason", "count"], sorted(s["refusals"].items())) if s["refusals"] else "None."
+    if sc.get("kind") == "flowing":
+        setting = (f"flowing data ({sc.get('sequence', '?')}), {sc['n_tasks']} rounds, {sc.get('n_clients', '?')} "
+                   f"clients, {sc.get('samples_per_class', '?')} samples per class per round")
+    else:
+        setting = (f"{sc.get('kind', '?')}-incremental, {sc['n_tasks']} tasks, {sc.get('n_clients', '?')} clients, "
+                   f"Dirichlet alpha {sc.get('alpha', '?')}")
     return "\n\n".join([
         f"# Run report: {label}",
         f"Fleet `{results.get('fleet', '?')}`, strategy `{name}`{f' ({options})' if options else ''}; scenario "
-        f"`{sc.get('dataset', '?')}`, {sc.get('kind', '?')}-incremental, {sc['n_tasks']} tasks, "
-        f"{sc.get('n_clients', '?')} clients, Dirichlet alpha {sc.get('alpha', '?')}.",
+        f"`{sc.get('dataset', '?')}`, {setting}.",
         headline,
         "## Accuracy matrix\n\nRow i: the global model after task i, on each task seen so far.",
         matrix,
@@ -175,16 +202,18 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
 
 def _comparison_markdown(labels: Sequence[str], runs: Sequence[Mapping[str, Any]],
                          summaries: Sequence[Mapping[str, Any]]) -> str:
+    with_iaa = any(s["aa"] is not None for s in summaries)
     rows = []
     for label, results, s in zip(labels, runs, summaries):
         cor = _mean_cor(s)
         peaks = [p["peak"] for p in s["storage"].values()]
         rows.append([label, results["strategy"].get("name", "?"), s["rounds"], _pct(s["final_accuracy"]),
                      _pct(s["average_accuracy"]), _pct(s["forgetting"]), _pct(s["backward_transfer"]),
+                     *([_pct(s["aa"]), _pct(s["afm"])] if with_iaa else []),
                      "—" if cor is None else f"{cor:.2f}",
                      _bytes(s["traffic"]["sent"] + s["traffic"]["received"]), _bytes(max(peaks, default=None))])
-    header = ["run", "strategy", "rounds", "final acc.", "average acc.", "forgetting", "BWT", "mean CoR",
-              "device traffic", "max peak stored"]
+    header = ["run", "strategy", "rounds", "final acc.", "average acc.", "forgetting", "BWT",
+              *(["AA", "AFM"] if with_iaa else []), "mean CoR", "device traffic", "max peak stored"]
     return "# Run comparison\n\n" + _table(header, rows) + "\n"
 
 
@@ -270,16 +299,40 @@ def _plot_devices(summary: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
-def _plot_comparison(labels: Sequence[str], runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
+def _plot_iaa(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
     fig = _figure(8, 4.5)
     ax = fig.add_subplot()
-    for label, results in zip(labels, runs):
-        ax.plot(*_round_accuracy(results["history"]), marker="o", markersize=3, label=label)
+    clients: dict[str, list[tuple[int, float]]] = {}
+    for entry in history:
+        for device, accuracy in entry.get("client_accuracy", {}).items():
+            clients.setdefault(device, []).append((entry["round"], accuracy))
+    for i, points in enumerate(clients.values()):
+        ax.plot(*zip(*points), color="grey", lw=0.7, alpha=0.6, label="a client" if i == 0 else None)
+    ax.plot(*_round_iaa(history), color="black", lw=2, marker="o", markersize=3, label="IAA")
+    ax.legend(fontsize="small")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("round")
-    ax.set_ylabel("mean accuracy over seen tasks")
-    ax.set_title("Global model accuracy per round")
-    ax.legend(fontsize="small")
+    ax.set_ylabel("accuracy on the client's seen test parts")
+    ax.set_title("Instant average accuracy (IAA) and each client's accuracy per round")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _plot_comparison(labels: Sequence[str], runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    with_iaa = [(label, results) for label, results in zip(labels, runs) if results.get("iaa")]
+    fig = _figure(14 if with_iaa else 8, 4.5)
+    axes = fig.subplots(1, 2) if with_iaa else [fig.add_subplot()]
+    curves = [(_round_accuracy, list(zip(labels, runs)), "mean accuracy over seen tasks",
+               "Global model accuracy per round"),
+              (_round_iaa, with_iaa, "IAA", "Instant average accuracy per round")][: len(axes)]
+    for ax, (curve, shown, ylabel, title) in zip(axes, curves):
+        for label, results in shown:
+            ax.plot(*curve(results["history"]), marker="o", markersize=3, label=label)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize="small")
     fig.savefig(path, dpi=120)
     return path
 
@@ -287,8 +340,9 @@ def _plot_comparison(labels: Sequence[str], runs: Sequence[Mapping[str, Any]], p
 # --- entry points -------------------------------------------------------------------------------------------
 
 def write_report(folder: str | Path, results: Mapping[str, Any] | None = None) -> list[Path]:
-    """Write summary.md, accuracy_matrix.png, accuracy_per_task.png and storage_traffic.png into the run folder
-    (`results` defaults to the folder's results.json). Returns the written paths, summary.md first."""
+    """Write summary.md, accuracy_matrix.png, accuracy_per_task.png, storage_traffic.png and, for a run with IAA,
+    iaa.png into the run folder (`results` defaults to the folder's results.json). Returns the written paths,
+    summary.md first."""
     folder = Path(folder)
     results = load_run(folder) if results is None else results
     summary = run_summary(results)
@@ -299,12 +353,14 @@ def write_report(folder: str | Path, results: Mapping[str, Any] | None = None) -
         _plot_matrix(summary["accuracy_matrix"], folder / "accuracy_matrix.png"),
         _plot_per_task(results["history"], folder / "accuracy_per_task.png"),
         _plot_devices(summary, folder / "storage_traffic.png"),
+        *([_plot_iaa(results["history"], folder / "iaa.png")] if summary["iaa"] is not None else []),
     ]
 
 
 def compare_runs(folders: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> list[Path]:
-    """Write out/comparison.md (one row per run) and out/comparison.png (mean accuracy over seen tasks per round,
-    one line per run). Labels default to each run's label, else its folder name. Returns both paths."""
+    """Write out/comparison.md (one row per run; AA and AFM columns where a run has IAA) and out/comparison.png
+    (mean accuracy over seen tasks per round, one line per run; beside it IAA per round where a run has it).
+    Labels default to each run's label, else its folder name. Returns both paths."""
     runs = [load_run(f) for f in folders]
     if labels is None:
         labels = [r.get("label") or Path(f).resolve().name for f, r in zip(folders, runs)]

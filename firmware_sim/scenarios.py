@@ -3,12 +3,21 @@
 A `Scenario` is plain data (it round-trips through JSON and TOML); `Scenario.build()` loads the dataset
 and returns a `ScenarioData` made of index arrays into it, so no client's data is ever copied until a
 device asks for it.
+
+Kind "flowing" is pFedGRP's flowing data (docs/flowing-data.md): every round is a task, each client has its own
+task sequence and receives a fresh part of `samples_per_class` samples of each class of its task. Two choices
+the paper leaves open ([R]):
+- a class's parts running out (the paper's MNIST has < 30 parts of 200 for some digits, and a gradual loop can
+  keep a task longer): the client starts over with a fresh permutation of that class, so a sample appears at
+  most once per pass; the remainder of a pass (fewer than `samples_per_class` samples) is left out of that pass;
+- test parts: a class's test samples are cut into as many consecutive parts as the class has train parts per
+  pass; with fewer test samples than parts, neighbouring parts share a sample, so every part holds at least one.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -17,11 +26,13 @@ import numpy as np
 
 from .datasets import DOMAIN_STREAMS, ArrayDataset, known_num_classes, load_dataset
 
-KINDS: tuple[str, ...] = ("class", "domain")
+KINDS: tuple[str, ...] = ("class", "domain", "flowing")
+SEQUENCES: tuple[str, ...] = ("circulating", "gradual")
+_FLOWING_ONLY: tuple[str, ...] = ("n_client_tasks", "sequence", "replace_every", "samples_per_class")
 
-# Independent random streams per purpose (and per task), so changing one setting, e.g. the number
+# Independent random streams per purpose (and per task or client), so changing one setting, e.g. the number
 # of tasks, does not reshuffle what every other task looks like.
-_ORDER, _SPLIT, _CLIENT_TEST = 0, 1, 2
+_ORDER, _SPLIT, _CLIENT_TEST, _GROUPS, _SEQUENCE, _PARTS = 0, 1, 2, 3, 4, 5
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -44,6 +55,12 @@ class Scenario:
     kind "class": `n_tasks` tasks of `classes_per_task` new classes each, from a seeded class order.
     kind "domain": one task per domain of a domain stream (all labels every time); `domains` picks
     and orders them by name, else the stream's first `n_tasks` domains are used.
+    kind "flowing" (pFedGRP): `n_tasks` rounds, one task each; every client splits the classes at random into
+    `n_client_tasks` tasks (default 5) of `classes_per_task` classes and walks them in its `sequence`:
+    "circulating" (T1 -> ... -> Tn -> T1 ...) or "gradual" (a loop T1, T2, T1, ... of which one task is
+    replaced by another of the client's tasks every `replace_every` rounds, default 30). Each round a client
+    gets a fresh part of `samples_per_class` samples of each class of its task. `alpha` and
+    `client_test_fraction` do not apply (test parts are cut in proportion, see the module docstring).
     `alpha` is the Dirichlet concentration of the label split over clients (smaller = more skewed).
     `client_test_fraction`: size of a client's test set relative to its train set (see client_test_split).
     `seed` drives the class order and the splits; the dataset's own train/test split is fixed by
@@ -61,6 +78,10 @@ class Scenario:
     client_test_fraction: float = 0.25
     data_root: str | None = None
     dataset_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    n_client_tasks: int | None = None
+    sequence: str | None = None
+    replace_every: int | None = None
+    samples_per_class: int | None = None
 
     def __post_init__(self) -> None:
         normalised = {
@@ -69,6 +90,10 @@ class Scenario:
             "domains": None if self.domains is None else _freeze(self.domains),
             "dataset_options": MappingProxyType({k: _freeze(v) for k, v in self.dataset_options.items()}),
         }
+        if self.kind == "flowing":  # the paper's defaults, spelled out so a saved scenario states them
+            normalised["n_client_tasks"] = 5 if self.n_client_tasks is None else self.n_client_tasks
+            if self.sequence == "gradual" and self.replace_every is None:
+                normalised["replace_every"] = 30
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen
         self._validate()
@@ -77,14 +102,16 @@ class Scenario:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name, lowest in (("n_tasks", 1), ("n_clients", 1), ("seed", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
-                raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
+            self._check_int(name, lowest)
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ValueError(f"alpha (Dirichlet concentration) must be a positive finite number, got {self.alpha}")
         if not 0 < self.client_test_fraction <= 1:
             raise ValueError(f"client_test_fraction must be in (0, 1], got {self.client_test_fraction}")
         is_stream = self.dataset in DOMAIN_STREAMS
+        if self.kind != "flowing":
+            given = [name for name in _FLOWING_ONLY if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to kind='flowing' only")
         if self.kind == "class":
             if is_stream:
                 raise ValueError(f"{self.dataset!r} is a domain stream: use kind='domain'")
@@ -93,6 +120,8 @@ class Scenario:
             if not isinstance(self.classes_per_task, int) or self.classes_per_task < 1:
                 raise ValueError(f"kind='class' needs classes_per_task, an integer >= 1; got {self.classes_per_task!r}")
             check_class_budget(self, known_num_classes(self.dataset))
+        elif self.kind == "flowing":
+            self._validate_flowing(is_stream)
         else:
             if not is_stream:
                 raise ValueError(f"kind='domain' needs a domain stream, one of {DOMAIN_STREAMS}; got {self.dataset!r}")
@@ -100,6 +129,28 @@ class Scenario:
                 raise ValueError("classes_per_task applies to kind='class' only")
             if self.domains is not None and len(self.domains) != self.n_tasks:
                 raise ValueError(f"n_tasks={self.n_tasks} but {len(self.domains)} domains given: {self.domains}")
+
+    def _validate_flowing(self, is_stream: bool) -> None:
+        if is_stream or self.domains is not None:
+            raise ValueError(f"kind='flowing' splits one dataset's classes; domains and domain streams "
+                             f"({', '.join(DOMAIN_STREAMS)}) do not apply")
+        if not isinstance(self.classes_per_task, int) or self.classes_per_task < 1:
+            raise ValueError(f"kind='flowing' needs classes_per_task, an integer >= 1; got {self.classes_per_task!r}")
+        if self.sequence not in SEQUENCES:
+            raise ValueError(f"kind='flowing' needs sequence, one of {SEQUENCES}; got {self.sequence!r}")
+        self._check_int("samples_per_class", 1)
+        # A gradual loop holds 2 tasks and replaces one by another: it needs a third task to change to.
+        self._check_int("n_client_tasks", 3 if self.sequence == "gradual" else 1)
+        if self.sequence == "gradual":
+            self._check_int("replace_every", 1)
+        elif self.replace_every is not None:
+            raise ValueError("replace_every applies to sequence='gradual' only")
+        check_class_budget(self, known_num_classes(self.dataset))
+
+    def _check_int(self, name: str, lowest: int) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+            raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON- and TOML-ready: lists instead of tuples, and unset (None) fields left out (TOML has no null)."""
@@ -121,11 +172,14 @@ class Scenario:
 
 
 def check_class_budget(scenario: Scenario, num_classes: int | None) -> None:
-    """A class-incremental scenario cannot ask for more classes than the dataset has (None: not known yet)."""
-    needed = scenario.n_tasks * scenario.classes_per_task
+    """A scenario cannot ask for more disjoint classes than the dataset has (None: not known yet): the class
+    kind's tasks, or each flowing client's own tasks."""
+    flowing = scenario.kind == "flowing"
+    groups = scenario.n_client_tasks if flowing else scenario.n_tasks
+    needed = groups * scenario.classes_per_task
     if num_classes is not None and needed > num_classes:
         raise ValueError(
-            f"{scenario.n_tasks} tasks x {scenario.classes_per_task} classes = {needed} classes, "
+            f"{groups} {'client ' if flowing else ''}tasks x {scenario.classes_per_task} classes = {needed} classes, "
             f"but {scenario.dataset!r} has {num_classes}"
         )
 
@@ -135,6 +189,21 @@ PRESETS: Mapping[str, Scenario] = MappingProxyType({
     "digits-class": Scenario("digits", kind="class", n_tasks=5, classes_per_task=2, alpha=1.0),
     "digits-domain": Scenario("digits_domains", kind="domain", n_tasks=4, alpha=0.1),
     "mnist1d-class": Scenario("mnist1d", kind="class", n_tasks=5, classes_per_task=2, alpha=1.0),
+    # pFedGRP's setting (10 clients, 5 tasks of 2 classes per client) scaled to short runs: 20 rounds, parts of
+    # 30 (digits: ~135 train images per class) or 100 (MNIST-1D: ~1,600) samples per class. The paper replaces
+    # a gradual loop task every 30 of its 150 rounds; every 6 of 20 lets a short run see changes.
+    "digits-flowing-circulating": Scenario(
+        "digits", kind="flowing", n_tasks=20, classes_per_task=2, n_clients=10, n_client_tasks=5,
+        sequence="circulating", samples_per_class=30),
+    "digits-flowing-gradual": Scenario(
+        "digits", kind="flowing", n_tasks=20, classes_per_task=2, n_clients=10, n_client_tasks=5,
+        sequence="gradual", replace_every=6, samples_per_class=30),
+    "mnist1d-flowing-circulating": Scenario(
+        "mnist1d", kind="flowing", n_tasks=20, classes_per_task=2, n_clients=10, n_client_tasks=5,
+        sequence="circulating", samples_per_class=100),
+    "mnist1d-flowing-gradual": Scenario(
+        "mnist1d", kind="flowing", n_tasks=20, classes_per_task=2, n_clients=10, n_client_tasks=5,
+        sequence="gradual", replace_every=6, samples_per_class=100),
 })
 
 
@@ -146,6 +215,11 @@ def preset(name: str, **overrides: Any) -> Scenario:
 
 
 # --- splitting -----------------------------------------------------------------------------------
+
+def _split_classes(order: np.ndarray, groups: int, size: int) -> list[tuple[int, ...]]:
+    """The first `groups` consecutive groups of `size` classes of a class order, each sorted."""
+    return [tuple(sorted(order[g * size:(g + 1) * size].tolist())) for g in range(groups)]
+
 
 def dirichlet_split(labels: np.ndarray, n_clients: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
     """Partition positions 0..len(labels)-1 over clients: per class, shares ~ Dirichlet(alpha * 1_K).
@@ -195,7 +269,10 @@ def client_test_split(
 
 @dataclass(frozen=True, eq=False)
 class Task:
-    """One task: index arrays into `data` (train indices into x_train, test indices into x_test)."""
+    """One task: index arrays into `data` (train indices into x_train, test indices into x_test).
+
+    For kind "flowing" a task is one round: clients hold different classes (`client_classes`, None for the
+    other kinds) and their parts may overlap, so `train_indices`/`test_indices` are the union of the clients'."""
 
     index: int
     classes: tuple[int, ...]
@@ -205,10 +282,15 @@ class Task:
     test_indices: np.ndarray
     client_train_indices: tuple[np.ndarray, ...]
     client_test_indices: tuple[np.ndarray, ...]
+    client_classes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def n_clients(self) -> int:
         return len(self.client_train_indices)
+
+    def client_task_classes(self, k: int) -> tuple[int, ...]:
+        """The classes client k's task brings: its own (flowing), else the task's."""
+        return self.classes if self.client_classes is None else self.client_classes[k]
 
     def train(self) -> tuple[np.ndarray, np.ndarray]:
         """All of the task's train samples (the union of the clients' shares)."""
@@ -241,6 +323,26 @@ class ScenarioData:
         """Union of the test sets of tasks 0..t: what accuracy after task t is measured on."""
         parts = [task.test() for task in self.tasks[: t + 1]]
         return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
+
+    def client_seen_test(self, k: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client k's local test set after task t (pFedGRP's a_k^t): the union of its test sets of tasks 0..t.
+
+        Flowing parts of one class recur, so indices into one dataset are merged without repeats (sorted);
+        the tasks of a domain stream index different datasets, which are concatenated in task order."""
+        by_data: dict[int, tuple[ArrayDataset, list[np.ndarray]]] = {}
+        for task in self.tasks[: t + 1]:
+            by_data.setdefault(id(task.data), (task.data, []))[1].append(task.client_test_indices[k])
+        picked = [(data, np.unique(np.concatenate(parts))) for data, parts in by_data.values()]
+        return (np.concatenate([data.x_test[idx] for data, idx in picked]),
+                np.concatenate([data.y_test[idx] for data, idx in picked]))
+
+    def client_seen_classes(self, k: int, t: int) -> tuple[int, ...]:
+        """The classes client k's tasks 0..t brought (sorted): what its device trains and is evaluated on."""
+        return tuple(sorted({c for task in self.tasks[: t + 1] for c in task.client_task_classes(k)}))
+
+    def client_samples_seen(self, k: int, t: int) -> int:
+        """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
+        return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
 
 
 def _make_task(
@@ -276,18 +378,89 @@ def _pick_domains(scenario: Scenario, stream: list[ArrayDataset]) -> list[ArrayD
     return chosen
 
 
+# --- flowing data (pFedGRP) ----------------------------------------------------------------------
+
+def _client_sequence(scenario: Scenario, k: int) -> list[int]:
+    """Which of client k's tasks (0..n_client_tasks-1) it gets in each round."""
+    if scenario.sequence == "circulating":
+        return [t % scenario.n_client_tasks for t in range(scenario.n_tasks)]
+    rng = _rng(scenario.seed, _SEQUENCE, k)
+    loop, sequence = [0, 1], []
+    for t in range(scenario.n_tasks):
+        if t and t % scenario.replace_every == 0:
+            others = [i for i in range(scenario.n_client_tasks) if i not in loop]
+            loop[int(rng.integers(2))] = int(rng.choice(others))
+        sequence.append(loop[t % 2])
+    return sequence
+
+
+def _test_parts(test_pos: np.ndarray, n_parts: int) -> list[np.ndarray]:
+    """Consecutive near-equal parts; with fewer samples than parts, neighbours share one ([R], module docstring)."""
+    n = len(test_pos)
+    return [test_pos[j * n // n_parts: max((j + 1) * n // n_parts, j * n // n_parts + 1)] for j in range(n_parts)]
+
+
+def _class_parts(
+    train_pos: np.ndarray, test_pos: np.ndarray, size: int, rng: np.random.Generator
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """One client's parts of one class in order, each with its test part; a fresh permutation every pass."""
+    n_parts = len(train_pos) // size
+    test_parts = _test_parts(rng.permutation(test_pos), n_parts)
+    while True:
+        order = rng.permutation(train_pos)
+        for j in range(n_parts):
+            yield order[j * size:(j + 1) * size], test_parts[j]
+
+
+def _client_rounds(
+    scenario: Scenario, data: ArrayDataset, k: int
+) -> list[tuple[tuple[int, ...], np.ndarray, np.ndarray]]:
+    """Client k's (classes, train indices, test indices) of every round."""
+    groups = _split_classes(_rng(scenario.seed, _GROUPS, k).permutation(data.num_classes),
+                            scenario.n_client_tasks, scenario.classes_per_task)
+    parts = {
+        c: _class_parts(np.flatnonzero(data.y_train == c), np.flatnonzero(data.y_test == c),
+                        scenario.samples_per_class, _rng(scenario.seed, _PARTS, k, c))
+        for group in groups for c in group
+    }
+    rounds = []
+    for g in _client_sequence(scenario, k):
+        train, test = zip(*(next(parts[c]) for c in groups[g]))
+        rounds.append((groups[g], np.sort(np.concatenate(train)), np.sort(np.concatenate(test))))
+    return rounds
+
+
+def _flowing_tasks(scenario: Scenario, data: ArrayDataset) -> tuple[Task, ...]:
+    smallest = int(np.bincount(data.y_train, minlength=data.num_classes).min())
+    if scenario.samples_per_class > smallest:
+        raise ValueError(f"samples_per_class={scenario.samples_per_class}, but a class of {scenario.dataset!r} "
+                         f"has only {smallest} train samples")
+    clients = [_client_rounds(scenario, data, k) for k in range(scenario.n_clients)]
+    tasks = []
+    for t in range(scenario.n_tasks):
+        classes, train, test = zip(*(rounds[t] for rounds in clients))
+        tasks.append(Task(
+            index=t, classes=tuple(sorted(set().union(*classes))), domain=None, data=data,
+            train_indices=np.unique(np.concatenate(train)), test_indices=np.unique(np.concatenate(test)),
+            client_train_indices=train, client_test_indices=test, client_classes=classes,
+        ))
+    return tuple(tasks)
+
+
 def build(scenario: Scenario) -> ScenarioData:
     """Load the dataset and materialise every task's class set, client shares and test sets."""
     loaded = load_dataset(scenario.dataset, scenario.data_root, **scenario.dataset_options)
     if scenario.kind == "class":
         check_class_budget(scenario, loaded.num_classes)
         order = _rng(scenario.seed, _ORDER).permutation(loaded.num_classes)
-        c = scenario.classes_per_task
         tasks = tuple(
-            _make_task(scenario, t, loaded, tuple(sorted(order[t * c:(t + 1) * c].tolist())), None)
-            for t in range(scenario.n_tasks)
+            _make_task(scenario, t, loaded, classes, None)
+            for t, classes in enumerate(_split_classes(order, scenario.n_tasks, scenario.classes_per_task))
         )
         first = loaded
+    elif scenario.kind == "flowing":
+        check_class_budget(scenario, loaded.num_classes)
+        tasks, first = _flowing_tasks(scenario, loaded), loaded
     else:
         domains = _pick_domains(scenario, loaded)
         labels = tuple(range(domains[0].num_classes))

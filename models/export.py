@@ -68,10 +68,10 @@ def export_model(
             gen_dir.mkdir()  # generate_artifacts needs an existing directory
             _quiet_generate(onnx_model, trainable, _OPTIMIZERS[optimizer], gen_dir)
             optim_model = onnx.load(str(gen_dir / "optimizer_model.onnx"))
-            _use_torch_adamw(optim_model)
+            use_torch_adamw(optim_model)
             onnx.save(optim_model, str(out_dir / optim_file))
         generated = tmp_dir / "sgd"
-        parameters = _ort_flat_order(model, generated)
+        parameters = ort_flat_order(model, generated)
         shutil.move(generated / TRAINING_MODEL, out_dir / TRAINING_MODEL)
         shutil.move(generated / EVAL_MODEL, out_dir / EVAL_MODEL)
         checkpoint = generated / ("nominal_checkpoint" if nominal else "checkpoint")
@@ -134,7 +134,7 @@ def _to_onnx(
     return onnx.load(str(path))
 
 
-def _ort_flat_order(model: ClassifierModel, directory: Path) -> tuple[ParameterInfo, ...]:
+def ort_flat_order(model: torch.nn.Module, directory: Path) -> tuple[ParameterInfo, ...]:
     """Read the flat-buffer layout off ORT itself: it follows neither torch's nor the checkpoint's name order.
 
     A buffer of 0, 1, 2, ... is copied into the parameters; each parameter's first value is its offset
@@ -167,7 +167,7 @@ def _ort_flat_order(model: ClassifierModel, directory: Path) -> tuple[ParameterI
     return order
 
 
-def _use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
+def use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
     """Switch ORT's AdamW kernel from Hugging Face mode (eps added before bias correction) to PyTorch mode,
     so that the ORT and torch backends take the same AdamW steps."""
     for node in optimizer_model.graph.node:
@@ -178,7 +178,7 @@ def _use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
 
 
 @contextlib.contextmanager
-def _native_stderr_captured() -> Iterator[None]:
+def native_stderr_captured() -> Iterator[None]:
     """ORT's gradient builder logs every graph pass to file descriptor 2 at INFO level, past any Python
     logging setting. Hold that output back, and show it only if generation fails."""
     sys.stderr.flush()
@@ -200,7 +200,7 @@ def _native_stderr_captured() -> Iterator[None]:
 def _quiet_generate(
     onnx_model: onnx.ModelProto, trainable: list[str], optimizer: artifacts.OptimType, directory: Path
 ) -> None:
-    with _native_stderr_captured():
+    with native_stderr_captured():
         artifacts.generate_artifacts(
             onnx_model,
             requires_grad=trainable,

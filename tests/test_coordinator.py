@@ -48,7 +48,7 @@ def test_open_round_accepts_each_selected_device_once_and_names_every_refusal():
 
 
 def test_inbox_turns_valid_messages_into_events_and_counts_the_rest():
-    inbox = Inbox(FLEET, {"d1", "d2"}, manifest="m" * 64, num_parameters=8)
+    inbox = Inbox(FLEET, {"d1", "d2"}, manifest="m" * 64, num_parameters=8, num_classes=10)
     register = wire.encode("register", device="d1", profile="pi4", backend="ort", manifest="m" * 64, software="0")
     event = inbox.accept(topics.from_device(FLEET, "d1", "register"), register)
     assert event == Registration("d1", "ort", "pi4")

@@ -69,8 +69,15 @@ def test_emphasis_weights_follow_the_paper_and_lambda_maps_to_q():
         ReFed(weighting="middle")
 
 
+@pytest.mark.parametrize("name", ["none", "generator"])
+def test_policies_that_cache_no_raw_samples_keep_none(export_artifacts, name):
+    trainer = OrtTrainer(export_artifacts("lenet"), lr=0.01)
+    ctx = SelectionContext(trainer, trainer.get_weights(), None, np.random.default_rng(0))
+    assert make_policy(name).rank(_old_samples(trainer), 30, ctx).tolist() == []
+
+
 def test_make_policy_by_name():
-    assert set(POLICIES) == {"random", "reservoir", "class-balanced", "herding", "refed"}
+    assert set(POLICIES) == {"none", "random", "reservoir", "class-balanced", "herding", "refed", "generator"}
     assert make_policy("refed", lam=0.8, pim_epochs=2).lam == 0.8
     with pytest.raises(ValueError, match="unknown replay policy"):
         make_policy("lru")
@@ -84,8 +91,8 @@ def _old_samples(trainer, n=120, seed=0):
     return Samples(x, y, np.zeros(n, dtype=np.int64))
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_policy_returns_at_most_keep_distinct_positions(export_artifacts, name):
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"none", "generator"}))
+def test_every_caching_policy_returns_keep_distinct_positions(export_artifacts, name):
     trainer = OrtTrainer(export_artifacts("lenet"), lr=0.01)
     old = _old_samples(trainer)
     options = {"pim_epochs": 2} if name == "refed" else {}

@@ -140,3 +140,48 @@ def test_report_command_on_one_folder_prints_its_summary(tmp_path, capsys):
     args = parser().parse_args(["report", str(tmp_path)])
     assert args.run(args) == 2
     assert "results.json" in capsys.readouterr().err
+
+
+IAA = [0.5, 0.7, 0.6, 0.8, 0.75, 0.9]
+
+
+def flowing_results() -> dict:
+    """The hand-written run as a flowing one: IAA per round, and each round's client accuracies."""
+    data = results()
+    data["scenario"] = {"dataset": "digits", "kind": "flowing", "sequence": "gradual", "n_tasks": 3,
+                        "n_clients": 2, "samples_per_class": 30}
+    for entry, iaa in zip(data["history"], IAA):
+        entry.update(iaa=iaa, client_accuracy={"dev-a": iaa + 0.05, "dev-b": iaa - 0.05})
+    data.update(iaa=IAA, aa=metrics.average_of_iaa(IAA), afm=metrics.iaa_forgetting(IAA))
+    return data
+
+
+def test_run_summary_has_aa_and_afm_only_for_runs_with_iaa():
+    s = run_summary(flowing_results())
+    assert s["iaa"] == IAA
+    assert s["aa"] == metrics.average_of_iaa(IAA) == pytest.approx(0.708333, abs=1e-6)
+    assert s["afm"] == metrics.iaa_forgetting(IAA) == pytest.approx((0.1 + 0.05) / 5)
+    assert (run_summary(results())["aa"], run_summary(results())["afm"]) == (None, None)
+
+
+def test_write_report_of_a_flowing_run_adds_the_iaa_plot_and_rows(tmp_path):
+    folder = run_folder(tmp_path, "flow", flowing_results())
+    paths = write_report(folder)
+    assert [p.name for p in paths] == ["summary.md", "accuracy_matrix.png", "accuracy_per_task.png",
+                                       "storage_traffic.png", "iaa.png"]
+    assert paths[-1].read_bytes().startswith(PNG) and paths[-1].stat().st_size > 5000
+    text = paths[0].read_text()
+    assert "| AA (IAA averaged over rounds) | 70.83% |" in text and "| AFM (mean IAA drop per round) | 3.00% |" in text
+    assert "flowing data (gradual), 3 rounds, 2 clients, 30 samples per class per round" in text
+    assert "AA (" not in write_report(run_folder(tmp_path, "plain", results()))[0].read_text()
+
+
+def test_compare_runs_adds_aa_and_afm_columns_when_a_run_has_iaa(tmp_path):
+    folders = [run_folder(tmp_path, "a", flowing_results()), run_folder(tmp_path, "b", results())]
+    md, png = compare_runs(folders, tmp_path / "cmp", labels=["flow", "plain"])
+    text = md.read_text()
+    assert "| BWT | AA | AFM | mean CoR |" in text
+    assert "| 70.83% | 3.00% | 1.33 |" in text and "| — | — | 1.33 |" in text
+    assert png.read_bytes().startswith(PNG)
+    md, _ = compare_runs(folders[1:], tmp_path / "cmp-plain")
+    assert "AA" not in md.read_text()

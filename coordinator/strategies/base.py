@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -27,6 +28,8 @@ class ClientUpdate:
     weights: np.ndarray
     num_samples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    label_counts: Sequence[int] = ()  # samples the device has seen per class (generator replay reports them)
+    generators: Mapping[int, Any] = field(default_factory=dict)  # class -> GeneratorRecord uploaded this round
 
 
 @dataclass
@@ -37,9 +40,20 @@ class AggregateResult:
 
 class Strategy(ABC):
     name: ClassVar[str]
+    needs_manifest: ClassVar[bool] = False  # built with the model's manifest (rules that evaluate models)
 
     def __init__(self, device: torch.device | str = "auto") -> None:
         self.device = resolve_device(str(device))
+
+    def cached_generators(self, classes: Sequence[int]) -> dict[int, bytes]:
+        """Encoded generators the rule holds for these classes (answers a device's request); none by default."""
+        return {}
+
+    def save(self, directory: Path) -> None:
+        """Write what the rule keeps across rounds beside the run's checkpoint (nothing by default)."""
+
+    def load(self, directory: Path) -> None:
+        """Read back what `save` wrote (a resumed run)."""
 
     def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Per-device instructions added to each round-start message (e.g. {"mu": 0.01}); default: {} for each."""

@@ -5,13 +5,15 @@ from typing import Any
 
 from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
 from edge_client.policies.class_balanced import ClassBalanced
+from edge_client.policies.generator import GeneratorReplay
 from edge_client.policies.herding import Herding
+from edge_client.policies.no_replay import NoReplay
 from edge_client.policies.random_cache import RandomCache
 from edge_client.policies.refed import ReFed
 from edge_client.policies.reservoir import Reservoir
 
 POLICIES: dict[str, type[ReplayPolicy]] = {
-    cls.name: cls for cls in (RandomCache, Reservoir, ClassBalanced, Herding, ReFed)
+    cls.name: cls for cls in (NoReplay, RandomCache, Reservoir, ClassBalanced, Herding, ReFed, GeneratorReplay)
 }
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
 from edge_client.trainers.base import Trainer
+
+if TYPE_CHECKING:
+    from edge_client.learner import Learner
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,44 @@ class SelectionContext:
 
 
 class ReplayPolicy(ABC):
+    """Ranks old samples for the store; the hooks below (no-ops here) let a policy keep more than samples, in the
+    manner of a training-loop plugin: the learner calls them at fixed points of a round."""
+
     name: ClassVar[str]
     streaming: ClassVar[bool] = False  # True: the policy also decides which new samples enter (reservoir)
+    keeps_old: ClassVar[bool] = True  # False: earlier tasks' samples leave the store at every task switch
+    lambda_align: float = 0.0  # weight of an alignment term against a teacher model, when the policy wants one
 
     @abstractmethod
     def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
         """Positions into `old` of at most `keep` samples to cache, most valuable first."""
+
+    def open(self, learner: Learner, state_dir: Path, model_artifacts: Path) -> None:
+        """Open what the policy keeps on disk besides the store (in `state_dir`)."""
+
+    def storage_bytes(self) -> int:
+        """Bytes the policy holds on disk besides the store; they count against the store's byte budget."""
+        return 0
+
+    def replay_samples(self, learner: Learner) -> Samples | None:
+        """Samples to train on besides the store's (e.g. generated ones)."""
+        return None
+
+    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray, offered: Mapping[int, Any]) -> None:
+        """Called after the task model's local training with the current task's real samples; `offered` holds
+        what the coordinator supplied for this round (e.g. cached generators by class)."""
+
+    def wanted_generators(self, learner: Learner, cached: list[int]) -> list[int]:
+        """Which of the coordinator's cached generators (by class) the policy would warm-start from this round."""
+        return []
+
+    def attachments(self, learner: Learner) -> dict[str, bytes]:
+        """Named byte strings the round's update carries besides the model."""
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        """The last round's numbers worth reporting."""
+        return {}
 
 
 def balanced_quotas(labels: np.ndarray, keep: int) -> dict[int, int]:

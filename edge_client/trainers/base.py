@@ -33,6 +33,21 @@ class Proximal:
     reference: np.ndarray
 
 
+@dataclass(frozen=True)
+class Alignment:
+    """pFedGRP's knowledge-transfer term (Eq. 6): `weight * MSE(student logits, teacher logits)` on the samples whose
+    label the device had seen before this round (`applies` = 1), added to each sample's cross-entropy. Logits are
+    compared raw (unmasked), over the classes the step's class mask leaves visible; the batch loss is the mean over
+    the batch of CE_i + weight * applies_i * MSE_i, i.e. Eq. 6's sum divided by the batch size."""
+
+    weight: float
+    teacher_logits: np.ndarray  # (N, num_classes), one row per sample given to fit(), from the teacher's raw logits
+    applies: np.ndarray  # (N,) float32 of 0/1
+
+    def batch(self, idx: np.ndarray) -> Alignment:
+        return Alignment(self.weight, self.teacher_logits[idx], self.applies[idx])
+
+
 def iterate_batches(
     n: int, batch_size: int, rng: np.random.Generator | None
 ) -> Iterator[np.ndarray]:
@@ -77,6 +92,7 @@ class Trainer(ABC):
 
     manifest: Manifest
     _learning_rate: float
+    supports_alignment: bool = True  # whether train_step takes an Alignment term
 
     @abstractmethod
     def get_weights(self) -> np.ndarray: ...
@@ -89,8 +105,11 @@ class Trainer(ABC):
         """Hand a new learning rate to the backend's optimiser (set_learning_rate records it here first)."""
 
     @abstractmethod
-    def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
-        """One optimiser step on one batch; returns the batch's mean loss before the step."""
+    def train_step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, alignment: Alignment | None = None
+    ) -> float:
+        """One optimiser step on one batch; returns the batch's mean loss before the step (with the alignment term
+        when one is given)."""
 
     @abstractmethod
     def forward(
@@ -122,19 +141,24 @@ class Trainer(ABC):
         class_mask: np.ndarray | None = None,
         rng: np.random.Generator | None = None,
         proximal: Proximal | None = None,
+        alignment: Alignment | None = None,
     ) -> float:
         """Train for `epochs` passes over (x, y); returns the mean training loss of the last epoch (without the
-        proximal term). With `proximal`, every step is followed by `proximal_pull`."""
+        proximal term). With `proximal`, every step is followed by `proximal_pull`; with `alignment`, each step's
+        loss carries its term."""
         x, y = self._check_batch(x, y)
         mask = self.mask(class_mask)
         if proximal is not None:
             proximal = self._check_proximal(proximal)
+        if alignment is not None:
+            alignment = self._check_alignment(alignment, len(y))
         last = 0.0
         for _ in range(epochs):
             total = 0.0
             for idx in iterate_batches(len(y), batch_size, rng):
                 before = self.get_weights() if proximal is not None else None
-                total += self.train_step(x[idx], y[idx], mask) * len(idx)
+                step_alignment = alignment.batch(idx) if alignment is not None else None
+                total += self.train_step(x[idx], y[idx], mask, step_alignment) * len(idx)
                 if proximal is not None:
                     self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
             last = total / max(len(y), 1)
@@ -212,6 +236,28 @@ class Trainer(ABC):
         if not (np.isfinite(proximal.mu) and proximal.mu >= 0):
             raise ValueError(f"proximal mu must be finite and >= 0, got {proximal.mu}")
         return Proximal(float(proximal.mu), self.check_weights(proximal.reference))
+
+    def teacher_logits(self, teacher: np.ndarray, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """Raw (unmasked) eval-mode logits of the model with `teacher` weights on x; this trainer's weights are
+        restored afterwards."""
+        saved = self.get_weights()
+        try:
+            self.set_weights(teacher)
+            return self.outputs(x, np.zeros(len(x), dtype=np.int64), None, batch_size)[0]
+        finally:
+            self.set_weights(saved)
+
+    def _check_alignment(self, alignment: Alignment, n: int) -> Alignment:
+        if not (np.isfinite(alignment.weight) and alignment.weight >= 0):
+            raise ValueError(f"alignment weight must be finite and >= 0, got {alignment.weight}")
+        logits = np.ascontiguousarray(alignment.teacher_logits, dtype=np.float32)
+        applies = np.ascontiguousarray(alignment.applies, dtype=np.float32)
+        if logits.shape != (n, self.manifest.num_classes) or applies.shape != (n,):
+            raise ValueError(f"alignment needs teacher logits of shape ({n}, {self.manifest.num_classes}) and "
+                             f"one 0/1 flag per sample, got {logits.shape} and {applies.shape}")
+        if not np.isfinite(logits).all():
+            raise ValueError("teacher logits contain NaN or Inf values")
+        return Alignment(float(alignment.weight), logits, applies)
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.trainers.base import Trainer
+from edge_client.trainers.base import Alignment, Trainer
 from edge_client.trainers.ort_capi import C
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
 
@@ -33,6 +33,8 @@ def session_options(threads: int = 1, log_severity: int = ORT_WARNING) -> C.Sess
 
 class OrtTrainer(Trainer):
     """Loads a verified artifact directory and trains it with ORT's on-device training API."""
+
+    supports_alignment = False  # the exported training graph's loss is cross-entropy only
 
     def __init__(
         self, artifact_dir: str | Path, optimizer: str = "sgd", lr: float = 0.01, threads: int = 1
@@ -77,7 +79,12 @@ class OrtTrainer(Trainer):
         if self._optimizer is not None:
             self._optimizer.set_learning_rate(lr)
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray) -> float:
+    def train_step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, alignment: Alignment | None = None
+    ) -> float:
+        if alignment is not None:
+            raise ValueError("the ORT backend's training graph has a cross-entropy loss only: pFedGRP's alignment "
+                             "term needs the torch backend (or lambda_align = 0)")
         self._require_weights()
         if self._optimizer is None:
             # ORT sizes the optimizer state from the parameters' data: with a nominal checkpoint that data

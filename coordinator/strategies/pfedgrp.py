@@ -1,0 +1,173 @@
+"""pFedGRP's personalized aggregation (spec: shared/specs/pfedgrp.md, Eq. 8).
+
+The server caches every device's latest generator of each class and its label counts. For each device it samples
+a replay set from that device's generators (class mix proportional to the device's cumulative counts), then finds
+simplex weights w_i over this round's device models that minimise the cross-entropy of the mixed model
+sum_j w_ij theta_j on that replay set; the device's personalized model is that mixture. The global model is the
+mean of the local models (Sec. 4.2, the default) or of the personalized models (Algorithm 1, line 23):
+`global_model = "mean-local" | "mean-personalized"`.
+
+Choices the paper leaves open (configurable): w = softmax(alpha), alpha = 0 at the start (the plain mean), Adam
+with `weight_lr` for `weight_steps` steps (the paper's 20 "rounds"); `replay_per_class` samples per seen class; the
+device's seen classes unmasked, as devices train. A device with no cached generator yet gets the global model as
+its personalized one. Which cached generator answers another device's request for a class: the latest uploaded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import msgpack
+import numpy as np
+import torch
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from coordinator.compute import as_tensor
+from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates
+from edge_client.durable import write_atomically
+from edge_client.generators.record import GeneratorRecord, decode_record, encode_record
+from models.generators import GeneratorSpec, build_sampler, load_module
+from models.manifest import Manifest
+from models.zoo import MASK_FILL, build_model
+
+GLOBAL_MODELS = ("mean-local", "mean-personalized")
+STATE_FILE = "pfedgrp.msgpack"
+
+
+def simplex_weights(
+    models: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], steps: int = 20, lr: float = 0.1
+) -> torch.Tensor:
+    """argmin over the simplex of loss_of(w @ models), with w = softmax(alpha) from alpha = 0 (Adam on alpha).
+
+    `models` is (n, P): one flat model per row. The softmax keeps w on the simplex at every step (w >= 0, sum 1)."""
+    alpha = torch.zeros(models.shape[0], device=models.device, requires_grad=True)
+    optimizer = torch.optim.Adam([alpha], lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(torch.softmax(alpha, 0) @ models).backward()
+        optimizer.step()
+    return torch.softmax(alpha.detach(), 0)
+
+
+class PFedGRP(Strategy):
+    name = "pfedgrp"
+    needs_manifest = True
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        global_model: str = "mean-local",
+        weight_steps: int = 20,
+        weight_lr: float = 0.1,
+        replay_per_class: int = 100,
+        seed: int = 0,
+        device: torch.device | str = "auto",
+    ) -> None:
+        super().__init__(device)
+        if global_model not in GLOBAL_MODELS:
+            raise ValueError(f"global_model must be one of {GLOBAL_MODELS}, got {global_model!r}")
+        if weight_steps < 0 or replay_per_class < 1:
+            raise ValueError("weight_steps must be >= 0 and replay_per_class >= 1")
+        self.manifest = manifest
+        self.global_model = global_model
+        self.weight_steps = weight_steps
+        self.weight_lr = weight_lr
+        self.replay_per_class = replay_per_class
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
+        self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
+        self.label_counts: dict[str, list[int]] = {}
+        self.latest: dict[int, str] = {}  # class -> the device whose generator of it came last
+        self.weights_used: dict[str, list[float]] = {}  # device -> its simplex weights of the last round
+
+    # --- the round ----------------------------------------------------------------------------------
+
+    def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Tell each device which classes the coordinator can send a cached generator of (on request)."""
+        return {device: {"generator_classes": sorted(self.latest)} for device in devices}
+
+    def cached_generators(self, classes: Sequence[int]) -> dict[int, bytes]:
+        """The latest cached generator of each class asked for that the coordinator has (encoded)."""
+        return {c: encode_record(self.generators[self.latest[c]][c]) for c in classes if c in self.latest}
+
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+        validate_updates(global_weights, updates)
+        for update in updates:
+            self._cache(update)
+        models = torch.stack([as_tensor(u.weights, self.device) for u in updates])
+        personalized = {}
+        for update in updates:
+            weights = self._weights_for(update.device, models)
+            self.weights_used[update.device] = weights.tolist()
+            personalized[update.device] = weights @ models
+        mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
+        return AggregateResult(mean_of.mean(0), personalized)
+
+    def _cache(self, update: ClientUpdate) -> None:
+        for label, record in update.generators.items():
+            self.generators.setdefault(update.device, {})[label] = record
+            self.latest[label] = update.device
+        if update.label_counts:
+            self.label_counts[update.device] = list(update.label_counts)
+
+    def _weights_for(self, device: str, models: torch.Tensor) -> torch.Tensor:
+        replay = self.replay_set(device)
+        if replay is None:
+            return torch.full((models.shape[0],), 1.0 / models.shape[0], device=self.device)
+        x, y, mask = replay
+        return simplex_weights(models, lambda theta: self._loss(theta, x, y, mask), self.weight_steps, self.weight_lr)
+
+    def replay_set(self, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Samples of the device's classes from its cached generators, in proportion to its cumulative counts
+        (replay_per_class per class on average, at least one each); None without any generator."""
+        cached, counts = self.generators.get(device, {}), self.label_counts.get(device, [])
+        classes = [c for c in sorted(cached) if c < len(counts) and counts[c] > 0]
+        if not classes:
+            return None
+        total = sum(counts[c] for c in classes)
+        xs, ys = [], []
+        for c in classes:
+            n = max(1, round(self.replay_per_class * len(classes) * counts[c] / total))
+            xs.append(self._sample(cached[c], n))
+            ys.append(torch.full((n,), c, dtype=torch.int64, device=self.device))
+        mask = torch.zeros(self.manifest.num_classes, device=self.device)
+        mask[[c for c, n in enumerate(counts) if n > 0]] = 1.0
+        return torch.cat(xs), torch.cat(ys), mask
+
+    @torch.no_grad()
+    def _sample(self, record: GeneratorRecord, n: int) -> torch.Tensor:
+        spec = GeneratorSpec.from_dict(record.spec)
+        sampler = build_sampler(spec).to(self.device).eval()
+        load_module(sampler, record.sampler)
+        z = torch.randn(n, spec.latent_dim, generator=self.generator).to(self.device)
+        return sampler(z)
+
+    def _loss(self, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        params, offset = {}, 0
+        for info in self.manifest.parameters:
+            params[info.name] = theta[offset:offset + info.size].view(info.shape)
+            offset += info.size
+        logits, _ = functional_call(self.model, params, (x,))
+        return F.cross_entropy(logits + (mask - 1.0) * MASK_FILL, y)
+
+    # --- checkpoint ---------------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        state = {
+            "generators": {d: {str(c): encode_record(r) for c, r in g.items()} for d, g in self.generators.items()},
+            "label_counts": self.label_counts, "latest": {str(c): d for c, d in self.latest.items()},
+            "weights_used": self.weights_used, "rng": self.generator.get_state().numpy().tobytes(),
+        }
+        write_atomically(Path(directory) / STATE_FILE, msgpack.packb(state, use_bin_type=True))
+
+    def load(self, directory: Path) -> None:
+        path = Path(directory) / STATE_FILE
+        if not path.exists():
+            return
+        state = msgpack.unpackb(path.read_bytes(), raw=False)
+        self.generators = {d: {int(c): decode_record(b) for c, b in g.items()} for d, g in state["generators"].items()}
+        self.label_counts = {d: list(v) for d, v in state["label_counts"].items()}
+        self.latest = {int(c): d for c, d in state["latest"].items()}
+        self.weights_used = dict(state["weights_used"])
+        self.generator.set_state(torch.from_numpy(np.frombuffer(state["rng"], dtype=np.uint8).copy()))

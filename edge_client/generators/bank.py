@@ -1,0 +1,130 @@
+"""The device's class generators on disk: one `class-<label>.gen` file each, within a byte limit (numpy only).
+
+The directory holds nothing else. A file is `encode_record` bytes. Budget rule: `limit()` says how many bytes the
+bank may occupy right now (the device's budget M less what the replay store holds). A put writes a temporary file
+beside the old one and renames it over it, so at its peak the directory holds both; the put is refused
+(`BankFullError`) before anything is written if that peak would exceed `limit()`:
+
+    peak = bytes_on_disk() + file(len(bytes)) + one block (the directory may grow by a block for the new entry)
+
+where file(n) rounds up to file-system blocks and adds the mapping metadata the replay store counts (none for a
+file of at most 4 blocks, else ceil(blocks / 128) + 2 blocks). `bytes_on_disk()` counts the directory and every
+file by the larger of its allocated bytes (st_blocks * 512) and its apparent size rounded up to the block.
+
+Crash safety: temp file, fsync, rename, fsync of the directory; a crash leaves the old file or the new one, and
+possibly a temporary file, which the next open removes. A class file that fails verification on open (torn by a
+disk fault, not by a crash) is deleted and its label listed in `removed_on_open`: a damaged generator must never
+be sampled, and the device can train or fetch a new one. `get` verifies again and raises GeneratorFormatError.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+from edge_client.generators.record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
+from edge_client.store import FS_META_SPAN
+
+_CLASS_FILE = re.compile(r"class-(0|[1-9][0-9]*)\.gen")
+_TEMP_SUFFIX = ".tmp"
+log = logging.getLogger(__name__)
+
+
+class BankFullError(RuntimeError):
+    """A put that would take the bank past its byte limit; nothing was written."""
+
+
+class GeneratorBank:
+    """Class generators kept across restarts within a byte limit (see the module docstring)."""
+
+    def __init__(self, directory: str | Path, limit: Callable[[], int] | None = None) -> None:
+        self.directory = Path(directory)
+        self.limit = limit
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._block = os.statvfs(self.directory).f_frsize
+        self.removed_on_open: list[int] = []
+        for entry in sorted(os.listdir(self.directory)):
+            if entry.endswith(_TEMP_SUFFIX) and _CLASS_FILE.fullmatch(entry[: -len(_TEMP_SUFFIX)]):
+                os.unlink(self.directory / entry)  # an interrupted put
+            elif not _CLASS_FILE.fullmatch(entry):
+                raise ValueError(f"{self.directory} holds a file that is not the bank's: {entry}")
+        for label in self.classes():
+            try:
+                self.get(label)
+            except GeneratorFormatError as e:
+                log.warning("removing the damaged generator of class %d: %s", label, e)
+                os.unlink(self._path(label))
+                self.removed_on_open.append(label)
+        _fsync_dir(self.directory)
+
+    def _path(self, label: int) -> Path:
+        return self.directory / f"class-{label}.gen"
+
+    def classes(self) -> list[int]:
+        return sorted(int(m.group(1)) for e in os.listdir(self.directory) if (m := _CLASS_FILE.fullmatch(e)))
+
+    def get(self, label: int) -> GeneratorRecord:
+        """The stored record of `label`, verified (KeyError if there is none)."""
+        try:
+            data = self._path(label).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(f"no generator for class {label}") from None
+        record = decode_record(data)
+        if record.label != label:
+            raise GeneratorFormatError(f"{self._path(label)} holds the generator of class {record.label}")
+        return record
+
+    def bytes_needed(self, record: GeneratorRecord) -> int:
+        """The peak the directory reaches while `put(record)` runs: now + the new file + a directory block."""
+        return self._peak(len(encode_record(record)))
+
+    def put(self, record: GeneratorRecord) -> None:
+        """Store (or replace) the record of its label atomically; BankFullError first if it would not fit."""
+        if not isinstance(record.label, int) or record.label < 0:
+            raise ValueError(f"a class label is a non-negative int, not {record.label!r}")
+        data = encode_record(record)
+        if self.limit is not None:
+            need = self._peak(len(data))
+            allowed = self.limit()
+            if need > allowed:
+                raise BankFullError(f"class {record.label}: storing {len(data)} bytes needs up to {need} bytes "
+                                    f"in {self.directory}, {allowed} allowed")
+        path = self._path(record.label)
+        temp = path.with_name(path.name + _TEMP_SUFFIX)
+        try:
+            with open(temp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.directory)
+
+    def delete(self, label: int) -> None:
+        self._path(label).unlink(missing_ok=True)
+        _fsync_dir(self.directory)
+
+    def bytes_on_disk(self) -> int:
+        """The directory and its files, each by the larger of allocated and block-rounded apparent size."""
+        stats = [os.stat(self.directory)] + [e.stat(follow_symlinks=False) for e in os.scandir(self.directory)]
+        return sum(max(s.st_blocks * 512, -(-s.st_size // self._block) * self._block) for s in stats)
+
+    def _peak(self, size: int) -> int:
+        return self.bytes_on_disk() + self._file_bytes(size) + self._block
+
+    def _file_bytes(self, size: int) -> int:
+        blocks = -(-size // self._block)
+        meta = 0 if blocks <= 4 else -(-blocks // FS_META_SPAN) + 2
+        return (blocks + meta) * self._block
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,173 @@
+"""pFedGRP's pieces: the label-quantity scaling rule, the alignment term, simplex weights, attachments on the wire."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.strategies.pfedgrp import simplex_weights
+from edge_client import wire
+from edge_client.policies.generator import replay_counts
+from edge_client.trainers.base import Alignment
+from edge_client.trainers.pytorch import TorchTrainer
+from models.export import export_registered
+from models.manifest import load_manifest
+
+
+# --- the scaling rule (spec section 2, worked example) ---------------------------------------------------------
+
+def test_the_scaling_rule_reproduces_the_worked_example():
+    """Loop {0,1},{2,3}, 200 per class: round 2 replays 200 of 0 and 1; round 3 (s = 0.5) 100 of 2 and 3; a brand
+    new task after a long history has s = 1 and caps every old class at 200."""
+    cumulative = np.zeros(10, dtype=np.int64)
+    expected = [[0, 0, 0, 0], [200, 200, 0, 0], [0, 0, 100, 100]]
+    for t, classes in enumerate([(0, 1), (2, 3), (0, 1)]):
+        current = np.zeros(10, dtype=np.int64)
+        current[list(classes)] = 200
+        cumulative += current
+        assert replay_counts(cumulative, current)[:4].tolist() == expected[t]
+    for _ in range(20):  # a long history of the loop
+        for classes in [(2, 3), (0, 1)]:
+            current = np.zeros(10, dtype=np.int64)
+            current[list(classes)] = 200
+            cumulative += current
+    current = np.zeros(10, dtype=np.int64)
+    current[[4, 5]] = 200
+    cumulative += current
+    counts = replay_counts(cumulative, current)
+    assert counts[:4].tolist() == [200] * 4 and counts[4:].tolist() == [0] * 6
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=3, max_size=8))
+def test_replay_counts_are_bounded_and_never_ask_for_a_class_new_this_round(pairs):
+    before = np.array([p[0] for p in pairs], dtype=np.int64)
+    current = np.array([p[1] for p in pairs], dtype=np.int64)
+    counts = replay_counts(before + current, current)
+    assert (counts >= 0).all() and (counts <= max(current.max(), 0)).all()
+    assert (counts[before == 0] == 0).all()  # never seen before this round: no generator to sample
+
+
+def test_replay_counts_refuse_counts_that_do_not_include_the_round():
+    with pytest.raises(ValueError, match="include"):
+        replay_counts(np.array([1, 0]), np.array([2, 0]))
+
+
+# --- simplex weights (Eq. 8) -------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 40), st.floats(0.01, 5.0), st.integers(0, 2**16))
+def test_simplex_weights_stay_on_the_simplex(n, steps, lr, seed):
+    g = torch.Generator().manual_seed(seed)
+    models = torch.randn(n, 7, generator=g) * 10
+    target = torch.randn(7, generator=g) * 10
+    w = simplex_weights(models, lambda theta: (theta - target).pow(4).sum(), steps=steps, lr=lr)
+    assert (w >= 0).all() and abs(float(w.sum()) - 1.0) < 1e-5
+
+
+def test_simplex_weights_move_towards_the_model_that_fits():
+    models = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])
+    w = simplex_weights(models, lambda theta: (theta - models[1]).pow(2).sum(), steps=60, lr=0.2)
+    assert int(w.argmax()) == 1 and float(w[1]) > 0.8
+
+
+def test_personalized_mixing_finds_the_device_whose_model_knows_the_replayed_classes(tmp_path):
+    """Three device models, one trained on classes 0/1: a replay set of 0/1 puts most weight on it."""
+    from sklearn.datasets import load_digits
+
+    manifest = export_registered("mlp", 10, tmp_path / "m", (1, 8, 8), seed=0) and load_manifest(tmp_path / "m")
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None]
+    y = digits.target.astype(np.int64)
+    models = []
+    for classes in [(0, 1), (5, 6), (7, 8)]:
+        trainer = TorchTrainer(manifest, optimizer="adamw", lr=3e-3, seed=0)
+        pick = np.isin(y, classes)
+        trainer.fit(x[pick], y[pick], epochs=10, batch_size=32, rng=np.random.default_rng(0))
+        models.append(torch.from_numpy(trainer.get_weights()))
+    from coordinator.strategies.pfedgrp import PFedGRP
+
+    rule = PFedGRP(manifest, device="cpu")
+    pick = np.isin(y, (0, 1))
+    mask = torch.zeros(10)
+    mask[[0, 1]] = 1.0
+    xs, ys = torch.from_numpy(x[pick][:100]), torch.from_numpy(y[pick][:100])
+    w = simplex_weights(torch.stack(models), lambda theta: rule._loss(theta, xs, ys, mask), steps=20, lr=0.1)
+    assert int(w.argmax()) == 0 and float(w[0]) > 0.5
+
+
+# --- the alignment term (Eq. 6) ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lenet")
+    export_registered("lenet", 10, out, (1, 8, 8), seed=0)
+    return load_manifest(out)
+
+
+def test_alignment_adds_lambda_times_the_mse_to_the_teacher_on_flagged_samples(manifest):
+    rng = np.random.default_rng(0)
+    x = rng.random((8, 1, 8, 8), dtype=np.float32)
+    y = rng.integers(0, 4, 8)
+    mask = np.zeros(10, dtype=np.float32)
+    mask[:4] = 1.0
+    trainer = TorchTrainer(manifest, lr=0.0, seed=0)
+    teacher = TorchTrainer(manifest, seed=1).get_weights()
+    t_logits = trainer.teacher_logits(teacher, x)
+    applies = np.array([1, 0] * 4, dtype=np.float32)
+    plain = trainer.train_step(x, y, mask)
+    with_term = trainer.train_step(x, y, mask, Alignment(2.0, t_logits, applies))
+    raw = trainer.teacher_logits(trainer.get_weights(), x)
+    mse = (((raw - t_logits)[:, :4]) ** 2).mean(1)
+    assert with_term == pytest.approx(plain + 2.0 * float((applies * mse).mean()), rel=1e-5)
+
+
+def test_alignment_pulls_the_student_towards_the_teacher(manifest):
+    rng = np.random.default_rng(1)
+    x = rng.random((64, 1, 8, 8), dtype=np.float32)
+    y = rng.integers(0, 4, 64)
+    teacher = TorchTrainer(manifest, seed=1).get_weights()
+    gaps = {}
+    for weight in (0.0, 10.0):
+        trainer = TorchTrainer(manifest, optimizer="adamw", lr=1e-3, seed=0)
+        t_logits = trainer.teacher_logits(teacher, x)
+        trainer.fit(x, y, epochs=5, batch_size=16, rng=np.random.default_rng(0),
+                    alignment=Alignment(weight, t_logits, np.ones(64, dtype=np.float32)))
+        gaps[weight] = float(((trainer.teacher_logits(trainer.get_weights(), x) - t_logits) ** 2).mean())
+    assert gaps[10.0] < 0.5 * gaps[0.0]
+
+
+def test_the_ort_backend_refuses_the_alignment_term_clearly(tmp_path):
+    from edge_client.trainers.ort import OrtTrainer
+
+    export_registered("mlp", 10, tmp_path, (1, 8, 8), seed=0)
+    trainer = OrtTrainer(tmp_path)
+    x = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="torch backend"):
+        trainer.fit(x, np.zeros(2, dtype=np.int64),
+                    alignment=Alignment(1.0, np.zeros((2, 10), np.float32), np.ones(2, np.float32)))
+
+
+# --- attachments on the wire -------------------------------------------------------------------------------------
+
+def test_an_update_carries_attachments_after_its_weights():
+    weights = np.arange(10, dtype=np.float32)
+    data, layout = wire.pack_attachments(wire.weights_bytes(weights), {"generator/3": b"abcde", "generator/7": b""})
+    blob_message = wire.encode_blob("update", data, chunk_bytes=1024, device="d", round=1, task=0, model="m",
+                                    num_samples=1, metrics={}, attachments=layout, label_counts=[1, 2])
+    reassembler = wire.Reassembler(max_blob_bytes=1 << 20)
+    blob = [reassembler.add("d", wire.decode(c)) for c in blob_message.chunks][-1]
+    values, attachments = blob.split(10)
+    assert values.tolist() == weights.tolist()
+    assert {k: bytes(v) for k, v in attachments.items()} == {"generator/3": b"abcde", "generator/7": b""}
+    with pytest.raises(wire.WireError, match="weights-length"):
+        blob.split(11)
+
+
+@pytest.mark.parametrize("attachments", [[["a", -1]], [["a", 1], ["a", 1]], [[3, 1]], [["a"]]])
+def test_malformed_attachment_layouts_are_refused(attachments):
+    with pytest.raises(wire.WireError, match="attachments"):
+        wire.encode_blob("update", b"\0" * 8, device="d", round=1, task=0, model="m", num_samples=1, metrics={},
+                         attachments=attachments)
