@@ -26,13 +26,14 @@ import numpy as np
 
 from firmware_sim.fleet import Fleet, FleetConfig
 
-# scenario preset prefix, model, budget M in bytes per device, local epochs
+# scenario preset prefix, model, budget M in bytes per device, local epochs. M: the generator method's bank (at most
+# half of M) holds ten int8 VAE generators, and the other half one round's real data with the store's overhead.
 DATASETS: dict[str, tuple[str, str, int, int]] = {
-    "digits": ("digits-flowing", "lenet", 192 * 1024, 3),
-    "mnist1d": ("mnist1d-flowing", "cnn1d", 256 * 1024, 3),
+    "digits": ("digits-flowing", "lenet", 320 * 1024, 3),
+    "mnist1d": ("mnist1d-flowing", "cnn1d", 352 * 1024, 3),
 }
 METHODS: dict[str, dict[str, Any]] = {
-    "generator": {"replay": {"policy": "generator", "kind": "vae", "precision": "float16"},
+    "generator": {"replay": {"policy": "generator", "kind": "vae", "precision": "int8", "keep_auxiliary": False},
                   "strategy": {"name": "pfedgrp"}},
     "refed": {"replay": {"policy": "refed", "pim_epochs": 2}, "strategy": {"name": "fedavg"}},
     "random": {"replay": {"policy": "random"}, "strategy": {"name": "fedavg"}},

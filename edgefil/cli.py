@@ -23,6 +23,8 @@ def _export(args: argparse.Namespace) -> int:
         for name, spec in sorted(REGISTRY.items()):
             print(f"{name:16s} default input {spec.default_input_shape}  {spec.summary}")
         return 0
+    if args.generator:
+        return _export_generator(args)
     if not args.model or not args.classes or not args.out:
         raise SystemExit("edgefil export: --model, --classes and --out are required (or --list)")
     manifest = export_registered(
@@ -32,6 +34,21 @@ def _export(args: argparse.Namespace) -> int:
         f"exported {manifest.model} ({manifest.num_parameters:,} parameters, input {manifest.input_shape}, "
         f"{manifest.num_classes} classes, IR {manifest.ir_version}) to {args.out}"
     )
+    return 0
+
+
+def _export_generator(args: argparse.Namespace) -> int:
+    """The per-class generator's artifacts (sampler graph; ORT training artifacts for the VAE)."""
+    from models.generator_export import export_generator_artifacts
+    from models.generators import default_spec, sampler_size
+
+    if not args.input_shape or not args.out:
+        raise SystemExit("edgefil export --generator: --input-shape and --out are required")
+    spec = default_spec(args.generator, args.input_shape)
+    export_generator_artifacts(spec, args.out, seed=args.seed)
+    print(f"exported the {spec.kind} generator for inputs {spec.input_shape} ({sampler_size(spec):,} sampler values) "
+          f"to {args.out}; devices find it at <model artifacts>/../generator-{spec.kind} unless [policy] artifacts "
+          f"says otherwise")
     return 0
 
 
@@ -91,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     export.add_argument("--nominal", action="store_true", help="ship a weight-less checkpoint")
     export.add_argument("--list", action="store_true", help="list the registered models")
+    export.add_argument("--generator", choices=("vae", "wgan-gp"),
+                        help="export the per-class generator for --input-shape instead of a model")
     export.set_defaults(run=_export)
 
     demo = commands.add_parser(

@@ -138,3 +138,20 @@ def test_the_bank_lives_in_the_state_folder_and_survives_a_restart(artifacts, di
     again = make_learner(artifacts, tmp_path, 1 << 30)
     assert again.restore(tmp_path) and again.state.label_counts[:2] == [40, 40]
     assert (tmp_path / BANK_DIR).is_dir() and again.policy._bank.classes() == [0, 1]
+
+
+def test_an_ort_device_trains_its_vae_generators_with_ort(artifacts, digits, tmp_path):
+    """The default device path: the task model and the VAE generators both on ONNX Runtime (no alignment there)."""
+    from edge_client.generators.ort_training import OrtVaeTrainer
+    from edge_client.trainers.ort import OrtTrainer
+
+    store = ReplayStore(tmp_path / "store", Budget(max_bytes=512 * 1024), (1, 8, 8))
+    with pytest.raises(ValueError, match="lambda_align"):
+        Learner(OrtTrainer(artifacts), store, make_policy("generator")).open_policy(tmp_path, artifacts)
+    policy = make_policy("generator", lambda_align=0.0, init_steps=30, transfer_steps=10, keep_auxiliary=False)
+    learner = Learner(OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), store, policy, seed=0)
+    learner.open_policy(tmp_path, artifacts)
+    assert isinstance(policy._trainer, OrtVaeTrainer)
+    for _ in run_rounds(learner, digits, [(0, 1), (2, 3)], policy._bank.bytes_on_disk, 512 * 1024):
+        pass
+    assert policy._bank.classes() == [0, 1, 2, 3] and policy.metrics()["replayed_samples"] == 80

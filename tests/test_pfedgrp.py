@@ -171,3 +171,76 @@ def test_malformed_attachment_layouts_are_refused(attachments):
     with pytest.raises(wire.WireError, match="attachments"):
         wire.encode_blob("update", b"\0" * 8, device="d", round=1, task=0, model="m", num_samples=1, metrics={},
                          attachments=attachments)
+
+
+# --- the strategy: the gate, the cache, its checkpoint ------------------------------------------------------------
+
+def _record(label: int, seed: int = 0):
+    from edge_client.generators.record import GeneratorRecord
+    from models.generators import build_sampler, default_spec, flatten_module
+
+    spec = default_spec("vae", (1, 8, 8))
+    return GeneratorRecord(label, spec.to_dict(), "float32", flatten_module(build_sampler(spec, seed=seed)), None,
+                           10, 5)
+
+
+def _update_chunks(weights, attachments, label_counts=(5, 5, 0, 0, 0, 0, 0, 0, 0, 0)):
+    data, layout = wire.pack_attachments(wire.weights_bytes(weights), attachments)
+    return wire.encode_blob("update", data, device="d1", round=1, task=0, model="ab" * 32, num_samples=10,
+                            metrics={}, attachments=layout, label_counts=list(label_counts)).chunks
+
+
+def test_the_gate_decodes_generator_attachments_and_refuses_bad_ones(manifest):
+    from coordinator.inbox import Inbox
+    from edge_client import topics
+    from edge_client.generators.record import encode_record
+
+    inbox = Inbox("f", {"d1"}, "m" * 64, manifest.num_parameters, manifest.num_classes)
+    weights = np.zeros(manifest.num_parameters, np.float32)
+    topic = topics.from_device("f", "d1", "update")
+    good = encode_record(_record(1))
+    event = [inbox.accept(topic, c) for c in _update_chunks(weights, {"generator/1": good})][-1]
+    assert event.label_counts[:2] == (5, 5) and list(event.generators) == [1]
+    np.testing.assert_array_equal(event.generators[1].sampler, _record(1).sampler)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    cases = {"generator": {"generator/1": bytes(bad)}, "attachments": {"weights/1": good}}
+    cases["generator "] = {"generator/2": good}  # a record of class 1 named as class 2
+    for k, (reason, attachments) in enumerate(cases.items()):
+        for chunk in _update_chunks(weights + k + 1, attachments):  # other bytes: a blob's id is its content
+            assert inbox.accept(topic, chunk) is None
+        assert inbox.rejections[reason.strip()] >= 1
+
+
+def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(manifest, tmp_path):
+    from coordinator.strategies.base import ClientUpdate
+    from coordinator.strategies.pfedgrp import PFedGRP
+
+    rule = PFedGRP(manifest, device="cpu", weight_steps=3)
+    rng = np.random.default_rng(0)
+    updates = [
+        ClientUpdate("a", rng.standard_normal(manifest.num_parameters).astype(np.float32), 10, {},
+                     (5, 5) + (0,) * 8, {0: _record(0), 1: _record(1)}),
+        ClientUpdate("b", rng.standard_normal(manifest.num_parameters).astype(np.float32), 10, {},
+                     (0, 0, 5, 5) + (0,) * 6, {2: _record(2, seed=1)}),
+    ]
+    result = rule.aggregate(torch.zeros(manifest.num_parameters), updates)
+    assert set(result.personalized) == {"a", "b"}
+    mean = (torch.from_numpy(updates[0].weights) + torch.from_numpy(updates[1].weights)) / 2
+    torch.testing.assert_close(result.global_weights, mean)
+    for device, w in rule.weights_used.items():
+        expected = w[0] * torch.from_numpy(updates[0].weights) + w[1] * torch.from_numpy(updates[1].weights)
+        torch.testing.assert_close(result.personalized[device], expected, rtol=1e-5, atol=1e-5)
+    assert rule.configure(2, ["a"]) == {"a": {"generator_classes": [0, 1, 2]}}
+    assert sorted(rule.cached_generators([1, 2, 7])) == [1, 2]
+    rule.save(tmp_path)
+    again = PFedGRP(manifest, device="cpu", weight_steps=3)
+    again.load(tmp_path)
+    assert again.cached_generators([0, 1, 2]) == rule.cached_generators([0, 1, 2])
+    assert again.weights_used == rule.weights_used and again.label_counts == rule.label_counts
+    x1 = rule.replay_set("a")
+    x2 = again.replay_set("a")
+    torch.testing.assert_close(x1[0], x2[0])  # the sampling generator's state was checkpointed too
+    mean_personal = PFedGRP(manifest, device="cpu", weight_steps=3, global_model="mean-personalized")
+    result = mean_personal.aggregate(torch.zeros(manifest.num_parameters), updates)
+    torch.testing.assert_close(result.global_weights, (result.personalized["a"] + result.personalized["b"]) / 2)

@@ -71,7 +71,8 @@ class GeneratorReplay(ReplayPolicy):
 
     kind: str = "vae"  # "vae" or "wgan-gp" (models/generators.py)
     precision: str = "float16"  # how the bank stores generators: float32, float16 or int8
-    backend: str = "torch"  # generator training: "torch", or "ort" (VAE only: ORT Training artifacts)
+    backend: str = "auto"  # generator training: "torch", "ort" (VAE only: ORT Training artifacts), or "auto": the
+    # backend the device trains its task model with
     lambda_align: float = 1.0  # weight of the alignment term (the paper does not give it; its section 5 uses 1)
     init_steps: int = 200  # optimisation steps of a generator trained from scratch
     transfer_steps: int = 50  # steps of a warm-started one
@@ -96,7 +97,8 @@ class GeneratorReplay(ReplayPolicy):
         folder = Path(self.artifacts) if self.artifacts else Path(model_artifacts).parent / f"generator-{self.kind}"
         if not (folder / "generator.json").exists():
             raise FileNotFoundError(f"no generator artifacts at {folder}: export them with `edgefil export "
-                                    f"--generator {self.kind}` (or set [policy] artifacts)")
+                                    f"--generator {self.kind} --input-shape ... --out {folder}` (or set [policy] "
+                                    f"artifacts)")
         self._spec = json.loads((folder / "generator.json").read_text())["spec"]
         if not 0.0 < self.bank_share <= 1.0:
             raise ValueError(f"bank_share must lie in (0, 1], got {self.bank_share}")
@@ -105,7 +107,8 @@ class GeneratorReplay(ReplayPolicy):
             lambda: min(int(self.bank_share * budget), budget - learner.store.bytes_on_disk()))
         self._bank = GeneratorBank(Path(state_dir) / BANK_DIR, limit)
         self._sampler = OnnxSampler(folder)
-        self._trainer = make_generator_trainer(self._spec, self.backend, folder)
+        backend = learner.trainer.backend if self.backend == "auto" else self.backend
+        self._trainer = make_generator_trainer(self._spec, backend, folder)
 
     def storage_bytes(self) -> int:
         return self._bank.bytes_on_disk() if self._bank is not None else 0

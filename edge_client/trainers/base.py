@@ -90,6 +90,7 @@ def last_layer_grad_norms(logits: np.ndarray, features: np.ndarray, y: np.ndarra
 class Trainer(ABC):
     """Trains one model on a device. Weights cross the boundary as one flat float32 buffer (manifest order)."""
 
+    backend: str  # "ort" or "torch": what the device config's [trainer] backend names
     manifest: Manifest
     _learning_rate: float
     supports_alignment: bool = True  # whether train_step takes an Alignment term

@@ -34,6 +34,7 @@ def session_options(threads: int = 1, log_severity: int = ORT_WARNING) -> C.Sess
 class OrtTrainer(Trainer):
     """Loads a verified artifact directory and trains it with ORT's on-device training API."""
 
+    backend = "ort"
     supports_alignment = False  # the exported training graph's loss is cross-entropy only
 
     def __init__(

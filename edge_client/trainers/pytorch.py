@@ -17,6 +17,8 @@ from models.zoo import MASK_FILL, build_model
 
 
 class TorchTrainer(Trainer):
+    backend = "torch"
+
     def __init__(
         self,
         manifest: Manifest,
