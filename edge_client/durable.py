@@ -22,9 +22,12 @@ class StateError(ValueError):
     """The saved state cannot be trusted (corrupt file or weights that do not match their hash)."""
 
 
+TEMP_SUFFIX = ".tmp"  # `write_atomically` writes `<name>.tmp` first: a crash may leave one behind
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file, fsync it, rename it over `path`, then fsync the directory entry."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TEMP_SUFFIX)
     try:
         with open(tmp, "wb") as handle:
             handle.write(data)
@@ -34,7 +37,12 @@ def write_atomically(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or unlink in `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -155,3 +155,17 @@ def test_an_ort_device_trains_its_vae_generators_with_ort(artifacts, digits, tmp
     for _ in run_rounds(learner, digits, [(0, 1), (2, 3)], policy._bank.bytes_on_disk, 512 * 1024):
         pass
     assert policy._bank.classes() == [0, 1, 2, 3] and policy.metrics()["replayed_samples"] == 80
+
+
+def test_the_command_line_exports_generator_artifacts(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from edge_client.generators.artifacts import load_generator_artifacts
+
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "export", "--generator", "vae", "--input-shape",
+                           "1,40", "--out", str(tmp_path / "g")], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert load_generator_artifacts(tmp_path / "g").spec == default_spec("vae", (1, 40)).to_dict()

@@ -63,13 +63,13 @@ def test_simplex_weights_stay_on_the_simplex(n, steps, lr, seed):
     g = torch.Generator().manual_seed(seed)
     models = torch.randn(n, 7, generator=g) * 10
     target = torch.randn(7, generator=g) * 10
-    w = simplex_weights(models, lambda theta: (theta - target).pow(4).sum(), steps=steps, lr=lr)
+    w = simplex_weights(models, lambda theta, _: (theta - target).pow(4).sum(), steps=steps, lr=lr)
     assert (w >= 0).all() and abs(float(w.sum()) - 1.0) < 1e-5
 
 
 def test_simplex_weights_move_towards_the_model_that_fits():
     models = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])
-    w = simplex_weights(models, lambda theta: (theta - models[1]).pow(2).sum(), steps=60, lr=0.2)
+    w = simplex_weights(models, lambda theta, _: (theta - models[1]).pow(2).sum(), steps=60, lr=0.2)
     assert int(w.argmax()) == 1 and float(w[1]) > 0.8
 
 
@@ -94,7 +94,7 @@ def test_personalized_mixing_finds_the_device_whose_model_knows_the_replayed_cla
     mask = torch.zeros(10)
     mask[[0, 1]] = 1.0
     xs, ys = torch.from_numpy(x[pick][:100]), torch.from_numpy(y[pick][:100])
-    w = simplex_weights(torch.stack(models), lambda theta: rule._loss(theta, xs, ys, mask), steps=20, lr=0.1)
+    w = simplex_weights(torch.stack(models), lambda theta, _: rule._loss(theta, xs, ys, mask), steps=20, lr=0.1)
     assert int(w.argmax()) == 0 and float(w[0]) > 0.5
 
 
@@ -244,3 +244,20 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
     mean_personal = PFedGRP(manifest, device="cpu", weight_steps=3, global_model="mean-personalized")
     result = mean_personal.aggregate(torch.zeros(manifest.num_parameters), updates)
     torch.testing.assert_close(result.global_weights, (result.personalized["a"] + result.personalized["b"]) / 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_personalized_aggregation_on_cuda_matches_the_cpu(manifest):
+    from coordinator.strategies.base import ClientUpdate
+    from coordinator.strategies.pfedgrp import PFedGRP
+
+    rng = np.random.default_rng(0)
+    updates = [ClientUpdate(d, rng.standard_normal(manifest.num_parameters).astype(np.float32) * 0.1, 10, {},
+                            (5, 5) + (0,) * 8, {0: _record(0), 1: _record(1, seed=i)}) for i, d in enumerate("ab")]
+    results = {}
+    for device in ("cpu", "cuda"):
+        rule = PFedGRP(manifest, device=device, weight_steps=5)
+        results[device] = rule.aggregate(torch.zeros(manifest.num_parameters, device=device), updates)
+    for d in "ab":
+        torch.testing.assert_close(results["cuda"].personalized[d].cpu(), results["cpu"].personalized[d],
+                                   rtol=1e-3, atol=1e-4)

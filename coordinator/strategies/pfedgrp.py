@@ -8,8 +8,9 @@ mean of the local models (Sec. 4.2, the default) or of the personalized models (
 `global_model = "mean-local" | "mean-personalized"`.
 
 Choices the paper leaves open (configurable): w = softmax(alpha), alpha = 0 at the start (the plain mean), Adam
-with `weight_lr` for `weight_steps` steps (the paper's 20 "rounds"); `replay_per_class` samples per seen class; the
-device's seen classes unmasked, as devices train. A device with no cached generator yet gets the global model as
+with `weight_lr` for `weight_steps` steps (the paper's 20 "rounds"); `replay_per_class` samples per seen class; each
+step on a seeded minibatch of `weight_batch` of them (0: the whole set; minibatches make a step's cost independent
+of how many classes a device has seen); the device's seen classes unmasked, as devices train. A device with no cached generator yet gets the global model as
 its personalized one. Which cached generator answers another device's request for a class: the latest uploaded.
 """
 from __future__ import annotations
@@ -36,16 +37,16 @@ STATE_FILE = "pfedgrp.msgpack"
 
 
 def simplex_weights(
-    models: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], steps: int = 20, lr: float = 0.1
+    models: torch.Tensor, loss_of: Callable[[torch.Tensor, int], torch.Tensor], steps: int = 20, lr: float = 0.1
 ) -> torch.Tensor:
-    """argmin over the simplex of loss_of(w @ models), with w = softmax(alpha) from alpha = 0 (Adam on alpha).
+    """argmin over the simplex of loss_of(w @ models, step), with w = softmax(alpha) from alpha = 0 (Adam on alpha).
 
     `models` is (n, P): one flat model per row. The softmax keeps w on the simplex at every step (w >= 0, sum 1)."""
     alpha = torch.zeros(models.shape[0], device=models.device, requires_grad=True)
     optimizer = torch.optim.Adam([alpha], lr=lr)
-    for _ in range(steps):
+    for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss_of(torch.softmax(alpha, 0) @ models).backward()
+        loss_of(torch.softmax(alpha, 0) @ models, step).backward()
         optimizer.step()
     return torch.softmax(alpha.detach(), 0)
 
@@ -61,19 +62,21 @@ class PFedGRP(Strategy):
         weight_steps: int = 20,
         weight_lr: float = 0.1,
         replay_per_class: int = 100,
+        weight_batch: int = 256,
         seed: int = 0,
         device: torch.device | str = "auto",
     ) -> None:
         super().__init__(device)
         if global_model not in GLOBAL_MODELS:
             raise ValueError(f"global_model must be one of {GLOBAL_MODELS}, got {global_model!r}")
-        if weight_steps < 0 or replay_per_class < 1:
-            raise ValueError("weight_steps must be >= 0 and replay_per_class >= 1")
+        if weight_steps < 0 or replay_per_class < 1 or weight_batch < 0:
+            raise ValueError("weight_steps and weight_batch must be >= 0 and replay_per_class >= 1")
         self.manifest = manifest
         self.global_model = global_model
         self.weight_steps = weight_steps
         self.weight_lr = weight_lr
         self.replay_per_class = replay_per_class
+        self.weight_batch = weight_batch
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
         self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
@@ -116,7 +119,16 @@ class PFedGRP(Strategy):
         if replay is None:
             return torch.full((models.shape[0],), 1.0 / models.shape[0], device=self.device)
         x, y, mask = replay
-        return simplex_weights(models, lambda theta: self._loss(theta, x, y, mask), self.weight_steps, self.weight_lr)
+        batches = self._batches(len(y))
+        return simplex_weights(models, lambda theta, step: self._loss(theta, x[batches[step]], y[batches[step]], mask),
+                               self.weight_steps, self.weight_lr)
+
+    def _batches(self, n: int) -> list[torch.Tensor]:
+        """One index set per weight step: a seeded random minibatch, or everything."""
+        if not self.weight_batch or self.weight_batch >= n:
+            return [torch.arange(n, device=self.device)] * self.weight_steps
+        return [torch.randperm(n, generator=self.generator)[:self.weight_batch].to(self.device)
+                for _ in range(self.weight_steps)]
 
     def replay_set(self, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Samples of the device's classes from its cached generators, in proportion to its cumulative counts

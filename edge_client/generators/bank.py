@@ -24,11 +24,11 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from edge_client.durable import TEMP_SUFFIX, fsync_directory, write_atomically
 from edge_client.generators.record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
 from edge_client.store import FS_META_SPAN
 
 _CLASS_FILE = re.compile(r"class-(0|[1-9][0-9]*)\.gen")
-_TEMP_SUFFIX = ".tmp"
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +46,7 @@ class GeneratorBank:
         self._block = os.statvfs(self.directory).f_frsize
         self.removed_on_open: list[int] = []
         for entry in sorted(os.listdir(self.directory)):
-            if entry.endswith(_TEMP_SUFFIX) and _CLASS_FILE.fullmatch(entry[: -len(_TEMP_SUFFIX)]):
+            if entry.endswith(TEMP_SUFFIX) and _CLASS_FILE.fullmatch(entry[: -len(TEMP_SUFFIX)]):
                 os.unlink(self.directory / entry)  # an interrupted put
             elif not _CLASS_FILE.fullmatch(entry):
                 raise ValueError(f"{self.directory} holds a file that is not the bank's: {entry}")
@@ -57,7 +57,7 @@ class GeneratorBank:
                 log.warning("removing the damaged generator of class %d: %s", label, e)
                 os.unlink(self._path(label))
                 self.removed_on_open.append(label)
-        _fsync_dir(self.directory)
+        fsync_directory(self.directory)
 
     def _path(self, label: int) -> Path:
         return self.directory / f"class-{label}.gen"
@@ -91,22 +91,11 @@ class GeneratorBank:
             if need > allowed:
                 raise BankFullError(f"class {record.label}: storing {len(data)} bytes needs up to {need} bytes "
                                     f"in {self.directory}, {allowed} allowed")
-        path = self._path(record.label)
-        temp = path.with_name(path.name + _TEMP_SUFFIX)
-        try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.directory)
+        write_atomically(self._path(record.label), data)
 
     def delete(self, label: int) -> None:
         self._path(label).unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        fsync_directory(self.directory)
 
     def bytes_on_disk(self) -> int:
         """The directory and its files, each by the larger of allocated and block-rounded apparent size."""
@@ -120,11 +109,3 @@ class GeneratorBank:
         blocks = -(-size // self._block)
         meta = 0 if blocks <= 4 else -(-blocks // FS_META_SPAN) + 2
         return (blocks + meta) * self._block
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

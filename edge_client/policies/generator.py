@@ -25,7 +25,6 @@ counted in the round's metrics. A class without a generator is never sampled.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -99,14 +98,14 @@ class GeneratorReplay(ReplayPolicy):
             raise FileNotFoundError(f"no generator artifacts at {folder}: export them with `edgefil export "
                                     f"--generator {self.kind} --input-shape ... --out {folder}` (or set [policy] "
                                     f"artifacts)")
-        self._spec = json.loads((folder / "generator.json").read_text())["spec"]
+        self._sampler = OnnxSampler(folder)  # verifies the artifacts (generator.json, file hashes)
+        self._spec = self._sampler.info.spec
         if not 0.0 < self.bank_share <= 1.0:
             raise ValueError(f"bank_share must lie in (0, 1], got {self.bank_share}")
         budget = learner.byte_budget
         limit = None if budget is None else (
             lambda: min(int(self.bank_share * budget), budget - learner.store.bytes_on_disk()))
         self._bank = GeneratorBank(Path(state_dir) / BANK_DIR, limit)
-        self._sampler = OnnxSampler(folder)
         backend = learner.trainer.backend if self.backend == "auto" else self.backend
         self._trainer = make_generator_trainer(self._spec, backend, folder)
 
@@ -134,9 +133,10 @@ class GeneratorReplay(ReplayPolicy):
         bank = self._require_bank()
         classes = sorted(np.unique(y).tolist())
         dropped = own_starts = offered_starts = 0
+        usable = {c: r for c, r in offered.items() if self._fits(r)}  # a cached generator of another model is no start
         for c in classes:
             own = bank.get(c) if c in bank.classes() else None
-            start = own if own is not None else offered.get(c)
+            start = own if own is not None else usable.get(c)
             steps = self.transfer_steps if start is not None else self.init_steps
             own_starts += own is not None
             offered_starts += own is None and start is not None
@@ -186,6 +186,13 @@ class GeneratorReplay(ReplayPolicy):
                 if not victims:
                     return False
                 bank.delete(victims[0][1])
+
+    def _fits(self, record: GeneratorRecord) -> bool:
+        try:
+            self._sampler.check(record)
+            return True
+        except ValueError:
+            return False
 
     def _require_bank(self) -> GeneratorBank:
         if self._bank is None:
