@@ -176,3 +176,65 @@ def _raw(config: DeviceConfig) -> dict:
     raw = asdict(config)
     raw["artifacts"], raw["state_dir"] = str(config.artifacts), str(config.state_dir)
     return raw
+
+
+def test_a_generator_device_waits_for_its_personal_model_asks_for_cached_generators_and_uploads_its_own(
+        setup, tmp_path):
+    """pFedGRP on the device, the test playing the coordinator: the round names a personalized model that arrives
+    after the round message; the device asks for the cached generator of a class new to it, ignores a garbled
+    answer, warm-starts from the good one, and uploads its generators and label counts with the model."""
+    from edge_client.generators.record import GeneratorRecord, decode_record, encode_record
+    from models.generator_export import export_generator_artifacts
+    from models.generators import build_sampler, default_spec, flatten_module
+
+    config, coordinator, initial = setup
+    spec = default_spec("vae", (1, 8, 8))
+    export_generator_artifacts(spec, tmp_path / "gen")
+    config = DeviceConfig.from_dict({
+        **_raw(config), "store": {"max_bytes": 1 << 20}, "trainer": {"backend": "torch"},
+        "policy": {"name": "generator", "artifacts": str(tmp_path / "gen"), "init_steps": 20, "transfer_steps": 5},
+    })
+    n = len(initial)
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+
+    personal = wire.encode_blob("weights", wire.weights_bytes(initial + 0.01), round=1, version=0)
+    glob = wire.encode_blob("weights", wire.weights_bytes(initial), round=1, version=0)
+    for chunk in glob.chunks:
+        coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
+    coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
+        "round", round=1, task=0, model=glob.id, version=0, deadline_s=60, personal=personal.id,
+        config={"epochs": 1, "generator_classes": [0, 7], "generator_wait_s": 30}))
+    wait_for(lambda: device.waiting is not None)  # the round and the global model are in: it waits for its own
+    assert device.learner.state.round == 0
+    for chunk in personal.chunks:
+        coordinator.publish(topics.to_device(FLEET, "dev-0", "weights"), chunk)
+
+    request = wire.decode(coordinator.expect(topics.from_device(FLEET, "dev-0", "request"), timeout=60))
+    assert request["classes"] == [0] and request["round"] == 1  # class 0 is new to it and cached; 7 is not its
+    answer_topic = topics.to_device(FLEET, "dev-0", "generators")
+    coordinator.publish(answer_topic, b"\xc1 not a message")
+    cached = GeneratorRecord(0, spec.to_dict(), "float32", flatten_module(build_sampler(spec, seed=5)), None, 99, 40)
+    data, layout = wire.pack_attachments(b"", {"generator/0": encode_record(cached)})
+    for chunk in wire.encode_blob("generators", data, round=1, attachments=layout).chunks:
+        coordinator.publish(answer_topic, chunk)
+
+    reassembler = wire.Reassembler(4 * n + (8 << 20))
+    topic = topics.from_device(FLEET, "dev-0", "update")
+    wait_for(lambda: any(t == topic for t, _ in coordinator.messages), timeout=60)
+    blob = None
+    for t, payload in list(coordinator.messages):
+        if t == topic:
+            blob = reassembler.add("dev-0", wire.decode(payload)) or blob
+    weights, attachments = blob.split(n)
+    metrics = blob.header["metrics"]
+    assert sorted(attachments) == ["generator/0", "generator/1"]
+    assert decode_record(bytes(attachments["generator/0"])).steps == 40 + 5  # warm-started from the cached one
+    assert decode_record(bytes(attachments["generator/1"])).steps == 20  # trained from scratch
+    assert metrics["generators_from_coordinator"] == 1 and metrics["replayed_samples"] == 0
+    assert blob.header["label_counts"][:2] == [int((np.load(
+        config.data["folder"] + "/task-0.npz")["y"] == c).sum()) for c in (0, 1)]
+    assert metrics["stored_bytes"] <= metrics["store_budget_bytes"] == 1 << 20
+    assert device.rejected >= 1 and thread.is_alive()
+    device.stop_requested.set()
+    thread.join(15)
