@@ -260,7 +260,8 @@ class Device:
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return
-        upload_bytes = blob_bytes + sum(len(a) for a in self.learner.policy.attachments(self.learner).values())
+        attachments = self.learner.policy.attachments(self.learner)  # encoded once: timed here, sent below
+        upload_bytes = blob_bytes + sum(len(a) for a in attachments.values())
         device_seconds += self.environment.transfer(upload_bytes, wire.chunk_count(upload_bytes), upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
@@ -276,7 +277,7 @@ class Device:
             self.learner.state.metrics["disk_full"] = 1.0
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
-        self._upload(round_, message["model"], self.learner.state.metrics)
+        self._upload(round_, message["model"], self.learner.state.metrics, attachments)
 
     def _request_generators(self, round_: int, cached: list[int]) -> bool:
         """Ask the coordinator for the cached generators the policy wants (classes new to this device)."""
@@ -324,10 +325,11 @@ class Device:
             return True
         return False
 
-    def _upload(self, round_: int, model: str, metrics: dict[str, float]) -> None:
+    def _upload(self, round_: int, model: str, metrics: dict[str, float],
+                attachments: dict[str, bytes] | None = None) -> None:
         store, policy = self.learner.store, self.learner.policy
         data, layout = wire.pack_attachments(wire.weights_bytes(self.trainer.get_weights()),
-                                             policy.attachments(self.learner))
+                                             policy.attachments(self.learner) if attachments is None else attachments)
         chunks = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
             num_samples=len(store), attachments=layout, label_counts=self.learner.state.label_counts,
