@@ -28,7 +28,8 @@ import torch
 
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
 from coordinator.compute import as_tensor, resolve_device
-from coordinator.strategies import ClientUpdate, FedAvg
+from coordinator.strategies import ClientUpdate
+from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedavg import fedavg_coefficients
 
 CLIENTS = [10, 100, 1000]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from firmware_sim.demo import METHODS, run_methods
-from firmware_sim.metrics import accuracy_matrix, average_accuracy, forgetting
+from edgefil.metrics import accuracy_matrix, average_accuracy, forgetting
 
 DATASETS = {  # scenario, model, budget M (about 3-4 tasks' share of one device's data)
     "digits-class": ({"preset": "digits-class"}, "lenet", 100),

@@ -19,9 +19,10 @@ import numpy as np
 
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
-from edge_client.store import Budget, ReplayStore
+from edge_client.budget import Budget
+from edge_client.store import ReplayStore
 from edge_client.trainers.ort import OrtTrainer
-from firmware_sim.metrics import forgetting
+from edgefil.metrics import forgetting
 from firmware_sim.scenarios import preset
 from models.export import export_registered
 

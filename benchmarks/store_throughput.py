@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
-from edge_client.store import Budget, ReplayStore
+from edge_client.budget import Budget
+from edge_client.store import ReplayStore
 
 SHAPES = [((8, 8), "8x8 digits"), ((3, 32, 32), "3x32x32 CIFAR-sized")]
 

@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt
 
-from edge_client import topics, wire
-from edge_client.link import CONNECTED, BrokerSettings, Link
+from edgefil import topics, wire
+from edgefil.link import CONNECTED, BrokerSettings, Link
 
 FLEET = "bench"
 MANIFEST = "transport-benchmark"
@@ -231,7 +231,7 @@ class Coordinator:
     def wait_registered(self, timeout: float = 120.0) -> None:
         from coordinator.inbox import Inbox, Registration
 
-        inbox = Inbox(FLEET, set(self.devices), MANIFEST, 1, num_classes=10)
+        inbox = Inbox(FLEET, set(self.devices), MANIFEST, 1)
         registered: set[str] = set()
         deadline = time.monotonic() + timeout
         while len(registered) < len(self.devices):
@@ -251,7 +251,7 @@ class Coordinator:
 
         self.number += 1
         number, n = self.number, len(weights)
-        inbox = Inbox(FLEET, set(self.devices), MANIFEST, n, num_classes=10)
+        inbox = Inbox(FLEET, set(self.devices), MANIFEST, n)
         counts: Counter[str] = Counter()
         cpu = meter()
         started = time.perf_counter()

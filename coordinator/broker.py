@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from edge_client import topics
+from edgefil import topics
 
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
 _RELOADED = b"Reloading config."

@@ -1,4 +1,4 @@
-"""The run's state after each completed round, saved atomically (edge_client.durable) so `--resume` loses none.
+"""The run's state after each completed round, saved atomically (edgefil.durable) so `--resume` loses none.
 
 It holds everything the next round depends on: the global weights and their version, where the run is in the
 task schedule, the selection generator's state, the per-round history, the accuracy matrix and the counters.
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.durable import StateError, load_record, save_record
+from edgefil.durable import StateError, load_record, save_record
 
 
 @dataclass

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from edge_client.link import BrokerSettings
-from edge_client.topics import check_name
+from edgefil.link import BrokerSettings
+from edgefil.topics import check_name
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class CoordinatorConfig:
     out: Path
     artifacts: Path
     devices: tuple[str, ...]
-    scenario: Mapping[str, Any]
+    scenario: Mapping[str, Any] = field(default_factory=dict)  # simulation: the scenario whose test sets to use
+    test_data: Path | None = None  # a deployment: the folder of test-<t>.npz files
     broker: BrokerSettings = BrokerSettings(username="coordinator")
     rounds_per_task: int = 3
     fraction: float = 1.0
@@ -80,6 +81,8 @@ class CoordinatorConfig:
             if key not in raw:
                 raise ValueError(f"coordinator config needs {key!r}")
             raw[key] = (base / raw[key]).resolve()
+        if "test_data" in raw:
+            raw["test_data"] = (base / raw["test_data"]).resolve()
         raw["devices"] = tuple(raw.get("devices", ()))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)

@@ -1,6 +1,10 @@
 """Evaluation after each round: the global model on the test set of every task seen so far, and a model on one
 client's own test set (pFedGRP's per-client accuracy a_k^t, weighted into IAA).
 
+The test data come through `TestSets`: a folder of test files in a deployment (`FolderTestSets`), or the
+scenario's test sets when a simulated fleet builds the scenario (`firmware_sim.scenarios.ScenarioData` has the
+same shape) and hands them to the coordinator, which never imports the simulator.
+
 Choice: a model is evaluated with the classes seen so far unmasked, as the devices train: for the per-task
 accuracies the classes of tasks 0..t (those the federation has seen; for domain-incremental scenarios every
 class, so nothing is masked), for a client's accuracy the classes of its own tasks 0..t. A client's model is
@@ -10,39 +14,112 @@ the same way.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
-from edge_client.trainers.pytorch import TorchTrainer
-from firmware_sim.metrics import instant_average_accuracy
-from firmware_sim.scenarios import ScenarioData
+from edgefil.metrics import instant_average_accuracy
+from models.flat_weights import load_flat_weights
 from models.manifest import Manifest
+from models.zoo import build_model
+
+EVAL_BATCH = 512
+
+
+class TestSets(Protocol):
+    """The data the coordinator evaluates on: per task a test set and the classes the task brings; with
+    `per_client` (flowing data) also each client's own test data and how much it trained on."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    @property
+    def n_tasks(self) -> int: ...
+
+    @property
+    def per_client(self) -> bool: ...
+
+    def describe(self) -> dict[str, Any]:
+        """What results.json records as the run's data."""
+
+    def task_classes(self, t: int) -> tuple[int, ...]: ...
+
+    def task_test(self, t: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def client_seen_test(self, k: int, t: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def client_seen_classes(self, k: int, t: int) -> tuple[int, ...]: ...
+
+    def client_samples_seen(self, k: int, t: int) -> int: ...
+
+
+class FolderTestSets:
+    """A deployment's test data: `test-<t>.npz` files (arrays `x` float32, `y` int64), one per task, in a folder
+    the operator keeps. A task's classes are the labels its test set holds. No per-client data."""
+
+    per_client = False
+
+    def __init__(self, folder: str | Path, manifest: Manifest) -> None:
+        self.folder = Path(folder)
+        self.num_classes = manifest.num_classes
+        self.input_shape = tuple(manifest.input_shape)
+        files = sorted(self.folder.glob("test-*.npz"))
+        self._paths = [self.folder / f"test-{t}.npz" for t in range(len(files))]
+        missing = [p.name for p in self._paths if not p.is_file()]
+        if not files or missing:
+            raise FileNotFoundError(f"{self.folder}: expected test-0.npz, test-1.npz, ... (one per task); "
+                                    f"{'none found' if not files else 'missing ' + ', '.join(missing)}")
+
+    @property
+    def n_tasks(self) -> int:
+        return len(self._paths)
+
+    def describe(self) -> dict[str, Any]:
+        return {"test_data": str(self.folder), "n_tasks": self.n_tasks}
+
+    def task_test(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        with np.load(self._paths[t], allow_pickle=False) as data:
+            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+
+    def task_classes(self, t: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unique(self.task_test(t)[1]))
+
+    def client_seen_test(self, k: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError("a test-set folder has no per-client data")
+
+    def client_seen_classes(self, k: int, t: int) -> tuple[int, ...]:
+        raise NotImplementedError("a test-set folder has no per-client data")
+
+    def client_samples_seen(self, k: int, t: int) -> int:
+        raise NotImplementedError("a test-set folder has no per-client data")
 
 
 class Evaluator:
-    def __init__(self, data: ScenarioData, manifest: Manifest, device: str = "cpu") -> None:
+    def __init__(self, data: TestSets, manifest: Manifest, device: str = "cpu") -> None:
         if manifest.num_classes != data.num_classes or tuple(manifest.input_shape) != tuple(data.input_shape):
             raise ValueError(
                 f"model {manifest.model} ({manifest.num_classes} classes, input {manifest.input_shape}) does not "
-                f"fit the scenario ({data.num_classes} classes, input {data.input_shape})"
+                f"fit the test data ({data.num_classes} classes, input {data.input_shape})"
             )
         self.data = data
-        self.trainer = TorchTrainer(manifest, device=device)
+        self.manifest = manifest
+        self.device = torch.device(device)
+        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device).eval()
 
     def accuracies(self, weights: np.ndarray, task: int) -> list[float]:
         """Accuracy on the test set of each task 0..task, with the classes seen up to `task` unmasked."""
-        self.trainer.set_weights(weights)
+        self._load(weights)
         mask = self.seen_mask(task)
-        return [
-            self.trainer.evaluate(*self.data.tasks[j].test(), class_mask=mask).accuracy for j in range(task + 1)
-        ]
+        return [self._accuracy(*self.data.task_test(j), mask) for j in range(task + 1)]
 
     def client_accuracy(self, weights: np.ndarray, client: int, t: int) -> float:
         """a_k^t: accuracy of `weights` (the client's personalised model, or the global one) on the client's test
         parts of tasks 0..t, with the client's classes of tasks 0..t unmasked."""
-        self.trainer.set_weights(weights)
+        self._load(weights)
         mask = self._mask(self.data.client_seen_classes(client, t))
-        return self.trainer.evaluate(*self.data.client_seen_test(client, t), class_mask=mask).accuracy
+        return self._accuracy(*self.data.client_seen_test(client, t), mask)
 
     def iaa(self, accuracies: Mapping[int, float], t: int) -> float:
         """IAA^t (Eq. 9) over the clients in `accuracies` (client -> a_k^t), each weighted by the train samples
@@ -52,9 +129,28 @@ class Evaluator:
                                         [self.data.client_samples_seen(k, t) for k in clients])
 
     def seen_mask(self, task: int) -> np.ndarray:
-        return self._mask(c for t in self.data.tasks[: task + 1] for c in t.classes)
+        return self._mask(c for t in range(task + 1) for c in self.data.task_classes(t))
 
     def _mask(self, classes: Iterable[int]) -> np.ndarray:
         mask = np.zeros(self.data.num_classes, dtype=np.float32)
         mask[list(classes)] = 1.0
         return mask
+
+    def _load(self, weights: np.ndarray) -> None:
+        buffer = np.asarray(weights, dtype=np.float32)
+        if not np.isfinite(buffer).all():
+            raise ValueError("weights contain NaN or Inf values")
+        load_flat_weights(self.model, self.manifest, buffer)
+
+    @torch.no_grad()
+    def _accuracy(self, x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> float:
+        """Share of samples whose masked arg-max logit is the label (0 for an empty set)."""
+        if not len(y):
+            return 0.0
+        mask_t = torch.from_numpy(mask).to(self.device)
+        correct = 0
+        for start in range(0, len(y), EVAL_BATCH):
+            xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
+            logits, _ = self.model(xb.to(self.device), mask_t)
+            correct += int((logits.cpu().numpy().argmax(1) == y[start:start + EVAL_BATCH]).sum())  # first max wins
+        return correct / len(y)

@@ -2,10 +2,11 @@
 
 A message is turned into an event only when its topic belongs to this fleet's devices, its device is on the
 roster and is the one named in the payload, it decodes under the current schema, and (for updates) its chunks
-reassemble into exactly the model's number of finite float32 values, followed by declared attachments that decode
-(generators: `generator/<class>`, a valid record of that class). Everything else is rejected with a logged reason
-and counted; nothing raises. Round-level checks (right round, selected, before the deadline) are the
-round's business (`rounds.py`).
+reassemble into exactly the model's number of finite float32 values, followed by the declared attachments (named
+byte strings, at most `MAX_ATTACHMENT_BYTES` together; what they mean is the strategy's business, which may refuse
+an update in `Strategy.inspect`). A device may send at most `MAX_REQUESTS_PER_ROUND` requests for each round.
+Everything else is rejected with a logged reason and counted; nothing raises. Round-level checks (right round,
+selected, before the deadline) are the round's business (`rounds.py`).
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from typing import Mapping
 
 import numpy as np
 
-from edge_client import topics, wire
-from edge_client.generators.record import GeneratorFormatError, GeneratorRecord, decode_record
+from edgefil import topics, wire
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -47,35 +47,35 @@ class Update:
     metrics: Mapping[str, float]
     weights: np.ndarray  # flat float32 view over the reassembled bytes (no copy)
     label_counts: tuple[int, ...] = ()
-    generators: Mapping[int, GeneratorRecord] = dataclasses.field(default_factory=dict)
+    attachments: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # named, as the device sent them
 
 
 @dataclass(frozen=True)
 class Request:
-    """A device asks for the coordinator's cached generators of classes it meets for the first time."""
+    """A device asks the coordinator's strategy for named payloads (answered at once)."""
 
     device: str
     round: int
-    classes: tuple[int, ...]
+    names: tuple[str, ...]
 
 
 Event = Registration | Status | Update | Request
 DEVICE_KINDS = frozenset({"register", "status", "update", "request"})
-GENERATOR_PREFIX = "generator/"
-MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model (generators)
+MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model
+MAX_REQUESTS_PER_ROUND = 4  # requests a device may send for one round; more are refused ("rate")
 
 
 class Inbox:
-    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int, num_classes: int) -> None:
+    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int) -> None:
         self.fleet = fleet
         self.roster = roster
         self.manifest = manifest
         self.num_parameters = num_parameters
-        self.num_classes = num_classes
         self.reassembler = wire.Reassembler(
             max_blob_bytes=4 * num_parameters + MAX_ATTACHMENT_BYTES, max_pending=2 * len(roster) + 8
         )
         self.rejections: Counter[str] = Counter()
+        self._requests: Counter[tuple[str, int]] = Counter()  # (device, round) -> requests accepted
 
     def accept(self, topic: str, payload: bytes) -> Event | None:
         """The event this message makes, or None (rejected and counted, or a chunk of an unfinished update)."""
@@ -115,8 +115,18 @@ class Inbox:
         if message["kind"] == "status":
             return Status(parsed.device, message["state"], message["round"])
         if message["kind"] == "request":
-            return Request(parsed.device, message["round"], tuple(message["classes"]))
+            return self._take_request(parsed.device, message)
         return self._take_chunk(parsed.device, message)
+
+    def _take_request(self, device: str, message: wire.Message) -> Request:
+        key = (device, message["round"])
+        if self._requests[key] >= MAX_REQUESTS_PER_ROUND:
+            raise wire.WireError("rate", f"{device} asked more than {MAX_REQUESTS_PER_ROUND} times for round "
+                                         f"{message['round']}")
+        self._requests[key] += 1
+        while len(self._requests) > 4 * max(len(self.roster), 1):  # forget the oldest rounds' counts
+            del self._requests[next(iter(self._requests))]
+        return Request(device, message["round"], tuple(message["names"]))
 
     def _take_chunk(self, device: str, message: wire.Message) -> Update | None:
         if message["num_samples"] < 0:
@@ -129,20 +139,6 @@ class Inbox:
         return Update(
             device=device, round=header["round"], task=header["task"], model=header["model"],
             num_samples=header["num_samples"], metrics=dict(header["metrics"]), weights=weights,
-            label_counts=tuple(header.get("label_counts", ())), generators=self._generators(attachments),
+            label_counts=tuple(header.get("label_counts", ())),
+            attachments={name: bytes(data) for name, data in attachments.items()},
         )
-
-    def _generators(self, attachments: Mapping[str, memoryview]) -> dict[int, GeneratorRecord]:
-        records = {}
-        for name, data in attachments.items():
-            label = name.removeprefix(GENERATOR_PREFIX)
-            if not name.startswith(GENERATOR_PREFIX) or not label.isdigit() or int(label) >= self.num_classes:
-                raise wire.WireError("attachments", f"unknown attachment {name!r}")
-            try:
-                record = decode_record(bytes(data))
-            except GeneratorFormatError as err:
-                raise wire.WireError("generator", f"{name}: {err}") from None
-            if record.label != int(label):
-                raise wire.WireError("generator", f"{name} holds the generator of class {record.label}")
-            records[int(label)] = record
-        return records

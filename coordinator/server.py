@@ -11,10 +11,13 @@ the first selection sees every device that is coming); later rounds only wait wh
 online. A device that (re)registers while selected for the open round without having delivered gets the
 round's weights and message again on its own topics (after a broker restart, or its own restart).
 
-Personalized rules (pFedGRP): a device's personalized model goes to it with the round message (`personal`), and a
-device's request for cached generators is answered at once, rounds open or not. On flowing-data scenarios each
-round also evaluates every client's model (its personalized one, else the global one) on that client's test data
-seen so far: the per-client accuracies, IAA (Eq. 9), AA and AFM (Eqs. 10-11) go into the history and results.
+What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
+attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
+answered with `Strategy.answer` at once, rounds open or not; a device's payloads for its next round — its
+personalized model as "personal" (float32 weights), and whatever else the rule returned — go to it as one payload
+blob that the round message names. When the test data are per client (flowing data) each round also evaluates
+every client's model (its personalized one, else the global one) on that client's test data seen so far: the
+per-client accuracies, IAA (Eq. 9), AA and AFM (Eqs. 10-11) go into the history and results.
 """
 from __future__ import annotations
 
@@ -33,55 +36,56 @@ import numpy as np
 from coordinator.checkpoint import RunState, load_run_state, save_run_state
 from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
-from coordinator.evaluation import Evaluator
+from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.inbox import Inbox, Registration, Request, Status, Update
 from coordinator.rounds import OpenRound, select
-from coordinator.strategies import ClientUpdate, make_strategy
-from edge_client import topics, wire
-from edge_client.device import manifest_digest
-from edge_client.durable import write_atomically
-from edge_client.link import CONNECTED, Link
-from firmware_sim.metrics import (
+from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy
+from edgefil import topics, wire
+from edgefil.durable import write_atomically
+from edgefil.link import CONNECTED, Link
+from edgefil.metrics import (
     accuracy_matrix, average_accuracy, average_of_iaa, backward_transfer, forgetting, iaa_forgetting,
 )
-from firmware_sim.scenarios import scenario_from_config
-from models.manifest import load_manifest
+from models.checkpoint import checkpoint_weights
+from models.manifest import load_manifest, manifest_digest
 
 log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
 RESULTS_FILE = "results.json"
-PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models
+PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
+PERSONAL = "personal"  # the payload that carries a device's personalized model
 
 
 class QuorumError(RuntimeError):
     """Not enough devices to run a round, after waiting and retrying as configured."""
 
 
-def initial_weights(artifacts: Path) -> np.ndarray:
-    """The exported model's starting weights, read from its checkpoint by ORT (what every device starts from)."""
-    from edge_client.trainers.ort import OrtTrainer
-
-    return OrtTrainer(artifacts).get_weights()
-
-
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, resume: bool = False) -> None:
+    def __init__(self, config: CoordinatorConfig, resume: bool = False, test_sets: TestSets | None = None) -> None:
+        """`test_sets` is what the global model is evaluated on; by default the config's `test_data` folder (a
+        simulated fleet passes its scenario's test sets)."""
         self.config = config
         self.manifest = load_manifest(config.artifacts)
-        self.data = scenario_from_config(config.scenario).build()
+        if test_sets is None:
+            if config.test_data is None:
+                raise ValueError("the coordinator needs test data: set test_data = \"folder\" (test-<t>.npz files)")
+            test_sets = FolderTestSets(config.test_data, self.manifest)
+        self.data = test_sets
         options = {k: v for k, v in config.strategy.items() if k != "name"}
         self.strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(self.strategy.device))
-        self.flowing = self.data.scenario.kind == "flowing"
+        self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
         self.inbox = Inbox(
             config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
-            self.manifest.num_classes,
         )
         self.checkpoint_dir = config.out / CHECKPOINT_DIR
         self.state = self._load_or_start(resume)
-        self.personalized = self._load_personalized() if resume else {}
+        self.personalized: dict[str, np.ndarray] = {}
+        self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
+        if resume:
+            self._load_personalized()
         if resume:
             self.strategy.load(self.checkpoint_dir)
         self.counters: Counter[str] = self.inbox.rejections
@@ -109,19 +113,20 @@ class Coordinator:
             log.info("resuming after round %d (task %d)", state.round, state.task)
             return state
         return RunState(
-            weights=initial_weights(self.config.artifacts),
+            weights=checkpoint_weights(self.config.artifacts),
             rng=np.random.default_rng(self.config.seed).bit_generator.state,
         )
 
-    def _load_personalized(self) -> dict[str, np.ndarray]:
-        """The personalized models of the checkpointed round (written just before the run state)."""
+    def _load_personalized(self) -> None:
+        """The personalized models and payloads of the checkpointed round (written just before the run state)."""
         path = self.checkpoint_dir / PERSONALIZED_FILE
         if not path.exists():
-            return {}
+            return
         saved = msgpack.unpackb(path.read_bytes(), raw=False)
         if saved["round"] != self.state.round:
-            return {}
-        return {d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()}
+            return
+        self.personalized = {d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()}
+        self.payloads = {d: dict(p) for d, p in saved.get("payloads", {}).items()}
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -129,7 +134,7 @@ class Coordinator:
         self.config.out.mkdir(parents=True, exist_ok=True)
         self.link.start(timeout=connect_timeout)
         try:
-            while self.state.task < len(self.data.tasks):
+            while self.state.task < self.data.n_tasks:
                 if self.config.train_tasks and self.state.task >= self.config.train_tasks:
                     self.evaluate_only()
                 else:
@@ -198,22 +203,30 @@ class Coordinator:
         if with_weights:
             for chunk in self._weights_chunks:
                 self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
-        personal = {}
-        if device in self.personalized:
-            encoded = wire.encode_blob("weights", wire.weights_bytes(self.personalized[device]), round=current.number,
-                                       version=self.state.round)
+        payload = {}
+        named = self._payloads_for(device)
+        if named:
+            data, layout = wire.pack_attachments(b"", named)
+            encoded = wire.encode_blob("payload", data, round=current.number, attachments=layout)
             for chunk in encoded.chunks:
-                self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
-            personal = {"personal": encoded.id}
+                self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
+            payload = {"payload": encoded.id}
         config = {**self.config.client, **self.strategy.configure(current.number, [device]).get(device, {})}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
-            deadline_s=max(current.remaining_s(), 0.0), config=config, **personal,
+            deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,
         ))
+
+    def _payloads_for(self, device: str) -> dict[str, bytes]:
+        """What goes to a device with its round: its personalized model and the rule's payloads for it."""
+        named = dict(self.payloads.get(device, {}))
+        if device in self.personalized:
+            named[PERSONAL] = bytes(wire.weights_bytes(self.personalized[device]))
+        return named
 
     def _close(self, collected: OpenRound) -> None:
         updates = [
-            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics), u.label_counts, u.generators)
+            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics), u.label_counts, u.attachments)
             for u in collected.updates.values()
         ]
         started = time.perf_counter()
@@ -226,6 +239,7 @@ class Coordinator:
         self.personalized.update(
             {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
         )
+        self.payloads.update(result.payloads)
         accuracies = self.evaluator.accuracies(state.weights, collected.task)
         state.history.append({
             "round": collected.number, "task": collected.task, "selected": collected.selected,
@@ -249,9 +263,10 @@ class Coordinator:
         state.counters = dict(self.counters)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.strategy.save(self.checkpoint_dir)
-        if self.personalized:
+        if self.personalized or self.payloads:
             write_atomically(self.checkpoint_dir / PERSONALIZED_FILE, msgpack.packb({
                 "round": state.round, "models": {d: w.tobytes() for d, w in self.personalized.items()},
+                "payloads": self.payloads,
             }, use_bin_type=True))
         save_run_state(self.checkpoint_dir, state)
         write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
@@ -320,6 +335,12 @@ class Coordinator:
             current.went_offline(event.device)
 
     def _on_update(self, update: Update) -> None:
+        try:
+            self.strategy.inspect(ClientUpdate(update.device, update.weights, update.num_samples, update.metrics,
+                                               update.label_counts, update.attachments))
+        except RefusedUpdate as err:
+            self.inbox.reject(err.reason, f"update of {update.device} for round {update.round}: {err}")
+            return
         current = self.open_round
         if current is None:
             if update.round == self.state.round + 1:
@@ -333,18 +354,17 @@ class Coordinator:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
 
     def _on_request(self, request: Request) -> None:
-        """Send the cached generators of the classes asked for that the rule has (an empty answer otherwise)."""
-        cached = self.strategy.cached_generators(request.classes)
-        data, layout = wire.pack_attachments(b"", {f"generator/{c}": b for c, b in cached.items()})
-        for chunk in wire.encode_blob("generators", data, round=request.round, attachments=layout).chunks:
-            self.link.publish(topics.to_device(self.config.fleet, request.device, "generators"), chunk)
-        log.info("%s asked for generators of classes %s: sent %s", request.device, list(request.classes),
-                 sorted(cached))
+        """Answer with the named payloads the rule can give (an empty answer otherwise)."""
+        given = self.strategy.answer(request.device, request.names)
+        data, layout = wire.pack_attachments(b"", given)
+        for chunk in wire.encode_blob("answer", data, round=request.round, attachments=layout).chunks:
+            self.link.publish(topics.to_device(self.config.fleet, request.device, "answer"), chunk)
+        log.info("%s asked for %s: sent %s", request.device, list(request.names), sorted(given))
 
     # --- results ----------------------------------------------------------------------------------
 
     def _iaa_summary(self) -> dict[str, Any]:
-        """pFedGRP's metrics over the rounds so far (flowing-data scenarios only)."""
+        """IAA, AA and AFM over the rounds so far (per-client test data only)."""
         iaa = [entry["iaa"] for entry in self.state.history if "iaa" in entry]
         if not iaa:
             return {}
@@ -357,7 +377,7 @@ class Coordinator:
         last_row = state.history[-1]["accuracy"] if state.history else []
         return {
             "fleet": self.config.fleet,
-            "scenario": self.data.scenario.to_dict(),
+            "scenario": self.data.describe(),
             "strategy": dict(self.config.strategy),
             "rounds_completed": state.round,
             "tasks_completed": done,
@@ -376,9 +396,11 @@ class Coordinator:
         }
 
 
-def run_coordinator(config_path: str | Path, resume: bool = False, device: str | None = None) -> dict[str, Any]:
-    """`edgefil coordinator --config FILE [--resume] [--device cpu|cuda]`."""
-    config = CoordinatorConfig.load(config_path)
+def run_coordinator(
+    config: CoordinatorConfig, resume: bool = False, device: str | None = None, test_sets: TestSets | None = None
+) -> dict[str, Any]:
+    """`edgefil coordinator --config FILE [--resume] [--device cpu|cuda]` (the command line builds a scenario's
+    test sets when the file names a scenario)."""
     if device is not None:
         config = dataclasses.replace(config, device=device)
-    return Coordinator(config, resume=resume).run()
+    return Coordinator(config, resume=resume, test_sets=test_sets).run()

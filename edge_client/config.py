@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from edge_client.link import BrokerSettings
-from edge_client.topics import check_name
+from edgefil.link import BrokerSettings
+from edgefil.topics import check_name
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,12 @@ class DeviceConfig:
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     data: Mapping[str, Any] = field(default_factory=dict)
     emulation: Mapping[str, Any] = field(default_factory=dict)  # virtual devices only: profile, host_gflops, real_time
+
+    @property
+    def simulated(self) -> bool:
+        """A virtual device's file (a scenario share or an emulated profile): the simulator builds its data
+        source and surroundings (`firmware_sim.virtual_device`); the device runtime alone cannot run it."""
+        return "scenario" in self.data or bool(self.emulation)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], base: Path = Path(".")) -> DeviceConfig:

@@ -5,11 +5,12 @@ starts later still learns of this device); assemble global weights as they
 arrive; on a round message for a new round, take the round's global weights, start the task when it is new
 (the policy picks the cache, the store enforces the budget), train, save the client state atomically, upload.
 
-Generator replay (pFedGRP): a round message may name the device's personalized model (`personal`, the teacher of
-the alignment term) besides the global one; the device waits for both. When its new data bring a class it has no
-generator of and the coordinator has one cached (`generator_classes` in the round's config), it asks for it while
-it trains the task model and warm-starts from it if the answer comes within `generator_wait_s`. The update carries
-this round's generators and the device's label counts.
+A learning method speaks to its coordinator half through named payloads, and this daemon only carries them (it
+never knows which method runs): a round message may name a payload blob for this device (`payload`: e.g. a
+personalized model), which the device waits for like the weights and hands to the policy before training; the
+policy may ask for payloads by name (`request`), the answer is awaited for up to the round config's
+`answer_wait_s` while other messages wait in a backlog, in order, and goes to the policy before its own update
+step; the update carries the policy's attachments and the device's label counts.
 
 Restarts on either side are safe: a round message for the round this device already trained (same global
 model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
@@ -17,8 +18,8 @@ coordinator that re-sends after a broker restart or its own resume gets an updat
 """
 from __future__ import annotations
 
-import hashlib
 import collections
+import hashlib
 import logging
 import shutil
 import signal
@@ -29,21 +30,23 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client import topics, wire
+from edgefil import topics, wire
 from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
-from edge_client.learner import Learner, LearnerConfig
-from edge_client.link import CONNECTED, Link, Will
-from edge_client.policies import make_policy
+from edge_client.budget import Budget, DeviceBudget
+from edge_client.learner import STORE_HOLDER, Learner, LearnerConfig
+from edgefil.link import CONNECTED, Link, Will
+from edge_client.policies import ReplayPolicy, make_policy
 from edge_client.sources import TaskSource, open_source
-from edge_client.store import Budget, ReplayStore, StoreDiskFullError
+from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.trainers.base import Proximal, Trainer
-from models.manifest import load_manifest
+from models.manifest import load_manifest, manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
 AVAILABILITY_POLL_S = 1.0  # how often an idle device looks at its availability schedule
-MAX_GENERATOR_BYTES = 64 << 20  # the largest answer to a generator request the device assembles
+MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
+ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
 
 
 def make_trainer(config: DeviceConfig) -> Trainer:
@@ -59,28 +62,6 @@ def make_trainer(config: DeviceConfig) -> Trainer:
     raise ValueError(f"unknown trainer backend {settings.backend!r}; choose 'ort' or 'torch'")
 
 
-def make_environment(config: DeviceConfig) -> Environment:
-    """The real device's own surroundings, or a virtual device's emulated profile (simulation only)."""
-    if not config.emulation:
-        return RealEnvironment()
-    from firmware_sim.emulation import EmulatedEnvironment
-    from firmware_sim.limits import HostCalibration
-    from firmware_sim.profiles import load_profile
-
-    emulation = config.emulation
-    return EmulatedEnvironment(
-        load_profile(emulation["profile"]), HostCalibration(float(emulation["host_gflops"])),
-        real_time=bool(emulation.get("real_time", False)),
-        availability_seed=int(emulation.get("availability_seed", _seed_of(config.device_id))),
-        time_scale=float(emulation.get("time_scale", 1.0)),
-    )
-
-
-def manifest_digest(artifacts: Path) -> str:
-    """What a device and the coordinator compare at registration: the sha256 of manifest.json."""
-    return hashlib.sha256((Path(artifacts) / "manifest.json").read_bytes()).hexdigest()
-
-
 @dataclass
 class _Update:
     round: int
@@ -89,31 +70,38 @@ class _Update:
 
 
 class Device:
-    def __init__(self, config: DeviceConfig, source: TaskSource | None = None) -> None:
+    def __init__(
+        self, config: DeviceConfig, source: TaskSource | None = None, environment: Environment | None = None
+    ) -> None:
+        """`source` and `environment` default to the config's data folder and the device's own surroundings; a
+        simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim)."""
         self.config = config
         self.id = config.device_id
         self.trainer = make_trainer(config)
         self.num_parameters = self.trainer.manifest.num_parameters
+        budget = DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes))
         store = ReplayStore(
-            config.state_dir / "store", Budget(config.store.max_samples, config.store.max_bytes),
-            tuple(self.trainer.manifest.input_shape),
+            config.state_dir / "store", budget.share(STORE_HOLDER), tuple(self.trainer.manifest.input_shape)
         )
+        budget.register(STORE_HOLDER, store.bytes_on_disk)
         policy = make_policy(**config.policy)
         settings = config.learner
         self.learner = Learner(
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
                           mask_seen_classes=settings.mask_seen_classes),
-            seed=_seed_of(self.id),
+            seed=_seed_of(self.id), budget=budget,
         )
         self.learner.restore(config.state_dir)
         self.learner.open_policy(config.state_dir, config.artifacts)
         self.source = source if source is not None else open_source(config.data)
-        self.environment = make_environment(config)
+        self.environment = environment if environment is not None else RealEnvironment()
         self.manifest = manifest_digest(config.artifacts)
         self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * self.num_parameters, max_pending=4)
-        self.generator_reassembler = wire.Reassembler(max_blob_bytes=MAX_GENERATOR_BYTES, max_pending=2)
+        self.payload_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
+        self.answer_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
+        self.payloads: dict[str, dict[str, bytes]] = {}  # payload blobs by id, as named byte strings
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.backlog: collections.deque[tuple[str, bytes]] = collections.deque()  # set aside while awaiting a reply
         self.last_update: _Update | None = None
@@ -177,10 +165,12 @@ class Device:
             message = wire.decode(payload)
             if message["kind"] == "weights":
                 self._take_weights(message)
+            elif message["kind"] == "payload" and parsed.device == self.id:
+                self._take_payload(message)
             elif message["kind"] == "round" and parsed.device == self.id:
                 self._take_round(message)
-            elif message["kind"] == "generators":
-                log.debug("%s ignored a late answer to a generator request", self.id)
+            elif message["kind"] == "answer":
+                log.debug("%s ignored a late answer to a request", self.id)
             else:
                 raise wire.WireError("kind", f"{message['kind']} on {topic}")
         except wire.WireError as err:
@@ -193,7 +183,7 @@ class Device:
         fleet, backend = self.config.fleet, self.config.trainer.backend
         self.link.publish(topics.from_device(fleet, self.id, "register"), wire.encode(
             "register", device=self.id, profile=self.config.profile, backend=backend, manifest=self.manifest,
-            software=_software_version(),
+            software=software_version(),
         ), retain=True)
         self._publish_status("idle")
 
@@ -204,7 +194,20 @@ class Device:
         self.models[blob.id] = blob.weights(self.num_parameters)
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
-        if self.waiting is not None and blob.id in _needed(self.waiting):
+        self._arrived(blob.id)
+
+    def _take_payload(self, message: wire.Message) -> None:
+        blob = self.payload_reassembler.add("coordinator", message)
+        if blob is None:
+            return
+        self.payloads[blob.id] = blob.attachments()
+        while len(self.payloads) > KEPT_MODELS:
+            self.payloads.pop(next(iter(self.payloads)))
+        self._arrived(blob.id)
+
+    def _arrived(self, blob: str) -> None:
+        """A blob is whole: run the round that was waiting for it, if it has everything now."""
+        if self.waiting is not None and blob in _needed(self.waiting):
             waiting, self.waiting = self.waiting, None
             self._take_round(waiting)
 
@@ -216,8 +219,8 @@ class Device:
         if round_ <= done and self.learner.state.task >= 0:
             log.info("%s ignored round %d: already past it (at %d)", self.id, round_, done)
             return
-        if any(blob not in self.models for blob in _needed(message)):
-            self.waiting = message  # its weights are still on their way
+        if any(blob not in self.models and blob not in self.payloads for blob in _needed(message)):
+            self.waiting = message  # its weights or payload are still on their way
             return
         self._train_round(message, self.models[model])
 
@@ -247,15 +250,17 @@ class Device:
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
-        asked = self._request_generators(round_, config.get("generator_classes", []))
+        policy = self.learner.policy
+        self._give(policy, self.payloads.get(message.get("payload", ""), {}))
+        asked = self._request(round_, policy.requests(self.learner, config))
         mu = float(config.get("mu", 0.0))
         loss = self.learner.train(
             epochs=int(config["epochs"]) if "epochs" in config else None,
             proximal=Proximal(mu, global_weights) if mu > 0 else None,
-            teacher=self.models[message["personal"]] if "personal" in message else None,
         )
-        offered = self._await_generators(round_, float(config.get("generator_wait_s", 10.0))) if asked else {}
-        self.learner.finish_round(offered)
+        if asked:
+            self._give(policy, self._await_answer(round_, float(config.get("answer_wait_s", ANSWER_WAIT_S))))
+        self.learner.finish_round()
         device_seconds += self.environment.compute(time.thread_time() - started)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
@@ -279,39 +284,47 @@ class Device:
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
         self._upload(round_, message["model"], self.learner.state.metrics, attachments)
 
-    def _request_generators(self, round_: int, cached: list[int]) -> bool:
-        """Ask the coordinator for the cached generators the policy wants (classes new to this device)."""
-        wanted = self.learner.policy.wanted_generators(self.learner, cached)
-        if not wanted:
+    def _give(self, policy: ReplayPolicy, payloads: dict[str, bytes]) -> None:
+        """Hand named payloads to the policy; one it cannot use is counted and logged, and the round goes on."""
+        if not payloads:
+            return
+        try:
+            policy.receive(self.learner, payloads)
+        except ValueError as err:
+            self.rejected += 1
+            log.warning("%s ignored payloads %s: %s", self.id, sorted(payloads), err)
+
+    def _request(self, round_: int, names: list[str]) -> bool:
+        """Ask the coordinator for the named payloads the policy wants this round."""
+        if not names:
             return False
         self.link.publish(topics.from_device(self.config.fleet, self.id, "request"),
-                          wire.encode("request", device=self.id, round=round_, classes=wanted))
+                          wire.encode("request", device=self.id, round=round_, names=names))
         return True
 
-    def _await_generators(self, round_: int, timeout: float) -> dict:
-        """The coordinator's answer to this round's request (decoded generators by class); {} when it does not
-        come in time. Other messages that arrive meanwhile are set aside, in order, for the main loop."""
-        from edge_client.generators.record import GeneratorFormatError, decode_record
-
+    def _await_answer(self, round_: int, timeout: float) -> dict[str, bytes]:
+        """The coordinator's answer to this round's request; {} when it does not come in time. Other messages
+        that arrive meanwhile are set aside, in order, for the main loop."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             item = self.link.get(timeout=left)
             if item is None:
                 break
             parsed = topics.parse(self.config.fleet, item[0])
-            if parsed is None or parsed.kind != "generators" or parsed.device != self.id:
+            if parsed is None or parsed.kind != "answer" or parsed.device != self.id:
                 self.backlog.append(item)
                 continue
             try:
-                blob = self.generator_reassembler.add("coordinator", wire.decode(item[1]))
+                message = wire.decode(item[1])
+                # keyed by round: the same answer to the same request in two rounds is one blob id, and not a repeat
+                blob = self.answer_reassembler.add(f"coordinator/{message['round']}", message)
                 if blob is None or blob.header["round"] != round_:
                     continue
-                return {int(name.split("/")[1]): decode_record(bytes(data))
-                        for name, data in blob.split(0)[1].items()}
-            except (wire.WireError, GeneratorFormatError, ValueError, IndexError) as err:
+                return blob.attachments()
+            except wire.WireError as err:
                 self.rejected += 1
-                log.warning("%s ignored an answer to its generator request: %s", self.id, err)
-        log.info("%s: no cached generators arrived in %.1f s; training them from scratch", self.id, timeout)
+                log.warning("%s ignored an answer to its request: %s", self.id, err)
+        log.info("%s: no answer to its request arrived in %.1f s; going on without it", self.id, timeout)
         return {}
 
     def _resend(self, round_: int, model: str) -> bool:
@@ -335,9 +348,9 @@ class Device:
             num_samples=len(store), attachments=layout, label_counts=self.learner.state.label_counts,
             metrics={
                 **metrics, "stored_samples": len(store),
-                "stored_bytes": store.bytes_on_disk() + policy.storage_bytes(),
+                "stored_bytes": self.learner.budget.used(),
                 "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
-                "store_budget_bytes": self.learner.byte_budget or 0,
+                "store_budget_bytes": self.learner.budget.max_bytes or 0,
             },
         ).chunks
         self.last_update = _Update(round_, model, chunks)
@@ -356,18 +369,12 @@ class Device:
 
 
 def _needed(message: wire.Message) -> list[str]:
-    """The weight blobs a round message needs: the global model, and the personalized one when it names one."""
-    return [message["model"], *([message["personal"]] if "personal" in message else [])]
+    """The blobs a round message needs: the global model, and its payload blob when it names one."""
+    return [message["model"], *([message["payload"]] if "payload" in message else [])]
 
 
 def _seed_of(device_id: str) -> int:
     return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
-
-
-def _software_version() -> str:
-    from edgefil import __version__
-
-    return __version__
 
 
 def run_device(config_path: str | Path) -> None:

@@ -1,16 +1,16 @@
 """One device's continual learner: the replay store, a replay policy and a trainer, tied together.
 
 `observe()` takes the stream; at a task switch the policy ranks the samples of earlier tasks and the store keeps
-the best M - N_new of them (Re-Fed's cache), then the new task's samples are stored. `train()` runs E local
-epochs on everything the store holds. The store enforces its budgets; this class only decides what to ask for.
+the best M - N_new of them (M counts the current task's samples too), then the new task's samples are stored.
+`train()` runs E local epochs on what the policy makes of everything the store holds. The store enforces its budgets; this class only decides what to ask for.
 
 Choices (documented, configurable where it matters):
 - New data larger than the room left (N_new >= M, or later chunks of a task) is subsampled uniformly.
 - A later chunk of the current task that does not fit makes the policy rank the old cache again (smaller keep).
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
 - Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
-- A policy that keeps more than samples (generator replay) shares the store's byte budget M: before new data are
-  stored, the store may take M less what the policy holds; the policy may take M less what the store holds.
+- M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
+  what the store leaves (edge_client/budget.py). A streaming policy (reservoir) decides admission itself.
 """
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.policies import ReplayPolicy, Samples, SelectionContext
-from edge_client.policies.reservoir import reservoir_update
+from edge_client.budget import Budget, DeviceBudget
+from edge_client.policies import PolicyContext, ReplayPolicy, Samples, SelectionContext
 from edge_client.state import ClientState, load_state, save_state
-from edge_client.store import Budget, ReplayStore
+from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
-from edge_client.trainers.base import Alignment, EvalResult, Proximal, Trainer
+from edge_client.trainers.base import EvalResult, Proximal, Trainer
+
+
+STORE_HOLDER = "store"  # the replay store's name among the budget's holders
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,9 @@ class Learner:
         policy: ReplayPolicy,
         config: LearnerConfig = LearnerConfig(),
         seed: int = 0,
+        budget: DeviceBudget | None = None,
     ) -> None:
+        """`budget` owns M; without one, the store's own limits become M (a store opened on its own)."""
         self.trainer = trainer
         self.store = store
         self.policy = policy
@@ -51,11 +56,16 @@ class Learner:
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
         self._detector = NoveltyDetector()
-        self.byte_budget = store.budget.max_bytes  # M in bytes, shared with what the policy keeps
+        if budget is None:
+            limits = store.budget if isinstance(store.budget, Budget) else Budget()
+            budget = DeviceBudget(limits)
+            store.budget = budget.share(STORE_HOLDER)
+            budget.register(STORE_HOLDER, store.bytes_on_disk)
+        self.budget = budget
 
     def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
-        """Let the policy open what it keeps besides the store (generator replay's bank)."""
-        self.policy.open(self, Path(state_dir), Path(model_artifacts))
+        """Let the policy open what it keeps besides the store (its own files, within M)."""
+        self.policy.open(PolicyContext(Path(state_dir), Path(model_artifacts), self.budget, self.trainer))
 
     # --- the stream -------------------------------------------------------------------------------
 
@@ -80,35 +90,26 @@ class Learner:
 
     # --- training ---------------------------------------------------------------------------------
 
-    def train(
-        self, epochs: int | None = None, proximal: Proximal | None = None, teacher: np.ndarray | None = None
-    ) -> float:
-        """E local epochs on the store's contents (cache + current task) and the policy's replay samples; returns
-        the last epoch's loss. With `teacher` weights and a policy with lambda_align > 0, samples of classes seen
-        before the current task carry the alignment term (pFedGRP's Eq. 6)."""
+    def train(self, epochs: int | None = None, proximal: Proximal | None = None) -> float:
+        """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
+        with the plain loss); returns the last epoch's loss."""
         x, y = self.store.get(self.store.ids())
-        replay = self.policy.replay_samples(self)
-        if replay is not None and len(replay):
-            x, y = np.concatenate([x, replay.x]), np.concatenate([y, replay.y])
+        batch = self.policy.training_set(self, x, y)
         return self.trainer.fit(
-            x, y, epochs=epochs or self.config.epochs, batch_size=self.config.batch_size,
-            class_mask=self.class_mask(), rng=self.rng, proximal=proximal, alignment=self._alignment(teacher, x, y),
+            batch.x, batch.y, epochs=epochs or self.config.epochs, batch_size=self.config.batch_size,
+            class_mask=self.class_mask(), rng=self.rng, proximal=proximal, loss=batch.loss,
         )
 
-    def finish_round(self, offered: dict | None = None) -> None:
-        """After local training: the policy's own update on the current task's real samples (e.g. generators)."""
+    def finish_round(self) -> None:
+        """After local training: the policy's own update on the current task's real samples."""
         x, y = self.store.get(self.store.ids(self.state.task))
-        self.policy.after_training(self, x, y, offered or {})
+        self.policy.after_training(self, x, y)
 
-    def _alignment(self, teacher: np.ndarray | None, x: np.ndarray, y: np.ndarray) -> Alignment | None:
-        if teacher is None or self.policy.lambda_align <= 0:
-            return None
+    def labels_seen_before_task(self) -> np.ndarray:
+        """Classes the device had seen before the current task (by its label counts)."""
         before = np.asarray(self.state.label_counts, dtype=np.int64) - _padded(self.state.task_counts,
                                                                                 len(self.state.label_counts))
-        applies = np.isin(y, np.flatnonzero(before > 0)).astype(np.float32)
-        if not applies.any():  # the first task: nothing seen before (no alignment at t = 1)
-            return None
-        return Alignment(self.policy.lambda_align, self.trainer.teacher_logits(teacher, x), applies)
+        return np.flatnonzero(before > 0)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         return self.trainer.evaluate(x, y, class_mask=self.class_mask())
@@ -145,23 +146,20 @@ class Learner:
         self.state.label_counts = (_padded(self.state.label_counts, k) + counts).tolist()
         self.state.task_counts = (_padded(self.state.task_counts, k) + counts).tolist()
 
-    def _share_budget(self) -> None:
-        """The store may take M less what the policy keeps on disk (nothing, for sample-caching policies)."""
-        if self.byte_budget is not None:
-            room = max(self.byte_budget - self.policy.storage_bytes(), 0)
-            self.store.budget = Budget(self.store.budget.max_samples, room)
-
     def _capacity(self) -> int:
         limit = self.store.budget.max_samples
         return limit if limit is not None else len(self.store) + self.store.room_for(1 << 30)
 
     def _admit(self, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None) -> None:
-        self._share_budget()
-        if self.policy.streaming:
-            self._admit_reservoir(x, y)
+        ids = self.store.ids()
+        admission = self.policy.admit(self.state.n_seen, len(ids), len(y), self._capacity(), self.rng)
+        if admission is not None:
+            if len(admission.stays) < len(ids):
+                self.store.keep_only(ids[admission.stays])
+            self._insert_within_bytes(x[admission.enters], y[admission.enters],
+                                      ranked_old=self.rng.permutation(ids[admission.stays]))
             return
         task = self.state.task
-        ids = self.store.ids()
         tasks = self.store.tasks(ids)
         current, old = ids[tasks == task], ids[tasks != task]
         room = max(self._capacity() - len(current), 0)
@@ -203,13 +201,6 @@ class Learner:
             x, y = x[pick], y[pick]
         if len(y):
             self.store.insert(x, y, self.state.task)
-
-    def _admit_reservoir(self, x: np.ndarray, y: np.ndarray) -> None:
-        ids = self.store.ids()
-        stays, enters = reservoir_update(self.state.n_seen, len(ids), len(y), self._capacity(), self.rng)
-        if len(stays) < len(ids):
-            self.store.keep_only(ids[stays])
-        self._insert_within_bytes(x[enters], y[enters], ranked_old=self.rng.permutation(ids[stays]))
 
 
 def _padded(counts: list[int], length: int) -> np.ndarray:

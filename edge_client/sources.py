@@ -1,4 +1,5 @@
-"""Where a device's data comes from, task by task: a folder of files on a real device, a scenario in simulation."""
+"""Where a device's data comes from, task by task: a folder of files on a real device. In simulation the fleet
+hands the device a scenario's share instead (`firmware_sim.scenarios.ClientSource`), which satisfies `TaskSource`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,11 +30,8 @@ class FolderSource:
 
 
 def open_source(data: Mapping[str, Any]) -> TaskSource:
-    """The `[data]` section of a device config: `folder = ...`, or `scenario = {...}` with `client = k`."""
+    """The `[data]` section of a device config: `folder = ...`. (A simulated device's source is a scenario's
+    share, which firmware_sim builds and hands to the device.)"""
     if "folder" in data:
         return FolderSource(data["folder"])
-    if "scenario" in data:
-        from firmware_sim.scenarios import ClientSource  # simulation only: needs the dataset loaders
-
-        return ClientSource(data["scenario"], int(data.get("client", 0)))
-    raise ValueError("[data] needs `folder` or `scenario` (with `client`)")
+    raise ValueError("[data] needs `folder`: the folder of task-<t>.npz files")

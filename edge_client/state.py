@@ -1,6 +1,6 @@
 """Client state that must survive a restart of the device process: task, round, seen classes, weights.
 
-Saved atomically with `edge_client.durable` (a crash leaves the previous or the new state, whole).
+Saved atomically with `edgefil.durable` (a crash leaves the previous or the new state, whole).
 The replay store persists itself; it is not part of this file.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.durable import STATE_FILE, StateError, load_record, save_record
+from edgefil.durable import STATE_FILE, StateError, load_record, save_record
 
 __all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state"]
 

@@ -58,11 +58,12 @@ import sqlite3
 import struct
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import numpy as np
+
+from edge_client.budget import Budget, BudgetShare, file_bytes
 
 DB_NAME = "replay.sqlite"
 JOURNAL_NAME = DB_NAME + "-journal"
@@ -77,23 +78,8 @@ JOURNAL_HEADER = 4096
 JOURNAL_RECORD = PAGE + 8  # page number + page image + checksum
 PTRMAP_SPAN = PAGE // 5  # pages one auto-vacuum pointer-map page describes
 DIVIDER = 4 + 9 + 2  # an interior cell at most: child page number, rowid varint, cell pointer
-FS_META_SPAN = 128  # data blocks one block of file-system mapping metadata covers, at least
 EMPTY_PAGES = 5  # page 1 (schema), pointer map, samples, doomed, meta
 DOOMED_CELL = 1 + 9 + 2 + 2  # payload-size varint, rowid varint, 2-byte record, cell pointer
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Hard limits: samples (Re-Fed's M) and bytes on disk (directory, database and journal together)."""
-
-    max_samples: int | None = None
-    max_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_samples", "max_bytes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int or None, not {value!r}")
 
 
 class StoreError(Exception):
@@ -201,7 +187,7 @@ class _State(NamedTuple):
 class ReplayStore:
     """Samples a device may replay, kept across restarts within a `Budget` (see the module docstring)."""
 
-    def __init__(self, directory: str | Path, budget: Budget, sample_shape: tuple[int, ...] | None = None) -> None:
+    def __init__(self, directory: str | Path, budget: Budget | BudgetShare, sample_shape: tuple[int, ...] | None = None) -> None:
         self.directory = Path(directory)
         self.budget = budget
         self._db = self.directory / DB_NAME
@@ -531,13 +517,7 @@ class ReplayStore:
         return _row_geometry(*self._payload, _varint_len(max_rowid))
 
     def _file_bytes(self, size: int, fresh: bool = False) -> int:
-        """The most a file's growth by `size` bytes occupies: its blocks plus file-system mapping metadata.
-
-        A fresh file of at most 4 blocks is mapped from its inode (ext4 holds 4 extents there, ext2/3 12 block
-        pointers); otherwise count one metadata block per FS_META_SPAN blocks and 2 for a split and a new level."""
-        blocks = -(-size // self._block)
-        meta = 0 if fresh and blocks <= 4 else -(-blocks // FS_META_SPAN) + 2 if blocks else 0
-        return (blocks + meta) * self._block
+        return file_bytes(size, self._block, fresh)
 
     def _peak(self, state: _State, grow_pages: int, journal_pages: int) -> int:
         """Bound on the directory's bytes during a transaction (see the module docstring). Growth first fills

@@ -61,17 +61,30 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
+    from edge_client.config import DeviceConfig
     from edge_client.device import run_device
 
-    run_device(args.config)
+    if DeviceConfig.load(args.config).simulated:  # a virtual device: the simulator builds its surroundings
+        from firmware_sim.virtual_device import run_virtual_device
+
+        run_virtual_device(args.config)
+    else:
+        run_device(args.config)
     return 0
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    from coordinator.config import CoordinatorConfig
     from coordinator.server import QuorumError, run_coordinator
 
+    config = CoordinatorConfig.load(args.config)
+    test_sets = None
+    if config.scenario:  # simulation: the scenario's test sets (built by the simulator)
+        from firmware_sim.scenarios import scenario_from_config
+
+        test_sets = scenario_from_config(config.scenario).build()
     try:
-        results = run_coordinator(args.config, resume=args.resume, device=args.device)
+        results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
     except (QuorumError, FileExistsError) as err:
         print(f"edgefil coordinator: {err}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
 from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
-from edge_client.link import BrokerSettings
+from edgefil.link import BrokerSettings
 from firmware_sim import disk
 from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
@@ -125,7 +125,8 @@ class Fleet:
             self._mount_disks()
             self.broker = self._start_broker()
             self._start_workers(artifacts)
-            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume)
+            test_sets = scenario_from_config(self.scenario).build()
+            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=test_sets)
             results = coordinator.run()
         finally:
             self.stop()

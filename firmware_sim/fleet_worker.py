@@ -13,6 +13,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     it), until the fleet says stop. Ctrl-C is the parent's to handle."""
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
+    from firmware_sim.virtual_device import virtual_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(filename=log_file, level=logging.INFO,
@@ -22,7 +23,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
 
     def run(raw: dict[str, Any]) -> None:
         try:
-            device = Device(DeviceConfig.from_dict(raw))
+            device = virtual_device(DeviceConfig.from_dict(raw))
         except Exception:
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return

@@ -5,7 +5,7 @@ Runs of flowing scenarios also carry pFedGRP's IAA: `results["iaa"]` (one value 
 are computed) and per-round history entries with "iaa" and "client_accuracy" (device -> a_k^t), drawn as a
 fourth plot. Runs without them are reported exactly as before.
 
-Every number comes from `firmware_sim.metrics`; this module only gathers the metrics' inputs from the
+Every number comes from `edgefil.metrics`; this module only gathers the metrics' inputs from the
 coordinator's per-round history and lays the results out. matplotlib is imported by the plot helpers only (and
 drawn on bare `Figure`s, no pyplot, so no display or global backend is involved), which keeps importing this
 module cheap."""
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from firmware_sim.metrics import (
+from edgefil.metrics import (
     accuracy_matrix,
     average_accuracy,
     average_of_iaa,

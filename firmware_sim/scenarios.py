@@ -319,6 +319,26 @@ class ScenarioData:
     num_classes: int
     input_shape: tuple[int, ...]
 
+    # --- what the coordinator evaluates on (coordinator.evaluation.TestSets) ------------------------
+
+    @property
+    def n_tasks(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def per_client(self) -> bool:
+        """Flowing data: every client has its own test data, and per-client accuracy is measured."""
+        return self.scenario.kind == "flowing"
+
+    def describe(self) -> dict[str, Any]:
+        return self.scenario.to_dict()
+
+    def task_classes(self, t: int) -> tuple[int, ...]:
+        return self.tasks[t].classes
+
+    def task_test(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.tasks[t].test()
+
     def seen_test(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Union of the test sets of tasks 0..t: what accuracy after task t is measured on."""
         parts = [task.test() for task in self.tasks[: t + 1]]

@@ -1,7 +1,9 @@
 """Export a registered model to ONNX Runtime Training artifacts plus a verified manifest (host side).
 
-The artifact set: `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask`, `labels` and
-return `(loss, logits, features)`), one optimizer model per optimizer (`optimizer_sgd.onnx`,
+The artifact set: `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask` and the loss
+inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `bce`, and return `(loss, logits,
+features)`; `models.manifest.GRAPH_INPUTS` says what each means and `models/loss.py` is the loss they shape: the
+torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer (`optimizer_sgd.onnx`,
 `optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for shipping when the
 weights arrive from the coordinator as a flat buffer), and `manifest.json`.
 """
@@ -21,10 +23,11 @@ import onnx
 import torch
 from onnxruntime.training import artifacts
 
-from edgefil import __version__
 from models.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
+    GRAPH_INPUTS,
+    GRAPH_OUTPUTS,
     MANIFEST_NAME,
     MAX_IR_VERSION,
     OPTIMIZER_MODELS,
@@ -33,12 +36,14 @@ from models.manifest import (
     ManifestError,
     ParameterInfo,
     sha256_file,
+    software_version,
 )
+from models.loss import TrainingGraph
 from models.zoo import ClassifierModel, build_model
 
 OPSET = 17
-INPUT_NAMES = ["input", "class_mask"]
-OUTPUT_NAMES = ["logits", "features"]
+INPUT_NAMES = [name for name, *_ in GRAPH_INPUTS]
+OUTPUT_NAMES = [name for name, *_ in GRAPH_OUTPUTS]
 _OPTIMIZERS = {"sgd": artifacts.OptimType.SGD, "adamw": artifacts.OptimType.AdamW}
 
 
@@ -86,7 +91,7 @@ def export_model(
         opset=OPSET,
         ir_version=onnx_model.ir_version,
         nominal_checkpoint=nominal,
-        edgefil_version=__version__,
+        edgefil_version=software_version(),
     )
     files = [TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()]
     manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
@@ -117,14 +122,21 @@ def _default_shape(name: str) -> tuple[int, ...]:
 def _to_onnx(
     model: ClassifierModel, input_shape: tuple[int, ...], num_classes: int, path: Path
 ) -> onnx.ModelProto:
-    example = (torch.zeros(2, *input_shape), torch.ones(num_classes))
+    n = 2
+    example = (
+        torch.zeros(n, *input_shape), torch.ones(num_classes), torch.nn.functional.one_hot(
+            torch.arange(n) % num_classes, num_classes).float(),
+        torch.ones(n), torch.zeros(n, num_classes), torch.zeros(n), torch.zeros(1),
+    )
+    batch = {0: "batch"}
     torch.onnx.export(
-        model,
+        TrainingGraph(model),
         example,
         str(path),
         input_names=INPUT_NAMES,
         output_names=OUTPUT_NAMES,
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}, "features": {0: "batch"}},
+        dynamic_axes={name: batch for name in (*INPUT_NAMES, *OUTPUT_NAMES) if name not in ("class_mask", "bce",
+                                                                                             "loss")},
         opset_version=OPSET,
         training=torch.onnx.TrainingMode.TRAINING,
         do_constant_folding=False,
@@ -141,13 +153,14 @@ def ort_flat_order(model: torch.nn.Module, directory: Path) -> tuple[ParameterIn
     (exact in float32 below 2**24 values).
     """
     from onnxruntime import OrtValue
+    from onnxruntime import SessionOptions
     from onnxruntime.training.api import CheckpointState, Module
 
-    from edge_client.trainers.ort import session_options
-
+    options = SessionOptions()
+    options.intra_op_num_threads, options.log_severity_level = 1, 2  # quiet: ORT logs every pass at INFO
     state = CheckpointState.load_checkpoint(str(directory / CHECKPOINT))
     module = Module(
-        str(directory / TRAINING_MODEL), state, str(directory / EVAL_MODEL), session_options=session_options()
+        str(directory / TRAINING_MODEL), state, str(directory / EVAL_MODEL), session_options=options
     )
     size = module.get_parameters_size(trainable_only=True)
     if size >= 2**24:
@@ -204,10 +217,10 @@ def _quiet_generate(
         artifacts.generate_artifacts(
             onnx_model,
             requires_grad=trainable,
-            loss=artifacts.LossType.CrossEntropyLoss,
+            loss=None,  # the graph computes models/loss.py's loss itself: ORT passes it through
             optimizer=optimizer,
             artifact_directory=directory,
-            loss_input_names=["logits"],
-            additional_output_names=OUTPUT_NAMES,
+            loss_input_names=["loss"],
+            additional_output_names=OUTPUT_NAMES[1:],
             nominal_checkpoint=True,
         )

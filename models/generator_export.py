@@ -21,7 +21,7 @@ training also alternates two optimisers over two parameter sets (n_critic critic
 loss through the other network), while an ORT artifact set has one loss and one optimizer over one parameter
 set. WGAN-GP generators are trained with torch (`edge_client.generators.torch_training`).
 
-generator.json (`edge_client.generators.artifacts`) records the spec, the sampler and auxiliary buffer sizes,
+generator.json (`models.generator_artifacts`) records the spec, the sampler and auxiliary buffer sizes,
 the ORT buffer layout and the sha256 of every file. Artifacts are deterministic given the spec and the seed.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from onnxruntime.training.onnxblock import _graph_utils
 from torch import nn
 from torch.nn import functional as F
 
-from edge_client.generators.artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
+from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
 from models.export import OPSET, native_stderr_captured, ort_flat_order, use_torch_adamw
 from models.generators import (
     GeneratorSpec,

@@ -10,15 +10,49 @@ import json
 from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
+from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the training and eval graphs take the loss inputs below (listed in `inputs`)
 # onnxruntime-training 1.19 loads models up to IR version 10 ("max supported IR version: 10").
 MAX_IR_VERSION = 10
 TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
 CHECKPOINT = "checkpoint"
 OPTIMIZER_MODELS = {"sgd": "optimizer_sgd.onnx", "adamw": "optimizer_adamw.onnx"}
+
+
+# The inputs of the training and eval graphs, in order: (name, dtype, shape, meaning). "N" is the batch size,
+# "C" the class count; `input` has the model's input shape after N. The loss they shape is models/loss.py's.
+GRAPH_INPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("input", "float32", ("N", "*input_shape"), "a batch of samples, channels first"),
+    ("class_mask", "float32", ("C",), "1 for classes the model may predict, 0 for hidden ones"),
+    ("targets", "float32", ("N", "C"), "target distribution per sample: one-hot labels, soft or multi-hot"),
+    ("sample_weights", "float32", ("N",), "weight of each sample's loss (ones: the plain batch mean)"),
+    ("teacher_logits", "float32", ("N", "C"), "a teacher model's raw logits per sample (zeros when unused)"),
+    ("teacher_weights", "float32", ("N",), "weight of each sample's teacher term (zeros: no teacher)"),
+    ("bce", "float32", ("1",), "the head: 0 = softmax cross-entropy, 1 = sigmoid binary cross-entropy"),
+)
+LOSS_HEADS = ("softmax-ce", "sigmoid-bce")  # the `bce` input's two values, 0 and 1, by name
+GRAPH_OUTPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("loss", "float32", (), "the batch loss (models/loss.py)"),
+    ("logits", "float32", ("N", "C"), "logits with hidden classes at -1e9"),
+    ("features", "float32", ("N", "feature_dim"), "the penultimate features"),
+)
+
+
+@dataclass(frozen=True)
+class GraphValue:
+    """One input or output of the training and eval graphs, as the manifest lists it for plain ORT users."""
+
+    name: str
+    dtype: str
+    shape: tuple[str, ...]
+    meaning: str
+
+
+def graph_values(table: tuple[tuple[str, str, tuple[str, ...], str], ...]) -> tuple[GraphValue, ...]:
+    return tuple(GraphValue(*row) for row in table)
 
 
 class ManifestError(ValueError):
@@ -49,6 +83,8 @@ class Manifest:
     nominal_checkpoint: bool
     edgefil_version: str
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    inputs: tuple[GraphValue, ...] = graph_values(GRAPH_INPUTS)
+    outputs: tuple[GraphValue, ...] = graph_values(GRAPH_OUTPUTS)
     format: int = MANIFEST_FORMAT
 
     @property
@@ -62,6 +98,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
+        data: Any = None
         try:
             data = json.loads(text)
             declared_count = data.pop("num_parameters")
@@ -79,11 +116,16 @@ class Manifest:
                 nominal_checkpoint=bool(data["nominal_checkpoint"]),
                 edgefil_version=str(data["edgefil_version"]),
                 files={str(k): str(v) for k, v in data["files"].items()},
+                inputs=tuple(_graph_value(v) for v in data["inputs"]),
+                outputs=tuple(_graph_value(v) for v in data["outputs"]),
                 format=int(data["format"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(data, dict) and "format" in data and data["format"] != MANIFEST_FORMAT:
+                raise ManifestError(f"manifest format {data.get('format')!r} is not supported (this edgefil reads "
+                                    f"{MANIFEST_FORMAT}): export the artifacts again") from None
             raise ManifestError(f"malformed manifest: {err!r}") from err
-        if manifest.format != MANIFEST_FORMAT:
+        if data.get("format") != MANIFEST_FORMAT:
             raise ManifestError(
                 f"manifest format {manifest.format} is not supported (this edgefil reads {MANIFEST_FORMAT})"
             )
@@ -93,6 +135,27 @@ class Manifest:
                 f"{manifest.num_parameters}"
             )
         return manifest
+
+
+def _graph_value(data: dict) -> GraphValue:
+    return GraphValue(str(data["name"]), str(data["dtype"]), tuple(str(d) for d in data["shape"]),
+                      str(data["meaning"]))
+
+
+def manifest_digest(artifacts: str | Path) -> str:
+    """What a device and the coordinator compare at registration: the sha256 of manifest.json."""
+    return hashlib.sha256((Path(artifacts) / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def software_version() -> str:
+    """The installed edgefil distribution's version (recorded in manifests, sent at registration); "unknown"
+    when the code runs from a checkout that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edgefil")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def sha256_file(path: Path) -> str:

@@ -21,7 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edge_client.store import Budget, ReplayStore  # noqa: E402
+from edge_client.budget import Budget  # noqa: E402
+from edge_client.store import ReplayStore  # noqa: E402
 
 SHAPE = (3, 32, 32)
 

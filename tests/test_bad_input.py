@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.broker import mosquitto_path
-from edge_client import topics, wire
+from edgefil import topics, wire
 from fleet_harness import Fleet
 from models.manifest import load_manifest
 from mqtt_helpers import Peer

@@ -23,7 +23,7 @@ from coordinator.broker import (
     generate_password,
     mosquitto_path,
 )
-from edge_client.topics import prefix as topic_prefix
+from edgefil.topics import prefix as topic_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mqtt_helpers import Peer, make_server_cert  # noqa: E402

@@ -11,9 +11,10 @@ from coordinator.checkpoint import RunState, load_run_state, save_run_state
 from coordinator.config import CoordinatorConfig
 from coordinator.inbox import Inbox, Registration, Status, Update
 from coordinator.rounds import OpenRound, select
-from edge_client import topics, wire
+from edgefil import topics, wire
 from edge_client.config import DeviceConfig
-from edge_client.durable import StateError
+from edgefil.durable import StateError
+from firmware_sim.scenarios import preset
 
 FLEET = "f"
 MODEL = "ab" * 32
@@ -48,7 +49,7 @@ def test_open_round_accepts_each_selected_device_once_and_names_every_refusal():
 
 
 def test_inbox_turns_valid_messages_into_events_and_counts_the_rest():
-    inbox = Inbox(FLEET, {"d1", "d2"}, manifest="m" * 64, num_parameters=8, num_classes=10)
+    inbox = Inbox(FLEET, {"d1", "d2"}, manifest="m" * 64, num_parameters=8)
     register = wire.encode("register", device="d1", profile="pi4", backend="ort", manifest="m" * 64, software="0")
     event = inbox.accept(topics.from_device(FLEET, "d1", "register"), register)
     assert event == Registration("d1", "ort", "pi4")
@@ -118,12 +119,13 @@ def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts)
         "fleet": FLEET, "out": "run", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
         "devices": ["d1"], "scenario": {"preset": "digits-class", "n_clients": 1},
     }, base=tmp_path)
-    fresh = Coordinator(config)
+    test_sets = preset("digits-class", n_clients=1).build()
+    fresh = Coordinator(config, test_sets=test_sets)
     assert fresh.state.round == 0 and fresh.state.weights.dtype == np.float32
     save_run_state(tmp_path / "run" / CHECKPOINT_DIR, RunState(weights=fresh.state.weights, round=2, task=1, rng=fresh.state.rng))
     with pytest.raises(FileExistsError, match="--resume"):
-        Coordinator(config)
-    resumed = Coordinator(config, resume=True)
+        Coordinator(config, test_sets=test_sets)
+    resumed = Coordinator(config, resume=True, test_sets=test_sets)
     assert (resumed.state.round, resumed.state.task) == (2, 1)
 
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
-from edge_client import topics, wire
+from edgefil import topics, wire
 from edge_client.config import DeviceConfig
-from edge_client.device import Device, manifest_digest
+from edge_client.device import Device
+from models.manifest import manifest_digest
 from edge_client.sources import FolderSource
 from edge_client.trainers.ort import OrtTrainer
 from firmware_sim.datasets import load_dataset
@@ -144,7 +145,8 @@ def test_folder_source_reads_task_files_and_names_what_is_missing(tmp_path):
 
 
 def test_a_device_whose_disk_fills_keeps_a_valid_store_and_reports_it(setup, tmp_path):
-    from edge_client.store import Budget, ReplayStore
+    from edge_client.budget import Budget
+    from edge_client.store import ReplayStore
     from firmware_sim import disk
 
     config, coordinator, initial = setup
@@ -183,7 +185,7 @@ def test_a_generator_device_waits_for_its_personal_model_asks_for_cached_generat
     """pFedGRP on the device, the test playing the coordinator: the round names a personalized model that arrives
     after the round message; the device asks for the cached generator of a class new to it, ignores a garbled
     answer, warm-starts from the good one, and uploads its generators and label counts with the model."""
-    from edge_client.generators.record import GeneratorRecord, decode_record, encode_record
+    from models.generator_record import GeneratorRecord, decode_record, encode_record
     from models.generator_export import export_generator_artifacts
     from models.generators import build_sampler, default_spec, flatten_module
 
@@ -198,25 +200,26 @@ def test_a_generator_device_waits_for_its_personal_model_asks_for_cached_generat
     device, thread = start(config)
     coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
 
-    personal = wire.encode_blob("weights", wire.weights_bytes(initial + 0.01), round=1, version=0)
+    data, layout = wire.pack_attachments(b"", {"personal": bytes(wire.weights_bytes(initial + 0.01))})
+    personal = wire.encode_blob("payload", data, round=1, attachments=layout)
     glob = wire.encode_blob("weights", wire.weights_bytes(initial), round=1, version=0)
     for chunk in glob.chunks:
         coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
     coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
-        "round", round=1, task=0, model=glob.id, version=0, deadline_s=60, personal=personal.id,
-        config={"epochs": 1, "generator_classes": [0, 7], "generator_wait_s": 30}))
+        "round", round=1, task=0, model=glob.id, version=0, deadline_s=60, payload=personal.id,
+        config={"epochs": 1, "generator_classes": [0, 7], "answer_wait_s": 30}))
     wait_for(lambda: device.waiting is not None)  # the round and the global model are in: it waits for its own
     assert device.learner.state.round == 0
     for chunk in personal.chunks:
-        coordinator.publish(topics.to_device(FLEET, "dev-0", "weights"), chunk)
+        coordinator.publish(topics.to_device(FLEET, "dev-0", "payload"), chunk)
 
     request = wire.decode(coordinator.expect(topics.from_device(FLEET, "dev-0", "request"), timeout=60))
-    assert request["classes"] == [0] and request["round"] == 1  # class 0 is new to it and cached; 7 is not its
-    answer_topic = topics.to_device(FLEET, "dev-0", "generators")
+    assert request["names"] == ["generator/0"] and request["round"] == 1  # 0 is new to it and cached; 7 is not its
+    answer_topic = topics.to_device(FLEET, "dev-0", "answer")
     coordinator.publish(answer_topic, b"\xc1 not a message")
     cached = GeneratorRecord(0, spec.to_dict(), "float32", flatten_module(build_sampler(spec, seed=5)), None, 99, 40)
     data, layout = wire.pack_attachments(b"", {"generator/0": encode_record(cached)})
-    for chunk in wire.encode_blob("generators", data, round=1, attachments=layout).chunks:
+    for chunk in wire.encode_blob("answer", data, round=1, attachments=layout).chunks:
         coordinator.publish(answer_topic, chunk)
 
     reassembler = wire.Reassembler(4 * n + (8 << 20))

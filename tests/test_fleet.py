@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from coordinator.broker import mosquitto_path
-from edge_client import topics, wire
+from edgefil import topics, wire
 from fleet_harness import Fleet
 from mqtt_helpers import Peer
 

@@ -252,7 +252,7 @@ def evaluator(circulating, export_artifacts):
 
 
 def test_client_accuracy_masks_to_the_client_seen_classes(evaluator, circulating):
-    zeros = np.zeros(evaluator.trainer.manifest.num_parameters, np.float32)
+    zeros = np.zeros(evaluator.manifest.num_parameters, np.float32)
     for k, t in ((0, 0), (1, 2), (2, 7)):
         # all logits equal: the lowest unmasked class wins, so accuracy = that class's share of the test set
         _, y = circulating.client_seen_test(k, t)
@@ -261,8 +261,8 @@ def test_client_accuracy_masks_to_the_client_seen_classes(evaluator, circulating
 
 
 def test_client_accuracy_matches_a_direct_evaluation(evaluator, circulating):
-    weights = np.random.default_rng(0).normal(0, 0.1, evaluator.trainer.manifest.num_parameters).astype(np.float32)
-    direct = TorchTrainer(evaluator.trainer.manifest)
+    weights = np.random.default_rng(0).normal(0, 0.1, evaluator.manifest.num_parameters).astype(np.float32)
+    direct = TorchTrainer(evaluator.manifest)
     direct.set_weights(weights)
     mask = np.isin(np.arange(10), circulating.client_seen_classes(1, 3)).astype(np.float32)
     expected = direct.evaluate(*circulating.client_seen_test(1, 3), class_mask=mask).accuracy

@@ -9,10 +9,12 @@ import torch
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
 from edge_client.policies.generator import BANK_DIR, replay_counts
-from edge_client.store import Budget, ReplayStore
+from edge_client.budget import Budget
+from edge_client.store import ReplayStore
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_digits_dataset
 from models.export import export_registered
+from models.generator_record import encode_record
 from models.generator_export import export_generator_artifacts
 from models.generators import default_spec
 from models.manifest import load_manifest
@@ -51,15 +53,23 @@ def task_data(digits, classes, n=40):
     return digits.x_train[idx], digits.y_train[idx]
 
 
+def replayed_labels(learner):
+    """The labels of the samples the policy would generate this round (its training set over an empty store)."""
+    batch = learner.policy.training_set(learner, np.empty((0, 1, 8, 8), np.float32), np.empty(0, np.int64))
+    return batch.y
+
+
 def run_rounds(learner, digits, tasks, bank_bytes, budget):
-    """Each round: new data, train (with a teacher from the second round), generator update; the combined bytes of
-    store and bank are checked after every step."""
+    """Each round: new data, train (with a teacher, the coordinator's "personal" payload, from the second round),
+    generator update; the combined bytes of store and bank are checked after every step."""
     teacher = None
     for t, classes in enumerate(tasks):
         learner.start_task(t, *task_data(digits, classes))
         assert learner.store.bytes_on_disk() + bank_bytes() <= budget
         assert set(learner.store.labels().tolist()) <= set(classes)  # the old real data are gone
-        learner.train(teacher=teacher)
+        if teacher is not None:
+            learner.policy.receive(learner, {"personal": teacher.tobytes()})
+        learner.train()
         learner.finish_round()
         assert learner.store.bytes_on_disk() + bank_bytes() <= budget
         teacher = learner.trainer.get_weights()
@@ -92,13 +102,11 @@ def test_a_tight_budget_drops_generators_by_the_rule_and_never_samples_a_missing
     bank = learner.policy._bank
     dropped = 0
     for _, classes in run_rounds(learner, digits, [(0, 1), (2, 3), (4, 5), (6, 7)], bank.bytes_on_disk,
-                                 learner.byte_budget):
+                                 learner.budget.max_bytes):
         dropped += learner.policy.metrics()["generators_dropped"]
         assert set(classes) <= set(bank.classes())  # the current task's generators go in, older ones make room
-        assert bank.bytes_on_disk() <= learner.policy.bank_share * learner.byte_budget
-        replay = learner.policy.replay_samples(learner)
-        if replay is not None:
-            assert set(np.unique(replay.y).tolist()) <= set(bank.classes()) - set(classes)
+        assert bank.bytes_on_disk() <= learner.policy.bank_share * learner.budget.max_bytes
+        assert set(np.unique(replayed_labels(learner)).tolist()) <= set(bank.classes()) - set(classes)
     kept = bank.classes()
     assert 2 <= len(kept) <= 3 and dropped == 0
     assert kept == list(range(8 - len(kept), 8))  # evicted: fewest samples seen first (all equal), lowest label first
@@ -111,8 +119,8 @@ def test_a_class_without_a_generator_is_never_sampled(artifacts, digits, tmp_pat
         pass
     bank.delete(0)  # e.g. dropped for room
     learner.start_task(2, *task_data(digits, (4, 5)))
-    replay = learner.policy.replay_samples(learner)
-    assert 0 not in replay.y and set(np.unique(replay.y).tolist()) == {1, 2, 3}
+    replay = replayed_labels(learner)
+    assert 0 not in replay and set(np.unique(replay).tolist()) == {1, 2, 3}
 
 
 def test_offered_generators_warm_start_a_new_class(artifacts, digits, tmp_path):
@@ -121,9 +129,10 @@ def test_offered_generators_warm_start_a_new_class(artifacts, digits, tmp_path):
         pass
     learner = make_learner(artifacts, tmp_path / "taker", 1 << 30)
     learner.start_task(0, *task_data(digits, (4, 5)))
-    assert learner.policy.wanted_generators(learner, [4, 5, 7]) == [4, 5]
+    assert learner.policy.requests(learner, {"generator_classes": [4, 5, 7]}) == ["generator/4", "generator/5"]
     learner.train()
-    learner.finish_round({4: donor.policy._bank.get(4)})
+    learner.policy.receive(learner, {"generator/4": encode_record(donor.policy._bank.get(4))})
+    learner.finish_round()
     metrics = learner.policy.metrics()
     assert metrics["generators_from_coordinator"] == 1 and metrics["generators_from_own"] == 0
     assert learner.policy._bank.get(4).steps == donor.policy._bank.get(4).steps + 10  # transfer steps on top
@@ -141,14 +150,12 @@ def test_the_bank_lives_in_the_state_folder_and_survives_a_restart(artifacts, di
 
 
 def test_an_ort_device_trains_its_vae_generators_with_ort(artifacts, digits, tmp_path):
-    """The default device path: the task model and the VAE generators both on ONNX Runtime (no alignment there)."""
+    """The default device path: the task model (alignment term included) and the VAE generators on ONNX Runtime."""
     from edge_client.generators.ort_training import OrtVaeTrainer
     from edge_client.trainers.ort import OrtTrainer
 
     store = ReplayStore(tmp_path / "store", Budget(max_bytes=512 * 1024), (1, 8, 8))
-    with pytest.raises(ValueError, match="lambda_align"):
-        Learner(OrtTrainer(artifacts), store, make_policy("generator")).open_policy(tmp_path, artifacts)
-    policy = make_policy("generator", lambda_align=0.0, init_steps=30, transfer_steps=10, keep_auxiliary=False)
+    policy = make_policy("generator", lambda_align=1.0, init_steps=30, transfer_steps=10, keep_auxiliary=False)
     learner = Learner(OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), store, policy, seed=0)
     learner.open_policy(tmp_path, artifacts)
     assert isinstance(policy._trainer, OrtVaeTrainer)
@@ -162,7 +169,7 @@ def test_the_command_line_exports_generator_artifacts(tmp_path):
     import sys
     from pathlib import Path
 
-    from edge_client.generators.artifacts import load_generator_artifacts
+    from models.generator_artifacts import load_generator_artifacts
 
     done = subprocess.run([sys.executable, "-m", "edgefil.cli", "export", "--generator", "vae", "--input-shape",
                            "1,40", "--out", str(tmp_path / "g")], cwd=Path(__file__).resolve().parents[1],

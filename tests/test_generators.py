@@ -16,7 +16,7 @@ import torch
 
 from edge_client.generators import bank as bank_module
 from edge_client.generators.bank import BankFullError, GeneratorBank
-from edge_client.generators.record import (
+from models.generator_record import (
     PRECISIONS,
     GeneratorFormatError,
     GeneratorRecord,

@@ -4,7 +4,8 @@ import pytest
 
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
-from edge_client.store import Budget, BudgetExceededError, ReplayStore
+from edge_client.budget import Budget
+from edge_client.store import BudgetExceededError, ReplayStore
 from edge_client.stream import Chunk, chunked
 from edge_client.trainers.ort import OrtTrainer
 
@@ -145,7 +146,8 @@ import hashlib, json, os, signal, sys
 import numpy as np
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
-from edge_client.store import Budget, ReplayStore
+from edge_client.budget import Budget
+from edge_client.store import ReplayStore
 from edge_client.trainers.ort import OrtTrainer
 
 artifacts, work, phase = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
-from edge_client.link import CONNECTED, BrokerSettings, ConnectionRefused, Link
+from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link
 from mqtt_helpers import make_server_cert
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")

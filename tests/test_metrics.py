@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from firmware_sim.metrics import (
+from edgefil.metrics import (
     accuracy_matrix,
     average_accuracy,
     average_of_iaa,

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.strategies.pfedgrp import simplex_weights
-from edge_client import wire
+from edgefil import wire
 from edge_client.policies.generator import replay_counts
-from edge_client.trainers.base import Alignment
+from edge_client.trainers.base import LossInputs
 from edge_client.trainers.pytorch import TorchTrainer
 from models.export import export_registered
 from models.manifest import load_manifest
@@ -118,7 +118,7 @@ def test_alignment_adds_lambda_times_the_mse_to_the_teacher_on_flagged_samples(m
     t_logits = trainer.teacher_logits(teacher, x)
     applies = np.array([1, 0] * 4, dtype=np.float32)
     plain = trainer.train_step(x, y, mask)
-    with_term = trainer.train_step(x, y, mask, Alignment(2.0, t_logits, applies))
+    with_term = trainer.train_step(x, y, mask, LossInputs(teacher_logits=t_logits, teacher_weights=2.0 * applies))
     raw = trainer.teacher_logits(trainer.get_weights(), x)
     mse = (((raw - t_logits)[:, :4]) ** 2).mean(1)
     assert with_term == pytest.approx(plain + 2.0 * float((applies * mse).mean()), rel=1e-5)
@@ -134,20 +134,29 @@ def test_alignment_pulls_the_student_towards_the_teacher(manifest):
         trainer = TorchTrainer(manifest, optimizer="adamw", lr=1e-3, seed=0)
         t_logits = trainer.teacher_logits(teacher, x)
         trainer.fit(x, y, epochs=5, batch_size=16, rng=np.random.default_rng(0),
-                    alignment=Alignment(weight, t_logits, np.ones(64, dtype=np.float32)))
+                    loss=LossInputs(teacher_logits=t_logits, teacher_weights=np.full(64, weight, np.float32)))
         gaps[weight] = float(((trainer.teacher_logits(trainer.get_weights(), x) - t_logits) ** 2).mean())
     assert gaps[10.0] < 0.5 * gaps[0.0]
 
 
-def test_the_ort_backend_refuses_the_alignment_term_clearly(tmp_path):
+def test_the_alignment_term_trains_on_the_ort_backend_as_on_torch(tmp_path):
+    """pFedGRP's Eq. 6 term is the generic loss's teacher term: the ORT graph takes it as inputs."""
     from edge_client.trainers.ort import OrtTrainer
 
-    export_registered("mlp", 10, tmp_path, (1, 8, 8), seed=0)
-    trainer = OrtTrainer(tmp_path)
-    x = np.zeros((2, 1, 8, 8), dtype=np.float32)
-    with pytest.raises(ValueError, match="torch backend"):
-        trainer.fit(x, np.zeros(2, dtype=np.int64),
-                    alignment=Alignment(1.0, np.zeros((2, 10), np.float32), np.ones(2, np.float32)))
+    export_registered("lenet", 10, tmp_path, (1, 8, 8), seed=0)
+    rng = np.random.default_rng(3)
+    x, y = rng.random((24, 1, 8, 8), dtype=np.float32), rng.integers(0, 4, 24)
+    mask = np.isin(np.arange(10), range(4)).astype(np.float32)
+    ort = OrtTrainer(tmp_path, optimizer="sgd", lr=0.05)
+    torch_trainer = TorchTrainer(load_manifest(tmp_path), optimizer="sgd", lr=0.05)
+    torch_trainer.set_weights(ort.get_weights())
+    teacher = TorchTrainer(load_manifest(tmp_path), seed=5).get_weights()
+    loss = LossInputs(teacher_logits=ort.teacher_logits(teacher, x),
+                      teacher_weights=np.array([1, 0] * 12, dtype=np.float32))
+    losses = [t.fit(x, y, epochs=2, batch_size=8, class_mask=mask, rng=np.random.default_rng(0), loss=loss)
+              for t in (ort, torch_trainer)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    np.testing.assert_allclose(ort.get_weights(), torch_trainer.get_weights(), rtol=1e-4, atol=1e-6)
 
 
 # --- attachments on the wire -------------------------------------------------------------------------------------
@@ -176,7 +185,7 @@ def test_malformed_attachment_layouts_are_refused(attachments):
 # --- the strategy: the gate, the cache, its checkpoint ------------------------------------------------------------
 
 def _record(label: int, seed: int = 0):
-    from edge_client.generators.record import GeneratorRecord
+    from models.generator_record import GeneratorRecord
     from models.generators import build_sampler, default_spec, flatten_module
 
     spec = default_spec("vae", (1, 8, 8))
@@ -190,39 +199,55 @@ def _update_chunks(weights, attachments, label_counts=(5, 5, 0, 0, 0, 0, 0, 0, 0
                             metrics={}, attachments=layout, label_counts=list(label_counts)).chunks
 
 
-def test_the_gate_decodes_generator_attachments_and_refuses_bad_ones(manifest):
+def test_the_rule_decodes_generator_attachments_and_refuses_bad_ones(manifest):
+    """The gate hands an update's attachments over as named bytes; the pFedGRP rule decodes them on arrival and
+    refuses what is not a record of the class its name says (the coordinator counts the reason)."""
     from coordinator.inbox import Inbox
-    from edge_client import topics
-    from edge_client.generators.record import encode_record
+    from coordinator.strategies.base import ClientUpdate, RefusedUpdate
+    from coordinator.strategies.pfedgrp import PFedGRP
+    from edgefil import topics
+    from models.generator_record import encode_record
 
-    inbox = Inbox("f", {"d1"}, "m" * 64, manifest.num_parameters, manifest.num_classes)
+    inbox = Inbox("f", {"d1"}, "m" * 64, manifest.num_parameters)
+    rule = PFedGRP(manifest, device="cpu")
     weights = np.zeros(manifest.num_parameters, np.float32)
     topic = topics.from_device("f", "d1", "update")
     good = encode_record(_record(1))
-    event = [inbox.accept(topic, c) for c in _update_chunks(weights, {"generator/1": good})][-1]
-    assert event.label_counts[:2] == (5, 5) and list(event.generators) == [1]
-    np.testing.assert_array_equal(event.generators[1].sampler, _record(1).sampler)
+
+    def arrive(weights, attachments):
+        event = [inbox.accept(topic, c) for c in _update_chunks(weights, attachments)][-1]
+        return ClientUpdate(event.device, event.weights, event.num_samples, event.metrics, event.label_counts,
+                            event.attachments)
+
+    update = arrive(weights, {"generator/1": good})
+    assert update.label_counts[:2] == (5, 5) and list(update.attachments) == ["generator/1"]
+    rule.inspect(update)
+    rule.aggregate(torch.zeros(manifest.num_parameters), [update])
+    np.testing.assert_array_equal(rule.generators["d1"][1].sampler, _record(1).sampler)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0xFF
     cases = {"generator": {"generator/1": bytes(bad)}, "attachments": {"weights/1": good}}
     cases["generator "] = {"generator/2": good}  # a record of class 1 named as class 2
+    cases["attachments "] = {"generator/\u0663": good}  # a non-ASCII digit is no class label
     for k, (reason, attachments) in enumerate(cases.items()):
-        for chunk in _update_chunks(weights + k + 1, attachments):  # other bytes: a blob's id is its content
-            assert inbox.accept(topic, chunk) is None
-        assert inbox.rejections[reason.strip()] >= 1
+        with pytest.raises(RefusedUpdate) as refused:
+            rule.inspect(arrive(weights + k + 1, attachments))  # other bytes: a blob's id is its content
+        assert refused.value.reason == reason.strip()
 
 
 def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(manifest, tmp_path):
     from coordinator.strategies.base import ClientUpdate
     from coordinator.strategies.pfedgrp import PFedGRP
+    from models.generator_record import encode_record
 
     rule = PFedGRP(manifest, device="cpu", weight_steps=3)
     rng = np.random.default_rng(0)
     updates = [
         ClientUpdate("a", rng.standard_normal(manifest.num_parameters).astype(np.float32), 10, {},
-                     (5, 5) + (0,) * 8, {0: _record(0), 1: _record(1)}),
+                     (5, 5) + (0,) * 8, {"generator/0": encode_record(_record(0)),
+                                         "generator/1": encode_record(_record(1))}),
         ClientUpdate("b", rng.standard_normal(manifest.num_parameters).astype(np.float32), 10, {},
-                     (0, 0, 5, 5) + (0,) * 6, {2: _record(2, seed=1)}),
+                     (0, 0, 5, 5) + (0,) * 6, {"generator/2": encode_record(_record(2, seed=1))}),
     ]
     result = rule.aggregate(torch.zeros(manifest.num_parameters), updates)
     assert set(result.personalized) == {"a", "b"}
@@ -232,11 +257,13 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
         expected = w[0] * torch.from_numpy(updates[0].weights) + w[1] * torch.from_numpy(updates[1].weights)
         torch.testing.assert_close(result.personalized[device], expected, rtol=1e-5, atol=1e-5)
     assert rule.configure(2, ["a"]) == {"a": {"generator_classes": [0, 1, 2]}}
-    assert sorted(rule.cached_generators([1, 2, 7])) == [1, 2]
+    assert sorted(rule.answer("c", ["generator/1", "generator/2", "generator/7", "other"])) == [
+        "generator/1", "generator/2"]
     rule.save(tmp_path)
     again = PFedGRP(manifest, device="cpu", weight_steps=3)
     again.load(tmp_path)
-    assert again.cached_generators([0, 1, 2]) == rule.cached_generators([0, 1, 2])
+    asked = ["generator/0", "generator/1", "generator/2"]
+    assert again.answer("c", asked) == rule.answer("c", asked)
     assert again.weights_used == rule.weights_used and again.label_counts == rule.label_counts
     x1 = rule.replay_set("a")
     x2 = again.replay_set("a")
@@ -250,10 +277,13 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
 def test_personalized_aggregation_on_cuda_matches_the_cpu(manifest):
     from coordinator.strategies.base import ClientUpdate
     from coordinator.strategies.pfedgrp import PFedGRP
+    from models.generator_record import encode_record
 
     rng = np.random.default_rng(0)
     updates = [ClientUpdate(d, rng.standard_normal(manifest.num_parameters).astype(np.float32) * 0.1, 10, {},
-                            (5, 5) + (0,) * 8, {0: _record(0), 1: _record(1, seed=i)}) for i, d in enumerate("ab")]
+                            (5, 5) + (0,) * 8, {"generator/0": encode_record(_record(0)),
+                                                "generator/1": encode_record(_record(1, seed=i))})
+               for i, d in enumerate("ab")]
     results = {}
     for device in ("cpu", "cuda"):
         rule = PFedGRP(manifest, device=device, weight_steps=5)

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from firmware_sim import metrics
+from edgefil import metrics
 from firmware_sim.report import add_report_parser, compare_runs, load_run, run_summary, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"

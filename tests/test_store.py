@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from edge_client import store as store_module
+from edge_client.budget import Budget
 from edge_client.store import (
     DB_NAME,
     PAGE,
-    Budget,
     BudgetExceededError,
     ReplayStore,
     StoreCorruptError,

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from coordinator.compute import as_tensor, resolve_device
-from coordinator.strategies import STRATEGIES, ClientUpdate, FedAvg, FedProx, make_strategy
+from coordinator.strategies import ClientUpdate, make_strategy, strategy_names
+from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.fedprox import FedProx
 
 SIZE = 1000
 CPU = torch.device("cpu")
@@ -129,7 +131,7 @@ def test_read_only_inputs_are_read_in_place_and_left_untouched():
 
 def test_read_only_inputs_raise_no_warning():
     # torch warns once per process, so a fresh interpreter is the only place where the check is not vacuous
-    code = ("import numpy as np, torch; from coordinator.strategies import ClientUpdate, FedAvg; "
+    code = ("import numpy as np, torch; from coordinator.strategies import ClientUpdate; from coordinator.strategies.fedavg import FedAvg; "
             "w = np.frombuffer(bytes(80), dtype='<f4'); "
             "FedAvg(device='cpu').aggregate(torch.zeros(10), [ClientUpdate('a', w[:10], 1), ClientUpdate('b', w[10:], 2)])")
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
@@ -161,7 +163,7 @@ def test_as_tensor_refuses_what_is_not_a_flat_float32_buffer():
 
 
 def test_make_strategy():
-    assert set(STRATEGIES) == {"fedavg", "fedprox", "pfedgrp"}
+    assert set(strategy_names()) == {"fedavg", "fedprox", "pfedgrp"}
     prox = make_strategy("fedprox", device="cpu", mu=0.5, weighted=False)
     assert isinstance(prox, FedProx) and prox.mu == 0.5 and not prox.weighted and prox.device == CPU
     assert isinstance(make_strategy("fedavg", device="cpu"), FedAvg)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_client import topics, wire
+from edgefil import topics, wire
 
 HEADER = dict(device="dev-0", round=3, task=1, model="ab" * 32, num_samples=40, metrics={"loss": 0.25})
 

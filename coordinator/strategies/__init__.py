@@ -1,33 +1,37 @@
-"""Aggregation rules by name: the coordinator builds its strategy from the configuration's name and options."""
+"""Aggregation rules (the coordinator halves of learning methods) by name: the coordinator builds its strategy from
+the configuration's name and options. Every module here is imported once and each `Strategy` subclass with a
+`name` registers itself, so a new rule adds a file and touches nothing else."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 import torch
 
-from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates, weighted_mean
-from coordinator.strategies.fedavg import FedAvg
-from coordinator.strategies.fedprox import FedProx
-from coordinator.strategies.pfedgrp import PFedGRP
+from coordinator.strategies.base import (
+    AggregateResult, ClientUpdate, RefusedUpdate, Strategy, registered_strategies, validate_updates, weighted_mean,
+)
 from models.manifest import Manifest
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg, FedProx, PFedGRP)}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def strategy_names() -> list[str]:
+    return sorted(registered_strategies())
 
 
 def make_strategy(
     name: str, device: torch.device | str = "auto", manifest: Manifest | None = None, **options: Any
 ) -> Strategy:
-    """The strategy registered as `name`, built with `options` (e.g. mu=0.1 for fedprox); rules that evaluate
-    models (pfedgrp) also get the model's `manifest`."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
-    cls = STRATEGIES[name]
-    if cls.needs_manifest:
-        if manifest is None:
-            raise ValueError(f"strategy {name!r} needs the model's manifest")
-        return cls(manifest, device=device, **options)
-    return cls(device=device, **options)
+    """The strategy registered as `name`, built with `options` (e.g. mu=0.1 for fedprox), the torch device and the
+    model's manifest (rules that run models need it)."""
+    strategies = registered_strategies()
+    if name not in strategies:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(strategy_names())}")
+    return strategies[name](device=device, manifest=manifest, **options)
 
 
-__all__ = ["STRATEGIES", "AggregateResult", "ClientUpdate", "FedAvg", "FedProx", "PFedGRP", "Strategy", "make_strategy",
+__all__ = ["AggregateResult", "ClientUpdate", "RefusedUpdate", "Strategy", "make_strategy", "strategy_names",
            "validate_updates", "weighted_mean"]

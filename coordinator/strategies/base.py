@@ -1,11 +1,21 @@
 """The Strategy interface: one class per aggregation rule, the arithmetic in small pure functions.
 
-A strategy turns the round's device updates into the next global model (`aggregate`) and may add per-device
-instructions to the round-start message (`configure`, e.g. FedProx's mu). Weights are one flat float32 buffer per
-model in manifest order, as the devices send them; aggregation runs in torch on the strategy's device.
+A strategy is the coordinator's half of a learning method. It turns the round's device updates into the next global
+model (`aggregate`) and may add per-device instructions to the round-start message (`configure`, e.g. FedProx's
+mu). Weights are one flat float32 buffer per model in manifest order, as the devices send them; aggregation runs
+in torch on the strategy's device (cuda when present).
 
-Personalized and class-wise rules (pFedGRP, GLFC-like) plug in through the same interface: they return per-device
-models in `AggregateResult.personalized` next to the global one.
+Methods that reach further plug in through the same interface, and the coordinator never names them:
+- an update's raw attachments (named byte strings from the device's policy) reach `inspect` when the update
+  arrives (refuse it with `RefusedUpdate`) and `aggregate` with the round;
+- a device's request for named payloads is answered by `answer`, at once, rounds open or not;
+- `aggregate` may run any computation per round and return per-device models (`personalized`, sent as the
+  device's "personal" payload and evaluated as its model) and per-device named payloads (`payloads`: synthetic
+  samples, an old model, ...), sent with the device's next round;
+- `save` / `load` keep the rule's state across a `--resume`.
+
+Strategies register by name as their classes are defined; every module of this package is imported, so a new
+rule adds a file here and touches nothing else.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ import numpy as np
 import torch
 
 from coordinator.compute import as_tensor, resolve_device
+from models.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -28,25 +39,53 @@ class ClientUpdate:
     weights: np.ndarray
     num_samples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
-    label_counts: Sequence[int] = ()  # samples the device has seen per class (generator replay reports them)
-    generators: Mapping[int, Any] = field(default_factory=dict)  # class -> GeneratorRecord uploaded this round
+    label_counts: Sequence[int] = ()  # samples the device has seen per class
+    attachments: Mapping[str, bytes] = field(default_factory=dict)  # named byte strings from the device's policy
 
 
 @dataclass
 class AggregateResult:
     global_weights: torch.Tensor
-    personalized: dict[str, torch.Tensor] = field(default_factory=dict)
+    personalized: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> its own model
+    payloads: dict[str, dict[str, bytes]] = field(default_factory=dict)  # device -> named payloads for next round
+
+
+class RefusedUpdate(ValueError):
+    """An update the rule cannot use (e.g. an attachment that does not decode); `reason` is counted."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def registered_strategies() -> dict[str, type[Strategy]]:
+    """Every aggregation rule by its config name (classes register as they are defined)."""
+    return dict(_REGISTRY)
 
 
 class Strategy(ABC):
-    name: ClassVar[str]
-    needs_manifest: ClassVar[bool] = False  # built with the model's manifest (rules that evaluate models)
+    """One aggregation rule. Every constructor takes the rule's options, `device` (the torch device) and `manifest`
+    (the model's, for rules that run models; `make_strategy` always passes it)."""
 
-    def __init__(self, device: torch.device | str = "auto") -> None:
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
+        self.manifest = manifest
         self.device = resolve_device(str(device))
 
-    def cached_generators(self, classes: Sequence[int]) -> dict[int, bytes]:
-        """Encoded generators the rule holds for these classes (answers a device's request); none by default."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _REGISTRY[cls.name] = cls
+
+    def inspect(self, update: ClientUpdate) -> None:
+        """Check an arriving update's attachments; raise RefusedUpdate to drop it (default: accept any)."""
+
+    def answer(self, device: str, names: Sequence[str]) -> dict[str, bytes]:
+        """The named payloads asked for that the rule can give (a device's request); none by default."""
         return {}
 
     def save(self, directory: Path) -> None:

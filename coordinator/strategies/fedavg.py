@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from models.manifest import Manifest
 from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates, weighted_mean
 
 
@@ -23,8 +24,10 @@ def fedavg_coefficients(num_samples: Sequence[int], weighted: bool) -> list[floa
 class FedAvg(Strategy):
     name = "fedavg"
 
-    def __init__(self, weighted: bool = True, device: torch.device | str = "auto") -> None:
-        super().__init__(device)
+    def __init__(
+        self, weighted: bool = True, device: torch.device | str = "auto", manifest: Manifest | None = None
+    ) -> None:
+        super().__init__(device, manifest)
         self.weighted = weighted
 
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:

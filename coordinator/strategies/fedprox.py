@@ -11,15 +11,19 @@ from typing import Any, Sequence
 import torch
 
 from coordinator.strategies.fedavg import FedAvg
+from models.manifest import Manifest
 
 
 class FedProx(FedAvg):
     name = "fedprox"
 
-    def __init__(self, mu: float = 0.01, weighted: bool = True, device: torch.device | str = "auto") -> None:
+    def __init__(
+        self, mu: float = 0.01, weighted: bool = True, device: torch.device | str = "auto",
+        manifest: Manifest | None = None,
+    ) -> None:
         if not (math.isfinite(mu) and mu >= 0):
             raise ValueError(f"mu must be a finite number >= 0, got {mu!r}")
-        super().__init__(weighted=weighted, device=device)
+        super().__init__(weighted=weighted, device=device, manifest=manifest)
         self.mu = float(mu)
 
     def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -10,8 +10,13 @@ mean of the local models (Sec. 4.2, the default) or of the personalized models (
 Choices the paper leaves open (configurable): w = softmax(alpha), alpha = 0 at the start (the plain mean), Adam
 with `weight_lr` for `weight_steps` steps (the paper's 20 "rounds"); `replay_per_class` samples per seen class; each
 step on a seeded minibatch of `weight_batch` of them (0: the whole set; minibatches make a step's cost independent
-of how many classes a device has seen); the device's seen classes unmasked, as devices train. A device with no cached generator yet gets the global model as
-its personalized one. Which cached generator answers another device's request for a class: the latest uploaded.
+of how many classes a device has seen); the device's seen classes unmasked, as devices train. A device with no
+cached generator yet gets the global model as its personalized one. Which cached generator answers another
+device's request for a class: the latest uploaded.
+
+On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
+(`models.generator_record`), checked in `inspect`; the round config lists the cached classes
+(`generator_classes`); a device asks for `generator/<class>` payloads and `answer` gives the cached records.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from coordinator.compute import as_tensor
-from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates
-from edge_client.durable import write_atomically
-from edge_client.generators.record import GeneratorRecord, decode_record, encode_record
+from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, Strategy, validate_updates
+from edgefil.durable import write_atomically
+from models.generator_record import (
+    GeneratorFormatError, GeneratorRecord, attachment_label, attachment_name, decode_record, encode_record,
+)
 from models.generators import GeneratorSpec, build_sampler, load_module
 from models.manifest import Manifest
 from models.zoo import MASK_FILL, build_model
@@ -53,11 +60,10 @@ def simplex_weights(
 
 class PFedGRP(Strategy):
     name = "pfedgrp"
-    needs_manifest = True
 
     def __init__(
         self,
-        manifest: Manifest,
+        manifest: Manifest | None = None,
         global_model: str = "mean-local",
         weight_steps: int = 20,
         weight_lr: float = 0.1,
@@ -66,12 +72,14 @@ class PFedGRP(Strategy):
         seed: int = 0,
         device: torch.device | str = "auto",
     ) -> None:
-        super().__init__(device)
+        if manifest is None:
+            raise ValueError("strategy 'pfedgrp' needs the model's manifest (it runs the model on replay samples)")
+        super().__init__(device, manifest)
+        self.manifest: Manifest = manifest
         if global_model not in GLOBAL_MODELS:
             raise ValueError(f"global_model must be one of {GLOBAL_MODELS}, got {global_model!r}")
         if weight_steps < 0 or replay_per_class < 1 or weight_batch < 0:
             raise ValueError("weight_steps and weight_batch must be >= 0 and replay_per_class >= 1")
-        self.manifest = manifest
         self.global_model = global_model
         self.weight_steps = weight_steps
         self.weight_lr = weight_lr
@@ -90,9 +98,30 @@ class PFedGRP(Strategy):
         """Tell each device which classes the coordinator can send a cached generator of (on request)."""
         return {device: {"generator_classes": sorted(self.latest)} for device in devices}
 
-    def cached_generators(self, classes: Sequence[int]) -> dict[int, bytes]:
-        """The latest cached generator of each class asked for that the coordinator has (encoded)."""
-        return {c: encode_record(self.generators[self.latest[c]][c]) for c in classes if c in self.latest}
+    def answer(self, device: str, names: Sequence[str]) -> dict[str, bytes]:
+        """The latest cached generator of each `generator/<class>` asked for that the coordinator has."""
+        labels = [label for label in map(attachment_label, names) if label is not None]
+        return {attachment_name(c): encode_record(self.generators[self.latest[c]][c])
+                for c in labels if c in self.latest}
+
+    def inspect(self, update: ClientUpdate) -> None:
+        """Every attachment must be a `generator/<class>` record of that class, for a class the model has."""
+        self._records(update)
+
+    def _records(self, update: ClientUpdate) -> dict[int, GeneratorRecord]:
+        records = {}
+        for name, data in update.attachments.items():
+            label = attachment_label(name)
+            if label is None or label >= self.manifest.num_classes:
+                raise RefusedUpdate("attachments", f"unknown attachment {name!r}")
+            try:
+                record = decode_record(bytes(data))
+            except GeneratorFormatError as err:
+                raise RefusedUpdate("generator", f"{name}: {err}") from None
+            if record.label != label:
+                raise RefusedUpdate("generator", f"{name} holds the generator of class {record.label}")
+            records[label] = record
+        return records
 
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
         validate_updates(global_weights, updates)
@@ -108,7 +137,7 @@ class PFedGRP(Strategy):
         return AggregateResult(mean_of.mean(0), personalized)
 
     def _cache(self, update: ClientUpdate) -> None:
-        for label, record in update.generators.items():
+        for label, record in self._records(update).items():
             self.generators.setdefault(update.device, {})[label] = record
             self.latest[label] = update.device
         if update.label_counts:

@@ -24,9 +24,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from edge_client.durable import TEMP_SUFFIX, fsync_directory, write_atomically
-from edge_client.generators.record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
-from edge_client.store import FS_META_SPAN
+from edge_client.budget import file_bytes
+from edgefil.durable import TEMP_SUFFIX, fsync_directory, write_atomically
+from models.generator_record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
 
 _CLASS_FILE = re.compile(r"class-(0|[1-9][0-9]*)\.gen")
 log = logging.getLogger(__name__)
@@ -106,6 +106,4 @@ class GeneratorBank:
         return self.bytes_on_disk() + self._file_bytes(size) + self._block
 
     def _file_bytes(self, size: int) -> int:
-        blocks = -(-size // self._block)
-        meta = 0 if blocks <= 4 else -(-blocks // FS_META_SPAN) + 2
-        return (blocks + meta) * self._block
+        return file_bytes(size, self._block, fresh=True)

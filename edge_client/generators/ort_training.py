@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.generators.artifacts import load_generator_artifacts
+from models.generator_artifacts import load_generator_artifacts
 from edge_client.generators.training import GeneratorTrainer, batch_indices
 from edge_client.trainers.ort import ALL_PARAMETERS, ORT_ERROR, session_options
 from edge_client.trainers.ort_capi import C

@@ -13,8 +13,8 @@ import numpy as np
 from edge_client.trainers.ort_capi import C  # noqa: F401  # first: makes `import onnxruntime` torch-free
 import onnxruntime  # noqa: E402
 
-from edge_client.generators.artifacts import SAMPLER_MODEL, load_generator_artifacts  # noqa: E402
-from edge_client.generators.record import GeneratorRecord  # noqa: E402
+from models.generator_artifacts import SAMPLER_MODEL, load_generator_artifacts  # noqa: E402
+from models.generator_record import GeneratorRecord  # noqa: E402
 from edge_client.trainers.ort import session_options  # noqa: E402
 
 

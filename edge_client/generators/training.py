@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from edge_client.generators.record import GeneratorRecord
+from models.generator_record import GeneratorRecord
 
 BACKENDS = ("torch", "ort")
 

@@ -1,27 +1,39 @@
-"""Replay policies, chosen by name in the config."""
+"""Replay policies (the device halves of learning methods), chosen by name in the config.
+
+Every module of this package is imported once and every `ReplayPolicy` subclass that sets a `name` registers
+itself, so adding a method adds files and touches nothing here. A method defined elsewhere (a plugin, a test)
+registers the same way when its module is imported.
+"""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
-from edge_client.policies.class_balanced import ClassBalanced
-from edge_client.policies.generator import GeneratorReplay
-from edge_client.policies.herding import Herding
-from edge_client.policies.no_replay import NoReplay
-from edge_client.policies.random_cache import RandomCache
-from edge_client.policies.refed import ReFed
-from edge_client.policies.reservoir import Reservoir
+from edge_client.policies.base import (
+    Admission, PolicyContext, ReplayPolicy, SelectionContext, Samples, TrainingSet, registered_policies,
+)
+from edge_client.policies.class_balanced import GROUPINGS, ClassBalanced
 
-POLICIES: dict[str, type[ReplayPolicy]] = {
-    cls.name: cls for cls in (NoReplay, RandomCache, Reservoir, ClassBalanced, Herding, ReFed, GeneratorReplay)
-}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
-def make_policy(name: str, **options: Any) -> ReplayPolicy:
-    """Build a policy by its config name; options go to its constructor (e.g. refed's lam, pim_epochs)."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown replay policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return POLICIES[name](**options)
+def policy_names() -> list[str]:
+    return sorted(registered_policies())
 
 
-__all__ = ["POLICIES", "ReplayPolicy", "Samples", "SelectionContext", "make_policy"]
+def make_policy(name: str, group_by: str | None = None, **options: Any) -> ReplayPolicy:
+    """Build a policy by its config name; options go to its constructor (e.g. refed's lam, pim_epochs);
+    `group_by = "class"` wraps it in per-class quotas (`ClassBalanced`)."""
+    policies = registered_policies()
+    if name not in policies:
+        raise ValueError(f"unknown replay policy {name!r}; choose one of {', '.join(policy_names())}")
+    if group_by is not None and group_by not in GROUPINGS:
+        raise ValueError(f"unknown group_by {group_by!r}; choose one of {', '.join(GROUPINGS)}")
+    policy = policies[name](**options)
+    return ClassBalanced(policy) if group_by == "class" else policy
+
+
+__all__ = ["Admission", "ClassBalanced", "PolicyContext", "ReplayPolicy", "Samples", "SelectionContext",
+           "TrainingSet", "make_policy", "policy_names"]

@@ -1,8 +1,22 @@
-"""The ReplayPolicy interface: given the samples of earlier tasks, decide which of them the device keeps.
+"""The ReplayPolicy interface: the device half of a learning method.
 
-A policy never touches files: the learner loads the candidates from the store, asks the policy for a ranking,
-and tells the store what to keep. Rankings are ordered most valuable first, so the learner can always keep a
-prefix (when a byte budget turns out tighter than the sample budget).
+A method lives in its own files: a policy here (`edge_client/policies/<name>.py`, or a package) and, when it needs
+one, a strategy on the coordinator (`coordinator/strategies/<name>.py`). The generic parts — the learner, the
+device daemon, the wire, the coordinator — call the hooks below at fixed points of a round and never name a
+method. A policy can:
+
+- rank the samples of earlier tasks (`rank`, most valuable first, so the learner can always keep a prefix) and
+  decide which new samples enter while the data stream in (`admit`; by default the learner's task-switch rule);
+- keep more than samples on disk (`open` gets the device's `DeviceBudget`: register what you keep, write within
+  `room`), so everything shares the one budget M;
+- shape local training (`training_set`: extra samples and `LossInputs` — per-sample weights, soft or multi-hot
+  targets, a teacher's logits with a weight, the CE or BCE head), with either trainer backend;
+- speak to its strategy through named payloads: ask for some (`requests`, answered through `receive`), take those
+  the coordinator sends with a round (`receive`), attach some to its update (`attachments`);
+- report numbers (`metrics`).
+
+A policy never touches the store's files: the learner loads candidates, asks for a ranking, and tells the store
+what to keep.
 """
 from __future__ import annotations
 
@@ -13,7 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
-from edge_client.trainers.base import Trainer
+from edge_client.budget import DeviceBudget
+from edge_client.trainers.base import LossInputs, Trainer
 
 if TYPE_CHECKING:
     from edge_client.learner import Learner
@@ -42,37 +57,86 @@ class SelectionContext:
     batch_size: int = 64
 
 
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may open with: the device's state folder (its files go in a folder of their own there), the
+    model's artifact folder, the budget M every byte it keeps counts against, and the task model's trainer."""
+
+    state_dir: Path
+    artifacts: Path
+    budget: DeviceBudget
+    trainer: Trainer
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A streaming policy's decision for one chunk: positions of the stored samples that stay (into the store's
+    ids) and of the arriving samples that enter."""
+
+    stays: np.ndarray
+    enters: np.ndarray
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    """What one round trains on: inputs, labels and, when the policy shapes the loss, its inputs."""
+
+    x: np.ndarray
+    y: np.ndarray
+    loss: LossInputs | None = None
+
+
+_REGISTRY: dict[str, type[ReplayPolicy]] = {}
+
+
+def registered_policies() -> dict[str, type[ReplayPolicy]]:
+    """Every policy class by its config name (classes register as they are defined)."""
+    return dict(_REGISTRY)
+
+
 class ReplayPolicy(ABC):
-    """Ranks old samples for the store; the hooks below (no-ops here) let a policy keep more than samples, in the
-    manner of a training-loop plugin: the learner calls them at fixed points of a round."""
+    """The device half of a learning method (see the module docstring); every hook but `rank` is a no-op here."""
 
     name: ClassVar[str]
-    streaming: ClassVar[bool] = False  # True: the policy also decides which new samples enter (reservoir)
     keeps_old: ClassVar[bool] = True  # False: earlier tasks' samples leave the store at every task switch
-    lambda_align: float = 0.0  # weight of an alignment term against a teacher model, when the policy wants one
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            known = _REGISTRY.get(cls.name)
+            if known is not None and known.__qualname__ != cls.__qualname__:
+                raise ValueError(f"two replay policies are named {cls.name!r}: {known.__qualname__} and "
+                                 f"{cls.__qualname__}")
+            _REGISTRY[cls.name] = cls
 
     @abstractmethod
     def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
         """Positions into `old` of at most `keep` samples to cache, most valuable first."""
 
-    def open(self, learner: Learner, state_dir: Path, model_artifacts: Path) -> None:
-        """Open what the policy keeps on disk besides the store (in `state_dir`)."""
-
-    def storage_bytes(self) -> int:
-        """Bytes the policy holds on disk besides the store; they count against the store's byte budget."""
-        return 0
-
-    def replay_samples(self, learner: Learner) -> Samples | None:
-        """Samples to train on besides the store's (e.g. generated ones)."""
+    def admit(self, n_seen: int, n_stored: int, n_new: int, capacity: int,
+              rng: np.random.Generator) -> Admission | None:
+        """Decide, as the data stream in, which stored samples stay and which new ones enter; None (the default)
+        leaves it to the learner's task-switch rule (rank the old, keep M - N_new of them)."""
         return None
 
-    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray, offered: Mapping[int, Any]) -> None:
-        """Called after the task model's local training with the current task's real samples; `offered` holds
-        what the coordinator supplied for this round (e.g. cached generators by class)."""
+    def open(self, ctx: PolicyContext) -> None:
+        """Open what the policy keeps on disk besides the store, registering it with `ctx.budget`."""
 
-    def wanted_generators(self, learner: Learner, cached: list[int]) -> list[int]:
-        """Which of the coordinator's cached generators (by class) the policy would warm-start from this round."""
+    def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:
+        """Names of payloads to ask the coordinator for this round (`config` is the round's configuration, where
+        the method's strategy may have said what it holds); the answer comes through `receive`."""
         return []
+
+    def receive(self, learner: Learner, payloads: Mapping[str, bytes]) -> None:
+        """Named payloads from the coordinator: those sent with the round (e.g. "personal", a personalized model's
+        float32 weights) before training, and the answer to `requests` after it."""
+
+    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+        """What to train on, given the store's samples: by default exactly those, with the plain loss."""
+        return TrainingSet(x, y)
+
+    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
+        """Called after the task model's local training with the current task's real samples."""
 
     def attachments(self, learner: Learner) -> dict[str, bytes]:
         """Named byte strings the round's update carries besides the model."""

@@ -7,10 +7,13 @@ store. A round:
 1. The old real data go (the store keeps only the current task: `rank` keeps nothing).
 2. Replay: `replay_counts` (label-quantity scaling) says how many samples of each old class to generate; they
    are trained on together with the new data (a plain union), with the alignment term against the previous
-   personalized model on the samples of classes seen before (`lambda_align`, Eq. 6).
+   personalized model (the coordinator's "personal" payload) on the samples of classes seen before
+   (`lambda_align`, Eq. 6): the teacher term of the generic loss, so both trainer backends run it.
 3. After the task model, the generators of this round's classes are trained on its real samples: a warm start
-   from the device's own generator of the class, else from one the coordinator cached (another device's), else
-   from scratch (`init_steps`; a warm start takes `transfer_steps`).
+   from the device's own generator of the class, else from one the coordinator cached (another device's: the
+   round's config lists the classes it holds, `generator_classes`; the device asks for those new to it as
+   `generator/<class>` payloads while it trains), else from scratch (`init_steps`; a warm start takes
+   `transfer_steps`).
 4. The bank stores them at `precision` (float32, float16 or int8). When one does not fit M the drop rule below
    decides; the budget is never exceeded.
 
@@ -27,19 +30,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, Samples
+from edge_client.policies.base import PolicyContext, ReplayPolicy, TrainingSet
 from edge_client.policies.no_replay import NoReplay
+from edge_client.trainers.base import LossInputs
+from models.generator_record import attachment_label, attachment_name
 
 if TYPE_CHECKING:
     from edge_client.generators.bank import GeneratorBank
-    from edge_client.generators.record import GeneratorRecord
     from edge_client.learner import Learner
+    from models.generator_record import GeneratorRecord
 
 BANK_DIR = "generators"
+BANK_HOLDER = "generators"  # the bank's name among the budget's holders
+PERSONAL = "personal"  # the coordinator's payload holding this device's personalized model (float32 weights)
 
 
 def replay_counts(cumulative: np.ndarray, current: np.ndarray) -> np.ndarray:
@@ -80,20 +87,19 @@ class GeneratorReplay(ReplayPolicy):
     artifacts: str = ""  # generator artifact folder; "" = <model artifacts>/generator-<kind>
     _bank: GeneratorBank | None = field(default=None, init=False, repr=False)
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _teacher: np.ndarray | None = field(default=None, init=False, repr=False)  # this round's personalized model
+    _offered: dict[int, GeneratorRecord] = field(default_factory=dict, init=False, repr=False)
 
     rank = NoReplay.rank
 
     # --- the plugin hooks the learner calls ------------------------------------------------------
 
-    def open(self, learner: Learner, state_dir: Path, model_artifacts: Path) -> None:
+    def open(self, ctx: PolicyContext) -> None:
         from edge_client.generators.bank import GeneratorBank
         from edge_client.generators.sampler import OnnxSampler
         from edge_client.generators.training import make_generator_trainer
 
-        if self.lambda_align > 0 and not learner.trainer.supports_alignment:
-            raise ValueError("lambda_align > 0 needs a trainer with the alignment term (the torch backend); the ORT "
-                             "backend's training graph has a cross-entropy loss only: set lambda_align = 0")
-        folder = Path(self.artifacts) if self.artifacts else Path(model_artifacts).parent / f"generator-{self.kind}"
+        folder = Path(self.artifacts) if self.artifacts else ctx.artifacts.parent / f"generator-{self.kind}"
         if not (folder / "generator.json").exists():
             raise FileNotFoundError(f"no generator artifacts at {folder}: export them with `edgefil export "
                                     f"--generator {self.kind} --input-shape ... --out {folder}` (or set [policy] "
@@ -102,35 +108,60 @@ class GeneratorReplay(ReplayPolicy):
         self._spec = self._sampler.info.spec
         if not 0.0 < self.bank_share <= 1.0:
             raise ValueError(f"bank_share must lie in (0, 1], got {self.bank_share}")
-        budget = learner.byte_budget
-        limit = None if budget is None else (
-            lambda: min(int(self.bank_share * budget), budget - learner.store.bytes_on_disk()))
-        self._bank = GeneratorBank(Path(state_dir) / BANK_DIR, limit)
-        backend = learner.trainer.backend if self.backend == "auto" else self.backend
+        budget = ctx.budget
+        total = budget.max_bytes
+        limit = None if total is None else (
+            lambda: min(int(self.bank_share * total), budget.room(BANK_HOLDER) or 0))
+        self._bank = GeneratorBank(Path(ctx.state_dir) / BANK_DIR, limit)
+        budget.register(BANK_HOLDER, self._bank.bytes_on_disk)
+        backend = ctx.trainer.backend if self.backend == "auto" else self.backend
         self._trainer = make_generator_trainer(self._spec, backend, folder)
 
-    def storage_bytes(self) -> int:
-        return self._bank.bytes_on_disk() if self._bank is not None else 0
+    def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:
+        """The coordinator's cached generators of this task's classes the device has none of."""
+        counts, have = learner.state.task_counts, set(self._require_bank().classes())
+        cached = [c for c in config.get("generator_classes", []) if isinstance(c, int) and not isinstance(c, bool)]
+        return [attachment_name(c) for c in cached if 0 <= c < len(counts) and counts[c] > 0 and c not in have]
 
-    def replay_samples(self, learner: Learner) -> Samples | None:
-        """This round's synthetic samples: `replay_counts` per class, from classes that have a generator."""
+    def receive(self, learner: Learner, payloads: Mapping[str, bytes]) -> None:
+        """The personalized model (the teacher of this round's alignment term) and cached generators (warm
+        starts); a payload that does not decode is ignored, logged by the caller's counters."""
+        from models.generator_record import decode_record
+
+        if PERSONAL in payloads:
+            weights = np.frombuffer(payloads[PERSONAL], dtype="<f4")
+            if weights.size == learner.trainer.manifest.num_parameters and np.isfinite(weights).all():
+                self._teacher = weights.astype(np.float32)
+        for name, data in payloads.items():
+            label = attachment_label(name)
+            if label is not None:
+                self._offered[label] = decode_record(bytes(data))
+
+    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+        """The store's samples and this round's synthetic ones (`replay_counts` per class with a generator), with
+        the alignment term on samples of classes seen before the task, when a teacher came."""
         bank = self._require_bank()
         counts = replay_counts(learner.state.label_counts, learner.state.task_counts)
         trained = set(bank.classes())
         parts = [(c, int(n)) for c, n in enumerate(counts) if n > 0 and c in trained]
         self._round = {"replayed_samples": float(sum(n for _, n in parts))}
-        if not parts:
-            return None
-        xs = [self._sampler.sample(bank.get(c), n, learner.rng) for c, n in parts]
-        y = np.concatenate([np.full(n, c, dtype=np.int64) for c, n in parts])
-        return Samples(np.concatenate(xs), y, np.full(len(y), -1, dtype=np.int64))
+        if parts:
+            x = np.concatenate([x, *(self._sampler.sample(bank.get(c), n, learner.rng) for c, n in parts)])
+            y = np.concatenate([y, *(np.full(n, c, dtype=np.int64) for c, n in parts)])
+        teacher, self._teacher = self._teacher, None
+        applies = np.isin(y, learner.labels_seen_before_task()).astype(np.float32)
+        if teacher is None or self.lambda_align <= 0 or not applies.any():  # t = 1: nothing seen before
+            return TrainingSet(x, y)
+        loss = LossInputs(teacher_logits=learner.trainer.teacher_logits(teacher, x),
+                          teacher_weights=np.float32(self.lambda_align) * applies)
+        return TrainingSet(x, y, loss)
 
-    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray,
-                       offered: Mapping[int, GeneratorRecord]) -> None:
+    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
         """Train and store the generators of this round's classes (the drop rule of the module docstring)."""
-        from edge_client.generators.record import GeneratorRecord, quantize
+        from models.generator_record import GeneratorRecord, quantize
 
         bank = self._require_bank()
+        offered, self._offered = self._offered, {}
         classes = sorted(np.unique(y).tolist())
         dropped = own_starts = offered_starts = 0
         usable = {c: r for c, r in offered.items() if self._fits(r)}  # a cached generator of another model is no start
@@ -154,19 +185,14 @@ class GeneratorReplay(ReplayPolicy):
                            generators_from_own=float(own_starts), generators_from_coordinator=float(offered_starts),
                            generator_bytes=float(bank.bytes_on_disk()))
 
-    def wanted_generators(self, learner: Learner, cached: list[int]) -> list[int]:
-        """Classes of this task the device has no generator of, among those the coordinator holds."""
-        counts, have = learner.state.task_counts, set(self._require_bank().classes())
-        return [c for c in cached if c < len(counts) and counts[c] > 0 and c not in have]
-
     def attachments(self, learner: Learner) -> dict[str, bytes]:
         """What the update carries besides the model: this task's generators, as stored (pFedGRP's upload)."""
-        from edge_client.generators.record import encode_record
+        from models.generator_record import encode_record
 
         bank = self._require_bank()
         stored = set(bank.classes())
         current = [c for c, n in enumerate(learner.state.task_counts) if n > 0 and c in stored]
-        return {f"generator/{c}": encode_record(bank.get(c)) for c in current}
+        return {attachment_name(c): encode_record(bank.get(c)) for c in current}
 
     def metrics(self) -> dict[str, float]:
         return dict(self._round)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
+from edge_client.policies.base import Admission, ReplayPolicy, SelectionContext, Samples
 
 
 class Reservoir(ReplayPolicy):
     name = "reservoir"
-    streaming = True
 
     def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
         return ctx.rng.permutation(len(old))[:keep]
+
+    def admit(self, n_seen: int, n_stored: int, n_new: int, capacity: int,
+              rng: np.random.Generator) -> Admission | None:
+        return Admission(*reservoir_update(n_seen, n_stored, n_new, capacity, rng))
 
 
 def reservoir_update(

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from models.manifest import Manifest
+from models.manifest import LOSS_HEADS, Manifest
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
 
@@ -34,18 +34,50 @@ class Proximal:
 
 
 @dataclass(frozen=True)
-class Alignment:
-    """pFedGRP's knowledge-transfer term (Eq. 6): `weight * MSE(student logits, teacher logits)` on the samples whose
-    label the device had seen before this round (`applies` = 1), added to each sample's cross-entropy. Logits are
-    compared raw (unmasked), over the classes the step's class mask leaves visible; the batch loss is the mean over
-    the batch of CE_i + weight * applies_i * MSE_i, i.e. Eq. 6's sum divided by the batch size."""
+class LossInputs:
+    """How a method shapes the training loss (models/loss.py), one row per sample given to fit(). Every field is
+    optional; left out it takes its neutral value, which gives the plain batch-mean cross-entropy:
 
-    weight: float
-    teacher_logits: np.ndarray  # (N, num_classes), one row per sample given to fit(), from the teacher's raw logits
-    applies: np.ndarray  # (N,) float32 of 0/1
+    - `sample_weights` (N,): each sample's weight in the batch mean (default ones);
+    - `targets` (N, classes): soft or multi-hot targets instead of the one-hot labels;
+    - `teacher_logits` (N, classes) with `teacher_weights` (N,): a teacher's raw logits and each sample's weight
+      of the squared distance to them over the visible classes (pFedGRP's alignment, Eq. 6; distillation);
+    - `head`: "softmax-ce" or "sigmoid-bce" (GLFC's head).
 
-    def batch(self, idx: np.ndarray) -> Alignment:
-        return Alignment(self.weight, self.teacher_logits[idx], self.applies[idx])
+    Both backends take exactly these inputs: the ORT graphs have them as inputs (the manifest lists them)."""
+
+    sample_weights: np.ndarray | None = None
+    targets: np.ndarray | None = None
+    teacher_logits: np.ndarray | None = None
+    teacher_weights: np.ndarray | None = None
+    head: str = "softmax-ce"
+
+    def batch(self, idx: np.ndarray) -> LossInputs:
+        def rows(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[idx]
+
+        return LossInputs(rows(self.sample_weights), rows(self.targets), rows(self.teacher_logits),
+                          rows(self.teacher_weights), self.head)
+
+
+def loss_arrays(
+    y: np.ndarray, num_classes: int, loss: LossInputs | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The graph's loss inputs for one batch (targets, sample_weights, teacher_logits, teacher_weights, bce), each
+    float32 and C-contiguous, neutral where `loss` leaves a field out."""
+    loss = loss or LossInputs()
+    n = len(y)
+    if loss.targets is not None:
+        targets = loss.targets
+    else:
+        targets = np.zeros((n, num_classes), dtype=np.float32)
+        targets[np.arange(n), y] = 1.0
+    weights = loss.sample_weights if loss.sample_weights is not None else np.ones(n, dtype=np.float32)
+    teacher = loss.teacher_logits if loss.teacher_logits is not None else np.zeros((n, num_classes), np.float32)
+    teacher_weights = loss.teacher_weights if loss.teacher_weights is not None else np.zeros(n, dtype=np.float32)
+    bce = np.array([float(LOSS_HEADS.index(loss.head))], dtype=np.float32)
+    return tuple(np.ascontiguousarray(a, dtype=np.float32)  # type: ignore[return-value]
+                 for a in (targets, weights, teacher, teacher_weights, bce))
 
 
 def iterate_batches(
@@ -93,7 +125,6 @@ class Trainer(ABC):
     backend: str  # "ort" or "torch": what the device config's [trainer] backend names
     manifest: Manifest
     _learning_rate: float
-    supports_alignment: bool = True  # whether train_step takes an Alignment term
 
     @abstractmethod
     def get_weights(self) -> np.ndarray: ...
@@ -107,10 +138,10 @@ class Trainer(ABC):
 
     @abstractmethod
     def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, alignment: Alignment | None = None
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
     ) -> float:
-        """One optimiser step on one batch; returns the batch's mean loss before the step (with the alignment term
-        when one is given)."""
+        """One optimiser step on one batch; returns the batch's loss (models/loss.py, shaped by `loss`) before
+        the step."""
 
     @abstractmethod
     def forward(
@@ -142,24 +173,24 @@ class Trainer(ABC):
         class_mask: np.ndarray | None = None,
         rng: np.random.Generator | None = None,
         proximal: Proximal | None = None,
-        alignment: Alignment | None = None,
+        loss: LossInputs | None = None,
     ) -> float:
         """Train for `epochs` passes over (x, y); returns the mean training loss of the last epoch (without the
-        proximal term). With `proximal`, every step is followed by `proximal_pull`; with `alignment`, each step's
-        loss carries its term."""
+        proximal term). With `proximal`, every step is followed by `proximal_pull`; `loss` shapes each step's
+        loss (per-sample weights, targets, a teacher, the head)."""
         x, y = self._check_batch(x, y)
         mask = self.mask(class_mask)
         if proximal is not None:
             proximal = self._check_proximal(proximal)
-        if alignment is not None:
-            alignment = self._check_alignment(alignment, len(y))
+        if loss is not None:
+            loss = self._check_loss(loss, len(y))
         last = 0.0
         for _ in range(epochs):
             total = 0.0
             for idx in iterate_batches(len(y), batch_size, rng):
                 before = self.get_weights() if proximal is not None else None
-                step_alignment = alignment.batch(idx) if alignment is not None else None
-                total += self.train_step(x[idx], y[idx], mask, step_alignment) * len(idx)
+                step_loss = loss.batch(idx) if loss is not None else None
+                total += self.train_step(x[idx], y[idx], mask, step_loss) * len(idx)
                 if proximal is not None:
                     self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
             last = total / max(len(y), 1)
@@ -248,17 +279,30 @@ class Trainer(ABC):
         finally:
             self.set_weights(saved)
 
-    def _check_alignment(self, alignment: Alignment, n: int) -> Alignment:
-        if not (np.isfinite(alignment.weight) and alignment.weight >= 0):
-            raise ValueError(f"alignment weight must be finite and >= 0, got {alignment.weight}")
-        logits = np.ascontiguousarray(alignment.teacher_logits, dtype=np.float32)
-        applies = np.ascontiguousarray(alignment.applies, dtype=np.float32)
-        if logits.shape != (n, self.manifest.num_classes) or applies.shape != (n,):
-            raise ValueError(f"alignment needs teacher logits of shape ({n}, {self.manifest.num_classes}) and "
-                             f"one 0/1 flag per sample, got {logits.shape} and {applies.shape}")
-        if not np.isfinite(logits).all():
-            raise ValueError("teacher logits contain NaN or Inf values")
-        return Alignment(float(alignment.weight), logits, applies)
+    def _check_loss(self, loss: LossInputs, n: int) -> LossInputs:
+        """Refuse loss inputs of the wrong shape, with NaN/Inf, negative weights or an unknown head."""
+        k = self.manifest.num_classes
+        if loss.head not in LOSS_HEADS:
+            raise ValueError(f"unknown loss head {loss.head!r}; choose one of {', '.join(LOSS_HEADS)}")
+        checked: dict[str, np.ndarray | None] = {}
+        for name, shape in (("sample_weights", (n,)), ("targets", (n, k)), ("teacher_logits", (n, k)),
+                            ("teacher_weights", (n,))):
+            value = getattr(loss, name)
+            if value is None:
+                checked[name] = None
+                continue
+            array = np.ascontiguousarray(value, dtype=np.float32)
+            if array.shape != shape:
+                raise ValueError(f"loss input {name} must have shape {shape}, got {array.shape}")
+            if not np.isfinite(array).all():
+                raise ValueError(f"loss input {name} contains NaN or Inf values")
+            if name != "teacher_logits" and (array < 0).any():
+                raise ValueError(f"loss input {name} must be >= 0")
+            checked[name] = array
+        if (loss.teacher_logits is None) != (loss.teacher_weights is None):
+            raise ValueError("a teacher term needs both teacher_logits and teacher_weights")
+        return LossInputs(checked["sample_weights"], checked["targets"], checked["teacher_logits"],
+                          checked["teacher_weights"], loss.head)
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.trainers.base import Alignment, Trainer
+from edge_client.trainers.base import LossInputs, Trainer, loss_arrays
 from edge_client.trainers.ort_capi import C
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
 
@@ -35,7 +35,6 @@ class OrtTrainer(Trainer):
     """Loads a verified artifact directory and trains it with ORT's on-device training API."""
 
     backend = "ort"
-    supports_alignment = False  # the exported training graph's loss is cross-entropy only
 
     def __init__(
         self, artifact_dir: str | Path, optimizer: str = "sgd", lr: float = 0.01, threads: int = 1
@@ -81,11 +80,8 @@ class OrtTrainer(Trainer):
             self._optimizer.set_learning_rate(lr)
 
     def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, alignment: Alignment | None = None
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
     ) -> float:
-        if alignment is not None:
-            raise ValueError("the ORT backend's training graph has a cross-entropy loss only: pFedGRP's alignment "
-                             "term needs the torch backend (or lambda_align = 0)")
         self._require_weights()
         if self._optimizer is None:
             # ORT sizes the optimizer state from the parameters' data: with a nominal checkpoint that data
@@ -95,7 +91,7 @@ class OrtTrainer(Trainer):
             )
             self._optimizer.set_learning_rate(self.learning_rate)
         fetches = C.OrtValueVector()
-        self._module.train_step([x, class_mask, y], fetches)
+        self._module.train_step(self._feeds(x, y, class_mask, loss), fetches)
         self._optimizer.optimizer_step()
         self._module.lazy_reset_grad()
         return float(fetches[0].numpy())
@@ -105,7 +101,7 @@ class OrtTrainer(Trainer):
     ) -> tuple[float, np.ndarray, np.ndarray]:
         self._require_weights()
         fetches = C.OrtValueVector()
-        self._module.eval_step([x, class_mask, y], fetches)
+        self._module.eval_step(self._feeds(x, y, class_mask, None), fetches)
         loss, logits, features = (value.numpy() for value in fetches)
         return float(loss), logits, features
 
@@ -120,11 +116,16 @@ class OrtTrainer(Trainer):
         norms = np.empty(len(y), dtype=np.float64)
         for i in range(len(y)):
             try:
-                self._module.train_step([x[i : i + 1], class_mask, y[i : i + 1]], C.OrtValueVector())
+                self._module.train_step(self._feeds(x[i : i + 1], y[i : i + 1], class_mask, None),
+                                        C.OrtValueVector())
                 norms[i] = sum(_squared_norm(self._state.get_parameter(name).grad.numpy()) for name in names)
             finally:
                 self._module.lazy_reset_grad()
         return norms
+
+    def _feeds(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None) -> list:
+        """The graph's inputs in order (models.manifest.GRAPH_INPUTS)."""
+        return [x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss)]
 
     def _require_weights(self) -> None:
         if not self._has_weights:

@@ -10,10 +10,11 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from edge_client.trainers.base import Alignment, Trainer, iterate_batches
+from edge_client.trainers.base import LossInputs, Trainer, iterate_batches, loss_arrays
 from models.flat_weights import flatten_weights, load_flat_weights
 from models.manifest import Manifest
-from models.zoo import MASK_FILL, build_model
+from models.loss import training_loss
+from models.zoo import build_model
 
 
 class TorchTrainer(Trainer):
@@ -52,20 +53,16 @@ class TorchTrainer(Trainer):
             group["lr"] = lr
 
     def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, alignment: Alignment | None = None
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
     ) -> float:
         self.model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        mask = self._tensor(class_mask)
         raw, _ = self.model(self._tensor(x))
-        loss = F.cross_entropy(raw + (mask - 1.0) * MASK_FILL, self._tensor(y))
-        if alignment is not None:
-            visible = mask.sum().clamp(min=1.0)
-            squared = ((raw - self._tensor(alignment.teacher_logits)) * mask).pow(2).sum(1) / visible
-            loss = loss + alignment.weight * (self._tensor(alignment.applies) * squared).mean()
-        loss.backward()
+        inputs = (self._tensor(a) for a in loss_arrays(y, self.manifest.num_classes, loss))
+        value = training_loss(raw, self._tensor(class_mask), *inputs)
+        value.backward()
         self._optimizer.step()
-        return float(loss.item())
+        return float(value.item())
 
     @torch.no_grad()
     def forward(

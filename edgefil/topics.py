@@ -1,7 +1,7 @@
 """MQTT topic names of the protocol (docs/protocol.md). Both sides import this; the broker's ACL mirrors it.
 
     edgefil/<fleet>/dev/<device>/<kind>   device -> coordinator   (register, status, update, request)
-    edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, generators)
+    edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, answer)
     edgefil/<fleet>/all/<kind>            coordinator -> every device (weights)
 """
 from __future__ import annotations

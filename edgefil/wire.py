@@ -29,6 +29,8 @@ MIN_CHUNK_BYTES = 1024  # every chunk but a blob's last carries at least this mu
 WEIGHTS_DTYPE = "<f4"
 MAX_METRICS = 64
 MAX_ATTACHMENTS = 256
+MAX_NAME_CHARS = 128  # an attachment's or a requested payload's name
+MAX_REQUEST_NAMES = 64  # payloads one request may ask for
 
 Message = dict[str, Any]
 
@@ -61,19 +63,21 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "update": {
         **_CHUNK_FIELDS, "device": str, "round": int, "task": int, "model": str, "num_samples": int, "metrics": dict,
     },
-    "request": {"device": str, "round": int, "classes": list},  # cached generators of these classes, please
+    "request": {"device": str, "round": int, "names": list},  # these named payloads, please
     # coordinator -> device
     "round": {"round": int, "task": int, "model": str, "version": int, "deadline_s": _NUMBER, "config": dict},
     "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
-    "generators": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
+    "payload": {**_CHUNK_FIELDS, "round": int},  # named payloads for one device's round: attachments only
+    "answer": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
 }
 # Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
-# weights in a blob (update, generators), each padded to 4 bytes. `personal`: the id of the device's personalized
-# model blob in a round message. `label_counts`: samples seen per class (update).
+# weights in a blob (update, payload, answer), each padded to 4 bytes. `payload`: the id of the payload blob a round
+# message goes with (the device waits for it as for the weights). `label_counts`: samples seen per class (update).
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "update": {"attachments": list, "label_counts": list},
-    "generators": {"attachments": list},
-    "round": {"personal": str},
+    "payload": {"attachments": list},
+    "answer": {"attachments": list},
+    "round": {"payload": str},
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})
 BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
@@ -123,7 +127,7 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
         _check_metrics(message["metrics"])
         _check_ints(message.get("label_counts", []), "update.label_counts")
     if kind == "request":
-        _check_ints(message["classes"], "request.classes")
+        _check_names(message["names"])
     if "attachments" in message:
         _check_attachments(message["attachments"])
     if kind in BLOB_KINDS:
@@ -147,13 +151,24 @@ def _check_ints(values: list, where: str) -> None:
         raise WireError("field", f"{where} must be a list of at most 4096 non-negative ints")
 
 
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
+
+
+def _check_names(names: list) -> None:
+    if len(names) > MAX_REQUEST_NAMES or not all(_is_name(n) for n in names) or len(set(names)) != len(names):
+        raise WireError("field", f"request.names must be at most {MAX_REQUEST_NAMES} distinct names of 1 to "
+                                 f"{MAX_NAME_CHARS} characters")
+
+
 def _check_attachments(attachments: list) -> None:
     if len(attachments) > MAX_ATTACHMENTS:
         raise WireError("attachments", f"{len(attachments)} attachments, at most {MAX_ATTACHMENTS}")
     for entry in attachments:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_name(entry[0])
                 and isinstance(entry[1], int) and not isinstance(entry[1], bool) and entry[1] >= 0):
-            raise WireError("attachments", f"an attachment is [name, length], got {entry!r}")
+            raise WireError("attachments", f"an attachment is [name of at most {MAX_NAME_CHARS} characters, "
+                                           f"length], got {entry!r}")
     names = [entry[0] for entry in attachments]
     if len(set(names)) != len(names):
         raise WireError("attachments", "attachment names repeat")
@@ -249,6 +264,10 @@ class Blob:
     def weights(self, expected_length: int) -> np.ndarray:
         """The blob's weights: exactly `expected_length` finite float32 values, else WireError."""
         return self.split(expected_length)[0]
+
+    def attachments(self) -> dict[str, bytes]:
+        """The named attachments of an attachments-only blob (payload, answer), as bytes."""
+        return {name: bytes(data) for name, data in self.split(0)[1].items()}
 
     def split(self, expected_length: int) -> tuple[np.ndarray, dict[str, memoryview]]:
         """The weights (`expected_length` finite float32 values; 0 for an attachments-only blob) and the named

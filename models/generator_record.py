@@ -29,6 +29,7 @@ needs torch.
 from __future__ import annotations
 
 import json
+import re
 import math
 import struct
 import zlib
@@ -197,3 +198,18 @@ def decode_record(data: bytes) -> GeneratorRecord:
 def quantize(record: GeneratorRecord, precision: str) -> GeneratorRecord:
     """The record with its arrays replaced by their values stored at `precision` (what `get` would return)."""
     return decode_record(encode_record(replace(record, precision=precision)))
+
+
+# --- how generator replay names its records in an update's attachments and in requests ------------------------
+ATTACHMENT_PREFIX = "generator/"
+_ATTACHMENT = re.compile(r"generator/(0|[1-9][0-9]{0,5})")  # ASCII digits only: str.isdigit() takes others
+
+
+def attachment_name(label: int) -> str:
+    return f"{ATTACHMENT_PREFIX}{label}"
+
+
+def attachment_label(name: str) -> int | None:
+    """The class a `generator/<label>` attachment name stands for; None for any other name."""
+    match = _ATTACHMENT.fullmatch(name)
+    return int(match.group(1)) if match else None

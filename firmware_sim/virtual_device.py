@@ -1,0 +1,54 @@
+"""A virtual device: the real device daemon with a simulated surrounding, built here and handed to it.
+
+The device runtime never imports the simulator. A virtual device's config file is a device config whose `[data]`
+names a scenario share (`scenario = {...}`, `client = k`) instead of a folder, and which may carry an `[emulation]`
+table (profile, host calibration, real time, time scale). This module turns those two into the objects the
+daemon takes: a `ClientSource` and an `EmulatedEnvironment`.
+"""
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+
+from edge_client.config import DeviceConfig
+from edge_client.device import Device
+from edge_client.environment import Environment
+from edge_client.sources import TaskSource
+from firmware_sim.emulation import EmulatedEnvironment
+from firmware_sim.limits import HostCalibration
+from firmware_sim.profiles import load_profile
+from firmware_sim.scenarios import ClientSource
+
+
+def simulated_source(config: DeviceConfig) -> TaskSource | None:
+    """The device's share of the scenario, or None when its data come from a folder."""
+    if "scenario" not in config.data:
+        return None
+    return ClientSource(config.data["scenario"], int(config.data.get("client", 0)))
+
+
+def emulated_environment(config: DeviceConfig) -> Environment | None:
+    """The emulated profile's limits, or None for a device that runs at the host's speed."""
+    emulation = config.emulation
+    if not emulation:
+        return None
+    seed = int.from_bytes(hashlib.sha256(config.device_id.encode()).digest()[:4], "little")
+    return EmulatedEnvironment(
+        load_profile(emulation["profile"]), HostCalibration(float(emulation["host_gflops"])),
+        real_time=bool(emulation.get("real_time", False)),
+        availability_seed=int(emulation.get("availability_seed", seed)),
+        time_scale=float(emulation.get("time_scale", 1.0)),
+    )
+
+
+def virtual_device(config: DeviceConfig) -> Device:
+    return Device(config, source=simulated_source(config), environment=emulated_environment(config))
+
+
+def run_virtual_device(config_path: str | Path) -> None:
+    """`edgefil client --config FILE` for a simulated device: run until SIGTERM/SIGINT, then leave cleanly."""
+    device = virtual_device(DeviceConfig.load(config_path))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: device.stop_requested.set())
+    device.run()
