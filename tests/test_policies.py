@@ -126,3 +126,23 @@ def test_refed_importance_is_the_emphasised_sum_of_pim_gradient_norms(export_art
     np.testing.assert_allclose(scores, expected, rtol=1e-6)
     ranking = policy.rank(old, 10, SelectionContext(trainer, global_weights, None, np.random.default_rng(5)))
     assert set(ranking.tolist()) == set(np.argsort(-expected)[:10].tolist())
+
+
+def test_class_quotas_compose_with_any_ranking():
+    """`group_by = "class"` wraps a policy: its own order within each class, the same quota per class."""
+    from edge_client.policies import ClassBalanced
+
+    y = np.array([0] * 8 + [1] * 2 + [2] * 6)
+    old = Samples(np.zeros((len(y), 1, 8, 8), np.float32), y, np.zeros(len(y), np.int64))
+    ctx = SelectionContext(trainer=None, global_weights=np.zeros(1, np.float32), class_mask=None,  # type: ignore
+                           rng=np.random.default_rng(0))
+    wrapped = make_policy("random", group_by="class")
+    assert isinstance(wrapped, ClassBalanced) and wrapped.inner.name == "random"
+    kept = wrapped.rank(old, 6, ctx)
+    assert sorted(np.bincount(y[kept], minlength=3).tolist()) == [2, 2, 2]
+    inner = make_policy("reservoir")  # ranked here by position, last first: a ranking that knows no classes
+    inner.rank = lambda old, keep, ctx: np.arange(len(old))[::-1][:keep]  # type: ignore[method-assign]
+    order = ClassBalanced(inner).rank(old, 6, ctx)
+    assert set(order[y[order] == 0].tolist()) == {6, 7} and set(order[y[order] == 2].tolist()) == {14, 15}
+    with pytest.raises(ValueError, match="group_by"):
+        make_policy("refed", group_by="task")

@@ -1,0 +1,90 @@
+"""The budget M has one owner: whatever a device keeps — the replay store, a method's own files — never adds up
+to more than M, in samples or in bytes, across a randomized sequence of task switches, chunks, training rounds
+and restarts, for every method."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.budget import Budget, DeviceBudget, file_bytes
+from edge_client.learner import STORE_HOLDER, Learner, LearnerConfig
+from edge_client.policies import make_policy, policy_names
+from edge_client.store import ReplayStore
+from edge_client.stream import Chunk
+from edge_client.trainers.ort import OrtTrainer
+from models.generator_export import export_generator_artifacts
+from models.generators import default_spec
+
+OPTIONS = {"refed": {"pim_epochs": 1, "importance": "last-layer"},
+           "generator": {"init_steps": 3, "transfer_steps": 2, "precision": "int8", "keep_auxiliary": False}}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, export_artifacts):
+    lenet = export_artifacts("lenet", 10, (1, 8, 8))
+    export_generator_artifacts(default_spec("vae", (1, 8, 8)), lenet.parent / "generator-vae", seed=0)
+    return lenet
+
+
+def _open(artifacts, folder, max_samples, max_bytes, policy):
+    budget = DeviceBudget(Budget(max_samples, max_bytes))
+    store = ReplayStore(folder / "store", budget.share(STORE_HOLDER), (1, 8, 8))
+    budget.register(STORE_HOLDER, store.bytes_on_disk)
+    learner = Learner(OrtTrainer(artifacts, optimizer="sgd", lr=0.05), store,
+                      make_policy(policy, **OPTIONS.get(policy, {})), LearnerConfig(epochs=1, batch_size=16),
+                      seed=1, budget=budget)
+    learner.open_policy(folder, artifacts)
+    return learner, budget
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy):
+    rng = np.random.default_rng(sum(map(ord, policy)))
+    max_samples, max_bytes = 60, 300 * 1024
+    learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy)
+    task, classes = 0, [0, 1]
+    for step in range(14):
+        action = rng.choice(["switch", "chunk", "train", "restart"], p=[0.3, 0.3, 0.3, 0.1])
+        if action == "switch":
+            task += 1
+            classes = rng.choice(10, size=2, replace=False).tolist()
+        if action in ("switch", "chunk"):
+            n = int(rng.integers(5, 50))
+            y = rng.choice(classes, n)
+            x = (y[:, None, None, None] / 10 + 0.1 * rng.standard_normal((n, 1, 8, 8))).astype(np.float32)
+            learner.observe(Chunk(x, y, task))
+        elif action == "train" and len(learner.store):
+            learner.train()
+            learner.finish_round()
+        elif action == "restart":
+            learner.save(tmp_path)
+            learner.store.close()
+            learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy)
+            assert learner.restore(tmp_path)
+        held = budget.held()
+        assert sum(held.values()) <= max_bytes, (step, action, held)
+        assert len(learner.store) <= max_samples
+    learner.store.close()
+
+
+def test_a_holder_gets_what_the_others_leave():
+    sizes = {"store": 1000, "bank": 300}
+    budget = DeviceBudget(Budget(10, 2000))
+    for name in sizes:
+        budget.register(name, lambda name=name: sizes[name])
+    assert budget.room("store") == 1700 and budget.room("bank") == 1000 and budget.used() == 1300
+    share = budget.share("store")
+    sizes["bank"] = 1900
+    assert share.max_bytes == 100 and share.max_samples == 10  # looked up live
+    sizes["bank"] = 2500
+    assert share.max_bytes == 0  # never negative
+    with pytest.raises(ValueError, match="registered"):
+        budget.register("bank", lambda: 0)
+    assert DeviceBudget(Budget(5)).room("store") is None
+
+
+def test_one_file_size_rule():
+    assert file_bytes(0, 4096) == 0
+    assert file_bytes(1, 4096, fresh=True) == 4096  # a small fresh file is mapped from its inode
+    assert file_bytes(1, 4096) == (1 + 1 + 2) * 4096  # growth: a mapping block, and 2 for a split and a level
+    assert file_bytes(5 * 4096, 4096, fresh=True) == (5 + 1 + 2) * 4096
