@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
+
 from coordinator.compute import as_tensor, resolve_device
 from coordinator.strategies import ClientUpdate
-from coordinator.strategies.fedavg import FedAvg
-from coordinator.strategies.fedavg import fedavg_coefficients
+from coordinator.strategies.fedavg import FedAvg, fedavg_coefficients
 
 CLIENTS = [10, 100, 1000]
 SIZES = [(100_000, "100K"), (1_000_000, "1M"), (11_000_000, "11M")]

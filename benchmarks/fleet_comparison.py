@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from firmware_sim.demo import METHODS, run_methods
 from edgefil.metrics import accuracy_matrix, average_accuracy, forgetting
+from firmware_sim.demo import run_methods
 
 DATASETS = {  # scenario, model, budget M (about 3-4 tasks' share of one device's data)
     "digits-class": ({"preset": "digits-class"}, "lenet", 100),

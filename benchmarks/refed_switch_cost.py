@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
+
 from edge_client.policies import Samples, SelectionContext
 from edge_client.policies.refed import ReFed
 from edge_client.trainers.ort import OrtTrainer

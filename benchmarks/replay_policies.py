@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
-from edge_client.budget import Budget
 from edge_client.store import ReplayStore
 from edge_client.trainers.ort import OrtTrainer
 from edgefil.metrics import forgetting

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
+
 from edge_client.budget import Budget
 from edge_client.store import ReplayStore
 

@@ -32,8 +32,11 @@ class TestSets(Protocol):
     """The data the coordinator evaluates on: per task a test set and the classes the task brings; with
     `per_client` (flowing data) also each client's own test data and how much it trained on."""
 
-    num_classes: int
-    input_shape: tuple[int, ...]
+    @property
+    def num_classes(self) -> int: ...
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
 
     @property
     def n_tasks(self) -> int: ...

@@ -3,8 +3,8 @@
 Choices (configurable in the coordinator config, documented in docs/protocol.md):
 - Selection draws ceil(r * available) devices (at least the quorum, at most all available) with the run's seeded
   generator, so a resumed run draws as the original would have.
-- A round closes when every selected device has delivered (or went offline), or at its deadline. Updates that arrive after the
-  close are logged as late and dropped.
+- A round closes when every selected device has delivered (or went offline), or at its deadline. Updates that
+  arrive after the close are logged as late and dropped.
 - In virtual time (simulated fleets), an update whose reported `device_seconds` (download + compute + upload on
   the emulated device) exceed the deadline is late too, however fast the host delivered it.
 - A round with fewer updates than the quorum is not aggregated; it is run again (new selection) up to

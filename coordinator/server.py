@@ -25,12 +25,10 @@ import dataclasses
 import json
 import logging
 import time
-
-import msgpack
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from coordinator.checkpoint import RunState, load_run_state, save_run_state
@@ -44,7 +42,12 @@ from edgefil import topics, wire
 from edgefil.durable import write_atomically
 from edgefil.link import CONNECTED, Link
 from edgefil.metrics import (
-    accuracy_matrix, average_accuracy, average_of_iaa, backward_transfer, forgetting, iaa_forgetting,
+    accuracy_matrix,
+    average_accuracy,
+    average_of_iaa,
+    backward_transfer,
+    forgetting,
+    iaa_forgetting,
 )
 from models.checkpoint import checkpoint_weights
 from models.manifest import load_manifest, manifest_digest
@@ -114,7 +117,7 @@ class Coordinator:
             return state
         return RunState(
             weights=checkpoint_weights(self.config.artifacts),
-            rng=np.random.default_rng(self.config.seed).bit_generator.state,
+            rng=dict(np.random.default_rng(self.config.seed).bit_generator.state),
         )
 
     def _load_personalized(self) -> None:
@@ -150,10 +153,10 @@ class Coordinator:
         number, task = self.state.round + 1, self.state.task
         for attempt in range(1, self.config.max_attempts + 1):
             selected = select(self._wait_for_devices(), self.config.fraction, self.config.min_clients, self.rng)
-            self._open(number, task, selected)
-            while not self.open_round.complete and self.open_round.remaining_s() > 0:
-                self._pump(self.open_round.remaining_s())
-            collected, missing = self.open_round, self.open_round.missing()
+            collected = self._open(number, task, selected)
+            while not collected.complete and collected.remaining_s() > 0:
+                self._pump(collected.remaining_s())
+            missing = collected.missing()
             self.open_round = None
             self.inbox.drop_partial_updates(before_round=number + 1)
             if missing:
@@ -182,11 +185,11 @@ class Coordinator:
                  self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
         self._finish_round(accuracies, task_done=True)
 
-    def _open(self, number: int, task: int, selected: list[str]) -> None:
+    def _open(self, number: int, task: int, selected: list[str]) -> OpenRound:
         encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
                                    version=self.state.round)
         self._weights_chunks = encoded.chunks
-        self.open_round = OpenRound.open(
+        self.open_round = opened = OpenRound.open(
             number, task, encoded.id, selected, self.config.deadline_s, virtual=self.config.virtual_time
         )
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
@@ -194,16 +197,19 @@ class Coordinator:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
         for device in selected:
             if device in self._kept:
-                self.open_round.offer(self._kept.pop(device), self.counters)
+                opened.offer(self._kept.pop(device), self.counters)
             else:
                 self._send_round(device)
+        return opened
 
     def _send_round(self, device: str, with_weights: bool = False) -> None:
         fleet, current = self.config.fleet, self.open_round
+        if current is None:
+            return
         if with_weights:
             for chunk in self._weights_chunks:
                 self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
-        payload = {}
+        payload: dict[str, Any] = {}
         named = self._payloads_for(device)
         if named:
             data, layout = wire.pack_attachments(b"", named)
@@ -259,7 +265,7 @@ class Coordinator:
             state.accuracy_matrix.append(accuracies)
             state.task += 1
             state.round_in_task = 0
-        state.rng = self.rng.bit_generator.state
+        state.rng = dict(self.rng.bit_generator.state)
         state.counters = dict(self.counters)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.strategy.save(self.checkpoint_dir)
@@ -384,9 +390,9 @@ class Coordinator:
             "accuracy_matrix": state.accuracy_matrix,
             # the global model after the last completed round, on every task seen (mid-task too, unlike the matrix)
             "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
-            "average_accuracy": average_accuracy(square) if done else 0.0,
-            "forgetting": forgetting(square) if done else 0.0,
-            "backward_transfer": backward_transfer(square) if done else 0.0,
+            "average_accuracy": average_accuracy(square) if square is not None else 0.0,
+            "forgetting": forgetting(square) if square is not None else 0.0,
+            "backward_transfer": backward_transfer(square) if square is not None else 0.0,
             **self._iaa_summary(),
             "counters": dict(self.counters),
             "bytes_sent": self.link.bytes_sent,

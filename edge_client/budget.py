@@ -13,8 +13,8 @@ the blocks that map them (see ReplayStore's docstring for the sources of the num
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 FS_META_SPAN = 128  # data blocks one block of file-system mapping metadata covers, at least
 

@@ -19,10 +19,12 @@ Relative paths are taken relative to the file's folder. Unknown keys are errors:
 """
 from __future__ import annotations
 
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+import tomllib
 
 from edgefil.link import BrokerSettings
 from edgefil.topics import check_name

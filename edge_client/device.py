@@ -30,16 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefil import topics, wire
+from edge_client.budget import Budget, DeviceBudget
 from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
-from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import STORE_HOLDER, Learner, LearnerConfig
-from edgefil.link import CONNECTED, Link, Will
 from edge_client.policies import ReplayPolicy, make_policy
 from edge_client.sources import TaskSource, open_source
 from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.trainers.base import Proximal, Trainer
+from edgefil import topics, wire
+from edgefil.link import CONNECTED, Link, Will
 from models.manifest import load_manifest, manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")

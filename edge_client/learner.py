@@ -2,7 +2,8 @@
 
 `observe()` takes the stream; at a task switch the policy ranks the samples of earlier tasks and the store keeps
 the best M - N_new of them (M counts the current task's samples too), then the new task's samples are stored.
-`train()` runs E local epochs on what the policy makes of everything the store holds. The store enforces its budgets; this class only decides what to ask for.
+`train()` runs E local epochs on what the policy makes of everything the store holds. The store enforces its
+budgets; this class only decides what to ask for.
 
 Choices (documented, configurable where it matters):
 - New data larger than the room left (N_new >= M, or later chunks of a task) is subsampled uniformly.
@@ -25,7 +26,6 @@ from edge_client.state import ClientState, load_state, save_state
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
 from edge_client.trainers.base import EvalResult, Proximal, Trainer
-
 
 STORE_HOLDER = "store"  # the replay store's name among the budget's holders
 
@@ -190,10 +190,10 @@ class Learner:
 
     def _insert_within_bytes(self, x: np.ndarray, y: np.ndarray, ranked_old: np.ndarray) -> None:
         """Insert; where the byte budget is the tighter one, drop the lowest-ranked cache, then new samples."""
-        ranked_old = list(ranked_old)
-        while self.store.room_for(len(y)) < len(y) and ranked_old:
+        cache = list(ranked_old)
+        while self.store.room_for(len(y)) < len(y) and cache:
             short = len(y) - self.store.room_for(len(y))
-            drop, ranked_old = ranked_old[-short:], ranked_old[:-short]
+            drop, cache = cache[-short:], cache[:-short]
             self.store.delete(np.asarray(drop, dtype=np.int64))
         room = self.store.room_for(len(y))
         if room < len(y):

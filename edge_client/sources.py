@@ -2,8 +2,9 @@
 hands the device a scenario's share instead (`firmware_sim.scenarios.ClientSource`), which satisfies `TaskSource`."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 

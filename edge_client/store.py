@@ -57,9 +57,10 @@ import os
 import sqlite3
 import struct
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -187,7 +188,9 @@ class _State(NamedTuple):
 class ReplayStore:
     """Samples a device may replay, kept across restarts within a `Budget` (see the module docstring)."""
 
-    def __init__(self, directory: str | Path, budget: Budget | BudgetShare, sample_shape: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self, directory: str | Path, budget: Budget | BudgetShare, sample_shape: tuple[int, ...] | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.budget = budget
         self._db = self.directory / DB_NAME
@@ -212,7 +215,7 @@ class ReplayStore:
             self._conn = sqlite3.connect(self._db, isolation_level=None, timeout=0)
             try:
                 self._configure()
-                if self._conn.execute("PRAGMA page_count").fetchone()[0] == 0:  # new, or a create rolled back
+                if self._connection().execute("PRAGMA page_count").fetchone()[0] == 0:  # new, or a create rolled back
                     if shape is None:
                         raise ValueError(f"no store at {self.directory}: sample_shape is needed to create one")
                     self._create(shape)
@@ -224,7 +227,7 @@ class ReplayStore:
                 raise
 
     def _configure(self) -> None:
-        conn = self._conn
+        conn = self._connection()
         # Roll back a hot journal left by a crash before locking exclusively: in exclusive mode SQLite leaves
         # the rolled-back journal at full size until the next write; in the default mode it deletes it.
         conn.execute("PRAGMA schema_version").fetchone()
@@ -252,7 +255,7 @@ class ReplayStore:
                                       f"can take while it is created and emptied")
 
     def _create(self, sample_shape: tuple[int, ...]) -> None:
-        conn = self._conn
+        conn = self._connection()
         conn.execute(f"PRAGMA page_size = {PAGE}")
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # only takes effect before the first table
         conn.execute("BEGIN IMMEDIATE")
@@ -270,7 +273,7 @@ class ReplayStore:
             raise
 
     def _load(self, sample_shape: tuple[int, ...] | None) -> None:
-        conn = self._conn
+        conn = self._connection()
         if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
             raise StoreCorruptError(f"{self._db}: an SQLite database, but not a replay store")
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
@@ -507,7 +510,7 @@ class ReplayStore:
     def _depth(self, table: str, pages: int) -> int:
         """Levels of a table's B-tree: the leftmost leaf's path (dbstat walks the tree depth first)."""
         try:
-            path = self._conn.execute("SELECT path FROM dbstat WHERE name = ? AND pagetype = 'leaf' LIMIT 1",
+            path = self._connection().execute("SELECT path FROM dbstat WHERE name = ? AND pagetype = 'leaf' LIMIT 1",
                                       (table,)).fetchone()[0]
             return path.count("/")
         except sqlite3.OperationalError:  # SQLite built without dbstat: every interior page has 2+ children

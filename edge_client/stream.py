@@ -5,8 +5,8 @@ task by itself: a chunk that brings a label it has never seen starts one.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 

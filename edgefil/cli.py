@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = commands.add_parser("coordinator", help="run the rounds of a federation over MQTT")
     coordinator.add_argument("--config", required=True, help="coordinator config file (TOML)")
     coordinator.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
-    coordinator.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to aggregate (overrides the config)")
+    coordinator.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                             help="where to aggregate (overrides the config)")
     coordinator.set_defaults(run=_coordinator)
 
     fleet = commands.add_parser("fleet", help="virtual devices, a broker and the coordinator on this machine")

@@ -11,8 +11,8 @@ import queue
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import paho.mqtt.client as mqtt
 
@@ -162,4 +162,4 @@ class Link:
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         self.bytes_received += len(message.payload)
-        self.inbox.put((message.topic, message.payload))
+        self.inbox.put((message.topic, bytes(message.payload)))  # bytes already: no copy

@@ -108,7 +108,7 @@ def traffic_summary(bytes_sent: Mapping[str, int], bytes_received: Mapping[str, 
     }
 
 
-def peak_storage(samples: Mapping[str, Sequence[int]], budget: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+def peak_storage(samples: Mapping[str, Sequence[int]], budget: Mapping[str, float]) -> dict[str, dict[str, Any]]:
     """Per device: the peak of its stored-byte readings (0 with none) and whether it stayed within its budget,
     reported rather than raised so that one run shows every device that went over."""
     summary: dict[str, dict[str, Any]] = {}

@@ -2,8 +2,9 @@
 
 Every payload is one msgpack map with the schema version `v` and a `kind`. Weights travel as raw little-endian
 float32 bytes straight from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload,
-each chunk carrying its own sha256 and the blob's id, the sha256 of those chunk digests. `Reassembler` puts blobs back together
-idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and verified.
+each chunk carrying its own sha256 and the blob's id, the sha256 of those chunk digests. `Reassembler` puts blobs
+back together idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and
+verified.
 
 Anything that does not match the schema raises `WireError` with a short `reason` the receiver counts.
 Unknown extra fields are ignored (additions within a schema version stay compatible); a new `v` is refused.
@@ -13,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: named payloads (request names, payload and answer blobs) replace generator messages
 # The payload limit of one message, chunk data and header included: under the 1 MB default packet limit of
 # clustered brokers such as EMQX (the topic and MQTT header fit in the difference).
 MAX_MESSAGE_BYTES = 1_000_000
@@ -114,7 +116,7 @@ def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
 
 def _check_fields(message: Message, verify_chunk: bool = True) -> None:
     kind = message.get("kind")
-    if kind not in SCHEMAS:
+    if not isinstance(kind, str) or kind not in SCHEMAS:
         raise WireError("kind", f"unknown message kind {kind!r}")
     for name, expected in SCHEMAS[kind].items():
         value = message.get(name)
@@ -122,7 +124,8 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
             raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {type(value).__name__}")
     for name, expected in OPTIONAL.get(kind, {}).items():
         if name in message and not isinstance(message[name], expected):
-            raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {type(message[name]).__name__}")
+            got = type(message[name]).__name__
+            raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {got}")
     if kind == "update":
         _check_metrics(message["metrics"])
         _check_ints(message.get("label_counts", []), "update.label_counts")
@@ -191,7 +194,7 @@ def _check_chunk_fields(message: Message, verify_hash: bool) -> None:
 def weights_bytes(weights: np.ndarray) -> memoryview:
     """The wire form of a flat weight buffer: little-endian float32, no copy when it already is one."""
     array = np.ascontiguousarray(weights, dtype=WEIGHTS_DTYPE).reshape(-1)
-    return memoryview(array).cast("B")
+    return array.data.cast("B")
 
 
 def _padded(n: int) -> int:

@@ -8,7 +8,7 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,7 +137,7 @@ def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types the keyword arrays as allow_pickle
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -189,12 +189,14 @@ def load_mnist1d(num_samples: int = 20_000, test_fraction: float = 0.2, seed: in
     mean, std = raw["x"].mean(), raw["x"].std()
     x_train, x_test = (((raw[k] - mean) / std).astype(np.float32)[:, None] for k in ("x", "x_test"))
     y_train, y_test = (raw[k].astype(np.int64) for k in ("y", "y_test"))
-    return ArrayDataset("mnist1d", x_train, y_train, x_test, y_test, known_num_classes("mnist1d"))
+    return ArrayDataset("mnist1d", x_train, y_train, x_test, y_test, 10)
 
 
 # --- one entry point by name -------------------------------------------------------------------
 
-_EMBEDDED_LOADERS = {"digits": load_digits_dataset, "digits_domains": load_digits_domains, "mnist1d": load_mnist1d}
+_EMBEDDED_LOADERS: dict[str, Callable[..., ArrayDataset | list[ArrayDataset]]] = {
+    "digits": load_digits_dataset, "digits_domains": load_digits_domains, "mnist1d": load_mnist1d,
+}
 assert tuple(_EMBEDDED_LOADERS) == EMBEDDED_DATASETS
 
 

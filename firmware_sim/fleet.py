@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+import tomllib
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
 from coordinator.config import CoordinatorConfig
@@ -188,6 +190,8 @@ class Fleet:
         return broker
 
     def _settings(self, username: str, password: str) -> dict[str, Any]:
+        if self.broker is None:
+            raise RuntimeError("the broker is not started")
         address = self.broker.address
         return {"host": address.host, "port": address.port, "username": username, "password": password}
 

@@ -196,7 +196,7 @@ class AvailabilitySchedule:
         """Draw on/off durations until a change lies beyond `t` or the horizon is reached."""
         if not math.isfinite(t):
             raise ValueError(f"times must be finite, got {t!r}")
-        means = (self._availability.mean_on_s, self._availability.mean_off_s)
+        means = (float(self._availability.mean_on_s or 0.0), float(self._availability.mean_off_s or 0.0))
         while not self._exhausted and (not self._changes or self._changes[-1] <= t):
             durations = self._rng.exponential(means, size=(self._BATCH, 2)).ravel()
             last = self._changes[-1] if self._changes else 0.0
@@ -272,7 +272,7 @@ def training_peak_bytes(
     return RUNTIME_OVERHEAD_BYTES + parameter_bytes + batch_size * sample_bytes + FLOAT32_BYTES * num_classes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_footprint(model: str, num_classes: int, input_shape: tuple[int, ...]) -> tuple[int, int]:
     """(parameter count, bytes of all module outputs for one sample), measured with forward hooks on the zoo
     model. Outputs of leaf modules only (a container's output is its last child's); an in-place output that

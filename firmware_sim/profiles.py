@@ -25,7 +25,6 @@ trace path is taken relative to the profile's folder.
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib.resources import files
@@ -33,6 +32,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import tomllib
 
 AVAILABILITY_MODES: tuple[str, ...] = ("always", "on-off", "trace")
 _INT_FIELDS: tuple[str, ...] = ("disk_bytes", "ram_bytes", "threads")

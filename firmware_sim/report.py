@@ -86,17 +86,18 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
     received = {d: s[-1] for d, s in _series(reports, "bytes_received").items() if s}
     budget = budget if budget is not None else reported_budgets(results)
     stored = _series(reports, "stored_bytes")
-    storage = peak_storage(stored, {d: budget.get(d, math.inf) for d in stored})
+    storage = peak_storage(stored, {d: float(budget.get(d, math.inf)) for d in stored})
     for device in stored.keys() - budget.keys():
         storage[device].update(budget=None, within_budget=None)
     return {
         "rounds": results["rounds_completed"],
         "tasks_completed": tasks,
         "accuracy_matrix": acc,
-        "final_accuracy": average_accuracy(acc) if tasks else None,
-        "average_accuracy": float(np.mean([average_accuracy(acc, after=t) for t in range(tasks)])) if tasks else None,
-        "forgetting": forgetting(acc) if tasks else None,
-        "backward_transfer": backward_transfer(acc) if tasks else None,
+        "final_accuracy": average_accuracy(acc) if acc is not None else None,
+        "average_accuracy": float(np.mean([average_accuracy(acc, after=t) for t in range(tasks)]))
+        if acc is not None else None,
+        "forgetting": forgetting(acc) if acc is not None else None,
+        "backward_transfer": backward_transfer(acc) if acc is not None else None,
         "iaa": iaa,
         "aa": average_of_iaa(iaa) if iaa else None,
         "afm": iaa_forgetting(iaa) if iaa else None,
@@ -229,7 +230,7 @@ def _plot_matrix(acc: np.ndarray | None, path: Path) -> Path:
     n = 0 if acc is None else len(acc)
     fig = _figure(2.5 + 0.7 * n, 2 + 0.6 * n)
     ax = fig.add_subplot()
-    if n == 0:
+    if n == 0 or acc is None:
         ax.text(0.5, 0.5, "no task completed yet", ha="center", va="center")
         ax.set_axis_off()
     else:

@@ -171,12 +171,19 @@ class Scenario:
         return build(self)
 
 
+def _given(value: int | None) -> int:
+    """A Scenario field that __post_init__ fills in for the scenario's kind (None only where the kind has no use)."""
+    if value is None:
+        raise ValueError("a scenario field this kind needs is unset")
+    return value
+
+
 def check_class_budget(scenario: Scenario, num_classes: int | None) -> None:
     """A scenario cannot ask for more disjoint classes than the dataset has (None: not known yet): the class
     kind's tasks, or each flowing client's own tasks."""
     flowing = scenario.kind == "flowing"
     groups = scenario.n_client_tasks if flowing else scenario.n_tasks
-    needed = groups * scenario.classes_per_task
+    needed = _given(groups) * _given(scenario.classes_per_task)
     if num_classes is not None and needed > num_classes:
         raise ValueError(
             f"{groups} {'client ' if flowing else ''}tasks x {scenario.classes_per_task} classes = {needed} classes, "
@@ -403,12 +410,12 @@ def _pick_domains(scenario: Scenario, stream: list[ArrayDataset]) -> list[ArrayD
 def _client_sequence(scenario: Scenario, k: int) -> list[int]:
     """Which of client k's tasks (0..n_client_tasks-1) it gets in each round."""
     if scenario.sequence == "circulating":
-        return [t % scenario.n_client_tasks for t in range(scenario.n_tasks)]
+        return [t % _given(scenario.n_client_tasks) for t in range(scenario.n_tasks)]
     rng = _rng(scenario.seed, _SEQUENCE, k)
     loop, sequence = [0, 1], []
     for t in range(scenario.n_tasks):
-        if t and t % scenario.replace_every == 0:
-            others = [i for i in range(scenario.n_client_tasks) if i not in loop]
+        if t and t % _given(scenario.replace_every) == 0:
+            others = [i for i in range(_given(scenario.n_client_tasks)) if i not in loop]
             loop[int(rng.integers(2))] = int(rng.choice(others))
         sequence.append(loop[t % 2])
     return sequence
@@ -437,10 +444,10 @@ def _client_rounds(
 ) -> list[tuple[tuple[int, ...], np.ndarray, np.ndarray]]:
     """Client k's (classes, train indices, test indices) of every round."""
     groups = _split_classes(_rng(scenario.seed, _GROUPS, k).permutation(data.num_classes),
-                            scenario.n_client_tasks, scenario.classes_per_task)
+                            _given(scenario.n_client_tasks), _given(scenario.classes_per_task))
     parts = {
         c: _class_parts(np.flatnonzero(data.y_train == c), np.flatnonzero(data.y_test == c),
-                        scenario.samples_per_class, _rng(scenario.seed, _PARTS, k, c))
+                        _given(scenario.samples_per_class), _rng(scenario.seed, _PARTS, k, c))
         for group in groups for c in group
     }
     rounds = []
@@ -452,7 +459,7 @@ def _client_rounds(
 
 def _flowing_tasks(scenario: Scenario, data: ArrayDataset) -> tuple[Task, ...]:
     smallest = int(np.bincount(data.y_train, minlength=data.num_classes).min())
-    if scenario.samples_per_class > smallest:
+    if _given(scenario.samples_per_class) > smallest:
         raise ValueError(f"samples_per_class={scenario.samples_per_class}, but a class of {scenario.dataset!r} "
                          f"has only {smallest} train samples")
     clients = [_client_rounds(scenario, data, k) for k in range(scenario.n_clients)]
@@ -470,19 +477,21 @@ def _flowing_tasks(scenario: Scenario, data: ArrayDataset) -> tuple[Task, ...]:
 def build(scenario: Scenario) -> ScenarioData:
     """Load the dataset and materialise every task's class set, client shares and test sets."""
     loaded = load_dataset(scenario.dataset, scenario.data_root, **scenario.dataset_options)
-    if scenario.kind == "class":
+    if scenario.kind != "domain" and not isinstance(loaded, ArrayDataset):
+        raise ValueError(f"{scenario.dataset!r} is a stream of domains: use kind = \"domain\"")
+    if isinstance(loaded, ArrayDataset) and scenario.kind == "class":
         check_class_budget(scenario, loaded.num_classes)
         order = _rng(scenario.seed, _ORDER).permutation(loaded.num_classes)
         tasks = tuple(
             _make_task(scenario, t, loaded, classes, None)
-            for t, classes in enumerate(_split_classes(order, scenario.n_tasks, scenario.classes_per_task))
+            for t, classes in enumerate(_split_classes(order, scenario.n_tasks, _given(scenario.classes_per_task)))
         )
         first = loaded
-    elif scenario.kind == "flowing":
+    elif isinstance(loaded, ArrayDataset):  # flowing
         check_class_budget(scenario, loaded.num_classes)
         tasks, first = _flowing_tasks(scenario, loaded), loaded
     else:
-        domains = _pick_domains(scenario, loaded)
+        domains = _pick_domains(scenario, loaded if isinstance(loaded, list) else [loaded])
         labels = tuple(range(domains[0].num_classes))
         tasks = tuple(_make_task(scenario, t, d, labels, d.name) for t, d in enumerate(domains))
         first = domains[0]

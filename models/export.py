@@ -3,9 +3,9 @@
 The artifact set: `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask` and the loss
 inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `bce`, and return `(loss, logits,
 features)`; `models.manifest.GRAPH_INPUTS` says what each means and `models/loss.py` is the loss they shape: the
-torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer (`optimizer_sgd.onnx`,
-`optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for shipping when the
-weights arrive from the coordinator as a flat buffer), and `manifest.json`.
+torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer
+(`optimizer_sgd.onnx`, `optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for
+shipping when the weights arrive from the coordinator as a flat buffer), and `manifest.json`.
 """
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnx
 import torch
 from onnxruntime.training import artifacts
 
+from models.loss import TrainingGraph
 from models.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
@@ -38,7 +39,6 @@ from models.manifest import (
     sha256_file,
     software_version,
 )
-from models.loss import TrainingGraph
 from models.zoo import ClassifierModel, build_model
 
 OPSET = 17
@@ -152,8 +152,7 @@ def ort_flat_order(model: torch.nn.Module, directory: Path) -> tuple[ParameterIn
     A buffer of 0, 1, 2, ... is copied into the parameters; each parameter's first value is its offset
     (exact in float32 below 2**24 values).
     """
-    from onnxruntime import OrtValue
-    from onnxruntime import SessionOptions
+    from onnxruntime import OrtValue, SessionOptions
     from onnxruntime.training.api import CheckpointState, Module
 
     options = SessionOptions()

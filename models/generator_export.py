@@ -38,8 +38,8 @@ from onnxruntime.training.onnxblock import _graph_utils
 from torch import nn
 from torch.nn import functional as F
 
-from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
 from models.export import OPSET, native_stderr_captured, ort_flat_order, use_torch_adamw
+from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
 from models.generators import (
     GeneratorSpec,
     VaeGraph,
@@ -68,10 +68,10 @@ class FlatWeightsSampler(nn.Module):
     Layer by layer through torch.nn.functional (`torch.func.functional_call` cannot be traced for export); the
     sampler itself is held in a plain list so that its weights do not become initializers of the graph."""
 
-    def __init__(self, sampler: nn.Sequential) -> None:
+    def __init__(self, sampler: nn.Module) -> None:
         super().__init__()
         self._layers = [(layer, [(name, tuple(value.shape)) for name, value in flat_entries(layer)])
-                        for layer in sampler]
+                        for layer in sampler.children()]
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         x, offset = z, 0
@@ -93,8 +93,8 @@ def _apply(layer: nn.Module, x: torch.Tensor, p: dict[str, torch.Tensor]) -> tor
         return F.batch_norm(x, p["running_mean"], p["running_var"], p["weight"], p["bias"], False, 0.0, layer.eps)
     if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d)):
         conv = F.conv_transpose1d if isinstance(layer, nn.ConvTranspose1d) else F.conv_transpose2d
-        return conv(x, p["weight"], p["bias"], layer.stride, layer.padding, layer.output_padding, layer.groups,
-                    layer.dilation)
+        return conv(x, p["weight"], p["bias"], layer.stride, layer.padding,  # type: ignore[arg-type]
+                    layer.output_padding, layer.groups, layer.dilation)
     raise TypeError(f"no functional form for {type(layer).__name__}")
 
 

@@ -29,8 +29,8 @@ needs torch.
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, replace

@@ -22,9 +22,10 @@ cumulative averaging (momentum=None), which these modules do not use.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from models.zoo import MASK_FILL, ClassifierModel
 
+
 def _softplus(r: torch.Tensor) -> torch.Tensor:
     positive = torch.relu(r)
     return positive + torch.log(1.0 + torch.exp(r - 2.0 * positive))

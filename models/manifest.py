@@ -97,7 +97,7 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         data: Any = None
         try:
             data = json.loads(text)

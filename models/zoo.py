@@ -7,9 +7,9 @@ has not seen yet. A mask of ones changes nothing, bit for bit.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Callable
 
 import torch
 from torch import nn

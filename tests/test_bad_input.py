@@ -8,12 +8,12 @@ import hashlib
 import msgpack
 import numpy as np
 import pytest
+from fleet_harness import Fleet
+from mqtt_helpers import Peer
 
 from coordinator.broker import mosquitto_path
 from edgefil import topics, wire
-from fleet_harness import Fleet
 from models.manifest import load_manifest
-from mqtt_helpers import Peer
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 TIMES = 12  # of each malformed kind

@@ -18,7 +18,6 @@ from coordinator.broker import (
     Credentials,
     EmbeddedBroker,
     MosquittoBroker,
-    TlsFiles,
     free_port,
     generate_password,
     mosquitto_path,

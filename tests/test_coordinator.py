@@ -11,8 +11,8 @@ from coordinator.checkpoint import RunState, load_run_state, save_run_state
 from coordinator.config import CoordinatorConfig
 from coordinator.inbox import Inbox, Registration, Status, Update
 from coordinator.rounds import OpenRound, select
-from edgefil import topics, wire
 from edge_client.config import DeviceConfig
+from edgefil import topics, wire
 from edgefil.durable import StateError
 from firmware_sim.scenarios import preset
 

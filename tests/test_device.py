@@ -7,16 +7,16 @@ import threading
 
 import numpy as np
 import pytest
+from mqtt_helpers import Peer
 
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
-from edgefil import topics, wire
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
-from models.manifest import manifest_digest
 from edge_client.sources import FolderSource
 from edge_client.trainers.ort import OrtTrainer
+from edgefil import topics, wire
 from firmware_sim.datasets import load_dataset
-from mqtt_helpers import Peer
+from models.manifest import manifest_digest
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 FLEET = "lab"
@@ -185,8 +185,8 @@ def test_a_generator_device_waits_for_its_personal_model_asks_for_cached_generat
     """pFedGRP on the device, the test playing the coordinator: the round names a personalized model that arrives
     after the round message; the device asks for the cached generator of a class new to it, ignores a garbled
     answer, warm-starts from the good one, and uploads its generators and label counts with the model."""
-    from models.generator_record import GeneratorRecord, decode_record, encode_record
     from models.generator_export import export_generator_artifacts
+    from models.generator_record import GeneratorRecord, decode_record, encode_record
     from models.generators import build_sampler, default_spec, flatten_module
 
     config, coordinator, initial = setup

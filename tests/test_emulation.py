@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from fleet_harness import Fleet
 
 from coordinator.broker import mosquitto_path
 from coordinator.inbox import Update
 from coordinator.rounds import OpenRound
-from fleet_harness import Fleet
 from firmware_sim.emulation import EmulatedEnvironment
 from firmware_sim.limits import HostCalibration
 from firmware_sim.profiles import load_profile

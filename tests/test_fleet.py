@@ -6,11 +6,11 @@ import json
 import threading
 
 import pytest
+from fleet_harness import Fleet
+from mqtt_helpers import Peer
 
 from coordinator.broker import mosquitto_path
 from edgefil import topics, wire
-from fleet_harness import Fleet
-from mqtt_helpers import Peer
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 CHANCE = 0.1  # ten digit classes

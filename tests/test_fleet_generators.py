@@ -7,8 +7,8 @@ import numpy as np
 
 from coordinator.server import CHECKPOINT_DIR, PERSONALIZED_FILE
 from coordinator.strategies.pfedgrp import STATE_FILE
-from firmware_sim.fleet import Fleet, FleetConfig
 from edgefil.metrics import average_of_iaa, iaa_forgetting
+from firmware_sim.fleet import Fleet, FleetConfig
 
 BUDGET = 512 * 1024
 ROUNDS = 6

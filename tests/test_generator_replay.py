@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
 from edge_client.policies.generator import BANK_DIR, replay_counts
-from edge_client.budget import Budget
 from edge_client.store import ReplayStore
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_digits_dataset
 from models.export import export_registered
-from models.generator_record import encode_record
 from models.generator_export import export_generator_artifacts
+from models.generator_record import encode_record
 from models.generators import default_spec
 from models.manifest import load_manifest
 

@@ -16,6 +16,9 @@ import torch
 
 from edge_client.generators import bank as bank_module
 from edge_client.generators.bank import BankFullError, GeneratorBank
+from edge_client.generators.sampler import OnnxSampler
+from edge_client.generators.training import make_generator_trainer
+from firmware_sim.datasets import load_digits_dataset
 from models.generator_record import (
     PRECISIONS,
     GeneratorFormatError,
@@ -25,9 +28,6 @@ from models.generator_record import (
     encoded_size,
     quantize,
 )
-from edge_client.generators.sampler import OnnxSampler
-from edge_client.generators.training import make_generator_trainer
-from firmware_sim.datasets import load_digits_dataset
 from models.generators import (
     GENERATOR_KINDS,
     GeneratorSpec,

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
+from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import make_policy
-from edge_client.budget import Budget
 from edge_client.store import BudgetExceededError, ReplayStore
 from edge_client.stream import Chunk, chunked
 from edge_client.trainers.ort import OrtTrainer

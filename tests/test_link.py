@@ -3,10 +3,10 @@ re-subscribe, QoS 1 messages published while the broker is down go out after it 
 from __future__ import annotations
 
 import pytest
+from mqtt_helpers import make_server_cert
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
 from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link
-from mqtt_helpers import make_server_cert
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 TOPIC = "edgefil/lab/dev/dev-a/update"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from coordinator.strategies.fedavg import FedAvg
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
 from edge_client.learner import Learner
-from edge_client.policies import ReplayPolicy, SelectionContext, Samples, TrainingSet
+from edge_client.policies import ReplayPolicy, Samples, SelectionContext, TrainingSet
 from edge_client.trainers.base import LossInputs
 from edgefil.link import BrokerSettings
 from firmware_sim.datasets import load_dataset

@@ -8,13 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.strategies.pfedgrp import simplex_weights
-from edgefil import wire
 from edge_client.policies.generator import replay_counts
 from edge_client.trainers.base import LossInputs
 from edge_client.trainers.pytorch import TorchTrainer
+from edgefil import wire
 from models.export import export_registered
 from models.manifest import load_manifest
-
 
 # --- the scaling rule (spec section 2, worked example) ---------------------------------------------------------
 

@@ -163,7 +163,7 @@ def test_as_tensor_refuses_what_is_not_a_flat_float32_buffer():
 
 
 def test_make_strategy():
-    assert set(strategy_names()) == {"fedavg", "fedprox", "pfedgrp"}
+    assert set(strategy_names()) >= {"fedavg", "fedprox", "pfedgrp"}  # and any plugin a test registered
     prox = make_strategy("fedprox", device="cpu", mu=0.5, weighted=False)
     assert isinstance(prox, FedProx) and prox.mu == 0.5 and not prox.weighted and prox.device == CPU
     assert isinstance(make_strategy("fedavg", device="cpu"), FedAvg)

@@ -62,11 +62,12 @@ def test_two_sources_sending_the_same_blob_are_kept_apart():
     (b"\xc1", "malformed"),
     (b"", "malformed"),
     (msgpack.packb([1, 2]), "malformed"),
-    (msgpack.packb({"v": 2, "kind": "round"}), "schema"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION + 1, "kind": "round"}), "schema"),
     (msgpack.packb({"kind": "round"}), "schema"),
-    (msgpack.packb({"v": 1, "kind": "hello"}), "kind"),
-    (msgpack.packb({"v": 1, "kind": "status", "device": "d", "state": "idle", "round": "3"}), "field"),
-    (msgpack.packb({"v": 1, "kind": "status", "device": "d", "state": "idle", "round": True}), "field"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "hello"}), "kind"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": ["update"]}), "kind"),  # not a string: refused, no crash
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle", "round": "3"}), "field"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle", "round": True}), "field"),
     (bytes(wire.MAX_MESSAGE_BYTES + 1), "oversized"),
 ])
 def test_bad_payloads_are_refused_with_a_reason(payload, reason):

@@ -3,23 +3,27 @@ the configuration's name and options. Every module here is imported once and eac
 `name` registers itself, so a new rule adds a file and touches nothing else."""
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 import torch
 
 from coordinator.strategies.base import (
-    AggregateResult, ClientUpdate, RefusedUpdate, Strategy, registered_strategies, validate_updates, weighted_mean,
+    STRATEGIES,
+    AggregateResult,
+    ClientUpdate,
+    RefusedUpdate,
+    Strategy,
+    validate_updates,
+    weighted_mean,
 )
+from edgefil.registry import import_submodules
 from models.manifest import Manifest
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+import_submodules(__name__, __path__)
 
 
 def strategy_names() -> list[str]:
-    return sorted(registered_strategies())
+    return STRATEGIES.names()
 
 
 def make_strategy(
@@ -27,10 +31,7 @@ def make_strategy(
 ) -> Strategy:
     """The strategy registered as `name`, built with `options` (e.g. mu=0.1 for fedprox), the torch device and the
     model's manifest (rules that run models need it)."""
-    strategies = registered_strategies()
-    if name not in strategies:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(strategy_names())}")
-    return strategies[name](device=device, manifest=manifest, **options)
+    return STRATEGIES.get(name)(device=device, manifest=manifest, **options)
 
 
 __all__ = ["AggregateResult", "ClientUpdate", "RefusedUpdate", "Strategy", "make_strategy", "strategy_names",

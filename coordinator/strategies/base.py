@@ -20,14 +20,16 @@ rule adds a file here and touches nothing else.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from coordinator.compute import as_tensor, resolve_device
+from edgefil.registry import Registry
 from models.manifest import Manifest
 
 
@@ -58,12 +60,7 @@ class RefusedUpdate(ValueError):
         self.reason = reason
 
 
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def registered_strategies() -> dict[str, type[Strategy]]:
-    """Every aggregation rule by its config name (classes register as they are defined)."""
-    return dict(_REGISTRY)
+STRATEGIES: Registry[Strategy] = Registry("strategy")  # every aggregation rule by its config name
 
 
 class Strategy(ABC):
@@ -79,7 +76,7 @@ class Strategy(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
-            _REGISTRY[cls.name] = cls
+            STRATEGIES.add(cls.name, cls)
 
     def inspect(self, update: ClientUpdate) -> None:
         """Check an arriving update's attachments; raise RefusedUpdate to drop it (default: accept any)."""

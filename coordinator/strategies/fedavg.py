@@ -5,12 +5,12 @@ has no weights to use and falls back to the unweighted mean rather than refusing
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from models.manifest import Manifest
 from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates, weighted_mean
+from models.manifest import Manifest
 
 
 def fedavg_coefficients(num_samples: Sequence[int], weighted: bool) -> list[float]:

@@ -6,7 +6,8 @@ aggregates as FedAvg does.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -20,8 +20,9 @@ On the wire (the method's own names, opaque to the coordinator): updates attach 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -33,7 +34,12 @@ from coordinator.compute import as_tensor
 from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, Strategy, validate_updates
 from edgefil.durable import write_atomically
 from models.generator_record import (
-    GeneratorFormatError, GeneratorRecord, attachment_label, attachment_name, decode_record, encode_record,
+    GeneratorFormatError,
+    GeneratorRecord,
+    attachment_label,
+    attachment_name,
+    decode_record,
+    encode_record,
 )
 from models.generators import GeneratorSpec, build_sampler, load_module
 from models.manifest import Manifest

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from edge_client.budget import file_bytes
 from edgefil.durable import TEMP_SUFFIX, fsync_directory, write_atomically

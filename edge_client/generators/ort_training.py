@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.generator_artifacts import load_generator_artifacts
 from edge_client.generators.training import GeneratorTrainer, batch_indices
 from edge_client.trainers.ort import ALL_PARAMETERS, ORT_ERROR, session_options
 from edge_client.trainers.ort_capi import C
+from models.generator_artifacts import load_generator_artifacts
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, ManifestError
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from edge_client.trainers.ort_capi import C  # noqa: F401  # first: makes `import onnxruntime` torch-free
 import onnxruntime  # noqa: E402
 
+from edge_client.trainers.ort import session_options  # noqa: E402
+from edge_client.trainers.ort_capi import C  # noqa: F401  # first: makes `import onnxruntime` torch-free
 from models.generator_artifacts import SAMPLER_MODEL, load_generator_artifacts  # noqa: E402
 from models.generator_record import GeneratorRecord  # noqa: E402
-from edge_client.trainers.ort import session_options  # noqa: E402
 
 
 class OnnxSampler:

@@ -6,32 +6,34 @@ registers the same way when its module is imported.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from edge_client.policies.base import (
-    Admission, PolicyContext, ReplayPolicy, SelectionContext, Samples, TrainingSet, registered_policies,
+    POLICIES,
+    Admission,
+    PolicyContext,
+    ReplayPolicy,
+    Samples,
+    SelectionContext,
+    TrainingSet,
 )
 from edge_client.policies.class_balanced import GROUPINGS, ClassBalanced
+from edgefil.registry import import_submodules
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+import_submodules(__name__, __path__)
 
 
 def policy_names() -> list[str]:
-    return sorted(registered_policies())
+    return POLICIES.names()
 
 
 def make_policy(name: str, group_by: str | None = None, **options: Any) -> ReplayPolicy:
     """Build a policy by its config name; options go to its constructor (e.g. refed's lam, pim_epochs);
     `group_by = "class"` wraps it in per-class quotas (`ClassBalanced`)."""
-    policies = registered_policies()
-    if name not in policies:
-        raise ValueError(f"unknown replay policy {name!r}; choose one of {', '.join(policy_names())}")
+    cls = POLICIES.get(name)
     if group_by is not None and group_by not in GROUPINGS:
         raise ValueError(f"unknown group_by {group_by!r}; choose one of {', '.join(GROUPINGS)}")
-    policy = policies[name](**options)
+    policy = cls(**options)
     return ClassBalanced(policy) if group_by == "class" else policy
 
 

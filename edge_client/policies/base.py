@@ -21,14 +21,16 @@ what to keep.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from edge_client.budget import DeviceBudget
 from edge_client.trainers.base import LossInputs, Trainer
+from edgefil.registry import Registry
 
 if TYPE_CHECKING:
     from edge_client.learner import Learner
@@ -86,12 +88,7 @@ class TrainingSet:
     loss: LossInputs | None = None
 
 
-_REGISTRY: dict[str, type[ReplayPolicy]] = {}
-
-
-def registered_policies() -> dict[str, type[ReplayPolicy]]:
-    """Every policy class by its config name (classes register as they are defined)."""
-    return dict(_REGISTRY)
+POLICIES: Registry[ReplayPolicy] = Registry("replay policy")  # every policy class by its config name
 
 
 class ReplayPolicy(ABC):
@@ -103,11 +100,7 @@ class ReplayPolicy(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
-            known = _REGISTRY.get(cls.name)
-            if known is not None and known.__qualname__ != cls.__qualname__:
-                raise ValueError(f"two replay policies are named {cls.name!r}: {known.__qualname__} and "
-                                 f"{cls.__qualname__}")
-            _REGISTRY[cls.name] = cls
+            POLICIES.add(cls.name, cls)
 
     @abstractmethod
     def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
@@ -173,7 +166,7 @@ def balanced_quotas(labels: np.ndarray, keep: int) -> dict[int, int]:
 def interleave_by_class(order_per_class: dict[int, np.ndarray]) -> np.ndarray:
     """Merge per-class rankings round-robin, so any prefix of the result stays class-balanced."""
     lists = [list(v) for v in order_per_class.values()]
-    merged = []
+    merged: list[int] = []
     for depth in range(max((len(v) for v in lists), default=0)):
         merged.extend(v[depth] for v in lists if depth < len(v))
     return np.asarray(merged, dtype=np.int64)

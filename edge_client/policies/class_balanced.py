@@ -9,12 +9,19 @@ grouped by class. Every other hook is the inner policy's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.policies.base import (
-    Admission, PolicyContext, ReplayPolicy, SelectionContext, Samples, TrainingSet, balanced_quotas,
+    Admission,
+    PolicyContext,
+    ReplayPolicy,
+    Samples,
+    SelectionContext,
+    TrainingSet,
+    balanced_quotas,
     interleave_by_class,
 )
 from edge_client.policies.random_cache import RandomCache

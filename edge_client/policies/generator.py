@@ -28,11 +28,13 @@ counted in the round's metrics. A class without a generator is never sampled.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from edge_client.policies.base import PolicyContext, ReplayPolicy, TrainingSet
 from edge_client.policies.no_replay import NoReplay
@@ -49,7 +51,7 @@ BANK_HOLDER = "generators"  # the bank's name among the budget's holders
 PERSONAL = "personal"  # the coordinator's payload holding this device's personalized model (float32 weights)
 
 
-def replay_counts(cumulative: np.ndarray, current: np.ndarray) -> np.ndarray:
+def replay_counts(cumulative: ArrayLike, current: ArrayLike) -> np.ndarray:
     """pFedGRP's label-quantity scaling (Sec. 4.1): how many samples of each class to generate this round.
 
     `cumulative` counts every sample seen per class, this round's included; `current` counts this round's. The

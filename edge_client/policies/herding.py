@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples, balanced_quotas, interleave_by_class
+from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext, balanced_quotas, interleave_by_class
 
 
 def herding_order(features: np.ndarray, count: int) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
+from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
 
 
 class NoReplay(ReplayPolicy):

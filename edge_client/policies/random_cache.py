@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
+from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
 
 
 class RandomCache(ReplayPolicy):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, SelectionContext, Samples
+from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
 from edge_client.trainers.base import Proximal
 
 WEIGHTINGS = ("early", "average", "late")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import Admission, ReplayPolicy, SelectionContext, Samples
+from edge_client.policies.base import Admission, ReplayPolicy, Samples, SelectionContext
 
 
 class Reservoir(ReplayPolicy):

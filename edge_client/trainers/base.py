@@ -7,8 +7,8 @@ order take the same steps and give the same scores.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class Trainer(ABC):
     def _exact_grad_norms(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
     ) -> np.ndarray:
-        """Squared norm of each sample's full-parameter gradient (float64), leaving weights and optimiser as they were."""
+        """Squared norm of each sample's full-parameter gradient (float64); weights and optimiser stay as they were."""
 
     @property
     def learning_rate(self) -> float:
@@ -191,7 +191,7 @@ class Trainer(ABC):
                 before = self.get_weights() if proximal is not None else None
                 step_loss = loss.batch(idx) if loss is not None else None
                 total += self.train_step(x[idx], y[idx], mask, step_loss) * len(idx)
-                if proximal is not None:
+                if proximal is not None and before is not None:
                     self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
             last = total / max(len(y), 1)
         return last

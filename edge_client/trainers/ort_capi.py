@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import Any
 
 
 def _import_bindings() -> ModuleType:
@@ -21,4 +22,4 @@ def _import_bindings() -> ModuleType:
     return _pybind_state
 
 
-C = _import_bindings()
+C: Any = _import_bindings()  # a binary module: its names are not known to a type checker

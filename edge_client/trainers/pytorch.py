@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 from edge_client.trainers.base import LossInputs, Trainer, iterate_batches, loss_arrays
 from models.flat_weights import flatten_weights, load_flat_weights
-from models.manifest import Manifest
 from models.loss import training_loss
+from models.manifest import Manifest
 from models.zoo import build_model
 
 
