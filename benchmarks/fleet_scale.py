@@ -318,6 +318,7 @@ def log_problems(logs: Path) -> list[tuple[int, str]]:
 
 def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str) -> dict:
     import firmware_sim.fleet as fleet_module
+    from edge_client.config import StoreSettings
     from firmware_sim.fleet import FleetConfig
 
     probe = Probe(devices=n, idle_s=args.idle_s)
@@ -330,7 +331,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
     config = FleetConfig(
         name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
         scenario={"preset": "digits-class", "n_tasks": 1},
-        replay={"policy": "random", "max_samples": args.replay_m},
+        policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
         client={"epochs": 1},
         coordinator={
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": n,

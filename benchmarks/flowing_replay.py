@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.config import StoreSettings, TrainerSettings
 from firmware_sim.fleet import Fleet, FleetConfig
 
 # scenario preset prefix, model, budget M in bytes per device, local epochs. M: the generator method's bank (at most
@@ -33,11 +34,11 @@ DATASETS: dict[str, tuple[str, str, int, int]] = {
     "mnist1d": ("mnist1d-flowing", "cnn1d", 352 * 1024, 3),
 }
 METHODS: dict[str, dict[str, Any]] = {
-    "generator": {"replay": {"policy": "generator", "kind": "vae", "precision": "int8", "keep_auxiliary": False},
+    "generator": {"policy": {"name": "generator", "kind": "vae", "precision": "int8", "keep_auxiliary": False},
                   "strategy": {"name": "pfedgrp"}},
-    "refed": {"replay": {"policy": "refed", "pim_epochs": 2}, "strategy": {"name": "fedavg"}},
-    "random": {"replay": {"policy": "random"}, "strategy": {"name": "fedavg"}},
-    "none": {"replay": {"policy": "none"}, "strategy": {"name": "fedavg"}},
+    "refed": {"policy": {"name": "refed", "pim_epochs": 2}, "strategy": {"name": "fedavg"}},
+    "random": {"policy": {"name": "random"}, "strategy": {"name": "fedavg"}},
+    "none": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},
 }
 
 
@@ -47,8 +48,8 @@ def run_one(out: Path, dataset: str, sequence: str, method: str, seed: int, devi
     config = FleetConfig(
         name=f"flow-{method}", out=out, devices=devices, workers=2, model=model, seed=seed, broker="auto",
         scenario={"preset": f"{preset}-{sequence}", "seed": seed},
-        replay={"max_bytes": budget, **options["replay"]},
-        trainer={"backend": "torch", "optimizer": "adamw", "lr": 3e-3},  # one backend for all: alignment needs torch
+        policy=options["policy"], store=StoreSettings(max_bytes=budget),
+        trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3),  # one backend for all methods
         client={"epochs": epochs}, strategy=options["strategy"],
         coordinator={"rounds_per_task": 1, "min_clients": devices, "deadline_s": 300.0, "wait_for_devices_s": 120.0},
     )

@@ -17,21 +17,23 @@
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
-    [strategy]  name = "fedavg" | "fedprox", and its options (weighted, mu)
-    [client]    sent to devices in every round: epochs, lr, batch_size (optional)
+    [strategy]  name = "fedavg" | "fedprox" | "pfedgrp", and its options (weighted, mu, ...)
+    [client]    sent to devices in every round: epochs, lr, answer_wait_s (each optional)
 
-Relative paths are taken relative to the file's folder. Unknown keys are errors.
+Relative paths are taken relative to the file's folder. Checked by the one config checker (`edgefil.settings`):
+an unknown key, a missing one or a wrong type is a one-line error naming file, table and key.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
+from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
 
 
@@ -71,29 +73,33 @@ class CoordinatorConfig:
             raise ValueError("rounds_per_task and max_attempts must be >= 1 and deadline_s > 0")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
+        if not self.scenario and self.test_data is None:
+            raise ValueError("the coordinator needs test data: test_data = \"folder\" (test-<t>.npz files, one per "
+                             "task) or, in simulation, a scenario")
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path(".")) -> CoordinatorConfig:
+    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path("."), file: str = "coordinator config"
+                  ) -> CoordinatorConfig:
+        """Checked by the one config checker (`edgefil.settings`): ConfigError naming file, table and key."""
+        where = Where(file)
         raw = dict(raw)
-        broker = {"username": "coordinator", **raw.pop("broker", {})}
-        unknown = sorted(set(broker) - {f.name for f in fields(BrokerSettings)})
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in [broker]")
-        for key in ("out", "artifacts"):
-            if key not in raw:
-                raise ValueError(f"coordinator config needs {key!r}")
-            raw[key] = (base / raw[key]).resolve()
-        if "test_data" in raw:
-            raw["test_data"] = (base / raw["test_data"]).resolve()
-        raw["devices"] = tuple(raw.get("devices", ()))
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in the coordinator config; known: {sorted(known)}")
-        return cls(**raw, broker=BrokerSettings(**broker))
+        if isinstance(raw.get("broker", {}), Mapping):
+            raw["broker"] = {"username": "coordinator", **raw.get("broker", {})}
+        config = build(cls, raw, where, base)
+        check_strategy(config.strategy, where.inner("strategy"))
+        client = build(RoundSettings, config.client, where.inner("client"))
+        return dataclasses.replace(config, client={k: v for k, v in vars(client).items() if v is not None})
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
         path = Path(path)
-        with open(path, "rb") as handle:
-            return cls.from_dict(tomllib.load(handle), base=path.parent)
+        return cls.from_dict(load_toml(path), base=path.parent, file=str(path))
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """`[client]`: what every round message tells the devices (left out: the device's own setting)."""
+
+    epochs: int | None = None
+    lr: float | None = None
+    answer_wait_s: float | None = None  # how long a device waits for the answer to its request

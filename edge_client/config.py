@@ -1,4 +1,5 @@
-"""The device daemon's configuration file (TOML), read into typed settings.
+"""The device daemon's configuration file (TOML), read into typed settings by the one config checker
+(`edgefil.settings`): an unknown key, a missing one or a wrong type is a one-line error naming file, table and key.
 
     device_id = "dev-0"
     fleet = "demo"
@@ -11,29 +12,30 @@
     [trainer]  backend = "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads
     [learner]  epochs, batch_size, mask_seen_classes
     [store]    max_samples (M), max_bytes
-    [policy]   name = "refed" | "random" | ..., any other key goes to the policy (e.g. lam, pim_epochs)
+    [policy]   name = "refed" | "random" | ..., group_by = "class", and the policy's own options (e.g. lam)
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
-    [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time = false
+    [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time, time_scale
 
-Relative paths are taken relative to the file's folder. Unknown keys are errors: a typo must not pass silently.
+Relative paths are taken relative to the file's folder. The same tables ([policy], [store], [trainer], [learner])
+mean the same in a fleet file.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import tomllib
-
+from edge_client.policies import check_policy
 from edgefil.link import BrokerSettings
+from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
 
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    backend: str = "ort"
-    optimizer: str = "adamw"
+    backend: Literal["ort", "torch"] = "ort"
+    optimizer: Literal["sgd", "adamw"] = "adamw"
     lr: float = 1e-3
     threads: int = 1
 
@@ -52,61 +54,71 @@ class StoreSettings:
 
 
 @dataclass(frozen=True)
+class DataSettings:
+    """Where the device's data come from: a folder of task files, or (a virtual device) a scenario's share."""
+
+    folder: Path | None = None
+    scenario: Mapping[str, Any] | None = None
+    client: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.folder is None) == (self.scenario is None):
+            raise ValueError("needs `folder` (a folder of task-<t>.npz files) or, for a simulated device, `scenario`")
+
+
+@dataclass(frozen=True)
+class EmulationSettings:
+    """A virtual device's emulated profile (simulation only; firmware_sim applies it)."""
+
+    profile: str
+    host_gflops: float
+    real_time: bool = False
+    time_scale: float = 1.0
+    availability_seed: int | None = None
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
+    """The file's schema, table by table, and what the daemon reads."""
+
     device_id: str
     fleet: str
     artifacts: Path
     state_dir: Path
-    broker: BrokerSettings
+    broker: BrokerSettings = BrokerSettings()
     profile: str = "generic"
     heartbeat_s: float = 5.0
     trainer: TrainerSettings = TrainerSettings()
     learner: LearnerSettings = LearnerSettings()
     store: StoreSettings = StoreSettings()
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
-    data: Mapping[str, Any] = field(default_factory=dict)
-    emulation: Mapping[str, Any] = field(default_factory=dict)  # virtual devices only: profile, host_gflops, real_time
+    data: DataSettings | None = None
+    emulation: EmulationSettings | None = None  # virtual devices only
+
+    def __post_init__(self) -> None:
+        for key in ("device_id", "fleet"):
+            check_name(getattr(self, key), key)
 
     @property
     def simulated(self) -> bool:
         """A virtual device's file (a scenario share or an emulated profile): the simulator builds its data
         source and surroundings (`firmware_sim.virtual_device`); the device runtime alone cannot run it."""
-        return "scenario" in self.data or bool(self.emulation)
+        return (self.data is not None and self.data.scenario is not None) or self.emulation is not None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path(".")) -> DeviceConfig:
+    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path("."), file: str = "device config") -> DeviceConfig:
+        """Checked by the one config checker (`edgefil.settings`): ConfigError naming file, table and key."""
+        where = Where(file)
         raw = dict(raw)
-        device_id = check_name(raw.get("device_id", ""), "device_id")
-        check_name(raw.get("fleet", ""), "fleet")
-        broker = {"username": device_id, **raw.pop("broker", {})}
-        sections = {
-            "broker": _section(BrokerSettings, broker, "broker"),
-            "trainer": _section(TrainerSettings, raw.pop("trainer", {}), "trainer"),
-            "learner": _section(LearnerSettings, raw.pop("learner", {}), "learner"),
-            "store": _section(StoreSettings, raw.pop("store", {}), "store"),
-        }
-        for key in ("artifacts", "state_dir"):
-            if key not in raw:
-                raise ValueError(f"device config needs {key!r}")
-            raw[key] = (base / raw[key]).resolve()
-        data = dict(raw.pop("data", {}))
-        if "folder" in data:
-            data["folder"] = str((base / data["folder"]).resolve())
-        config = _section(cls, {**raw, **sections, "data": data}, "device config")
-        if "name" not in config.policy:
-            raise ValueError("[policy] needs a name")
-        return config
+        if raw.get("emulation") == {}:  # an empty [emulation] table: a device that is not emulated
+            del raw["emulation"]
+        device_id = raw.get("device_id", "")
+        if isinstance(raw.get("broker", {}), Mapping) and isinstance(device_id, str):
+            raw["broker"] = {"username": device_id, **raw.get("broker", {})}
+        config = build(cls, raw, where, base)
+        return replace(config, policy=check_policy(config.policy, where.inner("policy")))
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceConfig:
         path = Path(path)
-        with open(path, "rb") as handle:
-            return cls.from_dict(tomllib.load(handle), base=path.parent)
-
-
-def _section(cls: type, values: Mapping[str, Any], where: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
-    return cls(**values)
+        return cls.from_dict(load_toml(path), base=path.parent, file=str(path))

@@ -94,7 +94,7 @@ class Device:
         )
         self.learner.restore(config.state_dir)
         self.learner.open_policy(config.state_dir, config.artifacts)
-        self.source = source if source is not None else open_source(config.data)
+        self.source = source if source is not None else open_source(config.data.folder if config.data else None)
         self.environment = environment if environment is not None else RealEnvironment()
         self.manifest = manifest_digest(config.artifacts)
         self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256

@@ -2,9 +2,8 @@
 hands the device a scenario's share instead (`firmware_sim.scenarios.ClientSource`), which satisfies `TaskSource`."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -30,9 +29,9 @@ class FolderSource:
             return data["x"].astype(np.float32), data["y"].astype(np.int64)
 
 
-def open_source(data: Mapping[str, Any]) -> TaskSource:
-    """The `[data]` section of a device config: `folder = ...`. (A simulated device's source is a scenario's
-    share, which firmware_sim builds and hands to the device.)"""
-    if "folder" in data:
-        return FolderSource(data["folder"])
-    raise ValueError("[data] needs `folder`: the folder of task-<t>.npz files")
+def open_source(folder: Path | None) -> TaskSource:
+    """The device config's `[data] folder`. (A simulated device's source is a scenario's share, which
+    firmware_sim builds and hands to the device.)"""
+    if folder is None:
+        raise ValueError("[data] needs `folder`: the folder of task-<t>.npz files")
+    return FolderSource(folder)

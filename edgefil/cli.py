@@ -80,9 +80,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     config = CoordinatorConfig.load(args.config)
     test_sets = None
     if config.scenario:  # simulation: the scenario's test sets (built by the simulator)
-        from firmware_sim.scenarios import scenario_from_config
+        from edgefil.settings import Where
+        from firmware_sim.scenarios import check_scenario
 
-        test_sets = scenario_from_config(config.scenario).build()
+        test_sets = check_scenario(config.scenario, Where(args.config).inner("scenario")).build()
     try:
         results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
     except (QuorumError, FileExistsError) as err:
@@ -167,7 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.run(args))
+    from edgefil.settings import ConfigError
+
+    try:
+        return int(args.run(args))
+    except ConfigError as err:  # a config file that cannot be used: one line, nothing started
+        print(f"edgefil {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

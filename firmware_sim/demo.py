@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from edge_client.config import StoreSettings
 from firmware_sim.fleet import Fleet, FleetConfig
 from firmware_sim.report import compare_runs
 
@@ -17,9 +18,9 @@ PROFILE_CYCLE = (
     "generic", "jetson-nano", "raspberry-pi-zero-2w", "raspberry-pi-4-4gb", "jetson-orin-nano",
 )
 METHODS: dict[str, dict[str, Any]] = {
-    "refed": {"replay": {"policy": "refed", "pim_epochs": 2}},
-    "random": {"replay": {"policy": "random"}},
-    "fixed": {"replay": {"policy": "random"}, "coordinator": {"train_tasks": 1}},
+    "refed": {"policy": {"name": "refed", "pim_epochs": 2}},
+    "random": {"policy": {"name": "random"}},
+    "fixed": {"policy": {"name": "random"}, "coordinator": {"train_tasks": 1}},
 }
 
 
@@ -38,7 +39,7 @@ def run_methods(
         config = FleetConfig(
             name=f"demo-{method}", out=out / method, devices=devices, workers=2, model=model, seed=seed,
             broker="embedded", scenario={**scenario, "seed": seed}, profiles=demo_profiles(devices),
-            replay={"max_samples": budget, **options["replay"]},
+            policy=options["policy"], store=StoreSettings(max_samples=budget),
             client={"epochs": 2},
             coordinator={
                 "rounds_per_task": rounds_per_task, "min_clients": max(1, devices // 2), "deadline_s": 60.0,

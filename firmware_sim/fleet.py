@@ -20,37 +20,48 @@ device's state stay, so `--resume` continues the run.
     real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
                                    # to the devices' reported device seconds)
     time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
-    [replay]       policy = "refed", max_samples = 200 (M), max_bytes, and policy options (lam, pim_epochs, ...)
-    [trainer]      backend, optimizer, lr, threads          (the device config's [trainer])
-    [client]       epochs, lr, ...                          (sent in every round)
-    [strategy]     name = "fedavg", options
-    [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts
+    [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
+    [store]        max_samples = 200 (M), max_bytes                      (the device file's [store])
+    [trainer]      backend, optimizer, lr, threads                       (the device file's [trainer])
+    [client]       epochs, lr, answer_wait_s                             (the coordinator file's [client])
+    [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
+    [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
+                   train_tasks, device                                   (the coordinator file's keys)
+
+Every table is checked by the one config checker (`edgefil.settings`) before anything starts: the file's own keys
+when it is read, then (`FleetConfig.check`) the policy, the strategy, the coordinator's keys, the scenario, the
+profiles and whether the model takes the scenario's inputs. Errors are one line naming file, table and key.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, RoundSettings
 from coordinator.server import Coordinator
+from coordinator.strategies import check_strategy
+from edge_client.config import StoreSettings, TrainerSettings
+from edge_client.policies import POLICIES, check_policy
 from edgefil.link import BrokerSettings
+from edgefil.settings import Where, build, check_options, load_toml
 from firmware_sim import disk
 from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import write_report
-from firmware_sim.scenarios import scenario_from_config
+from firmware_sim.scenarios import check_scenario, scenario_from_config
 from models.manifest import load_manifest
+from models.zoo import model_fits
 
 log = logging.getLogger("edgefil.fleet")
-STORE_KEYS = ("max_samples", "max_bytes")
+# CoordinatorConfig keys the fleet sets itself; its [coordinator] table may give the others
+FLEET_SETS = ("fleet", "out", "artifacts", "devices", "scenario", "test_data", "broker", "seed", "strategy",
+              "client", "virtual_time")
 STATE_SLACK_BYTES = 64 * 1024
 
 
@@ -64,8 +75,9 @@ class FleetConfig:
     model: str = "lenet"
     seed: int = 0
     broker: str = "auto"
-    replay: Mapping[str, Any] = field(default_factory=lambda: {"policy": "refed", "max_samples": 200})
-    trainer: Mapping[str, Any] = field(default_factory=lambda: {"backend": "ort", "optimizer": "adamw", "lr": 3e-3})
+    policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
+    store: StoreSettings = StoreSettings(max_samples=200)
+    trainer: TrainerSettings = TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3)
     client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 2})
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     coordinator: Mapping[str, Any] = field(default_factory=dict)
@@ -84,14 +96,33 @@ class FleetConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> FleetConfig:
+        """The file's keys and types checked (ConfigError); `check()` checks what the keys name."""
         path = Path(path)
-        with open(path, "rb") as handle:
-            raw = tomllib.load(handle)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in {path}; known: {sorted(known)}")
-        return cls(**{**raw, "out": (path.parent / raw.get("out", "runs/" + raw.get("name", "fleet"))).resolve()})
+        raw = load_toml(path)
+        if isinstance(raw.get("name"), str) and "out" not in raw:
+            raw["out"] = f"runs/{raw['name']}"
+        return build(cls, raw, Where(str(path)), base=path.parent)
+
+    def check(self, file: str = "fleet config") -> None:
+        """Everything the tables name, before a broker or a worker starts: the policy, the strategy, the round
+        settings, the coordinator's keys, the scenario, the profiles, and whether the model takes the
+        scenario's inputs. ConfigError (one line: file, table, key) at the first problem."""
+        where = Where(file)
+        check_policy(self.policy, where.inner("policy"))
+        check_strategy(self.strategy, where.inner("strategy"))
+        build(RoundSettings, self.client, where.inner("client"))
+        check_options(CoordinatorConfig, self.coordinator, where.inner("coordinator"), skip=FLEET_SETS)
+        for name in self.profiles:
+            try:
+                load_profile(name)
+            except (ValueError, OSError) as err:
+                raise where.inner("profiles").error(name, str(err)) from None
+        scenario = check_scenario({**self.scenario, "n_clients": self.devices}, where.inner("scenario"))
+        try:
+            data = scenario.build()
+            model_fits(self.model, data.num_classes, data.input_shape)
+        except (ValueError, OSError, RuntimeError) as err:
+            raise where.error("model", f"{self.model!r} on scenario {scenario.dataset!r}: {err}") from None
 
     @property
     def device_ids(self) -> list[str]:
@@ -117,7 +148,8 @@ class Fleet:
         self._workers: list[mp.process.BaseProcess] = []
         self._mounted: list[Path] = []
 
-    def run(self, resume: bool = False) -> dict[str, Any]:
+    def run(self, resume: bool = False, file: str = "fleet config") -> dict[str, Any]:
+        self.config.check(file)  # before anything starts
         out = self.config.out
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
@@ -149,7 +181,7 @@ class Fleet:
     # --- parts ------------------------------------------------------------------------------------
 
     def _export(self) -> Path:
-        """The model's artifacts, and the generator's beside them when the devices replay from generators."""
+        """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`)."""
         from models.export import export_registered  # host only
 
         artifacts = self.config.out / "artifacts"
@@ -157,15 +189,8 @@ class Fleet:
             data = scenario_from_config(self.scenario).build()
             artifacts.mkdir(parents=True, exist_ok=True)
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
-        if self.config.replay.get("policy") == "generator" and not self.config.replay.get("artifacts"):
-            kind = self.config.replay.get("kind", "vae")
-            folder = self.config.out / f"generator-{kind}"
-            if not (folder / "generator.json").is_file():
-                from models.generator_export import export_generator_artifacts
-                from models.generators import default_spec
-
-                shape = tuple(load_manifest(artifacts).input_shape)
-                export_generator_artifacts(default_spec(kind, shape), folder, seed=self.config.seed)
+        policy = dict(self.config.policy)
+        POLICIES.get(policy.pop("name")).export_artifacts(policy, artifacts, seed=self.config.seed)
         return artifacts
 
     def _mount_disks(self) -> None:
@@ -198,8 +223,7 @@ class Fleet:
     def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
         profile = self.config.device_profiles()[index]
-        replay = dict(self.config.replay)
-        store = {k: replay.pop(k) for k in STORE_KEYS if k in replay}
+        store = {k: v for k, v in vars(self.config.store).items() if v is not None}
         if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
             room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
             store["max_bytes"] = min(store.get("max_bytes", room), room)
@@ -211,8 +235,7 @@ class Fleet:
             "emulation": emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
-            "trainer": dict(self.config.trainer), "store": store,
-            "policy": {"name": replay.pop("policy", "refed"), **replay},
+            "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
             "data": {"scenario": self.scenario, "client": index},
         }
 
@@ -247,7 +270,7 @@ def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
     """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report."""
     fleet = Fleet(FleetConfig.load(path))
     try:
-        return fleet.run(resume=resume)
+        return fleet.run(resume=resume, file=str(path))
     except KeyboardInterrupt:
         log.warning("stopped; the run resumes with: edgefil fleet run %s --resume", path)
         raise

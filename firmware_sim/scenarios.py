@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+
+from edgefil.settings import Where, convert
 
 from .datasets import DOMAIN_STREAMS, ArrayDataset, known_num_classes, load_dataset
 
@@ -511,6 +514,28 @@ class ClientSource:
 
     def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         return self.data.tasks[task].client_train(self.client)
+
+
+def check_scenario(raw: Any, where: Where) -> Scenario:
+    """A scenario table checked key by key (ConfigError naming the key), then built (its own checks)."""
+    if not isinstance(raw, Mapping):
+        raise where.error(None, "expected a table (preset = ..., or every Scenario field)")
+    fields = {f.name for f in dataclasses.fields(Scenario)}
+    unknown = sorted(set(raw) - fields - {"preset"})
+    if unknown:
+        raise where.error(unknown[0], f"unknown key; valid keys: {', '.join(sorted(fields | {'preset'}))}")
+    if "preset" in raw and raw["preset"] not in PRESETS:
+        raise where.error("preset", f"unknown preset {raw['preset']!r}; choose one of {', '.join(PRESETS)}")
+    if "preset" not in raw and "dataset" not in raw:
+        raise where.error("dataset", f"missing (required without a preset; presets: {', '.join(PRESETS)})")
+    hints = typing.get_type_hints(Scenario)
+    for key, value in raw.items():
+        if key != "preset":
+            convert(hints[key], value, where, key, None)
+    try:
+        return scenario_from_config(raw)
+    except (ValueError, TypeError) as err:
+        raise where.error(None, str(err)) from None
 
 
 def scenario_from_config(config: Mapping[str, Any]) -> Scenario:

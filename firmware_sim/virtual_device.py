@@ -23,22 +23,21 @@ from firmware_sim.scenarios import ClientSource
 
 def simulated_source(config: DeviceConfig) -> TaskSource | None:
     """The device's share of the scenario, or None when its data come from a folder."""
-    if "scenario" not in config.data:
+    if config.data is None or config.data.scenario is None:
         return None
-    return ClientSource(config.data["scenario"], int(config.data.get("client", 0)))
+    return ClientSource(config.data.scenario, config.data.client)
 
 
 def emulated_environment(config: DeviceConfig) -> Environment | None:
     """The emulated profile's limits, or None for a device that runs at the host's speed."""
     emulation = config.emulation
-    if not emulation:
+    if emulation is None:
         return None
     seed = int.from_bytes(hashlib.sha256(config.device_id.encode()).digest()[:4], "little")
     return EmulatedEnvironment(
-        load_profile(emulation["profile"]), HostCalibration(float(emulation["host_gflops"])),
-        real_time=bool(emulation.get("real_time", False)),
-        availability_seed=int(emulation.get("availability_seed", seed)),
-        time_scale=float(emulation.get("time_scale", 1.0)),
+        load_profile(emulation.profile), HostCalibration(emulation.host_gflops), real_time=emulation.real_time,
+        availability_seed=emulation.availability_seed if emulation.availability_seed is not None else seed,
+        time_scale=emulation.time_scale,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from models.manifest import MAX_IR_VERSION, ManifestError, read_ir_version, sha256_file
+from models.manifest import ManifestError, verify_files
 
 GENERATOR_JSON = "generator.json"
 SAMPLER_MODEL = "sampler.onnx"
@@ -123,12 +123,5 @@ def load_generator_artifacts(directory: str | Path, check_hashes: bool = True) -
     info = GeneratorArtifacts.from_json(path.read_text())
     if SAMPLER_MODEL not in info.files:
         raise ManifestError(f"{path} lists no {SAMPLER_MODEL}")
-    for name, digest in info.files.items():
-        file = directory / name
-        if not file.is_file():
-            raise ManifestError(f"{file} is missing")
-        if check_hashes and sha256_file(file) != digest:
-            raise ManifestError(f"{file} does not match the sha256 in {GENERATOR_JSON}")
-        if name.endswith(".onnx") and read_ir_version(file) > MAX_IR_VERSION:
-            raise ManifestError(f"{file} uses an ONNX IR version above {MAX_IR_VERSION} (export with onnx==1.17.0)")
+    verify_files(directory, info.files, GENERATOR_JSON, check_hashes)
     return info

@@ -213,22 +213,24 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
     missing = sorted(required - manifest.files.keys())
     if missing:
         raise ManifestError(f"manifest in {directory} lists no hash for {', '.join(missing)}")
-    for name, expected in manifest.files.items():
-        file_path = directory / name
-        if not file_path.is_file():
-            raise ManifestError(f"artifact file {file_path} is missing")
-        if check_hashes and sha256_file(file_path) != expected:
-            raise ManifestError(f"artifact file {file_path} does not match its sha256 in the manifest")
+    verify_files(directory, manifest.files, MANIFEST_NAME, check_hashes)
     if manifest.ir_version > MAX_IR_VERSION:
         raise ManifestError(
             f"artifacts use ONNX IR version {manifest.ir_version}; onnxruntime-training 1.19 reads at most "
             f"{MAX_IR_VERSION} (export with onnx==1.17.0)"
         )
-    for name in (TRAINING_MODEL, EVAL_MODEL):
-        ir_version = read_ir_version(directory / name)
-        if ir_version > MAX_IR_VERSION:
-            raise ManifestError(
-                f"{directory / name} has ONNX IR version {ir_version}; onnxruntime-training 1.19 reads at "
-                f"most {MAX_IR_VERSION} (export with onnx==1.17.0)"
-            )
     return manifest
+
+
+def verify_files(directory: Path, files: dict[str, str], listing: str, check_hashes: bool = True) -> None:
+    """Every file a listing (manifest.json, generator.json) names is present, matches its sha256, and, for an
+    ONNX model, has an IR version ORT 1.19 reads, as its own protobuf header says; ManifestError otherwise."""
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise ManifestError(f"artifact file {path} is missing")
+        if check_hashes and sha256_file(path) != expected:
+            raise ManifestError(f"artifact file {path} does not match its sha256 in {listing}")
+        if name.endswith(".onnx") and (ir_version := read_ir_version(path)) > MAX_IR_VERSION:
+            raise ManifestError(f"{path} has ONNX IR version {ir_version}; onnxruntime-training 1.19 reads at most "
+                                f"{MAX_IR_VERSION} (export with onnx==1.17.0)")

@@ -154,6 +154,17 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 
+def model_fits(name: str, num_classes: int, input_shape: tuple[int, ...]) -> None:
+    """ValueError unless the registered model builds for these classes and runs on inputs of this shape."""
+    model = build_model(name, num_classes, input_shape, seed=0)
+    try:
+        with torch.no_grad():
+            model(torch.zeros(2, *input_shape))
+    except RuntimeError as err:
+        raise ValueError(f"model {name!r} does not take inputs of shape {tuple(input_shape)}: "
+                         f"{str(err).splitlines()[0]}") from None
+
+
 def build_model(
     name: str, num_classes: int, input_shape: tuple[int, ...] | None = None, seed: int | None = None
 ) -> ClassifierModel:

@@ -106,7 +106,7 @@ def test_configs_refuse_unknown_keys_and_bad_values(tmp_path):
             CoordinatorConfig.from_dict({**base, **bad}, base=tmp_path)
     device = {"device_id": "d1", "fleet": FLEET, "artifacts": "a", "state_dir": "s", "data": {"folder": "data"}}
     loaded = DeviceConfig.from_dict(device, base=tmp_path)
-    assert loaded.broker.username == "d1" and loaded.data["folder"] == str((tmp_path / "data").resolve())
+    assert loaded.broker.username == "d1" and loaded.data.folder == (tmp_path / "data").resolve()
     for bad in ({"device_id": "d 1"}, {"trainer": {"speed": 2}}, {"policy": {"lam": 0.5}}, {"extra": 1}):
         with pytest.raises(ValueError):
             DeviceConfig.from_dict({**device, **bad}, base=tmp_path)

@@ -236,7 +236,7 @@ def test_a_generator_device_waits_for_its_personal_model_asks_for_cached_generat
     assert decode_record(bytes(attachments["generator/1"])).steps == 20  # trained from scratch
     assert metrics["generators_from_coordinator"] == 1 and metrics["replayed_samples"] == 0
     assert blob.header["label_counts"][:2] == [int((np.load(
-        config.data["folder"] + "/task-0.npz")["y"] == c).sum()) for c in (0, 1)]
+        str(config.data.folder) + "/task-0.npz")["y"] == c).sum()) for c in (0, 1)]
     assert metrics["stored_bytes"] <= metrics["store_budget_bytes"] == 1 << 20
     assert device.rejected >= 1 and thread.is_alive()
     device.stop_requested.set()

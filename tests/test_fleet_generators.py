@@ -7,6 +7,7 @@ import numpy as np
 
 from coordinator.server import CHECKPOINT_DIR, PERSONALIZED_FILE
 from coordinator.strategies.pfedgrp import STATE_FILE
+from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.metrics import average_of_iaa, iaa_forgetting
 from firmware_sim.fleet import Fleet, FleetConfig
 
@@ -19,9 +20,10 @@ def test_a_fleet_learns_flowing_data_from_generators_with_personalized_models(tm
     config = FleetConfig(
         name="gen", out=out, devices=3, workers=1, model="lenet", seed=0, broker="auto",
         scenario={"preset": "digits-flowing-circulating", "n_tasks": ROUNDS, "samples_per_class": 20},
-        replay={"policy": "generator", "max_bytes": BUDGET, "init_steps": 30, "transfer_steps": 10,
-                "precision": "int8", "keep_auxiliary": False},
-        trainer={"backend": "torch", "optimizer": "adamw", "lr": 3e-3},
+        policy={"name": "generator", "init_steps": 30, "transfer_steps": 10, "precision": "int8",
+                "keep_auxiliary": False},
+        store=StoreSettings(max_bytes=BUDGET),
+        trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3),
         client={"epochs": 2}, strategy={"name": "pfedgrp", "weight_steps": 5},
         coordinator={"rounds_per_task": 1, "min_clients": 3, "deadline_s": 60.0, "wait_for_devices_s": 60.0},
     )

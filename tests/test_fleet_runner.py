@@ -21,8 +21,9 @@ workers = 2
 broker = "{broker}"
 scenario = {{preset = "digits-class", n_tasks = 3}}
 profiles = {{raspberry-pi-4-4gb = 2, jetson-orin-nano = 2}}
-[replay]
-policy = "random"
+[policy]
+name = "random"
+[store]
 max_samples = 120
 [coordinator]
 rounds_per_task = 2

@@ -3,6 +3,7 @@ the configuration's name and options. Every module here is imported once and eac
 `name` registers itself, so a new rule adds a file and touches nothing else."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from coordinator.strategies.base import (
     weighted_mean,
 )
 from edgefil.registry import import_submodules
+from edgefil.settings import Where, check_options
 from models.manifest import Manifest
 
 import_submodules(__name__, __path__)
@@ -24,6 +26,16 @@ import_submodules(__name__, __path__)
 
 def strategy_names() -> list[str]:
     return STRATEGIES.names()
+
+
+def check_strategy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
+    """A `[strategy]` table checked: `name` (a registered rule) and its options against the rule's constructor."""
+    name = raw.get("name")
+    if not isinstance(name, str) or name not in strategy_names():
+        problem = "missing (required)" if name is None else f"unknown strategy {name!r}"
+        raise where.error("name", f"{problem}; choose one of {', '.join(strategy_names())}")
+    options = check_options(STRATEGIES.get(name), raw, where, skip=("device", "manifest"), also=("name",))
+    return {"name": name, **options}
 
 
 def make_strategy(

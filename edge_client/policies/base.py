@@ -112,6 +112,11 @@ class ReplayPolicy(ABC):
         leaves it to the learner's task-switch rule (rank the old, keep M - N_new of them)."""
         return None
 
+    @classmethod
+    def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
+        """Host side (a fleet, before its devices start): write what the policy opens besides the model's
+        artifacts, e.g. a generator's, when it is missing. Nothing by default."""
+
     def open(self, ctx: PolicyContext) -> None:
         """Open what the policy keeps on disk besides the store, registering it with `ctx.budget`."""
 

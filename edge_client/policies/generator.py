@@ -96,6 +96,23 @@ class GeneratorReplay(ReplayPolicy):
 
     # --- the plugin hooks the learner calls ------------------------------------------------------
 
+    @classmethod
+    def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
+        """The generator artifacts `open` looks for (`<model artifacts>/../generator-<kind>`), exported when missing
+        and the options name no folder of their own. Host only: it imports the exporter (torch, onnx)."""
+        if options.get("artifacts"):
+            return
+        kind = str(options.get("kind", cls.kind))
+        folder = Path(model_artifacts).parent / f"generator-{kind}"
+        if (folder / "generator.json").is_file():
+            return
+        from models.generator_export import export_generator_artifacts
+        from models.generators import default_spec
+        from models.manifest import load_manifest
+
+        shape = tuple(load_manifest(model_artifacts).input_shape)
+        export_generator_artifacts(default_spec(kind, shape), folder, seed=seed)
+
     def open(self, ctx: PolicyContext) -> None:
         from edge_client.generators.bank import GeneratorBank
         from edge_client.generators.sampler import OnnxSampler

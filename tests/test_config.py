@@ -1,0 +1,186 @@
+"""One config language: every file kind is checked by one mechanism, table by table, before anything starts.
+
+A typo in any table of any file kind, an unknown policy or strategy, a value of the wrong type: one line naming
+the file, the table and the key, from the loaders and from the command line (exit 2, fast, nothing started). And
+every TOML example in the README and the docs loads and checks as written."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from edge_client.config import DeviceConfig
+from edgefil.settings import ConfigError, Where
+from firmware_sim.fleet import FleetConfig
+from firmware_sim.scenarios import check_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEVICE = '''device_id = "pi-1"
+fleet = "lab"
+artifacts = "artifacts/lenet"
+state_dir = "state"
+[broker]
+host = "127.0.0.1"
+[trainer]
+backend = "ort"
+[learner]
+epochs = 2
+[store]
+max_samples = 200
+[policy]
+name = "refed"
+lam = 0.5
+[data]
+folder = "incoming"
+'''
+COORDINATOR = '''fleet = "lab"
+out = "run"
+artifacts = "artifacts/lenet"
+devices = ["pi-1", "pi-2"]
+scenario = {preset = "digits-class", n_clients = 2}
+[broker]
+port = 1883
+[strategy]
+name = "fedprox"
+mu = 0.01
+[client]
+epochs = 2
+'''
+FLEET = '''name = "lab"
+devices = 4
+scenario = {preset = "digits-class"}
+trainer = {backend = "ort"}
+[policy]
+name = "refed"
+pim_epochs = 2
+[store]
+max_samples = 100
+[client]
+epochs = 2
+[strategy]
+name = "fedavg"
+[coordinator]
+rounds_per_task = 2
+'''
+LOADERS = {"device": DeviceConfig.load, "coordinator": CoordinatorConfig.load, "fleet": FleetConfig.load}
+# (file kind, line to replace, its replacement, the table and key the message must name)
+TYPOS = [
+    ("device", 'device_id = "pi-1"', 'device_id = "pi-1"\ndevice_name = "x"', "", "device_name"),
+    ("device", 'host = "127.0.0.1"', 'hots = "127.0.0.1"', "[broker]", "hots"),
+    ("device", 'backend = "ort"', 'backnd = "ort"', "[trainer]", "backnd"),
+    ("device", "epochs = 2", "epoch = 2", "[learner]", "epoch"),
+    ("device", "max_samples = 200", "max_sample = 200", "[store]", "max_sample"),
+    ("device", "lam = 0.5", "lamda = 0.5", "[policy]", "lamda"),
+    ("device", 'folder = "incoming"', 'fodler = "incoming"', "[data]", "fodler"),
+    ("coordinator", "devices = [", "devics = [", "", "devics"),
+    ("coordinator", "port = 1883", "prt = 1883", "[broker]", "prt"),
+    ("coordinator", "mu = 0.01", "muu = 0.01", "[strategy]", "muu"),
+    ("coordinator", "epochs = 2", "epoch = 2", "[client]", "epoch"),
+    ("fleet", "devices = 4", "devices = 4\nworkrs = 2", "", "workrs"),
+    ("fleet", 'trainer = {backend = "ort"}', 'trainer = {backed = "ort"}', "[trainer]", "backed"),
+    ("fleet", "pim_epochs = 2", "pim_epoch = 2", "[policy]", "pim_epoch"),
+    ("fleet", "max_samples = 100", "max_sample = 100", "[store]", "max_sample"),
+    ("fleet", "[client]\nepochs = 2", "[client]\nepoch = 2", "[client]", "epoch"),
+    ("fleet", 'name = "fedavg"', 'name = "fedavg"\nweighed = false', "[strategy]", "weighed"),
+    ("fleet", "rounds_per_task = 2", "rounds_per_tsk = 2", "[coordinator]", "rounds_per_tsk"),
+    ("fleet", 'scenario = {preset = "digits-class"}', 'scenario = {preset = "digits-class", n_task = 3}',
+     "[scenario]", "n_task"),
+]
+TEXT = {"device": DEVICE, "coordinator": COORDINATOR, "fleet": FLEET}
+
+
+def load(kind: str, text: str, tmp_path: Path):
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(text)
+    config = LOADERS[kind](path)
+    if kind == "fleet":
+        config.check(str(path))
+    return config
+
+
+@pytest.mark.parametrize("kind", sorted(TEXT))
+def test_the_examples_here_are_valid(kind, tmp_path):
+    load(kind, TEXT[kind], tmp_path)
+
+
+@pytest.mark.parametrize("kind, line, replacement, table, key", TYPOS)
+def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, replacement, table, key, tmp_path):
+    assert line in TEXT[kind]
+    with pytest.raises(ConfigError) as refused:
+        load(kind, TEXT[kind].replace(line, replacement, 1), tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(str(tmp_path / f"{kind}.toml"))
+    assert f"{table} {key}: unknown key; valid keys: " in message if table else f": {key}: unknown key" in message
+
+
+@pytest.mark.parametrize("kind, line, replacement, expected", [
+    ("device", 'name = "refed"', 'name = "reffed"', "[policy] name: unknown replay policy 'reffed'; choose one of"),
+    ("fleet", 'name = "refed"', 'name = "reffed"', "[policy] name: unknown replay policy 'reffed'; choose one of"),
+    ("coordinator", 'name = "fedprox"', 'name = "fedprx"', "[strategy] name: unknown strategy 'fedprx'"),
+    ("device", "max_samples = 200", 'max_samples = "200"', "[store] max_samples: expected an integer, got str"),
+    ("device", "lam = 0.5", "lam = 2.0", "[policy] lambda must lie in (0, 1), got 2.0"),
+    ("coordinator", "mu = 0.01", 'mu = "small"', "[strategy] mu: expected a number, got str 'small'"),
+    ("fleet", "devices = 4", 'devices = "4"', "devices: expected an integer, got str '4'"),
+    ("fleet", 'backend = "ort"', 'backend = "onnx"', "[trainer] backend: expected one of 'ort', 'torch'"),
+    ("fleet", 'preset = "digits-class"', 'preset = "digit-class"', "[scenario] preset: unknown preset"),
+    ("fleet", "devices = 4", "devices = 4\nmodel = \"cnn1d\"", "model: 'cnn1d' on scenario 'digits'"),
+])
+def test_unknown_names_wrong_types_and_refused_values_are_one_line(kind, line, replacement, expected, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        load(kind, TEXT[kind].replace(line, replacement, 1), tmp_path)
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind, command", [
+    ("device", ["client", "--config"]), ("coordinator", ["coordinator", "--config"]), ("fleet", ["fleet", "run"]),
+])
+def test_the_command_line_prints_one_line_and_starts_nothing(kind, command, tmp_path):
+    text = {"device": DEVICE.replace("max_samples", "max_sample"), "fleet": FLEET.replace("[policy]", "[replay]"),
+            "coordinator": COORDINATOR.replace("devices = [", "devics = [")}[kind]
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(text)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", *command, str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edgefil {command[0]}: {path}"), done.stderr
+    assert elapsed < 5.0, f"{elapsed:.1f} s to refuse a config file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no run folder, state or broker files
+
+
+def _toml_examples() -> list[tuple[str, int, str]]:
+    examples = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"```toml\n(.*?)```", doc.read_text(), re.S):
+            examples.append((doc.name, doc.read_text()[:match.start()].count("\n") + 1, match.group(1)))
+    return examples
+
+
+@pytest.mark.parametrize("doc, line, text", _toml_examples(), ids=lambda v: str(v)[:20])
+def test_every_toml_example_in_the_docs_loads_and_checks(doc, line, text, tmp_path):
+    """Each example is a whole file of one kind (by its keys), or a scenario table; it must pass every check."""
+    import tomllib
+
+    raw = tomllib.loads(text)
+    if "device_id" in raw:
+        load("device", text, tmp_path)
+    elif isinstance(raw.get("devices"), list):
+        load("coordinator", text, tmp_path)
+    elif "devices" in raw:
+        load("fleet", text, tmp_path)
+    else:
+        assert set(raw) == {"scenario"}, f"{doc}:{line}: an example of no known file kind"
+        check_scenario(raw["scenario"], Where(f"{doc}:{line}", "scenario")).build()
+
+
+def test_every_doc_with_a_toml_example_is_covered():
+    assert {doc for doc, _, _ in _toml_examples()} >= {"README.md", "flowing-data.md"}
+    assert len(_toml_examples()) >= 5
