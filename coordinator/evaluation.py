@@ -60,7 +60,7 @@ class TestSets(Protocol):
 
 class FolderTestSets:
     """A deployment's test data: `test-<t>.npz` files (arrays `x` float32, `y` int64), one per task, in a folder
-    the operator keeps. A task's classes are the labels its test set holds. No per-client data."""
+    the operator keeps, read once. A task's classes are the labels its test set holds. No per-client data."""
 
     per_client = False
 
@@ -69,25 +69,25 @@ class FolderTestSets:
         self.num_classes = manifest.num_classes
         self.input_shape = tuple(manifest.input_shape)
         files = sorted(self.folder.glob("test-*.npz"))
-        self._paths = [self.folder / f"test-{t}.npz" for t in range(len(files))]
-        missing = [p.name for p in self._paths if not p.is_file()]
+        paths = [self.folder / f"test-{t}.npz" for t in range(len(files))]
+        missing = [p.name for p in paths if not p.is_file()]
         if not files or missing:
             raise FileNotFoundError(f"{self.folder}: expected test-0.npz, test-1.npz, ... (one per task); "
                                     f"{'none found' if not files else 'missing ' + ', '.join(missing)}")
+        self._tests = [_load_test(p) for p in paths]
 
     @property
     def n_tasks(self) -> int:
-        return len(self._paths)
+        return len(self._tests)
 
     def describe(self) -> dict[str, Any]:
         return {"test_data": str(self.folder), "n_tasks": self.n_tasks}
 
     def task_test(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        with np.load(self._paths[t], allow_pickle=False) as data:
-            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+        return self._tests[t]
 
     def task_classes(self, t: int) -> tuple[int, ...]:
-        return tuple(int(c) for c in np.unique(self.task_test(t)[1]))
+        return tuple(int(c) for c in np.unique(self._tests[t][1]))
 
     def client_seen_test(self, k: int, t: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError("a test-set folder has no per-client data")
@@ -97,6 +97,11 @@ class FolderTestSets:
 
     def client_samples_seen(self, k: int, t: int) -> int:
         raise NotImplementedError("a test-set folder has no per-client data")
+
+
+def _load_test(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return data["x"].astype(np.float32), data["y"].astype(np.int64)
 
 
 class Evaluator:

@@ -231,10 +231,7 @@ class Coordinator:
         return named
 
     def _close(self, collected: OpenRound) -> None:
-        updates = [
-            ClientUpdate(u.device, u.weights, u.num_samples, dict(u.metrics), u.label_counts, u.attachments)
-            for u in collected.updates.values()
-        ]
+        updates = [_for_strategy(u) for u in collected.updates.values()]
         started = time.perf_counter()
         result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
         aggregate_s = time.perf_counter() - started
@@ -342,8 +339,7 @@ class Coordinator:
 
     def _on_update(self, update: Update) -> None:
         try:
-            self.strategy.inspect(ClientUpdate(update.device, update.weights, update.num_samples, update.metrics,
-                                               update.label_counts, update.attachments))
+            self.strategy.inspect(_for_strategy(update))
         except RefusedUpdate as err:
             self.inbox.reject(err.reason, f"update of {update.device} for round {update.round}: {err}")
             return
@@ -400,6 +396,12 @@ class Coordinator:
             "reconnects": max(self.link.connects - 1, 0),
             "history": state.history,
         }
+
+
+def _for_strategy(update: Update) -> ClientUpdate:
+    """What a strategy sees of an update from the gate (round bookkeeping is the coordinator's)."""
+    return ClientUpdate(update.device, update.weights, update.num_samples, dict(update.metrics),
+                        update.label_counts, update.attachments)
 
 
 def run_coordinator(

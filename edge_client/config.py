@@ -110,8 +110,6 @@ class DeviceConfig:
         """Checked by the one config checker (`edgefil.settings`): ConfigError naming file, table and key."""
         where = Where(file)
         raw = dict(raw)
-        if raw.get("emulation") == {}:  # an empty [emulation] table: a device that is not emulated
-            del raw["emulation"]
         device_id = raw.get("device_id", "")
         if isinstance(raw.get("broker", {}), Mapping) and isinstance(device_id, str):
             raw["broker"] = {"username": device_id, **raw.get("broker", {})}

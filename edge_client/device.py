@@ -26,14 +26,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
-from edge_client.learner import STORE_HOLDER, Learner, LearnerConfig
+from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, make_policy
 from edge_client.sources import TaskSource, open_source
 from edge_client.store import ReplayStore, StoreDiskFullError
@@ -79,18 +78,15 @@ class Device:
         self.id = config.device_id
         self.trainer = make_trainer(config)
         self.num_parameters = self.trainer.manifest.num_parameters
-        budget = DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes))
-        store = ReplayStore(
-            config.state_dir / "store", budget.share(STORE_HOLDER), tuple(self.trainer.manifest.input_shape)
-        )
-        budget.register(STORE_HOLDER, store.bytes_on_disk)
+        store = ReplayStore.within(DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes)),
+                                   config.state_dir / "store", tuple(self.trainer.manifest.input_shape))
         policy = make_policy(**config.policy)
         settings = config.learner
         self.learner = Learner(
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
                           mask_seen_classes=settings.mask_seen_classes),
-            seed=_seed_of(self.id), budget=budget,
+            seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)
         self.learner.open_policy(config.state_dir, config.artifacts)
@@ -377,9 +373,8 @@ def _seed_of(device_id: str) -> int:
     return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
 
 
-def run_device(config_path: str | Path) -> None:
+def run_device(device: Device) -> None:
     """`edgefil client --config FILE`: run until SIGTERM/SIGINT, then leave cleanly (status offline)."""
-    device = Device(DeviceConfig.load(config_path))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: device.stop_requested.set())
     device.run()

@@ -11,7 +11,7 @@ Choices (documented, configurable where it matters):
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
 - Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
-  what the store leaves (edge_client/budget.py). A streaming policy (reservoir) decides admission itself.
+  what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.
 """
 from __future__ import annotations
 
@@ -20,14 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.budget import Budget, DeviceBudget
 from edge_client.policies import PolicyContext, ReplayPolicy, Samples, SelectionContext
 from edge_client.state import ClientState, load_state, save_state
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
 from edge_client.trainers.base import EvalResult, Proximal, Trainer
-
-STORE_HOLDER = "store"  # the replay store's name among the budget's holders
 
 
 @dataclass(frozen=True)
@@ -46,9 +43,8 @@ class Learner:
         policy: ReplayPolicy,
         config: LearnerConfig = LearnerConfig(),
         seed: int = 0,
-        budget: DeviceBudget | None = None,
     ) -> None:
-        """`budget` owns M; without one, the store's own limits become M (a store opened on its own)."""
+        """M is the store's budget (`ReplayStore.device_budget`): the policy's own files share it."""
         self.trainer = trainer
         self.store = store
         self.policy = policy
@@ -56,12 +52,7 @@ class Learner:
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
         self._detector = NoveltyDetector()
-        if budget is None:
-            limits = store.budget if isinstance(store.budget, Budget) else Budget()
-            budget = DeviceBudget(limits)
-            store.budget = budget.share(STORE_HOLDER)
-            budget.register(STORE_HOLDER, store.bytes_on_disk)
-        self.budget = budget
+        self.budget = store.device_budget()
 
     def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
         """Let the policy open what it keeps besides the store (its own files, within M)."""

@@ -64,9 +64,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_client.budget import Budget, BudgetShare, file_bytes
+from edge_client.budget import Budget, BudgetShare, DeviceBudget, file_bytes
 
 DB_NAME = "replay.sqlite"
+STORE_HOLDER = "store"  # the store's name among the holders of a DeviceBudget
 JOURNAL_NAME = DB_NAME + "-journal"
 STORE_FILES = frozenset({DB_NAME, JOURNAL_NAME})
 FORMAT = 1
@@ -310,6 +311,24 @@ class ReplayStore:
                     f"{self.directory} takes {self.bytes_on_disk()} bytes and needs up to {need} with the headroom "
                     f"a delete needs, over max_bytes {self.budget.max_bytes}; open it with a larger budget and "
                     f"keep_only()")
+
+    @classmethod
+    def within(cls, budget: DeviceBudget, directory: str | Path, sample_shape: tuple[int, ...] | None = None
+               ) -> ReplayStore:
+        """The device's store as one holder of M: it writes within what the budget's other holders leave."""
+        store = cls(directory, budget.share(STORE_HOLDER), sample_shape)
+        budget.register(STORE_HOLDER, store.bytes_on_disk)
+        return store
+
+    def device_budget(self) -> DeviceBudget:
+        """The DeviceBudget this store is a holder of. A store opened with plain limits becomes the first holder
+        of a budget of those limits, so that a method's own files can share M with it."""
+        if isinstance(self.budget, BudgetShare):
+            return self.budget.owner
+        owner = DeviceBudget(self.budget)
+        self.budget = owner.share(STORE_HOLDER)
+        owner.register(STORE_HOLDER, self.bytes_on_disk)
+        return owner
 
     def close(self) -> None:
         if self._conn is not None:

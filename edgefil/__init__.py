@@ -6,6 +6,13 @@ both sides speak: topic names (`topics`), the wire codec (`wire`), the MQTT link
 (`edge_client`), the coordinator nor the simulator (`firmware_sim`); the import contract in pyproject.toml
 enforces it.
 """
-from models.manifest import software_version
+from typing import Any
 
-__version__ = software_version()
+
+def __getattr__(name: str) -> Any:
+    """`edgefil.__version__`, looked up only when asked for (models.manifest.software_version)."""
+    if name == "__version__":
+        from models.manifest import software_version
+
+        return software_version()
+    raise AttributeError(f"module 'edgefil' has no attribute {name!r}")

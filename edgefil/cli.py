@@ -62,14 +62,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> int:
     from edge_client.config import DeviceConfig
-    from edge_client.device import run_device
+    from edge_client.device import Device, run_device
 
-    if DeviceConfig.load(args.config).simulated:  # a virtual device: the simulator builds its surroundings
-        from firmware_sim.virtual_device import run_virtual_device
+    config = DeviceConfig.load(args.config)
+    device: Device
+    if config.simulated:  # a virtual device: the simulator builds its surroundings
+        from firmware_sim.virtual_device import virtual_device
 
-        run_virtual_device(args.config)
+        device = virtual_device(config)
     else:
-        run_device(args.config)
+        device = Device(config)
+    run_device(device)
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: named payloads (request names, payload and answer blobs) replace generator messages
+SCHEMA_VERSION = 2  # 2: named payloads (request names, payload and answer blobs) replace method-specific messages
 # The payload limit of one message, chunk data and header included: under the 1 MB default packet limit of
 # clustered brokers such as EMQX (the topic and MQTT header fit in the difference).
 MAX_MESSAGE_BYTES = 1_000_000

@@ -54,7 +54,7 @@ from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import write_report
-from firmware_sim.scenarios import check_scenario, scenario_from_config
+from firmware_sim.scenarios import ScenarioData, check_scenario
 from models.manifest import load_manifest
 from models.zoo import model_fits
 
@@ -103,10 +103,11 @@ class FleetConfig:
             raw["out"] = f"runs/{raw['name']}"
         return build(cls, raw, Where(str(path)), base=path.parent)
 
-    def check(self, file: str = "fleet config") -> None:
+    def check(self, file: str = "fleet config") -> ScenarioData:
         """Everything the tables name, before a broker or a worker starts: the policy, the strategy, the round
         settings, the coordinator's keys, the scenario, the profiles, and whether the model takes the
-        scenario's inputs. ConfigError (one line: file, table, key) at the first problem."""
+        scenario's inputs. ConfigError (one line: file, table, key) at the first problem; the built scenario
+        (the devices' shares are built from the same table, the coordinator tests on it)."""
         where = Where(file)
         check_policy(self.policy, where.inner("policy"))
         check_strategy(self.strategy, where.inner("strategy"))
@@ -123,6 +124,7 @@ class FleetConfig:
             model_fits(self.model, data.num_classes, data.input_shape)
         except (ValueError, OSError, RuntimeError) as err:
             raise where.error("model", f"{self.model!r} on scenario {scenario.dataset!r}: {err}") from None
+        return data
 
     @property
     def device_ids(self) -> list[str]:
@@ -149,18 +151,17 @@ class Fleet:
         self._mounted: list[Path] = []
 
     def run(self, resume: bool = False, file: str = "fleet config") -> dict[str, Any]:
-        self.config.check(file)  # before anything starts
+        data = self.config.check(file)  # before anything starts
         out = self.config.out
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
-        artifacts = self._export()
+        artifacts = self._export(data)
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
             self._mount_disks()
             self.broker = self._start_broker()
             self._start_workers(artifacts)
-            test_sets = scenario_from_config(self.scenario).build()
-            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=test_sets)
+            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data)
             results = coordinator.run()
         finally:
             self.stop()
@@ -180,13 +181,12 @@ class Fleet:
 
     # --- parts ------------------------------------------------------------------------------------
 
-    def _export(self) -> Path:
+    def _export(self, data: ScenarioData) -> Path:
         """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`)."""
         from models.export import export_registered  # host only
 
         artifacts = self.config.out / "artifacts"
         if not (artifacts / "manifest.json").is_file():
-            data = scenario_from_config(self.scenario).build()
             artifacts.mkdir(parents=True, exist_ok=True)
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
         policy = dict(self.config.policy)
@@ -227,12 +227,12 @@ class Fleet:
         if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
             room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
             store["max_bytes"] = min(store.get("max_bytes", room), room)
-        emulation = {} if profile is None else {
+        emulation = {} if profile is None else {"emulation": {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
             "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
-        }
+        }}
         return {
-            "emulation": emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            **emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),

@@ -8,8 +8,6 @@ daemon takes: a `ClientSource` and an `EmulatedEnvironment`.
 from __future__ import annotations
 
 import hashlib
-import signal
-from pathlib import Path
 
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
@@ -43,11 +41,3 @@ def emulated_environment(config: DeviceConfig) -> Environment | None:
 
 def virtual_device(config: DeviceConfig) -> Device:
     return Device(config, source=simulated_source(config), environment=emulated_environment(config))
-
-
-def run_virtual_device(config_path: str | Path) -> None:
-    """`edgefil client --config FILE` for a simulated device: run until SIGTERM/SIGINT, then leave cleanly."""
-    device = virtual_device(DeviceConfig.load(config_path))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: device.stop_requested.set())
-    device.run()

@@ -5,6 +5,7 @@ protobuf header.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -147,9 +148,11 @@ def manifest_digest(artifacts: str | Path) -> str:
     return hashlib.sha256((Path(artifacts) / MANIFEST_NAME).read_bytes()).hexdigest()
 
 
+@functools.cache
 def software_version() -> str:
     """The installed edgefil distribution's version (recorded in manifests, sent at registration); "unknown"
-    when the code runs from a checkout that was never installed."""
+    when the code runs from a checkout that was never installed. Looked up once, on first use: importing
+    importlib.metadata costs ~20 ms, which no process should pay at import time."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

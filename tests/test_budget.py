@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge_client.budget import Budget, DeviceBudget, file_bytes
-from edge_client.learner import STORE_HOLDER, Learner, LearnerConfig
+from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, make_policy, policy_names
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
@@ -28,11 +28,11 @@ def artifacts(tmp_path_factory, export_artifacts):
 
 def _open(artifacts, folder, max_samples, max_bytes, policy):
     budget = DeviceBudget(Budget(max_samples, max_bytes))
-    store = ReplayStore(folder / "store", budget.share(STORE_HOLDER), (1, 8, 8))
-    budget.register(STORE_HOLDER, store.bytes_on_disk)
+    store = ReplayStore.within(budget, folder / "store", (1, 8, 8))
     learner = Learner(OrtTrainer(artifacts, optimizer="sgd", lr=0.05), store,
                       make_policy(policy, **OPTIONS.get(policy, {})), LearnerConfig(epochs=1, batch_size=16),
-                      seed=1, budget=budget)
+                      seed=1)
+    assert learner.budget is budget
     learner.open_policy(folder, artifacts)
     return learner, budget
 

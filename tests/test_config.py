@@ -1,14 +1,14 @@
 """One config language: every file kind is checked by one mechanism, table by table, before anything starts.
 
 A typo in any table of any file kind, an unknown policy or strategy, a value of the wrong type: one line naming
-the file, the table and the key, from the loaders and from the command line (exit 2, fast, nothing started). And
-every TOML example in the README and the docs loads and checks as written."""
+the file, the table and the key, from the loaders and from the command line (exit 2, nothing started; how long a
+refusal takes is measured by benchmarks/config_refusal.py). And every TOML example in the README and the docs
+loads and checks as written."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -145,14 +145,11 @@ def test_the_command_line_prints_one_line_and_starts_nothing(kind, command, tmp_
             "coordinator": COORDINATOR.replace("devices = [", "devics = [")}[kind]
     path = tmp_path / f"{kind}.toml"
     path.write_text(text)
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "edgefil.cli", *command, str(path)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - started
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"edgefil {command[0]}: {path}"), done.stderr
-    assert elapsed < 5.0, f"{elapsed:.1f} s to refuse a config file"
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no run folder, state or broker files
 
 

@@ -115,7 +115,7 @@ class ReplayPolicy(ABC):
     @classmethod
     def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
         """Host side (a fleet, before its devices start): write what the policy opens besides the model's
-        artifacts, e.g. a generator's, when it is missing. Nothing by default."""
+        artifacts (e.g. a generative model's) when it is missing. Nothing by default."""
 
     def open(self, ctx: PolicyContext) -> None:
         """Open what the policy keeps on disk besides the store, registering it with `ctx.budget`."""

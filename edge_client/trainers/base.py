@@ -27,7 +27,8 @@ class EvalResult:
 @dataclass(frozen=True)
 class Proximal:
     """A pull towards `reference` (flat float32 buffer, manifest order) that adds `mu * (w - reference)` to every
-    step's gradient: FedProx's term, and Re-Fed's PIM with mu = q(lambda) = (1 - lambda) / (2 lambda)."""
+    step's gradient: the proximal term of FedProx-style local objectives, with whatever mu a strategy or a policy
+    gives."""
 
     mu: float
     reference: np.ndarray
@@ -41,8 +42,8 @@ class LossInputs:
     - `sample_weights` (N,): each sample's weight in the batch mean (default ones);
     - `targets` (N, classes): soft or multi-hot targets instead of the one-hot labels;
     - `teacher_logits` (N, classes) with `teacher_weights` (N,): a teacher's raw logits and each sample's weight
-      of the squared distance to them over the visible classes (pFedGRP's alignment, Eq. 6; distillation);
-    - `head`: "softmax-ce" or "sigmoid-bce" (GLFC's head).
+      of the squared distance to them over the visible classes (an alignment or distillation term);
+    - `head`: "softmax-ce" or "sigmoid-bce" (one sigmoid per class, for multi-label or growing heads).
 
     Both backends take exactly these inputs: the ORT graphs have them as inputs (the manifest lists them)."""
 
@@ -217,7 +218,8 @@ class Trainer(ABC):
         class_mask: np.ndarray | None = None,
         batch_size: int = 256,
     ) -> np.ndarray:
-        """G(x_i) = ||grad_w l(f_w(x_i), y_i)||^2 per sample (Re-Fed Eq. 4), float64 of shape (n,).
+        """G(x_i) = ||grad_w l(f_w(x_i), y_i)||^2 per sample, float64 of shape (n,): what importance-based caching
+        ranks by.
 
         "last-layer" takes the gradient w.r.t. the head only, in closed form from eval forward passes of
         `batch_size` samples: cheap, and a lower bound of "exact". "exact" takes every parameter (a backward pass
