@@ -3,13 +3,13 @@
 
     device_id = "dev-0"
     fleet = "demo"
-    artifacts = "artifacts/lenet"      # exported ORT training artifacts (manifest.json inside)
+    artifacts = "artifacts/lenet"      # an exported artifact set (manifest.json inside)
     state_dir = "state/dev-0"          # replay store + client state; survives restarts
     profile = "generic"                # informational: sent at registration
     heartbeat_s = 5.0
 
     [broker]   host, port, username (defaults to device_id), password, cafile, keepalive
-    [trainer]  backend = "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads
+    [trainer]  backend = "auto" | "portable" | "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads, momentum
     [learner]  epochs, batch_size, mask_seen_classes
     [store]    max_samples (M), max_bytes
     [policy]   name = "refed" | "random" | ..., group_by = "class", and the policy's own options (e.g. lam)
@@ -34,10 +34,11 @@ from edgefil.topics import check_name
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    backend: Literal["ort", "torch"] = "ort"
+    backend: Literal["auto", "ort", "portable", "torch"] = "auto"  # edge_client/trainers/choice.py
     optimizer: Literal["sgd", "adamw"] = "adamw"
     lr: float = 1e-3
     threads: int = 1
+    momentum: float = 0.0  # SGD momentum (portable and torch backends; ORT Training's SGD has none)
 
 
 @dataclass(frozen=True)

@@ -36,29 +36,17 @@ from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, make_policy
 from edge_client.sources import TaskSource, open_source
 from edge_client.store import ReplayStore, StoreDiskFullError
-from edge_client.trainers.base import Proximal, Trainer
+from edge_client.trainers.base import Proximal
+from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, Link, Will
-from models.manifest import load_manifest, manifest_digest, software_version
+from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
 AVAILABILITY_POLL_S = 1.0  # how often an idle device looks at its availability schedule
 MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
-
-
-def make_trainer(config: DeviceConfig) -> Trainer:
-    settings = config.trainer
-    if settings.backend == "ort":
-        from edge_client.trainers.ort import OrtTrainer
-
-        return OrtTrainer(config.artifacts, optimizer=settings.optimizer, lr=settings.lr, threads=settings.threads)
-    if settings.backend == "torch":
-        from edge_client.trainers.pytorch import TorchTrainer
-
-        return TorchTrainer(load_manifest(config.artifacts), optimizer=settings.optimizer, lr=settings.lr)
-    raise ValueError(f"unknown trainer backend {settings.backend!r}; choose 'ort' or 'torch'")
 
 
 @dataclass
@@ -76,7 +64,7 @@ class Device:
         simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim)."""
         self.config = config
         self.id = config.device_id
-        self.trainer = make_trainer(config)
+        self.trainer = make_trainer(config.trainer, config.artifacts)
         self.num_parameters = self.trainer.manifest.num_parameters
         store = ReplayStore.within(DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes)),
                                    config.state_dir / "store", tuple(self.trainer.manifest.input_shape))
@@ -176,7 +164,7 @@ class Device:
     # --- protocol steps ---------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        fleet, backend = self.config.fleet, self.config.trainer.backend
+        fleet, backend = self.config.fleet, self.trainer.backend
         self.link.publish(topics.from_device(fleet, self.id, "register"), wire.encode(
             "register", device=self.id, profile=self.config.profile, backend=backend, manifest=self.manifest,
             software=software_version(),

@@ -28,11 +28,13 @@ def _export(args: argparse.Namespace) -> int:
     if not args.model or not args.classes or not args.out:
         raise SystemExit("edgefil export: --model, --classes and --out are required (or --list)")
     manifest = export_registered(
-        args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal
+        args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal,
+        backends=args.backends,
     )
     print(
         f"exported {manifest.model} ({manifest.num_parameters:,} parameters, input {manifest.input_shape}, "
-        f"{manifest.num_classes} classes, IR {manifest.ir_version}) to {args.out}"
+        f"{manifest.num_classes} classes, IR {manifest.ir_version}) for the {', '.join(manifest.backends)} "
+        f"backends to {args.out}"
     )
     return 0
 
@@ -124,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--input-shape", type=_shape, help="input shape without batch, e.g. 1,28,28")
     export.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     export.add_argument("--nominal", action="store_true", help="ship a weight-less checkpoint")
+    export.add_argument("--backends", type=lambda text: tuple(text.split(",")), default=None,
+                        help="trainer backends to export for, comma-separated: portable, ort, torch (default: every "
+                             "one this host can export)")
     export.add_argument("--list", action="store_true", help="list the registered models")
     export.add_argument("--generator", choices=("vae", "wgan-gp"),
                         help="export the per-class generator for --input-shape instead of a model")

@@ -47,6 +47,7 @@ from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy
+from edge_client.trainers.choice import resolve_backend
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
 from firmware_sim import disk
@@ -183,12 +184,15 @@ class Fleet:
 
     def _export(self, data: ScenarioData) -> Path:
         """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`)."""
-        from models.export import export_registered  # host only
+        from models.export import export_registered, exportable_backends  # host only
 
         artifacts = self.config.out / "artifacts"
         if not (artifacts / "manifest.json").is_file():
             artifacts.mkdir(parents=True, exist_ok=True)
-            export_registered(self.config.model, data.num_classes, artifacts, data.input_shape, seed=self.config.seed)
+            # Only what the devices run: the portable graphs take seconds to export, the others a fraction.
+            backend = resolve_backend(self.config.trainer.backend, exportable_backends())
+            export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
+                              seed=self.config.seed, backends=(backend, "torch"))
         policy = dict(self.config.policy)
         POLICIES.get(policy.pop("name")).export_artifacts(policy, artifacts, seed=self.config.seed)
         return artifacts

@@ -1,30 +1,33 @@
-"""Export a registered model to ONNX Runtime Training artifacts plus a verified manifest (host side).
+"""Export a registered model for the device's trainer backends, plus a verified manifest (host side).
 
-The artifact set: `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask` and the loss
+The manifest's `backends` lists what the set serves. "portable": the standard-op graphs of
+`models/portable_export.py` (plain onnxruntime). "ort": ONNX Runtime Training's artifacts, `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask` and the loss
 inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `bce`, and return `(loss, logits,
 features)`; `models.manifest.GRAPH_INPUTS` says what each means and `models/loss.py` is the loss they shape: the
 torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer
 (`optimizer_sgd.onnx`, `optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for
-shipping when the weights arrive from the coordinator as a flat buffer), and `manifest.json`.
+shipping when the weights arrive from the coordinator as a flat buffer). "torch": nothing beyond the manifest.
+Every set holds `manifest.json` and, unless nominal, `weights.bin` (the initial weights, manifest order).
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import onnx
 import torch
-from onnxruntime.training import artifacts
 
 from models.loss import TrainingGraph
 from models.manifest import (
+    BACKEND_FILES,
     CHECKPOINT,
     EVAL_MODEL,
     GRAPH_INPUTS,
@@ -32,10 +35,14 @@ from models.manifest import (
     MANIFEST_NAME,
     MAX_IR_VERSION,
     OPTIMIZER_MODELS,
+    PORTABLE_MODELS,
     TRAINING_MODEL,
+    WEIGHTS,
     Manifest,
     ManifestError,
     ParameterInfo,
+    read_ir_version,
+    runnable_backends,
     sha256_file,
     software_version,
 )
@@ -44,7 +51,6 @@ from models.zoo import ClassifierModel, build_model
 OPSET = 17
 INPUT_NAMES = [name for name, *_ in GRAPH_INPUTS]
 OUTPUT_NAMES = [name for name, *_ in GRAPH_OUTPUTS]
-_OPTIMIZERS = {"sgd": artifacts.OptimType.SGD, "adamw": artifacts.OptimType.AdamW}
 
 
 def export_model(
@@ -53,12 +59,77 @@ def export_model(
     input_shape: tuple[int, ...],
     out_dir: str | Path,
     nominal: bool = False,
+    backends: Sequence[str] | None = None,
 ) -> Manifest:
-    """Write the artifact set of `model` (its current weights) to `out_dir` and return its manifest."""
+    """Write the artifact set of `model` (its current weights) for `backends` (default: every backend this host
+    can export, `exportable_backends()`) to `out_dir` and return its manifest."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    backends = _checked_backends(backends)
     num_classes = model.head.out_features
     model = model.cpu().eval()
+    ir_version = 0
+    parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
+    if "ort" in backends:
+        parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
+    if "portable" in backends:
+        from models.portable_export import export_portable
+
+        export_portable(model, parameters, input_shape, out_dir)
+        ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in PORTABLE_MODELS.values()))
+    files = [f for backend in backends for f in BACKEND_FILES[backend]]
+    if not nominal:
+        named = dict(model.named_parameters())
+        flat = np.concatenate([named[p.name].detach().numpy().astype("<f4").ravel() for p in parameters])
+        (out_dir / WEIGHTS).write_bytes(flat.tobytes())
+        files.append(WEIGHTS)
+    manifest = Manifest(
+        model=name,
+        input_shape=tuple(input_shape),
+        num_classes=num_classes,
+        feature_dim=model.head.in_features,
+        parameters=parameters,
+        opset=OPSET,
+        ir_version=ir_version,
+        nominal_checkpoint=nominal,
+        edgefil_version=software_version(),
+        backends=backends,
+    )
+    manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
+    (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def exportable_backends() -> tuple[str, ...]:
+    """The trainer backends this host can export for: "ort" needs onnxruntime-training (CPython <= 3.11 on
+    x86_64 Linux), "portable" needs onnxscript (torch's ONNX exporter), "torch" needs nothing more."""
+    runnable = runnable_backends()
+    found = ["ort"] if "ort" in runnable else []
+    if importlib.util.find_spec("onnxscript"):
+        found.append("portable")
+    return (*found, "torch")
+
+
+def _checked_backends(backends: Sequence[str] | None) -> tuple[str, ...]:
+    if backends is None:
+        return exportable_backends()
+    chosen = tuple(dict.fromkeys(backends))
+    unknown = [b for b in chosen if b not in BACKEND_FILES]
+    if unknown or not chosen:
+        raise ValueError(f"unknown backends {unknown or chosen!r}; choose from {', '.join(BACKEND_FILES)}")
+    missing = [b for b in chosen if b not in exportable_backends()]
+    if missing:
+        raise ManifestError(f"this host cannot export for {', '.join(missing)}: "
+                            "'ort' needs onnxruntime-training, 'portable' needs onnxscript")
+    return chosen
+
+
+def _export_ort(
+    model: ClassifierModel, input_shape: tuple[int, ...], num_classes: int, out_dir: Path, nominal: bool
+) -> tuple[tuple[ParameterInfo, ...], int]:
+    """ONNX Runtime Training's artifacts; returns the flat-buffer order ORT imposes and the graphs' IR version."""
+    import onnx
+
     with tempfile.TemporaryDirectory(prefix="edgefil-export-") as tmp:
         tmp_dir = Path(tmp)
         onnx_model = _to_onnx(model, input_shape, num_classes, tmp_dir / "base.onnx")
@@ -71,7 +142,7 @@ def export_model(
         for optimizer, optim_file in OPTIMIZER_MODELS.items():
             gen_dir = tmp_dir / optimizer
             gen_dir.mkdir()  # generate_artifacts needs an existing directory
-            _quiet_generate(onnx_model, trainable, _OPTIMIZERS[optimizer], gen_dir)
+            _quiet_generate(onnx_model, trainable, optimizer, gen_dir)
             optim_model = onnx.load(str(gen_dir / "optimizer_model.onnx"))
             use_torch_adamw(optim_model)
             onnx.save(optim_model, str(out_dir / optim_file))
@@ -81,22 +152,7 @@ def export_model(
         shutil.move(generated / EVAL_MODEL, out_dir / EVAL_MODEL)
         checkpoint = generated / ("nominal_checkpoint" if nominal else "checkpoint")
         shutil.move(checkpoint, out_dir / CHECKPOINT)
-
-    manifest = Manifest(
-        model=name,
-        input_shape=tuple(input_shape),
-        num_classes=num_classes,
-        feature_dim=model.head.in_features,
-        parameters=parameters,
-        opset=OPSET,
-        ir_version=onnx_model.ir_version,
-        nominal_checkpoint=nominal,
-        edgefil_version=software_version(),
-    )
-    files = [TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()]
-    manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
-    (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
-    return manifest
+    return parameters, onnx_model.ir_version
 
 
 def export_registered(
@@ -106,11 +162,12 @@ def export_registered(
     input_shape: tuple[int, ...] | None = None,
     seed: int = 0,
     nominal: bool = False,
+    backends: Sequence[str] | None = None,
 ) -> Manifest:
     """Build a registry model with seeded initial weights and export it."""
     model = build_model(name, num_classes, input_shape, seed=seed)
     shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
-    return export_model(model, name, shape, out_dir, nominal=nominal)
+    return export_model(model, name, shape, out_dir, nominal=nominal, backends=backends)
 
 
 def _default_shape(name: str) -> tuple[int, ...]:
@@ -121,7 +178,7 @@ def _default_shape(name: str) -> tuple[int, ...]:
 
 def _to_onnx(
     model: ClassifierModel, input_shape: tuple[int, ...], num_classes: int, path: Path
-) -> onnx.ModelProto:
+) -> Any:
     n = 2
     example = (
         torch.zeros(n, *input_shape), torch.ones(num_classes), torch.nn.functional.one_hot(
@@ -143,6 +200,8 @@ def _to_onnx(
         export_params=True,
         dynamo=False,
     )
+    import onnx
+
     return onnx.load(str(path))
 
 
@@ -179,7 +238,7 @@ def ort_flat_order(model: torch.nn.Module, directory: Path) -> tuple[ParameterIn
     return order
 
 
-def use_torch_adamw(optimizer_model: onnx.ModelProto) -> None:
+def use_torch_adamw(optimizer_model: Any) -> None:
     """Switch ORT's AdamW kernel from Hugging Face mode (eps added before bias correction) to PyTorch mode,
     so that the ORT and torch backends take the same AdamW steps."""
     for node in optimizer_model.graph.node:
@@ -209,15 +268,16 @@ def native_stderr_captured() -> Iterator[None]:
             os.close(saved)
 
 
-def _quiet_generate(
-    onnx_model: onnx.ModelProto, trainable: list[str], optimizer: artifacts.OptimType, directory: Path
-) -> None:
+def _quiet_generate(onnx_model: Any, trainable: list[str], optimizer: str, directory: Path) -> None:
+    from onnxruntime.training import artifacts
+
+    kinds = {"sgd": artifacts.OptimType.SGD, "adamw": artifacts.OptimType.AdamW}
     with native_stderr_captured():
         artifacts.generate_artifacts(
             onnx_model,
             requires_grad=trainable,
             loss=None,  # the graph computes models/loss.py's loss itself: ORT passes it through
-            optimizer=optimizer,
+            optimizer=kinds[optimizer],
             artifact_directory=directory,
             loss_input_names=["loss"],
             additional_output_names=OUTPUT_NAMES[1:],

@@ -14,13 +14,32 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 2  # 2: the training and eval graphs take the loss inputs below (listed in `inputs`)
+# 2: the training and eval graphs take the loss inputs below (listed in `inputs`); 3: `backends` says which
+# trainer backends the set serves, and the initial weights are a flat file (`weights.bin`)
+MANIFEST_FORMAT = 3
 # onnxruntime-training 1.19 loads models up to IR version 10 ("max supported IR version: 10").
 MAX_IR_VERSION = 10
 TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
 CHECKPOINT = "checkpoint"
 OPTIMIZER_MODELS = {"sgd": "optimizer_sgd.onnx", "adamw": "optimizer_adamw.onnx"}
+# The portable backend's standard-op graphs (models/portable_export.py says what each computes).
+PORTABLE_MODELS = {
+    "gradient": "portable_gradient.onnx",
+    "eval": "portable_eval.onnx",
+    "sample_grad_norms": "portable_sample_grad_norms.onnx",
+    "sgd": "portable_sgd.onnx",
+    "adamw": "portable_adamw.onnx",
+}
+# The initial weights: float32, little-endian, manifest order, no header (absent from a nominal set).
+WEIGHTS = "weights.bin"
+# The files each trainer backend loads: "ort" runs ORT Training's artifacts, "portable" the standard-op graphs on
+# plain onnxruntime, "torch" rebuilds the architecture from the model zoo and needs only the manifest.
+BACKEND_FILES: dict[str, tuple[str, ...]] = {
+    "ort": (TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()),
+    "portable": tuple(PORTABLE_MODELS.values()),
+    "torch": (),
+}
 
 
 # The inputs of the training and eval graphs, in order: (name, dtype, shape, meaning). "N" is the batch size,
@@ -40,6 +59,23 @@ GRAPH_OUTPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("logits", "float32", ("N", "C"), "logits with hidden classes at -1e9"),
     ("features", "float32", ("N", "feature_dim"), "the penultimate features"),
 )
+
+
+def runnable_backends() -> tuple[str, ...]:
+    """The trainer backends this Python can run, found without importing anything: "ort" where an
+    onnxruntime-training build is installed (its package holds `training/`), "portable" where any onnxruntime
+    is, "torch" where torch is."""
+    import importlib.util
+
+    found = []
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is not None and spec.origin is not None:
+        if (Path(spec.origin).parent / "training").is_dir():
+            found.append("ort")
+        found.append("portable")
+    if importlib.util.find_spec("torch") is not None:
+        found.append("torch")
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,7 @@ class Manifest:
     nominal_checkpoint: bool
     edgefil_version: str
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    backends: tuple[str, ...] = ("torch",)  # the trainer backends this set serves (BACKEND_FILES)
     inputs: tuple[GraphValue, ...] = graph_values(GRAPH_INPUTS)
     outputs: tuple[GraphValue, ...] = graph_values(GRAPH_OUTPUTS)
     format: int = MANIFEST_FORMAT
@@ -91,6 +128,12 @@ class Manifest:
     @property
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters)
+
+    def require_backend(self, backend: str) -> None:
+        """ManifestError unless this artifact set was exported for `backend`."""
+        if backend not in self.backends:
+            raise ManifestError(f"these artifacts serve the {', '.join(self.backends)} backends, not {backend!r}: "
+                                f"export them again with {backend!r} among --backends")
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -117,6 +160,7 @@ class Manifest:
                 nominal_checkpoint=bool(data["nominal_checkpoint"]),
                 edgefil_version=str(data["edgefil_version"]),
                 files={str(k): str(v) for k, v in data["files"].items()},
+                backends=tuple(str(b) for b in data["backends"]),
                 inputs=tuple(_graph_value(v) for v in data["inputs"]),
                 outputs=tuple(_graph_value(v) for v in data["outputs"]),
                 format=int(data["format"]),
@@ -212,7 +256,12 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
     if not path.is_file():
         raise ManifestError(f"{directory} has no {MANIFEST_NAME}: not an edgefil artifact directory")
     manifest = Manifest.from_json(path.read_text())
-    required = {TRAINING_MODEL, EVAL_MODEL, CHECKPOINT}
+    unknown = sorted(set(manifest.backends) - BACKEND_FILES.keys())
+    if unknown:
+        raise ManifestError(f"manifest in {directory} names unknown backends {', '.join(unknown)}")
+    required = {name for backend in manifest.backends for name in BACKEND_FILES[backend]}
+    if not manifest.nominal_checkpoint:
+        required.add(WEIGHTS)
     missing = sorted(required - manifest.files.keys())
     if missing:
         raise ManifestError(f"manifest in {directory} lists no hash for {', '.join(missing)}")

@@ -1,4 +1,4 @@
-"""Shared fixtures: artifact sets are exported once per test session (export takes about a second each)."""
+"""Shared fixtures: artifact sets are exported once per test session."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,14 +11,33 @@ def export_artifacts(tmp_path_factory):
     """Export (once) and return the directory of a registered model: export_artifacts(name, classes, shape)."""
     cache: dict[tuple, Path] = {}
 
-    def get(name: str, classes: int = 10, shape: tuple[int, ...] | None = None, nominal: bool = False) -> Path:
+    def get(name: str, classes: int = 10, shape: tuple[int, ...] | None = None, nominal: bool = False,
+            backends: tuple[str, ...] = ("ort", "torch")) -> Path:
+        """The portable graphs take seconds to export (ORT's a fraction): a test that runs them asks for them."""
         from models.export import export_registered
 
-        key = (name, classes, shape, nominal)
+        key = (name, classes, shape, nominal, backends)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"artifacts-{name}")
-            export_registered(name, classes, out, input_shape=shape, seed=0, nominal=nominal)
+            export_registered(name, classes, out, input_shape=shape, seed=0, nominal=nominal, backends=backends)
             cache[key] = out
         return cache[key]
 
     return get
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (minutes each)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes long (resnet18 parity, aarch64 emulation); run with --run-slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -127,7 +127,7 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
     ("device", "lam = 0.5", "lam = 2.0", "[policy] lambda must lie in (0, 1), got 2.0"),
     ("coordinator", "mu = 0.01", 'mu = "small"', "[strategy] mu: expected a number, got str 'small'"),
     ("fleet", "devices = 4", 'devices = "4"', "devices: expected an integer, got str '4'"),
-    ("fleet", 'backend = "ort"', 'backend = "onnx"', "[trainer] backend: expected one of 'ort', 'torch'"),
+    ("fleet", 'backend = "ort"', 'backend = "onnx"', "[trainer] backend: expected one of 'auto', 'ort', 'portable', 'torch'"),
     ("fleet", 'preset = "digits-class"', 'preset = "digit-class"', "[scenario] preset: unknown preset"),
     ("fleet", "devices = 4", "devices = 4\nmodel = \"cnn1d\"", "model: 'cnn1d' on scenario 'digits'"),
 ])

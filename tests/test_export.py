@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edge_client.trainers.ort import OrtTrainer
+from edge_client.trainers.portable import PortableTrainer
 from edgefil import __version__
 from edgefil.cli import main
 from models.manifest import (
@@ -15,6 +16,7 @@ from models.manifest import (
     MAX_IR_VERSION,
     OPTIMIZER_MODELS,
     TRAINING_MODEL,
+    WEIGHTS,
     ManifestError,
     load_manifest,
     read_ir_version,
@@ -55,7 +57,8 @@ def test_manifest_describes_the_exported_model(export_artifacts, name, classes, 
     torch_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert {p.name: p.shape for p in manifest.parameters} == torch_shapes
     assert manifest.num_parameters == sum(p.numel() for p in model.parameters())
-    expected_files = {TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()}
+    assert manifest.backends == ("ort", "torch")
+    expected_files = {TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values(), WEIGHTS}
     assert set(manifest.files) == expected_files
     for file_name, digest in manifest.files.items():
         assert sha256_file(directory / file_name) == digest
@@ -73,9 +76,10 @@ def test_eval_model_returns_loss_logits_and_penultimate_features(export_artifact
 def test_cli_export_writes_a_loadable_artifact_set(tmp_path, capsys):
     out = tmp_path / "mlp"
     assert main(["export", "--model", "mlp", "--classes", "6", "--out", str(out), "--input-shape", "1,8,8"]) == 0
-    assert "exported mlp" in capsys.readouterr().out
+    assert "for the ort, portable, torch backends" in capsys.readouterr().out
     trainer = OrtTrainer(out)
     assert trainer.manifest.num_classes == 6
+    assert np.array_equal(PortableTrainer(out).get_weights(), trainer.get_weights())
     assert main(["export", "--list"]) == 0
     assert "resnet18_cifar" in capsys.readouterr().out
 

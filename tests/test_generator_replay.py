@@ -25,7 +25,7 @@ TASKS = [(0, 1), (2, 3), (0, 1), (4, 5)]
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    export_registered("lenet", 10, root / "artifacts", (1, 8, 8), seed=0)
+    export_registered("lenet", 10, root / "artifacts", (1, 8, 8), seed=0, backends=("ort", "torch"))
     export_generator_artifacts(default_spec("vae", (1, 8, 8)), root / "generator-vae", seed=0)
     return root / "artifacts"
 

@@ -76,7 +76,7 @@ def test_personalized_mixing_finds_the_device_whose_model_knows_the_replayed_cla
     """Three device models, one trained on classes 0/1: a replay set of 0/1 puts most weight on it."""
     from sklearn.datasets import load_digits
 
-    manifest = export_registered("mlp", 10, tmp_path / "m", (1, 8, 8), seed=0) and load_manifest(tmp_path / "m")
+    manifest = export_registered("mlp", 10, tmp_path / "m", (1, 8, 8), seed=0, backends=("ort", "torch"))
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None]
     y = digits.target.astype(np.int64)
@@ -102,7 +102,7 @@ def test_personalized_mixing_finds_the_device_whose_model_knows_the_replayed_cla
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
     out = tmp_path_factory.mktemp("lenet")
-    export_registered("lenet", 10, out, (1, 8, 8), seed=0)
+    export_registered("lenet", 10, out, (1, 8, 8), seed=0, backends=("ort", "torch"))
     return load_manifest(out)
 
 
@@ -142,7 +142,7 @@ def test_the_alignment_term_trains_on_the_ort_backend_as_on_torch(tmp_path):
     """pFedGRP's Eq. 6 term is the generic loss's teacher term: the ORT graph takes it as inputs."""
     from edge_client.trainers.ort import OrtTrainer
 
-    export_registered("lenet", 10, tmp_path, (1, 8, 8), seed=0)
+    export_registered("lenet", 10, tmp_path, (1, 8, 8), seed=0, backends=("ort", "torch"))
     rng = np.random.default_rng(3)
     x, y = rng.random((24, 1, 8, 8), dtype=np.float32), rng.integers(0, 4, 24)
     mask = np.isin(np.arange(10), range(4)).astype(np.float32)

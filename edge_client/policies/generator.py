@@ -80,7 +80,7 @@ class GeneratorReplay(ReplayPolicy):
     kind: str = "vae"  # "vae" or "wgan-gp" (models/generators.py)
     precision: str = "float16"  # how the bank stores generators: float32, float16 or int8
     backend: str = "auto"  # generator training: "torch", "ort" (VAE only: ORT Training artifacts), or "auto": the
-    # backend the device trains its task model with
+    # backend the device trains its task model with, or torch when that is "portable" (no generator graphs yet)
     lambda_align: float = 1.0  # weight of the alignment term (the paper does not give it; its section 5 uses 1)
     init_steps: int = 200  # optimisation steps of a generator trained from scratch
     transfer_steps: int = 50  # steps of a warm-started one
@@ -116,6 +116,7 @@ class GeneratorReplay(ReplayPolicy):
     def open(self, ctx: PolicyContext) -> None:
         from edge_client.generators.bank import GeneratorBank
         from edge_client.generators.sampler import OnnxSampler
+        from edge_client.generators.training import BACKENDS as GENERATOR_BACKENDS
         from edge_client.generators.training import make_generator_trainer
 
         folder = Path(self.artifacts) if self.artifacts else ctx.artifacts.parent / f"generator-{self.kind}"
@@ -133,7 +134,9 @@ class GeneratorReplay(ReplayPolicy):
             lambda: min(int(self.bank_share * total), budget.room(BANK_HOLDER) or 0))
         self._bank = GeneratorBank(Path(ctx.state_dir) / BANK_DIR, limit)
         budget.register(BANK_HOLDER, self._bank.bytes_on_disk)
-        backend = ctx.trainer.backend if self.backend == "auto" else self.backend
+        backend = self.backend
+        if backend == "auto":  # the task model's backend where it trains generators (not "portable"), else torch
+            backend = ctx.trainer.backend if ctx.trainer.backend in GENERATOR_BACKENDS else "torch"
         self._trainer = make_generator_trainer(self._spec, backend, folder)
 
     def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:

@@ -123,7 +123,7 @@ def last_layer_grad_norms(logits: np.ndarray, features: np.ndarray, y: np.ndarra
 class Trainer(ABC):
     """Trains one model on a device. Weights cross the boundary as one flat float32 buffer (manifest order)."""
 
-    backend: str  # "ort" or "torch": what the device config's [trainer] backend names
+    backend: str  # "ort", "portable" or "torch": what the device config's [trainer] backend names
     manifest: Manifest
     _learning_rate: float
 
@@ -189,13 +189,23 @@ class Trainer(ABC):
         for _ in range(epochs):
             total = 0.0
             for idx in iterate_batches(len(y), batch_size, rng):
-                before = self.get_weights() if proximal is not None else None
                 step_loss = loss.batch(idx) if loss is not None else None
-                total += self.train_step(x[idx], y[idx], mask, step_loss) * len(idx)
-                if proximal is not None and before is not None:
-                    self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
+                total += self._fit_step(x[idx], y[idx], mask, step_loss, proximal) * len(idx)
             last = total / max(len(y), 1)
         return last
+
+    def _fit_step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
+        proximal: Proximal | None,
+    ) -> float:
+        """One step of fit(): train_step, then the proximal pull through the weight buffer. A backend whose
+        optimiser takes the pull itself overrides this."""
+        if proximal is None:
+            return self.train_step(x, y, class_mask, loss)
+        before = self.get_weights()
+        value = self.train_step(x, y, class_mask, loss)
+        self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
+        return value
 
     def evaluate(
         self, x: np.ndarray, y: np.ndarray, batch_size: int = 256, class_mask: np.ndarray | None = None

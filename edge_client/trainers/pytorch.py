@@ -1,7 +1,8 @@
-"""The torch backend, for devices with no ONNX Runtime training build (aarch64 Pi/Jetson, Python >= 3.12).
+"""The torch backend: the reference the other two are tested against, and the fallback where neither ONNX
+Runtime build is installed (or for the pFedGRP GAN generator, which only torch trains).
 
-It rebuilds the manifest's architecture from the model zoo and exchanges the same flat buffer as the ORT
-backend. Its optimisers match ORT's: plain SGD, and AdamW with eps 1e-6 and no weight decay.
+It rebuilds the manifest's architecture from the model zoo and exchanges the same flat buffer as the other
+backends. Its optimisers match theirs: SGD (with optional momentum), and AdamW with eps 1e-6 and no weight decay.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class TorchTrainer(Trainer):
         lr: float = 0.01,
         device: str = "cpu",
         seed: int = 0,
+        momentum: float = 0.0,
     ) -> None:
         self.manifest = manifest
         self.device = torch.device(device)
@@ -35,7 +37,7 @@ class TorchTrainer(Trainer):
         )
         params = self.model.parameters()
         if optimizer == "sgd":
-            self._optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr)
+            self._optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
         elif optimizer == "adamw":
             self._optimizer = torch.optim.AdamW(params, lr=lr, eps=1e-6, weight_decay=0.0)
         else:

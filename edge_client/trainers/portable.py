@@ -1,0 +1,249 @@
+"""The portable backend: training steps as standard ONNX graphs, run by plain `onnxruntime` (any build).
+
+onnxruntime-training has no aarch64 wheel and none for CPython >= 3.12; the inference build has both. This
+backend runs the graphs of `models/portable_export.py` with `InferenceSession`s only, and imports neither torch,
+nor onnx, nor onnxruntime-training's API.
+
+The weights and the optimiser state live in ORT-allocated buffers for the trainer's whole life. A step binds them
+with I/O binding: the gradient graph writes the gradient into a preallocated buffer, and the optimiser graph reads
+weights, gradient and state and writes the new weights and state into a second set of buffers; the two sets then
+swap roles (ping-pong), so no step copies a parameter through numpy. Only get_weights/set_weights copy.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, loss_arrays
+from edge_client.trainers.ort_capi import ORT
+from models.manifest import PORTABLE_MODELS, WEIGHTS, load_manifest
+
+ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class _PingPong:
+    """Two ORT-allocated float32 buffers of one size: `current` is read by a step, `spare` written; swap()."""
+
+    def __init__(self, size: int) -> None:
+        self._values = [ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32) for _ in range(2)]
+        self._current = 0
+        self.fill(np.zeros(size, dtype=np.float32))
+
+    @property
+    def current(self) -> Any:
+        return self._values[self._current]
+
+    @property
+    def spare(self) -> Any:
+        return self._values[1 - self._current]
+
+    def swap(self) -> None:
+        self._current = 1 - self._current
+
+    def fill(self, values: np.ndarray) -> None:
+        self.current.update_inplace(values)
+
+
+class PortableTrainer(Trainer):
+    """Loads a verified artifact directory exported for "portable" and trains it on plain ONNX Runtime.
+
+    SGD follows torch.optim.SGD (momentum, no dampening, no Nesterov); AdamW follows torch.optim.AdamW (betas,
+    eps 1e-6 and weight decay 0 by default, as the other backends)."""
+
+    backend = "portable"
+
+    def __init__(
+        self,
+        artifact_dir: str | Path,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        threads: int = 1,
+        momentum: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+    ) -> None:
+        directory = Path(artifact_dir)
+        self.manifest = load_manifest(directory)
+        self.manifest.require_backend(self.backend)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        self._directory, self._optimizer_name, self._threads = directory, optimizer, threads
+        self._sessions: dict[str, Any] = {}
+        size = self.manifest.num_parameters
+        self._weights = _PingPong(size)
+        self._gradient = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+        self._reference = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+        self._reference.update_inplace(np.zeros(size, dtype=np.float32))  # read with mu = 0: must be finite
+        self._reference_of: Proximal | None = None
+        state = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
+        self._state = {name: _PingPong(size) for name in state}
+        self._steps = 0  # AdamW's step count t: its bias corrections are fed as scalars
+        self._betas = betas
+        self._scalars = {name: _scalar(0.0) for name in ("lr", "momentum", "proximal_mu", "beta1", "beta2", "eps",
+                                                        "weight_decay", "step_size", "bias_correction2_sqrt")}
+        for name, value in (("momentum", momentum), ("beta1", betas[0]), ("beta2", betas[1]), ("eps", eps),
+                            ("weight_decay", weight_decay)):
+            self._scalars[name].update_inplace(np.array(value, dtype=np.float32))
+        self.set_learning_rate(lr)
+        self._has_weights = not self.manifest.nominal_checkpoint
+        if self._has_weights:
+            self._weights.fill(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
+
+    def _session(self, graph: str) -> Any:
+        """The graph's InferenceSession, built on first use (a device that never asks for exact norms never
+        loads that graph)."""
+        if graph not in self._sessions:
+            options = ORT.SessionOptions()
+            options.intra_op_num_threads = self._threads
+            options.inter_op_num_threads = 1
+            options.log_severity_level = ORT_ERROR
+            path = str(self._directory / PORTABLE_MODELS[graph])
+            self._sessions[graph] = ORT.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        return self._sessions[graph]
+
+    def get_weights(self) -> np.ndarray:
+        self._require_weights()
+        return np.asarray(self._weights.current.numpy(), dtype=np.float32).copy()
+
+    def set_weights(self, buffer: np.ndarray) -> None:
+        self._weights.fill(self.check_weights(buffer))
+        self._has_weights = True
+
+    def _apply_learning_rate(self, lr: float) -> None:
+        self._scalars["lr"].update_inplace(np.array(lr, dtype=np.float32))
+
+    def train_step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
+    ) -> float:
+        return self._fit_step(x, y, class_mask, loss, None)
+
+    def _fit_step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
+        proximal: Proximal | None,
+    ) -> float:
+        """The gradient graph, then the optimiser graph with the proximal pull (mu = 0 without one)."""
+        self._require_weights()
+        value = self._run_gradient(x, y, class_mask, loss)
+        self._set_proximal(proximal)
+        update = self._session(self._optimizer_name)
+        binding = update.io_binding()
+        binding.bind_ortvalue_input("weights", self._weights.current)
+        binding.bind_ortvalue_input("gradient", self._gradient)
+        binding.bind_ortvalue_input("reference", self._reference)
+        binding.bind_ortvalue_output("new_weights", self._weights.spare)
+        for name, state in self._state.items():
+            binding.bind_ortvalue_input(name, state.current)
+            binding.bind_ortvalue_output(f"new_{name}", state.spare)
+        if self._optimizer_name == "adamw":
+            self._steps += 1
+            beta1, beta2 = self._betas
+            step_size = self.learning_rate / (1.0 - beta1**self._steps)
+            self._scalars["step_size"].update_inplace(np.array(step_size, dtype=np.float32))
+            self._scalars["bias_correction2_sqrt"].update_inplace(
+                np.array(math.sqrt(1.0 - beta2**self._steps), dtype=np.float32))
+        for item in update.get_inputs():
+            if item.name in self._scalars:
+                binding.bind_ortvalue_input(item.name, self._scalars[item.name])
+        update.run_with_iobinding(binding)
+        self._weights.swap()
+        for state in self._state.values():
+            state.swap()
+        return value
+
+    def gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, loss: LossInputs | None = None
+    ) -> np.ndarray:
+        """The batch loss's gradient w.r.t. the flat weights (manifest order); weights and optimiser unchanged."""
+        self._require_weights()
+        x, y = self._check_batch(x, y)
+        if loss is not None:
+            loss = self._check_loss(loss, len(y))
+        self._run_gradient(x, y, self.mask(class_mask), loss)
+        return np.asarray(self._gradient.numpy(), dtype=np.float32).copy()
+
+    def _run_gradient(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+                      ) -> float:
+        """Run the gradient graph into the gradient buffer; returns the batch loss."""
+        session = self._session("gradient")
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("weights", self._weights.current)
+        feeds = (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))
+        for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
+                                "teacher_weights", "bce"), feeds):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
+        binding.bind_output("loss", "cpu")
+        binding.bind_ortvalue_output("gradient", self._gradient)
+        session.run_with_iobinding(binding)
+        return float(binding.get_outputs()[0].numpy())
+
+    def _set_proximal(self, proximal: Proximal | None) -> None:
+        mu = 0.0 if proximal is None else proximal.mu
+        self._scalars["proximal_mu"].update_inplace(np.array(mu, dtype=np.float32))
+        if proximal is not None and proximal is not self._reference_of:
+            self._reference.update_inplace(proximal.reference)
+            self._reference_of = proximal
+
+    def forward(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray
+    ) -> tuple[float, np.ndarray, np.ndarray]:
+        self._require_weights()
+        session = self._session("eval")
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("weights", self._weights.current)
+        binding.bind_cpu_input("input", np.ascontiguousarray(x, dtype=np.float32))
+        binding.bind_cpu_input("class_mask", np.ascontiguousarray(class_mask, dtype=np.float32))
+        binding.bind_output("logits", "cpu")
+        binding.bind_output("features", "cpu")
+        session.run_with_iobinding(binding)
+        logits, features = (value.numpy() for value in binding.get_outputs())
+        return _cross_entropy(logits, y), logits, features
+
+    def _exact_grad_norms(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
+    ) -> np.ndarray:
+        """The per-sample norm graph (vmap of the gradient), over fixed chunks; the last chunk is padded with zero
+        samples whose norms are dropped. `batch_size` has no use here: the graph fixes the chunk."""
+        self._require_weights()
+        session = self._session("sample_grad_norms")
+        chunk = int(session.get_inputs()[1].shape[0])
+        k = self.manifest.num_classes
+        norms = np.empty(len(y), dtype=np.float64)
+        for idx in iterate_batches(len(y), chunk, None):
+            xs = np.zeros((chunk, *self.manifest.input_shape), dtype=np.float32)
+            targets = np.zeros((chunk, k), dtype=np.float32)
+            xs[: len(idx)] = x[idx]
+            targets[np.arange(len(idx)), y[idx]] = 1.0
+            binding = session.io_binding()
+            binding.bind_ortvalue_input("weights", self._weights.current)
+            binding.bind_cpu_input("input", xs)
+            binding.bind_cpu_input("class_mask", np.ascontiguousarray(class_mask, dtype=np.float32))
+            binding.bind_cpu_input("targets", targets)
+            binding.bind_output("norms", "cpu")
+            session.run_with_iobinding(binding)
+            norms[idx] = binding.get_outputs()[0].numpy()[: len(idx)]
+        return norms
+
+    def _require_weights(self) -> None:
+        if not self._has_weights:
+            raise RuntimeError(
+                "this artifact set ships no initial weights (nominal): call set_weights() with the model's flat "
+                "weight buffer first"
+            )
+
+
+def _scalar(value: float) -> Any:
+    return ORT.OrtValue.ortvalue_from_numpy(np.array(value, dtype=np.float32))
+
+
+def _cross_entropy(logits: np.ndarray, y: np.ndarray) -> float:
+    """Mean cross-entropy of (masked) logits against labels, in float64."""
+    if not len(y):
+        return 0.0
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(shifted).sum(axis=1))
+    return float((log_z - shifted[np.arange(len(y)), y]).mean())

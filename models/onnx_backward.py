@@ -1,0 +1,108 @@
+"""Standard-op ONNX translations for the ATen ops a traced training step holds that torch's ONNX exporter lacks.
+
+A training step traced into core ATen ops (`models/portable_export.py`) keeps two backward ops whole:
+`convolution_backward` and `max_pool2d_with_indices_backward`. torch's exporter has no translation for either;
+these are written once here, in ONNX opset 18 ops every ONNX Runtime build runs, and tested op by op against
+torch's autograd (tests/test_onnx_backward.py):
+
+- `convolution_backward` (1-D and 2-D, any stride, padding, dilation and groups):
+  grad_input = ConvTranspose(grad_output, weight) with the output padding that restores the input's size;
+  grad_weight = a convolution of the input, batch and channels swapped, by grad_output used as the kernel (batch
+  as channels; stride and dilation trade places), cropped to the kernel size; grad_bias = ReduceSum.
+- `max_pool2d_with_indices` is translated too, so that its indices stay ONNX MaxPool's own (flat over the whole
+  tensor) instead of torch's per-plane ones (which the stock translation recovers with a second pooling); the
+  backward then scatters grad_output into a zero tensor at those flat indices (ScatterElements, reduction add, so
+  overlapping windows add up as in torch).
+
+Each function is traced by onnxscript: it receives the node's inputs as graph values (static shapes everywhere
+but the batch) and its ATen arguments as Python values.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from onnxscript import opset18 as op
+
+
+def _per_dim(values: Sequence[int], rank: int) -> list[int]:
+    values = [int(v) for v in values]
+    return values * rank if len(values) == 1 else values
+
+
+def _unused() -> Any:
+    """A placeholder for an output the node's output_mask says nobody reads (the exporter needs a value)."""
+    return op.Constant(value_float=0.0)
+
+
+def convolution_backward(
+    grad_output: Any, input: Any, weight: Any, bias_sizes: Sequence[int] | None, stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+    groups: int, output_mask: Sequence[bool],
+) -> tuple[Any, Any, Any]:
+    """aten.convolution_backward for a forward (not transposed) 1-D or 2-D convolution."""
+    if transposed:
+        raise NotImplementedError("convolution_backward of a transposed convolution has no translation")
+    rank = len(weight.shape) - 2
+    stride, padding, dilation = (_per_dim(v, rank) for v in (stride, padding, dilation))
+    kernel = [int(d) for d in weight.shape[2:]]
+    size_in = [int(d) for d in input.shape[2:]]
+    spatial = list(range(2, rank + 2))
+    grad_input = grad_weight = grad_bias = _unused()
+    if output_mask[0]:
+        size_out = [int(d) for d in grad_output.shape[2:]]
+        # A strided convolution maps several input sizes to one output size: pad the transposed one back.
+        restored = [(size_out[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1
+                    for i in range(rank)]
+        grad_input = op.ConvTranspose(
+            grad_output, weight, strides=stride, pads=[*padding, *padding], dilations=dilation,
+            output_padding=[size_in[i] - restored[i] for i in range(rank)], group=groups,
+        )
+    if output_mask[1]:
+        c_in, g = int(input.shape[1]), int(groups)
+        # (N, Cin, *) -> (N, G, Cin/G, *) -> (Cin/G, G, N, *) -> (Cin/G, G*N, *): channel g*N + n of group g
+        x = op.Reshape(input, op.Constant(value_ints=[-1, g, c_in // g, *size_in]))
+        x = op.Transpose(x, perm=[2, 1, 0, *range(3, rank + 3)])
+        x = op.Reshape(x, op.Constant(value_ints=[c_in // g, -1, *size_in]))
+        # (N, Cout, *) -> (Cout, N, *): output channels of group g read that group's N input channels
+        kernel_from_grad = op.Transpose(grad_output, perm=[1, 0, *spatial])
+        full = op.Conv(x, kernel_from_grad, strides=dilation, dilations=stride, pads=[*padding, *padding], group=g)
+        cropped = op.Slice(full, op.Constant(value_ints=[0] * rank), op.Constant(value_ints=kernel),
+                           op.Constant(value_ints=spatial))
+        grad_weight = op.Transpose(cropped, perm=[1, 0, *spatial])
+    if output_mask[2]:
+        grad_bias = op.ReduceSum(grad_output, op.Constant(value_ints=[0, *spatial]), keepdims=0)
+    return grad_input, grad_weight, grad_bias
+
+
+def max_pool2d_with_indices(
+    self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0, 0),
+    dilation: Sequence[int] = (1, 1), ceil_mode: bool = False,
+) -> tuple[Any, Any]:
+    """aten.max_pool2d_with_indices as one ONNX MaxPool; the indices are ONNX's (flat over N*C*H*W), which only
+    `max_pool2d_with_indices_backward` below reads."""
+    kernel = _per_dim(kernel_size, 2)
+    strides = _per_dim(stride, 2) if len(stride) else kernel
+    pads = _per_dim(padding, 2)
+    return op.MaxPool(self, kernel_shape=kernel, strides=strides, pads=[*pads, *pads],
+                      dilations=_per_dim(dilation, 2), ceil_mode=int(ceil_mode))
+
+
+def max_pool2d_with_indices_backward(
+    grad_output: Any, self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], ceil_mode: bool, indices: Any,
+) -> Any:
+    """Scatter-add grad_output into zeros shaped like the pooled input, at MaxPool's flat indices."""
+    flat = op.Constant(value_ints=[-1])
+    zeros = op.Reshape(op.ConstantOfShape(op.Shape(self)), flat)
+    summed = op.ScatterElements(zeros, op.Reshape(indices, flat), op.Reshape(grad_output, flat), axis=0,
+                                reduction="add")
+    return op.Reshape(summed, op.Shape(self))
+
+
+TRANSLATIONS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.convolution_backward.default: convolution_backward,
+    torch.ops.aten.max_pool2d_with_indices.default: max_pool2d_with_indices,
+    torch.ops.aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
+}

@@ -1,0 +1,222 @@
+"""Export the portable training graphs: a whole training step in standard ONNX ops, for plain `onnxruntime`.
+
+onnxruntime-training stopped at 1.19.2 (x86_64, CPython <= 3.11). These graphs need only the inference build,
+which runs on aarch64 and current Pythons. Each graph is a torch function traced into core ATen ops (make_fx;
+the backward pass comes from torch.func.grad, so it is torch's own autograd) and converted by torch's ONNX
+exporter, with `models/onnx_backward.py` translating the two backward ops the exporter lacks. The weights are a
+graph input, one flat float32 buffer in manifest order, so a device keeps one buffer and never a checkpoint.
+
+    portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
+                             teacher_weights, bce) -> (loss, gradient): models/loss.py's loss and its gradient
+    portable_sgd.onnx       (weights, gradient, velocity, lr, momentum, proximal_mu, reference)
+                             -> (weights, velocity): torch.optim.SGD (momentum, no dampening), then the pull
+    portable_adamw.onnx     (weights, gradient, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
+                             step_size, bias_correction2_sqrt, proximal_mu, reference)
+                             -> (weights, exp_avg, exp_avg_sq): torch.optim.AdamW's update, then the pull
+    portable_eval.onnx      (weights, input, class_mask) -> (logits, features): eval-mode forward, masked logits
+    portable_sample_grad_norms.onnx
+                            (weights, input, class_mask, targets) -> (norms): each sample's squared norm of
+                             its full cross-entropy gradient (vmap of the gradient), in chunks of a fixed size
+
+The optimizers' bias corrections (`step_size = lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)`) are computed by the
+device in float64 and fed as scalars, as torch computes them in Python floats: the graphs and torch.optim then
+take the same float32 steps. The proximal pull (`edge_client.trainers.base.proximal_pull`) is in the optimizer
+graphs, with mu = 0 when unused. Batch size is dynamic everywhere except the per-sample norms, whose vmap
+folds the batch into convolution groups: that graph takes SAMPLE_NORM_CHUNK samples and the device pads the last
+chunk.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.nn import functional as F
+
+from models.loss import training_loss
+from models.manifest import MAX_IR_VERSION, PORTABLE_MODELS, ManifestError, ParameterInfo
+from models.onnx_backward import TRANSLATIONS
+from models.zoo import ClassifierModel
+
+PORTABLE_OPSET = 18
+SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
+
+GRADIENT_INPUTS = ("weights", "input", "class_mask", "targets", "sample_weights", "teacher_logits",
+                   "teacher_weights", "bce")
+SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference")
+ADAMW_INPUTS = ("weights", "gradient", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps", "weight_decay",
+                "step_size", "bias_correction2_sqrt", "proximal_mu", "reference")
+
+
+class _Unflatten:
+    """Flat weights (manifest order) -> the model's named parameters, inside a traced function."""
+
+    def __init__(self, parameters: Sequence[ParameterInfo]) -> None:
+        self.names = [p.name for p in parameters]
+        self.shapes = [p.shape for p in parameters]
+        self.sizes = [p.size for p in parameters]
+
+    def __call__(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = torch.split(weights, self.sizes)
+        return {n: part.reshape(s) for n, part, s in zip(self.names, parts, self.shapes)}
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tensors[n].reshape(-1) for n in self.names])
+
+
+class GradientGraph(torch.nn.Module):
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+        super().__init__()
+        self.model, self.unflatten = model, _Unflatten(parameters)
+
+    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
+                sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
+                bce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            raw, _ = functional_call(self.model, params, (x,))
+            return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights, bce)
+
+        gradient, value = grad_and_value(loss)(self.unflatten(weights))
+        return value, self.unflatten.flatten(gradient)
+
+
+class EvalGraph(torch.nn.Module):
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+        super().__init__()
+        self.model, self.unflatten = model, _Unflatten(parameters)
+
+    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, features = functional_call(self.model, self.unflatten(weights), (x, class_mask))
+        return logits, features
+
+
+class SampleGradNormsGraph(torch.nn.Module):
+    """||grad_w CE(f_w(x_i), t_i)||^2 per sample, as the torch backend's torch.func path computes it."""
+
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+        super().__init__()
+        self.model, self.unflatten = model, _Unflatten(parameters)
+
+    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor
+                ) -> torch.Tensor:
+        def sample_loss(params: dict[str, torch.Tensor], xi: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+            logits, _ = functional_call(self.model, params, (xi[None], class_mask))
+            return -(ti[None] * F.log_softmax(logits, dim=1)).sum()
+
+        grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(self.unflatten(weights), x, targets)
+        return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0)
+
+
+class SgdGraph(torch.nn.Module):
+    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, velocity: torch.Tensor, lr: torch.Tensor,
+                momentum: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        velocity = momentum * velocity + gradient
+        stepped = weights - lr * velocity
+        return stepped - lr * proximal_mu * (weights - reference), velocity
+
+
+class AdamWGraph(torch.nn.Module):
+    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
+                eps: torch.Tensor, weight_decay: torch.Tensor, step_size: torch.Tensor,
+                bias_correction2_sqrt: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        decayed = weights * (1.0 - lr * weight_decay)
+        exp_avg = exp_avg + (gradient - exp_avg) * (1.0 - beta1)
+        exp_avg_sq = exp_avg_sq * beta2 + gradient * gradient * (1.0 - beta2)
+        denom = torch.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        stepped = decayed - step_size * (exp_avg / denom)
+        return stepped - lr * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
+
+
+def export_portable(
+    model: ClassifierModel, parameters: Sequence[ParameterInfo], input_shape: tuple[int, ...], out_dir: Path
+) -> list[str]:
+    """Write the portable graphs of `model` to `out_dir`; returns their file names."""
+    model = model.cpu().eval()
+    classes = model.head.out_features
+    size = sum(p.size for p in parameters)
+    weights = torch.zeros(size)
+    # The example batch: above 1 (0 and 1 are specialised) and unlike every other input size, since the tracer
+    # gives equal sizes one symbol ("duck sizing") and a batch equal to, say, 3 channels would be fixed at 3.
+    n = min(set(range(3, 64)) - {*input_shape, classes, size})
+    batch = (torch.zeros(n, *input_shape), torch.ones(classes),
+             F.one_hot(torch.arange(n) % classes, classes).float(), torch.ones(n), torch.zeros(n, classes),
+             torch.zeros(n), torch.zeros(1))
+
+    def flat(count: int) -> tuple[torch.Tensor, ...]:  # distinct tensors: torch.export merges aliased inputs
+        return tuple(torch.zeros(size) for _ in range(count))
+
+    def scalars(count: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.tensor(0.5) for _ in range(count))
+
+    chunk = SAMPLE_NORM_CHUNK
+    graphs: dict[str, tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]] = {
+        # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
+        "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
+                     (1, 3, 4, 5, 6), True),
+        "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
+                 ("logits", "features"), (1,), False),
+        "sample_grad_norms": (
+            SampleGradNormsGraph(model, parameters),
+            (weights, torch.zeros(chunk, *input_shape), torch.ones(classes),
+             F.one_hot(torch.arange(chunk) % classes, classes).float()),
+            ("weights", "input", "class_mask", "targets"), ("norms",), (), True),
+        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(1)), SGD_INPUTS,
+                ("new_weights", "new_velocity"), (), False),
+        "adamw": (AdamWGraph(), (*flat(4), *scalars(8), *flat(1)), ADAMW_INPUTS,
+                  ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
+    }
+    for graph, (module, example, inputs, outputs, batched, traced) in graphs.items():
+        _export_graph(module, example, inputs, outputs, batched, traced, out_dir / PORTABLE_MODELS[graph])
+    return [PORTABLE_MODELS[graph] for graph in graphs]
+
+
+def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str], outputs: Sequence[str],
+                  batched: Sequence[int], traced: bool, path: Path) -> None:
+    """Trace `module` (through make_fx into core ATen ops where it differentiates), export it in standard ONNX
+    ops with a dynamic batch on the `batched` inputs, and save it without external data."""
+    from torch._decomp import core_aten_decompositions
+    from torch.export import Dim
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    target: Callable[..., Any] = module
+    if traced:
+        target = make_fx(module, tracing_mode="symbolic" if batched else "real",
+                         decomposition_table=core_aten_decompositions())(*example)
+    batch = Dim("batch", min=1, max=1 << 20)
+    dynamic = tuple({0: batch} if i in batched else None for i in range(len(example))) if batched else None
+    with _exporter_quiet():
+        program = torch.onnx.export(
+            target, example, dynamo=True, dynamic_shapes=dynamic, opset_version=PORTABLE_OPSET,
+            input_names=list(inputs), output_names=list(outputs), custom_translation_table=TRANSLATIONS,
+            optimize=True, verbose=False,
+        )
+    if program is None:
+        raise ManifestError(f"torch's ONNX exporter returned nothing for {path.name}")
+    program.save(str(path), external_data=False)
+    ir_version = program.model_proto.ir_version
+    if ir_version > MAX_IR_VERSION:
+        raise ManifestError(f"{path.name} has ONNX IR version {ir_version}; ONNX Runtime 1.19 reads at most "
+                            f"{MAX_IR_VERSION}")
+
+
+@contextlib.contextmanager
+def _exporter_quiet() -> Iterator[None]:
+    """The exporter reports each stage and onnx_ir warns about empty attribute lists it resolves itself."""
+    logger = logging.getLogger("onnx_ir")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,146 @@
+"""The portable backend: standard ONNX training graphs on plain onnxruntime, against ORT Training and torch.
+
+Parity: one epoch from the same weights over the same batches ends at the same weights on all three backends,
+for every zoo model, SGD and AdamW, with and without the proximal term, and with each loss input. Tolerances:
+SGD 2e-5 absolute on the weights (the gradients agree to ~1e-8). AdamW 0.05 x lr: Adam divides each gradient by
+its running RMS plus eps (1e-6), so a gradient near zero (a dead ReLU's weights, ~1e-9) that two backends round
+differently (their convolution backward sums in different orders) moves by a visible fraction of a step;
+ORT Training against torch shows the same effect, smaller.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.config import TrainerSettings
+from edge_client.trainers.base import LossInputs, Proximal
+from edge_client.trainers.choice import make_trainer, resolve_backend
+from edge_client.trainers.ort import OrtTrainer
+from edge_client.trainers.portable import PortableTrainer
+from edge_client.trainers.pytorch import TorchTrainer
+from models.manifest import ManifestError, load_manifest
+
+ALL = ("ort", "portable", "torch")
+MODELS = [
+    ("lenet", (1, 8, 8)),
+    ("cnn1d", (1, 40)),
+    ("mlp", (1, 8, 8)),
+    ("small_cnn", (3, 32, 32)),
+    pytest.param(("resnet18_cifar", (3, 32, 32)), marks=pytest.mark.slow, id="resnet18_cifar"),
+]
+LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "all")
+N, BATCH, LR = 24, 8, 0.05
+
+
+def _loss(kind: str, rng: np.random.Generator) -> LossInputs | None:
+    weights = rng.random(N, dtype=np.float32) * 2
+    soft = rng.dirichlet(np.ones(10), N).astype(np.float32)
+    teacher, teacher_weights = rng.standard_normal((N, 10), dtype=np.float32), rng.random(N, dtype=np.float32)
+    return {
+        "plain": None,
+        "sample_weights": LossInputs(sample_weights=weights),
+        "soft_targets": LossInputs(targets=soft),
+        "teacher": LossInputs(teacher_logits=teacher, teacher_weights=teacher_weights),
+        "bce": LossInputs(targets=(soft > 0.1).astype(np.float32), head="sigmoid-bce"),
+        "all": LossInputs(weights, soft, teacher, teacher_weights, "softmax-ce"),
+    }[kind]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: m[0])
+def model(request, export_artifacts):
+    name, shape = request.param
+    return export_artifacts(name, 10, shape, backends=ALL), shape
+
+
+def _trainers(directory, optimizer, momentum=0.0):
+    manifest = load_manifest(directory)
+    trainers = {"portable": PortableTrainer(directory, optimizer, LR, momentum=momentum),
+                "torch": TorchTrainer(manifest, optimizer, LR, momentum=momentum)}
+    if not momentum:
+        trainers["ort"] = OrtTrainer(directory, optimizer, LR)
+    start = trainers["portable"].get_weights()
+    for trainer in trainers.values():
+        trainer.set_weights(start)
+    return trainers
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("proximal", [False, True], ids=["", "proximal"])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_one_epoch_ends_at_the_same_weights_on_every_backend(model, optimizer, proximal, loss):
+    directory, shape = model
+    rng = np.random.default_rng(7)
+    x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
+    mask = (np.arange(10) < 8).astype(np.float32)
+    trainers = _trainers(directory, optimizer)
+    pull = Proximal(0.5, trainers["torch"].get_weights() + 0.05) if proximal else None
+    inputs = _loss(loss, rng)
+    results = {name: (t.fit(x, y, epochs=1, batch_size=BATCH, class_mask=mask, rng=np.random.default_rng(1),
+                            proximal=pull, loss=inputs), t.get_weights()) for name, t in trainers.items()}
+    reference_loss, reference = results["torch"]
+    tolerance = 2e-5 if optimizer == "sgd" else 0.05 * LR
+    for name in ("portable", "ort"):
+        value, weights = results[name]
+        assert value == pytest.approx(reference_loss, rel=1e-4, abs=1e-5), name
+        assert np.abs(weights - reference).max() <= tolerance, name
+
+
+def test_sgd_momentum_matches_torch(model):
+    directory, shape = model
+    rng = np.random.default_rng(3)
+    x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
+    trainers = _trainers(directory, "sgd", momentum=0.9)
+    weights = [t.fit(x, y, epochs=2, batch_size=BATCH, rng=np.random.default_rng(1)) and t.get_weights()
+               for t in trainers.values()]
+    assert np.abs(weights[0] - weights[1]).max() <= 2e-5
+
+
+@pytest.mark.parametrize("mode", ["exact", "last-layer"])
+def test_per_sample_gradient_norms_agree_with_torch_func(model, mode):
+    directory, shape = model
+    rng = np.random.default_rng(5)
+    x, y = rng.random((21, *shape), dtype=np.float32), rng.integers(0, 10, 21)  # 21: the last chunk is padded
+    trainers = _trainers(directory, "sgd")
+    mask = (np.arange(10) < 6).astype(np.float32)
+    y = y % 6
+    portable = trainers["portable"].per_sample_grad_norms(x, y, mode, class_mask=mask)
+    reference = trainers["torch"].per_sample_grad_norms(x, y, mode, class_mask=mask)
+    np.testing.assert_allclose(portable, reference, rtol=1e-4, atol=1e-7 * reference.max())
+
+
+def test_training_keeps_weights_and_state_in_two_ort_buffers(export_artifacts):
+    """No step allocates or copies parameter buffers: the current weights are always one of the two buffers
+    allocated at construction (ping-pong through I/O binding)."""
+    trainer = PortableTrainer(export_artifacts("lenet", backends=ALL), "adamw", LR)
+    buffers = {value.data_ptr() for value in trainer._weights._values}
+    rng = np.random.default_rng(0)
+    x, y = rng.random((8, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 8)
+    seen = set()
+    for _ in range(5):
+        trainer.train_step(x, y, trainer.mask(None))
+        seen.add(trainer._weights.current.data_ptr())
+    assert seen == buffers
+
+
+def test_nominal_portable_set_needs_weights_first(export_artifacts):
+    full = PortableTrainer(export_artifacts("lenet", backends=ALL))
+    trainer = PortableTrainer(export_artifacts("lenet", nominal=True, backends=("portable",)))
+    x, y = np.zeros((2, 1, 8, 8), dtype=np.float32), np.zeros(2, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="nominal"):
+        trainer.fit(x, y)
+    trainer.set_weights(full.get_weights())
+    trainer.fit(x, y)
+    assert not np.array_equal(trainer.get_weights(), full.get_weights())
+
+
+def test_auto_prefers_portable_and_named_backends_must_be_served(export_artifacts):
+    both = export_artifacts("lenet", backends=ALL)
+    assert make_trainer(TrainerSettings(backend="auto"), both).backend == "portable"
+    assert make_trainer(TrainerSettings(backend="auto"), export_artifacts("lenet")).backend == "ort"
+    assert resolve_backend("auto", ("torch",)) == "torch"
+    with pytest.raises(ManifestError, match="serve the ort, torch backends, not 'portable'"):
+        make_trainer(TrainerSettings(backend="portable"), export_artifacts("lenet"))
+    with pytest.raises(ManifestError, match="serve"):
+        PortableTrainer(export_artifacts("lenet"))
+    with pytest.raises(ValueError, match="momentum needs the portable or torch backend"):
+        make_trainer(TrainerSettings(backend="ort", momentum=0.9), both)
