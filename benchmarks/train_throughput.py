@@ -1,78 +1,152 @@
-"""Local training throughput: ORT training artifacts versus the same model in torch eager mode.
+"""Local training throughput and footprint of the three trainer backends: portable (standard ONNX graphs on plain
+onnxruntime), ORT Training, and torch eager.
 
-Both backends train the same model from the same weights on the same batches (SGD, same batch size) in one
-run; the script prints samples/s for each and the ratio ORT / torch, for several thread counts.
+Every backend trains the same model from the same weights on the same batches (SGD, same batch size), each in its
+own process that imports only its backend, so that the process's peak RSS (VmHWM) is the backend's footprint while
+training. Printed: samples/s per backend at each thread count and the ratio of each ONNX backend to torch, then
+the peak RSS, then each backend's install size (the installed files of its packages and their dependencies;
+portable measured in a fresh CPython 3.12 virtual environment with the device install's packages).
 
-    .venv/bin/python benchmarks/train_throughput.py [--batch 32] [--samples 4096] [--repeats 3]
+    .venv/bin/python benchmarks/train_throughput.py [--batch 32] [--repeats 3] [--threads 1 2] [--no-install-size]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from edge_client.trainers.base import Trainer
-from edge_client.trainers.ort import OrtTrainer
-from edge_client.trainers.pytorch import TorchTrainer
-from models.export import export_registered
-
-CASES = [  # model, input shape, where its inputs come from in practice
-    ("lenet", (1, 8, 8), "embedded digits"),
-    ("cnn1d", (1, 40), "embedded MNIST-1D"),
-    ("small_cnn", (3, 32, 32), "CIFAR-10 sized"),
+BACKENDS = ("portable", "ort", "torch")
+CASES = [  # model, input shape, samples per timed epoch (ResNet-18 trains ~100x slower per sample)
+    ("lenet", (1, 8, 8), 4096),
+    ("cnn1d", (1, 40), 4096),
+    ("mlp", (1, 8, 8), 4096),
+    ("small_cnn", (3, 32, 32), 1024),
+    ("resnet18_cifar", (3, 32, 32), 64),
 ]
 
 
-def samples_per_second(trainer: Trainer, x: np.ndarray, y: np.ndarray, batch: int, repeats: int) -> float:
-    """Best of `repeats` timed epochs after one warm-up epoch (throughput does not depend on the values)."""
+def worker(backend: str, directory: str, threads: int, samples: int, batch: int, repeats: int) -> None:
+    """In a fresh process: train with one backend, print samples/s and the peak RSS as JSON."""
+    import numpy as np
+
+    from edge_client.config import TrainerSettings
+    from edge_client.trainers.choice import make_trainer
+
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+    trainer = make_trainer(TrainerSettings(backend=backend, optimizer="sgd", lr=0.01, threads=threads), directory)
     rng = np.random.default_rng(0)
-    trainer.fit(x[: batch * 4], y[: batch * 4], epochs=1, batch_size=batch, rng=rng)
+    x = rng.random((samples, *trainer.manifest.input_shape), dtype=np.float32)
+    y = rng.integers(0, trainer.manifest.num_classes, samples)
+    trainer.fit(x[: batch * 2], y[: batch * 2], epochs=1, batch_size=batch, rng=rng)  # warm-up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
         best = min(best, time.perf_counter() - start)
-    return len(y) / best
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    print(json.dumps({"rate": samples / best, "rss_mb": peak_kb / 1024}))
+
+
+def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", backend, str(directory), str(threads), str(samples), str(batch),
+         str(repeats)], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def install_mb(python: str, roots: list[str]) -> float:
+    """Installed size of the distributions `roots` and everything they require, in `python`'s environment."""
+    script = """
+import json, re, sys
+from importlib import metadata
+seen, todo, total = set(), list(sys.argv[1:]), 0
+while todo:
+    name = re.split(r"[ ;<>=!~\\[(]", todo.pop())[0].lower().replace("_", "-")
+    if name in seen:
+        continue
+    seen.add(name)
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        continue
+    total += sum((dist.locate_file(f).stat().st_size for f in dist.files or [] if dist.locate_file(f).is_file()))
+    todo += [r for r in dist.requires or [] if "extra ==" not in r]
+print(json.dumps(total))
+"""
+    done = subprocess.run([python, "-c", script, *roots], capture_output=True, text=True, check=True)
+    return int(done.stdout) / 1e6
+
+
+def install_sizes() -> dict[str, float]:
+    device = ["numpy", "msgpack", "paho-mqtt"]
+    sizes = {"ort": install_mb(sys.executable, ["onnxruntime-training-cpu", *device]),
+             "torch": install_mb(sys.executable, ["torch", *device])}
+    pythons = sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
+    if pythons:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([str(pythons[0]), "-m", "venv", tmp], check=True)
+            subprocess.run([f"{tmp}/bin/python", "-m", "pip", "install", "--quiet", "onnxruntime", *device],
+                           check=True)
+            sizes["portable"] = install_mb(f"{tmp}/bin/python", ["onnxruntime", *device])
+    return sizes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=[c[0] for c in CASES])
+    parser.add_argument("--no-install-size", action="store_true")
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        backend, directory, threads, samples, batch, repeats = args.worker
+        worker(backend, directory, int(threads), int(samples), int(batch), int(repeats))
+        return
 
-    rng = np.random.default_rng(0)
-    print(f"batch {args.batch}, {args.samples} samples per epoch, best of {args.repeats} epochs, SGD lr 0.01")
-    print(f"{'model':10s} {'params':>9s} {'threads':>7s} {'ORT samples/s':>14s} {'torch samples/s':>16s} {'ORT/torch':>9s}")
+    from models.export import export_registered
+
+    print(f"batch {args.batch}, best of {args.repeats} epochs, SGD lr 0.01; each backend in its own process")
+    print(f"{'model':15s} {'params':>10s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in BACKENDS)
+          + f" {'portable/torch':>14s} {'ort/torch':>9s} {'portable/best':>13s}")
+    rss: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, shape, _ in CASES:
+        for name, shape, samples in CASES:
+            if name not in args.models:
+                continue
             directory = Path(tmp) / name
-            manifest = export_registered(name, 10, directory, input_shape=shape, seed=0)
-            x = rng.random((args.samples, *shape), dtype=np.float32)
-            y = rng.integers(0, 10, args.samples)
-            best = {"ort": 0.0, "torch": 0.0}
+            manifest = export_registered(name, 10, directory, input_shape=shape, seed=0, backends=BACKENDS)
             for threads in args.threads:
-                ort_trainer = OrtTrainer(directory, optimizer="sgd", lr=0.01, threads=threads)
-                torch.set_num_threads(threads)
-                torch_trainer = TorchTrainer(manifest, optimizer="sgd", lr=0.01)
-                torch_trainer.set_weights(ort_trainer.get_weights())
-                ort_rate = samples_per_second(ort_trainer, x, y, args.batch, args.repeats)
-                torch_rate = samples_per_second(torch_trainer, x, y, args.batch, args.repeats)
-                best = {"ort": max(best["ort"], ort_rate), "torch": max(best["torch"], torch_rate)}
-                print(
-                    f"{name:10s} {manifest.num_parameters:9,d} {threads:7d} {ort_rate:14,.0f} "
-                    f"{torch_rate:16,.0f} {ort_rate / torch_rate:9.2f}"
-                )
-            print(
-                f"{name:10s} {'':9s} {'best':>7s} {best['ort']:14,.0f} {best['torch']:16,.0f} "
-                f"{best['ort'] / best['torch']:9.2f}"
-            )
+                result = {b: measure(b, directory, threads, samples, args.batch, args.repeats) for b in BACKENDS}
+                rate = {b: r["rate"] for b, r in result.items()}
+                for b, r in result.items():
+                    rss[(name, b)] = max(rss.get((name, b), 0.0), r["rss_mb"])
+                print(f"{name:15s} {manifest.num_parameters:10,d} {threads:3d} "
+                      + " ".join(f"{rate[b]:13,.1f}" for b in BACKENDS)
+                      + f" {rate['portable'] / rate['torch']:14.2f} {rate['ort'] / rate['torch']:9.2f}"
+                      + f" {rate['portable'] / max(rate['ort'], rate['torch']):13.2f}")
+            shutil.rmtree(directory)
+    print("\npeak RSS of the training process (MB), the larger over thread counts")
+    print(f"{'model':15s} " + " ".join(f"{b:>9s}" for b in BACKENDS))
+    for name in dict.fromkeys(n for n, _ in rss):
+        print(f"{name:15s} " + " ".join(f"{rss[(name, b)]:9.0f}" for b in BACKENDS))
+    if not args.no_install_size:
+        print("\ninstall size of each backend's device packages with numpy, msgpack, paho-mqtt (MB)")
+        for backend, size in install_sizes().items():
+            print(f"{backend:9s} {size:8.0f}")
 
 
 if __name__ == "__main__":

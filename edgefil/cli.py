@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    export = commands.add_parser("export", help="export a registered model to ONNX Runtime Training artifacts")
+    export = commands.add_parser("export", help="export a registered model for the devices' trainer backends")
     export.add_argument("--model", help="registered model name (see --list)")
     export.add_argument("--classes", type=int, help="total number of classes of the scenario (head size)")
     export.add_argument("--out", help="artifact directory to write")

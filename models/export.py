@@ -1,7 +1,8 @@
 """Export a registered model for the device's trainer backends, plus a verified manifest (host side).
 
 The manifest's `backends` lists what the set serves. "portable": the standard-op graphs of
-`models/portable_export.py` (plain onnxruntime). "ort": ONNX Runtime Training's artifacts, `training_model.onnx` and `eval_model.onnx` (both take `input`, `class_mask` and the loss
+`models/portable_export.py` (plain onnxruntime). "ort": ONNX Runtime Training's artifacts, `training_model.onnx`
+and `eval_model.onnx` (both take `input`, `class_mask` and the loss
 inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `bce`, and return `(loss, logits,
 features)`; `models.manifest.GRAPH_INPUTS` says what each means and `models/loss.py` is the loss they shape: the
 torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer

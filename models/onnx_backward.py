@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from onnxscript import opset18 as op
+from onnxscript import opset18
+
+op: Any = opset18  # traced, not type-checked: onnxscript's per-op type stubs do not follow values built here
 
 
 def _per_dim(values: Sequence[int], rank: int) -> list[int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,10 +187,10 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
     from torch.export import Dim
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    target: Callable[..., Any] = module
+    target: Any = module
     if traced:
         target = make_fx(module, tracing_mode="symbolic" if batched else "real",
-                         decomposition_table=core_aten_decompositions())(*example)
+                         decomposition_table=dict(core_aten_decompositions()))(*example)
     batch = Dim("batch", min=1, max=1 << 20)
     dynamic = tuple({0: batch} if i in batched else None for i in range(len(example))) if batched else None
     with _exporter_quiet():

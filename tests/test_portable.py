@@ -1,11 +1,12 @@
 """The portable backend: standard ONNX training graphs on plain onnxruntime, against ORT Training and torch.
 
 Parity: one epoch from the same weights over the same batches ends at the same weights on all three backends,
-for every zoo model, SGD and AdamW, with and without the proximal term, and with each loss input. Tolerances:
-SGD 2e-5 absolute on the weights (the gradients agree to ~1e-8). AdamW 0.05 x lr: Adam divides each gradient by
-its running RMS plus eps (1e-6), so a gradient near zero (a dead ReLU's weights, ~1e-9) that two backends round
-differently (their convolution backward sums in different orders) moves by a visible fraction of a step;
-ORT Training against torch shows the same effect, smaller.
+for every zoo model, SGD and AdamW, with and without the proximal term, and with each loss input. The tolerance is
+relative to how far the epoch moved the weights (max-norm of the difference over max-norm of the change, against
+torch): SGD 1e-3; the gradients themselves agree to ~1e-8, and float32 sums in a different order drift further
+through ResNet-18's 20 layers. AdamW 5e-2: Adam divides each gradient by its running RMS plus eps (1e-6), so a
+gradient near zero (a dead ReLU's weights, ~1e-9) that two backends round differently (their convolution backward
+sums in another order) moves by a visible fraction of a step; ORT Training against torch shows the same effect.
 """
 from __future__ import annotations
 
@@ -73,16 +74,21 @@ def test_one_epoch_ends_at_the_same_weights_on_every_backend(model, optimizer, p
     x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
     mask = (np.arange(10) < 8).astype(np.float32)
     trainers = _trainers(directory, optimizer)
+    start = trainers["torch"].get_weights()
     pull = Proximal(0.5, trainers["torch"].get_weights() + 0.05) if proximal else None
     inputs = _loss(loss, rng)
     results = {name: (t.fit(x, y, epochs=1, batch_size=BATCH, class_mask=mask, rng=np.random.default_rng(1),
                             proximal=pull, loss=inputs), t.get_weights()) for name, t in trainers.items()}
     reference_loss, reference = results["torch"]
-    tolerance = 2e-5 if optimizer == "sgd" else 0.05 * LR
     for name in ("portable", "ort"):
         value, weights = results[name]
         assert value == pytest.approx(reference_loss, rel=1e-4, abs=1e-5), name
-        assert np.abs(weights - reference).max() <= tolerance, name
+        assert _relative_gap(weights, reference, start) <= (1e-3 if optimizer == "sgd" else 5e-2), name
+
+
+def _relative_gap(weights: np.ndarray, reference: np.ndarray, start: np.ndarray) -> float:
+    """How far two backends' weights differ, relative to how far training moved them."""
+    return float(np.abs(weights - reference).max() / np.abs(reference - start).max())
 
 
 def test_sgd_momentum_matches_torch(model):
@@ -90,9 +96,10 @@ def test_sgd_momentum_matches_torch(model):
     rng = np.random.default_rng(3)
     x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
     trainers = _trainers(directory, "sgd", momentum=0.9)
+    start = trainers["torch"].get_weights()
     weights = [t.fit(x, y, epochs=2, batch_size=BATCH, rng=np.random.default_rng(1)) and t.get_weights()
                for t in trainers.values()]
-    assert np.abs(weights[0] - weights[1]).max() <= 2e-5
+    assert _relative_gap(weights[0], weights[1], start) <= 1e-3
 
 
 @pytest.mark.parametrize("mode", ["exact", "last-layer"])
@@ -105,7 +112,8 @@ def test_per_sample_gradient_norms_agree_with_torch_func(model, mode):
     y = y % 6
     portable = trainers["portable"].per_sample_grad_norms(x, y, mode, class_mask=mask)
     reference = trainers["torch"].per_sample_grad_norms(x, y, mode, class_mask=mask)
-    np.testing.assert_allclose(portable, reference, rtol=1e-4, atol=1e-7 * reference.max())
+    # rtol 1e-3: the graph sums 11M squares (ResNet-18) in float32, torch.func in float64
+    np.testing.assert_allclose(portable, reference, rtol=1e-3, atol=1e-7 * reference.max())
 
 
 def test_training_keeps_weights_and_state_in_two_ort_buffers(export_artifacts):
