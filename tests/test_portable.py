@@ -145,10 +145,10 @@ def test_nominal_portable_set_needs_weights_first(export_artifacts):
     assert not np.array_equal(trainer.get_weights(), full.get_weights())
 
 
-def test_auto_prefers_portable_and_named_backends_must_be_served(export_artifacts):
+def test_auto_takes_ort_then_portable_and_named_backends_must_be_served(export_artifacts):
     both = export_artifacts("lenet", backends=ALL)
-    assert make_trainer(TrainerSettings(backend="auto"), both).backend == "portable"
-    assert make_trainer(TrainerSettings(backend="auto"), export_artifacts("lenet")).backend == "ort"
+    assert make_trainer(TrainerSettings(backend="auto"), both).backend == "ort"
+    assert resolve_backend("auto", ("portable", "torch")) == "portable"
     assert resolve_backend("auto", ("torch",)) == "torch"
     with pytest.raises(ManifestError, match="serve the ort, torch backends, not 'portable'"):
         make_trainer(TrainerSettings(backend="portable"), export_artifacts("lenet"))

@@ -1,11 +1,12 @@
 """Which trainer backend a device runs, and building it: the one place that knows every backend.
 
 `backend = "auto"` takes the first of AUTO_ORDER that this Python can run and the artifact set serves.
-The order comes from benchmarks/train_throughput.py (docs/platforms.md has the table): the portable graphs train
-at least as fast as ORT Training on every zoo model and need only the inference build of onnxruntime, with a
-far smaller install and footprint than torch, so they come first; ORT Training next; torch last (the biggest
-install, and the only backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused
-with one line when it cannot run here or the artifacts do not serve it.
+The order comes from benchmarks/train_throughput.py (docs/platforms.md has the table): ORT Training trains fastest
+where it exists (x86_64, CPython <= 3.11; the portable graphs reach 0.55-0.9x of it), so it comes first; the
+portable graphs next, the only ONNX backend elsewhere, 1.6-2x torch on the small models (0.6x on small_cnn and
+ResNet-18) in a process and an install a fraction of torch's; torch last (the biggest install, and the only
+backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused with one line when it
+cannot run here or the artifacts do not serve it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from edge_client.config import TrainerSettings
 from edge_client.trainers.base import Trainer
 from models.manifest import ManifestError, load_manifest, runnable_backends
 
-AUTO_ORDER = ("portable", "ort", "torch")
+AUTO_ORDER = ("ort", "portable", "torch")
 INSTALL_HINT = {
     "ort": "onnxruntime-training-cpu (CPython <= 3.11, x86_64 Linux)",
     "portable": "onnxruntime",
