@@ -90,6 +90,8 @@ class PortableTrainer(Trainer):
                             ("weight_decay", weight_decay)):
             self._scalars[name].update_inplace(np.array(value, dtype=np.float32))
         self.set_learning_rate(lr)
+        # The optimizer graph's scalar inputs, looked up once rather than on every step.
+        self._update_scalars = [i.name for i in self._session(optimizer).get_inputs() if i.name in self._scalars]
         self._has_weights = not self.manifest.nominal_checkpoint
         if self._has_weights:
             self._weights.fill(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
@@ -146,9 +148,8 @@ class PortableTrainer(Trainer):
             self._scalars["step_size"].update_inplace(np.array(step_size, dtype=np.float32))
             self._scalars["bias_correction2_sqrt"].update_inplace(
                 np.array(math.sqrt(1.0 - beta2**self._steps), dtype=np.float32))
-        for item in update.get_inputs():
-            if item.name in self._scalars:
-                binding.bind_ortvalue_input(item.name, self._scalars[item.name])
+        for name in self._update_scalars:
+            binding.bind_ortvalue_input(name, self._scalars[name])
         update.run_with_iobinding(binding)
         self._weights.swap()
         for state in self._state.values():
