@@ -9,10 +9,14 @@ torch's autograd (tests/test_onnx_backward.py):
   grad_input = ConvTranspose(grad_output, weight) with the output padding that restores the input's size;
   grad_weight = a convolution of the input, batch and channels swapped, by grad_output used as the kernel (batch
   as channels; stride and dilation trade places), cropped to the kernel size; grad_bias = ReduceSum.
-- `max_pool2d_with_indices` is translated too, so that its indices stay ONNX MaxPool's own (flat over the whole
-  tensor) instead of torch's per-plane ones (which the stock translation recovers with a second pooling); the
-  backward then scatters grad_output into a zero tensor at those flat indices (ScatterElements, reduction add, so
-  overlapping windows add up as in torch).
+- `max_pool2d_with_indices` is translated too, so that its indices are flat over the whole tensor (ONNX's
+  convention) instead of torch's per-plane ones, and only the backward below reads them. Tiled pooling (kernel ==
+  stride, no padding, no dilation: every zoo model's) takes the maximum with the fast MaxPool and finds each
+  window's first maximum, as torch does, with one ArgMax over the windows laid out side by side; ONNX Runtime's
+  MaxPool that also returns indices runs a slow generic kernel (~8x the plain one on LeNet's shapes). Other
+  pooling uses that MaxPool. The backward puts grad_output back at those indices: MaxUnpool where windows do not
+  overlap (each input has one window), else ScatterElements with reduction add into zeros, so gradients of
+  overlapping windows that share a maximum add up as in torch.
 
 Each function is traced by onnxscript: it receives the node's inputs as graph values (static shapes everywhere
 but the batch) and its ATen arguments as Python values.
@@ -82,20 +86,54 @@ def max_pool2d_with_indices(
     self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0, 0),
     dilation: Sequence[int] = (1, 1), ceil_mode: bool = False,
 ) -> tuple[Any, Any]:
-    """aten.max_pool2d_with_indices as one ONNX MaxPool; the indices are ONNX's (flat over N*C*H*W), which only
-    `max_pool2d_with_indices_backward` below reads."""
+    """aten.max_pool2d_with_indices with indices flat over N*C*H*W, which only the backward below reads."""
     kernel = _per_dim(kernel_size, 2)
     strides = _per_dim(stride, 2) if len(stride) else kernel
-    pads = _per_dim(padding, 2)
-    return op.MaxPool(self, kernel_shape=kernel, strides=strides, pads=[*pads, *pads],
-                      dilations=_per_dim(dilation, 2), ceil_mode=int(ceil_mode))
+    pads, dilations = _per_dim(padding, 2), _per_dim(dilation, 2)
+    if strides == kernel and pads == [0, 0] and dilations == [1, 1] and not ceil_mode:
+        return _tiled_max_pool(self, kernel)
+    return op.MaxPool(self, kernel_shape=kernel, strides=strides, pads=[*pads, *pads], dilations=dilations,
+                      ceil_mode=int(ceil_mode))
+
+
+def _tiled_max_pool(self: Any, kernel: list[int]) -> tuple[Any, Any]:
+    """Non-overlapping k_h x k_w windows: the plain MaxPool for the values; for the indices, the windows' elements
+    side by side in row-major order, ArgMax (its first maximum, torch's tie rule) and a table from position in
+    the window to offset in the plane, plus each window's origin and each sample's start."""
+    (kh, kw), (c, h, w) = kernel, [int(d) for d in self.shape[1:]]
+    oh, ow = h // kh, w // kw
+    x = self
+    if (oh * kh, ow * kw) != (h, w):  # floor mode drops the rows and columns no window covers
+        x = op.Slice(x, op.Constant(value_ints=[0, 0]), op.Constant(value_ints=[oh * kh, ow * kw]),
+                     op.Constant(value_ints=[2, 3]))
+    windows = op.Reshape(x, op.Constant(value_ints=[-1, c, oh, kh, ow, kw]))
+    windows = op.Transpose(windows, perm=[0, 1, 2, 4, 3, 5])
+    position = op.ArgMax(op.Reshape(windows, op.Constant(value_ints=[-1, c, oh, ow, kh * kw])), axis=-1,
+                         keepdims=0)
+    in_window = op.Gather(op.Constant(value_ints=[a * w + b for a in range(kh) for b in range(kw)]), position)
+    origins = op.Constant(value_ints=[ci * h * w + i * kh * w + j * kw
+                                      for ci in range(c) for i in range(oh) for j in range(ow)])
+    batch = op.Shape(self, start=0, end=1)
+    sample_start = op.Mul(op.Range(op.Constant(value_int=0), op.Squeeze(batch), op.Constant(value_int=1)),
+                          op.Constant(value_int=c * h * w))
+    sample_start = op.Reshape(sample_start, op.Constant(value_ints=[-1, 1, 1, 1]))
+    origins = op.Reshape(origins, op.Constant(value_ints=[c, oh, ow]))
+    indices = op.Add(op.Add(in_window, origins), sample_start)
+    values, _ = op.MaxPool(self, kernel_shape=kernel, strides=kernel)
+    return values, indices
 
 
 def max_pool2d_with_indices_backward(
     grad_output: Any, self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], ceil_mode: bool, indices: Any,
 ) -> Any:
-    """Scatter-add grad_output into zeros shaped like the pooled input, at MaxPool's flat indices."""
+    """grad_output put back at the flat indices of the pooled input: MaxUnpool where windows do not overlap,
+    else a scatter-add into zeros."""
+    kernel = _per_dim(kernel_size, 2)
+    strides = _per_dim(stride, 2) if len(stride) else kernel
+    spans = [d * (k - 1) + 1 for d, k in zip(_per_dim(dilation, 2), kernel)]
+    if all(span <= s for span, s in zip(spans, strides)):
+        return op.MaxUnpool(grad_output, indices, op.Shape(self), kernel_shape=kernel, strides=strides)
     flat = op.Constant(value_ints=[-1])
     zeros = op.Reshape(op.ConstantOfShape(op.Shape(self)), flat)
     summed = op.ScatterElements(zeros, op.Reshape(indices, flat), op.Reshape(grad_output, flat), axis=0,

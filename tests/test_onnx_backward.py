@@ -89,7 +89,9 @@ def test_convolution_backward_matches_autograd(shape, c_out, kernel, stride, pad
 
 
 @pytest.mark.parametrize("size, kernel, stride, padding", [
-    ((3, 8, 8), 2, 2, 0),  # LeNet's and small_cnn's pooling
+    ((3, 8, 8), 2, 2, 0),  # LeNet's and small_cnn's pooling: tiled windows (ArgMax indices, MaxUnpool)
+    ((2, 9, 7), (3, 2), (3, 2), 0),  # tiled, non-square, sizes the windows do not divide (floor mode)
+    ((2, 9, 9), 2, 3, 0),  # windows apart: gaps between them, MaxUnpool without ArgMax
     ((2, 9, 9), 3, 2, 1),  # overlapping windows with padding: gradients add up where windows share a maximum
     ((2, 7, 6), 2, 1, 0),  # stride 1
     ((1, 9, 7), (3, 2), (2, 1), (1, 0)),  # per-dimension kernel, stride and padding
@@ -100,6 +102,8 @@ def test_max_pool_backward_matches_autograd(size, kernel, stride, padding, tmp_p
 
     def inputs(n):
         g = torch.Generator().manual_seed(n)
-        return torch.randn(n, *size, generator=g), torch.randn(n, *out_shape, generator=g)
+        x = torch.randn(n, *size, generator=g)
+        x[:, 0, :4, :4] = 1.0  # ties in the first windows: torch takes each window's first maximum
+        return x, torch.randn(n, *out_shape, generator=g)
 
     _run(module, inputs, ("x", "upstream"), ("y", "gx"), (0, 1), tmp_path / "pool.onnx")

@@ -77,6 +77,7 @@ class PortableTrainer(Trainer):
         size = self.manifest.num_parameters
         self._weights = _PingPong(size)
         self._gradient = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+        self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
         self._reference = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
         self._reference.update_inplace(np.zeros(size, dtype=np.float32))  # read with mu = 0: must be finite
         self._reference_of: Proximal | None = None
@@ -177,10 +178,10 @@ class PortableTrainer(Trainer):
         for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
                                 "teacher_weights", "bce"), feeds):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
-        binding.bind_output("loss", "cpu")
+        binding.bind_ortvalue_output("loss", self._loss)
         binding.bind_ortvalue_output("gradient", self._gradient)
         session.run_with_iobinding(binding)
-        return float(binding.get_outputs()[0].numpy())
+        return float(self._loss.numpy())
 
     def _set_proximal(self, proximal: Proximal | None) -> None:
         mu = 0.0 if proximal is None else proximal.mu
