@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
@@ -131,9 +132,7 @@ class Manifest:
 
     def require_backend(self, backend: str) -> None:
         """ManifestError unless this artifact set was exported for `backend`."""
-        if backend not in self.backends:
-            raise ManifestError(f"these artifacts serve the {', '.join(self.backends)} backends, not {backend!r}: "
-                                f"export them again with {backend!r} among --backends")
+        require_served(backend, self.backends)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -247,6 +246,13 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, pos
         shift += 7
+
+
+def require_served(backend: str, served: Sequence[str]) -> None:
+    """ManifestError unless `backend` is among the backends an artifact set serves (the one wording of it)."""
+    if backend not in served:
+        raise ManifestError(f"the artifacts serve the {', '.join(served)} backends, not {backend!r}: export them "
+                            f"again with {backend!r} among --backends")
 
 
 def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 from models.loss import training_loss
 from models.manifest import MAX_IR_VERSION, PORTABLE_MODELS, ManifestError, ParameterInfo
-from models.onnx_backward import TRANSLATIONS
+from models.onnx_backward import KEPT_WHOLE, TRANSLATIONS
 from models.zoo import ClassifierModel
 
 PORTABLE_OPSET = 18
@@ -188,9 +188,10 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
     from torch.fx.experimental.proxy_tensor import make_fx
 
     target: Any = module
+    decompositions = {op: fn for op, fn in core_aten_decompositions().items() if op not in KEPT_WHOLE}
     if traced:
         target = make_fx(module, tracing_mode="symbolic" if batched else "real",
-                         decomposition_table=dict(core_aten_decompositions()))(*example)
+                         decomposition_table=decompositions)(*example)
     batch = Dim("batch", min=1, max=1 << 20)
     dynamic = tuple({0: batch} if i in batched else None for i in range(len(example))) if batched else None
     with _exporter_quiet():

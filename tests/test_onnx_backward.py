@@ -107,3 +107,28 @@ def test_max_pool_backward_matches_autograd(size, kernel, stride, padding, tmp_p
         return x, torch.randn(n, *out_shape, generator=g)
 
     _run(module, inputs, ("x", "upstream"), ("y", "gx"), (0, 1), tmp_path / "pool.onnx")
+
+
+class ThresholdGradients(torch.nn.Module):
+    """(y, dL/dx) of L = sum(threshold(x) * upstream): ReLU at threshold 0."""
+
+    def __init__(self, threshold):
+        super().__init__()
+        self.threshold = threshold
+
+    def act(self, x):
+        return F.relu(x) if self.threshold == 0 else F.threshold(x, self.threshold, 0.0)
+
+    def forward(self, x, upstream):
+        return self.act(x), grad(lambda x: (self.act(x) * upstream).sum())(x)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_threshold_backward_matches_autograd(threshold, tmp_path):
+    def inputs(n):
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 3, 5, generator=g)
+        x[:, 0, :2] = threshold  # at the threshold exactly: inactive, as in torch
+        return x, torch.randn(n, 3, 5, generator=g)
+
+    _run(ThresholdGradients(threshold), inputs, ("x", "upstream"), ("y", "gx"), (0, 1), tmp_path / "relu.onnx")

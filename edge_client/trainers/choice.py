@@ -14,7 +14,7 @@ from pathlib import Path
 
 from edge_client.config import TrainerSettings
 from edge_client.trainers.base import Trainer
-from models.manifest import ManifestError, load_manifest, runnable_backends
+from models.manifest import ManifestError, load_manifest, require_served, runnable_backends
 
 AUTO_ORDER = ("ort", "portable", "torch")
 INSTALL_HINT = {
@@ -38,9 +38,7 @@ def resolve_backend(requested: str, served: tuple[str, ...]) -> str:
         raise ValueError(f"unknown trainer backend {requested!r}; choose auto, {', '.join(INSTALL_HINT)}")
     if requested not in runnable:
         raise ManifestError(f"trainer backend {requested!r} is not installed here: install {INSTALL_HINT[requested]}")
-    if requested not in served:
-        raise ManifestError(f"the artifacts serve the {', '.join(served)} backends, not {requested!r}: export them "
-                            f"again with {requested!r} among --backends")
+    require_served(requested, served)
     return requested
 
 
