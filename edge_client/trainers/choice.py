@@ -4,8 +4,8 @@
 The order comes from benchmarks/train_throughput.py (docs/platforms.md has the table): ORT Training trains fastest
 where it exists (x86_64, CPython <= 3.11; the portable graphs reach 0.65-0.98x of it), so it comes first; the
 portable graphs next, the only ONNX backend elsewhere, 1.5-2.8x torch on the small models (0.65-0.83x on
-small_cnn and ResNet-18) in a process and an install a fraction of torch's; torch last (the biggest install, and the only
-backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused with one line when it
+small_cnn and ResNet-18) in a process and an install a fraction of torch's; torch last (the biggest install, and
+the only backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused with one line when it
 cannot run here or the artifacts do not serve it.
 """
 from __future__ import annotations
