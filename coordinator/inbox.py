@@ -5,7 +5,8 @@ roster and is the one named in the payload, it decodes under the current schema,
 reassemble into exactly the model's number of finite float32 values, followed by the declared attachments (named
 byte strings, at most `MAX_ATTACHMENT_BYTES` together; what they mean is the strategy's business, which may refuse
 an update in `Strategy.inspect`). A device may send at most `MAX_REQUESTS_PER_ROUND` requests for each round.
-Everything else is rejected with a logged reason and counted; nothing raises. Round-level checks (right round,
+Everything else is rejected with a logged reason and counted; nothing raises: an exception that is not a
+refusal (a gap in the checks) is counted as "unexpected" and dropped like one. Round-level checks (right round,
 selected, before the deadline) are the round's business (`rounds.py`).
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ Event = Registration | Status | Update | Request
 DEVICE_KINDS = frozenset({"register", "status", "update", "request"})
 MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model
 MAX_REQUESTS_PER_ROUND = 4  # requests a device may send for one round; more are refused ("rate")
+UNEXPECTED = "unexpected"  # the reason counted for a message that raised something other than a WireError
 
 
 class Inbox:
@@ -83,7 +85,10 @@ class Inbox:
             return self._accept(topic, payload)
         except wire.WireError as err:
             self.reject(err.reason, f"{topic}: {err}")
-            return None
+        except Exception as err:  # a refusal the codec has no reason for yet: counted and dropped, never raised
+            self.reject(UNEXPECTED, f"{topic}: {type(err).__name__}: {err!s:.200}")
+            log.debug("unexpected refusal", exc_info=True)
+        return None
 
     def reject(self, reason: str, detail: str) -> None:
         self.rejections[reason] += 1

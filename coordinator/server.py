@@ -35,7 +35,7 @@ from coordinator.checkpoint import RunState, load_run_state, save_run_state
 from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
-from coordinator.inbox import Inbox, Registration, Request, Status, Update
+from coordinator.inbox import UNEXPECTED, Inbox, Registration, Request, Status, Update
 from coordinator.rounds import OpenRound, select
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy
 from edgefil import topics, wire
@@ -342,6 +342,10 @@ class Coordinator:
             self.strategy.inspect(_for_strategy(update))
         except RefusedUpdate as err:
             self.inbox.reject(err.reason, f"update of {update.device} for round {update.round}: {err}")
+            return
+        except Exception as err:  # a rule's check that raised instead of refusing: the update is still refused
+            self.inbox.reject(UNEXPECTED, f"update of {update.device} for round {update.round}: "
+                                          f"{type(err).__name__}: {err!s:.200}")
             return
         current = self.open_round
         if current is None:

@@ -146,7 +146,9 @@ def _check_metrics(metrics: dict) -> None:
         raise WireError("field", f"update.metrics has {len(metrics)} entries, at most {MAX_METRICS}")
     for key, value in metrics.items():
         if not isinstance(key, str) or not isinstance(value, _NUMBER) or isinstance(value, bool):
-            raise WireError("field", f"update.metrics must map names to numbers, got {key!r}: {value!r}")
+            raise WireError("field", f"update.metrics must map names to numbers, got {key!r:.80}: {value!r:.80}")
+        if not math.isfinite(value):  # one NaN would make results.json invalid JSON
+            raise WireError("metrics-nonfinite", f"update.metrics[{key!r:.80}] is {value!r}")
 
 
 def _check_ints(values: list, where: str) -> None:

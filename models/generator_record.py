@@ -42,6 +42,7 @@ PRECISIONS = ("float32", "float16", "int8")
 MAGIC = b"EFGN"
 FORMAT_VERSION = 1
 INT8_BLOCK = 1024
+MAX_HEADER_BYTES = 1 << 16  # a spec's JSON is a few hundred bytes
 _FIXED = struct.Struct("<4sIqqqqqI")  # magic, version, label, trained_samples, steps, sampler, auxiliary, H
 _CRC = struct.Struct("<I")
 
@@ -157,7 +158,18 @@ def encode_record(record: GeneratorRecord) -> bytes:
 
 
 def decode_record(data: bytes) -> GeneratorRecord:
-    """Parse and verify `encode_record` bytes; anything wrong raises GeneratorFormatError."""
+    """Parse and verify `encode_record` bytes; anything wrong raises GeneratorFormatError, and only that: records
+    arrive from devices, so whatever else a hostile one provokes (a header nested past the recursion limit, values
+    of the wrong type deep in the spec) is refused the same way."""
+    try:
+        return _decode_record(data)
+    except GeneratorFormatError:
+        raise
+    except Exception as err:
+        raise GeneratorFormatError(f"generator record is malformed ({type(err).__name__})") from None
+
+
+def _decode_record(data: bytes) -> GeneratorRecord:
     view = memoryview(data)
     if len(view) < _FIXED.size + _CRC.size or len(view) % 4:
         raise GeneratorFormatError(f"{len(view)} bytes cannot be a generator record")
@@ -169,13 +181,13 @@ def decode_record(data: bytes) -> GeneratorRecord:
     if _CRC.unpack_from(view, len(view) - _CRC.size)[0] != zlib.crc32(view[: len(view) - _CRC.size]):
         raise GeneratorFormatError("generator record checksum mismatch")
     if n_sampler < 1 or n_aux < -1 or trained < 0 or steps < 0 or header_len % 4 or \
-            _FIXED.size + header_len > len(view) - _CRC.size:
+            header_len > MAX_HEADER_BYTES or _FIXED.size + header_len > len(view) - _CRC.size:
         raise GeneratorFormatError("generator record has impossible lengths or counts")
     try:
         header = json.loads(bytes(view[_FIXED.size : _FIXED.size + header_len]).decode())
         precision, spec = header["precision"], header["spec"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise GeneratorFormatError(f"generator record header is malformed: {e}") from e
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise GeneratorFormatError(f"generator record header is malformed: {type(e).__name__}") from None
     if precision not in PRECISIONS or not isinstance(spec, dict):
         raise GeneratorFormatError(f"generator record header names precision {precision!r}, spec {spec!r}")
     aux_len = None if n_aux == -1 else n_aux

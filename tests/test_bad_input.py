@@ -101,3 +101,36 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
         assert results["final_accuracy"] > 3 * CHANCE
     finally:
         fleet.stop()
+
+
+def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, export_artifacts):
+    """A compromised device leaves hostile retained messages on its own topics; the broker re-delivers them to
+    every coordinator that subscribes, so a resumed coordinator meets them first. It counts them and finishes."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=2,
+                  coordinator_options={"rounds_per_task": 1, "min_clients": 1,
+                                       "wait_for_devices_s": 5.0})
+    hostile = {
+        "kind": msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": [1, 2], "device": "dev-0"}),
+        "field": msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "update", "device": "dev-0",
+                                "round": {"nested": [[[]]]}}),
+        "malformed": b"\xc1" + b"[" * 10_000,
+    }
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, timeout=120)
+        fleet.kill("coordinator")
+        fleet.kill("dev-0")  # compromised: its own retained messages would replace the garbage
+        rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
+        assert not rogue.connect().is_failure
+        for payload, kind in zip(hostile.values(), ("register", "update", "request")):
+            rogue.publish(topics.from_device(fleet.fleet, "dev-0", kind), payload, retain=True)
+        rogue.close()
+        fleet.start_coordinator(resume=True)
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        counters = fleet.results()["counters"]
+        assert all(counters.get(reason, 0) >= 1 for reason in hostile), counters
+        assert fleet.results()["rounds_completed"] == 5  # the scenario's 5 tasks, one round each
+    finally:
+        fleet.stop()

@@ -1,0 +1,259 @@
+"""Property-based fuzzing of every decoder a device's bytes reach on the coordinator, and of the codec devices use.
+
+What a hostile device can send, generated: random bytes, random msgpack values, field-level mutations (a field
+removed, retyped or given a random value; an extra field) and byte-level mutations (flips, truncations,
+insertions) of a valid message of every kind, and hostile attachments (damaged generator records, a JSON header
+nested past the recursion limit). The properties: `wire.decode` returns a message that fits its schema or raises
+`WireError`; the coordinator's gate (`Inbox.accept`) never raises and never meets an exception it has no reason
+for ("unexpected" stays 0); `decode_record` raises only `GeneratorFormatError`; pFedGRP's `inspect` refuses only
+with `RefusedUpdate`.
+
+The suite runs a bounded, derandomized number of examples per property (EDGEFIL_FUZZ_EXAMPLES, default 150);
+`scripts/fuzz-gate N` runs N random examples per property (the longer run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator.inbox import UNEXPECTED, Inbox
+from coordinator.strategies.base import ClientUpdate, RefusedUpdate
+from edgefil import topics, wire
+from models.generator_record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
+from models.generators import auxiliary_size, default_spec, sampler_size
+
+FLEET = "fuzz"
+MANIFEST = "m" * 64
+N_PARAMS = 300  # above MIN_CHUNK_BYTES / 4, so an update can travel in several chunks
+DEVICE_KINDS = ("register", "status", "update", "request")
+FUZZ = settings(
+    max_examples=int(os.environ.get("EDGEFIL_FUZZ_EXAMPLES", "150")),
+    derandomize="EDGEFIL_FUZZ_EXAMPLES" not in os.environ,  # the suite is reproducible; the long run explores
+    deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+leaves = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+          | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=24) | st.binary(max_size=64))
+msgpack_values = st.recursive(
+    leaves, lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=12), children,
+                                                                               max_size=6),
+    max_leaves=24)
+json_values = st.recursive(  # what a hostile JSON header can hold
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=24),
+    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=12), children, max_size=6),
+    max_leaves=24)
+
+
+def generator_attachment(label: int = 3) -> bytes:
+    spec = default_spec("vae", (1, 8, 8))
+    rng = np.random.default_rng(0)
+    return encode_record(GeneratorRecord(
+        label=label, spec=spec.to_dict(), precision="float16",
+        sampler=rng.standard_normal(sampler_size(spec)).astype(np.float32),
+        auxiliary=rng.standard_normal(auxiliary_size(spec)).astype(np.float32), trained_samples=10, steps=5))
+
+
+def valid_payloads() -> dict[str, list[bytes]]:
+    """A valid payload of every kind (blob kinds: every chunk), as devices and the coordinator write them."""
+    weights = wire.weights_bytes(np.linspace(-1, 1, N_PARAMS, dtype=np.float32))
+    data, layout = wire.pack_attachments(weights, {"generator/3": generator_attachment()})
+    chunk_fields: dict[str, Any] = dict(chunk_bytes=wire.MIN_CHUNK_BYTES)
+    return {
+        "register": [wire.encode("register", device="dev-0", profile="pi4", backend="portable", manifest=MANIFEST,
+                                 software="0.1")],
+        "status": [wire.encode("status", device="dev-0", state="idle", round=3)],
+        "request": [wire.encode("request", device="dev-0", round=3, names=["generator/1", "generator/2"])],
+        "update": wire.encode_blob("update", data, device="dev-0", round=3, task=0, model=MANIFEST, num_samples=40,
+                                   metrics={"loss": 0.5}, label_counts=[4] * 10, attachments=layout,
+                                   **chunk_fields).chunks,
+        "round": [wire.encode("round", round=3, task=0, model=MANIFEST, version=2, deadline_s=30.0,
+                              config={"epochs": 1}, payload="p" * 64)],
+        "weights": wire.encode_blob("weights", weights, round=3, version=2, **chunk_fields).chunks,
+        "payload": wire.encode_blob("payload", *wire.pack_attachments(b"", {"generator/3": b"x" * 10})[:1],
+                                    round=3, attachments=[["generator/3", 10]]).chunks,
+        "answer": wire.encode_blob("answer", b"", round=3, attachments=[]).chunks,
+    }
+
+
+VALID = valid_payloads()
+KINDS = sorted(VALID)
+
+
+def decode_or_refuse(payload: bytes) -> dict | None:
+    """wire.decode's contract: a message whose fields fit its kind's schema, or WireError."""
+    try:
+        message = wire.decode(payload)
+    except wire.WireError as err:
+        assert err.reason
+        return None
+    kind = message["kind"]
+    for name, expected in wire.SCHEMAS[kind].items():
+        assert isinstance(message[name], expected) and not isinstance(message[name], bool), (kind, name)
+    return message
+
+
+class Gate:
+    """A coordinator's gate as the server builds it, fed on every device topic."""
+
+    def __init__(self) -> None:
+        self.inbox = Inbox(FLEET, {"dev-0", "dev-1"}, manifest=MANIFEST, num_parameters=N_PARAMS)
+
+    def feed(self, payload: bytes, kinds: tuple[str, ...] = DEVICE_KINDS) -> None:
+        for kind in kinds:
+            before = sum(self.inbox.rejections.values())
+            event = self.inbox.accept(topics.from_device(FLEET, "dev-0", kind), payload)
+            counted = sum(self.inbox.rejections.values()) - before
+            assert counted in (0, 1) and (event is None or counted == 0)
+        assert self.inbox.rejections[UNEXPECTED] == 0, "the gate met an exception it has no reason for"
+
+
+@FUZZ
+@given(st.binary(max_size=4096))
+def test_random_bytes_are_refused_with_a_reason(payload):
+    decode_or_refuse(payload)
+    Gate().feed(payload)
+
+
+@FUZZ
+@given(msgpack_values, st.sampled_from([None, *KINDS]), st.booleans())
+def test_random_msgpack_is_refused_with_a_reason(value, kind, versioned):
+    if isinstance(value, dict) and kind is not None:  # reach past the first checks: a kind and the version
+        value = {**value, "kind": kind, **({"v": wire.SCHEMA_VERSION} if versioned else {})}
+    payload = msgpack.packb(value, use_bin_type=True)
+    decode_or_refuse(payload)
+    Gate().feed(payload)
+
+
+@FUZZ
+@given(st.sampled_from(KINDS), st.data())
+def test_field_mutations_of_valid_messages_are_refused_or_fit_the_schema(kind, data):
+    chunks = [msgpack.unpackb(c, raw=False) for c in VALID[kind]]
+    target = data.draw(st.integers(0, len(chunks) - 1))
+    message = chunks[target]
+    for _ in range(data.draw(st.integers(1, 3))):
+        field = data.draw(st.sampled_from([*message, "extra"]))
+        if data.draw(st.booleans()) and field in message:
+            del message[field]
+        else:
+            message[field] = data.draw(msgpack_values)
+    payloads = [msgpack.packb(c, use_bin_type=True) for c in chunks]
+    for payload in payloads:
+        decode_or_refuse(payload)
+    gate = Gate()
+    for payload in payloads:  # the whole blob, so a mutated chunk meets reassembly and the attachment checks
+        gate.feed(payload, (kind,) if kind in DEVICE_KINDS else DEVICE_KINDS)
+
+
+@FUZZ
+@given(st.sampled_from(KINDS), st.data())
+def test_byte_mutations_of_valid_messages_are_refused_or_fit_the_schema(kind, data):
+    payloads = list(VALID[kind])
+    target = data.draw(st.integers(0, len(payloads) - 1))
+    raw = bytearray(payloads[target])
+    for _ in range(data.draw(st.integers(1, 4))):
+        action = data.draw(st.sampled_from(["flip", "set", "cut", "insert"]))
+        at = data.draw(st.integers(0, max(len(raw) - 1, 0)))
+        if action == "flip" and raw:
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif action == "set" and raw:
+            raw[at] = data.draw(st.integers(0, 255))
+        elif action == "cut":
+            del raw[at:]
+        else:
+            raw[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    payloads[target] = bytes(raw)
+    decode_or_refuse(payloads[target])
+    gate = Gate()
+    for payload in payloads:
+        gate.feed(payload, (kind,) if kind in DEVICE_KINDS else DEVICE_KINDS)
+
+
+def record_with_header(header: bytes) -> bytes:
+    """A generator record whose JSON header is `header` (padded), lengths and checksum made consistent."""
+    header += b" " * (-len(header) % 4)
+    fixed = struct.pack("<4sIqqqqqI", b"EFGN", 1, 3, 10, 5, 1, -1, len(header))
+    body = fixed + header + np.zeros(1, dtype="<f4").tobytes()
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+HOSTILE_HEADERS = [
+    b"[" * 100_000 + b"]" * 100_000,  # past the recursion limit of json.loads
+    json.dumps({"precision": "float32", "spec": {"kind": [[[]]], "input_shape": "x"}}).encode(),
+    json.dumps({"precision": ["float32"], "spec": []}).encode(),
+    b"\xff\xfe not utf-8",
+]
+
+
+@pytest.mark.parametrize("header", HOSTILE_HEADERS, ids=["deep", "bad-spec", "bad-types", "not-utf8"])
+def test_hostile_generator_headers_are_format_errors(header):
+    with pytest.raises(GeneratorFormatError):
+        decode_record(record_with_header(header))
+
+
+@FUZZ
+@given(st.data())
+def test_damaged_generator_records_are_format_errors(data):
+    raw = bytearray(generator_attachment())
+    if data.draw(st.booleans()):
+        header = json.dumps(data.draw(json_values | st.fixed_dictionaries(
+            {"precision": st.sampled_from(["float32", "int8"]) | json_values, "spec": json_values}))).encode()
+        raw = bytearray(record_with_header(header))
+    for _ in range(data.draw(st.integers(0, 3))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        decode_record(bytes(raw))
+    except GeneratorFormatError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def pfedgrp(tmp_path_factory):
+    from coordinator.strategies.pfedgrp import PFedGRP
+    from models.export import export_registered
+
+    return PFedGRP(manifest=export_registered("lenet", 10, tmp_path_factory.mktemp("lenet"), backends=("torch",)),
+                   device="cpu")
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=20) | st.sampled_from(["generator/3", "generator/٣", "generator/03"]),
+                       st.binary(max_size=256) | st.just(generator_attachment()), max_size=4))
+def test_pfedgrp_refuses_hostile_attachments_only_with_a_reason(pfedgrp, attachments):
+    update = ClientUpdate("dev-0", np.zeros(4, dtype=np.float32), 1, attachments=attachments)
+    try:
+        pfedgrp.inspect(update)
+    except RefusedUpdate as err:
+        assert err.reason
+
+
+def test_an_exception_the_gate_has_no_reason_for_is_counted_not_raised(monkeypatch):
+    gate = Gate()
+
+    def broken(payload: bytes, max_bytes: int = 0) -> dict:
+        raise KeyError("a gap in the checks")
+
+    monkeypatch.setattr(wire, "decode", broken)
+    assert gate.inbox.accept(topics.from_device(FLEET, "dev-0", "status"), VALID["status"][0]) is None
+    assert gate.inbox.rejections[UNEXPECTED] == 1
+
+
+def test_a_valid_blob_passes_the_gate():
+    """The fuzzed inputs start from messages the gate takes (else the mutations would prove nothing)."""
+    inbox = Gate().inbox
+    events = [inbox.accept(topics.from_device(FLEET, "dev-0", "update"), c) for c in VALID["update"]]
+    assert len(VALID["update"]) > 1 and events[-1] is not None and events[-1].attachments.keys() == {"generator/3"}
+    for kind in ("register", "status", "request"):
+        assert inbox.accept(topics.from_device(FLEET, "dev-0", kind), VALID[kind][0]) is not None, kind
+    assert not inbox.rejections
+    for kind in ("round", "weights", "payload", "answer"):
+        assert all(decode_or_refuse(c) is not None for c in VALID[kind]), kind
