@@ -17,7 +17,9 @@
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
-    [strategy]  name = "fedavg" | "fedprox" | "pfedgrp", and its options (weighted, mu, ...)
+    [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean", and its options
+    [guard]     bounds on one update (coordinator/guard.py): norm_bound = "clip" | "reject" | "off",
+                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0
     [client]    sent to devices in every round: epochs, lr, answer_wait_s (each optional)
 
 Relative paths are taken relative to the file's folder. Checked by the one config checker (`edgefil.settings`):
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.guard import UpdateBounds
 from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
@@ -57,6 +60,7 @@ class CoordinatorConfig:
     virtual_time: bool = False
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
+    guard: UpdateBounds = UpdateBounds()
     client: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -231,7 +231,8 @@ class Coordinator:
         return named
 
     def _close(self, collected: OpenRound) -> None:
-        updates = [_for_strategy(u) for u in collected.updates.values()]
+        updates = self.config.guard.apply(
+            self.state.weights, [_for_strategy(u) for u in collected.updates.values()], self.counters)
         started = time.perf_counter()
         result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
         aggregate_s = time.perf_counter() - started

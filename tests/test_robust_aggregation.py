@@ -1,0 +1,103 @@
+"""The bounds on one update (coordinator/guard.py) and the coordinate-wise robust rules (median, trimmed mean)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.guard import UpdateBounds, norm_scales, sample_caps
+from coordinator.strategies import make_strategy
+from coordinator.strategies.base import ClientUpdate
+from coordinator.strategies.robust import sorted_mean
+from edgefil.settings import ConfigError
+
+devices = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def updates_of(weights: np.ndarray, samples: list[int] | None = None) -> list[ClientUpdate]:
+    samples = samples or [10] * len(weights)
+    return [ClientUpdate(f"d{i}", np.ascontiguousarray(w, dtype=np.float32), n)
+            for i, (w, n) in enumerate(zip(weights, samples))]
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_median_is_numpys_median_per_coordinate_in_column_blocks(n, device):
+    w = np.random.default_rng(n).standard_normal((n, 1001)).astype(np.float32)
+    got = sorted_mean(list(w), (n - 1) // 2, torch.device(device), columns=100)  # 11 blocks, the last short
+    np.testing.assert_allclose(got.cpu().numpy(), np.median(w, axis=0), rtol=1e-6)
+    strategy = make_strategy("median", device=device)
+    np.testing.assert_allclose(strategy.aggregate(torch.zeros(1001), updates_of(w)).global_weights.cpu().numpy(),
+                               np.median(w, axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n, beta, trim", [(10, 0.2, 2), (4, 0.2, 0), (7, 0.3, 2)])
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate(n, beta, trim):
+    w = np.random.default_rng(0).standard_normal((n, 300)).astype(np.float32)
+    expected = np.sort(w, axis=0)[trim : n - trim].mean(axis=0)
+    got = make_strategy("trimmed-mean", device="cpu", beta=beta).aggregate(torch.zeros(300), updates_of(w))
+    np.testing.assert_allclose(got.global_weights.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_robust_rules_ignore_a_minority_of_hostile_updates_and_sample_claims():
+    rng = np.random.default_rng(0)
+    honest = rng.normal(1.0, 0.01, (7, 50))
+    hostile = np.full((2, 50), 1e30)
+    w = np.concatenate([honest, hostile])
+    samples = [10] * 7 + [10**9] * 2
+    for name, options in (("median", {}), ("trimmed-mean", {"beta": 0.25})):
+        result = make_strategy(name, device="cpu", **options).aggregate(torch.zeros(50), updates_of(w, samples))
+        assert np.abs(result.global_weights.numpy() - 1.0).max() < 0.05, name
+    with pytest.raises(ValueError, match="beta"):
+        make_strategy("trimmed-mean", device="cpu", beta=0.5)
+
+
+def test_norm_scales_clip_exactly_to_the_bound_beyond_the_median():
+    d = np.array([1.0, 2.0, 3.0, 30.0, 0.0])
+    s = norm_scales(d, 3.0)  # median 2, bound 6
+    np.testing.assert_allclose(s, [1, 1, 1, 0.2, 1])
+
+
+def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median():
+    assert sample_caps([10, 20, 30, 10**9], 0, 10.0) == [10, 20, 30, 250]
+    assert sample_caps([10, 20, 30, 10**9], 25, 0.0) == [10, 20, 25, 25]
+    assert sample_caps([10, 20, 10**9], 0, 0.0) == [10, 20, 10**9]
+
+
+@pytest.mark.parametrize("mode", ["clip", "reject", "off"])
+def test_guard_clips_rejects_or_passes_a_boosted_update_and_counts_it(mode):
+    g = np.zeros(100, dtype=np.float32)
+    rng = np.random.default_rng(1)
+    deltas = rng.standard_normal((5, 100)).astype(np.float32) * 0.1
+    deltas[4] *= 100  # boosted
+    counters: Counter[str] = Counter()
+    out = UpdateBounds(norm_bound=mode, norm_factor=3.0).apply(g, updates_of(deltas), counters)
+    norms = np.linalg.norm(deltas, axis=1)
+    if mode == "off":
+        assert len(out) == 5 and not counters
+        return
+    if mode == "reject":
+        assert [u.device for u in out] == ["d0", "d1", "d2", "d3"] and counters == {"norm-rejected": 1}
+        return
+    assert counters == {"clipped": 1} and len(out) == 5
+    assert np.linalg.norm(out[4].weights - g) == pytest.approx(3 * np.median(norms), rel=1e-5)
+    np.testing.assert_allclose(out[4].weights / np.linalg.norm(out[4].weights), deltas[4] / norms[4], rtol=1e-5)
+    for before, after in zip(updates_of(deltas)[:4], out[:4]):
+        np.testing.assert_array_equal(before.weights, after.weights)
+
+
+def test_guard_caps_an_inflated_sample_claim_and_the_config_checks_the_table():
+    counters: Counter[str] = Counter()
+    out = UpdateBounds().apply(np.zeros(3, np.float32), updates_of(np.zeros((3, 3)), [10, 12, 10**9]), counters)
+    assert [u.num_samples for u in out] == [10, 12, 120] and counters == {"samples-capped": 1}
+    base = {"fleet": "f", "out": "o", "artifacts": "a", "devices": ["d0"], "scenario": {"preset": "digits-class"}}
+    assert CoordinatorConfig.from_dict(base).guard == UpdateBounds()
+    config = CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "reject", "max_samples": 500}})
+    assert config.guard == UpdateBounds(norm_bound="reject", max_samples=500)
+    with pytest.raises(ConfigError, match="norm_bound"):
+        CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "clamp"}})
+    with pytest.raises(ConfigError, match="norm_fator"):
+        CoordinatorConfig.from_dict({**base, "guard": {"norm_fator": 2.0}})
