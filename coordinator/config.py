@@ -20,6 +20,8 @@
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean", and its options
     [guard]     bounds on one update (coordinator/guard.py): norm_bound = "clip" | "reject" | "off",
                 norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0
+    [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
+                collapse_drop = 0.5
     [client]    sent to devices in every round: epochs, lr, answer_wait_s (each optional)
 
 Relative paths are taken relative to the file's folder. Checked by the one config checker (`edgefil.settings`):
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.checkpoint import CheckpointPolicy
 from coordinator.guard import UpdateBounds
 from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
@@ -61,6 +64,7 @@ class CoordinatorConfig:
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: UpdateBounds = UpdateBounds()
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
     client: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

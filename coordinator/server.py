@@ -24,14 +24,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from coordinator.checkpoint import RunState, load_run_state, save_run_state
+from coordinator.checkpoint import (
+    RunState,
+    generation_dir,
+    generations,
+    load_latest,
+    prune_generations,
+    save_run_state,
+)
 from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
@@ -84,13 +93,12 @@ class Coordinator:
             config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
         )
         self.checkpoint_dir = config.out / CHECKPOINT_DIR
-        self.state = self._load_or_start(resume)
+        self.state, resumed_from = self._load_or_start(resume)
         self.personalized: dict[str, np.ndarray] = {}
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
-        if resume:
-            self._load_personalized()
-        if resume:
-            self.strategy.load(self.checkpoint_dir)
+        if resumed_from is not None:
+            self._load_personalized(resumed_from)
+            self.strategy.load(resumed_from)
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.rng = np.random.default_rng()
@@ -108,21 +116,23 @@ class Coordinator:
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
         )
 
-    def _load_or_start(self, resume: bool) -> RunState:
-        state = load_run_state(self.checkpoint_dir)
-        if state is not None and not resume:
+    def _load_or_start(self, resume: bool) -> tuple[RunState, Path | None]:
+        """The newest checkpoint that loads (and its folder) when resuming, else a fresh state."""
+        if generations(self.checkpoint_dir) and not resume:
             raise FileExistsError(f"{self.checkpoint_dir} holds a run: pass --resume, or choose another `out`")
-        if state is not None:
-            log.info("resuming after round %d (task %d)", state.round, state.task)
-            return state
+        latest = load_latest(self.checkpoint_dir) if resume else None
+        if latest is not None:
+            state, directory = latest
+            log.info("resuming after round %d (task %d) from %s", state.round, state.task, directory.name)
+            return state, directory
         return RunState(
             weights=checkpoint_weights(self.config.artifacts),
             rng=dict(np.random.default_rng(self.config.seed).bit_generator.state),
-        )
+        ), None
 
-    def _load_personalized(self) -> None:
+    def _load_personalized(self, directory: Path) -> None:
         """The personalized models and payloads of the checkpointed round (written just before the run state)."""
-        path = self.checkpoint_dir / PERSONALIZED_FILE
+        path = directory / PERSONALIZED_FILE
         if not path.exists():
             return
         saved = msgpack.unpackb(path.read_bytes(), raw=False)
@@ -237,19 +247,32 @@ class Coordinator:
         result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
         aggregate_s = time.perf_counter() - started
         state = self.state
-        state.weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
+        weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
+        policy = self.config.checkpoint
+        refused = policy.problem(weights, state.weights)
+        if refused is None:
+            accuracies = self.evaluator.accuracies(weights, collected.task)
+            if policy.collapsed(accuracies[collected.task], state.best_accuracy(collected.task)):
+                refused = "model-collapsed"
+        if refused is None:
+            state.weights = weights
+            self.personalized.update(
+                {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
+            )
+            self.payloads.update(result.payloads)
+        else:  # the round counts, the previous global model stays (and is what is checkpointed)
+            self.counters[refused] += 1
+            log.warning("round %d: the aggregated model is refused (%s); the previous one stays", collected.number,
+                        refused)
+            accuracies = self.evaluator.accuracies(state.weights, collected.task)
         state.round = collected.number
         state.round_in_task += 1
-        self.personalized.update(
-            {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
-        )
-        self.payloads.update(result.payloads)
-        accuracies = self.evaluator.accuracies(state.weights, collected.task)
         state.history.append({
             "round": collected.number, "task": collected.task, "selected": collected.selected,
             "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
             "accuracy": accuracies, "aggregate_s": aggregate_s,
             "metrics": {u.device: dict(u.metrics) for u in updates},
+            **({"refused": refused} if refused else {}),
             **self._client_evaluation(collected.task),
         })
         log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
@@ -265,14 +288,17 @@ class Coordinator:
             state.round_in_task = 0
         state.rng = dict(self.rng.bit_generator.state)
         state.counters = dict(self.counters)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self.strategy.save(self.checkpoint_dir)
+        generation = generation_dir(self.checkpoint_dir, state.round)
+        shutil.rmtree(generation, ignore_errors=True)  # a retried round's or a crashed write's leftovers
+        generation.mkdir(parents=True)
+        self.strategy.save(generation)
         if self.personalized or self.payloads:
-            write_atomically(self.checkpoint_dir / PERSONALIZED_FILE, msgpack.packb({
+            write_atomically(generation / PERSONALIZED_FILE, msgpack.packb({
                 "round": state.round, "models": {d: w.tobytes() for d, w in self.personalized.items()},
                 "payloads": self.payloads,
             }, use_bin_type=True))
-        save_run_state(self.checkpoint_dir, state)
+        save_run_state(generation, state)  # last: a generation without its state.json is incomplete
+        prune_generations(self.checkpoint_dir, self.config.checkpoint.keep, generation)
         write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
 
     def _client_evaluation(self, task: int) -> dict[str, Any]:

@@ -7,7 +7,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import RunState, load_run_state, save_run_state
+from coordinator.checkpoint import (
+    CheckpointPolicy,
+    RunState,
+    generation_dir,
+    generations,
+    load_run_state,
+    prune_generations,
+    save_run_state,
+)
 from coordinator.config import CoordinatorConfig
 from coordinator.inbox import Inbox, Registration, Status, Update
 from coordinator.rounds import OpenRound, select
@@ -122,11 +130,44 @@ def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts)
     test_sets = preset("digits-class", n_clients=1).build()
     fresh = Coordinator(config, test_sets=test_sets)
     assert fresh.state.round == 0 and fresh.state.weights.dtype == np.float32
-    save_run_state(tmp_path / "run" / CHECKPOINT_DIR, RunState(weights=fresh.state.weights, round=2, task=1, rng=fresh.state.rng))
+    root = tmp_path / "run" / CHECKPOINT_DIR
+    for round_ in (1, 2, 3):
+        save_run_state(generation_dir(root, round_),
+                       RunState(weights=fresh.state.weights, round=round_, task=1, rng=fresh.state.rng))
     with pytest.raises(FileExistsError, match="--resume"):
         Coordinator(config, test_sets=test_sets)
     resumed = Coordinator(config, resume=True, test_sets=test_sets)
-    assert (resumed.state.round, resumed.state.task) == (2, 1)
+    assert (resumed.state.round, resumed.state.task) == (3, 1)
+    # a damaged newest generation: --resume falls back to the one before
+    next(generation_dir(root, 3).glob("weights-*.f32")).write_bytes(b"\0" * 4)
+    assert Coordinator(config, resume=True, test_sets=test_sets).state.round == 2
+    (generation_dir(root, 2) / "state.json").write_text("{not json")
+    (generation_dir(root, 1) / "state.json").write_text("[]")
+    with pytest.raises(StateError, match="round-000003.*round-000002.*round-000001"):
+        Coordinator(config, resume=True, test_sets=test_sets)
+
+
+def test_generations_beyond_keep_and_incomplete_ones_are_pruned(tmp_path):
+    weights = np.zeros(3, dtype=np.float32)
+    for round_ in range(1, 6):
+        save_run_state(generation_dir(tmp_path, round_), RunState(weights=weights, round=round_))
+    generation_dir(tmp_path, 6).mkdir()  # a crash before its state.json: incomplete
+    prune_generations(tmp_path, keep=3, current=generation_dir(tmp_path, 5))
+    assert [g.name for g in generations(tmp_path)] == ["round-000005", "round-000004", "round-000003"]
+
+
+def test_a_model_that_explodes_or_collapses_is_refused():
+    policy = CheckpointPolicy()
+    old = np.ones(10, dtype=np.float32)
+    assert policy.problem(old * 1.5, old) is None
+    assert policy.problem(old * 1e30, old) == "model-exploded"
+    assert policy.problem(np.full(10, np.nan, dtype=np.float32), old) == "model-nonfinite"
+    assert policy.collapsed(0.2, best=0.9) and not policy.collapsed(0.5, best=0.9) and not policy.collapsed(0.1, None)
+    assert CheckpointPolicy(explode_factor=0).problem(old * 1e30, old) is None
+    state = RunState(weights=old, history=[
+        {"task": 0, "accuracy": [0.5]}, {"task": 0, "accuracy": [0.9]}, {"task": 0, "accuracy": [0.95], "refused": "x"},
+        {"task": 1, "accuracy": [0.8, 0.3]}])
+    assert state.best_accuracy(0) == 0.9 and state.best_accuracy(1) == 0.3 and state.best_accuracy(2) is None
 
 
 def test_a_selected_device_that_goes_offline_does_not_hold_the_round_but_may_still_deliver():

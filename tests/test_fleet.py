@@ -116,7 +116,7 @@ def test_coordinator_killed_and_resumed_loses_no_completed_round(fleet_factory):
     fleet.wait_rounds(4, timeout=200)
     fleet.kill("coordinator")
     kept = fleet.results()
-    checkpoint = json.loads((fleet.root / "run" / "checkpoint" / "state.json").read_text())
+    checkpoint = json.loads(max((fleet.root / "run" / "checkpoint").glob("round-*/state.json")).read_text())
     assert checkpoint["round"] == kept["rounds_completed"] >= 4
     fleet.start_coordinator(resume=True)
     assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
