@@ -309,7 +309,9 @@ class _Pending:
 
 
 class Reassembler:
-    """Collects chunks per (source, blob) and returns each blob once, when it is whole and matches its id.
+    """Collects chunks per (source, blob, round) and returns each blob once, when it is whole and matches its id.
+    The round is part of the key because a blob's id is its content's hash: a device whose weights are byte for
+    byte the same in two rounds (it had nothing to learn, or the global model did not change) is heard in both.
 
     Memory stays bounded: blobs larger than `max_blob_bytes` are refused, at most `max_pending` blobs are held
     part-way (the oldest is dropped), and the last `remember` delivered blobs are recognised so their late
@@ -320,12 +322,12 @@ class Reassembler:
         self.max_blob_bytes = max_blob_bytes
         self.max_pending = max_pending
         self.remember = remember
-        self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()
-        self._done: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._pending: OrderedDict[tuple[str, str, Any], _Pending] = OrderedDict()
+        self._done: OrderedDict[tuple[str, str, Any], None] = OrderedDict()
 
     def add(self, source: str, message: Message) -> Blob | None:
         """Take one decoded chunk message; returns the blob it completes, else None."""
-        key = (source, message["blob"])
+        key = (source, message["blob"], message.get("round"))
         if key in self._done:
             return None
         if message["size"] > self.max_blob_bytes:
@@ -361,7 +363,7 @@ class Reassembler:
             del self._pending[key]
         return len(keys)
 
-    def _open(self, key: tuple[str, str], header: Message, size: int, count: int) -> _Pending:
+    def _open(self, key: tuple[str, str, Any], header: Message, size: int, count: int) -> _Pending:
         if count > max(1, math.ceil(size / MIN_CHUNK_BYTES)):
             raise WireError("field", f"{count} chunks for a blob of {size} bytes")
         while len(self._pending) >= self.max_pending:

@@ -118,7 +118,7 @@ def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_deliver
     reassembler = wire.Reassembler(max_blob_bytes=8000)
     assert reassembler.add("dev-0", chunks[0]) is None
     with pytest.raises(wire.WireError) as err:
-        reassembler.add("dev-0", {**chunks[1], "round": 4})
+        reassembler.add("dev-0", {**chunks[1], "num_samples": 4})
     assert err.value.reason == "chunk-mismatch"
     # a forged blob whose chunks are each self-consistent but do not hash to the blob id
     forged = [dict(c) for c in chunks]
@@ -166,3 +166,15 @@ def test_topics_parse_and_refuse_bad_names():
     for bad in ("", "a/b", "a+", "#", "x" * 65):
         with pytest.raises(ValueError):
             topics.from_device("f", bad, "update")
+
+
+def test_the_same_bytes_in_a_later_round_are_delivered_again():
+    """A blob's id is its content's hash: a device with nothing new sends the same bytes in the next round, and
+    must be heard there (only duplicates within one round are ignored)."""
+    reassembler = wire.Reassembler(max_blob_bytes=8000)
+    data = wire.weights_bytes(weights(100))
+    for round_ in (3, 4):
+        chunks = [wire.decode(c) for c in wire.encode_blob("update", data, **{**HEADER, "round": round_}).chunks]
+        blob = reassembler.add("dev-0", chunks[0])
+        assert blob is not None and blob.header["round"] == round_
+        assert reassembler.add("dev-0", chunks[0]) is None  # the same round again: a duplicate

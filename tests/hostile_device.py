@@ -1,0 +1,102 @@
+"""A poisoning device for tests: one device's valid credentials, speaking the protocol as a real device does
+(retained registration and status, global weights reassembled from their chunks, an update for every round it is
+selected for), with the update chosen by an attacker. Attacks rotate by round:
+
+- "huge": every weight 1e30 (finite);
+- "samples": a garbage model (the global model plus noise) claiming 10^9 samples;
+- "boosted": model replacement, g + BOOST * (garbage - g), with an ordinary sample count.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from mqtt_helpers import Peer
+
+from coordinator.broker import BrokerAddress
+from edgefil import topics, wire
+
+ATTACKS = ("huge", "samples", "boosted")
+BOOST = 10.0
+
+
+class PoisoningDevice:
+    def __init__(self, address: BrokerAddress, fleet: str, device: str, password: str, manifest: str,
+                 num_parameters: int) -> None:
+        self.fleet, self.device, self.manifest, self.num_parameters = fleet, device, manifest, num_parameters
+        self.peer = Peer(address, device, password)
+        self.models: dict[str, np.ndarray] = {}
+        self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters)
+        self.sent: dict[int, str] = {}  # round -> the attack sent
+        self.waiting: list[wire.Message] = []  # round messages whose global model has not arrived yet
+        self.errors: list[str] = []  # what went wrong in the device's thread (a test asserts there is nothing)
+        self.rng = np.random.default_rng(666)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        assert not self.peer.connect().is_failure
+        self.peer.subscribe(topics.to_device(self.fleet, self.device, "#"))
+        self.peer.subscribe(topics.to_all(self.fleet, "#"))
+        self.peer.publish(topics.from_device(self.fleet, self.device, "register"), wire.encode(
+            "register", device=self.device, profile="attacker", backend="portable", manifest=self.manifest,
+            software="0"), retain=True)
+        self._status("idle", 0)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.peer.close()
+
+    def _status(self, state: str, round_: int) -> None:
+        self.peer.publish(topics.from_device(self.fleet, self.device, "status"),
+                          wire.encode("status", device=self.device, state=state, round=round_), retain=True)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as err:  # recorded for the test, which would otherwise see only a missed quorum
+            self.errors.append(repr(err))
+            raise
+
+    def _loop(self) -> None:
+        seen, waiting = 0, self.waiting
+        while not self._stop.wait(0.05):
+            with self.peer._changed:
+                fresh = self.peer.messages[seen:]
+            seen += len(fresh)
+            for _, payload in fresh:
+                try:
+                    message = wire.decode(payload)
+                except wire.WireError:
+                    continue
+                if message["kind"] == "weights":
+                    blob = self.reassembler.add("coordinator", message)
+                    if blob is not None:
+                        self.models[blob.id] = blob.weights(self.num_parameters).copy()
+                elif message["kind"] == "round":
+                    waiting.append(message)
+            for message in [m for m in waiting if m["model"] in self.models]:
+                waiting.remove(message)
+                self._attack(message, self.models[message["model"]])
+
+    def _attack(self, message: wire.Message, g: np.ndarray) -> None:
+        round_ = message["round"]
+        if round_ in self.sent:
+            return
+        attack = ATTACKS[round_ % len(ATTACKS)]
+        garbage = g + self.rng.normal(0, 0.5, g.size).astype(np.float32)
+        samples = 40
+        if attack == "huge":
+            weights = np.full(g.size, 1e30, dtype=np.float32)
+        elif attack == "samples":
+            weights, samples = garbage, 10**9
+        else:
+            weights = (g + BOOST * (garbage - g)).astype(np.float32)
+        for chunk in wire.encode_blob("update", wire.weights_bytes(weights), device=self.device, round=round_,
+                                      task=message["task"], model=message["model"], num_samples=samples,
+                                      metrics={}).chunks:
+            self.peer.publish(topics.from_device(self.fleet, self.device, "update"), chunk)
+        self.sent[round_] = attack
+        self._status("idle", round_)
