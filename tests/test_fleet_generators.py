@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
+from coordinator.checkpoint import generation_dir
 from coordinator.server import CHECKPOINT_DIR, PERSONALIZED_FILE
 from coordinator.strategies.pfedgrp import STATE_FILE
 from edge_client.config import StoreSettings, TrainerSettings
@@ -42,9 +43,10 @@ def test_a_fleet_learns_flowing_data_from_generators_with_personalized_models(tm
     # circulating: round 6 brings each device's first task back, its own generators are warm-started
     assert all(m["generators_from_own"] == 2 for m in history[-1]["metrics"].values())
     # every device got its personalized model; its mixing weights lie on the simplex
-    saved = msgpack.unpackb((out / CHECKPOINT_DIR / PERSONALIZED_FILE).read_bytes(), raw=False)
+    generation = generation_dir(out / CHECKPOINT_DIR, ROUNDS)
+    saved = msgpack.unpackb((generation / PERSONALIZED_FILE).read_bytes(), raw=False)
     assert saved["round"] == ROUNDS and sorted(saved["models"]) == ["dev-000", "dev-001", "dev-002"]
-    state = msgpack.unpackb((out / CHECKPOINT_DIR / STATE_FILE).read_bytes(), raw=False)
+    state = msgpack.unpackb((generation / STATE_FILE).read_bytes(), raw=False)
     for weights in state["weights_used"].values():
         assert min(weights) >= 0 and abs(sum(weights) - 1) < 1e-5
     assert len(state["generators"]) == 3  # the coordinator caches every device's generators
