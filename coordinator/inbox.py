@@ -73,9 +73,9 @@ class Inbox:
         self.roster = roster
         self.manifest = manifest
         self.num_parameters = num_parameters
-        self.reassembler = wire.Reassembler(
-            max_blob_bytes=4 * num_parameters + MAX_ATTACHMENT_BYTES, max_pending=2 * len(roster) + 8
-        )
+        # each device holds at most one update's bytes part-way (its own flood evicts only its own partial
+        # blobs): at most len(roster) x (model + MAX_ATTACHMENT_BYTES) in all, allocated only as bytes arrive
+        self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters + MAX_ATTACHMENT_BYTES)
         self.rejections: Counter[str] = Counter()
         self._requests: Counter[tuple[str, int]] = Counter()  # (device, round) -> requests accepted
 

@@ -294,18 +294,27 @@ class Blob:
 
 
 class _Pending:
+    """A blob part-way: the chunks received so far, kept as they came (memory grows with the bytes that arrived,
+    never with the size a first chunk claims)."""
+
     def __init__(self, header: Message, size: int, count: int) -> None:
         self.header = header
-        self.data = bytearray(size)
-        self.chunks: dict[int, tuple[int, int, bytes]] = {}  # index -> (offset, length, sha256)
+        self.size = size
+        self.chunks: dict[int, tuple[int, bytes, bytes]] = {}  # index -> (offset, data, sha256)
         self.count = count
+        self.received = 0  # bytes of chunk data held
 
-    def verified(self, blob: str) -> bool:
-        """Chunks tile the blob exactly, in index order, and their digests hash to the blob's id."""
+    def assembled(self, blob: str) -> bytearray | None:
+        """The blob when its chunks tile it exactly, in index order, and their digests hash to its id; else None."""
         parts = [self.chunks[i] for i in range(self.count)]
-        ends = [offset + length for offset, length, _ in parts]
-        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == len(self.data)
-        return tiles and _hash_list([digest for _, _, digest in parts]) == blob
+        ends = [offset + len(data) for offset, data, _ in parts]
+        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == self.size
+        if not tiles or _hash_list([digest for _, _, digest in parts]) != blob:
+            return None
+        data = bytearray(self.size)
+        for offset, chunk, _ in parts:
+            data[offset:offset + len(chunk)] = chunk
+        return data
 
 
 class Reassembler:
@@ -313,17 +322,27 @@ class Reassembler:
     The round is part of the key because a blob's id is its content's hash: a device whose weights are byte for
     byte the same in two rounds (it had nothing to learn, or the global model did not change) is heard in both.
 
-    Memory stays bounded: blobs larger than `max_blob_bytes` are refused, at most `max_pending` blobs are held
-    part-way (the oldest is dropped), and the last `remember` delivered blobs are recognised so their late
+    Memory stays bounded per source, whatever the sources send: a blob larger than `max_blob_bytes` is refused,
+    chunks are held as they arrive (a first chunk claiming a large blob costs its own bytes, not the claim), and
+    each source holds at most `max_pending` blobs and `max_source_bytes` (default `max_blob_bytes`) part-way; what
+    would exceed that evicts the same source's oldest part-way blobs, never another source's. The total is at most
+    the number of sources times that bound. The last `remember` delivered blobs are recognised so their late
     duplicates are ignored instead of being assembled again.
     """
 
-    def __init__(self, max_blob_bytes: int, max_pending: int = 32, remember: int = 4096) -> None:
+    def __init__(self, max_blob_bytes: int, max_pending: int = 2, remember: int = 4096,
+                 max_source_bytes: int | None = None) -> None:
         self.max_blob_bytes = max_blob_bytes
         self.max_pending = max_pending
+        self.max_source_bytes = max_blob_bytes if max_source_bytes is None else max_source_bytes
         self.remember = remember
         self._pending: OrderedDict[tuple[str, str, Any], _Pending] = OrderedDict()
         self._done: OrderedDict[tuple[str, str, Any], None] = OrderedDict()
+        self.evicted = 0  # part-way blobs a source's own later chunks pushed out
+
+    def pending_bytes(self, source: str | None = None) -> int:
+        """Chunk bytes held part-way, of one source or of all."""
+        return sum(p.received for key, p in self._pending.items() if source is None or key[0] == source)
 
     def add(self, source: str, message: Message) -> Blob | None:
         """Take one decoded chunk message; returns the blob it completes, else None."""
@@ -338,23 +357,39 @@ class Reassembler:
             pending = self._open(key, header, message["size"], message["count"])
         elif header != pending.header or message["count"] != pending.count:
             raise WireError("chunk-mismatch", f"chunk {message['index']} disagrees with earlier chunks of its blob")
-        index, data = message["index"], message["data"]
+        index, data = message["index"], bytes(message["data"])
         offset, digest = message["offset"], message["chunk_sha256"]
         if index in pending.chunks:
-            if pending.chunks[index] != (offset, len(data), digest):
+            if pending.chunks[index] != (offset, data, digest):
                 raise WireError("chunk-mismatch", f"chunk {index} arrived twice with different data")
             return None
-        pending.data[offset:offset + len(data)] = data
-        pending.chunks[index] = (offset, len(data), digest)
+        self._make_room(source, len(data), keep=key)
+        pending.chunks[index] = (offset, data, digest)
+        pending.received += len(data)
         if len(pending.chunks) < pending.count:
             return None
         del self._pending[key]
-        if not pending.verified(key[1]):
+        assembled = pending.assembled(key[1])
+        if assembled is None:
             raise WireError("blob-hash", f"reassembled blob does not match its id {key[1][:12]}")
         self._done[key] = None
         while len(self._done) > self.remember:
             self._done.popitem(last=False)
-        return Blob(key[1], pending.data, pending.header)
+        return Blob(key[1], assembled, pending.header)
+
+    def _make_room(self, source: str, nbytes: int, keep: tuple[str, str, Any]) -> None:
+        """Evict `source`'s own oldest part-way blobs (not `keep`) until `nbytes` more fit its byte bound."""
+        if nbytes > self.max_source_bytes:
+            raise WireError("oversized", f"a chunk of {nbytes} bytes exceeds the {self.max_source_bytes} bytes a "
+                                         "source may hold part-way")
+        for key in [k for k in self._pending if k[0] == source and k != keep]:
+            if self.pending_bytes(source) + nbytes <= self.max_source_bytes:
+                return
+            del self._pending[key]
+            self.evicted += 1
+        if self.pending_bytes(source) + nbytes > self.max_source_bytes:
+            raise WireError("oversized", f"{source} holds {self.pending_bytes(source)} bytes part-way; "
+                                         f"{nbytes} more exceed {self.max_source_bytes}")
 
     def drop(self, stale: Callable[[Message], bool]) -> int:
         """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
@@ -366,8 +401,9 @@ class Reassembler:
     def _open(self, key: tuple[str, str, Any], header: Message, size: int, count: int) -> _Pending:
         if count > max(1, math.ceil(size / MIN_CHUNK_BYTES)):
             raise WireError("field", f"{count} chunks for a blob of {size} bytes")
-        while len(self._pending) >= self.max_pending:
-            self._pending.popitem(last=False)
+        own = [k for k in self._pending if k[0] == key[0]]
+        for stale in own[: max(0, len(own) - self.max_pending + 1)]:  # the source's oldest part-way blobs
+            del self._pending[stale]
+            self.evicted += 1
         pending = self._pending[key] = _Pending(header, size, count)
         return pending
-

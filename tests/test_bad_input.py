@@ -11,6 +11,7 @@ import pytest
 from fleet_harness import Fleet
 from mqtt_helpers import Peer
 
+from coordinator import inbox
 from coordinator.broker import mosquitto_path
 from edgefil import topics, wire
 from models.manifest import load_manifest
@@ -132,5 +133,48 @@ def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, expo
         counters = fleet.results()["counters"]
         assert all(counters.get(reason, 0) >= 1 for reason in hostile), counters
         assert fleet.results()["rounds_completed"] == 5  # the scenario's 5 tasks, one round each
+    finally:
+        fleet.stop()
+
+
+FLOOD = 200  # first chunks of distinct blobs, each claiming the largest blob the coordinator takes
+FLOOD_PEAK_BOUND_MB = 64  # what the flood may add to the coordinator's peak resident memory
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the peak, since part-way blobs are freed again when their round closes."""
+    status = open(f"/proc/{pid}/status").read().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_artifacts):
+    """A compromised device sends first chunks that each claim a blob of model + 64 MiB. Before, the coordinator
+    allocated every claim (40 of them took it from 0.9 to 1.8 GB); now a device holds at most two part-way blobs
+    of the bytes it actually sent, and the run goes on."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=2,
+                  coordinator_options={"rounds_per_task": 2, "min_clients": 2})
+    n_params = load_manifest(artifacts).num_parameters
+    claimed = 4 * n_params + inbox.MAX_ATTACHMENT_BYTES
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, timeout=120)
+        pid = fleet.processes["coordinator"].pid
+        before = peak_rss_mb(pid)
+        rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
+        assert not rogue.connect().is_failure
+        data = bytes(wire.MIN_CHUNK_BYTES)
+        for i in range(FLOOD):
+            rogue.publish(topics.from_device(fleet.fleet, "dev-0", "update"), msgpack.packb(dict(
+                v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=claimed, dtype=wire.WEIGHTS_DTYPE,
+                index=0, count=claimed // wire.MIN_CHUNK_BYTES, offset=0, chunk_sha256=hashlib.sha256(data).digest(),
+                data=data, device="dev-0", round=fleet.rounds_done() + 1, task=0, model="0" * 64, num_samples=1,
+                metrics={}), use_bin_type=True))
+        rogue.close()
+        fleet.wait_rounds(fleet.rounds_done() + 2, timeout=120)  # later rounds: the flood was taken in
+        grown = peak_rss_mb(pid) - before
+        assert grown < FLOOD_PEAK_BOUND_MB, f"the coordinator's peak memory grew by {grown:.0f} MB"
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
     finally:
         fleet.stop()

@@ -178,3 +178,26 @@ def test_the_same_bytes_in_a_later_round_are_delivered_again():
         blob = reassembler.add("dev-0", chunks[0])
         assert blob is not None and blob.header["round"] == round_
         assert reassembler.add("dev-0", chunks[0]) is None  # the same round again: a duplicate
+
+
+def test_part_way_blobs_cost_the_bytes_that_arrived_and_a_flood_evicts_only_its_sender():
+    """A first chunk claiming a large blob holds its own bytes, not the claim; one source's flood of new blobs
+    pushes out its own part-way blobs, never another source's, and stays within its byte bound."""
+    size = 1 << 20
+    reassembler = wire.Reassembler(max_blob_bytes=2 * size)
+    honest = [wire.decode(c) for c in wire.encode_blob(
+        "update", wire.weights_bytes(weights(size // 4)), chunk_bytes=64 * 1024, **HEADER).chunks]
+    assert reassembler.add("dev-1", honest[0]) is None
+    for i in range(40):  # first chunks of distinct blobs, each claiming 2 MiB
+        data = bytes([i]) * wire.MIN_CHUNK_BYTES
+        claim = dict(v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=2 * size, dtype=wire.WEIGHTS_DTYPE,
+                     index=0, count=2 * size // wire.MIN_CHUNK_BYTES, offset=0,
+                     chunk_sha256=hashlib.sha256(data).digest(), data=data, **HEADER)
+        assert reassembler.add("dev-0", claim) is None
+        assert reassembler.pending_bytes("dev-0") <= 2 * wire.MIN_CHUNK_BYTES  # max_pending = 2 blobs of 1 chunk
+    assert reassembler.evicted == 38
+    assert reassembler.pending_bytes("dev-1") == len(honest[0]["data"])  # untouched by the flood
+    blob = None
+    for chunk in honest[1:]:
+        blob = reassembler.add("dev-1", chunk)
+    assert blob is not None and len(blob.data) == size
