@@ -22,16 +22,9 @@ from timing import best_time  # benchmarks/timing.py: scripts run from their fol
 
 from edge_client.budget import Budget
 from edge_client.store import ReplayStore
+from edgefil.durable import fsync_directory
 
 SHAPES = [((8, 8), "8x8 digits"), ((3, 32, 32), "3x32x32 CIFAR-sized")]
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_files(directory: Path, batches: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -41,7 +34,7 @@ def write_files(directory: Path, batches: list[tuple[np.ndarray, np.ndarray]]) -
             f.write(y.astype(np.int64).tobytes())
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(directory)
+        fsync_directory(directory)
 
 
 def read_files(directory: Path, batches: list[tuple[np.ndarray, np.ndarray]], shape: tuple[int, ...]) -> None:

@@ -336,13 +336,25 @@ class Reassembler:
         self.max_pending = max_pending
         self.max_source_bytes = max_blob_bytes if max_source_bytes is None else max_source_bytes
         self.remember = remember
-        self._pending: OrderedDict[tuple[str, str, Any], _Pending] = OrderedDict()
+        self._pending: dict[tuple[str, str, Any], _Pending] = {}
+        self._by_source: dict[str, list[tuple[str, str, Any]]] = {}  # a source's part-way blobs, oldest first
+        self._source_bytes: dict[str, int] = {}  # chunk bytes each source holds part-way
         self._done: OrderedDict[tuple[str, str, Any], None] = OrderedDict()
         self.evicted = 0  # part-way blobs a source's own later chunks pushed out
 
     def pending_bytes(self, source: str | None = None) -> int:
         """Chunk bytes held part-way, of one source or of all."""
-        return sum(p.received for key, p in self._pending.items() if source is None or key[0] == source)
+        return sum(self._source_bytes.values()) if source is None else self._source_bytes.get(source, 0)
+
+    def _forget(self, key: tuple[str, str, Any]) -> _Pending:
+        """Stop holding a part-way blob (completed, evicted or dropped), keeping the per-source accounts."""
+        pending = self._pending.pop(key)
+        own = self._by_source[key[0]]
+        own.remove(key)
+        self._source_bytes[key[0]] -= pending.received
+        if not own:
+            del self._by_source[key[0]], self._source_bytes[key[0]]
+        return pending
 
     def add(self, source: str, message: Message) -> Blob | None:
         """Take one decoded chunk message; returns the blob it completes, else None."""
@@ -366,9 +378,10 @@ class Reassembler:
         self._make_room(source, len(data), keep=key)
         pending.chunks[index] = (offset, data, digest)
         pending.received += len(data)
+        self._source_bytes[source] += len(data)
         if len(pending.chunks) < pending.count:
             return None
-        del self._pending[key]
+        self._forget(key)
         assembled = pending.assembled(key[1])
         if assembled is None:
             raise WireError("blob-hash", f"reassembled blob does not match its id {key[1][:12]}")
@@ -382,10 +395,10 @@ class Reassembler:
         if nbytes > self.max_source_bytes:
             raise WireError("oversized", f"a chunk of {nbytes} bytes exceeds the {self.max_source_bytes} bytes a "
                                          "source may hold part-way")
-        for key in [k for k in self._pending if k[0] == source and k != keep]:
+        for key in [k for k in self._by_source[source] if k != keep]:
             if self.pending_bytes(source) + nbytes <= self.max_source_bytes:
                 return
-            del self._pending[key]
+            self._forget(key)
             self.evicted += 1
         if self.pending_bytes(source) + nbytes > self.max_source_bytes:
             raise WireError("oversized", f"{source} holds {self.pending_bytes(source)} bytes part-way; "
@@ -395,15 +408,17 @@ class Reassembler:
         """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
         keys = [key for key, pending in self._pending.items() if stale(pending.header)]
         for key in keys:
-            del self._pending[key]
+            self._forget(key)
         return len(keys)
 
     def _open(self, key: tuple[str, str, Any], header: Message, size: int, count: int) -> _Pending:
         if count > max(1, math.ceil(size / MIN_CHUNK_BYTES)):
             raise WireError("field", f"{count} chunks for a blob of {size} bytes")
-        own = [k for k in self._pending if k[0] == key[0]]
+        own = self._by_source.get(key[0], [])
         for stale in own[: max(0, len(own) - self.max_pending + 1)]:  # the source's oldest part-way blobs
-            del self._pending[stale]
+            self._forget(stale)
             self.evicted += 1
         pending = self._pending[key] = _Pending(header, size, count)
+        self._by_source.setdefault(key[0], []).append(key)
+        self._source_bytes.setdefault(key[0], 0)
         return pending

@@ -63,8 +63,7 @@ class PoisoningDevice:
     def _loop(self) -> None:
         seen, waiting = 0, self.waiting
         while not self._stop.wait(0.05):
-            with self.peer._changed:
-                fresh = self.peer.messages[seen:]
+            fresh = self.peer.received(seen)
             seen += len(fresh)
             for _, payload in fresh:
                 try:

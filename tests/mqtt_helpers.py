@@ -79,6 +79,11 @@ class Peer:
             assert self._changed.wait_for(lambda: len(on_topic()) > index, timeout), f"no message {index} on {topic}"
             return on_topic()[index]
 
+    def received(self, start: int = 0) -> list[tuple[str, bytes]]:
+        """The (topic, payload) messages received so far, from the start-th on."""
+        with self._changed:
+            return self.messages[start:]
+
     def topics(self) -> list[str]:
         with self._changed:
             return [topic for topic, _ in self.messages]
