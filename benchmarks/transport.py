@@ -50,7 +50,7 @@ import numpy as np
 import paho.mqtt
 
 from edgefil import topics, wire
-from edgefil.link import CONNECTED, BrokerSettings, Link
+from edgefil.link import CONNECTED, BrokerSettings, Link, Message
 
 FLEET = "bench"
 MANIFEST = "transport-benchmark"
@@ -68,12 +68,12 @@ def device_worker(device_id: str, host: str, port: int, max_parameters: int) -> 
     password = sys.stdin.readline().rstrip("\n")
     link = Link(
         BrokerSettings(host, port, username=device_id, password=password), client_id=device_id,
-        subscriptions=[topics.to_device(FLEET, device_id, "#"), topics.to_all(FLEET, "#")],
+        subscriptions=topics.device_subscriptions(FLEET, device_id),
     )
 
     def stop_on_eof() -> None:  # the parent closes our stdin to stop us (or dies, which closes it too)
         sys.stdin.read()
-        link.inbox.put((STOP, b""))
+        link.inbox.put(Message(STOP, b""))
 
     threading.Thread(target=stop_on_eof, daemon=True).start()
     reassembler = wire.Reassembler(max_blob_bytes=4 * max_parameters, max_pending=4)

@@ -1,7 +1,8 @@
 """The MQTT broker the fleet talks through.
 
 `MosquittoBroker` runs mosquitto with a config generated from the fleet: one loopback listener (optionally
-TLS), a hashed password per device and an ACL that confines each device to its own topics:
+TLS), a hashed password per device and an ACL that confines each device to its own topics of the protocol's
+kinds (edgefil.topics), plus optional read-only observer accounts (a dashboard, a test's watcher):
 
     device -> coordinator   edgefil/<fleet>/dev/<device_id>/<kind>   device writes its own, coordinator reads
     coordinator -> device   edgefil/<fleet>/to/<device_id>/<kind>    device reads its own, coordinator writes
@@ -10,7 +11,11 @@ TLS), a hashed password per device and an ACL that confines each device to its o
 The ACL is written as one explicit block per user rather than `pattern` lines: a pattern applies to every user,
 the coordinator included, and a per-user block grants nothing to a name that is not in the fleet. mosquitto
 drops a publish the ACL denies without telling the client (an MQTT 3.1.1 QoS 1 publish is still acknowledged),
-and disconnects a client that sends a packet over `max_packet_size`.
+and disconnects a client that sends a packet over `max_packet_size`. `use_username_as_clientid` makes every
+client's id its username, so a device that logs in with its own password and another's client id (the
+coordinator's, another device's) gets its own id: it cannot disconnect the victim nor fire the victim's last
+will. A second process with the same device's credentials does take over that device's session; the two then
+push each other off, which the coordinator detects and reports (docs/security.md).
 
 `EmbeddedBroker` is amqtt in a background thread, for machines without mosquitto: anonymous, no passwords, no
 ACL, so it is for a trusted loopback only.
@@ -127,6 +132,7 @@ class MosquittoBroker:
         tls: TlsFiles | None = None,
         max_packet_bytes: int = 2 * 1024 * 1024,
         persistence: bool = False,
+        observers: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
@@ -138,6 +144,12 @@ class MosquittoBroker:
         for device_id, password in devices.items():
             self._check_device(device_id, password)
             self._devices[device_id] = password
+        self._observers: dict[str, str] = {}
+        for name, password in (observers or {}).items():
+            self._check_device(name, password)
+            if name in self._devices:
+                raise ValueError(f"{name!r} is both a device and an observer")
+            self._observers[name] = password
         if max_packet_bytes < 1024:
             raise ValueError("max_packet_bytes below 1 KiB leaves no room for a CONNECT")
         self.host = host
@@ -171,18 +183,23 @@ class MosquittoBroker:
         _check_password(device_id, password)
 
     def _acl(self) -> str:
+        """Exactly the protocol's topics (edgefil.topics): a device writes its own four kinds and reads its own
+        and the broadcast ones, nothing under the fleet's prefix besides; observers read everything."""
         p = self.prefix
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
         for device_id in sorted(self._devices):
-            blocks.append(
-                f"user {device_id}\ntopic write {p}/{topics.FROM_DEVICE}/{device_id}/#\n"
-                f"topic read {p}/{topics.TO_DEVICE}/{device_id}/#\ntopic read {p}/{topics.TO_ALL}/#\n"
-            )
+            lines = [f"user {device_id}"]
+            lines += [f"topic write {p}/{topics.FROM_DEVICE}/{device_id}/{kind}" for kind in topics.DEVICE_SENDS]
+            lines += [f"topic read {p}/{topics.TO_DEVICE}/{device_id}/{kind}" for kind in topics.DEVICE_RECEIVES]
+            lines += [f"topic read {p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS]
+            blocks.append("\n".join(lines) + "\n")
+        for observer in sorted(self._observers):
+            blocks.append(f"user {observer}\ntopic read {p}/#\n")
         return "\n".join(blocks)
 
     def _write_passwords(self, path: Path) -> None:
         """Hash with `mosquitto_passwd -U` in a private temporary file, so only the hashed file is ever at `path`."""
-        users = {self.coordinator.username: self.coordinator.password, **self._devices}
+        users = {self.coordinator.username: self.coordinator.password, **self._devices, **self._observers}
         plain = path.with_name(path.name + ".plain")
         fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -213,6 +230,9 @@ class MosquittoBroker:
         lines.append(f"log_dest file {self.log_path}")
         lines += [f"log_type {kind}" for kind in ("error", "warning", "notice", "information")]
         lines.append(f"listener {self.port} {self.host}")
+        # per listener, so after `listener` (before it, mosquitto opens a default listener on 1883 for it): the
+        # client id is the username, so a client cannot take over another's session (nor fire its last will)
+        lines.append("use_username_as_clientid true")
         if self.tls:
             lines += [
                 f"cafile {Path(self.tls.cafile).resolve()}",

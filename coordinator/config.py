@@ -20,6 +20,8 @@
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean", and its options
     [guard]     bounds on one update (coordinator/guard.py): norm_bound = "clip" | "reject" | "off",
                 norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0
+    [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
+                requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
                 collapse_drop = 0.5
     [client]    sent to devices in every round: epochs, lr, answer_wait_s (each optional)
@@ -37,6 +39,7 @@ from typing import Any
 
 from coordinator.checkpoint import CheckpointPolicy
 from coordinator.guard import UpdateBounds
+from coordinator.limits import RateLimits
 from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
@@ -64,6 +67,7 @@ class CoordinatorConfig:
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: UpdateBounds = UpdateBounds()
+    limits: RateLimits = RateLimits()
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     client: Mapping[str, Any] = field(default_factory=dict)
 

@@ -4,7 +4,10 @@ A message is turned into an event only when its topic belongs to this fleet's de
 roster and is the one named in the payload, it decodes under the current schema, and (for updates) its chunks
 reassemble into exactly the model's number of finite float32 values, followed by the declared attachments (named
 byte strings, at most `MAX_ATTACHMENT_BYTES` together; what they mean is the strategy's business, which may refuse
-an update in `Strategy.inspect`). A device may send at most `MAX_REQUESTS_PER_ROUND` requests for each round.
+an update in `Strategy.inspect`). Registrations and requests are rate-limited per device (coordinator/limits.py).
+A retained message is taken only on the kinds the protocol retains (`topics.RETAINED`); every retained message
+the gate refuses is listed in `to_clear`, for the coordinator to delete from the broker's store, so garbage left
+there is not met again on every (re)subscribe. An empty payload is such a deletion, passed over without a count.
 Everything else is rejected with a logged reason and counted; nothing raises: an exception that is not a
 refusal (a gap in the checks) is counted as "unexpected" and dropped like one. Round-level checks (right round,
 selected, before the deadline) are the round's business (`rounds.py`).
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.limits import RateLimits, TokenBuckets
 from edgefil import topics, wire
 
 log = logging.getLogger("edgefil.coordinator")
@@ -29,6 +33,7 @@ class Registration:
     device: str
     backend: str
     profile: str
+    instance: str = ""  # the device process's random id ("" from a device that sends none)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Status:
     device: str
     state: str
     round: int
+    error: str = ""  # state "error": why the device cannot train (its data, its configuration)
+    instance: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,14 +68,13 @@ class Request:
 
 
 Event = Registration | Status | Update | Request
-DEVICE_KINDS = frozenset({"register", "status", "update", "request"})
 MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model
-MAX_REQUESTS_PER_ROUND = 4  # requests a device may send for one round; more are refused ("rate")
 UNEXPECTED = "unexpected"  # the reason counted for a message that raised something other than a WireError
 
 
 class Inbox:
-    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int) -> None:
+    def __init__(self, fleet: str, roster: set[str], manifest: str, num_parameters: int,
+                 limits: RateLimits | None = None) -> None:
         self.fleet = fleet
         self.roster = roster
         self.manifest = manifest
@@ -77,17 +83,30 @@ class Inbox:
         # blobs): at most len(roster) x (model + MAX_ATTACHMENT_BYTES) in all, allocated only as bytes arrive
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters + MAX_ATTACHMENT_BYTES)
         self.rejections: Counter[str] = Counter()
-        self._requests: Counter[tuple[str, int]] = Counter()  # (device, round) -> requests accepted
+        self.to_clear: list[str] = []  # topics of refused retained messages, to be deleted from the broker
+        limits = limits or RateLimits()
+        self._registrations = TokenBuckets(limits.registrations_per_minute)
+        self._requests = TokenBuckets(limits.requests_per_minute)
 
-    def accept(self, topic: str, payload: bytes) -> Event | None:
+    def accept(self, topic: str, payload: bytes, retained: bool = False) -> Event | None:
         """The event this message makes, or None (rejected and counted, or a chunk of an unfinished update)."""
+        if not payload:
+            return None  # a retained message being deleted (MQTT's empty payload), by its device or by us
+        reason = None
         try:
+            if retained and (parsed := topics.parse(self.fleet, topic)) is not None \
+                    and parsed.kind not in topics.RETAINED:
+                raise wire.WireError("retained", f"a {parsed.kind} message is never retained")
             return self._accept(topic, payload)
         except wire.WireError as err:
+            reason = err.reason
             self.reject(err.reason, f"{topic}: {err}")
         except Exception as err:  # a refusal the codec has no reason for yet: counted and dropped, never raised
+            reason = UNEXPECTED
             self.reject(UNEXPECTED, f"{topic}: {type(err).__name__}: {err!s:.200}")
             log.debug("unexpected refusal", exc_info=True)
+        if retained and reason not in ("rate", "topic"):  # not ours to delete: another fleet's, or a good one
+            self.to_clear.append(topic)
         return None
 
     def reject(self, reason: str, detail: str) -> None:
@@ -104,7 +123,7 @@ class Inbox:
             if parsed is not None:
                 return None  # the coordinator's own messages to devices, echoed by a wildcard subscription
             raise wire.WireError("topic", "not a topic of this fleet")
-        if parsed.kind not in DEVICE_KINDS:
+        if parsed.kind not in topics.DEVICE_SENDS:
             raise wire.WireError("kind", f"devices do not send {parsed.kind!r}")
         if parsed.device not in self.roster:
             raise wire.WireError("unknown-device", f"{parsed.device!r} is not on the roster")
@@ -116,21 +135,19 @@ class Inbox:
         if message["kind"] == "register":
             if message["manifest"] != self.manifest:
                 raise wire.WireError("manifest-mismatch", f"{parsed.device} trains another model")
-            return Registration(parsed.device, message["backend"], message["profile"])
+            if not self._registrations.allow(parsed.device):
+                raise wire.WireError("rate", f"{parsed.device} registers too often")
+            return Registration(parsed.device, message["backend"], message["profile"], message.get("instance", ""))
         if message["kind"] == "status":
-            return Status(parsed.device, message["state"], message["round"])
+            return Status(parsed.device, message["state"], message["round"], message.get("error", ""),
+                          message.get("instance", ""))
         if message["kind"] == "request":
             return self._take_request(parsed.device, message)
         return self._take_chunk(parsed.device, message)
 
     def _take_request(self, device: str, message: wire.Message) -> Request:
-        key = (device, message["round"])
-        if self._requests[key] >= MAX_REQUESTS_PER_ROUND:
-            raise wire.WireError("rate", f"{device} asked more than {MAX_REQUESTS_PER_ROUND} times for round "
-                                         f"{message['round']}")
-        self._requests[key] += 1
-        while len(self._requests) > 4 * max(len(self.roster), 1):  # forget the oldest rounds' counts
-            del self._requests[next(iter(self._requests))]
+        if not self._requests.allow(device):
+            raise wire.WireError("rate", f"{device} asks too often")
         return Request(device, message["round"], tuple(message["names"]))
 
     def _take_chunk(self, device: str, message: wire.Message) -> Update | None:

@@ -43,6 +43,7 @@ class OpenRound:
     updates: dict[str, Update] = field(default_factory=dict)
     too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
     gone: set[str] = field(default_factory=set)  # went offline before delivering: the round does not wait
+    failed: dict[str, str] = field(default_factory=dict)  # said it cannot train this round, and why
 
     @classmethod
     def open(
@@ -52,12 +53,16 @@ class OpenRound:
 
     @property
     def complete(self) -> bool:
-        """Every selected device has answered or gone (a device too slow in device time has answered too)."""
-        return set(self.selected) <= set(self.updates) | self.too_slow | self.gone
+        """Every selected device has answered, failed or gone (one too slow in device time has answered too)."""
+        return set(self.selected) <= set(self.updates) | self.too_slow | self.gone | set(self.failed)
 
     def went_offline(self, device: str) -> None:
         if device in self.selected and device not in self.updates:
             self.gone.add(device)
+
+    def failed_with(self, device: str, error: str) -> None:
+        if device in self.selected and device not in self.updates:
+            self.failed[device] = error
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()

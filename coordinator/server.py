@@ -9,7 +9,12 @@ on every task seen so far and the run state is checkpointed atomically, then `re
 Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so
 the first selection sees every device that is coming); later rounds only wait while fewer than the quorum are
 online. A device that (re)registers while selected for the open round without having delivered gets the
-round's weights and message again on its own topics (after a broker restart, or its own restart).
+round's weights and message again on its own topics (after a broker restart, or its own restart), at most
+`resends_per_round` times. A device that reports it cannot train (status "error") is not waited for; its reason
+is logged, counted ("device-error") and kept per device in `results.json`. Every device process names itself with
+a random instance id: a status from an instance other than the device's newest registered one (the late last will
+of a replaced process) is passed over, and an older instance that registers again means two processes share one
+device id: counted ("duplicate-device"), logged, kept in the results and told to the device (a retained notice).
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -45,6 +50,7 @@ from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.inbox import UNEXPECTED, Inbox, Registration, Request, Status, Update
+from coordinator.limits import ResendBudget
 from coordinator.rounds import OpenRound, select
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy
 from edgefil import topics, wire
@@ -91,7 +97,9 @@ class Coordinator:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
         self.inbox = Inbox(
             config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
+            config.limits,
         )
+        self.resends = ResendBudget(config.limits.resends_per_round)
         self.checkpoint_dir = config.out / CHECKPOINT_DIR
         self.state, resumed_from = self._load_or_start(resume)
         self.personalized: dict[str, np.ndarray] = {}
@@ -111,6 +119,9 @@ class Coordinator:
         self._kept: dict[str, Update] = {}
         self._weights_chunks: list[bytes] = []
         self._first_round = True
+        self.instances: dict[str, list[str]] = {}  # device -> the instance ids it registered with, newest last
+        self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
+        self.device_errors: dict[str, dict[str, Any]] = {}  # device -> its last reported error and round
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
@@ -166,9 +177,12 @@ class Coordinator:
             collected = self._open(number, task, selected)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())
-            missing = collected.missing()
+            missing = [d for d in collected.missing() if d not in collected.failed]
             self.open_round = None
             self.inbox.drop_partial_updates(before_round=number + 1)
+            if collected.failed:
+                log.warning("round %d closed without %s (cannot train: see device_errors)", number,
+                            ", ".join(sorted(collected.failed)))
             if missing:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
@@ -213,8 +227,15 @@ class Coordinator:
         return opened
 
     def _send_round(self, device: str, with_weights: bool = False) -> None:
+        """The round's message (and payloads) to one device; `with_weights`: a resend after the device came back,
+        which also sends the global weights, at most `resends_per_round` times per device and round."""
         fleet, current = self.config.fleet, self.open_round
         if current is None:
+            return
+        if with_weights and not self.resends.allow(device, current.number):
+            self.counters["resend-limited"] += 1
+            log.warning("%s asked for round %d again: over its %d resends, not sent", device, current.number,
+                        self.config.limits.resends_per_round)
             return
         if with_weights:
             for chunk in self._weights_chunks:
@@ -333,9 +354,11 @@ class Coordinator:
     def _pump(self, timeout: float) -> None:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
         item = self.link.get(timeout=max(timeout, 0.0))
-        if item is None or item[0] == CONNECTED:
+        if item is None or item.topic == CONNECTED:
             return
-        event = self.inbox.accept(*item)
+        event = self.inbox.accept(item.topic, item.payload, item.retained)
+        while self.inbox.to_clear:  # refused retained messages: delete them from the broker's store
+            self.link.publish(self.inbox.to_clear.pop(), b"", retain=True)
         if isinstance(event, Registration):
             self._on_registration(event)
         elif isinstance(event, Status):
@@ -347,13 +370,46 @@ class Coordinator:
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
+        self._note_instance(event.device, event.instance)
         self.registered[event.device] = event  # online is what its (retained) status says
         current = self.open_round
         if current is not None and event.device in current.missing():
             self._send_round(event.device, with_weights=True)
 
+    def _note_instance(self, device: str, instance: str) -> None:
+        """Track the device's processes; an older one registering again is a second process with its id."""
+        if not instance:
+            return
+        seen = self.instances.setdefault(device, [])
+        if seen and seen[-1] == instance:
+            return
+        if instance in seen:  # a restart never brings an old instance back
+            both = sorted({instance, seen[-1]})
+            self.duplicates[device] = both
+            self.counters["duplicate-device"] += 1
+            log.error("two processes use device id %s (instances %s): the broker lets only one connect at a time, "
+                      "so they push each other off; stop one", device, " and ".join(both))
+            self.link.publish(topics.to_device(self.config.fleet, device, "notice"), wire.encode(
+                "notice", reason="duplicate-device", instances=both,
+                detail=f"two processes use device id {device} (instances {' and '.join(both)}); stop one",
+            ), retain=True)
+            seen.remove(instance)
+        seen.append(instance)
+        del seen[:-4]
+
+    def _current_instance(self, device: str) -> str:
+        seen = self.instances.get(device)
+        return seen[-1] if seen else ""
+
     def _on_status(self, event: Status) -> None:
         current = self.open_round
+        newest = self._current_instance(event.device)
+        if event.instance and newest and event.instance != newest:
+            log.debug("%s: status %s of a replaced process passed over", event.device, event.state)
+            return
+        if event.state == "error":
+            self._on_device_error(event)
+            return
         if event.state != "offline":
             self.online.add(event.device)
             if current is not None and event.device in current.gone:  # back (or the offline was stale)
@@ -363,6 +419,15 @@ class Coordinator:
         self.online.discard(event.device)
         if current is not None:
             current.went_offline(event.device)
+
+    def _on_device_error(self, event: Status) -> None:
+        """A device that cannot train: shown per device, and the open round does not wait for it."""
+        self.online.add(event.device)
+        self.counters["device-error"] += 1
+        self.device_errors[event.device] = {"round": event.round, "error": event.error}
+        log.warning("%s cannot train round %d: %s", event.device, event.round, event.error or "(no reason given)")
+        if self.open_round is not None and self.open_round.number == event.round:
+            self.open_round.failed_with(event.device, event.error)
 
     def _on_update(self, update: Update) -> None:
         try:
@@ -422,6 +487,8 @@ class Coordinator:
             "backward_transfer": backward_transfer(square) if square is not None else 0.0,
             **self._iaa_summary(),
             "counters": dict(self.counters),
+            "device_errors": self.device_errors,
+            "duplicate_devices": self.duplicates,
             "bytes_sent": self.link.bytes_sent,
             "bytes_received": self.link.bytes_received,
             "reconnects": max(self.link.connects - 1, 0),

@@ -12,6 +12,11 @@ policy may ask for payloads by name (`request`), the answer is awaited for up to
 `answer_wait_s` while other messages wait in a backlog, in order, and goes to the policy before its own update
 step; the update carries the policy's attachments and the device's label counts.
 
+A round the device cannot train (its data missing or malformed, its configuration wrong for the task, training
+that diverges to a non-finite loss) is reported to the coordinator as a status "error" with a one-line reason,
+which the coordinator shows per device, instead of the device going silent until the deadline. A notice from the
+coordinator (e.g. that two processes use this device id) is logged as an error.
+
 Restarts on either side are safe: a round message for the round this device already trained (same global
 model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
 coordinator that re-sends after a broker restart or its own resume gets an update without a second training.
@@ -21,11 +26,14 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
+import secrets
 import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +47,7 @@ from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
-from edgefil.link import CONNECTED, Link, Will
+from edgefil.link import CONNECTED, Link, Message, Will
 from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
@@ -64,6 +72,7 @@ class Device:
         simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim)."""
         self.config = config
         self.id = config.device_id
+        self.instance = secrets.token_hex(8)  # this process: a restart has another (duplicate-id detection)
         self.trainer = make_trainer(config.trainer, config.artifacts)
         self.num_parameters = self.trainer.manifest.num_parameters
         store = ReplayStore.within(DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes)),
@@ -87,15 +96,16 @@ class Device:
         self.answer_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
         self.payloads: dict[str, dict[str, bytes]] = {}  # payload blobs by id, as named byte strings
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
-        self.backlog: collections.deque[tuple[str, bytes]] = collections.deque()  # set aside while awaiting a reply
+        self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
         self.last_update: _Update | None = None
         self.rejected = 0
+        self.notices: list[str] = []  # what the coordinator reported about this device
         self._last_status = 0.0
         self.stop_requested = threading.Event()
         fleet = config.fleet
         self.link = Link(
             config.broker, client_id=f"{fleet}-{self.id}",
-            subscriptions=[topics.to_device(fleet, self.id, "#"), topics.to_all(fleet, "#")],
+            subscriptions=topics.device_subscriptions(fleet, self.id),
             will=Will(topics.from_device(fleet, self.id, "status"), self._status("offline")),
         )
 
@@ -113,7 +123,7 @@ class Device:
                 item = self.backlog.popleft() if self.backlog else self.link.get(timeout=AVAILABILITY_POLL_S)
                 try:
                     if item is not None:
-                        self.handle(*item)
+                        self.handle(item.topic, item.payload)
                     elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
                         self._publish_status("idle")
                 except Exception:  # the daemon outlives any one message; what failed is in the log
@@ -155,6 +165,8 @@ class Device:
                 self._take_round(message)
             elif message["kind"] == "answer":
                 log.debug("%s ignored a late answer to a request", self.id)
+            elif message["kind"] == "notice" and parsed.device == self.id:
+                self._take_notice(message)
             else:
                 raise wire.WireError("kind", f"{message['kind']} on {topic}")
         except wire.WireError as err:
@@ -167,7 +179,7 @@ class Device:
         fleet, backend = self.config.fleet, self.trainer.backend
         self.link.publish(topics.from_device(fleet, self.id, "register"), wire.encode(
             "register", device=self.id, profile=self.config.profile, backend=backend, manifest=self.manifest,
-            software=software_version(),
+            software=software_version(), instance=self.instance,
         ), retain=True)
         self._publish_status("idle")
 
@@ -208,7 +220,25 @@ class Device:
             return
         self._train_round(message, self.models[model])
 
+    def _take_notice(self, message: wire.Message) -> None:
+        """What the coordinator wants this device's operator to know; a notice about other processes is not
+        about this one."""
+        named = message.get("instances")
+        if isinstance(named, list) and self.instance not in named:
+            return
+        self.notices.append(f"{message['reason']}: {message['detail']}")
+        log.error("%s: the coordinator reports %s: %s", self.id, message["reason"], message["detail"])
+
     def _train_round(self, message: wire.Message, global_weights: np.ndarray) -> None:
+        """Train and upload; a round that cannot be trained is reported to the coordinator (status "error")."""
+        try:
+            self._train(message, global_weights)
+        except Exception as err:  # its data, its configuration, a diverged training: the coordinator must know
+            reason = f"{type(err).__name__}: {err}"[:wire.MAX_TEXT_CHARS]
+            log.error("%s cannot train round %d: %s", self.id, message["round"], reason)
+            self._publish_status("error", message["round"], error=reason)
+
+    def _train(self, message: wire.Message, global_weights: np.ndarray) -> None:
         round_, task, config = message["round"], message["task"], message["config"]
         blob_bytes = 4 * self.num_parameters
         messages = wire.chunk_count(blob_bytes)
@@ -242,6 +272,8 @@ class Device:
             epochs=int(config["epochs"]) if "epochs" in config else None,
             proximal=Proximal(mu, global_weights) if mu > 0 else None,
         )
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training diverged: loss {loss} (learning rate too high for this data?)")
         if asked:
             self._give(policy, self._await_answer(round_, float(config.get("answer_wait_s", ANSWER_WAIT_S))))
         self.learner.finish_round()
@@ -342,14 +374,15 @@ class Device:
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
         self._publish_status("idle", round_)
 
-    def _status(self, state: str, round_: int | None = None) -> bytes:
+    def _status(self, state: str, round_: int | None = None, error: str | None = None) -> bytes:
         done = self.learner.state.round if round_ is None else round_
-        return wire.encode("status", device=self.id, state=state, round=done)
+        extra: dict[str, Any] = {"error": error} if error else {}
+        return wire.encode("status", device=self.id, state=state, round=done, instance=self.instance, **extra)
 
-    def _publish_status(self, state: str, round_: int | None = None) -> None:
+    def _publish_status(self, state: str, round_: int | None = None, error: str | None = None) -> None:
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
-        self.link.publish(topic, self._status(state, round_), retain=True)
+        self.link.publish(topic, self._status(state, round_, error), retain=True)
 
 
 def _needed(message: wire.Message) -> list[str]:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import paho.mqtt.client as mqtt
 
@@ -39,6 +40,14 @@ class Will:
     retain: bool = True
 
 
+class Message(NamedTuple):
+    """One inbox item. `retained`: the broker's stored copy, handed over on subscribing (not a live message)."""
+
+    topic: str
+    payload: bytes
+    retained: bool = False
+
+
 class ConnectionRefused(ConnectionError):
     """The broker answered and said no (bad credentials, not authorised): retrying will not help."""
 
@@ -54,7 +63,7 @@ class Link:
     ) -> None:
         self.settings = settings
         self.subscriptions = list(subscriptions)
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.connects = 0
@@ -121,8 +130,8 @@ class Link:
             else:
                 self._unacked.add(info.mid)
 
-    def get(self, timeout: float | None) -> tuple[str, bytes] | None:
-        """The next (topic, payload) from the inbox, (CONNECTED, b"") after a (re)connect, None on timeout."""
+    def get(self, timeout: float | None) -> Message | None:
+        """The next message from the inbox, Message(CONNECTED, b"") after a (re)connect, None on timeout."""
         try:
             return self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -148,7 +157,7 @@ class Link:
         self.connects += 1
         self._connected.set()
         self._decided.set()
-        self.inbox.put((CONNECTED, b""))
+        self.inbox.put(Message(CONNECTED, b""))
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connected.clear()
@@ -162,4 +171,4 @@ class Link:
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         self.bytes_received += len(message.payload)
-        self.inbox.put((message.topic, bytes(message.payload)))  # bytes already: no copy
+        self.inbox.put(Message(message.topic, bytes(message.payload), bool(message.retain)))  # bytes: no copy

@@ -3,6 +3,10 @@
     edgefil/<fleet>/dev/<device>/<kind>   device -> coordinator   (register, status, update, request)
     edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, answer)
     edgefil/<fleet>/all/<kind>            coordinator -> every device (weights)
+
+The kinds below are the whole protocol: the broker's ACL grants exactly these topics and nothing else, and only
+the `RETAINED` kinds are meant to be retained (a device's registration and status, so a coordinator that
+subscribes later learns who is there); the coordinator refuses and deletes any other retained message.
 """
 from __future__ import annotations
 
@@ -12,6 +16,10 @@ from dataclasses import dataclass
 ROOT = "edgefil"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
+DEVICE_SENDS = ("register", "status", "update", "request")  # on dev/<device>/<kind>
+DEVICE_RECEIVES = ("round", "weights", "payload", "answer", "notice")  # on to/<device>/<kind>
+BROADCASTS = ("weights",)  # on all/<kind>
+RETAINED = frozenset({"register", "status"})
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -35,6 +43,11 @@ def to_device(fleet: str, device: str, kind: str) -> str:
 
 def to_all(fleet: str, kind: str) -> str:
     return f"{prefix(fleet)}/{TO_ALL}/{kind}"
+
+
+def device_subscriptions(fleet: str, device: str) -> list[str]:
+    """What a device subscribes to: exactly the topics the ACL lets it read (no wildcards the ACL would refuse)."""
+    return [to_device(fleet, device, kind) for kind in DEVICE_RECEIVES] + [to_all(fleet, kind) for kind in BROADCASTS]
 
 
 @dataclass(frozen=True)

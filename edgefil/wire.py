@@ -33,6 +33,8 @@ MAX_METRICS = 64
 MAX_ATTACHMENTS = 256
 MAX_NAME_CHARS = 128  # an attachment's or a requested payload's name
 MAX_REQUEST_NAMES = 64  # payloads one request may ask for
+MAX_TEXT_CHARS = 1000  # a free-text field: a status's error, a notice's detail, an instance id
+_TEXT_FIELDS = ("error", "detail", "instance", "reason")
 
 Message = dict[str, Any]
 
@@ -71,15 +73,21 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
     "payload": {**_CHUNK_FIELDS, "round": int},  # named payloads for one device's round: attachments only
     "answer": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
+    "notice": {"reason": str, "detail": str},  # something the device's operator must know (e.g. duplicate-device)
 }
 # Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
 # weights in a blob (update, payload, answer), each padded to 4 bytes. `payload`: the id of the payload blob a round
 # message goes with (the device waits for it as for the weights). `label_counts`: samples seen per class (update).
+# `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
+# one coming back means two processes share a device id. `error`: why a device cannot train (status "error").
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
+    "register": {"instance": str},
+    "status": {"instance": str, "error": str},
     "update": {"attachments": list, "label_counts": list},
     "payload": {"attachments": list},
     "answer": {"attachments": list},
     "round": {"payload": str},
+    "notice": {"instances": list},  # the device processes the notice is about (others ignore it)
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_sha256", "data"})
 BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
@@ -126,11 +134,16 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
         if name in message and not isinstance(message[name], expected):
             got = type(message[name]).__name__
             raise WireError("field", f"{kind}.{name} must be {_type_name(expected)}, got {got}")
+    for name in _TEXT_FIELDS:
+        if isinstance(message.get(name), str) and len(message[name]) > MAX_TEXT_CHARS:
+            raise WireError("field", f"{kind}.{name} is longer than {MAX_TEXT_CHARS} characters")
     if kind == "update":
         _check_metrics(message["metrics"])
         _check_ints(message.get("label_counts", []), "update.label_counts")
     if kind == "request":
         _check_names(message["names"])
+    if "instances" in message:
+        _check_names(message["instances"], f"{kind}.instances")
     if "attachments" in message:
         _check_attachments(message["attachments"])
     if kind in BLOB_KINDS:
@@ -160,9 +173,9 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
 
 
-def _check_names(names: list) -> None:
+def _check_names(names: list, where: str = "request.names") -> None:
     if len(names) > MAX_REQUEST_NAMES or not all(_is_name(n) for n in names) or len(set(names)) != len(names):
-        raise WireError("field", f"request.names must be at most {MAX_REQUEST_NAMES} distinct names of 1 to "
+        raise WireError("field", f"{where} must be at most {MAX_REQUEST_NAMES} distinct names of 1 to "
                                  f"{MAX_NAME_CHARS} characters")
 
 

@@ -53,17 +53,20 @@ class Fleet:
     device_options: dict[str, Any] = field(default_factory=dict)
     keepalive: int = 2
     outsiders: tuple[str, ...] = ()  # broker accounts that are not on the coordinator's roster
+    spares: tuple[str, ...] = ()  # on the roster and the broker, no process: a compromised device's account
     embedded: bool = False  # the pure-Python broker (anonymous, no ACL) instead of mosquitto
     per_device: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra config sections by device index
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.devices = [f"dev-{i}" for i in range(self.n_devices)]
-        self.passwords = {d: generate_password() for d in (*self.devices, *self.outsiders)}
+        self.passwords = {d: generate_password() for d in (*self.devices, *self.outsiders, *self.spares)}
         self.coordinator_credentials = Credentials("coordinator", generate_password())
+        self.observer_credentials = Credentials("observer", generate_password())  # reads all, writes nothing
         self.broker = (
             EmbeddedBroker() if self.embedded
-            else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials)
+            else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials,
+                                 observers={"observer": self.observer_credentials.password})
         )
         self.scenario = {**self.scenario, "n_clients": self.n_devices}
         self.processes: dict[str, subprocess.Popen] = {}
@@ -78,7 +81,7 @@ class Fleet:
     def coordinator_config(self) -> Path:
         config = {
             "fleet": self.fleet, "out": str(self.root / "run"), "artifacts": str(self.artifacts),
-            "devices": self.devices, "rounds_per_task": 2, "min_clients": 2, "deadline_s": 30.0,
+            "devices": [*self.devices, *self.spares], "rounds_per_task": 2, "min_clients": 2, "deadline_s": 30.0,
             "wait_for_devices_s": 60.0, "scenario": self.scenario,
             "broker": self.broker_section("coordinator", self.coordinator_credentials.password),
             "strategy": {"name": "fedavg"}, "client": {"epochs": 2},

@@ -36,8 +36,8 @@ class PoisoningDevice:
 
     def start(self) -> None:
         assert not self.peer.connect().is_failure
-        self.peer.subscribe(topics.to_device(self.fleet, self.device, "#"))
-        self.peer.subscribe(topics.to_all(self.fleet, "#"))
+        for topic in topics.device_subscriptions(self.fleet, self.device):
+            self.peer.subscribe(topic)
         self.peer.publish(topics.from_device(self.fleet, self.device, "register"), wire.encode(
             "register", device=self.device, profile="attacker", backend="portable", manifest=self.manifest,
             software="0"), retain=True)

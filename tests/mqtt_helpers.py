@@ -15,9 +15,9 @@ from coordinator.broker import BrokerAddress, TlsFiles
 
 class Peer:
     def __init__(self, address: BrokerAddress, username: str | None = None, password: str | None = None,
-                 tls: bool | None = None) -> None:
+                 tls: bool | None = None, client_id: str = "") -> None:
         self.address = address
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311)
         self.client.reconnect_delay_set(0.1, 0.2)  # paho's default (1 s) makes close() wait that long after a drop
         if username is not None:
             self.client.username_pw_set(username, password)

@@ -1,9 +1,10 @@
 """Bad input never crashes the coordinator and never enters aggregation: during a real run, a compromised device
-(dev-0's credentials), a broker account that is not on the roster and an anonymous client send every kind of
+(the credentials of a rostered device, ROGUE), a broker account that is not on the roster and an anonymous client send every kind of
 malformed message many times; each is rejected, counted under its reason, and the run completes as usual."""
 from __future__ import annotations
 
 import hashlib
+import time
 
 import msgpack
 import numpy as np
@@ -18,10 +19,11 @@ from models.manifest import load_manifest
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 TIMES = 12  # of each malformed kind
+ROGUE = "dev-x"  # a rostered device's account with no device process: the attacker holds its password
 CHANCE = 0.1
 
 
-def update_chunks(weights: np.ndarray, device: str = "dev-0", round_: int = 1, **fields) -> list[bytes]:
+def update_chunks(weights: np.ndarray, device: str = ROGUE, round_: int = 1, **fields) -> list[bytes]:
     header = dict(device=device, round=round_, task=0, model="0" * 64, num_samples=10, metrics={})
     return wire.encode_blob("update", wire.weights_bytes(weights), **{**header, **fields}).chunks
 
@@ -31,7 +33,7 @@ def raw_chunk(**overrides) -> bytes:
     data = np.zeros(16, dtype="<f8").tobytes()
     message = dict(v=wire.SCHEMA_VERSION, kind="update", blob=hashlib.sha256(data).hexdigest(), size=len(data),
                    dtype="<f4", index=0, count=1, offset=0, chunk_sha256=hashlib.sha256(data).digest(), data=data,
-                   device="dev-0", round=1, task=0, model="0" * 64, num_samples=1, metrics={})
+                   device=ROGUE, round=1, task=0, model="0" * 64, num_samples=1, metrics={})
     return msgpack.packb({**message, **overrides}, use_bin_type=True)
 
 
@@ -43,9 +45,9 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
     tampered = wire.decode(update_chunks(good())[0])
     tampered["data"] = bytes(len(tampered["data"]))  # zeros, keeping the original chunk_sha256
     return {
-        "malformed": [b"\xc1 not msgpack", b"", msgpack.packb([1, 2, 3])],
+        "malformed": [b"\xc1 not msgpack", b"\x00", msgpack.packb([1, 2, 3])],
         "schema": [msgpack.packb({"v": 99, "kind": "update"})],
-        "kind": [wire.encode("status", device="dev-0", state="idle", round=0)],  # a status on the update topic
+        "kind": [wire.encode("status", device=ROGUE, state="idle", round=0)],  # a status on the update topic
         "field": [raw_chunk(num_samples="many")],
         "dtype": [raw_chunk(dtype="<f8")],
         "weights-length": update_chunks(good()[:-1]),
@@ -59,8 +61,8 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
 
 def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
-    fleet = Fleet(tmp_path, artifacts, n_devices=3, outsiders=("intruder",),
-                  coordinator_options={"rounds_per_task": 3, "min_clients": 3,
+    fleet = Fleet(tmp_path, artifacts, n_devices=3, outsiders=("intruder",), spares=(ROGUE,),
+                  coordinator_options={"rounds_per_task": 3, "min_clients": 3, "wait_for_devices_s": 20.0,
                                        "strategy": {"name": "fedprox", "mu": 0.01}})
     try:
         fleet.start()
@@ -73,10 +75,10 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
         wrong = Peer(fleet.broker.address, "dev-1", "not-the-password")
         assert wrong.connect().is_failure
 
-        rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
+        rogue = Peer(fleet.broker.address, ROGUE, fleet.passwords[ROGUE])
         intruder = Peer(fleet.broker.address, "intruder", fleet.passwords["intruder"])
         assert not rogue.connect().is_failure and not intruder.connect().is_failure
-        own_update = topics.from_device(fleet.fleet, "dev-0", "update")
+        own_update = topics.from_device(fleet.fleet, ROGUE, "update")
         rng = np.random.default_rng(0)
         for _ in range(TIMES):
             for reason, payloads in malformed_messages(n_params, rng).items():
@@ -84,7 +86,7 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
                     rogue.publish(own_update, payload)
             for payload in update_chunks(rng.standard_normal(n_params).astype(np.float32), device="intruder"):
                 intruder.publish(topics.from_device(fleet.fleet, "intruder", "update"), payload)
-            # the broker's ACL: dev-0 may not speak for dev-1; this never reaches the coordinator
+            # the broker's ACL: ROGUE may not speak for dev-1; this never reaches the coordinator
             rogue.publish(topics.from_device(fleet.fleet, "dev-1", "update"), b"\xc1 forged")
         sent_by = fleet.rounds_done()
         fleet.wait_rounds(min(sent_by + 2, 15), timeout=120)  # later rounds prove the messages were processed
@@ -98,7 +100,7 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
             assert counters.get(reason, 0) == TIMES * len(payloads), (reason, counters)
         assert counters.get("unknown-device", 0) == TIMES  # intruder's single-chunk updates
         assert results["rounds_completed"] == 15
-        assert all(sorted(r["received"]) == fleet.devices for r in results["history"])
+        assert all(sorted(r["received"]) == fleet.devices for r in results["history"])  # ROGUE never registered
         assert results["final_accuracy"] > 3 * CHANCE
     finally:
         fleet.stop()
@@ -106,16 +108,19 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
 
 def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, export_artifacts):
     """A compromised device leaves hostile retained messages on its own topics; the broker re-delivers them to
-    every coordinator that subscribes, so a resumed coordinator meets them first. It counts them and finishes."""
+    every coordinator that subscribes, so a resumed coordinator meets them first. It counts them, deletes them from
+    the broker's store (so no later subscriber meets them again) and finishes."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=2,
                   coordinator_options={"rounds_per_task": 1, "min_clients": 1,
                                        "wait_for_devices_s": 5.0})
-    hostile = {
-        "kind": msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": [1, 2], "device": "dev-0"}),
-        "field": msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "update", "device": "dev-0",
-                                "round": {"nested": [[[]]]}}),
-        "malformed": b"\xc1" + b"[" * 10_000,
+    hostile = {  # topic kind -> (payload, the reason it is refused)
+        "register": (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": [1, 2], "device": "dev-0"}), "kind"),
+        "status": (b"\xc1" + b"[" * 10_000, "malformed"),
+        # updates and requests are never retained: refused as such, whatever they hold
+        "update": (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "update", "device": "dev-0",
+                                  "round": {"nested": [[[]]]}}), "retained"),
+        "request": (wire.encode("request", device="dev-0", round=1, names=["x"]), "retained"),
     }
     try:
         fleet.start()
@@ -125,14 +130,22 @@ def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, expo
         fleet.kill("dev-0")  # compromised: its own retained messages would replace the garbage
         rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
         assert not rogue.connect().is_failure
-        for payload, kind in zip(hostile.values(), ("register", "update", "request")):
+        for kind, (payload, _) in hostile.items():
             rogue.publish(topics.from_device(fleet.fleet, "dev-0", kind), payload, retain=True)
         rogue.close()
         fleet.start_coordinator(resume=True)
         assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
         counters = fleet.results()["counters"]
-        assert all(counters.get(reason, 0) >= 1 for reason in hostile), counters
+        assert all(counters.get(reason, 0) >= 1 for _, reason in hostile.values()), counters
+        assert counters["retained"] >= 2, counters
         assert fleet.results()["rounds_completed"] == 5  # the scenario's 5 tasks, one round each
+
+        observer = Peer(fleet.broker.address, "observer", fleet.observer_credentials.password)
+        assert not observer.connect().is_failure
+        observer.subscribe(topics.from_device(fleet.fleet, "dev-0", "#"))
+        time.sleep(1.0)  # retained messages come right after the SUBACK
+        observer.close()
+        assert observer.messages == [], [t for t, _ in observer.messages]
     finally:
         fleet.stop()
 
@@ -152,8 +165,8 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
     allocated every claim (40 of them took it from 0.9 to 1.8 GB); now a device holds at most two part-way blobs
     of the bytes it actually sent, and the run goes on."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
-    fleet = Fleet(tmp_path, artifacts, n_devices=2,
-                  coordinator_options={"rounds_per_task": 2, "min_clients": 2})
+    fleet = Fleet(tmp_path, artifacts, n_devices=2, spares=(ROGUE,),
+                  coordinator_options={"rounds_per_task": 2, "min_clients": 2, "wait_for_devices_s": 20.0})
     n_params = load_manifest(artifacts).num_parameters
     claimed = 4 * n_params + inbox.MAX_ATTACHMENT_BYTES
     try:
@@ -162,14 +175,14 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
         fleet.wait_rounds(1, timeout=120)
         pid = fleet.processes["coordinator"].pid
         before = peak_rss_mb(pid)
-        rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
+        rogue = Peer(fleet.broker.address, ROGUE, fleet.passwords[ROGUE])
         assert not rogue.connect().is_failure
         data = bytes(wire.MIN_CHUNK_BYTES)
         for i in range(FLOOD):
-            rogue.publish(topics.from_device(fleet.fleet, "dev-0", "update"), msgpack.packb(dict(
+            rogue.publish(topics.from_device(fleet.fleet, ROGUE, "update"), msgpack.packb(dict(
                 v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=claimed, dtype=wire.WEIGHTS_DTYPE,
                 index=0, count=claimed // wire.MIN_CHUNK_BYTES, offset=0, chunk_sha256=hashlib.sha256(data).digest(),
-                data=data, device="dev-0", round=fleet.rounds_done() + 1, task=0, model="0" * 64, num_samples=1,
+                data=data, device=ROGUE, round=fleet.rounds_done() + 1, task=0, model="0" * 64, num_samples=1,
                 metrics={}), use_bin_type=True))
         rogue.close()
         fleet.wait_rounds(fleet.rounds_done() + 2, timeout=120)  # later rounds: the flood was taken in

@@ -22,6 +22,7 @@ from coordinator.broker import (
     generate_password,
     mosquitto_path,
 )
+from edgefil.topics import DEVICE_SENDS, device_subscriptions
 from edgefil.topics import prefix as topic_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,8 +75,8 @@ def test_device_and_coordinator_exchange_messages(broker, peers):
     coordinator = peers(broker.address, "coordinator")
     coordinator.subscribe(f"{P}/#")
     device = peers(broker.address, "dev-a")
-    device.subscribe(f"{P}/to/dev-a/#")
-    device.subscribe(f"{P}/all/#")
+    for topic in device_subscriptions(FLEET, "dev-a"):
+        device.subscribe(topic)
 
     device.publish(f"{P}/dev/dev-a/update", b"weights-a")
     assert coordinator.expect(f"{P}/dev/dev-a/update") == b"weights-a"
@@ -107,8 +108,8 @@ def test_a_device_cannot_write_or_read_topics_of_another(broker, peers):
     coordinator.subscribe(f"{P}/#")
     a = peers(broker.address, "dev-a")
     b = peers(broker.address, "dev-b")
-    b.subscribe(f"{P}/to/dev-b/#")
-    b.subscribe(f"{P}/all/#")
+    for topic in device_subscriptions(FLEET, "dev-b"):
+        b.subscribe(topic)
     a.subscribe(f"{P}/to/dev-b/#")  # mosquitto may grant the SUBACK; what matters is that nothing arrives
     a.subscribe(f"{P}/#")
 
@@ -126,6 +127,46 @@ def test_a_device_cannot_write_or_read_topics_of_another(broker, peers):
     assert [m for m in coordinator.messages if m[1] == b"forged"] == []
     assert b.messages == [(f"{P}/to/dev-b/round", b"for-b")]
     assert a.messages == []  # neither b's update nor the coordinator's message to b
+
+
+@needs_mosquitto
+def test_the_acl_grants_exactly_the_protocols_topics(broker, peers):
+    """A device writes only its own topics of the four kinds it sends (no junk topics under its prefix, retained
+    or not) and reads only the kinds it is sent, whatever it subscribes to (mosquitto filters every message)."""
+    coordinator = peers(broker.address, "coordinator")
+    coordinator.subscribe(f"{P}/#")
+    a = peers(broker.address, "dev-a")
+    a.subscribe(f"{P}/#")
+    for junk in (f"{P}/dev/dev-a/junk", f"{P}/dev/dev-a/update/deeper", f"{P}/dev/dev-a"):
+        a.publish(junk, b"junk", retain=True)
+    for kind in DEVICE_SENDS:
+        a.publish(f"{P}/dev/dev-a/{kind}", kind.encode())
+    for topic in (f"{P}/all/other", f"{P}/to/dev-a/other", f"{P}/to/dev-a/round"):
+        coordinator.publish(topic, b"to a")
+    assert a.expect(f"{P}/to/dev-a/round") == b"to a"  # the last one: the others would have come first
+    assert coordinator.expect(f"{P}/dev/dev-a/request") == b"request"
+    time.sleep(QUIET)
+    assert sorted(set(coordinator.topics())) == sorted(
+        [f"{P}/dev/dev-a/{kind}" for kind in DEVICE_SENDS] + [f"{P}/all/other", f"{P}/to/dev-a/other",
+                                                                f"{P}/to/dev-a/round"])
+    assert a.topics() == [f"{P}/to/dev-a/round"]
+
+
+@needs_mosquitto
+def test_one_listener_only_and_client_ids_are_usernames(broker, passwords, peers):
+    """mosquitto opens exactly the configured listener (a per-listener option placed before `listener` made it open
+    a default one on 0.0.0.0:1883), and a device logging in with the coordinator's client id gets its own."""
+    log = broker.log_path.read_text()
+    assert log.count("listen socket on port") == 1 and f"port {broker.address.port}." in log, log
+    honest = peers(broker.address, "coordinator")
+    honest.subscribe(f"{P}/dev/+/update")
+    hijacker = Peer(broker.address, "dev-a", passwords["dev-a"], client_id="coordinator")
+    assert not hijacker.connect().is_failure
+    hijacker.publish(f"{P}/dev/dev-a/update", b"from the hijacker")
+    assert honest.expect(f"{P}/dev/dev-a/update") == b"from the hijacker"  # the coordinator is still connected
+    assert not honest.disconnected.is_set()
+    hijacker.close()
+    assert "as dev-a (" in broker.log_path.read_text()  # mosquitto logs the id it gave the client
 
 
 @needs_mosquitto
@@ -288,8 +329,9 @@ def test_last_will_on_its_own_status_is_delivered_and_a_forged_will_dropped(brok
     status = f"{P}/dev/dev-a/status"
     coordinator = peers(broker.address, "coordinator")
     coordinator.subscribe(f"{P}/dev/+/status")
+    forged = f"{P}/dev/dev-c/status"
     wills = {status: Peer(broker.address, "dev-a", passwords["dev-a"]),
-             f"{P}/dev/dev-b/status": Peer(broker.address, "dev-a", passwords["dev-a"])}
+             forged: Peer(broker.address, "dev-b", passwords["dev-b"])}
     for topic, device in wills.items():
         device.client.will_set(topic, b"offline", qos=1, retain=True)
         assert not device.connect().is_failure  # mosquitto 2.0.11 accepts a forged will and drops it later
@@ -299,8 +341,9 @@ def test_last_will_on_its_own_status_is_delivered_and_a_forged_will_dropped(brok
         device.client.socket().shutdown(socket.SHUT_RDWR)  # gone without a DISCONNECT, as when a device dies
         device.close()
     assert coordinator.expect(status, index=1) == b"offline"
+    coordinator.close()  # one session per username: a second login would take this one over
     late = peers(broker.address, "coordinator")
     late.subscribe(f"{P}/dev/+/status")
     assert late.expect(status) == b"offline"  # retained
     time.sleep(QUIET)
-    assert f"{P}/dev/dev-b/status" not in coordinator.topics() + late.topics()
+    assert forged not in coordinator.topics() + late.topics()

@@ -31,8 +31,8 @@ def fleet_factory(tmp_path, export_artifacts):
 
 
 def watch(fleet: Fleet, topic: str, when, action) -> tuple[Peer, threading.Event]:
-    """Run `action` (once) from a coordinator-credentialed observer when a message on `topic` passes `when`."""
-    peer = Peer(fleet.broker.address, "coordinator", fleet.coordinator_credentials.password)
+    """Run `action` (once) from a read-only observer when a message on `topic` passes `when`."""
+    peer = Peer(fleet.broker.address, "observer", fleet.observer_credentials.password)
     assert not peer.connect().is_failure
     fired = threading.Event()
 
