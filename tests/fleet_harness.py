@@ -103,7 +103,7 @@ class Fleet:
             "data": {"scenario": self.scenario, "client": index},
         }
         for key, value in {**self.device_options, **self.per_device.get(index, {})}.items():
-            merge = isinstance(value, dict) and key in config and key != "policy"  # a policy is replaced whole
+            merge = isinstance(value, dict) and key in config and key not in ("policy", "data")  # replaced whole
             config[key] = {**config[key], **value} if merge else value
         return write_toml(self.root / f"{device}.toml", config)
 

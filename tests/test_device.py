@@ -134,6 +134,50 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
     thread.join(15)
 
 
+def statuses(coordinator: Peer) -> list[wire.Message]:
+    topic = topics.from_device(FLEET, "dev-0", "status")
+    return [wire.decode(p) for t, p in list(coordinator.messages) if t == topic]
+
+
+def test_a_round_the_device_cannot_train_is_reported_with_its_reason(setup, tmp_path):
+    """Malformed task data and a training that diverges: instead of going silent until the deadline, the device
+    says it cannot train the round and why (a status "error"), uploads nothing and carries on."""
+    config, coordinator, initial = setup
+    (config.data.folder / "task-0.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    send_round(coordinator, initial)
+    wait_for(lambda: any(m["state"] == "error" for m in statuses(coordinator)))
+    error = next(m for m in statuses(coordinator) if m["state"] == "error")
+    assert error["round"] == 1 and "BadZipFile" in error["error"], error
+    assert error["instance"] == device.instance
+
+    np.savez(config.data.folder / "task-0.npz", x=np.full((40, 1, 8, 8), 1e30, np.float32),
+             y=np.arange(40) % 2)  # finite data, but no training survives it
+    send_round(coordinator, initial, round_=2)
+    wait_for(lambda: sum(m["state"] == "error" for m in statuses(coordinator)) == 2)
+    diverged = [m for m in statuses(coordinator) if m["state"] == "error"][1]
+    assert diverged["round"] == 2 and "diverged" in diverged["error"], diverged
+    assert updates(coordinator, len(initial)) == [] and thread.is_alive()
+    device.stop_requested.set()
+    thread.join(15)
+
+
+def test_a_notice_is_logged_only_by_the_processes_it_names(setup):
+    config, coordinator, _ = setup
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    notice = topics.to_device(FLEET, "dev-0", "notice")
+    coordinator.publish(notice, wire.encode("notice", reason="duplicate-device", detail="about others",
+                                            instances=["0" * 16, "1" * 16]))
+    coordinator.publish(notice, wire.encode("notice", reason="duplicate-device", detail="about this one",
+                                            instances=[device.instance, "1" * 16]))
+    wait_for(lambda: len(device.notices) == 1)
+    assert device.notices == ["duplicate-device: about this one"]
+    device.stop_requested.set()
+    thread.join(15)
+
+
 def test_folder_source_reads_task_files_and_names_what_is_missing(tmp_path):
     np.savez(tmp_path / "task-0.npz", x=np.zeros((3, 1, 8, 8)), y=np.array([1, 2, 3]))
     x, y = FolderSource(tmp_path).task_data(0)

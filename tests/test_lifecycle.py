@@ -1,0 +1,59 @@
+"""A fleet's life in a real run (mosquitto, coordinator and device processes): what a device cannot do is shown
+per device, and two processes sharing a device id are found and reported by both sides."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fleet_harness import Fleet
+
+from coordinator.broker import mosquitto_path
+
+pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_device_error_is_shown_per_device_and_a_duplicate_id_by_both_sides(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    broken = tmp_path / "broken-data"
+    broken.mkdir()
+    (broken / "task-0.npz").write_bytes(b"not an npz file")
+    fleet = Fleet(tmp_path, artifacts, n_devices=3, per_device={1: {"data": {"folder": str(broken)}}},
+                  coordinator_options={"rounds_per_task": 4, "min_clients": 1, "deadline_s": 20.0})
+    try:
+        fleet.start()
+        twin_config = tmp_path / "dev-0-twin.toml"
+        twin_config.write_text(fleet.device_config(0).read_text().replace(
+            str(tmp_path / "devices" / "dev-0"), str(tmp_path / "devices" / "dev-0-twin")))
+        fleet._spawn("dev-0-twin", ["client", "--config", str(twin_config)])
+        fleet.start_coordinator()
+        results = lambda: json.loads((tmp_path / "run" / "results.json").read_text())  # noqa: E731
+        fleet.wait_rounds(1, timeout=120)
+        wait_for(lambda: "dev-0" in results()["duplicate_devices"], 120, "the coordinator to see the twin")
+        logs = lambda: [(tmp_path / f"{n}.log").read_text() for n in ("dev-0", "dev-0-twin")]  # noqa: E731
+        wait_for(lambda: any("the coordinator reports duplicate-device" in log for log in logs()), 60,
+                 "a device to report the coordinator's notice")
+        fleet.kill("dev-0-twin")
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+
+        final = fleet.results()
+        assert final["rounds_completed"] == 20
+        assert final["counters"]["duplicate-device"] >= 1
+        assert len(final["duplicate_devices"]["dev-0"]) == 2  # the two instances
+        error = final["device_errors"]["dev-1"]
+        assert error["round"] == 20 and "task-4.npz is missing" in error["error"], error  # the last one
+        log = (tmp_path / "coordinator.log").read_text()
+        assert "dev-1 cannot train round 1: BadZipFile" in log  # task 0's file is not an npz
+        assert final["counters"]["device-error"] >= 1
+        # a device that says it cannot train is not waited for: never counted as missing the deadline
+        assert all("dev-1" not in r["received"] for r in final["history"])
+        assert "two processes use device id dev-0" in log
+    finally:
+        fleet.stop()
