@@ -25,8 +25,14 @@ class FolderSource:
         path = self.folder / f"task-{task}.npz"
         if not path.is_file():
             raise FileNotFoundError(f"no data for task {task}: {path} is missing")
-        with np.load(path, allow_pickle=False) as data:
-            return data["x"].astype(np.float32), data["y"].astype(np.int64)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                x, y = data["x"].astype(np.float32), data["y"].astype(np.int64)
+        except Exception as err:  # np.load and the npz reader raise many types for a damaged or foreign file
+            raise ValueError(f"{path} is not a task file of arrays x and y ({type(err).__name__}: {err})") from err
+        if len(x) != len(y):
+            raise ValueError(f"{path}: {len(x)} samples in x but {len(y)} labels in y")
+        return x, y
 
 
 def open_source(folder: Path | None) -> TaskSource:
