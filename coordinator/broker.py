@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import re
 import secrets
@@ -31,6 +32,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -106,6 +108,13 @@ def _accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): the kernel sends it SIGTERM when the thread that started it ends (its
+    process dying, even by SIGKILL, included), so a broker never outlives the fleet or test that started it; start
+    it from a thread that lives as long as it should (the main thread)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -283,7 +292,8 @@ class MosquittoBroker:
         offset = self._log_size()
         self._out = open(self.workdir / "mosquitto.out", "ab")
         self._proc = subprocess.Popen(
-            [exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT
+            [exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         deadline = time.monotonic() + timeout
         while True:

@@ -10,6 +10,8 @@
     deadline_s = 60.0                   # updates after this are logged and dropped
     wait_for_devices_s = 120.0          # how long a round waits for `min_clients` devices to be online
     max_attempts = 3                    # a round that misses its quorum is run again this many times at most
+    retry_backoff_s = 5.0               # before attempt k+1, wait up to this x 2^(k-1) s (at most
+                                        # wait_for_devices_s) for the devices that missed attempt k to be back
     seed = 0
     device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
     virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time
@@ -61,6 +63,7 @@ class CoordinatorConfig:
     deadline_s: float = 60.0
     wait_for_devices_s: float = 120.0
     max_attempts: int = 3
+    retry_backoff_s: float = 5.0
     seed: int = 0
     device: str = "auto"
     virtual_time: bool = False
@@ -81,8 +84,8 @@ class CoordinatorConfig:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         if not 1 <= self.min_clients <= len(self.devices):
             raise ValueError(f"min_clients must be in [1, {len(self.devices)}], got {self.min_clients}")
-        if self.rounds_per_task < 1 or self.max_attempts < 1 or self.deadline_s <= 0:
-            raise ValueError("rounds_per_task and max_attempts must be >= 1 and deadline_s > 0")
+        if self.rounds_per_task < 1 or self.max_attempts < 1 or self.deadline_s <= 0 or self.retry_backoff_s < 0:
+            raise ValueError("rounds_per_task and max_attempts must be >= 1, deadline_s > 0 and retry_backoff_s >= 0")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
         if not self.scenario and self.test_data is None:

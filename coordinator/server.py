@@ -119,6 +119,7 @@ class Coordinator:
         self._kept: dict[str, Update] = {}
         self._weights_chunks: list[bytes] = []
         self._first_round = True
+        self.outcome = "running"
         self.instances: dict[str, list[str]] = {}  # device -> the instance ids it registered with, newest last
         self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
         self.device_errors: dict[str, dict[str, Any]] = {}  # device -> its last reported error and round
@@ -155,6 +156,8 @@ class Coordinator:
     # --- the run ----------------------------------------------------------------------------------
 
     def run(self, connect_timeout: float = 60.0) -> dict[str, Any]:
+        """Every remaining round; results.json is written at the end however the run ends (its `outcome` says how:
+        complete, stopped, or failed with the reason), with the counters up to the end."""
         self.config.out.mkdir(parents=True, exist_ok=True)
         self.link.start(timeout=connect_timeout)
         try:
@@ -163,9 +166,17 @@ class Coordinator:
                     self.evaluate_only()
                 else:
                     self.run_round()
+            self.outcome = "complete"
+        except KeyboardInterrupt:
+            self.outcome = "stopped"
+            raise
+        except Exception as err:
+            self.outcome = f"failed: {type(err).__name__}: {err}"
+            raise
         finally:
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
+            write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
@@ -191,9 +202,14 @@ class Coordinator:
                 self._close(collected)
                 return
             self._kept.update(collected.updates)  # still valid for the next attempt: same round, same weights
+            if attempt == self.config.max_attempts:
+                break
             self.counters["round-retried"] += 1
-            log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again",
-                        number, attempt, len(collected.updates), self.config.min_clients)
+            backoff = min(self.config.retry_backoff_s * 2 ** (attempt - 1), self.config.wait_for_devices_s)
+            log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again after up to %.0f s for "
+                        "%s to come back", number, attempt, len(collected.updates), self.config.min_clients,
+                        backoff, ", ".join(missing) or "devices")
+            self._await_return(missing, backoff)
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
                           f"{self.config.max_attempts} times")
 
@@ -348,6 +364,13 @@ class Coordinator:
                               f"quorum is {self.config.min_clients}")
         return available
 
+    def _await_return(self, devices: list[str], seconds: float) -> None:
+        """Before a retry: wait up to `seconds` (handling messages) for devices that missed the round to be back
+        (reconnected and registered), so the retry does not fire at a fleet that is still restarting."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not set(devices) <= set(self._available()):
+            self._pump(min(1.0, deadline - time.monotonic()))
+
     def _available(self) -> list[str]:
         return sorted(d for d in self.registered if d in self.online)
 
@@ -475,6 +498,7 @@ class Coordinator:
         last_row = state.history[-1]["accuracy"] if state.history else []
         return {
             "fleet": self.config.fleet,
+            "outcome": self.outcome,
             "scenario": self.data.describe(),
             "strategy": dict(self.config.strategy),
             "rounds_completed": state.round,

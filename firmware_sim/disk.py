@@ -3,11 +3,15 @@ past it fails with ENOSPC exactly as on the device. Mounting needs root (contain
 where it is refused the folder stays on the host's disk and the capacity is not enforced (the run says so).
 
 tmpfs lives in memory, so `unmount` copies the folder's contents back onto the host's disk first and `mount`
-copies them onto the new file system: a stopped fleet resumes with every device's store and state.
+copies them onto the new file system: a stopped fleet resumes with every device's store and state. A tmpfs left
+mounted by a run that was killed (SIGKILL, a power cut of the host process) still holds the device's state:
+`mount` finds it, takes its contents back to the host's disk and mounts afresh, so the next run or `--resume`
+goes on where the killed one stopped instead of failing with "Device or resource busy".
 """
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,6 +22,9 @@ PAGE = 4096
 
 def mount(folder: Path, capacity_bytes: int) -> bool:
     """Put `folder` (and what it holds) on a tmpfs of `capacity_bytes`; False when mounting is not allowed."""
+    if os.path.ismount(folder):  # left by a killed run
+        log.warning("%s is still mounted from a run that did not stop cleanly: taking its contents back", folder)
+        unmount(folder)
     folder.mkdir(parents=True, exist_ok=True)
     held = folder.with_name(folder.name + ".held")
     if any(folder.iterdir()):

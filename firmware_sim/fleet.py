@@ -4,8 +4,10 @@
 ACL when it is installed, else the embedded one), starts worker processes that each host many virtual devices
 (every device is the real `edge_client.device.Device`, on its own thread, with its own MQTT connection, state
 folder and replay store), and runs the coordinator in this process; at the end it writes the run's report
-(summary.md and plots, firmware_sim/report.py). Ctrl-C stops everything; the coordinator's checkpoint and every
-device's state stay, so `--resume` continues the run.
+(summary.md and plots, firmware_sim/report.py). Ctrl-C, SIGTERM (systemd, `timeout`, `kill`) and SIGHUP (a closed
+terminal) stop everything the same way; the coordinator's checkpoint and every device's state stay, so `--resume`
+continues the run. Workers never outlive the fleet, even one killed by SIGKILL (firmware_sim/fleet_worker.py),
+and a device disk still mounted by a killed run is taken back by the next one (firmware_sim/disk.py).
 
     name = "demo"                  # fleet (topic prefix) name
     out = "runs/demo"              # artifacts/, devices/<id>/, logs/, checkpoint/, results.json
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,11 +273,23 @@ def state_reserve_bytes(artifacts: Path) -> int:
     return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """A stop signal as Ctrl-C; a second one does not cut the clean-up short."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report."""
+    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report. SIGTERM and
+    SIGHUP stop it as Ctrl-C does (the clean-up runs, the run can be resumed)."""
     fleet = Fleet(FleetConfig.load(path))
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return fleet.run(resume=resume, file=str(path))
-    except KeyboardInterrupt:
-        log.warning("stopped; the run resumes with: edgefil fleet run %s --resume", path)
+    except KeyboardInterrupt as stop:
+        log.warning("stopped (%s); the run resumes with: edgefil fleet run %s --resume", stop or "Ctrl-C", path)
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -2,20 +2,47 @@
 (not the coordinator, which pulls in torch: about 285 MB of memory and 2 s of start-up per worker)."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
+
+PARENT_POLL_S = 1.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _wait_for_stop(stop: Any) -> None:
+    """Until the fleet says stop, SIGTERM arrives (from the fleet, or from the kernel when the fleet process dies:
+    PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent is seen to have changed (every
+    platform). A worker never outlives its fleet. The signal handler only sets a thread event: setting the fleet's
+    multiprocessing Event from a handler that interrupted this thread's own wait on it deadlocks."""
+    parent = os.getppid()
+    signalled = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: signalled.set())
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        except (OSError, AttributeError):
+            pass
+    while not stop.wait(PARENT_POLL_S) and not signalled.is_set():
+        if os.getppid() != parent:
+            logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
+            return
 
 
 def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
     """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
-    it), until the fleet says stop. Ctrl-C is the parent's to handle."""
+    it), until the fleet says stop, SIGTERM arrives or the fleet process is gone. Ctrl-C is the parent's to
+    handle."""
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
     from firmware_sim.virtual_device import virtual_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     logging.basicConfig(filename=log_file, level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     devices: list[Device] = []
@@ -34,7 +61,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
     for thread in threads:
         thread.start()
-    stop.wait()
+    _wait_for_stop(stop)
     with lock:
         for device in devices:
             device.stop_requested.set()

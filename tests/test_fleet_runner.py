@@ -1,8 +1,10 @@
 """`edgefil fleet run`: virtual devices hosted by worker processes against a broker and the coordinator, all
-started from one fleet file; Ctrl-C stops everything and `--resume` finishes the run."""
+started from one fleet file; Ctrl-C, SIGTERM and SIGHUP stop everything, SIGKILL leaves no process behind, and
+`--resume` finishes the run (taking back device disks a killed run left mounted)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -88,3 +90,49 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     assert {"summary.md", "accuracy_matrix.png", "accuracy_per_task.png", "storage_traffic.png"} <= {
         p.name for p in out.iterdir()}  # the run's report
     assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
+
+
+def wait_rounds(proc: subprocess.Popen, out: Path, rounds: int, log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while rounds_done(out) < rounds:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = children_of(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resumes(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="auto").replace("n_tasks = 3", "n_tasks = 4"))
+    out, log = tmp_path / "run", tmp_path / "fleet.log"
+    disks = [out / "devices" / f"dev-{i:03d}" for i in range(4)]
+    for sig, after in ((signal.SIGTERM, 2), (signal.SIGHUP, 4), (signal.SIGKILL, 6)):
+        proc = fleet(path, *(["--resume"] if after > 2 else []))
+        wait_rounds(proc, out, after, log)
+        spawned = descendants(proc.pid)  # workers, the broker, multiprocessing's helper
+        assert len(spawned) >= 3
+        mounted = [os.path.ismount(d) for d in disks]
+        proc.send_signal(sig)
+        assert proc.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else 130), log.read_text()[-3000:]
+        deadline = time.monotonic() + 15  # a worker notices its parent is gone within a second
+        while any(alive(pid) for pid in spawned) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in spawned), (sig, [p for p in spawned if alive(p)])
+        if sig == signal.SIGKILL:
+            assert [os.path.ismount(d) for d in disks] == mounted  # left mounted: the next run takes them back
+        else:
+            assert not any(os.path.ismount(d) for d in disks)
+
+    assert fleet(path, "--resume").wait(180) == 0, log.read_text()[-3000:]
+    final = json.loads((out / "results.json").read_text())
+    assert final["outcome"] == "complete" and final["rounds_completed"] == 8
+    assert [r["round"] for r in final["history"]] == list(range(1, 9))
+    assert not any(os.path.ismount(d) for d in disks)
+    assert "stopped (SIGTERM)" in log.read_text() and "stopped (SIGHUP)" in log.read_text()

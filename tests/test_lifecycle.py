@@ -57,3 +57,52 @@ def test_a_device_error_is_shown_per_device_and_a_duplicate_id_by_both_sides(tmp
         assert "two processes use device id dev-0" in log
     finally:
         fleet.stop()
+
+
+def wait_in_log(path, text: str, timeout: float) -> None:
+    wait_for(lambda: path.exists() and text in path.read_text(), timeout, repr(text))
+
+
+def test_a_retry_waits_for_devices_that_are_coming_back(tmp_path, export_artifacts):
+    """Two of three devices die during round 2: its first attempt misses the quorum. The retry waits (up to the
+    backoff) for both to be back rather than firing at the one device left or the first to return."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=3,
+                  coordinator_options={"rounds_per_task": 1, "min_clients": 2, "deadline_s": 120.0,
+                                       "retry_backoff_s": 60.0, "client": {"epochs": 15}})
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, timeout=120)
+        fleet.kill("dev-1")
+        fleet.kill("dev-2")
+        wait_in_log(tmp_path / "coordinator.log", "running it again", 60)
+        fleet.start_device(1)
+        time.sleep(3.0)  # the second one returns later: the retry still waits for it
+        fleet.start_device(2)
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        results = fleet.results()
+        second = results["history"][1]
+        assert second["round"] == 2 and second["selected"] == fleet.devices == second["received"], second
+        assert results["counters"]["round-retried"] == 1
+    finally:
+        fleet.stop()
+
+
+def test_a_failed_run_still_writes_its_final_results(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=2,
+                  coordinator_options={"rounds_per_task": 1, "min_clients": 2, "max_attempts": 1,
+                                       "client": {"epochs": 15}})
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, timeout=120)
+        fleet.kill("dev-1")  # gone for good: round 2 cannot reach its quorum
+        assert fleet.wait_coordinator(timeout=300) != 0
+        results = fleet.results()
+        assert results["outcome"].startswith("failed: QuorumError"), results["outcome"]
+        assert results["rounds_completed"] == 1
+        assert results["counters"]["missed-deadline"] == 1  # counted after the last checkpoint, and kept
+    finally:
+        fleet.stop()
