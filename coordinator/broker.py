@@ -142,6 +142,7 @@ class MosquittoBroker:
         max_packet_bytes: int = 2 * 1024 * 1024,
         persistence: bool = False,
         observers: Mapping[str, str] | None = None,
+        require_certificate: bool = False,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
@@ -166,6 +167,9 @@ class MosquittoBroker:
         self.tls = tls
         self.max_packet_bytes = max_packet_bytes
         self.persistence = persistence
+        if require_certificate and tls is None:
+            raise ValueError("require_certificate needs a TLS listener (tls)")
+        self.require_certificate = require_certificate
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
 
@@ -249,6 +253,8 @@ class MosquittoBroker:
                 f"keyfile {Path(self.tls.keyfile).resolve()}",
                 "tls_version tlsv1.2",
             ]
+            if self.require_certificate:  # a client certificate signed by the CA, and the password as well
+                lines.append("require_certificate true")
         return "\n".join(lines) + "\n"
 
     def write_config(self) -> Path:

@@ -8,11 +8,13 @@ loses nothing the protocol cannot resend). Publishing while disconnected is queu
 from __future__ import annotations
 
 import queue
+import socket
 import ssl
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import paho.mqtt.client as mqtt
@@ -23,13 +25,16 @@ CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announc
 
 @dataclass(frozen=True)
 class BrokerSettings:
-    """Where and how to connect. `cafile` switches TLS on (the broker's CA certificate)."""
+    """Where and how to connect. `cafile` switches TLS on (the broker's CA certificate); `certfile` and `keyfile`
+    add a client certificate, for a broker that requires one (`edgefil credentials --client-certs`)."""
 
     host: str = "127.0.0.1"
     port: int = 1883
     username: str | None = None
     password: str | None = None
-    cafile: str | None = None
+    cafile: Path | None = None
+    certfile: Path | None = None
+    keyfile: Path | None = None
     keepalive: int = 10  # seconds; the broker declares the client gone (last will) after 1.5x this
 
 
@@ -50,6 +55,61 @@ class Message(NamedTuple):
 
 class ConnectionRefused(ConnectionError):
     """The broker answered and said no (bad credentials, not authorised): retrying will not help."""
+
+
+class TlsFailure(ConnectionRefused):
+    """The TLS handshake with the broker failed for a reason retrying will not mend (its message says which)."""
+
+
+TLS_PROBE_S = 5.0
+TLS_ALERT_WAIT_S = 0.3
+
+
+def _tls_context(settings: BrokerSettings) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(settings.cafile))
+    if settings.certfile:
+        context.load_cert_chain(str(settings.certfile), str(settings.keyfile) if settings.keyfile else None)
+    return context
+
+
+def tls_problem(settings: BrokerSettings) -> str | None:
+    """Why a TLS connection to the broker cannot work, in words, or None (it works, or the broker is not reachable
+    yet, which is a matter for retrying). paho only reports such a failure as a connection that never comes."""
+    where = f"{settings.host}:{settings.port}"
+    try:
+        context = _tls_context(settings)
+    except (OSError, ssl.SSLError) as err:
+        return f"cannot use the TLS files (cafile {settings.cafile}, certfile {settings.certfile}): {err}"
+    try:
+        raw = socket.create_connection((settings.host, settings.port), timeout=TLS_PROBE_S)
+    except OSError:
+        return None
+    try:
+        with context.wrap_socket(raw, server_hostname=settings.host) as sealed:
+            # TLS 1.3 refuses a missing client certificate after the handshake: wait briefly for that alert
+            sealed.settimeout(TLS_ALERT_WAIT_S)
+            try:
+                if sealed.recv(1) == b"":
+                    return f"the broker at {where} closed the connection right after the TLS handshake"
+            except TimeoutError:
+                pass
+            return None
+    except ssl.SSLCertVerificationError as err:
+        return (f"the certificate of the broker at {where} failed verification: {err.verify_message} (is "
+                f"{settings.cafile} the CA that signed it, and does the certificate name {settings.host}?)")
+    except ssl.SSLError as err:
+        if "WRONG_VERSION_NUMBER" in str(err) or "record layer failure" in str(err):
+            return f"the broker at {where} does not speak TLS on that port ({err.reason})"
+        if "CERTIFICATE_REQUIRED" in str(err) or "HANDSHAKE_FAILURE" in str(err):
+            return (f"the broker at {where} refused the TLS handshake ({err.reason}): it may require a client "
+                    f"certificate (certfile and keyfile in [broker])")
+        return f"TLS handshake with the broker at {where} failed: {err}"
+    except ConnectionResetError:
+        return f"the broker at {where} reset the connection at the TLS handshake: it does not speak TLS on that port"
+    except OSError as err:
+        return f"TLS handshake with the broker at {where} failed: {err}"
+    finally:
+        raw.close()
 
 
 class Link:
@@ -78,8 +138,6 @@ class Link:
         )
         if settings.username is not None:
             client.username_pw_set(settings.username, settings.password)
-        if settings.cafile:
-            client.tls_set(ca_certs=settings.cafile, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if will is not None:
             client.will_set(will.topic, will.payload, qos=QOS, retain=will.retain)
         client.max_queued_messages_set(max_queued)
@@ -90,18 +148,29 @@ class Link:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         self._client = client
+        self._tls_set = False
 
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
-        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no.
-        A stopped link may be started again."""
+        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no,
+        TlsFailure (naming the cause) if the TLS handshake cannot succeed. A stopped link may be started again."""
+        if self.settings.cafile:
+            problem = tls_problem(self.settings)
+            if problem is not None:
+                raise TlsFailure(problem)
+            if not self._tls_set:  # paho takes a context once; the probe above has shown it can be made
+                self._client.tls_set_context(_tls_context(self.settings))
+                self._tls_set = True
         self._decided.clear()
         self._refused = None
         self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)
         self._client.loop_start()
         if not self._decided.wait(timeout):
             self.stop()
+            problem = tls_problem(self.settings) if self.settings.cafile else None
+            if problem is not None:  # the broker came up meanwhile, and TLS is what fails
+                raise TlsFailure(problem)
             raise ConnectionError(f"no MQTT broker answered at {self.settings.host}:{self.settings.port}")
         if self._refused is not None:
             self.stop()

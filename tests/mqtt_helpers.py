@@ -2,7 +2,6 @@
 then runs paho's network thread and records every message it receives."""
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -11,6 +10,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from coordinator.broker import BrokerAddress, TlsFiles
+from coordinator.pki import make_ca
+from coordinator.pki import make_server_cert as pki_server_cert
 
 
 class Peer:
@@ -93,19 +94,7 @@ class Peer:
         self.client.loop_stop()
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 def make_server_cert(folder: Path) -> TlsFiles:
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgefil test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=folder)
-    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=folder)
-    (folder / "server.ext").write_text("basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\n"
-                                       "extendedKeyUsage=serverAuth\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.crt", "-days", "2", "-extfile", "server.ext", cwd=folder)
-    return TlsFiles(str(folder / "ca.crt"), str(folder / "server.crt"), str(folder / "server.key"))
+    """A CA and a server certificate for 127.0.0.1, as `edgefil credentials` makes them."""
+    make_ca(folder, "edgefil test")
+    return pki_server_cert(folder, ["127.0.0.1"], days=2)

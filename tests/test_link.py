@@ -2,26 +2,36 @@
 re-subscribe, QoS 1 messages published while the broker is down go out after it comes back, TLS works."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import tomllib
 from mqtt_helpers import make_server_cert
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
-from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link
+from coordinator.pki import make_ca, make_client_cert
+from edgefil import topics
+from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link, TlsFailure
+from edgefil.settings import Where, build
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 TOPIC = "edgefil/lab/dev/dev-a/update"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def settings(broker: MosquittoBroker, user: str, password: str) -> BrokerSettings:
+def settings(broker: MosquittoBroker, user: str, password: str, **tls) -> BrokerSettings:
     address = broker.address
-    return BrokerSettings(address.host, address.port, user, password, address.cafile, keepalive=2)
+    cafile = Path(address.cafile) if address.cafile else None
+    return BrokerSettings(address.host, address.port, user, password, **{"cafile": cafile, **tls}, keepalive=2)
 
 
 def next_message(link: Link, timeout: float = 10.0) -> tuple[str, bytes]:
-    while (item := link.get(timeout)) is not None and item[0] == CONNECTED:
+    while (item := link.get(timeout)) is not None and item.topic == CONNECTED:
         pass
     assert item is not None, "nothing arrived"
-    return item
+    return item.topic, item.payload
 
 
 @pytest.fixture
@@ -45,14 +55,14 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
     coordinator.start()
     device.start()
     try:
-        assert coordinator.get(5) == (CONNECTED, b"")
+        assert coordinator.get(5) == (CONNECTED, b"", False)
         device.publish(TOPIC, b"before")
         assert next_message(coordinator) == (TOPIC, b"before")
         broker.stop()
         # queued by paho; retained, so it does not matter which of the two links reconnects first
         device.publish(TOPIC, b"while down", retain=True)
         broker.start()
-        assert coordinator.get(20) == (CONNECTED, b"")  # the owner is told, to announce itself again
+        assert coordinator.get(20) == (CONNECTED, b"", False)  # the owner is told, to announce itself again
         assert next_message(coordinator, 20) == (TOPIC, b"while down")  # re-subscribed, and the queue flushed
         assert device.wait_idle(10) and coordinator.connects == 2
     finally:
@@ -72,3 +82,61 @@ def test_tls(tmp_path):
         assert next_message(coordinator) == (TOPIC, b"sealed")
         device.stop()
         coordinator.stop()
+
+
+def test_a_tls_failure_names_its_cause_at_once(tmp_path):
+    """Before, each of these waited out the whole timeout and said "no MQTT broker answered"."""
+    tls = make_server_cert(tmp_path)
+    (tmp_path / "other").mkdir()
+    stranger_ca = make_ca(tmp_path / "other", "another")
+    plain = MosquittoBroker(tmp_path / "plain", "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    strict = MosquittoBroker(tmp_path / "strict", "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"),
+                             tls=tls, require_certificate=True)
+    with plain, strict:
+        cases = [
+            (settings(strict, "dev-a", "pw-a", cafile=stranger_ca), "failed verification"),
+            (settings(plain, "dev-a", "pw-a", cafile=Path(tls.cafile)), "does not speak TLS"),
+            (settings(strict, "dev-a", "pw-a"), "client certificate"),
+            (settings(strict, "dev-a", "pw-a", cafile=tmp_path / "missing.crt"), "cannot use the TLS files"),
+        ]
+        for broker_settings, cause in cases:
+            with pytest.raises(TlsFailure, match=cause):
+                Link(broker_settings, "d").start(timeout=60)
+        certfile, keyfile = make_client_cert(tmp_path, "dev-a", days=2)
+        with_cert = Link(settings(strict, "dev-a", "pw-a", certfile=certfile, keyfile=keyfile), "d")
+        with_cert.start(timeout=10)  # the certificate and the password: in
+        with_cert.stop()
+
+
+def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists(tmp_path):
+    out, port = tmp_path / "secrets", free_port()
+
+    def credentials(devices: str) -> None:
+        subprocess.run([sys.executable, "-m", "edgefil.cli", "credentials", "--fleet", "lab", "--devices", devices,
+                        "--host", "127.0.0.1", "--host", "localhost", "--bind", "127.0.0.1", "--port", str(port),
+                        "--out", str(out), "--client-certs"], check=True, capture_output=True, cwd=ROOT)
+
+    def table(path: Path) -> BrokerSettings:
+        return build(BrokerSettings, tomllib.loads(path.read_text())["broker"], Where(str(path)), base=path.parent)
+
+    credentials("dev-0,dev-1")
+    first = {p.name: p.read_bytes() for p in [out / "ca.crt", out / "server.crt", out / "devices" / "dev-0.toml"]}
+    credentials("dev-0,dev-1,dev-2")  # one more device later: what exists stays
+    assert {p: (out / ("devices/" if p.endswith("toml") else "") / p).read_bytes() for p in first} == first
+    assert oct((out / "ca.key").stat().st_mode & 0o777) == "0o600" and (out / "devices" / "dev-2.key").exists()
+
+    proc = subprocess.Popen([mosquitto_path(), "-c", str(out / "mosquitto.conf")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        coordinator = Link(table(out / "coordinator.toml"), "c",
+                           subscriptions=[f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/+"])
+        device = Link(table(out / "devices" / "dev-2.toml"), "d")
+        coordinator.start(timeout=20)
+        device.start(timeout=20)
+        device.publish(topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
+        assert next_message(coordinator) == (topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
+        device.stop()
+        coordinator.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
