@@ -18,13 +18,16 @@ will. A second process with the same device's credentials does take over that de
 push each other off, which the coordinator detects and reports (docs/security.md).
 
 `EmbeddedBroker` is amqtt in a background thread, for machines without mosquitto: anonymous, no passwords, no
-ACL, so it is for a trusted loopback only.
+ACL, so it is for a trusted loopback only: it refuses another address unless told `allow_remote`, and warns when
+it starts.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import ctypes
+import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -42,6 +45,7 @@ from typing import IO
 
 from edgefil import topics
 
+log = logging.getLogger("edgefil.broker")
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
 _RELOADED = b"Reloading config."
 
@@ -402,11 +406,30 @@ async def _serve_amqtt(
             pass
 
 
-class EmbeddedBroker:
-    """Pure-Python broker (amqtt) for machines without mosquitto: loopback, anonymous, no ACL. Any client that
-    reaches the port may read and write every topic, so keep it on a trusted host."""
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+
+NO_AUTH_WARNING = ("the embedded MQTT broker (amqtt) has NO authentication and NO ACL: any client that reaches "
+                   "{host}:{port} can read and write every topic. Use mosquitto for anything but a trusted host.")
+
+
+def _check_embedded_bind(host: str, allow_remote: bool) -> None:
+    if not allow_remote and not is_loopback(host):
+        raise ValueError(f"the embedded broker has no authentication: it listens on loopback only, not {host!r} "
+                         f"(allow_remote / --allow-remote to bind it there anyway)")
+
+
+class EmbeddedBroker:
+    """Pure-Python broker (amqtt) for machines without mosquitto: anonymous, no ACL. Any client that reaches the
+    port may read and write every topic, so it binds a loopback address unless `allow_remote` says otherwise,
+    and says so at WARNING when it starts."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False) -> None:
+        _check_embedded_bind(host, allow_remote)
         self.host = host
         self.port = port or free_port(host)
         self._thread: threading.Thread | None = None
@@ -448,6 +471,7 @@ class EmbeddedBroker:
             error = self._error
             self.stop()
             raise RuntimeError(f"amqtt did not start on {self.host}:{self.port}: {error!r}") from error
+        log.warning(NO_AUTH_WARNING.format(host=self.host, port=self.port))
 
     def stop(self) -> None:
         """Shut amqtt down (its clients are disconnected) and join its thread; idempotent."""
@@ -469,11 +493,13 @@ class EmbeddedBroker:
         self.stop()
 
 
-def serve_embedded(host: str, port: int) -> None:
+def serve_embedded(host: str, port: int, allow_remote: bool = False) -> None:
     """Run the embedded broker in the foreground until Ctrl-C."""
+    _check_embedded_bind(host, allow_remote)
 
     def started(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         print(f"edgefil broker: mqtt://{host}:{port} (embedded amqtt: anonymous, no ACL); Ctrl-C stops", flush=True)
+        log.warning(NO_AUTH_WARNING.format(host=host, port=port))
 
     try:
         asyncio.run(_serve_amqtt(host, port, started))
@@ -482,7 +508,11 @@ def serve_embedded(host: str, port: int) -> None:
 
 
 def _run_broker(args: argparse.Namespace) -> int:
-    serve_embedded(args.host, args.port)
+    try:
+        serve_embedded(args.host, args.port, args.allow_remote)
+    except ValueError as err:
+        print(f"edgefil broker: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -493,4 +523,6 @@ def add_broker_parser(commands: argparse._SubParsersAction) -> None:
     )
     broker.add_argument("--host", default="127.0.0.1", help="address to listen on")
     broker.add_argument("--port", type=int, default=1883, help="port to listen on")
+    broker.add_argument("--allow-remote", action="store_true",
+                        help="listen on a non-loopback address although anyone who reaches it can use the broker")
     broker.set_defaults(run=_run_broker)

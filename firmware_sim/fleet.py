@@ -15,7 +15,10 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     workers = 2                    # processes hosting the virtual devices
     model = "lenet"
     seed = 0
-    broker = "auto"                # auto | mosquitto | embedded
+    broker = "auto"                # auto | mosquitto | embedded (no authentication: auto falls back to it, at
+                                   # WARNING, only where mosquitto is missing)
+    tls = false                    # the broker's listener uses TLS (a CA and certificate made in out/broker/tls;
+                                   # mosquitto only)
     scenario = {preset = "digits-class"}     # n_clients is set to `devices`
     profiles = {raspberry-pi-4-4gb = 6, jetson-nano = 4}   # emulated devices by profile (counts sum to
                                    # `devices`); none: devices run unemulated at the host's speed
@@ -46,6 +49,7 @@ from typing import Any
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
 from coordinator.config import CoordinatorConfig, RoundSettings
+from coordinator.pki import make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import StoreSettings, TrainerSettings
@@ -79,6 +83,7 @@ class FleetConfig:
     model: str = "lenet"
     seed: int = 0
     broker: str = "auto"
+    tls: bool = False
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     store: StoreSettings = StoreSettings(max_samples=200)
     trainer: TrainerSettings = TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3)
@@ -97,6 +102,8 @@ class FleetConfig:
                              f"not to devices = {self.devices}")
         if self.broker not in ("auto", "mosquitto", "embedded"):
             raise ValueError(f"broker must be auto, mosquitto or embedded; got {self.broker!r}")
+        if self.tls and self.broker == "embedded":
+            raise ValueError("tls = true needs mosquitto: the embedded broker has no TLS")
 
     @classmethod
     def load(cls, path: str | Path) -> FleetConfig:
@@ -212,9 +219,20 @@ class Fleet:
         use_mosquitto = self.config.broker == "mosquitto" or (
             self.config.broker == "auto" and mosquitto_path() is not None
         )
+        if not use_mosquitto and self.config.tls:
+            raise RuntimeError("tls = true needs mosquitto, which is not installed (apt-get install mosquitto)")
+        if not use_mosquitto and self.config.broker == "auto":
+            log.warning("mosquitto is not installed: falling back to the embedded broker, which has no "
+                        "authentication and no ACL (install mosquitto for passwords, the ACL and TLS)")
+        tls = None
+        if self.config.tls:
+            folder = self.config.out / "broker" / "tls"
+            folder.mkdir(parents=True, exist_ok=True)
+            make_ca(folder, f"edgefil {self.config.name}")
+            tls = make_server_cert(folder, ["127.0.0.1"])
         broker: MosquittoBroker | EmbeddedBroker = (
             MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
-                            Credentials("coordinator", self.coordinator_password))
+                            Credentials("coordinator", self.coordinator_password), tls=tls)
             if use_mosquitto else EmbeddedBroker()
         )
         broker.start()
@@ -225,7 +243,8 @@ class Fleet:
         if self.broker is None:
             raise RuntimeError("the broker is not started")
         address = self.broker.address
-        return {"host": address.host, "port": address.port, "username": username, "password": password}
+        tls = {"cafile": address.cafile} if address.cafile else {}
+        return {"host": address.host, "port": address.port, "username": username, "password": password, **tls}
 
     def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
@@ -260,7 +279,7 @@ class Fleet:
         return CoordinatorConfig(
             fleet=self.config.name, out=self.config.out, artifacts=artifacts,
             devices=tuple(self.config.device_ids), scenario=self.scenario,
-            broker=BrokerSettings(**self._settings("coordinator", self.coordinator_password)),
+            broker=build(BrokerSettings, self._settings("coordinator", self.coordinator_password), Where("fleet")),
             seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
             virtual_time=bool(self.config.profiles) and not self.config.real_time,
             **dict(self.config.coordinator),

@@ -347,3 +347,15 @@ def test_last_will_on_its_own_status_is_delivered_and_a_forged_will_dropped(brok
     assert late.expect(status) == b"offline"  # retained
     time.sleep(QUIET)
     assert forged not in coordinator.topics() + late.topics()
+
+
+def test_the_embedded_broker_stays_on_loopback_unless_told_and_warns(caplog):
+    for host in ("0.0.0.0", "192.0.2.1", "::"):
+        with pytest.raises(ValueError, match="loopback only"):
+            EmbeddedBroker(host)
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "broker", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 2 and "--allow-remote" in done.stderr, done.stderr
+    with caplog.at_level("WARNING"), EmbeddedBroker():
+        pass
+    assert any("NO authentication" in r.getMessage() for r in caplog.records)

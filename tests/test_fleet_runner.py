@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from coordinator.broker import mosquitto_path
+from firmware_sim import fleet as fleet_module
 from firmware_sim.report import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,3 +140,33 @@ def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resume
     assert [r["round"] for r in final["history"]] == list(range(1, 9))
     assert not any(os.path.ismount(d) for d in disks)
     assert "stopped (SIGTERM)" in log.read_text() and "stopped (SIGHUP)" in log.read_text()
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_fleet_runs_over_tls(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="mosquitto").replace('broker = "mosquitto"', 'broker = "mosquitto"\ntls = true')
+                    .replace("n_tasks = 3", "n_tasks = 1").replace("profiles = ", "# profiles = "))
+    log = tmp_path / "fleet.log"
+    assert fleet(path).wait(180) == 0, log.read_text()[-3000:]
+    final = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert final["outcome"] == "complete" and final["rounds_completed"] == 2
+    assert all(len(r["received"]) == 4 for r in final["history"])
+    conf = (tmp_path / "run" / "broker" / "mosquitto.conf").read_text()
+    assert "certfile" in conf and "tls_version" in conf  # the only listener is the TLS one
+
+
+def test_without_mosquitto_the_fleet_falls_back_to_the_embedded_broker_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(fleet_module, "mosquitto_path", lambda: None)
+    config = fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2, scenario={"preset": "digits-class"})
+    runner = fleet_module.Fleet(config)
+    with caplog.at_level("WARNING"):
+        broker = runner._start_broker()
+    broker.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("falling back to the embedded broker" in w for w in warnings), warnings
+    assert any("NO authentication" in w for w in warnings), warnings
+    tls = fleet_module.Fleet(fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2, tls=True,
+                                                      scenario={"preset": "digits-class"}))
+    with pytest.raises(RuntimeError, match="tls = true needs mosquitto"):
+        tls._start_broker()
