@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import os
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password
 from edgefil import topics
+from edgefil.settings import dump_toml
 
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 DEFAULT_DAYS = 825
@@ -118,10 +118,9 @@ def _broker_table(path: Path, host: str, port: int, username: str, password: str
                                     "cafile": cafile}
     if client_cert is not None:
         values.update(certfile=client_cert[0], keyfile=client_cert[1])
-    lines = ["[broker]"] + [f"{key} = {json.dumps(value)}" for key, value in values.items()]  # TOML-safe
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(dump_toml({"broker": values}))
 
 
 def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts: Sequence[str], port: int = 8883,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -41,6 +42,30 @@ class Where:
     def error(self, key: str | None, problem: str) -> ConfigError:
         table = f"[{self.table}] " if self.table else ""
         return ConfigError(f"{self.file}: {table}{key + ': ' if key else ''}{problem}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (str, Path)):
+        return json.dumps(str(value))  # a JSON string of ASCII escapes is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(data: Mapping[str, Any], inline: tuple[str, ...] = ("scenario",)) -> str:
+    """A config file's text: top-level values first, then a [table] per mapping (deeper mappings, and the
+    top-level ones named in `inline`, as inline tables). What the configs written by the product need
+    (generated credentials, the simulator's and the benchmarks' files), not a general TOML writer."""
+    plain = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping) or k in inline]
+    tables = [f"[{k}]\n" + "".join(f"{kk} = {_toml_value(vv)}\n" for kk, vv in v.items())
+              for k, v in data.items() if isinstance(v, Mapping) and k not in inline]
+    return "\n".join(plain) + ("\n\n" if plain else "") + "\n".join(tables)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

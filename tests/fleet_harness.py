@@ -13,32 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password
+from edgefil.settings import dump_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
 def write_toml(path: Path, data: dict[str, Any]) -> Path:
-    """Top-level scalars first, then one [section] per nested table (enough for our config files)."""
-    plain = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict) or k in ("scenario",)]
-    tables = [
-        f"[{k}]\n" + "\n".join(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
-        for k, v in data.items() if isinstance(v, dict) and k not in ("scenario",)
-    ]
-    path.write_text("\n".join(plain) + "\n\n" + "\n\n".join(tables) + "\n")
+    path.write_text(dump_toml(data))
     return path
 
 
