@@ -3,9 +3,11 @@ pull in host-only packages (torch, onnx)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -78,6 +80,25 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """A stop signal as Ctrl-C; a second one does not cut the clean-up short."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM (systemd, `timeout`, `kill`) and SIGHUP (a closed terminal) stop a long command as Ctrl-C does:
+    its clean-up runs and its results are written."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.server import QuorumError, run_coordinator
@@ -90,10 +111,13 @@ def _coordinator(args: argparse.Namespace) -> int:
 
         test_sets = check_scenario(config.scenario, Where(args.config).inner("scenario")).build()
     try:
-        results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
+        with stop_signals():
+            results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
     except (QuorumError, FileExistsError) as err:
         print(f"edgefil coordinator: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
           f"accuracy matrix: {results['accuracy_matrix']}")
     return 0
@@ -103,7 +127,8 @@ def _fleet_run(args: argparse.Namespace) -> int:
     from firmware_sim.fleet import run_fleet_file
 
     try:
-        results = run_fleet_file(args.fleet_file, resume=args.resume)
+        with stop_signals():
+            results = run_fleet_file(args.fleet_file, resume=args.resume)
     except KeyboardInterrupt:
         return 130
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,23 +291,13 @@ def state_reserve_bytes(artifacts: Path) -> int:
     return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    """A stop signal as Ctrl-C; a second one does not cut the clean-up short."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report. SIGTERM and
-    SIGHUP stop it as Ctrl-C does (the clean-up runs, the run can be resumed)."""
+    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report. The command
+    line turns SIGTERM and SIGHUP into KeyboardInterrupt, so they stop it as Ctrl-C does (the clean-up runs, the
+    run can be resumed)."""
     fleet = Fleet(FleetConfig.load(path))
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return fleet.run(resume=resume, file=str(path))
     except KeyboardInterrupt as stop:
         log.warning("stopped (%s); the run resumes with: edgefil fleet run %s --resume", stop or "Ctrl-C", path)
         raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

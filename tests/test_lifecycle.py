@@ -3,6 +3,7 @@ per device, and two processes sharing a device id are found and reported by both
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -104,5 +105,24 @@ def test_a_failed_run_still_writes_its_final_results(tmp_path, export_artifacts)
         assert results["outcome"].startswith("failed: QuorumError"), results["outcome"]
         assert results["rounds_completed"] == 1
         assert results["counters"]["missed-deadline"] == 1  # counted after the last checkpoint, and kept
+    finally:
+        fleet.stop()
+
+
+def test_sigterm_stops_the_coordinator_with_its_results_written(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=2,
+                  coordinator_options={"rounds_per_task": 4, "min_clients": 2, "client": {"epochs": 15}})
+    try:
+        fleet.start()
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, timeout=120)
+        fleet.processes["coordinator"].send_signal(signal.SIGTERM)
+        assert fleet.wait_coordinator(timeout=60) == 130
+        results = fleet.results()
+        assert results["outcome"] == "stopped" and results["rounds_completed"] < 20
+        fleet.start_coordinator(resume=True)  # and it goes on from there
+        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.results()["outcome"] == "complete" and fleet.results()["rounds_completed"] == 20
     finally:
         fleet.stop()
