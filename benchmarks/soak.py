@@ -21,7 +21,7 @@ when opened after the kill, against those of the copy taken while the device was
 (opened the same way: an interrupted transaction is rolled back), must be equal; every store passes its full
 check (SQLite integrity, every sample's checksum) after every kill and at the end; **budget overruns**: a store
 over M or its byte budget after a kill, at the end, or in any update's reported metrics; the coordinator's
-resident memory at the start (after its first round) and at the end, for the first process and the resumed one;
+resident memory after its first round and at the end, for the first process and the resumed one;
 refusals and every other counter by reason; what the hostile device sent. A process kill does not lose the page
 cache, so this shows the store and the protocol recover from any instant of a process's death; power loss is
 the store's own tests' business (tests/test_store.py kills mid-transaction and checks the journal).
@@ -159,7 +159,7 @@ class Soak:
         self.phantom = 0
         self.integrity_failures: list[str] = []
         self.overruns: list[str] = []
-        self.memory: list[dict[str, float | None]] = []  # per coordinator process: start, end
+        self.memory: list[dict[str, float | None]] = []  # per coordinator process: after its first round, last
         self.events: list[str] = []
 
     # --- files ------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class Soak:
     def start_coordinator(self, resume: bool) -> None:
         self.spawn("coordinator", "coordinator", "--config", str(self.out / "coordinator.toml"),
                    *(["--resume"] if resume else []))
-        self.memory.append({"start": None, "end": None})
+        self.memory.append({"start": None, "end": None, "from_round": float(self.rounds())})
 
     def rounds(self) -> int:
         path = self.out / "run" / "results.json"
@@ -256,7 +256,7 @@ class Soak:
         while coordinator.poll() is None and time.monotonic() - started < WALL_LIMIT_S:
             now, done = time.monotonic(), self.rounds()
             memory = self.memory[-1]
-            if done >= 1 or memory["start"] is not None:
+            if done > (memory["from_round"] or 0):  # this process has finished a round of its own
                 rss = rss_mb(coordinator.pid)
                 memory["start"] = memory["start"] if memory["start"] is not None else rss
                 memory["end"] = rss if rss is not None else memory["end"]
@@ -365,7 +365,8 @@ def main() -> int:
     print(f"  budget overruns            {len(soak.overruns)} {soak.overruns[:3]}")
     for k, memory in enumerate(soak.memory):
         name = "coordinator" if k == 0 else f"coordinator (resumed {k})"
-        print(f"  {name:26s} RSS at start {memory['start'] or 0:.0f} MB, at end {memory['end'] or 0:.0f} MB")
+        print(f"  {name:26s} RSS after its first round {memory['start'] or 0:.0f} MB, at its end "
+              f"{memory['end'] or 0:.0f} MB")
     print(f"  hostile device sent        {dict(hostile.sent) if hostile else {}}")
     print(f"  device errors              {results.get('device_errors', {})}")
     print(f"  duplicate devices          {results.get('duplicate_devices', {})}")
