@@ -116,8 +116,8 @@ def _accepts(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     """In the child before exec (Linux): the kernel sends it SIGTERM when the thread that started it ends (its
-    process dying, even by SIGKILL, included), so a broker never outlives the fleet or test that started it; start
-    it from a thread that lives as long as it should (the main thread)."""
+    process dying, even by SIGKILL, included), so a broker never outlives the fleet that started it. Only used for
+    a start from the main thread: a broker (re)started from another thread would die with that thread."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -303,7 +303,9 @@ class MosquittoBroker:
         self._out = open(self.workdir / "mosquitto.out", "ab")
         self._proc = subprocess.Popen(
             [exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            # the kernel ties the child to the thread that forks it: only the main thread lives as long as we do
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux")
+            and threading.current_thread() is threading.main_thread() else None,
         )
         deadline = time.monotonic() + timeout
         while True:
