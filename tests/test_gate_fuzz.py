@@ -70,8 +70,9 @@ def valid_payloads() -> dict[str, list[bytes]]:
     chunk_fields: dict[str, Any] = dict(chunk_bytes=wire.MIN_CHUNK_BYTES)
     return {
         "register": [wire.encode("register", device="dev-0", profile="pi4", backend="portable", manifest=MANIFEST,
-                                 software="0.1")],
-        "status": [wire.encode("status", device="dev-0", state="idle", round=3)],
+                                 software="0.1", instance="0123456789abcdef")],
+        "status": [wire.encode("status", device="dev-0", state="idle", round=3, instance="0123456789abcdef"),
+                   wire.encode("status", device="dev-0", state="error", round=3, error="ValueError: bad data")],
         "request": [wire.encode("request", device="dev-0", round=3, names=["generator/1", "generator/2"])],
         "update": wire.encode_blob("update", data, device="dev-0", round=3, task=0, model=MANIFEST, num_samples=40,
                                    metrics={"loss": 0.5}, label_counts=[4] * 10, attachments=layout,
@@ -82,6 +83,8 @@ def valid_payloads() -> dict[str, list[bytes]]:
         "payload": wire.encode_blob("payload", *wire.pack_attachments(b"", {"generator/3": b"x" * 10})[:1],
                                     round=3, attachments=[["generator/3", 10]]).chunks,
         "answer": wire.encode_blob("answer", b"", round=3, attachments=[]).chunks,
+        "notice": [wire.encode("notice", reason="duplicate-device", detail="two processes",
+                               instances=["0123456789abcdef", "fedcba9876543210"])],
     }
 
 
@@ -109,11 +112,18 @@ class Gate:
         self.inbox = Inbox(FLEET, {"dev-0", "dev-1"}, manifest=MANIFEST, num_parameters=N_PARAMS)
 
     def feed(self, payload: bytes, kinds: tuple[str, ...] = DEVICE_KINDS) -> None:
+        """On every kind's topic; as a retained message too when its length is odd (a deterministic half)."""
+        retained = len(payload) % 2 == 1
         for kind in kinds:
-            before = sum(self.inbox.rejections.values())
-            event = self.inbox.accept(topics.from_device(FLEET, "dev-0", kind), payload)
+            before, rate = sum(self.inbox.rejections.values()), self.inbox.rejections["rate"]
+            topic = topics.from_device(FLEET, "dev-0", kind)
+            event = self.inbox.accept(topic, payload, retained)
             counted = sum(self.inbox.rejections.values()) - before
             assert counted in (0, 1) and (event is None or counted == 0)
+            if retained and counted:  # a refused retained message is deleted from the broker (not a rate refusal)
+                rated = self.inbox.rejections["rate"] > rate
+                assert self.inbox.to_clear == ([] if rated else [topic]), (self.inbox.to_clear, rated)
+            self.inbox.to_clear.clear()
         assert self.inbox.rejections[UNEXPECTED] == 0, "the gate met an exception it has no reason for"
 
 
