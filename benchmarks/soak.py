@@ -21,7 +21,8 @@ when opened after the kill, against those of the copy taken while the device was
 (opened the same way: an interrupted transaction is rolled back), must be equal; every store passes its full
 check (SQLite integrity, every sample's checksum) after every kill and at the end; **budget overruns**: a store
 over M or its byte budget after a kill, at the end, or in any update's reported metrics; the coordinator's
-resident memory after its first round and at the end, for the first process and the resumed one;
+resident memory after its first round and at the end, for the first process and the resumed one, and every
+10 rounds;
 refusals and every other counter by reason; what the hostile device sent. A process kill does not lose the page
 cache, so this shows the store and the protocol recover from any instant of a process's death; power loss is
 the store's own tests' business (tests/test_store.py kills mid-transaction and checks the journal).
@@ -161,6 +162,7 @@ class Soak:
         self.overruns: list[str] = []
         self.memory: list[dict[str, float | None]] = []  # per coordinator process: after its first round, last
         self.events: list[str] = []
+        self.trajectory: dict[int, float] = {}  # round -> the coordinator's RSS (MB) when it was completed
 
     # --- files ------------------------------------------------------------------------------------
 
@@ -260,6 +262,8 @@ class Soak:
                 rss = rss_mb(coordinator.pid)
                 memory["start"] = memory["start"] if memory["start"] is not None else rss
                 memory["end"] = rss if rss is not None else memory["end"]
+                if rss is not None and done % 10 == 0 and done not in self.trajectory:
+                    self.trajectory[done] = rss
             for device, due in list(self.down.items()):
                 if now >= due:
                     del self.down[device]
@@ -367,6 +371,7 @@ def main() -> int:
         name = "coordinator" if k == 0 else f"coordinator (resumed {k})"
         print(f"  {name:26s} RSS after its first round {memory['start'] or 0:.0f} MB, at its end "
               f"{memory['end'] or 0:.0f} MB")
+    print("  coordinator RSS by round     " + ", ".join(f"{r}: {mb:.0f}" for r, mb in sorted(soak.trajectory.items())))
     print(f"  hostile device sent        {dict(hostile.sent) if hostile else {}}")
     print(f"  device errors              {results.get('device_errors', {})}")
     print(f"  duplicate devices          {results.get('duplicate_devices', {})}")
