@@ -21,8 +21,8 @@ when opened after the kill, against those of the copy taken while the device was
 (opened the same way: an interrupted transaction is rolled back), must be equal; every store passes its full
 check (SQLite integrity, every sample's checksum) after every kill and at the end; **budget overruns**: a store
 over M or its byte budget after a kill, at the end, or in any update's reported metrics; the coordinator's
-resident memory after its first round and at the end, for the first process and the resumed one, and every
-10 rounds;
+resident memory after its first round and after its last, for the first process and the resumed one, and
+every 10 rounds;
 refusals and every other counter by reason; what the hostile device sent. A process kill does not lose the page
 cache, so this shows the store and the protocol recover from any instant of a process's death; power loss is
 the store's own tests' business (tests/test_store.py kills mid-transaction and checks the journal).
@@ -160,7 +160,7 @@ class Soak:
         self.phantom = 0
         self.integrity_failures: list[str] = []
         self.overruns: list[str] = []
-        self.memory: list[dict[str, float | None]] = []  # per coordinator process: after its first round, last
+        self.memory: list[dict[str, float | None]] = []  # per coordinator process: after its first and last round
         self.events: list[str] = []
         self.trajectory: dict[int, float] = {}  # round -> the coordinator's RSS (MB) when it was completed
 
@@ -210,7 +210,7 @@ class Soak:
     def start_coordinator(self, resume: bool) -> None:
         self.spawn("coordinator", "coordinator", "--config", str(self.out / "coordinator.toml"),
                    *(["--resume"] if resume else []))
-        self.memory.append({"start": None, "end": None, "from_round": float(self.rounds())})
+        self.memory.append({"start": None, "end": None, "last_round": float(self.rounds())})
 
     def rounds(self) -> int:
         path = self.out / "run" / "results.json"
@@ -258,12 +258,14 @@ class Soak:
         while coordinator.poll() is None and time.monotonic() - started < WALL_LIMIT_S:
             now, done = time.monotonic(), self.rounds()
             memory = self.memory[-1]
-            if done > (memory["from_round"] or 0):  # this process has finished a round of its own
+            if done > (memory["last_round"] or 0):  # a round of this process's own just completed
+                memory["last_round"] = float(done)
                 rss = rss_mb(coordinator.pid)
-                memory["start"] = memory["start"] if memory["start"] is not None else rss
-                memory["end"] = rss if rss is not None else memory["end"]
-                if rss is not None and done % 10 == 0 and done not in self.trajectory:
-                    self.trajectory[done] = rss
+                if rss is not None:  # sampled at round boundaries only: not while the process starts or exits
+                    memory["start"] = memory["start"] if memory["start"] is not None else rss
+                    memory["end"] = rss
+                    if done % 10 == 0:
+                        self.trajectory[done] = rss
             for device, due in list(self.down.items()):
                 if now >= due:
                     del self.down[device]
@@ -369,7 +371,7 @@ def main() -> int:
     print(f"  budget overruns            {len(soak.overruns)} {soak.overruns[:3]}")
     for k, memory in enumerate(soak.memory):
         name = "coordinator" if k == 0 else f"coordinator (resumed {k})"
-        print(f"  {name:26s} RSS after its first round {memory['start'] or 0:.0f} MB, at its end "
+        print(f"  {name:26s} RSS after its first round {memory['start'] or 0:.0f} MB, after its last "
               f"{memory['end'] or 0:.0f} MB")
     print("  coordinator RSS by round     " + ", ".join(f"{r}: {mb:.0f}" for r, mb in sorted(soak.trajectory.items())))
     print(f"  hostile device sent        {dict(hostile.sent) if hostile else {}}")
