@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import ipaddress
 import logging
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import IO
 
 from edgefil import topics
+from edgefil.lifetime import die_with_parent
 
 log = logging.getLogger("edgefil.broker")
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
@@ -112,13 +112,6 @@ def _accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): the kernel sends it SIGTERM when the thread that started it ends (its
-    process dying, even by SIGKILL, included), so a broker never outlives the fleet that started it. Only used for
-    a start from the main thread: a broker (re)started from another thread would die with that thread."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -304,8 +297,7 @@ class MosquittoBroker:
         self._proc = subprocess.Popen(
             [exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
             # the kernel ties the child to the thread that forks it: only the main thread lives as long as we do
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux")
-            and threading.current_thread() is threading.main_thread() else None,
+            preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
         deadline = time.monotonic() + timeout
         while True:

@@ -94,10 +94,7 @@ class Inbox:
             return None  # a retained message being deleted (MQTT's empty payload), by its device or by us
         reason = None
         try:
-            if retained and (parsed := topics.parse(self.fleet, topic)) is not None \
-                    and parsed.kind not in topics.RETAINED:
-                raise wire.WireError("retained", f"a {parsed.kind} message is never retained")
-            return self._accept(topic, payload)
+            return self._accept(topic, payload, retained)
         except wire.WireError as err:
             reason = err.reason
             self.reject(err.reason, f"{topic}: {err}")
@@ -117,7 +114,7 @@ class Inbox:
         """Free the chunks of updates for rounds that are closed."""
         return self.reassembler.drop(lambda header: header["round"] < before_round)
 
-    def _accept(self, topic: str, payload: bytes) -> Event | None:
+    def _accept(self, topic: str, payload: bytes, retained: bool) -> Event | None:
         parsed = topics.parse(self.fleet, topic)
         if parsed is None or parsed.direction != topics.FROM_DEVICE:
             if parsed is not None:
@@ -125,6 +122,8 @@ class Inbox:
             raise wire.WireError("topic", "not a topic of this fleet")
         if parsed.kind not in topics.DEVICE_SENDS:
             raise wire.WireError("kind", f"devices do not send {parsed.kind!r}")
+        if retained and parsed.kind not in topics.RETAINED:
+            raise wire.WireError("retained", f"a {parsed.kind} message is never retained")
         if parsed.device not in self.roster:
             raise wire.WireError("unknown-device", f"{parsed.device!r} is not on the roster")
         message = wire.decode(payload)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password
 from edgefil import topics
-from edgefil.settings import dump_toml
+from edgefil.settings import dump_toml, load_toml
 
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 DEFAULT_DAYS = 825
@@ -107,9 +107,7 @@ def _password_in(table: Path) -> str | None:
     """The password an earlier run wrote into a [broker] table (kept, so deployed devices keep working)."""
     if not table.exists():
         return None
-    import tomllib
-
-    return tomllib.loads(table.read_text()).get("broker", {}).get("password")
+    return load_toml(table).get("broker", {}).get("password")
 
 
 def _broker_table(path: Path, host: str, port: int, username: str, password: str, cafile: str,

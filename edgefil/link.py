@@ -155,13 +155,12 @@ class Link:
     def start(self, timeout: float = 30.0) -> None:
         """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no,
         TlsFailure (naming the cause) if the TLS handshake cannot succeed. A stopped link may be started again."""
-        if self.settings.cafile:
+        if self.settings.cafile and not self._tls_set:  # probed once: a restart after an offline stay is not
             problem = tls_problem(self.settings)
             if problem is not None:
                 raise TlsFailure(problem)
-            if not self._tls_set:  # paho takes a context once; the probe above has shown it can be made
-                self._client.tls_set_context(_tls_context(self.settings))
-                self._tls_set = True
+            self._client.tls_set_context(_tls_context(self.settings))  # paho takes a context once
+            self._tls_set = True
         self._decided.clear()
         self._refused = None
         self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)

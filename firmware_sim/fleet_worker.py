@@ -2,16 +2,15 @@
 (not the coordinator, which pulls in torch: about 285 MB of memory and 2 s of start-up per worker)."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
+from edgefil.lifetime import die_with_parent
+
 PARENT_POLL_S = 1.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _wait_for_stop(stop: Any) -> None:
@@ -22,11 +21,7 @@ def _wait_for_stop(stop: Any) -> None:
     parent = os.getppid()
     signalled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: signalled.set())
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        except (OSError, AttributeError):
-            pass
+    die_with_parent()
     while not stop.wait(PARENT_POLL_S) and not signalled.is_set():
         if os.getppid() != parent:
             logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
