@@ -54,7 +54,7 @@ def timed_scores(trainer: Trainer, x: np.ndarray, y: np.ndarray, mode: str, repe
 
 def batch_of_one_norms(trainer: PortableTrainer, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """||grad||^2 of each sample from one run of the portable gradient graph per sample."""
-    return np.array([float(np.sum(np.square(trainer.gradient(x[i : i + 1], y[i : i + 1]), dtype=np.float64)))
+    return np.array([float(np.sum(np.square(trainer.gradient(x[i : i + 1], y[i : i + 1])[1], dtype=np.float64)))
                      for i in range(len(y))])
 
 

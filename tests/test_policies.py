@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from edge_client.policies import Samples, SelectionContext, make_policy, policy_names
 from edge_client.policies.base import balanced_quotas, interleave_by_class
 from edge_client.policies.herding import herding_order
-from edge_client.policies.refed import ReFed, emphasis, proximal_coefficient
 from edge_client.policies.reservoir import reservoir_update
 from edge_client.trainers.ort import OrtTrainer
 
@@ -57,18 +56,6 @@ def test_reservoir_keeps_every_sample_with_equal_probability():
     assert np.abs(frequency - capacity / total).max() < 0.05  # ~4 standard errors at 3000 trials
 
 
-def test_emphasis_weights_follow_the_paper_and_lambda_maps_to_q():
-    assert [emphasis(p, 4, "early") for p in (1, 2, 4)] == [1.0, 0.5, 0.25]
-    assert [emphasis(p, 4, "late") for p in (1, 4)] == [0.25, 1.0]
-    assert emphasis(3, 4, "average") == 1.0
-    assert proximal_coefficient(0.5) == pytest.approx(0.5)
-    assert proximal_coefficient(0.2) == pytest.approx(2.0)
-    with pytest.raises(ValueError):
-        proximal_coefficient(1.0)
-    with pytest.raises(ValueError):
-        ReFed(weighting="middle")
-
-
 @pytest.mark.parametrize("name", ["none", "generator"])
 def test_policies_that_cache_no_raw_samples_keep_none(export_artifacts, name):
     trainer = OrtTrainer(export_artifacts("lenet"), lr=0.01)
@@ -102,30 +89,6 @@ def test_every_caching_policy_returns_keep_distinct_positions(export_artifacts, 
     assert ranking.min() >= 0 and ranking.max() < len(old)
     if name in ("class-balanced", "herding"):
         assert np.bincount(old.y[ranking], minlength=4).min() >= 7  # 30 slots over 4 classes
-
-
-@pytest.mark.parametrize("mode", ["exact", "last-layer"])
-def test_refed_importance_is_the_emphasised_sum_of_pim_gradient_norms(export_artifacts, mode):
-    """Recompute Re-Fed's I(x) by hand: PIM epochs from the global weights with the proximal term."""
-    from edge_client.trainers.base import Proximal
-
-    trainer = OrtTrainer(export_artifacts("lenet"), lr=0.05)
-    old = _old_samples(trainer)
-    device_weights = trainer.get_weights()
-    global_weights = device_weights + np.float32(0.01)
-    policy = ReFed(lam=0.25, pim_epochs=3, weighting="early", importance=mode)
-    scores = policy.importance_scores(old, SelectionContext(trainer, global_weights, None, np.random.default_rng(5)))
-    assert np.array_equal(trainer.get_weights(), device_weights)  # the device's model is untouched
-
-    rng = np.random.default_rng(5)
-    trainer.set_weights(global_weights)
-    expected = np.zeros(len(old))
-    for p in (1, 2, 3):
-        trainer.fit(old.x, old.y, epochs=1, batch_size=64, rng=rng, proximal=Proximal(1.5, global_weights))
-        expected += trainer.per_sample_grad_norms(old.x, old.y, mode=mode) / p
-    np.testing.assert_allclose(scores, expected, rtol=1e-6)
-    ranking = policy.rank(old, 10, SelectionContext(trainer, global_weights, None, np.random.default_rng(5)))
-    assert set(ranking.tolist()) == set(np.argsort(-expected)[:10].tolist())
 
 
 def test_class_quotas_compose_with_any_ranking():

@@ -120,6 +120,25 @@ def test_per_sample_gradient_norms_agree_with_torch_func(model, mode):
     np.testing.assert_allclose(portable, reference, rtol=1e-3, atol=1e-7 * reference.max())
 
 
+@pytest.mark.parametrize("loss", ["plain", "all"])
+def test_the_gradient_is_the_same_on_every_backend_and_moves_nothing(model, loss):
+    """Trainer.gradient (what Re-Fed's PIM steps with): the same loss and gradient, in manifest order, on the three
+    backends; the weights stay where they were."""
+    directory, shape = model
+    rng = np.random.default_rng(4)
+    x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
+    inputs = _loss(loss, rng)
+    trainers = _trainers(directory, "adamw")
+    start = trainers["torch"].get_weights()
+    results = {name: t.gradient(x, y, None, inputs) for name, t in trainers.items()}
+    reference_loss, reference = results["torch"]
+    for name, (value, gradient) in results.items():
+        assert gradient.dtype == np.float32 and gradient.shape == start.shape
+        assert value == pytest.approx(reference_loss, rel=1e-5)
+        assert np.abs(gradient - reference).max() <= 1e-4 * np.abs(reference).max(), name
+        assert np.array_equal(trainers[name].get_weights(), start)
+
+
 def test_training_keeps_weights_and_state_in_two_ort_buffers(export_artifacts):
     """No step allocates or copies parameter buffers: the current weights are always one of the two buffers
     allocated at construction (ping-pong through I/O binding)."""

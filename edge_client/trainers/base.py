@@ -151,6 +151,12 @@ class Trainer(ABC):
         """Eval-mode forward pass: (mean loss, logits, penultimate features)."""
 
     @abstractmethod
+    def _gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        """(batch loss, its float32 gradient in manifest order) of checked inputs; nothing else changes."""
+
+    @abstractmethod
     def _exact_grad_norms(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
     ) -> np.ndarray:
@@ -206,6 +212,17 @@ class Trainer(ABC):
         value = self.train_step(x, y, class_mask, loss)
         self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
         return value
+
+    def gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, loss: LossInputs | None = None
+    ) -> tuple[float, np.ndarray]:
+        """The batch loss (models/loss.py, shaped by `loss`) and its gradient w.r.t. the flat weights, float32 in
+        manifest order, at the current weights. Neither the weights nor the optimiser's state change: a caller
+        can run an optimiser of its own on these (Re-Fed's PIM does) without touching the task model's."""
+        x, y = self._check_batch(x, y)
+        if loss is not None:
+            loss = self._check_loss(loss, len(y))
+        return self._gradient(x, y, self.mask(class_mask), loss)
 
     def evaluate(
         self, x: np.ndarray, y: np.ndarray, batch_size: int = 256, class_mask: np.ndarray | None = None

@@ -105,6 +105,21 @@ class OrtTrainer(Trainer):
         loss, logits, features = (value.numpy() for value in fetches)
         return float(loss), logits, features
 
+    def _gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        """A train step with no optimizer step, the gradients read off the checkpoint state in manifest order,
+        then reset so the next training step starts from zero."""
+        self._require_weights()
+        fetches = C.OrtValueVector()
+        try:
+            self._module.train_step(self._feeds(x, y, class_mask, loss), fetches)
+            gradient = np.concatenate([self._state.get_parameter(p.name).grad.numpy().ravel()
+                                       for p in self.manifest.parameters])
+        finally:
+            self._module.lazy_reset_grad()
+        return float(fetches[0].numpy()), gradient.astype(np.float32, copy=False)
+
     def _exact_grad_norms(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
     ) -> np.ndarray:

@@ -76,7 +76,7 @@ class PortableTrainer(Trainer):
         self._sessions: dict[str, Any] = {}
         size = self.manifest.num_parameters
         self._weights = _PingPong(size)
-        self._gradient = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+        self._gradient_buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
         self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
         self._reference = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
         self._reference.update_inplace(np.zeros(size, dtype=np.float32))  # read with mu = 0: must be finite
@@ -136,7 +136,7 @@ class PortableTrainer(Trainer):
         update = self._session(self._optimizer_name)
         binding = update.io_binding()
         binding.bind_ortvalue_input("weights", self._weights.current)
-        binding.bind_ortvalue_input("gradient", self._gradient)
+        binding.bind_ortvalue_input("gradient", self._gradient_buffer)
         binding.bind_ortvalue_input("reference", self._reference)
         binding.bind_ortvalue_output("new_weights", self._weights.spare)
         for name, state in self._state.items():
@@ -157,16 +157,12 @@ class PortableTrainer(Trainer):
             state.swap()
         return value
 
-    def gradient(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, loss: LossInputs | None = None
-    ) -> np.ndarray:
-        """The batch loss's gradient w.r.t. the flat weights (manifest order); weights and optimiser unchanged."""
+    def _gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
         self._require_weights()
-        x, y = self._check_batch(x, y)
-        if loss is not None:
-            loss = self._check_loss(loss, len(y))
-        self._run_gradient(x, y, self.mask(class_mask), loss)
-        return np.asarray(self._gradient.numpy(), dtype=np.float32).copy()
+        value = self._run_gradient(x, y, class_mask, loss)
+        return value, np.asarray(self._gradient_buffer.numpy(), dtype=np.float32).copy()
 
     def _run_gradient(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
                       ) -> float:
@@ -179,7 +175,7 @@ class PortableTrainer(Trainer):
                                 "teacher_weights", "bce"), feeds):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
         binding.bind_ortvalue_output("loss", self._loss)
-        binding.bind_ortvalue_output("gradient", self._gradient)
+        binding.bind_ortvalue_output("gradient", self._gradient_buffer)
         session.run_with_iobinding(binding)
         return float(self._loss.numpy())
 

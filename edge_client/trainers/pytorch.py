@@ -66,6 +66,20 @@ class TorchTrainer(Trainer):
         self._optimizer.step()
         return float(value.item())
 
+    def _gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        """torch.autograd.grad of the training loss, in train mode as train_step: the parameters' .grad and the
+        optimiser are left alone."""
+        self.model.train()
+        params = dict(self.model.named_parameters())
+        raw, _ = self.model(self._tensor(x))
+        inputs = (self._tensor(a) for a in loss_arrays(y, self.manifest.num_classes, loss))
+        value = training_loss(raw, self._tensor(class_mask), *inputs)
+        grads = torch.autograd.grad(value, [params[p.name] for p in self.manifest.parameters])
+        flat = np.concatenate([g.detach().cpu().numpy().ravel() for g in grads])
+        return float(value.item()), flat.astype(np.float32, copy=False)
+
     @torch.no_grad()
     def forward(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray
