@@ -37,10 +37,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from edgefil import topics
 from edgefil.lifetime import die_with_parent
@@ -371,6 +371,27 @@ class MosquittoBroker:
 
 
 _AMQTT_SHUTDOWN_S = 3.0
+# amqtt logs every connection and every state-machine callback (via `transitions`) at INFO.
+_CHATTY_LOGGERS = ("amqtt", "transitions")
+
+
+class _SnapshotDict(dict[str, Any]):
+    """amqtt 0.12.1 iterates its topic -> subscribers dict across awaits (publishing retained messages to a new
+    session; deleting a closed session's subscriptions) while other sessions subscribe, and the iteration dies with
+    "dictionary changed size during iteration", taking that client's connection handler with it (the client then
+    waits out a keepalive). Iterating a snapshot of the keys is what those loops need."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(super().keys()))
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        return list(super().keys())
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return list(super().items())
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return list(super().values())
 
 
 def _amqtt_config(host: str, port: int) -> dict:
@@ -386,7 +407,11 @@ async def _serve_amqtt(
     """Run amqtt until the event handed to `started` is set (or the task is cancelled, e.g. by Ctrl-C)."""
     from amqtt.broker import Broker
 
+    for name in _CHATTY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
     broker = Broker(_amqtt_config(host, port))
+    broker._subscriptions = _SnapshotDict()
     await broker.start()
     stop = asyncio.Event()
     try:

@@ -32,6 +32,7 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,13 @@ class QuorumError(RuntimeError):
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, resume: bool = False, test_sets: TestSets | None = None) -> None:
+    def __init__(self, config: CoordinatorConfig, resume: bool = False, test_sets: TestSets | None = None,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         """`test_sets` is what the global model is evaluated on; by default the config's `test_data` folder (a
-        simulated fleet passes its scenario's test sets)."""
+        simulated fleet passes its scenario's test sets). `progress` is called with each round's history entry
+        (round, task, accuracy, ...) once the round is checkpointed."""
         self.config = config
+        self.progress = progress
         self.manifest = load_manifest(config.artifacts)
         if test_sets is None:
             if config.test_data is None:
@@ -337,6 +341,8 @@ class Coordinator:
         save_run_state(generation, state)  # last: a generation without its state.json is incomplete
         prune_generations(self.checkpoint_dir, self.config.checkpoint.keep, generation)
         write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
+        if self.progress is not None:
+            self.progress(state.history[-1])
 
     def _client_evaluation(self, task: int) -> dict[str, Any]:
         """Flowing data: each client's model (personalized, else global) on its test data seen so far, and IAA."""

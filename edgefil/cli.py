@@ -57,10 +57,10 @@ def _export_generator(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from firmware_sim.demo import run_demo
+    from firmware_sim.demo import DemoSettings, run_demo
 
-    run_demo(args.out, devices=args.devices, tasks=args.tasks, rounds_per_task=args.rounds_per_task,
-             budget=args.budget, seed=args.seed)
+    run_demo(args.out, DemoSettings(devices=args.devices, tasks=args.tasks, rounds_per_task=args.rounds_per_task,
+                                    epochs=args.epochs, budget=args.budget, seed=args.seed))
     return 0
 
 
@@ -162,11 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="the main job: a fleet of virtual devices, Re-Fed vs random caching vs Fixed, compared"
     )
-    demo.add_argument("--out", default="runs/demo", help="folder for the runs and the comparison")
+    demo.add_argument("--out", default="runs/demo", help="each demo writes a new folder run-<n> in here")
     demo.add_argument("--devices", type=int, default=10)
     demo.add_argument("--tasks", type=int, default=5, help="class-incremental digits tasks (2 classes each)")
     demo.add_argument("--rounds-per-task", type=int, default=3)
-    demo.add_argument("--budget", type=int, default=100, help="the replay budget M, in samples per device")
+    demo.add_argument("--epochs", type=int, default=10, help="local epochs E per round")
+    demo.add_argument("--budget", type=int, default=None,
+                      help="the replay budget M, in samples per device (default: ~20%% of old data cached at the end)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 

@@ -1,64 +1,159 @@
 """The README's main job: a fleet of virtual devices of mixed profiles (10 by default) on the embedded
 class-incremental digits, run once per method at the same replay budget M — Re-Fed caching, random caching, and
 the Fixed baseline (trained on the first task only) — over the embedded broker, then the comparison table and
-plots (firmware_sim/report.py). Each run is a real `edgefil fleet run`: coordinator, device daemons, MQTT."""
+plots (firmware_sim/report.py). Each run is a real `edgefil fleet run`: coordinator, device daemons, MQTT.
+
+The regime is the papers' (shared/specs/refed.md), scaled to minutes on two cores:
+- every task is learned in its own rounds: E = 10 local epochs of AdamW (lr 3e-3) a round, 3 rounds a task;
+- the budget binds: M defaults to N_task (1 + 0.25 (T - 1)) with N_task the mean size of one device's task, so at
+  the last task a device caches about a quarter of its old data (`budget_for`; the README says how to pick M);
+- every run aggregates with Re-Fed's server rule, the unweighted mean (Algorithm 2), so only the cache differs;
+- Re-Fed's PIM takes 40 epochs at most and stops once an epoch gains less than 5 % (`pim_tolerance`), scoring with
+  exact per-sample gradient norms (a device caches a few dozen samples here, so the exact score is affordable).
+Each demo writes a new numbered folder under `out` (run-1, run-2, ...), so running it again never meets an old run.
+"""
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_client.config import StoreSettings
+from edge_client.config import StoreSettings, TrainerSettings
+from edgefil.settings import Where
 from firmware_sim.fleet import Fleet, FleetConfig
 from firmware_sim.report import compare_runs
+from firmware_sim.scenarios import check_scenario
 
 # A mixed fleet, cycled over the devices: slow Wi-Fi boards, a duty-cycled Pi Zero, Jetsons, one x86 box.
 PROFILE_CYCLE = (
     "raspberry-pi-4-4gb", "jetson-nano", "raspberry-pi-zero-2w", "jetson-orin-nano", "raspberry-pi-4-4gb",
     "generic", "jetson-nano", "raspberry-pi-zero-2w", "raspberry-pi-4-4gb", "jetson-orin-nano",
 )
+REFED = {"name": "refed", "pim_epochs": 40, "pim_tolerance": 0.05, "importance": "exact"}
 METHODS: dict[str, dict[str, Any]] = {
-    "refed": {"policy": {"name": "refed", "pim_epochs": 2}},
+    "refed": {"policy": REFED},
     "random": {"policy": {"name": "random"}},
     "fixed": {"policy": {"name": "random"}, "coordinator": {"train_tasks": 1}},
 }
+STRATEGY = {"name": "fedavg", "weighted": False}  # Re-Fed's server rule, the same for every run
+OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    devices: int = 10
+    tasks: int = 5
+    rounds_per_task: int = 3
+    epochs: int = 10
+    budget: int | None = None  # M in samples; None: budget_for(the scenario)
+    seed: int = 0
+    model: str = "lenet"
+    lr: float = 3e-3
+    preset: str = "digits-class"  # a class-incremental preset (firmware_sim/scenarios.py) the model takes
+
+    @property
+    def scenario(self) -> dict[str, Any]:
+        return {"preset": self.preset, "n_tasks": self.tasks, "n_clients": self.devices, "seed": self.seed}
 
 
 def demo_profiles(devices: int) -> dict[str, int]:
     return dict(Counter(PROFILE_CYCLE[i % len(PROFILE_CYCLE)] for i in range(devices)))
 
 
-def run_methods(
-    out: Path, scenario: dict[str, Any], model: str = "lenet", devices: int = 10, rounds_per_task: int = 3,
-    budget: int = 100, seed: int = 0,
-) -> dict[str, dict[str, Any]]:
-    """One fleet run per method in METHODS, same fleet, data and budget; each run's results by method."""
-    runs = {}
-    for method, options in METHODS.items():
-        print(f"--- {method}: {devices} virtual devices, {scenario}, {rounds_per_task} rounds per task, M = {budget}")
-        config = FleetConfig(
-            name=f"demo-{method}", out=out / method, devices=devices, workers=2, model=model, seed=seed,
-            broker="embedded", scenario={**scenario, "seed": seed}, profiles=demo_profiles(devices),
-            policy=options["policy"], store=StoreSettings(max_samples=budget),
-            client={"epochs": 2},
-            coordinator={
-                "rounds_per_task": rounds_per_task, "min_clients": max(1, devices // 2), "deadline_s": 60.0,
-                "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
-            },
-        )
-        runs[method] = Fleet(config).run()
-        print(f"{method}: final accuracy {runs[method]['final_accuracy']:.2%}; report {runs[method]['report']}")
-    return runs
+def budget_for(scenario: dict[str, Any], cached: float = OLD_DATA_CACHED) -> int:
+    """M = N_task (1 + cached (T - 1)): with N_task the mean number of samples one device gets per task and T
+    tasks, a device holds its newest task and `cached` of its older data at the last task."""
+    data = check_scenario(scenario, Where("demo")).build()
+    sizes = [len(task.client_train(k)[1]) for task in data.tasks
+             for k in range(data.scenario.n_clients)]
+    return max(1, round(sum(sizes) / len(sizes) * (1 + cached * (len(data.tasks) - 1))))
 
 
-def run_demo(
-    out: str | Path = "runs/demo", devices: int = 10, tasks: int = 5, rounds_per_task: int = 3,
-    budget: int = 100, seed: int = 0,
-) -> list[Path]:
-    out = Path(out)
-    scenario = {"preset": "digits-class", "n_tasks": tasks}
-    run_methods(out, scenario, devices=devices, rounds_per_task=rounds_per_task, budget=budget, seed=seed)
-    written = compare_runs([out / m for m in METHODS], out / "comparison", labels=list(METHODS))
-    print((out / "comparison" / "comparison.md").read_text())
+def planned_rounds(tasks: int, rounds_per_task: int, train_tasks: int | None) -> int:
+    """Rounds a run reports: rounds_per_task per trained task, one evaluation per task past `train_tasks`."""
+    trained = tasks if train_tasks is None else min(train_tasks, tasks)
+    return trained * rounds_per_task + (tasks - trained)
+
+
+class Progress:
+    """One line per round: the run, round k/N, the task, mean accuracy on the tasks seen, elapsed, ETA (the
+    demo's remaining rounds at its mean pace so far)."""
+
+    def __init__(self, total_rounds: int) -> None:
+        self.total, self.done, self.started = total_rounds, 0, time.monotonic()
+
+    def for_run(self, label: str, rounds: int, tasks: int) -> Callable[[dict[str, Any]], None]:
+        count = 0
+
+        def report(entry: dict[str, Any]) -> None:
+            nonlocal count
+            count += 1
+            self.done += 1
+            elapsed = time.monotonic() - self.started
+            eta = elapsed / self.done * (self.total - self.done)
+            accuracy = sum(entry["accuracy"]) / max(len(entry["accuracy"]), 1)
+            print(f"[{label}] round {count}/{rounds} (task {entry['task'] + 1}/{tasks}) accuracy {accuracy:.1%} "
+                  f"| elapsed {_clock(elapsed)}, ETA {_clock(eta)}", flush=True)
+
+        return report
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{rest:02d}"
+
+
+def next_run_folder(out: Path) -> Path:
+    """out/run-<n>, n one past the highest there (a fresh folder for every demo)."""
+    taken = [int(p.name[4:]) for p in out.glob("run-*") if p.name[4:].isdigit()] if out.is_dir() else []
+    return out / f"run-{max(taken, default=0) + 1}"
+
+
+def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int) -> FleetConfig:
+    options = METHODS[method]
+    return FleetConfig(
+        name=f"demo-{method}", out=out / method, devices=settings.devices, workers=2, model=settings.model,
+        seed=settings.seed, broker="embedded", scenario=settings.scenario, profiles=demo_profiles(settings.devices),
+        policy=options["policy"], store=StoreSettings(max_samples=budget),
+        trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=settings.lr),
+        client={"epochs": settings.epochs}, strategy=STRATEGY,
+        coordinator={
+            "rounds_per_task": settings.rounds_per_task, "min_clients": max(1, settings.devices // 2),
+            "deadline_s": 60.0, "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
+        },
+    )
+
+
+def run_methods(out: Path, settings: DemoSettings, quiet: bool = True) -> dict[str, dict[str, Any]]:
+    """One fleet run per method in METHODS, same fleet, data, budget and rule; each run's results by method.
+    `quiet` keeps the runtime's own INFO lines out of the way of the progress lines."""
+    budget = settings.budget or budget_for(settings.scenario)
+    configs = {method: fleet_config(method, settings, out, budget) for method in METHODS}
+    rounds = {m: planned_rounds(settings.tasks, settings.rounds_per_task, c.coordinator.get("train_tasks"))
+              for m, c in configs.items()}
+    progress = Progress(sum(rounds.values()))
+    print(f"{settings.devices} virtual devices, {settings.preset} in {settings.tasks} tasks, "
+          f"{settings.rounds_per_task} rounds per task, E = {settings.epochs}, M = {budget}, seed {settings.seed}; "
+          f"runs in {out}", flush=True)
+    edgefil_level = logging.getLogger("edgefil").level
+    if quiet:
+        logging.getLogger("edgefil").setLevel(logging.WARNING)
+    try:
+        return {method: Fleet(config).run(progress=progress.for_run(method, rounds[method], settings.tasks))
+                for method, config in configs.items()}
+    finally:
+        logging.getLogger("edgefil").setLevel(edgefil_level)
+
+
+def run_demo(out: str | Path = "runs/demo", settings: DemoSettings = DemoSettings()) -> list[Path]:
+    folder = next_run_folder(Path(out))
+    run_methods(folder, settings)
+    written = compare_runs([folder / m for m in METHODS], folder / "comparison", labels=list(METHODS))
+    print((folder / "comparison" / "comparison.md").read_text())
     print("plots: " + ", ".join(str(p) for p in written if p.suffix == ".png"))
     return written
+

@@ -43,11 +43,16 @@ def mount(folder: Path, capacity_bytes: int) -> bool:
 
 
 def unmount(folder: Path) -> None:
-    """Copy the folder's contents to the host's disk, unmount, and put them back in the plain folder."""
+    """Copy the folder's contents to the host's disk, unmount, and put them back in the plain folder. Where even
+    a lazy unmount fails (someone else unmounted it first), the copy stays beside it as `<folder>.held` and the
+    failure is logged: a fleet stopping after an error must not trade that error for this one."""
     held = folder.with_name(folder.name + ".held")
     shutil.copytree(folder, held, dirs_exist_ok=True)
     if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
         # still held open (a device that did not stop in time): detach it now, free it when released
-        subprocess.run(["umount", "--lazy", str(folder)], check=True, capture_output=True)
+        lazy = subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, text=True)
+        if lazy.returncode != 0 and os.path.ismount(folder):
+            log.warning("cannot unmount %s (%s): its contents are kept in %s", folder, lazy.stderr.strip(), held)
+            return
     shutil.copytree(held, folder, dirs_exist_ok=True)
     shutil.rmtree(held)

@@ -39,9 +39,10 @@ profiles and whether the model takes the scenario's inputs. Errors are one line 
 """
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,13 +55,14 @@ from coordinator.strategies import check_strategy
 from edge_client.config import StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy
 from edge_client.trainers.choice import resolve_backend
+from edgefil.durable import write_atomically
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
 from firmware_sim import disk
 from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
-from firmware_sim.report import write_report
+from firmware_sim.report import FLEET_FILE, write_report
 from firmware_sim.scenarios import ScenarioData, check_scenario
 from models.manifest import load_manifest
 from models.zoo import model_fits
@@ -136,6 +138,17 @@ class FleetConfig:
             raise where.error("model", f"{self.model!r} on scenario {scenario.dataset!r}: {err}") from None
         return data
 
+    def describe(self) -> dict[str, Any]:
+        """What the devices and the coordinator of this fleet run, as JSON types: written to the run folder's
+        `fleet.json`, where reports read each run's policy, budget M and rule."""
+        return {
+            "name": self.name, "devices": self.devices, "model": self.model, "seed": self.seed,
+            "scenario": dict(self.scenario), "policy": dict(self.policy),
+            "store": {k: v for k, v in vars(self.store).items() if v is not None}, "trainer": vars(self.trainer),
+            "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
+            "profiles": dict(self.profiles),
+        }
+
     @property
     def device_ids(self) -> list[str]:
         return [f"dev-{i:03d}" for i in range(self.devices)]
@@ -160,18 +173,22 @@ class Fleet:
         self._workers: list[mp.process.BaseProcess] = []
         self._mounted: list[Path] = []
 
-    def run(self, resume: bool = False, file: str = "fleet config") -> dict[str, Any]:
+    def run(self, resume: bool = False, file: str = "fleet config",
+            progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """The whole run; `progress` gets each round's history entry as the coordinator completes it."""
         data = self.config.check(file)  # before anything starts
         out = self.config.out
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
+        write_atomically(out / FLEET_FILE, json.dumps(self.config.describe(), indent=1).encode())
         artifacts = self._export(data)
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
             self._mount_disks()
             self.broker = self._start_broker()
             self._start_workers(artifacts)
-            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data)
+            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
+                                      progress=progress)
             results = coordinator.run()
         finally:
             self.stop()

@@ -34,6 +34,7 @@ from edgefil.metrics import (
 )
 
 RESULTS = "results.json"
+FLEET_FILE = "fleet.json"  # a simulated fleet's configuration (FleetConfig.describe), beside results.json
 
 
 def load_run(folder: str | Path) -> dict[str, Any]:
@@ -201,19 +202,48 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
     ]) + "\n"
 
 
+def load_fleet(folder: str | Path) -> dict[str, Any]:
+    """A simulated fleet's `fleet.json` ({} for a run that has none, e.g. a real coordinator's)."""
+    try:
+        fleet = json.loads((Path(folder) / FLEET_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return fleet if isinstance(fleet, dict) else {}
+
+
+def describe_policy(fleet: Mapping[str, Any]) -> tuple[str, str]:
+    """(policy, budget M) as a comparison names them: "refed by class", "M = 50" or "M = 64 kB"; "—" unknown."""
+    policy = fleet.get("policy") or {}
+    name = str(policy.get("name", "—")) + (f" by {policy['group_by']}" if policy.get("group_by") else "")
+    if fleet.get("coordinator", {}).get("train_tasks"):
+        trained = int(fleet["coordinator"]["train_tasks"])
+        name += f" (trains {trained} task{'s' if trained > 1 else ''} only)"
+    store = fleet.get("store") or {}
+    budget = ", ".join([*([f"M = {store['max_samples']}"] if "max_samples" in store else []),
+                        *([_bytes(store["max_bytes"])] if "max_bytes" in store else [])]) or "—"
+    return name, budget
+
+
+def describe_rule(strategy: Mapping[str, Any]) -> str:
+    """The aggregation rule with the options it was given: "fedavg (weighted = False)"."""
+    options = ", ".join(f"{k} = {v}" for k, v in strategy.items() if k != "name")
+    return str(strategy.get("name", "?")) + (f" ({options})" if options else "")
+
+
 def _comparison_markdown(labels: Sequence[str], runs: Sequence[Mapping[str, Any]],
-                         summaries: Sequence[Mapping[str, Any]]) -> str:
+                         summaries: Sequence[Mapping[str, Any]], fleets: Sequence[Mapping[str, Any]]) -> str:
     with_iaa = any(s["aa"] is not None for s in summaries)
     rows = []
-    for label, results, s in zip(labels, runs, summaries):
+    for label, results, s, fleet in zip(labels, runs, summaries, fleets):
         cor = _mean_cor(s)
         peaks = [p["peak"] for p in s["storage"].values()]
-        rows.append([label, results["strategy"].get("name", "?"), s["rounds"], _pct(s["final_accuracy"]),
+        rows.append([label, *describe_policy(fleet), describe_rule(results["strategy"]), s["rounds"],
+                     _pct(s["final_accuracy"]),
                      _pct(s["average_accuracy"]), _pct(s["forgetting"]), _pct(s["backward_transfer"]),
                      *([_pct(s["aa"]), _pct(s["afm"])] if with_iaa else []),
                      "—" if cor is None else f"{cor:.2f}",
                      _bytes(s["traffic"]["sent"] + s["traffic"]["received"]), _bytes(max(peaks, default=None))])
-    header = ["run", "strategy", "rounds", "final acc.", "average acc.", "forgetting", "BWT",
+    header = ["run", "policy", "budget", "aggregation", "rounds", "final acc.", "average acc.", "forgetting", "BWT",
               *(["AA", "AFM"] if with_iaa else []), "mean CoR", "device traffic", "max peak stored"]
     return "# Run comparison\n\n" + _table(header, rows) + "\n"
 
@@ -370,7 +400,8 @@ def compare_runs(folders: Sequence[str | Path], out: str | Path, labels: Sequenc
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = out / "comparison.md"
-    markdown.write_text(_comparison_markdown(labels, runs, [run_summary(r) for r in runs]))
+    markdown.write_text(_comparison_markdown(labels, runs, [run_summary(r) for r in runs],
+                                             [load_fleet(f) for f in folders]))
     return [markdown, _plot_comparison(labels, runs, out / "comparison.png")]
 
 

@@ -108,11 +108,26 @@ def test_compare_runs_writes_a_table_with_every_run_and_a_plot(tmp_path):
     folders = [run_folder(tmp_path, "a", results()), run_folder(tmp_path, "b", results("fedprox", shift=0.1))]
     md, png = compare_runs(folders, tmp_path / "cmp", labels=["avg", "prox"])
     text = md.read_text()
-    assert "| avg | fedavg | 6 | 65.00% |" in text and "| prox | fedprox | 6 | 55.00% |" in text
+    assert "| avg | — | — | fedavg | 6 | 65.00% |" in text and "| prox | — | — | fedprox | 6 | 55.00% |" in text
     assert "| 1.33 | 11.0 kB | 16.4 kB |" in text  # mean CoR (2+1+1)/3, device traffic, max peak stored
     assert png.read_bytes().startswith(PNG)
     with pytest.raises(ValueError, match="2 runs"):
         compare_runs(folders, tmp_path / "cmp", labels=["only-one"])
+
+
+def test_a_fleets_runs_are_compared_with_their_policy_budget_and_rule(tmp_path):
+    """A simulated fleet's run folder holds fleet.json: the table names what its devices ran."""
+    folders = [run_folder(tmp_path, "a", {**results(), "strategy": {"name": "fedavg", "weighted": False}}),
+               run_folder(tmp_path, "b", results())]
+    (folders[0] / "fleet.json").write_text(json.dumps({
+        "policy": {"name": "refed", "group_by": "class", "lam": 0.5}, "store": {"max_samples": 48},
+        "coordinator": {"rounds_per_task": 3}}))
+    (folders[1] / "fleet.json").write_text(json.dumps({
+        "policy": {"name": "random"}, "store": {"max_samples": 48, "max_bytes": 65536},
+        "coordinator": {"train_tasks": 1}}))
+    text = compare_runs(folders, tmp_path / "cmp", labels=["quotas", "fixed"])[0].read_text()
+    assert "| quotas | refed by class | M = 48 | fedavg (weighted = False) | 6 |" in text
+    assert "| fixed | random (trains 1 task only) | M = 48, 65.5 kB | fedavg | 6 |" in text
 
 
 def parser():
@@ -126,7 +141,7 @@ def test_report_command_compares_several_folders(tmp_path, capsys):
     args = parser().parse_args(["report", str(one), str(two), "--labels", "a,b"])
     assert args.run(args) == 0
     out = capsys.readouterr().out
-    assert "| a | fedavg |" in out and "| b | fedavg |" in out
+    assert "| a | — | — | fedavg |" in out and "| b | — | — | fedavg |" in out
     assert (tmp_path / "comparison" / "comparison.md").exists()
     assert (tmp_path / "comparison" / "comparison.png").exists()
 
