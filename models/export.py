@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -269,11 +270,27 @@ def native_stderr_captured() -> Iterator[None]:
             os.close(saved)
 
 
+def _warnings_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+@contextlib.contextmanager
+def root_info_silenced() -> Iterator[None]:
+    """ORT's artifact generator logs every file it writes at INFO through the root logger (`logging.info`); a
+    filter on the root logger drops those records and leaves every named logger alone."""
+    root = logging.getLogger()
+    root.addFilter(_warnings_only)
+    try:
+        yield
+    finally:
+        root.removeFilter(_warnings_only)
+
+
 def _quiet_generate(onnx_model: Any, trainable: list[str], optimizer: str, directory: Path) -> None:
     from onnxruntime.training import artifacts
 
     kinds = {"sgd": artifacts.OptimType.SGD, "adamw": artifacts.OptimType.AdamW}
-    with native_stderr_captured():
+    with native_stderr_captured(), root_info_silenced():
         artifacts.generate_artifacts(
             onnx_model,
             requires_grad=trainable,
