@@ -120,7 +120,7 @@ def test_per_sample_gradient_norms_agree_with_torch_func(model, mode):
     np.testing.assert_allclose(portable, reference, rtol=1e-3, atol=1e-7 * reference.max())
 
 
-@pytest.mark.parametrize("loss", ["plain", "all"])
+@pytest.mark.parametrize("loss", ["all"])
 def test_the_gradient_is_the_same_on_every_backend_and_moves_nothing(model, loss):
     """Trainer.gradient (what Re-Fed's PIM steps with): the same loss and gradient, in manifest order, on the three
     backends; the weights stay where they were."""

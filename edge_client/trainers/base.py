@@ -218,7 +218,7 @@ class Trainer(ABC):
     ) -> tuple[float, np.ndarray]:
         """The batch loss (models/loss.py, shaped by `loss`) and its gradient w.r.t. the flat weights, float32 in
         manifest order, at the current weights. Neither the weights nor the optimiser's state change: a caller
-        can run an optimiser of its own on these (Re-Fed's PIM does) without touching the task model's."""
+        can run an optimiser of its own on these (a policy's side model, say) without touching the task model's."""
         x, y = self._check_batch(x, y)
         if loss is not None:
             loss = self._check_loss(loss, len(y))
