@@ -37,7 +37,7 @@ def main() -> None:
         for seed in seeds:
             settings = DemoSettings(preset=preset, model=MODELS[preset], seed=seed)
             budgets.append(budget_for(settings.scenario))
-            runs = run_methods(Path(args.out) / preset / f"seed{seed}", settings, quiet=True)
+            runs = run_methods(Path(args.out) / preset / f"seed{seed}", settings)
             for method, results in runs.items():
                 acc = accuracy_matrix(results["accuracy_matrix"])
                 rows[method].append((average_accuracy(acc),

@@ -54,6 +54,7 @@ from coordinator.broker import Credentials, MosquittoBroker, generate_password, 
 from edge_client.budget import Budget  # noqa: E402
 from edge_client.store import ReplayStore  # noqa: E402
 from edgefil import topics, wire  # noqa: E402
+from edgefil.lifetime import stop_processes  # noqa: E402
 from edgefil.link import CONNECTED, BrokerSettings, Link  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from models.manifest import load_manifest, manifest_digest  # noqa: E402
@@ -293,14 +294,7 @@ class Soak:
         coordinator.wait()
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs.values(), grace_s=30)
         self.broker.stop()
 
     def final_checks(self, results: dict[str, Any]) -> None:

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds-per-task", type=int, default=3)
     demo.add_argument("--epochs", type=int, default=10, help="local epochs E per round")
     demo.add_argument("--budget", type=int, default=None,
-                      help="the replay budget M, in samples per device (default: ~20%% of old data cached at the end)")
+                      help="the replay budget M, in samples per device (default: ~25%% of old data cached at the end)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 

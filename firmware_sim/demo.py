@@ -128,9 +128,9 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int) ->
     )
 
 
-def run_methods(out: Path, settings: DemoSettings, quiet: bool = True) -> dict[str, dict[str, Any]]:
-    """One fleet run per method in METHODS, same fleet, data, budget and rule; each run's results by method.
-    `quiet` keeps the runtime's own INFO lines out of the way of the progress lines."""
+def run_methods(out: Path, settings: DemoSettings) -> dict[str, dict[str, Any]]:
+    """One fleet run per method in METHODS, same fleet, data, budget and rule; each run's results by method. The
+    runtime's own INFO lines are held back meanwhile, out of the way of the progress lines."""
     budget = settings.budget or budget_for(settings.scenario)
     configs = {method: fleet_config(method, settings, out, budget) for method in METHODS}
     rounds = {m: planned_rounds(settings.tasks, settings.rounds_per_task, c.coordinator.get("train_tasks"))
@@ -140,8 +140,7 @@ def run_methods(out: Path, settings: DemoSettings, quiet: bool = True) -> dict[s
           f"{settings.rounds_per_task} rounds per task, E = {settings.epochs}, M = {budget}, seed {settings.seed}; "
           f"runs in {out}", flush=True)
     edgefil_level = logging.getLogger("edgefil").level
-    if quiet:
-        logging.getLogger("edgefil").setLevel(logging.WARNING)
+    logging.getLogger("edgefil").setLevel(logging.WARNING)
     try:
         return {method: Fleet(config).run(progress=progress.for_run(method, rounds[method], settings.tasks))
                 for method, config in configs.items()}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password
+from edgefil.lifetime import stop_processes
 from edgefil.settings import dump_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,14 +127,7 @@ class Fleet:
             raise AssertionError(f"coordinator still running after {timeout} s:\n{self.log_tail('coordinator')}")
 
     def stop(self) -> None:
-        for proc in self.processes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.processes.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.processes.values(), grace_s=10)
         self.broker.stop()
 
     # --- results ----------------------------------------------------------------------------------

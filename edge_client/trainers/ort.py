@@ -123,19 +123,11 @@ class OrtTrainer(Trainer):
     def _exact_grad_norms(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, batch_size: int
     ) -> np.ndarray:
-        """One batch-of-one train step per sample with no optimizer step, the gradients read off the checkpoint
-        state (ORT's graph computes a batch's mean gradient only, so `batch_size` has no use here). The
-        gradients are reset after each sample so the next training step starts from zero."""
-        self._require_weights()
-        names = self._state.parameter_names()
+        """The gradient of a batch of one per sample (ORT's graph computes a batch's mean gradient only, so
+        `batch_size` has no use here)."""
         norms = np.empty(len(y), dtype=np.float64)
         for i in range(len(y)):
-            try:
-                self._module.train_step(self._feeds(x[i : i + 1], y[i : i + 1], class_mask, None),
-                                        C.OrtValueVector())
-                norms[i] = sum(_squared_norm(self._state.get_parameter(name).grad.numpy()) for name in names)
-            finally:
-                self._module.lazy_reset_grad()
+            norms[i] = _squared_norm(self._gradient(x[i : i + 1], y[i : i + 1], class_mask, None)[1])
         return norms
 
     def _feeds(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None) -> list:
