@@ -83,13 +83,9 @@ class Learner:
 
     def train(self, epochs: int | None = None, proximal: Proximal | None = None) -> float:
         """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
-        with the plain loss); returns the last epoch's loss."""
+        with the plain loss, trained by the trainer's `fit`); returns the last epoch's loss."""
         x, y = self.store.get(self.store.ids())
-        batch = self.policy.training_set(self, x, y)
-        return self.trainer.fit(
-            batch.x, batch.y, epochs=epochs or self.config.epochs, batch_size=self.config.batch_size,
-            class_mask=self.class_mask(), rng=self.rng, proximal=proximal, loss=batch.loss,
-        )
+        return self.policy.fit(self, self.policy.training_set(self, x, y), epochs or self.config.epochs, proximal)
 
     def finish_round(self) -> None:
         """After local training: the policy's own update on the current task's real samples."""

@@ -5,32 +5,22 @@ daemons through a real mosquitto."""
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from thread_fleet import run_federation
 
-from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
-from coordinator.config import CoordinatorConfig
-from coordinator.evaluation import FolderTestSets
-from coordinator.server import Coordinator
+from coordinator.broker import mosquitto_path
 from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate
 from coordinator.strategies.fedavg import FedAvg
-from edge_client.config import DeviceConfig
-from edge_client.device import Device
 from edge_client.learner import Learner
 from edge_client.policies import ReplayPolicy, Samples, SelectionContext, TrainingSet
 from edge_client.trainers.base import LossInputs
-from edgefil.link import BrokerSettings
-from firmware_sim.datasets import load_dataset
-from models.manifest import load_manifest
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
-FLEET = "seams"
-DEVICES = ("dev-0", "dev-1")
 
 
 class ToyPolicy(ReplayPolicy):
@@ -87,52 +77,10 @@ class ToyStrategy(FedAvg):
 
 
 def test_a_toy_method_runs_through_a_real_broker_round_without_touching_generic_files(tmp_path, export_artifacts):
-    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
-    data = load_dataset("digits")
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    task = np.isin(data.y_test, [0, 1])
-    np.savez(tests / "test-0.npz", x=data.x_test[task], y=data.y_test[task])
-    passwords = {d: f"pw-{d}" for d in DEVICES}
-    broker = MosquittoBroker(tmp_path / "broker", FLEET, passwords, Credentials("coordinator", "pw-c"))
-    broker.start()
-    devices: list[Device] = []
-    threads = []
-    try:
-        for k, device_id in enumerate(DEVICES):
-            folder = tmp_path / device_id / "incoming"
-            folder.mkdir(parents=True)
-            mine = np.flatnonzero(np.isin(data.y_train, [0, 1]))[k::2][:40]
-            np.savez(folder / "task-0.npz", x=data.x_train[mine], y=data.y_train[mine])
-            config = DeviceConfig.from_dict({
-                "device_id": device_id, "fleet": FLEET, "artifacts": str(artifacts),
-                "state_dir": str(tmp_path / device_id / "state"), "heartbeat_s": 0.5,
-                "broker": {"port": broker.address.port, "password": passwords[device_id], "keepalive": 2},
-                "store": {"max_samples": 100}, "policy": {"name": "toy-weighted"}, "data": {"folder": str(folder)},
-            })
-            ready = threading.Event()
-
-            def run(config: DeviceConfig = config, ready: threading.Event = ready) -> None:
-                devices.append(Device(config))  # a replay store belongs to the thread that opens it
-                ready.set()
-                devices[-1].run()
-
-            threads.append(threading.Thread(target=run, daemon=True))
-            threads[-1].start()
-            assert ready.wait(60)
-        coordinator = Coordinator(CoordinatorConfig(
-            fleet=FLEET, out=tmp_path / "run", artifacts=artifacts, devices=DEVICES, rounds_per_task=2,
-            min_clients=2, deadline_s=60.0, wait_for_devices_s=60.0, test_data=tests,
-            broker=BrokerSettings(port=broker.address.port, username="coordinator", password="pw-c"),
-            strategy={"name": "toy-echo"}, client={"epochs": 1},
-        ), test_sets=FolderTestSets(tests, load_manifest(artifacts)))
-        results = coordinator.run()
-    finally:
-        for device in devices:
-            device.stop_requested.set()
-        for thread in threads:
-            thread.join(15)
-        broker.stop()
+    federation = run_federation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)),
+                                {"store": {"max_samples": 100}, "policy": {"name": "toy-weighted"}},
+                                {"name": "toy-echo"})
+    results, coordinator, devices = federation.results, federation.coordinator, federation.devices
 
     assert results["rounds_completed"] == 2 and results["counters"].get("attachments", 0) == 0
     strategy = coordinator.strategy

@@ -10,7 +10,9 @@ method. A policy can:
 - keep more than samples on disk (`open` gets the device's `DeviceBudget`: register what you keep, write within
   `room`), so everything shares the one budget M;
 - shape local training (`training_set`: extra samples and `LossInputs` — per-sample weights, soft or multi-hot
-  targets, a teacher's logits with a weight, the CE or BCE head), with either trainer backend;
+  targets, a teacher's logits with a weight, the CE or BCE head), with any trainer backend; or run the round's
+  local training itself (`fit`) when its step is not a shaped loss (one softmax per task's head, an adversary on
+  the features), on the trainer's public steps;
 - speak to its strategy through named payloads: ask for some (`requests`, answered through `receive`), take those
   the coordinator sends with a round (`receive`), attach some to its update (`attachments`);
 - report numbers (`metrics`).
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from edge_client.budget import DeviceBudget
-from edge_client.trainers.base import LossInputs, Trainer
+from edge_client.trainers.base import LossInputs, Proximal, Trainer
 from edgefil.registry import Registry
 
 if TYPE_CHECKING:
@@ -132,6 +134,15 @@ class ReplayPolicy(ABC):
     def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
         """What to train on, given the store's samples: by default exactly those, with the plain loss."""
         return TrainingSet(x, y)
+
+    def fit(self, learner: Learner, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
+        """The round's local training on `batch` (what `training_set` made); returns the last epoch's mean loss.
+        By default the trainer's `fit`: E epochs of shuffled batches under the seen-class mask, with the
+        strategy's proximal term when it sends one."""
+        return learner.trainer.fit(
+            batch.x, batch.y, epochs=epochs, batch_size=learner.config.batch_size, class_mask=learner.class_mask(),
+            rng=learner.rng, proximal=proximal, loss=batch.loss,
+        )
 
     def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
         """Called after the task model's local training with the current task's real samples."""

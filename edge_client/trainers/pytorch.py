@@ -6,6 +6,8 @@ backends. Its optimisers match theirs: SGD (with optional momentum), and AdamW w
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
@@ -57,14 +59,25 @@ class TorchTrainer(Trainer):
     def train_step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
     ) -> float:
+        return self.train_step_with(x, y, class_mask, loss)[0]
+
+    def train_step_with(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None,
+        extra: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[float, float]:
+        """One optimiser step on the training loss plus `extra(features)`, a differentiable term of the trunk's
+        output (torch only: an adversary on the features, say). The backward pass also fills the .grad of any
+        module `extra` runs, for its owner's optimiser; this trainer steps only the model. Returns the training
+        loss and the extra term, before the step."""
         self.model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        raw, _ = self.model(self._tensor(x))
+        raw, features = self.model(self._tensor(x))
         inputs = (self._tensor(a) for a in loss_arrays(y, self.manifest.num_classes, loss))
         value = training_loss(raw, self._tensor(class_mask), *inputs)
-        value.backward()
+        term = extra(features) if extra is not None else torch.zeros(())
+        (value + term).backward()
         self._optimizer.step()
-        return float(value.item())
+        return float(value.item()), float(term.item())
 
     def _gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None

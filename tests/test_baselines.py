@@ -1,0 +1,120 @@
+"""The baselines of Re-Fed's Table 1 as named methods: Shared (a head per task on a shared trunk) and DANN+FL
+(domain-adversarial local training) do what they name, and each runs through a real broker round."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from thread_fleet import run_federation
+
+from coordinator.broker import mosquitto_path
+from edge_client.budget import Budget
+from edge_client.learner import Learner, LearnerConfig
+from edge_client.policies import make_policy
+from edge_client.policies.dann import reverse_gradient
+from edge_client.store import ReplayStore
+from edge_client.trainers.ort import OrtTrainer
+from edge_client.trainers.pytorch import TorchTrainer
+from firmware_sim.datasets import load_dataset
+from models.manifest import load_manifest
+
+needs_broker = pytest.mark.skipif(mosquitto_path() is None,
+                                  reason="mosquitto is not installed (scripts/test installs it)")
+
+
+def _classes(classes, n, offset=0):
+    data = load_dataset("digits")
+    pick = np.flatnonzero(np.isin(data.y_train, classes))[offset : offset + n]
+    return data.x_train[pick], data.y_train[pick]
+
+
+def _learner(tmp_path, trainer, policy, **options):
+    store = ReplayStore(tmp_path / f"store-{policy}-{len(list(tmp_path.iterdir()))}", Budget(200),
+                        sample_shape=(1, 8, 8))
+    learner = Learner(trainer, store, make_policy(policy, **options), LearnerConfig(batch_size=16), seed=3)
+    learner.open_policy(tmp_path / "state", tmp_path)
+    return learner
+
+
+def _head_row(trainer, weights, c):
+    """Class c's row of the head (weight row and bias) in a flat weight buffer."""
+    offset, rows = 0, {}
+    for p in trainer.manifest.parameters:
+        rows[p.name] = weights[offset : offset + p.size].reshape(p.shape)
+        offset += p.size
+    return np.concatenate([rows["head.weight"][c], rows["head.bias"][c : c + 1]])
+
+
+def test_shared_trains_each_sample_against_its_own_tasks_classes_only(tmp_path, export_artifacts):
+    """Task 1 holds one class, so its head's softmax is certain and gives no gradient, and task 0's head never sees
+    class 2: class 2's row of the head stays exactly as it was. The plain loss (FedAvg) moves it."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    rows = {}
+    for policy in ("shared", "random"):
+        learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), policy)
+        learner.start_task(0, *_classes([0, 1], 60))
+        learner.start_task(1, *_classes([2], 30))
+        before = _head_row(learner.trainer, learner.trainer.get_weights(), 2)
+        learner.train(epochs=2)
+        after = learner.trainer.get_weights()
+        rows[policy] = np.abs(_head_row(learner.trainer, after, 2) - before).max()
+    assert rows["shared"] == 0.0
+    assert rows["random"] > 1e-4
+
+
+def test_the_gradient_reversal_layer_passes_values_and_reverses_gradients():
+    features = torch.randn(5, 7, requires_grad=True)
+    weights = torch.randn(7)
+    reversed_ = reverse_gradient(features, 0.3)
+    assert torch.equal(reversed_, features)
+    (grad,) = torch.autograd.grad((reversed_ @ weights).sum(), features)
+    assert torch.allclose(grad, -0.3 * weights.expand(5, 7))
+
+
+def test_dann_with_lambda_zero_is_fedavgs_local_training_and_with_lambda_it_trains_an_adversary(
+        tmp_path, export_artifacts):
+    manifest = load_manifest(export_artifacts("lenet", 10, (1, 8, 8)))
+    finals, discriminators = {}, {}
+    for name, policy, options in (("plain", "random", {}), ("dann-0", "dann", {"domain_weight": 0.0}),
+                                  ("dann", "dann", {"domain_weight": 0.5})):
+        learner = _learner(tmp_path, TorchTrainer(manifest, optimizer="adamw", lr=3e-3), policy, **options)
+        learner.start_task(0, *_classes([0, 1], 60))
+        learner.train(epochs=1)
+        learner.start_task(1, *_classes([2, 3], 60))
+        if policy == "dann":
+            discriminators[name] = [p.detach().clone() for p in learner.policy._discriminator.parameters()]
+        learner.train(epochs=3)
+        finals[name] = learner.trainer.get_weights()
+        if policy == "dann":
+            moved = [not torch.equal(a, b) for a, b in
+                     zip(discriminators[name], learner.policy._discriminator.parameters(), strict=True)]
+            assert all(moved) == (options["domain_weight"] > 0) and any(moved) == all(moved)
+            assert ("domain_loss" in learner.policy.metrics()) == (options["domain_weight"] > 0)
+    assert np.array_equal(finals["plain"], finals["dann-0"])
+    assert not np.array_equal(finals["plain"], finals["dann"])
+    assert np.isfinite(finals["dann"]).all()
+
+
+def test_dann_refuses_a_backend_without_a_second_model_on_the_features(tmp_path, export_artifacts):
+    trainer = OrtTrainer(export_artifacts("lenet", 10, (1, 8, 8)), optimizer="adamw", lr=3e-3)
+    with pytest.raises(ValueError, match='needs \\[trainer\\] backend = "torch"; this device trains with \'ort\''):
+        _learner(tmp_path, trainer, "dann")
+
+
+@needs_broker
+@pytest.mark.parametrize("policy, trainer", [("shared", "ort"), ("dann", "torch")])
+def test_each_baseline_runs_through_a_real_broker_round(tmp_path, export_artifacts, policy, trainer):
+    federation = run_federation(
+        tmp_path, export_artifacts("lenet", 10, (1, 8, 8)),
+        {"store": {"max_samples": 60}, "policy": {"name": policy},
+         "trainer": {"backend": trainer, "optimizer": "adamw", "lr": 3e-3}},
+        {"name": "fedavg", "weighted": False}, tasks=2, rounds_per_task=1, client={"epochs": 3},
+    )
+    assert federation.results["rounds_completed"] == 2
+    history = federation.results["history"]
+    assert len(history) == 2 and [len(h["accuracy"]) for h in history] == [1, 2]
+    assert history[1]["samples"] == 2 * 60  # each device: task 1's 40 samples and 20 of task 0 cached (M = 60)
+    for device in federation.devices:
+        assert device.learner.policy.name == policy
+        if policy == "dann":  # the adversary's loss reached the coordinator with the second round's update
+            assert history[1]["metrics"][device.id]["domain_loss"] > 0
