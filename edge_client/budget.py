@@ -13,8 +13,10 @@ the blocks that map them (see ReplayStore's docstring for the sources of the num
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 FS_META_SPAN = 128  # data blocks one block of file-system mapping metadata covers, at least
 
@@ -27,6 +29,13 @@ def file_bytes(size: int, block: int, fresh: bool = False) -> int:
     blocks = -(-size // block)
     meta = 0 if fresh and blocks <= 4 else -(-blocks // FS_META_SPAN) + 2 if blocks else 0
     return (blocks + meta) * block
+
+
+def directory_bytes(directory: Path, block: int) -> int:
+    """A holder's folder and its files on disk, each by the larger of its allocated bytes (st_blocks * 512) and its
+    apparent size rounded up to the block: what a holder that keeps whole files (not a database) counts."""
+    stats = [os.stat(directory)] + [e.stat(follow_symlinks=False) for e in os.scandir(directory)]
+    return sum(max(s.st_blocks * 512, -(-s.st_size // block) * block) for s in stats)
 
 
 @dataclass(frozen=True)

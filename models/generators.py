@@ -111,7 +111,8 @@ def _output_layer(spec: GeneratorSpec) -> nn.Module:
     return nn.Sigmoid() if len(spec.input_shape) == 3 else nn.Identity()
 
 
-def _dcgan_generator(spec: GeneratorSpec) -> nn.Sequential:
+def dcgan_generator(spec: GeneratorSpec) -> nn.Sequential:
+    """The WGAN-GP sampler's layers (module docstring): z (N, latent) -> x (N, *input_shape)."""
     channels, *spatial = spec.input_shape
     image = len(spatial) == 2
     bn, convt = (nn.BatchNorm2d, nn.ConvTranspose2d) if image else (nn.BatchNorm1d, nn.ConvTranspose1d)
@@ -124,13 +125,15 @@ def _dcgan_generator(spec: GeneratorSpec) -> nn.Sequential:
     )
 
 
-def _dcgan_critic(spec: GeneratorSpec) -> nn.Sequential:
+def dcgan_critic(spec: GeneratorSpec, outputs: int = 1) -> nn.Sequential:
+    """The WGAN-GP critic's layers (module docstring): x -> (N,) scores, or (N, outputs) with more than one."""
     channels, *spatial = spec.input_shape
     conv = nn.Conv2d if len(spatial) == 2 else nn.Conv1d
     w = spec.width
     return nn.Sequential(
         conv(channels, w, 4, 2, 1), nn.LeakyReLU(_LEAK), conv(w, 2 * w, 4, 2, 1), nn.LeakyReLU(_LEAK),
-        nn.Flatten(), nn.Linear(2 * w * math.prod(d // 4 for d in spatial), 1), nn.Flatten(0),
+        nn.Flatten(), nn.Linear(2 * w * math.prod(d // 4 for d in spatial), outputs),
+        *([nn.Flatten(0)] if outputs == 1 else []),
     )
 
 
@@ -144,18 +147,18 @@ def _vae_decoder(spec: GeneratorSpec) -> nn.Sequential:
 
 def build_sampler(spec: GeneratorSpec, seed: int | None = None) -> nn.Module:
     """The generator: forward(z (N, latent)) -> x (N, *input_shape). Seeded without touching the global RNG."""
-    with _seeded(seed):
-        return _dcgan_generator(spec) if spec.kind == "wgan-gp" else _vae_decoder(spec)
+    with seeded(seed):
+        return dcgan_generator(spec) if spec.kind == "wgan-gp" else _vae_decoder(spec)
 
 
 def build_auxiliary(spec: GeneratorSpec, seed: int | None = None) -> nn.Module:
     """The WGAN-GP critic (forward(x) -> (N,) scores) or the VAE encoder (forward(x) -> (mu, logvar))."""
-    with _seeded(seed):
-        return _dcgan_critic(spec) if spec.kind == "wgan-gp" else VaeEncoder(spec)
+    with seeded(seed):
+        return dcgan_critic(spec) if spec.kind == "wgan-gp" else VaeEncoder(spec)
 
 
 @contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
+def seeded(seed: int | None) -> Iterator[None]:
     """Seed module construction without changing the caller's global torch RNG."""
     if seed is None:
         yield

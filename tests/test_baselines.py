@@ -1,5 +1,6 @@
-"""The baselines of Re-Fed's Table 1 as named methods: Shared (a head per task on a shared trunk) and DANN+FL
-(domain-adversarial local training) do what they name, and each runs through a real broker round."""
+"""The baselines of Re-Fed's Table 1 as named methods: Shared (a head per task on a shared trunk), DANN+FL
+(domain-adversarial local training) and FedCIL (a per-client ACGAN's replay within the byte budget) do what they
+name, and each runs through a real broker round."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from thread_fleet import run_federation
 from coordinator.broker import mosquitto_path
 from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
-from edge_client.policies import make_policy
+from edge_client.policies import PolicyContext, make_policy
 from edge_client.policies.dann import reverse_gradient
 from edge_client.store import ReplayStore
 from edge_client.trainers.ort import OrtTrainer
@@ -28,11 +29,11 @@ def _classes(classes, n, offset=0):
     return data.x_train[pick], data.y_train[pick]
 
 
-def _learner(tmp_path, trainer, policy, **options):
-    store = ReplayStore(tmp_path / f"store-{policy}-{len(list(tmp_path.iterdir()))}", Budget(200),
-                        sample_shape=(1, 8, 8))
+def _learner(tmp_path, trainer, policy, max_bytes=None, **options):
+    folder = tmp_path / f"device-{len(list(tmp_path.iterdir()))}"
+    store = ReplayStore(folder / "store", Budget(200, max_bytes), sample_shape=(1, 8, 8))
     learner = Learner(trainer, store, make_policy(policy, **options), LearnerConfig(batch_size=16), seed=3)
-    learner.open_policy(tmp_path / "state", tmp_path)
+    learner.open_policy(folder, tmp_path)
     return learner
 
 
@@ -101,20 +102,72 @@ def test_dann_refuses_a_backend_without_a_second_model_on_the_features(tmp_path,
         _learner(tmp_path, trainer, "dann")
 
 
+def test_fedcil_replays_its_acgans_earlier_classes_and_keeps_no_raw_old_sample(tmp_path, export_artifacts):
+    learner = _learner(tmp_path, OrtTrainer(export_artifacts("lenet", 10, (1, 8, 8)), optimizer="adamw", lr=3e-3),
+                       "fedcil", gan_steps=20)
+    learner.start_task(0, *_classes([0, 1], 60))
+    learner.train(epochs=1)
+    learner.finish_round()
+    assert learner.policy.metrics()["acgan_dropped"] == 0 and learner.policy.metrics()["acgan_bytes"] > 0
+    learner.start_task(1, *_classes([2, 3], 40))
+    assert set(learner.store.tasks().tolist()) == {1}  # the raw samples of task 0 are gone
+    x, y = learner.store.get(learner.store.ids())
+    batch = learner.policy.training_set(learner, x, y)
+    replayed = batch.y[len(y):]
+    assert sorted(np.unique(replayed).tolist()) == [0, 1] and (np.bincount(replayed) == 20).all()
+    assert batch.x.shape == (80, 1, 8, 8) and np.isfinite(batch.x).all()
+    assert learner.policy.metrics()["replayed_samples"] == 40
+    learner.trainer.fit(batch.x, batch.y, epochs=1)
+    learner.finish_round()  # the ACGAN learns classes 2 and 3 and keeps 0 and 1 through its own replay
+    assert learner.policy._load()[2] == {0, 1, 2, 3}
+
+
+def test_fedcil_keeps_its_previous_acgan_when_a_new_one_would_not_fit_the_budget(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2,
+                       max_bytes=400_000)
+    learner.start_task(0, *_classes([0, 1], 60))
+    learner.finish_round()
+    first = learner.policy._path.read_bytes()
+    assert learner.policy.metrics()["acgan_dropped"] == 0
+    learner.policy.width = 64  # a bigger ACGAN than M leaves room for: refused before anything is written
+    learner.policy._spec = type(learner.policy._spec)((1, 8, 8), 10, 16, 64)
+    learner.finish_round()
+    assert learner.policy.metrics()["acgan_dropped"] == 1
+    assert learner.policy._path.read_bytes() == first
+    assert learner.budget.used() <= 400_000
+
+
+def test_fedcil_removes_an_acgan_file_that_does_not_load(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2)
+    learner.start_task(0, *_classes([0, 1], 60))
+    learner.finish_round()
+    path = learner.policy._path
+    path.write_bytes(path.read_bytes()[:100])  # torn by a disk fault
+    reopened = make_policy("fedcil", gan_steps=2)
+    reopened.open(PolicyContext(path.parents[1], artifacts, learner.budget.__class__(Budget(200)), learner.trainer))
+    assert not path.exists() and reopened._load() is None
+
+
 @needs_broker
-@pytest.mark.parametrize("policy, trainer", [("shared", "ort"), ("dann", "torch")])
+@pytest.mark.parametrize("policy, trainer", [("shared", "ort"), ("dann", "torch"), ("fedcil", "ort")])
 def test_each_baseline_runs_through_a_real_broker_round(tmp_path, export_artifacts, policy, trainer):
     federation = run_federation(
         tmp_path, export_artifacts("lenet", 10, (1, 8, 8)),
-        {"store": {"max_samples": 60}, "policy": {"name": policy},
+        {"store": {"max_samples": 60}, "policy": {"name": policy, **({"gan_steps": 20} if policy == "fedcil" else {})},
          "trainer": {"backend": trainer, "optimizer": "adamw", "lr": 3e-3}},
         {"name": "fedavg", "weighted": False}, tasks=2, rounds_per_task=1, client={"epochs": 3},
     )
     assert federation.results["rounds_completed"] == 2
     history = federation.results["history"]
     assert len(history) == 2 and [len(h["accuracy"]) for h in history] == [1, 2]
-    assert history[1]["samples"] == 2 * 60  # each device: task 1's 40 samples and 20 of task 0 cached (M = 60)
     for device in federation.devices:
         assert device.learner.policy.name == policy
-        if policy == "dann":  # the adversary's loss reached the coordinator with the second round's update
-            assert history[1]["metrics"][device.id]["domain_loss"] > 0
+        metrics = history[1]["metrics"][device.id]  # what reached the coordinator with the second round's update
+        if policy == "dann":
+            assert metrics["domain_loss"] > 0
+        if policy == "fedcil":
+            assert metrics["replayed_samples"] == 40 and metrics["acgan_dropped"] == 0
+    # each device trains on task 1's 40 samples and 20 of task 0: cached (M = 60), or generated (2 classes x 20)
+    assert history[1]["samples"] == 2 * (60 if policy != "fedcil" else 40)

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from edge_client.budget import file_bytes
+from edge_client.budget import directory_bytes, file_bytes
 from edgefil.durable import TEMP_SUFFIX, fsync_directory, write_atomically
 from models.generator_record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
 
@@ -99,8 +99,7 @@ class GeneratorBank:
 
     def bytes_on_disk(self) -> int:
         """The directory and its files, each by the larger of allocated and block-rounded apparent size."""
-        stats = [os.stat(self.directory)] + [e.stat(follow_symlinks=False) for e in os.scandir(self.directory)]
-        return sum(max(s.st_blocks * 512, -(-s.st_size // self._block) * self._block) for s in stats)
+        return directory_bytes(self.directory, self._block)
 
     def _peak(self, size: int) -> int:
         return self.bytes_on_disk() + self._file_bytes(size) + self._block

@@ -1,0 +1,68 @@
+"""The ACGAN of FedCIL (Qi et al., ICLR 2023, "Better generative replay for continual federated learning"; ACGAN:
+Odena et al. 2017), on the DCGAN layers of models/generators.py.
+
+- generator G(z, y): the WGAN-GP sampler's layers fed [z, onehot(y)], so one generator serves every class;
+- discriminator D(x): the WGAN-GP critic's conv layers ending in 1 + classes outputs: a real/fake logit and the
+  auxiliary classifier's class logits.
+
+Losses (Odena et al.), with BCE on the real/fake logit and CE on the class logits:
+
+    L_D = BCE(D(x), 1) + BCE(D(G(z, c)), 0) + CE(D(x), y) + CE(D(G(z, c)), c)
+    L_G = BCE(D(G(z, c)), 1) + CE(D(G(z, c)), c)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.generators import GeneratorSpec, dcgan_critic, dcgan_generator, seeded
+
+
+@dataclass(frozen=True)
+class AcganSpec:
+    """What an ACGAN is: the same spec, the same architecture and flat-buffer layout."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    latent_dim: int = 16
+    width: int = 16
+
+    def layers(self) -> GeneratorSpec:
+        """The DCGAN spec of its layers (checks the shape: spatial sizes divisible by 4)."""
+        return GeneratorSpec("wgan-gp", tuple(self.input_shape), self.latent_dim + self.num_classes, self.width)
+
+
+class ConditionalGenerator(nn.Module):
+    """forward(z (N, latent), y (N,) int64) -> x (N, *input_shape)."""
+
+    def __init__(self, spec: AcganSpec) -> None:
+        super().__init__()
+        self.num_classes = spec.num_classes
+        self.latent_dim = spec.latent_dim
+        self.net = dcgan_generator(spec.layers())
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([z, F.one_hot(y, self.num_classes).to(z.dtype)], dim=1))
+
+
+def build_acgan(spec: AcganSpec, seed: int | None = None) -> tuple[ConditionalGenerator, nn.Sequential]:
+    """(generator, discriminator); the discriminator's forward(x) -> (N, 1 + classes) logits."""
+    with seeded(seed):
+        return ConditionalGenerator(spec), dcgan_critic(spec.layers(), outputs=1 + spec.num_classes)
+
+
+def discriminator_loss(real: torch.Tensor, real_y: torch.Tensor, fake: torch.Tensor,
+                       fake_y: torch.Tensor) -> torch.Tensor:
+    """L_D of the module docstring from the discriminator's outputs on real and on generated samples."""
+    return (F.binary_cross_entropy_with_logits(real[:, 0], torch.ones_like(real[:, 0]))
+            + F.binary_cross_entropy_with_logits(fake[:, 0], torch.zeros_like(fake[:, 0]))
+            + F.cross_entropy(real[:, 1:], real_y) + F.cross_entropy(fake[:, 1:], fake_y))
+
+
+def generator_loss(fake: torch.Tensor, fake_y: torch.Tensor) -> torch.Tensor:
+    """L_G of the module docstring from the discriminator's outputs on generated samples."""
+    return F.binary_cross_entropy_with_logits(fake[:, 0], torch.ones_like(fake[:, 0])) + F.cross_entropy(
+        fake[:, 1:], fake_y)
