@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.settings import Where
 from firmware_sim.fleet import Fleet, FleetConfig
 from firmware_sim.report import compare_runs
-from firmware_sim.scenarios import check_scenario
+from firmware_sim.scenarios import OLD_DATA_CACHED, check_scenario
 
 # A mixed fleet, cycled over the devices: slow Wi-Fi boards, a duty-cycled Pi Zero, Jetsons, one x86 box.
 PROFILE_CYCLE = (
@@ -40,7 +40,6 @@ METHODS: dict[str, dict[str, Any]] = {
     "fixed": {"policy": {"name": "random"}, "coordinator": {"train_tasks": 1}},
 }
 STRATEGY = {"name": "fedavg", "weighted": False}  # Re-Fed's server rule, the same for every run
-OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,8 @@ class DemoSettings:
     model: str = "lenet"
     lr: float = 3e-3
     preset: str = "digits-class"  # a class-incremental preset (firmware_sim/scenarios.py) the model takes
+    fraction: float = 1.0  # the share of devices selected each round (Re-Fed's active ratio k)
+    emulated: bool = True  # devices of mixed profiles (PROFILE_CYCLE); False: at the host's speed, no deadline drops
 
     @property
     def scenario(self) -> dict[str, Any]:
@@ -65,12 +66,9 @@ def demo_profiles(devices: int) -> dict[str, int]:
 
 
 def budget_for(scenario: dict[str, Any], cached: float = OLD_DATA_CACHED) -> int:
-    """M = N_task (1 + cached (T - 1)): with N_task the mean number of samples one device gets per task and T
-    tasks, a device holds its newest task and `cached` of its older data at the last task."""
-    data = check_scenario(scenario, Where("demo")).build()
-    sizes = [len(task.client_train(k)[1]) for task in data.tasks
-             for k in range(data.scenario.n_clients)]
-    return max(1, round(sum(sizes) / len(sizes) * (1 + cached * (len(data.tasks) - 1))))
+    """The scenario's binding M (`ScenarioData.binding_budget`): a device caches `cached` of its old data at the
+    last task."""
+    return check_scenario(scenario, Where("demo")).build().binding_budget(cached)
 
 
 def planned_rounds(tasks: int, rounds_per_task: int, train_tasks: int | None) -> int:
@@ -113,26 +111,33 @@ def next_run_folder(out: Path) -> Path:
     return out / f"run-{max(taken, default=0) + 1}"
 
 
-def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int) -> FleetConfig:
-    options = METHODS[method]
+def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
+                 options: Mapping[str, Any] | None = None) -> FleetConfig:
+    """The fleet of one run: `options` (METHODS[method] by default) give its policy, and may give its strategy,
+    its coordinator options and its trainer backend (a method that trains with torch only)."""
+    options = METHODS[method] if options is None else options
     return FleetConfig(
         name=f"demo-{method}", out=out / method, devices=settings.devices, workers=2, model=settings.model,
-        seed=settings.seed, broker="embedded", scenario=settings.scenario, profiles=demo_profiles(settings.devices),
+        seed=settings.seed, broker="embedded", scenario=settings.scenario,
+        profiles=demo_profiles(settings.devices) if settings.emulated else {},
         policy=options["policy"], store=StoreSettings(max_samples=budget),
-        trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=settings.lr),
-        client={"epochs": settings.epochs}, strategy=STRATEGY,
+        trainer=TrainerSettings(backend=options.get("backend", "ort"), optimizer="adamw", lr=settings.lr),
+        client={"epochs": settings.epochs}, strategy=options.get("strategy", STRATEGY),
         coordinator={
-            "rounds_per_task": settings.rounds_per_task, "min_clients": max(1, settings.devices // 2),
+            "rounds_per_task": settings.rounds_per_task, "fraction": settings.fraction,
+            "min_clients": max(1, round(settings.devices * settings.fraction) // 2),
             "deadline_s": 60.0, "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
         },
     )
 
 
-def run_methods(out: Path, settings: DemoSettings) -> dict[str, dict[str, Any]]:
-    """One fleet run per method in METHODS, same fleet, data, budget and rule; each run's results by method. The
-    runtime's own INFO lines are held back meanwhile, out of the way of the progress lines."""
+def run_methods(out: Path, settings: DemoSettings,
+                methods: Mapping[str, Mapping[str, Any]] = METHODS) -> dict[str, dict[str, Any]]:
+    """One fleet run per method (the demo's three by default), same fleet, data, budget and, unless a method names
+    its own, rule; each run's results by method. The runtime's own INFO lines are held back meanwhile, out of the
+    way of the progress lines."""
     budget = settings.budget or budget_for(settings.scenario)
-    configs = {method: fleet_config(method, settings, out, budget) for method in METHODS}
+    configs = {method: fleet_config(method, settings, out, budget, options) for method, options in methods.items()}
     rounds = {m: planned_rounds(settings.tasks, settings.rounds_per_task, c.coordinator.get("train_tasks"))
               for m, c in configs.items()}
     progress = Progress(sum(rounds.values()))

@@ -26,9 +26,9 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                                    # to the devices' reported device seconds)
     time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
-    [store]        max_samples = 200 (M), max_bytes                      (the device file's [store])
+    [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend, optimizer, lr, threads                       (the device file's [trainer])
-    [client]       epochs, lr, answer_wait_s                             (the coordinator file's [client])
+    [client]       epochs (10), lr, answer_wait_s                        (the coordinator file's [client])
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device                                   (the coordinator file's keys)
@@ -39,6 +39,7 @@ profiles and whether the model takes the scenario's inputs. Errors are one line 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -86,9 +87,9 @@ class FleetConfig:
     broker: str = "auto"
     tls: bool = False
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
-    store: StoreSettings = StoreSettings(max_samples=200)
+    store: StoreSettings | None = None  # None: M binds (the scenario's `binding_budget`: a quarter of old data)
     trainer: TrainerSettings = TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3)
-    client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 2})
+    client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 10})  # E: each task learnt in its rounds
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     coordinator: Mapping[str, Any] = field(default_factory=dict)
     profiles: Mapping[str, int] = field(default_factory=dict)
@@ -144,7 +145,8 @@ class FleetConfig:
         return {
             "name": self.name, "devices": self.devices, "model": self.model, "seed": self.seed,
             "scenario": dict(self.scenario), "policy": dict(self.policy),
-            "store": {k: v for k, v in vars(self.store).items() if v is not None}, "trainer": vars(self.trainer),
+            "store": {k: v for k, v in vars(self.store or StoreSettings()).items() if v is not None},
+            "trainer": vars(self.trainer),
             "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
             "profiles": dict(self.profiles),
         }
@@ -177,6 +179,8 @@ class Fleet:
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """The whole run; `progress` gets each round's history entry as the coordinator completes it."""
         data = self.config.check(file)  # before anything starts
+        if self.config.store is None:
+            self.config = dataclasses.replace(self.config, store=StoreSettings(max_samples=data.binding_budget()))
         out = self.config.out
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
@@ -265,7 +269,7 @@ class Fleet:
     def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
         profile = self.config.device_profiles()[index]
-        store = {k: v for k, v in vars(self.config.store).items() if v is not None}
+        store = {k: v for k, v in vars(self.config.store or StoreSettings()).items() if v is not None}
         if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
             room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
             store["max_bytes"] = min(store.get("max_bytes", room), room)

@@ -319,6 +319,9 @@ class Task:
         return self.data.x_test[idx], self.data.y_test[idx]
 
 
+OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
+
+
 @dataclass(frozen=True, eq=False)
 class ScenarioData:
     """A built scenario. `num_classes` is the dataset's class count: the model's fixed head size
@@ -373,6 +376,13 @@ class ScenarioData:
     def client_samples_seen(self, k: int, t: int) -> int:
         """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
         return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
+
+    def binding_budget(self, cached: float = OLD_DATA_CACHED) -> int:
+        """A budget M that binds: N_task (1 + cached (T - 1)), with N_task the mean number of samples one client
+        gets per task and T tasks, so a device holds its newest task and `cached` of its older data at the last
+        task (Re-Fed's regime; the README's "Choosing M" says the same for a user's own data)."""
+        sizes = [len(idx) for task in self.tasks for idx in task.client_train_indices]
+        return max(1, round(sum(sizes) / len(sizes) * (1 + cached * (len(self.tasks) - 1))))
 
 
 def _make_task(

@@ -31,6 +31,8 @@ profiles = {{raspberry-pi-4-4gb = 2, jetson-orin-nano = 2}}
 name = "random"
 [store]
 max_samples = 120
+[client]
+epochs = 2
 [coordinator]
 rounds_per_task = 2
 min_clients = 4
