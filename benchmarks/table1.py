@@ -41,7 +41,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "shared": {"policy": {"name": "shared"}},
     "fedcil": {"policy": {"name": "fedcil"}},
     "refed": {"policy": REFED},
-    "refed+quotas": {"policy": {**REFED, "group_by": "class"}},
+    "refed-quotas": {"policy": {**REFED, "group_by": "class"}},
     "reservoir": {"policy": {"name": "reservoir"}},
 }
 SLOTS = {"glfc": "its own issue (federated class-incremental GLFC)"}

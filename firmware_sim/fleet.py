@@ -59,6 +59,7 @@ from edge_client.trainers.choice import resolve_backend
 from edgefil.durable import write_atomically
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
+from edgefil.topics import check_name
 from firmware_sim import disk
 from firmware_sim.fleet_worker import host_devices
 from firmware_sim.limits import calibrate_host
@@ -97,6 +98,7 @@ class FleetConfig:
     time_scale: float = 60.0
 
     def __post_init__(self) -> None:
+        check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
         if self.devices < 1 or self.workers < 1:
             raise ValueError("devices and workers must be at least 1")
         if self.profiles and sum(self.profiles.values()) != self.devices:

@@ -130,6 +130,7 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
     ("fleet", 'backend = "ort"', 'backend = "onnx"', "[trainer] backend: expected one of 'auto', 'ort', 'portable', 'torch'"),
     ("fleet", 'preset = "digits-class"', 'preset = "digit-class"', "[scenario] preset: unknown preset"),
     ("fleet", "devices = 4", "devices = 4\nmodel = \"cnn1d\"", "model: 'cnn1d' on scenario 'digits'"),
+    ("fleet", 'name = "lab"', 'name = "lab+1"', "name must match [A-Za-z0-9_-]{1,64}, got 'lab+1'"),
 ])
 def test_unknown_names_wrong_types_and_refused_values_are_one_line(kind, line, replacement, expected, tmp_path):
     with pytest.raises(ConfigError) as refused:
