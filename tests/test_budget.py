@@ -12,11 +12,15 @@ from edge_client.policies import POLICIES, make_policy, policy_names
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
+from edge_client.trainers.pytorch import TorchTrainer
 from models.generator_export import export_generator_artifacts
 from models.generators import default_spec
+from models.manifest import load_manifest
 
 OPTIONS = {"refed": {"pim_epochs": 1, "importance": "last-layer"},
-           "generator": {"init_steps": 3, "transfer_steps": 2, "precision": "int8", "keep_auxiliary": False}}
+           "generator": {"init_steps": 3, "transfer_steps": 2, "precision": "int8", "keep_auxiliary": False},
+           "fedcil": {"gan_steps": 3}}
+TORCH_ONLY = ("dann",)  # trains a second model on the features: the torch backend only
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,9 @@ def artifacts(tmp_path_factory, export_artifacts):
 def _open(artifacts, folder, max_samples, max_bytes, policy):
     budget = DeviceBudget(Budget(max_samples, max_bytes))
     store = ReplayStore.within(budget, folder / "store", (1, 8, 8))
-    learner = Learner(OrtTrainer(artifacts, optimizer="sgd", lr=0.05), store,
+    trainer = (TorchTrainer(load_manifest(artifacts), optimizer="sgd", lr=0.05) if policy in TORCH_ONLY
+               else OrtTrainer(artifacts, optimizer="sgd", lr=0.05))
+    learner = Learner(trainer, store,
                       make_policy(policy, **OPTIONS.get(policy, {})), LearnerConfig(epochs=1, batch_size=16),
                       seed=1)
     assert learner.budget is budget
