@@ -30,6 +30,7 @@ from scipy import stats
 
 from edgefil.metrics import accuracy_matrix, average_accuracy
 from firmware_sim.demo import REFED, STRATEGY, DemoSettings, budget_for, run_methods
+from firmware_sim.scenarios import PRESETS
 
 MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet"}
 RANDOM = {"name": "random"}
@@ -55,7 +56,7 @@ def run(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any]
     finals: dict[str, list[float]] = {m: [] for m in methods}
     for seed in seeds:
         settings = DemoSettings(devices=devices, fraction=fraction, emulated=False, preset=scenario, model=MODELS[scenario],
-                                tasks=4 if scenario.endswith("domain") else 5, seed=seed)
+                                tasks=PRESETS[scenario].n_tasks, seed=seed)
         settings = dataclasses.replace(settings, budget=budget_for(settings.scenario, cached))
         for method, results in run_methods(out / f"seed{seed}", settings, methods).items():
             finals[method].append(100 * average_accuracy(accuracy_matrix(results["accuracy_matrix"])))

@@ -38,6 +38,12 @@ def directory_bytes(directory: Path, block: int) -> int:
     return sum(max(s.st_blocks * 512, -(-s.st_size // block) * block) for s in stats)
 
 
+def replace_peak(directory: Path, size: int, block: int) -> int:
+    """The most a holder's folder occupies while a file of `size` bytes is written beside the one it replaces
+    (`write_atomically`): what is there now, the new file, and a block the folder may grow by for its entry."""
+    return directory_bytes(directory, block) + file_bytes(size, block, fresh=True) + block
+
+
 @dataclass(frozen=True)
 class Budget:
     """Hard limits: samples (Re-Fed's M) and bytes on disk; None means no limit of that kind."""

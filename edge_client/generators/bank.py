@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from edge_client.budget import directory_bytes, file_bytes
+from edge_client.budget import directory_bytes, replace_peak
 from edgefil.durable import TEMP_SUFFIX, fsync_directory, write_atomically
 from models.generator_record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
 
@@ -102,7 +102,4 @@ class GeneratorBank:
         return directory_bytes(self.directory, self._block)
 
     def _peak(self, size: int) -> int:
-        return self.bytes_on_disk() + self._file_bytes(size) + self._block
-
-    def _file_bytes(self, size: int) -> int:
-        return file_bytes(size, self._block, fresh=True)
+        return replace_peak(self.directory, size, self._block)

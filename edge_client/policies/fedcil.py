@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_client.budget import directory_bytes, file_bytes
+from edge_client.budget import directory_bytes, replace_peak
 from edge_client.policies.base import PolicyContext, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edgefil.durable import TEMP_SUFFIX, write_atomically
@@ -64,6 +64,7 @@ class FedCil(NoReplay):
     _path: Path | None = field(default=None, init=False, repr=False)
     _budget: DeviceBudget | None = field(default=None, init=False, repr=False)
     _block: int = field(default=4096, init=False, repr=False)  # the file system's block, read at open
+    _sizes: list[int] = field(default_factory=list, init=False, repr=False)  # flat lengths: generator, discriminator
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,10 @@ class FedCil(NoReplay):
         manifest = ctx.trainer.manifest
         self._spec = AcganSpec(tuple(manifest.input_shape), manifest.num_classes, self.latent_dim, self.width)
         self._spec.layers()  # refuses an input shape the DCGAN layers cannot take, in one line
+        from models.acgan import build_acgan
+        from models.generators import flat_entries
+
+        self._sizes = [sum(v.numel() for _, v in flat_entries(m)) for m in build_acgan(self._spec, 0)]
         folder = Path(ctx.state_dir) / ACGAN_DIR
         folder.mkdir(parents=True, exist_ok=True)
         (folder / (ACGAN_FILE + TEMP_SUFFIX)).unlink(missing_ok=True)  # an interrupted save
@@ -179,9 +184,6 @@ class FedCil(NoReplay):
     def _load(self) -> tuple[np.ndarray, np.ndarray, set[int]] | None:
         """(generator, discriminator, classes learnt) as stored, in float32; None when there is none or it does not
         load as this spec's."""
-        from models.acgan import build_acgan
-        from models.generators import flat_entries
-
         path = self._require_path()
         if not path.exists():
             return None
@@ -192,9 +194,7 @@ class FedCil(NoReplay):
                 classes = set(data["classes"].tolist())
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             return None
-        generator, discriminator = build_acgan(self._spec, 0)
-        sizes = [sum(v.numel() for _, v in flat_entries(m)) for m in (generator, discriminator)]
-        if spec != self._spec_numbers() or [f.size for f in flats] != sizes or not all(
+        if spec != self._spec_numbers() or [f.size for f in flats] != self._sizes or not all(
                 np.isfinite(f).all() for f in flats):
             return None
         return flats[0], flats[1], classes
@@ -212,7 +212,7 @@ class FedCil(NoReplay):
         data = buffer.getvalue()
         budget = self._budget
         room = None if budget is None else budget.room(ACGAN_HOLDER)
-        if room is not None and self._bytes() + file_bytes(len(data), self._block, fresh=True) + self._block > room:
+        if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
             return False
         write_atomically(self._require_path(), data)
         return True
