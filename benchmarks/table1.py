@@ -1,36 +1,51 @@
 """Re-Fed's Table 1 at small scale on the embedded data, every run a real fleet (coordinator, device daemons, the
 embedded broker): class-incremental digits and MNIST-1D, domain-incremental digits (four domains, as Digit10 is
 four digit datasets), 20 devices with active ratio 0.4, the demo's regime for every method (firmware_sim/demo.py:
-E = 10 of AdamW at 3e-3, 3 rounds per task, M caching ~25 % of the old data at the last task, unweighted FedAvg).
+E = 10 of AdamW at 3e-3, M caching ~25 % of the old data at the last task, unweighted FedAvg) but 8 rounds per
+task: a device takes part in about 3 of them, as in the 10-device demo's 3 rounds at ratio 1 (the printed diagonal
+says whether each task was learnt in its own rounds).
 Devices run at the host's speed (no emulated profiles): this measures learning, and a slow profile's deadline
 would drop the devices of the costlier methods (FedCIL's ACGAN) and bias the comparison.
 
-Columns (`--methods`): FedAvg (random cache), FedProx, Fixed, DANN+FL, Shared, FedCIL, Re-Fed, Re-Fed with class
-quotas, reservoir sampling; GLFC has a slot and comes with its own issue. Reservoir at *equal new-data use* is the
+Columns (`--methods`): FedAvg (random cache), FedProx, Fixed, DANN+FL, Shared, FedCIL, FedCIL at equal bytes (its
+byte limit: the least under which the raw caches' store of M samples works, `raw_store_bytes`), Re-Fed, Re-Fed
+with class quotas, reservoir sampling; GLFC has a slot and comes with its own issue. Reservoir at *equal new-data use* is the
 random cache (both keep a uniform sample of the old data; plain reservoir also drops part of each new task).
 
-Prints per scenario the final accuracy (mean ± std over seeds, %) per method, then the paired difference Re-Fed -
+Every run is a process of its own (`--parallel` at a time; a fleet takes about two cores) writing `table1.json` in
+its folder; a finished run is read back, not repeated, so an interrupted table resumes. Prints per scenario the
+final accuracy (mean ± std over seeds, %) per method with its mean diagonal, then the paired difference Re-Fed -
 FedAvg per seed with a paired t-test. `--table emphasis` runs Table 10 instead (Re-Fed with early / average / late
 emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 % of the old data).
 
     .venv/bin/python benchmarks/table1.py [--seeds 0,1,2,3,4] [--scenarios digits-class,mnist1d-class,digits-domain]
-        [--methods fedavg,refed,...] [--table methods|emphasis|budget] [--out runs/table1]
+        [--methods fedavg,refed,...] [--table methods|emphasis|budget] [--rounds-per-task 8] [--parallel 2]
+        [--backend ort|portable|torch] [--out runs/table1]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from scipy import stats
 
+from edge_client.budget import Budget
+from edge_client.store import BudgetExceededError, ReplayStore
 from edgefil.metrics import accuracy_matrix, average_accuracy
+from edgefil.settings import Where
 from firmware_sim.demo import REFED, STRATEGY, DemoSettings, budget_for, run_methods
-from firmware_sim.scenarios import PRESETS
+from firmware_sim.scenarios import OLD_DATA_CACHED, PRESETS, check_scenario
 
 MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet"}
 RANDOM = {"name": "random"}
@@ -41,6 +56,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "dann": {"policy": {"name": "dann"}, "backend": "torch"},
     "shared": {"policy": {"name": "shared"}},
     "fedcil": {"policy": {"name": "fedcil"}},
+    # FedCIL within the raw caches' bytes: the store holds the current task, the ACGAN gets what M leaves.
+    "fedcil-bytes": {"policy": {"name": "fedcil"}, "equal_bytes": True},
     "refed": {"policy": REFED},
     "refed-quotas": {"policy": {**REFED, "group_by": "class"}},
     "reservoir": {"policy": {"name": "reservoir"}},
@@ -48,27 +65,147 @@ METHODS: dict[str, dict[str, Any]] = {
 SLOTS = {"glfc": "its own issue (federated class-incremental GLFC)"}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
+# With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
+# the 10-device demo's 3 to be learnt in its own rounds (the diagonal the table prints).
+ROUNDS_PER_TASK = 8
+RESULT_FILE = "table1.json"
 
 
-def run(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any]], out: Path, devices: int,
-        fraction: float, cached: float = 0.25) -> dict[str, list[float]]:
-    """Final accuracy (%) per method and seed."""
-    finals: dict[str, list[float]] = {m: [] for m in methods}
-    for seed in seeds:
-        settings = DemoSettings(devices=devices, fraction=fraction, emulated=False, preset=scenario, model=MODELS[scenario],
-                                tasks=PRESETS[scenario].n_tasks, seed=seed)
-        settings = dataclasses.replace(settings, budget=budget_for(settings.scenario, cached))
-        for method, results in run_methods(out / f"seed{seed}", settings, methods).items():
-            finals[method].append(100 * average_accuracy(accuracy_matrix(results["accuracy_matrix"])))
+@dataclass(frozen=True)
+class Job:
+    """One fleet run of the table: a method on one scenario, seed and budget, in its own folder."""
+
+    scenario: str
+    seed: int
+    method: str
+    options: dict[str, Any]
+    folder: str
+    devices: int
+    fraction: float
+    rounds_per_task: int
+    cached: float = OLD_DATA_CACHED
+    equal_bytes: bool = False  # [store] max_bytes = what the store of M raw samples occupies
+    backend: str | None = None  # every method's trainer backend (None: the method's own, else ort)
+
+    @property
+    def result_file(self) -> Path:
+        return Path(self.folder) / self.method / RESULT_FILE
+
+    def settings(self) -> DemoSettings:
+        settings = DemoSettings(devices=self.devices, fraction=self.fraction, emulated=False, preset=self.scenario,
+                                model=MODELS[self.scenario], tasks=PRESETS[self.scenario].n_tasks, seed=self.seed,
+                                rounds_per_task=self.rounds_per_task)
+        return dataclasses.replace(settings, budget=budget_for(settings.scenario, self.cached))
+
+    def run(self) -> dict[str, Any]:
+        """The fleet run, then its summary written beside it (a finished job is not run again)."""
+        settings = self.settings()
+        options = dict(self.options)
+        if self.backend is not None:
+            options.setdefault("backend", self.backend)
+        if self.equal_bytes:
+            assert settings.budget is not None
+            options["store"] = {"max_bytes": raw_store_bytes(settings, settings.budget)}
+        started = time.monotonic()
+        results = run_methods(Path(self.folder), settings, {self.method: options})[self.method]
+        acc = accuracy_matrix(results["accuracy_matrix"])
+        summary = {"final": 100 * average_accuracy(acc), "diagonal": np.diag(acc).round(3).tolist(),
+                   "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
+                   "seconds": round(time.monotonic() - started, 1)}
+        self.result_file.write_text(json.dumps(summary))
+        return summary
+
+
+def raw_store_bytes(settings: DemoSettings, samples: int) -> int:
+    """FedCIL's equal-bytes budget: the least byte limit (to a 4 KiB block) under which the raw-cache methods'
+    store holds `samples` of the scenario's inputs and goes through a task switch (half of them replaced), its
+    write peaks included."""
+    shape = tuple(check_scenario(settings.scenario, Where("table1")).build().input_shape)
+
+    def fits(limit: int) -> bool:
+        x, y = np.zeros((samples, *shape), np.float32), np.zeros(samples, np.int64)
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                with ReplayStore(Path(folder) / "store", Budget(samples, limit), sample_shape=shape) as store:
+                    store.insert(x, y, task=0)
+                    store.keep_only(store.ids()[: samples // 2])
+                    store.insert(x[: samples - samples // 2], y[: samples - samples // 2], task=1)
+                    return len(store) == samples
+            except BudgetExceededError:
+                return False
+
+    low, high = 0, 4096
+    while not fits(high):
+        low, high = high, 2 * high
+    while high - low > 4096:
+        middle = (low + high) // 2 // 4096 * 4096
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
+def run_jobs(jobs: list[Job], parallel: int) -> dict[Path, dict[str, Any]]:
+    """Every job's summary: finished ones read back, the others run `parallel` at a time, each in its own process
+    (a fleet starts daemon worker processes, which a pool's worker may not have), its output in its folder."""
+    running: list[tuple[Job, subprocess.Popen[bytes]]] = []
+    pending = [job for job in jobs if not job.result_file.is_file()]
+    print(f"{len(jobs) - len(pending)} of {len(jobs)} runs already done; running {len(pending)}, "
+          f"{parallel} at a time", flush=True)
+    started = time.monotonic()
+    done = 0
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            log_file = Path(job.folder) / f"{job.method}.log"
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            with log_file.open("wb") as log:
+                running.append((job, subprocess.Popen(
+                    [sys.executable, __file__, "--job", json.dumps(dataclasses.asdict(job))],
+                    stdout=log, stderr=subprocess.STDOUT)))
+        time.sleep(1.0)
+        for job, process in list(running):
+            if process.poll() is None:
+                continue
+            running.remove((job, process))
+            done += 1
+            status = "ok" if job.result_file.is_file() else f"FAILED (exit {process.returncode}, see its .log)"
+            print(f"  [{done}/{len(jobs)}] {job.scenario} seed {job.seed} {job.method}: {status} "
+                  f"| elapsed {time.monotonic() - started:.0f} s", flush=True)
+    return {job.result_file: json.loads(job.result_file.read_text()) for job in jobs if job.result_file.is_file()}
+
+
+def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any]], out: Path,
+         args: argparse.Namespace, cached: float = OLD_DATA_CACHED) -> list[Job]:
+    return [Job(scenario=scenario, seed=seed, method=method, options={k: v for k, v in options.items()
+                                                                      if k != "equal_bytes"},
+                folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
+                rounds_per_task=args.rounds_per_task, cached=cached,
+                equal_bytes=bool(options.get("equal_bytes")), backend=args.backend)
+            for seed in seeds for method, options in methods.items()]
+
+
+def finals_of(jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Final accuracy (%) per method over the seeds that finished."""
+    finals: dict[str, list[float]] = {}
+    for job in jobs:
+        if job.result_file in results:
+            finals.setdefault(job.method, []).append(results[job.result_file]["final"])
     return finals
 
 
-def print_table(title: str, finals: Mapping[str, list[float]], slots: Mapping[str, str] = {}) -> None:
+def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str, Any]],
+                slots: Mapping[str, str] = {}) -> dict[str, list[float]]:
+    """Mean ± std of the final accuracy per method, each seed's value, and the mean diagonal (each task's accuracy
+    right after its own rounds: whether the tasks are learnt at all)."""
     print(f"\n{title}")
+    finals = finals_of(jobs, results)
     for method, values in finals.items():
-        print(f"  {method:14s} {np.mean(values):6.2f} ± {np.std(values):5.2f}   ({' '.join(f'{v:.2f}' for v in values)})")
+        diagonals = np.array([results[j.result_file]["diagonal"] for j in jobs
+                              if j.method == method and j.result_file in results])
+        print(f"  {method:14s} {np.mean(values):6.2f} ± {np.std(values):5.2f}   "
+              f"({' '.join(f'{v:.2f}' for v in values)})   diagonal {' '.join(f'{d:.2f}' for d in diagonals.mean(0))}")
     for method, why in slots.items():
         print(f"  {method:14s} {'—':>15s}   ({why})")
+    return finals
 
 
 def print_paired(a: str, b: str, finals: Mapping[str, list[float]]) -> None:
@@ -88,29 +225,40 @@ def main() -> None:
     parser.add_argument("--table", choices=("methods", "emphasis", "budget"), default="methods")
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
+    parser.add_argument("--rounds-per-task", type=int, default=ROUNDS_PER_TASK)
+    parser.add_argument("--backend", help="every method's trainer backend (default: ort; DANN always torch)")
+    parser.add_argument("--parallel", type=int, default=1, help="fleet runs at a time (each takes about 2 cores)")
     parser.add_argument("--out", default="runs/table1")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # one run, in a process of its own (run_jobs)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.job:
+        Job(**json.loads(args.job)).run()
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
-    where = f"{args.devices} devices, active ratio {args.fraction}, seeds {seeds}; final accuracy, %, mean ± std"
+    where = (f"{args.devices} devices, active ratio {args.fraction}, {args.rounds_per_task} rounds per task, "
+             f"seeds {seeds}; final accuracy, %, mean ± std")
+    tables: list[tuple[str, list[Job], list[tuple[str, str]]]] = []
     for scenario in args.scenarios.split(","):
         out = Path(args.out) / args.table / scenario
         if args.table == "methods":
             methods = {m: METHODS[m] for m in args.methods.split(",")}
-            finals = run(scenario, seeds, methods, out, args.devices, args.fraction)
-            print_table(f"Table 1, {scenario}: {where}", finals, SLOTS)
-            print_paired("refed", "fedavg", finals)
+            tables.append((f"Table 1, {scenario}: {where}", plan(scenario, seeds, methods, out, args),
+                           [("refed", "fedavg")]))
         elif args.table == "emphasis":
-            finals = run(scenario, seeds, EMPHASIS, out, args.devices, args.fraction)
-            print_table(f"Table 10, {scenario}: {where}", finals)
-            print_paired("refed-early", "refed-average", finals)
-            print_paired("refed-average", "refed-late", finals)
+            tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
+                           [("refed-early", "refed-average"), ("refed-average", "refed-late")]))
         else:
             for cached in CACHED:
-                finals = run(scenario, seeds, {"fedavg": METHODS["fedavg"], "refed": METHODS["refed"]},
-                             out / f"cached{cached}", args.devices, args.fraction, cached)
-                print_table(f"Table 4, {scenario}, M caching {cached:.0%} of the old data: {where}", finals)
-                print_paired("refed", "fedavg", finals)
+                methods = {m: METHODS[m] for m in ("fedavg", "refed")}
+                tables.append((f"Table 4, {scenario}, M caching {cached:.0%} of the old data: {where}",
+                               plan(scenario, seeds, methods, out / f"cached{cached}", args, cached),
+                               [("refed", "fedavg")]))
+    results = run_jobs([job for _, jobs, _ in tables for job in jobs], args.parallel)
+    for title, jobs, pairs in tables:
+        finals = print_table(title, jobs, results, SLOTS if args.table == "methods" else {})
+        for a, b in pairs:
+            print_paired(a, b, finals)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
+from models.generator_artifacts import GENERATOR_KINDS  # torch-free: the device's CLI imports it too
+
 
 def _shape(text: str) -> tuple[int, ...]:
     try:
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="trainer backends to export for, comma-separated: portable, ort, torch (default: every "
                              "one this host can export)")
     export.add_argument("--list", action="store_true", help="list the registered models")
-    export.add_argument("--generator", choices=("vae", "wgan-gp"),
+    export.add_argument("--generator", choices=GENERATOR_KINDS,
                         help="export the per-class generator for --input-shape instead of a model")
     export.set_defaults(run=_export)
 

@@ -114,13 +114,14 @@ def next_run_folder(out: Path) -> Path:
 def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
                  options: Mapping[str, Any] | None = None) -> FleetConfig:
     """The fleet of one run: `options` (METHODS[method] by default) give its policy, and may give its strategy,
-    its coordinator options and its trainer backend (a method that trains with torch only)."""
+    its coordinator options, its trainer backend (a method that trains with torch only) and a byte limit beside M
+    (`store`: {"max_bytes": ...})."""
     options = METHODS[method] if options is None else options
     return FleetConfig(
         name=f"demo-{method}", out=out / method, devices=settings.devices, workers=2, model=settings.model,
         seed=settings.seed, broker="embedded", scenario=settings.scenario,
         profiles=demo_profiles(settings.devices) if settings.emulated else {},
-        policy=options["policy"], store=StoreSettings(max_samples=budget),
+        policy=options["policy"], store=StoreSettings(max_samples=budget, **options.get("store", {})),
         trainer=TrainerSettings(backend=options.get("backend", "ort"), optimizer="adamw", lr=settings.lr),
         client={"epochs": settings.epochs}, strategy=options.get("strategy", STRATEGY),
         coordinator={

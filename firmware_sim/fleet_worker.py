@@ -32,6 +32,10 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
     it), until the fleet says stop, SIGTERM arrives or the fleet process is gone. Ctrl-C is the parent's to
     handle."""
+    # The worker's devices train in parallel threads: torch's intra-op pool (one thread per core by default, in
+    # every worker) would oversubscribe the host many times over. Set before anything imports torch, which reads
+    # it once; ORT sessions take their thread count from [trainer] threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
     from firmware_sim.virtual_device import virtual_device

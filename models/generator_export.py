@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.export import OPSET, native_stderr_captured, ort_flat_order, use_torch_adamw
-from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
+from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, VAE_KINDS, GeneratorArtifacts, OrtSegment
 from models.generators import (
     GeneratorSpec,
     VaeGraph,
@@ -95,6 +95,10 @@ def _apply(layer: nn.Module, x: torch.Tensor, p: dict[str, torch.Tensor]) -> tor
         conv = F.conv_transpose1d if isinstance(layer, nn.ConvTranspose1d) else F.conv_transpose2d
         return conv(x, p["weight"], p["bias"], layer.stride, layer.padding,  # type: ignore[arg-type]
                     layer.output_padding, layer.groups, layer.dilation)
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        convolve = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
+        return convolve(x, p["weight"], p["bias"], layer.stride, layer.padding,
+                        layer.dilation, layer.groups)
     raise TypeError(f"no functional form for {type(layer).__name__}")
 
 
@@ -106,7 +110,7 @@ def export_generator_artifacts(spec: GeneratorSpec, out_dir: str | Path, seed: i
     auxiliary = build_auxiliary(spec, seed + 1)
     _export_sampler(spec, sampler, out_dir / SAMPLER_MODEL)
     layout: tuple[OrtSegment, ...] = ()
-    if spec.kind == "vae":
+    if spec.kind in VAE_KINDS:
         layout = _export_vae_training(spec, VaeGraph(sampler, auxiliary), out_dir)
     names = [SAMPLER_MODEL] + ([TRAINING_MODEL, EVAL_MODEL, ADAMW_MODEL, CHECKPOINT] if layout else [])
     info = GeneratorArtifacts(

@@ -11,6 +11,13 @@ what trains it and is worth keeping for warm starts (the WGAN-GP critic, the VAE
 - `vae`: an MLP VAE for any input shape, without BatchNorm (ORT training artifacts do not update running
   statistics). Decoder (the sampler): Linear(z -> w) -> ReLU -> Linear(w -> w) -> ReLU -> Linear(w -> D) -> output;
   encoder: Linear(D -> w) -> ReLU -> Linear(w -> w) -> ReLU -> Linear(w -> 2z) split into (mu, logvar).
+- `conv-vae`: a convolutional VAE without BatchNorm (for the same ORT reason). Decoder: Linear(z -> 2w * base) ->
+  ReLU -> Conv(2w -> w * 2^d, k3, p1) -> SubPixel -> ReLU -> Conv(w -> C * 2^d, k3, p1) -> SubPixel -> output, d the
+  spatial dimensions: each SubPixel (sub-pixel convolution's shuffle, a reshape and a transpose) doubles every
+  spatial size, as the WGAN-GP's stride-2 ConvTranspose does, but trains on ORT 1.19, which has no gradient
+  kernel for ConvTranspose. Encoder: the critic's layers ending in Linear(-> 2z). A pixelwise MLP cannot represent
+  MNIST-1D's classes (a shape at a random shift: a real-data classifier recognises ~18 % of the MLP VAE's
+  samples); shared convolution kernels can.
 
 Output layer: images (C, H, W) end in a Sigmoid because the datasets scale them to [0, 1] (the spec's Tanh, moved
 to that range); 1-D signals (MNIST-1D) are unbounded reals and end linear.
@@ -31,7 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
-GENERATOR_KINDS = ("wgan-gp", "vae")
+from models.generator_artifacts import GENERATOR_KINDS
+
+CONV_KINDS = ("wgan-gp", "conv-vae")  # two stride-2 layers: spatial sizes divisible by 4
 _LEAK = 0.2
 
 
@@ -50,8 +59,8 @@ class GeneratorSpec:
         shape = tuple(self.input_shape)
         if len(shape) not in (2, 3) or any(not isinstance(d, int) or d < 1 for d in shape):
             raise ValueError(f"input_shape must be (C, L) or (C, H, W) of positive ints, not {self.input_shape}")
-        if self.kind == "wgan-gp" and any(d % 4 for d in shape[1:]):
-            raise ValueError(f"wgan-gp upsamples twice by 2: spatial sizes of {shape} must be divisible by 4")
+        if self.kind in CONV_KINDS and any(d % 4 for d in shape[1:]):
+            raise ValueError(f"{self.kind} upsamples twice by 2: spatial sizes of {shape} must be divisible by 4")
         for name in ("latent_dim", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,10 +84,11 @@ class GeneratorSpec:
 
 def default_spec(kind: str, input_shape: tuple[int, ...]) -> GeneratorSpec:
     """Small defaults: the spec's z=32, w=32 generator for 28x28 and larger inputs, z=16 for small ones; the VAE's
-    hidden width grows with the input size (64 up to 256 values, 128 above)."""
+    hidden width grows with the input size (64 up to 256 values, 128 above), the conv VAE's base width too (16 up
+    to 256 values, 32 above: ten classes of it, sampler and encoder at int8, fit digits' 320 KiB budget)."""
     size = math.prod(input_shape)
     latent = 16 if size <= 256 else 32
-    width = 32 if kind == "wgan-gp" else (64 if size <= 256 else 128)
+    width = {"wgan-gp": 32, "vae": 64 if size <= 256 else 128, "conv-vae": 16 if size <= 256 else 32}[kind]
     return GeneratorSpec(kind, tuple(input_shape), latent, width)
 
 
@@ -91,13 +101,28 @@ class _Reshape(nn.Module):
         return x.reshape(x.shape[0], *self.shape)
 
 
+class _SubPixel(nn.Module):
+    """(N, C * 2^d, *S) -> (N, C, *2S) for d = len(S) in (1, 2): each output position takes its value from one of
+    the 2^d channel groups (Shi et al.'s pixel shuffle, written as reshape and transpose for any d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, channels, *spatial = x.shape
+        if len(spatial) == 1:
+            (length,) = spatial
+            x = x.reshape(n, channels // 2, 2, length).permute(0, 1, 3, 2)
+            return x.reshape(n, channels // 2, 2 * length)
+        height, width = spatial
+        x = x.reshape(n, channels // 4, 2, 2, height, width).permute(0, 1, 4, 2, 5, 3)
+        return x.reshape(n, channels // 4, 2 * height, 2 * width)
+
+
 class VaeEncoder(nn.Module):
-    """x -> (mu, logvar) of q(z | x)."""
+    """x -> (mu, logvar) of q(z | x): the MLP's layers (`vae`), or the critic's convolutions (`conv-vae`)."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
         super().__init__()
         self.latent_dim = spec.latent_dim
-        self.net = nn.Sequential(
+        self.net = dcgan_critic(spec, 2 * spec.latent_dim) if spec.kind == "conv-vae" else nn.Sequential(
             nn.Flatten(), nn.Linear(math.prod(spec.input_shape), spec.width), nn.ReLU(),
             nn.Linear(spec.width, spec.width), nn.ReLU(), nn.Linear(spec.width, 2 * spec.latent_dim),
         )
@@ -125,6 +150,19 @@ def dcgan_generator(spec: GeneratorSpec) -> nn.Sequential:
     )
 
 
+def _subpixel_decoder(spec: GeneratorSpec) -> nn.Sequential:
+    """The conv VAE's decoder (module docstring): z (N, latent) -> x (N, *input_shape)."""
+    channels, *spatial = spec.input_shape
+    conv = nn.Conv2d if len(spatial) == 2 else nn.Conv1d
+    base = tuple(d // 4 for d in spatial)
+    w, up = spec.width, 2 ** len(spatial)
+    return nn.Sequential(
+        nn.Linear(spec.latent_dim, 2 * w * math.prod(base)), _Reshape((2 * w, *base)), nn.ReLU(),
+        conv(2 * w, w * up, 3, 1, 1), _SubPixel(), nn.ReLU(),
+        conv(w, channels * up, 3, 1, 1), _SubPixel(), _output_layer(spec),
+    )
+
+
 def dcgan_critic(spec: GeneratorSpec, outputs: int = 1) -> nn.Sequential:
     """The WGAN-GP critic's layers (module docstring): x -> (N,) scores, or (N, outputs) with more than one."""
     channels, *spatial = spec.input_shape
@@ -148,7 +186,8 @@ def _vae_decoder(spec: GeneratorSpec) -> nn.Sequential:
 def build_sampler(spec: GeneratorSpec, seed: int | None = None) -> nn.Module:
     """The generator: forward(z (N, latent)) -> x (N, *input_shape). Seeded without touching the global RNG."""
     with seeded(seed):
-        return dcgan_generator(spec) if spec.kind == "wgan-gp" else _vae_decoder(spec)
+        builder = {"wgan-gp": dcgan_generator, "vae": _vae_decoder, "conv-vae": _subpixel_decoder}[spec.kind]
+        return builder(spec)
 
 
 def build_auxiliary(spec: GeneratorSpec, seed: int | None = None) -> nn.Module:

@@ -290,3 +290,43 @@ def test_personalized_aggregation_on_cuda_matches_the_cpu(manifest):
     for d in "ab":
         torch.testing.assert_close(results["cuda"].personalized[d].cpu(), results["cpu"].personalized[d],
                                    rtol=1e-3, atol=1e-4)
+
+
+def _favouring(manifest, label: int) -> np.ndarray:
+    """Flat weights of a model that classifies every input as `label`: all zero but the head's bias."""
+    weights = np.zeros(manifest.num_parameters, np.float32)
+    head_bias = manifest.parameters[-1]
+    assert head_bias.size == manifest.num_classes  # the last parameter is the head's bias
+    weights[manifest.num_parameters - head_bias.size + label] = 10.0
+    return weights
+
+
+def test_the_quality_check_keeps_only_samples_the_reference_recognises(manifest):
+    """A generated sample the reference model does not classify as its class is left out of the personalized
+    weights' replay set; a device none of whose samples pass gets the plain mean, as one without generators."""
+    from coordinator.strategies.base import ClientUpdate
+    from coordinator.strategies.pfedgrp import PFedGRP
+    from models.generator_record import encode_record
+
+    counts = (5, 5) + (0,) * 8
+    attachments = {"generator/0": encode_record(_record(0)), "generator/1": encode_record(_record(1, seed=1))}
+    rule = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
+    rule.aggregate(torch.zeros(manifest.num_parameters),
+                   [ClientUpdate("a", np.zeros(manifest.num_parameters, np.float32), 10, {}, counts, attachments)])
+    everything = rule.replay_set("a")
+    assert everything is not None and set(everything[1].tolist()) == {0, 1}
+    kept = rule.replay_set("a", torch.from_numpy(_favouring(manifest, 1)))
+    assert kept is not None and set(kept[1].tolist()) == {1} and len(kept[1]) == 20
+    assert rule.recognised["a"] == pytest.approx(0.5)
+    # through a round: the reference is the mean of the round's models, here both favouring class 1, so a device
+    # whose only generator is of class 0 has nothing left and gets the plain mean; without the check it does not
+    only_zero = {"generator/0": attachments["generator/0"]}
+    models = [_favouring(manifest, 1), _favouring(manifest, 1) * 0.5]
+    updates = [ClientUpdate(d, w, 10, {}, counts, only_zero) for d, w in zip("ab", models)]
+    checked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
+    checked.aggregate(torch.zeros(manifest.num_parameters), updates)
+    assert checked.recognised == {"a": 0.0, "b": 0.0}
+    assert checked.weights_used["a"] == [0.5, 0.5]
+    unchecked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20, quality_check=False)
+    unchecked.aggregate(torch.zeros(manifest.num_parameters), updates)
+    assert unchecked.recognised == {} and unchecked.weights_used["a"] != [0.5, 0.5]

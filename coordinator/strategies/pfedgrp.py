@@ -14,6 +14,14 @@ of how many classes a device has seen); the device's seen classes unmasked, as d
 cached generator yet gets the global model as its personalized one. Which cached generator answers another
 device's request for a class: the latest uploaded.
 
+Quality check (`quality_check`, on by default; not in the paper): a generated sample that a reference model does not
+classify as the class it was generated for is left out of the replay set, so a generator that has not learnt its
+class (too few steps, a warm start from another device's drifted one) cannot steer the weights towards models that
+fit its noise. The reference is the plain mean of this round's local models: every one of them was just trained on
+its device's real data, while the previous global model has not seen this round's classes. A device none of whose
+samples pass gets the plain mean as its weights, as one without generators does. The share that passed is kept per
+device (`recognised`, in the checkpoint) for the round's report.
+
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes
 (`generator_classes`); a device asks for `generator/<class>` payloads and `answer` gives the cached records.
@@ -75,6 +83,7 @@ class PFedGRP(Strategy):
         weight_lr: float = 0.1,
         replay_per_class: int = 100,
         weight_batch: int = 256,
+        quality_check: bool = True,
         seed: int = 0,
         device: torch.device | str = "auto",
     ) -> None:
@@ -91,12 +100,14 @@ class PFedGRP(Strategy):
         self.weight_lr = weight_lr
         self.replay_per_class = replay_per_class
         self.weight_batch = weight_batch
+        self.quality_check = quality_check
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
         self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
         self.label_counts: dict[str, list[int]] = {}
         self.latest: dict[int, str] = {}  # class -> the device whose generator of it came last
         self.weights_used: dict[str, list[float]] = {}  # device -> its simplex weights of the last round
+        self.recognised: dict[str, float] = {}  # device -> the share of its replay set the quality check kept
 
     # --- the round ----------------------------------------------------------------------------------
 
@@ -134,9 +145,10 @@ class PFedGRP(Strategy):
         for update in updates:
             self._cache(update)
         models = torch.stack([as_tensor(u.weights, self.device) for u in updates])
+        reference = models.mean(0) if self.quality_check else None
         personalized = {}
         for update in updates:
-            weights = self._weights_for(update.device, models)
+            weights = self._weights_for(update.device, models, reference)
             self.weights_used[update.device] = weights.tolist()
             personalized[update.device] = weights @ models
         mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
@@ -149,8 +161,8 @@ class PFedGRP(Strategy):
         if update.label_counts:
             self.label_counts[update.device] = list(update.label_counts)
 
-    def _weights_for(self, device: str, models: torch.Tensor) -> torch.Tensor:
-        replay = self.replay_set(device)
+    def _weights_for(self, device: str, models: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
+        replay = self.replay_set(device, reference)
         if replay is None:
             return torch.full((models.shape[0],), 1.0 / models.shape[0], device=self.device)
         x, y, mask = replay
@@ -165,9 +177,11 @@ class PFedGRP(Strategy):
         return [torch.randperm(n, generator=self.generator)[:self.weight_batch].to(self.device)
                 for _ in range(self.weight_steps)]
 
-    def replay_set(self, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def replay_set(self, device: str, reference: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Samples of the device's classes from its cached generators, in proportion to its cumulative counts
-        (replay_per_class per class on average, at least one each); None without any generator."""
+        (replay_per_class per class on average, at least one each), less those the `reference` model (flat
+        weights) does not classify as their class; None without any generator or sample left."""
         cached, counts = self.generators.get(device, {}), self.label_counts.get(device, [])
         classes = [c for c in sorted(cached) if c < len(counts) and counts[c] > 0]
         if not classes:
@@ -180,7 +194,21 @@ class PFedGRP(Strategy):
             ys.append(torch.full((n,), c, dtype=torch.int64, device=self.device))
         mask = torch.zeros(self.manifest.num_classes, device=self.device)
         mask[[c for c, n in enumerate(counts) if n > 0]] = 1.0
-        return torch.cat(xs), torch.cat(ys), mask
+        x, y = torch.cat(xs), torch.cat(ys)
+        if reference is not None:
+            kept = self.recognised_by(reference, x, y, mask)
+            self.recognised[device] = float(kept.float().mean())
+            x, y = x[kept], y[kept]
+            if len(y) == 0:
+                return None
+        return x, y, mask
+
+    @torch.no_grad()
+    def recognised_by(self, reference: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """Which samples the model with flat weights `reference` classifies as their label, among the classes of
+        `mask` (as devices train)."""
+        return self._logits(reference, x, mask).argmax(1) == y
 
     @torch.no_grad()
     def _sample(self, record: GeneratorRecord, n: int) -> torch.Tensor:
@@ -191,12 +219,16 @@ class PFedGRP(Strategy):
         return sampler(z)
 
     def _loss(self, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self._logits(theta, x, mask), y)
+
+    def _logits(self, theta: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model with flat weights `theta` on x, the classes outside `mask` filled out."""
         params, offset = {}, 0
         for info in self.manifest.parameters:
             params[info.name] = theta[offset:offset + info.size].view(info.shape)
             offset += info.size
         logits, _ = functional_call(self.model, params, (x,))
-        return F.cross_entropy(logits + (mask - 1.0) * MASK_FILL, y)
+        return logits + (mask - 1.0) * MASK_FILL
 
     # --- checkpoint ---------------------------------------------------------------------------------
 
@@ -204,7 +236,8 @@ class PFedGRP(Strategy):
         state = {
             "generators": {d: {str(c): encode_record(r) for c, r in g.items()} for d, g in self.generators.items()},
             "label_counts": self.label_counts, "latest": {str(c): d for c, d in self.latest.items()},
-            "weights_used": self.weights_used, "rng": self.generator.get_state().numpy().tobytes(),
+            "weights_used": self.weights_used, "recognised": self.recognised,
+            "rng": self.generator.get_state().numpy().tobytes(),
         }
         write_atomically(Path(directory) / STATE_FILE, msgpack.packb(state, use_bin_type=True))
 
@@ -217,4 +250,5 @@ class PFedGRP(Strategy):
         self.label_counts = {d: list(v) for d, v in state["label_counts"].items()}
         self.latest = {int(c): d for c, d in state["latest"].items()}
         self.weights_used = dict(state["weights_used"])
+        self.recognised = dict(state.get("recognised", {}))  # absent in checkpoints written before the check
         self.generator.set_state(torch.from_numpy(np.frombuffer(state["rng"], dtype=np.uint8).copy()))

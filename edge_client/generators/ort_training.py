@@ -14,7 +14,7 @@ import numpy as np
 from edge_client.generators.training import GeneratorTrainer, batch_indices
 from edge_client.trainers.ort import ALL_PARAMETERS, ORT_ERROR, session_options
 from edge_client.trainers.ort_capi import C
-from models.generator_artifacts import load_generator_artifacts
+from models.generator_artifacts import VAE_KINDS, load_generator_artifacts
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, ManifestError
 
 
@@ -25,7 +25,7 @@ class OrtVaeTrainer(GeneratorTrainer):
         super().__init__()
         self._dir = Path(artifact_dir)
         info = load_generator_artifacts(self._dir)
-        if info.kind != "vae" or not info.ort_layout:
+        if info.kind not in VAE_KINDS or not info.ort_layout:
             raise ManifestError(f"{self._dir} holds no ORT training artifacts for a VAE generator")
         self.spec, self.sampler_size, self.auxiliary_size = info.spec, info.sampler_size, info.auxiliary_size
         self._latent = info.latent_dim

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from edge_client.generators.training import GeneratorTrainer, batch_indices
+from models.generator_artifacts import VAE_KINDS
 from models.generators import (
     GeneratorSpec,
     VaeGraph,
@@ -35,7 +36,7 @@ class TorchGeneratorTrainer(GeneratorTrainer):
         self.spec = spec.to_dict()
         self.sampler_size, self.auxiliary_size = sampler_size(spec), auxiliary_size(spec)
         self.batch_size = batch_size
-        self.lr = lr if lr is not None else (1e-3 if spec.kind == "vae" else 2e-4)
+        self.lr = lr if lr is not None else (1e-3 if spec.kind in VAE_KINDS else 2e-4)
         self.n_critic, self.gp_weight = n_critic, gp_weight
 
     def _fit(self, x: np.ndarray, sampler: np.ndarray | None, auxiliary: np.ndarray | None, steps: int,
@@ -49,7 +50,7 @@ class TorchGeneratorTrainer(GeneratorTrainer):
             load_module(generator, sampler)
         if auxiliary is not None:
             load_module(critic, auxiliary)
-        if self.generator_spec.kind == "vae":
+        if self.generator_spec.kind in VAE_KINDS:
             self._vae(VaeGraph(generator, critic), x, steps, rng)
         else:
             self._wgan_gp(generator, critic, torch.from_numpy(x), steps, rng, torch.Generator().manual_seed(seed))

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from models.generator_artifacts import VAE_KINDS
 from models.generator_record import GeneratorRecord
 
 BACKENDS = ("torch", "ort")
@@ -76,8 +77,8 @@ def make_generator_trainer(spec: Mapping[str, Any], backend: str, artifact_dir: 
 
         return TorchGeneratorTrainer(GeneratorSpec.from_dict(spec), **options)
     if backend == "ort":
-        if spec.get("kind") != "vae":
-            raise ValueError(f"no ORT training for {spec.get('kind')!r} generators (only 'vae'): the WGAN-GP "
+        if spec.get("kind") not in VAE_KINDS:
+            raise ValueError(f"no ORT training for {spec.get('kind')!r} generators (only {VAE_KINDS}): the WGAN-GP "
                              "gradient penalty needs a double backward that ORT's training graphs cannot express; "
                              "use backend='torch'")
         if artifact_dir is None:

@@ -77,13 +77,16 @@ class GeneratorReplay(ReplayPolicy):
     name = "generator"
     keeps_old = False  # the old real data are deleted at every task switch
 
-    kind: str = "vae"  # "vae" or "wgan-gp" (models/generators.py)
+    kind: str = "vae"  # "vae", "conv-vae" or "wgan-gp" (models/generators.py)
     precision: str = "float16"  # how the bank stores generators: float32, float16 or int8
     backend: str = "auto"  # generator training: "torch", "ort" (VAE only: ORT Training artifacts), or "auto": the
     # backend the device trains its task model with, or torch when that is "portable" (no generator graphs yet)
     lambda_align: float = 1.0  # weight of the alignment term (the paper does not give it; its section 5 uses 1)
-    init_steps: int = 200  # optimisation steps of a generator trained from scratch
-    transfer_steps: int = 50  # steps of a warm-started one
+    # The paper's step counts (Sec. 5): 1000 from scratch, 100 warm-started. A VAE affords them on every profile
+    # (ms per step at these sizes); a WGAN-GP takes n_critic + 1 passes a step, with a double backward, so a slow
+    # device sets fewer (docs/generators.md gives the measured costs).
+    init_steps: int = 1000  # optimisation steps of a generator trained from scratch
+    transfer_steps: int = 100  # steps of a warm-started one
     keep_auxiliary: bool = True  # also store the critic / encoder, for better warm starts (counts against M)
     bank_share: float = 0.5  # the most of M the generators may take; the rest stays the store's
     artifacts: str = ""  # generator artifact folder; "" = <model artifacts>/generator-<kind>
