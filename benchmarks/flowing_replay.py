@@ -2,7 +2,8 @@
 the same storage budget in bytes. Every run is a real fleet: coordinator, 10 device daemons, mosquitto (or the
 embedded broker), all through MQTT.
 
-    generator   per-class generators in the store's budget + pFedGRP's personalized aggregation
+    generator   per-class conv VAEs in the store's budget + pFedGRP's personalized aggregation
+    gen-mlp     the same with MLP VAEs
     refed       Re-Fed importance caching of raw samples, FedAvg
     random      a random cache of raw samples, FedAvg
     none        no replay (current task only), FedAvg
@@ -33,9 +34,12 @@ DATASETS: dict[str, tuple[str, str, int, int]] = {
     "digits": ("digits-flowing", "lenet", 320 * 1024, 3),
     "mnist1d": ("mnist1d-flowing", "cnn1d", 352 * 1024, 3),
 }
+# The generator methods run the policy's defaults (the paper's 1000 / 100 steps, the encoder kept for warm starts)
+# and pFedGRP's server quality check; only the kind differs.
 METHODS: dict[str, dict[str, Any]] = {
-    "generator": {"policy": {"name": "generator", "kind": "vae", "precision": "int8", "keep_auxiliary": False},
+    "generator": {"policy": {"name": "generator", "kind": "conv-vae", "precision": "int8"},
                   "strategy": {"name": "pfedgrp"}},
+    "gen-mlp": {"policy": {"name": "generator", "kind": "vae", "precision": "int8"}, "strategy": {"name": "pfedgrp"}},
     "refed": {"policy": {"name": "refed", "pim_epochs": 2}, "strategy": {"name": "fedavg"}},
     "random": {"policy": {"name": "random"}, "strategy": {"name": "fedavg"}},
     "none": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},

@@ -6,11 +6,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from edgefil.lifetime import die_with_parent
 
 PARENT_POLL_S = 1.0
+STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
 
 
 def _wait_for_stop(stop: Any) -> None:
@@ -64,5 +66,6 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     with lock:
         for device in devices:
             device.stop_requested.set()
+    deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all (a device mid-step finishes it first)
     for thread in threads:
-        thread.join(30)
+        thread.join(max(0.0, deadline - time.monotonic()))
