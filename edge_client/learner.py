@@ -15,6 +15,7 @@ Choices (documented, configurable where it matters):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from edge_client.state import ClientState, load_state, save_state
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
 from edge_client.trainers.base import EvalResult, Proximal, Trainer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ class Learner:
             self.store.delete(np.asarray(drop, dtype=np.int64))
         room = self.store.room_for(len(y))
         if room < len(y):
+            log.warning("the byte budget takes only %d of %d new samples (held: %s): lower what the method "
+                        "keeps beside the store, or raise max_bytes", room, len(y), self.budget.held())
             pick = np.sort(self.rng.choice(len(y), room, replace=False))
             x, y = x[pick], y[pick]
         if len(y):

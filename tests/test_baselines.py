@@ -138,6 +138,22 @@ def test_fedcil_keeps_its_previous_acgan_when_a_new_one_would_not_fit_the_budget
     assert learner.budget.used() <= 400_000
 
 
+def test_fedcil_leaves_the_store_its_share_of_the_bytes(tmp_path, export_artifacts):
+    """An ACGAN whose write would take more than `acgan_share` of M's bytes is not written, although M has room
+    for it: the rest stays the store's, so the next task's real samples are never squeezed out (a device would
+    train on nothing)."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    for share, written in ((0.1, False), (0.5, True)):
+        (tmp_path / str(share)).mkdir()
+        learner = _learner(tmp_path / str(share), OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil",
+                           gan_steps=2, max_bytes=400_000, acgan_share=share)
+        learner.start_task(0, *_classes([0, 1], 60))
+        learner.finish_round()
+        assert learner.policy.metrics()["acgan_dropped"] == (not written)
+        assert learner.policy._path.exists() == written
+        assert learner.budget.held()["acgan"] <= 0.5 * 400_000
+
+
 def test_fedcil_removes_an_acgan_file_that_does_not_load(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2)

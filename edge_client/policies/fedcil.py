@@ -13,8 +13,9 @@ A round:
 Storage: one file, `fedcil/acgan.npz` in the state folder (generator and discriminator as flat buffers, the
 classes learnt, the spec), replaced atomically; it is a holder of the device's budget. A new file that would not
 fit what M leaves (while the old one is still there) is not written: the device keeps its previous ACGAN and
-counts `acgan_dropped`. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes, as for pFedGRP's
-generator bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
+counts `acgan_dropped`; so is one whose write would take more than `acgan_share` of M's bytes, which stay the
+store's for the next task's real data. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes,
+as for pFedGRP's generator bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
 
 Deviations from FedCIL (documented in docs/architecture.md): the classifier is the runtime's task model, not the
 ACGAN's auxiliary head; the ACGAN stays on its device (FedCIL also averages generators on the server and
@@ -60,6 +61,10 @@ class FedCil(NoReplay):
     gan_lr: float = 2e-4  # Adam, betas (0.5, 0.999), as DCGAN and ACGAN
     replay_per_class: int = 0  # generated samples per earlier class and round; 0: the current classes' mean count
     precision: str = "float16"  # how the stored ACGAN's weights are kept: float32 or float16
+    # The most of M's bytes the ACGAN may take, its replacement's write peak included; the rest stays the store's,
+    # so the next task's real data always find room (as pFedGRP's bank_share). Without it, an ACGAN that fits M
+    # can leave the store too little for a task: the device then trains on nothing (seen at 160 KiB on digits).
+    acgan_share: float = 0.5
     _spec: Any = field(default=None, init=False, repr=False)
     _path: Path | None = field(default=None, init=False, repr=False)
     _budget: DeviceBudget | None = field(default=None, init=False, repr=False)
@@ -79,6 +84,8 @@ class FedCil(NoReplay):
             raise ValueError(f"gan_lr must be finite and > 0, got {self.gan_lr}")
 
     def open(self, ctx: PolicyContext) -> None:
+        if not 0.0 < self.acgan_share <= 1.0:
+            raise ValueError(f"acgan_share must lie in (0, 1], got {self.acgan_share}")
         try:
             from models.acgan import AcganSpec
         except ImportError as err:
@@ -212,6 +219,8 @@ class FedCil(NoReplay):
         data = buffer.getvalue()
         budget = self._budget
         room = None if budget is None else budget.room(ACGAN_HOLDER)
+        if room is not None and budget is not None and budget.max_bytes is not None:
+            room = min(room, int(self.acgan_share * budget.max_bytes))
         if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
             return False
         write_atomically(self._require_path(), data)
