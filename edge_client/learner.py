@@ -185,6 +185,9 @@ class Learner:
             short = len(y) - self.store.room_for(len(y))
             drop, cache = cache[-short:], cache[:-short]
             self.store.delete(np.asarray(drop, dtype=np.int64))
+        if self.store.room_for(len(y)) < len(y) and self.policy.release_bytes(self):
+            log.warning("policy %s released its own files: the new task's real samples come first (held now: %s)",
+                        self.policy.name, self.budget.held())
         room = self.store.room_for(len(y))
         if room < len(y):
             log.warning("the byte budget takes only %d of %d new samples (held: %s): lower what the method "

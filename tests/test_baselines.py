@@ -154,6 +154,25 @@ def test_fedcil_leaves_the_store_its_share_of_the_bytes(tmp_path, export_artifac
         assert learner.budget.held()["acgan"] <= 0.5 * 400_000
 
 
+def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_path, export_artifacts):
+    """At a byte limit where the store's write peaks leave no room for a new task's samples beside the ACGAN (digits
+    at the raw caches' 160 KiB), the ACGAN file goes and the store takes the whole task: a device must never train
+    on nothing because a method's own file holds the bytes."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2,
+                       max_bytes=160 * 1024)
+    learner.start_task(0, *_classes([0, 1], 14))
+    learner.finish_round()
+    assert learner.policy._path.exists() and learner.policy.metrics()["acgan_dropped"] == 0
+    learner.start_task(1, *_classes([2, 3], 14))
+    assert len(learner.store) == 14 and set(learner.store.labels().tolist()) == {2, 3}
+    assert not learner.policy._path.exists()
+    x, y = learner.store.get(learner.store.ids())
+    learner.policy.training_set(learner, x, y)
+    assert learner.policy.metrics()["acgan_released"] == 1
+    assert learner.budget.used() <= 160 * 1024
+
+
 def test_fedcil_removes_an_acgan_file_that_does_not_load(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2)

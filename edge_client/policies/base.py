@@ -147,6 +147,11 @@ class ReplayPolicy(ABC):
     def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
         """Called after the task model's local training with the current task's real samples."""
 
+    def release_bytes(self, learner: Learner) -> bool:
+        """The byte budget cannot take the new task's real samples beside what the policy keeps: give up what it
+        can (its own files), as the current task's real data come first. True if anything was freed."""
+        return False
+
     def attachments(self, learner: Learner) -> dict[str, bytes]:
         """Named byte strings the round's update carries besides the model."""
         return {}

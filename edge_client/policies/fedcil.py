@@ -14,7 +14,9 @@ Storage: one file, `fedcil/acgan.npz` in the state folder (generator and discrim
 classes learnt, the spec), replaced atomically; it is a holder of the device's budget. A new file that would not
 fit what M leaves (while the old one is still there) is not written: the device keeps its previous ACGAN and
 counts `acgan_dropped`; so is one whose write would take more than `acgan_share` of M's bytes, which stay the
-store's for the next task's real data. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes,
+store's for the next task's real data. And when a new task's real samples still do not fit beside the stored
+ACGAN, the learner asks the policy to release its bytes (`release_bytes`): the ACGAN file goes (`acgan_released`),
+real data first. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes,
 as for pFedGRP's generator bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
 
 Deviations from FedCIL (documented in docs/architecture.md): the classifier is the runtime's task model, not the
@@ -71,6 +73,7 @@ class FedCil(NoReplay):
     _block: int = field(default=4096, init=False, repr=False)  # the file system's block, read at open
     _sizes: list[int] = field(default_factory=list, init=False, repr=False)  # flat lengths: generator, discriminator
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _released: bool = field(default=False, init=False, repr=False)  # release_bytes gave the ACGAN up this round
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -116,7 +119,8 @@ class FedCil(NoReplay):
 
         stored = self._load()
         old = [] if stored is None else sorted(set(learner.labels_seen_before_task().tolist()) & stored[2])
-        self._round = {"replayed_samples": 0.0}
+        self._round = {"replayed_samples": 0.0, "acgan_released": float(self._released)}
+        self._released = False
         if stored is None or not old or not len(y):
             return TrainingSet(x, y)
         per_class = self.replay_per_class or int(round(len(y) / len(np.unique(y))))
@@ -224,6 +228,16 @@ class FedCil(NoReplay):
         if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
             return False
         write_atomically(self._require_path(), data)
+        return True
+
+    def release_bytes(self, learner: Learner) -> bool:
+        """The stored ACGAN goes when the new task's real samples would not fit beside it (counted in
+        `acgan_released`); the next save writes a new one if it fits what the store then leaves."""
+        path = self._require_path()
+        if not path.exists():
+            return False
+        path.unlink()
+        self._released = True
         return True
 
     def _bytes(self) -> int:
