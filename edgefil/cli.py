@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
-from models.generator_artifacts import GENERATOR_KINDS  # torch-free: the device's CLI imports it too
+from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
 
 def _shape(text: str) -> tuple[int, ...]:

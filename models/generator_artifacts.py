@@ -15,11 +15,6 @@ import numpy as np
 
 from models.manifest import ManifestError, verify_files
 
-# The generator kinds (architectures: models/generators.py), named here because device code without torch checks
-# them: the VAE kinds train as VAEs (encoder = auxiliary model) and have ORT training artifacts.
-GENERATOR_KINDS = ("wgan-gp", "vae", "conv-vae")
-VAE_KINDS = ("vae", "conv-vae")
-
 GENERATOR_JSON = "generator.json"
 SAMPLER_MODEL = "sampler.onnx"
 GENERATOR_FORMAT = 1

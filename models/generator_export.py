@@ -39,7 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.export import OPSET, native_stderr_captured, ort_flat_order, use_torch_adamw
-from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, VAE_KINDS, GeneratorArtifacts, OrtSegment
+from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
+from models.generator_kinds import VAE_KINDS
 from models.generators import (
     GeneratorSpec,
     VaeGraph,

@@ -38,9 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.generator_artifacts import GENERATOR_KINDS
+from models.generator_kinds import CONV_KINDS, GENERATOR_KINDS
 
-CONV_KINDS = ("wgan-gp", "conv-vae")  # two stride-2 layers: spatial sizes divisible by 4
 _LEAK = 0.2
 
 

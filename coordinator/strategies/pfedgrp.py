@@ -19,8 +19,8 @@ classify as the class it was generated for is left out of the replay set, so a g
 class (too few steps, a warm start from another device's drifted one) cannot steer the weights towards models that
 fit its noise. The reference is the plain mean of this round's local models: every one of them was just trained on
 its device's real data, while the previous global model has not seen this round's classes. A device none of whose
-samples pass gets the plain mean as its weights, as one without generators does. The share that passed is kept per
-device (`recognised`, in the checkpoint) for the round's report.
+samples pass gets the plain mean as its weights, as one without generators does. The share that passed in its last
+round is kept per device (`recognised`, checkpointed with the rule's state).
 
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes

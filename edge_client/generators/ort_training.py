@@ -14,7 +14,8 @@ import numpy as np
 from edge_client.generators.training import GeneratorTrainer, batch_indices
 from edge_client.trainers.ort import ALL_PARAMETERS, ORT_ERROR, session_options
 from edge_client.trainers.ort_capi import C
-from models.generator_artifacts import VAE_KINDS, load_generator_artifacts
+from models.generator_artifacts import load_generator_artifacts
+from models.generator_kinds import VAE_KINDS
 from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, ManifestError
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from edge_client.generators.training import GeneratorTrainer, batch_indices
-from models.generator_artifacts import VAE_KINDS
+from models.generator_kinds import VAE_KINDS
 from models.generators import (
     GeneratorSpec,
     VaeGraph,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from models.generator_artifacts import VAE_KINDS
+from models.generator_kinds import VAE_KINDS
 from models.generator_record import GeneratorRecord
 
 BACKENDS = ("torch", "ort")

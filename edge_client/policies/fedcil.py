@@ -222,9 +222,8 @@ class FedCil(NoReplay):
                  classes=np.asarray(sorted(classes), dtype=np.int64))
         data = buffer.getvalue()
         budget = self._budget
-        room = None if budget is None else budget.room(ACGAN_HOLDER)
-        if room is not None and budget is not None and budget.max_bytes is not None:
-            room = min(room, int(self.acgan_share * budget.max_bytes))
+        room = None if budget is None or budget.max_bytes is None else min(
+            budget.room(ACGAN_HOLDER) or 0, int(self.acgan_share * budget.max_bytes))
         if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
             return False
         write_atomically(self._require_path(), data)
