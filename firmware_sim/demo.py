@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,12 @@ class DemoSettings:
     preset: str = "digits-class"  # a class-incremental preset (firmware_sim/scenarios.py) the model takes
     fraction: float = 1.0  # the share of devices selected each round (Re-Fed's active ratio k)
     emulated: bool = True  # devices of mixed profiles (PROFILE_CYCLE); False: at the host's speed, no deadline drops
+    dataset_options: Mapping[str, Any] = field(default_factory=dict)  # the preset's loader options replaced
 
     @property
     def scenario(self) -> dict[str, Any]:
-        return {"preset": self.preset, "n_tasks": self.tasks, "n_clients": self.devices, "seed": self.seed}
+        options = {"dataset_options": dict(self.dataset_options)} if self.dataset_options else {}
+        return {"preset": self.preset, "n_tasks": self.tasks, "n_clients": self.devices, "seed": self.seed, **options}
 
 
 def demo_profiles(devices: int) -> dict[str, int]:

@@ -139,19 +139,21 @@ def test_fedcil_keeps_its_previous_acgan_when_a_new_one_would_not_fit_the_budget
 
 
 def test_fedcil_leaves_the_store_its_share_of_the_bytes(tmp_path, export_artifacts):
-    """An ACGAN whose write would take more than `acgan_share` of M's bytes is not written, although M has room
-    for it: the rest stays the store's, so the next task's real samples are never squeezed out (a device would
-    train on nothing)."""
+    """The ACGAN stays within `acgan_share` of M's bytes, its replacement's write peak included, so the next task's
+    real samples are never squeezed out (a device would train on nothing); an ACGAN whose replacement could never
+    fit that share is refused at open in one line, not written once and then never updated."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
-    for share, written in ((0.1, False), (0.5, True)):
-        (tmp_path / str(share)).mkdir()
-        learner = _learner(tmp_path / str(share), OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil",
-                           gan_steps=2, max_bytes=400_000, acgan_share=share)
-        learner.start_task(0, *_classes([0, 1], 60))
+    trainer = OrtTrainer(artifacts, optimizer="adamw", lr=3e-3)
+    with pytest.raises(ValueError, match=r"^policy fedcil: replacing its ACGAN \(width 16, float16, \d+ bytes\) "
+                                         r"peaks at \d+ bytes, more than acgan_share 0.1 .* lower width"):
+        _learner(tmp_path, trainer, "fedcil", gan_steps=2, max_bytes=400_000, acgan_share=0.1)
+    learner = _learner(tmp_path, trainer, "fedcil", gan_steps=2, max_bytes=400_000, acgan_share=0.5)
+    for task, classes in enumerate(([0, 1], [2, 3])):  # the second save replaces the first beside it
+        learner.start_task(task, *_classes(classes, 60))
         learner.finish_round()
-        assert learner.policy.metrics()["acgan_dropped"] == (not written)
-        assert learner.policy._path.exists() == written
-        assert learner.budget.held()["acgan"] <= 0.5 * 400_000
+        assert learner.policy.metrics()["acgan_dropped"] == 0
+    assert learner.policy._load()[2] == {0, 1, 2, 3}
+    assert learner.budget.held()["acgan"] <= 0.5 * 400_000
 
 
 def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_path, export_artifacts):
@@ -160,7 +162,7 @@ def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_p
     on nothing because a method's own file holds the bytes."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2,
-                       max_bytes=160 * 1024)
+                       max_bytes=160 * 1024, width=8)
     learner.start_task(0, *_classes([0, 1], 14))
     learner.finish_round()
     assert learner.policy._path.exists() and learner.policy.metrics()["acgan_dropped"] == 0

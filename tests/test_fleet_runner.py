@@ -172,3 +172,16 @@ def test_without_mosquitto_the_fleet_falls_back_to_the_embedded_broker_and_says_
                                                       scenario={"preset": "digits-class"}))
     with pytest.raises(RuntimeError, match="tls = true needs mosquitto"):
         tls._start_broker()
+
+
+def test_the_coordinator_takes_the_cores_the_workers_leave(monkeypatch):
+    """OpenMP threads spin-wait on an oversubscribed host, so a fleet's coordinator runs on the cores its worker
+    processes leave (at least one), and torch's own setting comes back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    for workers, threads in ((2, 6), (8, 1), (20, 1)):
+        with fleet_module.coordinator_threads(workers):
+            assert torch.get_num_threads() == threads
+        assert torch.get_num_threads() == before

@@ -10,14 +10,15 @@ A round:
    generator and discriminator; the earlier classes come from a frozen copy of the previous generator (its own
    replay), so the generator keeps them. Then it is stored at `precision`.
 
-Storage: one file, `fedcil/acgan.npz` in the state folder (generator and discriminator as flat buffers, the
-classes learnt, the spec), replaced atomically; it is a holder of the device's budget. A new file that would not
-fit what M leaves (while the old one is still there) is not written: the device keeps its previous ACGAN and
-counts `acgan_dropped`; so is one whose write would take more than `acgan_share` of M's bytes, which stay the
-store's for the next task's real data. And when a new task's real samples still do not fit beside the stored
+Storage: one file, `fedcil/acgan.npz` in the state folder (generator and discriminator as flat buffers, the classes
+learnt, the spec), replaced atomically; it is a holder of the device's budget. A new file that would not fit what M
+leaves (while the old one is still there) is not written: the device keeps its previous ACGAN and counts
+`acgan_dropped`; so is one whose write would take more than `acgan_share` of M's bytes, which stay the store's for
+the next task's real data (an ACGAN whose replacement could never fit that share is refused at open, in one line: it
+would be written once and never updated). And when a new task's real samples still do not fit beside the stored
 ACGAN, the learner asks the policy to release its bytes (`release_bytes`): the ACGAN file goes (`acgan_released`),
-real data first. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes,
-as for pFedGRP's generator bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
+real data first. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes, as for pFedGRP's generator
+bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
 
 Deviations from FedCIL (documented in docs/architecture.md): the classifier is the runtime's task model, not the
 ACGAN's auxiliary head; the ACGAN stays on its device (FedCIL also averages generators on the server and
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_client.budget import directory_bytes, replace_peak
+from edge_client.budget import directory_bytes, file_bytes, replace_peak
 from edge_client.policies.base import PolicyContext, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edgefil.durable import TEMP_SUFFIX, write_atomically
@@ -106,6 +107,7 @@ class FedCil(NoReplay):
         self._path = folder / ACGAN_FILE
         self._block = os.statvfs(folder).f_frsize
         self._budget = ctx.budget
+        self._check_share(build_acgan(self._spec, 0))
         ctx.budget.register(ACGAN_HOLDER, self._bytes)
         if self._path.exists() and self._load() is None:
             log.warning("removing %s: it does not hold an ACGAN of this spec", self._path)
@@ -210,8 +212,23 @@ class FedCil(NoReplay):
             return None
         return flats[0], flats[1], classes
 
-    def _save(self, generator: Any, discriminator: Any, classes: set[int]) -> bool:
-        """Replace the stored ACGAN if the new file fits what M leaves beside the old one."""
+    def _check_share(self, acgan: tuple[Any, Any]) -> None:
+        """Refuse, in one line, an ACGAN whose replacement (the new file written beside the old) can never fit its
+        share of M's bytes: it would be written once and then never updated again (every later save dropped)."""
+        limit = None if self._budget is None or self._budget.max_bytes is None else int(
+            self.acgan_share * self._budget.max_bytes)
+        if limit is None:
+            return
+        size = file_bytes(len(self._file(*acgan, set(range(self._spec.num_classes)))), self._block)
+        peak = 2 * size + self._block
+        if peak > limit:
+            raise ValueError(
+                f"policy fedcil: replacing its ACGAN (width {self.width}, {self.precision}, {size} bytes) peaks at "
+                f"{peak} bytes, more than acgan_share {self.acgan_share} of [store] max_bytes leaves ({limit}); "
+                f"lower width or raise max_bytes")
+
+    def _file(self, generator: Any, discriminator: Any, classes: set[int]) -> bytes:
+        """The stored ACGAN's file: the spec, both networks as flat buffers at `precision`, the classes learnt."""
         from models.generators import flatten_module
 
         dtype = PRECISIONS[self.precision]
@@ -220,7 +237,11 @@ class FedCil(NoReplay):
                  generator=flatten_module(generator).astype(dtype),
                  discriminator=flatten_module(discriminator).astype(dtype),
                  classes=np.asarray(sorted(classes), dtype=np.int64))
-        data = buffer.getvalue()
+        return buffer.getvalue()
+
+    def _save(self, generator: Any, discriminator: Any, classes: set[int]) -> bool:
+        """Replace the stored ACGAN if the new file fits what M leaves beside the old one."""
+        data = self._file(generator, discriminator, classes)
         budget = self._budget
         room = None if budget is None or budget.max_bytes is None else min(
             budget.room(ACGAN_HOLDER) or 0, int(self.acgan_share * budget.max_bytes))
