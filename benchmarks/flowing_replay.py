@@ -8,8 +8,9 @@ embedded broker), all through MQTT.
     random      a random cache of raw samples, FedAvg
     none        no replay (current task only), FedAvg
 
-Prints AA and AFM (pFedGRP's Eqs. 10-11, %, mean ± std over seeds) and the peak bytes each method stored per device
-(store + generators, mean over devices and seeds) against the budget.
+Prints AA and AFM (pFedGRP's Eqs. 10-11, %, mean ± std over seeds), the peak bytes each method stored per device
+(store + generators, mean over devices and seeds) against the budget, and for the generator methods the share of
+their replay samples pFedGRP's quality check kept.
 
     .venv/bin/python benchmarks/flowing_replay.py [--seeds 0,1,2] [--sequences circulating,gradual]
         [--datasets digits,mnist1d] [--methods generator,refed,random,none] [--out runs/flowing-replay]
@@ -72,6 +73,14 @@ def peak_stored_bytes(results: dict[str, Any]) -> float:
     return float(np.mean(list(peaks.values()))) if peaks else 0.0
 
 
+def recognised_share(results: dict[str, Any]) -> float | None:
+    """Mean over rounds and devices of the share of generated replay samples pFedGRP's quality check kept (the
+    reference model recognised them); None for a run without the check."""
+    shares = [m["recognised"] for entry in results["history"] for m in entry.get("rule_metrics", {}).values()
+              if "recognised" in m]
+    return float(np.mean(shares)) if shares else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
@@ -92,18 +101,24 @@ def main() -> None:
                     started = time.perf_counter()
                     out = Path(args.out) / f"{dataset}-{sequence}" / method / f"seed{seed}"
                     results = run_one(out, dataset, sequence, method, seed, args.devices)
-                    runs.append((results["aa"], results["afm"], peak_stored_bytes(results)))
+                    recognised = recognised_share(results)
+                    runs.append((results["aa"], results["afm"], peak_stored_bytes(results),
+                                 np.nan if recognised is None else recognised))
                     print(f"{dataset}-{sequence} {method} seed {seed}: AA {results['aa']:.2%} AFM {results['afm']:.2%} "
-                          f"stored {runs[-1][2] / 1024:.0f} KiB ({time.perf_counter() - started:.0f} s)", flush=True)
+                          f"stored {runs[-1][2] / 1024:.0f} KiB"
+                          + ("" if recognised is None else f", replay samples recognised {recognised:.1%}")
+                          + f" ({time.perf_counter() - started:.0f} s)", flush=True)
                 rows.append((f"{dataset}-{sequence}", method, np.array(runs)))
     print(f"\n{args.devices} devices, 20 rounds (one new task per round), seeds {seeds}; AA/AFM in %, mean ± std; "
-          f"stored = peak bytes per device (store + generators), mean")
-    print(f"{'scenario':22s} {'method':10s} {'budget':>8s} {'AA':>15s} {'AFM':>13s} {'stored':>10s}")
+          f"stored = peak bytes per device (store + generators), mean; recognised = the share of generated replay "
+          f"samples pFedGRP's quality check kept, %")
+    print(f"{'scenario':22s} {'method':10s} {'budget':>8s} {'AA':>15s} {'AFM':>13s} {'stored':>10s} {'recognised':>10s}")
     for scenario, method, values in rows:
         budget = DATASETS[scenario.split("-")[0]][2]
-        aa, afm = values[:, 0] * 100, values[:, 1] * 100
+        aa, afm, recognised = values[:, 0] * 100, values[:, 1] * 100, values[:, 3] * 100
         print(f"{scenario:22s} {method:10s} {budget // 1024:6d}Ki {aa.mean():7.2f} ± {aa.std():5.2f} "
-              f"{afm.mean():5.2f} ± {afm.std():5.2f} {values[:, 2].mean() / 1024:8.1f}Ki")
+              f"{afm.mean():5.2f} ± {afm.std():5.2f} {values[:, 2].mean() / 1024:8.1f}Ki "
+              + (f"{np.mean(recognised):10.1f}" if np.isfinite(recognised).all() else f"{'—':>10s}"))
 
 
 if __name__ == "__main__":

@@ -313,6 +313,7 @@ class Coordinator:
             "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
             "accuracy": accuracies, "aggregate_s": aggregate_s,
             "metrics": {u.device: dict(u.metrics) for u in updates},
+            **({"rule_metrics": result.metrics} if result.metrics else {}),
             **({"refused": refused} if refused else {}),
             **self._client_evaluation(collected.task),
         })

@@ -42,6 +42,9 @@ def test_a_fleet_learns_flowing_data_from_generators_with_personalized_models(tm
     assert sum(m["generators_from_coordinator"] for m in metrics) > 0
     # circulating: round 6 brings each device's first task back, its own generators are warm-started
     assert all(m["generators_from_own"] == 2 for m in history[-1]["metrics"].values())
+    # the quality check's share of each device's replay set, in the round's history from round 2 on
+    assert all(sorted(e["rule_metrics"]) == sorted(e["received"]) for e in history[1:])
+    assert all(0.0 <= r["recognised"] <= 1.0 for e in history[1:] for r in e["rule_metrics"].values())
     # every device got its personalized model; its mixing weights lie on the simplex
     generation = generation_dir(out / CHECKPOINT_DIR, ROUNDS)
     saved = msgpack.unpackb((generation / PERSONALIZED_FILE).read_bytes(), raw=False)

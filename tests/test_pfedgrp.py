@@ -324,9 +324,10 @@ def test_the_quality_check_keeps_only_samples_the_reference_recognises(manifest)
     models = [_favouring(manifest, 1), _favouring(manifest, 1) * 0.5]
     updates = [ClientUpdate(d, w, 10, {}, counts, only_zero) for d, w in zip("ab", models)]
     checked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
-    checked.aggregate(torch.zeros(manifest.num_parameters), updates)
+    result = checked.aggregate(torch.zeros(manifest.num_parameters), updates)
     assert checked.recognised == {"a": 0.0, "b": 0.0}
+    assert result.metrics == {"a": {"recognised": 0.0}, "b": {"recognised": 0.0}}  # the round's history shows it
     assert checked.weights_used["a"] == [0.5, 0.5]
     unchecked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20, quality_check=False)
-    unchecked.aggregate(torch.zeros(manifest.num_parameters), updates)
-    assert unchecked.recognised == {} and unchecked.weights_used["a"] != [0.5, 0.5]
+    result = unchecked.aggregate(torch.zeros(manifest.num_parameters), updates)
+    assert unchecked.recognised == {} and unchecked.weights_used["a"] != [0.5, 0.5] and result.metrics == {}

@@ -50,6 +50,7 @@ class AggregateResult:
     global_weights: torch.Tensor
     personalized: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> its own model
     payloads: dict[str, dict[str, bytes]] = field(default_factory=dict)  # device -> named payloads for next round
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> what the rule measured of it
 
 
 class RefusedUpdate(ValueError):

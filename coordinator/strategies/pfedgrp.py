@@ -20,7 +20,7 @@ class (too few steps, a warm start from another device's drifted one) cannot ste
 fit its noise. The reference is the plain mean of this round's local models: every one of them was just trained on
 its device's real data, while the previous global model has not seen this round's classes. A device none of whose
 samples pass gets the plain mean as its weights, as one without generators does. The share that passed in its last
-round is kept per device (`recognised`, checkpointed with the rule's state).
+round is kept per device (`recognised`, checkpointed with the rule's state, and in each round's `rule_metrics`).
 
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes
@@ -148,11 +148,13 @@ class PFedGRP(Strategy):
         reference = models.mean(0) if self.quality_check else None
         personalized = {}
         for update in updates:
+            self.recognised.pop(update.device, None)  # a device without a replay set this round has no share
             weights = self._weights_for(update.device, models, reference)
             self.weights_used[update.device] = weights.tolist()
             personalized[update.device] = weights @ models
         mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
-        return AggregateResult(mean_of.mean(0), personalized)
+        checked = {u.device: {"recognised": self.recognised[u.device]} for u in updates if u.device in self.recognised}
+        return AggregateResult(mean_of.mean(0), personalized, metrics=checked)
 
     def _cache(self, update: ClientUpdate) -> None:
         for label, record in self._records(update).items():
