@@ -175,3 +175,17 @@ def test_auto_takes_ort_then_portable_and_named_backends_must_be_served(export_a
         PortableTrainer(export_artifacts("lenet"))
     with pytest.raises(ValueError, match="momentum needs the portable or torch backend"):
         make_trainer(TrainerSettings(backend="ort", momentum=0.9), both)
+
+
+def test_a_torch_device_trains_with_its_configured_threads(export_artifacts):
+    """[trainer] threads bounds every backend: ORT and portable set their sessions', torch its process's pool (a
+    device daemon is one process; left at torch's default it would take every core of a shared board)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            make_trainer(TrainerSettings(backend="torch", threads=threads), export_artifacts("lenet"))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)

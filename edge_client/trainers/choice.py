@@ -59,4 +59,5 @@ def make_trainer(settings: TrainerSettings, artifacts: str | Path) -> Trainer:
                                momentum=settings.momentum)
     from edge_client.trainers.pytorch import TorchTrainer
 
-    return TorchTrainer(manifest, optimizer=settings.optimizer, lr=settings.lr, momentum=settings.momentum)
+    return TorchTrainer(manifest, optimizer=settings.optimizer, lr=settings.lr, momentum=settings.momentum,
+                        threads=settings.threads)

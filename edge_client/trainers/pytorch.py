@@ -31,7 +31,12 @@ class TorchTrainer(Trainer):
         device: str = "cpu",
         seed: int = 0,
         momentum: float = 0.0,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)  # per process: a device daemon is one; a fleet worker's devices share it
         self.manifest = manifest
         self.device = torch.device(device)
         self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape, seed=seed).to(
