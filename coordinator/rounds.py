@@ -67,6 +67,12 @@ class OpenRound:
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
 
+    def accepted(self) -> list[Update]:
+        """The accepted updates in device order, not arrival order: floating-point sums depend on their order, so
+        the same updates arriving in another order would aggregate to a (slightly) different model, and two runs
+        of one configuration would drift apart over the rounds."""
+        return [self.updates[device] for device in sorted(self.updates)]
+
     def missing(self) -> list[str]:
         return [d for d in self.selected if d not in self.updates]
 

@@ -283,7 +283,7 @@ class Coordinator:
 
     def _close(self, collected: OpenRound) -> None:
         updates = self.config.guard.apply(
-            self.state.weights, [_for_strategy(u) for u in collected.updates.values()], self.counters)
+            self.state.weights, [_for_strategy(u) for u in collected.accepted()], self.counters)
         started = time.perf_counter()
         result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
         aggregate_s = time.perf_counter() - started
