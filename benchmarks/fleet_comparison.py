@@ -1,5 +1,5 @@
 """The demo over several seeds: Re-Fed caching, random caching and Fixed in the demo's regime (firmware_sim/demo.py:
-E = 10, 3 rounds per task, M caching ~25 % of the old data at the last task, unweighted FedAvg for every run), 10
+E = 10, 4 rounds per task, M caching ~25 % of the old data at the last task, unweighted FedAvg for every run), 10
 virtual devices of mixed profiles, the embedded broker, every run a real fleet.
 
 Prints per dataset and method the final accuracy, the average incremental accuracy, the forgetting and the first

@@ -2,7 +2,7 @@
 embedded broker): class-incremental digits and MNIST-1D, domain-incremental digits (four domains, as Digit10 is
 four digit datasets), 20 devices with active ratio 0.4, the demo's regime for every method (firmware_sim/demo.py:
 E = 10 of AdamW at 3e-3, M caching ~25 % of the old data at the last task, unweighted FedAvg) but 8 rounds per
-task: a device takes part in about 3 of them, as in the 10-device demo's 3 rounds at ratio 1 (the printed diagonal
+task: a device takes part in about 3 of them, close to the 10-device demo's 4 rounds at ratio 1 (the printed diagonal
 says whether each task was learnt in its own rounds). Domain-IL digits has a regime of its own (`REGIMES`: every
 domain on all images, lr 1e-2), the same for every method: at the demo's it did not learn its domains.
 Devices run at the host's speed (no emulated profiles): this measures learning, and a slow profile's deadline

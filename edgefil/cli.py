@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="each demo writes a new folder run-<n> in here")
     demo.add_argument("--devices", type=int, default=10)
     demo.add_argument("--tasks", type=int, default=5, help="class-incremental digits tasks (2 classes each)")
-    demo.add_argument("--rounds-per-task", type=int, default=3)
+    demo.add_argument("--rounds-per-task", type=int, default=4)
     demo.add_argument("--epochs", type=int, default=10, help="local epochs E per round")
     demo.add_argument("--budget", type=int, default=None,
                       help="the replay budget M, in samples per device (default: ~25%% of old data cached at the end)")
