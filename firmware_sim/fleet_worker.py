@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -20,13 +21,19 @@ def _wait_for_stop(stop: Any) -> None:
     PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent is seen to have changed (every
     platform). A worker never outlives its fleet. The signal handler only sets a thread event: setting the fleet's
     multiprocessing Event from a handler that interrupted this thread's own wait on it deadlocks."""
-    parent = os.getppid()
+    # The fleet's pid as the spawn recorded it, not os.getppid() now: a fleet that died while this worker was still
+    # starting (imports take seconds on a busy host) has already handed it to init, and a worker comparing against
+    # that would wait forever (seen: two workers idle for 70 minutes after their fleet was killed at start-up).
+    origin = mp.parent_process()
+    parent = origin.pid if origin is not None and origin.pid is not None else os.getppid()
     signalled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: signalled.set())
     die_with_parent()
-    while not stop.wait(PARENT_POLL_S) and not signalled.is_set():
+    while not signalled.is_set():
         if os.getppid() != parent:
             logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
+            return
+        if stop.wait(PARENT_POLL_S):
             return
 
 

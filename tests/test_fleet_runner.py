@@ -185,3 +185,30 @@ def test_the_coordinator_takes_the_cores_the_workers_leave(monkeypatch):
         with fleet_module.coordinator_threads(workers):
             assert torch.get_num_threads() == threads
         assert torch.get_num_threads() == before
+
+
+def test_a_worker_whose_fleet_died_while_it_started_stops(monkeypatch):
+    """A fleet killed while its workers were still importing has handed them to init before they watch it: the
+    worker compares against the fleet's pid as the spawn recorded it, so it stops at once instead of waiting for a
+    stop that never comes."""
+    import multiprocessing as mp
+    import signal as signals
+    import threading
+
+    from firmware_sim import fleet_worker
+
+    class Dead:
+        pid = os.getppid() + 1_000_000  # not this process's parent: the fleet that spawned it is gone
+
+    monkeypatch.setattr(fleet_worker.mp, "parent_process", lambda: Dead())
+    monkeypatch.setattr(fleet_worker, "die_with_parent", lambda: None)
+    handler = signals.getsignal(signals.SIGTERM)
+    stop = mp.get_context("spawn").Event()
+    backstop = threading.Timer(30, stop.set)  # set only if the worker missed its fleet's death and would hang
+    backstop.start()
+    try:
+        fleet_worker._wait_for_stop(stop)
+        assert not stop.is_set()  # it returned on the dead fleet, not on the backstop's stop
+    finally:
+        backstop.cancel()
+        signals.signal(signals.SIGTERM, handler)
