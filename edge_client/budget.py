@@ -44,6 +44,13 @@ def replace_peak(directory: Path, size: int, block: int) -> int:
     return directory_bytes(directory, block) + file_bytes(size, block, fresh=True) + block
 
 
+def replacement_peak(size: int, block: int) -> int:
+    """`replace_peak` of a folder holding one file of `size` bytes that is replaced by one of the same size, known
+    before any file exists: the folder's own block, the old file, the new one, a block of growth. A holder checks
+    with it at open that its file can ever be replaced within its share."""
+    return block + file_bytes(size, block) + file_bytes(size, block, fresh=True) + block
+
+
 @dataclass(frozen=True)
 class Budget:
     """Hard limits: samples (Re-Fed's M) and bytes on disk; None means no limit of that kind."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.budget import Budget, DeviceBudget, file_bytes
+from edge_client.budget import Budget, DeviceBudget, file_bytes, replace_peak, replacement_peak
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, make_policy, policy_names
 from edge_client.store import ReplayStore
@@ -97,3 +97,15 @@ def test_one_file_size_rule():
     assert file_bytes(1, 4096, fresh=True) == 4096  # a small fresh file is mapped from its inode
     assert file_bytes(1, 4096) == (1 + 1 + 2) * 4096  # growth: a mapping block, and 2 for a split and a level
     assert file_bytes(5 * 4096, 4096, fresh=True) == (5 + 1 + 2) * 4096
+
+
+def test_the_replacement_peak_known_before_any_file_bounds_the_real_one(tmp_path):
+    """What a holder checks at open (`replacement_peak`) is at least what replacing its one file really peaks at."""
+    import os
+
+    block = os.statvfs(tmp_path).f_frsize
+    for size in (100, 5 * block, 40 * block + 7):
+        folder = tmp_path / str(size)
+        folder.mkdir()
+        (folder / "file").write_bytes(b"x" * size)
+        assert replace_peak(folder, size, block) <= replacement_peak(size, block)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_client.budget import directory_bytes, file_bytes, replace_peak
+from edge_client.budget import directory_bytes, replace_peak, replacement_peak
 from edge_client.policies.base import PolicyContext, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edgefil.durable import TEMP_SUFFIX, write_atomically
@@ -215,17 +215,22 @@ class FedCil(NoReplay):
     def _check_share(self, acgan: tuple[Any, Any]) -> None:
         """Refuse, in one line, an ACGAN whose replacement (the new file written beside the old) can never fit its
         share of M's bytes: it would be written once and then never updated again (every later save dropped)."""
-        limit = None if self._budget is None or self._budget.max_bytes is None else int(
-            self.acgan_share * self._budget.max_bytes)
+        limit = self._share_limit()
         if limit is None:
             return
-        size = file_bytes(len(self._file(*acgan, set(range(self._spec.num_classes)))), self._block)
-        peak = 2 * size + self._block
+        size = len(self._file(*acgan, set(range(self._spec.num_classes))))
+        peak = replacement_peak(size, self._block)
         if peak > limit:
             raise ValueError(
                 f"policy fedcil: replacing its ACGAN (width {self.width}, {self.precision}, {size} bytes) peaks at "
                 f"{peak} bytes, more than acgan_share {self.acgan_share} of [store] max_bytes leaves ({limit}); "
                 f"lower width or raise max_bytes")
+
+    def _share_limit(self) -> int | None:
+        """The most bytes the ACGAN may take (`acgan_share` of M's); None without a byte limit."""
+        if self._budget is None or self._budget.max_bytes is None:
+            return None
+        return int(self.acgan_share * self._budget.max_bytes)
 
     def _file(self, generator: Any, discriminator: Any, classes: set[int]) -> bytes:
         """The stored ACGAN's file: the spec, both networks as flat buffers at `precision`, the classes learnt."""
@@ -242,9 +247,8 @@ class FedCil(NoReplay):
     def _save(self, generator: Any, discriminator: Any, classes: set[int]) -> bool:
         """Replace the stored ACGAN if the new file fits what M leaves beside the old one."""
         data = self._file(generator, discriminator, classes)
-        budget = self._budget
-        room = None if budget is None or budget.max_bytes is None else min(
-            budget.room(ACGAN_HOLDER) or 0, int(self.acgan_share * budget.max_bytes))
+        limit = self._share_limit()
+        room = None if limit is None or self._budget is None else min(self._budget.room(ACGAN_HOLDER) or 0, limit)
         if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
             return False
         write_atomically(self._require_path(), data)
