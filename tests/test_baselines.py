@@ -11,9 +11,10 @@ from thread_fleet import run_federation
 from coordinator.broker import mosquitto_path
 from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
-from edge_client.policies import PolicyContext, make_policy
+from edge_client.policies import PolicyContext, TrainingSet, make_policy
 from edge_client.policies.dann import reverse_gradient
 from edge_client.store import ReplayStore
+from edge_client.trainers.base import LossInputs, Proximal
 from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_dataset
@@ -94,6 +95,31 @@ def test_dann_with_lambda_zero_is_fedavgs_local_training_and_with_lambda_it_trai
     assert np.array_equal(finals["plain"], finals["dann-0"])
     assert not np.array_equal(finals["plain"], finals["dann"])
     assert np.isfinite(finals["dann"]).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("labels", "labels must lie in \\[0, 10\\)"),
+    ("mu", "proximal mu must be finite and >= 0, got -1.0"),
+    ("weights", "loss input sample_weights contains NaN or Inf values"),
+])
+def test_dann_refuses_what_the_trainers_fit_refuses(tmp_path, export_artifacts, bad, message):
+    """DANN steps in a loop of its own, from the same checked inputs as the trainer's fit: each bad input is
+    refused by both, in the same line, before any step changes the model."""
+    manifest = load_manifest(export_artifacts("lenet", 10, (1, 8, 8)))
+    for policy in ("random", "dann"):
+        learner = _learner(tmp_path, TorchTrainer(manifest, optimizer="adamw", lr=3e-3), policy)
+        learner.start_task(0, *_classes([0, 1], 30))
+        x, y = learner.store.get(learner.store.ids())
+        weights = np.ones(len(y), dtype=np.float32)
+        proximal = Proximal(-1.0 if bad == "mu" else 0.1, learner.trainer.get_weights())
+        if bad == "labels":
+            y = np.where(np.arange(len(y)) == 0, 10, y)
+        if bad == "weights":
+            weights[0] = np.nan
+        before = learner.trainer.get_weights()
+        with pytest.raises(ValueError, match=message):
+            learner.policy.fit(learner, TrainingSet(x, y, LossInputs(sample_weights=weights)), 1, proximal)
+        assert np.array_equal(learner.trainer.get_weights(), before)
 
 
 def test_dann_refuses_a_backend_without_a_second_model_on_the_features(tmp_path, export_artifacts):

@@ -91,9 +91,7 @@ class DomainAdversarial(RandomCache):
             raise ValueError("the dann baseline trains on the store's samples as they are (no extra samples)")
         domains = (tasks != learner.state.task).astype(np.float32)
         adversarial = self.domain_weight > 0 and 0 < domains.sum() < len(domains)
-        mask = trainer.mask(learner.class_mask())
-        x = np.ascontiguousarray(batch.x, dtype=np.float32)
-        y = np.ascontiguousarray(batch.y, dtype=np.int64)
+        x, y, mask, proximal, loss = trainer.fit_inputs(batch.x, batch.y, learner.class_mask(), proximal, batch.loss)
         last = domain_total = 0.0
         for _ in range(epochs):
             total = domain_total = 0.0
@@ -107,7 +105,7 @@ class DomainAdversarial(RandomCache):
                 before = trainer.get_weights() if proximal is not None else None
                 self._optimizer.zero_grad(set_to_none=True)
                 value, term = trainer.train_step_with(
-                    x[idx], y[idx], mask, None if batch.loss is None else batch.loss.batch(idx),
+                    x[idx], y[idx], mask, None if loss is None else loss.batch(idx),
                     extra=domain_loss if adversarial else None,
                 )
                 if adversarial:

@@ -185,12 +185,7 @@ class Trainer(ABC):
         """Train for `epochs` passes over (x, y); returns the mean training loss of the last epoch (without the
         proximal term). With `proximal`, every step is followed by `proximal_pull`; `loss` shapes each step's
         loss (per-sample weights, targets, a teacher, the head)."""
-        x, y = self._check_batch(x, y)
-        mask = self.mask(class_mask)
-        if proximal is not None:
-            proximal = self._check_proximal(proximal)
-        if loss is not None:
-            loss = self._check_loss(loss, len(y))
+        x, y, mask, proximal, loss = self.fit_inputs(x, y, class_mask, proximal, loss)
         last = 0.0
         for _ in range(epochs):
             total = 0.0
@@ -199,6 +194,17 @@ class Trainer(ABC):
                 total += self._fit_step(x[idx], y[idx], mask, step_loss, proximal) * len(idx)
             last = total / max(len(y), 1)
         return last
+
+    def fit_inputs(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, proximal: Proximal | None = None,
+        loss: LossInputs | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Proximal | None, LossInputs | None]:
+        """What fit() trains on, checked: the batch, the mask, the proximal term and the loss inputs, each refused in
+        one line if it is not what this model takes. A policy with a training loop of its own (dann) starts from
+        these, so its steps see exactly what fit()'s would."""
+        x, y = self._check_batch(x, y)
+        return (x, y, self.mask(class_mask), None if proximal is None else self._check_proximal(proximal),
+                None if loss is None else self._check_loss(loss, len(y)))
 
     def _fit_step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
