@@ -74,12 +74,14 @@ METHODS: dict[str, dict[str, Any]] = {
     "dann": {"policy": {"name": "dann"}, "backend": "torch"},
     "shared": {"policy": {"name": "shared"}},
     "fedcil": {"policy": FEDCIL},
-    # FedCIL within the raw caches' bytes: the store holds the current task, the ACGAN gets what M leaves.
-    "fedcil-bytes": {"policy": {**FEDCIL, "width": 8}, "equal_bytes": True},
+    "fedcil-bytes": {"policy": {**FEDCIL, "width": 8}},
     "refed": {"policy": REFED},
     "refed-quotas": {"policy": {**REFED, "group_by": "class"}},
     "reservoir": {"policy": {"name": "reservoir"}},
 }
+# Columns run within the raw caches' bytes ([store] max_bytes = what the store of M raw samples occupies): FedCIL's
+# store holds the current task, its ACGAN gets what M leaves.
+EQUAL_BYTES = frozenset({"fedcil-bytes"})
 SLOTS = {"glfc": "its own issue (federated class-incremental GLFC)"}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
@@ -203,11 +205,10 @@ def run_jobs(jobs: list[Job], parallel: int) -> dict[Path, dict[str, Any]]:
 
 def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any]], out: Path,
          args: argparse.Namespace, cached: float = OLD_DATA_CACHED) -> list[Job]:
-    return [Job(scenario=scenario, seed=seed, method=method, options={k: v for k, v in options.items()
-                                                                      if k != "equal_bytes"},
+    return [Job(scenario=scenario, seed=seed, method=method, options=dict(options),
                 folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
-                rounds_per_task=args.rounds_per_task, cached=cached,
-                equal_bytes=bool(options.get("equal_bytes")), backend=args.backend, **REGIMES.get(scenario, {}))
+                rounds_per_task=args.rounds_per_task, cached=cached, equal_bytes=method in EQUAL_BYTES,
+                backend=args.backend, **REGIMES.get(scenario, {}))
             for seed in seeds for method, options in methods.items()]
 
 

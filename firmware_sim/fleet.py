@@ -149,11 +149,18 @@ class FleetConfig:
         return {
             "name": self.name, "devices": self.devices, "model": self.model, "seed": self.seed,
             "scenario": dict(self.scenario), "policy": dict(self.policy),
-            "store": {k: v for k, v in vars(self.store or StoreSettings()).items() if v is not None},
+            "store": self.store_options(),
             "trainer": vars(self.trainer),
             "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
             "profiles": dict(self.profiles),
         }
+
+    def store_options(self) -> dict[str, Any]:
+        """The devices' [store] as set, unset fields left out. `store` None means the scenario's binding budget,
+        which only the built scenario knows: Fleet.run sets it before anything reads this."""
+        if self.store is None:
+            raise RuntimeError("the fleet's [store] is not resolved yet: Fleet.run sets it from the scenario")
+        return {k: v for k, v in vars(self.store).items() if v is not None}
 
     @property
     def device_ids(self) -> list[str]:
@@ -289,7 +296,7 @@ class Fleet:
     def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
         profile = self.config.device_profiles()[index]
-        store = {k: v for k, v in vars(self.config.store or StoreSettings()).items() if v is not None}
+        store = self.config.store_options()
         if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
             room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
             store["max_bytes"] = min(store.get("max_bytes", room), room)
