@@ -200,7 +200,7 @@ class Trainer(ABC):
         loss: LossInputs | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Proximal | None, LossInputs | None]:
         """What fit() trains on, checked: the batch, the mask, the proximal term and the loss inputs, each refused in
-        one line if it is not what this model takes. A policy with a training loop of its own (dann) starts from
+        one line if it is not what this model takes. A policy with a training loop of its own starts from
         these, so its steps see exactly what fit()'s would."""
         x, y = self._check_batch(x, y)
         return (x, y, self.mask(class_mask), None if proximal is None else self._check_proximal(proximal),
