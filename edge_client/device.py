@@ -48,6 +48,7 @@ from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, Link, Message, Will
+from edgefil.netloop import NetworkLoop
 from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
@@ -66,10 +67,12 @@ class _Update:
 
 class Device:
     def __init__(
-        self, config: DeviceConfig, source: TaskSource | None = None, environment: Environment | None = None
+        self, config: DeviceConfig, source: TaskSource | None = None, environment: Environment | None = None,
+        network: NetworkLoop | None = None,
     ) -> None:
         """`source` and `environment` default to the config's data folder and the device's own surroundings; a
-        simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim)."""
+        simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim), and the
+        network loop its worker's devices share (None: the device's link runs a loop of its own)."""
         self.config = config
         self.id = config.device_id
         self.instance = secrets.token_hex(8)  # this process: a restart has another (duplicate-id detection)
@@ -107,6 +110,7 @@ class Device:
             config.broker, client_id=f"{fleet}-{self.id}",
             subscriptions=topics.device_subscriptions(fleet, self.id),
             will=Will(topics.from_device(fleet, self.id, "status"), self._status("offline")),
+            network=network,
         )
 
     # --- the loop ---------------------------------------------------------------------------------

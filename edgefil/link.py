@@ -1,9 +1,11 @@
 """One MQTT connection (paho) for a device or the coordinator: QoS 1, automatic reconnects, a single inbox.
 
-paho runs the network in its own thread; this class turns everything that thread sees into items of one queue
-(messages, and a CONNECTED marker after every successful (re)connect), so the owner handles all protocol logic
-on its own thread, in order. Subscriptions are renewed on every connect (clean sessions: a broker restart
-loses nothing the protocol cannot resend). Publishing while disconnected is queued by paho and sent on reconnect.
+The network runs on a `NetworkLoop` (edgefil/netloop.py): the link's own, or one shared by every link of a fleet
+worker, whose single thread carries all their sockets and makes their (re)connect attempts with jittered backoff.
+Everything that thread sees becomes an item of the link's one queue (messages, and a CONNECTED marker after every
+successful (re)connect), so the owner handles all protocol logic on its own thread, in order. Subscriptions are
+renewed on every connect (clean sessions: a broker restart loses nothing the protocol cannot resend). Publishing
+while disconnected is queued by paho and sent on reconnect.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import paho.mqtt.client as mqtt
+
+from edgefil.netloop import TCP_CONNECT_TIMEOUT_S, NetworkLoop
 
 QOS = 1
 CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
@@ -120,8 +124,12 @@ class Link:
         subscriptions: Sequence[str] = (),
         will: Will | None = None,
         max_queued: int = 0,
+        network: NetworkLoop | None = None,
     ) -> None:
+        """`network`: the loop to run on (a fleet worker's, shared by its devices); None: a loop of the link's own,
+        started and ended with it."""
         self.settings = settings
+        self.client_id = client_id
         self.subscriptions = list(subscriptions)
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.bytes_sent = 0
@@ -142,18 +150,21 @@ class Link:
             client.will_set(will.topic, will.payload, qos=QOS, retain=will.retain)
         client.max_queued_messages_set(max_queued)
         client.max_inflight_messages_set(64)
-        client.reconnect_delay_set(min_delay=1, max_delay=8)
+        client.connect_timeout = TCP_CONNECT_TIMEOUT_S  # a connect attempt blocks the network loop this long at most
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         self._client = client
         self._tls_set = False
+        self._shared = network
+        self._network: NetworkLoop | None = None  # while started
 
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
-        """Connect (retrying until `timeout` while the broker is unreachable); ConnectionRefused if it says no,
+        """Connect (the loop retries with jittered backoff until `timeout` while the broker is unreachable or does
+        not answer); ConnectionRefused if it says no,
         TlsFailure (naming the cause) if the TLS handshake cannot succeed. A stopped link may be started again."""
         if self.settings.cafile and not self._tls_set:  # probed once: a restart after an offline stay is not
             problem = tls_problem(self.settings)
@@ -164,7 +175,8 @@ class Link:
         self._decided.clear()
         self._refused = None
         self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)
-        self._client.loop_start()
+        self._network = self._shared if self._shared is not None else NetworkLoop(name=f"mqtt-{self.client_id}")
+        self._network.open(self._client, self.client_id)
         if not self._decided.wait(timeout):
             self.stop()
             problem = tls_problem(self.settings) if self.settings.cafile else None
@@ -176,8 +188,14 @@ class Link:
             raise ConnectionRefused(f"broker at {self.settings.host}:{self.settings.port} refused: {self._refused}")
 
     def stop(self) -> None:
-        self._client.disconnect()
-        self._client.loop_stop()
+        """Disconnect (a DISCONNECT when connected, so no last will) and stop reconnecting."""
+        network, self._network = self._network, None
+        if network is None:
+            return
+        network.close(self._client)
+        if network is not self._shared:
+            network.stop()
+        self._connected.clear()
 
     @property
     def connected(self) -> bool:
@@ -218,7 +236,8 @@ class Link:
         if reason_code.is_failure:
             self._refused = str(reason_code)
             self._decided.set()
-            client.disconnect()  # stop paho from retrying with the same credentials
+            if self._network is not None:  # no retry with the same credentials (start raises, and stops)
+                self._network.close(client, wait_s=None)
             return
         for topic in self.subscriptions:
             client.subscribe(topic, qos=QOS)

@@ -14,6 +14,27 @@ from edgefil.lifetime import die_with_parent
 
 PARENT_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
+# Open files a device needs: its MQTT socket, its replay store's SQLite database and write-ahead log and shared
+# memory, a state file being replaced, and slack; a process needs BASE_DESCRIPTORS besides (imports, logs, pipes).
+DESCRIPTORS_PER_DEVICE = 8
+BASE_DESCRIPTORS = 256
+
+
+def ensure_descriptors(devices: int, who: str) -> None:
+    """Raise this process's soft limit on open files to what `devices` connections need (a broker started later
+    inherits it), or refuse in one line naming the fix where the hard limit does not allow it. A common default
+    of 1024 broke a worker near 200 devices, with errors deep in SQLite or paho."""
+    import resource
+
+    needed = BASE_DESCRIPTORS + DESCRIPTORS_PER_DEVICE * devices
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise RuntimeError(
+            f"{who} needs about {needed} open files for {devices} devices, but the hard limit is {hard}: raise it "
+            f"(ulimit -Hn {needed}, or LimitNOFILE={needed} for a systemd service) or run fewer devices per host")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def _wait_for_stop(stop: Any) -> None:
@@ -39,32 +60,38 @@ def _wait_for_stop(stop: Any) -> None:
 
 def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
     """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
-    it), until the fleet says stop, SIGTERM arrives or the fleet process is gone. Ctrl-C is the parent's to
-    handle."""
+    it) and one network thread that carries all their MQTT connections (edgefil.netloop), until the fleet says
+    stop, SIGTERM arrives or the fleet process is gone. Ctrl-C is the parent's to handle."""
     # The worker's devices train in parallel threads: torch's intra-op pool (one thread per core by default, in
     # every worker) would oversubscribe the host many times over. Set before anything imports torch, which reads
     # it once; ORT sessions take their thread count from [trainer] threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
+    from edgefil.netloop import NetworkLoop
     from firmware_sim.virtual_device import virtual_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     logging.basicConfig(filename=log_file, level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ensure_descriptors(len(configs), "a fleet worker")  # the fleet checked the same limit for the broker first
     devices: list[Device] = []
     lock = threading.Lock()
+    network = NetworkLoop(name="fleet-worker-mqtt")
 
     def run(raw: dict[str, Any]) -> None:
         try:
-            device = virtual_device(DeviceConfig.from_dict(raw))
+            device = virtual_device(DeviceConfig.from_dict(raw), network)
         except Exception:
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return
         with lock:
             devices.append(device)
-        device.run()
+        try:
+            device.run()
+        except Exception as err:  # it could not connect by its deadline, or was refused: its own log line
+            logging.getLogger("edgefil.fleet").error("device %s stopped: %s", raw["device_id"], err)
 
     threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
     for thread in threads:
@@ -76,3 +103,4 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all (a device mid-step finishes it first)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    network.stop()

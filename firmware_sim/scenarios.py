@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -511,6 +512,26 @@ def build(scenario: Scenario) -> ScenarioData:
     return ScenarioData(scenario, tasks, first.num_classes, first.input_shape)
 
 
+SHARED_SCENARIOS = 4  # built scenarios a process keeps (a fleet worker needs one; tests build several)
+_shared: dict[Scenario, ScenarioData] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_build(scenario: Scenario) -> ScenarioData:
+    """The scenario built once per process and shared by every caller. A fleet worker hosts hundreds of devices of
+    one scenario: each building its own made start-up CPU grow as N^2 (every device splits all N clients' data,
+    holding the GIL) and memory as N copies of the dataset. Sharing is safe: a built scenario is index arrays into
+    the dataset, and a client's share is a fresh array (fancy indexing copies). The lock makes concurrent first
+    callers wait for one build instead of each doing it; the oldest of more than `SHARED_SCENARIOS` is dropped."""
+    with _shared_lock:
+        data = _shared.get(scenario)
+        if data is None:
+            data = _shared[scenario] = scenario.build()
+            while len(_shared) > SHARED_SCENARIOS:
+                del _shared[next(iter(_shared))]
+        return data
+
+
 class ClientSource:
     """One client's share of a scenario, task by task: the data stream of a simulated device."""
 
@@ -520,7 +541,7 @@ class ClientSource:
         if not 0 <= client < scenario.n_clients:
             raise ValueError(f"client {client} is not one of the scenario's {scenario.n_clients} clients")
         self.client = client
-        self.data = scenario.build()
+        self.data = shared_build(scenario)
 
     def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         return self.data.tasks[task].client_train(self.client)

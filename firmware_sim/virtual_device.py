@@ -13,6 +13,7 @@ from edge_client.config import DeviceConfig
 from edge_client.device import Device
 from edge_client.environment import Environment
 from edge_client.sources import TaskSource
+from edgefil.netloop import NetworkLoop
 from firmware_sim.emulation import EmulatedEnvironment
 from firmware_sim.limits import HostCalibration
 from firmware_sim.profiles import load_profile
@@ -39,5 +40,7 @@ def emulated_environment(config: DeviceConfig) -> Environment | None:
     )
 
 
-def virtual_device(config: DeviceConfig) -> Device:
-    return Device(config, source=simulated_source(config), environment=emulated_environment(config))
+def virtual_device(config: DeviceConfig, network: NetworkLoop | None = None) -> Device:
+    """`network`: the loop the worker's devices share (one network thread for all their connections)."""
+    return Device(config, source=simulated_source(config), environment=emulated_environment(config),
+                  network=network)

@@ -212,3 +212,28 @@ def test_a_worker_whose_fleet_died_while_it_started_stops(monkeypatch):
     finally:
         backstop.cancel()
         signals.signal(signals.SIGTERM, handler)
+
+
+def test_a_worker_raises_its_open_files_limit_or_refuses_in_one_line():
+    """A soft limit below what the devices need is raised (a broker started afterwards inherits it); a hard limit
+    below it is refused with the fix named. In a child process: a lowered hard limit cannot be raised again."""
+    script = """
+import resource
+from firmware_sim.fleet_worker import BASE_DESCRIPTORS, DESCRIPTORS_PER_DEVICE, ensure_descriptors
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+need = BASE_DESCRIPTORS + DESCRIPTORS_PER_DEVICE * 500
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, max(hard, need) if hard != resource.RLIM_INFINITY else hard))
+ensure_descriptors(500, "a fleet worker")
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == need)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+try:
+    ensure_descriptors(500, "a fleet worker")
+except RuntimeError as err:
+    print(err)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert lines[0] == "True"
+    assert lines[1].startswith("a fleet worker needs about 4256 open files for 500 devices, but the hard limit is 1024")
+    assert "ulimit -Hn 4256" in lines[1] and len(lines) == 2

@@ -258,3 +258,22 @@ def test_client_test_split_caps_at_available_samples():
     assert sorted(split[0].tolist()) == [0, 1]  # wants 5 of class 0, only 2 exist
     assert split[1].tolist() == [2]  # ceil(0.5 * 2) = 1
     assert len(split[2]) == 0 and len(split[3]) == 0  # no test samples of class 2; no train data
+
+
+def test_client_sources_of_one_scenario_share_one_build(monkeypatch):
+    """A fleet worker's devices build their scenario once between them (before, each device built all N clients'
+    shares: start-up grew as N^2); a different scenario is built apart."""
+    from firmware_sim import scenarios
+
+    calls = []
+    real = scenarios.build
+    monkeypatch.setattr(scenarios, "build", lambda s: calls.append(s) or real(s))
+    monkeypatch.setattr(scenarios, "_shared", {})
+    config = preset("digits-class", n_clients=6, seed=11).to_dict()
+    sources = [scenarios.ClientSource(config, k) for k in range(6)]
+    assert len(calls) == 1 and all(s.data is sources[0].data for s in sources)
+    x0, _ = sources[0].task_data(0)
+    x0[:] = -1.0  # a device's share is its own copy: writing it leaves the shared build untouched
+    assert (sources[0].task_data(0)[0] >= 0).all()
+    other = scenarios.ClientSource(preset("digits-class", n_clients=6, seed=12).to_dict(), 0)
+    assert len(calls) == 2 and other.data is not sources[0].data

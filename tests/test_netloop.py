@@ -1,0 +1,121 @@
+"""The network loop (edgefil/netloop.py): many links on one thread, not one each; a first connect retried with
+jittered backoff until the broker comes; a broker restart brings every link of a shared loop back."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from test_link import next_message, settings
+
+from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
+from edgefil import topics
+from edgefil.link import CONNECTED, BrokerSettings, Link
+from edgefil.netloop import BACKOFF_BASE_S, BACKOFF_CAP_S, NetworkLoop, backoff_delay
+
+needs_mosquitto = pytest.mark.skipif(mosquitto_path() is None,
+                                     reason="mosquitto is not installed (scripts/test installs it)")
+FLEET = "lab"
+
+
+def test_backoff_is_full_jitter_below_a_doubling_cap():
+    rng = random.Random(0)
+    assert backoff_delay(0, rng) == 0.0  # the first attempt is made at once
+    for failures in range(1, 12):
+        bound = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (failures - 1))
+        delays = [backoff_delay(failures, rng) for _ in range(200)]
+        assert all(0.0 <= d < bound for d in delays)
+        assert max(delays) - min(delays) > 0.8 * bound  # spread over the whole window: devices do not move together
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def drain_connects(link: Link, timeout: float) -> int:
+    """CONNECTED markers in the link's inbox within `timeout` (other items are dropped)."""
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while (item := link.get(max(0.0, deadline - time.monotonic()))) is not None:
+        seen += item.topic == CONNECTED
+    return seen
+
+
+@needs_mosquitto
+def test_many_links_share_one_network_thread_and_all_come_back_after_a_broker_restart(tmp_path):
+    n = 40
+    ids = [f"dev-{i}" for i in range(n)]
+    broker = MosquittoBroker(tmp_path, FLEET, {d: f"pw-{d}" for d in ids}, Credentials("coordinator", "pw-c"))
+    with broker:
+        threads_before = threading.active_count()
+        coordinator = Link(settings(broker, "coordinator", "pw-c"), "c", subscriptions=[f"{topics.prefix(FLEET)}/#"])
+        coordinator.start()
+        network = NetworkLoop()
+        links = [Link(settings(broker, d, f"pw-{d}"), f"{FLEET}-{d}", topics.device_subscriptions(FLEET, d),
+                      network=network) for d in ids]
+        try:
+            for link in links:
+                link.start(timeout=20)
+            # the coordinator's own loop, and the shared loop's one thread for all 40 connections
+            assert threading.active_count() == threads_before + 2
+            for d, link in zip(ids, links):
+                link.publish(topics.from_device(FLEET, d, "status"), d.encode())
+            got = {next_message(coordinator)[1] for _ in ids}
+            assert got == {d.encode() for d in ids}
+            for d in ids:  # and the other way: each device gets its own message
+                coordinator.publish(topics.to_device(FLEET, d, "round"), d.encode())
+            assert [next_message(link) for link in links] == [
+                (topics.to_device(FLEET, d, "round"), d.encode()) for d in ids]
+
+            broker.stop()
+            assert wait_for(lambda: not any(link.connected for link in links), 10)
+            broker.start()
+            assert wait_for(lambda: all(link.connected for link in links), 40), \
+                f"{sum(not link.connected for link in links)} of {n} links did not come back"
+            assert all(link.connects == 2 for link in links)
+            links[7].publish(topics.from_device(FLEET, ids[7], "status"), b"after")
+            assert wait_for(lambda: links[7].wait_idle(0.1), 10)  # acknowledged: the connection carries traffic
+        finally:
+            for link in links:
+                link.stop()
+            network.stop()
+            coordinator.stop()
+        assert not network.running
+        assert threading.active_count() == threads_before
+
+
+@needs_mosquitto
+def test_a_first_connect_is_retried_until_the_broker_comes(tmp_path):
+    """A device that boots before its broker connects when the broker starts, within its deadline (before, paho
+    retried on its own thread; now the loop does, with backoff)."""
+    port = free_port()
+    broker = MosquittoBroker(tmp_path, FLEET, {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"), port=port)
+    link_box: list[Link] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        link = Link(settings_on(port), "lab-dev-a")
+        link_box.append(link)
+        try:
+            link.start(timeout=30)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    time.sleep(2.0)  # several attempts fail: nothing listens on the port
+    with broker:
+        thread.join(35)
+        assert not errors and link_box[0].connected
+        assert drain_connects(link_box[0], 0.5) == 1
+        link_box[0].stop()
+
+
+def settings_on(port: int) -> BrokerSettings:
+    return BrokerSettings("127.0.0.1", port, "dev-a", "pw-a", keepalive=2)
