@@ -31,7 +31,8 @@ above zero slowed the round. An idle window (`--idle-s`, after all devices regis
 what an idle fleet costs: heartbeats, keepalives, MQTT threads.
 Startup: from the first worker process start until the N-th registration reached the coordinator.
 
-    .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers 2]
+    .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
+        fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
         [--broker mosquitto,embedded] [--replay-m 50] [--idle-s 10] [--out DIR] [--keep] [--json FILE]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
@@ -40,6 +41,7 @@ the main module (this file) again in every one of them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -100,27 +102,29 @@ def host_busy() -> float:
     return (sum(values) - values[3] - values[4]) / TICK
 
 
-def idle_worker(ready, stop, fleet_imports: bool) -> None:  # noqa: ANN001 (spawned target)
-    """A worker with no devices: the imports a fleet worker makes (firmware_sim.fleet, to unpickle its target
-    `host_devices`, then edge_client.device and the ORT trainer, which the first device loads); without
-    `fleet_imports`, only the device's own modules."""
-    if fleet_imports:
-        import firmware_sim.fleet  # noqa: F401
+def idle_worker(ready, stop, backend: str) -> None:  # noqa: ANN001 (spawned target)
+    """A worker with no devices: the imports a fleet worker makes (firmware_sim.fleet_worker, to unpickle its
+    target `host_devices`, then edge_client.device and the trainer of `backend`, which the first device loads)."""
+    import importlib
+
+    import firmware_sim.fleet_worker  # noqa: F401
     from edge_client.device import Device  # noqa: F401
-    from edge_client.trainers.ort import OrtTrainer  # noqa: F401
+
+    importlib.import_module({"ort": "edge_client.trainers.ort", "portable": "edge_client.trainers.portable",
+                             "torch": "edge_client.trainers.pytorch"}[backend])
 
     ready.set()
     stop.wait()
 
 
-def idle_workers_memory(count: int, fleet_imports: bool = True) -> dict[str, float]:
+def idle_workers_memory(count: int, backend: str) -> dict[str, float]:
     """Summed memory of `count` device-less workers alive together (so they share pages as the real ones do)."""
     context = mp.get_context("spawn")
     stop = context.Event()
     procs, readies = [], []
     for _ in range(count):
         ready = context.Event()
-        proc = context.Process(target=idle_worker, args=(ready, stop, fleet_imports), daemon=True)
+        proc = context.Process(target=idle_worker, args=(ready, stop, backend), daemon=True)
         proc.start()
         procs.append(proc)
         readies.append(ready)
@@ -268,13 +272,14 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
                 available = self._available()
             return available
 
-        def _open(self, number: int, task: int, selected: list[str]) -> None:
+        def _open(self, number: int, task: int, selected: list[str]):  # noqa: ANN202
             previous = probe.rounds.get(number)
             current = probe.rounds[number] = Round(number, len(selected), opened=time.time(), cpu=probe.cpu())
             if previous is not None:
                 current.attempts = previous.attempts + 1
-            super()._open(number, task, selected)
+            opened = super()._open(number, task, selected)
             current.sent = time.time()
+            return opened
 
         def _on_update(self, update) -> None:  # noqa: ANN001
             super()._on_update(update)
@@ -330,6 +335,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         shutil.copytree(artifacts, out / "artifacts")
     config = FleetConfig(
         name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
+        trainer=dataclasses.replace(FleetConfig.trainer, backend=args.backend),
         scenario={"preset": "digits-class", "n_tasks": 1},
         policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
         client={"epochs": 1},
@@ -403,18 +409,15 @@ def fmt(value: float, spec: str) -> str:
     return "-".rjust(width) if value != value else format(value, spec)
 
 
-def print_tables(summaries: list[dict], idle: dict[str, float], idle_devices_only: dict[str, float],
-                 args: argparse.Namespace) -> None:
+def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.Namespace) -> None:
     cores = os.cpu_count() or 1
-    print(f"\nfleet scale: {args.workers} worker processes, {cores} cores, digits-class with 1 task, "
-          f"{args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
+    print(f"\nfleet scale: {args.workers} worker processes, {cores} cores, {args.backend} backend, digits-class with "
+          f"1 task, {args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
     print(f"{args.workers} idle workers (a worker's imports, no device): PSS {idle.get('Pss', 0) / MB:.0f} MB, "
-          f"RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous {idle.get('Anonymous', 0) / MB:.0f} MB; without "
-          f"importing firmware_sim.fleet (coordinator.server -> torch): PSS "
-          f"{idle_devices_only.get('Pss', 0) / MB:.0f} MB, anonymous {idle_devices_only.get('Anonymous', 0) / MB:.0f} MB")
+          f"RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous {idle.get('Anonymous', 0) / MB:.0f} MB")
     mapped = [f"{s['broker']} N={s['n']}" for s in summaries if s["after"].get("libtorch")]
     if mapped:
-        print(f"workers map libtorch_cpu (imported through firmware_sim.fleet): {', '.join(mapped)}")
+        print(f"workers map libtorch_cpu (a worker should not import torch): {', '.join(mapped)}")
 
     print("\nstartup and host memory (worker processes summed; MB = MiB)")
     print(f"{'broker':>9s} {'N':>4s} {'first reg s':>11s} {'all reg s':>9s} {'PSS reg':>8s} {'PSS after':>9s} "
@@ -499,7 +502,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes hosting the devices")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes hosting the devices (default: the fleet's, one per core)")
+    parser.add_argument("--backend", default=None, help="the devices' trainer backend (default: the fleet's)")
     parser.add_argument("--broker", default="mosquitto,embedded",
                         help="mosquitto, embedded, or both comma-separated (default: both)")
     parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
@@ -523,8 +528,11 @@ def main() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
-    idle = idle_workers_memory(args.workers)
-    idle_devices_only = idle_workers_memory(args.workers, fleet_imports=False)
+    from firmware_sim.fleet import FleetConfig, usable_cores
+
+    args.workers = args.workers or usable_cores()  # the fleet's own default: one worker per core
+    args.backend = args.backend or FleetConfig.trainer.backend
+    idle = idle_workers_memory(args.workers, args.backend)
     summaries, artifacts = [], None
     try:
         for broker in brokers:
@@ -542,7 +550,7 @@ def main() -> None:
                 print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
                       f"(all registered after {summary['startup']:.1f} s, "
                       f"final accuracy {summary['accuracy']:.3f})", flush=True)
-        print_tables(summaries, idle, idle_devices_only, args)
+        print_tables(summaries, idle, args)
         print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
         if args.json:
             Path(args.json).write_text(json.dumps(

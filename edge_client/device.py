@@ -32,7 +32,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, make_policy
 from edge_client.sources import TaskSource, open_source
+from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
@@ -58,11 +59,21 @@ MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device as
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
 
 
-@dataclass
-class _Update:
-    round: int
-    model: str
-    chunks: list[bytes]
+_shared_models: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
+_shared_models_lock = threading.Lock()
+
+
+def shared_model(blob_id: str, weights: np.ndarray) -> np.ndarray:
+    """One read-only array per global model in a process. The devices a fleet worker hosts all receive the same
+    broadcast weights and kept up to KEPT_MODELS of them each: a thousand devices held a thousand copies. The id is
+    the blob's hash list, checked chunk by chunk by the reassembler, so one id is one content. Held weakly: an
+    array goes when no device keeps it."""
+    with _shared_models_lock:
+        kept = _shared_models.get(blob_id)
+        if kept is None:
+            weights.flags.writeable = False
+            kept = _shared_models[blob_id] = weights
+        return kept
 
 
 class Device:
@@ -100,7 +111,6 @@ class Device:
         self.payloads: dict[str, dict[str, bytes]] = {}  # payload blobs by id, as named byte strings
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
-        self.last_update: _Update | None = None
         self.rejected = 0
         self.notices: list[str] = []  # what the coordinator reported about this device
         self._last_status = 0.0
@@ -191,7 +201,7 @@ class Device:
         blob = self.reassembler.add("coordinator", message)
         if blob is None:
             return
-        self.models[blob.id] = blob.weights(self.num_parameters)
+        self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
         self._arrived(blob.id)
@@ -264,7 +274,8 @@ class Device:
         if task != self.learner.state.task:
             x, y = self.source.task_data(task)
             try:
-                self.learner.start_task(task, x, y, global_weights=global_weights)
+                with self.environment.turn():
+                    self.learner.start_task(task, x, y, global_weights=global_weights)
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
@@ -272,10 +283,11 @@ class Device:
         self._give(policy, self.payloads.get(message.get("payload", ""), {}))
         asked = self._request(round_, policy.requests(self.learner, config))
         mu = float(config.get("mu", 0.0))
-        loss = self.learner.train(
-            epochs=int(config["epochs"]) if "epochs" in config else None,
-            proximal=Proximal(mu, global_weights) if mu > 0 else None,
-        )
+        with self.environment.turn():  # not held while awaiting an answer above: that is no CPU work
+            loss = self.learner.train(
+                epochs=int(config["epochs"]) if "epochs" in config else None,
+                proximal=Proximal(mu, global_weights) if mu > 0 else None,
+            )
         if not math.isfinite(loss):
             raise FloatingPointError(f"training diverged: loss {loss} (learning rate too high for this data?)")
         if asked:
@@ -348,20 +360,27 @@ class Device:
         return {}
 
     def _resend(self, round_: int, model: str) -> bool:
-        """Answer a repeated round message with the update already made for it; False when there is none."""
-        if self.last_update is not None and (self.last_update.round, self.last_update.model) == (round_, model):
-            for chunk in self.last_update.chunks:
-                self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
-            return True
-        if self.learner.state.model == model and self.learner.state.weights is not None:
-            self._upload(round_, model, self.learner.state.metrics)  # after a restart: the saved round's result
-            return True
-        return False
+        """Answer a repeated round message with the update already made for it, rebuilt from the saved state (the
+        same path in a running process and after a restart: the update is not kept in memory, where a fleet
+        worker's hundreds of devices would each hold one); False when there is none."""
+        if self.learner.state.model != model:
+            return False
+        try:
+            saved = load_state(self.config.state_dir)
+        except StateError as err:
+            log.warning("%s cannot resend round %d: %s", self.id, round_, err)
+            return False
+        if saved is None or saved.model != model or saved.weights is None:  # its save failed: nothing to resend
+            return False
+        self._upload(round_, model, saved.metrics, weights=saved.weights)
+        return True
 
     def _upload(self, round_: int, model: str, metrics: dict[str, float],
-                attachments: dict[str, bytes] | None = None) -> None:
+                attachments: dict[str, bytes] | None = None, weights: np.ndarray | None = None) -> None:
+        """The update: `weights` (default: the trainer's), the policy's attachments (default: asked now)."""
         store, policy = self.learner.store, self.learner.policy
-        data, layout = wire.pack_attachments(wire.weights_bytes(self.trainer.get_weights()),
+        weights = self.trainer.get_weights() if weights is None else weights
+        data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner) if attachments is None else attachments)
         chunks = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
@@ -373,7 +392,6 @@ class Device:
                 "store_budget_bytes": self.learner.budget.max_bytes or 0,
             },
         ).chunks
-        self.last_update = _Update(round_, model, chunks)
         for chunk in chunks:
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
         self._publish_status("idle", round_)

@@ -16,7 +16,7 @@ Choices (documented, configurable where it matters):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,16 +114,18 @@ class Learner:
     # --- persistence ------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        self.state.weights = self.trainer.get_weights()
-        save_state(directory, self.state)
+        """The state with the trainer's weights, to disk. The weights are not kept in `state` as well: the trainer
+        holds them (a fleet worker's hundreds of devices would hold a second copy each)."""
+        save_state(directory, replace(self.state, weights=self.trainer.get_weights()))
 
     def restore(self, directory: str | Path) -> bool:
-        """Reload the saved state (weights included); False when there is none."""
+        """Reload the saved state, its weights into the trainer; False when there is none."""
         state = load_state(directory)
         if state is None:
             return False
         if state.weights is not None:
             self.trainer.set_weights(state.weights)
+            state.weights = None
         self.state = state
         self._detector = NoveltyDetector(state.seen_classes)
         return True

@@ -79,6 +79,7 @@ class NetworkLoop:
         self._due: list[tuple[float, int, _Connection]] = []  # (when, tie-break, connection): attempts to make
         self._order = itertools.count()
         self._rng = random.Random(seed)
+        self._next_tick = 0.0  # the next housekeeping pass
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -130,30 +131,42 @@ class NetworkLoop:
     # --- the loop thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_tick = time.monotonic()
+        self._next_tick = time.monotonic()
         try:
             while True:
-                timeout = max(0.0, min(next_tick, self._due[0][0] if self._due else next_tick) - time.monotonic())
-                for key, events in self._selector.select(timeout):
-                    if key.data is None:
-                        self._drain_wake()
-                    else:
-                        self._service(key.data, events)
-                if not self._apply_commands():
-                    return
-                now = time.monotonic()
-                if now >= next_tick:
-                    for conn in list(self._connections.values()):
-                        self._housekeep(conn, now)
-                    next_tick = now + TICK_S
-                while self._due and self._due[0][0] <= now:
-                    self._attempt(heapq.heappop(self._due)[2], now)
+                try:
+                    if not self._turn():
+                        return
+                except Exception:  # the loop carries every connection of the process: it must not end on one bug
+                    log.exception("MQTT network loop: unexpected error; carrying on")
         finally:
             for conn in list(self._connections.values()):
                 self._forget(conn)
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _turn(self) -> bool:
+        """One pass: wait for sockets (or the next due attempt or tick), service them, apply the posted commands,
+        housekeep on a tick, make the attempts that are due. False once asked to stop."""
+        due = self._due[0][0] if self._due else self._next_tick
+        for key, events in self._selector.select(max(0.0, min(self._next_tick, due) - time.monotonic())):
+            if key.data is None:
+                self._drain_wake()
+            else:
+                self._service(key.data, events)
+        if not self._apply_commands():
+            return False
+        now = time.monotonic()
+        if now >= self._next_tick:
+            for conn in list(self._connections.values()):
+                self._housekeep(conn, now)
+            self._next_tick = now + TICK_S
+            if not self._apply_commands():  # the sockets housekeeping closed are unregistered before a new
+                return False  # socket may take their descriptor numbers
+        while self._due and self._due[0][0] <= now:
+            self._attempt(heapq.heappop(self._due)[2], now)
+        return True
 
     def _drain_wake(self) -> None:
         try:
@@ -244,8 +257,12 @@ class NetworkLoop:
         if sock is None:  # paho closed it at once (a callback's doing): a failed attempt
             self._retry(conn)
             return
-        conn.sock = sock
         mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.client.want_write() else 0)
+        stale = self._selector.get_map().get(sock.fileno())
+        if stale is not None:  # a socket closed without its "closed" applied yet held this descriptor number
+            self._unregister(stale.data)
+            self._after_socket(stale.data)
+        conn.sock = sock
         self._selector.register(sock, mask, conn)
 
     def _housekeep(self, conn: _Connection, now: float) -> None:

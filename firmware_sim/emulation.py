@@ -11,8 +11,11 @@ apply unchanged (slower: a run takes as long as on the devices).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from contextlib import AbstractContextManager
+from typing import Any
 
 from firmware_sim.limits import (
     AvailabilitySchedule,
@@ -30,8 +33,9 @@ from models.manifest import Manifest
 class EmulatedEnvironment:
     def __init__(
         self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False, availability_seed: int = 0,
-        time_scale: float = 1.0,
+        time_scale: float = 1.0, turns: AbstractContextManager[Any] | None = None,
     ) -> None:
+        """`turns`: shared by the devices of one worker process, which take turns at CPU work (None: alone)."""
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.profile = profile
@@ -41,6 +45,7 @@ class EmulatedEnvironment:
         self.schedule = AvailabilitySchedule(profile.availability, availability_seed)
         self.time_scale = time_scale  # availability: profile seconds per wall second since the device joined
         self._joined = time.monotonic()
+        self._turns = turns
 
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         peak = training_peak_bytes(
@@ -66,6 +71,9 @@ class EmulatedEnvironment:
             return 0.0
         back = self.schedule.next_change(t)
         return math.inf if back is None else (back - t) / self.time_scale
+
+    def turn(self) -> AbstractContextManager[Any]:
+        return self._turns if self._turns is not None else contextlib.nullcontext()
 
     def _spend(self, seconds: float, already: float) -> None:
         self.clock.advance(seconds)

@@ -12,7 +12,8 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     name = "demo"                  # fleet (topic prefix) name
     out = "runs/demo"              # artifacts/, devices/<id>/, logs/, checkpoint/, results.json
     devices = 10
-    workers = 2                    # processes hosting the virtual devices
+    workers = 2                    # processes hosting the virtual devices; left out: one per core (a worker is
+                                   # one Python process, about one core of device work; more only add memory)
     model = "lenet"
     seed = 0
     broker = "auto"                # auto | mosquitto | embedded (no authentication: auto falls back to it, at
@@ -27,7 +28,7 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
-    [trainer]      backend, optimizer, lr, threads                       (the device file's [trainer])
+    [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
     [client]       epochs (10), lr, answer_wait_s                        (the coordinator file's [client])
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
@@ -84,14 +85,17 @@ class FleetConfig:
     out: Path
     devices: int
     scenario: Mapping[str, Any]
-    workers: int = 2
+    workers: int | None = None  # None: one per core the fleet may use (`worker_count`)
     model: str = "lenet"
     seed: int = 0
     broker: str = "auto"
     tls: bool = False
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     store: StoreSettings | None = None  # None: M binds (the scenario's `binding_budget`: a quarter of old data)
-    trainer: TrainerSettings = TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3)
+    # portable: a worker's devices share each graph's session (edge_client/trainers/portable.py), so a device
+    # costs half the memory of an ORT Training one (1.4 against 2.7 MB at 1000 devices) and a worker builds one
+    # session, not one per device; it also runs on any Python a fleet host has (benchmarks/fleet_scale.py)
+    trainer: TrainerSettings = TrainerSettings(backend="portable", optimizer="adamw", lr=3e-3)
     client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 10})  # E: each task learnt in its rounds
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     coordinator: Mapping[str, Any] = field(default_factory=dict)
@@ -101,7 +105,7 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
-        if self.devices < 1 or self.workers < 1:
+        if self.devices < 1 or (self.workers is not None and self.workers < 1):
             raise ValueError("devices and workers must be at least 1")
         if self.profiles and sum(self.profiles.values()) != self.devices:
             raise ValueError(f"profile counts {dict(self.profiles)} add up to {sum(self.profiles.values())}, "
@@ -163,6 +167,14 @@ class FleetConfig:
         return {k: v for k, v in vars(self.store).items() if v is not None}
 
     @property
+    def worker_count(self) -> int:
+        """`workers` as set, else one per core this process may run on: a worker is one Python process (one GIL),
+        so it does about one core of device work; at 1000 devices on 2 cores, 2 workers register every device in
+        ~25 s and more would only add each worker's own memory (benchmarks/fleet_scale.py). Never more than the
+        devices."""
+        return min(self.workers if self.workers is not None else usable_cores(), self.devices)
+
+    @property
     def device_ids(self) -> list[str]:
         return [f"dev-{i:03d}" for i in range(self.devices)]
 
@@ -173,6 +185,11 @@ class FleetConfig:
         return [name for name, count in self.profiles.items() for _ in range(count)]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform tells, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def coordinator_threads(workers: int) -> Iterator[None]:
     """The coordinator's torch threads while a fleet runs: the cores its `workers` leave, at least one. The workers
@@ -181,7 +198,7 @@ def coordinator_threads(workers: int) -> Iterator[None]:
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - workers))
+    torch.set_num_threads(max(1, usable_cores() - workers))
     try:
         yield
     finally:
@@ -220,7 +237,7 @@ class Fleet:
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
-            with coordinator_threads(self.config.workers):
+            with coordinator_threads(self.config.worker_count):
                 results = coordinator.run()
         finally:
             self.stop()
@@ -316,8 +333,9 @@ class Fleet:
     def _start_workers(self, artifacts: Path) -> None:
         configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
         context = mp.get_context("spawn")
-        for k in range(min(self.config.workers, len(configs))):
-            share = configs[k :: self.config.workers]
+        workers = self.config.worker_count
+        for k in range(workers):
+            share = configs[k::workers]
             log_file = str(self.config.out / "logs" / f"worker-{k}.log")
             worker = context.Process(target=host_devices, args=(share, self._stop, log_file), daemon=True)
             worker.start()

@@ -8,10 +8,12 @@ daemon takes: a `ClientSource` and an `EmulatedEnvironment`.
 from __future__ import annotations
 
 import hashlib
+from contextlib import AbstractContextManager
+from typing import Any
 
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
-from edge_client.environment import Environment
+from edge_client.environment import Environment, RealEnvironment
 from edge_client.sources import TaskSource
 from edgefil.netloop import NetworkLoop
 from firmware_sim.emulation import EmulatedEnvironment
@@ -27,20 +29,24 @@ def simulated_source(config: DeviceConfig) -> TaskSource | None:
     return ClientSource(config.data.scenario, config.data.client)
 
 
-def emulated_environment(config: DeviceConfig) -> Environment | None:
-    """The emulated profile's limits, or None for a device that runs at the host's speed."""
+def hosted_environment(config: DeviceConfig, turns: AbstractContextManager[Any] | None = None) -> Environment:
+    """The emulated profile's limits, or the host's own for a device that runs at the host's speed; `turns`: the
+    worker's, shared by the devices it hosts (they take turns at CPU work)."""
     emulation = config.emulation
     if emulation is None:
-        return None
+        return RealEnvironment(turns)
     seed = int.from_bytes(hashlib.sha256(config.device_id.encode()).digest()[:4], "little")
     return EmulatedEnvironment(
         load_profile(emulation.profile), HostCalibration(emulation.host_gflops), real_time=emulation.real_time,
         availability_seed=emulation.availability_seed if emulation.availability_seed is not None else seed,
-        time_scale=emulation.time_scale,
+        time_scale=emulation.time_scale, turns=turns,
     )
 
 
-def virtual_device(config: DeviceConfig, network: NetworkLoop | None = None) -> Device:
-    """`network`: the loop the worker's devices share (one network thread for all their connections)."""
-    return Device(config, source=simulated_source(config), environment=emulated_environment(config),
+def virtual_device(
+    config: DeviceConfig, network: NetworkLoop | None = None, turns: AbstractContextManager[Any] | None = None,
+) -> Device:
+    """`network` and `turns`: a worker's, shared by the devices it hosts (one network thread for all their
+    connections; one device at a time doing CPU work)."""
+    return Device(config, source=simulated_source(config), environment=hosted_environment(config, turns),
                   network=network)

@@ -3,6 +3,7 @@ started from one fleet file; Ctrl-C, SIGTERM and SIGHUP stop everything, SIGKILL
 `--resume` finishes the run (taking back device disks a killed run left mounted)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -237,3 +238,18 @@ except RuntimeError as err:
     assert lines[0] == "True"
     assert lines[1].startswith("a fleet worker needs about 4256 open files for 500 devices, but the hard limit is 1024")
     assert "ulimit -Hn 4256" in lines[1] and len(lines) == 2
+
+
+def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeypatch, tmp_path):
+    """A worker is one Python process (one GIL), about one core of device work: left out of the fleet file,
+    `workers` is the cores the fleet may use; a fleet file's own value is kept; either is capped at the devices."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="auto").replace("workers = 2\n", "").replace("devices = 4", "devices = 40")
+                    .replace("profiles = {raspberry-pi-4-4gb = 2, jetson-orin-nano = 2}\n", ""))
+    config = fleet_module.FleetConfig.load(path)
+    assert config.workers is None and config.worker_count == 6
+    assert dataclasses.replace(config, workers=3).worker_count == 3
+    assert dataclasses.replace(config, devices=4).worker_count == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        dataclasses.replace(config, workers=0)

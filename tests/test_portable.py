@@ -153,6 +153,37 @@ def test_training_keeps_weights_and_state_in_two_ort_buffers(export_artifacts):
     assert seen == buffers
 
 
+def test_trainers_on_one_artifact_set_share_sessions_and_train_independently(export_artifacts):
+    """A fleet worker's devices share each graph's session (one copy, not one per device) but not their weights
+    or optimiser state: two trainers stepping at once in two threads end where each ends alone."""
+    import threading
+
+    directory = export_artifacts("lenet", backends=ALL)
+    rng = np.random.default_rng(3)
+    data = [(rng.random((8, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 8)) for _ in range(2)]
+
+    def train(trainer: PortableTrainer, x, y) -> None:
+        for _ in range(20):
+            trainer.train_step(x, y, trainer.mask(None))
+
+    alone = []
+    for x, y in data:
+        trainer = PortableTrainer(directory, "adamw", LR)
+        train(trainer, x, y)
+        alone.append(trainer.get_weights())
+    pair = [PortableTrainer(directory, "adamw", LR) for _ in data]
+    assert pair[0]._session("gradient") is pair[1]._session("gradient")
+    assert pair[0]._session("adamw") is pair[1]._session("adamw")
+    threads = [threading.Thread(target=train, args=(t, x, y)) for t, (x, y) in zip(pair, data)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for trainer, weights in zip(pair, alone):
+        np.testing.assert_array_equal(trainer.get_weights(), weights)
+    assert not np.array_equal(alone[0], alone[1])
+
+
 def test_nominal_portable_set_needs_weights_first(export_artifacts):
     full = PortableTrainer(export_artifacts("lenet", backends=ALL))
     trainer = PortableTrainer(export_artifacts("lenet", nominal=True, backends=("portable",)))

@@ -12,6 +12,8 @@ swap roles (ping-pong), so no step copies a parameter through numpy. Only get_we
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,45 @@ from models.manifest import PORTABLE_MODELS, WEIGHTS, load_manifest
 
 ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
 OPTIMIZERS = ("sgd", "adamw")
+
+
+_shared_sessions: weakref.WeakValueDictionary[tuple[str, int, int, int], Any] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def shared_session(path: Path, threads: int) -> Any:
+    """One InferenceSession per graph file (and thread count) in a process, shared by every trainer that runs it.
+    A session holds no training state: the weights, the gradient and the optimiser state are each trainer's own
+    buffers, bound per run, and ORT runs a session from several threads at once. A fleet worker's hundreds of
+    devices thus hold one copy of each graph (LeNet's three sessions take ~5 MB) instead of one each. Keyed by the
+    file's identity too (a graph exported again at the same path is a new session); held weakly, so a session
+    goes with its last trainer."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, threads)
+    with _shared_lock:
+        session = _shared_sessions.get(key)
+        if session is None:
+            options = ORT.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.log_severity_level = ORT_ERROR
+            session = ORT.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            _shared_sessions[key] = session
+        return session
+
+
+_shared_zeros: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def shared_zeros(size: int) -> Any:
+    """A float32 OrtValue of `size` zeros, one per size in a process, only ever read."""
+    with _shared_lock:
+        zeros = _shared_zeros.get(size)
+        if zeros is None:
+            zeros = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+            zeros.update_inplace(np.zeros(size, dtype=np.float32))
+            _shared_zeros[size] = zeros
+        return zeros
 
 
 class _PingPong:
@@ -78,8 +119,9 @@ class PortableTrainer(Trainer):
         self._weights = _PingPong(size)
         self._gradient_buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
         self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
-        self._reference = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
-        self._reference.update_inplace(np.zeros(size, dtype=np.float32))  # read with mu = 0: must be finite
+        # Read with mu = 0 too, so it must be finite: the process's shared zeros until a proximal term needs a
+        # reference of its own (most policies never do).
+        self._reference = shared_zeros(size)
         self._reference_of: Proximal | None = None
         state = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
         self._state = {name: _PingPong(size) for name in state}
@@ -98,15 +140,10 @@ class PortableTrainer(Trainer):
             self._weights.fill(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
 
     def _session(self, graph: str) -> Any:
-        """The graph's InferenceSession, built on first use (a device that never asks for exact norms never
-        loads that graph)."""
+        """The graph's InferenceSession, taken on first use (a device that never asks for exact norms never
+        loads that graph) from the ones this process shares."""
         if graph not in self._sessions:
-            options = ORT.SessionOptions()
-            options.intra_op_num_threads = self._threads
-            options.inter_op_num_threads = 1
-            options.log_severity_level = ORT_ERROR
-            path = str(self._directory / PORTABLE_MODELS[graph])
-            self._sessions[graph] = ORT.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            self._sessions[graph] = shared_session(self._directory / PORTABLE_MODELS[graph], self._threads)
         return self._sessions[graph]
 
     def get_weights(self) -> np.ndarray:
@@ -183,6 +220,9 @@ class PortableTrainer(Trainer):
         mu = 0.0 if proximal is None else proximal.mu
         self._scalars["proximal_mu"].update_inplace(np.array(mu, dtype=np.float32))
         if proximal is not None and proximal is not self._reference_of:
+            if self._reference_of is None:  # still the shared zeros
+                self._reference = ORT.OrtValue.ortvalue_from_shape_and_type([self.manifest.num_parameters],
+                                                                            np.float32)
             self._reference.update_inplace(proximal.reference)
             self._reference_of = proximal
 

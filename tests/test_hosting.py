@@ -1,0 +1,56 @@
+"""Many devices in one process, as a fleet worker hosts them: what they share (one read-only copy of each global
+model) and how they take turns at CPU work (starting a task and training hold the worker's turn; nothing else
+does)."""
+from __future__ import annotations
+
+import numpy as np
+
+from edge_client.config import DeviceConfig
+from edge_client.device import shared_model
+from firmware_sim.virtual_device import virtual_device
+
+
+def test_a_process_keeps_one_read_only_copy_of_each_global_model():
+    first = shared_model("blob-a", np.arange(6, dtype=np.float32))
+    again = shared_model("blob-a", np.arange(6, dtype=np.float32))  # another device assembled the same blob
+    assert again is first and not first.flags.writeable
+    other = shared_model("blob-b", np.ones(6, dtype=np.float32))
+    assert other is not first and float(other.sum()) == 6.0
+
+
+class Turns:
+    """A worker's turns that record how deep they are held."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.taken = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        self.taken += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+def test_a_hosted_device_starts_its_task_and_trains_only_in_its_turn(tmp_path, export_artifacts, monkeypatch):
+    turns = Turns()
+    config = DeviceConfig.from_dict({
+        "device_id": "dev-0", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "state_dir": str(tmp_path / "state"), "broker": {"port": 1, "password": "pw"},
+        "store": {"max_samples": 30}, "policy": {"name": "random"},
+        "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
+    })
+    device = virtual_device(config, turns=turns)
+    held: list[tuple[str, int]] = []
+    for name in ("start_task", "train"):
+        real = getattr(device.learner, name)
+        monkeypatch.setattr(device.learner, name,
+                            lambda *a, _real=real, _name=name, **k: held.append((_name, turns.depth)) or _real(*a, **k))
+    try:
+        weights = device.trainer.get_weights()
+        device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
+        assert held == [("start_task", 1), ("train", 1)] and turns.depth == 0
+        assert device.learner.state.round == 1  # the round went through: trained, saved
+    finally:
+        device.learner.store.close()
