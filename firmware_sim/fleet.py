@@ -64,7 +64,7 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
 from edgefil.topics import check_name
 from firmware_sim import disk
-from firmware_sim.fleet_worker import ensure_descriptors, host_devices
+from firmware_sim.fleet_worker import DESCRIPTORS_PER_CONNECTION, ensure_descriptors, host_devices
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import FLEET_FILE, write_report
@@ -231,7 +231,8 @@ class Fleet:
         artifacts = self._export(data)
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
-            ensure_descriptors(self.config.devices, "the fleet's broker")  # mosquitto inherits the limit
+            # mosquitto inherits the limit: a connection per device
+            ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
             self._mount_disks()
             self.broker = self._start_broker()
             self._start_workers(artifacts)

@@ -14,9 +14,11 @@ from edgefil.lifetime import die_with_parent
 
 PARENT_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
-# Open files a device needs: its MQTT socket, its replay store's SQLite database and write-ahead log and shared
-# memory, a state file being replaced, and slack; a process needs BASE_DESCRIPTORS besides (imports, logs, pipes).
-DESCRIPTORS_PER_DEVICE = 8
+# Open files a worker needs per device: its MQTT socket, its replay store's SQLite database and journal, a state
+# file being replaced (measured: 3.0 per device in a worker hosting 500, benchmarks/fleet_scale.py); the broker
+# needs one per connection (two with slack); a process needs BASE_DESCRIPTORS besides (imports, logs, pipes).
+DESCRIPTORS_PER_DEVICE = 4
+DESCRIPTORS_PER_CONNECTION = 2
 BASE_DESCRIPTORS = 256
 M_ARENA_MAX = -8  # glibc's malloc.h
 MALLOC_ARENAS = 2
@@ -35,13 +37,14 @@ def limit_malloc_arenas() -> bool:
         return False
 
 
-def ensure_descriptors(devices: int, who: str) -> None:
-    """Raise this process's soft limit on open files to what `devices` connections need (a broker started later
-    inherits it), or refuse in one line naming the fix where the hard limit does not allow it. A common default
-    of 1024 broke a worker near 200 devices, with errors deep in SQLite or paho."""
+def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
+    """Raise this process's soft limit on open files to what `devices` need at `per_device` each (a broker
+    started later inherits it), or refuse in one line naming the fix where the hard limit does not allow it. A
+    common default of 1024 broke a worker near 200 devices, with errors deep in SQLite or paho. The limit is per
+    process: a fleet's workers and its broker each need only their own share."""
     import resource
 
-    needed = BASE_DESCRIPTORS + DESCRIPTORS_PER_DEVICE * devices
+    needed = BASE_DESCRIPTORS + per_device * devices
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
@@ -90,7 +93,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     logging.basicConfig(filename=log_file, level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ensure_descriptors(len(configs), "a fleet worker")  # the fleet checked the same limit for the broker first
+    ensure_descriptors(len(configs), "a fleet worker")
     limit_malloc_arenas()
     devices: list[Device] = []
     lock = threading.Lock()

@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.broker import mosquitto_path
 from firmware_sim import fleet as fleet_module
+from firmware_sim.fleet_worker import BASE_DESCRIPTORS, DESCRIPTORS_PER_DEVICE
 from firmware_sim.report import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,8 +237,10 @@ except RuntimeError as err:
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stderr
     assert lines[0] == "True"
-    assert lines[1].startswith("a fleet worker needs about 4256 open files for 500 devices, but the hard limit is 1024")
-    assert "ulimit -Hn 4256" in lines[1] and len(lines) == 2
+    need = BASE_DESCRIPTORS + DESCRIPTORS_PER_DEVICE * 500
+    assert lines[1].startswith(f"a fleet worker needs about {need} open files for 500 devices, but the hard limit "
+                               f"is 1024")
+    assert f"ulimit -Hn {need}" in lines[1] and len(lines) == 2
 
 
 def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeypatch, tmp_path):

@@ -55,10 +55,31 @@ def test_robust_rules_ignore_a_minority_of_hostile_updates_and_sample_claims():
         make_strategy("trimmed-mean", device="cpu", beta=0.5)
 
 
+def test_devices_without_data_do_not_set_the_bounds_to_zero():
+    """Most of a round's devices had nothing to train on: they send the global model back with 0 samples. The
+    bounds come from the updates that carry something, so the honest ones pass whole (before: a median of 0
+    clipped every one of them onto the global model and capped every count at 0)."""
+    g = np.zeros(3, np.float32)
+    deltas = np.zeros((7, 3))
+    deltas[:3] = [[0.3, 0.1, 0.0], [0.2, 0.2, 0.1], [0.25, 0.0, 0.1]]
+    counts = [2, 1, 3, 0, 0, 0, 0]
+    counters: Counter[str] = Counter()
+    out = UpdateBounds().apply(g, updates_of(deltas, counts), counters)
+    assert not counters
+    assert [u.num_samples for u in out] == counts
+    np.testing.assert_array_equal(np.stack([u.weights for u in out]), deltas.astype(np.float32))
+    assert sample_caps([0, 0, 0], 0, 10.0) == [0, 0, 0]  # nothing carries anything: no bound to take
+    assert norm_scales(np.zeros(3), 3.0).tolist() == [1.0, 1.0, 1.0]
+    deltas[0] *= 100  # a boosted update among them is still clipped, to 3x the typical distance of the others
+    out = UpdateBounds().apply(g, updates_of(deltas, counts), counters)
+    bound = 3.0 * float(np.median(np.linalg.norm(deltas[:3], axis=1)))
+    assert counters["clipped"] == 1 and np.isclose(np.linalg.norm(out[0].weights), bound, rtol=1e-5)
+
+
 def test_norm_scales_clip_exactly_to_the_bound_beyond_the_median():
     d = np.array([1.0, 2.0, 3.0, 30.0, 0.0])
-    s = norm_scales(d, 3.0)  # median 2, bound 6
-    np.testing.assert_allclose(s, [1, 1, 1, 0.2, 1])
+    s = norm_scales(d, 3.0)  # the median of the updates that moved is 2.5 (the unmoved one has no say): bound 7.5
+    np.testing.assert_allclose(s, [1, 1, 1, 0.25, 1])
 
 
 def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median():
