@@ -54,7 +54,7 @@ from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
-AVAILABILITY_POLL_S = 1.0  # how often an idle device looks at its availability schedule
+STOP_POLL_S = 5.0  # the longest an idle device sleeps before it looks whether it was asked to stop
 MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
 
@@ -134,7 +134,7 @@ class Device:
                 if away > 0:
                     self._stay_away(away)
                     continue
-                item = self.backlog.popleft() if self.backlog else self.link.get(timeout=AVAILABILITY_POLL_S)
+                item = self.backlog.popleft() if self.backlog else self.link.get(timeout=self._idle_wait())
                 try:
                     if item is not None:
                         self.handle(item.topic, item.payload)
@@ -147,6 +147,13 @@ class Device:
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
             self.learner.store.close()
+
+    def _idle_wait(self) -> float:
+        """How long to wait for a message: until the next heartbeat is due or the availability schedule may take
+        the device away, at most STOP_POLL_S. Not a fixed short poll: a fleet worker's thousands of idle device
+        threads waking every second kept its network thread from the GIL (connections timed out at 5000)."""
+        heartbeat = self._last_status + self.config.heartbeat_s - time.monotonic()
+        return max(0.0, min(heartbeat, self.environment.online_for(), STOP_POLL_S))
 
     def _stay_away(self, seconds: float) -> None:
         """Offline (availability): say so, disconnect, come back when due (or leave for good on stop)."""

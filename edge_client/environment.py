@@ -29,6 +29,9 @@ class Environment(Protocol):
     def offline_for(self) -> float:
         """Wall seconds until the device is back online: 0 while it is online, inf when it never comes back."""
 
+    def online_for(self) -> float:
+        """Wall seconds the device stays online for sure (inf: for good): how long an idle device may sleep."""
+
     def turn(self) -> AbstractContextManager[Any]:
         """Held while the device starts a task or trains: its turn among the devices its process hosts."""
 
@@ -51,6 +54,9 @@ class RealEnvironment:
 
     def offline_for(self) -> float:
         return 0.0
+
+    def online_for(self) -> float:
+        return float("inf")
 
     def turn(self) -> AbstractContextManager[Any]:
         return self._turns if self._turns is not None else contextlib.nullcontext()

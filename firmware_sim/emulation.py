@@ -72,6 +72,13 @@ class EmulatedEnvironment:
         back = self.schedule.next_change(t)
         return math.inf if back is None else (back - t) / self.time_scale
 
+    def online_for(self) -> float:
+        t = (time.monotonic() - self._joined) * self.time_scale
+        if not self.schedule.online(t):
+            return 0.0
+        change = self.schedule.next_change(t)
+        return math.inf if change is None else (change - t) / self.time_scale
+
     def turn(self) -> AbstractContextManager[Any]:
         return self._turns if self._turns is not None else contextlib.nullcontext()
 

@@ -4,6 +4,7 @@ does)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from edge_client.config import DeviceConfig
 from edge_client.device import shared_model
@@ -52,5 +53,41 @@ def test_a_hosted_device_starts_its_task_and_trains_only_in_its_turn(tmp_path, e
         device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
         assert held == [("start_task", 1), ("train", 1)] and turns.depth == 0
         assert device.learner.state.round == 1  # the round went through: trained, saved
+    finally:
+        device.learner.store.close()
+
+
+def test_an_idle_device_sleeps_until_its_heartbeat_or_its_availability_changes(tmp_path, export_artifacts):
+    """Not a fixed one-second poll: thousands of idle device threads waking every second starved their worker's
+    network thread. An idle device waits for its next heartbeat, or less when its schedule may take it away."""
+    import time
+
+    from edge_client.device import STOP_POLL_S
+    from firmware_sim.emulation import EmulatedEnvironment
+    from firmware_sim.limits import HostCalibration
+    from firmware_sim.profiles import load_profile
+
+    config = DeviceConfig.from_dict({
+        "device_id": "dev-0", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "state_dir": str(tmp_path / "state"), "broker": {"port": 1, "password": "pw"}, "heartbeat_s": 3.0,
+        "store": {"max_samples": 30}, "policy": {"name": "random"},
+        "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
+    })
+    device = virtual_device(config)
+    try:
+        device._last_status = time.monotonic()
+        assert 2.9 < device._idle_wait() <= 3.0  # the heartbeat is due in 3 s
+        device._last_status -= 10.0
+        assert device._idle_wait() == 0.0  # overdue: at once
+        zero = EmulatedEnvironment(load_profile("raspberry-pi-zero-2w"), HostCalibration(1.0), time_scale=60.0)
+        device.environment = zero
+        device._last_status = time.monotonic() + 100.0  # no heartbeat due soon: the schedule and STOP_POLL_S say
+        t = (time.monotonic() - zero._joined) * zero.time_scale
+        if zero.schedule.online(t):
+            change = zero.schedule.next_change(t)
+            expected = STOP_POLL_S if change is None else min(STOP_POLL_S, (change - t) / zero.time_scale)
+            assert device._idle_wait() == pytest.approx(expected, abs=0.05)
+        else:
+            assert zero.online_for() == 0.0 and device._idle_wait() == 0.0
     finally:
         device.learner.store.close()
