@@ -286,13 +286,17 @@ class NetworkLoop:
         sees it dead), then carry on as after any lost socket."""
         if conn.sock is None:
             return
+        self._shut(conn)
+        self._after_socket(conn)
+
+    def _shut(self, conn: _Connection) -> None:
+        """Unregister the connection's socket and shut it down (paho owns it and closes it later)."""
         sock = conn.sock
         self._unregister(conn)
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._after_socket(conn)
 
     def _unregister(self, conn: _Connection) -> None:
         try:
@@ -303,12 +307,7 @@ class NetworkLoop:
 
     def _forget(self, conn: _Connection) -> None:
         if conn.sock is not None:
-            sock = conn.sock
-            self._unregister(conn)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shut(conn)
         if self._connections.get(conn.client) is conn:
             del self._connections[conn.client]
         conn.closed.set()
