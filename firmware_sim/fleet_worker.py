@@ -20,21 +20,6 @@ STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of 
 DESCRIPTORS_PER_DEVICE = 4
 DESCRIPTORS_PER_CONNECTION = 2
 BASE_DESCRIPTORS = 256
-M_ARENA_MAX = -8  # glibc's malloc.h
-MALLOC_ARENAS = 2
-
-
-def limit_malloc_arenas() -> bool:
-    """Cap glibc's malloc arenas at MALLOC_ARENAS for the threads this process creates from now on. glibc gives
-    threads that allocate at the same time arenas of their own, up to 8 per core, and each keeps what was freed in
-    it: a worker's hundreds of device threads then hold memory one thread would have reused. False where the C
-    library has no mallopt (musl, macOS): nothing changes there."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, MALLOC_ARENAS))
-    except (OSError, AttributeError):
-        return False
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
@@ -94,7 +79,6 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     logging.basicConfig(filename=log_file, level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ensure_descriptors(len(configs), "a fleet worker")
-    limit_malloc_arenas()
     devices: list[Device] = []
     lock = threading.Lock()
     network = NetworkLoop(name="fleet-worker-mqtt")
