@@ -3,12 +3,15 @@
 For each number of clients and model size, FedAvg (weighted) aggregates read-only float32 updates made as the
 network delivers them (np.frombuffer over bytes). The baseline, timed in the same run, is np.copyto of each update
 into one update-sized destination: the same number of update-sized reads. The fold reads each update once and
-reads and writes an accumulator, the copy reads each update and writes the destination, so a memory-bound fold
-should run near copy speed.
+reads and writes a float64 total (so its result does not depend on the order updates arrive in): 20 bytes of
+memory traffic per 4-byte value against the copy's 8, so a memory-bound fold runs at about 0.4x copy speed
+(a float32 total, before the coordinator streamed, ran near copy speed, but summed in device order).
 Updates come from a pool of distinct buffers bounded in bytes (1000 clients x 11M parameters is 44 GB); every
 timed call takes the pool's next buffers, so each update is a buffer not touched since many calls ago whenever the
 pool is larger than the last-level cache. GB/s counts update bytes (4 per parameter). On cuda the FedAvg time
-includes each update's host-to-device copy and a final synchronize; the copy baseline stays on the host. The
+includes each update's host-to-device copy (through the fold's two pinned buffers and copy stream) and a final
+synchronize; the copy baseline stays on the host, and an `h2d GB/s` column gives the host-to-device bandwidth of
+the same bytes from pinned memory (the transfer alone, the bound a fold that copies every update can reach). The
 optional last column is the naive torch.stack(updates).mul(c).sum(0), run only where the stack is small.
 
 FedAvg is timed at torch's default thread count and at one thread: a parallel region waits for its slowest thread,
@@ -29,7 +32,7 @@ from timing import best_time  # benchmarks/timing.py: scripts run from their fol
 
 from coordinator.compute import as_tensor, resolve_device
 from coordinator.strategies import ClientUpdate
-from coordinator.strategies.fedavg import FedAvg, fedavg_coefficients
+from coordinator.strategies.fedavg import FedAvg
 
 CLIENTS = [10, 100, 1000]
 SIZES = [(100_000, "100K"), (1_000_000, "1M"), (11_000_000, "11M")]
@@ -90,7 +93,9 @@ def main() -> None:
     print(f"GB/s = update bytes / s; xcopy = FedAvg GB/s / copy GB/s; Tn = n torch threads; "
           f"stack = naive torch.stack baseline at {default_threads} threads")
     fold_heads = "".join(f" {f'FedAvg ms T{t}':>12s} {f'GB/s T{t}':>9s} {f'xcopy T{t}':>9s}" for t in threads)
-    print(f"{'clients':>7s} {'params':>6s} {'pool':>5s} {'reps':>4s}{fold_heads} {'copy GB/s':>9s} {'stack GB/s':>10s}")
+    h2d_head = f" {'h2d GB/s':>9s}" if device.type == "cuda" else ""
+    print(f"{'clients':>7s} {'params':>6s} {'pool':>5s} {'reps':>4s}{fold_heads} {'copy GB/s':>9s}{h2d_head} "
+          f"{'stack GB/s':>10s}")
     for size, label in sizes:
         update_bytes = 4 * size
         pool = Pool(size, max(1, min(max(clients_list), pool_bytes // update_bytes)), rng)
@@ -121,7 +126,7 @@ def main() -> None:
             copy_s = best_time(copy, repeats)
             stack = "-"
             if total <= STACK_LIMIT:
-                coefficients = fedavg_coefficients(samples, weighted=True)
+                coefficients = [n / sum(samples) for n in samples]
                 stacks = [pool.take(clients) for _ in range(repeats)]
 
                 def naive(k: int) -> None:
@@ -129,10 +134,22 @@ def main() -> None:
                     sync()
 
                 stack = f"{total / best_time(naive, repeats) / 1e9:.2f}"
+            h2d = ""
+            if device.type == "cuda":
+                pinned = torch.empty(size, dtype=torch.float32, pin_memory=True)
+                pinned.numpy()[:] = pool.buffers[0]
+                target = torch.empty(size, dtype=torch.float32, device=device)
+
+                def transfer(k: int) -> None:
+                    for _ in range(clients):
+                        target.copy_(pinned, non_blocking=True)
+                    sync()
+
+                h2d = f" {total / best_time(transfer, repeats) / 1e9:9.2f}"
             folds = "".join(f" {fold_s[t] * 1e3:12.1f} {total / fold_s[t] / 1e9:9.2f} {copy_s / fold_s[t]:9.2f}"
                             for t in threads)
-            print(f"{clients:7d} {label:>6s} {len(pool.buffers):5d} {repeats:4d}{folds} {total / copy_s / 1e9:9.2f} "
-                  f"{stack:>10s}")
+            print(f"{clients:7d} {label:>6s} {len(pool.buffers):5d} {repeats:4d}{folds} {total / copy_s / 1e9:9.2f}"
+                  f"{h2d} {stack:>10s}")
 
 
 if __name__ == "__main__":

@@ -253,6 +253,7 @@ class Coordinator:
         number, n = self.number, len(weights)
         inbox = Inbox(FLEET, set(self.devices), MANIFEST, n)
         counts: Counter[str] = Counter()
+        received: dict[str, np.ndarray] = {}
         cpu = meter()
         started = time.perf_counter()
         encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=number, version=number - 1)
@@ -272,15 +273,15 @@ class Coordinator:
             if item is None or item[0] == CONNECTED:
                 continue
             event = inbox.accept(*item)
-            if isinstance(event, Update):
-                current.offer(event, counts)
+            if isinstance(event, Update) and current.offer(event, counts) is None:
+                received[event.device] = event.weights
         elapsed = time.perf_counter() - started
         cpu = meter() - cpu
         if counts or inbox.rejections:
             raise RuntimeError(f"round {number}: dropped {dict(counts)}, rejected {dict(inbox.rejections)}")
-        for update in current.updates.values():
-            if not np.array_equal(update.weights, weights):
-                raise RuntimeError(f"round {number}: {update.device} sent back other weights")
+        for device, echoed in received.items():
+            if not np.array_equal(echoed, weights):
+                raise RuntimeError(f"round {number}: {device} sent back other weights")
         return elapsed, cpu
 
     def stop(self) -> None:

@@ -16,12 +16,15 @@
     device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
     virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time
     train_tasks = 0                     # train only the first N tasks (1: the Fixed baseline); 0: every task
+    max_held_mib = 4096                 # rules that need a whole round at once (median, trimmed-mean, pfedgrp):
+                                        # the most update bytes a round holds (coordinator/aggregation.py)
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean", and its options
     [guard]     bounds on one update (coordinator/guard.py): norm_bound = "clip" | "reject" | "off",
-                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0
+                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, hold = 8 (a folding rule's
+                first updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
@@ -68,6 +71,7 @@ class CoordinatorConfig:
     device: str = "auto"
     virtual_time: bool = False
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
+    max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: UpdateBounds = UpdateBounds()
     limits: RateLimits = RateLimits()
@@ -86,6 +90,8 @@ class CoordinatorConfig:
             raise ValueError(f"min_clients must be in [1, {len(self.devices)}], got {self.min_clients}")
         if self.rounds_per_task < 1 or self.max_attempts < 1 or self.deadline_s <= 0 or self.retry_backoff_s < 0:
             raise ValueError("rounds_per_task and max_attempts must be >= 1, deadline_s > 0 and retry_backoff_s >= 0")
+        if self.max_held_mib < 1:
+            raise ValueError(f"max_held_mib must be >= 1, got {self.max_held_mib}")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
         if not self.scenario and self.test_data is None:

@@ -5,6 +5,9 @@ Choices (configurable in the coordinator config, documented in docs/protocol.md)
   generator, so a resumed run draws as the original would have.
 - A round closes when every selected device has delivered (or went offline), or at its deadline. Updates that
   arrive after the close are logged as late and dropped.
+- A round here is one attempt: what it accepted goes on into the round's aggregation (coordinator/aggregation.py)
+  at once, and it keeps only who delivered. A later attempt of the same round starts with those deliveries: they
+  answer the same global model, and count towards its quorum whether or not their devices are selected again.
 - In virtual time (simulated fleets), an update whose reported `device_seconds` (download + compute + upload on
   the emulated device) exceed the deadline is late too, however fast the host delivered it.
 - A round with fewer updates than the quorum is not aggregated; it is run again (new selection) up to
@@ -32,15 +35,15 @@ def select(available: list[str], fraction: float, quorum: int, rng: np.random.Ge
 
 @dataclass
 class OpenRound:
-    """The round being collected: its identity, selection, deadline and the updates accepted so far."""
+    """The round being collected: its identity, selection, deadline and the devices whose updates it accepted."""
 
     number: int
     task: int
-    model: str  # sha256 of the global weights the devices must start from
+    model: str  # id (wire.blob_id) of the global weights the devices must start from
     selected: list[str]
     deadline: float  # time.monotonic() value
     virtual_deadline_s: float | None = None  # virtual time: the deadline in the devices' own seconds
-    updates: dict[str, Update] = field(default_factory=dict)
+    delivered: set[str] = field(default_factory=set)  # devices whose update was accepted (this or an earlier attempt)
     too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
     gone: set[str] = field(default_factory=set)  # went offline before delivering: the round does not wait
     failed: dict[str, str] = field(default_factory=dict)  # said it cannot train this round, and why
@@ -54,34 +57,29 @@ class OpenRound:
     @property
     def complete(self) -> bool:
         """Every selected device has answered, failed or gone (one too slow in device time has answered too)."""
-        return set(self.selected) <= set(self.updates) | self.too_slow | self.gone | set(self.failed)
+        return set(self.selected) <= self.delivered | self.too_slow | self.gone | set(self.failed)
 
     def went_offline(self, device: str) -> None:
-        if device in self.selected and device not in self.updates:
+        if device in self.selected and device not in self.delivered:
             self.gone.add(device)
 
     def failed_with(self, device: str, error: str) -> None:
-        if device in self.selected and device not in self.updates:
+        if device in self.selected and device not in self.delivered:
             self.failed[device] = error
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
 
-    def accepted(self) -> list[Update]:
-        """The accepted updates in device order, not arrival order: floating-point sums depend on their order, so
-        the same updates arriving in another order would aggregate to a (slightly) different model, and two runs
-        of one configuration would drift apart over the rounds."""
-        return [self.updates[device] for device in sorted(self.updates)]
-
     def missing(self) -> list[str]:
-        return [d for d in self.selected if d not in self.updates]
+        return [d for d in self.selected if d not in self.delivered]
 
     def _too_slow(self, update: Update) -> bool:
         limit = self.virtual_deadline_s
         return limit is not None and update.metrics.get("device_seconds", 0.0) > limit
 
     def offer(self, update: Update, counts: Counter[str]) -> str | None:
-        """Accept an update for this round; otherwise return why not (and count it under that reason)."""
+        """Accept an update for this round (the caller passes it on to the round's aggregation); otherwise return
+        why not (and count it under that reason)."""
         reason = None
         if update.round < self.number:
             reason = "late"
@@ -89,7 +87,7 @@ class OpenRound:
             reason = "wrong-round"
         elif update.device not in self.selected:
             reason = "not-selected"
-        elif update.device in self.updates:
+        elif update.device in self.delivered:
             reason = "duplicate"
         elif update.task != self.task:
             reason = "wrong-task"
@@ -97,7 +95,7 @@ class OpenRound:
             reason = "late"
             self.too_slow.add(update.device)
         if reason is None:
-            self.updates[update.device] = update
+            self.delivered.add(update.device)
             self.gone.discard(update.device)  # it came back in time after all
         else:
             counts[reason] += 1

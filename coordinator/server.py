@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from coordinator.aggregation import RoundAggregate
 from coordinator.checkpoint import (
     RunState,
     generation_dir,
@@ -47,7 +48,6 @@ from coordinator.checkpoint import (
     prune_generations,
     save_run_state,
 )
-from coordinator.compute import as_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.inbox import UNEXPECTED, Inbox, Registration, Request, Status, Update
@@ -118,9 +118,10 @@ class Coordinator:
         self.registered: dict[str, Registration] = {}
         self.online: set[str] = set()
         self.open_round: OpenRound | None = None
-        # valid updates for the next round that came while none was open (e.g. after a failed attempt's close):
-        # a device that re-sends the same update is deduplicated by the wire layer, so they are kept here
-        self._kept: dict[str, Update] = {}
+        # between two attempts of a round (one missed its quorum): the last one, which still takes the updates
+        # that answer it, and the round's aggregation, which both attempts feed
+        self._last_attempt: OpenRound | None = None
+        self._aggregate: RoundAggregate | None = None
         self._weights_chunks: list[bytes] = []
         self._first_round = True
         self.outcome = "running"
@@ -187,13 +188,21 @@ class Coordinator:
 
     def run_round(self) -> None:
         number, task = self.state.round + 1, self.state.task
+        self._aggregate = aggregate = RoundAggregate(
+            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20)
+        try:
+            self._run_attempts(number, task, aggregate)
+        finally:
+            self._aggregate = self._last_attempt = None
+
+    def _run_attempts(self, number: int, task: int, aggregate: RoundAggregate) -> None:
         for attempt in range(1, self.config.max_attempts + 1):
             selected = select(self._wait_for_devices(), self.config.fraction, self.config.min_clients, self.rng)
-            collected = self._open(number, task, selected)
+            collected = self._open(number, task, selected, self._last_attempt)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())
             missing = [d for d in collected.missing() if d not in collected.failed]
-            self.open_round = None
+            self.open_round, self._last_attempt = None, collected
             self.inbox.drop_partial_updates(before_round=number + 1)
             if collected.failed:
                 log.warning("round %d closed without %s (cannot train: see device_errors)", number,
@@ -201,17 +210,15 @@ class Coordinator:
             if missing:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
-            if len(collected.updates) >= self.config.min_clients:
-                self._kept.clear()
-                self._close(collected)
+            if len(collected.delivered) >= self.config.min_clients:
+                self._close(collected, aggregate)
                 return
-            self._kept.update(collected.updates)  # still valid for the next attempt: same round, same weights
             if attempt == self.config.max_attempts:
                 break
             self.counters["round-retried"] += 1
             backoff = min(self.config.retry_backoff_s * 2 ** (attempt - 1), self.config.wait_for_devices_s)
             log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again after up to %.0f s for "
-                        "%s to come back", number, attempt, len(collected.updates), self.config.min_clients,
+                        "%s to come back", number, attempt, len(collected.delivered), self.config.min_clients,
                         backoff, ", ".join(missing) or "devices")
             self._await_return(missing, backoff)
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
@@ -229,7 +236,9 @@ class Coordinator:
                  self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
         self._finish_round(accuracies, task_done=True)
 
-    def _open(self, number: int, task: int, selected: list[str]) -> OpenRound:
+    def _open(self, number: int, task: int, selected: list[str], earlier: OpenRound | None) -> OpenRound:
+        """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
+        attempt, whose deliveries count in this one."""
         encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
                                    version=self.state.round)
         self._weights_chunks = encoded.chunks
@@ -239,11 +248,10 @@ class Coordinator:
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
-        for device in selected:
-            if device in self._kept:
-                opened.offer(self._kept.pop(device), self.counters)
-            else:
-                self._send_round(device)
+        if earlier is not None:
+            opened.delivered |= earlier.delivered
+        for device in opened.missing():
+            self._send_round(device)
         return opened
 
     def _send_round(self, device: str, with_weights: bool = False) -> None:
@@ -281,12 +289,9 @@ class Coordinator:
             named[PERSONAL] = bytes(wire.weights_bytes(self.personalized[device]))
         return named
 
-    def _close(self, collected: OpenRound) -> None:
-        updates = self.config.guard.apply(
-            self.state.weights, [_for_strategy(u) for u in collected.accepted()], self.counters)
-        started = time.perf_counter()
-        result = self.strategy.aggregate(as_tensor(self.state.weights, self.strategy.device), updates)
-        aggregate_s = time.perf_counter() - started
+    def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:
+        result = aggregate.close()
+        used = aggregate.used
         state = self.state
         weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
         policy = self.config.checkpoint
@@ -310,14 +315,14 @@ class Coordinator:
         state.round_in_task += 1
         state.history.append({
             "round": collected.number, "task": collected.task, "selected": collected.selected,
-            "received": sorted(collected.updates), "samples": sum(u.num_samples for u in updates),
-            "accuracy": accuracies, "aggregate_s": aggregate_s,
-            "metrics": {u.device: dict(u.metrics) for u in updates},
+            "received": sorted(collected.delivered), "samples": sum(u.num_samples for u in used),
+            "accuracy": accuracies, "aggregate_s": aggregate.seconds,
+            "metrics": {u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
             **({"rule_metrics": result.metrics} if result.metrics else {}),
             **({"refused": refused} if refused else {}),
             **self._client_evaluation(collected.task),
         })
-        log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(updates),
+        log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
                  collected.task, " ".join(f"{a:.3f}" for a in accuracies))
         self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
 
@@ -469,17 +474,16 @@ class Coordinator:
             self.inbox.reject(UNEXPECTED, f"update of {update.device} for round {update.round}: "
                                           f"{type(err).__name__}: {err!s:.200}")
             return
-        current = self.open_round
-        if current is None:
-            if update.round == self.state.round + 1:
-                self._kept[update.device] = update  # for the coming round (its model is checked then)
-                return
+        current = self.open_round or self._last_attempt  # between attempts, the last one still takes its answers
+        if current is None or self._aggregate is None:
             self.counters["late" if update.round <= self.state.round else "wrong-round"] += 1
             log.warning("update of %s for round %d arrived between rounds: dropped", update.device, update.round)
             return
         reason = current.offer(update, self.counters)
         if reason is not None:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
+            return
+        self._aggregate.add(_for_strategy(update))
 
     def _on_request(self, request: Request) -> None:
         """Answer with the named payloads the rule can give (an empty answer otherwise)."""

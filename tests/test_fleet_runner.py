@@ -118,12 +118,16 @@ def descendants(pid: int) -> list[int]:
 
 def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resumes(tmp_path):
     path = tmp_path / "fleet.toml"
-    path.write_text(FLEET.format(broker="auto").replace("n_tasks = 3", "n_tasks = 4"))
+    # 20 rounds: each run is stopped 2 rounds after it started (or resumed), and a round can be done in 50 ms, so
+    # a run may get a few more done before its signal lands
+    path.write_text(FLEET.format(broker="auto").replace("n_tasks = 3", "n_tasks = 4")
+                    .replace("rounds_per_task = 2", "rounds_per_task = 5"))
     out, log = tmp_path / "run", tmp_path / "fleet.log"
     disks = [out / "devices" / f"dev-{i:03d}" for i in range(4)]
-    for sig, after in ((signal.SIGTERM, 2), (signal.SIGHUP, 4), (signal.SIGKILL, 6)):
-        proc = fleet(path, *(["--resume"] if after > 2 else []))
-        wait_rounds(proc, out, after, log)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
+        resumed = rounds_done(out)
+        proc = fleet(path, *(["--resume"] if resumed else []))
+        wait_rounds(proc, out, resumed + 2, log)  # new rounds: its workers and broker are up
         spawned = descendants(proc.pid)  # workers, the broker, multiprocessing's helper
         assert len(spawned) >= 3
         mounted = [os.path.ismount(d) for d in disks]
@@ -140,8 +144,8 @@ def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resume
 
     assert fleet(path, "--resume").wait(180) == 0, log.read_text()[-3000:]
     final = json.loads((out / "results.json").read_text())
-    assert final["outcome"] == "complete" and final["rounds_completed"] == 8
-    assert [r["round"] for r in final["history"]] == list(range(1, 9))
+    assert final["outcome"] == "complete" and final["rounds_completed"] == 20
+    assert [r["round"] for r in final["history"]] == list(range(1, 21))
     assert not any(os.path.ismount(d) for d in disks)
     assert "stopped (SIGTERM)" in log.read_text() and "stopped (SIGHUP)" in log.read_text()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.config import CoordinatorConfig
-from coordinator.guard import UpdateBounds, norm_scales, sample_caps
+from coordinator.guard import UpdateBounds
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import sorted_mean
@@ -68,24 +68,28 @@ def test_devices_without_data_do_not_set_the_bounds_to_zero():
     assert not counters
     assert [u.num_samples for u in out] == counts
     np.testing.assert_array_equal(np.stack([u.weights for u in out]), deltas.astype(np.float32))
-    assert sample_caps([0, 0, 0], 0, 10.0) == [0, 0, 0]  # nothing carries anything: no bound to take
-    assert norm_scales(np.zeros(3), 3.0).tolist() == [1.0, 1.0, 1.0]
+    nothing = UpdateBounds().apply(g, updates_of(np.zeros((3, 3)), [0, 0, 0]), counters)  # no bound to take
+    assert [u.num_samples for u in nothing] == [0, 0, 0] and not counters
     deltas[0] *= 100  # a boosted update among them is still clipped, to 3x the typical distance of the others
     out = UpdateBounds().apply(g, updates_of(deltas, counts), counters)
     bound = 3.0 * float(np.median(np.linalg.norm(deltas[:3], axis=1)))
     assert counters["clipped"] == 1 and np.isclose(np.linalg.norm(out[0].weights), bound, rtol=1e-5)
 
 
-def test_norm_scales_clip_exactly_to_the_bound_beyond_the_median():
-    d = np.array([1.0, 2.0, 3.0, 30.0, 0.0])
-    s = norm_scales(d, 3.0)  # the median of the updates that moved is 2.5 (the unmoved one has no say): bound 7.5
-    np.testing.assert_allclose(s, [1, 1, 1, 0.25, 1])
+def test_norms_are_clipped_exactly_to_the_bound_beyond_the_median():
+    g = np.zeros(1, np.float32)
+    d = np.array([[1.0], [2.0], [3.0], [30.0], [0.0]])
+    out = UpdateBounds().apply(g, updates_of(d), Counter())
+    # the median of the updates that moved is 2.5 (the unmoved one has no say): bound 7.5
+    np.testing.assert_allclose([u.weights[0] for u in out], [1, 2, 3, 7.5, 0])
 
 
-def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median():
-    assert sample_caps([10, 20, 30, 10**9], 0, 10.0) == [10, 20, 30, 250]
-    assert sample_caps([10, 20, 30, 10**9], 25, 0.0) == [10, 20, 25, 25]
-    assert sample_caps([10, 20, 10**9], 0, 0.0) == [10, 20, 10**9]
+@pytest.mark.parametrize("max_samples, factor, expected", [
+    (0, 10.0, [10, 20, 30, 250]), (25, 0.0, [10, 20, 25, 25]), (0, 0.0, [10, 20, 30, 10**9])])
+def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median(max_samples, factor, expected):
+    bounds = UpdateBounds(norm_bound="off", max_samples=max_samples, sample_factor=factor)
+    out = bounds.apply(np.zeros(1, np.float32), updates_of(np.zeros((4, 1)), [10, 20, 30, 10**9]), Counter())
+    assert [u.num_samples for u in out] == expected
 
 
 @pytest.mark.parametrize("mode", ["clip", "reject", "off"])

@@ -12,10 +12,10 @@ from coordinator.strategies.base import (
     STRATEGIES,
     AggregateResult,
     ClientUpdate,
+    Fold,
     RefusedUpdate,
     Strategy,
     validate_updates,
-    weighted_mean,
 )
 from edgefil.registry import import_submodules
 from edgefil.settings import Where, check_options
@@ -46,5 +46,5 @@ def make_strategy(
     return STRATEGIES.get(name)(device=device, manifest=manifest, **options)
 
 
-__all__ = ["AggregateResult", "ClientUpdate", "RefusedUpdate", "Strategy", "make_strategy", "strategy_names",
-           "validate_updates", "weighted_mean"]
+__all__ = ["AggregateResult", "ClientUpdate", "Fold", "RefusedUpdate", "Strategy", "make_strategy",
+           "strategy_names", "validate_updates"]

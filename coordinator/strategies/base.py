@@ -5,6 +5,11 @@ model (`aggregate`) and may add per-device instructions to the round-start messa
 mu). Weights are one flat float32 buffer per model in manifest order, as the devices send them; aggregation runs
 in torch on the strategy's device (cuda when present).
 
+A rule whose result is a running sum of the updates says so by returning a `Fold` from `fold`: the coordinator
+then adds each update as it arrives and lets it go, so a round costs the memory of one model whatever the number
+of devices. A rule that needs every update at once (a coordinate-wise rule, a personalized rule) returns None,
+the default: the coordinator holds the round's updates, up to a configured maximum, and calls `aggregate`.
+
 Methods that reach further plug in through the same interface, and the coordinator never names them:
 - an update's raw attachments (named byte strings from the device's policy) reach `inspect` when the update
   arrives (refuse it with `RefusedUpdate`) and `aggregate` with the round;
@@ -28,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from coordinator.compute import as_tensor, resolve_device
+from coordinator.compute import resolve_device
 from edgefil.registry import Registry
 from models.manifest import Manifest
 
@@ -96,52 +101,79 @@ class Strategy(ABC):
         """Per-device instructions added to each round-start message (e.g. {"mu": 0.01}); default: {} for each."""
         return {device: {} for device in devices}
 
+    def fold(self, global_weights: torch.Tensor) -> Fold | None:
+        """A running aggregate for one round, to which updates are added as they arrive; None (the default): the
+        rule needs the whole round at once, in `aggregate`."""
+        return None
+
     @abstractmethod
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
         """The next global model (on self.device) from this round's updates; implementations call
         validate_updates first."""
 
 
-def validate_updates(global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> None:
-    """Refuse a round no rule can aggregate: no updates, a weight buffer of the wrong dtype or length (or not
-    contiguous), a negative sample count, or one device reporting twice. Checks metadata only, never the weights."""
+class Fold(ABC):
+    """One round of a rule that aggregates as updates arrive: `add` each update (it is not kept), then `result`."""
+
+    def __init__(self, global_weights: torch.Tensor) -> None:
+        check_global(global_weights)
+        self.size = global_weights.numel()
+        self.seen: set[str] = set()
+
+    def add(self, update: ClientUpdate) -> None:
+        """Take one update into the running aggregate (checked first, as validate_updates checks a round)."""
+        check_update(self.size, update, self.seen)
+        self.seen.add(update.device)
+        self._add(update)
+
+    def result(self) -> AggregateResult:
+        if not self.seen:
+            raise ValueError("no updates to aggregate")
+        return self._result()
+
+    @abstractmethod
+    def _add(self, update: ClientUpdate) -> None: ...
+
+    @abstractmethod
+    def _result(self) -> AggregateResult: ...
+
+
+def check_global(global_weights: torch.Tensor) -> None:
     if global_weights.ndim != 1 or global_weights.dtype != torch.float32:
         raise ValueError(f"global weights must be a flat float32 tensor, got shape {tuple(global_weights.shape)} "
                          f"and dtype {global_weights.dtype}")
+
+
+def check_update(size: int, update: ClientUpdate, seen: set[str]) -> None:
+    """Refuse an update no rule can use: a weight buffer of the wrong dtype or length (or not contiguous), a
+    negative sample count, or a device already heard this round (`seen`). Checks metadata only, never the weights."""
+    w = update.weights
+    if w.ndim != 1 or w.dtype != np.float32 or w.size != size or not w.flags.c_contiguous:
+        raise ValueError(f"update from {update.device!r}: expected {size} contiguous float32 weights, got shape "
+                         f"{w.shape}, dtype {w.dtype}, strides {w.strides}")
+    if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, (int, np.integer)) \
+            or update.num_samples < 0:
+        raise ValueError(f"update from {update.device!r}: num_samples must be an int >= 0, "
+                         f"got {update.num_samples!r}")
+    if update.device in seen:
+        raise ValueError(f"device {update.device!r} sent more than one update this round")
+
+
+def validate_updates(global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> None:
+    """Refuse a round no rule can aggregate: no updates, or an update `check_update` refuses."""
+    check_global(global_weights)
     if not updates:
         raise ValueError("no updates to aggregate")
-    size = global_weights.numel()
     seen: set[str] = set()
     for update in updates:
-        w = update.weights
-        if w.ndim != 1 or w.dtype != np.float32 or w.size != size or not w.flags.c_contiguous:
-            raise ValueError(f"update from {update.device!r}: expected {size} contiguous float32 weights, got shape "
-                             f"{w.shape}, dtype {w.dtype}, strides {w.strides}")
-        if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, (int, np.integer)) \
-                or update.num_samples < 0:
-            raise ValueError(f"update from {update.device!r}: num_samples must be an int >= 0, "
-                             f"got {update.num_samples!r}")
-        if update.device in seen:
-            raise ValueError(f"device {update.device!r} sent more than one update this round")
+        check_update(global_weights.numel(), update, seen)
         seen.add(update.device)
 
 
-def weighted_mean(updates: Sequence[np.ndarray], coefficients: Sequence[float], device: torch.device) -> torch.Tensor:
-    """sum_k c_k * u_k as a new float32 tensor on `device` (never a view of an update, even for one update); the
-    caller normalises the coefficients.
-
-    Updates are folded one at a time into a single accumulator, so memory stays at one model whatever the number of
-    clients, and on the CPU every update is read once, in place (no stacking, no copy). On a GPU each update is
-    copied to the device once, just before it is folded.
-    """
-    if not updates or len(updates) != len(coefficients):
-        raise ValueError(f"need one coefficient per update and at least one update, got {len(updates)} updates "
-                         f"and {len(coefficients)} coefficients")
-    size = updates[0].size
-    if any(u.size != size for u in updates):
-        raise ValueError("updates differ in length")
-    acc = torch.empty(size, dtype=torch.float32, device=device)
-    torch.mul(as_tensor(updates[0], device), float(coefficients[0]), out=acc)
-    for update, c in zip(updates[1:], coefficients[1:]):
-        acc.add_(as_tensor(update, device), alpha=float(c))
-    return acc
+def aggregate_by_folding(fold: Fold, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    """A folding rule's whole-round `aggregate`: the same arithmetic as the coordinator's streaming path."""
+    if not updates:
+        raise ValueError("no updates to aggregate")
+    for update in updates:
+        fold.add(update)
+    return fold.result()

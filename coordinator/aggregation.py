@@ -1,0 +1,108 @@
+"""A round's aggregation: where the accepted updates of one round go, and what memory they hold.
+
+A rule that folds (`Strategy.fold`: FedAvg, FedProx) gets each update as it arrives, through the guard's stream
+(`coordinator.guard.BoundedStream`), and the update is let go: the round holds the rule's running sum and the
+guard's first `hold` updates, whatever the number of devices. A rule that needs every update at once (median,
+trimmed mean, pFedGRP) holds them until the round closes; then the guard bounds them together and the rule
+aggregates them. It holds at most `max_held_mib` (the coordinator file) of update bytes per round: an update beyond
+that is refused, counted as `held-limit` and logged, rather than let the coordinator's memory grow with the fleet
+(the first update of a round is always taken).
+
+Updates that arrive in the later attempt of a round that missed its quorum go into the same aggregation: they
+answer the same global model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.compute import as_tensor
+from coordinator.guard import UpdateBounds
+from coordinator.strategies import AggregateResult, ClientUpdate, Fold, Strategy
+
+log = logging.getLogger("edgefil.coordinator")
+
+
+@dataclass(frozen=True)
+class Used:
+    """What the round's history keeps of an update the rule used (after the bounds): not its weights."""
+
+    device: str
+    num_samples: int
+    metrics: Mapping[str, float]
+
+
+def update_bytes(update: ClientUpdate) -> int:
+    return int(update.weights.nbytes) + sum(len(data) for data in update.attachments.values())
+
+
+class RoundAggregate:
+    """One round's updates on their way into the rule: `add` each accepted update, `close` once for the result."""
+
+    def __init__(self, strategy: Strategy, bounds: UpdateBounds, global_weights: np.ndarray,
+                 counters: Counter[str], max_held_bytes: int) -> None:
+        self.strategy = strategy
+        self.bounds = bounds
+        self.global_weights = global_weights
+        self.counters = counters
+        self.max_held_bytes = max_held_bytes
+        self.used: list[Used] = []
+        self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
+        self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
+        self._stream = None if fold is None else bounds.stream(global_weights, self._folding_into(fold), counters)
+        self._held: list[ClientUpdate] = []
+        self._held_bytes = 0
+
+    @property
+    def folds(self) -> bool:
+        return self._fold is not None
+
+    def add(self, update: ClientUpdate) -> None:
+        started = time.perf_counter()
+        try:
+            if self._stream is not None:
+                self._stream.add(update)
+            else:
+                self._hold(update)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def close(self) -> AggregateResult:
+        """The rule's result for the round (ValueError when no update was used)."""
+        started = time.perf_counter()
+        try:
+            if self._stream is not None and self._fold is not None:
+                self._stream.close()
+                return self._fold.result()
+            bounded = self.bounds.apply(self.global_weights, self._held, self.counters)
+            self._held, self._held_bytes = [], 0
+            self.used = [_used(update) for update in bounded]
+            return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _folding_into(self, fold: Fold) -> Callable[[ClientUpdate], None]:
+        def take(update: ClientUpdate) -> None:
+            fold.add(update)
+            self.used.append(_used(update))
+        return take
+
+    def _hold(self, update: ClientUpdate) -> None:
+        size = update_bytes(update)
+        if self._held and self._held_bytes + size > self.max_held_bytes:
+            self.counters["held-limit"] += 1
+            log.warning("update of %s refused: the %s rule holds every update of a round and %d of them (%.0f MiB) "
+                        "reach max_held_mib", update.device, self.strategy.name, len(self._held),
+                        self._held_bytes / 2**20)
+            return
+        self._held.append(update)
+        self._held_bytes += size
+
+
+def _used(update: ClientUpdate) -> Used:
+    return Used(update.device, update.num_samples, dict(update.metrics))
