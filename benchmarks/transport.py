@@ -12,7 +12,10 @@ wire.encode_blob and published on its update topic. The clock runs from encoding
 reassembled, validated by the Inbox and accepted by the OpenRound. New weights every round.
 
 mosquitto clients: downlink = one mosquitto_pub to N mosquitto_sub; then uplink = N concurrent mosquitto_pub to
-one mosquitto_sub. Every sender sends the model as the same number of equal-sized messages as edgefil's chunks:
+one mosquitto_sub. The broker makes every client's id its username, so each client has its own account, with the
+rights its side has in a fleet: the downlink sender is the coordinator's account (the coordinator's Link is
+disconnected while the clients run), the uplink senders are device accounts writing their own update topics, the
+receivers are observers (read-only). Every sender sends the model as the same number of equal-sized messages as edgefil's chunks:
 one `mosquitto_pub -f <chunk file> --repeat <chunks> --repeat-delay 0.002` (mosquitto_pub has no way to send
 several files in one connection; --repeat waits for each PUBACK, then the delay; with a delay under 2 ms its
 loop polls with a zero timeout and spins a core, which on a small machine slows everything else). QoS 1 both
@@ -93,7 +96,8 @@ def device_worker(device_id: str, host: str, port: int, max_parameters: int) -> 
     try:
         link.start()
         while True:
-            topic, payload = link.get(timeout=None)
+            item = link.get(timeout=None)
+            topic, payload = item.topic, item.payload
             if topic == STOP:
                 break
             if topic == CONNECTED:
@@ -213,12 +217,21 @@ class Coordinator:
     def __init__(self, address, password: str, devices: list[str], workers: list[subprocess.Popen]) -> None:
         self.devices = devices
         self.workers = workers
-        self.link = Link(
-            BrokerSettings(address.host, address.port, username=COORDINATOR, password=password),
-            client_id=COORDINATOR, subscriptions=[f"{topics.prefix(FLEET)}/dev/+/+"],
-        )
-        self.link.start()
+        self.settings = BrokerSettings(address.host, address.port, username=COORDINATOR, password=password)
+        self.link = self.connect()
         self.number = 0
+
+    def connect(self) -> Link:
+        link = Link(self.settings, client_id=COORDINATOR, subscriptions=[f"{topics.prefix(FLEET)}/dev/+/+"])
+        link.start()
+        return link
+
+    def pause(self) -> None:
+        """Disconnect (the clients' run uses the coordinator's account); `resume` connects again."""
+        self.stop()
+
+    def resume(self) -> None:
+        self.link = self.connect()
 
     def _next(self, timeout: float) -> tuple[str, bytes] | None:
         item = self.link.get(timeout=min(timeout, 1.0))
@@ -291,37 +304,58 @@ class Coordinator:
 
 # --- the baseline: mosquitto's own clients ---------------------------------------------------------------------
 
+def uplink_topic(k: int | str) -> str:
+    """Where uplink sender k writes: its account's own update topic ("+": all of them)."""
+    if k == "+":
+        return f"{topics.prefix(FLEET)}/{topics.FROM_DEVICE}/+/update"
+    return topics.from_device(FLEET, uplink_account(int(k)), "update")
+
+
+def uplink_account(k: int) -> str:
+    return f"c{k:03d}"
+
+
+def downlink_account(k: int) -> str:
+    return f"o{k:03d}"
+
+
+UPLINK_READER = "oup"
+
+
 @dataclass(frozen=True)
 class Clients:
-    """mosquitto_pub/sub with their options (host, port, user, password, QoS 1) in $XDG_CONFIG_HOME files, so the
-    password is not on any command line."""
+    """mosquitto_pub/sub with their options (host, port, user, password, QoS 1) in $XDG_CONFIG_HOME files, one
+    per account, so no password is on any command line."""
 
     workdir: Path
-    env: dict[str, str]
+    envs: dict[str, dict[str, str]]  # account -> the environment naming its options file
     pub: str
     sub: str
 
     @classmethod
-    def configure(cls, workdir: Path, address, password: str) -> Clients:
-        config = workdir / "clients"
-        config.mkdir()
-        options = f"-h {address.host}\n-p {address.port}\n-u {COORDINATOR}\n-P {password}\n-q 1\n"
-        for name in ("mosquitto_pub", "mosquitto_sub"):
-            fd = os.open(config / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(options)
+    def configure(cls, workdir: Path, address, passwords: dict[str, str]) -> Clients:
+        envs = {}
+        for account, password in passwords.items():
+            config = workdir / "clients" / account
+            config.mkdir(parents=True)
+            options = f"-h {address.host}\n-p {address.port}\n-u {account}\n-P {password}\n-q 1\n"
+            for name in ("mosquitto_pub", "mosquitto_sub"):
+                fd = os.open(config / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(options)
+            envs[account] = {**os.environ, "XDG_CONFIG_HOME": str(config)}
         pub, sub = shutil.which("mosquitto_pub"), shutil.which("mosquitto_sub")
         if not pub or not sub:
             raise RuntimeError("mosquitto_pub/sub not found (Debian/Ubuntu: apt-get install mosquitto-clients)")
-        return cls(workdir, {**os.environ, "XDG_CONFIG_HOME": str(config)}, pub, sub)
+        return cls(workdir, envs, pub, sub)
 
-    def subscribe(self, topic: str, count: int, name: str) -> subprocess.Popen:
+    def subscribe(self, account: str, topic: str, count: int, name: str) -> subprocess.Popen:
         """A mosquitto_sub that exits after `count` messages, returned once the broker acknowledged its SUBSCRIBE.
         It prints each payload's length instead of the payload (-F %l); -d prints the SUBACK (line-buffered)."""
         log = self.workdir / f"{name}.out"
         with open(log, "wb") as out:
             proc = spawn(["stdbuf", "-oL", self.sub, "-d", "-t", topic, "-C", str(count), "-F", "%l"],
-                         env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                         env=self.envs[account], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10.0
         while b"received SUBACK" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -329,32 +363,33 @@ class Clients:
             time.sleep(0.002)
         return proc
 
-    def publish(self, topic: str, message_file: Path, count: int) -> subprocess.Popen:
+    def publish(self, account: str, topic: str, message_file: Path, count: int) -> subprocess.Popen:
         repeat = ["--repeat", str(count), "--repeat-delay", REPEAT_DELAY_S] if count > 1 else []
-        return spawn([self.pub, "-t", topic, "-f", str(message_file), *repeat], env=self.env,
+        return spawn([self.pub, "-t", topic, "-f", str(message_file), *repeat], env=self.envs[account],
                      stdin=subprocess.DEVNULL)
 
     def startup(self, message_file: Path, senders: int) -> float:
         """The clients' fixed cost: 1 mosquitto_pub, then `senders` concurrent ones, of a 1-byte message to a topic
         nobody reads (process start, connect, authenticate, publish, PUBACK, disconnect), to the last exit."""
-        topic = f"{topics.prefix(FLEET)}/clients/startup"
         started = time.perf_counter()
-        reap(self.publish(topic, message_file, 1), CLIENT_TIMEOUT_S, "mosquitto_pub")
-        for k, proc in enumerate([self.publish(topic, message_file, 1) for _ in range(senders)]):
+        reap(self.publish(COORDINATOR, f"{topics.prefix(FLEET)}/clients/startup", message_file, 1), CLIENT_TIMEOUT_S,
+             "mosquitto_pub")
+        for k, proc in enumerate([self.publish(uplink_account(k), uplink_topic(k), message_file, 1)
+                                  for k in range(senders)]):
             reap(proc, CLIENT_TIMEOUT_S, f"mosquitto_pub {k}")
         return time.perf_counter() - started
 
     def round(self, message_file: Path, count: int, senders: int, meter: CpuMeter) -> tuple[float, Cpu]:
         """Downlink (1 pub -> `senders` subs) then uplink (`senders` pubs -> 1 sub), `count` messages per sender."""
-        down, up = f"{topics.prefix(FLEET)}/clients/down", f"{topics.prefix(FLEET)}/clients/up"
-        down_subs = [self.subscribe(down, count, f"down{k}") for k in range(senders)]
-        up_sub = self.subscribe(up, count * senders, "up")
+        down = f"{topics.prefix(FLEET)}/clients/down"
+        down_subs = [self.subscribe(downlink_account(k), down, count, f"down{k}") for k in range(senders)]
+        up_sub = self.subscribe(UPLINK_READER, uplink_topic("+"), count * senders, "up")
         cpu = meter()
         started = time.perf_counter()
-        down_pub = self.publish(down, message_file, count)
+        down_pub = self.publish(COORDINATOR, down, message_file, count)
         for k, proc in enumerate(down_subs):
             reap(proc, CLIENT_TIMEOUT_S, f"downlink mosquitto_sub {k}")
-        up_pubs = [self.publish(up, message_file, count) for _ in range(senders)]
+        up_pubs = [self.publish(uplink_account(k), uplink_topic(k), message_file, count) for k in range(senders)]
         reap(up_sub, CLIENT_TIMEOUT_S, "uplink mosquitto_sub")
         elapsed = time.perf_counter() - started
         reap(down_pub, CLIENT_TIMEOUT_S, "downlink mosquitto_pub")
@@ -402,14 +437,16 @@ def run(args: argparse.Namespace) -> None:
     sizes = [int(p) for p in args.params.split(",")]
     devices = [f"d{k:03d}" for k in range(args.devices)]
     passwords = {d: generate_password() for d in devices}
+    uplink = {uplink_account(k): generate_password() for k in range(args.devices)}
+    readers = {name: generate_password() for name in [*map(downlink_account, range(args.devices)), UPLINK_READER]}
     coordinator_password = generate_password()
     rng = np.random.default_rng(0)
     workdir = Path(tempfile.mkdtemp(prefix="edgefil-transport-"))
     broker = coordinator = None
     try:
         broker = MosquittoBroker(
-            workdir / "broker", FLEET, passwords, Credentials(COORDINATOR, coordinator_password),
-            max_packet_bytes=max(2 * 1024 * 1024, wire.MAX_MESSAGE_BYTES + 64 * 1024),
+            workdir / "broker", FLEET, {**passwords, **uplink}, Credentials(COORDINATOR, coordinator_password),
+            max_packet_bytes=max(2 * 1024 * 1024, wire.MAX_MESSAGE_BYTES + 64 * 1024), observers=readers,
         )
         broker.start()
         address = broker.address
@@ -422,13 +459,15 @@ def run(args: argparse.Namespace) -> None:
             workers.append(worker)
         coordinator = Coordinator(address, coordinator_password, devices, workers)
         coordinator.wait_registered()
-        clients = Clients.configure(workdir, address, coordinator_password)
+        clients = Clients.configure(workdir, address, {COORDINATOR: coordinator_password, **uplink, **readers})
         # MosquittoBroker keeps its process private; its pid is only read here, for the CPU columns.
         meter = CpuMeter(broker._proc.pid, [w.pid for w in workers])
         tiny = workdir / "tiny.bin"
         tiny.write_bytes(b"\x00")
         coordinator.round(rng.standard_normal(sizes[0], dtype=np.float32), meter)  # warm-up, untimed
+        coordinator.pause()
         clients.startup(tiny, args.devices)
+        coordinator.resume()
 
         n = args.devices
         print(f"Transport overhead of one round: {n} devices, no training, vs mosquitto's own clients, same bytes")
@@ -467,9 +506,11 @@ def run(args: argparse.Namespace) -> None:
             message_bytes = math.ceil(model_bytes / count)  # count equal messages carry the model's bytes
             message.write_bytes(rng.standard_normal(params, dtype=np.float32).tobytes()[:message_bytes])
             startup, baseline = [], []
+            coordinator.pause()
             for _ in range(args.repeats):
                 startup.append(clients.startup(tiny, n))
                 baseline.append(clients.round(message, count, n, meter))
+            coordinator.resume()
             e_best, e_median = spread([t for t, _ in edgefil])
             c_best, c_median = spread([t for t, _ in baseline])
             u_best, u_median = spread(startup)

@@ -88,7 +88,7 @@ class Inbox:
         self._registrations = TokenBuckets(limits.registrations_per_minute)
         self._requests = TokenBuckets(limits.requests_per_minute)
 
-    def accept(self, topic: str, payload: bytes, retained: bool = False) -> Event | None:
+    def accept(self, topic: str, payload: bytes | bytearray | memoryview, retained: bool = False) -> Event | None:
         """The event this message makes, or None (rejected and counted, or a chunk of an unfinished update)."""
         if not payload:
             return None  # a retained message being deleted (MQTT's empty payload), by its device or by us
@@ -114,7 +114,7 @@ class Inbox:
         """Free the chunks of updates for rounds that are closed."""
         return self.reassembler.drop(lambda header: header["round"] < before_round)
 
-    def _accept(self, topic: str, payload: bytes, retained: bool) -> Event | None:
+    def _accept(self, topic: str, payload: bytes | bytearray | memoryview, retained: bool) -> Event | None:
         parsed = topics.parse(self.fleet, topic)
         if parsed is None or parsed.direction != topics.FROM_DEVICE:
             if parsed is not None:

@@ -104,7 +104,7 @@ class Device:
         self.source = source if source is not None else open_source(config.data.folder if config.data else None)
         self.environment = environment if environment is not None else RealEnvironment()
         self.manifest = manifest_digest(config.artifacts)
-        self.models: dict[str, np.ndarray] = {}  # global weight blobs by sha256
+        self.models: dict[str, np.ndarray] = {}  # global weight blobs by id (wire.blob_id)
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * self.num_parameters, max_pending=4)
         self.payload_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
         self.answer_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
@@ -166,7 +166,7 @@ class Device:
             self.link.start()  # the CONNECTED marker makes the device announce itself again
             log.info("%s is back online", self.id)
 
-    def handle(self, topic: str, payload: bytes) -> None:
+    def handle(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
         if topic == CONNECTED:
             self._announce()
             return

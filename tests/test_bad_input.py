@@ -3,7 +3,6 @@
 malformed message many times; each is rejected, counted under its reason, and the run completes as usual."""
 from __future__ import annotations
 
-import hashlib
 import time
 
 import msgpack
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 from fleet_harness import Fleet
 from mqtt_helpers import Peer
+from wire_frames import pack
 
 from coordinator import inbox
 from coordinator.broker import mosquitto_path
@@ -31,10 +31,10 @@ def update_chunks(weights: np.ndarray, device: str = ROGUE, round_: int = 1, **f
 def raw_chunk(**overrides) -> bytes:
     """A chunk message built by hand, to say what the codec itself refuses to write."""
     data = np.zeros(16, dtype="<f8").tobytes()
-    message = dict(v=wire.SCHEMA_VERSION, kind="update", blob=hashlib.sha256(data).hexdigest(), size=len(data),
-                   dtype="<f4", index=0, count=1, offset=0, chunk_sha256=hashlib.sha256(data).digest(), data=data,
+    message = dict(v=wire.SCHEMA_VERSION, kind="update", blob=wire.blob_id(data), size=len(data),
+                   dtype="<f4", index=0, count=1, offset=0, chunk_crc32c=wire.crc32c(data), data=data,
                    device=ROGUE, round=1, task=0, model="0" * 64, num_samples=1, metrics={})
-    return msgpack.packb({**message, **overrides}, use_bin_type=True)
+    return pack({**message, **overrides})
 
 
 def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, list[bytes]]:
@@ -43,7 +43,7 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
     nan = good()
     nan[rng.integers(n_params)] = np.nan
     tampered = wire.decode(update_chunks(good())[0])
-    tampered["data"] = bytes(len(tampered["data"]))  # zeros, keeping the original chunk_sha256
+    tampered["data"] = bytes(len(tampered["data"]))  # zeros, keeping the original chunk_crc32c
     return {
         "malformed": [b"\xc1 not msgpack", b"\x00", msgpack.packb([1, 2, 3])],
         "schema": [msgpack.packb({"v": 99, "kind": "update"})],
@@ -52,7 +52,7 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
         "dtype": [raw_chunk(dtype="<f8")],
         "weights-length": update_chunks(good()[:-1]),
         "weights-nonfinite": update_chunks(nan),
-        "chunk-hash": [msgpack.packb(tampered, use_bin_type=True)],
+        "chunk-hash": [pack(tampered)],
         "oversized": [bytes(wire.MAX_MESSAGE_BYTES + 1)],
         "impersonation": update_chunks(good(), device="dev-1"),
         "wrong-round": update_chunks(good(), round_=10_000),
@@ -179,11 +179,11 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
         assert not rogue.connect().is_failure
         data = bytes(wire.MIN_CHUNK_BYTES)
         for i in range(FLOOD):
-            rogue.publish(topics.from_device(fleet.fleet, ROGUE, "update"), msgpack.packb(dict(
+            rogue.publish(topics.from_device(fleet.fleet, ROGUE, "update"), pack(dict(
                 v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=claimed, dtype=wire.WEIGHTS_DTYPE,
-                index=0, count=claimed // wire.MIN_CHUNK_BYTES, offset=0, chunk_sha256=hashlib.sha256(data).digest(),
+                index=0, count=claimed // wire.MIN_CHUNK_BYTES, offset=0, chunk_crc32c=wire.crc32c(data),
                 data=data, device=ROGUE, round=fleet.rounds_done() + 1, task=0, model="0" * 64, num_samples=1,
-                metrics={}), use_bin_type=True))
+                metrics={})))
         rogue.close()
         fleet.wait_rounds(fleet.rounds_done() + 2, timeout=120)  # later rounds: the flood was taken in
         grown = peak_rss_mb(pid) - before

@@ -67,7 +67,8 @@ def alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     path = tmp_path / "fleet.toml"
-    path.write_text(FLEET.format(broker="embedded"))
+    # 30 rounds: a round can be done in 50 ms, so the run must not end between round 2 and the signal's landing
+    path.write_text(FLEET.format(broker="embedded").replace("rounds_per_task = 2", "rounds_per_task = 10"))
     out = tmp_path / "run"
     proc = fleet(path)
     deadline = time.monotonic() + 120
@@ -86,8 +87,8 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
 
     assert fleet(path, "--resume").wait(180) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
     final = json.loads((out / "results.json").read_text())
-    assert final["rounds_completed"] == 6
-    assert [r["round"] for r in final["history"]] == list(range(1, 7))
+    assert final["rounds_completed"] == 30
+    assert [r["round"] for r in final["history"]] == list(range(1, 31))
     assert final["history"][: len(kept["history"])] == kept["history"]
     assert all(len(r["received"]) == 4 for r in final["history"])
     # emulated (profiles in the fleet file): every update reports its round's time on its device, and a store

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_frames import pack, unpack
 
 from coordinator.inbox import UNEXPECTED, Inbox
 from coordinator.strategies.base import ClientUpdate, RefusedUpdate
@@ -147,7 +148,7 @@ def test_random_msgpack_is_refused_with_a_reason(value, kind, versioned):
 @FUZZ
 @given(st.sampled_from(KINDS), st.data())
 def test_field_mutations_of_valid_messages_are_refused_or_fit_the_schema(kind, data):
-    chunks = [msgpack.unpackb(c, raw=False) for c in VALID[kind]]
+    chunks = [unpack(c) for c in VALID[kind]]
     target = data.draw(st.integers(0, len(chunks) - 1))
     message = chunks[target]
     for _ in range(data.draw(st.integers(1, 3))):
@@ -156,7 +157,7 @@ def test_field_mutations_of_valid_messages_are_refused_or_fit_the_schema(kind, d
             del message[field]
         else:
             message[field] = data.draw(msgpack_values)
-    payloads = [msgpack.packb(c, use_bin_type=True) for c in chunks]
+    payloads = [pack(c) for c in chunks]
     for payload in payloads:
         decode_or_refuse(payload)
     gate = Gate()

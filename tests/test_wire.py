@@ -1,13 +1,14 @@
 """The protocol codec: message schemas, chunked float32 blobs, idempotent reassembly, and every refusal."""
 from __future__ import annotations
 
-import hashlib
-
+import google_crc32c
 import msgpack
 import numpy as np
 import pytest
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_frames import pack, unpack
 
 from edgefil import topics, wire
 
@@ -33,9 +34,11 @@ def test_weights_travel_as_raw_little_endian_float32_in_chunks_under_the_limit()
     decoded = [wire.decode(c) for c in chunks]
     data = b"".join(c["data"] for c in decoded)
     assert data == w.astype("<f4").tobytes()
-    # the id is the sha256 of the chunks' sha256 digests, in order
-    digests = b"".join(hashlib.sha256(c["data"]).digest() for c in decoded)
-    assert decoded[0]["blob"] == encoded.id == hashlib.sha256(digests).hexdigest() == wire.blob_id(data)
+    # the id is the BLAKE3 of the blob's bytes (however it is chunked); each chunk carries its data's CRC32C
+    assert decoded[0]["blob"] == encoded.id == blake3(data).hexdigest() == wire.blob_id(data)
+    assert [c["chunk_crc32c"] for c in decoded] == [google_crc32c.value(bytes(c["data"])) for c in decoded]
+    # a chunk is framed: 0xC1, the length of its fields' msgpack map, the map, then the raw bytes
+    assert all(c[:1] == b"\xc1" and c.endswith(bytes(d["data"])) for c, d in zip(chunks, decoded))
 
 
 @settings(max_examples=40, deadline=None)
@@ -78,7 +81,7 @@ def test_bad_payloads_are_refused_with_a_reason(payload, reason):
 
 def chunk_fields(**overrides) -> bytes:
     message = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(64)), **HEADER).chunks[0])
-    return msgpack.packb({**message, **overrides}, use_bin_type=True)
+    return pack({**message, **overrides})
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -123,7 +126,7 @@ def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_deliver
     # a forged blob whose chunks are each self-consistent but do not hash to the blob id
     forged = [dict(c) for c in chunks]
     forged[-1]["data"] = bytes(len(forged[-1]["data"]))
-    forged[-1]["chunk_sha256"] = hashlib.sha256(forged[-1]["data"]).digest()
+    forged[-1]["chunk_crc32c"] = google_crc32c.value(forged[-1]["data"])
     assert last_chunk_refusal(forged) == "blob-hash"
     # genuine chunks placed so they overlap (a gap elsewhere) do not make the blob either
     shifted = [dict(c) for c in chunks]
@@ -192,7 +195,7 @@ def test_part_way_blobs_cost_the_bytes_that_arrived_and_a_flood_evicts_only_its_
         data = bytes([i]) * wire.MIN_CHUNK_BYTES
         claim = dict(v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=2 * size, dtype=wire.WEIGHTS_DTYPE,
                      index=0, count=2 * size // wire.MIN_CHUNK_BYTES, offset=0,
-                     chunk_sha256=hashlib.sha256(data).digest(), data=data, **HEADER)
+                     chunk_crc32c=google_crc32c.value(data), data=data, **HEADER)
         assert reassembler.add("dev-0", claim) is None
         assert reassembler.pending_bytes("dev-0") <= 2 * wire.MIN_CHUNK_BYTES  # max_pending = 2 blobs of 1 chunk
     assert reassembler.evicted == 38
@@ -201,3 +204,25 @@ def test_part_way_blobs_cost_the_bytes_that_arrived_and_a_flood_evicts_only_its_
     for chunk in honest[1:]:
         blob = reassembler.add("dev-1", chunk)
     assert blob is not None and len(blob.data) == size
+
+
+def test_a_chunk_must_be_framed_and_nothing_else_may_be():
+    chunk = wire.encode_blob("update", wire.weights_bytes(weights(64)), **HEADER).chunks[0]
+    fields = unpack(chunk)
+    cases = {
+        "a chunk as one map": msgpack.packb(fields, use_bin_type=True),
+        "a status framed": pack({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle",
+                                 "round": 3, "data": b"x"}),
+        "a frame longer than its payload": wire.FRAMED + (1 << 20).to_bytes(4, "little") + chunk[5:],
+    }
+    header_length = int.from_bytes(chunk[1:5], "little")
+    with_data = msgpack.packb({**msgpack.unpackb(chunk[5:5 + header_length]), "data": b"x"}, use_bin_type=True)
+    cases["data in the framed fields too"] = (wire.FRAMED + len(with_data).to_bytes(4, "little") + with_data
+                                              + chunk[5 + header_length:])
+    for what, payload in cases.items():
+        with pytest.raises(wire.WireError) as err:
+            wire.decode(payload)
+        assert err.value.reason == "malformed", what
+    # the chunk's data is a view of the payload it arrived in, not a copy
+    decoded = wire.decode(chunk)
+    assert isinstance(decoded["data"], memoryview) and decoded["data"].obj is chunk

@@ -1,0 +1,96 @@
+"""paho without its copies of large messages (edgefil/paho_buffers.py): the replaced PUBLISH decoder agrees with
+paho's own on every packet, well-formed or not; received payloads are views of paho's packet, sent packets are
+queued as views; a model-sized message crosses a real broker intact both ways."""
+from __future__ import annotations
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_link import next_message
+from test_link import settings as broker_settings
+
+from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
+from edgefil import paho_buffers, topics, wire
+from edgefil.link import Link
+
+MQTT311 = mqtt.MQTTv311
+
+
+def publish_packet(topic: bytes, qos: int, mid: int, payload: bytes) -> tuple[int, bytearray]:
+    """A PUBLISH's fixed-header byte and the rest of the packet, as paho reads them (MQTT 3.1.1)."""
+    header = 0x30 | (qos << 1)
+    body = bytearray(len(topic).to_bytes(2, "big") + topic + (mid.to_bytes(2, "big") if qos else b"") + payload)
+    return header, body
+
+
+def decoded(decoder, header: int, packet: bytearray):
+    try:
+        result = decoder(header, packet, MQTT311)
+    except mqtt.MalformedPacket:
+        return "malformed"
+    return result._replace(payload=bytes(result.payload))
+
+
+def test_this_paho_has_the_internals_the_patches_were_written_for():
+    assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.install()
+
+
+@settings(max_examples=300, deadline=None)
+@given(topic=st.binary(max_size=40), qos=st.integers(0, 2), mid=st.integers(0, 65535),
+       payload=st.binary(max_size=200), flags=st.integers(0, 15), cut=st.none() | st.integers(0, 50))
+def test_the_decoder_agrees_with_paho_on_every_packet(topic, qos, mid, payload, flags, cut):
+    header, packet = publish_packet(topic, qos, mid, payload)
+    header |= flags & 0x09  # dup and retain bits
+    if cut is not None:
+        del packet[cut:]  # truncated: both must refuse it (or both read the same shorter message)
+    ours = decoded(paho_buffers.decode_publish, header, bytearray(packet))
+    assert ours == decoded(paho_buffers._original_decode_publish, header, bytearray(packet))
+
+
+def test_a_received_payload_is_a_view_of_the_packet_and_a_queued_packet_a_view():
+    header, packet = publish_packet(b"a/b", 1, 7, b"x" * 1000)
+    result = paho_buffers.decode_publish(header, packet, MQTT311)
+    assert isinstance(result.payload, memoryview) and result.payload.obj is packet and result.payload.readonly
+    client = paho_buffers.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t", protocol=MQTT311)
+    client._packet_queue(0x30, bytearray(b"packet"), 1, 1)
+    assert isinstance(client._out_packet[0]["packet"], memoryview)
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path):
+    weights = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)  # 12 MB: 13 chunks
+    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    with broker:
+        coordinator = Link(broker_settings(broker, "coordinator", "pw-c"), "c",
+                           subscriptions=[f"{topics.prefix('lab')}/dev/+/+"])
+        device = Link(broker_settings(broker, "dev-a", "pw-a"), "dev-a",
+                      subscriptions=topics.device_subscriptions("lab", "dev-a"))
+        coordinator.start()
+        device.start()
+        try:
+            down = wire.encode_blob("weights", wire.weights_bytes(weights), round=1, version=0)
+            for chunk in down.chunks:
+                coordinator.publish(topics.to_all("lab", "weights"), chunk)
+            reassembler = wire.Reassembler(max_blob_bytes=weights.nbytes)
+            blob = None
+            while blob is None:
+                _, payload = next_message(device)
+                assert isinstance(payload, memoryview)
+                blob = reassembler.add("coordinator", wire.decode(payload))
+            received = blob.weights(weights.size)
+            np.testing.assert_array_equal(received, weights)
+            up = wire.encode_blob("update", wire.weights_bytes(received), device="dev-a", round=1, task=0,
+                                  model=down.id, num_samples=1, metrics={})
+            for chunk in up.chunks:
+                device.publish(topics.from_device("lab", "dev-a", "update"), chunk)
+            reassembler, blob = wire.Reassembler(max_blob_bytes=weights.nbytes), None
+            while blob is None:
+                _, payload = next_message(coordinator)
+                blob = reassembler.add("dev-a", wire.decode(payload))
+            assert blob.id == down.id == up.id
+            np.testing.assert_array_equal(blob.weights(weights.size), weights)
+        finally:
+            device.stop()
+            coordinator.stop()
