@@ -272,12 +272,12 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
                 available = self._available()
             return available
 
-        def _open(self, number: int, task: int, selected: list[str]):  # noqa: ANN202
+        def _open(self, number: int, task: int, selected: list[str], earlier):  # noqa: ANN001, ANN202
             previous = probe.rounds.get(number)
             current = probe.rounds[number] = Round(number, len(selected), opened=time.time(), cpu=probe.cpu())
             if previous is not None:
                 current.attempts = previous.attempts + 1
-            opened = super()._open(number, task, selected)
+            opened = super()._open(number, task, selected, earlier)
             current.sent = time.time()
             return opened
 
@@ -286,10 +286,10 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             if self.open_round is not None and self.open_round.complete:
                 probe.rounds[self.open_round.number].last_update = time.time()
 
-        def _close(self, collected) -> None:  # noqa: ANN001
+        def _close(self, collected, aggregate) -> None:  # noqa: ANN001
             current = probe.rounds[collected.number]
             current.close_start = time.time()
-            super()._close(collected)
+            super()._close(collected, aggregate)
             current.closed = time.time()
             current.cpu = {k: v - current.cpu[k] for k, v in probe.cpu().items()}
 
