@@ -37,7 +37,7 @@ class Used:
     metrics: Mapping[str, float]
 
 
-def update_bytes(update: ClientUpdate) -> int:
+def _update_bytes(update: ClientUpdate) -> int:
     return int(update.weights.nbytes) + sum(len(data) for data in update.attachments.values())
 
 
@@ -93,7 +93,7 @@ class RoundAggregate:
         return take
 
     def _hold(self, update: ClientUpdate) -> None:
-        size = update_bytes(update)
+        size = _update_bytes(update)
         if self._held and self._held_bytes + size > self.max_held_bytes:
             self.counters["held-limit"] += 1
             log.warning("update of %s refused: the %s rule holds every update of a round and %d of them (%.0f MiB) "

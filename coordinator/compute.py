@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -47,6 +48,15 @@ def as_tensor(weights: np.ndarray, device: torch.device) -> torch.Tensor:
 BLOCK = 1 << 16  # float32 values widened at a time on the CPU: 512 KiB of float64, cache-sized
 
 
+def float64_blocks(size: int) -> Iterator[tuple[slice, np.ndarray]]:
+    """The CPU's way through a model in float64: BLOCK values at a time, each with the same small float64 buffer
+    to widen them into (so no model-sized float64 copy is ever made)."""
+    buffer = np.empty(min(BLOCK, size), dtype=np.float64)
+    for start in range(0, size, BLOCK):
+        stop = min(start + BLOCK, size)
+        yield slice(start, stop), buffer[: stop - start]
+
+
 class RunningSum:
     """sum_k c_k w_k over float32 updates, in one float64 total on `device`: the arithmetic of a rule that folds.
 
@@ -72,12 +82,9 @@ class RunningSum:
             self._staging.add(self.total, weights, coefficient)
             return
         out = self.total.numpy()
-        buffer = np.empty(min(BLOCK, weights.size), dtype=np.float64)
-        for start in range(0, weights.size, BLOCK):
-            stop = min(start + BLOCK, weights.size)
-            wide = buffer[: stop - start]
-            np.multiply(weights[start:stop], coefficient, out=wide, dtype=np.float64)
-            np.add(out[start:stop], wide, out=out[start:stop])
+        for block, wide in float64_blocks(weights.size):
+            np.multiply(weights[block], coefficient, out=wide, dtype=np.float64)
+            np.add(out[block], wide, out=out[block])
 
     def clear(self) -> None:
         self.total.zero_()

@@ -25,8 +25,6 @@ import paho.mqtt.client as mqtt
 from edgefil import paho_buffers
 from edgefil.netloop import TCP_CONNECT_TIMEOUT_S, NetworkLoop
 
-paho_buffers.install()
-
 QOS = 1
 CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
 
@@ -145,6 +143,7 @@ class Link:
         self._connected = threading.Event()
         self._refused: str | None = None
         self._decided = threading.Event()
+        paho_buffers.install()  # idempotent: received payloads are views of paho's packets from here on
         client = paho_buffers.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311
         )

@@ -6,9 +6,8 @@ little-endian), that map, then the chunk's raw bytes. Weights travel as raw litt
 from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload, each chunk carrying its
 own CRC32C and the blob's id, the BLAKE3 hash of the whole blob. Framing lets a receiver read the chunk's bytes
 where they arrived (a memoryview of the payload) until the blob is joined, the one copy it makes; inside a msgpack
-map they were copied out of the payload first. `Reassembler` puts blobs
-back together idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and
-verified.
+map they were copied out of the payload first. `Reassembler` puts blobs back together idempotently: duplicate or
+reordered chunks are harmless, and a blob is delivered once, whole and verified.
 
 The checks run at memory speed, because every byte of every model crosses them on both sides each round: a chunk's
 CRC32C (hardware instructions on x86-64 and ARMv8: 16 GB/s here) catches a damaged chunk as it arrives, and the
@@ -71,7 +70,7 @@ _CHUNK_FIELDS: Mapping[str, type | tuple[type, ...]] = {
     "count": int,
     "offset": int,  # where this chunk's data goes in the blob
     "chunk_crc32c": int,  # CRC32C (Castagnoli) of this chunk's data
-    "data": (bytes, memoryview),  # a sender may pass a view of its buffer; a receiver always gets bytes
+    "data": (bytes, memoryview),  # a view of the sender's buffer, and of the payload where it arrived
 }
 SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     # device -> coordinator
