@@ -56,6 +56,7 @@ from coordinator.rounds import OpenRound, select
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy
 from edgefil import topics, wire
 from edgefil.durable import write_atomically
+from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, Link
 from edgefil.metrics import (
     accuracy_matrix,
@@ -228,13 +229,14 @@ class Coordinator:
         """A task past `train_tasks` (the Fixed baseline): no round, the unchanged model is evaluated on it."""
         state, task = self.state, self.state.task
         accuracies = self.evaluator.accuracies(state.weights, task)
-        state.history.append({
-            "round": state.round, "task": task, "selected": [], "received": [], "samples": 0,
-            "accuracy": accuracies, "aggregate_s": 0.0, "metrics": {}, "trained": False,
-        })
-        log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s", task,
-                 self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
-        self._finish_round(accuracies, task_done=True)
+        with uninterrupted():
+            state.history.append({
+                "round": state.round, "task": task, "selected": [], "received": [], "samples": 0,
+                "accuracy": accuracies, "aggregate_s": 0.0, "metrics": {}, "trained": False,
+            })
+            log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s", task,
+                     self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
+            self._finish_round(accuracies, task_done=True)
 
     def _open(self, number: int, task: int, selected: list[str], earlier: OpenRound | None) -> OpenRound:
         """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
@@ -300,31 +302,33 @@ class Coordinator:
             accuracies = self.evaluator.accuracies(weights, collected.task)
             if policy.collapsed(accuracies[collected.task], state.best_accuracy(collected.task)):
                 refused = "model-collapsed"
-        if refused is None:
-            state.weights = weights
-            self.personalized.update(
-                {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
-            )
-            self.payloads.update(result.payloads)
-        else:  # the round counts, the previous global model stays (and is what is checkpointed)
-            self.counters[refused] += 1
-            log.warning("round %d: the aggregated model is refused (%s); the previous one stays", collected.number,
-                        refused)
+        if refused is not None:  # the round counts, the previous global model stays (and is what is checkpointed)
             accuracies = self.evaluator.accuracies(state.weights, collected.task)
-        state.round = collected.number
-        state.round_in_task += 1
-        state.history.append({
-            "round": collected.number, "task": collected.task, "selected": collected.selected,
-            "received": sorted(collected.delivered), "samples": sum(u.num_samples for u in used),
-            "accuracy": accuracies, "aggregate_s": aggregate.seconds,
-            "metrics": {u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
-            **({"rule_metrics": result.metrics} if result.metrics else {}),
-            **({"refused": refused} if refused else {}),
-            **self._client_evaluation(collected.task),
-        })
-        log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
-                 collected.task, " ".join(f"{a:.3f}" for a in accuracies))
-        self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
+        with uninterrupted():  # committed whole: a stop never leaves results.json ahead of the checkpoint
+            if refused is None:
+                state.weights = weights
+                self.personalized.update(
+                    {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
+                )
+                self.payloads.update(result.payloads)
+            else:
+                self.counters[refused] += 1
+                log.warning("round %d: the aggregated model is refused (%s); the previous one stays",
+                            collected.number, refused)
+            state.round = collected.number
+            state.round_in_task += 1
+            state.history.append({
+                "round": collected.number, "task": collected.task, "selected": collected.selected,
+                "received": sorted(collected.delivered), "samples": sum(u.num_samples for u in used),
+                "accuracy": accuracies, "aggregate_s": aggregate.seconds,
+                "metrics": {u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
+                **({"rule_metrics": result.metrics} if result.metrics else {}),
+                **({"refused": refused} if refused else {}),
+                **self._client_evaluation(collected.task),
+            })
+            log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
+                     collected.task, " ".join(f"{a:.3f}" for a in accuracies))
+            self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
 
     def _finish_round(self, accuracies: list[float], task_done: bool) -> None:
         """Move the schedule on, then checkpoint and rewrite results.json (atomically, in that order)."""

@@ -71,6 +71,15 @@ class Peer:
         info.wait_for_publish(timeout)
         assert info.is_published(), f"publish on {topic} not acknowledged"
 
+    def publish_all(self, messages: list[tuple[str, bytes]], timeout: float = 30.0) -> None:
+        """QoS 1, in order, without waiting for each acknowledgement before the next (as fast as the broker takes
+        them), then for all of them."""
+        infos = [self.client.publish(topic, payload, qos=1) for topic, payload in messages]
+        deadline = time.monotonic() + timeout
+        for (topic, _), info in zip(messages, infos):
+            info.wait_for_publish(max(deadline - time.monotonic(), 0.0))
+            assert info.is_published(), f"publish on {topic} not acknowledged"
+
     def expect(self, topic: str, timeout: float = 5.0, index: int = 0) -> bytes:
         """The payload of the index-th message received on `topic`, waiting for it up to `timeout`."""
         def on_topic() -> list[bytes]:
