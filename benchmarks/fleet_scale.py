@@ -231,7 +231,7 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
         def _start_workers(self, artifacts: Path) -> None:
             probe.workers_started = time.time()
             super()._start_workers(artifacts)
-            probe.worker_pids = [w.pid for w in self._workers]
+            probe.worker_pids = [w.pid for w in self.workers.processes]
 
         def stop(self) -> None:
             if probe.worker_pids and "after" not in probe.memory:

@@ -130,7 +130,7 @@ def _fleet_run(args: argparse.Namespace) -> int:
 
     try:
         with stop_signals():
-            results = run_fleet_file(args.fleet_file, resume=args.resume)
+            results = run_fleet_file(args.fleet_file, resume=args.resume, address=args.address)
     except KeyboardInterrupt:
         return 130
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_run = fleet_commands.add_parser("run", help="run a fleet file (see firmware_sim/fleet.py)")
     fleet_run.add_argument("fleet_file", help="fleet file (TOML)")
     fleet_run.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    fleet_run.add_argument("--address", help="run the workers on this Ray cluster (auto, HOST:PORT or "
+                                             "ray://HOST:10001): backend = \"ray\" with [ray] address set")
     fleet_run.set_defaults(run=_fleet_run)
 
     from coordinator.broker import add_broker_parser

@@ -26,6 +26,8 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
                                    # to the devices' reported device seconds)
     time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
+    backend = "processes"          # processes (workers on this machine) | ray (Ray actors over a cluster's
+                                   # nodes, firmware_sim/fleet_ray.py; `--address` sets it with [ray] address)
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
@@ -33,6 +35,7 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device                                   (the coordinator file's keys)
+    [ray]          address (a running cluster; left out: Ray on this machine), max_restarts (5)
 
 Every table is checked by the one config checker (`edgefil.settings`) before anything starts: the file's own keys
 when it is read, then (`FleetConfig.check`) the policy, the strategy, the coordinator's keys, the scenario, the
@@ -64,7 +67,8 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
 from edgefil.topics import check_name
 from firmware_sim import disk
-from firmware_sim.fleet_worker import DESCRIPTORS_PER_CONNECTION, ensure_descriptors, host_devices
+from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
+from firmware_sim.fleet_worker import DESCRIPTORS_PER_CONNECTION, ensure_descriptors, host_devices, mount_disks
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import FLEET_FILE, write_report
@@ -85,7 +89,7 @@ class FleetConfig:
     out: Path
     devices: int
     scenario: Mapping[str, Any]
-    workers: int | None = None  # None: one per core the fleet may use (`worker_count`)
+    workers: int | None = None  # None: one per core the fleet may use (a cluster's cores with backend = "ray")
     model: str = "lenet"
     seed: int = 0
     broker: str = "auto"
@@ -102,6 +106,8 @@ class FleetConfig:
     profiles: Mapping[str, int] = field(default_factory=dict)
     real_time: bool = False
     time_scale: float = 60.0
+    backend: str = "processes"  # where the workers run: processes here, or Ray actors over a cluster
+    ray: RaySettings = RaySettings()
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
@@ -114,6 +120,11 @@ class FleetConfig:
             raise ValueError(f"broker must be auto, mosquitto or embedded; got {self.broker!r}")
         if self.tls and self.broker == "embedded":
             raise ValueError("tls = true needs mosquitto: the embedded broker has no TLS")
+        if self.backend not in ("processes", "ray"):
+            raise ValueError(f"backend must be processes or ray; got {self.backend!r}")
+        if self.backend == "ray" and self.ray.address is not None and self.broker == "embedded":
+            raise ValueError("backend = \"ray\" on a cluster needs mosquitto: the embedded broker has no "
+                             "authentication, and remote devices reach it over the network")
 
     @classmethod
     def load(cls, path: str | Path) -> FleetConfig:
@@ -130,6 +141,11 @@ class FleetConfig:
         scenario's inputs. ConfigError (one line: file, table, key) at the first problem; the built scenario
         (the devices' shares are built from the same table, the coordinator tests on it)."""
         where = Where(file)
+        if self.backend == "ray":
+            try:
+                ray_module()
+            except RuntimeError as err:
+                raise where.error("backend", str(err)) from None
         check_policy(self.policy, where.inner("policy"))
         check_strategy(self.strategy, where.inner("strategy"))
         build(RoundSettings, self.client, where.inner("client"))
@@ -165,14 +181,6 @@ class FleetConfig:
         if self.store is None:
             raise RuntimeError("the fleet's [store] is not resolved yet: Fleet.run sets it from the scenario")
         return {k: v for k, v in vars(self.store).items() if v is not None}
-
-    @property
-    def worker_count(self) -> int:
-        """`workers` as set, else one per core this process may run on: a worker is one Python process (one GIL),
-        so it does about one core of device work; at 1000 devices on 2 cores, 2 workers register every device in
-        ~25 s and more would only add each worker's own memory (benchmarks/fleet_scale.py). Never more than the
-        devices."""
-        return min(self.workers if self.workers is not None else usable_cores(), self.devices)
 
     @property
     def device_ids(self) -> list[str]:
@@ -214,9 +222,7 @@ class Fleet:
         self.passwords = {d: generate_password() for d in config.device_ids}
         self.coordinator_password = generate_password()
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
-        self._stop = mp.get_context("spawn").Event()
-        self._workers: list[mp.process.BaseProcess] = []
-        self._mounted: list[Path] = []
+        self.workers: ProcessWorkers | RayWorkers | None = None
 
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -233,28 +239,29 @@ class Fleet:
         try:
             # mosquitto inherits the limit: a connection per device
             ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
-            self._mount_disks()
-            self.broker = self._start_broker()
+            self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
+            self.broker = self._start_broker(self.workers.broker_host)
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
-            with coordinator_threads(self.config.worker_count):
+            with coordinator_threads(self.workers.here()):
                 results = coordinator.run()
         finally:
             self.stop()
         written = write_report(out, results)
         return {**results, "report": str(written[0])}
 
+    @property
+    def worker_count(self) -> int:
+        if self.workers is None:
+            raise RuntimeError("the workers are not placed yet")
+        return self.workers.count(self.config.workers, self.config.devices)
+
     def stop(self) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(30)
-            if worker.is_alive():
-                worker.terminate()
+        if self.workers is not None:
+            self.workers.stop()
         if self.broker is not None:
             self.broker.stop()
-        while self._mounted:
-            disk.unmount(self._mounted.pop())
 
     # --- parts ------------------------------------------------------------------------------------
 
@@ -273,15 +280,8 @@ class Fleet:
         POLICIES.get(policy.pop("name")).export_artifacts(policy, artifacts, seed=self.config.seed)
         return artifacts
 
-    def _mount_disks(self) -> None:
-        """Each emulated device's folder on a disk of its profile's capacity (see firmware_sim/disk.py)."""
-        for device, profile in zip(self.config.device_ids, self.config.device_profiles()):
-            if profile is not None:
-                folder = self.config.out / "devices" / device
-                if disk.mount(folder, load_profile(profile).disk_bytes):
-                    self._mounted.append(folder)
-
-    def _start_broker(self) -> MosquittoBroker | EmbeddedBroker:
+    def _start_broker(self, host: str = LOOPBACK) -> MosquittoBroker | EmbeddedBroker:
+        """`host`: the address it listens on (the devices' and the coordinator's to connect to)."""
         use_mosquitto = self.config.broker == "mosquitto" or (
             self.config.broker == "auto" and mosquitto_path() is not None
         )
@@ -295,11 +295,11 @@ class Fleet:
             folder = self.config.out / "broker" / "tls"
             folder.mkdir(parents=True, exist_ok=True)
             make_ca(folder, f"edgefil {self.config.name}")
-            tls = make_server_cert(folder, ["127.0.0.1"])
+            tls = make_server_cert(folder, sorted({LOOPBACK, host}))
         broker: MosquittoBroker | EmbeddedBroker = (
             MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
-                            Credentials("coordinator", self.coordinator_password), tls=tls)
-            if use_mosquitto else EmbeddedBroker()
+                            Credentials("coordinator", self.coordinator_password), tls=tls, host=host)
+            if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()
         log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
@@ -332,15 +332,11 @@ class Fleet:
         }
 
     def _start_workers(self, artifacts: Path) -> None:
+        if self.workers is None:
+            raise RuntimeError("no workers to start")
         configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
-        context = mp.get_context("spawn")
-        workers = self.config.worker_count
-        for k in range(workers):
-            share = configs[k::workers]
-            log_file = str(self.config.out / "logs" / f"worker-{k}.log")
-            worker = context.Process(target=host_devices, args=(share, self._stop, log_file), daemon=True)
-            worker.start()
-            self._workers.append(worker)
+        count = self.worker_count
+        self.workers.start([configs[k::count] for k in range(count)], artifacts, self.config.out / "logs")
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:
         return CoordinatorConfig(
@@ -353,17 +349,61 @@ class Fleet:
         )
 
 
+class ProcessWorkers:
+    """The fleet's workers as processes on this machine (firmware_sim/fleet_worker.py): spawned by `start`, told
+    to stop (and terminated past a grace period) by `stop`; the emulated devices' disks are mounted here first."""
+
+    broker_host = LOOPBACK
+
+    def __init__(self) -> None:
+        self._stop = mp.get_context("spawn").Event()
+        self.processes: list[mp.process.BaseProcess] = []
+        self._mounted: list[Path] = []
+
+    def count(self, workers: int | None, devices: int) -> int:
+        """`workers` as set, else one per core this process may run on: a worker is one Python process (one GIL),
+        so it does about one core of device work; at 1000 devices on 2 cores, 2 workers register every device in
+        ~25 s and more would only add each worker's own memory (benchmarks/fleet_scale.py). Never more than the
+        devices."""
+        return min(workers if workers is not None else usable_cores(), devices)
+
+    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
+        self._mounted = mount_disks([raw for share in shares for raw in share])
+        context = mp.get_context("spawn")
+        for k, share in enumerate(shares):
+            worker = context.Process(target=host_devices, args=(share, self._stop, str(logs / f"worker-{k}.log")),
+                                     daemon=True)
+            worker.start()
+            self.processes.append(worker)
+
+    def here(self) -> int:
+        """How many of the workers run on this machine (beside the coordinator)."""
+        return len(self.processes)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for worker in self.processes:
+            worker.join(30)
+            if worker.is_alive():
+                worker.terminate()
+        while self._mounted:
+            disk.unmount(self._mounted.pop())
+
+
 def state_reserve_bytes(artifacts: Path) -> int:
     """Disk a device needs beside its store: two weight files (old and new, during the atomic replace) plus room
     for state.json and file-system blocks."""
     return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
-def run_fleet_file(path: str | Path, resume: bool = False) -> dict[str, Any]:
-    """`edgefil fleet run FLEET.toml [--resume]`: the run's results, plus the path of its report. The command
-    line turns SIGTERM and SIGHUP into KeyboardInterrupt, so they stop it as Ctrl-C does (the clean-up runs, the
-    run can be resumed)."""
-    fleet = Fleet(FleetConfig.load(path))
+def run_fleet_file(path: str | Path, resume: bool = False, address: str | None = None) -> dict[str, Any]:
+    """`edgefil fleet run FLEET.toml [--resume] [--address A]`: the run's results, plus the path of its report;
+    `address`: the workers go to that Ray cluster. The command line turns SIGTERM and SIGHUP into
+    KeyboardInterrupt, so they stop it as Ctrl-C does (the clean-up runs, the run can be resumed)."""
+    config = FleetConfig.load(path)
+    if address is not None:
+        config = dataclasses.replace(config, backend="ray", ray=dataclasses.replace(config.ray, address=address))
+    fleet = Fleet(config)
     try:
         return fleet.run(resume=resume, file=str(path))
     except KeyboardInterrupt as stop:

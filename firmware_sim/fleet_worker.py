@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from edgefil.lifetime import die_with_parent
@@ -20,6 +22,7 @@ STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of 
 DESCRIPTORS_PER_DEVICE = 4
 DESCRIPTORS_PER_CONNECTION = 2
 BASE_DESCRIPTORS = 256
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
@@ -62,9 +65,20 @@ def _wait_for_stop(stop: Any) -> None:
 
 
 def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
-    """A worker process: one thread per virtual device (each device's store belongs to the thread that opens
-    it) and one network thread that carries all their MQTT connections (edgefil.netloop), until the fleet says
-    stop, SIGTERM arrives or the fleet process is gone. Ctrl-C is the parent's to handle."""
+    """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone.
+    Ctrl-C is the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
+    logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
+    ensure_descriptors(len(configs), "a fleet worker")
+    serve_devices(configs, lambda: _wait_for_stop(stop))
+
+
+def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object]) -> None:
+    """Run the devices of `configs` (device config tables) until `wait_for_stop()` returns, then stop them: one
+    thread per virtual device (each device's store belongs to the thread that opens it) and one network thread that
+    carries all their MQTT connections (edgefil.netloop). A worker process and a Ray actor
+    (firmware_sim/fleet_ray.py) both host their devices with this."""
     # The worker's devices train in parallel threads: torch's intra-op pool (one thread per core by default, in
     # every worker) would oversubscribe the host many times over. Set before anything imports torch, which reads
     # it once; ORT sessions take their thread count from [trainer] threads.
@@ -74,11 +88,6 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     from edgefil.netloop import NetworkLoop
     from firmware_sim.virtual_device import virtual_device
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
-    logging.basicConfig(filename=log_file, level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ensure_descriptors(len(configs), "a fleet worker")
     devices: list[Device] = []
     lock = threading.Lock()
     network = NetworkLoop(name="fleet-worker-mqtt")
@@ -104,7 +113,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
     for thread in threads:
         thread.start()
-    _wait_for_stop(stop)
+    wait_for_stop()
     with lock:
         for device in devices:
             device.stop_requested.set()
@@ -112,3 +121,19 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     network.stop()
+
+
+def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:
+    """Each emulated device's state folder on a disk of its profile's capacity (firmware_sim/disk.py), on the
+    machine this runs on: the folders mounted, for `disk.unmount` at the end."""
+    from firmware_sim import disk
+    from firmware_sim.profiles import load_profile
+
+    mounted = []
+    for raw in configs:
+        emulation = raw.get("emulation")
+        if emulation is not None:
+            folder = Path(raw["state_dir"])
+            if disk.mount(folder, load_profile(emulation["profile"]).disk_bytes):
+                mounted.append(folder)
+    return mounted

@@ -256,8 +256,28 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
     path.write_text(FLEET.format(broker="auto").replace("workers = 2\n", "").replace("devices = 4", "devices = 40")
                     .replace("profiles = {raspberry-pi-4-4gb = 2, jetson-orin-nano = 2}\n", ""))
     config = fleet_module.FleetConfig.load(path)
-    assert config.workers is None and config.worker_count == 6
-    assert dataclasses.replace(config, workers=3).worker_count == 3
-    assert dataclasses.replace(config, devices=4).worker_count == 4
+    count = fleet_module.ProcessWorkers().count
+    assert config.workers is None and count(config.workers, config.devices) == 6
+    assert count(3, config.devices) == 3
+    assert count(None, 4) == 4
     with pytest.raises(ValueError, match="at least 1"):
         dataclasses.replace(config, workers=0)
+
+
+def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
+    """`backend` and `[ray]` refused in one line: an unknown backend, a cluster behind the embedded broker (no
+    authentication, reached over the network), a typo in `[ray]`."""
+    from firmware_sim.fleet_ray import RaySettings
+
+    base = {"name": "mini", "out": tmp_path, "devices": 2, "scenario": {"preset": "digits-class"}}
+    with pytest.raises(ValueError, match="backend must be processes or ray"):
+        fleet_module.FleetConfig(**base, backend="slurm")
+    with pytest.raises(ValueError, match="on a cluster needs mosquitto"):
+        fleet_module.FleetConfig(**base, backend="ray", broker="embedded", ray=RaySettings(address="auto"))
+    fleet_module.FleetConfig(**base, backend="ray", broker="embedded")  # Ray on this machine: loopback is fine
+    with pytest.raises(ValueError, match="max_restarts"):
+        RaySettings(max_restarts=-2)
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="auto") + '[ray]\nadress = "auto"\n')
+    with pytest.raises(ValueError, match=r"\[ray\].*adress"):
+        fleet_module.FleetConfig.load(path)

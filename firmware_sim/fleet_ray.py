@@ -1,0 +1,164 @@
+"""A fleet across machines: its workers as Ray actors placed over a cluster's nodes (`backend = "ray"`).
+
+The devices run exactly as in a local fleet (`fleet_worker.serve_devices`: the real device daemon, one network
+loop per worker carrying all its devices' MQTT connections); only where a worker runs changes. The fleet process
+(the Ray driver) keeps the broker and the coordinator on its own node, the head node or a GPU node, and places
+`workers` actors, one core each, spread over the nodes. Ray needs the `ray` extra (`pip install 'edgefil[ray]'`)
+and edgefil installed on every node.
+
+- **Where the broker listens.** On a cluster, on the address the driver's node has in it (remote devices connect
+  there: mosquitto's passwords and ACL guard it, and the embedded broker, which has neither, is refused); with Ray
+  started on this machine (no `address`), on loopback.
+- **Files on a node.** Each device keeps its state under the fleet's `out/devices/<id>` on the node it runs on
+  (its own disk, or a share every node mounts), each worker its log under `out/logs/`. The model's artifacts go to
+  every worker with its devices and are written to `out/artifacts` on its node where they differ.
+- **A node that dies.** Its workers are started again on the nodes left (`[ray] max_restarts` times each, where a
+  free core is); their devices reconnect and register, with the state their node's `out` still holds, and the
+  coordinator's rounds go on without them meanwhile (deadlines, quorum, retries: coordinator/server.py).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgefil.durable import write_atomically
+from firmware_sim.fleet_worker import LOG_FORMAT, STOP_GRACE_S, ensure_descriptors, mount_disks, serve_devices
+
+log = logging.getLogger("edgefil.fleet")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """`[ray]` of a fleet file (used with `backend = "ray"`)."""
+
+    address: str | None = None  # a running cluster: "auto", "host:port" or "ray://host:10001"; None: Ray here
+    max_restarts: int = 5  # how often a worker whose node died is started again elsewhere (-1: always)
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < -1:
+            raise ValueError("max_restarts must be -1 (always) or at least 0")
+
+
+class DeviceHost:
+    """One worker as a Ray actor: hosts its share of the devices on the node Ray placed it on. Threaded (Ray's
+    `max_concurrency`), so `stop` and `node` are answered while `host` runs."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+
+    def node(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str) -> str:
+        """Until `stop`: write the artifacts where this node lacks them, mount the emulated disks, serve the
+        devices; the node's id at the end."""
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(logging.INFO)
+        folder = Path(configs[0]["artifacts"])
+        for name, data in artifacts.items():
+            path = folder / name
+            if not path.is_file() or path.read_bytes() != data:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomically(path, data)
+        ensure_descriptors(len(configs), "a fleet worker")
+        mounted = mount_disks(configs)
+        try:
+            serve_devices(configs, self._stop.wait)
+        finally:
+            from firmware_sim import disk
+
+            for path in mounted:
+                disk.unmount(path)
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        return self.node()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def ray_module() -> Any:
+    """Ray, or a one-line error naming the extra that brings it."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("backend = \"ray\" needs Ray: pip install 'edgefil[ray]'") from None
+    return ray
+
+
+class RayWorkers:
+    """The fleet's workers on a Ray cluster: joined (or Ray started here) when made, left by `stop`."""
+
+    def __init__(self, settings: RaySettings) -> None:
+        self.settings = settings
+        self._ray = ray = ray_module()
+        self._joined = not ray.is_initialized()
+        if self._joined:
+            ray.init(address=settings.address, include_dashboard=False, logging_level=logging.WARNING,
+                     configure_logging=False)
+        self._actors: list[Any] = []
+        self._hosting: list[Any] = []
+
+    @property
+    def broker_host(self) -> str:
+        """Where the broker listens: the driver node's address in the cluster, loopback when Ray runs here only."""
+        if self.settings.address is None:
+            return LOOPBACK
+        here = self._ray.get_runtime_context().get_node_id()
+        return str(next(n["NodeManagerAddress"] for n in self._ray.nodes() if n["NodeID"] == here))
+
+    def count(self, workers: int | None, devices: int) -> int:
+        """`workers` as set, else one per core of the cluster; never more than the devices."""
+        cores = int(self._ray.cluster_resources().get("CPU", 1))
+        if workers is not None and workers > cores:
+            log.warning("%d workers on a cluster of %d cores: the ones beyond wait for a core", workers, cores)
+        return min(workers if workers is not None else cores, devices)
+
+    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
+        files = {str(p.relative_to(artifacts)): p.read_bytes() for p in sorted(artifacts.rglob("*")) if p.is_file()}
+        shipped = self._ray.put(files)
+        actor = self._ray.remote(
+            num_cpus=1, max_concurrency=4, max_restarts=self.settings.max_restarts, max_task_retries=-1,
+            scheduling_strategy="SPREAD",
+        )(DeviceHost)
+        for k, share in enumerate(shares):
+            host = actor.remote()
+            self._actors.append(host)
+            self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log")))
+
+    def placement(self, timeout: float = 60.0) -> list[str]:
+        """The node id each worker runs on now, in worker order (waiting for the ones not placed yet)."""
+        return [str(n) for n in self._ray.get([a.node.remote() for a in self._actors], timeout=timeout)]
+
+    def here(self, timeout: float = 30.0) -> int:
+        """How many of the workers run on this node (beside the coordinator): those placed within `timeout`."""
+        ready, _ = self._ray.wait([a.node.remote() for a in self._actors], num_returns=len(self._actors),
+                                  timeout=timeout)
+        return [str(n) for n in self._ray.get(ready)].count(self._ray.get_runtime_context().get_node_id())
+
+    def stop(self) -> None:
+        ray = self._ray
+        for actor in self._actors:
+            actor.stop.remote()
+        ready, pending = ray.wait(self._hosting, num_returns=len(self._hosting), timeout=STOP_GRACE_S + 15)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as err:  # a worker lost for good (restarts spent) or failing: said, not raised
+                log.warning("a fleet worker ended with %s", err)
+        if pending:
+            log.warning("%d fleet workers did not stop within %.0f s: killed", len(pending), STOP_GRACE_S + 15)
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors, self._hosting = [], []
+        if self._joined:
+            ray.shutdown()

@@ -1,0 +1,77 @@
+"""A fleet across machines: `backend = "ray"` on a two-node Ray cluster simulated on this machine (the nodes, the
+broker and the coordinator on its own address: nothing leaves it), through a real mosquitto. The node hosting one worker's devices is killed mid-run: the next round misses its quorum
+(every device), Ray starts the worker again on the node left, its devices come back, the round is run again and
+the run completes."""
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+import pytest
+
+from coordinator.broker import mosquitto_path
+from edge_client.config import StoreSettings, TrainerSettings
+from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet_ray import RaySettings, RayWorkers
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (scripts/test installs it)")
+pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+KILL_AFTER_ROUND = 1
+ROUNDS = 6
+
+
+@pytest.fixture
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    # node deaths noticed within a second or two (Ray's default takes ~15 s of missed health checks)
+    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 2, "health_check_timeout_ms": 500}
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                         "_system_config": system})
+    try:
+        yield made
+    finally:
+        made.shutdown()
+
+
+def test_a_fleet_on_two_ray_nodes_completes_when_a_devices_node_is_killed(tmp_path, cluster, export_artifacts):
+    worker_node = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    shutil.copytree(export_artifacts("lenet", 10, (1, 8, 8)), tmp_path / "run" / "artifacts")  # exported once
+    config = FleetConfig(
+        name="overray", out=tmp_path / "run", devices=4, workers=2, backend="ray",
+        trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3),
+        ray=RaySettings(address=cluster.address), scenario={"preset": "digits-class", "n_tasks": 2},
+        policy={"name": "random"}, store=StoreSettings(max_samples=60), client={"epochs": 1},
+        coordinator={"rounds_per_task": ROUNDS // 2, "min_clients": 4, "deadline_s": 30.0, "wait_for_devices_s": 90.0},
+    )
+    fleet = Fleet(config)
+    seen: dict[str, Any] = {}
+    head = cluster.head_node.node_id
+
+    def progress(entry: dict[str, Any]) -> None:
+        workers = fleet.workers
+        assert isinstance(workers, RayWorkers)
+        if entry["round"] == KILL_AFTER_ROUND:
+            seen["placement"] = placement = workers.placement()
+            on_worker_node = [k for k, node in enumerate(placement) if node == worker_node.node_id]
+            seen["killed"] = sorted(d for k in on_worker_node for d in config.device_ids[k::2])
+            cluster.remove_node(worker_node, allow_graceful=False)  # its raylet and every worker on it, SIGKILL
+            # until Ray has started the lost worker again on the node left (its old process may answer a moment
+            # longer than its raylet lives)
+            deadline = time.monotonic() + 120
+            while set(seen.setdefault("moved", workers.placement(timeout=120))) != {head} and time.monotonic() < deadline:
+                time.sleep(0.2)
+                seen["moved"] = workers.placement(timeout=120)
+
+    results = fleet.run(progress=progress)
+
+    assert sorted(seen["placement"]) == sorted([head, worker_node.node_id]), seen  # one worker on each node
+    assert seen["killed"] and seen["moved"] == [head, head], seen
+    assert results["outcome"] == "complete" and results["rounds_completed"] == ROUNDS
+    assert results["counters"]["round-retried"] >= 1, results["counters"]  # the round after the kill, again
+    assert all(set(r["received"]) == set(config.device_ids) for r in results["history"])  # each with every device
+    logs = "".join(path.read_text() for path in (config.out / "logs").glob("worker-*.log"))
+    for device in seen["killed"]:  # by a second process: the worker Ray started again
+        assert logs.count(f"{device} connected to") == 2, device
