@@ -222,8 +222,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
     from firmware_sim.fleet import Fleet
 
     class MeasuredFleet(Fleet):
-        def _start_broker(self):  # noqa: ANN202
-            broker = super()._start_broker()
+        def _start_broker(self, host: str = "127.0.0.1"):  # noqa: ANN202
+            broker = super()._start_broker(host)
             proc = getattr(broker, "_proc", None)
             probe.broker_pid = proc.pid if proc is not None else None
             return broker

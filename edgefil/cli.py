@@ -133,6 +133,9 @@ def _fleet_run(args: argparse.Namespace) -> int:
             results = run_fleet_file(args.fleet_file, resume=args.resume, address=args.address)
     except KeyboardInterrupt:
         return 130
+    except ConnectionError as err:  # a Ray cluster that does not answer
+        print(f"edgefil fleet run: {err}", file=sys.stderr)
+        return 2
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
           f"report: {results['report']}")
     return 0

@@ -251,12 +251,6 @@ class Fleet:
         written = write_report(out, results)
         return {**results, "report": str(written[0])}
 
-    @property
-    def worker_count(self) -> int:
-        if self.workers is None:
-            raise RuntimeError("the workers are not placed yet")
-        return self.workers.count(self.config.workers, self.config.devices)
-
     def stop(self) -> None:
         if self.workers is not None:
             self.workers.stop()
@@ -335,7 +329,7 @@ class Fleet:
         if self.workers is None:
             raise RuntimeError("no workers to start")
         configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
-        count = self.worker_count
+        count = self.workers.count(self.config.workers, self.config.devices)
         self.workers.start([configs[k::count] for k in range(count)], artifacts, self.config.out / "logs")
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:

@@ -12,6 +12,8 @@ and edgefil installed on every node.
 - **Files on a node.** Each device keeps its state under the fleet's `out/devices/<id>` on the node it runs on
   (its own disk, or a share every node mounts), each worker its log under `out/logs/`. The model's artifacts go to
   every worker with its devices and are written to `out/artifacts` on its node where they differ.
+- **Emulated profiles** are scaled by the speed of the node a worker runs on: each worker measures its node
+  (`limits.calibrate_host`) and mounts its devices' disks there.
 - **A node that dies.** Its workers are started again on the nodes left (`[ray] max_restarts` times each, where a
   free core is); their devices reconnect and register, with the state their node's `out` still holds, and the
   coordinator's rounds go on without them meanwhile (deadlines, quorum, retries: coordinator/server.py).
@@ -19,6 +21,7 @@ and edgefil installed on every node.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +59,19 @@ class DeviceHost:
         return str(ray.get_runtime_context().get_node_id())
 
     def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str) -> str:
-        """Until `stop`: write the artifacts where this node lacks them, mount the emulated disks, serve the
-        devices; the node's id at the end."""
+        """Until `stop`: measure this node for the emulated devices, write the artifacts where this node lacks
+        them, mount the emulated disks, serve the devices; the node's id at the end."""
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(log_file)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         logging.getLogger().addHandler(handler)
         logging.getLogger().setLevel(logging.INFO)
+        if any("emulation" in raw for raw in configs):  # emulated device time scales with this node's speed
+            from firmware_sim.limits import calibrate_host
+
+            gflops = calibrate_host().gflops
+            configs = [{**raw, "emulation": {**raw["emulation"], "host_gflops": gflops}} if "emulation" in raw
+                       else raw for raw in configs]
         folder = Path(configs[0]["artifacts"])
         for name, data in artifacts.items():
             path = folder / name
@@ -95,6 +104,20 @@ def ray_module() -> Any:
     return ray
 
 
+def refuse_unreachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """A one-line ConnectionError when nothing listens at a `host:port` (or `ray://host:port`) address: Ray's
+    own connect retries for minutes on end. "auto" and None are Ray's to resolve."""
+    if address is None or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"[ray] address must be auto, HOST:PORT or ray://HOST:PORT; got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({err.strerror or err})") from None
+
+
 class RayWorkers:
     """The fleet's workers on a Ray cluster: joined (or Ray started here) when made, left by `stop`."""
 
@@ -103,6 +126,7 @@ class RayWorkers:
         self._ray = ray = ray_module()
         self._joined = not ray.is_initialized()
         if self._joined:
+            refuse_unreachable(settings.address)
             ray.init(address=settings.address, include_dashboard=False, logging_level=logging.WARNING,
                      configure_logging=False)
         self._actors: list[Any] = []

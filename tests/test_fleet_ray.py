@@ -75,3 +75,16 @@ def test_a_fleet_on_two_ray_nodes_completes_when_a_devices_node_is_killed(tmp_pa
     logs = "".join(path.read_text() for path in (config.out / "logs").glob("worker-*.log"))
     for device in seen["killed"]:  # by a second process: the worker Ray started again
         assert logs.count(f"{device} connected to") == 2, device
+
+
+def test_an_address_where_no_cluster_answers_is_refused_in_one_line():
+    from coordinator.broker import free_port
+    from firmware_sim.fleet_ray import refuse_unreachable
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address}"):
+        RayWorkers(RaySettings(address=address))
+    assert time.monotonic() - started < 15  # not Ray's minutes of retries
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        refuse_unreachable("head-without-port")
