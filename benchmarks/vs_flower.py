@@ -1,0 +1,314 @@
+"""edgefil's fleet against Flower's simulation (Ray backend): the same work, side by side, alternated and repeated.
+
+The work of one run, on both sides: N clients, each with its share of the embedded digits class-incremental
+scenario cut to one task (the ~360 training samples of two classes split over the N clients: the total data is the
+same at every N), `--rounds` rounds of one local epoch of LeNet (models/zoo.py, the same initial weights, AdamW lr
+3e-3, batches of 32) on every client, FedAvg over all N, the global model evaluated on the task's test set after
+each round.
+
+- edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, one worker
+  process per core, the portable backend), random replay with M large enough to hold every share. The artifacts
+  are exported once, before the runs (Flower builds its torch model in-process).
+- Flower 1.40: `flwr.simulation.run_simulation` with the message API's FedAvg (`fraction_train = 1`, no
+  client-side evaluation, the central evaluation as `evaluate_fn`), one client per core at a time
+  (`client_resources = {num_cpus = 1}`), torch at one thread in each. Its clients train on the very shards
+  edgefil's devices train on (written to .npz files here). Flower pins protobuf 6 and more, which the project's
+  environment must not take, so it runs in its own (`--flower-venv`, made on first use: flwr[simulation], torch
+  and numpy from the package index).
+
+Each side runs in a fresh process; this one samples the PSS of that process and all its descendants (the
+coordinator, the workers and mosquitto; Flower's driver and every Ray process) twice a second. Printed per N, as
+medians over `--repeats` (the two sides alternate which goes first):
+  round s      the median round after the first: edgefil from the round's open to its close (aggregation,
+               evaluation and checkpoint included), Flower from one central evaluation to the next
+  start s      from the process start until round 1 is done: the imports, then the broker and the workers starting
+               and every device registering (edgefil), or Ray and the simulation engine starting and its first
+               ClientApps being built (Flower, which starts them when round 1 asks for them), then round 1
+  MB/device    the peak PSS of the side's process tree over N (fixed costs included: it falls with N)
+  ratio        Flower / edgefil (above 1: edgefil is faster or smaller)
+
+    .venv/bin/python benchmarks/vs_flower.py [--devices 10,50,200,500,1000] [--rounds 4] [--repeats 2]
+        [--flower-venv .venv-flower] [--json FILE]
+
+The module's top level imports the standard library only: its Flower side runs under the other environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOWER_PACKAGES = ["flwr[simulation]==1.40.0", "torch==2.14.1", "numpy"]
+MODEL, SEED = "lenet", 0
+SCENARIO = {"preset": "digits-class", "n_tasks": 1}
+LR, BATCH, EPOCHS = 3e-3, 32, 1
+REPLAY_M = 400  # more than any share: every device trains on all of its data, as Flower's clients do
+RESULT = "VS_FLOWER_RESULT "
+
+
+# --- measuring a side from outside ----------------------------------------------------------------
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory(threading.Thread):
+    """The peak, over the samples, of the summed PSS of a process and its descendants."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s, self.peak = pid, every_s, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            self.peak = max(self.peak, sum(pss_bytes(p) for p in descendants(self.pid)))
+
+
+def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    command = [str(python), str(Path(__file__).resolve()), "--side", side, "--n", str(n),
+               "--rounds", str(args.rounds), "--folder", str(folder), "--t0", repr(time.time())]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    memory = PeakMemory(proc.pid)
+    memory.start()
+    output, _ = proc.communicate()
+    memory.done.set()
+    memory.join()
+    lines = [line for line in output.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} N={n} failed ({proc.returncode}):\n{output[-3000:]}")
+    return {**json.loads(lines[-1][len(RESULT):]), "peak_pss": memory.peak}
+
+
+# --- the shared data (project environment) --------------------------------------------------------
+
+def write_shards(n: int, folder: Path) -> None:
+    """Client k's training data as edgefil's device k gets it, and the task's test set, as .npz files."""
+    import numpy as np
+
+    from edgefil.settings import Where
+    from firmware_sim.scenarios import ClientSource, check_scenario
+
+    scenario = {**SCENARIO, "n_clients": n}
+    data = check_scenario(scenario, Where("vs_flower")).build()
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        x, y = ClientSource(scenario, k).task_data(0)
+        np.savez(folder / f"client-{k}.npz", x=x, y=y)
+    x, y = data.task_test(0)
+    np.savez(folder / "test.npz", x=x, y=y, num_classes=data.num_classes, shape=np.array(data.input_shape))
+
+
+# --- edgefil's side (project environment) ---------------------------------------------------------
+
+def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]:
+    import logging
+
+    from fleet_scale import run_fleet, summarize
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
+                                 idle_s=0.0, rounds=rounds)
+    from firmware_sim.fleet import usable_cores
+
+    options.workers = usable_cores()  # the fleet's own default: one per core
+    run = run_fleet(n, options, folder / "edgefil", folder / "artifacts", "mosquitto")
+    summary = summarize(run)
+    first = run["probe"].rounds[min(run["probe"].rounds)]
+    return {"first_round_done_s": first.closed - t0, "round_s": summary["rounds"]["walls"],
+            "registered_s": summary["startup"], "accuracy": summary["accuracy"],
+            "completed": summary["completed"]}
+
+
+def export_artifacts(folder: Path) -> None:
+    from models.export import export_registered
+
+    with_n = {**SCENARIO, "n_clients": 1}
+    from edgefil.settings import Where
+    from firmware_sim.scenarios import check_scenario
+
+    data = check_scenario(with_n, Where("vs_flower")).build()
+    export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"))
+
+
+# --- Flower's side (its own environment) ----------------------------------------------------------
+
+def flower_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]:
+    os.environ["VS_FLOWER_DATA"] = str(folder)
+    import numpy as np
+    import torch
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    sys.path.insert(0, str(ROOT))
+    from models.zoo import build_model
+
+    test = np.load(folder / "test.npz")
+    classes, shape = int(test["num_classes"]), tuple(int(s) for s in test["shape"])
+    x_test, y_test = torch.from_numpy(test["x"]).float(), torch.from_numpy(test["y"]).long()
+
+    def model() -> torch.nn.Module:
+        return build_model(MODEL, classes, shape, seed=SEED)
+
+    client = ClientApp()
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        shard = np.load(Path(os.environ["VS_FLOWER_DATA"]) / f"client-{context.node_config['partition-id']}.npz")
+        x, y = torch.from_numpy(shard["x"]).float(), torch.from_numpy(shard["y"]).long()
+        net = model()
+        net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        net.train()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+        for _ in range(EPOCHS):
+            for batch in torch.randperm(len(x)).split(BATCH):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(net(x[batch])[0], y[batch]).backward()
+                optimizer.step()
+        reply = RecordDict({"arrays": ArrayRecord(net.state_dict()),
+                            "metrics": MetricRecord({"num-examples": len(x)})})
+        return Message(content=reply, reply_to=msg)
+
+    evaluated: list[tuple[float, float]] = []  # (time, accuracy) at each central evaluation, round 0 first
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        net = model()
+        net.load_state_dict(arrays.to_torch_state_dict())
+        net.eval()
+        with torch.no_grad():
+            accuracy = float((net(x_test)[0].argmax(1) == y_test).float().mean())
+        evaluated.append((time.time(), accuracy))
+        return MetricRecord({"accuracy": accuracy})
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(model().state_dict()), num_rounds=rounds,
+                       evaluate_fn=evaluate)
+
+    cores = len(os.sched_getaffinity(0))
+    run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config={
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": cores},
+    })
+    times = [t for t, _ in evaluated]
+    return {"first_round_done_s": times[1] - t0, "round_s": [b - a for a, b in zip(times, times[1:])],
+            "accuracy": evaluated[-1][1], "completed": len(times) - 1}
+
+
+def ensure_flower_venv(path: Path) -> Path:
+    python = path / "bin" / "python"
+    if not python.exists():
+        print(f"making {path} (Flower's environment): {' '.join(FLOWER_PACKAGES)}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *FLOWER_PACKAGES], check=True)
+    return python
+
+
+# --- the comparison -------------------------------------------------------------------------------
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="10,50,200,500,1000", help="comma-separated N")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per run (the first is timed apart)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side per N (alternating first)")
+    parser.add_argument("--flower-venv", default=str(ROOT / ".venv-flower"))
+    parser.add_argument("--json", default=None, help="also write every run's figures to this file")
+    parser.add_argument("--side", choices=("edgefil", "flower"), help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side is not None:
+        side = edgefil_side if args.side == "edgefil" else flower_side
+        print(RESULT + json.dumps(side(args.n, args.rounds, Path(args.folder), args.t0)), flush=True)
+        return
+
+    flower_python = ensure_flower_venv(Path(args.flower_venv))
+    sizes = [int(n) for n in args.devices.split(",")]
+    base = Path(tempfile.mkdtemp(prefix="vs-flower-"))
+    pythons = {"edgefil": Path(sys.executable), "flower": flower_python}
+    runs: list[dict[str, Any]] = []
+    try:
+        export_artifacts(base / "artifacts")
+        for n in sizes:
+            folder = base / f"n{n}"
+            write_shards(n, folder)
+            shutil.copytree(base / "artifacts", folder / "artifacts")
+            for repeat in range(args.repeats):
+                order = ("edgefil", "flower") if repeat % 2 == 0 else ("flower", "edgefil")
+                for side in order:
+                    shutil.rmtree(folder / "edgefil", ignore_errors=True)
+                    run = {"side": side, "n": n, "repeat": repeat, **run_side(side, pythons[side], n, args, folder)}
+                    runs.append(run)
+                    print(f"N={n} {side:8s} start {run['first_round_done_s']:6.1f} s  rounds "
+                          f"{' '.join(f'{r:.2f}' for r in run['round_s'])} s  peak {run['peak_pss'] / 2**20:7.0f} MB"
+                          f"  accuracy {run['accuracy']:.3f}", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(runs, sizes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def print_table(runs: list[dict[str, Any]], sizes: list[int]) -> None:
+    print("\n|    N | round s edgefil | round s Flower | ratio | start s edgefil | start s Flower | ratio "
+          "| MB/device edgefil | MB/device Flower | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        cell = {}
+        for side in ("edgefil", "flower"):
+            mine = [r for r in runs if r["n"] == n and r["side"] == side]
+            cell[side] = (median([median(r["round_s"][1:]) for r in mine]),
+                          median([r["first_round_done_s"] for r in mine]),
+                          median([r["peak_pss"] / 2**20 / n for r in mine]))
+        e, f = cell["edgefil"], cell["flower"]
+        print(f"| {n:4d} | {e[0]:.2f} | {f[0]:.2f} | {f[0] / e[0]:.2f} | {e[1]:.1f} | {f[1]:.1f} | {f[1] / e[1]:.2f} "
+              f"| {e[2]:.2f} | {f[2]:.2f} | {f[2] / e[2]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
