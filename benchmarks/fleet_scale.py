@@ -17,7 +17,7 @@ Memory: PSS (/proc/<pid>/smaps_rollup, shared pages split between the processes 
 over the worker processes, sampled once all N devices registered and again after the last round. Per device:
   total/N    the workers' PSS after the rounds divided by N (includes each worker's fixed cost: Python and its
              imports, so it is an upper bound that falls with N);
-  net/N      (that PSS minus the PSS of `--workers` idle worker processes that imported the same modules) / N;
+  net/N      (that PSS minus the PSS of as many idle worker processes, importing the same modules) / N;
   marginal   (PSS(N) - PSS(previous N)) / (N - previous N): the cost of one more device.
 Round overhead: wall = coordinator opens the round (encodes and publishes the weights and N round messages)
 until its close (aggregate, evaluate, checkpoint, results.json) returns. floor = the devices' training CPU time
@@ -393,7 +393,7 @@ def summarize(run: dict) -> dict:
     med["walls"] = [row["wall"] for row in rows]
     after, registered = probe.memory.get("after", {}), probe.memory.get("registered", {})
     return {
-        "n": n, "broker": run["broker"], "rounds": med, "rows": rows,
+        "n": n, "broker": run["broker"], "rounds": med, "rows": rows, "workers": len(probe.worker_pids),
         "startup": (probe.all_registered - probe.workers_started) if probe.all_registered else float("nan"),
         "first_registered": (probe.first_registered - probe.workers_started) if probe.first_registered else float("nan"),
         "registered": registered, "after": after, "idle_cpu": probe.idle_cpu,
@@ -411,16 +411,18 @@ def fmt(value: float, spec: str) -> str:
 
 def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.Namespace) -> None:
     cores = os.cpu_count() or 1
-    print(f"\nfleet scale: {args.workers} worker processes, {cores} cores, {args.backend} backend, digits-class with "
+    workers = args.workers or "the fleet's own number of"
+    print(f"\nfleet scale: {workers} worker processes, {cores} cores, {args.backend} backend, digits-class with "
           f"1 task, {args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
-    print(f"{args.workers} idle workers (a worker's imports, no device): PSS {idle.get('Pss', 0) / MB:.0f} MB, "
-          f"RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous {idle.get('Anonymous', 0) / MB:.0f} MB")
+    print(f"an idle worker (its imports, no device), of {args.idle_workers} alive together: PSS "
+          f"{idle.get('Pss', 0) / MB:.0f} MB, RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous "
+          f"{idle.get('Anonymous', 0) / MB:.0f} MB")
     mapped = [f"{s['broker']} N={s['n']}" for s in summaries if s["after"].get("libtorch")]
     if mapped:
         print(f"workers map libtorch_cpu (a worker should not import torch): {', '.join(mapped)}")
 
     print("\nstartup and host memory (worker processes summed; MB = MiB)")
-    print(f"{'broker':>9s} {'N':>4s} {'first reg s':>11s} {'all reg s':>9s} {'PSS reg':>8s} {'PSS after':>9s} "
+    print(f"{'broker':>9s} {'N':>5s} {'workers':>7s} {'first reg s':>11s} {'all reg s':>9s} {'PSS reg':>8s} {'PSS after':>9s} "
           f"{'RSS after':>9s} {'anon after':>10s} {'total/N':>8s} {'net/N':>6s} {'marginal':>8s} "
           f"{'threads':>7s} {'fds':>5s} {'broker RSS':>10s}")
     previous: dict[str, dict] = {}
@@ -430,10 +432,10 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
         prev = previous.get(s["broker"])
         marginal = ((pss - prev["after"].get("Pss", float("nan"))) / (s["n"] - prev["n"]) / MB
                     if prev is not None else float("nan"))
-        print(f"{s['broker']:>9s} {s['n']:4d} {fmt(s['first_registered'], '11.1f')} {fmt(s['startup'], '9.1f')} "
+        print(f"{s['broker']:>9s} {s['n']:5d} {s['workers']:7d} {fmt(s['first_registered'], '11.1f')} {fmt(s['startup'], '9.1f')} "
               f"{fmt(reg.get('Pss', float('nan')) / MB, '8.0f')} {fmt(pss / MB, '9.0f')} "
               f"{fmt(after.get('Rss', float('nan')) / MB, '9.0f')} {fmt(after.get('Anonymous', float('nan')) / MB, '10.0f')} "
-              f"{fmt(pss / s['n'] / MB, '8.2f')} {fmt((pss - idle.get('Pss', 0)) / s['n'] / MB, '6.2f')} "
+              f"{fmt(pss / s['n'] / MB, '8.2f')} {fmt((pss - idle.get('Pss', 0) * s['workers']) / s['n'] / MB, '6.2f')} "
               f"{fmt(marginal, '8.2f')} {after.get('threads', 0):7.0f} {after.get('fds', 0):5.0f} "
               f"{fmt(s['broker_after'].get('Rss', float('nan')) / MB, '10.1f')}")
         previous[s["broker"]] = s
@@ -503,7 +505,8 @@ def main() -> None:
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
     parser.add_argument("--workers", type=int, default=None,
-                        help="worker processes hosting the devices (default: the fleet's, one per core)")
+                        help="worker processes hosting the devices (default: the fleet's: one per core, more where "
+                             "the devices need them)")
     parser.add_argument("--backend", default=None, help="the devices' trainer backend (default: the fleet's)")
     parser.add_argument("--broker", default="mosquitto,embedded",
                         help="mosquitto, embedded, or both comma-separated (default: both)")
@@ -528,11 +531,12 @@ def main() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
-    from firmware_sim.fleet import FleetConfig, usable_cores
+    from firmware_sim.fleet import FleetConfig, ProcessWorkers
 
-    args.workers = args.workers or usable_cores()  # the fleet's own default: one worker per core
+    counts = [ProcessWorkers().count(args.workers, n) for n in sizes]  # None: the fleet's own sizing
+    args.idle_workers = max(counts)
     args.backend = args.backend or FleetConfig.trainer.backend
-    idle = idle_workers_memory(args.workers, args.backend)
+    idle = {k: v / args.idle_workers for k, v in idle_workers_memory(args.idle_workers, args.backend).items()}
     summaries, artifacts = [], None
     try:
         for broker in brokers:

@@ -3,8 +3,8 @@
 The devices run exactly as in a local fleet (`fleet_worker.serve_devices`: the real device daemon, one network
 loop per worker carrying all its devices' MQTT connections); only where a worker runs changes. The fleet process
 (the Ray driver) keeps the broker and the coordinator on its own node, the head node or a GPU node, and places
-`workers` actors, one core each, spread over the nodes. Ray needs the `ray` extra (`pip install 'edgefil[ray]'`)
-and edgefil installed on every node.
+`workers` actors, a core each (a share of one where they outnumber the cores), spread over the nodes. Ray needs
+the `ray` extra (`pip install 'edgefil[ray]'`) and edgefil installed on every node.
 
 - **Where the broker listens.** On a cluster, on the address the driver's node has in it (remote devices connect
   there: mosquitto's passwords and ACL guard it, and the embedded broker, which has neither, is refused); with Ray
@@ -21,6 +21,7 @@ and edgefil installed on every node.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from edgefil.durable import write_atomically
-from firmware_sim.fleet_worker import LOG_FORMAT, STOP_GRACE_S, ensure_descriptors, mount_disks, serve_devices
+from firmware_sim.fleet_worker import (
+    DEVICES_PER_WORKER,
+    LOG_FORMAT,
+    STOP_GRACE_S,
+    ensure_descriptors,
+    mount_disks,
+    serve_devices,
+)
 
 log = logging.getLogger("edgefil.fleet")
 LOOPBACK = "127.0.0.1"
@@ -141,17 +149,21 @@ class RayWorkers:
         return str(next(n["NodeManagerAddress"] for n in self._ray.nodes() if n["NodeID"] == here))
 
     def count(self, workers: int | None, devices: int) -> int:
-        """`workers` as set, else one per core of the cluster; never more than the devices."""
-        cores = int(self._ray.cluster_resources().get("CPU", 1))
-        if workers is not None and workers > cores:
-            log.warning("%d workers on a cluster of %d cores: the ones beyond wait for a core", workers, cores)
-        return min(workers if workers is not None else cores, devices)
+        """`workers` as set, else one per core of the cluster, and more where the devices need them (as a worker
+        process: `DEVICES_PER_WORKER`); never more than the devices."""
+        cores = self._cores()
+        return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
+
+    def _cores(self) -> int:
+        return int(self._ray.cluster_resources().get("CPU", 1))
 
     def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
         files = {str(p.relative_to(artifacts)): p.read_bytes() for p in sorted(artifacts.rglob("*")) if p.is_file()}
         shipped = self._ray.put(files)
+        # a core each; more workers than cores share them (as worker processes would), so none waits unplaced
         actor = self._ray.remote(
-            num_cpus=1, max_concurrency=4, max_restarts=self.settings.max_restarts, max_task_retries=-1,
+            num_cpus=min(1.0, self._cores() / len(shares)), max_concurrency=4,
+            max_restarts=self.settings.max_restarts, max_task_retries=-1,
             scheduling_strategy="SPREAD",
         )(DeviceHost)
         for k, share in enumerate(shares):

@@ -23,6 +23,10 @@ DESCRIPTORS_PER_DEVICE = 4
 DESCRIPTORS_PER_CONNECTION = 2
 BASE_DESCRIPTORS = 256
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+# Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores): 1500 a worker ran
+# clean (3000 devices on 2 workers), 1250 too (5000 on 4); at 2500 a worker (5000 on 2) the thread fell behind
+# under the GIL, keepalives lapsed and the broker dropped thousands of devices.
+DEVICES_PER_WORKER = 1500
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:

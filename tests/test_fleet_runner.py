@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.broker import mosquitto_path
 from firmware_sim import fleet as fleet_module
-from firmware_sim.fleet_worker import BASE_DESCRIPTORS, DESCRIPTORS_PER_DEVICE
+from firmware_sim.fleet_worker import BASE_DESCRIPTORS, DESCRIPTORS_PER_DEVICE, DEVICES_PER_WORKER
 from firmware_sim.report import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +250,8 @@ except RuntimeError as err:
 
 def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeypatch, tmp_path):
     """A worker is one Python process (one GIL), about one core of device work: left out of the fleet file,
-    `workers` is the cores the fleet may use; a fleet file's own value is kept; either is capped at the devices."""
+    `workers` is the cores the fleet may use, or more where the devices outnumber what one worker's network thread
+    keeps alive; a fleet file's own value is kept; either is capped at the devices."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET.format(broker="auto").replace("workers = 2\n", "").replace("devices = 4", "devices = 40")
@@ -260,6 +261,8 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
     assert config.workers is None and count(config.workers, config.devices) == 6
     assert count(3, config.devices) == 3
     assert count(None, 4) == 4
+    # and more where one worker's network thread would carry more connections than it keeps alive
+    assert count(None, 20 * DEVICES_PER_WORKER) == 20
     with pytest.raises(ValueError, match="at least 1"):
         dataclasses.replace(config, workers=0)
 
