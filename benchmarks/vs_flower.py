@@ -6,9 +6,10 @@ same at every N), `--rounds` rounds of one local epoch of LeNet (models/zoo.py, 
 3e-3, batches of 32) on every client, FedAvg over all N, the global model evaluated on the task's test set after
 each round.
 
-- edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, one worker
-  process per core, the portable backend), random replay with M large enough to hold every share. The artifacts
-  are exported once, before the runs (Flower builds its torch model in-process).
+- edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, the workers it
+  sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
+  enough to hold every share. The artifacts are exported once, before the runs (Flower builds its torch model
+  in-process).
 - Flower 1.40: `flwr.simulation.run_simulation` with the message API's FedAvg (`fraction_train = 1`, no
   client-side evaluation, the central evaluation as `evaluate_fn`), one client per core at a time
   (`client_resources = {num_cpus = 1}`), torch at one thread in each. Its clients train on the very shards
@@ -141,11 +142,9 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
                                  idle_s=0.0, rounds=rounds)
-    from firmware_sim.fleet import usable_cores
-
-    options.workers = usable_cores()  # the fleet's own default: one per core
     run = run_fleet(n, options, folder / "edgefil", folder / "artifacts", "mosquitto")
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
