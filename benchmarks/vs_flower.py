@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet_scale import memory_of  # its top level imports the standard library only
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_PACKAGES = ["flwr[simulation]==1.40.0", "torch==2.14.1", "numpy"]
 MODEL, SEED = "lenet", 0
@@ -76,16 +78,6 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def pss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class PeakMemory(threading.Thread):
     """The peak, over the samples, of the summed PSS of a process and its descendants."""
 
@@ -96,7 +88,7 @@ class PeakMemory(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
-            self.peak = max(self.peak, sum(pss_bytes(p) for p in descendants(self.pid)))
+            self.peak = max(self.peak, sum(memory_of(p).get("Pss", 0) for p in descendants(self.pid)))
 
 
 def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -154,13 +146,11 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]
 
 
 def export_artifacts(folder: Path) -> None:
-    from models.export import export_registered
-
-    with_n = {**SCENARIO, "n_clients": 1}
     from edgefil.settings import Where
     from firmware_sim.scenarios import check_scenario
+    from models.export import export_registered
 
-    data = check_scenario(with_n, Where("vs_flower")).build()
+    data = check_scenario({**SCENARIO, "n_clients": 1}, Where("vs_flower")).build()
     export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"))
 
 

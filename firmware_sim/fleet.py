@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -71,10 +70,10 @@ from firmware_sim import disk
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
     DESCRIPTORS_PER_CONNECTION,
-    DEVICES_PER_WORKER,
     ensure_descriptors,
     host_devices,
     mount_disks,
+    worker_count,
 )
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
@@ -362,13 +361,8 @@ class ProcessWorkers:
         self._mounted: list[Path] = []
 
     def count(self, workers: int | None, devices: int) -> int:
-        """`workers` as set, else one per core this process may run on, and more where the devices need them: a
-        worker is one Python process (one GIL), so it does about one core of device work; at 1000 devices on 2
-        cores, 2 workers register every device in ~25 s and more would only add each worker's own memory, but
-        one worker's network thread keeps at most `DEVICES_PER_WORKER` connections alive
-        (benchmarks/fleet_scale.py). Never more than the devices."""
-        needed = max(usable_cores(), math.ceil(devices / DEVICES_PER_WORKER))
-        return min(workers if workers is not None else needed, devices)
+        """`fleet_worker.worker_count` over the cores this process may run on."""
+        return worker_count(workers, devices, usable_cores())
 
     def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
         self._mounted = mount_disks([raw for share in shares for raw in share])

@@ -21,7 +21,6 @@ the `ray` extra (`pip install 'edgefil[ray]'`) and edgefil installed on every no
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -30,12 +29,12 @@ from typing import Any
 
 from edgefil.durable import write_atomically
 from firmware_sim.fleet_worker import (
-    DEVICES_PER_WORKER,
     LOG_FORMAT,
     STOP_GRACE_S,
     ensure_descriptors,
     mount_disks,
     serve_devices,
+    worker_count,
 )
 
 log = logging.getLogger("edgefil.fleet")
@@ -149,10 +148,8 @@ class RayWorkers:
         return str(next(n["NodeManagerAddress"] for n in self._ray.nodes() if n["NodeID"] == here))
 
     def count(self, workers: int | None, devices: int) -> int:
-        """`workers` as set, else one per core of the cluster, and more where the devices need them (as a worker
-        process: `DEVICES_PER_WORKER`); never more than the devices."""
-        cores = self._cores()
-        return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
+        """`fleet_worker.worker_count` over the cluster's cores."""
+        return worker_count(workers, devices, self._cores())
 
     def _cores(self) -> int:
         return int(self._ray.cluster_resources().get("CPU", 1))

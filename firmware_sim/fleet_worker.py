@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -27,6 +28,14 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # clean (3000 devices on 2 workers), 1250 too (5000 on 4); at 2500 a worker (5000 on 2) the thread fell behind
 # under the GIL, keepalives lapsed and the broker dropped thousands of devices.
 DEVICES_PER_WORKER = 1500
+
+
+def worker_count(workers: int | None, devices: int, cores: int) -> int:
+    """`workers` as set, else one per core, and more where the devices need them: a worker is one Python process
+    (one GIL), so it does about one core of device work (at 1000 devices on 2 cores, 2 workers register every
+    device in ~25 s and more would only add each worker's own memory), but one worker's network thread keeps at
+    most `DEVICES_PER_WORKER` connections alive (benchmarks/fleet_scale.py). Never more than the devices."""
+    return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
