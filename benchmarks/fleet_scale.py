@@ -531,9 +531,10 @@ def main() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
-    from firmware_sim.fleet import FleetConfig, ProcessWorkers
+    from firmware_sim.fleet import FleetConfig, usable_cores
+    from firmware_sim.fleet_worker import worker_count
 
-    counts = [ProcessWorkers().count(args.workers, n) for n in sizes]  # None: the fleet's own sizing
+    counts = [worker_count(args.workers, n, usable_cores()) for n in sizes]  # None: the fleet's own sizing
     args.idle_workers = max(counts)
     args.backend = args.backend or FleetConfig.trainer.backend
     idle = {k: v / args.idle_workers for k, v in idle_workers_memory(args.idle_workers, args.backend).items()}

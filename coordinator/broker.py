@@ -48,6 +48,15 @@ from edgefil.lifetime import die_with_parent
 log = logging.getLogger("edgefil.broker")
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
 _RELOADED = b"Reloading config."
+_DROPPING = re.compile(rb"Outgoing messages are being dropped for client (\S+?)\.?$", re.MULTILINE)
+# What mosquitto holds for one client beyond its in-flight window (`max_queued_messages`, one number for every
+# client). The coordinator's queue takes the whole fleet's messages while it reads them, and a round brings each
+# device's status, request and update chunks at nearly the same moment: 7000 devices overran a fixed 10,000.
+# mosquitto acknowledges a publish to its sender before it queues it for the subscribers and drops what does not
+# fit, so an overrun loses updates that every device believes delivered. The bound therefore grows with the roster:
+# a round of one device's messages each (an update of up to ~120 MB in 1 MB chunks, and its control messages).
+QUEUED_PER_DEVICE = 128
+MIN_QUEUED = 1000  # mosquitto's own default, for a roster of a few devices
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,7 @@ class MosquittoBroker:
         persistence: bool = False,
         observers: Mapping[str, str] | None = None,
         require_certificate: bool = False,
+        queued_per_device: int = QUEUED_PER_DEVICE,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
@@ -167,8 +177,16 @@ class MosquittoBroker:
         if require_certificate and tls is None:
             raise ValueError("require_certificate needs a TLS listener (tls)")
         self.require_certificate = require_certificate
+        if queued_per_device < 1:
+            raise ValueError("queued_per_device must be at least 1")
+        self.queued_per_device = queued_per_device
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
+
+    @property
+    def max_queued_messages(self) -> int:
+        """Sized to the roster (QUEUED_PER_DEVICE); `add_device` grows it with the reload it sends."""
+        return max(MIN_QUEUED, len(self._devices) * self.queued_per_device)
 
     @property
     def conf_path(self) -> Path:
@@ -230,7 +248,7 @@ class MosquittoBroker:
             f"password_file {w / 'passwd'}",
             f"acl_file {w / 'acl'}",
             f"max_packet_size {self.max_packet_bytes}",
-            "max_queued_messages 10000",
+            f"max_queued_messages {self.max_queued_messages}",
             f"persistence {'true' if self.persistence else 'false'}",
         ]
         if self.persistence:
@@ -283,6 +301,11 @@ class MosquittoBroker:
                 text = path.read_text(errors="replace").splitlines()[-lines:]
                 parts.append(f"--- {path.name}\n" + "\n".join(text))
         return "\n".join(parts) or "(mosquitto wrote no log)"
+
+    def dropping(self) -> list[str]:
+        """The clients mosquitto has logged dropping messages to (their queue was full), once per episode: for
+        the coordinator, updates and statuses the devices were told were delivered are lost."""
+        return [name.decode(errors="replace") for name in _DROPPING.findall(self._log_since(0))]
 
     def start(self, timeout: float = 10.0) -> None:
         """Spawn mosquitto and return once it logged that it runs and its port accepts TCP."""

@@ -49,6 +49,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,7 @@ from firmware_sim import disk
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
     DESCRIPTORS_PER_CONNECTION,
+    device_keepalive,
     ensure_descriptors,
     host_devices,
     mount_disks,
@@ -253,6 +255,7 @@ class Fleet:
             with coordinator_threads(self.workers.here()):
                 results = coordinator.run()
         finally:
+            self._report_dropped()
             self.stop()
         written = write_report(out, results)
         return {**results, "report": str(written[0])}
@@ -262,6 +265,18 @@ class Fleet:
             self.workers.stop()
         if self.broker is not None:
             self.broker.stop()
+
+    def _report_dropped(self) -> None:
+        """mosquitto drops, without telling the sender, what a client's full queue cannot take: say so."""
+        if not isinstance(self.broker, MosquittoBroker):
+            return
+        dropped = Counter(self.broker.dropping())
+        if dropped.pop("coordinator", 0):
+            log.error("mosquitto dropped messages to the coordinator (its queue of %d was full): devices' updates "
+                      "and statuses were lost; see %s", self.broker.max_queued_messages, self.broker.log_path)
+        if dropped:
+            log.warning("mosquitto dropped messages to %d devices that did not read them (their queue of %d was "
+                        "full)", len(dropped), self.broker.max_queued_messages)
 
     # --- parts ------------------------------------------------------------------------------------
 
@@ -312,7 +327,8 @@ class Fleet:
         tls = {"cafile": address.cafile} if address.cafile else {}
         return {"host": address.host, "port": address.port, "username": username, "password": password, **tls}
 
-    def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
+    def device_config(self, index: int, artifacts: Path, keepalive: int | None = None) -> dict[str, Any]:
+        """`keepalive`: seconds (fleet_worker.device_keepalive), None for the devices' default."""
         device = self.config.device_ids[index]
         profile = self.config.device_profiles()[index]
         store = self.config.store_options()
@@ -326,7 +342,8 @@ class Fleet:
         return {
             **emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
-            "broker": self._settings(device, self.passwords[device]),
+            "broker": {**self._settings(device, self.passwords[device]),
+                       **({} if keepalive is None else {"keepalive": keepalive})},
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
             "data": {"scenario": self.scenario, "client": index},
         }
@@ -334,8 +351,10 @@ class Fleet:
     def _start_workers(self, artifacts: Path) -> None:
         if self.workers is None:
             raise RuntimeError("no workers to start")
-        configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
-        count = self.workers.count(self.config.workers, self.config.devices)
+        cores = self.workers.cores()
+        keepalive = device_keepalive(self.config.devices, cores)
+        configs = [self.device_config(i, artifacts, keepalive) for i in range(self.config.devices)]
+        count = worker_count(self.config.workers, self.config.devices, cores)
         self.workers.start([configs[k::count] for k in range(count)], artifacts, self.config.out / "logs")
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:
@@ -360,9 +379,9 @@ class ProcessWorkers:
         self.processes: list[mp.process.BaseProcess] = []
         self._mounted: list[Path] = []
 
-    def count(self, workers: int | None, devices: int) -> int:
-        """`fleet_worker.worker_count` over the cores this process may run on."""
-        return worker_count(workers, devices, usable_cores())
+    def cores(self) -> int:
+        """The cores the workers run on: those this process may run on."""
+        return usable_cores()
 
     def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
         self._mounted = mount_disks([raw for share in shares for raw in share])

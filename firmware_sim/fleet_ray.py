@@ -34,7 +34,6 @@ from firmware_sim.fleet_worker import (
     ensure_descriptors,
     mount_disks,
     serve_devices,
-    worker_count,
 )
 
 log = logging.getLogger("edgefil.fleet")
@@ -147,11 +146,8 @@ class RayWorkers:
         here = self._ray.get_runtime_context().get_node_id()
         return str(next(n["NodeManagerAddress"] for n in self._ray.nodes() if n["NodeID"] == here))
 
-    def count(self, workers: int | None, devices: int) -> int:
-        """`fleet_worker.worker_count` over the cluster's cores."""
-        return worker_count(workers, devices, self._cores())
-
-    def _cores(self) -> int:
+    def cores(self) -> int:
+        """The cores the workers run on: the cluster's."""
         return int(self._ray.cluster_resources().get("CPU", 1))
 
     def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
@@ -159,7 +155,7 @@ class RayWorkers:
         shipped = self._ray.put(files)
         # a core each; more workers than cores share them (as worker processes would), so none waits unplaced
         actor = self._ray.remote(
-            num_cpus=min(1.0, self._cores() / len(shares)), max_concurrency=4,
+            num_cpus=min(1.0, self.cores() / len(shares)), max_concurrency=4,
             max_restarts=self.settings.max_restarts, max_task_retries=-1,
             scheduling_strategy="SPREAD",
         )(DeviceHost)

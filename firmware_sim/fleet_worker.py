@@ -38,6 +38,20 @@ def worker_count(workers: int | None, devices: int, cores: int) -> int:
     return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
 
 
+# A device's MQTT keepalive, in seconds: the broker drops a connection it has heard nothing from for 1.5x this.
+# Workers' network threads share the cores with training, and on a crowded host they send their pings late: at 7000
+# devices on 2 cores (3500 a core) 12,222 connections lapsed at the devices' default of 10 s, none at 60 s; 5000 on
+# 2 cores ran clean at 10 s (benchmarks/fleet_scale.py). Past CROWDED_DEVICES_PER_CORE the fleet gives its devices
+# the longer keepalive; the price is a dead device noticed after 90 s instead of 15 s.
+CROWDED_DEVICES_PER_CORE = 2000
+CROWDED_KEEPALIVE_S = 60
+
+
+def device_keepalive(devices: int, cores: int) -> int | None:
+    """The keepalive a fleet's devices get: None (their own default) unless the host is crowded."""
+    return CROWDED_KEEPALIVE_S if devices > CROWDED_DEVICES_PER_CORE * max(cores, 1) else None
+
+
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
     """Raise this process's soft limit on open files to what `devices` need at `per_device` each (a broker
     started later inherits it), or refuse in one line naming the fix where the hard limit does not allow it. A

@@ -254,6 +254,48 @@ def test_a_publish_over_the_packet_limit_is_not_delivered(tmp_path, passwords, p
         assert f"{P}/dev/dev-a/big" not in coordinator.topics()
 
 
+def _received_when_quiet(peer: Peer, timeout: float = 30.0) -> int:
+    """How many messages `peer` has once none came for QUIET seconds."""
+    deadline = time.monotonic() + timeout
+    seen, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = len(peer.received())
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > QUIET:
+            break
+        time.sleep(0.05)
+    return seen
+
+
+@needs_mosquitto
+def test_the_coordinators_queue_holds_a_round_of_every_devices_messages_and_an_overrun_is_reported(
+        tmp_path, passwords, peers):
+    """mosquitto acknowledges a device's publish before it queues it for the coordinator, and drops what its queue
+    cannot hold. The queue is sized to the roster, so a burst of a round's messages from every device waits for a
+    coordinator that is busy elsewhere; a burst beyond it is what `dropping()` reports."""
+    passwords.update({f"dev-{k}": generate_password() for k in range(18)})  # a roster of 20
+    with make_broker(tmp_path / "broker", passwords, queued_per_device=64) as broker:
+        assert broker.max_queued_messages == 20 * 64
+        coordinator = peers(broker.address, "coordinator")
+        coordinator.subscribe(f"{P}/dev/#")
+        device = peers(broker.address, "dev-a")
+        topic = f"{P}/dev/dev-a/update"
+
+        coordinator.client.loop_stop()  # busy: it reads nothing while the burst arrives
+        device.publish_all([(topic, b"%d" % k) for k in range(20 * 60)])
+        coordinator.client.loop_start()
+        assert _received_when_quiet(coordinator) == 20 * 60
+        assert [int(p) for _, p in coordinator.received()] == list(range(20 * 60))
+        assert broker.dropping() == []
+
+        coordinator.client.loop_stop()
+        device.publish_all([(topic, b"x")] * (2 * 20 * 64))  # twice what the queue holds
+        coordinator.client.loop_start()
+        assert _received_when_quiet(coordinator) < 20 * 60 + 2 * 20 * 64
+        assert broker.dropping() == ["coordinator"]
+
+
 @needs_mosquitto
 def test_start_fails_with_the_log_when_the_port_is_taken(tmp_path, passwords):
     with socket.socket() as squatter:

@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker import mosquitto_path
+from edgefil.link import BrokerSettings
 from firmware_sim import fleet as fleet_module
-from firmware_sim.fleet_worker import BASE_DESCRIPTORS, DESCRIPTORS_PER_DEVICE, DEVICES_PER_WORKER
+from firmware_sim.fleet_worker import (
+    BASE_DESCRIPTORS,
+    CROWDED_DEVICES_PER_CORE,
+    CROWDED_KEEPALIVE_S,
+    DESCRIPTORS_PER_DEVICE,
+    DEVICES_PER_WORKER,
+    device_keepalive,
+    worker_count,
+)
 from firmware_sim.report import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,7 +266,12 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
     path.write_text(FLEET.format(broker="auto").replace("workers = 2\n", "").replace("devices = 4", "devices = 40")
                     .replace("profiles = {raspberry-pi-4-4gb = 2, jetson-orin-nano = 2}\n", ""))
     config = fleet_module.FleetConfig.load(path)
-    count = fleet_module.ProcessWorkers().count
+    cores = fleet_module.ProcessWorkers().cores()
+    assert cores == 6
+
+    def count(workers: int | None, devices: int) -> int:
+        return worker_count(workers, devices, cores)
+
     assert config.workers is None and count(config.workers, config.devices) == 6
     assert count(3, config.devices) == 3
     assert count(None, 4) == 4
@@ -265,6 +279,14 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
     assert count(None, 20 * DEVICES_PER_WORKER) == 20
     with pytest.raises(ValueError, match="at least 1"):
         dataclasses.replace(config, workers=0)
+
+
+def test_devices_on_a_crowded_host_get_the_longer_keepalive():
+    """Their network threads ping late on a crowded host; below the crowd, the devices keep their own default."""
+    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2, 2) is None
+    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_KEEPALIVE_S
+    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 3) is None
+    assert CROWDED_KEEPALIVE_S > BrokerSettings.keepalive
 
 
 def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
