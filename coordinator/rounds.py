@@ -35,7 +35,11 @@ def select(available: list[str], fraction: float, quorum: int, rng: np.random.Ge
 
 @dataclass
 class OpenRound:
-    """The round being collected: its identity, selection, deadline and the devices whose updates it accepted."""
+    """The round being collected: its identity, selection, deadline and the devices whose updates it accepted.
+
+    The round keeps the selected devices it still waits for (`waiting`) as they answer, so `complete` and
+    `awaits` cost the same at 10 devices as at 10,000: the coordinator asks after every message it handles, and
+    recomputing from the selection made a round's messages cost O(N^2)."""
 
     number: int
     task: int
@@ -47,6 +51,11 @@ class OpenRound:
     too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
     gone: set[str] = field(default_factory=set)  # went offline before delivering: the round does not wait
     failed: dict[str, str] = field(default_factory=dict)  # said it cannot train this round, and why
+    waiting: set[str] = field(init=False)  # selected, and none of the above: what the round waits for
+
+    def __post_init__(self) -> None:
+        self._chosen = frozenset(self.selected)
+        self.waiting = set(self._chosen) - self.delivered - self.too_slow - self.gone - set(self.failed)
 
     @classmethod
     def open(
@@ -57,15 +66,33 @@ class OpenRound:
     @property
     def complete(self) -> bool:
         """Every selected device has answered, failed or gone (one too slow in device time has answered too)."""
-        return set(self.selected) <= self.delivered | self.too_slow | self.gone | set(self.failed)
+        return not self.waiting
+
+    def awaits(self, device: str) -> bool:
+        """Selected and not delivered (gone or failed included): a device whose return the round would take."""
+        return device in self._chosen and device not in self.delivered
+
+    def carry_over(self, delivered: set[str]) -> None:
+        """Deliveries of the round's earlier attempt: they answer the same model, and count here."""
+        self.delivered |= delivered
+        self.waiting -= delivered
 
     def went_offline(self, device: str) -> None:
-        if device in self.selected and device not in self.delivered:
+        if self.awaits(device):
             self.gone.add(device)
+            self.waiting.discard(device)
+
+    def came_back(self, device: str) -> None:
+        """A gone device is online again: the round waits for it once more."""
+        if device in self.gone:
+            self.gone.discard(device)
+            if device not in self.too_slow and device not in self.failed:
+                self.waiting.add(device)
 
     def failed_with(self, device: str, error: str) -> None:
-        if device in self.selected and device not in self.delivered:
+        if self.awaits(device):
             self.failed[device] = error
+            self.waiting.discard(device)
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -94,9 +121,11 @@ class OpenRound:
         elif self._too_slow(update):
             reason = "late"
             self.too_slow.add(update.device)
+            self.waiting.discard(update.device)
         if reason is None:
             self.delivered.add(update.device)
             self.gone.discard(update.device)  # it came back in time after all
+            self.waiting.discard(update.device)
         else:
             counts[reason] += 1
         return reason

@@ -74,6 +74,7 @@ CHECKPOINT_DIR = "checkpoint"
 RESULTS_FILE = "results.json"
 PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
 PERSONAL = "personal"  # the payload that carries a device's personalized model
+CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online) checks between messages
 
 
 class QuorumError(RuntimeError):
@@ -251,7 +252,7 @@ class Coordinator:
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
         if earlier is not None:
-            opened.delivered |= earlier.delivered
+            opened.carry_over(earlier.delivered)
         for device in opened.missing():
             self._send_round(device)
         return opened
@@ -371,8 +372,8 @@ class Coordinator:
         """The devices that can be selected now, after waiting as the module docstring says."""
         wanted = len(self.config.devices) if self._first_round else self.config.min_clients
         deadline = time.monotonic() + self.config.wait_for_devices_s
-        while len(self._available()) < wanted and time.monotonic() < deadline:
-            self._pump(min(1.0, deadline - time.monotonic()))
+        while self._available_count() < wanted and time.monotonic() < deadline:
+            self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:
@@ -384,11 +385,25 @@ class Coordinator:
         """Before a retry: wait up to `seconds` (handling messages) for devices that missed the round to be back
         (reconnected and registered), so the retry does not fire at a fleet that is still restarting."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not set(devices) <= set(self._available()):
-            self._pump(min(1.0, deadline - time.monotonic()))
+        back = set(devices)
+        while time.monotonic() < deadline and not back <= self.registered.keys() & self.online:
+            self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
 
     def _available(self) -> list[str]:
-        return sorted(d for d in self.registered if d in self.online)
+        return sorted(self.registered.keys() & self.online)
+
+    def _available_count(self) -> int:
+        return len(self.registered.keys() & self.online)
+
+    def _pump_for(self, seconds: float) -> None:
+        """Handle messages for `seconds`: a loop that waits for the whole fleet checks between such slices, since
+        a check costs O(devices) and so do the messages (checked after each one, 9000 registrations took
+        minutes of the coordinator's CPU)."""
+        end = time.monotonic() + seconds
+        while True:
+            self._pump(end - time.monotonic())
+            if time.monotonic() >= end:
+                return
 
     def _pump(self, timeout: float) -> None:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
@@ -412,7 +427,7 @@ class Coordinator:
         self._note_instance(event.device, event.instance)
         self.registered[event.device] = event  # online is what its (retained) status says
         current = self.open_round
-        if current is not None and event.device in current.missing():
+        if current is not None and current.awaits(event.device):
             self._send_round(event.device, with_weights=True)
 
     def _note_instance(self, device: str, instance: str) -> None:
@@ -452,7 +467,7 @@ class Coordinator:
         if event.state != "offline":
             self.online.add(event.device)
             if current is not None and event.device in current.gone:  # back (or the offline was stale)
-                current.gone.discard(event.device)
+                current.came_back(event.device)
                 self._send_round(event.device, with_weights=True)
             return
         self.online.discard(event.device)

@@ -170,6 +170,23 @@ def test_a_model_that_explodes_or_collapses_is_refused():
     assert state.best_accuracy(0) == 0.9 and state.best_accuracy(1) == 0.3 and state.best_accuracy(2) is None
 
 
+def test_an_open_round_waits_for_exactly_the_selected_devices_that_have_not_answered():
+    """`complete` is kept as devices answer, leave, return and fail (not recomputed from the selection)."""
+    current = OpenRound.open(5, 0, MODEL, ["d1", "d2", "d3", "d4"], deadline_s=60)
+    current.carry_over({"d1", "d9"})  # the earlier attempt's deliveries, one of them not selected now
+    assert current.waiting == {"d2", "d3", "d4"} and not current.awaits("d1") and not current.awaits("d9")
+    current.went_offline("d2")
+    current.failed_with("d3", "no data")
+    assert current.waiting == {"d4"} and current.awaits("d2") and current.awaits("d3")
+    current.came_back("d2")
+    current.came_back("d3")  # never gone: still failed
+    assert current.waiting == {"d2", "d4"}
+    counts: Counter[str] = Counter()
+    assert current.offer(update("d2"), counts) is None and not current.complete
+    assert current.offer(update("d4"), counts) is None and current.complete
+    assert current.delivered == {"d1", "d2", "d4", "d9"} and current.missing() == ["d3"]
+
+
 def test_a_selected_device_that_goes_offline_does_not_hold_the_round_but_may_still_deliver():
     current = OpenRound.open(5, 0, MODEL, ["d1", "d2"], deadline_s=60)
     counts: Counter[str] = Counter()
