@@ -5,9 +5,13 @@ must:
 - reading a PUBLISH, its decoder slices the packet three times with struct.unpack (the packet after the topic
   length, the rest after the topic, the rest after the message id): three copies of the payload;
 - writing, each try of a partial socket write slices the unsent rest of the packet: on a busy socket a 1 MB
-  packet was copied once per try.
+  packet was copied once per try;
+- reading a packet's body, each socket read allocates a buffer of the whole rest (1 MB, then shrunk) and appends
+  what it got to a growing bytearray: every byte copied once more, plus the growth's reallocations.
 
-`Client` queues each outgoing packet as a memoryview, so a retried write slices a view. `install()` replaces paho's
+`Client` queues each outgoing packet as a memoryview, so a retried write slices a view; it reads the body of a
+packet of `IN_PLACE_BYTES` or more with `recv_into` straight into a buffer allocated at the packet's size (the
+length paho has just decoded), handing paho the count of bytes it read in place of them. `install()` replaces paho's
 PUBLISH decoder with one that returns the payload as a memoryview of the packet buffer (paho starts a new buffer
 for the next packet, so the view stays valid for as long as the message is kept). Consumers read payloads as
 `bytes | memoryview` (wire.decode does). Both rely on paho internals: each is checked against what paho ships
@@ -17,6 +21,7 @@ another paho, paho runs as shipped.
 from __future__ import annotations
 
 import inspect
+import ssl
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -28,6 +33,11 @@ except ImportError:  # paho < 2.2 decodes inside the client class: not patched
 
 _PUBLISH_FIELDS = ("dup", "qos", "retain", "topic", "mid", "properties", "payload")
 _QUEUE_PARAMETERS = ["self", "command", "packet", "mid", "qos", "info"]
+# paho's body loop in `_packet_read`, which the in-place read stands in for: it asks for the rest of the body and
+# appends what it got, taking only its length besides
+_BODY_LOOP = ("data = self._sock_recv(self._in_packet['to_process'])", "self._in_packet['to_process'] -= len(data)",
+              "self._in_packet['packet'] += data")
+IN_PLACE_BYTES = 64 * 1024  # smaller packets (acknowledgements, statuses, small models) are read as paho does
 
 
 def decode_publish(header: int, packet: bytes | bytearray, protocol: Any) -> Any:
@@ -65,6 +75,37 @@ def queue_fits() -> bool:
     return queue is not None and list(inspect.signature(queue).parameters) == _QUEUE_PARAMETERS
 
 
+def read_fits() -> bool:
+    """paho reads a packet's body in the loop `_BODY_LOOP` quotes, through `_sock_recv`, into `_in_packet`."""
+    read = getattr(mqtt.Client, "_packet_read", None)
+    if read is None or not hasattr(mqtt.Client, "_sock_recv"):
+        return False
+    source = inspect.getsource(read)
+    return all(line in source for line in _BODY_LOOP)
+
+
+class _Body(bytearray):
+    """A packet body allocated at its full size and filled in place: paho's `packet += data` then gets the
+    `_Count` of bytes already there, and adds nothing."""
+
+    def __iadd__(self, received: Any) -> _Body:  # type: ignore[misc]  # takes a _Count, unlike __add__
+        if not isinstance(received, _Count):
+            raise TypeError(f"a packet read in place was given {type(received).__name__}")
+        return self
+
+
+class _Count:
+    """What an in-place read hands paho instead of the bytes: their number (paho takes only `len` of it)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def install() -> bool:
     """Use `decode_publish` for every paho client in this process (idempotent); False where paho differs."""
     if not decoder_fits():
@@ -74,9 +115,29 @@ def install() -> bool:
 
 
 class Client(mqtt.Client):
-    """A paho client whose queued packets are memoryviews: a partial write's retry slices a view, not a copy."""
+    """A paho client whose queued packets are memoryviews (a partial write's retry slices a view, not a copy) and
+    whose large packets are read in place."""
 
     if queue_fits():
         def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
                           info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
             return super()._packet_queue(command, memoryview(packet), mid, qos, info)  # type: ignore[arg-type]
+
+    if read_fits():
+        def _sock_recv(self, bufsize: int) -> Any:
+            incoming = self._in_packet
+            size = incoming["remaining_length"]
+            recv_into = getattr(self._sock, "recv_into", None)
+            if not (incoming["have_remaining"] and bufsize == incoming["to_process"] and size >= IN_PLACE_BYTES
+                    and recv_into is not None):  # a header byte, a small packet, a websocket
+                return super()._sock_recv(bufsize)
+            body = incoming["packet"]
+            if not isinstance(body, _Body):  # the body's first read: paho's fresh, empty buffer
+                body = incoming["packet"] = _Body(size)
+            try:
+                return _Count(recv_into(memoryview(body)[size - bufsize:]))
+            except ssl.SSLWantReadError as err:  # as paho's own `_sock_recv` maps them
+                raise BlockingIOError() from err
+            except ssl.SSLWantWriteError as err:
+                self._call_socket_register_write()
+                raise BlockingIOError() from err

@@ -71,7 +71,7 @@ from firmware_sim import disk
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
     DESCRIPTORS_PER_CONNECTION,
-    device_keepalive,
+    crowded_keepalive,
     ensure_descriptors,
     host_devices,
     mount_disks,
@@ -231,6 +231,7 @@ class Fleet:
         self.coordinator_password = generate_password()
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
         self.workers: ProcessWorkers | RayWorkers | None = None
+        self.keepalive: int | None = None  # the clients' MQTT keepalive (None: their default), for the workers' cores
 
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -248,6 +249,7 @@ class Fleet:
             # mosquitto inherits the limit: a connection per device
             ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
             self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
+            self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
             self.broker = self._start_broker(self.workers.broker_host)
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
@@ -325,10 +327,11 @@ class Fleet:
             raise RuntimeError("the broker is not started")
         address = self.broker.address
         tls = {"cafile": address.cafile} if address.cafile else {}
-        return {"host": address.host, "port": address.port, "username": username, "password": password, **tls}
+        keepalive = {} if self.keepalive is None else {"keepalive": self.keepalive}
+        return {"host": address.host, "port": address.port, "username": username, "password": password, **tls,
+                **keepalive}
 
-    def device_config(self, index: int, artifacts: Path, keepalive: int | None = None) -> dict[str, Any]:
-        """`keepalive`: seconds (fleet_worker.device_keepalive), None for the devices' default."""
+    def device_config(self, index: int, artifacts: Path) -> dict[str, Any]:
         device = self.config.device_ids[index]
         profile = self.config.device_profiles()[index]
         store = self.config.store_options()
@@ -342,8 +345,7 @@ class Fleet:
         return {
             **emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
-            "broker": {**self._settings(device, self.passwords[device]),
-                       **({} if keepalive is None else {"keepalive": keepalive})},
+            "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
             "data": {"scenario": self.scenario, "client": index},
         }
@@ -351,10 +353,8 @@ class Fleet:
     def _start_workers(self, artifacts: Path) -> None:
         if self.workers is None:
             raise RuntimeError("no workers to start")
-        cores = self.workers.cores()
-        keepalive = device_keepalive(self.config.devices, cores)
-        configs = [self.device_config(i, artifacts, keepalive) for i in range(self.config.devices)]
-        count = worker_count(self.config.workers, self.config.devices, cores)
+        configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
+        count = worker_count(self.config.workers, self.config.devices, self.workers.cores())
         self.workers.start([configs[k::count] for k in range(count)], artifacts, self.config.out / "logs")
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:

@@ -7,6 +7,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,17 +39,22 @@ def worker_count(workers: int | None, devices: int, cores: int) -> int:
     return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
 
 
-# A device's MQTT keepalive, in seconds: the broker drops a connection it has heard nothing from for 1.5x this.
-# Workers' network threads share the cores with training, and on a crowded host they send their pings late: at 7000
-# devices on 2 cores (3500 a core) 12,222 connections lapsed at the devices' default of 10 s, none at 60 s; 5000 on
-# 2 cores ran clean at 10 s (benchmarks/fleet_scale.py). Past CROWDED_DEVICES_PER_CORE the fleet gives its devices
-# the longer keepalive; the price is a dead device noticed after 90 s instead of 15 s.
+# The MQTT keepalive of a fleet's clients, in seconds: the broker drops a connection it has heard nothing from for
+# 1.5x this, and a client drops one whose broker has not answered its ping for as long. On a crowded host pings go
+# out and are answered late: at 7000 devices on 2 cores (3500 a core) 12,222 device connections lapsed at the
+# default of 10 s, none at 60 s; at 9000 the coordinator's own connection lapsed once. 5000 on 2 cores ran clean
+# at 10 s (benchmarks/fleet_scale.py). Past CROWDED_DEVICES_PER_CORE the fleet gives its devices and its
+# coordinator the longer keepalive; the price is a dead device noticed after 90 s instead of 15 s.
 CROWDED_DEVICES_PER_CORE = 2000
 CROWDED_KEEPALIVE_S = 60
+# A Python thread waiting for the GIL wakes every switch interval (5 ms by default) to ask for it. A broadcast
+# wakes every device thread of a worker at once (1500 of them at 9000 devices on 6 workers), and their wake-ups
+# then crowd out everything else on the host, the broker first. A longer interval in the workers thins them out.
+WORKER_SWITCH_INTERVAL_S = 0.05
 
 
-def device_keepalive(devices: int, cores: int) -> int | None:
-    """The keepalive a fleet's devices get: None (their own default) unless the host is crowded."""
+def crowded_keepalive(devices: int, cores: int) -> int | None:
+    """The keepalive of a fleet's clients: None (their own default) unless the host is crowded."""
     return CROWDED_KEEPALIVE_S if devices > CROWDED_DEVICES_PER_CORE * max(cores, 1) else None
 
 
@@ -110,6 +116,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     # every worker) would oversubscribe the host many times over. Set before anything imports torch, which reads
     # it once; ORT sessions take their thread count from [trainer] threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
     from edgefil.netloop import NetworkLoop

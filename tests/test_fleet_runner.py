@@ -23,7 +23,7 @@ from firmware_sim.fleet_worker import (
     CROWDED_KEEPALIVE_S,
     DESCRIPTORS_PER_DEVICE,
     DEVICES_PER_WORKER,
-    device_keepalive,
+    crowded_keepalive,
     worker_count,
 )
 from firmware_sim.report import run_summary
@@ -281,11 +281,11 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
         dataclasses.replace(config, workers=0)
 
 
-def test_devices_on_a_crowded_host_get_the_longer_keepalive():
+def test_clients_on_a_crowded_host_get_the_longer_keepalive():
     """Their network threads ping late on a crowded host; below the crowd, the devices keep their own default."""
-    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2, 2) is None
-    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_KEEPALIVE_S
-    assert device_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 3) is None
+    assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2, 2) is None
+    assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_KEEPALIVE_S
+    assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 3) is None
     assert CROWDED_KEEPALIVE_S > BrokerSettings.keepalive
 
 

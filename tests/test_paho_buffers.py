@@ -1,6 +1,7 @@
 """paho without its copies of large messages (edgefil/paho_buffers.py): the replaced PUBLISH decoder agrees with
 paho's own on every packet, well-formed or not; received payloads are views of paho's packet, sent packets are
-queued as views; a model-sized message crosses a real broker intact both ways."""
+queued as views, large packets are read in place; a model-sized message crosses a real broker intact both ways,
+over TCP and over TLS."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mqtt_helpers import make_server_cert
 from test_link import next_message
 from test_link import settings as broker_settings
 
@@ -34,7 +36,8 @@ def decoded(decoder, header: int, packet: bytearray):
 
 
 def test_this_paho_has_the_internals_the_patches_were_written_for():
-    assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.install()
+    assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.read_fits()
+    assert paho_buffers.install()
 
 
 @settings(max_examples=300, deadline=None)
@@ -58,10 +61,20 @@ def test_a_received_payload_is_a_view_of_the_packet_and_a_queued_packet_a_view()
     assert isinstance(client._out_packet[0]["packet"], memoryview)
 
 
+def read_in_place(payload: bytes | memoryview) -> bool:
+    """A view of a body read in place when its packet is large enough, else of paho's own buffer."""
+    large = len(payload) >= paho_buffers.IN_PLACE_BYTES
+    return isinstance(payload, memoryview) and isinstance(payload.obj, paho_buffers._Body) == large
+
+
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
-def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path, tls):
+    """Every chunk is read in place (each payload a view of an in-place body), over TLS too, where a read may stop
+    part-way through a TLS record and resume."""
     weights = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)  # 12 MB: 13 chunks
-    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"),
+                             tls=make_server_cert(tmp_path) if tls else None)
     with broker:
         coordinator = Link(broker_settings(broker, "coordinator", "pw-c"), "c",
                            subscriptions=[f"{topics.prefix('lab')}/dev/+/+"])
@@ -77,7 +90,7 @@ def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path):
             blob = None
             while blob is None:
                 _, payload = next_message(device)
-                assert isinstance(payload, memoryview)
+                assert read_in_place(payload)
                 blob = reassembler.add("coordinator", wire.decode(payload))
             received = blob.weights(weights.size)
             np.testing.assert_array_equal(received, weights)
@@ -88,6 +101,7 @@ def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path):
             reassembler, blob = wire.Reassembler(max_blob_bytes=weights.nbytes), None
             while blob is None:
                 _, payload = next_message(coordinator)
+                assert read_in_place(payload)
                 blob = reassembler.add("dev-a", wire.decode(payload))
             assert blob.id == down.id == up.id
             np.testing.assert_array_equal(blob.weights(weights.size), weights)
