@@ -20,9 +20,10 @@ PARENT_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
 # Open files a worker needs per device: its MQTT socket, its replay store's SQLite database and journal, a state
 # file being replaced (measured: 3.0 per device in a worker hosting 500, benchmarks/fleet_scale.py); the broker
-# needs one per connection (two with slack); a process needs BASE_DESCRIPTORS besides (imports, logs, pipes).
+# needs one per connection (mosquitto held 1008 at 1000 devices); a process needs BASE_DESCRIPTORS besides
+# (imports, logs, pipes, the broker's listener and log).
 DESCRIPTORS_PER_DEVICE = 4
-DESCRIPTORS_PER_CONNECTION = 2
+DESCRIPTORS_PER_CONNECTION = 1
 BASE_DESCRIPTORS = 256
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores): 1500 a worker ran
