@@ -127,9 +127,10 @@ class Client(mqtt.Client):
         def _sock_recv(self, bufsize: int) -> Any:
             incoming = self._in_packet
             size = incoming["remaining_length"]
+            if size < IN_PLACE_BYTES or not incoming["have_remaining"] or bufsize != incoming["to_process"]:
+                return super()._sock_recv(bufsize)  # a small packet, or a header byte
             recv_into = getattr(self._sock, "recv_into", None)
-            if not (incoming["have_remaining"] and bufsize == incoming["to_process"] and size >= IN_PLACE_BYTES
-                    and recv_into is not None):  # a header byte, a small packet, a websocket
+            if recv_into is None:  # a websocket
                 return super()._sock_recv(bufsize)
             body = incoming["packet"]
             if not isinstance(body, _Body):  # the body's first read: paho's fresh, empty buffer

@@ -49,6 +49,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ from firmware_sim import disk
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
     DESCRIPTORS_PER_CONNECTION,
+    STOP_GRACE_S,
     crowded_keepalive,
     ensure_descriptors,
     host_devices,
@@ -397,9 +399,11 @@ class ProcessWorkers:
         return len(self.processes)
 
     def stop(self) -> None:
+        """Stop every worker, within STOP_GRACE_S for all of them together (then terminated)."""
         self._stop.set()
+        deadline = time.monotonic() + STOP_GRACE_S
         for worker in self.processes:
-            worker.join(30)
+            worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.terminate()
         while self._mounted:

@@ -31,7 +31,6 @@ from edgefil.durable import write_atomically
 from firmware_sim.fleet_worker import (
     LOG_FORMAT,
     STOP_GRACE_S,
-    ensure_descriptors,
     mount_disks,
     serve_devices,
 )
@@ -84,7 +83,6 @@ class DeviceHost:
             if not path.is_file() or path.read_bytes() != data:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomically(path, data)
-        ensure_descriptors(len(configs), "a fleet worker")
         mounted = mount_disks(configs)
         try:
             serve_devices(configs, self._stop.wait)

@@ -104,7 +104,6 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
-    ensure_descriptors(len(configs), "a fleet worker")
     serve_devices(configs, lambda: _wait_for_stop(stop))
 
 
@@ -118,6 +117,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     # it once; ORT sessions take their thread count from [trainer] threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+    ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
     from edgefil.netloop import NetworkLoop
