@@ -450,14 +450,15 @@ def run(args: argparse.Namespace) -> None:
         )
         broker.start()
         address = broker.address
-        workers = []
+        workers: list[subprocess.Popen] = []
+        # The coordinator subscribes before any device starts: a device registers once, on connecting.
+        coordinator = Coordinator(address, coordinator_password, devices, workers)
         for device in devices:
             worker = spawn([sys.executable, os.path.abspath(__file__), "--device-worker", device, address.host,
                             str(address.port), str(max(sizes))], stdin=subprocess.PIPE, text=True)
             worker.stdin.write(passwords[device] + "\n")
             worker.stdin.flush()
             workers.append(worker)
-        coordinator = Coordinator(address, coordinator_password, devices, workers)
         coordinator.wait_registered()
         clients = Clients.configure(workdir, address, {COORDINATOR: coordinator_password, **uplink, **readers})
         # MosquittoBroker keeps its process private; its pid is only read here, for the CPU columns.
