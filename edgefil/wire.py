@@ -5,9 +5,9 @@ framed: the byte 0xC1 (which msgpack never uses), the length of a msgpack map of
 little-endian), that map, then the chunk's raw bytes. Weights travel as raw little-endian float32 bytes straight
 from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload, each chunk carrying its
 own CRC32C and the blob's id, the BLAKE3 hash of the whole blob. Framing lets a receiver read the chunk's bytes
-where they arrived (a memoryview of the payload) until the blob is joined, the one copy it makes; inside a msgpack
-map they were copied out of the payload first. `Reassembler` puts blobs back together idempotently: duplicate or
-reordered chunks are harmless, and a blob is delivered once, whole and verified.
+where they arrived (a memoryview of the payload) and copy them once, into the blob's buffer at the chunk's offset;
+inside a msgpack map they were copied out of the payload first. `Reassembler` puts blobs back together
+idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and verified.
 
 The checks run at memory speed, because every byte of every model crosses them on both sides each round: a chunk's
 CRC32C (hardware instructions on x86-64 and ARMv8: 16 GB/s here) catches a damaged chunk as it arrives, and the
@@ -320,7 +320,7 @@ class Blob:
     """A reassembled, verified blob and the fields its chunks carried (chunk bookkeeping removed)."""
 
     id: str
-    data: bytes  # read-only: the weights are a read-only view of it
+    data: memoryview  # read-only bytes: the weights are a read-only view of them
     header: Message
 
     def weights(self, expected_length: int) -> np.ndarray:
@@ -339,10 +339,9 @@ class Blob:
         if len(self.data) != end + sum(_padded(n) for _, n in layout):
             raise WireError("weights-length", f"a blob of {len(self.data)} bytes is not {expected_length} values "
                                               f"and {len(layout)} declared attachments")
-        view = memoryview(self.data)
         attachments = {}
         for name, n in layout:
-            attachments[name] = view[end:end + n]
+            attachments[name] = self.data[end:end + n]
             end += _padded(n)
         values = np.frombuffer(self.data, dtype=WEIGHTS_DTYPE, count=expected_length)
         if not np.isfinite(values).all():
@@ -351,26 +350,32 @@ class Blob:
 
 
 class _Pending:
-    """A blob part-way: the chunks received so far, kept as they came (memory grows with the bytes that arrived,
-    never with the size a first chunk claims)."""
+    """A blob part-way: a buffer of its declared size that each chunk is copied into as it arrives, so the message
+    that carried the chunk is freed at once (a 44 MB update no longer holds its 45 payloads until the last one
+    comes, then joins them: a second copy, into freshly faulted pages). The buffer is numpy's: uninitialised, its
+    pages committed only as chunks write them, and for blobs of 4 MiB and more advised to the kernel as huge pages
+    (one fault per 2 MiB instead of 512). Measured for 20 updates of 44 MB: 0.10 s, against 0.40 s for joining
+    held chunks."""
 
     def __init__(self, header: Message, size: int, count: int) -> None:
         self.header = header
-        self.size = size
-        self.chunks: dict[int, tuple[int, bytes | memoryview, int]] = {}  # index -> (offset, data, CRC32C)
+        self.buffer = np.empty(size, dtype=np.uint8)
+        self.chunks: dict[int, tuple[int, int, int]] = {}  # index -> (offset, length, CRC32C)
         self.count = count
-        self.received = 0  # bytes of chunk data held
 
-    def assembled(self, blob: str) -> bytes | None:
+    def put(self, index: int, offset: int, data: bytes | memoryview, digest: int) -> None:
+        """Copy one chunk to its offset (the codec checked that it lies within the blob)."""
+        self.buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.chunks[index] = (offset, len(data), digest)
+
+    def assembled(self, blob: str) -> memoryview | None:
         """The blob when its chunks tile it exactly, in index order, and its BLAKE3 is its id; else None."""
         parts = [self.chunks[i] for i in range(self.count)]
-        ends = [offset + len(data) for offset, data, _ in parts]
-        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == self.size
+        ends = [offset + length for offset, length, _ in parts]
+        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == len(self.buffer)
         if not tiles:
             return None
-        # one allocation and one copy of each chunk (a zero-filled buffer written chunk by chunk touched every
-        # page twice: measured 23 ms against 13 ms for a 44 MB update)
-        data = b"".join(chunk for _, chunk, _ in parts)
+        data = self.buffer.data.toreadonly()
         return data if blob_id(data) == blob else None
 
 
@@ -379,38 +384,34 @@ class Reassembler:
     The round is part of the key because a blob's id is its content's hash: a device whose weights are byte for
     byte the same in two rounds (it had nothing to learn, or the global model did not change) is heard in both.
 
-    Memory stays bounded per source, whatever the sources send: a blob larger than `max_blob_bytes` is refused,
-    chunks are held as they arrive (a first chunk claiming a large blob costs its own bytes, not the claim), and
-    each source holds at most `max_pending` blobs and `max_source_bytes` (default `max_blob_bytes`) part-way; what
-    would exceed that evicts the same source's oldest part-way blobs, never another source's. The total is at most
-    the number of sources times that bound. The last `remember` delivered blobs are recognised so their late
-    duplicates are ignored instead of being assembled again.
+    Memory stays bounded per source, whatever the sources send: a blob larger than `max_blob_bytes` is refused
+    before anything is allocated, and each source holds at most `max_pending` blobs part-way, each a buffer of its
+    declared size whose pages are committed only as chunks arrive (a first chunk claiming a large blob costs the
+    pages it writes, not the claim); a source's new blob evicts its own oldest part-way ones, never another
+    source's. The total is at most the number of sources times `max_pending` blobs. The last `remember` delivered
+    blobs are recognised so their late duplicates are ignored instead of being assembled again.
     """
 
-    def __init__(self, max_blob_bytes: int, max_pending: int = 2, remember: int = 4096,
-                 max_source_bytes: int | None = None) -> None:
+    def __init__(self, max_blob_bytes: int, max_pending: int = 2, remember: int = 4096) -> None:
         self.max_blob_bytes = max_blob_bytes
         self.max_pending = max_pending
-        self.max_source_bytes = max_blob_bytes if max_source_bytes is None else max_source_bytes
         self.remember = remember
         self._pending: dict[tuple[str, str, Any], _Pending] = {}
         self._by_source: dict[str, list[tuple[str, str, Any]]] = {}  # a source's part-way blobs, oldest first
-        self._source_bytes: dict[str, int] = {}  # chunk bytes each source holds part-way
         self._done: OrderedDict[tuple[str, str, Any], None] = OrderedDict()
-        self.evicted = 0  # part-way blobs a source's own later chunks pushed out
+        self.evicted = 0  # part-way blobs a source's own later blobs pushed out
 
-    def pending_bytes(self, source: str | None = None) -> int:
-        """Chunk bytes held part-way, of one source or of all."""
-        return sum(self._source_bytes.values()) if source is None else self._source_bytes.get(source, 0)
+    def pending_blobs(self, source: str | None = None) -> int:
+        """Blobs held part-way, of one source or of all."""
+        return len(self._pending) if source is None else len(self._by_source.get(source, []))
 
     def _forget(self, key: tuple[str, str, Any]) -> _Pending:
-        """Stop holding a part-way blob (completed, evicted or dropped), keeping the per-source accounts."""
+        """Stop holding a part-way blob (completed, evicted or dropped)."""
         pending = self._pending.pop(key)
         own = self._by_source[key[0]]
         own.remove(key)
-        self._source_bytes[key[0]] -= pending.received
         if not own:
-            del self._by_source[key[0]], self._source_bytes[key[0]]
+            del self._by_source[key[0]]
         return pending
 
     def add(self, source: str, message: Message) -> Blob | None:
@@ -426,16 +427,13 @@ class Reassembler:
             pending = self._open(key, header, message["size"], message["count"])
         elif header != pending.header or message["count"] != pending.count:
             raise WireError("chunk-mismatch", f"chunk {message['index']} disagrees with earlier chunks of its blob")
-        index, data = message["index"], message["data"]  # held as it arrived (a view of its payload)
+        index, data = message["index"], message["data"]
         offset, digest = message["offset"], message["chunk_crc32c"]
         if index in pending.chunks:
-            if pending.chunks[index] != (offset, data, digest):
+            if pending.chunks[index] != (offset, len(data), digest):
                 raise WireError("chunk-mismatch", f"chunk {index} arrived twice with different data")
             return None
-        self._make_room(source, len(data), keep=key)
-        pending.chunks[index] = (offset, data, digest)
-        pending.received += len(data)
-        self._source_bytes[source] += len(data)
+        pending.put(index, offset, data, digest)
         if len(pending.chunks) < pending.count:
             return None
         self._forget(key)
@@ -446,20 +444,6 @@ class Reassembler:
         while len(self._done) > self.remember:
             self._done.popitem(last=False)
         return Blob(key[1], assembled, pending.header)
-
-    def _make_room(self, source: str, nbytes: int, keep: tuple[str, str, Any]) -> None:
-        """Evict `source`'s own oldest part-way blobs (not `keep`) until `nbytes` more fit its byte bound."""
-        if nbytes > self.max_source_bytes:
-            raise WireError("oversized", f"a chunk of {nbytes} bytes exceeds the {self.max_source_bytes} bytes a "
-                                         "source may hold part-way")
-        for key in [k for k in self._by_source[source] if k != keep]:
-            if self.pending_bytes(source) + nbytes <= self.max_source_bytes:
-                return
-            self._forget(key)
-            self.evicted += 1
-        if self.pending_bytes(source) + nbytes > self.max_source_bytes:
-            raise WireError("oversized", f"{source} holds {self.pending_bytes(source)} bytes part-way; "
-                                         f"{nbytes} more exceed {self.max_source_bytes}")
 
     def drop(self, stale: Callable[[Message], bool]) -> int:
         """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
@@ -477,5 +461,4 @@ class Reassembler:
             self.evicted += 1
         pending = self._pending[key] = _Pending(header, size, count)
         self._by_source.setdefault(key[0], []).append(key)
-        self._source_bytes.setdefault(key[0], 0)
         return pending

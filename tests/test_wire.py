@@ -1,6 +1,8 @@
 """The protocol codec: message schemas, chunked float32 blobs, idempotent reassembly, and every refusal."""
 from __future__ import annotations
 
+import os
+
 import google_crc32c
 import msgpack
 import numpy as np
@@ -183,23 +185,32 @@ def test_the_same_bytes_in_a_later_round_are_delivered_again():
         assert reassembler.add("dev-0", chunks[0]) is None  # the same round again: a duplicate
 
 
-def test_part_way_blobs_cost_the_bytes_that_arrived_and_a_flood_evicts_only_its_sender():
-    """A first chunk claiming a large blob holds its own bytes, not the claim; one source's flood of new blobs
-    pushes out its own part-way blobs, never another source's, and stays within its byte bound."""
+def resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux /proc")
+def test_part_way_blobs_cost_the_pages_that_arrived_and_a_flood_evicts_only_its_sender():
+    """A first chunk claiming a large blob commits the memory its bytes are written to, not the claim; one source's
+    flood of new blobs pushes out its own part-way blobs, never another source's."""
+    claimed = 256 << 20
+    reassembler = wire.Reassembler(max_blob_bytes=claimed)
     size = 1 << 20
-    reassembler = wire.Reassembler(max_blob_bytes=2 * size)
     honest = [wire.decode(c) for c in wire.encode_blob(
         "update", wire.weights_bytes(weights(size // 4)), chunk_bytes=64 * 1024, **HEADER).chunks]
     assert reassembler.add("dev-1", honest[0]) is None
-    for i in range(40):  # first chunks of distinct blobs, each claiming 2 MiB
+    before, peak = resident_bytes(), 0
+    for i in range(40):  # first chunks of distinct blobs, each claiming 256 MiB
         data = bytes([i]) * wire.MIN_CHUNK_BYTES
-        claim = dict(v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=2 * size, dtype=wire.WEIGHTS_DTYPE,
-                     index=0, count=2 * size // wire.MIN_CHUNK_BYTES, offset=0,
+        claim = dict(v=wire.SCHEMA_VERSION, kind="update", blob=f"{i:064x}", size=claimed, dtype=wire.WEIGHTS_DTYPE,
+                     index=0, count=claimed // wire.MIN_CHUNK_BYTES, offset=0,
                      chunk_crc32c=google_crc32c.value(data), data=data, **HEADER)
         assert reassembler.add("dev-0", claim) is None
-        assert reassembler.pending_bytes("dev-0") <= 2 * wire.MIN_CHUNK_BYTES  # max_pending = 2 blobs of 1 chunk
+        assert reassembler.pending_blobs("dev-0") <= 2  # max_pending
+        peak = max(peak, resident_bytes() - before)
+    assert peak < 16 << 20, f"40 claims of 256 MiB made {peak >> 20} MiB resident"
     assert reassembler.evicted == 38
-    assert reassembler.pending_bytes("dev-1") == len(honest[0]["data"])  # untouched by the flood
+    assert reassembler.pending_blobs("dev-1") == 1  # untouched by the flood
     blob = None
     for chunk in honest[1:]:
         blob = reassembler.add("dev-1", chunk)
