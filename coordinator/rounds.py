@@ -82,12 +82,14 @@ class OpenRound:
             self.gone.add(device)
             self.waiting.discard(device)
 
-    def came_back(self, device: str) -> None:
-        """A gone device is online again: the round waits for it once more."""
-        if device in self.gone:
-            self.gone.discard(device)
-            if device not in self.too_slow and device not in self.failed:
-                self.waiting.add(device)
+    def came_back(self, device: str) -> bool:
+        """A device is online again: if it had gone, the round waits for it once more (True)."""
+        if device not in self.gone:
+            return False
+        self.gone.discard(device)
+        if device not in self.too_slow and device not in self.failed:
+            self.waiting.add(device)
+        return True
 
     def failed_with(self, device: str, error: str) -> None:
         if self.awaits(device):

@@ -467,8 +467,7 @@ class Coordinator:
             return
         if event.state != "offline":
             self.online.add(event.device)
-            if current is not None and event.device in current.gone:  # back (or the offline was stale)
-                current.came_back(event.device)
+            if current is not None and current.came_back(event.device):  # back (or the offline was stale)
                 self._send_round(event.device, with_weights=True)
             return
         self.online.discard(event.device)

@@ -178,8 +178,8 @@ def test_an_open_round_waits_for_exactly_the_selected_devices_that_have_not_answ
     current.went_offline("d2")
     current.failed_with("d3", "no data")
     assert current.waiting == {"d4"} and current.awaits("d2") and current.awaits("d3")
-    current.came_back("d2")
-    current.came_back("d3")  # never gone: still failed
+    assert current.came_back("d2")
+    assert not current.came_back("d3")  # never gone: still failed
     assert current.waiting == {"d2", "d4"}
     counts: Counter[str] = Counter()
     assert current.offer(update("d2"), counts) is None and not current.complete
