@@ -21,6 +21,7 @@ Unknown extra fields are ignored (additions within a schema version stay compati
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -349,33 +350,82 @@ class Blob:
         return values, attachments
 
 
+HEAD_WITHOUT_HUGE_PAGES = 4 << 20  # a part-way blob's first bytes go in ordinary pages (see _Pending)
+# What a part-way blob may cost, the bound on what a sender can make a receiver commit (docs/security.md): the bytes
+# written from its start (plus, above HEAD_WITHOUT_HUGE_PAGES, one huge page: at most half of them), or a held copy of
+# each chunk that came early with its bookkeeping; plus one ordinary page. Measured by tests/test_bad_input.py.
+PENDING_COST_FACTOR = 2
+PENDING_COST_SLACK = mmap.PAGESIZE
+
+
+def _blob_buffer(size: int) -> mmap.mmap | bytearray:
+    """Memory for a blob of `size` bytes that commits pages only as they are written: an anonymous mapping whose
+    first `HEAD_WITHOUT_HUGE_PAGES` never take huge pages and whose rest does (one fault per 2 MiB instead of 512,
+    where the kernel offers them). Written from the front only, it commits at most the bytes written plus one
+    ordinary page below 4 MiB and one huge page (2 MiB, at most half of what was written) above."""
+    if size < mmap.PAGESIZE:
+        return bytearray(size)
+    buffer = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the platform's default pages
+        buffer.madvise(mmap.MADV_NOHUGEPAGE, 0, min(size, HEAD_WITHOUT_HUGE_PAGES))
+        if size > HEAD_WITHOUT_HUGE_PAGES:
+            buffer.madvise(mmap.MADV_HUGEPAGE, HEAD_WITHOUT_HUGE_PAGES, size - HEAD_WITHOUT_HUGE_PAGES)
+    return buffer
+
+
 class _Pending:
-    """A blob part-way: a buffer of its declared size that each chunk is copied into as it arrives, so the message
-    that carried the chunk is freed at once (a 44 MB update no longer holds its 45 payloads until the last one
-    comes, then joins them: a second copy, into freshly faulted pages). The buffer is numpy's: uninitialised, its
-    pages committed only as chunks write them, and for blobs of 4 MiB and more advised to the kernel as huge pages
-    (one fault per 2 MiB instead of 512). Measured for 20 updates of 44 MB: 0.10 s, against 0.40 s for joining
-    held chunks."""
+    """A blob part-way: a buffer of its declared size, written from the front as chunks arrive in order, so the
+    message that carried a chunk is freed at once (a 44 MB update no longer holds its 45 payloads until the last
+    one comes, then joins them: a second copy, into freshly faulted pages; measured for 20 updates of 44 MB: 0.10 s,
+    against 0.40 s for joining held chunks).
+
+    The buffer commits memory only where it is written (`_blob_buffer`), and it is written only up to `filled`, the
+    end of the chunks that tile it from offset 0 so far. A chunk that arrives ahead of that (MQTT delivers one
+    sender's messages in order, so only a re-send after a reconnect, or a hostile sender, does this) is held as a
+    copy of its bytes until the chunks before it have come, and never written at its offset: a sender scattering
+    small chunks over a blob's length commits no page for them (before, 66 chunks of 4 bytes placed 2 MiB apart
+    committed 66 huge pages, 106 MB for 19 KB sent). What a part-way blob costs is therefore the bytes its sender
+    sent, about twice over (a held chunk's copy and its bookkeeping), plus one page: the bound that
+    docs/security.md states and tests/test_bad_input.py measures."""
 
     def __init__(self, header: Message, size: int, count: int) -> None:
         self.header = header
-        self.buffer = np.empty(size, dtype=np.uint8)
+        self.buffer = _blob_buffer(size)
+        self.size = size
         self.chunks: dict[int, tuple[int, int, int]] = {}  # index -> (offset, length, CRC32C)
         self.count = count
+        self.filled = 0  # bytes [0, filled) are written: the chunks that tile the blob from its start
+        self.written = 0  # chunks written at their offset
+        self.ahead: dict[int, bytes] = {}  # offset -> the data of a chunk that came before its predecessors
+        self.tiles = True  # False once two chunks claim one offset, or one overlaps the written part
 
     def put(self, index: int, offset: int, data: bytes | memoryview, digest: int) -> None:
-        """Copy one chunk to its offset (the codec checked that it lies within the blob)."""
-        self.buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        """Take one chunk (the codec checked that it lies within the blob): written when it continues the written
+        part, else held until it does."""
         self.chunks[index] = (offset, len(data), digest)
+        if offset != self.filled:
+            if offset < self.filled or offset in self.ahead:
+                self.tiles = False  # it can never be written: the blob will not assemble
+            else:
+                self.ahead[offset] = bytes(data)
+            return
+        self._write(data)
+        while self.filled in self.ahead:
+            self._write(self.ahead.pop(self.filled))
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.buffer[self.filled:self.filled + len(data)] = data
+        self.filled += len(data)
+        self.written += 1
 
     def assembled(self, blob: str) -> memoryview | None:
         """The blob when its chunks tile it exactly, in index order, and its BLAKE3 is its id; else None."""
         parts = [self.chunks[i] for i in range(self.count)]
         ends = [offset + length for offset, length, _ in parts]
-        tiles = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == len(self.buffer)
-        if not tiles:
+        in_order = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == self.size
+        if not (in_order and self.tiles and self.written == self.count and self.filled == self.size):
             return None
-        data = self.buffer.data.toreadonly()
+        data = memoryview(self.buffer).toreadonly()
         return data if blob_id(data) == blob else None
 
 
@@ -386,10 +436,13 @@ class Reassembler:
 
     Memory stays bounded per source, whatever the sources send: a blob larger than `max_blob_bytes` is refused
     before anything is allocated, and each source holds at most `max_pending` blobs part-way, each a buffer of its
-    declared size whose pages are committed only as chunks arrive (a first chunk claiming a large blob costs the
-    pages it writes, not the claim); a source's new blob evicts its own oldest part-way ones, never another
-    source's. The total is at most the number of sources times `max_pending` blobs. The last `remember` delivered
-    blobs are recognised so their late duplicates are ignored instead of being assembled again.
+    declared size whose pages are committed only as the chunks that continue it from its start are written
+    (`_Pending`): a first chunk claiming a large blob costs the pages it writes, not the claim, and chunks
+    scattered over a blob cost their own bytes, not a page each. A part-way blob costs at most
+    `PENDING_COST_FACTOR` times the bytes of the chunk messages its source sent for it, plus `PENDING_COST_SLACK`;
+    a source's new blob evicts its own oldest part-way ones, never another source's. The total is at most the
+    number of sources times `max_pending` blobs. The last `remember` delivered blobs are recognised so their late
+    duplicates are ignored instead of being assembled again.
     """
 
     def __init__(self, max_blob_bytes: int, max_pending: int = 2, remember: int = 4096) -> None:
