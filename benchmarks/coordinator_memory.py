@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from coordinator.aggregation import RoundAggregate
+from coordinator.containment import ContainedStrategy
 from coordinator.guard import UpdateBounds
 from coordinator.inbox import Inbox, Update
 from coordinator.strategies import AggregateResult, ClientUpdate, Strategy, make_strategy
@@ -95,7 +96,7 @@ def cell(rule: str, count: int, parameters: int, concurrent: int, max_held_mib: 
     before = rss_mib()
     started = time.perf_counter()
     held = max_held_mib << 20 if rule != "fedavg-held" else 1 << 62  # the baseline: as before, no bound
-    aggregate = RoundAggregate(strategy, UpdateBounds(), global_weights, counters, held)
+    aggregate = RoundAggregate(ContainedStrategy(strategy, counters), UpdateBounds(), global_weights, counters, held)
     while message := receive.recv_bytes():
         device, chunk = message.split(b"\0", 1)
         event = inbox.accept(topics.from_device(FLEET, device.decode(), "update"), chunk)

@@ -10,6 +10,11 @@ that is refused, counted as `held-limit` and logged, rather than let the coordin
 
 Updates that arrive in the later attempt of a round that missed its quorum go into the same aggregation: they
 answer the same global model.
+
+The rule is called through its containment (coordinator/containment.py): an update the rule cannot fold is
+refused alone, and a rule that fails on the round, or uses no update at all, gives no result: the coordinator keeps
+the previous global model. Personalized models that are not finite are dropped (counted as
+`personalized-nonfinite`): their devices get the global model, as devices the rule gave none.
 """
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from coordinator.compute import as_tensor
+from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
-from coordinator.strategies import AggregateResult, ClientUpdate, Fold, Strategy
+from coordinator.strategies import AggregateResult, ClientUpdate, Fold
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -44,16 +51,19 @@ def _update_bytes(update: ClientUpdate) -> int:
 class RoundAggregate:
     """One round's updates on their way into the rule: `add` each accepted update, `close` once for the result."""
 
-    def __init__(self, strategy: Strategy, bounds: UpdateBounds, global_weights: np.ndarray,
-                 counters: Counter[str], max_held_bytes: int) -> None:
+    def __init__(self, strategy: ContainedStrategy, bounds: UpdateBounds, global_weights: np.ndarray,
+                 counters: Counter[str], max_held_bytes: int, number: int = 0) -> None:
+        """`number`: the round's, for what is logged."""
         self.strategy = strategy
         self.bounds = bounds
         self.global_weights = global_weights
         self.counters = counters
         self.max_held_bytes = max_held_bytes
+        self.number = number
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
+        self._sound = True  # False once a fold raised while changing its running aggregate
         self._stream = None if fold is None else bounds.stream(global_weights, self._folding_into(fold), counters)
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0
@@ -72,24 +82,38 @@ class RoundAggregate:
         finally:
             self.seconds += time.perf_counter() - started
 
-    def close(self) -> AggregateResult:
-        """The rule's result for the round (ValueError when no update was used)."""
+    def close(self) -> AggregateResult | None:
+        """The rule's result for the round; None when it failed on it or used no update (counted and logged)."""
         started = time.perf_counter()
         try:
-            if self._stream is not None and self._fold is not None:
-                self._stream.close()
-                return self._fold.result()
-            bounded = self.bounds.apply(self.global_weights, self._held, self.counters)
-            self._held, self._held_bytes = [], 0
-            self.used = [_used(update) for update in bounded]
-            return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded)
+            result = self._result()
         finally:
             self.seconds += time.perf_counter() - started
+        if result is not None:
+            _drop_nonfinite_personalized(result, self.counters)
+        return result
+
+    def _result(self) -> AggregateResult | None:
+        if self._stream is not None and self._fold is not None:
+            self._stream.close()
+            if not self._sound:
+                self.counters[RULE_FAILED] += 1
+                log.warning("round %d: the %s rule's running aggregate is in doubt after a failed update; the "
+                            "previous model stays", self.number, self.strategy.name)
+                return None
+            return self.strategy.result(self._fold, self.number)
+        bounded = self.bounds.apply(self.global_weights, self._held, self.counters)
+        self._held, self._held_bytes = [], 0
+        self.used = [_used(update) for update in bounded]
+        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.number)
 
     def _folding_into(self, fold: Fold) -> Callable[[ClientUpdate], None]:
         def take(update: ClientUpdate) -> None:
-            fold.add(update)
-            self.used.append(_used(update))
+            if not self._sound:
+                return
+            refused, self._sound = self.strategy.add(fold, update)
+            if refused is None:
+                self.used.append(_used(update))
         return take
 
     def _hold(self, update: ClientUpdate) -> None:
@@ -102,6 +126,14 @@ class RoundAggregate:
             return
         self._held.append(update)
         self._held_bytes += size
+
+
+def _drop_nonfinite_personalized(result: AggregateResult, counters: Counter[str]) -> None:
+    """A personalized model that is not finite goes nowhere: its device gets the global model."""
+    for device in [d for d, weights in result.personalized.items() if not bool(torch.isfinite(weights).all())]:
+        del result.personalized[device]
+        counters["personalized-nonfinite"] += 1
+        log.warning("the personalized model of %s is not finite: it gets the global model", device)
 
 
 def _used(update: ClientUpdate) -> Used:

@@ -98,29 +98,75 @@ def save_run_state(directory: str | Path, state: RunState) -> None:
     save_record(directory, state)
 
 
-def load_run_state(directory: str | Path) -> RunState | None:
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _accuracies(value: Any) -> bool:
+    return isinstance(value, list) and all(_number(a) for a in value)
+
+
+def _history_entry(entry: Any) -> bool:
+    """What the coordinator reads back of a round's entry: its round, its task and the accuracies on tasks 0..task."""
+    return (isinstance(entry, dict) and _count(entry.get("round")) and _count(entry.get("task"))
+            and _accuracies(entry.get("accuracy")) and len(entry["accuracy"]) > entry["task"])
+
+
+def _selection_state(value: Any) -> bool:
+    """A state numpy's default bit generator takes (the selection resumes from it)."""
+    try:
+        np.random.default_rng().bit_generator.state = value
+    except (TypeError, ValueError, KeyError):
+        return False
+    return True
+
+
+# Each field of a saved run state and what its value must be: a checkpoint that loads but holds another type (a hand
+# edit, a damaged disk that still parses) would break the run rounds later instead of falling back at once.
+FIELD_CHECKS = {
+    "round": _count, "task": _count, "round_in_task": _count, "rng": _selection_state,
+    "history": lambda v: isinstance(v, list) and all(_history_entry(e) for e in v),
+    "accuracy_matrix": lambda v: isinstance(v, list) and all(_accuracies(row) for row in v),
+    "counters": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _count(n) for k, n in v.items()),
+}
+
+
+def load_run_state(directory: str | Path, num_parameters: int | None = None) -> RunState | None:
+    """The run state saved in `directory` (None when there is none); StateError when a field is missing or not of
+    its type, or the weights are not the model's `num_parameters` values (when given)."""
     saved = load_record(directory)
     if saved is None:
         return None
     record, weights = saved
     if weights is None:
         raise StateError(f"run state in {directory} has no global weights")
+    if num_parameters is not None and weights.size != num_parameters:
+        raise StateError(f"run state in {directory} holds a model of {weights.size} values, this run's has "
+                         f"{num_parameters}")
     record.pop("weights_file", None)
     record.pop("weights_sha256", None)
-    try:
-        return RunState(weights=weights, **record)
-    except TypeError as err:
-        raise StateError(f"run state in {directory} is unreadable: {err}") from err
+    unknown = sorted(set(record) - set(FIELD_CHECKS))
+    wrong = [name for name, valid in FIELD_CHECKS.items() if name not in record or not valid(record[name])]
+    if unknown or wrong:
+        raise StateError(f"run state in {directory} is unreadable: "
+                         + "; ".join([*(f"{n} is missing or not of its type" for n in wrong),
+                                      *(f"{n} is not a field" for n in unknown)]))
+    return RunState(weights=weights, **record)
 
 
-def load_latest(root: Path) -> tuple[RunState, Path] | None:
-    """The newest generation under `root` that loads and verifies, and its folder; None when there is none.
-    Generations that do not load are skipped with a warning; when none loads, StateError names each reason."""
+def load_latest(root: Path, num_parameters: int | None = None) -> tuple[RunState, Path] | None:
+    """The newest generation under `root` that loads and verifies (a model of `num_parameters` values, when given),
+    and its folder; None when there is none. Generations that do not load are skipped with a warning; when none
+    loads, StateError names each reason."""
     candidates: Sequence[Path] = [g for g in generations(root) if (g / STATE_FILE).exists()]
     failures = []
     for directory in candidates:
         try:
-            state = load_run_state(directory)
+            state = load_run_state(directory, num_parameters)
         except StateError as err:
             log.warning("checkpoint %s cannot be resumed (%s); trying the one before", directory.name, err)
             failures.append(f"{directory.name}: {err}")

@@ -21,10 +21,12 @@
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
-    [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean", and its options
-    [guard]     bounds on one update (coordinator/guard.py): norm_bound = "clip" | "reject" | "off",
-                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, hold = 8 (a folding rule's
-                first updates of a round, bounded together)
+    [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean" | "centered-clip", and its
+                options
+    [guard]     bounds on one update (coordinator/guard.py): norm_bound = "reject" | "clip" | "off",
+                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, sample_bound = "reject" | "cap",
+                free_rider_factor = 0.1, krum_share = 0.25 (Krum selection; 0: off), min_alignment = -1.0 (off),
+                hold = 8 (the first updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,

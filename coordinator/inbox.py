@@ -67,7 +67,18 @@ class Request:
     names: tuple[str, ...]
 
 
-Event = Registration | Status | Update | Request
+@dataclass(frozen=True)
+class UpdateRefused:
+    """A device's whole update was refused (counted under `reason`): the round it answers need not wait for it."""
+
+    device: str
+    round: int
+    reason: str
+
+
+Event = Registration | Status | Update | Request | UpdateRefused
+# refusals of a whole update, once its chunks are all in (a chunk's own refusals say nothing of the update yet)
+WHOLE_UPDATE_REFUSALS = frozenset({"blob-hash", "weights-length", "weights-nonfinite"})
 MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model
 UNEXPECTED = "unexpected"  # the reason counted for a message that raised something other than a WireError
 
@@ -149,14 +160,20 @@ class Inbox:
             raise wire.WireError("rate", f"{device} asks too often")
         return Request(device, message["round"], tuple(message["names"]))
 
-    def _take_chunk(self, device: str, message: wire.Message) -> Update | None:
+    def _take_chunk(self, device: str, message: wire.Message) -> Update | UpdateRefused | None:
         if message["num_samples"] < 0:
             raise wire.WireError("field", f"negative sample count {message['num_samples']}")
-        blob = self.reassembler.add(device, message)
-        if blob is None:
-            return None
+        try:
+            blob = self.reassembler.add(device, message)
+            if blob is None:
+                return None
+            weights, attachments = blob.split(self.num_parameters)
+        except wire.WireError as err:
+            if err.reason not in WHOLE_UPDATE_REFUSALS:
+                raise
+            self.reject(err.reason, f"update of {device} for round {message['round']}: {err}")
+            return UpdateRefused(device, message["round"], err.reason)
         header = blob.header
-        weights, attachments = blob.split(self.num_parameters)
         return Update(
             device=device, round=header["round"], task=header["task"], model=header["model"],
             num_samples=header["num_samples"], metrics=dict(header["metrics"]), weights=weights,

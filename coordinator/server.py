@@ -49,11 +49,12 @@ from coordinator.checkpoint import (
     save_run_state,
 )
 from coordinator.config import CoordinatorConfig
+from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
-from coordinator.inbox import UNEXPECTED, Inbox, Registration, Request, Status, Update
+from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
 from coordinator.rounds import OpenRound, select
-from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy
+from coordinator.strategies import AggregateResult, ClientUpdate, make_strategy
 from edgefil import topics, wire
 from edgefil.durable import write_atomically
 from edgefil.lifetime import uninterrupted
@@ -96,8 +97,8 @@ class Coordinator:
             test_sets = FolderTestSets(config.test_data, self.manifest)
         self.data = test_sets
         options = {k: v for k, v in config.strategy.items() if k != "name"}
-        self.strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
-        self.evaluator = Evaluator(self.data, self.manifest, device=str(self.strategy.device))
+        strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
+        self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
@@ -108,13 +109,14 @@ class Coordinator:
         self.resends = ResendBudget(config.limits.resends_per_round)
         self.checkpoint_dir = config.out / CHECKPOINT_DIR
         self.state, resumed_from = self._load_or_start(resume)
+        self.counters: Counter[str] = self.inbox.rejections
+        self.counters.update(self.state.counters)
+        self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
         self.personalized: dict[str, np.ndarray] = {}
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
         if resumed_from is not None:
             self._load_personalized(resumed_from)
             self.strategy.load(resumed_from)
-        self.counters: Counter[str] = self.inbox.rejections
-        self.counters.update(self.state.counters)
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
         self.registered: dict[str, Registration] = {}
@@ -139,7 +141,7 @@ class Coordinator:
         """The newest checkpoint that loads (and its folder) when resuming, else a fresh state."""
         if generations(self.checkpoint_dir) and not resume:
             raise FileExistsError(f"{self.checkpoint_dir} holds a run: pass --resume, or choose another `out`")
-        latest = load_latest(self.checkpoint_dir) if resume else None
+        latest = load_latest(self.checkpoint_dir, self.manifest.num_parameters) if resume else None
         if latest is not None:
             state, directory = latest
             log.info("resuming after round %d (task %d) from %s", state.round, state.task, directory.name)
@@ -191,7 +193,7 @@ class Coordinator:
     def run_round(self) -> None:
         number, task = self.state.round + 1, self.state.task
         self._aggregate = aggregate = RoundAggregate(
-            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20)
+            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, number)
         try:
             self._run_attempts(number, task, aggregate)
         finally:
@@ -207,8 +209,8 @@ class Coordinator:
             self.open_round, self._last_attempt = None, collected
             self.inbox.drop_partial_updates(before_round=number + 1)
             if collected.failed:
-                log.warning("round %d closed without %s (cannot train: see device_errors)", number,
-                            ", ".join(sorted(collected.failed)))
+                log.warning("round %d closed without %s (cannot train, or refused)", number,
+                            ", ".join(f"{d}: {why}" for d, why in sorted(collected.failed.items())))
             if missing:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
@@ -279,7 +281,7 @@ class Coordinator:
             for chunk in encoded.chunks:
                 self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
             payload = {"payload": encoded.id}
-        config = {**self.config.client, **self.strategy.configure(current.number, [device]).get(device, {})}
+        config = {**self.config.client, **self.strategy.configure(current.number, device)}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,
@@ -293,29 +295,19 @@ class Coordinator:
         return named
 
     def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:
-        result = aggregate.close()
+        result = aggregate.close()  # None: the rule failed on the round (counted and logged where it was contained)
+        weights, refused, accuracies = self._judge(result, collected.task)
         used = aggregate.used
         state = self.state
-        weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
-        policy = self.config.checkpoint
-        refused = policy.problem(weights, state.weights)
-        if refused is None:
-            accuracies = self.evaluator.accuracies(weights, collected.task)
-            if policy.collapsed(accuracies[collected.task], state.best_accuracy(collected.task)):
-                refused = "model-collapsed"
-        if refused is not None:  # the round counts, the previous global model stays (and is what is checkpointed)
-            accuracies = self.evaluator.accuracies(state.weights, collected.task)
         with uninterrupted():  # committed whole: a stop never leaves results.json ahead of the checkpoint
-            if refused is None:
+            if result is not None and weights is not None:
                 state.weights = weights
                 self.personalized.update(
                     {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
                 )
                 self.payloads.update(result.payloads)
-            else:
-                self.counters[refused] += 1
-                log.warning("round %d: the aggregated model is refused (%s); the previous one stays",
-                            collected.number, refused)
+            else:  # the round counts, the previous global model stays (and is what is checkpointed)
+                log.warning("round %d: no new global model (%s); the previous one stays", collected.number, refused)
             state.round = collected.number
             state.round_in_task += 1
             state.history.append({
@@ -323,13 +315,30 @@ class Coordinator:
                 "received": sorted(collected.delivered), "samples": sum(u.num_samples for u in used),
                 "accuracy": accuracies, "aggregate_s": aggregate.seconds,
                 "metrics": {u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
-                **({"rule_metrics": result.metrics} if result.metrics else {}),
+                **({"rule_metrics": result.metrics} if result is not None and result.metrics else {}),
                 **({"refused": refused} if refused else {}),
                 **self._client_evaluation(collected.task),
             })
             log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
                      collected.task, " ".join(f"{a:.3f}" for a in accuracies))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
+
+    def _judge(self, result: AggregateResult | None, task: int) -> tuple[np.ndarray | None, str | None, list[float]]:
+        """The round's new global model and its accuracies on the tasks so far; or None, why not, and the previous
+        model's accuracies: the rule failed on the round (`rule-failed`, counted where it was contained), or the
+        checkpoint policy refuses the model (not finite, exploded, collapsed: counted here)."""
+        state, policy = self.state, self.config.checkpoint
+        if result is None:
+            return None, RULE_FAILED, self.evaluator.accuracies(state.weights, task)
+        weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
+        refused = policy.problem(weights, state.weights)
+        if refused is None:
+            accuracies = self.evaluator.accuracies(weights, task)
+            if not policy.collapsed(accuracies[task], state.best_accuracy(task)):
+                return weights, None, accuracies
+            refused = "model-collapsed"
+        self.counters[refused] += 1
+        return None, refused, self.evaluator.accuracies(state.weights, task)
 
     def _finish_round(self, accuracies: list[float], task_done: bool) -> None:
         """Move the schedule on, then checkpoint and rewrite results.json (atomically, in that order)."""
@@ -422,6 +431,8 @@ class Coordinator:
             self._on_update(event)
         elif isinstance(event, Request):
             self._on_request(event)
+        elif isinstance(event, UpdateRefused):
+            self._on_refused(event)
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
@@ -484,14 +495,9 @@ class Coordinator:
             self.open_round.failed_with(event.device, event.error)
 
     def _on_update(self, update: Update) -> None:
-        try:
-            self.strategy.inspect(_for_strategy(update))
-        except RefusedUpdate as err:
-            self.inbox.reject(err.reason, f"update of {update.device} for round {update.round}: {err}")
-            return
-        except Exception as err:  # a rule's check that raised instead of refusing: the update is still refused
-            self.inbox.reject(UNEXPECTED, f"update of {update.device} for round {update.round}: "
-                                          f"{type(err).__name__}: {err!s:.200}")
+        reason = self.strategy.inspect(_for_strategy(update))
+        if reason is not None:
+            self._on_refused(UpdateRefused(update.device, update.round, reason))
             return
         current = self.open_round or self._last_attempt  # between attempts, the last one still takes its answers
         if current is None or self._aggregate is None:
@@ -503,6 +509,13 @@ class Coordinator:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
             return
         self._aggregate.add(_for_strategy(update))
+
+    def _on_refused(self, refused: UpdateRefused) -> None:
+        """A selected device's update for the open round was refused (counted where it was): the round stops
+        waiting for it, as for a device that said it cannot train, rather than wait for it until its deadline."""
+        current = self.open_round
+        if current is not None and current.number == refused.round:
+            current.failed_with(refused.device, f"its update was refused ({refused.reason})")
 
     def _on_request(self, request: Request) -> None:
         """Answer with the named payloads the rule can give (an empty answer otherwise)."""

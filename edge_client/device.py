@@ -156,12 +156,14 @@ class Device:
         return max(0.0, min(heartbeat, self.environment.online_for(), STOP_POLL_S))
 
     def _stay_away(self, seconds: float) -> None:
-        """Offline (availability): say so, disconnect, come back when due (or leave for good on stop)."""
+        """Offline (availability): say so, disconnect, come back when the environment says so, asking it again at
+        least every STOP_POLL_S (or leave for good on stop)."""
         log.info("%s goes offline for %.1f s", self.id, seconds)
         self._publish_status("offline")
         self.link.wait_idle(timeout=5.0)
         self.link.stop()
-        self.stop_requested.wait(min(seconds, 1e9))
+        while seconds > 0 and not self.stop_requested.wait(min(seconds, STOP_POLL_S)):
+            seconds = self.environment.offline_for()
         if not self.stop_requested.is_set():
             self.link.start()  # the CONNECTED marker makes the device announce itself again
             log.info("%s is back online", self.id)
@@ -315,7 +317,9 @@ class Device:
             "disk_free_bytes": float(shutil.disk_usage(self.config.state_dir).free),
         }
         try:
-            self.learner.save(self.config.state_dir)
+            if not self.learner.save(self.config.state_dir):
+                log.warning("%s: no room for its weights: saved its task and counts only", self.id)
+                self.learner.state.metrics["disk_full"] = 1.0
         except OSError as err:  # the previous state stays whole (atomic replace); report and go on
             log.warning("%s: could not save its state: %s", self.id, err)
             self.learner.state.metrics["disk_full"] = 1.0
@@ -386,12 +390,12 @@ class Device:
                 attachments: dict[str, bytes] | None = None, weights: np.ndarray | None = None) -> None:
         """The update: `weights` (default: the trainer's), the policy's attachments (default: asked now)."""
         store, policy = self.learner.store, self.learner.policy
-        weights = self.trainer.get_weights() if weights is None else weights
+        weights, num_samples = self._claims(model, self.trainer.get_weights() if weights is None else weights)
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner) if attachments is None else attachments)
         chunks = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
-            num_samples=len(store), attachments=layout, label_counts=self.learner.state.label_counts,
+            num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
             metrics={
                 **metrics, "stored_samples": len(store),
                 "stored_bytes": self.learner.budget.used(),
@@ -402,6 +406,12 @@ class Device:
         for chunk in chunks:
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
         self._publish_status("idle", round_)
+
+    def _claims(self, model: str, weights: np.ndarray) -> tuple[np.ndarray, int]:
+        """What this device's update for global model `model` says: its trained weights, and the samples they
+        learnt from (its store's). A compromised device of a simulated fleet says otherwise
+        (firmware_sim/adversary.py)."""
+        return weights, len(self.learner.store)
 
     def _status(self, state: str, round_: int | None = None, error: str | None = None) -> bytes:
         done = self.learner.state.round if round_ is None else round_

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.policies import PolicyContext, ReplayPolicy, Samples, SelectionContext
-from edge_client.state import ClientState, load_state, save_state
+from edge_client.state import ClientState, load_state, save_state, save_state_keeping_weights
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
 from edge_client.trainers.base import EvalResult, Proximal, Trainer
@@ -113,10 +113,20 @@ class Learner:
 
     # --- persistence ------------------------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> None:
-        """The state with the trainer's weights, to disk. The weights are not kept in `state` as well: the trainer
-        holds them (a fleet worker's hundreds of devices would hold a second copy each)."""
-        save_state(directory, replace(self.state, weights=self.trainer.get_weights()))
+    def save(self, directory: str | Path) -> bool:
+        """The state with the trainer's weights, to disk; True when whole. The weights are not kept in `state` as
+        well: the trainer holds them (a fleet worker's hundreds of devices would hold a second copy each).
+
+        Where the disk has no room for the weight file (OSError), the record alone is saved, beside the weights of
+        the last whole save: the task, round, seen classes and counts survive a restart (which otherwise starts the
+        task again and forgets what the device has seen), and the record names no model (`model` "", no metrics),
+        so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits."""
+        try:
+            save_state(directory, replace(self.state, weights=self.trainer.get_weights()))
+            return True
+        except OSError:
+            save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
+            return False
 
     def restore(self, directory: str | Path) -> bool:
         """Reload the saved state, its weights into the trainer; False when there is none."""

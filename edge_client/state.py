@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefil.durable import STATE_FILE, StateError, load_record, save_record
+from edgefil.durable import STATE_FILE, StateError, load_record, save_record, save_record_keeping_weights
 
-__all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state"]
+__all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state", "save_state_keeping_weights"]
 
 
 @dataclass
@@ -30,6 +30,11 @@ class ClientState:
 
 def save_state(directory: str | Path, state: ClientState) -> None:
     save_record(directory, state)
+
+
+def save_state_keeping_weights(directory: str | Path, state: ClientState) -> None:
+    """The state's record, beside the weights saved before (`state.weights` is not written): what fits a full disk."""
+    save_record_keeping_weights(directory, state)
 
 
 def load_state(directory: str | Path) -> ClientState | None:

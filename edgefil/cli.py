@@ -212,11 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from edgefil.durable import StateError
     from edgefil.settings import ConfigError
 
     try:
         return int(args.run(args))
-    except ConfigError as err:  # a config file that cannot be used: one line, nothing started
+    except (ConfigError, StateError) as err:  # a config file, or saved state, that cannot be used: one line
         print(f"edgefil {args.command}: {err}", file=sys.stderr)
         return 2
 

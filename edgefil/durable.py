@@ -68,6 +68,22 @@ def save_record(directory: str | Path, state: Any) -> None:
             stale.unlink()
 
 
+def save_record_keeping_weights(directory: str | Path, state: Any) -> None:
+    """Save the record of `state` (every field but `weights`) and keep the weights saved before, unwritten: a few
+    hundred bytes where a full disk has no room for a weight file, so what the record holds survives a restart."""
+    directory = Path(directory)
+    path = directory / STATE_FILE
+    kept = {"weights_file": None}
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            kept = {key: saved[key] for key in ("weights_file", "weights_sha256") if key in saved}
+        except (OSError, ValueError, TypeError):  # unreadable: the weights it named cannot be trusted either
+            kept = {"weights_file": None}
+    record = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "weights"}
+    write_atomically(path, json.dumps({**record, **kept}).encode())
+
+
 def load_record(directory: str | Path) -> tuple[dict[str, Any], np.ndarray | None] | None:
     """The last saved (record, weights), or None when nothing was ever saved here."""
     path = Path(directory) / STATE_FILE

@@ -186,9 +186,10 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
         _check_ints(message.get("label_counts", []), "update.label_counts")
     if kind == "request":
         _check_names(message["names"])
-    if "instances" in message:
+    declared = OPTIONAL.get(kind, {})  # a field a kind does not declare is an unknown extra one: ignored
+    if "instances" in declared and "instances" in message:
         _check_names(message["instances"], f"{kind}.instances")
-    if "attachments" in message:
+    if "attachments" in declared and "attachments" in message:
         _check_attachments(message["attachments"])
     if kind in BLOB_KINDS:
         _check_chunk_fields(message, verify_chunk)

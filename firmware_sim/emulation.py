@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -34,8 +35,10 @@ class EmulatedEnvironment:
     def __init__(
         self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False, availability_seed: int = 0,
         time_scale: float = 1.0, turns: AbstractContextManager[Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`turns`: shared by the devices of one worker process, which take turns at CPU work (None: alone)."""
+        """`turns`: shared by the devices of one worker process, which take turns at CPU work (None: alone);
+        `clock`: the wall clock (seconds) availability follows, which a test may step itself."""
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.profile = profile
@@ -44,7 +47,8 @@ class EmulatedEnvironment:
         self.clock = VirtualClock()
         self.schedule = AvailabilitySchedule(profile.availability, availability_seed)
         self.time_scale = time_scale  # availability: profile seconds per wall second since the device joined
-        self._joined = time.monotonic()
+        self._clock = clock
+        self._joined = clock()
         self._turns = turns
 
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
@@ -66,14 +70,14 @@ class EmulatedEnvironment:
         return seconds
 
     def offline_for(self) -> float:
-        t = (time.monotonic() - self._joined) * self.time_scale
+        t = (self._clock() - self._joined) * self.time_scale
         if self.schedule.online(t):
             return 0.0
         back = self.schedule.next_change(t)
         return math.inf if back is None else (back - t) / self.time_scale
 
     def online_for(self) -> float:
-        t = (time.monotonic() - self._joined) * self.time_scale
+        t = (self._clock() - self._joined) * self.time_scale
         if not self.schedule.online(t):
             return 0.0
         change = self.schedule.next_change(t)

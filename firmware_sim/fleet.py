@@ -20,7 +20,8 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                                    # WARNING, only where mosquitto is missing)
     tls = false                    # the broker's listener uses TLS (a CA and certificate made in out/broker/tls;
                                    # mosquitto only)
-    scenario = {preset = "digits-class"}     # n_clients is set to `devices`
+    scenario = {preset = "digits-class"}     # n_clients: the shares the data are split into (left out: `devices`);
+                                   # device k holds share k, so more shares than devices leave some unused
     profiles = {raspberry-pi-4-4gb = 6, jetson-nano = 4}   # emulated devices by profile (counts sum to
                                    # `devices`); none: devices run unemulated at the host's speed
     real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
@@ -36,6 +37,8 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device                                   (the coordinator file's keys)
     [ray]          address (a running cluster; left out: Ray on this machine), max_restarts (5)
+    [adversary]    attack = "sign-flip" (firmware_sim/adversary.py), devices = 1: the last devices are compromised,
+                   to see what the coordinator's settings withstand (none by default)
 
 Every table is checked by the one config checker (`edgefil.settings`) before anything starts: the file's own keys
 when it is read, then (`FleetConfig.check`) the policy, the strategy, the coordinator's keys, the scenario, the
@@ -69,8 +72,10 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, load_toml
 from edgefil.topics import check_name
 from firmware_sim import disk
+from firmware_sim.adversary import AdversarySettings
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
+    ADVERSARY,
     DESCRIPTORS_PER_CONNECTION,
     STOP_GRACE_S,
     crowded_keepalive,
@@ -118,6 +123,7 @@ class FleetConfig:
     time_scale: float = 60.0
     backend: str = "processes"  # where the workers run: processes here, or Ray actors over a cluster
     ray: RaySettings = RaySettings()
+    adversary: AdversarySettings = AdversarySettings()
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
@@ -132,6 +138,9 @@ class FleetConfig:
             raise ValueError("tls = true needs mosquitto: the embedded broker has no TLS")
         if self.backend not in ("processes", "ray"):
             raise ValueError(f"backend must be processes or ray; got {self.backend!r}")
+        if self.adversary.devices >= self.devices:
+            raise ValueError(f"[adversary] devices = {self.adversary.devices}: a fleet of {self.devices} needs "
+                             "at least one honest device")
         if self.backend == "ray" and self.ray.address is not None and self.broker == "embedded":
             raise ValueError("backend = \"ray\" on a cluster needs mosquitto: the embedded broker has no "
                              "authentication, and remote devices reach it over the network")
@@ -159,19 +168,27 @@ class FleetConfig:
         check_policy(self.policy, where.inner("policy"))
         check_strategy(self.strategy, where.inner("strategy"))
         build(RoundSettings, self.client, where.inner("client"))
-        check_options(CoordinatorConfig, self.coordinator, where.inner("coordinator"), skip=FLEET_SETS)
+        self.coordinator_options(file)
         for name in self.profiles:
             try:
                 load_profile(name)
             except (ValueError, OSError) as err:
                 raise where.inner("profiles").error(name, str(err)) from None
-        scenario = check_scenario({**self.scenario, "n_clients": self.devices}, where.inner("scenario"))
+        scenario = check_scenario(self.scenario_table(), where.inner("scenario"))
+        if scenario.n_clients < self.devices:
+            raise where.inner("scenario").error("n_clients", f"{scenario.n_clients} shares for {self.devices} devices: "
+                                                             "each device needs a share of its own")
         try:
             data = scenario.build()
             model_fits(self.model, data.num_classes, data.input_shape)
         except (ValueError, OSError, RuntimeError) as err:
             raise where.error("model", f"{self.model!r} on scenario {scenario.dataset!r}: {err}") from None
         return data
+
+    def coordinator_options(self, file: str = "fleet config") -> dict[str, Any]:
+        """The [coordinator] table checked and converted (its [guard], [limits] and [checkpoint] as their settings
+        classes), for the coordinator's config; ConfigError naming the key."""
+        return check_options(CoordinatorConfig, self.coordinator, Where(file).inner("coordinator"), skip=FLEET_SETS)
 
     def describe(self) -> dict[str, Any]:
         """What the devices and the coordinator of this fleet run, as JSON types: written to the run folder's
@@ -182,7 +199,7 @@ class FleetConfig:
             "store": self.store_options(),
             "trainer": vars(self.trainer),
             "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
-            "profiles": dict(self.profiles),
+            "profiles": dict(self.profiles), "adversary": vars(self.adversary),
         }
 
     def store_options(self) -> dict[str, Any]:
@@ -191,6 +208,11 @@ class FleetConfig:
         if self.store is None:
             raise RuntimeError("the fleet's [store] is not resolved yet: Fleet.run sets it from the scenario")
         return {k: v for k, v in vars(self.store).items() if v is not None}
+
+    def scenario_table(self) -> dict[str, Any]:
+        """The scenario as the devices and the coordinator build it: split into `n_clients` shares (by default one
+        a device); device k holds share k."""
+        return {**self.scenario, "n_clients": self.scenario.get("n_clients", self.devices)}
 
     @property
     def device_ids(self) -> list[str]:
@@ -228,7 +250,7 @@ class Fleet:
 
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
-        self.scenario = {**config.scenario, "n_clients": config.devices}
+        self.scenario = config.scenario_table()
         self.passwords = {d: generate_password() for d in config.device_ids}
         self.coordinator_password = generate_password()
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
@@ -344,8 +366,10 @@ class Fleet:
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
             "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
         }}
+        attack = self.config.adversary.of(index, self.config.devices)
+        adversary = {} if attack is None else {ADVERSARY: {"attack": attack, "fleet_size": self.config.devices}}
         return {
-            **emulation, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            **emulation, **adversary, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
@@ -366,7 +390,7 @@ class Fleet:
             broker=build(BrokerSettings, self._settings("coordinator", self.coordinator_password), Where("fleet")),
             seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
             virtual_time=bool(self.config.profiles) and not self.config.real_time,
-            **dict(self.config.coordinator),
+            **self.config.coordinator_options(),
         )
 
 

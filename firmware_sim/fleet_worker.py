@@ -30,6 +30,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # clean (3000 devices on 2 workers), 1250 too (5000 on 4); at 2500 a worker (5000 on 2) the thread fell behind
 # under the GIL, keepalives lapsed and the broker dropped thousands of devices.
 DEVICES_PER_WORKER = 1500
+ADVERSARY = "adversary"  # a device table's key, beside the device config, for a compromised device (adversary.py)
 
 
 def worker_count(workers: int | None, devices: int, cores: int) -> int:
@@ -133,8 +134,10 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
 
     def run(raw: dict[str, Any]) -> None:
         try:
+            raw = dict(raw)
+            adversary = raw.pop(ADVERSARY, None)
             with turns:
-                device = virtual_device(DeviceConfig.from_dict(raw), network, turns)
+                device = virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary)
         except Exception:
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return

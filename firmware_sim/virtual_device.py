@@ -8,6 +8,7 @@ daemon takes: a `ClientSource` and an `EmulatedEnvironment`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,6 +17,7 @@ from edge_client.device import Device
 from edge_client.environment import Environment, RealEnvironment
 from edge_client.sources import TaskSource
 from edgefil.netloop import NetworkLoop
+from firmware_sim.adversary import AdversarialDevice
 from firmware_sim.emulation import EmulatedEnvironment
 from firmware_sim.limits import HostCalibration
 from firmware_sim.profiles import load_profile
@@ -45,8 +47,13 @@ def hosted_environment(config: DeviceConfig, turns: AbstractContextManager[Any] 
 
 def virtual_device(
     config: DeviceConfig, network: NetworkLoop | None = None, turns: AbstractContextManager[Any] | None = None,
+    adversary: Mapping[str, Any] | None = None,
 ) -> Device:
     """`network` and `turns`: a worker's, shared by the devices it hosts (one network thread for all their
-    connections; one device at a time doing CPU work)."""
-    return Device(config, source=simulated_source(config), environment=hosted_environment(config, turns),
-                  network=network)
+    connections; one device at a time doing CPU work). `adversary`: a compromised device's attack and its fleet's
+    size (firmware_sim/adversary.py)."""
+    parts: dict[str, Any] = {"source": simulated_source(config), "environment": hosted_environment(config, turns),
+                             "network": network}
+    if adversary is not None:
+        return AdversarialDevice(config, attack=adversary["attack"], fleet_size=adversary["fleet_size"], **parts)
+    return Device(config, **parts)

@@ -22,9 +22,11 @@ error <= 2**-11 in the normal range); int8 is off by at most scale / 2 = max|v| 
 
 The integers sit in fixed-width fields so that `encoded_size` depends only on the spec, the precision and the
 lengths. `decode_record` checks everything it can without torch: magic, version, checksum, lengths against the
-payload, precision, finite values. Whether the lengths fit the spec's architecture is the caller's
-check (the sampler and trainers compare them with generator.json's sizes), since counting a spec's parameters
-needs torch.
+payload, precision, finite values. Whether the lengths fit the spec's architecture needs torch to count a spec's
+parameters, so the caller knows it: a receiver that knows which generators it expects passes their
+`RecordLayout`s (`expected`), and a record of another spec, or whose lengths are not that spec's, is refused from
+its fixed header, before any array is decoded or anything is built from it (the coordinator's pFedGRP, for records
+devices send); the device's sampler and trainers compare a record with generator.json's sizes.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import math
 import re
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +52,15 @@ _CRC = struct.Struct("<I")
 
 class GeneratorFormatError(ValueError):
     """Bytes that are not a valid generator record: foreign, truncated, damaged, or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """A generator a receiver expects: its spec (`GeneratorSpec.to_dict()`) and the lengths of its flat buffers."""
+
+    spec: dict[str, Any]
+    sampler_size: int
+    auxiliary_size: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,19 +169,30 @@ def encode_record(record: GeneratorRecord) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def decode_record(data: bytes) -> GeneratorRecord:
+def decode_record(data: bytes, expected: Sequence[RecordLayout] | None = None) -> GeneratorRecord:
     """Parse and verify `encode_record` bytes; anything wrong raises GeneratorFormatError, and only that: records
     arrive from devices, so whatever else a hostile one provokes (a header nested past the recursion limit, values
-    of the wrong type deep in the spec) is refused the same way."""
+    of the wrong type deep in the spec) is refused the same way. With `expected`, a record must be of one of those
+    layouts (its spec, its sampler's length, its auxiliary model's or none), checked before its arrays are read."""
     try:
-        return _decode_record(data)
+        return _decode_record(data, expected)
     except GeneratorFormatError:
         raise
     except Exception as err:
         raise GeneratorFormatError(f"generator record is malformed ({type(err).__name__})") from None
 
 
-def _decode_record(data: bytes) -> GeneratorRecord:
+def _check_layout(spec: dict[str, Any], n_sampler: int, aux_len: int | None,
+                  expected: Sequence[RecordLayout]) -> None:
+    layout = next((layout for layout in expected if layout.spec == spec), None)
+    if layout is None:
+        raise GeneratorFormatError(f"a generator of spec {json.dumps(spec)[:200]}, not one this fleet uses")
+    if n_sampler != layout.sampler_size or aux_len not in (None, layout.auxiliary_size):
+        raise GeneratorFormatError(f"a {spec.get('kind')} generator of {n_sampler} sampler and {aux_len} auxiliary "
+                                   f"values; its spec has {layout.sampler_size} and {layout.auxiliary_size}")
+
+
+def _decode_record(data: bytes, expected: Sequence[RecordLayout] | None) -> GeneratorRecord:
     view = memoryview(data)
     if len(view) < _FIXED.size + _CRC.size or len(view) % 4:
         raise GeneratorFormatError(f"{len(view)} bytes cannot be a generator record")
@@ -193,6 +216,8 @@ def _decode_record(data: bytes) -> GeneratorRecord:
     aux_len = None if n_aux == -1 else n_aux
     if len(view) != encoded_size(spec, precision, n_sampler, aux_len):
         raise GeneratorFormatError("generator record length does not match its declared array lengths")
+    if expected is not None:
+        _check_layout(spec, n_sampler, aux_len, expected)
     offset = _FIXED.size + header_len
     arrays = []
     for n in (n_sampler,) if aux_len is None else (n_sampler, aux_len):

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from models.generator_kinds import CONV_KINDS, GENERATOR_KINDS
+from models.generator_record import RecordLayout
 
 _LEAK = 0.2
 
@@ -238,6 +239,20 @@ def sampler_size(spec: GeneratorSpec) -> int:
 
 def auxiliary_size(spec: GeneratorSpec) -> int:
     return sum(v.numel() for _, v in flat_entries(build_auxiliary(spec, seed=0)))
+
+
+def exported_layouts(input_shape: tuple[int, ...]) -> tuple[RecordLayout, ...]:
+    """The generators exported for a model of `input_shape` (`default_spec` of every kind that fits the shape: what
+    `edgefil export --generator` and a fleet's export write), with their buffer lengths: the records a coordinator
+    can expect its devices to send."""
+    layouts = []
+    for kind in GENERATOR_KINDS:
+        try:
+            spec = default_spec(kind, tuple(input_shape))
+        except ValueError:  # a convolutional kind on sizes it cannot upsample to
+            continue
+        layouts.append(RecordLayout(spec.to_dict(), sampler_size(spec), auxiliary_size(spec)))
+    return tuple(layouts)
 
 
 class VaeGraph(nn.Module):

@@ -17,6 +17,18 @@ from edgefil.lifetime import stop_processes
 from edgefil.settings import dump_toml
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a wait for a run's event allows: the wait returns when the event comes, and the ceiling only ends one for an
+# event that never comes (a busy host makes start-up and rounds several times slower than a quiet one).
+CEILING_S = 900
+
+
+def default_signals() -> None:
+    """`preexec_fn` of a child a test signals: Ctrl-C, SIGTERM and SIGHUP at their defaults, whatever the test run
+    inherited. A suite started in the background (`nohup scripts/test &`) runs with SIGINT and SIGHUP ignored, and a
+    child keeps an ignored signal across exec: Ctrl-C sent to it did nothing, and Python installs its own
+    KeyboardInterrupt handler only where the signal is at its default."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def write_toml(path: Path, data: dict[str, Any]) -> Path:
@@ -95,7 +107,8 @@ class Fleet:
         log = open(self.root / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edgefil.cli", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "edgefil.cli", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=default_signals,
         )
         log.close()
         self.processes[name] = proc

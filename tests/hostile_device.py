@@ -5,10 +5,14 @@ selected for), with the update chosen by an attacker. Attacks rotate by round:
 - "huge": every weight 1e30 (finite);
 - "samples": a garbage model (the global model plus noise) claiming 10^9 samples;
 - "boosted": model replacement, g + BOOST * (garbage - g), with an ordinary sample count.
+
+A test may give its own `answer` instead: what to send for a round, given the global model.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 from mqtt_helpers import Peer
@@ -20,10 +24,34 @@ ATTACKS = ("huge", "samples", "boosted")
 BOOST = 10.0
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What the hostile device sends for one round: its name (recorded in `sent`) and the update."""
+
+    name: str
+    weights: np.ndarray
+    num_samples: int = 40
+    attachments: Mapping[str, bytes] = field(default_factory=dict)
+    label_counts: tuple[int, ...] = ()
+
+
+def rotating_attacks(round_: int, g: np.ndarray, rng: np.random.Generator) -> Answer:
+    """The module docstring's attacks, by turns."""
+    attack = ATTACKS[round_ % len(ATTACKS)]
+    garbage = g + rng.normal(0, 0.5, g.size).astype(np.float32)
+    if attack == "huge":
+        return Answer(attack, np.full(g.size, 1e30, dtype=np.float32))
+    if attack == "samples":
+        return Answer(attack, garbage, 10**9)
+    return Answer(attack, (g + BOOST * (garbage - g)).astype(np.float32))
+
+
 class PoisoningDevice:
     def __init__(self, address: BrokerAddress, fleet: str, device: str, password: str, manifest: str,
-                 num_parameters: int) -> None:
+                 num_parameters: int,
+                 answer: Callable[[int, np.ndarray, np.random.Generator], Answer] = rotating_attacks) -> None:
         self.fleet, self.device, self.manifest, self.num_parameters = fleet, device, manifest, num_parameters
+        self.answer = answer
         self.peer = Peer(address, device, password)
         self.models: dict[str, np.ndarray] = {}
         self.reassembler = wire.Reassembler(max_blob_bytes=4 * num_parameters)
@@ -84,18 +112,11 @@ class PoisoningDevice:
         round_ = message["round"]
         if round_ in self.sent:
             return
-        attack = ATTACKS[round_ % len(ATTACKS)]
-        garbage = g + self.rng.normal(0, 0.5, g.size).astype(np.float32)
-        samples = 40
-        if attack == "huge":
-            weights = np.full(g.size, 1e30, dtype=np.float32)
-        elif attack == "samples":
-            weights, samples = garbage, 10**9
-        else:
-            weights = (g + BOOST * (garbage - g)).astype(np.float32)
-        for chunk in wire.encode_blob("update", wire.weights_bytes(weights), device=self.device, round=round_,
-                                      task=message["task"], model=message["model"], num_samples=samples,
-                                      metrics={}).chunks:
+        answer = self.answer(round_, g, self.rng)
+        data, layout = wire.pack_attachments(wire.weights_bytes(answer.weights), answer.attachments)
+        for chunk in wire.encode_blob("update", data, device=self.device, round=round_, task=message["task"],
+                                      model=message["model"], num_samples=answer.num_samples, metrics={},
+                                      attachments=layout, label_counts=list(answer.label_counts)).chunks:
             self.peer.publish(topics.from_device(self.fleet, self.device, "update"), chunk)
-        self.sent[round_] = attack
+        self.sent[round_] = answer.name
         self._status("idle", round_)

@@ -8,14 +8,14 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import CEILING_S, Fleet
 from mqtt_helpers import Peer
 from wire_frames import pack
 
 from coordinator import inbox
 from coordinator.broker import mosquitto_path
 from edgefil import topics, wire
-from models.manifest import load_manifest
+from models.manifest import load_manifest, manifest_digest
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 TIMES = 12  # of each malformed kind
@@ -68,7 +68,7 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
         fleet.start()
         fleet.start_coordinator()
         n_params = load_manifest(artifacts).num_parameters
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
 
         anonymous = Peer(fleet.broker.address)
         assert anonymous.connect().is_failure  # unauthenticated: the broker says no
@@ -89,11 +89,11 @@ def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_p
             # the broker's ACL: ROGUE may not speak for dev-1; this never reaches the coordinator
             rogue.publish(topics.from_device(fleet.fleet, "dev-1", "update"), b"\xc1 forged")
         sent_by = fleet.rounds_done()
-        fleet.wait_rounds(min(sent_by + 2, 15), timeout=120)  # later rounds prove the messages were processed
+        fleet.wait_rounds(min(sent_by + 2, 15), timeout=CEILING_S)  # later rounds prove the messages were processed
         rogue.close()
         intruder.close()
 
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
         results = fleet.results()
         counters = results["counters"]
         for reason, payloads in malformed_messages(n_params, rng).items():
@@ -125,7 +125,7 @@ def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, expo
     try:
         fleet.start()
         fleet.start_coordinator()
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         fleet.kill("coordinator")
         fleet.kill("dev-0")  # compromised: its own retained messages would replace the garbage
         rogue = Peer(fleet.broker.address, "dev-0", fleet.passwords["dev-0"])
@@ -134,7 +134,7 @@ def test_retained_garbage_on_a_device_topic_cannot_crash_a_resume(tmp_path, expo
             rogue.publish(topics.from_device(fleet.fleet, "dev-0", kind), payload, retain=True)
         rogue.close()
         fleet.start_coordinator(resume=True)
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
         counters = fleet.results()["counters"]
         assert all(counters.get(reason, 0) >= 1 for _, reason in hostile.values()), counters
         assert counters["retained"] >= 2, counters
@@ -172,7 +172,7 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
     try:
         fleet.start()
         fleet.start_coordinator()
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         pid = fleet.processes["coordinator"].pid
         before = peak_rss_mb(pid)
         rogue = Peer(fleet.broker.address, ROGUE, fleet.passwords[ROGUE])
@@ -185,9 +185,65 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
                 data=data, device=ROGUE, round=fleet.rounds_done() + 1, task=0, model="0" * 64, num_samples=1,
                 metrics={})))
         rogue.close()
-        fleet.wait_rounds(fleet.rounds_done() + 2, timeout=120)  # later rounds: the flood was taken in
+        fleet.wait_rounds(fleet.rounds_done() + 2, timeout=CEILING_S)  # later rounds: the flood was taken in
         grown = peak_rss_mb(pid) - before
         assert grown < FLOOD_PEAK_BOUND_MB, f"the coordinator's peak memory grew by {grown:.0f} MB"
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
+    finally:
+        fleet.stop()
+
+
+ROUNDS_ALLOWANCE_MB = 16  # what the coordinator's own rounds may add to its peak beside a flood
+
+
+def scattered_chunks(size: int, round_: int) -> list[bytes]:
+    """Chunks of 4 bytes over two blobs of `size` bytes, none continuing what came before it: 4000 a page apart,
+    then 25 placed 2 MiB apart beyond them (each a huge page of its own, where the kernel gives them)."""
+    data = b"abcd"
+    offsets = [4096 * i for i in range(1, 4001)] + [(2 << 20) * j for j in range(8, 33)]
+    return [pack(dict(v=wire.SCHEMA_VERSION, kind="update", blob=f"{b:064x}", size=size, dtype=wire.WEIGHTS_DTYPE,
+                      index=k + 1, count=size // wire.MIN_CHUNK_BYTES, offset=offset, chunk_crc32c=wire.crc32c(data),
+                      data=data, device=ROGUE, round=round_, task=0, model="0" * 64, num_samples=1, metrics={}))
+            for b in range(2) for k, offset in enumerate(offsets)]
+
+
+def test_a_flood_of_scattered_chunks_costs_what_it_sent(tmp_path, export_artifacts):
+    """A compromised device spreads chunks of 4 bytes over two blobs of model + 64 MiB. Each was written where it
+    said it went, committing a page (a huge page 2 MiB apart): 66 of them grew a coordinator by 106 MB for 19 KB
+    sent. Now a chunk that does not continue its blob's start is held as a copy until it does, and the flood
+    costs at most the stated bound (wire.PENDING_COST_FACTOR x the bytes sent, plus a page per part-way blob).
+    The device registers, so the round it is selected for waits for it (its deadline only a ceiling) until it
+    says it went offline, after its flood: every chunk is handled inside that round, however slowly."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=2, spares=(ROGUE,),
+                  coordinator_options={"rounds_per_task": 1, "min_clients": 2, "wait_for_devices_s": CEILING_S,
+                                       "deadline_s": CEILING_S})
+    size = 4 * load_manifest(artifacts).num_parameters + inbox.MAX_ATTACHMENT_BYTES
+    own = {kind: topics.from_device(fleet.fleet, ROGUE, kind) for kind in topics.DEVICE_SENDS}
+    try:
+        fleet.start()
+        rogue = Peer(fleet.broker.address, ROGUE, fleet.passwords[ROGUE])
+        assert not rogue.connect().is_failure
+        rogue.subscribe(topics.to_device(fleet.fleet, ROGUE, "round"))
+        rogue.publish(own["register"], wire.encode("register", device=ROGUE, profile="attacker", backend="portable",
+                                                   manifest=manifest_digest(artifacts), software="0"), retain=True)
+        rogue.publish(own["status"], wire.encode("status", device=ROGUE, state="idle", round=0), retain=True)
+        fleet.start_coordinator()
+        opened = wire.decode(rogue.expect(topics.to_device(fleet.fleet, ROGUE, "round"), timeout=CEILING_S))
+        pid = fleet.processes["coordinator"].pid
+        before = peak_rss_mb(pid)
+        messages = scattered_chunks(size, opened["round"])
+        for start in range(0, len(messages), 500):  # as fast as the broker takes them, in order
+            rogue.publish_all([(own["update"], m) for m in messages[start:start + 500]])
+        rogue.publish(own["status"], wire.encode("status", device=ROGUE, state="offline", round=0), retain=True)
+        fleet.wait_rounds(opened["round"], timeout=CEILING_S)  # the round closed: the flood was handled in it
+        grown = peak_rss_mb(pid) - before
+        rogue.close()
+        sent = sum(map(len, messages))
+        bound = (wire.PENDING_COST_FACTOR * sent + 2 * wire.PENDING_COST_SLACK) / 2**20 + ROUNDS_ALLOWANCE_MB
+        print(f"\nscattered flood: {sent / 2**20:.1f} MiB sent, the coordinator's peak grew {grown:.1f} MB "
+              f"(bound {bound:.1f} MB)")
+        assert grown <= bound, f"the coordinator's peak memory grew by {grown:.0f} MB, over {bound:.0f} MB"
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     finally:
         fleet.stop()

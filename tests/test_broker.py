@@ -26,6 +26,7 @@ from edgefil.topics import DEVICE_SENDS, device_subscriptions
 from edgefil.topics import prefix as topic_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fleet_harness import default_signals  # noqa: E402
 from mqtt_helpers import Peer, make_server_cert  # noqa: E402
 
 needs_mosquitto = pytest.mark.skipif(
@@ -352,7 +353,8 @@ def test_broker_command_serves_until_ctrl_c(tmp_path):
         raise SystemExit(args.run(args))
     """)
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
     try:
         assert f"127.0.0.1:{port}" in proc.stdout.readline()
         peer = Peer(BrokerAddress("127.0.0.1", port))

@@ -91,6 +91,9 @@ TYPOS = [
     ("fleet", "rounds_per_task = 2", "rounds_per_tsk = 2", "[coordinator]", "rounds_per_tsk"),
     ("fleet", 'scenario = {preset = "digits-class"}', 'scenario = {preset = "digits-class", n_task = 3}',
      "[scenario]", "n_task"),
+    ("fleet", "rounds_per_task = 2", "rounds_per_task = 2\n[coordinator.guard]\nnorm_bond = 'clip'",
+     "[coordinator.guard]", "norm_bond"),
+    ("fleet", "[client]", "[adversary]\nattak = 'lazy'\n[client]", "[adversary]", "attak"),
 ]
 TEXT = {"device": DEVICE, "coordinator": COORDINATOR, "fleet": FLEET}
 
@@ -131,6 +134,10 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
     ("fleet", 'preset = "digits-class"', 'preset = "digit-class"', "[scenario] preset: unknown preset"),
     ("fleet", "devices = 4", "devices = 4\nmodel = \"cnn1d\"", "model: 'cnn1d' on scenario 'digits'"),
     ("fleet", 'name = "lab"', 'name = "lab+1"', "name must match [A-Za-z0-9_-]{1,64}, got 'lab+1'"),
+    ("fleet", "[client]", "[adversary]\nattack = 'bribe'\ndevices = 1\n[client]", "unknown attack 'bribe'"),
+    ("fleet", "[client]", "[adversary]\nattack = 'lazy'\ndevices = 4\n[client]", "at least one honest device"),
+    ("fleet", 'preset = "digits-class"', 'preset = "digits-class", n_clients = 3',
+     "[scenario] n_clients: 3 shares for 4 devices"),
 ])
 def test_unknown_names_wrong_types_and_refused_values_are_one_line(kind, line, replacement, expected, tmp_path):
     with pytest.raises(ConfigError) as refused:
@@ -182,3 +189,14 @@ def test_every_toml_example_in_the_docs_loads_and_checks(doc, line, text, tmp_pa
 def test_every_doc_with_a_toml_example_is_covered():
     assert {doc for doc, _, _ in _toml_examples()} >= {"README.md", "flowing-data.md"}
     assert len(_toml_examples()) >= 5
+
+
+def test_a_fleets_coordinator_tables_reach_the_coordinator_as_their_settings(tmp_path):
+    """[coordinator.guard] in a fleet file is the coordinator's [guard] (it reached the coordinator as a plain
+    table, before), and [adversary] names the devices it makes compromised: the last ones."""
+    from coordinator.guard import UpdateBounds
+
+    text = FLEET + "[coordinator.guard]\nnorm_bound = 'clip'\n[adversary]\nattack = 'lazy'\ndevices = 1\n"
+    config = load("fleet", text, tmp_path)
+    assert config.coordinator_options()["guard"] == UpdateBounds(norm_bound="clip")
+    assert [config.adversary.of(k, config.devices) for k in range(4)] == [None, None, None, "lazy"]

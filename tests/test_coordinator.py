@@ -2,7 +2,11 @@
 configuration files."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +26,11 @@ from coordinator.rounds import OpenRound, select
 from edge_client.config import DeviceConfig
 from edgefil import topics, wire
 from edgefil.durable import StateError
+from edgefil.settings import dump_toml
 from firmware_sim.scenarios import preset
 
 FLEET = "f"
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "ab" * 32
 
 
@@ -89,13 +95,14 @@ def test_inbox_turns_valid_messages_into_events_and_counts_the_rest():
 
 
 def test_run_state_checkpoint_round_trips_and_refuses_a_tampered_weight_file(tmp_path):
+    entry = {"round": 3, "task": 1, "accuracy": [0.9, 0.8]}
     state = RunState(weights=np.arange(5, dtype=np.float32), round=3, task=1, round_in_task=1,
-                     rng=np.random.default_rng(4).bit_generator.state, history=[{"round": 3}],
+                     rng=np.random.default_rng(4).bit_generator.state, history=[entry],
                      accuracy_matrix=[[0.9]], counters={"late": 2})
     save_run_state(tmp_path, state)
     loaded = load_run_state(tmp_path)
     np.testing.assert_array_equal(loaded.weights, state.weights)
-    assert (loaded.round, loaded.task, loaded.history, loaded.counters) == (3, 1, [{"round": 3}], {"late": 2})
+    assert (loaded.round, loaded.task, loaded.history, loaded.counters) == (3, 1, [entry], {"late": 2})
     rng = np.random.default_rng()
     rng.bit_generator.state = loaded.rng
     assert rng.random() == np.random.default_rng(4).random()
@@ -103,6 +110,28 @@ def test_run_state_checkpoint_round_trips_and_refuses_a_tampered_weight_file(tmp
     weight_file.write_bytes(b"\0" * weight_file.stat().st_size)
     with pytest.raises(StateError, match="sha256"):
         load_run_state(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("round", "3"), ("task", -1), ("round_in_task", True), ("rng", {"state": 5}), ("history", 5),
+    ("history", [{"round": 1, "task": 2, "accuracy": [0.5]}]), ("accuracy_matrix", [["x"]]),
+    ("counters", {"late": "2"}), ("counters", [1]), ("unknown", 1),
+])
+def test_a_checkpoint_value_of_the_wrong_type_is_refused_at_load(tmp_path, field, value):
+    """A saved run state that parses but holds a value of another type would break the run rounds later: it is
+    refused when it is loaded (and --resume falls back to the generation before)."""
+    save_run_state(tmp_path, RunState(weights=np.zeros(4, np.float32), rng=np.random.default_rng(0).bit_generator.state))
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(StateError, match=field):
+        load_run_state(tmp_path)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    save_run_state(tmp_path, RunState(weights=np.zeros(4, np.float32), rng=np.random.default_rng(0).bit_generator.state))
+    assert load_run_state(tmp_path, num_parameters=4) is not None
+    with pytest.raises(StateError, match="4 values, this run's has 5"):
+        load_run_state(tmp_path, num_parameters=5)
 
 
 def test_configs_refuse_unknown_keys_and_bad_values(tmp_path):
@@ -145,6 +174,15 @@ def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts)
     (generation_dir(root, 1) / "state.json").write_text("[]")
     with pytest.raises(StateError, match="round-000003.*round-000002.*round-000001"):
         Coordinator(config, resume=True, test_sets=test_sets)
+    # the command line says so in one line
+    file = tmp_path / "coordinator.toml"
+    file.write_text(dump_toml({"fleet": FLEET, "out": "run", "artifacts": str(config.artifacts), "devices": ["d1"],
+                               "scenario": {"preset": "digits-class", "n_clients": 1}}))
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "coordinator", "--config", str(file), "--resume"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # the log's warnings, then the reason in one line
+    assert done.stderr.splitlines()[-1].startswith("edgefil coordinator: no checkpoint in"), done.stderr
 
 
 def test_generations_beyond_keep_and_incomplete_ones_are_pruned(tmp_path):

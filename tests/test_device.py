@@ -13,6 +13,7 @@ from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
 from edge_client.sources import FolderSource
+from edge_client.state import load_state
 from edge_client.trainers.ort import OrtTrainer
 from edgefil import topics, wire
 from firmware_sim.datasets import load_dataset
@@ -211,6 +212,8 @@ def test_a_device_whose_disk_fills_keeps_a_valid_store_and_reports_it(setup, tmp
         store.check()  # valid after the failed writes
         assert len(store) == reported["stored_samples"] < 80
         store.close()
+        saved = load_state(folder)  # no room for the weights: the record alone, so a restart keeps the task
+        assert saved is not None and saved.task == 0 and sum(saved.label_counts) >= 80 and saved.model == ""
     finally:
         disk.unmount(folder)
 

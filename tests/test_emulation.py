@@ -2,8 +2,12 @@
 (virtual time), and a device without enough RAM for training drops out of the fleet."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import CEILING_S, Fleet
+from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
 from coordinator.inbox import Update
@@ -84,7 +88,7 @@ def test_a_slow_device_misses_the_deadline_a_fast_one_meets_and_a_device_short_o
     try:
         fleet.start()
         fleet.start_coordinator()
-        assert fleet.wait_coordinator(timeout=200) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
         results = fleet.results()
     finally:
         fleet.stop()
@@ -98,35 +102,54 @@ def test_a_slow_device_misses_the_deadline_a_fast_one_meets_and_a_device_short_o
     assert "needs" in fleet.log_tail("dev-2") and fleet.processes["dev-2"].poll() == 0
 
 
+class SteppedClock:
+    """The wall clock a device's availability follows, moved by the test on the run's events."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + CEILING_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen"
+        time.sleep(0.05)
+
+
 @needs_mosquitto
-def test_a_device_follows_its_availability_trace_it_leaves_and_comes_back(tmp_path, export_artifacts):
-    # online, away from 3 s to 6 s after joining, back: the run lasts 11-20 s (14 rounds paced by the pacer, whose
-    # rounds take 0.4-1.4 s depending on the host), so rounds are left both while it is away and after it is back
+def test_a_device_follows_its_availability_trace_it_leaves_and_comes_back(tmp_path, export_artifacts, caplog):
+    """The wanderer's trace: online for 3 s, away until 6 s, then back for good. Its clock moves on the run's
+    events, not with the host's speed: to 4 s once two rounds are done, to 7 s once a round went without it. The
+    coordinator's progress hook waits until the device has left, and is back, before the next round opens."""
     (tmp_path / "trace.csv").write_text("0,3\n6,inf\n")
     away = f'[availability]\nmode = "trace"\ntrace = "{tmp_path / "trace.csv"}"'
-    emulate = lambda name, gflops, **kw: {"emulation": {  # noqa: E731
-        "profile": profile_file(tmp_path, name, gflops, availability=kw.pop("availability", "")),
-        "host_gflops": HOST_GFLOPS, **kw}}
-    fleet = Fleet(
-        tmp_path / "fleet", export_artifacts("lenet", 10, (1, 8, 8)), n_devices=3,
-        scenario={"preset": "digits-class", "n_tasks": 2},
-        coordinator_options={"rounds_per_task": 7, "min_clients": 1, "deadline_s": 30.0, "wait_for_devices_s": 20.0},
-        device_options={"policy": {"name": "random"}},
-        per_device={
-            0: emulate("pacer", gflops=HOST_GFLOPS / 100, real_time=True),  # sleeps: every round lasts a while
-            1: emulate("wanderer", gflops=HOST_GFLOPS, availability=away),
-        },
-    )
-    try:
-        fleet.start()
-        fleet.start_coordinator()
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
-        history = fleet.results()["history"]
-    finally:
-        fleet.stop()
+    clock = SteppedClock()
+    wanderer = EmulatedEnvironment(load_profile(profile_file(tmp_path, "wanderer", HOST_GFLOPS, availability=away)),
+                                   HostCalibration(HOST_GFLOPS), clock=clock)
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    history: list[dict] = []
+    with ThreadFederation(tmp_path / "fleet", export_artifacts("lenet", 10, (1, 8, 8)), device, tasks=2, n_devices=3,
+                          environments={1: wanderer}) as federation:
+        link = federation.devices[1].link
+
+        def step(entry: dict) -> None:
+            history.append(entry)
+            if entry["round"] == 2:
+                clock.now = 4.0
+                wait_until(lambda: not link.connected, "dev-1 leaving")
+            elif "dev-1" not in entry["selected"] and clock.now < 6.0:
+                clock.now = 7.0
+                wait_until(lambda: link.connected, "dev-1 coming back")
+
+        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=6, min_clients=1)
+        coordinator.progress = step
+        with caplog.at_level("INFO", logger="edgefil.device"):
+            assert coordinator.run()["outcome"] == "complete"
     absent = [r["round"] for r in history if "dev-1" not in r["selected"]]
     back = [r["round"] for r in history if "dev-1" in r["received"] and absent and r["round"] > absent[0]]
     assert absent, "dev-1 was never left out while away"
     assert back, "dev-1 never took part again after coming back"
-    log = fleet.log_tail("dev-1", lines=400)
-    assert "goes offline" in log and "back online" in log
+    assert "dev-1 goes offline" in caplog.text and "dev-1 is back online" in caplog.text

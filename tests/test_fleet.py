@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import CEILING_S, Fleet
 from mqtt_helpers import Peer
 
 from coordinator.broker import mosquitto_path
@@ -50,7 +50,7 @@ def test_five_devices_learn_class_incremental_digits_with_refed(fleet_factory):
     fleet = fleet_factory(coordinator_options={"rounds_per_task": 3, "min_clients": 5})
     fleet.start()
     fleet.start_coordinator()
-    assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+    assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     results = fleet.results()
     matrix = results["accuracy_matrix"]
     assert [len(row) for row in matrix] == [1, 2, 3, 4, 5]  # after task i, on tasks 0..i
@@ -75,7 +75,7 @@ def test_device_killed_mid_round_round_completes_by_deadline(fleet_factory):
         lambda topic, payload: wire.decode(payload)["task"] == 1, lambda: fleet.kill(victim),
     )
     fleet.start_coordinator()
-    assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+    assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     peer.close()
     assert fired.is_set()
     results = fleet.results()
@@ -98,7 +98,7 @@ def test_broker_restart_mid_round_run_completes(fleet_factory):
     peer, fired = watch(fleet, topics.to_device(fleet.fleet, fleet.devices[0], "round"),
                  lambda topic, payload: wire.decode(payload)["round"] == 4, restart)
     fleet.start_coordinator()
-    assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+    assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     assert restarted.is_set()
     results = fleet.results()
     assert results["rounds_completed"] == 10
@@ -113,13 +113,13 @@ def test_coordinator_killed_and_resumed_loses_no_completed_round(fleet_factory):
     fleet = fleet_factory(n_devices=3, coordinator_options={"min_clients": 3})
     fleet.start()
     fleet.start_coordinator()
-    fleet.wait_rounds(4, timeout=200)
+    fleet.wait_rounds(4, timeout=CEILING_S)
     fleet.kill("coordinator")
     kept = fleet.results()
     checkpoint = json.loads(max((fleet.root / "run" / "checkpoint").glob("round-*/state.json")).read_text())
     assert checkpoint["round"] == kept["rounds_completed"] >= 4
     fleet.start_coordinator(resume=True)
-    assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+    assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     final = fleet.results()
     assert final["rounds_completed"] == 10
     assert [r["round"] for r in final["history"]] == list(range(1, 11))
@@ -133,7 +133,7 @@ def test_a_full_run_over_the_embedded_python_broker(fleet_factory):
                           coordinator_options={"rounds_per_task": 1, "min_clients": 2})
     fleet.start()
     fleet.start_coordinator()
-    assert fleet.wait_coordinator(timeout=200) == 0, fleet.log_tail("coordinator")
+    assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     results = fleet.results()
     assert results["rounds_completed"] == 2
     assert all(sorted(r["received"]) == fleet.devices for r in results["history"])

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fleet_harness import CEILING_S, default_signals
 
 from coordinator.broker import mosquitto_path
 from edgefil.link import BrokerSettings
@@ -59,7 +60,7 @@ def rounds_done(out: Path) -> int:
 def fleet(path: Path, *extra: str) -> subprocess.Popen:
     log = open(path.parent / "fleet.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(path), *extra],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_signals)
 
 
 def children_of(pid: int) -> list[int]:
@@ -80,21 +81,21 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     path.write_text(FLEET.format(broker="embedded").replace("rounds_per_task = 2", "rounds_per_task = 10"))
     out = tmp_path / "run"
     proc = fleet(path)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + CEILING_S
     while rounds_done(out) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()[-3000:]
         time.sleep(0.1)
     workers = children_of(proc.pid)
     assert len(workers) >= 2  # the worker processes
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 130
-    deadline = time.monotonic() + 10  # no worker left behind (multiprocessing's helper exits just after)
+    assert proc.wait(CEILING_S) == 130
+    deadline = time.monotonic() + CEILING_S  # no worker left behind (multiprocessing's helper exits just after)
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)
     kept = json.loads((out / "results.json").read_text())
 
-    assert fleet(path, "--resume").wait(180) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
+    assert fleet(path, "--resume").wait(CEILING_S) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
     final = json.loads((out / "results.json").read_text())
     assert final["rounds_completed"] == 30
     assert [r["round"] for r in final["history"]] == list(range(1, 31))
@@ -111,7 +112,7 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
 
 
 def wait_rounds(proc: subprocess.Popen, out: Path, rounds: int, log: Path) -> None:
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + CEILING_S
     while rounds_done(out) < rounds:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.1)
@@ -142,8 +143,8 @@ def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resume
         assert len(spawned) >= 3
         mounted = [os.path.ismount(d) for d in disks]
         proc.send_signal(sig)
-        assert proc.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else 130), log.read_text()[-3000:]
-        deadline = time.monotonic() + 15  # a worker notices its parent is gone within a second
+        assert proc.wait(CEILING_S) == (-signal.SIGKILL if sig == signal.SIGKILL else 130), log.read_text()[-3000:]
+        deadline = time.monotonic() + CEILING_S  # a worker notices its parent is gone within a second
         while any(alive(pid) for pid in spawned) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in spawned), (sig, [p for p in spawned if alive(p)])
@@ -152,7 +153,7 @@ def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resume
         else:
             assert not any(os.path.ismount(d) for d in disks)
 
-    assert fleet(path, "--resume").wait(180) == 0, log.read_text()[-3000:]
+    assert fleet(path, "--resume").wait(CEILING_S) == 0, log.read_text()[-3000:]
     final = json.loads((out / "results.json").read_text())
     assert final["outcome"] == "complete" and final["rounds_completed"] == 20
     assert [r["round"] for r in final["history"]] == list(range(1, 21))
@@ -166,7 +167,7 @@ def test_a_fleet_runs_over_tls(tmp_path):
     path.write_text(FLEET.format(broker="mosquitto").replace('broker = "mosquitto"', 'broker = "mosquitto"\ntls = true')
                     .replace("n_tasks = 3", "n_tasks = 1").replace("profiles = ", "# profiles = "))
     log = tmp_path / "fleet.log"
-    assert fleet(path).wait(180) == 0, log.read_text()[-3000:]
+    assert fleet(path).wait(CEILING_S) == 0, log.read_text()[-3000:]
     final = json.loads((tmp_path / "run" / "results.json").read_text())
     assert final["outcome"] == "complete" and final["rounds_completed"] == 2
     assert all(len(r["received"]) == 4 for r in final["history"])

@@ -5,8 +5,9 @@ removed, retyped or given a random value; an extra field) and byte-level mutatio
 insertions) of a valid message of every kind, and hostile attachments (damaged generator records, a JSON header
 nested past the recursion limit). The properties: `wire.decode` returns a message that fits its schema or raises
 `WireError`; the coordinator's gate (`Inbox.accept`) never raises and never meets an exception it has no reason
-for ("unexpected" stays 0); `decode_record` raises only `GeneratorFormatError`; pFedGRP's `inspect` refuses only
-with `RefusedUpdate`.
+for ("unexpected" stays 0); `decode_record` raises only `GeneratorFormatError`; every rule the coordinator ships
+(each registered strategy, found by the registry: a rule added later is fuzzed without being named here) refuses
+hostile attachments only with `RefusedUpdate`, and aggregates the updates it took into finite models.
 
 The suite runs a bounded, derandomized number of examples per property (EDGEFIL_FUZZ_EXAMPLES, default 150);
 `scripts/fuzz-gate N` runs N random examples per property (the longer run).
@@ -22,15 +23,24 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_frames import pack, unpack
 
 from coordinator.inbox import UNEXPECTED, Inbox
-from coordinator.strategies.base import ClientUpdate, RefusedUpdate
+from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy, strategy_names
+from coordinator.strategies.base import STRATEGIES
 from edgefil import topics, wire
-from models.generator_record import GeneratorFormatError, GeneratorRecord, decode_record, encode_record
-from models.generators import auxiliary_size, default_spec, sampler_size
+from models.generator_record import (
+    GeneratorFormatError,
+    GeneratorRecord,
+    RecordLayout,
+    attachment_name,
+    decode_record,
+    encode_record,
+)
+from models.generators import auxiliary_size, default_spec, exported_layouts, sampler_size
 
 FLEET = "fuzz"
 MANIFEST = "m" * 64
@@ -228,23 +238,78 @@ def test_damaged_generator_records_are_format_errors(data):
 
 
 @pytest.fixture(scope="module")
-def pfedgrp(tmp_path_factory):
-    from coordinator.strategies.pfedgrp import PFedGRP
+def manifest(tmp_path_factory):
     from models.export import export_registered
 
-    return PFedGRP(manifest=export_registered("lenet", 10, tmp_path_factory.mktemp("lenet"), backends=("torch",)),
-                   device="cpu")
+    return export_registered("lenet", 10, tmp_path_factory.mktemp("lenet"), backends=("torch",))
 
 
+# Every rule the coordinator ships (a strategy a test file defines is not one of them).
+SHIPPED = [n for n in strategy_names() if STRATEGIES.get(n).__module__.startswith("coordinator.strategies.")]
+
+
+def layout_record(layout: RecordLayout, label: int, scale: float, auxiliary: bool, rng: np.random.Generator,
+                  precision: str = "float32") -> bytes:
+    """A well-formed record of an exported layout, its values at `scale` (1e30: samples that overflow)."""
+    limit = 6e4 if precision == "float16" else np.inf  # what float16 can hold
+    values = lambda n: np.clip(rng.standard_normal(n) * scale, -limit, limit).astype(np.float32)  # noqa: E731
+    return encode_record(GeneratorRecord(
+        label=label, spec=layout.spec, precision=precision, sampler=values(layout.sampler_size),
+        auxiliary=values(layout.auxiliary_size) if auxiliary else None, trained_samples=10, steps=5))
+
+
+@st.composite
+def hostile_attachment(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A name and bytes a hostile device attaches: random, a method's names with random bytes, well-formed records
+    of the fleet's own layouts with any values, of specs it does not use, or with their bytes damaged."""
+    label = draw(st.integers(0, 12))
+    name = draw(st.text(max_size=20) | st.sampled_from([attachment_name(label), "generator/٣", "generator/03"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    layouts = exported_layouts((1, 8, 8))
+    kind = draw(st.sampled_from(["bytes", "record", "foreign", "damaged"]))
+    if kind == "bytes":
+        return name, draw(st.binary(max_size=256))
+    layout = draw(st.sampled_from(layouts))
+    if kind == "foreign":
+        spec = {**layout.spec, draw(st.sampled_from(sorted(layout.spec))): draw(json_values)}
+        layout = RecordLayout(spec, draw(st.sampled_from([1, 10, layout.sampler_size])), layout.auxiliary_size)
+    data = layout_record(layout, label, draw(st.sampled_from([0.0, 0.1, 1e4, 1e30])), draw(st.booleans()), rng,
+                         draw(st.sampled_from(["float32", "float16", "int8"])) if kind == "record" else "float32")
+    if kind == "damaged":
+        raw = bytearray(data)
+        for _ in range(draw(st.integers(1, 3))):
+            raw[draw(st.integers(0, len(raw) - 1))] ^= 1 << draw(st.integers(0, 7))
+        data = bytes(raw)
+    return name, data
+
+
+@pytest.mark.parametrize("rule", SHIPPED)
 @FUZZ
-@given(st.dictionaries(st.text(max_size=20) | st.sampled_from(["generator/3", "generator/٣", "generator/03"]),
-                       st.binary(max_size=256) | st.just(generator_attachment()), max_size=4))
-def test_pfedgrp_refuses_hostile_attachments_only_with_a_reason(pfedgrp, attachments):
-    update = ClientUpdate("dev-0", np.zeros(4, dtype=np.float32), 1, attachments=attachments)
-    try:
-        pfedgrp.inspect(update)
-    except RefusedUpdate as err:
-        assert err.reason
+@given(data=st.data())
+def test_every_rule_refuses_hostile_attachments_with_a_reason_and_aggregates_what_it_took(rule, manifest, data):
+    """A rule's `inspect` refuses only with `RefusedUpdate`, and its `aggregate` of the updates it took neither
+    raises nor gives a model that is not finite: the coordinator contains both anyway (coordinator/containment.py),
+    but a refusal names its reason, and a failed round loses the round."""
+    strategy = make_strategy(rule, device="cpu", manifest=manifest)
+    size = manifest.num_parameters
+    taken = []
+    for k in range(data.draw(st.integers(1, 4))):
+        attachments = dict(data.draw(st.lists(hostile_attachment(), max_size=3)))
+        counts = data.draw(st.lists(st.integers(0, 50), max_size=12))
+        weights = np.random.default_rng(k).standard_normal(size).astype(np.float32) * np.float32(0.1)
+        update = ClientUpdate(f"dev-{k}", weights, data.draw(st.integers(0, 100)), label_counts=counts,
+                              attachments=attachments)
+        try:
+            strategy.inspect(update)
+        except RefusedUpdate as err:
+            assert err.reason
+            continue
+        taken.append(update)
+    if not taken:
+        return
+    result = strategy.aggregate(torch.zeros(size), taken)
+    assert bool(torch.isfinite(result.global_weights).all())
+    assert all(bool(torch.isfinite(w).all()) for w in result.personalized.values())
 
 
 def test_an_exception_the_gate_has_no_reason_for_is_counted_not_raised(monkeypatch):

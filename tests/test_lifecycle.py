@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import CEILING_S, Fleet
 
 from coordinator.broker import mosquitto_path
 
@@ -36,13 +36,13 @@ def test_a_device_error_is_shown_per_device_and_a_duplicate_id_by_both_sides(tmp
         fleet._spawn("dev-0-twin", ["client", "--config", str(twin_config)])
         fleet.start_coordinator()
         results = lambda: json.loads((tmp_path / "run" / "results.json").read_text())  # noqa: E731
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         wait_for(lambda: "dev-0" in results()["duplicate_devices"], 120, "the coordinator to see the twin")
         logs = lambda: [(tmp_path / f"{n}.log").read_text() for n in ("dev-0", "dev-0-twin")]  # noqa: E731
         wait_for(lambda: any("the coordinator reports duplicate-device" in log for log in logs()), 60,
                  "a device to report the coordinator's notice")
         fleet.kill("dev-0-twin")
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
 
         final = fleet.results()
         assert final["rounds_completed"] == 20
@@ -74,14 +74,14 @@ def test_a_retry_waits_for_devices_that_are_coming_back(tmp_path, export_artifac
     try:
         fleet.start()
         fleet.start_coordinator()
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         fleet.kill("dev-1")
         fleet.kill("dev-2")
         wait_in_log(tmp_path / "coordinator.log", "running it again", 60)
         fleet.start_device(1)
         time.sleep(3.0)  # the second one returns later: the retry still waits for it
         fleet.start_device(2)
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
         results = fleet.results()
         second = results["history"][1]
         assert second["round"] == 2 and second["selected"] == fleet.devices == second["received"], second
@@ -98,9 +98,9 @@ def test_a_failed_run_still_writes_its_final_results(tmp_path, export_artifacts)
     try:
         fleet.start()
         fleet.start_coordinator()
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         fleet.kill("dev-1")  # gone for good: round 2 cannot reach its quorum
-        assert fleet.wait_coordinator(timeout=300) != 0
+        assert fleet.wait_coordinator(timeout=CEILING_S) != 0
         results = fleet.results()
         assert results["outcome"].startswith("failed: QuorumError"), results["outcome"]
         assert results["rounds_completed"] == 1
@@ -116,13 +116,13 @@ def test_sigterm_stops_the_coordinator_with_its_results_written(tmp_path, export
     try:
         fleet.start()
         fleet.start_coordinator()
-        fleet.wait_rounds(1, timeout=120)
+        fleet.wait_rounds(1, timeout=CEILING_S)
         fleet.processes["coordinator"].send_signal(signal.SIGTERM)
-        assert fleet.wait_coordinator(timeout=60) == 130
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 130
         results = fleet.results()
         assert results["outcome"] == "stopped" and results["rounds_completed"] < 20
         fleet.start_coordinator(resume=True)  # and it goes on from there
-        assert fleet.wait_coordinator(timeout=300) == 0, fleet.log_tail("coordinator")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
         assert fleet.results()["outcome"] == "complete" and fleet.results()["rounds_completed"] == 20
     finally:
         fleet.stop()

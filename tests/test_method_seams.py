@@ -83,7 +83,7 @@ def test_a_toy_method_runs_through_a_real_broker_round_without_touching_generic_
     results, coordinator, devices = federation.results, federation.coordinator, federation.devices
 
     assert results["rounds_completed"] == 2 and results["counters"].get("attachments", 0) == 0
-    strategy = coordinator.strategy
+    strategy = coordinator.strategy.strategy  # the method's own object, inside its containment
     assert isinstance(strategy, ToyStrategy) and strategy.seen == {"dev-0": 40, "dev-1": 40}
     for device in devices:
         policy = device.learner.policy

@@ -11,9 +11,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
-from coordinator.strategies.robust import sorted_mean
+from coordinator.strategies.robust import sorted_mean, squared_distances
 from edgefil.settings import ConfigError
 
+# the bounds that clip and cap, without free-rider check or Krum selection (the defaults: the tests below)
+CLIPPING = UpdateBounds(norm_bound="clip", sample_bound="cap", free_rider_factor=0.0, krum_share=0.0)
 devices = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
@@ -34,7 +36,7 @@ def test_median_is_numpys_median_per_coordinate_in_column_blocks(n, device):
                                np.median(w, axis=0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("n, beta, trim", [(10, 0.2, 2), (4, 0.2, 0), (7, 0.3, 2)])
+@pytest.mark.parametrize("n, beta, trim", [(10, 0.2, 2), (4, 0.2, 1), (2, 0.2, 0), (7, 0.3, 2), (4, 0.0, 0)])
 def test_trimmed_mean_drops_the_extremes_of_each_coordinate(n, beta, trim):
     w = np.random.default_rng(0).standard_normal((n, 300)).astype(np.float32)
     expected = np.sort(w, axis=0)[trim : n - trim].mean(axis=0)
@@ -48,7 +50,7 @@ def test_robust_rules_ignore_a_minority_of_hostile_updates_and_sample_claims():
     hostile = np.full((2, 50), 1e30)
     w = np.concatenate([honest, hostile])
     samples = [10] * 7 + [10**9] * 2
-    for name, options in (("median", {}), ("trimmed-mean", {"beta": 0.25})):
+    for name, options in (("median", {}), ("trimmed-mean", {"beta": 0.25}), ("centered-clip", {})):
         result = make_strategy(name, device="cpu", **options).aggregate(torch.zeros(50), updates_of(w, samples))
         assert np.abs(result.global_weights.numpy() - 1.0).max() < 0.05, name
     with pytest.raises(ValueError, match="beta"):
@@ -64,14 +66,14 @@ def test_devices_without_data_do_not_set_the_bounds_to_zero():
     deltas[:3] = [[0.3, 0.1, 0.0], [0.2, 0.2, 0.1], [0.25, 0.0, 0.1]]
     counts = [2, 1, 3, 0, 0, 0, 0]
     counters: Counter[str] = Counter()
-    out = UpdateBounds().apply(g, updates_of(deltas, counts), counters)
+    out = CLIPPING.apply(g, updates_of(deltas, counts), counters)
     assert not counters
     assert [u.num_samples for u in out] == counts
     np.testing.assert_array_equal(np.stack([u.weights for u in out]), deltas.astype(np.float32))
-    nothing = UpdateBounds().apply(g, updates_of(np.zeros((3, 3)), [0, 0, 0]), counters)  # no bound to take
+    nothing = CLIPPING.apply(g, updates_of(np.zeros((3, 3)), [0, 0, 0]), counters)  # no bound to take
     assert [u.num_samples for u in nothing] == [0, 0, 0] and not counters
     deltas[0] *= 100  # a boosted update among them is still clipped, to 3x the typical distance of the others
-    out = UpdateBounds().apply(g, updates_of(deltas, counts), counters)
+    out = CLIPPING.apply(g, updates_of(deltas, counts), counters)
     bound = 3.0 * float(np.median(np.linalg.norm(deltas[:3], axis=1)))
     assert counters["clipped"] == 1 and np.isclose(np.linalg.norm(out[0].weights), bound, rtol=1e-5)
 
@@ -79,7 +81,7 @@ def test_devices_without_data_do_not_set_the_bounds_to_zero():
 def test_norms_are_clipped_exactly_to_the_bound_beyond_the_median():
     g = np.zeros(1, np.float32)
     d = np.array([[1.0], [2.0], [3.0], [30.0], [0.0]])
-    out = UpdateBounds().apply(g, updates_of(d), Counter())
+    out = CLIPPING.apply(g, updates_of(d), Counter())
     # the median of the updates that moved is 2.5 (the unmoved one has no say): bound 7.5
     np.testing.assert_allclose([u.weights[0] for u in out], [1, 2, 3, 7.5, 0])
 
@@ -87,7 +89,8 @@ def test_norms_are_clipped_exactly_to_the_bound_beyond_the_median():
 @pytest.mark.parametrize("max_samples, factor, expected", [
     (0, 10.0, [10, 20, 30, 250]), (25, 0.0, [10, 20, 25, 25]), (0, 0.0, [10, 20, 30, 10**9])])
 def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median(max_samples, factor, expected):
-    bounds = UpdateBounds(norm_bound="off", max_samples=max_samples, sample_factor=factor)
+    bounds = UpdateBounds(norm_bound="off", max_samples=max_samples, sample_factor=factor, sample_bound="cap",
+                          krum_share=0.0)
     out = bounds.apply(np.zeros(1, np.float32), updates_of(np.zeros((4, 1)), [10, 20, 30, 10**9]), Counter())
     assert [u.num_samples for u in out] == expected
 
@@ -99,7 +102,7 @@ def test_guard_clips_rejects_or_passes_a_boosted_update_and_counts_it(mode):
     deltas = rng.standard_normal((5, 100)).astype(np.float32) * 0.1
     deltas[4] *= 100  # boosted
     counters: Counter[str] = Counter()
-    out = UpdateBounds(norm_bound=mode, norm_factor=3.0).apply(g, updates_of(deltas), counters)
+    out = UpdateBounds(norm_bound=mode, free_rider_factor=0.0, krum_share=0.0).apply(g, updates_of(deltas), counters)
     norms = np.linalg.norm(deltas, axis=1)
     if mode == "off":
         assert len(out) == 5 and not counters
@@ -114,10 +117,16 @@ def test_guard_clips_rejects_or_passes_a_boosted_update_and_counts_it(mode):
         np.testing.assert_array_equal(before.weights, after.weights)
 
 
-def test_guard_caps_an_inflated_sample_claim_and_the_config_checks_the_table():
+def test_guard_refuses_or_caps_an_inflated_sample_claim_and_the_config_checks_the_table():
+    """A device's count is what FedAvg weighs it by: a claim beyond the cap is refused (the default: no honest
+    device holds more than its store), or counted as the cap (`sample_bound = "cap"`)."""
+    deltas = (1 + np.random.default_rng(0).standard_normal((3, 3)) * 0.1) * 0.1  # updates that agree
     counters: Counter[str] = Counter()
-    out = UpdateBounds().apply(np.zeros(3, np.float32), updates_of(np.zeros((3, 3)), [10, 12, 10**9]), counters)
-    assert [u.num_samples for u in out] == [10, 12, 120] and counters == {"samples-capped": 1}
+    out = UpdateBounds().apply(np.zeros(3, np.float32), updates_of(deltas, [10, 12, 10**9]), counters)
+    assert [u.num_samples for u in out] == [10, 12] and counters == {"samples-rejected": 1}
+    out = UpdateBounds(sample_bound="cap").apply(np.zeros(3, np.float32), updates_of(deltas, [10, 12, 10**9]),
+                                                 counters)
+    assert [u.num_samples for u in out] == [10, 12, 120] and counters["samples-capped"] == 1
     base = {"fleet": "f", "out": "o", "artifacts": "a", "devices": ["d0"], "scenario": {"preset": "digits-class"}}
     assert CoordinatorConfig.from_dict(base).guard == UpdateBounds()
     config = CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "reject", "max_samples": 500}})
@@ -126,3 +135,93 @@ def test_guard_caps_an_inflated_sample_claim_and_the_config_checks_the_table():
         CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "clamp"}})
     with pytest.raises(ConfigError, match="norm_fator"):
         CoordinatorConfig.from_dict({**base, "guard": {"norm_fator": 2.0}})
+
+
+def test_a_free_rider_is_refused_and_a_device_without_data_is_not():
+    """An update that claims samples but hardly moved the model (the global model sent back) is a free rider; one
+    that claims none carries nothing and passes (FedAvg gives it no weight)."""
+    rng = np.random.default_rng(2)
+    deltas = rng.standard_normal((5, 20)) * 0.1
+    deltas[3] = 0.0  # a free rider: the global model back, with samples
+    deltas[4] = 0.0  # a device that had nothing to train on
+    counters: Counter[str] = Counter()
+    out = UpdateBounds(krum_share=0.0).apply(np.zeros(20, np.float32), updates_of(deltas, [10, 10, 10, 10, 0]), counters)
+    assert [u.device for u in out] == ["d0", "d1", "d2", "d4"] and counters == {"free-rider": 1}
+    out = UpdateBounds(free_rider_factor=0.0, krum_share=0.0).apply(np.zeros(20, np.float32), updates_of(deltas, [10] * 5),
+                                                                    Counter())
+    assert len(out) == 5  # off
+
+
+def test_an_update_pointing_against_the_others_is_refused_held_or_streamed():
+    """`min_alignment`: the cosine between an update's change and the others' (the rest of a held round; the
+    updates taken so far, as they stream) must reach it."""
+    rng = np.random.default_rng(3)
+    common = rng.standard_normal(200)
+    deltas = np.stack([common + rng.standard_normal(200) * 0.5 for _ in range(6)]) * 0.01
+    deltas[5] = -deltas[5]  # reversed, as long as an honest one
+    bounds = UpdateBounds(min_alignment=-0.3, krum_share=0.0)
+    counters: Counter[str] = Counter()
+    out = bounds.apply(np.zeros(200, np.float32), updates_of(deltas), counters)
+    assert [u.device for u in out] == [f"d{k}" for k in range(5)] and counters == {"misaligned": 1}
+    off = UpdateBounds(krum_share=0.0)
+    assert len(off.apply(np.zeros(200, np.float32), updates_of(deltas), Counter())) == 6
+    taken: list[str] = []
+    counters = Counter()
+    stream = UpdateBounds(min_alignment=-0.3, hold=2, krum_share=0.0).stream(np.zeros(200, np.float32),
+                                                              lambda u: taken.append(u.device), counters)
+    for update in updates_of(deltas):
+        stream.add(update)
+    stream.close()
+    assert taken == [f"d{k}" for k in range(5)] and counters == {"misaligned": 1}
+
+
+@pytest.mark.parametrize("device", devices)
+def test_squared_distances_are_numpys(device):
+    w = np.random.default_rng(4).standard_normal((6, 40)).astype(np.float32)
+    got = squared_distances(list(w), torch.device(device)).cpu().numpy()
+    np.testing.assert_allclose(got, ((w[:, None, :] - w[None, :, :]).astype(np.float64) ** 2).sum(-1), rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_krum_selection_refuses_the_quarter_farthest_from_their_neighbours_and_fedavg_over_the_rest_is_multi_krum():
+    """f = a quarter of 8 = 2: the two updates far from the others are refused, and FedAvg of the six kept, weighted
+    by samples, is Flower's MultiKrum. A round of 3 loses none."""
+    rng = np.random.default_rng(4)
+    deltas = np.concatenate([rng.normal(1.0, 0.3, (6, 40)), rng.normal(-1.0, 0.3, (2, 40))])
+    samples = [1, 2, 3, 4, 5, 6, 7, 8]
+    counters: Counter[str] = Counter()
+    kept = UpdateBounds().apply(np.zeros(40, np.float32), updates_of(deltas, samples), counters)
+    assert [u.device for u in kept] == [f"d{k}" for k in range(6)] and counters == {"krum-outlier": 2}
+    got = make_strategy("fedavg", device="cpu").aggregate(torch.zeros(40), kept).global_weights.numpy()
+    np.testing.assert_allclose(got, np.average(deltas[:6], axis=0, weights=samples[:6]), rtol=1e-5, atol=1e-6)
+    assert len(UpdateBounds().apply(np.zeros(40, np.float32), updates_of(deltas[:3]), Counter())) == 3
+    assert len(UpdateBounds(krum_share=0.0).apply(np.zeros(40, np.float32), updates_of(deltas), Counter())) == 8
+
+
+def test_past_the_first_hold_updates_one_farther_than_any_kept_one_is_refused_streamed_or_held():
+    rng = np.random.default_rng(5)
+    honest = rng.normal(1.0, 0.3, (12, 40))
+    far = rng.normal(-1.0, 0.3, (1, 40))
+    taken: list[str] = []
+    counters: Counter[str] = Counter()
+    stream = UpdateBounds(hold=8).stream(np.zeros(40, np.float32), lambda u: taken.append(u.device), counters)
+    for update in updates_of(np.concatenate([honest, far])):
+        stream.add(update)
+    stream.close()
+    assert "d12" not in taken and counters["krum-outlier"] >= 3  # two of the held ones, and the far one
+    assert len(taken) == 13 - counters["krum-outlier"]
+    held = UpdateBounds(hold=8).apply(np.zeros(40, np.float32), updates_of(np.concatenate([honest, far])), Counter())
+    assert [u.device for u in held] == taken  # a held round (a holding rule's) selects the same way
+
+
+@pytest.mark.parametrize("device", devices)
+def test_centered_clipping_moves_at_most_tau_over_n_a_step_for_any_one_update(device):
+    rng = np.random.default_rng(5)
+    honest = rng.normal(1.0, 0.1, (5, 30))
+    w = np.concatenate([honest, np.full((1, 30), 1e6)])
+    start = np.median(w, axis=0)
+    tau = float(np.median(np.linalg.norm(w - start, axis=1)))
+    got = make_strategy("centered-clip", device=device, iterations=1).aggregate(torch.zeros(30), updates_of(w))
+    step = got.global_weights.cpu().numpy() - start
+    honest_part = sum((u - start) * min(1.0, tau / np.linalg.norm(u - start)) for u in honest) / 6
+    assert np.linalg.norm(step - honest_part) <= tau / 6 * (1 + 1e-4)  # the far update's share: tau / n at most

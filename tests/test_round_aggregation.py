@@ -10,10 +10,15 @@ import numpy as np
 import torch
 
 from coordinator.aggregation import RoundAggregate
+from coordinator.containment import ContainedStrategy
 from coordinator.guard import UpdateBounds
-from coordinator.strategies import ClientUpdate, make_strategy
+from coordinator.strategies import ClientUpdate, Strategy, make_strategy
 
 SIZE = 1000
+
+
+def contained(strategy: Strategy, counters: Counter[str] | None = None) -> ContainedStrategy:
+    return ContainedStrategy(strategy, Counter() if counters is None else counters)
 
 
 def updates_of(weights: dict[str, np.ndarray], samples: int = 10) -> list[ClientUpdate]:
@@ -22,8 +27,9 @@ def updates_of(weights: dict[str, np.ndarray], samples: int = 10) -> list[Client
 
 def aggregated(rule: str, updates: list[ClientUpdate], bounds: UpdateBounds, held_bytes: int = 1 << 30,
                counters: Counter[str] | None = None) -> tuple[np.ndarray, RoundAggregate]:
-    aggregate = RoundAggregate(make_strategy(rule, device="cpu"), bounds, np.zeros(SIZE, np.float32),
-                               Counter() if counters is None else counters, held_bytes)
+    counters = Counter() if counters is None else counters
+    aggregate = RoundAggregate(contained(make_strategy(rule, device="cpu"), counters), bounds,
+                               np.zeros(SIZE, np.float32), counters, held_bytes)
     for update in updates:
         aggregate.add(update)
     return aggregate.close().global_weights.numpy(), aggregate
@@ -41,7 +47,7 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in():
     models, float32_sums = [], []
     for order in orders:
         updates = updates_of({d: weights[d] for d in order})
-        models.append(aggregated("fedavg", updates, UpdateBounds(norm_bound="off"))[0])
+        models.append(aggregated("fedavg", updates, UpdateBounds(norm_bound="off", free_rider_factor=0.0, krum_share=0.0))[0])
         total = np.zeros(SIZE, np.float32)
         for d in order:
             total += weights[d]
@@ -54,9 +60,9 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in():
 
 def test_a_folding_rule_lets_each_update_go_once_the_guard_has_its_first_ones():
     """FedAvg keeps no update: past the guard's `hold` first ones, an update's buffer is free once it is added."""
-    bounds = UpdateBounds(hold=4)
-    aggregate = RoundAggregate(make_strategy("fedavg", device="cpu"), bounds, np.zeros(SIZE, np.float32), Counter(),
-                               1 << 30)
+    bounds = UpdateBounds(hold=4, krum_share=0.0)  # Krum selection keeps the held ones it kept for the round
+    aggregate = RoundAggregate(contained(make_strategy("fedavg", device="cpu")), bounds, np.zeros(SIZE, np.float32),
+                               Counter(), 1 << 30)
     assert aggregate.folds
     rng = np.random.default_rng(1)
     alive = []
@@ -74,7 +80,7 @@ def test_streamed_bounds_are_exact_for_a_round_within_hold_and_a_running_median_
     rng = np.random.default_rng(2)
     honest = {f"d{k}": (rng.standard_normal(SIZE) * 0.1).astype(np.float32) for k in range(12)}
     boosted = (rng.standard_normal(SIZE) * 100).astype(np.float32)
-    bounds = UpdateBounds(hold=8)
+    bounds = UpdateBounds(hold=8, norm_bound="clip", krum_share=0.0)
     # a round of 6 (within hold): the same model and counters as the whole round bounded at once, then averaged
     small = updates_of({**dict(list(honest.items())[:5]), "bad": boosted})
     counters: Counter[str] = Counter()
@@ -103,7 +109,8 @@ def test_sample_claims_are_capped_by_the_running_median_as_they_arrive():
     updates = [ClientUpdate(f"d{k}", rng.standard_normal(SIZE).astype(np.float32) * 0.1, 10 + k) for k in range(10)]
     updates.append(ClientUpdate("liar", rng.standard_normal(SIZE).astype(np.float32) * 0.1, 10**9))
     counters: Counter[str] = Counter()
-    _, aggregate = aggregated("fedavg", updates, UpdateBounds(hold=4, norm_bound="off"), counters=counters)
+    _, aggregate = aggregated("fedavg", updates, UpdateBounds(hold=4, norm_bound="off", sample_bound="cap", krum_share=0.0),
+                              counters=counters)
     typical = float(np.median([u.num_samples for u in updates]))
     assert counters == {"samples-capped": 1}
     assert aggregate.used[-1].num_samples == int(10 * typical)
@@ -113,7 +120,7 @@ def test_a_holding_rule_holds_at_most_max_held_bytes_and_says_which_it_refused(c
     rng = np.random.default_rng(4)
     updates = updates_of({f"d{k}": rng.standard_normal(SIZE).astype(np.float32) for k in range(10)})
     counters: Counter[str] = Counter()
-    got, aggregate = aggregated("median", updates, UpdateBounds(norm_bound="off"), held_bytes=4 * 4 * SIZE,
+    got, aggregate = aggregated("median", updates, UpdateBounds(norm_bound="off", krum_share=0.0), held_bytes=4 * 4 * SIZE,
                                 counters=counters)
     assert not aggregate.folds
     assert counters == {"held-limit": 6} and [u.device for u in aggregate.used] == ["d0", "d1", "d2", "d3"]
@@ -139,8 +146,8 @@ def test_a_rule_built_on_fedavg_that_overrides_aggregate_gets_the_whole_round():
     assert make_strategy("fedprox", device="cpu").fold(zeros) is not None
     rule = Extended(device="cpu")
     assert rule.fold(zeros) is None
-    aggregate = RoundAggregate(rule, UpdateBounds(), np.zeros(SIZE, np.float32), Counter(), 1 << 30)
+    aggregate = RoundAggregate(contained(rule), UpdateBounds(), np.zeros(SIZE, np.float32), Counter(), 1 << 30)
     for k in range(3):
-        aggregate.add(ClientUpdate(f"d{k}", np.full(SIZE, k, np.float32), 10))
-    np.testing.assert_allclose(aggregate.close().global_weights.numpy(), 1.0)
+        aggregate.add(ClientUpdate(f"d{k}", np.full(SIZE, k + 1, np.float32), 10))
+    np.testing.assert_allclose(aggregate.close().global_weights.numpy(), 2.0)
     assert rule.heard == ["d0", "d1", "d2"]

@@ -18,6 +18,17 @@ from coordinator.checkpoint import load_latest
 from edgefil.lifetime import uninterrupted
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt in this process while a test runs, as at an interactive prompt, whatever the
+    test run inherited: a suite started in the background (`nohup scripts/test &`) runs with SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_stop_signal_inside_is_held_and_delivered_on_leaving():
     before = signal.getsignal(signal.SIGINT)
     reached_the_end = False

@@ -163,11 +163,12 @@ def test_as_tensor_refuses_what_is_not_a_flat_float32_buffer():
 
 
 def test_make_strategy():
-    assert set(strategy_names()) >= {"fedavg", "fedprox", "pfedgrp", "median", "trimmed-mean"}  # and plugins
+    assert set(strategy_names()) >= {"fedavg", "fedprox", "pfedgrp", "median", "trimmed-mean",
+                                     "centered-clip"}  # and plugins
     prox = make_strategy("fedprox", device="cpu", mu=0.5, weighted=False)
     assert isinstance(prox, FedProx) and prox.mu == 0.5 and not prox.weighted and prox.device == CPU
     assert isinstance(make_strategy("fedavg", device="cpu"), FedAvg)
-    with pytest.raises(ValueError, match="unknown strategy 'scaffold'; choose one of fedavg, fedprox, median"):
+    with pytest.raises(ValueError, match="unknown strategy .scaffold.; choose one of centered-clip, fedavg, fedprox"):
         make_strategy("scaffold")
     with pytest.raises(ValueError, match="manifest"):
         make_strategy("pfedgrp", device="cpu")

@@ -146,6 +146,20 @@ def last_chunk_refusal(chunks: list[dict]) -> str:
     return err.value.reason
 
 
+@pytest.mark.parametrize("field", ["attachments", "instances"])
+@pytest.mark.parametrize("value", [5, "x", {"a": 1}, [["a", 1]]])
+def test_an_optional_field_on_a_kind_that_does_not_declare_it_is_an_extra_one(field, value):
+    """`attachments` (update, payload, answer) and `instances` (notice) on another kind are unknown extra fields:
+    ignored, as any other, never met with an exception of the codec's own (a TypeError, before)."""
+    message = wire.decode(msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle",
+                                         "round": 1, field: value}))
+    assert message["kind"] == "status"
+    with pytest.raises(wire.WireError) as err:  # where the kind declares it, a value of another type is refused
+        wire.decode(msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "notice", "reason": "r", "detail": "d",
+                                   "instances": 5, "attachments": 5}))
+    assert err.value.reason == "field"
+
+
 def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():
     reassembler = wire.Reassembler(max_blob_bytes=8000, max_pending=2)
     for round_ in range(3):

@@ -7,16 +7,18 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from coordinator.broker import Credentials, MosquittoBroker
+from coordinator.broker import BrokerAddress, Credentials, MosquittoBroker
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import FolderTestSets
 from coordinator.server import Coordinator
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
+from edge_client.environment import Environment
 from edgefil.link import BrokerSettings
 from firmware_sim.datasets import load_dataset
 from models.manifest import load_manifest
@@ -31,58 +33,101 @@ class Federation:
     devices: list[Device]
 
 
+class ThreadFederation:
+    """The broker and `n_devices` devices holding `samples` samples of each of `tasks` tasks, running while the
+    federation is entered; `device` adds sections to every device's config (policy, store, trainer). `spares`: ids
+    on the roster and the broker with no device behind them (a compromised device's account: `passwords` has
+    theirs); `environments`: a device's surroundings by its index (the host's own otherwise). `coordinator(...)`
+    runs the coordinator once, to its end; again with `resume=True` to resume it."""
+
+    def __init__(self, root: Path, artifacts: Path, device: Mapping[str, Any], tasks: int = 1, n_devices: int = 2,
+                 samples: int = 40, spares: tuple[str, ...] = (),
+                 environments: Mapping[int, Environment] | None = None) -> None:
+        self.root, self.artifacts, self.device, self.tasks = root, artifacts, device, tasks
+        self.environments = dict(environments or {})
+        self.names = [f"dev-{k}" for k in range(n_devices)]
+        self.samples = samples
+        self.roster = (*self.names, *spares)
+        self.passwords = {d: f"pw-{d}" for d in self.roster}
+        self.broker = MosquittoBroker(root / "broker", FLEET, self.passwords, Credentials("coordinator", "pw-c"))
+        self.devices: list[Device] = []
+        self._threads: list[threading.Thread] = []
+        self.tests = root / "tests"
+
+    @property
+    def address(self) -> BrokerAddress:
+        return self.broker.address
+
+    def __enter__(self) -> ThreadFederation:
+        data = load_dataset("digits")
+        self.tests.mkdir(parents=True)
+        for t in range(self.tasks):
+            part = np.isin(data.y_test, [2 * t, 2 * t + 1])
+            np.savez(self.tests / f"test-{t}.npz", x=data.x_test[part], y=data.y_test[part])
+        self.broker.start()
+        try:
+            for k, name in enumerate(self.names):
+                self._start_device(k, name, data)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_device(self, k: int, name: str, data: Any) -> None:
+        folder = self.root / name / "incoming"
+        folder.mkdir(parents=True)
+        for t in range(self.tasks):
+            mine = np.flatnonzero(np.isin(data.y_train, [2 * t, 2 * t + 1]))[k::len(self.names)][:self.samples]
+            np.savez(folder / f"task-{t}.npz", x=data.x_train[mine], y=data.y_train[mine])
+        config = DeviceConfig.from_dict({
+            "device_id": name, "fleet": FLEET, "artifacts": str(self.artifacts),
+            "state_dir": str(self.root / name / "state"), "heartbeat_s": 0.5,
+            "broker": {"port": self.address.port, "password": self.passwords[name], "keepalive": 2},
+            "data": {"folder": str(folder)}, **self.device,
+        })
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                device = Device(config, environment=self.environments.get(k))
+            finally:
+                ready.set()
+            self.devices.append(device)
+            device.run()
+
+        self._threads.append(threading.Thread(target=run, daemon=True))
+        self._threads[-1].start()
+        assert ready.wait(60) and len(self.devices) == k + 1, f"{name} did not start (its thread's error above)"
+
+    def coordinator(self, strategy: Mapping[str, Any], rounds_per_task: int = 2, min_clients: int | None = None,
+                    client: Mapping[str, Any] | None = None, resume: bool = False, deadline_s: float = 60.0,
+                    **options: Any) -> Coordinator:
+        """A coordinator of this federation (every device of the roster waited for unless `min_clients` says
+        less); `options`: more of the coordinator file's keys."""
+        return Coordinator(CoordinatorConfig(
+            fleet=FLEET, out=self.root / "run", artifacts=self.artifacts, devices=self.roster,
+            rounds_per_task=rounds_per_task, min_clients=min_clients or len(self.roster), deadline_s=deadline_s,
+            wait_for_devices_s=60.0, test_data=self.tests,
+            broker=BrokerSettings(port=self.address.port, username="coordinator", password="pw-c"),
+            strategy=dict(strategy), client=dict(client or {"epochs": 1}), **options,
+        ), resume=resume, test_sets=FolderTestSets(self.tests, load_manifest(self.artifacts)))
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        for running in self.devices:
+            running.stop_requested.set()
+        for thread in self._threads:
+            thread.join(15)
+        self.broker.stop()
+
+
 def run_federation(
     root: Path, artifacts: Path, device: Mapping[str, Any], strategy: Mapping[str, Any], tasks: int = 1,
     rounds_per_task: int = 2, n_devices: int = 2, samples: int = 40, client: Mapping[str, Any] | None = None,
 ) -> Federation:
     """`tasks` tasks of `rounds_per_task` rounds over `n_devices` devices holding `samples` samples of each task;
     `device` adds sections to every device's config (policy, store, trainer), `strategy` is the coordinator's."""
-    data = load_dataset("digits")
-    tests = root / "tests"
-    tests.mkdir(parents=True)
-    for t in range(tasks):
-        part = np.isin(data.y_test, [2 * t, 2 * t + 1])
-        np.savez(tests / f"test-{t}.npz", x=data.x_test[part], y=data.y_test[part])
-    names = [f"dev-{k}" for k in range(n_devices)]
-    passwords = {d: f"pw-{d}" for d in names}
-    broker = MosquittoBroker(root / "broker", FLEET, passwords, Credentials("coordinator", "pw-c"))
-    broker.start()
-    devices: list[Device] = []
-    threads = []
-    try:
-        for k, name in enumerate(names):
-            folder = root / name / "incoming"
-            folder.mkdir(parents=True)
-            for t in range(tasks):
-                mine = np.flatnonzero(np.isin(data.y_train, [2 * t, 2 * t + 1]))[k::n_devices][:samples]
-                np.savez(folder / f"task-{t}.npz", x=data.x_train[mine], y=data.y_train[mine])
-            config = DeviceConfig.from_dict({
-                "device_id": name, "fleet": FLEET, "artifacts": str(artifacts),
-                "state_dir": str(root / name / "state"), "heartbeat_s": 0.5,
-                "broker": {"port": broker.address.port, "password": passwords[name], "keepalive": 2},
-                "data": {"folder": str(folder)}, **device,
-            })
-            ready = threading.Event()
-
-            def run(config: DeviceConfig = config, ready: threading.Event = ready) -> None:
-                devices.append(Device(config))
-                ready.set()
-                devices[-1].run()
-
-            threads.append(threading.Thread(target=run, daemon=True))
-            threads[-1].start()
-            assert ready.wait(60)
-        coordinator = Coordinator(CoordinatorConfig(
-            fleet=FLEET, out=root / "run", artifacts=artifacts, devices=tuple(names), rounds_per_task=rounds_per_task,
-            min_clients=n_devices, deadline_s=60.0, wait_for_devices_s=60.0, test_data=tests,
-            broker=BrokerSettings(port=broker.address.port, username="coordinator", password="pw-c"),
-            strategy=dict(strategy), client=dict(client or {"epochs": 1}),
-        ), test_sets=FolderTestSets(tests, load_manifest(artifacts)))
+    with ThreadFederation(root, artifacts, device, tasks, n_devices, samples) as federation:
+        coordinator = federation.coordinator(strategy, rounds_per_task, client=client)
         results = coordinator.run()
-    finally:
-        for running in devices:
-            running.stop_requested.set()
-        for thread in threads:
-            thread.join(15)
-        broker.stop()
-    return Federation(results, coordinator, devices)
+    return Federation(results, coordinator, federation.devices)

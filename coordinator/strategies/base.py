@@ -19,6 +19,13 @@ Methods that reach further plug in through the same interface, and the coordinat
   samples, an old model, ...), sent with the device's next round;
 - `save` / `load` keep the rule's state across a `--resume`.
 
+Every call runs contained (coordinator/containment.py): a rule refuses what it cannot use rather than fail on it,
+and whatever it raises still cannot stop the run. `inspect` checks an update's payloads against what the fleet
+sends and bounds what they cost before anything is built from them; `aggregate` that cannot use one update's
+payloads goes on without them and names it in `AggregateResult.refused`; a rule that raises on a whole round loses
+that round (the previous global model stays), not the run. A `Fold` refuses an update by raising before it changes
+its running aggregate.
+
 Strategies register by name as their classes are defined; every module of this package is imported, so a new
 rule adds a file here and touches nothing else.
 """
@@ -56,6 +63,8 @@ class AggregateResult:
     personalized: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> its own model
     payloads: dict[str, dict[str, bytes]] = field(default_factory=dict)  # device -> named payloads for next round
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> what the rule measured of it
+    # device -> why the rule could not use that update's payloads this round (it went on without them; counted)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class RefusedUpdate(ValueError):

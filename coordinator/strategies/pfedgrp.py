@@ -25,6 +25,15 @@ round is kept per device (`recognised`, checkpointed with the rule's state, and 
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes
 (`generator_classes`); a device asks for `generator/<class>` payloads and `answer` gives the cached records.
+
+What a device sends cannot cost more than the fleet's own generators: `inspect` takes only records of the specs
+the coordinator's own export makes for this model (`models.generators.exported_layouts`: each kind's
+`default_spec` for the model's input shape), with exactly those specs' buffer lengths, and refuses any other from
+the record's fixed header, before an array is decoded or a module built (an unknown kind, a negative latent size,
+a sampler shorter than its spec, a width of 30,000 that would first cost 3.6 GB). Samples a cached generator
+makes that are not finite are left out of its replay set; a device whose personalization still fails (its
+generators' samples make the fit fail, or give weights that are not finite) gets the plain mean, its cached
+generators are forgotten, and the round names it in `AggregateResult.refused` (`generator`).
 """
 from __future__ import annotations
 
@@ -49,7 +58,7 @@ from models.generator_record import (
     decode_record,
     encode_record,
 )
-from models.generators import GeneratorSpec, build_sampler, load_module
+from models.generators import GeneratorSpec, build_sampler, exported_layouts, load_module
 from models.manifest import Manifest
 from models.zoo import MASK_FILL, build_model
 
@@ -102,6 +111,7 @@ class PFedGRP(Strategy):
         self.weight_batch = weight_batch
         self.quality_check = quality_check
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.layouts = exported_layouts(manifest.input_shape)  # the generators a device of this fleet may send
         self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
         self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
         self.label_counts: dict[str, list[int]] = {}
@@ -132,7 +142,7 @@ class PFedGRP(Strategy):
             if label is None or label >= self.manifest.num_classes:
                 raise RefusedUpdate("attachments", f"unknown attachment {name!r}")
             try:
-                record = decode_record(bytes(data))
+                record = decode_record(bytes(data), self.layouts)
             except GeneratorFormatError as err:
                 raise RefusedUpdate("generator", f"{name}: {err}") from None
             if record.label != label:
@@ -146,15 +156,36 @@ class PFedGRP(Strategy):
             self._cache(update)
         models = torch.stack([as_tensor(u.weights, self.device) for u in updates])
         reference = models.mean(0) if self.quality_check else None
-        personalized = {}
+        personalized, refused = {}, {}
         for update in updates:
             self.recognised.pop(update.device, None)  # a device without a replay set this round has no share
-            weights = self._weights_for(update.device, models, reference)
+            weights = self._contained_weights_for(update.device, models, reference)
+            if weights is None:
+                refused[update.device] = "generator"
+                weights = torch.full((models.shape[0],), 1.0 / models.shape[0], device=self.device)
             self.weights_used[update.device] = weights.tolist()
             personalized[update.device] = weights @ models
         mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
         checked = {u.device: {"recognised": self.recognised[u.device]} for u in updates if u.device in self.recognised}
-        return AggregateResult(mean_of.mean(0), personalized, metrics=checked)
+        return AggregateResult(mean_of.mean(0), personalized, metrics=checked, refused=refused)
+
+    def _contained_weights_for(self, device: str, models: torch.Tensor, reference: torch.Tensor | None
+                               ) -> torch.Tensor | None:
+        """The device's simplex weights; None when its generators make the fit fail (they are forgotten)."""
+        try:
+            weights = self._weights_for(device, models, reference)
+            if bool(torch.isfinite(weights).all()):
+                return weights
+        except Exception:  # its generators' samples broke the fit: its personalization alone fails
+            pass
+        self._forget(device)
+        return None
+
+    def _forget(self, device: str) -> None:
+        """Drop a device's cached generators (and, where its were the latest of a class, that class's cache)."""
+        self.generators.pop(device, None)
+        self.recognised.pop(device, None)
+        self.latest = {c: d for c, d in self.latest.items() if d != device}
 
     def _cache(self, update: ClientUpdate) -> None:
         for label, record in self._records(update).items():
@@ -197,6 +228,10 @@ class PFedGRP(Strategy):
         mask = torch.zeros(self.manifest.num_classes, device=self.device)
         mask[[c for c, n in enumerate(counts) if n > 0]] = 1.0
         x, y = torch.cat(xs), torch.cat(ys)
+        finite = torch.isfinite(x).flatten(1).all(1)  # a generator's weights are finite, its outputs need not be
+        x, y = x[finite], y[finite]
+        if len(y) == 0:
+            return None
         if reference is not None:
             kept = self.recognised_by(reference, x, y, mask)
             self.recognised[device] = float(kept.float().mean())
@@ -248,7 +283,8 @@ class PFedGRP(Strategy):
         if not path.exists():
             return
         state = msgpack.unpackb(path.read_bytes(), raw=False)
-        self.generators = {d: {int(c): decode_record(b) for c, b in g.items()} for d, g in state["generators"].items()}
+        self.generators = {d: {int(c): decode_record(b, self.layouts) for c, b in g.items()}
+                           for d, g in state["generators"].items()}
         self.label_counts = {d: list(v) for d, v in state["label_counts"].items()}
         self.latest = {int(c): d for c, d in state["latest"].items()}
         self.weights_used = dict(state["weights_used"])
