@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import struct
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,20 @@ def hostile_generators(round_: int, g: np.ndarray, rng: np.random.Generator) -> 
     return Answer(name, g, 40, {attachment_name(0): encode_record(record)}, label_counts=(10,))
 
 
+@contextmanager
+def hostile_beside(federation: ThreadFederation, artifacts: Path,
+                   answer: Callable[[int, np.ndarray, np.random.Generator], Answer]) -> Iterator[PoisoningDevice]:
+    """The federation's spare account dev-x, run by a hostile device that answers each round with `answer`."""
+    hostile = PoisoningDevice(federation.address, FLEET, "dev-x", federation.passwords["dev-x"],
+                              manifest_digest(artifacts), load_manifest(artifacts).num_parameters, answer=answer)
+    hostile.start()
+    try:
+        yield hostile
+    finally:
+        hostile.stop()
+    assert not hostile.errors, hostile.errors
+
+
 class StopAfter:
     """A coordinator's `progress` hook that stops the run (as Ctrl-C would) once `rounds` rounds are committed."""
 
@@ -179,16 +194,9 @@ def stopped_then_resumed(federation: ThreadFederation, strategy: dict[str, Any],
 def test_hostile_generator_specs_are_refused_and_the_run_and_its_resume_complete(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     GeneratorReplay.export_artifacts(GENERATORS["policy"], artifacts)
-    with ThreadFederation(tmp_path, artifacts, GENERATORS, tasks=3, spares=("dev-x",)) as federation:
-        hostile = PoisoningDevice(federation.address, FLEET, "dev-x", federation.passwords["dev-x"],
-                                  manifest_digest(artifacts), load_manifest(artifacts).num_parameters,
-                                  answer=hostile_generators)
-        hostile.start()
-        try:
-            results = stopped_then_resumed(federation, PFEDGRP, stop_after=3, min_clients=2)
-        finally:
-            hostile.stop()
-    assert not hostile.errors, hostile.errors
+    with ThreadFederation(tmp_path, artifacts, GENERATORS, tasks=3, spares=("dev-x",)) as federation, \
+            hostile_beside(federation, artifacts, hostile_generators) as hostile:
+        results = stopped_then_resumed(federation, PFEDGRP, stop_after=3, min_clients=2)
     assert results["outcome"] == "complete" and results["rounds_completed"] == 6
     assert sorted(hostile.sent.values()) == sorted(name for name, *_ in hostile_records())
     refused = [r for r, name in hostile.sent.items() if name != "exploding"]
@@ -236,14 +244,8 @@ def test_a_refused_update_is_not_waited_for_until_the_deadline(tmp_path, export_
     the others have delivered. The deadline is an hour, so a round that waited for it would never end here."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
-    with ThreadFederation(tmp_path, artifacts, device, tasks=1, spares=("dev-x",)) as federation:
-        hostile = PoisoningDevice(federation.address, FLEET, "dev-x", federation.passwords["dev-x"],
-                                  manifest_digest(artifacts), load_manifest(artifacts).num_parameters,
-                                  answer=nan_weights)
-        hostile.start()
-        try:
-            results = federation.coordinator({"name": "fedavg"}, min_clients=2, deadline_s=3600.0).run()
-        finally:
-            hostile.stop()
+    with ThreadFederation(tmp_path, artifacts, device, tasks=1, spares=("dev-x",)) as federation, \
+            hostile_beside(federation, artifacts, nan_weights) as hostile:
+        results = federation.coordinator({"name": "fedavg"}, min_clients=2, deadline_s=3600.0).run()
     assert results["outcome"] == "complete" and len(hostile.sent) == results["rounds_completed"] == 2
     assert results["counters"]["weights-nonfinite"] == 2 and "missed-deadline" not in results["counters"]
