@@ -15,7 +15,8 @@ bounds and Krum selection, which together are Multi-Krum), `fedavg` (plain FedAv
 `no-krum` (the default bounds without Krum selection), and the robust rules after the default bounds (`median`,
 `trimmed-mean`, `centered-clip`). Printed per setting and fleet: the clean final accuracy (mean ±
 std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
-(attacked - clean) in points, paired by seed; a cell 3 points or more away is marked `!`.
+(attacked - clean) in points, paired by seed; a cell 3 points or more away is marked `!`, one where a run failed
+(every device diverged, so no round could reach its quorum) `f`, counted with its last completed round's model.
 
 Every cell runs in a process of its own and writes `cell.json` in its folder; a finished cell is read back, not
 run again, so an interrupted matrix resumes.
@@ -109,12 +110,14 @@ def run_cell(cell: Cell, out: Path, artifacts: Path) -> dict[str, Any]:
     started = time.monotonic()
     finished = subprocess.run([sys.executable, "-m", "edgefil.cli", "--log-level", "warning", "fleet", "run",
                                str(file)], cwd=ROOT, capture_output=True, text=True)
-    results = json.loads((folder / "results.json").read_text()) if (folder / "results.json").is_file() else {}
-    if finished.returncode != 0 or results.get("outcome") != "complete":
-        raise RuntimeError(f"{cell}: exit {finished.returncode}, outcome {results.get('outcome')}\n"
-                           f"{finished.stderr[-3000:]}")
-    record = {"final_accuracy": results["final_accuracy"], "counters": results["counters"],
-              "accuracy_matrix": results["accuracy_matrix"], "seconds": time.monotonic() - started}
+    if not (folder / "results.json").is_file():
+        raise RuntimeError(f"{cell}: exit {finished.returncode}, no results.json\n{finished.stderr[-3000:]}")
+    results = json.loads((folder / "results.json").read_text())
+    # a run that failed (plain FedAvg under some attacks: every device diverges, no round reaches its quorum) counts
+    # with the model of its last completed round, and is marked in the table
+    record = {"final_accuracy": results["final_accuracy"], "outcome": results["outcome"],
+              "counters": results["counters"], "accuracy_matrix": results["accuracy_matrix"],
+              "seconds": time.monotonic() - started}
     done.write_text(json.dumps(record, indent=1))
     return record
 
@@ -137,7 +140,7 @@ def points(values: list[float]) -> str:
 def table(results: dict[Cell, dict[str, Any]], settings: list[str], attacks: list[str], seeds: list[int],
           fleets: list[int]) -> str:
     lines = []
-    header = f"{'setting':<14}{'fleet':<7}{'clean %':>13}{'vs fedavg':>14}" + "".join(f"{a:>14}" for a in attacks)
+    header = f"{'setting':<14}{'fleet':<7}{'clean %':>13}{'vs fedavg':>14}" + "".join(f"{a:>15}" for a in attacks)
     lines.append(header)
     for setting in settings:
         for devices in fleets:
@@ -147,9 +150,11 @@ def table(results: dict[Cell, dict[str, Any]], settings: list[str], attacks: lis
             row = f"{setting:<14}{f'{FLEETS[devices]} of {devices}':<7}"
             row += f"{100 * np.mean(clean):>7.1f} ± {100 * np.std(clean):3.1f}{points(vs):>14}"
             for attack in attacks:
-                diff = [results[Cell(setting, devices, attack, s)]["final_accuracy"] - c for s, c in zip(seeds, clean)]
+                cells = [results[Cell(setting, devices, attack, s)] for s in seeds]
+                diff = [cell["final_accuracy"] - c for cell, c in zip(cells, clean)]
                 mark = "!" if abs(100 * np.mean(diff)) >= MARK else " "
-                row += f"{points(diff) + mark:>14}"
+                mark += "f" if any(cell.get("outcome", "complete") != "complete" for cell in cells) else " "
+                row += f"{points(diff) + mark:>15}"
             lines.append(row)
     return "\n".join(lines)
 

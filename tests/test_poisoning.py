@@ -58,8 +58,9 @@ def test_a_poisoning_device_is_contained_by_the_default_settings(tmp_path, expor
     assert set(sent.values()) == set(ATTACKS) and len(sent) == poisoned["rounds_completed"] == 15
     assert not any("dev-4" in entry["metrics"] for entry in poisoned["history"])  # never aggregated
     counters = poisoned["counters"]
-    refused = counters.get("norm-rejected", 0) + counters.get("samples-rejected", 0)
-    assert refused == len(sent) and counters.get("samples-rejected", 0) >= 1, counters
+    # each attack refused by a bound (an honest update beyond 3x the median distance is refused too, rarely)
+    assert counters.get("samples-rejected", 0) == len([a for a in sent.values() if a == "samples"]), counters
+    assert counters.get("norm-rejected", 0) >= len([a for a in sent.values() if a != "samples"]), counters
     assert poisoned["final_accuracy"] >= clean["final_accuracy"] - 0.05, (clean["final_accuracy"],
                                                                           poisoned["final_accuracy"])
 
