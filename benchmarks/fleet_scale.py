@@ -342,6 +342,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         coordinator={
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": n,
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
+            "guard": {"krum_share": 0.0},  # FedAvg over every update, the work Flower's side does (vs_flower.py)
         },
     )
     original = fleet_module.Coordinator

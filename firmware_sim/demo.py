@@ -41,6 +41,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "fixed": {"policy": {"name": "random"}, "coordinator": {"train_tasks": 1}},
 }
 STRATEGY = {"name": "fedavg", "weighted": False}  # Re-Fed's server rule, the same for every run
+# Re-Fed's rule takes every honest device's update: the guard's Krum selection, which refuses a quarter of each round
+# (honest ones, in an honest fleet), is not part of the rule being compared; its other bounds refuse nothing here
+GUARD = {"krum_share": 0.0}
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
         coordinator={
             "rounds_per_task": settings.rounds_per_task, "fraction": settings.fraction,
             "min_clients": max(1, round(settings.devices * settings.fraction) // 2),
-            "deadline_s": 60.0, "wait_for_devices_s": 60.0, **options.get("coordinator", {}),
+            "deadline_s": 60.0, "wait_for_devices_s": 60.0, "guard": GUARD, **options.get("coordinator", {}),
         },
     )
 
