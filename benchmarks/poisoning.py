@@ -22,7 +22,7 @@ Every cell runs in a process of its own and writes `cell.json` in its folder; a 
 run again, so an interrupted matrix resumes.
 
     .venv/bin/python benchmarks/poisoning.py [--seeds 0,1,2] [--settings default,fedavg,median,...]
-        [--attacks scaled,...] [--fleets 4,8] [--out runs/poisoning]
+        [--attacks scaled,... | clean] [--fleets 4,8] [--out runs/poisoning]
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     settings = args.settings.split(",")
-    attacks = args.attacks.split(",")
+    attacks = [a for a in args.attacks.split(",") if a and a != "clean"]  # the clean run is always run
     fleets = [int(d) for d in args.fleets.split(",")]
     out = Path(args.out).resolve()
     artifacts = export_once(out)

@@ -11,10 +11,11 @@ The attacks, with g the round's global model, w the device's honestly trained we
 and n its honest sample count (colluding devices run the same attack, each on its own update):
 
 - `scaled`: g + 20 d, n. Stopped by a bound on how far an update may move the model.
-- `sign-flip`: g - 2.5 d, n: reversed, within a 3x bound on its length. Stopped by a direction check.
+- `sign-flip`: g - 2.5 d, n: reversed, within a 3x bound on its length. Stopped by Krum selection (a direction
+  check would too, and refuses honest first-round updates).
 - `huge`: every weight 1e30 (finite), n. Stopped by the distance bound.
 - `nan`: NaN weights, n. Stopped by the gate (not finite).
-- `samples`: g + noise as long as d, claiming 10^9 samples. Stopped by a cap on sample counts and a direction check.
+- `samples`: g + noise as long as d, claiming 10^9 samples. Stopped by a bound on sample counts.
 - `boosted`: model replacement, g + N e with e a noise as long as d and N the fleet's size, n. Stopped by the
   distance bound.
 - `drift`: g + d + |d| u, u the unit vector from g back to the first global model the device saw: a slow pull back
