@@ -141,6 +141,8 @@ class Link:
         self._unacked: set[int] = set()  # message ids handed to paho and not yet acknowledged by the broker
         self._early_acks: set[int] = set()  # acknowledged before publish() returned
         self._connected = threading.Event()
+        self._unsubscribed: set[int] = set()  # SUBSCRIBEs of the current connection not yet acknowledged
+        self._subscribed = threading.Event()  # every subscription of the current connection acknowledged
         self._refused: str | None = None
         self._decided = threading.Event()
         paho_buffers.install()  # idempotent: received payloads are views of paho's packets from here on
@@ -162,6 +164,7 @@ class Link:
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
         self._client = client
         self._tls_set = False
         self._shared = network
@@ -230,6 +233,12 @@ class Link:
         except queue.Empty:
             return None
 
+    def wait_subscribed(self, timeout: float) -> bool:
+        """Wait until the broker has acknowledged every subscription of the current connection. start() returns
+        at the CONNACK: a message that another client publishes at once, not retained, may reach the broker before
+        this link's SUBSCRIBE does, and is then not delivered here (a protocol that needs it retains it)."""
+        return self._subscribed.wait(timeout)
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every QoS 1 message handed to paho is acknowledged (best effort before a clean exit)."""
         deadline = time.monotonic() + timeout
@@ -246,8 +255,11 @@ class Link:
             if self._network is not None:  # no retry with the same credentials (start raises, and stops)
                 self._network.close(client, wait_s=None)
             return
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=QOS)
+        pending = {client.subscribe(topic, qos=QOS)[1] for topic in self.subscriptions}  # SUBACKs come on this thread
+        with self._lock:
+            self._unsubscribed = pending
+            if not pending:
+                self._subscribed.set()
         self.connects += 1
         self._connected.set()
         self._decided.set()
@@ -255,6 +267,13 @@ class Link:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connected.clear()
+        self._subscribed.clear()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._lock:
+            self._unsubscribed.discard(mid)
+            if not self._unsubscribed:
+                self._subscribed.set()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         with self._lock:

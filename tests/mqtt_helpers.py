@@ -13,6 +13,8 @@ from coordinator.broker import BrokerAddress, TlsFiles
 from coordinator.pki import make_ca
 from coordinator.pki import make_server_cert as pki_server_cert
 
+WAIT_S = 30.0  # every wait below is a ceiling for an event that comes in milliseconds on a quiet machine
+
 
 class Peer:
     def __init__(self, address: BrokerAddress, username: str | None = None, password: str | None = None,
@@ -47,7 +49,7 @@ class Peer:
             self._subacks[mid] = list(reason_codes)
             self._changed.notify_all()
 
-    def connect(self, timeout: float = 5.0) -> ReasonCode | None:
+    def connect(self, timeout: float = WAIT_S) -> ReasonCode | None:
         """The CONNACK's reason, or None when the connection broke first; on success the network thread runs."""
         self.client.connect(self.address.host, self.address.port, keepalive=30)
         deadline = time.monotonic() + timeout
@@ -60,18 +62,18 @@ class Peer:
             self.client.disconnect()
         return self.connack
 
-    def subscribe(self, topic: str, qos: int = 1, timeout: float = 5.0) -> list[ReasonCode]:
+    def subscribe(self, topic: str, qos: int = 1, timeout: float = WAIT_S) -> list[ReasonCode]:
         _, mid = self.client.subscribe(topic, qos)
         with self._changed:
             assert self._changed.wait_for(lambda: mid in self._subacks, timeout), f"no SUBACK for {topic}"
             return self._subacks[mid]
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout: float = 5.0) -> None:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout: float = WAIT_S) -> None:
         info = self.client.publish(topic, payload, qos=qos, retain=retain)
         info.wait_for_publish(timeout)
         assert info.is_published(), f"publish on {topic} not acknowledged"
 
-    def publish_all(self, messages: list[tuple[str, bytes]], timeout: float = 30.0) -> None:
+    def publish_all(self, messages: list[tuple[str, bytes]], timeout: float = WAIT_S) -> None:
         """QoS 1, in order, without waiting for each acknowledgement before the next (as fast as the broker takes
         them), then for all of them."""
         infos = [self.client.publish(topic, payload, qos=1) for topic, payload in messages]
@@ -80,7 +82,7 @@ class Peer:
             info.wait_for_publish(max(deadline - time.monotonic(), 0.0))
             assert info.is_published(), f"publish on {topic} not acknowledged"
 
-    def expect(self, topic: str, timeout: float = 5.0, index: int = 0) -> bytes:
+    def expect(self, topic: str, timeout: float = WAIT_S, index: int = 0) -> bytes:
         """The payload of the index-th message received on `topic`, waiting for it up to `timeout`."""
         def on_topic() -> list[bytes]:
             return [payload for t, payload in self.messages if t == topic]

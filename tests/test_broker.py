@@ -193,6 +193,10 @@ def test_restart_and_crash_keep_the_port_and_clients_reconnect(broker, peers):
         device = peers(broker.address, "dev-a")
         device.publish(f"{P}/dev/dev-a/update", b"again")
         assert coordinator.expect(f"{P}/dev/dev-a/update") == b"again"
+        # closed before the next interruption: reconnecting with the same client id (the username), a peer of this
+        # pass would take the next pass's session over, its messages with it, as soon as the broker was back
+        coordinator.close()
+        device.close()
     broker.stop()
     broker.stop()  # idempotent
     assert not broker.running

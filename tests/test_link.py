@@ -27,7 +27,11 @@ def settings(broker: MosquittoBroker, user: str, password: str, **tls) -> Broker
     return BrokerSettings(address.host, address.port, user, password, **{"cafile": cafile, **tls}, keepalive=2)
 
 
-def next_message(link: Link, timeout: float = 10.0) -> tuple[str, bytes]:
+LISTENING_S = 60.0  # a ceiling: how long a link may take to have its subscriptions acknowledged
+
+
+def next_message(link: Link, timeout: float = 60.0) -> tuple[str, bytes]:
+    """The next message, past CONNECTED markers; `timeout` is a ceiling, not an expectation."""
     while (item := link.get(timeout)) is not None and item.topic == CONNECTED:
         pass
     assert item is not None, "nothing arrived"
@@ -56,6 +60,7 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
     device.start()
     try:
         assert coordinator.get(5) == (CONNECTED, b"", False)
+        assert coordinator.wait_subscribed(LISTENING_S)  # else "before" may reach the broker first, and be lost
         device.publish(TOPIC, b"before")
         assert next_message(coordinator) == (TOPIC, b"before")
         broker.stop()
@@ -63,7 +68,8 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
         device.publish(TOPIC, b"while down", retain=True)
         broker.start()
         assert coordinator.get(20) == (CONNECTED, b"", False)  # the owner is told, to announce itself again
-        assert next_message(coordinator, 20) == (TOPIC, b"while down")  # re-subscribed, and the queue flushed
+        assert coordinator.wait_subscribed(LISTENING_S)  # and the subscriptions are made again
+        assert next_message(coordinator) == (TOPIC, b"while down")  # re-subscribed, and the queue flushed
         assert device.wait_idle(10) and coordinator.connects == 2
     finally:
         device.stop()
@@ -78,6 +84,7 @@ def test_tls(tmp_path):
         device = Link(settings(broker, "dev-a", "pw-a"), "d")
         coordinator.start()
         device.start()
+        assert coordinator.wait_subscribed(LISTENING_S)
         device.publish(TOPIC, b"sealed")
         assert next_message(coordinator) == (TOPIC, b"sealed")
         device.stop()
@@ -133,6 +140,7 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
         device = Link(table(out / "devices" / "dev-2.toml"), "d")
         coordinator.start(timeout=20)
         device.start(timeout=20)
+        assert coordinator.wait_subscribed(LISTENING_S)
         device.publish(topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
         assert next_message(coordinator) == (topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
         device.stop()

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from test_link import next_message, settings
+from test_link import LISTENING_S, next_message, settings
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
 from edgefil import topics
@@ -62,6 +62,7 @@ def test_many_links_share_one_network_thread_and_all_come_back_after_a_broker_re
         try:
             for link in links:
                 link.start(timeout=20)
+            assert all(link.wait_subscribed(LISTENING_S) for link in [coordinator, *links])
             # the coordinator's own loop, and the shared loop's one thread for all 40 connections
             assert threading.active_count() == threads_before + 2
             for d, link in zip(ids, links):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mqtt_helpers import make_server_cert
-from test_link import next_message
+from test_link import LISTENING_S, next_message
 from test_link import settings as broker_settings
 
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
@@ -83,6 +83,8 @@ def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path, tls
         coordinator.start()
         device.start()
         try:
+            # both listening before either publishes: a chunk that reaches the broker before the SUBSCRIBE is lost
+            assert coordinator.wait_subscribed(LISTENING_S) and device.wait_subscribed(LISTENING_S)
             down = wire.encode_blob("weights", wire.weights_bytes(weights), round=1, version=0)
             for chunk in down.chunks:
                 coordinator.publish(topics.to_all("lab", "weights"), chunk)
