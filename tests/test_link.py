@@ -67,10 +67,10 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
         # queued by paho; retained, so it does not matter which of the two links reconnects first
         device.publish(TOPIC, b"while down", retain=True)
         broker.start()
-        assert coordinator.get(20) == (CONNECTED, b"", False)  # the owner is told, to announce itself again
+        assert coordinator.get(LISTENING_S) == (CONNECTED, b"", False)  # the owner is told, to announce itself again
         assert coordinator.wait_subscribed(LISTENING_S)  # and the subscriptions are made again
         assert next_message(coordinator) == (TOPIC, b"while down")  # re-subscribed, and the queue flushed
-        assert device.wait_idle(10) and coordinator.connects == 2
+        assert device.wait_idle(LISTENING_S) and coordinator.connects == 2
     finally:
         device.stop()
         coordinator.stop()

@@ -75,13 +75,13 @@ def test_many_links_share_one_network_thread_and_all_come_back_after_a_broker_re
                 (topics.to_device(FLEET, d, "round"), d.encode()) for d in ids]
 
             broker.stop()
-            assert wait_for(lambda: not any(link.connected for link in links), 10)
+            assert wait_for(lambda: not any(link.connected for link in links), LISTENING_S)
             broker.start()
-            assert wait_for(lambda: all(link.connected for link in links), 40), \
+            assert wait_for(lambda: all(link.connected for link in links), LISTENING_S), \
                 f"{sum(not link.connected for link in links)} of {n} links did not come back"
             assert all(link.connects == 2 for link in links)
             links[7].publish(topics.from_device(FLEET, ids[7], "status"), b"after")
-            assert wait_for(lambda: links[7].wait_idle(0.1), 10)  # acknowledged: the connection carries traffic
+            assert wait_for(lambda: links[7].wait_idle(0.1), LISTENING_S)  # acknowledged: the connection carries traffic
         finally:
             for link in links:
                 link.stop()
