@@ -208,10 +208,37 @@ def test_past_the_first_hold_updates_one_farther_than_any_kept_one_is_refused_st
     for update in updates_of(np.concatenate([honest, far])):
         stream.add(update)
     stream.close()
-    assert "d12" not in taken and counters["krum-outlier"] >= 3  # two of the held ones, and the far one
+    assert "d12" not in taken and counters["krum-outlier"] >= 1  # the far one (honest ones named are taken back)
     assert len(taken) == 13 - counters["krum-outlier"]
     held = UpdateBounds(hold=8).apply(np.zeros(40, np.float32), updates_of(np.concatenate([honest, far])), Counter())
     assert [u.device for u in held] == taken  # a held round (a holding rule's) selects the same way
+
+
+def test_an_honest_update_krum_names_is_taken_back_within_the_radius_and_a_reversed_one_is_not():
+    """Honest updates on different data differ unevenly: Krum names the one farthest from its neighbours in a clean
+    round too (as with krum_radius 0). Within 2x the farthest kept update's distance from the kept ones' mean it is
+    taken back; a reversed update lies beyond and stays refused, held or streamed."""
+    rng = np.random.default_rng(6)
+    spread = np.linspace(1.0, 2.0, 6)[:, None]  # the last devices' updates differ most from the rest
+    honest = rng.normal(1.0, 0.1, 40) + rng.normal(0.0, 0.3, (6, 40)) * spread
+    g = np.zeros(40, np.float32)
+    named: Counter[str] = Counter()
+    assert len(UpdateBounds(krum_radius=0.0).apply(g, updates_of(honest), named)) == 5
+    assert named == {"krum-outlier": 1}
+    counters: Counter[str] = Counter()
+    assert len(UpdateBounds().apply(g, updates_of(honest), counters)) == 6 and not counters
+    attacked = np.concatenate([honest, -honest[:1]])
+    kept = UpdateBounds().apply(g, updates_of(attacked), counters)
+    assert [u.device for u in kept] == [f"d{k}" for k in range(6)] and counters == {"krum-outlier": 1}
+    taken: list[str] = []
+    streamed: Counter[str] = Counter()
+    stream = UpdateBounds(hold=4).stream(g, lambda u: taken.append(u.device), streamed)
+    for update in updates_of(attacked):
+        stream.add(update)
+    stream.close()
+    assert taken == [f"d{k}" for k in range(6)] and streamed == {"krum-outlier": 1}
+    with pytest.raises(ValueError, match="krum_radius"):
+        UpdateBounds(krum_radius=-1.0)
 
 
 @pytest.mark.parametrize("device", devices)
