@@ -41,8 +41,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "fixed": {"policy": {"name": "random"}, "coordinator": {"train_tasks": 1}},
 }
 STRATEGY = {"name": "fedavg", "weighted": False}  # Re-Fed's server rule, the same for every run
-# Re-Fed's rule takes every honest device's update: the guard's Krum selection, which refuses a quarter of each round
-# (honest ones, in an honest fleet), is not part of the rule being compared; its other bounds refuse nothing here
+# Re-Fed's rule takes every honest device's update: the guard's Krum selection, which can refuse an honest update
+# now and then in an honest fleet (docs/security.md), is not part of the rule being compared; its other bounds
+# refuse nothing here
 GUARD = {"krum_share": 0.0}
 
 
