@@ -17,20 +17,22 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
 - **Free riders**: an update that claims samples but moved the model less than `free_rider_factor` times the
   median distance (the global model sent back) is refused; honest updates moved at least 0.45x the median.
 - **Krum selection** (Blanchard et al. 2017, Multi-Krum; Flower's MultiKrum): of the n updates left, the f =
-  `krum_share` x n (rounded down; a quarter) whose Krum scores are worst are refused (`krum-outlier`). An update's
-  score is the sum of its squared distances to its n - f - 2 nearest others (at least one): an update unlike its
-  neighbours scores badly however long it is or however it points, which is what a reversed or drifting update
-  within every bound above looks like. FedAvg over the rest is Multi-Krum. A round of 3 or fewer updates loses
-  none (f = 0); from 4 on, Krum names f of them every round, honest ones in a clean round, and unevenly (one honest
-  device in 13 of 15 rounds): the clean 6-device runs moved by -1.4 +- 7.8 points against FedAvg's over 10 seeds.
-  So a named update is taken back when it lies within `krum_radius` (2) times the farthest kept update's distance
-  from the kept updates' mean: an honest update on other classes is farther from its neighbours than they are from
-  each other, but not twice as far from their centre as the farthest of them; a reversed or drifting one is. With
-  the radius, Krum refused 0-2 honest updates in a clean 15-round run instead of 15, and the clean runs are
-  within a point of FedAvg (docs/security.md); 1 or less takes back next to none (the outlier is usually the
-  farthest), 0 none. The scores are exact among a round's first `hold` updates; each later one is scored against
-  those kept, and refused when worse than the worst of them and beyond the radius (`KrumSelection`): a round's
-  cost stays `hold` distances an update, not N.
+  `krum_share` x n (rounded down; a quarter) whose Krum scores are worst are named, and refused (`krum-outlier`)
+  unless taken back (below). An update's score is the sum of its squared distances to its n - f - 2 nearest others (at
+  least one): an update unlike its neighbours scores badly however long it is or however it points, which is what a
+  reversed update within every bound above looks like. FedAvg over the rest is Multi-Krum. A round of 3 or fewer
+  updates loses none (f = 0); from 4 on, Krum names f of them every round, honest ones in a clean round, and unevenly
+  (one honest device in 13 of 15 rounds): without what follows, the clean 6-device runs moved by -1.4 +- 7.8 points
+  against FedAvg's over 10 seeds. So a named update is taken back when it lies within `krum_radius` (2) times the
+  farthest kept update's distance from the kept updates' mean: an honest update on other classes is farther from its
+  neighbours than they are from each other, but seldom twice as far from their centre as the farthest of them; a
+  reversed one mostly is. With the radius, Krum refused 0-2 honest updates of 90 in a clean 6-device run, and those
+  runs moved by +0.7 +- 1.8 points against FedAvg's over 10 seeds (docs/security.md). A radius of 1 or less takes back
+  little (the named update is mostly the farthest from the centre); 0 none. What the radius lets in is what lies near
+  the honest updates' centre: a drifting update, and a reversed one in rounds where honest updates disagree. The
+  scores are exact among a round's first `hold` updates; each later one is scored against those kept, and refused when
+  worse than the worst of them and beyond the radius (`KrumSelection`): a round's cost stays `hold` distances an
+  update, not N.
 - **Direction** (off by default, `min_alignment = -1`): an update whose change points against the round's
   others (its cosine with the sum of the others' changes below `min_alignment`) is refused. Honest updates on
   non-IID data reached -0.34 in a first round (from a random model), so a threshold that catches reversed updates
