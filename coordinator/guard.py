@@ -27,7 +27,7 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   farthest kept update's distance from the kept updates' mean: an honest update on other classes is farther from its
   neighbours than they are from each other, but seldom twice as far from their centre as the farthest of them; a
   reversed one mostly is. With the radius, Krum refused 0-2 honest updates of 90 in a clean 6-device run, and those
-  runs moved by +0.7 +- 1.8 points against FedAvg's over 10 seeds (docs/security.md). A radius of 1 or less takes back
+  runs moved by +0.5 +- 1.8 points against FedAvg's over 10 seeds (docs/security.md). A radius of 1 or less takes back
   little (the named update is mostly the farthest from the centre); 0 none. What the radius lets in is what lies near
   the honest updates' centre: a drifting update, and a reversed one in rounds where honest updates disagree. The
   scores are exact among a round's first `hold` updates; each later one is scored against those kept, and refused when
