@@ -64,7 +64,8 @@ class CheckpointPolicy:
         """Why the new global weights must not replace the old ones, from the weights alone (else None)."""
         if not np.isfinite(new).all():
             return "model-nonfinite"
-        old_norm, new_norm = float(np.linalg.norm(old)), float(np.linalg.norm(new))
+        with np.errstate(over="ignore"):  # finite weights past ~1e19 overflow float32's norm to inf: exploded
+            old_norm, new_norm = float(np.linalg.norm(old)), float(np.linalg.norm(new))
         if self.explode_factor and new_norm > self.explode_factor * max(old_norm, 1e-12):
             return "model-exploded"
         return None
