@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from timing import best_time  # benchmarks/timing.py: scripts run from their folder
 
-from edge_client.policies import Samples, SelectionContext
+from edge_client.policies import RoundView, Samples
 from edge_client.policies.refed import ReFed
 from edge_client.trainers.ort import OrtTrainer
 from firmware_sim.scenarios import preset
@@ -40,7 +40,7 @@ def main() -> None:
         epoch = best_time(lambda _: trainer.fit(store_x, store_y, epochs=1, batch_size=32, rng=rng), args.repeats)
         trainer.set_weights(weights)
         old = Samples(x_old, y_old, np.zeros(len(y_old), dtype=np.int64))
-        ctx = SelectionContext(trainer, weights, None, rng, batch_size=32)
+        ctx = RoundView.of_samples(trainer, weights, None, rng, batch_size=32)
         print(f"digits, LeNet, ORT: {len(y_old)} old samples to score, local epoch over {len(store_y)} samples "
               f"= {epoch * 1000:.0f} ms; PIM epochs {args.pim_epochs}")
         print(f"{'importance':12s} {'switch ms':>10s} {'x local epoch':>14s}")

@@ -2,7 +2,7 @@
 
 Loop: on every (re)connect announce yourself (registration and status, both retained, so a coordinator that
 starts later still learns of this device); assemble global weights as they
-arrive; on a round message for a new round, take the round's global weights, start the task when it is new
+arrive and hand each to the policy (`on_global_model`: every device, selected or not); on a round message for a new round, take the round's global weights, start the task when it is new
 (the policy picks the cache, the store enforces the budget), train, save the client state atomically, upload.
 
 A learning method speaks to its coordinator half through named payloads, and this daemon only carries them (it
@@ -41,7 +41,7 @@ from edge_client.budget import Budget, DeviceBudget
 from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
-from edge_client.policies import ReplayPolicy, make_policy
+from edge_client.policies import ReplayPolicy, split_policy
 from edge_client.sources import TaskSource, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
@@ -91,12 +91,12 @@ class Device:
         self.num_parameters = self.trainer.manifest.num_parameters
         store = ReplayStore.within(DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes)),
                                    config.state_dir / "store", tuple(self.trainer.manifest.input_shape))
-        policy = make_policy(**config.policy)
+        policy, group_by = split_policy(config.policy)
         settings = config.learner
         self.learner = Learner(
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
-                          mask_seen_classes=settings.mask_seen_classes),
+                          mask_seen_classes=settings.mask_seen_classes, group_by=group_by),
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)
@@ -210,9 +210,11 @@ class Device:
         blob = self.reassembler.add("coordinator", message)
         if blob is None:
             return
-        self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
+        weights = self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
+        with self.environment.turn():  # the policy's hook is CPU work, as training is
+            self.learner.global_model_arrived(weights)
         self._arrived(blob.id)
 
     def _take_payload(self, message: wire.Message) -> None:
@@ -290,7 +292,7 @@ class Device:
                 disk_full = True
         policy = self.learner.policy
         self._give(policy, self.payloads.get(message.get("payload", ""), {}))
-        asked = self._request(round_, policy.requests(self.learner, config))
+        asked = self._request(round_, policy.requests(self.learner.view(), config))
         mu = float(config.get("mu", 0.0))
         with self.environment.turn():  # not held while awaiting an answer above: that is no CPU work
             loss = self.learner.train(
@@ -306,7 +308,7 @@ class Device:
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return
-        attachments = self.learner.policy.attachments(self.learner)  # encoded once: timed here, sent below
+        attachments = self.learner.policy.attachments(self.learner.view())  # encoded once: timed here, sent below
         upload_bytes = blob_bytes + sum(len(a) for a in attachments.values())
         device_seconds += self.environment.transfer(upload_bytes, wire.chunk_count(upload_bytes), upload=True)
         self.learner.state.round = round_
@@ -332,7 +334,7 @@ class Device:
         if not payloads:
             return
         try:
-            policy.receive(self.learner, payloads)
+            policy.receive(self.learner.view(), payloads)
         except ValueError as err:
             self.rejected += 1
             log.warning("%s ignored payloads %s: %s", self.id, sorted(payloads), err)
@@ -392,7 +394,8 @@ class Device:
         store, policy = self.learner.store, self.learner.policy
         weights, num_samples = self._claims(model, self.trainer.get_weights() if weights is None else weights)
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
-                                             policy.attachments(self.learner) if attachments is None else attachments)
+                                             policy.attachments(self.learner.view()) if attachments is None
+                                             else attachments)
         chunks = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,

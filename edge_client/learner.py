@@ -10,6 +10,12 @@ Choices (documented, configurable where it matters):
 - A later chunk of the current task that does not fit makes the policy rank the old cache again (smaller keep).
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
 - Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
+- A task starts where the stream announces one; where it does not, where a chunk brings an unseen label
+  (`detect_new_tasks`) or where the policy says so (`task_boundary`, e.g. a detector on the received model).
+- `group_by` ("class" or "task") puts quotas around any policy's ranking (`group_ranking`): the policy ranks all
+  the old samples, each group keeps its water-filled share in the policy's order. Every other hook is the
+  policy's own, so grouping never changes how a method trains.
+- Every hook sees the device through one frozen `RoundView` (`view()`), never the learner itself.
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
   what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.
 """
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.policies import PolicyContext, ReplayPolicy, Samples, SelectionContext
+from edge_client.policies import GROUPINGS, PolicyContext, ReplayPolicy, RoundView, Samples, group_ranking
 from edge_client.state import ClientState, load_state, save_state, save_state_keeping_weights
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
@@ -36,6 +42,11 @@ class LearnerConfig:
     batch_size: int = 32
     mask_seen_classes: bool = True
     detect_new_tasks: bool = False  # start a task when unseen labels appear (when the stream does not say)
+    group_by: str | None = None  # quotas per "class" or "task" around the policy's ranking (GROUPINGS)
+
+    def __post_init__(self) -> None:
+        if self.group_by is not None and self.group_by not in GROUPINGS:
+            raise ValueError(f"unknown group_by {self.group_by!r}; choose one of {', '.join(GROUPINGS)}")
 
 
 class Learner:
@@ -56,6 +67,7 @@ class Learner:
         self.state = ClientState()
         self._detector = NoveltyDetector()
         self.budget = store.device_budget()
+        self.global_weights: np.ndarray | None = None  # the latest global model received (read-only)
 
     def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
         """Let the policy open what it keeps besides the store (its own files, within M)."""
@@ -63,16 +75,37 @@ class Learner:
 
     # --- the stream -------------------------------------------------------------------------------
 
+    def view(self, global_weights: np.ndarray | None = None) -> RoundView:
+        """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest)."""
+        k = self.trainer.manifest.num_classes
+        return RoundView(
+            trainer=self.trainer, rng=self.rng, batch_size=self.config.batch_size, class_mask=self.class_mask(),
+            task=self.state.task, label_counts=_padded(self.state.label_counts, k),
+            task_counts=_padded(self.state.task_counts, k), n_seen=self.state.n_seen, n_stored=len(self.store),
+            global_weights=self.global_weights if global_weights is None else global_weights,
+            read_store=self._stored,
+        )
+
+    def global_model_arrived(self, weights: np.ndarray) -> None:
+        """A global model reached the device (selected for the round or not): the policy's hook runs, and the
+        model becomes the latest one its hooks see."""
+        self.policy.on_global_model(self.view(), weights)
+        self.global_weights = weights
+
     def observe(self, chunk: Chunk, global_weights: np.ndarray | None = None) -> bool:
         """Take a chunk of the stream; returns True when it started a new task."""
+        if global_weights is not None:
+            self.global_weights = global_weights
         announced = chunk.task is not None and chunk.task != self.state.task
-        detected = chunk.task is None and self.config.detect_new_tasks and self._detector.is_new_task(chunk.y)
+        detected = chunk.task is None and self.state.task >= 0 and (
+            (self.config.detect_new_tasks and self._detector.is_new_task(chunk.y))
+            or self.policy.task_boundary(self.view(), chunk.x, chunk.y))
         starts = announced or detected or self.state.task < 0
         if starts:
             self.state.task = chunk.task if chunk.task is not None else self.state.task + 1
             self.state.task_counts = []
         self._count_labels(chunk.y)
-        self._admit(chunk.x, chunk.y, global_weights)
+        self._admit(chunk.x, chunk.y)
         self._detector.update(chunk.y)
         self.state.seen_classes = sorted(self._detector.seen)
         self.state.n_seen += len(chunk.y)
@@ -88,18 +121,13 @@ class Learner:
         """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
         with the plain loss, trained by the trainer's `fit`); returns the last epoch's loss."""
         x, y = self.store.get(self.store.ids())
-        return self.policy.fit(self, self.policy.training_set(self, x, y), epochs or self.config.epochs, proximal)
+        batch = self.policy.training_set(self.view(), x, y)
+        return self.policy.fit(self.view(), batch, epochs or self.config.epochs, proximal)
 
     def finish_round(self) -> None:
         """After local training: the policy's own update on the current task's real samples."""
         x, y = self.store.get(self.store.ids(self.state.task))
-        self.policy.after_training(self, x, y)
-
-    def labels_seen_before_task(self) -> np.ndarray:
-        """Classes the device had seen before the current task (by its label counts)."""
-        before = np.asarray(self.state.label_counts, dtype=np.int64) - _padded(self.state.task_counts,
-                                                                                len(self.state.label_counts))
-        return np.flatnonzero(before > 0)
+        self.policy.after_training(self.view(), x, y)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
         return self.trainer.evaluate(x, y, class_mask=self.class_mask())
@@ -152,9 +180,14 @@ class Learner:
         limit = self.store.budget.max_samples
         return limit if limit is not None else len(self.store) + self.store.room_for(1 << 30)
 
-    def _admit(self, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None) -> None:
+    def _stored(self, task: int | None) -> Samples:
+        ids = self.store.ids(task)
+        x, y = self.store.get(ids)
+        return Samples(x, y, self.store.tasks(ids))
+
+    def _admit(self, x: np.ndarray, y: np.ndarray) -> None:
         ids = self.store.ids()
-        admission = self.policy.admit(self.state.n_seen, len(ids), len(y), self._capacity(), self.rng)
+        admission = self.policy.admit(self.view(), len(y), self._capacity())
         if admission is not None:
             if len(admission.stays) < len(ids):
                 self.store.keep_only(ids[admission.stays])
@@ -171,24 +204,23 @@ class Learner:
         keep_old = room - len(y) if self.policy.keeps_old else 0
         bytes_short = self.store.room_for(len(y)) < len(y)  # the byte budget will cut into the cache too
         if len(old) > keep_old or (bytes_short and len(old)):
-            ranked = old[self._rank(old, min(keep_old, len(old)), global_weights)]
+            ranked = old[self._rank(old, min(keep_old, len(old)))]
             if len(ranked) < len(old):
                 self.store.keep_only(np.concatenate([current, ranked]))
             old = ranked
         self._insert_within_bytes(x, y, ranked_old=old)
 
-    def _rank(self, old_ids: np.ndarray, keep: int, global_weights: np.ndarray | None) -> np.ndarray:
+    def _rank(self, old_ids: np.ndarray, keep: int) -> np.ndarray:
+        """The policy's ranking of the old samples (under the grouping's quotas, when one is set)."""
         if keep <= 0:
             return np.empty(0, dtype=np.int64)
         x, y = self.store.get(old_ids)
-        ctx = SelectionContext(
-            trainer=self.trainer,
-            global_weights=self.trainer.get_weights() if global_weights is None else global_weights,
-            class_mask=self.class_mask(),
-            rng=self.rng,
-            batch_size=self.config.batch_size,
-        )
-        return self.policy.rank(Samples(x, y, self.store.tasks(old_ids)), keep, ctx)
+        old = Samples(x, y, self.store.tasks(old_ids))
+        view = self.view(self.trainer.get_weights() if self.global_weights is None else None)
+        group_by = self.config.group_by
+        if group_by is None:
+            return self.policy.rank(old, keep, view)
+        return group_ranking(self.policy.rank(old, len(old), view), GROUPINGS[group_by](old), keep)
 
     def _insert_within_bytes(self, x: np.ndarray, y: np.ndarray, ranked_old: np.ndarray) -> None:
         """Insert; where the byte budget is the tighter one, drop the lowest-ranked cache, then new samples."""
@@ -197,7 +229,7 @@ class Learner:
             short = len(y) - self.store.room_for(len(y))
             drop, cache = cache[-short:], cache[:-short]
             self.store.delete(np.asarray(drop, dtype=np.int64))
-        if self.store.room_for(len(y)) < len(y) and self.policy.release_bytes(self):
+        if self.store.room_for(len(y)) < len(y) and self.policy.release_bytes(self.view()):
             log.warning("policy %s released its own files: the new task's real samples come first (held now: %s)",
                         self.policy.name, self.budget.held())
         room = self.store.room_for(len(y))

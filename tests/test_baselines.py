@@ -30,10 +30,11 @@ def _classes(classes, n, offset=0):
     return data.x_train[pick], data.y_train[pick]
 
 
-def _learner(tmp_path, trainer, policy, max_bytes=None, **options):
+def _learner(tmp_path, trainer, policy, max_bytes=None, group_by=None, **options):
     folder = tmp_path / f"device-{len(list(tmp_path.iterdir()))}"
     store = ReplayStore(folder / "store", Budget(200, max_bytes), sample_shape=(1, 8, 8))
-    learner = Learner(trainer, store, make_policy(policy, **options), LearnerConfig(batch_size=16), seed=3)
+    learner = Learner(trainer, store, make_policy(policy, **options), LearnerConfig(batch_size=16, group_by=group_by),
+                      seed=3)
     learner.open_policy(folder, tmp_path)
     return learner
 
@@ -118,7 +119,7 @@ def test_dann_refuses_what_the_trainers_fit_refuses(tmp_path, export_artifacts, 
             weights[0] = np.nan
         before = learner.trainer.get_weights()
         with pytest.raises(ValueError, match=message):
-            learner.policy.fit(learner, TrainingSet(x, y, LossInputs(sample_weights=weights)), 1, proximal)
+            learner.policy.fit(learner.view(), TrainingSet(x, y, LossInputs(sample_weights=weights)), 1, proximal)
         assert np.array_equal(learner.trainer.get_weights(), before)
 
 
@@ -138,7 +139,7 @@ def test_fedcil_replays_its_acgans_earlier_classes_and_keeps_no_raw_old_sample(t
     learner.start_task(1, *_classes([2, 3], 40))
     assert set(learner.store.tasks().tolist()) == {1}  # the raw samples of task 0 are gone
     x, y = learner.store.get(learner.store.ids())
-    batch = learner.policy.training_set(learner, x, y)
+    batch = learner.policy.training_set(learner.view(), x, y)
     replayed = batch.y[len(y):]
     assert sorted(np.unique(replayed).tolist()) == [0, 1] and (np.bincount(replayed) == 20).all()
     assert batch.x.shape == (80, 1, 8, 8) and np.isfinite(batch.x).all()
@@ -182,13 +183,15 @@ def test_fedcil_leaves_the_store_its_share_of_the_bytes(tmp_path, export_artifac
     assert learner.budget.held()["acgan"] <= 0.5 * 400_000
 
 
-def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_path, export_artifacts):
+@pytest.mark.parametrize("group_by", [None, "class"])
+def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_path, export_artifacts, group_by):
     """At a byte limit where the store's write peaks leave no room for a new task's samples beside the ACGAN (digits
     at the raw caches' 160 KiB), the ACGAN file goes and the store takes the whole task: a device must never train
-    on nothing because a method's own file holds the bytes."""
+    on nothing because a method's own file holds the bytes. Class quotas change nothing of it (the class-quota
+    wrapper they replaced never forwarded `release_bytes`)."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2,
-                       max_bytes=160 * 1024, width=8)
+                       max_bytes=160 * 1024, width=8, group_by=group_by)
     learner.start_task(0, *_classes([0, 1], 14))
     learner.finish_round()
     assert learner.policy._path.exists() and learner.policy.metrics()["acgan_dropped"] == 0
@@ -196,7 +199,7 @@ def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_p
     assert len(learner.store) == 14 and set(learner.store.labels().tolist()) == {2, 3}
     assert not learner.policy._path.exists()
     x, y = learner.store.get(learner.store.ids())
-    learner.policy.training_set(learner, x, y)
+    learner.policy.training_set(learner.view(), x, y)
     assert learner.policy.metrics()["acgan_released"] == 1
     assert learner.budget.used() <= 160 * 1024
 

@@ -55,7 +55,7 @@ def task_data(digits, classes, n=40):
 
 def replayed_labels(learner):
     """The labels of the samples the policy would generate this round (its training set over an empty store)."""
-    batch = learner.policy.training_set(learner, np.empty((0, 1, 8, 8), np.float32), np.empty(0, np.int64))
+    batch = learner.policy.training_set(learner.view(), np.empty((0, 1, 8, 8), np.float32), np.empty(0, np.int64))
     return batch.y
 
 
@@ -68,7 +68,7 @@ def run_rounds(learner, digits, tasks, bank_bytes, budget):
         assert learner.store.bytes_on_disk() + bank_bytes() <= budget
         assert set(learner.store.labels().tolist()) <= set(classes)  # the old real data are gone
         if teacher is not None:
-            learner.policy.receive(learner, {"personal": teacher.tobytes()})
+            learner.policy.receive(learner.view(), {"personal": teacher.tobytes()})
         learner.train()
         learner.finish_round()
         assert learner.store.bytes_on_disk() + bank_bytes() <= budget
@@ -129,9 +129,9 @@ def test_offered_generators_warm_start_a_new_class(artifacts, digits, tmp_path):
         pass
     learner = make_learner(artifacts, tmp_path / "taker", 1 << 30)
     learner.start_task(0, *task_data(digits, (4, 5)))
-    assert learner.policy.requests(learner, {"generator_classes": [4, 5, 7]}) == ["generator/4", "generator/5"]
+    assert learner.policy.requests(learner.view(), {"generator_classes": [4, 5, 7]}) == ["generator/4", "generator/5"]
     learner.train()
-    learner.policy.receive(learner, {"generator/4": encode_record(donor.policy._bank.get(4))})
+    learner.policy.receive(learner.view(), {"generator/4": encode_record(donor.policy._bank.get(4))})
     learner.finish_round()
     metrics = learner.policy.metrics()
     assert metrics["generators_from_coordinator"] == 1 and metrics["generators_from_own"] == 0

@@ -11,13 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from thread_fleet import run_federation
+from thread_fleet import ThreadFederation, run_federation
 
 from coordinator.broker import mosquitto_path
 from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate
 from coordinator.strategies.fedavg import FedAvg
-from edge_client.learner import Learner
-from edge_client.policies import ReplayPolicy, Samples, SelectionContext, TrainingSet
+from edge_client.policies import ReplayPolicy, RoundView, Samples, TrainingSet
 from edge_client.trainers.base import LossInputs
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
@@ -32,23 +31,27 @@ class ToyPolicy(ReplayPolicy):
     def __init__(self) -> None:
         self.received: list[dict[str, bytes]] = []
         self.trained_on: list[tuple[np.ndarray, np.ndarray]] = []  # (labels, sample weights) per round
+        self.models_seen: list[np.ndarray] = []  # every global model the device received
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
         return np.arange(min(keep, len(old)))
 
-    def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:
+    def requests(self, view: RoundView, config: Mapping[str, Any]) -> list[str]:
         return ["toy/greeting"]
 
-    def receive(self, learner: Learner, payloads: Mapping[str, bytes]) -> None:
+    def receive(self, view: RoundView, payloads: Mapping[str, bytes]) -> None:
         self.received.append(dict(payloads))
 
-    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+    def on_global_model(self, view: RoundView, weights: np.ndarray) -> None:
+        self.models_seen.append(weights)
+
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
         weights = np.where(y == 0, 2.0, 1.0).astype(np.float32)
         self.trained_on.append((y, weights))
         return TrainingSet(x, y, LossInputs(sample_weights=weights))
 
-    def attachments(self, learner: Learner) -> dict[str, bytes]:
-        return {"toy/trained": struct.pack("<I", len(learner.store))}
+    def attachments(self, view: RoundView) -> dict[str, bytes]:
+        return {"toy/trained": struct.pack("<I", view.n_stored)}
 
 
 class ToyStrategy(FedAvg):
@@ -95,3 +98,25 @@ def test_a_toy_method_runs_through_a_real_broker_round_without_touching_generic_
         assert len(policy.trained_on) == 2
         for labels, weights in policy.trained_on:
             assert len(labels) == 40 and (labels == 0).any() and (weights[labels == 0] == 2.0).all()
+
+
+def test_every_device_runs_the_policys_hook_for_every_global_model_selected_or_not(tmp_path, export_artifacts):
+    """Three devices, one selected per round: the devices the round does not select still hand every global model
+    to their policy (GLFC's task detection runs on every client in every round)."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"store": {"max_samples": 100}, "policy": {"name": "toy-weighted"}}
+    with ThreadFederation(tmp_path, artifacts, device, n_devices=3) as federation:
+        for running in federation.devices:
+            assert running.link.wait_subscribed(60)  # connected before the first broadcast
+        coordinator = federation.coordinator({"name": "toy-echo"}, rounds_per_task=3, min_clients=1, fraction=0.3)
+        results = coordinator.run()
+        devices = federation.devices
+    assert results["rounds_completed"] == 3
+    policies = [d.learner.policy for d in devices]
+    assert all(isinstance(p, ToyPolicy) for p in policies)
+    assert sum(len(p.trained_on) for p in policies) == 3  # one device trained each round
+    for policy in policies:  # each round's global model reached every device, trained or not
+        assert len(policy.models_seen) >= 3 and len(policy.models_seen) >= len(policy.trained_on)
+    assert sum(len(p.models_seen) > len(p.trained_on) for p in policies) >= 2
+    first = [p.models_seen[0] for p in policies]
+    assert all(np.array_equal(first[0], m) for m in first)  # the same broadcast model, on every device

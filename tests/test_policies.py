@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_client.policies import Samples, SelectionContext, make_policy, policy_names
+from edge_client.policies import RoundView, Samples, make_policy, policy_names
 from edge_client.policies.base import balanced_quotas, interleave_by_class
 from edge_client.policies.herding import herding_order
 from edge_client.policies.reservoir import reservoir_update
@@ -59,7 +59,7 @@ def test_reservoir_keeps_every_sample_with_equal_probability():
 @pytest.mark.parametrize("name", ["none", "generator"])
 def test_policies_that_cache_no_raw_samples_keep_none(export_artifacts, name):
     trainer = OrtTrainer(export_artifacts("lenet"), lr=0.01)
-    ctx = SelectionContext(trainer, trainer.get_weights(), None, np.random.default_rng(0))
+    ctx = RoundView.of_samples(trainer, trainer.get_weights(), None, np.random.default_rng(0))
     assert make_policy(name).rank(_old_samples(trainer), 30, ctx).tolist() == []
 
 
@@ -83,29 +83,9 @@ def test_every_caching_policy_returns_keep_distinct_positions(export_artifacts, 
     trainer = OrtTrainer(export_artifacts("lenet"), lr=0.01)
     old = _old_samples(trainer)
     options = {"pim_epochs": 2} if name == "refed" else {}
-    ctx = SelectionContext(trainer, trainer.get_weights(), None, np.random.default_rng(0))
+    ctx = RoundView.of_samples(trainer, trainer.get_weights(), None, np.random.default_rng(0))
     ranking = make_policy(name, **options).rank(old, 30, ctx)
     assert len(ranking) == 30 == len(set(ranking.tolist()))
     assert ranking.min() >= 0 and ranking.max() < len(old)
     if name in ("class-balanced", "herding"):
         assert np.bincount(old.y[ranking], minlength=4).min() >= 7  # 30 slots over 4 classes
-
-
-def test_class_quotas_compose_with_any_ranking():
-    """`group_by = "class"` wraps a policy: its own order within each class, the same quota per class."""
-    from edge_client.policies import ClassBalanced
-
-    y = np.array([0] * 8 + [1] * 2 + [2] * 6)
-    old = Samples(np.zeros((len(y), 1, 8, 8), np.float32), y, np.zeros(len(y), np.int64))
-    ctx = SelectionContext(trainer=None, global_weights=np.zeros(1, np.float32), class_mask=None,  # type: ignore
-                           rng=np.random.default_rng(0))
-    wrapped = make_policy("random", group_by="class")
-    assert isinstance(wrapped, ClassBalanced) and wrapped.inner.name == "random"
-    kept = wrapped.rank(old, 6, ctx)
-    assert sorted(np.bincount(y[kept], minlength=3).tolist()) == [2, 2, 2]
-    inner = make_policy("reservoir")  # ranked here by position, last first: a ranking that knows no classes
-    inner.rank = lambda old, keep, ctx: np.arange(len(old))[::-1][:keep]  # type: ignore[method-assign]
-    order = ClassBalanced(inner).rank(old, 6, ctx)
-    assert set(order[y[order] == 0].tolist()) == {6, 7} and set(order[y[order] == 2].tolist()) == {14, 15}
-    with pytest.raises(ValueError, match="group_by"):
-        make_policy("refed", group_by="task")

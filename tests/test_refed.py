@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.policies import Samples, SelectionContext, make_policy
+from edge_client.policies import RoundView, Samples, group_ranking, make_policy
 from edge_client.policies.refed import ReFed, emphasis, pim_step, proximal_coefficient
 from edge_client.trainers.base import Trainer
 from edge_client.trainers.ort import OrtTrainer
@@ -48,10 +48,10 @@ def _trainer(backend: str, directory, optimizer: str = "adamw", lr: float = 1e-3
     return TorchTrainer(load_manifest(directory), optimizer, lr)
 
 
-def _context(trainer: Trainer, global_weights: np.ndarray, seed: int = 3) -> SelectionContext:
+def _context(trainer: Trainer, global_weights: np.ndarray, seed: int = 3) -> RoundView:
     mask = np.zeros(10, dtype=np.float32)
     mask[:4] = 1.0
-    return SelectionContext(trainer, global_weights, mask, np.random.default_rng(seed), batch_size=32)
+    return RoundView.of_samples(trainer, global_weights, mask, np.random.default_rng(seed), batch_size=32)
 
 
 def test_the_pim_step_is_equation_3():
@@ -153,8 +153,9 @@ def test_class_quotas_keep_every_seen_class_when_the_budget_allows_one_each(arti
                                                                             global_weights):
     """Re-Fed's ranking under `group_by = "class"`: with as many slots as classes, one sample of every class."""
     trainer = _trainer("ort", artifacts)
-    policy = make_policy("refed", group_by="class", pim_epochs=2, pim_lr=0.05, importance="last-layer")
-    for keep in (4, 5, 9):
-        ranking = policy.rank(old_samples, keep, _context(trainer, global_weights))
+    policy = make_policy("refed", pim_epochs=2, pim_lr=0.05, importance="last-layer")
+    for keep in (4, 5, 9):  # as the learner groups any ranking (LearnerConfig.group_by)
+        order = policy.rank(old_samples, len(old_samples), _context(trainer, global_weights))
+        ranking = group_ranking(order, old_samples.y, keep)
         assert len(ranking) == keep
         assert set(old_samples.y[ranking].tolist()) == {0, 1, 2, 3}

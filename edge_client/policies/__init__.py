@@ -10,15 +10,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from edge_client.policies.base import (
+    GROUPINGS,
     POLICIES,
     Admission,
     PolicyContext,
     ReplayPolicy,
+    RoundView,
     Samples,
-    SelectionContext,
     TrainingSet,
+    group_ranking,
 )
-from edge_client.policies.class_balanced import GROUPINGS, ClassBalanced
 from edgefil.registry import import_submodules
 from edgefil.settings import Where, check_options
 
@@ -30,8 +31,9 @@ def policy_names() -> list[str]:
 
 
 def check_policy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
-    """A `[policy]` table checked: `name` (a registered policy), `group_by`, and the policy's own options against
-    its constructor (names, types, and the values it refuses); ConfigError naming the key otherwise."""
+    """A `[policy]` table checked: `name` (a registered policy), `group_by` (quotas the learner applies around the
+    policy's ranking, `GROUPINGS`), and the policy's own options against its constructor (names, types, and the
+    values it refuses); ConfigError naming the key otherwise."""
     name = raw.get("name")
     if name is None:
         raise where.error("name", f"missing (required); one of {', '.join(policy_names())}")
@@ -40,24 +42,26 @@ def check_policy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
     group_by = raw.get("group_by")
     if group_by is not None and group_by not in GROUPINGS:
         raise where.error("group_by", f"expected one of {', '.join(map(repr, GROUPINGS))}, got {group_by!r}")
-    options = check_options(POLICIES.get(name), raw, where, skip=("inner",), also=("name", "group_by"))
-    checked = {"name": name, **({"group_by": group_by} if group_by is not None else {}), **options}
+    options = check_options(POLICIES.get(name), raw, where, also=("name", "group_by"))
     try:
-        make_policy(**checked)
+        make_policy(name, **options)
     except (ValueError, TypeError) as err:
         raise where.error(None, str(err)) from None
-    return checked
+    return {"name": name, **({"group_by": group_by} if group_by is not None else {}), **options}
 
 
-def make_policy(name: str, group_by: str | None = None, **options: Any) -> ReplayPolicy:
-    """Build a policy by its config name; options go to its constructor (e.g. refed's lam, pim_epochs);
-    `group_by = "class"` wraps it in per-class quotas (`ClassBalanced`)."""
-    cls = POLICIES.get(name)
-    if group_by is not None and group_by not in GROUPINGS:
-        raise ValueError(f"unknown group_by {group_by!r}; choose one of {', '.join(GROUPINGS)}")
-    policy = cls(**options)
-    return ClassBalanced(policy) if group_by == "class" else policy
+def make_policy(name: str, **options: Any) -> ReplayPolicy:
+    """Build a policy by its config name; options go to its constructor (e.g. refed's lam, pim_epochs)."""
+    return POLICIES.get(name)(**options)
 
 
-__all__ = ["Admission", "ClassBalanced", "PolicyContext", "ReplayPolicy", "Samples", "SelectionContext",
-           "TrainingSet", "make_policy", "policy_names"]
+def split_policy(table: Mapping[str, Any]) -> tuple[ReplayPolicy, str | None]:
+    """A checked `[policy]` table as the policy it names and the grouping the learner applies around its ranking
+    (`LearnerConfig.group_by`)."""
+    options = dict(table)
+    group_by = options.pop("group_by", None)
+    return make_policy(**options), group_by
+
+
+__all__ = ["GROUPINGS", "Admission", "PolicyContext", "ReplayPolicy", "RoundView", "Samples", "TrainingSet",
+           "group_ranking", "make_policy", "policy_names", "split_policy"]

@@ -7,6 +7,9 @@ method. A policy can:
 
 - rank the samples of earlier tasks (`rank`, most valuable first, so the learner can always keep a prefix) and
   decide which new samples enter while the data stream in (`admit`; by default the learner's task-switch rule);
+  class or task quotas are the learner's (`group_by`), applied around any ranking;
+- follow every global model the device receives, selected for the round or not (`on_global_model`), and declare a
+  task boundary itself where the stream does not announce one (`task_boundary`);
 - keep more than samples on disk (`open` gets the device's `DeviceBudget`: register what you keep, write within
   `room`), so everything shares the one budget M;
 - shape local training (`training_set`: extra samples and `LossInputs` — per-sample weights, soft or multi-hot
@@ -17,25 +20,24 @@ method. A policy can:
   the coordinator sends with a round (`receive`), attach some to its update (`attachments`);
 - report numbers (`metrics`).
 
-A policy never touches the store's files: the learner loads candidates, asks for a ranking, and tells the store
-what to keep.
+Every hook but `open` sees the device through one frozen `RoundView` (the trainer, rng, batch size, class mask,
+label and task counts, the latest global model, the tasks of the stored samples), made by the learner at the call,
+so a policy needs no learner internals. A policy never touches the store's files: the learner loads candidates,
+asks for a ranking, and tells the store what to keep.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from edge_client.budget import DeviceBudget
 from edge_client.trainers.base import LossInputs, Proximal, Trainer
 from edgefil.registry import Registry
-
-if TYPE_CHECKING:
-    from edge_client.learner import Learner
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,53 @@ class Samples:
 
 
 @dataclass(frozen=True)
-class SelectionContext:
-    """What a policy may use to rank: the device's trainer, the latest global weights, the seen-class mask."""
+class RoundView:
+    """What every hook of a policy sees of its device, made by the learner at the call and frozen: the task
+    model's trainer, the learner's rng and batch size, the seen-class mask, the task, the samples seen per class
+    over the device's life (`label_counts`) and in the current task (`task_counts`), how many it has seen and
+    stores, and the latest global model it received (None before the first). The stored samples' tasks and the
+    stored samples themselves are read when asked (`stored_tasks`, `stored`): most hooks never need them, and a
+    fleet worker makes a view for each of its devices at every broadcast."""
 
     trainer: Trainer
-    global_weights: np.ndarray
-    class_mask: np.ndarray | None
     rng: np.random.Generator
-    batch_size: int = 64
+    batch_size: int
+    class_mask: np.ndarray | None
+    task: int
+    label_counts: np.ndarray
+    task_counts: np.ndarray
+    n_seen: int
+    n_stored: int
+    global_weights: np.ndarray | None
+    read_store: Callable[[int | None], Samples] = field(repr=False, compare=False)
+
+    @classmethod
+    def of_samples(cls, trainer: Trainer, global_weights: np.ndarray | None, class_mask: np.ndarray | None,
+                   rng: np.random.Generator, batch_size: int = 64, stored: Samples | None = None) -> RoundView:
+        """A view of no learner: samples held in memory (`stored`, none by default) ranked with a trainer (the
+        benchmarks that time a ranking, tools that rank a data set). Counts are taken from `stored`."""
+        k = trainer.manifest.num_classes if trainer is not None else 0
+        held = stored if stored is not None else Samples(np.empty((0,)), np.empty(0, np.int64), np.empty(0, np.int64))
+        task = int(held.task.max()) if len(held) else 0
+
+        def read(only: int | None) -> Samples:
+            pick = slice(None) if only is None else held.task == only
+            return Samples(held.x[pick], held.y[pick], held.task[pick])
+
+        return cls(trainer, rng, batch_size, class_mask, task, np.bincount(held.y, minlength=k),
+                   np.bincount(read(task).y, minlength=k), len(held), len(held), global_weights, read)
+
+    def stored(self, task: int | None = None) -> Samples:
+        """The stored samples (of one task when given), in the order `training_set` receives them."""
+        return self.read_store(task)
+
+    def stored_tasks(self) -> np.ndarray:
+        """The task of every stored sample, in the order `training_set` and `fit` receive them."""
+        return self.read_store(None).task
+
+    def seen_before_task(self) -> np.ndarray:
+        """Classes the device had seen before the current task."""
+        return np.flatnonzero(self.label_counts - self.task_counts > 0)
 
 
 @dataclass(frozen=True)
@@ -105,14 +146,24 @@ class ReplayPolicy(ABC):
             POLICIES.add(cls.name, cls)
 
     @abstractmethod
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
-        """Positions into `old` of at most `keep` samples to cache, most valuable first."""
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        """Positions into `old` of at most `keep` samples to cache, most valuable first. `view.global_weights` is
+        the model the new task starts from."""
 
-    def admit(self, n_seen: int, n_stored: int, n_new: int, capacity: int,
-              rng: np.random.Generator) -> Admission | None:
-        """Decide, as the data stream in, which stored samples stay and which new ones enter; None (the default)
+    def admit(self, view: RoundView, n_new: int, capacity: int) -> Admission | None:
+        """Decide, as the data stream in, which stored samples stay and which new ones enter (`view.n_seen` seen
+        before this chunk, `view.n_stored` stored, `capacity` the most the store may hold); None (the default)
         leaves it to the learner's task-switch rule (rank the old, keep M - N_new of them)."""
         return None
+
+    def task_boundary(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> bool:
+        """A chunk of the stream that does not announce its task: True starts a new task with it (beside the
+        learner's unseen-label detector, `detect_new_tasks`). Never asked where the stream announces tasks."""
+        return False
+
+    def on_global_model(self, view: RoundView, weights: np.ndarray) -> None:
+        """A global model arrived (read-only `weights`; `view.global_weights` is the one before it). Every device
+        runs this for every global model it receives, whether or not it is selected for the round."""
 
     @classmethod
     def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
@@ -122,37 +173,37 @@ class ReplayPolicy(ABC):
     def open(self, ctx: PolicyContext) -> None:
         """Open what the policy keeps on disk besides the store, registering it with `ctx.budget`."""
 
-    def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:
+    def requests(self, view: RoundView, config: Mapping[str, Any]) -> list[str]:
         """Names of payloads to ask the coordinator for this round (`config` is the round's configuration, where
         the method's strategy may have said what it holds); the answer comes through `receive`."""
         return []
 
-    def receive(self, learner: Learner, payloads: Mapping[str, bytes]) -> None:
+    def receive(self, view: RoundView, payloads: Mapping[str, bytes]) -> None:
         """Named payloads from the coordinator: those sent with the round (e.g. "personal", a personalized model's
         float32 weights) before training, and the answer to `requests` after it."""
 
-    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
         """What to train on, given the store's samples: by default exactly those, with the plain loss."""
         return TrainingSet(x, y)
 
-    def fit(self, learner: Learner, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
+    def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
         """The round's local training on `batch` (what `training_set` made); returns the last epoch's mean loss.
         By default the trainer's `fit`: E epochs of shuffled batches under the seen-class mask, with the
         strategy's proximal term when it sends one."""
-        return learner.trainer.fit(
-            batch.x, batch.y, epochs=epochs, batch_size=learner.config.batch_size, class_mask=learner.class_mask(),
-            rng=learner.rng, proximal=proximal, loss=batch.loss,
+        return view.trainer.fit(
+            batch.x, batch.y, epochs=epochs, batch_size=view.batch_size, class_mask=view.class_mask,
+            rng=view.rng, proximal=proximal, loss=batch.loss,
         )
 
-    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
+    def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """Called after the task model's local training with the current task's real samples."""
 
-    def release_bytes(self, learner: Learner) -> bool:
+    def release_bytes(self, view: RoundView) -> bool:
         """The byte budget cannot take the new task's real samples beside what the policy keeps: give up what it
         can (its own files), as the current task's real data come first. True if anything was freed."""
         return False
 
-    def attachments(self, learner: Learner) -> dict[str, bytes]:
+    def attachments(self, view: RoundView) -> dict[str, bytes]:
         """Named byte strings the round's update carries besides the model."""
         return {}
 
@@ -191,3 +242,21 @@ def interleave_by_class(order_per_class: dict[int, np.ndarray]) -> np.ndarray:
     for depth in range(max((len(v) for v in lists), default=0)):
         merged.extend(v[depth] for v in lists if depth < len(v))
     return np.asarray(merged, dtype=np.int64)
+
+
+# What a ranking can be grouped by: the key of each sample. The learner applies it (`LearnerConfig.group_by`)
+# around any policy's `rank`, as Avalanche's buffers compose `groupby` with any selection strategy.
+GROUPINGS: dict[str, Callable[[Samples], np.ndarray]] = {
+    "class": lambda samples: samples.y,
+    "task": lambda samples: samples.task,
+}
+
+
+def group_ranking(order: np.ndarray, keys: np.ndarray, keep: int) -> np.ndarray:
+    """A ranking under per-group quotas: each group (samples of one key) gets a water-filled share of `keep`
+    (`balanced_quotas`), filled by the group's first samples in `order`, the groups interleaved so every prefix
+    stays balanced. `order` holds positions into `keys`, most valuable first."""
+    order = np.asarray(order, dtype=np.int64)
+    quotas = balanced_quotas(keys[order], keep)
+    chosen = {key: order[keys[order] == key][:quota] for key, quota in quotas.items() if quota}
+    return interleave_by_class(chosen)

@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_client.policies.base import PolicyContext, TrainingSet
+from edge_client.policies.base import PolicyContext, RoundView, TrainingSet
 from edge_client.policies.random_cache import RandomCache
 from edge_client.trainers.base import Proximal, iterate_batches, proximal_pull
 
 if TYPE_CHECKING:
     import torch
 
-    from edge_client.learner import Learner
     from edge_client.trainers.pytorch import TorchTrainer
 
 
@@ -80,22 +79,22 @@ class DomainAdversarial(RandomCache):
             ).to(self._trainer.device)
         self._optimizer = torch.optim.Adam(self._discriminator.parameters(), lr=self.discriminator_lr)
 
-    def fit(self, learner: Learner, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
+    def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
         """E epochs of DANN steps over the store's samples; plain steps while the store holds one domain."""
         import torch
         from torch.nn import functional as F
 
         trainer: TorchTrainer = self._require_trainer()
-        tasks = learner.store.tasks(learner.store.ids())
+        tasks = view.stored_tasks()
         if len(tasks) != len(batch.y):
             raise ValueError("the dann baseline trains on the store's samples as they are (no extra samples)")
-        domains = (tasks != learner.state.task).astype(np.float32)
+        domains = (tasks != view.task).astype(np.float32)
         adversarial = self.domain_weight > 0 and 0 < domains.sum() < len(domains)
-        x, y, mask, proximal, loss = trainer.fit_inputs(batch.x, batch.y, learner.class_mask(), proximal, batch.loss)
+        x, y, mask, proximal, loss = trainer.fit_inputs(batch.x, batch.y, view.class_mask, proximal, batch.loss)
         last = domain_total = 0.0
         for _ in range(epochs):
             total = domain_total = 0.0
-            for idx in iterate_batches(len(y), learner.config.batch_size, learner.rng):
+            for idx in iterate_batches(len(y), view.batch_size, view.rng):
                 target = torch.from_numpy(domains[idx]).to(trainer.device)
 
                 def domain_loss(features: torch.Tensor, target: torch.Tensor = target) -> torch.Tensor:

@@ -39,13 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_client.budget import directory_bytes, replace_peak, replacement_peak
-from edge_client.policies.base import PolicyContext, TrainingSet
+from edge_client.policies.base import PolicyContext, RoundView, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edgefil.durable import TEMP_SUFFIX, write_atomically
 
 if TYPE_CHECKING:
     from edge_client.budget import DeviceBudget
-    from edge_client.learner import Learner
 
 ACGAN_DIR = "fedcil"
 ACGAN_FILE = "acgan.npz"
@@ -115,12 +114,12 @@ class FedCil(NoReplay):
 
     # --- the round ------------------------------------------------------------------------------
 
-    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
         """The store's samples and generated ones of the earlier classes the ACGAN has learnt."""
         import torch
 
         stored = self._load()
-        old = [] if stored is None else sorted(set(learner.labels_seen_before_task().tolist()) & stored[2])
+        old = [] if stored is None else sorted(set(view.seen_before_task().tolist()) & stored[2])
         self._round = {"replayed_samples": 0.0, "acgan_released": float(self._released)}
         self._released = False
         if stored is None or not old or not len(y):
@@ -128,13 +127,13 @@ class FedCil(NoReplay):
         per_class = self.replay_per_class or int(round(len(y) / len(np.unique(y))))
         labels = np.repeat(np.asarray(old, dtype=np.int64), per_class)
         generator = self._generator(stored)
-        noise = torch.Generator().manual_seed(int(learner.rng.integers(2**31 - 1)))
+        noise = torch.Generator().manual_seed(int(view.rng.integers(2**31 - 1)))
         with torch.no_grad():
             made = generator(torch.randn(len(labels), self.latent_dim, generator=noise), torch.from_numpy(labels))
         self._round["replayed_samples"] = float(len(labels))
         return TrainingSet(np.concatenate([x, made.numpy().astype(np.float32)]), np.concatenate([y, labels]))
 
-    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
+    def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """`gan_steps` ACGAN steps on this task's real samples and the previous generator's earlier classes."""
         import torch
 
@@ -143,7 +142,7 @@ class FedCil(NoReplay):
         if not len(y) or self.gan_steps == 0:
             return
         stored = self._load()
-        seed = int(learner.rng.integers(2**31 - 1))
+        seed = int(view.rng.integers(2**31 - 1))
         generator, discriminator = build_acgan(self._spec, seed)
         old: list[int] = []
         previous = None
@@ -156,18 +155,18 @@ class FedCil(NoReplay):
         opt_g = torch.optim.Adam(generator.parameters(), lr=self.gan_lr, betas=(0.5, 0.999))
         opt_d = torch.optim.Adam(discriminator.parameters(), lr=self.gan_lr, betas=(0.5, 0.999))
         classes = np.asarray(sorted({*old, *np.unique(y).tolist()}), dtype=np.int64)
-        batch = learner.config.batch_size
+        batch = view.batch_size
         generator.train()
         loss_d = loss_g = torch.zeros(())
         for _ in range(self.gan_steps):
-            pick = learner.rng.choice(len(y), size=min(batch, len(y)), replace=False)
+            pick = view.rng.choice(len(y), size=min(batch, len(y)), replace=False)
             real_x, real_y = torch.from_numpy(np.ascontiguousarray(x[pick])), torch.from_numpy(y[pick])
             if previous is not None:  # the earlier classes, from the previous generator, count as real
-                replay_y = torch.from_numpy(learner.rng.choice(np.asarray(old, dtype=np.int64), size=len(pick)))
+                replay_y = torch.from_numpy(view.rng.choice(np.asarray(old, dtype=np.int64), size=len(pick)))
                 with torch.no_grad():
                     replay_x = previous(torch.randn(len(pick), self.latent_dim, generator=noise), replay_y)
                 real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
-            fake_y = torch.from_numpy(learner.rng.choice(classes, size=len(real_y)))
+            fake_y = torch.from_numpy(view.rng.choice(classes, size=len(real_y)))
             fake = generator(torch.randn(len(real_y), self.latent_dim, generator=noise), fake_y)
             loss_d = discriminator_loss(discriminator(real_x), real_y, discriminator(fake.detach()), fake_y)
             opt_d.zero_grad()
@@ -254,7 +253,7 @@ class FedCil(NoReplay):
         write_atomically(self._require_path(), data)
         return True
 
-    def release_bytes(self, learner: Learner) -> bool:
+    def release_bytes(self, view: RoundView) -> bool:
         """The stored ACGAN goes when the new task's real samples would not fit beside it (counted in
         `acgan_released`); the next save writes a new one if it fits what the store then leaves."""
         path = self._require_path()

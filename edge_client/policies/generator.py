@@ -36,14 +36,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from edge_client.policies.base import PolicyContext, ReplayPolicy, TrainingSet
+from edge_client.policies.base import PolicyContext, ReplayPolicy, RoundView, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edge_client.trainers.base import LossInputs
 from models.generator_record import attachment_label, attachment_name
 
 if TYPE_CHECKING:
     from edge_client.generators.bank import GeneratorBank
-    from edge_client.learner import Learner
     from models.generator_record import GeneratorRecord
 
 BANK_DIR = "generators"
@@ -142,46 +141,46 @@ class GeneratorReplay(ReplayPolicy):
             backend = ctx.trainer.backend if ctx.trainer.backend in GENERATOR_BACKENDS else "torch"
         self._trainer = make_generator_trainer(self._spec, backend, folder)
 
-    def requests(self, learner: Learner, config: Mapping[str, Any]) -> list[str]:
+    def requests(self, view: RoundView, config: Mapping[str, Any]) -> list[str]:
         """The coordinator's cached generators of this task's classes the device has none of."""
-        counts, have = learner.state.task_counts, set(self._require_bank().classes())
+        counts, have = view.task_counts, set(self._require_bank().classes())
         cached = [c for c in config.get("generator_classes", []) if isinstance(c, int) and not isinstance(c, bool)]
         return [attachment_name(c) for c in cached if 0 <= c < len(counts) and counts[c] > 0 and c not in have]
 
-    def receive(self, learner: Learner, payloads: Mapping[str, bytes]) -> None:
+    def receive(self, view: RoundView, payloads: Mapping[str, bytes]) -> None:
         """The personalized model (the teacher of this round's alignment term) and cached generators (warm
         starts); a payload that does not decode is ignored, logged by the caller's counters."""
         from models.generator_record import decode_record
 
         if PERSONAL in payloads:
             weights = np.frombuffer(payloads[PERSONAL], dtype="<f4")
-            if weights.size == learner.trainer.manifest.num_parameters and np.isfinite(weights).all():
+            if weights.size == view.trainer.manifest.num_parameters and np.isfinite(weights).all():
                 self._teacher = weights.astype(np.float32)
         for name, data in payloads.items():
             label = attachment_label(name)
             if label is not None:
                 self._offered[label] = decode_record(bytes(data))
 
-    def training_set(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
         """The store's samples and this round's synthetic ones (`replay_counts` per class with a generator), with
         the alignment term on samples of classes seen before the task, when a teacher came."""
         bank = self._require_bank()
-        counts = replay_counts(learner.state.label_counts, learner.state.task_counts)
+        counts = replay_counts(view.label_counts, view.task_counts)
         trained = set(bank.classes())
         parts = [(c, int(n)) for c, n in enumerate(counts) if n > 0 and c in trained]
         self._round = {"replayed_samples": float(sum(n for _, n in parts))}
         if parts:
-            x = np.concatenate([x, *(self._sampler.sample(bank.get(c), n, learner.rng) for c, n in parts)])
+            x = np.concatenate([x, *(self._sampler.sample(bank.get(c), n, view.rng) for c, n in parts)])
             y = np.concatenate([y, *(np.full(n, c, dtype=np.int64) for c, n in parts)])
         teacher, self._teacher = self._teacher, None
-        applies = np.isin(y, learner.labels_seen_before_task()).astype(np.float32)
+        applies = np.isin(y, view.seen_before_task()).astype(np.float32)
         if teacher is None or self.lambda_align <= 0 or not applies.any():  # t = 1: nothing seen before
             return TrainingSet(x, y)
-        loss = LossInputs(teacher_logits=learner.trainer.teacher_logits(teacher, x),
+        loss = LossInputs(teacher_logits=view.trainer.teacher_logits(teacher, x),
                           teacher_weights=np.float32(self.lambda_align) * applies)
         return TrainingSet(x, y, loss)
 
-    def after_training(self, learner: Learner, x: np.ndarray, y: np.ndarray) -> None:
+    def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """Train and store the generators of this round's classes (the drop rule of the module docstring)."""
         from models.generator_record import GeneratorRecord, quantize
 
@@ -196,7 +195,7 @@ class GeneratorReplay(ReplayPolicy):
             steps = self.transfer_steps if start is not None else self.init_steps
             own_starts += own is not None
             offered_starts += own is None and start is not None
-            sampler, auxiliary = self._trainer.train(x[y == c], start, steps, learner.rng)
+            sampler, auxiliary = self._trainer.train(x[y == c], start, steps, view.rng)
             seen_before = own.trained_samples if own is not None else 0
             record = quantize(GeneratorRecord(
                 label=c, spec=self._spec, precision="float32", sampler=sampler,
@@ -204,19 +203,19 @@ class GeneratorReplay(ReplayPolicy):
                 trained_samples=seen_before + int((y == c).sum()),
                 steps=(start.steps if start is not None else 0) + steps,
             ), self.precision)
-            if not self._put(bank, record, protected=classes, counts=learner.state.label_counts):
+            if not self._put(bank, record, protected=classes, counts=view.label_counts):
                 dropped += 1
         self._round.update(generators=float(len(bank.classes())), generators_dropped=float(dropped),
                            generators_from_own=float(own_starts), generators_from_coordinator=float(offered_starts),
                            generator_bytes=float(bank.bytes_on_disk()))
 
-    def attachments(self, learner: Learner) -> dict[str, bytes]:
+    def attachments(self, view: RoundView) -> dict[str, bytes]:
         """What the update carries besides the model: this task's generators, as stored (pFedGRP's upload)."""
         from models.generator_record import encode_record
 
         bank = self._require_bank()
         stored = set(bank.classes())
-        current = [c for c, n in enumerate(learner.state.task_counts) if n > 0 and c in stored]
+        current = [c for c, n in enumerate(view.task_counts) if n > 0 and c in stored]
         return {attachment_name(c): encode_record(bank.get(c)) for c in current}
 
     def metrics(self) -> dict[str, float]:
@@ -224,7 +223,7 @@ class GeneratorReplay(ReplayPolicy):
 
     # --- the bank ---------------------------------------------------------------------------------
 
-    def _put(self, bank: GeneratorBank, record: GeneratorRecord, protected: list[int], counts: list[int]) -> bool:
+    def _put(self, bank: GeneratorBank, record: GeneratorRecord, protected: list[int], counts: np.ndarray) -> bool:
         from edge_client.generators.bank import BankFullError
 
         while True:
@@ -232,7 +231,7 @@ class GeneratorReplay(ReplayPolicy):
                 bank.put(record)
                 return True
             except BankFullError:
-                victims = sorted((counts[c] if c < len(counts) else 0, c)
+                victims = sorted((int(counts[c]) if c < len(counts) else 0, c)
                                  for c in bank.classes() if c not in protected)
                 if not victims:
                     return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext, balanced_quotas, interleave_by_class
+from edge_client.policies.base import ReplayPolicy, RoundView, Samples, balanced_quotas, interleave_by_class
 
 
 def herding_order(features: np.ndarray, count: int) -> np.ndarray:
@@ -27,8 +27,8 @@ def herding_order(features: np.ndarray, count: int) -> np.ndarray:
 class Herding(ReplayPolicy):
     name = "herding"
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
-        features = _normalised_features(old, ctx)
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        features = _normalised_features(old, view)
         quotas = balanced_quotas(old.y, keep)
         chosen = {}
         for c, quota in quotas.items():
@@ -38,7 +38,7 @@ class Herding(ReplayPolicy):
         return interleave_by_class(chosen)
 
 
-def _normalised_features(old: Samples, ctx: SelectionContext) -> np.ndarray:
-    _, features = ctx.trainer.outputs(old.x, old.y, ctx.class_mask)
+def _normalised_features(old: Samples, view: RoundView) -> np.ndarray:
+    _, features = view.trainer.outputs(old.x, old.y, view.class_mask)
     features = features.astype(np.float64)
     return features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
+from edge_client.policies.base import ReplayPolicy, RoundView, Samples
 
 
 class NoReplay(ReplayPolicy):
     name = "none"
     keeps_old = False
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
         return np.empty(0, dtype=np.int64)

@@ -19,40 +19,35 @@ Choices the paper leaves open (documented here and in docs/architecture.md):
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from edge_client.policies.base import TrainingSet
+from edge_client.policies.base import RoundView, TrainingSet
 from edge_client.policies.random_cache import RandomCache
 from edge_client.trainers.base import Proximal, iterate_batches
-
-if TYPE_CHECKING:
-    from edge_client.learner import Learner
 
 
 class PerTaskHeads(RandomCache):
     name = "shared"
 
-    def fit(self, learner: Learner, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
+    def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
         """E epochs of single-task batches, each under its task's class mask (its head's rows)."""
-        tasks = learner.store.tasks(learner.store.ids())
+        tasks = view.stored_tasks()
         if len(tasks) != len(batch.y):
             raise ValueError("the shared baseline trains on the store's samples as they are (no extra samples)")
         masks = {}
         for task in np.unique(tasks):
-            mask = np.zeros(learner.trainer.manifest.num_classes, dtype=np.float32)
+            mask = np.zeros(view.trainer.manifest.num_classes, dtype=np.float32)
             mask[np.unique(batch.y[tasks == task])] = 1.0
             masks[int(task)] = mask
         last = 0.0
         for _ in range(epochs):
             steps = [(task, members[idx]) for task in masks
                      for members in [np.flatnonzero(tasks == task)]
-                     for idx in iterate_batches(len(members), learner.config.batch_size, learner.rng)]
+                     for idx in iterate_batches(len(members), view.batch_size, view.rng)]
             total = 0.0
-            for k in learner.rng.permutation(len(steps)):
+            for k in view.rng.permutation(len(steps)):
                 task, idx = steps[k]
-                total += len(idx) * learner.trainer.fit(
+                total += len(idx) * view.trainer.fit(
                     batch.x[idx], batch.y[idx], epochs=1, batch_size=len(idx), class_mask=masks[task],
                     proximal=proximal, loss=None if batch.loss is None else batch.loss.batch(idx),
                 )

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
+from edge_client.policies.base import ReplayPolicy, RoundView, Samples
 
 
 class RandomCache(ReplayPolicy):
     name = "random"
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
-        return ctx.rng.permutation(len(old))[:keep]
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        return view.rng.permutation(len(old))[:keep]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_client.policies.base import ReplayPolicy, Samples, SelectionContext
+from edge_client.policies.base import ReplayPolicy, RoundView, Samples
 from edge_client.trainers.base import Trainer, iterate_batches
 
 WEIGHTINGS = ("early", "average", "late")
@@ -70,27 +70,28 @@ def pim_step(v: np.ndarray, gradient: np.ndarray, reference: np.ndarray, lr: flo
 
 
 def train_pim(
-    trainer: Trainer, old: Samples, ctx: SelectionContext, lam: float, lr: float, epochs: int, tolerance: float,
+    trainer: Trainer, old: Samples, view: RoundView, lam: float, lr: float, epochs: int, tolerance: float,
     mode: str,
 ) -> tuple[list[np.ndarray], PimRun]:
-    """Run the PIM from ctx.global_weights on `old`; the per-sample squared gradient norms after each epoch, and
-    what the run did. The trainer's weights are set as the PIM moves and restored afterwards."""
+    """Run the PIM from view.global_weights (the trainer's weights before any arrived) on `old`; the per-sample
+    squared gradient norms after each epoch, and what the run did. The trainer's weights are set as the PIM moves
+    and restored afterwards."""
     q = proximal_coefficient(lam)
-    reference = np.asarray(ctx.global_weights, dtype=np.float32)
-    v = reference.copy()
     saved = trainer.get_weights()
+    reference = np.asarray(saved if view.global_weights is None else view.global_weights, dtype=np.float32)
+    v = reference.copy()
     norms: list[np.ndarray] = []
     losses: list[float] = []
     try:
         for _ in range(epochs):
             total = 0.0
-            for idx in iterate_batches(len(old), ctx.batch_size, ctx.rng):
+            for idx in iterate_batches(len(old), view.batch_size, view.rng):
                 trainer.set_weights(v)
-                loss, gradient = trainer.gradient(old.x[idx], old.y[idx], ctx.class_mask)
+                loss, gradient = trainer.gradient(old.x[idx], old.y[idx], view.class_mask)
                 v = pim_step(v, gradient, reference, lr, q)
                 total += loss * len(idx)
             trainer.set_weights(v)
-            norms.append(trainer.per_sample_grad_norms(old.x, old.y, mode=mode, class_mask=ctx.class_mask))
+            norms.append(trainer.per_sample_grad_norms(old.x, old.y, mode=mode, class_mask=view.class_mask))
             losses.append(total / max(len(old), 1))
             if tolerance > 0 and len(losses) > 1 and losses[-2] - losses[-1] < tolerance * abs(losses[-2]):
                 break
@@ -123,13 +124,13 @@ class ReFed(ReplayPolicy):
         if not (np.isfinite(self.pim_tolerance) and self.pim_tolerance >= 0):
             raise ValueError(f"pim_tolerance must be >= 0, got {self.pim_tolerance}")
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
-        order = np.argsort(-self.importance_scores(old, ctx), kind="stable")
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        order = np.argsort(-self.importance_scores(old, view), kind="stable")
         return (order[::-1] if self.weighting == "late" else order)[:keep]
 
-    def importance_scores(self, old: Samples, ctx: SelectionContext) -> np.ndarray:
+    def importance_scores(self, old: Samples, view: RoundView) -> np.ndarray:
         """I(x_i) = sum_p emphasis(p) * G^p(x_i) over the PIM's epochs (the device's model is left as it was)."""
-        norms, self.last_pim = train_pim(ctx.trainer, old, ctx, self.lam, self.pim_lr, self.pim_epochs,
+        norms, self.last_pim = train_pim(view.trainer, old, view, self.lam, self.pim_lr, self.pim_epochs,
                                          self.pim_tolerance, self.importance)
         self._unreported = self.last_pim
         importance = np.zeros(len(old), dtype=np.float64)

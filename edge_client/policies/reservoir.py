@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.policies.base import Admission, ReplayPolicy, Samples, SelectionContext
+from edge_client.policies.base import Admission, ReplayPolicy, RoundView, Samples
 
 
 class Reservoir(ReplayPolicy):
     name = "reservoir"
 
-    def rank(self, old: Samples, keep: int, ctx: SelectionContext) -> np.ndarray:
-        return ctx.rng.permutation(len(old))[:keep]
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        return view.rng.permutation(len(old))[:keep]
 
-    def admit(self, n_seen: int, n_stored: int, n_new: int, capacity: int,
-              rng: np.random.Generator) -> Admission | None:
-        return Admission(*reservoir_update(n_seen, n_stored, n_new, capacity, rng))
+    def admit(self, view: RoundView, n_new: int, capacity: int) -> Admission | None:
+        return Admission(*reservoir_update(view.n_seen, view.n_stored, n_new, capacity, view.rng))
 
 
 def reservoir_update(
