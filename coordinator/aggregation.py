@@ -30,7 +30,8 @@ import torch
 from coordinator.compute import as_tensor
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
-from coordinator.strategies import AggregateResult, ClientUpdate, Fold
+from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
+from coordinator.strategies.base import OUTSIDE_A_RUN
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -52,14 +53,15 @@ class RoundAggregate:
     """One round's updates on their way into the rule: `add` each accepted update, `close` once for the result."""
 
     def __init__(self, strategy: ContainedStrategy, bounds: UpdateBounds, global_weights: np.ndarray,
-                 counters: Counter[str], max_held_bytes: int, number: int = 0) -> None:
-        """`number`: the round's, for what is logged."""
+                 counters: Counter[str], max_held_bytes: int, ctx: RoundContext = OUTSIDE_A_RUN) -> None:
+        """`ctx`: the round, as the rule sees it."""
         self.strategy = strategy
         self.bounds = bounds
         self.global_weights = global_weights
         self.counters = counters
         self.max_held_bytes = max_held_bytes
-        self.number = number
+        self.ctx = ctx
+        self.number = ctx.round
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
@@ -105,7 +107,7 @@ class RoundAggregate:
         bounded = self.bounds.apply(self.global_weights, self._held, self.counters)
         self._held, self._held_bytes = [], 0
         self.used = [_used(update) for update in bounded]
-        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.number)
+        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx)
 
     def _folding_into(self, fold: Fold) -> Callable[[ClientUpdate], None]:
         def take(update: ClientUpdate) -> None:

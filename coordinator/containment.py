@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RefusedUpdate, Strategy
+from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RefusedUpdate, RoundContext, Strategy
 
 log = logging.getLogger("edgefil.coordinator")
 RULE_FAILED = "rule-failed"  # the rule raised on a whole round: the previous global model stays
@@ -95,9 +95,9 @@ class ContainedStrategy:
     def result(self, fold: Fold, number: int) -> AggregateResult | None:
         return self._round(number, fold.result)
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate], number: int
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate], ctx: RoundContext
                   ) -> AggregateResult | None:
-        return self._round(number, lambda: self.strategy.aggregate(global_weights, updates))
+        return self._round(ctx.round, lambda: self.strategy.aggregate(global_weights, updates, ctx))
 
     def _round(self, number: int, compute: Any) -> AggregateResult | None:
         """The rule's result for round `number`, its per-update refusals counted; None when it failed on the round."""
@@ -112,12 +112,12 @@ class ContainedStrategy:
                         reason)
         return result
 
-    def configure(self, round_: int, device: str) -> dict[str, Any]:
+    def configure(self, ctx: RoundContext, device: str) -> dict[str, Any]:
         """The method's instructions for one device's round message; none when it cannot give them."""
         try:
-            return dict(self.strategy.configure(round_, [device]).get(device, {}))
+            return dict(self.strategy.configure(ctx, [device]).get(device, {}))
         except Exception as err:
-            self._count(METHOD_ERROR, f"the {self.name} rule could not configure {device}'s round {round_}", err)
+            self._count(METHOD_ERROR, f"the {self.name} rule could not configure {device}'s round {ctx.round}", err)
             return {}
 
     def answer(self, device: str, names: Sequence[str]) -> dict[str, bytes]:

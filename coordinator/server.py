@@ -54,7 +54,7 @@ from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
 from coordinator.rounds import OpenRound, select
-from coordinator.strategies import AggregateResult, ClientUpdate, make_strategy
+from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics, wire
 from edgefil.durable import write_atomically
 from edgefil.lifetime import uninterrupted
@@ -126,6 +126,7 @@ class Coordinator:
         # that answer it, and the round's aggregation, which both attempts feed
         self._last_attempt: OpenRound | None = None
         self._aggregate: RoundAggregate | None = None
+        self._context = RoundContext()  # the round being run, as its rule sees it
         self._weights_chunks: list[bytes] = []
         self._first_round = True
         self.outcome = "running"
@@ -190,10 +191,20 @@ class Coordinator:
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
 
+    def round_context(self) -> RoundContext:
+        """The next round as a rule sees it (`configure`, `aggregate`)."""
+        task = self.state.task
+        return RoundContext(
+            round=self.state.round + 1, task=task, task_classes=tuple(self.data.task_classes(task)),
+            seen_classes=tuple(sorted({c for t in range(task + 1) for c in self.data.task_classes(t)})),
+            round_in_task=self.state.round_in_task + 1, rounds_per_task=self.config.rounds_per_task,
+        )
+
     def run_round(self) -> None:
         number, task = self.state.round + 1, self.state.task
+        self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
-            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, number)
+            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx)
         try:
             self._run_attempts(number, task, aggregate)
         finally:
@@ -281,7 +292,7 @@ class Coordinator:
             for chunk in encoded.chunks:
                 self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
             payload = {"payload": encoded.id}
-        config = {**self.config.client, **self.strategy.configure(current.number, device)}
+        config = {**self.config.client, **self.strategy.configure(self._context, device)}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,

@@ -1,9 +1,10 @@
 """The device daemon: one real device, from connecting to uploading, driven by the coordinator's messages.
 
 Loop: on every (re)connect announce yourself (registration and status, both retained, so a coordinator that
-starts later still learns of this device); assemble global weights as they
-arrive and hand each to the policy (`on_global_model`: every device, selected or not); on a round message for a new round, take the round's global weights, start the task when it is new
-(the policy picks the cache, the store enforces the budget), train, save the client state atomically, upload.
+starts later still learns of this device); assemble global weights as they arrive and hand each to the policy
+(`on_global_model`: every device, selected or not); on a round message for a new round, take the round's global
+weights, start the task when it is new (the policy picks the cache, the store enforces the budget), train, save
+the client state atomically, upload.
 
 A learning method speaks to its coordinator half through named payloads, and this daemon only carries them (it
 never knows which method runs): a round message may name a payload blob for this device (`payload`: e.g. a

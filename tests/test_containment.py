@@ -22,7 +22,7 @@ from coordinator.aggregation import RoundAggregate
 from coordinator.broker import mosquitto_path
 from coordinator.containment import METHOD_ERROR, RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
-from coordinator.strategies import AggregateResult, ClientUpdate, RefusedUpdate, make_strategy
+from coordinator.strategies import AggregateResult, ClientUpdate, RefusedUpdate, RoundContext, make_strategy
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.policies.generator import GeneratorReplay
 from models.generator_record import GeneratorRecord, attachment_name, encode_record
@@ -50,7 +50,7 @@ class Failing(FedAvg):
         if "bad" in update.attachments:
             raise RefusedUpdate("bad-payload", "the toy method refuses it")
 
-    def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         self._maybe("configure")
         return {device: {"toy": 1} for device in devices}
 
@@ -58,9 +58,10 @@ class Failing(FedAvg):
         self._maybe("answer")
         return {name: b"x" for name in names}
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = RoundContext()) -> AggregateResult:
         self._maybe("aggregate")
-        result = super().aggregate(global_weights, updates)
+        result = super().aggregate(global_weights, updates, ctx)
         result.refused = {u.device: "toy-payload" for u in updates if "odd" in u.attachments}
         result.personalized = {u.device: torch.full((SIZE,), float("nan") if "nan" in u.attachments else 1.0)
                                for u in updates}
@@ -83,10 +84,10 @@ def test_every_call_into_a_method_is_contained_and_counted(tmp_path):
     contained = ContainedStrategy(rule, counters)
     assert contained.inspect(update("d0")) is None
     assert contained.inspect(update("d0", bad=b"")) == "bad-payload"
-    assert contained.configure(1, "d0") == {"toy": 1} and contained.answer("d0", ["a"]) == {"a": b"x"}
+    assert contained.configure(RoundContext(), "d0") == {"toy": 1} and contained.answer("d0", ["a"]) == {"a": b"x"}
     rule.failing = {"inspect", "configure", "answer", "save", "load"}
     assert contained.inspect(update("d0")) == METHOD_ERROR
-    assert contained.configure(1, "d0") == {} and contained.answer("d0", ["a"]) == {}
+    assert contained.configure(RoundContext(), "d0") == {} and contained.answer("d0", ["a"]) == {}
     contained.save(tmp_path)
     contained.load(tmp_path)
     assert counters == {"bad-payload": 1, METHOD_ERROR: 5}
@@ -98,7 +99,7 @@ def test_a_round_the_rule_fails_on_gives_no_result_and_one_updates_failure_is_th
 
     def close(*updates: ClientUpdate) -> AggregateResult | None:
         aggregate = RoundAggregate(ContainedStrategy(rule, counters), UpdateBounds(), np.zeros(SIZE, np.float32),
-                                   counters, 1 << 30, number=1)
+                                   counters, 1 << 30)
         for u in updates:
             aggregate.add(u)
         return aggregate.close()
@@ -216,11 +217,12 @@ def test_a_rule_that_fails_on_a_round_loses_that_round_not_the_run(tmp_path, exp
         name = "test-even-rounds-fail"
         calls = 0
 
-        def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+        def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                      ctx: RoundContext = RoundContext()) -> AggregateResult:
             type(self).calls += 1
             if type(self).calls % 2 == 0:
                 raise struct.error("a bug the method did not foresee")
-            return super().aggregate(global_weights, updates)
+            return super().aggregate(global_weights, updates, ctx)
 
     device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
     with ThreadFederation(tmp_path, artifacts, device, tasks=2) as federation:

@@ -14,7 +14,7 @@ import torch
 from thread_fleet import ThreadFederation, run_federation
 
 from coordinator.broker import mosquitto_path
-from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate
+from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, RoundContext
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.policies import ReplayPolicy, RoundView, Samples, TrainingSet
 from edge_client.trainers.base import LossInputs
@@ -56,13 +56,19 @@ class ToyPolicy(ReplayPolicy):
 
 class ToyStrategy(FedAvg):
     """Server half: refuses an update without its attachment, greets whoever asks, and tells each device how many
-    samples the whole round trained on, with its next round."""
+    samples the whole round trained on, with its next round; it keeps the round contexts it was given."""
 
     name = "toy-echo"
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.seen: dict[str, int] = {}
+        self.configured: list[RoundContext] = []
+        self.aggregated: list[RoundContext] = []
+
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+        self.configured.append(ctx)
+        return super().configure(ctx, devices)
 
     def inspect(self, update: ClientUpdate) -> None:
         if "toy/trained" not in update.attachments:
@@ -71,8 +77,10 @@ class ToyStrategy(FedAvg):
     def answer(self, device: str, names: Sequence[str]) -> dict[str, bytes]:
         return {name: f"hello {device}".encode() for name in names if name == "toy/greeting"}
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
-        result = super().aggregate(global_weights, updates)
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = RoundContext()) -> AggregateResult:
+        self.aggregated.append(ctx)
+        result = super().aggregate(global_weights, updates, ctx)
         self.seen.update({u.device: struct.unpack("<I", u.attachments["toy/trained"])[0] for u in updates})
         total = struct.pack("<I", sum(self.seen.values()))
         result.payloads = {u.device: {"toy/round-total": total} for u in updates}
@@ -120,3 +128,25 @@ def test_every_device_runs_the_policys_hook_for_every_global_model_selected_or_n
     assert sum(len(p.models_seen) > len(p.trained_on) for p in policies) >= 2
     first = [p.models_seen[0] for p in policies]
     assert all(np.array_equal(first[0], m) for m in first)  # the same broadcast model, on every device
+
+
+def test_a_rule_learns_the_round_it_configures_and_aggregates(tmp_path, export_artifacts):
+    """The round context through a real run of two tasks of two rounds: the number, the task, the task's classes
+    (digits: task t brings 2t and 2t + 1), the classes seen so far, and the round within the task."""
+    federation = run_federation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)),
+                                {"store": {"max_samples": 100}, "policy": {"name": "toy-weighted"}},
+                                {"name": "toy-echo"}, tasks=2)
+    strategy = federation.coordinator.strategy.strategy
+    expected = [RoundContext(round=1, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=1,
+                             rounds_per_task=2),
+                RoundContext(round=2, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=2,
+                             rounds_per_task=2),
+                RoundContext(round=3, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3), round_in_task=1,
+                             rounds_per_task=2),
+                RoundContext(round=4, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3), round_in_task=2,
+                             rounds_per_task=2)]
+    assert strategy.aggregated == expected
+    assert sorted(set(strategy.configured), key=lambda c: c.round) == expected  # once per device and round
+    assert len(strategy.configured) == 2 * 4
+    assert [c.starts_task for c in expected] == [True, False, True, False]
+    assert [c.ends_task for c in expected] == [False, True, False, True]

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.strategies import RoundContext
 from coordinator.strategies.pfedgrp import simplex_weights
 from edge_client.policies.generator import replay_counts
 from edge_client.trainers.base import LossInputs
@@ -255,7 +256,7 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
     for device, w in rule.weights_used.items():
         expected = w[0] * torch.from_numpy(updates[0].weights) + w[1] * torch.from_numpy(updates[1].weights)
         torch.testing.assert_close(result.personalized[device], expected, rtol=1e-5, atol=1e-5)
-    assert rule.configure(2, ["a"]) == {"a": {"generator_classes": [0, 1, 2]}}
+    assert rule.configure(RoundContext(round=2), ["a"]) == {"a": {"generator_classes": [0, 1, 2]}}
     assert sorted(rule.answer("c", ["generator/1", "generator/2", "generator/7", "other"])) == [
         "generator/1", "generator/2"]
     rule.save(tmp_path)

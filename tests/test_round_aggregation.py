@@ -12,7 +12,7 @@ import torch
 from coordinator.aggregation import RoundAggregate
 from coordinator.containment import ContainedStrategy
 from coordinator.guard import UpdateBounds
-from coordinator.strategies import ClientUpdate, Strategy, make_strategy
+from coordinator.strategies import ClientUpdate, RoundContext, Strategy, make_strategy
 
 SIZE = 1000
 
@@ -137,9 +137,9 @@ def test_a_rule_built_on_fedavg_that_overrides_aggregate_gets_the_whole_round():
     from coordinator.strategies.fedavg import FedAvg
 
     class Extended(FedAvg):
-        def aggregate(self, global_weights, updates):
+        def aggregate(self, global_weights, updates, ctx=RoundContext()):
             self.heard = [u.device for u in updates]
-            return super().aggregate(global_weights, updates)
+            return super().aggregate(global_weights, updates, ctx)
 
     zeros = torch.zeros(SIZE)
     assert make_strategy("fedavg", device="cpu").fold(zeros) is not None

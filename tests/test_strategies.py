@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.compute import as_tensor, resolve_device
-from coordinator.strategies import ClientUpdate, make_strategy, strategy_names
+from coordinator.strategies import ClientUpdate, RoundContext, make_strategy, strategy_names
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedprox import FedProx
 
@@ -81,8 +81,8 @@ def test_devices_with_zero_samples_get_no_weight():
 def test_fedprox_sends_mu_and_aggregates_as_fedavg():
     updates = make_updates(np.random.default_rng(5), 6)
     prox = FedProx(mu=0.3, device="cpu")
-    assert prox.configure(round=2, devices=["a", "b"]) == {"a": {"mu": 0.3}, "b": {"mu": 0.3}}
-    assert FedAvg(device="cpu").configure(round=2, devices=["a", "b"]) == {"a": {}, "b": {}}
+    assert prox.configure(RoundContext(round=2), devices=["a", "b"]) == {"a": {"mu": 0.3}, "b": {"mu": 0.3}}
+    assert FedAvg(device="cpu").configure(RoundContext(round=2), devices=["a", "b"]) == {"a": {}, "b": {}}
     for weighted in (True, False):
         expected = FedAvg(weighted=weighted, device="cpu").aggregate(global_weights(), updates).global_weights
         actual = FedProx(mu=0.3, weighted=weighted, device="cpu").aggregate(global_weights(), updates).global_weights

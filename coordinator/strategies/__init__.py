@@ -14,6 +14,7 @@ from coordinator.strategies.base import (
     ClientUpdate,
     Fold,
     RefusedUpdate,
+    RoundContext,
     Strategy,
     validate_updates,
 )
@@ -46,5 +47,5 @@ def make_strategy(
     return STRATEGIES.get(name)(device=device, manifest=manifest, **options)
 
 
-__all__ = ["AggregateResult", "ClientUpdate", "Fold", "RefusedUpdate", "Strategy", "make_strategy",
+__all__ = ["AggregateResult", "ClientUpdate", "Fold", "RefusedUpdate", "RoundContext", "Strategy", "make_strategy",
            "strategy_names", "validate_updates"]

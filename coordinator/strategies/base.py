@@ -2,8 +2,10 @@
 
 A strategy is the coordinator's half of a learning method. It turns the round's device updates into the next global
 model (`aggregate`) and may add per-device instructions to the round-start message (`configure`, e.g. FedProx's
-mu). Weights are one flat float32 buffer per model in manifest order, as the devices send them; aggregation runs
-in torch on the strategy's device (cuda when present).
+mu). Both learn which round they serve from one `RoundContext` (its number, the task, the task's classes and those
+seen so far, the round within the task), as Flower hands its strategies `server_round`. Weights are one flat
+float32 buffer per model in manifest order, as the devices send them; aggregation runs in torch on the strategy's
+device (cuda when present).
 
 A rule whose result is a running sum of the updates says so by returning a `Fold` from `fold`: the coordinator
 then adds each update as it arrives and lets it go, so a round costs the memory of one model whatever the number
@@ -57,6 +59,35 @@ class ClientUpdate:
     attachments: Mapping[str, bytes] = field(default_factory=dict)  # named byte strings from the device's policy
 
 
+@dataclass(frozen=True)
+class RoundContext:
+    """The round a rule configures or aggregates: its number (1-based, as on the wire), the task it trains, the
+    classes that task brings and those of tasks 0..task (from the coordinator's test sets: a deployment's test
+    folder or a simulated scenario), and how far into the task it is (`round_in_task`, 1-based, of
+    `rounds_per_task`). The default is the first round of a one-task run with no classes known: a rule used outside
+    a run (a benchmark, a test of its arithmetic)."""
+
+    round: int = 1
+    task: int = 0
+    task_classes: tuple[int, ...] = ()
+    seen_classes: tuple[int, ...] = ()
+    round_in_task: int = 1
+    rounds_per_task: int = 1
+
+    @property
+    def starts_task(self) -> bool:
+        """The first round of its task: the devices meet the task's data in it."""
+        return self.round_in_task == 1
+
+    @property
+    def ends_task(self) -> bool:
+        """The last round of its task: its global model is the one the next task starts from."""
+        return self.round_in_task >= self.rounds_per_task
+
+
+OUTSIDE_A_RUN = RoundContext()
+
+
 @dataclass
 class AggregateResult:
     global_weights: torch.Tensor
@@ -106,7 +137,7 @@ class Strategy(ABC):
     def load(self, directory: Path) -> None:
         """Read back what `save` wrote (a resumed run)."""
 
-    def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Per-device instructions added to each round-start message (e.g. {"mu": 0.01}); default: {} for each."""
         return {device: {} for device in devices}
 
@@ -116,8 +147,9 @@ class Strategy(ABC):
         return None
 
     @abstractmethod
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
-        """The next global model (on self.device) from this round's updates; implementations call
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
+        """The next global model (on self.device) from the updates of round `ctx`; implementations call
         validate_updates first."""
 
 

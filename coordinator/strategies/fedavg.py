@@ -13,7 +13,15 @@ from collections.abc import Sequence
 import torch
 
 from coordinator.compute import RunningSum
-from coordinator.strategies.base import AggregateResult, ClientUpdate, Fold, Strategy, aggregate_by_folding
+from coordinator.strategies.base import (
+    OUTSIDE_A_RUN,
+    AggregateResult,
+    ClientUpdate,
+    Fold,
+    RoundContext,
+    Strategy,
+    aggregate_by_folding,
+)
 from models.manifest import Manifest
 
 
@@ -67,5 +75,6 @@ class FedAvg(Strategy):
             return None
         return WeightedFold(global_weights, self.weighted, self.device)
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         return aggregate_by_folding(WeightedFold(global_weights, self.weighted, self.device), updates)

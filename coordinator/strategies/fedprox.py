@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from coordinator.strategies.base import RoundContext
 from coordinator.strategies.fedavg import FedAvg
 from models.manifest import Manifest
 
@@ -27,5 +28,5 @@ class FedProx(FedAvg):
         super().__init__(weighted=weighted, device=device, manifest=manifest)
         self.mu = float(mu)
 
-    def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         return {device: {"mu": self.mu} for device in devices}

@@ -48,7 +48,15 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from coordinator.compute import as_tensor
-from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, Strategy, validate_updates
+from coordinator.strategies.base import (
+    OUTSIDE_A_RUN,
+    AggregateResult,
+    ClientUpdate,
+    RefusedUpdate,
+    RoundContext,
+    Strategy,
+    validate_updates,
+)
 from edgefil.durable import write_atomically
 from models.generator_record import (
     GeneratorFormatError,
@@ -121,7 +129,7 @@ class PFedGRP(Strategy):
 
     # --- the round ----------------------------------------------------------------------------------
 
-    def configure(self, round: int, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Tell each device which classes the coordinator can send a cached generator of (on request)."""
         return {device: {"generator_classes": sorted(self.latest)} for device in devices}
 
@@ -150,7 +158,8 @@ class PFedGRP(Strategy):
             records[label] = record
         return records
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         validate_updates(global_weights, updates)
         for update in updates:
             self._cache(update)

@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from coordinator.compute import as_tensor
-from coordinator.strategies.base import AggregateResult, ClientUpdate, Strategy, validate_updates
+from coordinator.strategies.base import (
+    OUTSIDE_A_RUN,
+    AggregateResult,
+    ClientUpdate,
+    RoundContext,
+    Strategy,
+    validate_updates,
+)
 from models.manifest import Manifest
 
 BLOCK_VALUES = 1 << 22  # 16 MiB of float32 per block: the column count is this over the number of updates
@@ -71,7 +78,8 @@ class Median(Strategy):
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         super().__init__(device, manifest)
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         validate_updates(global_weights, updates)
         n = len(updates)
         return AggregateResult(sorted_mean([u.weights for u in updates], (n - 1) // 2, self.device))
@@ -89,7 +97,8 @@ class TrimmedMean(Strategy):
         super().__init__(device, manifest)
         self.beta = float(beta)
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         validate_updates(global_weights, updates)
         return AggregateResult(sorted_mean([u.weights for u in updates], trimmed(self.beta, len(updates)),
                                            self.device))
@@ -125,7 +134,8 @@ class CenteredClipping(Strategy):
         self.radius = float(radius)
         self.iterations = int(iterations)
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate]) -> AggregateResult:
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         validate_updates(global_weights, updates)
         rows = [as_tensor(u.weights, self.device) for u in updates]
         centre = sorted_mean([u.weights for u in updates], (len(updates) - 1) // 2, self.device).double()
