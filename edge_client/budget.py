@@ -9,7 +9,8 @@ holders never exceeds M. The device daemon's own state files (weights, state.jso
 device's disk leaves room for them (firmware_sim/fleet.py).
 
 `file_bytes` is the one file-size rule every holder uses: a write of n bytes occupies its file-system blocks plus
-the blocks that map them (see ReplayStore's docstring for the sources of the numbers).
+the blocks that map them (see ReplayStore's docstring for the sources of the numbers). A method that keeps a whole
+file (FedCIL's ACGAN, GLFC's old model) keeps it in a `BudgetedFile`, the one holder of that kind.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from edgefil.durable import TEMP_SUFFIX, write_atomically
 
 FS_META_SPAN = 128  # data blocks one block of file-system mapping metadata covers, at least
 
@@ -122,3 +125,68 @@ class BudgetShare:
 
     def __repr__(self) -> str:
         return f"BudgetShare({self.name!r}, max_samples={self.max_samples}, max_bytes={self.max_bytes})"
+
+
+class BudgetedFile:
+    """One file a method keeps within M (an ACGAN, an old model, a fixed encoding network): a holder of the device's
+    budget by `name`, alone in its folder, replaced atomically (`write_atomically`) and written only when the
+    replacement's peak — the new file beside the old one — fits what M leaves (`room`) and, with `share`, that
+    fraction of M's bytes, so the store keeps the rest for the next task's real data.
+
+    Every method that keeps a file uses this one rule rather than writing it again. `can_ever_hold(size)` tells at
+    open whether a file of that size could ever be replaced within the share (a method refuses its options in one
+    line when not: its file would be written once and never updated); `write` returns False, and keeps the previous
+    file, when the new one does not fit now. A write interrupted by a crash leaves a temporary file, removed at open.
+    """
+
+    def __init__(self, budget: DeviceBudget, name: str, path: Path, share: float = 1.0) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"a budgeted file's share of M must lie in (0, 1], got {share}")
+        self.budget, self.name, self.path, self.share = budget, name, Path(path), share
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.with_name(self.path.name + TEMP_SUFFIX).unlink(missing_ok=True)  # an interrupted write
+        self.block = os.statvfs(self.path.parent).f_frsize
+        budget.register(name, self.bytes_on_disk)
+
+    @property
+    def limit(self) -> int | None:
+        """The most bytes the file's folder may take: its share of M's bytes (None without a byte limit)."""
+        return None if self.budget.max_bytes is None else int(self.share * self.budget.max_bytes)
+
+    def room(self) -> int | None:
+        """What the file's folder may occupy now: M less the other holders, within the share."""
+        room, limit = self.budget.room(self.name), self.limit
+        return None if room is None or limit is None else min(room, limit)
+
+    def can_ever_hold(self, size: int) -> bool:
+        """Whether a file of `size` bytes could be replaced by one of the same size within the share."""
+        limit = self.limit
+        return limit is None or replacement_peak(size, self.block) <= limit
+
+    def write(self, data: bytes) -> bool:
+        """Replace the file with `data` if the replacement fits what M leaves now; False (the old file stays) if not."""
+        room = self.room()
+        if room is not None and replace_peak(self.path.parent, len(data), self.block) > room:
+            return False
+        write_atomically(self.path, data)
+        return True
+
+    def read(self) -> bytes | None:
+        """The file's bytes; None when there is none."""
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def remove(self) -> bool:
+        """Give the file's bytes back to M; True if there was a file."""
+        if not self.path.exists():
+            return False
+        self.path.unlink()
+        return True
+
+    def bytes_on_disk(self) -> int:
+        return directory_bytes(self.path.parent, self.block)

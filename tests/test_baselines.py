@@ -155,13 +155,13 @@ def test_fedcil_keeps_its_previous_acgan_when_a_new_one_would_not_fit_the_budget
                        max_bytes=400_000)
     learner.start_task(0, *_classes([0, 1], 60))
     learner.finish_round()
-    first = learner.policy._path.read_bytes()
+    first = learner.policy._file.read()
     assert learner.policy.metrics()["acgan_dropped"] == 0
     learner.policy.width = 64  # a bigger ACGAN than M leaves room for: refused before anything is written
     learner.policy._spec = type(learner.policy._spec)((1, 8, 8), 10, 16, 64)
     learner.finish_round()
     assert learner.policy.metrics()["acgan_dropped"] == 1
-    assert learner.policy._path.read_bytes() == first
+    assert learner.policy._file.read() == first
     assert learner.budget.used() <= 400_000
 
 
@@ -194,10 +194,10 @@ def test_fedcil_gives_up_its_acgan_when_a_new_task_would_not_fit_beside_it(tmp_p
                        max_bytes=160 * 1024, width=8, group_by=group_by)
     learner.start_task(0, *_classes([0, 1], 14))
     learner.finish_round()
-    assert learner.policy._path.exists() and learner.policy.metrics()["acgan_dropped"] == 0
+    assert learner.policy._file.exists() and learner.policy.metrics()["acgan_dropped"] == 0
     learner.start_task(1, *_classes([2, 3], 14))
     assert len(learner.store) == 14 and set(learner.store.labels().tolist()) == {2, 3}
-    assert not learner.policy._path.exists()
+    assert not learner.policy._file.exists()
     x, y = learner.store.get(learner.store.ids())
     learner.policy.training_set(learner.view(), x, y)
     assert learner.policy.metrics()["acgan_released"] == 1
@@ -209,7 +209,7 @@ def test_fedcil_removes_an_acgan_file_that_does_not_load(tmp_path, export_artifa
     learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=2)
     learner.start_task(0, *_classes([0, 1], 60))
     learner.finish_round()
-    path = learner.policy._path
+    path = learner.policy._file.path
     path.write_bytes(path.read_bytes()[:100])  # torn by a disk fault
     reopened = make_policy("fedcil", gan_steps=2)
     reopened.open(PolicyContext(path.parents[1], artifacts, learner.budget.__class__(Budget(200)), learner.trainer))

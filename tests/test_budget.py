@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.budget import Budget, DeviceBudget, file_bytes, replace_peak, replacement_peak
+from edge_client.budget import Budget, BudgetedFile, DeviceBudget, file_bytes, replace_peak, replacement_peak
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, make_policy, policy_names
 from edge_client.store import ReplayStore
@@ -109,3 +109,51 @@ def test_the_replacement_peak_known_before_any_file_bounds_the_real_one(tmp_path
         folder.mkdir()
         (folder / "file").write_bytes(b"x" * size)
         assert replace_peak(folder, size, block) <= replacement_peak(size, block)
+
+
+def test_budgeted_files_stay_within_m_and_keep_their_last_whole_file(tmp_path):
+    """Three methods' files (an old model, an encoding network, a generator) and a holder standing for the store,
+    written at random sizes: M's bytes are never exceeded, a write that does not fit returns False and leaves the
+    previous file as it was, a file never takes more than its share, and a file too large for its share is known
+    before it is written."""
+    rng = np.random.default_rng(7)
+    max_bytes = 64 * 1024
+    budget = DeviceBudget(Budget(None, max_bytes))
+    store = {"bytes": 0}
+    budget.register("store", lambda: store["bytes"])
+    files = {name: BudgetedFile(budget, name, tmp_path / name / "file.bin", share=share)
+             for name, share in (("old-model", 0.5), ("gamma", 0.25), ("generator", 1.0))}
+    refused = 0
+    for _ in range(300):
+        if rng.random() < 0.2:
+            room = budget.room("store") or 0
+            store["bytes"] = int(rng.integers(0, room + 1))
+            continue
+        name = rng.choice(list(files))
+        held = files[name]
+        data = rng.bytes(int(rng.integers(1, 40 * 1024)))
+        before = held.read()
+        if held.write(data):
+            assert held.read() == data
+        else:
+            refused += 1
+            assert held.read() == before
+        assert budget.used() <= max_bytes, budget.held()
+        assert held.bytes_on_disk() <= held.limit
+        if rng.random() < 0.05:
+            had = held.exists()
+            assert held.remove() == had and not held.exists()
+    assert refused > 0  # the sequence did press against M
+    assert not files["gamma"].can_ever_hold(16 * 1024) and files["old-model"].can_ever_hold(4 * 1024)
+    with pytest.raises(ValueError, match="share"):
+        BudgetedFile(budget, "other", tmp_path / "other" / "f", share=0.0)
+    with pytest.raises(ValueError, match="registered"):
+        BudgetedFile(budget, "gamma", tmp_path / "again" / "f")
+
+
+def test_a_budgeted_file_clears_an_interrupted_write_at_open(tmp_path):
+    folder = tmp_path / "held"
+    folder.mkdir()
+    (folder / "file.bin.tmp").write_bytes(b"half")
+    held = BudgetedFile(DeviceBudget(Budget(None, 1 << 20)), "held", folder / "file.bin")
+    assert not (folder / "file.bin.tmp").exists() and held.read() is None and not held.remove()

@@ -11,14 +11,14 @@ A round:
    replay), so the generator keeps them. Then it is stored at `precision`.
 
 Storage: one file, `fedcil/acgan.npz` in the state folder (generator and discriminator as flat buffers, the classes
-learnt, the spec), replaced atomically; it is a holder of the device's budget. A new file that would not fit what M
-leaves (while the old one is still there) is not written: the device keeps its previous ACGAN and counts
-`acgan_dropped`; so is one whose write would take more than `acgan_share` of M's bytes, which stay the store's for
-the next task's real data (an ACGAN whose replacement could never fit that share is refused at open, in one line: it
-would be written once and never updated). And when a new task's real samples still do not fit beside the stored
-ACGAN, the learner asks the policy to release its bytes (`release_bytes`): the ACGAN file goes (`acgan_released`),
-real data first. Under a sample-only M (no `[store] max_bytes`) nothing bounds its bytes, as for pFedGRP's generator
-bank. A file that does not load is removed (logged) and the ACGAN starts afresh.
+learnt, the spec), a `BudgetedFile` of the device's budget (replaced atomically, within `acgan_share` of M's
+bytes, which leaves the rest to the store for the next task's real data). A new file that would not fit (while the
+old one is still there) is not written: the device keeps its previous ACGAN and counts `acgan_dropped`. An ACGAN
+whose replacement could never fit that share is refused at open, in one line: it would be written once and never
+updated. And when a new task's real samples still do not fit beside the stored ACGAN, the learner asks the policy
+to release its bytes (`release_bytes`): the ACGAN file goes (`acgan_released`), real data first. Under a
+sample-only M (no `[store] max_bytes`) nothing bounds its bytes, as for pFedGRP's generator bank. A file that does
+not load is removed (logged) and the ACGAN starts afresh.
 
 Deviations from FedCIL (documented in docs/architecture.md): the classifier is the runtime's task model, not the
 ACGAN's auxiliary head; the ACGAN stays on its device (FedCIL also averages generators on the server and
@@ -30,21 +30,16 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from edge_client.budget import directory_bytes, replace_peak, replacement_peak
+from edge_client.budget import BudgetedFile, replacement_peak
 from edge_client.policies.base import PolicyContext, RoundView, TrainingSet
 from edge_client.policies.no_replay import NoReplay
-from edgefil.durable import TEMP_SUFFIX, write_atomically
-
-if TYPE_CHECKING:
-    from edge_client.budget import DeviceBudget
 
 ACGAN_DIR = "fedcil"
 ACGAN_FILE = "acgan.npz"
@@ -68,9 +63,7 @@ class FedCil(NoReplay):
     # can leave the store too little for a task: the device then trains on nothing (seen at 160 KiB on digits).
     acgan_share: float = 0.5
     _spec: Any = field(default=None, init=False, repr=False)
-    _path: Path | None = field(default=None, init=False, repr=False)
-    _budget: DeviceBudget | None = field(default=None, init=False, repr=False)
-    _block: int = field(default=4096, init=False, repr=False)  # the file system's block, read at open
+    _file: BudgetedFile | None = field(default=None, init=False, repr=False)
     _sizes: list[int] = field(default_factory=list, init=False, repr=False)  # flat lengths: generator, discriminator
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _released: bool = field(default=False, init=False, repr=False)  # release_bytes gave the ACGAN up this round
@@ -100,17 +93,12 @@ class FedCil(NoReplay):
         from models.generators import flat_entries
 
         self._sizes = [sum(v.numel() for _, v in flat_entries(m)) for m in build_acgan(self._spec, 0)]
-        folder = Path(ctx.state_dir) / ACGAN_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / (ACGAN_FILE + TEMP_SUFFIX)).unlink(missing_ok=True)  # an interrupted save
-        self._path = folder / ACGAN_FILE
-        self._block = os.statvfs(folder).f_frsize
-        self._budget = ctx.budget
+        self._file = BudgetedFile(ctx.budget, ACGAN_HOLDER, Path(ctx.state_dir) / ACGAN_DIR / ACGAN_FILE,
+                                  share=self.acgan_share)
         self._check_share(build_acgan(self._spec, 0))
-        ctx.budget.register(ACGAN_HOLDER, self._bytes)
-        if self._path.exists() and self._load() is None:
-            log.warning("removing %s: it does not hold an ACGAN of this spec", self._path)
-            self._path.unlink()
+        if self._file.exists() and self._load() is None:
+            log.warning("removing %s: it does not hold an ACGAN of this spec", self._file.path)
+            self._file.remove()
 
     # --- the round ------------------------------------------------------------------------------
 
@@ -177,9 +165,9 @@ class FedCil(NoReplay):
             loss_g.backward()
             opt_g.step()
         generator.eval()
-        saved = self._save(generator, discriminator, {int(c) for c in classes})
+        saved = self._held().write(self._encode(generator, discriminator, {int(c) for c in classes}))
         self._round.update(acgan_loss_d=float(loss_d.item()), acgan_loss_g=float(loss_g.item()),
-                           acgan_dropped=float(not saved), acgan_bytes=float(self._bytes()))
+                           acgan_dropped=float(not saved), acgan_bytes=float(self._held().bytes_on_disk()))
 
     def metrics(self) -> dict[str, float]:
         return dict(self._round)
@@ -196,11 +184,11 @@ class FedCil(NoReplay):
     def _load(self) -> tuple[np.ndarray, np.ndarray, set[int]] | None:
         """(generator, discriminator, classes learnt) as stored, in float32; None when there is none or it does not
         load as this spec's."""
-        path = self._require_path()
-        if not path.exists():
+        stored = self._held().read()
+        if stored is None:
             return None
         try:
-            with np.load(path, allow_pickle=False) as data:
+            with np.load(io.BytesIO(stored), allow_pickle=False) as data:
                 spec = data["spec"].tolist()
                 flats = data["generator"].astype(np.float32), data["discriminator"].astype(np.float32)
                 classes = set(data["classes"].tolist())
@@ -214,24 +202,15 @@ class FedCil(NoReplay):
     def _check_share(self, acgan: tuple[Any, Any]) -> None:
         """Refuse, in one line, an ACGAN whose replacement (the new file written beside the old) can never fit its
         share of M's bytes: it would be written once and then never updated again (every later save dropped)."""
-        limit = self._share_limit()
-        if limit is None:
-            return
-        size = len(self._file(*acgan, set(range(self._spec.num_classes))))
-        peak = replacement_peak(size, self._block)
-        if peak > limit:
+        held = self._held()
+        size = len(self._encode(*acgan, set(range(self._spec.num_classes))))
+        if not held.can_ever_hold(size):
             raise ValueError(
                 f"policy fedcil: replacing its ACGAN (width {self.width}, {self.precision}, {size} bytes) peaks at "
-                f"{peak} bytes, more than acgan_share {self.acgan_share} of [store] max_bytes leaves ({limit}); "
-                f"lower width or raise max_bytes")
+                f"{replacement_peak(size, held.block)} bytes, more than acgan_share {self.acgan_share} of [store] "
+                f"max_bytes leaves ({held.limit}); lower width or raise max_bytes")
 
-    def _share_limit(self) -> int | None:
-        """The most bytes the ACGAN may take (`acgan_share` of M's); None without a byte limit."""
-        if self._budget is None or self._budget.max_bytes is None:
-            return None
-        return int(self.acgan_share * self._budget.max_bytes)
-
-    def _file(self, generator: Any, discriminator: Any, classes: set[int]) -> bytes:
+    def _encode(self, generator: Any, discriminator: Any, classes: set[int]) -> bytes:
         """The stored ACGAN's file: the spec, both networks as flat buffers at `precision`, the classes learnt."""
         from models.generators import flatten_module
 
@@ -243,36 +222,21 @@ class FedCil(NoReplay):
                  classes=np.asarray(sorted(classes), dtype=np.int64))
         return buffer.getvalue()
 
-    def _save(self, generator: Any, discriminator: Any, classes: set[int]) -> bool:
-        """Replace the stored ACGAN if the new file fits what M leaves beside the old one."""
-        data = self._file(generator, discriminator, classes)
-        limit = self._share_limit()
-        room = None if limit is None or self._budget is None else min(self._budget.room(ACGAN_HOLDER) or 0, limit)
-        if room is not None and replace_peak(self._require_path().parent, len(data), self._block) > room:
-            return False
-        write_atomically(self._require_path(), data)
-        return True
-
     def release_bytes(self, view: RoundView) -> bool:
         """The stored ACGAN goes when the new task's real samples would not fit beside it (counted in
         `acgan_released`); the next save writes a new one if it fits what the store then leaves."""
-        path = self._require_path()
-        if not path.exists():
+        if not self._held().remove():
             return False
-        path.unlink()
         self._released = True
         return True
-
-    def _bytes(self) -> int:
-        return directory_bytes(self._require_path().parent, self._block)
 
     def _spec_numbers(self) -> list[int]:
         return [self._spec.num_classes, self.latent_dim, self.width, *self._spec.input_shape]
 
-    def _require_path(self) -> Path:
-        if self._path is None:
+    def _held(self) -> BudgetedFile:
+        if self._file is None:
             raise RuntimeError("the fedcil policy is not open: the learner calls open() with its state folder")
-        return self._path
+        return self._file
 
 
 def _load_flat(module: Any, flat: np.ndarray) -> None:
