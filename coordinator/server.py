@@ -40,6 +40,7 @@ import msgpack
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
+from coordinator.broadcast import Broadcast
 from coordinator.checkpoint import (
     RunState,
     generation_dir,
@@ -127,6 +128,7 @@ class Coordinator:
         self._last_attempt: OpenRound | None = None
         self._aggregate: RoundAggregate | None = None
         self._context = RoundContext()  # the round being run, as its rule sees it
+        self.broadcast = Broadcast()  # what the rule sends to every device, once
         self._weights_chunks: list[bytes] = []
         self._first_round = True
         self.outcome = "running"
@@ -162,6 +164,7 @@ class Coordinator:
             return
         self.personalized = {d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()}
         self.payloads = {d: dict(p) for d, p in saved.get("payloads", {}).items()}
+        self.broadcast.replace(dict(saved.get("broadcast", {})), saved["round"])
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -292,11 +295,36 @@ class Coordinator:
             for chunk in encoded.chunks:
                 self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
             payload = {"payload": encoded.id}
+        if self.broadcast.id is not None:
+            registered = self.registered.get(device)
+            instance = registered.instance if registered is not None else ""
+            if self.broadcast.needs(device, instance):
+                for chunk in self.broadcast.chunks:
+                    self.link.publish(topics.to_device(fleet, device, "broadcast"), chunk)
+                self.broadcast.reached([(device, instance)])
+            payload["broadcast"] = self.broadcast.id
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,
         ))
+
+    def _publish_broadcast(self, payloads: dict[str, bytes], round_: int) -> None:
+        """The rule's payloads for every device: published once to the fleet when they change, the devices online
+        now counted as reached (the others get it with their next round message)."""
+        try:
+            changed = self.broadcast.replace(payloads, round_)
+        except ValueError as err:
+            self.counters["broadcast-refused"] += 1
+            log.warning("round %d: the %s rule's broadcast is not sent: %s", round_, self.strategy.name, err)
+            return
+        if not changed:
+            return
+        for chunk in self.broadcast.chunks:
+            self.link.publish(topics.to_all(self.config.fleet, "broadcast"), chunk)
+        self.broadcast.reached((d, self.registered[d].instance) for d in self._available_set())
+        log.info("round %d: broadcast %s (%d bytes) to the fleet", round_, ", ".join(sorted(payloads)),
+                 sum(len(v) for v in payloads.values()))
 
     def _payloads_for(self, device: str) -> dict[str, bytes]:
         """What goes to a device with its round: its personalized model and the rule's payloads for it."""
@@ -317,6 +345,7 @@ class Coordinator:
                     {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
                 )
                 self.payloads.update(result.payloads)
+                self._publish_broadcast(result.broadcast, collected.number)
             else:  # the round counts, the previous global model stays (and is what is checkpointed)
                 log.warning("round %d: no new global model (%s); the previous one stays", collected.number, refused)
             state.round = collected.number
@@ -364,10 +393,10 @@ class Coordinator:
         shutil.rmtree(generation, ignore_errors=True)  # a retried round's or a crashed write's leftovers
         generation.mkdir(parents=True)
         self.strategy.save(generation)
-        if self.personalized or self.payloads:
+        if self.personalized or self.payloads or self.broadcast.payloads:
             write_atomically(generation / PERSONALIZED_FILE, msgpack.packb({
                 "round": state.round, "models": {d: w.tobytes() for d, w in self.personalized.items()},
-                "payloads": self.payloads,
+                "payloads": self.payloads, "broadcast": self.broadcast.payloads,
             }, use_bin_type=True))
         save_run_state(generation, state)  # last: a generation without its state.json is incomplete
         prune_generations(self.checkpoint_dir, self.config.checkpoint.keep, generation)

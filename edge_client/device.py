@@ -8,7 +8,10 @@ the client state atomically, upload.
 
 A learning method speaks to its coordinator half through named payloads, and this daemon only carries them (it
 never knows which method runs): a round message may name a payload blob for this device (`payload`: e.g. a
-personalized model), which the device waits for like the weights and hands to the policy before training; the
+personalized model), which the device waits for like the weights and hands to the policy before training, and a
+broadcast blob (`broadcast`: payloads for every device, e.g. an old model), which the device keeps by id
+(KEPT_BROADCASTS of them) and waits for only when it does not hold it, so a payload that changes once per task
+crosses the link once per task; the
 policy may ask for payloads by name (`request`), the answer is awaited for up to the round config's
 `answer_wait_s` while other messages wait in a backlog, in order, and goes to the policy before its own update
 step; the update carries the policy's attachments and the device's label counts.
@@ -55,6 +58,7 @@ from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
+KEPT_BROADCASTS = 2  # broadcast blobs kept: the current one, and the next, arriving early
 STOP_POLL_S = 5.0  # the longest an idle device sleeps before it looks whether it was asked to stop
 MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
@@ -110,6 +114,9 @@ class Device:
         self.payload_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
         self.answer_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
         self.payloads: dict[str, dict[str, bytes]] = {}  # payload blobs by id, as named byte strings
+        self.broadcast_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
+        self.broadcasts: dict[str, dict[str, bytes]] = {}  # broadcast blobs by id (their version)
+        self.broadcasts_received = 0  # broadcast blobs assembled (one per change, when nothing is lost)
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
         self.rejected = 0
@@ -185,6 +192,8 @@ class Device:
                 self._take_weights(message)
             elif message["kind"] == "payload" and parsed.device == self.id:
                 self._take_payload(message)
+            elif message["kind"] == "broadcast":
+                self._take_broadcast(message)
             elif message["kind"] == "round" and parsed.device == self.id:
                 self._take_round(message)
             elif message["kind"] == "answer":
@@ -227,6 +236,18 @@ class Device:
             self.payloads.pop(next(iter(self.payloads)))
         self._arrived(blob.id)
 
+    def _take_broadcast(self, message: wire.Message) -> None:
+        if message["blob"] in self.broadcasts:  # held already (sent to the fleet and to this device alike)
+            return
+        blob = self.broadcast_reassembler.add("coordinator", message)
+        if blob is None:
+            return
+        self.broadcasts[blob.id] = blob.attachments()
+        self.broadcasts_received += 1
+        while len(self.broadcasts) > KEPT_BROADCASTS:
+            self.broadcasts.pop(next(iter(self.broadcasts)))
+        self._arrived(blob.id)
+
     def _arrived(self, blob: str) -> None:
         """A blob is whole: run the round that was waiting for it, if it has everything now."""
         if self.waiting is not None and blob in _needed(self.waiting):
@@ -241,7 +262,8 @@ class Device:
         if round_ <= done and self.learner.state.task >= 0:
             log.info("%s ignored round %d: already past it (at %d)", self.id, round_, done)
             return
-        if any(blob not in self.models and blob not in self.payloads for blob in _needed(message)):
+        if any(blob not in self.models and blob not in self.payloads and blob not in self.broadcasts
+               for blob in _needed(message)):
             self.waiting = message  # its weights or payload are still on their way
             return
         self._train_round(message, self.models[model])
@@ -292,7 +314,8 @@ class Device:
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
         policy = self.learner.policy
-        self._give(policy, self.payloads.get(message.get("payload", ""), {}))
+        self._give(policy, {**self.broadcasts.get(message.get("broadcast", ""), {}),
+                            **self.payloads.get(message.get("payload", ""), {})})
         asked = self._request(round_, policy.requests(self.learner.view(), config))
         mu = float(config.get("mu", 0.0))
         with self.environment.turn():  # not held while awaiting an answer above: that is no CPU work
@@ -429,8 +452,8 @@ class Device:
 
 
 def _needed(message: wire.Message) -> list[str]:
-    """The blobs a round message needs: the global model, and its payload blob when it names one."""
-    return [message["model"], *([message["payload"]] if "payload" in message else [])]
+    """The blobs a round message needs: the global model, and its payload and broadcast blobs when it names them."""
+    return [message["model"], *(message[k] for k in ("payload", "broadcast") if k in message)]
 
 
 def _seed_of(device_id: str) -> int:

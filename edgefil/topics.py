@@ -1,8 +1,8 @@
 """MQTT topic names of the protocol (docs/protocol.md). Both sides import this; the broker's ACL mirrors it.
 
     edgefil/<fleet>/dev/<device>/<kind>   device -> coordinator   (register, status, update, request)
-    edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, answer)
-    edgefil/<fleet>/all/<kind>            coordinator -> every device (weights)
+    edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, broadcast, answer)
+    edgefil/<fleet>/all/<kind>            coordinator -> every device (weights, broadcast)
 
 The kinds below are the whole protocol: the broker's ACL grants exactly these topics and nothing else, and only
 the `RETAINED` kinds are meant to be retained (a device's registration and status, so a coordinator that
@@ -17,8 +17,8 @@ ROOT = "edgefil"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
 DEVICE_SENDS = ("register", "status", "update", "request")  # on dev/<device>/<kind>
-DEVICE_RECEIVES = ("round", "weights", "payload", "answer", "notice")  # on to/<device>/<kind>
-BROADCASTS = ("weights",)  # on all/<kind>
+DEVICE_RECEIVES = ("round", "weights", "payload", "broadcast", "answer", "notice")  # on to/<device>/<kind>
+BROADCASTS = ("weights", "broadcast")  # on all/<kind>
 RETAINED = frozenset({"register", "status"})
 
 

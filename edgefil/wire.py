@@ -85,12 +85,15 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "round": {"round": int, "task": int, "model": str, "version": int, "deadline_s": _NUMBER, "config": dict},
     "weights": {**_CHUNK_FIELDS, "round": int, "version": int},
     "payload": {**_CHUNK_FIELDS, "round": int},  # named payloads for one device's round: attachments only
+    "broadcast": {**_CHUNK_FIELDS, "round": int},  # named payloads for every device, kept by blob id: attachments only
     "answer": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
     "notice": {"reason": str, "detail": str},  # something the device's operator must know (e.g. duplicate-device)
 }
 # Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
-# weights in a blob (update, payload, answer), each padded to 4 bytes. `payload`: the id of the payload blob a round
-# message goes with (the device waits for it as for the weights). `label_counts`: samples seen per class (update).
+# weights in a blob (update, payload, broadcast, answer), each padded to 4 bytes. `payload`: the id of the payload
+# blob a round message goes with (the device waits for it as for the weights); `broadcast`: the id of the broadcast
+# blob it goes with (the device keeps it by id and waits for it only when it does not hold it). `label_counts`:
+# samples seen per class (update).
 # `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
 # one coming back means two processes share a device id. `error`: why a device cannot train (status "error").
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
@@ -98,8 +101,9 @@ OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "status": {"instance": str, "error": str},
     "update": {"attachments": list, "label_counts": list},
     "payload": {"attachments": list},
+    "broadcast": {"attachments": list},
     "answer": {"attachments": list},
-    "round": {"payload": str},
+    "round": {"payload": str, "broadcast": str},
     "notice": {"instances": list},  # the device processes the notice is about (others ignore it)
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_crc32c", "data"})

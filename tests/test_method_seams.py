@@ -14,6 +14,7 @@ import torch
 from thread_fleet import ThreadFederation, run_federation
 
 from coordinator.broker import mosquitto_path
+from coordinator.checkpoint import CheckpointPolicy
 from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, RoundContext
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.policies import ReplayPolicy, RoundView, Samples, TrainingSet
@@ -150,3 +151,67 @@ def test_a_rule_learns_the_round_it_configures_and_aggregates(tmp_path, export_a
     assert len(strategy.configured) == 2 * 4
     assert [c.starts_task for c in expected] == [True, False, True, False]
     assert [c.ends_task for c in expected] == [False, True, False, True]
+
+
+class OldModelPolicy(ToyPolicy):
+    """Keeps what each round's broadcast said (the old model's task)."""
+
+    name = "toy-old-model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.old_tasks: list[int] = []  # per round trained: the task of the old model it was given (-1: none)
+
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+        given = [p["toy/old-task"] for p in self.received[-2:] if "toy/old-task" in p]
+        self.old_tasks.append(struct.unpack("<i", given[-1])[0] if given else -1)
+        return super().training_set(view, x, y)
+
+
+class OldModelRule(ToyStrategy):
+    """Broadcasts the global model at the end of each task, with its task: GLFC's best old model, in shape."""
+
+    name = "toy-broadcast"
+
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = RoundContext()) -> AggregateResult:
+        result = super().aggregate(global_weights, updates, ctx)
+        if ctx.ends_task:
+            result.broadcast = {"toy/old": result.global_weights.numpy().tobytes(),
+                                "toy/old-task": struct.pack("<i", ctx.task)}
+        return result
+
+
+def test_a_broadcast_payload_is_sent_once_to_every_device_and_kept_by_version(tmp_path, export_artifacts):
+    """Three tasks of two rounds: the rule broadcasts an old model at the end of each task. Every device assembles
+    each broadcast once (not once per round) and hands the current one to its policy in every round of the next
+    task; a device that joins mid-run gets the current one with its first round."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"store": {"max_samples": 100}, "policy": {"name": "toy-old-model"}}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=3, spares=("dev-2",)) as federation:
+        for running in federation.devices:
+            assert running.link.wait_subscribed(60)
+        coordinator = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=2, min_clients=2,
+                                             wait_for_devices_s=0.5,  # the spare is not waited for
+                                             checkpoint=CheckpointPolicy(collapse_drop=0.0))  # every round's model
+
+        def progress(entry: dict) -> None:
+            if entry["round"] == 3:  # after the first old model went out
+                federation.join("dev-2")
+
+        coordinator.progress = progress
+        results = coordinator.run()
+        devices = {d.id: d for d in federation.devices}
+    assert results["rounds_completed"] == 6
+    for name in ("dev-0", "dev-1"):  # online from the start: every round, and each broadcast once
+        policy = devices[name].learner.policy
+        assert isinstance(policy, OldModelPolicy)
+        assert policy.old_tasks == [-1, -1, 0, 0, 1, 1]
+        assert devices[name].broadcasts_received == 3
+    late = devices["dev-2"]
+    trained = [h["round"] for h in results["history"] if "dev-2" in h["received"]]
+    assert trained and min(trained) >= 4
+    assert late.learner.policy.old_tasks == [0 if r <= 4 else 1 for r in trained]
+    # each broadcast once: the current one with its first round (the first old model when that is round 4), then
+    # every later one as the fleet gets it
+    assert late.broadcasts_received == (3 if min(trained) == 4 else 2)

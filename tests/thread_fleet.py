@@ -73,6 +73,10 @@ class ThreadFederation:
             raise
         return self
 
+    def join(self, name: str) -> None:
+        """Start a device of the roster that has none behind it yet (a spare): a device joining mid-run."""
+        self._start_device(self.roster.index(name), name, load_dataset("digits"))
+
     def _start_device(self, k: int, name: str, data: Any) -> None:
         folder = self.root / name / "incoming"
         folder.mkdir(parents=True)
@@ -101,13 +105,13 @@ class ThreadFederation:
 
     def coordinator(self, strategy: Mapping[str, Any], rounds_per_task: int = 2, min_clients: int | None = None,
                     client: Mapping[str, Any] | None = None, resume: bool = False, deadline_s: float = 60.0,
-                    **options: Any) -> Coordinator:
+                    wait_for_devices_s: float = 60.0, **options: Any) -> Coordinator:
         """A coordinator of this federation (every device of the roster waited for unless `min_clients` says
         less); `options`: more of the coordinator file's keys."""
         return Coordinator(CoordinatorConfig(
             fleet=FLEET, out=self.root / "run", artifacts=self.artifacts, devices=self.roster,
             rounds_per_task=rounds_per_task, min_clients=min_clients or len(self.roster), deadline_s=deadline_s,
-            wait_for_devices_s=60.0, test_data=self.tests,
+            wait_for_devices_s=wait_for_devices_s, test_data=self.tests,
             broker=BrokerSettings(port=self.address.port, username="coordinator", password="pw-c"),
             strategy=dict(strategy), client=dict(client or {"epochs": 1}), **options,
         ), resume=resume, test_sets=FolderTestSets(self.tests, load_manifest(self.artifacts)))

@@ -17,8 +17,9 @@ Methods that reach further plug in through the same interface, and the coordinat
   arrives (refuse it with `RefusedUpdate`) and `aggregate` with the round;
 - a device's request for named payloads is answered by `answer`, at once, rounds open or not;
 - `aggregate` may run any computation per round and return per-device models (`personalized`, sent as the
-  device's "personal" payload and evaluated as its model) and per-device named payloads (`payloads`: synthetic
-  samples, an old model, ...), sent with the device's next round;
+  device's "personal" payload and evaluated as its model), per-device named payloads (`payloads`: synthetic
+  samples, ...), sent with the device's next round, and named payloads for every device (`broadcast`: an old
+  model), sent once to the fleet and kept by each device until they change;
 - `save` / `load` keep the rule's state across a `--resume`.
 
 Every call runs contained (coordinator/containment.py): a rule refuses what it cannot use rather than fail on it,
@@ -93,6 +94,8 @@ class AggregateResult:
     global_weights: torch.Tensor
     personalized: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> its own model
     payloads: dict[str, dict[str, bytes]] = field(default_factory=dict)  # device -> named payloads for next round
+    # named payloads for every device, sent once and kept by the devices until they change (coordinator/broadcast.py)
+    broadcast: dict[str, bytes] = field(default_factory=dict)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> what the rule measured of it
     # device -> why the rule could not use that update's payloads this round (it went on without them; counted)
     refused: dict[str, str] = field(default_factory=dict)
