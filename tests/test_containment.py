@@ -251,3 +251,17 @@ def test_a_refused_update_is_not_waited_for_until_the_deadline(tmp_path, export_
         results = federation.coordinator({"name": "fedavg"}, min_clients=2, deadline_s=3600.0).run()
     assert results["outcome"] == "complete" and len(hostile.sent) == results["rounds_completed"] == 2
     assert results["counters"]["weights-nonfinite"] == 2 and "missed-deadline" not in results["counters"]
+
+
+def test_a_background_job_that_fails_gives_no_result_and_the_next_one_runs():
+    from coordinator.background import BackgroundJob
+
+    job: BackgroundJob[int] = BackgroundJob("test")
+
+    def fails(deadline):
+        raise RuntimeError("reconstruction blew up")
+
+    assert job.start(fails, budget_s=10.0) and job.wait(30)
+    assert job.take() is None and job.failures == 1
+    assert job.start(lambda deadline: 7 if deadline.left() > 0 else -1, budget_s=10.0) and job.wait(30)
+    assert job.take() == 7 and job.take() is None  # once

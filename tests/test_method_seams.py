@@ -5,6 +5,7 @@ daemons through a real mosquitto."""
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from thread_fleet import ThreadFederation, run_federation
 
+from coordinator.background import BackgroundJob, Deadline
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import CheckpointPolicy
 from coordinator.strategies.base import AggregateResult, ClientUpdate, RefusedUpdate, RoundContext
@@ -215,3 +217,52 @@ def test_a_broadcast_payload_is_sent_once_to_every_device_and_kept_by_version(tm
     # each broadcast once: the current one with its first round (the first old model when that is round 4), then
     # every later one as the fleet gets it
     assert late.broadcasts_received == (3 if min(trained) == 4 else 2)
+
+
+class SlowWorkRule(FedAvg):
+    """Starts long work at round 1 (blocked until the test releases it) and uses its result when ready."""
+
+    name = "toy-slow-work"
+    release = threading.Event()
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.job: BackgroundJob[str] = BackgroundJob("toy-proxy")
+        self.used: list[tuple[int, str | None]] = []
+
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = RoundContext()) -> AggregateResult:
+        if ctx.round == 1:
+            def work(deadline: Deadline) -> str:
+                while not self.release.wait(0.05):
+                    if deadline.passed():
+                        return "out of time"
+                return "reconstructed"
+
+            assert self.job.start(work, budget_s=300.0) and not self.job.start(work, budget_s=1.0)
+        if ctx.round == 3:
+            self.job.wait(60)  # a rule that needs the result by now waits for it here
+        self.used.append((ctx.round, self.job.take()))
+        return super().aggregate(global_weights, updates, ctx)
+
+
+def test_long_work_of_a_rule_does_not_stop_the_rounds(tmp_path, export_artifacts):
+    """While a rule's background job runs, the coordinator keeps taking the devices' messages: round 2 completes
+    with the job still running, and round 3 uses its result."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    running_at: dict[int, bool] = {}
+    with ThreadFederation(tmp_path, artifacts, {"store": {"max_samples": 100}, "policy": {"name": "random"}}) as fed:
+        coordinator = fed.coordinator({"name": "toy-slow-work"}, rounds_per_task=3)
+        rule = coordinator.strategy.strategy
+        assert isinstance(rule, SlowWorkRule)
+
+        def progress(entry: dict) -> None:
+            running_at[entry["round"]] = rule.job.running
+            if entry["round"] == 2:
+                SlowWorkRule.release.set()
+
+        coordinator.progress = progress
+        results = coordinator.run()
+    assert results["rounds_completed"] == 3
+    assert running_at[1] and running_at[2]  # two rounds went by while the job ran
+    assert rule.used == [(1, None), (2, None), (3, "reconstructed")]
