@@ -31,10 +31,12 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
 
+Backend = Literal["auto", "ort", "portable", "torch"]
+
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    backend: Literal["auto", "ort", "portable", "torch"] = "auto"  # edge_client/trainers/choice.py
+    backend: Backend = "auto"  # edge_client/trainers/choice.py
     optimizer: Literal["sgd", "adamw"] = "adamw"
     lr: float = 1e-3
     threads: int = 1

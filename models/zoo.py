@@ -128,6 +128,33 @@ def _mlp(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
     return trunk, 200
 
 
+def _uniform_init(trunk: nn.Module, bound: float = 0.5) -> None:
+    """U(-bound, bound) for every weight and bias of the trunk (GLFC's encoding network, as its authors' code)."""
+    with torch.no_grad():
+        for parameter in trunk.parameters():
+            parameter.uniform_(-bound, bound)
+
+
+def _glfc_lenet(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    """GLFC's gradient-encoding network Gamma (its authors' code: a LeNet of sigmoid convolutions, 12 channels,
+    kernels of 5, strides 2, 2, 1, weights U(-0.5, 0.5), never trained), for any image shape (C, H, W)."""
+    trunk = nn.Sequential(
+        nn.Conv2d(input_shape[0], 12, 5, stride=2, padding=2), nn.Sigmoid(),
+        nn.Conv2d(12, 12, 5, stride=2, padding=2), nn.Sigmoid(),
+        nn.Conv2d(12, 12, 5, stride=1, padding=2), nn.Sigmoid(),
+        nn.Flatten(),
+    )
+    _uniform_init(trunk)
+    return trunk, _probe_dim(trunk, input_shape)
+
+
+def _glfc_mlp(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    """A small Gamma for any input shape (the spec's edge suggestion): one sigmoid layer of 32, U(-0.5, 0.5)."""
+    trunk = nn.Sequential(nn.Flatten(), nn.Linear(prod(input_shape), 32), nn.Sigmoid())
+    _uniform_init(trunk)
+    return trunk, 32
+
+
 def _probe_dim(trunk: nn.Module, input_shape: tuple[int, ...]) -> int:
     with torch.no_grad():
         return int(trunk(torch.zeros(1, *input_shape)).shape[1])
@@ -151,6 +178,8 @@ REGISTRY: dict[str, ModelSpec] = {
         _resnet18_cifar, (3, 32, 32), 3, "ResNet-18, CIFAR stem, GroupNorm (32x32 RGB)"
     ),
     "mlp": ModelSpec(_mlp, (1, 8, 8), 0, "two-hidden-layer MLP over any flattened input"),
+    "glfc_lenet": ModelSpec(_glfc_lenet, (1, 8, 8), 3, "GLFC's fixed gradient-encoding LeNet (sigmoid)"),
+    "glfc_mlp": ModelSpec(_glfc_mlp, (1, 8, 8), 0, "a small fixed gradient-encoding network for any input"),
 }
 
 

@@ -15,8 +15,6 @@ from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.pytorch import TorchTrainer
-from models.generator_export import export_generator_artifacts
-from models.generators import default_spec
 from models.manifest import load_manifest
 
 OPTIONS = {"refed": {"pim_epochs": 1, "importance": "last-layer"},
@@ -31,7 +29,8 @@ HOOKS = ("rank", "admit", "task_boundary", "on_global_model", "requests", "recei
 @pytest.fixture(scope="module")
 def artifacts(export_artifacts):
     lenet = export_artifacts("lenet", 10, (1, 8, 8))
-    export_generator_artifacts(default_spec("vae", (1, 8, 8)), lenet.parent / "generator-vae", seed=0)
+    for name in BUILT_IN:  # what each method's devices open besides the model (a generator, an encoding network)
+        POLICIES.get(name).export_artifacts(OPTIONS.get(name, {}), lenet)
     return lenet
 
 

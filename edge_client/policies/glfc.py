@@ -1,0 +1,381 @@
+"""`glfc`: GLFC, federated class-incremental learning (CVPR 2022; spec: shared/specs/glfc.md), the device half.
+
+A round on a device:
+1. The head is the model's fixed maximum head under the class mask (sigmoid-BCE over the classes seen so far); a new
+   class's row starts as the global model has it (never trained while masked), where the authors' code grows the
+   head with freshly initialised rows: the same start, without a server that knows the classes in advance.
+2. Local training runs its own loop (`fit`), one extra eval forward pass per batch: the class-aware gradient
+   compensation (Eqs. 2-4) weighs each sample by |G_i| / the mean |G| of its group (old classes: those the device
+   saw before this task; new: the rest), G_i = sigmoid(z_{i,y_i}) - 1 of the model being trained, detached. The
+   weights change with every step, so they are computed per batch from that batch's logits: any backend, no new
+   graph (`benchmarks/glfc.py` measures the extra pass). With `compensation = false` (the "w/o CGC" ablation)
+   every weight is 1.
+3. Class-semantic relation distillation (Eq. 5) from the stored old model: `relation = "bce"` is the authors'
+   form, a BCE against Y-hat (the old model's sigmoid outputs on the old classes, one-hot on the new ones). Both
+   terms are BCE on the same logits and BCE is linear in its target, so lambda_1 w_i BCE(z, y) + lambda_2 BCE(z,
+   Y-hat) is one BCE with weight lambda_1 w_i + lambda_2 and target their weighted mean: one loss call, exact.
+   lambda = (1, 0) in the first task, (`lambda_gc`, `lambda_rd`) = (0.5, 0.5) afterwards. `relation = "none"`
+   drops the term.
+4. Memory: iCaRL's exemplars, by herding on L2-normalised features without replacement (`herding_order`), the
+   quota water-filled over the classes seen before the task (M - N_new slots, as every policy), each class kept in
+   the order herding chose when the class became old, so a smaller quota later is a truncation (the order is
+   kept per class as sample fingerprints in `glfc/memory.npz`, a file of M like the others).
+5. At a new task the old model is stored (a `BudgetedFile` of M, `old_model_share`): the proxy's best model of the
+   previous task when one was broadcast (`glfc/old-model`), else the latest global model received before the
+   switch (the "w/o PRS" ablation's old model: the paper does not say which it used). After the first round's
+   training of a task, for each of the task's new classes the sample nearest the class-mean feature (the
+   prototype) goes through the fixed encoding network Gamma, and the gradient of its cross-entropy w.r.t. Gamma's
+   parameters is attached to the update (`glfc/prototype/<k>`), for the proxy.
+6. Task detection (Eq. 7), for streams that do not announce tasks (`task_boundary`): the mean softmax entropy of a
+   chunk under the latest global model against the previous chunk's, over the head GLFC's received model would
+   have: the classes seen and the chunk's own labels (in GLFC the server grows the head at a new task, and the
+   jump comes mostly from the new, untrained logits; a head masked to the classes seen stays confidently wrong on
+   new classes, 0.02-0.3 nats on digits). The paper's absolute r_h = 1.2 cannot fire where ln C < 1.2 (tasks of
+   2-5 classes); here r_h = `entropy_ratio` * ln C, C the classes of that head. Measured on digits (LeNet trained
+   on 2-5 classes, chunks of 40): the jump at a new pair of classes was 0.16-0.78 nats (0.19 under a model
+   still learning 5 classes), more samples of the old classes moved it by about 0; `entropy_ratio` = 0.05 puts
+   r_h at 0.07-0.1 nats, below every jump measured. It stays a weak signal on small tasks: where the stream
+   names its tasks or a chunk brings unseen labels (`detect_new_tasks`), those say it for certain.
+
+Gamma is a registered model (`gamma`, default the authors' sigmoid LeNet, `glfc_mlp` for any input) built from
+`gamma_seed`, the fleet's shared secret: the host exports it beside the model's artifacts (`export_artifacts`, for
+the backends the model serves) and the proxy builds the same network from the same seed. Its weights are a
+`BudgetedFile` of M too (copied from the artifacts at open). Not implemented yet: the prototype's optional
+refinement (Eqs. 10-11), which needs an input-gradient graph on the ONNX backends, and the paper's KL form of
+Eq. 5.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from edge_client.budget import BudgetedFile
+from edge_client.policies.base import (
+    PolicyContext,
+    ReplayPolicy,
+    RoundView,
+    Samples,
+    TrainingSet,
+    balanced_quotas,
+    interleave_by_class,
+)
+from edge_client.policies.herding import herding_order
+from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
+from models.glfc import decode_old_model, encode_gradient, prototype_name
+from models.manifest import WEIGHTS
+
+if TYPE_CHECKING:
+    from edge_client.config import Backend
+
+log = logging.getLogger(__name__)
+RELATIONS = ("bce", "none")
+ENTROPY_RATIO = 0.05  # r_h = ENTROPY_RATIO * ln C (module docstring, 6)
+OLD_MODEL_HOLDER, GAMMA_HOLDER, MEMORY_HOLDER = "glfc-old-model", "glfc-gamma", "glfc-memory"
+FOLDER = "glfc"
+
+
+def compensation_weights(p_true: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Eqs. 2-4: |G_i| / mean |G| over i's group (old or new classes), G_i = p_i[y_i] - 1; each group's weights
+    average 1 (a group whose |G| are all 0, every sample learnt, keeps weights of 1)."""
+    g = np.abs(np.asarray(p_true, dtype=np.float64) - 1.0)
+    weights = np.ones_like(g)
+    for group in (old, ~old):
+        mean = g[group].mean() if group.any() else 0.0
+        if mean > 0:
+            weights[group] = g[group] / mean
+    return weights.astype(np.float32)
+
+
+def relation_targets(y: np.ndarray, num_classes: int, old_probs: np.ndarray, old_classes: np.ndarray) -> np.ndarray:
+    """Eq. 5's Y-hat: one-hot labels with the old classes' columns replaced by the old model's sigmoid outputs."""
+    targets = np.zeros((len(y), num_classes), dtype=np.float32)
+    targets[np.arange(len(y)), y] = 1.0
+    targets[:, old_classes] = old_probs[:, old_classes]
+    return targets
+
+
+def combined_bce(y: np.ndarray, num_classes: int, weights: np.ndarray, lambda_gc: float, lambda_rd: float,
+                 relation: np.ndarray | None) -> LossInputs:
+    """lambda_gc * w_i BCE(z_i, onehot y_i) + lambda_rd BCE(z_i, Y-hat_i) as one BCE: weight a_i + b, target
+    (a_i onehot + b Y-hat) / (a_i + b), with a_i = lambda_gc w_i, b = lambda_rd (0 without a relation target)."""
+    onehot = np.zeros((len(y), num_classes), dtype=np.float32)
+    onehot[np.arange(len(y)), y] = 1.0
+    a = np.float32(lambda_gc) * weights.astype(np.float32)
+    b = np.float32(lambda_rd if relation is not None else 0.0)
+    total = a + b
+    mixed = a[:, None] * onehot + (b * relation if relation is not None else 0.0)
+    targets = np.where(total[:, None] > 0, mixed / np.maximum(total, 1e-12)[:, None], onehot).astype(np.float32)
+    return LossInputs(sample_weights=total.astype(np.float32), targets=targets, head="sigmoid-bce")
+
+
+def mean_entropy(masked_logits: np.ndarray) -> float:
+    """Eq. 7's mean softmax entropy -sum p log(p + 1e-5) (the authors' guard), over the unmasked classes."""
+    if not len(masked_logits):
+        return 0.0
+    p = softmax(masked_logits)
+    return float(-(p * np.log(p + 1e-5)).sum(axis=1).mean())
+
+
+def fingerprint(x: np.ndarray) -> np.ndarray:
+    """8 bytes per sample that name it across restarts: how the memory order finds its samples again."""
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)
+    return np.array([int.from_bytes(hashlib.blake2b(r.tobytes(), digest_size=8).digest(), "little", signed=True)
+                     for r in rows], dtype=np.int64)
+
+
+@dataclass
+class Glfc(ReplayPolicy):
+    name = "glfc"
+
+    compensation: bool = True  # class-aware gradient compensation; False: the "w/o CGC" ablation
+    relation: str = "bce"  # class-semantic relation distillation: "bce" (the authors' form) or "none"
+    lambda_gc: float = 0.5  # lambda_1 from the second task on (the first task trains with (1, 0))
+    lambda_rd: float = 0.5  # lambda_2
+    entropy_ratio: float = ENTROPY_RATIO  # task detection: r_h = entropy_ratio * ln(visible classes)
+    prototypes: bool = True  # upload prototype gradients at a new task (the proxy's input)
+    gamma: str = "glfc_lenet"  # the encoding network: a registered model
+    gamma_seed: int = 2021  # its weights: the fleet's shared secret, the proxy's too
+    old_model_share: float = 0.5  # the most of M's bytes the old model may take
+    _trainer: Trainer | None = field(default=None, init=False, repr=False)
+    _gamma: Trainer | None = field(default=None, init=False, repr=False)
+    _files: dict[str, BudgetedFile] = field(default_factory=dict, init=False, repr=False)
+    _latest: np.ndarray | None = field(default=None, init=False, repr=False)  # the latest global model
+    _broadcast: tuple[np.ndarray, int] | None = field(default=None, init=False, repr=False)  # proxy's old model
+    _task: int = field(default=-1, init=False, repr=False)  # the task the old model was stored for
+    _uploaded_for: int = field(default=-1, init=False, repr=False)  # the task whose prototypes went up
+    _pending: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
+    _entropy: float | None = field(default=None, init=False, repr=False)
+    _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.relation not in RELATIONS:
+            raise ValueError(f"relation must be one of {', '.join(RELATIONS)}, got {self.relation!r}")
+        for name in ("lambda_gc", "lambda_rd", "entropy_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not 0.0 < self.old_model_share <= 1.0:
+            raise ValueError(f"old_model_share must lie in (0, 1], got {self.old_model_share}")
+        from models.zoo import REGISTRY
+
+        if self.gamma not in REGISTRY:
+            raise ValueError(f"gamma must be a registered model ({', '.join(sorted(REGISTRY))}), got {self.gamma!r}")
+
+    # --- host and open --------------------------------------------------------------------------
+
+    @classmethod
+    def gamma_folder(cls, options: Mapping[str, Any], model_artifacts: Path) -> Path:
+        gamma = options.get("gamma", cls.gamma)
+        return Path(model_artifacts).parent / f"glfc-gamma-{gamma}-{options.get('gamma_seed', cls.gamma_seed)}"
+
+    @classmethod
+    def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
+        """Gamma's artifacts beside the model's (for the backends the model serves), when missing. Host only."""
+        folder = cls.gamma_folder(options, model_artifacts)
+        if (folder / "manifest.json").is_file():
+            return
+        from models.export import export_registered
+        from models.manifest import load_manifest
+
+        manifest = load_manifest(model_artifacts)
+        export_registered(str(options.get("gamma", cls.gamma)), manifest.num_classes, folder,
+                          input_shape=tuple(manifest.input_shape), seed=int(options.get("gamma_seed", cls.gamma_seed)),
+                          backends=manifest.backends)
+
+    def open(self, ctx: PolicyContext) -> None:
+        from edge_client.config import TrainerSettings  # here: the config module imports the policies
+        from edge_client.trainers.choice import make_trainer
+
+        self._trainer = ctx.trainer
+        folder = self.gamma_folder({"gamma": self.gamma, "gamma_seed": self.gamma_seed}, ctx.artifacts)
+        if not (folder / "manifest.json").is_file():
+            raise FileNotFoundError(f"no GLFC encoding network at {folder}: the host exports it "
+                                    f"(Glfc.export_artifacts, done by a fleet run before its devices start)")
+        state = Path(ctx.state_dir) / FOLDER
+        self._files = {
+            OLD_MODEL_HOLDER: BudgetedFile(ctx.budget, OLD_MODEL_HOLDER, state / "old-model" / "weights.f32",
+                                           share=self.old_model_share),
+            GAMMA_HOLDER: BudgetedFile(ctx.budget, GAMMA_HOLDER, state / "gamma" / "weights.f32"),
+            MEMORY_HOLDER: BudgetedFile(ctx.budget, MEMORY_HOLDER, state / "memory" / "order.npz"),
+        }
+        self._gamma = make_trainer(TrainerSettings(backend=cast("Backend", ctx.trainer.backend)), folder)
+        held = self._files[GAMMA_HOLDER]
+        if held.read() is None and not held.write((folder / WEIGHTS).read_bytes()):
+            raise ValueError(f"policy glfc: its encoding network {self.gamma} ({(folder / WEIGHTS).stat().st_size} "
+                             f"bytes) does not fit what [store] max_bytes leaves; choose gamma = \"glfc_mlp\" or "
+                             f"raise max_bytes")
+        stored = held.read()
+        self._gamma.set_weights(np.frombuffer(stored or b"", dtype="<f4").astype(np.float32))
+        if not self._files[OLD_MODEL_HOLDER].can_ever_hold(4 * ctx.trainer.manifest.num_parameters):
+            log.warning("policy glfc: the old model can never fit old_model_share of M: no relation distillation")
+
+    # --- the round ------------------------------------------------------------------------------
+
+    def on_global_model(self, view: RoundView, weights: np.ndarray) -> None:
+        self._latest = weights
+
+    def receive(self, view: RoundView, payloads: Mapping[str, bytes]) -> None:
+        old = decode_old_model(payloads, view.trainer.manifest.num_parameters)
+        if old is not None:
+            self._broadcast = old
+
+    def task_boundary(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> bool:
+        """Eq. 7 with the scaled threshold (module docstring, 6): this chunk's mean entropy under the latest model,
+        over the classes seen and the chunk's labels, against the previous chunk's."""
+        head = np.zeros(view.trainer.manifest.num_classes, dtype=np.float32)
+        head[np.flatnonzero(view.label_counts)] = 1.0
+        head[np.unique(y)] = 1.0
+        logits, _ = view.trainer.outputs(x, y, head)
+        entropy = mean_entropy(logits)
+        previous, self._entropy = self._entropy, entropy
+        self._round["entropy"] = entropy
+        return previous is not None and entropy - previous >= self.entropy_ratio * math.log(max(head.sum(), 2))
+
+    def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
+        """iCaRL's memory: per class, the order herding chose when the class became old (kept in a file of M), so
+        a smaller quota is a truncation; classes new to the memory are herded now with the current model."""
+        names = fingerprint(old.x)
+        orders = self._memory_orders()
+        quotas = balanced_quotas(old.y, keep)
+        chosen: dict[int, np.ndarray] = {}
+        features: np.ndarray | None = None
+        for c, quota in quotas.items():
+            members = np.flatnonzero(old.y == c)
+            if c in orders:
+                position = {int(n): i for i, n in enumerate(orders[c])}
+                known = sorted((position[int(names[m])], m) for m in members if int(names[m]) in position)
+                order = [m for _, m in known] + [m for m in members if int(names[m]) not in position]
+                ranked = np.asarray(order, dtype=np.int64)
+            else:
+                if features is None:
+                    _, raw = view.trainer.outputs(old.x, old.y, view.class_mask)
+                    features = raw / np.maximum(np.linalg.norm(raw, axis=1, keepdims=True), 1e-12)
+                ranked = members[herding_order(features[members], len(members))]
+            chosen[c] = ranked[:quota]
+            orders[c] = names[ranked[:quota]]
+        self._save_memory_orders({c: orders[c] for c in chosen})
+        return interleave_by_class(chosen)
+
+    def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+        if view.task != self._task:
+            self._store_old_model(view)
+            self._task = view.task
+        return TrainingSet(x, y)
+
+    def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
+        """E epochs of GLFC steps: per batch, the compensation weights from one eval forward pass of the model
+        being trained, and the relation targets from the old model's outputs (computed once per round)."""
+        trainer = view.trainer
+        x, y, mask, proximal, _ = trainer.fit_inputs(batch.x, batch.y, view.class_mask, proximal)
+        k = trainer.manifest.num_classes
+        old_classes = view.seen_before_task()
+        is_old = np.isin(y, old_classes)
+        first = len(old_classes) == 0
+        lambda_gc, lambda_rd = (1.0, 0.0) if first else (self.lambda_gc, self.lambda_rd)
+        old_weights = None if first or self.relation == "none" else self._old_model()
+        old_probs = None
+        if old_weights is not None:
+            old_probs = 1.0 / (1.0 + np.exp(-trainer.teacher_logits(old_weights, x).astype(np.float64)))
+        forwards = last = 0.0
+        for _ in range(epochs):
+            total = 0.0
+            for idx in iterate_batches(len(y), view.batch_size, view.rng):
+                weights = np.ones(len(idx), dtype=np.float32)
+                if self.compensation:
+                    _, logits, _ = trainer.forward(x[idx], y[idx], mask)
+                    forwards += 1
+                    p_true = 1.0 / (1.0 + np.exp(-logits[np.arange(len(idx)), y[idx]].astype(np.float64)))
+                    weights = compensation_weights(p_true, is_old[idx])
+                relation = None if old_probs is None else relation_targets(y[idx], k, old_probs[idx], old_classes)
+                loss = combined_bce(y[idx], k, weights, lambda_gc, lambda_rd, relation)
+                total += len(idx) * trainer.fit(x[idx], y[idx], epochs=1, batch_size=len(idx), class_mask=mask,
+                                                proximal=proximal, loss=loss)
+            last = total / max(len(y), 1)
+        self._round.update(extra_forward_passes=forwards, relation_distillation=float(old_probs is not None))
+        return last
+
+    def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
+        """After the first round of a task: the prototype gradients of its new classes (module docstring, 5)."""
+        self._pending = {}
+        if not self.prototypes or view.task == self._uploaded_for or not len(y):
+            return
+        self._uploaded_for = view.task
+        new = [c for c in np.unique(y).tolist() if c not in set(view.seen_before_task().tolist())]
+        if not new:
+            return
+        _, features = view.trainer.outputs(x, y, view.class_mask)
+        gamma = self._require_gamma()
+        for k, c in enumerate(new):
+            members = np.flatnonzero(y == c)
+            centre = features[members].mean(axis=0)
+            nearest = members[int(np.linalg.norm(features[members] - centre, axis=1).argmin())]
+            _, gradient = gamma.gradient(x[nearest : nearest + 1], np.array([c], dtype=np.int64))
+            self._pending[prototype_name(k)] = encode_gradient(gradient)
+        self._round["prototypes"] = float(len(self._pending))
+
+    def attachments(self, view: RoundView) -> dict[str, bytes]:
+        return dict(self._pending)
+
+    def release_bytes(self, view: RoundView) -> bool:
+        """The old model goes first when a new task's real samples do not fit beside it (real data first)."""
+        return self._files[OLD_MODEL_HOLDER].remove() if OLD_MODEL_HOLDER in self._files else False
+
+    def metrics(self) -> dict[str, float]:
+        numbers, self._round = self._round, {}
+        return numbers
+
+    # --- what it keeps --------------------------------------------------------------------------
+
+    def _store_old_model(self, view: RoundView) -> None:
+        """At a new task: the proxy's best model of the previous task if it sent one, else the latest global model
+        received before the switch."""
+        candidate = None
+        if self._broadcast is not None and self._broadcast[1] == view.task - 1:
+            candidate, source = self._broadcast[0], "proxy"
+        elif self._latest is not None:
+            candidate, source = self._latest, "latest-global"
+        if candidate is None or view.task == 0:
+            return
+        stored = self._files[OLD_MODEL_HOLDER].write(np.ascontiguousarray(candidate, dtype="<f4").tobytes())
+        self._round.update(old_model_stored=float(stored), old_model_from_proxy=float(source == "proxy"))
+
+    def _old_model(self) -> np.ndarray | None:
+        data = self._files[OLD_MODEL_HOLDER].read() if OLD_MODEL_HOLDER in self._files else None
+        trainer = self._trainer
+        if data is None or trainer is None or len(data) != 4 * trainer.manifest.num_parameters:
+            return None
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+
+    def _memory_orders(self) -> dict[int, np.ndarray]:
+        data = self._files[MEMORY_HOLDER].read() if MEMORY_HOLDER in self._files else None
+        if data is None:
+            return {}
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as saved:
+                return {int(name.split("-")[1]): saved[name].astype(np.int64) for name in saved.files}
+        except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile):
+            log.warning("glfc: the memory order does not load; herding the old classes again")
+            return {}
+
+    def _save_memory_orders(self, orders: dict[int, np.ndarray]) -> None:
+        if MEMORY_HOLDER not in self._files:
+            return
+        buffer = io.BytesIO()
+        arrays: dict[str, Any] = {f"class-{c}": np.asarray(v, dtype=np.int64) for c, v in orders.items()}
+        np.savez(buffer, **arrays)
+        if not self._files[MEMORY_HOLDER].write(buffer.getvalue()):
+            log.warning("glfc: no room for the memory order; the next switch herds the old classes again")
+
+    def _require_gamma(self) -> Trainer:
+        if self._gamma is None:
+            raise RuntimeError("the glfc policy is not open: the learner calls open() with its state folder")
+        return self._gamma
