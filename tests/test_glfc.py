@@ -3,11 +3,18 @@ values, its detector on real digits, its memory, its steps on every backend, the
 reconstruction, and a fleet with the proxy through a real broker."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
+from thread_fleet import ThreadFederation
 from torch.nn import functional as F
 
+from coordinator.background import Deadline
+from coordinator.broker import mosquitto_path
+from coordinator.strategies import ClientUpdate, RoundContext, make_strategy
+from coordinator.strategies.glfc import GlfcProxy
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, Samples, make_policy
@@ -18,12 +25,13 @@ from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_dataset
-from models.glfc import decode_gradient, infer_label, prototype_name
+from models.glfc import decode_gradient, decode_old_model, infer_label, prototype_name
 from models.loss import training_loss
 from models.manifest import ParameterInfo, load_manifest
 from models.zoo import build_model
 
 OPTIONS = {"gamma": "glfc_mlp"}
+needs_broker = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 
 
 def test_compensation_weights_are_each_groups_gradient_over_its_mean():
@@ -171,3 +179,108 @@ def test_every_backend_takes_the_same_glfc_step_as_torch(artifacts, tmp_path, ba
     other = (OrtTrainer(artifacts, optimizer="sgd", lr=0.1) if backend == "ort"
              else PortableTrainer(artifacts, optimizer="sgd", lr=0.1))
     np.testing.assert_allclose(run(other, tmp_path / backend), torch_weights, atol=2e-5)
+
+
+def _proxy(artifacts, **options):
+    return make_strategy("glfc", device="cpu", manifest=load_manifest(artifacts), **options)
+
+
+@pytest.mark.parametrize("gamma", ["glfc_mlp", "glfc_lenet"])
+def test_the_proxy_reconstructs_a_prototype_from_its_gradient(artifacts, gamma):
+    """Gradient matching by L-BFGS from noise: the reconstruction is nearer its prototype than any other digit of
+    the class is, and within the input range."""
+    proxy = _proxy(artifacts, gamma=gamma, lbfgs_iterations=60)
+    x, y = _digits([4], 60)
+    gradient, _ = _gamma_gradient(gamma, x[0], 4)
+    made, labels = proxy.reconstruct([gradient], Deadline(600))
+    assert labels.tolist() == [4] and made.shape == (1, 1, 8, 8)
+    assert made.min() >= 0.0 and made.max() <= 1.0
+    distances = np.linalg.norm((x - made[0]).reshape(len(x), -1), axis=1)
+    assert distances.argmin() == 0 and distances[0] < 0.5 * np.median(distances[1:])
+
+
+def test_the_proxy_handles_no_gradients_and_keeps_the_best_model_of_each_task(artifacts):
+    proxy = _proxy(artifacts, gamma="glfc_mlp", lbfgs_iterations=5)
+    made, labels = proxy.reconstruct([], Deadline(10))
+    assert made.shape == (0, 1, 8, 8) and labels.shape == (0,)
+    size = proxy.manifest.num_parameters
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    update = ClientUpdate("d0", base.copy(), 10)
+    ctx = RoundContext(round=1, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=1,
+                       rounds_per_task=2)
+    result = proxy.aggregate(torch.from_numpy(base), [update], ctx)  # no prototypes: nothing starts
+    assert not proxy.job.running and result.broadcast == {}
+    last = RoundContext(round=2, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=2,
+                        rounds_per_task=2)
+    result = proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", base.copy(), 10)], last)
+    weights, task = decode_old_model(result.broadcast, size)  # no reconstructions: the task's last model
+    assert task == 0 and np.allclose(weights, base)
+
+
+@needs_broker
+def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_joining(tmp_path, artifacts):
+    """Two tasks of two rounds, two devices and one that joins after round 1: the proxy pools the prototype
+    gradients of each task's first round, reconstructs them, and the old model it broadcasts at the end of task 0
+    is what every device distils from in task 1."""
+    device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS},
+              "trainer": {"optimizer": "adamw", "lr": 3e-3}}
+    strategy = {"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 30, "wait_at_task_end_s": 300.0}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2, spares=("dev-2",)) as federation:
+        for running in federation.devices:
+            assert running.link.wait_subscribed(60)
+        coordinator = federation.coordinator(strategy, rounds_per_task=2, min_clients=2, wait_for_devices_s=0.5,
+                                             client={"epochs": 2})
+
+        def progress(entry: dict) -> None:
+            if entry["round"] == 1:
+                federation.join("dev-2")
+
+        coordinator.progress = progress
+        results = coordinator.run()
+        devices = {d.id: d for d in federation.devices}
+    assert results["rounds_completed"] == 4 and results["counters"].get("attachments", 0) == 0
+    history = results["history"]
+    assert history[0]["rule_metrics"]["proxy"]["prototypes_pooled"] == 4  # 2 devices x 2 new classes
+    assert history[1]["rule_metrics"]["proxy"]["reconstructions"] == 4
+    assert history[1]["rule_metrics"]["proxy"]["reconstruction_accuracy"] >= 0.5
+    first_of_task_1 = history[2]
+    assert first_of_task_1["rule_metrics"]["proxy"]["prototypes_pooled"] == 2 * len(first_of_task_1["received"])
+    trained_task_0 = {name for h in history[:2] for name in h["received"]}
+    for name in first_of_task_1["received"]:  # the old model came from the proxy; a device that learnt task 0
+        metrics = first_of_task_1["metrics"][name]  # distils from it (a newcomer has no old classes of its own)
+        assert metrics["old_model_from_proxy"] == 1.0
+        assert metrics["relation_distillation"] == float(name in trained_task_0)
+    assert any("dev-2" in h["received"] for h in history[1:])
+    assert devices["dev-2"].broadcasts_received >= 1
+
+
+@needs_broker
+def test_the_coordinator_keeps_running_rounds_while_the_proxy_reconstructs(tmp_path, artifacts):
+    """The proxy's reconstruction held back until round 2 is over: round 2 runs (its updates, the devices'
+    heartbeats) while it works, and the task's last round uses what it reconstructed."""
+    release = threading.Event()
+
+    class HeldProxy(GlfcProxy):
+        name = "test-glfc-held"
+
+        def reconstruct(self, gradients, deadline):
+            release.wait(120)
+            return super().reconstruct(gradients, deadline)
+
+    device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS}}
+    strategy = {"name": "test-glfc-held", "gamma": "glfc_mlp", "lbfgs_iterations": 20, "wait_at_task_end_s": 300.0}
+    running_after: dict[int, bool] = {}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=1) as federation:
+        coordinator = federation.coordinator(strategy, rounds_per_task=3)
+        proxy = coordinator.strategy.strategy
+
+        def progress(entry: dict) -> None:
+            running_after[entry["round"]] = proxy.job.running
+            if entry["round"] == 2:
+                release.set()
+
+        coordinator.progress = progress
+        results = coordinator.run()
+    assert results["rounds_completed"] == 3
+    assert running_after[1] and running_after[2]
+    assert results["history"][2]["rule_metrics"]["proxy"]["reconstructions"] == 4

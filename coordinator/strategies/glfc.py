@@ -7,14 +7,16 @@ The proxy (`proxy = true`; false is the paper's "w/o PRS" ablation, GLFC without
    them, so no gradient is tied to its device once pooled;
 2. infers each one's label from the last layer's gradient (`models.glfc.infer_label`);
 3. reconstructs one sample per gradient by gradient matching (Eqs. 8-9): x ~ N(0, 1), L-BFGS on
-   sum_i ||grad_W_i CE(Gamma(x), y) - grad_W_i||^2 (`lbfgs_iterations` per sample, `lbfgs_lr`), each clamped to
-   `input_range` after every step, all of it in a `BackgroundJob` with `reconstruction_budget_s` of wall time, on
-   the strategy's torch device (cuda when present), so the coordinator keeps handling its devices meanwhile;
-   an empty pool starts nothing (the authors' code divides by zero there);
+   sum_i ||grad_W_i CE(Gamma(x), y) - grad_W_i||^2 (`lbfgs_iterations` per sample, `lbfgs_lr`, a strong Wolfe
+   line search), clamped to `input_range` at the end, all of it in a `BackgroundJob` with
+   `reconstruction_budget_s` of wall time, on the strategy's torch device (cuda when present), so the coordinator
+   keeps handling its devices meanwhile; an empty pool starts nothing (the authors' code divides by zero there);
 4. scores every round's global model on the task's reconstructions (top-1 over the classes seen) and keeps the
    best one of the task (its best score reset at each task; the authors' code never resets it, so a later task's
    model must beat an earlier task's score);
-5. at the last round of a task, broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
+5. at the last round of a task (after waiting up to `wait_at_task_end_s` for a running reconstruction: 0, the
+   default, never holds the coordinator's loop; a benchmark that must not depend on the machine's speed waits),
+   broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
    device, once (coordinator/broadcast.py): the old model the devices distil from in the next task. Without
    reconstructions for the task, the best model is the task's last global model (as without the proxy).
 
@@ -49,6 +51,7 @@ from models.zoo import build_model
 
 log = logging.getLogger("edgefil.coordinator")
 STATE_FILE = "glfc.npz"
+LBFGS_BURST = 10  # L-BFGS iterations between two looks at the deadline
 
 
 class GlfcProxy(FedAvg):
@@ -62,6 +65,7 @@ class GlfcProxy(FedAvg):
         lbfgs_iterations: int = 100,
         lbfgs_lr: float = 1.0,
         reconstruction_budget_s: float = 120.0,
+        wait_at_task_end_s: float = 0.0,
         input_range: tuple[float, float] = (0.0, 1.0),
         weighted: bool = False,
         seed: int = 0,
@@ -79,7 +83,10 @@ class GlfcProxy(FedAvg):
         if not low < high:
             raise ValueError(f"input_range must be [low, high] with low < high, got {input_range}")
         self.proxy, self.lbfgs_iterations, self.lbfgs_lr = proxy, lbfgs_iterations, lbfgs_lr
+        if not (math.isfinite(wait_at_task_end_s) and wait_at_task_end_s >= 0):
+            raise ValueError(f"wait_at_task_end_s must be >= 0, got {wait_at_task_end_s}")
         self.budget_s, self.input_range, self.seed = reconstruction_budget_s, (low, high), seed
+        self.wait_at_task_end_s = wait_at_task_end_s
         self.manifest: Manifest = manifest
         self.shape = tuple(manifest.input_shape)
         self.num_classes = manifest.num_classes
@@ -115,6 +122,8 @@ class GlfcProxy(FedAvg):
         self.last_metrics = {}
         if self.proxy:
             self._start_reconstruction(updates, ctx.task)
+            if ctx.ends_task and self.wait_at_task_end_s > 0:
+                self.job.wait(self.wait_at_task_end_s)
             self._take_reconstruction()
             self._score(weights, ctx)
         if ctx.ends_task:
@@ -182,31 +191,31 @@ class GlfcProxy(FedAvg):
         return np.stack(samples).astype(np.float32), np.asarray(labels, dtype=np.int64)
 
     def invert(self, gradient: np.ndarray, label: int, generator: torch.Generator, deadline: Deadline) -> np.ndarray:
-        """L-BFGS from N(0, 1) on the squared distance between the gradient at x and `gradient`."""
-        target = [t.to(self.device) for t in torch.from_numpy(gradient).split([p.size for p in self.gamma_parameters])]
+        """L-BFGS (strong Wolfe line search) from N(0, 1) on the squared distance between the gradient at x and
+        `gradient`, in bursts of LBFGS_BURST iterations with the deadline checked between them; clamped to the
+        input range at the end (clamping between iterations breaks L-BFGS's curvature pairs: it then stalls)."""
         parameters = list(self.gamma.parameters())
-        target = [t.reshape(p.shape) for t, p in zip(target, parameters)]
+        pieces = torch.from_numpy(gradient).to(self.device).split([p.numel() for p in parameters])
+        target = [t.reshape(p.shape) for t, p in zip(pieces, parameters)]
         y = torch.tensor([label], device=self.device)
         x = torch.randn(1, *self.shape, generator=generator).to(self.device).requires_grad_(True)
-        optimizer = torch.optim.LBFGS([x], lr=self.lbfgs_lr, max_iter=1, history_size=20)
-        low, high = self.input_range
+        optimizer = torch.optim.LBFGS([x], lr=self.lbfgs_lr, max_iter=LBFGS_BURST, history_size=100,
+                                      line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-14)
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
             logits, _ = self.gamma(x)
             grads = torch.autograd.grad(F.cross_entropy(logits, y), parameters, create_graph=True)
-            distance = sum(((g - t) ** 2).sum() for g, t in zip(grads, target))
-            assert isinstance(distance, torch.Tensor)
+            distance = torch.stack([((g - t) ** 2).sum() for g, t in zip(grads, target)]).sum()
             distance.backward()
             return distance
 
-        for _ in range(self.lbfgs_iterations):
+        for _ in range(-(-self.lbfgs_iterations // LBFGS_BURST)):
             if deadline.passed():
                 break
             optimizer.step(closure)
-            with torch.no_grad():
-                x.clamp_(low, high)
-        return x.detach().cpu().numpy()[0]
+        low, high = self.input_range
+        return x.detach().clamp(low, high).cpu().numpy()[0]
 
     # --- across a resume ------------------------------------------------------------------------
 
