@@ -6,12 +6,19 @@ export path: it chooses the inputs.
 
 Per sample i of a batch of B, with raw logits r_i, the mask m over classes (1 = visible), masked logits
 z_i = r_i + (m - 1) * MASK_FILL, targets t_i (one-hot labels, or soft / multi-hot), sample weight w_i, teacher
-logits s_i and teacher weight d_i:
+logits s_i and teacher weight d_i, soft targets q_i and soft weight u_i:
 
     head "softmax-ce" (bce = 0):  task_i = -sum_k t_ik log softmax(z_i)_k
     head "sigmoid-bce" (bce = 1): task_i = sum_k m_k [softplus(r_ik) - t_ik r_ik] / sum_k m_k
     teacher term:                 dist_i = sum_k m_k (r_ik - s_ik)^2 / sum_k m_k
-    loss = (1 / B) sum_i w_i (task_i + d_i dist_i)
+    soft-target term:             soft_i = -sum_k m_k q_ik log softmax(z_i)_k
+    loss = (1 / B) sum_i [w_i (task_i + d_i dist_i) + u_i soft_i]
+
+The soft-target term is a softmax cross-entropy against any distribution, beside whichever head the task term
+uses: KL(q_i || softmax(z_i)) up to a constant, the distillation a method adds to a BCE head (GLFC's Eq. 5 as its
+paper writes it) or to a CE one (knowledge distillation at temperature 1). Its weight u_i stands beside the sample
+weight rather than under it, so a method that weighs the task term per sample (GLFC's gradient compensation) keeps
+its distillation whole.
 
 With w = 1, one-hot t, d = 0 and the CE head this is the plain batch-mean cross-entropy. pFedGRP's alignment
 term (Eq. 6) is the teacher term with d_i = lambda for samples of classes seen before. The BCE head averages
@@ -38,17 +45,21 @@ def training_loss(
     sample_weights: torch.Tensor,
     teacher_logits: torch.Tensor,
     teacher_weights: torch.Tensor,
+    soft_targets: torch.Tensor,
+    soft_weights: torch.Tensor,
     bce: torch.Tensor,
 ) -> torch.Tensor:
     """The batch loss of the module docstring from raw (unmasked) logits."""
     visible = class_mask.sum().clamp(min=1.0)
     masked = raw + (class_mask - 1.0) * MASK_FILL
-    ce = -(targets * F.log_softmax(masked, dim=1)).sum(1)
+    log_p = F.log_softmax(masked, dim=1)
+    ce = -(targets * log_p).sum(1)
     binary = ((_softplus(raw) - targets * raw) * class_mask).sum(1) / visible
     head = bce.reshape(())
     task = (1.0 - head) * ce + head * binary
     distance = ((raw - teacher_logits) * class_mask).pow(2).sum(1) / visible
-    return (sample_weights * (task + teacher_weights * distance)).mean()
+    soft = -(soft_targets * class_mask * log_p).sum(1)  # hidden classes: no target (their log p is -1e9)
+    return (sample_weights * (task + teacher_weights * distance) + soft_weights * soft).mean()
 
 
 class TrainingGraph(torch.nn.Module):
@@ -69,9 +80,12 @@ class TrainingGraph(torch.nn.Module):
         sample_weights: torch.Tensor,
         teacher_logits: torch.Tensor,
         teacher_weights: torch.Tensor,
+        soft_targets: torch.Tensor,
+        soft_weights: torch.Tensor,
         bce: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features = self.trunk(x)
         raw = self.head(features)
-        loss = training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights, bce)
+        loss = training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights, soft_targets,
+                             soft_weights, bce)
         return loss, raw + (class_mask - 1.0) * MASK_FILL, features

@@ -52,6 +52,8 @@ GRAPH_INPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("sample_weights", "float32", ("N",), "weight of each sample's loss (ones: the plain batch mean)"),
     ("teacher_logits", "float32", ("N", "C"), "a teacher model's raw logits per sample (zeros when unused)"),
     ("teacher_weights", "float32", ("N",), "weight of each sample's teacher term (zeros: no teacher)"),
+    ("soft_targets", "float32", ("N", "C"), "a distribution to distil into the softmax of the visible classes"),
+    ("soft_weights", "float32", ("N",), "weight of each sample's soft-target term (zeros: none)"),
     ("bce", "float32", ("1",), "the head: 0 = softmax cross-entropy, 1 = sigmoid binary cross-entropy"),
 )
 LOSS_HEADS = ("softmax-ce", "sigmoid-bce")  # the `bce` input's two values, 0 and 1, by name

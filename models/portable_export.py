@@ -7,7 +7,8 @@ exporter, with `models/onnx_backward.py` translating the two backward ops the ex
 graph input, one flat float32 buffer in manifest order, so a device keeps one buffer and never a checkpoint.
 
     portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
-                             teacher_weights, bce) -> (loss, gradient): models/loss.py's loss and its gradient
+                             teacher_weights, soft_targets, soft_weights, bce) -> (loss, gradient): models/loss.py's
+                             loss and its gradient
     portable_sgd.onnx       (weights, gradient, velocity, lr, momentum, proximal_mu, reference)
                              -> (weights, velocity): torch.optim.SGD (momentum, no dampening), then the pull
     portable_adamw.onnx     (weights, gradient, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
@@ -47,7 +48,7 @@ PORTABLE_OPSET = 18
 SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
 
 GRADIENT_INPUTS = ("weights", "input", "class_mask", "targets", "sample_weights", "teacher_logits",
-                   "teacher_weights", "bce")
+                   "teacher_weights", "soft_targets", "soft_weights", "bce")
 SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference")
 ADAMW_INPUTS = ("weights", "gradient", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps", "weight_decay",
                 "step_size", "bias_correction2_sqrt", "proximal_mu", "reference")
@@ -76,10 +77,12 @@ class GradientGraph(torch.nn.Module):
 
     def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
                 sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
-                bce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                soft_targets: torch.Tensor, soft_weights: torch.Tensor, bce: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
             raw, _ = functional_call(self.model, params, (x,))
-            return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights, bce)
+            return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights,
+                                 soft_targets, soft_weights, bce)
 
         gradient, value = grad_and_value(loss)(self.unflatten(weights))
         return value, self.unflatten.flatten(gradient)
@@ -149,7 +152,7 @@ def export_portable(
     n = min(set(range(3, 64)) - {*input_shape, classes, size})
     batch = (torch.zeros(n, *input_shape), torch.ones(classes),
              F.one_hot(torch.arange(n) % classes, classes).float(), torch.ones(n), torch.zeros(n, classes),
-             torch.zeros(n), torch.zeros(1))
+             torch.zeros(n), torch.zeros(n, classes), torch.zeros(n), torch.zeros(1))
 
     def flat(count: int) -> tuple[torch.Tensor, ...]:  # distinct tensors: torch.export merges aliased inputs
         return tuple(torch.zeros(size) for _ in range(count))
@@ -161,7 +164,7 @@ def export_portable(
     graphs: dict[str, tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]] = {
         # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
-                     (1, 3, 4, 5, 6), True),
+                     (1, 3, 4, 5, 6, 7, 8), True),
         "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
                  ("logits", "features"), (1,), False),
         "sample_grad_norms": (

@@ -18,7 +18,7 @@ from coordinator.strategies.glfc import GlfcProxy
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, Samples, make_policy
-from edge_client.policies.glfc import combined_bce, compensation_weights, mean_entropy, relation_targets
+from edge_client.policies.glfc import compensation_weights, glfc_loss, mean_entropy, relation_targets
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
@@ -42,27 +42,43 @@ def test_compensation_weights_are_each_groups_gradient_over_its_mean():
     np.testing.assert_allclose(compensation_weights(np.array([1.0, 1.0]), np.array([True, False])), [1.0, 1.0])
 
 
-def test_relation_targets_and_the_combined_bce_are_the_two_terms_of_eq_6():
+def _loss_of(logits, inputs):
+    """models/loss.py's batch loss of these logits (every class visible) under GLFC's loss inputs."""
+    n, k = logits.shape
+
+    def tensor(a, shape):
+        return torch.zeros(shape) if a is None else torch.tensor(a, dtype=torch.float32)
+
+    return float(training_loss(logits, torch.ones(k), tensor(inputs.targets, (n, k)),
+                               tensor(inputs.sample_weights, (n,)), torch.zeros(n, k), torch.zeros(n),
+                               tensor(inputs.soft_targets, (n, k)), tensor(inputs.soft_weights, (n,)),
+                               torch.ones(1)))
+
+
+def test_relation_targets_and_both_forms_of_eq_6_are_its_two_terms():
     y = np.array([0, 2])
     old_probs = np.array([[0.7, 0.2, 0.9], [0.1, 0.6, 0.3]])
     targets = relation_targets(y, 3, old_probs, np.array([0, 1]))
     np.testing.assert_allclose(targets, [[0.7, 0.2, 0.0], [0.1, 0.6, 1.0]], rtol=1e-6)
     weights = np.array([1.0, 2.0], np.float32)
-    loss = combined_bce(y, 3, weights, 0.5, 0.5, targets)
-    np.testing.assert_allclose(loss.sample_weights, [1.0, 1.5], rtol=1e-6)
-    np.testing.assert_allclose(loss.targets, [[0.85, 0.1, 0.0], [0.1 / 3, 0.2, 1.0]], rtol=1e-6)
-    assert loss.head == "sigmoid-bce"
-    # the one BCE the device trains with equals lambda_1 * w_i BCE(z, onehot) + lambda_2 BCE(z, Y-hat), exactly
     logits = torch.tensor([[1.5, -0.3, 0.2], [-1.0, 0.4, 2.2]])
-    mask = torch.ones(3)
-
-    def bce(t, w):
-        return training_loss(logits, mask, torch.tensor(t, dtype=torch.float32), torch.tensor(w, dtype=torch.float32),
-                             torch.zeros(2, 3), torch.zeros(2), torch.ones(1))
-
     onehot = np.eye(3, dtype=np.float32)[y]
-    expected = 0.5 * bce(onehot, weights) + 0.5 * bce(targets, np.ones(2))
-    assert float(bce(loss.targets, loss.sample_weights)) == pytest.approx(float(expected), rel=1e-6)
+    bce = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(onehot), reduction="none").mean(1).numpy()
+    bce_hat = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(targets), reduction="none").mean(1).numpy()
+    # the authors' form: one BCE, weight a_i + b and target (a_i onehot + b Y-hat) / (a_i + b)
+    merged = glfc_loss(y, 3, weights, 0.5, 0.5, targets, "bce")
+    np.testing.assert_allclose(merged.sample_weights, [1.0, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(merged.targets, [[0.85, 0.1, 0.0], [0.1 / 3, 0.2, 1.0]], rtol=1e-6)
+    assert merged.head == "sigmoid-bce"
+    expected = (0.5 * weights * bce + 0.5 * bce_hat).mean()
+    assert _loss_of(logits, merged) == pytest.approx(float(expected), rel=1e-6)
+    # the paper's form: the same BCE term, and lambda_2 times the cross-entropy of softmax(z) against Y-hat
+    kl = glfc_loss(y, 3, weights, 0.5, 0.5, targets, "kl")
+    cross = -(targets * F.log_softmax(logits, dim=1).numpy()).sum(1)
+    expected = (0.5 * weights * bce + 0.5 * cross).mean()
+    assert _loss_of(logits, kl) == pytest.approx(float(expected), rel=1e-6)
+    plain = glfc_loss(y, 3, weights, 1.0, 0.0, None)  # the first task: the compensated BCE alone
+    assert _loss_of(logits, plain) == pytest.approx(float((weights * bce).mean()), rel=1e-6)
 
 
 def test_entropy_is_the_mean_softmax_entropy_over_visible_classes():

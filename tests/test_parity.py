@@ -113,6 +113,8 @@ LOSS_INPUTS = {
     "teacher": lambda rng, n: dict(teacher_logits=rng.normal(size=(n, 10)).astype(np.float32),
                                    teacher_weights=rng.random(n).astype(np.float32)),
     "bce-multi-hot": lambda rng, n: dict(targets=(rng.random((n, 10)) < 0.3).astype(np.float32), head="sigmoid-bce"),
+    "soft-target-term": lambda rng, n: dict(soft_targets=rng.random((n, 10)).astype(np.float32),
+                                            soft_weights=rng.random(n).astype(np.float32), head="sigmoid-bce"),
 }
 
 

@@ -32,7 +32,7 @@ MODELS = [
     pytest.param(("resnet18_cifar", (3, 32, 32)), marks=pytest.mark.slow, id="resnet18_cifar"),
 ]
 SGD_TOLERANCE = {"resnet18_cifar": 2e-2}  # relative; 1e-3 for the others (module docstring)
-LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "all")
+LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "soft_target_term", "all")
 N, BATCH, LR = 24, 8, 0.05
 
 
@@ -46,6 +46,8 @@ def _loss(kind: str, rng: np.random.Generator) -> LossInputs | None:
         "soft_targets": LossInputs(targets=soft),
         "teacher": LossInputs(teacher_logits=teacher, teacher_weights=teacher_weights),
         "bce": LossInputs(targets=(soft > 0.1).astype(np.float32), head="sigmoid-bce"),
+        "soft_target_term": LossInputs(targets=(soft > 0.1).astype(np.float32), head="sigmoid-bce",
+                                       soft_targets=soft, soft_weights=weights),
         "all": LossInputs(weights, soft, teacher, teacher_weights, "softmax-ce"),
     }[kind]
 

@@ -10,12 +10,15 @@ A round on a device:
    weights change with every step, so they are computed per batch from that batch's logits: any backend, no new
    graph (`benchmarks/glfc.py` measures the extra pass). With `compensation = false` (the "w/o CGC" ablation)
    every weight is 1.
-3. Class-semantic relation distillation (Eq. 5) from the stored old model: `relation = "bce"` is the authors'
-   form, a BCE against Y-hat (the old model's sigmoid outputs on the old classes, one-hot on the new ones). Both
-   terms are BCE on the same logits and BCE is linear in its target, so lambda_1 w_i BCE(z, y) + lambda_2 BCE(z,
-   Y-hat) is one BCE with weight lambda_1 w_i + lambda_2 and target their weighted mean: one loss call, exact.
-   lambda = (1, 0) in the first task, (`lambda_gc`, `lambda_rd`) = (0.5, 0.5) afterwards. `relation = "none"`
-   drops the term.
+3. Class-semantic relation distillation (Eq. 5) from the stored old model, with Y-hat the one-hot labels whose
+   old classes' columns hold the old model's sigmoid outputs. `relation = "kl"` (the default: the paper's form) is
+   D_KL between Y-hat and the softmax of the current logits over the visible classes, read as KL(Y-hat ||
+   softmax(z)) with Y-hat unnormalised as printed (the printed argument order is undefined where Y-hat is 0); up
+   to a constant that is the loss's soft-target term (models/loss.py), so the step is exact on every backend.
+   `relation = "bce"` is the authors' code: a BCE against Y-hat, which is iCaRL's distillation (the "w/o CRD"
+   ablation, as the paper's); BCE is linear in its target, so lambda_1 w_i BCE(z, y) + lambda_2 BCE(z, Y-hat) is
+   one BCE with weight lambda_1 w_i + lambda_2 and their weighted mean as target. lambda = (1, 0) in the first
+   task, (`lambda_gc`, `lambda_rd`) = (0.5, 0.5) afterwards. `relation = "none"` drops the term.
 4. Memory: iCaRL's exemplars, by herding on L2-normalised features without replacement (`herding_order`), the
    quota water-filled over the classes seen before the task (M - N_new slots, as every policy), each class kept in
    the order herding chose when the class became old, so a smaller quota later is a truncation (the order is
@@ -77,7 +80,7 @@ if TYPE_CHECKING:
     from edge_client.config import Backend
 
 log = logging.getLogger(__name__)
-RELATIONS = ("bce", "none")
+RELATIONS = ("kl", "bce", "none")
 ENTROPY_RATIO = 0.05  # r_h = ENTROPY_RATIO * ln C (module docstring, 6)
 OLD_MODEL_HOLDER, GAMMA_HOLDER, MEMORY_HOLDER = "glfc-old-model", "glfc-gamma", "glfc-memory"
 FOLDER = "glfc"
@@ -103,12 +106,17 @@ def relation_targets(y: np.ndarray, num_classes: int, old_probs: np.ndarray, old
     return targets
 
 
-def combined_bce(y: np.ndarray, num_classes: int, weights: np.ndarray, lambda_gc: float, lambda_rd: float,
-                 relation: np.ndarray | None) -> LossInputs:
-    """lambda_gc * w_i BCE(z_i, onehot y_i) + lambda_rd BCE(z_i, Y-hat_i) as one BCE: weight a_i + b, target
-    (a_i onehot + b Y-hat) / (a_i + b), with a_i = lambda_gc w_i, b = lambda_rd (0 without a relation target)."""
+def glfc_loss(y: np.ndarray, num_classes: int, weights: np.ndarray, lambda_gc: float, lambda_rd: float,
+              relation: np.ndarray | None, form: str = "kl") -> LossInputs:
+    """Eq. 6's loss inputs for one batch: lambda_gc w_i BCE(z_i, onehot y_i) plus lambda_rd times the relation
+    term against Y-hat (`relation`, None: none): its KL form as the soft-target term, or its BCE form merged into
+    one BCE (module docstring, 3)."""
     onehot = np.zeros((len(y), num_classes), dtype=np.float32)
     onehot[np.arange(len(y)), y] = 1.0
+    if form == "kl" and relation is not None:
+        return LossInputs(sample_weights=np.float32(lambda_gc) * weights.astype(np.float32), targets=onehot,
+                          head="sigmoid-bce", soft_targets=relation.astype(np.float32),
+                          soft_weights=np.full(len(y), lambda_rd, dtype=np.float32))
     a = np.float32(lambda_gc) * weights.astype(np.float32)
     b = np.float32(lambda_rd if relation is not None else 0.0)
     total = a + b
@@ -137,7 +145,7 @@ class Glfc(ReplayPolicy):
     name = "glfc"
 
     compensation: bool = True  # class-aware gradient compensation; False: the "w/o CGC" ablation
-    relation: str = "bce"  # class-semantic relation distillation: "bce" (the authors' form) or "none"
+    relation: str = "kl"  # relation distillation: "kl" (the paper's Eq. 5), "bce" (the authors' code), "none"
     lambda_gc: float = 0.5  # lambda_1 from the second task on (the first task trains with (1, 0))
     lambda_rd: float = 0.5  # lambda_2
     entropy_ratio: float = ENTROPY_RATIO  # task detection: r_h = entropy_ratio * ln(visible classes)
@@ -296,7 +304,7 @@ class Glfc(ReplayPolicy):
                     p_true = 1.0 / (1.0 + np.exp(-logits[np.arange(len(idx)), y[idx]].astype(np.float64)))
                     weights = compensation_weights(p_true, is_old[idx])
                 relation = None if old_probs is None else relation_targets(y[idx], k, old_probs[idx], old_classes)
-                loss = combined_bce(y[idx], k, weights, lambda_gc, lambda_rd, relation)
+                loss = glfc_loss(y[idx], k, weights, lambda_gc, lambda_rd, relation, self.relation)
                 total += len(idx) * trainer.fit(x[idx], y[idx], epochs=1, batch_size=len(idx), class_mask=mask,
                                                 proximal=proximal, loss=loss)
             last = total / max(len(y), 1)

@@ -43,6 +43,8 @@ class LossInputs:
     - `targets` (N, classes): soft or multi-hot targets instead of the one-hot labels;
     - `teacher_logits` (N, classes) with `teacher_weights` (N,): a teacher's raw logits and each sample's weight
       of the squared distance to them over the visible classes (an alignment or distillation term);
+    - `soft_targets` (N, classes) with `soft_weights` (N,): a distribution and each sample's weight of the softmax
+      cross-entropy against it, beside the head's own term (a KL distillation term, whatever the head);
     - `head`: "softmax-ce" or "sigmoid-bce" (one sigmoid per class, for multi-label or growing heads).
 
     Both backends take exactly these inputs: the ORT graphs have them as inputs (the manifest lists them)."""
@@ -52,20 +54,22 @@ class LossInputs:
     teacher_logits: np.ndarray | None = None
     teacher_weights: np.ndarray | None = None
     head: str = "softmax-ce"
+    soft_targets: np.ndarray | None = None
+    soft_weights: np.ndarray | None = None
 
     def batch(self, idx: np.ndarray) -> LossInputs:
         def rows(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[idx]
 
         return LossInputs(rows(self.sample_weights), rows(self.targets), rows(self.teacher_logits),
-                          rows(self.teacher_weights), self.head)
+                          rows(self.teacher_weights), self.head, rows(self.soft_targets), rows(self.soft_weights))
 
 
 def loss_arrays(
     y: np.ndarray, num_classes: int, loss: LossInputs | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The graph's loss inputs for one batch (targets, sample_weights, teacher_logits, teacher_weights, bce), each
-    float32 and C-contiguous, neutral where `loss` leaves a field out."""
+) -> tuple[np.ndarray, ...]:
+    """The graph's loss inputs for one batch (targets, sample_weights, teacher_logits, teacher_weights,
+    soft_targets, soft_weights, bce), each float32 and C-contiguous, neutral where `loss` leaves a field out."""
     loss = loss or LossInputs()
     n = len(y)
     if loss.targets is not None:
@@ -76,9 +80,11 @@ def loss_arrays(
     weights = loss.sample_weights if loss.sample_weights is not None else np.ones(n, dtype=np.float32)
     teacher = loss.teacher_logits if loss.teacher_logits is not None else np.zeros((n, num_classes), np.float32)
     teacher_weights = loss.teacher_weights if loss.teacher_weights is not None else np.zeros(n, dtype=np.float32)
+    soft = loss.soft_targets if loss.soft_targets is not None else np.zeros((n, num_classes), np.float32)
+    soft_weights = loss.soft_weights if loss.soft_weights is not None else np.zeros(n, dtype=np.float32)
     bce = np.array([float(LOSS_HEADS.index(loss.head))], dtype=np.float32)
-    return tuple(np.ascontiguousarray(a, dtype=np.float32)  # type: ignore[return-value]
-                 for a in (targets, weights, teacher, teacher_weights, bce))
+    return tuple(np.ascontiguousarray(a, dtype=np.float32)
+                 for a in (targets, weights, teacher, teacher_weights, soft, soft_weights, bce))
 
 
 def iterate_batches(
@@ -321,7 +327,7 @@ class Trainer(ABC):
             raise ValueError(f"unknown loss head {loss.head!r}; choose one of {', '.join(LOSS_HEADS)}")
         checked: dict[str, np.ndarray | None] = {}
         for name, shape in (("sample_weights", (n,)), ("targets", (n, k)), ("teacher_logits", (n, k)),
-                            ("teacher_weights", (n,))):
+                            ("teacher_weights", (n,)), ("soft_targets", (n, k)), ("soft_weights", (n,))):
             value = getattr(loss, name)
             if value is None:
                 checked[name] = None
@@ -336,8 +342,10 @@ class Trainer(ABC):
             checked[name] = array
         if (loss.teacher_logits is None) != (loss.teacher_weights is None):
             raise ValueError("a teacher term needs both teacher_logits and teacher_weights")
+        if (loss.soft_targets is None) != (loss.soft_weights is None):
+            raise ValueError("a soft-target term needs both soft_targets and soft_weights")
         return LossInputs(checked["sample_weights"], checked["targets"], checked["teacher_logits"],
-                          checked["teacher_weights"], loss.head)
+                          checked["teacher_weights"], loss.head, checked["soft_targets"], checked["soft_weights"])
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -209,7 +209,7 @@ class PortableTrainer(Trainer):
         binding.bind_ortvalue_input("weights", self._weights.current)
         feeds = (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))
         for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
-                                "teacher_weights", "bce"), feeds):
+                                "teacher_weights", "soft_targets", "soft_weights", "bce"), feeds):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
         binding.bind_ortvalue_output("loss", self._loss)
         binding.bind_ortvalue_output("gradient", self._gradient_buffer)
