@@ -29,6 +29,7 @@ PORTABLE_MODELS = {
     "gradient": "portable_gradient.onnx",
     "eval": "portable_eval.onnx",
     "sample_grad_norms": "portable_sample_grad_norms.onnx",
+    "input_gradient": "portable_input_gradient.onnx",
     "sgd": "portable_sgd.onnx",
     "adamw": "portable_adamw.onnx",
 }

@@ -18,6 +18,9 @@ graph input, one flat float32 buffer in manifest order, so a device keeps one bu
     portable_sample_grad_norms.onnx
                             (weights, input, class_mask, targets) -> (norms): each sample's squared norm of
                              its full cross-entropy gradient (vmap of the gradient), in chunks of a fixed size
+    portable_input_gradient.onnx
+                            (the gradient graph's inputs) -> (loss, input_gradient): the loss's gradient w.r.t.
+                             the input batch, in train mode (a method that moves samples: GLFC's prototypes)
 
 The optimizers' bias corrections (`step_size = lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)`) are computed by the
 device in float64 and fed as scalars, as torch computes them in Python floats: the graphs and torch.optim then
@@ -86,6 +89,26 @@ class GradientGraph(torch.nn.Module):
 
         gradient, value = grad_and_value(loss)(self.unflatten(weights))
         return value, self.unflatten.flatten(gradient)
+
+
+class InputGradientGraph(torch.nn.Module):
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+        super().__init__()
+        self.model, self.unflatten = model, _Unflatten(parameters)
+
+    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
+                sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
+                soft_targets: torch.Tensor, soft_weights: torch.Tensor, bce: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        params = self.unflatten(weights)
+
+        def loss(inputs: torch.Tensor) -> torch.Tensor:
+            raw, _ = functional_call(self.model, params, (inputs,))
+            return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights,
+                                 soft_targets, soft_weights, bce)
+
+        gradient, value = grad_and_value(loss)(x)
+        return value, gradient
 
 
 class EvalGraph(torch.nn.Module):
@@ -165,6 +188,8 @@ def export_portable(
         # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
                      (1, 3, 4, 5, 6, 7, 8), True),
+        "input_gradient": (InputGradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS,
+                           ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8), True),
         "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
                  ("logits", "features"), (1,), False),
         "sample_grad_norms": (

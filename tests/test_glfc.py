@@ -300,3 +300,28 @@ def test_the_coordinator_keeps_running_rounds_while_the_proxy_reconstructs(tmp_p
     assert results["rounds_completed"] == 3
     assert running_after[1] and running_after[2]
     assert results["history"][2]["rule_metrics"]["proxy"]["reconstructions"] == 4
+
+
+def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(artifacts, tmp_path,
+                                                                                export_artifacts):
+    """Eqs. 10-11: the refined prototype has a lower BCE of its label under the trained model than the raw one,
+    and its Gamma gradient still names its class; the ort backend without the portable graphs refuses it."""
+    from edge_client.trainers.base import LossInputs
+
+    learner = _learner(artifacts, tmp_path, trainer=PortableTrainer(artifacts, optimizer="adamw", lr=3e-3),
+                       refine_steps=10)
+    learner.start_task(0, *_digits([3, 7], 60))
+    learner.train()
+    x, y = _digits([3], 1)
+    bce = LossInputs(head="sigmoid-bce")
+    refined = learner.policy._refined(learner.view(), x, 3)
+    before = learner.trainer.input_gradient(x, y, learner.class_mask(), bce)[0]
+    after = learner.trainer.input_gradient(refined, y, learner.class_mask(), bce)[0]
+    assert after < before and not np.array_equal(refined, x)
+    learner.finish_round()
+    assert len(learner.policy.attachments(learner.view())) == 2
+    learner.store.close()
+    ort_only = export_artifacts("lenet", 10, (1, 8, 8))
+    POLICIES.get("glfc").export_artifacts(OPTIONS, ort_only)
+    with pytest.raises(ValueError, match="refine_steps needs input gradients"):
+        _learner(ort_only, tmp_path / "ort", trainer=OrtTrainer(ort_only), refine_steps=10)

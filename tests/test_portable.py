@@ -222,3 +222,20 @@ def test_a_torch_device_trains_with_its_configured_threads(export_artifacts):
             assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("loss", ["plain", "soft_target_term"])
+def test_input_gradients_agree_with_torch(model, loss):
+    """The gradient w.r.t. the inputs (what moves a sample, GLFC's prototype refinement): the portable graph, and
+    ORT Training's trainer through it, give torch's."""
+    directory, shape = model
+    rng = np.random.default_rng(11)
+    x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
+    inputs = _loss(loss, rng)
+    trainers = _trainers(directory, "sgd")
+    expected_loss, expected = trainers["torch"].input_gradient(x, y, loss=inputs)
+    assert expected.shape == x.shape and np.abs(expected).max() > 0
+    for name in ("portable", "ort"):
+        value, gradient = trainers[name].input_gradient(x, y, loss=inputs)
+        assert value == pytest.approx(expected_loss, rel=1e-5), name
+        np.testing.assert_allclose(gradient, expected, rtol=1e-3, atol=1e-6 * np.abs(expected).max(), err_msg=name)

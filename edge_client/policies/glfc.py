@@ -28,7 +28,13 @@ A round on a device:
    switch (the "w/o PRS" ablation's old model: the paper does not say which it used). After the first round's
    training of a task, for each of the task's new classes the sample nearest the class-mean feature (the
    prototype) goes through the fixed encoding network Gamma, and the gradient of its cross-entropy w.r.t. Gamma's
-   parameters is attached to the update (`glfc/prototype/<k>`), for the proxy.
+   parameters is attached to the update (`glfc/prototype/<k>`), for the proxy. The paper's optional refinement
+   (Eqs. 10-11) takes `refine_steps` gradient steps of `refine_lr` on the prototype, descending the BCE of its
+   label through the locally trained model (the input gradient: `Trainer.input_gradient`, a graph of its own on
+   the ONNX backends), as the authors' code does (50 steps of 0.2, weight decay 1e-5, no feature noise: the
+   paper's noise on the features needs the features as a graph input). Off by default (`refine_steps = 0`): it
+   costs refine_steps forward and backward passes per new class, and the ort backend needs the portable graphs
+   beside its own for it (the device refuses the option in one line otherwise).
 6. Task detection (Eq. 7), for streams that do not announce tasks (`task_boundary`): the mean softmax entropy of a
    chunk under the latest global model against the previous chunk's, over the head GLFC's received model would
    have: the classes seen and the chunk's own labels (in GLFC the server grows the head at a new task, and the
@@ -43,9 +49,7 @@ A round on a device:
 Gamma is a registered model (`gamma`, default the authors' sigmoid LeNet, `glfc_mlp` for any input) built from
 `gamma_seed`, the fleet's shared secret: the host exports it beside the model's artifacts (`export_artifacts`, for
 the backends the model serves) and the proxy builds the same network from the same seed. Its weights are a
-`BudgetedFile` of M too (copied from the artifacts at open). Not implemented yet: the prototype's optional
-refinement (Eqs. 10-11), which needs an input-gradient graph on the ONNX backends, and the paper's KL form of
-Eq. 5.
+`BudgetedFile` of M too (copied from the artifacts at open).
 """
 from __future__ import annotations
 
@@ -150,6 +154,8 @@ class Glfc(ReplayPolicy):
     lambda_rd: float = 0.5  # lambda_2
     entropy_ratio: float = ENTROPY_RATIO  # task detection: r_h = entropy_ratio * ln(visible classes)
     prototypes: bool = True  # upload prototype gradients at a new task (the proxy's input)
+    refine_steps: int = 0  # the prototype's optional refinement (Eqs. 10-11): gradient steps on the sample
+    refine_lr: float = 0.2
     gamma: str = "glfc_lenet"  # the encoding network: a registered model
     gamma_seed: int = 2021  # its weights: the fleet's shared secret, the proxy's too
     old_model_share: float = 0.5  # the most of M's bytes the old model may take
@@ -171,6 +177,8 @@ class Glfc(ReplayPolicy):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.refine_steps < 0 or not (math.isfinite(self.refine_lr) and self.refine_lr > 0):
+            raise ValueError("refine_steps must be >= 0 and refine_lr a positive number")
         if not 0.0 < self.old_model_share <= 1.0:
             raise ValueError(f"old_model_share must lie in (0, 1], got {self.old_model_share}")
         from models.zoo import REGISTRY
@@ -204,6 +212,9 @@ class Glfc(ReplayPolicy):
         from edge_client.trainers.choice import make_trainer
 
         self._trainer = ctx.trainer
+        if self.refine_steps and not ctx.trainer.has_input_gradients:
+            raise ValueError(f"policy glfc: refine_steps needs input gradients, which the {ctx.trainer.backend} "
+                             f"backend has only with the portable graphs in its artifacts; set refine_steps = 0")
         folder = self.gamma_folder({"gamma": self.gamma, "gamma_seed": self.gamma_seed}, ctx.artifacts)
         if not (folder / "manifest.json").is_file():
             raise FileNotFoundError(f"no GLFC encoding network at {folder}: the host exports it "
@@ -326,9 +337,19 @@ class Glfc(ReplayPolicy):
             members = np.flatnonzero(y == c)
             centre = features[members].mean(axis=0)
             nearest = members[int(np.linalg.norm(features[members] - centre, axis=1).argmin())]
-            _, gradient = gamma.gradient(x[nearest : nearest + 1], np.array([c], dtype=np.int64))
+            prototype = self._refined(view, x[nearest : nearest + 1], c)
+            _, gradient = gamma.gradient(prototype, np.array([c], dtype=np.int64))
             self._pending[prototype_name(k)] = encode_gradient(gradient)
         self._round["prototypes"] = float(len(self._pending))
+
+    def _refined(self, view: RoundView, prototype: np.ndarray, label: int) -> np.ndarray:
+        """Eqs. 10-11 as the authors' code: SGD on the sample, down the BCE of its label (weight decay 1e-5)."""
+        target = np.array([label], dtype=np.int64)
+        loss = LossInputs(head="sigmoid-bce")
+        for _ in range(self.refine_steps):
+            _, gradient = view.trainer.input_gradient(prototype, target, view.class_mask, loss)
+            prototype = (prototype - np.float32(self.refine_lr) * (gradient + np.float32(1e-5) * prototype))
+        return prototype.astype(np.float32)
 
     def attachments(self, view: RoundView) -> dict[str, bytes]:
         return dict(self._pending)

@@ -236,6 +236,27 @@ class Trainer(ABC):
             loss = self._check_loss(loss, len(y))
         return self._gradient(x, y, self.mask(class_mask), loss)
 
+    def input_gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, loss: LossInputs | None = None
+    ) -> tuple[float, np.ndarray]:
+        """The batch loss (models/loss.py, shaped by `loss`) and its gradient w.r.t. the inputs x (float32, x's
+        shape), at the current weights, in train mode as `gradient`; nothing changes. What a method that moves
+        samples needs (GLFC's prototype refinement). ValueError on a backend whose artifacts have no such graph."""
+        x, y = self._check_batch(x, y)
+        if loss is not None:
+            loss = self._check_loss(loss, len(y))
+        return self._input_gradient(x, y, self.mask(class_mask), loss)
+
+    @property
+    def has_input_gradients(self) -> bool:
+        """Whether `input_gradient` works here (a method that needs it refuses its options at open otherwise)."""
+        return True
+
+    def _input_gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        raise ValueError(f"the {self.backend} backend computes no input gradients")
+
     def evaluate(
         self, x: np.ndarray, y: np.ndarray, batch_size: int = 256, class_mask: np.ndarray | None = None
     ) -> EvalResult:

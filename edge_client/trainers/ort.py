@@ -12,7 +12,14 @@ import numpy as np
 
 from edge_client.trainers.base import LossInputs, Trainer, loss_arrays
 from edge_client.trainers.ort_capi import C
-from models.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODELS, TRAINING_MODEL, load_manifest
+from models.manifest import (
+    CHECKPOINT,
+    EVAL_MODEL,
+    OPTIMIZER_MODELS,
+    PORTABLE_MODELS,
+    TRAINING_MODEL,
+    load_manifest,
+)
 
 # Every exported parameter is trainable, so "all" and "trainable" name the same buffer; a nominal checkpoint
 # accepts only the "all" form.
@@ -39,7 +46,7 @@ class OrtTrainer(Trainer):
     def __init__(
         self, artifact_dir: str | Path, optimizer: str = "sgd", lr: float = 0.01, threads: int = 1
     ) -> None:
-        directory = Path(artifact_dir)
+        directory = self._directory = Path(artifact_dir)
         self.manifest = load_manifest(directory)
         if optimizer not in OPTIMIZER_MODELS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_MODELS)}")
@@ -129,6 +136,23 @@ class OrtTrainer(Trainer):
         for i in range(len(y)):
             norms[i] = _squared_norm(self._gradient(x[i : i + 1], y[i : i + 1], class_mask, None)[1])
         return norms
+
+    @property
+    def has_input_gradients(self) -> bool:
+        return "portable" in self.manifest.backends
+
+    def _input_gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        """ORT Training's graphs give no input gradient: the portable input-gradient graph does, run with an
+        inference session at this trainer's weights, where the artifact set serves the portable backend too."""
+        from edge_client.trainers.portable import run_input_gradient, shared_session
+
+        if not self.has_input_gradients:
+            raise ValueError("input gradients on the ort backend need the portable graphs in its artifact set "
+                             "(export with backends ort and portable), or the portable or torch backend")
+        session = shared_session(self._directory / PORTABLE_MODELS["input_gradient"], 1)
+        return run_input_gradient(session, self.get_weights(), x, y, class_mask, self.manifest.num_classes, loss)
 
     def _feeds(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None) -> list:
         """The graph's inputs in order (models.manifest.GRAPH_INPUTS)."""

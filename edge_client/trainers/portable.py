@@ -216,6 +216,13 @@ class PortableTrainer(Trainer):
         session.run_with_iobinding(binding)
         return float(self._loss.numpy())
 
+    def _input_gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        self._require_weights()
+        return run_input_gradient(self._session("input_gradient"), self._weights.current, x, y, class_mask,
+                                  self.manifest.num_classes, loss)
+
     def _set_proximal(self, proximal: Proximal | None) -> None:
         mu = 0.0 if proximal is None else proximal.mu
         self._scalars["proximal_mu"].update_inplace(np.array(mu, dtype=np.float32))
@@ -272,6 +279,25 @@ class PortableTrainer(Trainer):
                 "this artifact set ships no initial weights (nominal): call set_weights() with the model's flat "
                 "weight buffer first"
             )
+
+
+def run_input_gradient(session: Any, weights: Any, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray,
+                       num_classes: int, loss: LossInputs | None) -> tuple[float, np.ndarray]:
+    """The portable input-gradient graph at `weights` (an OrtValue or a flat float32 array)."""
+    binding = session.io_binding()
+    if isinstance(weights, np.ndarray):
+        binding.bind_cpu_input("weights", np.ascontiguousarray(weights, dtype=np.float32))
+    else:
+        binding.bind_ortvalue_input("weights", weights)
+    feeds = (x, class_mask, *loss_arrays(y, num_classes, loss))
+    for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
+                            "teacher_weights", "soft_targets", "soft_weights", "bce"), feeds):
+        binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
+    binding.bind_output("loss", "cpu")
+    binding.bind_output("input_gradient", "cpu")
+    session.run_with_iobinding(binding)
+    value, gradient = (v.numpy() for v in binding.get_outputs())
+    return float(value), np.asarray(gradient, dtype=np.float32).reshape(x.shape)
 
 
 def _scalar(value: float) -> Any:

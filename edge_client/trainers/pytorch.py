@@ -98,6 +98,18 @@ class TorchTrainer(Trainer):
         flat = np.concatenate([g.detach().cpu().numpy().ravel() for g in grads])
         return float(value.item()), flat.astype(np.float32, copy=False)
 
+    def _input_gradient(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> tuple[float, np.ndarray]:
+        """torch.autograd.grad of the training loss w.r.t. the inputs, in train mode as `_gradient`."""
+        self.model.train()
+        inputs = self._tensor(x).requires_grad_(True)
+        raw, _ = self.model(inputs)
+        terms = (self._tensor(a) for a in loss_arrays(y, self.manifest.num_classes, loss))
+        value = training_loss(raw, self._tensor(class_mask), *terms)
+        (gradient,) = torch.autograd.grad(value, [inputs])
+        return float(value.item()), gradient.detach().cpu().numpy().astype(np.float32, copy=False)
+
     @torch.no_grad()
     def forward(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray
