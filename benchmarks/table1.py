@@ -10,8 +10,10 @@ would drop the devices of the costlier methods (FedCIL's ACGAN) and bias the com
 
 Columns (`--methods`): FedAvg (random cache), FedProx, Fixed, DANN+FL, Shared, FedCIL, FedCIL at equal bytes (its
 byte limit: the least under which the raw caches' store of M samples works, `raw_store_bytes`), Re-Fed, Re-Fed
-with class quotas, reservoir sampling; GLFC has a slot and comes with its own issue. Reservoir at *equal new-data use* is the
-random cache (both keep a uniform sample of the old data; plain reservoir also drops part of each new task).
+with class quotas, reservoir sampling, and GLFC (Re-Fed's FCIL column) with the proxy. Reservoir at *equal new-data
+use* is the random cache (both keep a uniform sample of the old data; plain reservoir also drops part of each new
+task). `--table glfc` runs GLFC's own Table 1: GLFC, its three ablations (w/o CGC, w/o CRD: iCaRL's distillation,
+w/o PRS: no proxy), iCaRL+FL (herding and iCaRL's distillation on FedAvg), FedAvg and Re-Fed, at the same M.
 
 Every run is a process of its own (`--parallel` at a time; a fleet takes about two cores) writing `table1.json` in
 its folder; a finished run is read back, not repeated, so an interrupted table resumes. Prints per scenario the
@@ -20,7 +22,7 @@ FedAvg per seed with a paired t-test. `--table emphasis` runs Table 10 instead (
 emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 % of the old data).
 
     .venv/bin/python benchmarks/table1.py [--seeds 0,1,2,3,4] [--scenarios digits-class,mnist1d-class,digits-domain]
-        [--methods fedavg,refed,...] [--table methods|emphasis|budget] [--rounds-per-task 8] [--parallel 2]
+        [--methods fedavg,refed,...] [--table methods|emphasis|budget|glfc] [--rounds-per-task 8] [--parallel 2]
         [--backend ort|portable|torch] [--out runs/table1]
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ from edge_client.budget import Budget
 from edge_client.store import BudgetExceededError, ReplayStore
 from edgefil.metrics import accuracy_matrix, average_accuracy
 from edgefil.settings import Where
+from firmware_sim.datasets import load_dataset
 from firmware_sim.demo import REFED, STRATEGY, DemoSettings, budget_for, run_methods
 from firmware_sim.scenarios import OLD_DATA_CACHED, PRESETS, check_scenario
 
@@ -67,6 +70,11 @@ RANDOM = {"name": "random"}
 # room: the store's SQLite file and journal peaks take 152 KiB for as few as 5 samples, so the learner releases the
 # ACGAN at every task switch (real data first) and FedCIL replays nothing.
 FEDCIL = {"name": "fedcil"}
+# GLFC at its defaults but Gamma: the small encoding network (`glfc_mlp`) takes any input shape (the authors' LeNet
+# needs images; MNIST-1D's are signals). The proxy waits for its reconstructions at a task's end, so the old model
+# it picks does not depend on this host's speed; its input range is the scenario's (`Job.run`).
+GLFC = {"name": "glfc", "gamma": "glfc_mlp"}
+GLFC_PROXY = {**STRATEGY, "name": "glfc", "gamma": "glfc_mlp", "wait_at_task_end_s": 600.0}
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"policy": RANDOM},
     "fedprox": {"policy": RANDOM, "strategy": {**STRATEGY, "name": "fedprox", "mu": 0.01}},
@@ -78,11 +86,21 @@ METHODS: dict[str, dict[str, Any]] = {
     "refed": {"policy": REFED},
     "refed-quotas": {"policy": {**REFED, "group_by": "class"}},
     "reservoir": {"policy": {"name": "reservoir"}},
+    "glfc": {"policy": GLFC, "strategy": GLFC_PROXY},
 }
 # Columns run within the raw caches' bytes ([store] max_bytes = what the store of M raw samples occupies): FedCIL's
 # store holds the current task, its ACGAN gets what M leaves.
 EQUAL_BYTES = frozenset({"fedcil-bytes"})
-SLOTS = {"glfc": "its own issue (federated class-incremental GLFC)"}
+# GLFC's table (`--table glfc`): the method, its ablations and its paper's baselines, every one at the same M.
+GLFC_METHODS: dict[str, dict[str, Any]] = {
+    "glfc": METHODS["glfc"],
+    "glfc-no-cgc": {"policy": {**GLFC, "compensation": False}, "strategy": GLFC_PROXY},
+    "glfc-no-crd": {"policy": {**GLFC, "relation": "bce"}, "strategy": GLFC_PROXY},
+    "glfc-no-prs": {"policy": GLFC, "strategy": {**GLFC_PROXY, "proxy": False}},
+    "icarl": {"policy": {**GLFC, "compensation": False, "relation": "bce", "prototypes": False}},
+    "fedavg": METHODS["fedavg"],
+    "refed": METHODS["refed"],
+}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -127,6 +145,10 @@ class Job:
         options = dict(self.options)
         if self.backend is not None:
             options.setdefault("backend", self.backend)
+        if options.get("strategy", {}).get("name") == "glfc":  # the proxy's reconstructions: the data's range
+            data = load_dataset(PRESETS[self.scenario].dataset, **settings.dataset_options)
+            options["strategy"] = {"input_range": [float(data.x_train.min()), float(data.x_train.max())],
+                                   **options["strategy"]}
         if self.equal_bytes:
             assert settings.budget is not None
             options["store"] = {"max_bytes": raw_store_bytes(settings, settings.budget)}
@@ -221,8 +243,7 @@ def finals_of(jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> dic
     return finals
 
 
-def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str, Any]],
-                slots: Mapping[str, str] = {}) -> dict[str, list[float]]:
+def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> dict[str, list[float]]:
     """Mean ± std of the final accuracy per method, each seed's value, and the mean diagonal (each task's accuracy
     right after its own rounds: whether the tasks are learnt at all)."""
     print(f"\n{title}")
@@ -232,8 +253,6 @@ def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str,
                               if j.method == method and j.result_file in results])
         print(f"  {method:14s} {np.mean(values):6.2f} ± {np.std(values):5.2f}   "
               f"({' '.join(f'{v:.2f}' for v in values)})   diagonal {' '.join(f'{d:.2f}' for d in diagonals.mean(0))}")
-    for method, why in slots.items():
-        print(f"  {method:14s} {'—':>15s}   ({why})")
     return finals
 
 
@@ -251,7 +270,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--scenarios", default="digits-class,mnist1d-class,digits-domain")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--table", choices=("methods", "emphasis", "budget"), default="methods")
+    parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc"), default="methods")
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
     parser.add_argument("--rounds-per-task", type=int, default=ROUNDS_PER_TASK)
@@ -274,6 +293,11 @@ def main() -> None:
             methods = {m: METHODS[m] for m in args.methods.split(",")}
             tables.append((f"Table 1, {scenario}{regime(scenario)}: {where}", plan(scenario, seeds, methods, out, args),
                            [("refed", "fedavg")]))
+        elif args.table == "glfc":
+            tables.append((f"GLFC's Table 1, {scenario}{regime(scenario)}: {where}",
+                           plan(scenario, seeds, GLFC_METHODS, out, args),
+                           [("glfc", "glfc-no-prs"), ("glfc-no-prs", "icarl"), ("icarl", "fedavg"),
+                            ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "refed")]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))
@@ -285,7 +309,7 @@ def main() -> None:
                                [("refed", "fedavg")]))
     results = run_jobs([job for _, jobs, _ in tables for job in jobs], args.parallel)
     for title, jobs, pairs in tables:
-        finals = print_table(title, jobs, results, SLOTS if args.table == "methods" else {})
+        finals = print_table(title, jobs, results)
         for a, b in pairs:
             print_paired(a, b, finals)
 

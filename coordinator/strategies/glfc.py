@@ -3,20 +3,21 @@
 Aggregation is unweighted FedAvg of the round's models (the authors' code; `weighted = true` weighs by samples).
 The proxy (`proxy = true`; false is the paper's "w/o PRS" ablation, GLFC without it):
 
-1. pools the round's prototype gradients (`glfc/prototype/<k>` attachments, checked in `inspect`) and shuffles
-   them, so no gradient is tied to its device once pooled;
+1. pools the round's prototype gradients (`glfc/prototype/<k>` attachments, checked in `inspect`; a device
+   uploads them in its first round of a task, so they come over the task's rounds) and shuffles them, so no
+   gradient is tied to its device once pooled; gradients that arrive while a reconstruction runs wait for it;
 2. infers each one's label from the last layer's gradient (`models.glfc.infer_label`);
 3. reconstructs one sample per gradient by gradient matching (Eqs. 8-9): x ~ N(0, 1), L-BFGS on
    sum_i ||grad_W_i CE(Gamma(x), y) - grad_W_i||^2 (`lbfgs_iterations` per sample, `lbfgs_lr`, a strong Wolfe
    line search), clamped to `input_range` at the end, all of it in a `BackgroundJob` with
    `reconstruction_budget_s` of wall time, on the strategy's torch device (cuda when present), so the coordinator
    keeps handling its devices meanwhile; an empty pool starts nothing (the authors' code divides by zero there);
-4. scores every round's global model on the task's reconstructions (top-1 over the classes seen) and keeps the
-   best one of the task (its best score reset at each task; the authors' code never resets it, so a later task's
-   model must beat an earlier task's score);
-5. at the last round of a task (after waiting up to `wait_at_task_end_s` for a running reconstruction: 0, the
-   default, never holds the coordinator's loop; a benchmark that must not depend on the machine's speed waits),
-   broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
+4. keeps the task's reconstructions (each finished one joins them), scores every round's global model on them
+   (top-1 over the classes seen) and keeps the best one of the task (its best score reset at each task; the
+   authors' code never resets it, so a later task's model must beat an earlier task's score);
+5. at the last round of a task (after waiting up to `wait_at_task_end_s` for the task's reconstructions, the
+   waiting ones included: 0, the default, never holds the coordinator's loop; a benchmark that must not depend on
+   the machine's speed waits), broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
    device, once (coordinator/broadcast.py): the old model the devices distil from in the next task. Without
    reconstructions for the task, the best model is the task's last global model (as without the proxy).
 
@@ -94,6 +95,7 @@ class GlfcProxy(FedAvg):
         self.gamma_parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in self.gamma.named_parameters())
         self.model = build_model(manifest.model, manifest.num_classes, self.shape).to(self.device).eval()
         self.job: BackgroundJob[tuple[int, np.ndarray, np.ndarray]] = BackgroundJob("glfc-proxy")
+        self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled while a job ran
         self.monitor: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, x, y) reconstructed
         self.best: tuple[int, float, np.ndarray] | None = None  # (task, score, weights) of the task's best model
         self.last_metrics: dict[str, float] = {}
@@ -121,9 +123,16 @@ class GlfcProxy(FedAvg):
         weights = result.global_weights.detach().cpu().numpy().astype(np.float32)
         self.last_metrics = {}
         if self.proxy:
-            self._start_reconstruction(updates, ctx.task)
-            if ctx.ends_task and self.wait_at_task_end_s > 0:
-                self.job.wait(self.wait_at_task_end_s)
+            self._pool(updates, ctx.task)
+            self._take_reconstruction()
+            self._start_reconstruction()
+            if ctx.ends_task and self.wait_at_task_end_s > 0:  # this task's gradients, all of them, first
+                deadline = Deadline(self.wait_at_task_end_s)
+                while self.job.running or self.waiting is not None:
+                    if not self.job.wait(deadline.left()) or deadline.passed():
+                        break
+                    self._take_reconstruction()
+                    self._start_reconstruction()
             self._take_reconstruction()
             self._score(weights, ctx)
         if ctx.ends_task:
@@ -133,24 +142,37 @@ class GlfcProxy(FedAvg):
             result.metrics = {"proxy": dict(self.last_metrics)}
         return result
 
-    def _start_reconstruction(self, updates: Sequence[ClientUpdate], task: int) -> None:
+    def _pool(self, updates: Sequence[ClientUpdate], task: int) -> None:
+        """The round's prototype gradients join those waiting for a reconstruction (a new task's replace an
+        earlier task's that never started)."""
         pool = [decode_gradient(bytes(data), self.gamma_parameters)
                 for update in updates for name, data in sorted(update.attachments.items()) if is_prototype(name)]
         if not pool:
             return
-        order = np.random.default_rng(self.seed + task).permutation(len(pool))  # shuffled: no device order
-        gradients = [pool[i] for i in order]
-        if not self.job.start(lambda deadline: (task, *self.reconstruct(gradients, deadline)), self.budget_s):
-            log.warning("glfc proxy: %d prototype gradients of task %d wait: a reconstruction still runs",
-                        len(gradients), task)
+        earlier = self.waiting[1] if self.waiting is not None and self.waiting[0] == task else []
+        self.waiting = (task, earlier + pool)
+        self.last_metrics["prototypes_pooled"] = float(len(pool))
+
+    def _start_reconstruction(self) -> None:
+        """Reconstruct what waits, shuffled (no device order survives), unless a reconstruction runs."""
+        if self.waiting is None or self.job.running:
             return
-        self.last_metrics["prototypes_pooled"] = float(len(gradients))
+        task, pool = self.waiting
+        order = np.random.default_rng(self.seed + task).permutation(len(pool))
+        gradients = [pool[i] for i in order]
+        if self.job.start(lambda deadline: (task, *self.reconstruct(gradients, deadline)), self.budget_s):
+            self.waiting = None
 
     def _take_reconstruction(self) -> None:
+        """A finished reconstruction joins its task's monitor set (a new task's replaces the earlier task's)."""
         done = self.job.take()
-        if done is not None and len(done[2]):
-            self.monitor = done
-            self.last_metrics["reconstructions"] = float(len(done[2]))
+        if done is None or not len(done[2]):
+            return
+        task, x, y = done
+        if self.monitor is not None and self.monitor[0] == task:
+            x, y = np.concatenate([self.monitor[1], x]), np.concatenate([self.monitor[2], y])
+        self.monitor = (task, x, y)
+        self.last_metrics["reconstructions"] = float(len(y))
 
     def _score(self, weights: np.ndarray, ctx: RoundContext) -> None:
         """Top-1 of this round's global model on the task's reconstructions; the task's best is kept."""
