@@ -10,7 +10,7 @@
 
     [broker]   host, port, username (defaults to device_id), password, cafile, keepalive
     [trainer]  backend = "auto" | "portable" | "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads, momentum
-    [learner]  epochs, batch_size, mask_seen_classes
+    [learner]  epochs, batch_size, mask_seen_classes, detect_new_tasks
     [store]    max_samples (M), max_bytes
     [policy]   name = "refed" | "random" | ..., group_by = "class", and the policy's own options (e.g. lam)
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
@@ -48,6 +48,9 @@ class LearnerSettings:
     epochs: int = 1
     batch_size: int = 32
     mask_seen_classes: bool = True
+    # The device decides where its own tasks start: a round's task only names the data to take, and the learner's
+    # detectors (a label never seen, the policy's `task_boundary`) say whether that data starts a task.
+    detect_new_tasks: bool = False
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from edge_client.policies import ReplayPolicy, split_policy
 from edge_client.sources import TaskSource, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
+from edge_client.stream import Chunk
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
@@ -101,7 +102,8 @@ class Device:
         self.learner = Learner(
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
-                          mask_seen_classes=settings.mask_seen_classes, group_by=group_by),
+                          mask_seen_classes=settings.mask_seen_classes, detect_new_tasks=settings.detect_new_tasks,
+                          group_by=group_by),
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)
@@ -305,11 +307,13 @@ class Device:
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
         disk_full = False
-        if task != self.learner.state.task:
+        if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
             try:
                 with self.environment.turn():
-                    self.learner.start_task(task, x, y, global_weights=global_weights)
+                    self.learner.state.data_task = task  # taken, whatever the store keeps of it
+                    announced = None if self.config.learner.detect_new_tasks else task
+                    self.learner.observe(Chunk(x, y, announced), global_weights=global_weights)
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
@@ -421,7 +425,7 @@ class Device:
                                              policy.attachments(self.learner.view()) if attachments is None
                                              else attachments)
         chunks = wire.encode_blob(
-            "update", data, device=self.id, round=round_, task=self.learner.state.task, model=model,
+            "update", data, device=self.id, round=round_, task=self.learner.state.data_task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
             metrics={
                 **metrics, "stored_samples": len(store),

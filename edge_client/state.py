@@ -17,8 +17,9 @@ __all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state"
 
 @dataclass
 class ClientState:
-    task: int = -1
+    task: int = -1  # the learner's own task index (its tasks may start where the round's do not: detect_new_tasks)
     round: int = 0
+    data_task: int = -1  # the round's task whose data the device took last: what its updates answer
     seen_classes: list[int] = field(default_factory=list)
     n_seen: int = 0  # samples seen since the start (reservoir sampling needs it)
     label_counts: list[int] = field(default_factory=list)  # samples seen per class since the start
@@ -47,6 +48,7 @@ def load_state(directory: str | Path) -> ClientState | None:
         return ClientState(
             task=int(record["task"]),
             round=int(record["round"]),
+            data_task=int(record.get("data_task", record["task"])),  # saved before it was kept: the same
             seen_classes=[int(c) for c in record["seen_classes"]],
             n_seen=int(record["n_seen"]),
             label_counts=[int(n) for n in record.get("label_counts", [])],

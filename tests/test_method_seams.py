@@ -266,3 +266,21 @@ def test_long_work_of_a_rule_does_not_stop_the_rounds(tmp_path, export_artifacts
     assert results["rounds_completed"] == 3
     assert running_at[1] and running_at[2]  # two rounds went by while the job ran
     assert rule.used == [(1, None), (2, None), (3, "reconstructed")]
+
+
+@pytest.mark.parametrize("detect", [False, True])
+def test_a_device_that_detects_its_own_tasks_starts_one_only_where_its_data_is_new(tmp_path, export_artifacts,
+                                                                                    detect):
+    """Two scheduled tasks over the same two digits: announced, the second starts a task on every device; with
+    `[learner] detect_new_tasks`, the data bring no label the device has not seen, so it stays in its first task,
+    and the coordinator still takes its updates for the second (they answer the round's task)."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"store": {"max_samples": 100}, "policy": {"name": "random"}, "learner": {"detect_new_tasks": detect}}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2, task_classes=lambda t: [0, 1]) as federation:
+        results = federation.coordinator({"name": "fedavg"}, rounds_per_task=1).run()
+        devices = federation.devices
+    assert results["rounds_completed"] == 2 and results["counters"].get("wrong-task", 0) == 0
+    assert [h["received"] for h in results["history"]] == [["dev-0", "dev-1"]] * 2
+    for running in devices:
+        assert running.learner.state.data_task == 1
+        assert running.learner.state.task == (0 if detect else 1)

@@ -4,7 +4,7 @@ incremental digits: task t holds classes 2t and 2t + 1, split between the device
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -34,16 +34,18 @@ class Federation:
 
 
 class ThreadFederation:
-    """The broker and `n_devices` devices holding `samples` samples of each of `tasks` tasks, running while the
-    federation is entered; `device` adds sections to every device's config (policy, store, trainer). `spares`: ids
+    """The broker and `n_devices` devices holding `samples` samples of each of `tasks` tasks (task t: digits
+    `task_classes(t)`, 2t and 2t + 1 by default), running while the federation is entered; `device` adds sections to every device's config (policy, store, trainer). `spares`: ids
     on the roster and the broker with no device behind them (a compromised device's account: `passwords` has
     theirs); `environments`: a device's surroundings by its index (the host's own otherwise). `coordinator(...)`
     runs the coordinator once, to its end; again with `resume=True` to resume it."""
 
     def __init__(self, root: Path, artifacts: Path, device: Mapping[str, Any], tasks: int = 1, n_devices: int = 2,
                  samples: int = 40, spares: tuple[str, ...] = (),
-                 environments: Mapping[int, Environment] | None = None) -> None:
+                 environments: Mapping[int, Environment] | None = None,
+                 task_classes: Callable[[int], list[int]] = lambda t: [2 * t, 2 * t + 1]) -> None:
         self.root, self.artifacts, self.device, self.tasks = root, artifacts, device, tasks
+        self.task_classes = task_classes
         self.environments = dict(environments or {})
         self.names = [f"dev-{k}" for k in range(n_devices)]
         self.samples = samples
@@ -62,7 +64,7 @@ class ThreadFederation:
         data = load_dataset("digits")
         self.tests.mkdir(parents=True)
         for t in range(self.tasks):
-            part = np.isin(data.y_test, [2 * t, 2 * t + 1])
+            part = np.isin(data.y_test, self.task_classes(t))
             np.savez(self.tests / f"test-{t}.npz", x=data.x_test[part], y=data.y_test[part])
         self.broker.start()
         try:
@@ -81,7 +83,7 @@ class ThreadFederation:
         folder = self.root / name / "incoming"
         folder.mkdir(parents=True)
         for t in range(self.tasks):
-            mine = np.flatnonzero(np.isin(data.y_train, [2 * t, 2 * t + 1]))[k::len(self.names)][:self.samples]
+            mine = np.flatnonzero(np.isin(data.y_train, self.task_classes(t)))[k::len(self.names)][:self.samples]
             np.savez(folder / f"task-{t}.npz", x=data.x_train[mine], y=data.y_train[mine])
         config = DeviceConfig.from_dict({
             "device_id": name, "fleet": FLEET, "artifacts": str(self.artifacts),
