@@ -23,7 +23,8 @@ emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 
 
     .venv/bin/python benchmarks/table1.py [--seeds 0,1,2,3,4] [--scenarios digits-class,mnist1d-class,digits-domain]
         [--methods fedavg,refed,...] [--table methods|emphasis|budget|glfc] [--rounds-per-task 8] [--parallel 2]
-        [--backend ort|portable|torch] [--out runs/table1]
+        [--backend ort|portable|torch] [--scenario-option dynamics=glfc --scenario-option joining=2]
+        [--out runs/table1]
 """
 from __future__ import annotations
 
@@ -126,6 +127,7 @@ class Job:
     epochs: int = 10  # local epochs E a round
     lr: float = 3e-3  # AdamW's learning rate
     dataset_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the preset's loader options replaced
+    scenario_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. GLFC's client dynamics
     backend: str | None = None  # every method's trainer backend (None: the method's own, else ort)
 
     @property
@@ -136,7 +138,7 @@ class Job:
         settings = DemoSettings(devices=self.devices, fraction=self.fraction, emulated=False, preset=self.scenario,
                                 model=MODELS[self.scenario], tasks=PRESETS[self.scenario].n_tasks, seed=self.seed,
                                 rounds_per_task=self.rounds_per_task, epochs=self.epochs, lr=self.lr,
-                                dataset_options=self.dataset_options)
+                                dataset_options=self.dataset_options, scenario_options=self.scenario_options)
         return dataclasses.replace(settings, budget=budget_for(settings.scenario, self.cached))
 
     def run(self) -> dict[str, Any]:
@@ -230,7 +232,7 @@ def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any
     return [Job(scenario=scenario, seed=seed, method=method, options=dict(options),
                 folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
                 rounds_per_task=args.rounds_per_task, cached=cached, equal_bytes=method in EQUAL_BYTES,
-                backend=args.backend, **REGIMES.get(scenario, {}))
+                backend=args.backend, scenario_options=dict(args.scenario_option), **REGIMES.get(scenario, {}))
             for seed in seeds for method, options in methods.items()]
 
 
@@ -265,6 +267,15 @@ def print_paired(a: str, b: str, finals: Mapping[str, list[float]]) -> None:
           f"{a} ahead in {int((diff > 0).sum())}/{len(diff)}, paired t = {test.statistic:.2f}, p = {test.pvalue:.3f}")
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as JSON (a number, true, a list) or else taken as a string."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2,3,4")
@@ -277,6 +288,8 @@ def main() -> None:
     parser.add_argument("--backend", help="every method's trainer backend (default: ort; DANN always torch)")
     parser.add_argument("--parallel", type=int, default=1, help="fleet runs at a time (each takes about 2 cores)")
     parser.add_argument("--out", default="runs/table1")
+    parser.add_argument("--scenario-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                        help="a Scenario field for every run, e.g. dynamics=glfc joining=2 (GLFC's clients)")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run, in a process of its own (run_jobs)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)

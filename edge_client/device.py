@@ -317,6 +317,8 @@ class Device:
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
+        if not len(self.learner.store):  # a device that has no data yet (one joining later) has nothing to add
+            raise ValueError(f"no samples to train on in round {round_}: this device holds no data yet")
         policy = self.learner.policy
         self._give(policy, {**self.broadcasts.get(message.get("broadcast", ""), {}),
                             **self.payloads.get(message.get("payload", ""), {})})

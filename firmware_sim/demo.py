@@ -61,11 +61,13 @@ class DemoSettings:
     fraction: float = 1.0  # the share of devices selected each round (Re-Fed's active ratio k)
     emulated: bool = True  # devices of mixed profiles (PROFILE_CYCLE); False: at the host's speed, no deadline drops
     dataset_options: Mapping[str, Any] = field(default_factory=dict)  # the preset's loader options replaced
+    scenario_options: Mapping[str, Any] = field(default_factory=dict)  # more Scenario fields (e.g. dynamics)
 
     @property
     def scenario(self) -> dict[str, Any]:
         options = {"dataset_options": dict(self.dataset_options)} if self.dataset_options else {}
-        return {"preset": self.preset, "n_tasks": self.tasks, "n_clients": self.devices, "seed": self.seed, **options}
+        return {"preset": self.preset, "n_tasks": self.tasks, "n_clients": self.devices, "seed": self.seed, **options,
+                **self.scenario_options}
 
 
 def demo_profiles(devices: int) -> dict[str, int]:

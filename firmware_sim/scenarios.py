@@ -33,10 +33,12 @@ from .datasets import DOMAIN_STREAMS, ArrayDataset, known_num_classes, load_data
 KINDS: tuple[str, ...] = ("class", "domain", "flowing")
 SEQUENCES: tuple[str, ...] = ("circulating", "gradual")
 _FLOWING_ONLY: tuple[str, ...] = ("n_client_tasks", "sequence", "replace_every", "samples_per_class")
+DYNAMICS: tuple[str, ...] = ("glfc",)
+_DYNAMICS_ONLY: tuple[str, ...] = ("old_only", "joining", "class_share")
 
 # Independent random streams per purpose (and per task or client), so changing one setting, e.g. the number
 # of tasks, does not reshuffle what every other task looks like.
-_ORDER, _SPLIT, _CLIENT_TEST, _GROUPS, _SEQUENCE, _PARTS = 0, 1, 2, 3, 4, 5
+_ORDER, _SPLIT, _CLIENT_TEST, _GROUPS, _SEQUENCE, _PARTS, _DYNAMICS = 0, 1, 2, 3, 4, 5, 6
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -59,6 +61,14 @@ class Scenario:
     kind "class": `n_tasks` tasks of `classes_per_task` new classes each, from a seeded class order.
     kind "domain": one task per domain of a domain stream (all labels every time); `domains` picks
     and orders them by name, else the stream's first `n_tasks` domains are used.
+    `dynamics = "glfc"` (kind "class" only) gives GLFC's client dynamics: of the `n_clients`, `joining` new clients
+    join at each task from the second (holding data from then on only: S_n), and the rest hold data from the
+    start; at each task a share `old_only` of the clients already there gets no new data (they keep their old
+    data: S_o), the others (S_b) new data; each client with new data sees a random share `class_share` of the
+    task's classes (at least one: with 2 classes a task GLFC's 60 % is one class), and each class's samples are cut
+    into disjoint shards among the clients that see it (a class nobody drew goes to one of them). `alpha` does not
+    apply. GLFC's authors give every client of a class all of its images; disjoint shards are the spec's
+    suggestion for small data.
     kind "flowing" (pFedGRP): `n_tasks` rounds, one task each; every client splits the classes at random into
     `n_client_tasks` tasks (default 5) of `classes_per_task` classes and walks them in its `sequence`:
     "circulating" (T1 -> ... -> Tn -> T1 ...) or "gradual" (a loop T1, T2, T1, ... of which one task is
@@ -86,6 +96,10 @@ class Scenario:
     sequence: str | None = None
     replace_every: int | None = None
     samples_per_class: int | None = None
+    dynamics: str | None = None
+    old_only: float | None = None
+    joining: int | None = None
+    class_share: float | None = None
 
     def __post_init__(self) -> None:
         normalised = {
@@ -94,6 +108,10 @@ class Scenario:
             "domains": None if self.domains is None else _freeze(self.domains),
             "dataset_options": MappingProxyType({k: _freeze(v) for k, v in self.dataset_options.items()}),
         }
+        if self.dynamics is not None:  # GLFC's defaults (its code: 10 % old-only, 60 % of the classes)
+            normalised["old_only"] = 0.1 if self.old_only is None else float(self.old_only)
+            normalised["joining"] = 0 if self.joining is None else self.joining
+            normalised["class_share"] = 0.6 if self.class_share is None else float(self.class_share)
         if self.kind == "flowing":  # the paper's defaults, spelled out so a saved scenario states them
             normalised["n_client_tasks"] = 5 if self.n_client_tasks is None else self.n_client_tasks
             if self.sequence == "gradual" and self.replace_every is None:
@@ -112,6 +130,7 @@ class Scenario:
         if not 0 < self.client_test_fraction <= 1:
             raise ValueError(f"client_test_fraction must be in (0, 1], got {self.client_test_fraction}")
         is_stream = self.dataset in DOMAIN_STREAMS
+        self._validate_dynamics()
         if self.kind != "flowing":
             given = [name for name in _FLOWING_ONLY if getattr(self, name) is not None]
             if given:
@@ -133,6 +152,25 @@ class Scenario:
                 raise ValueError("classes_per_task applies to kind='class' only")
             if self.domains is not None and len(self.domains) != self.n_tasks:
                 raise ValueError(f"n_tasks={self.n_tasks} but {len(self.domains)} domains given: {self.domains}")
+
+    def _validate_dynamics(self) -> None:
+        if self.dynamics is None:
+            given = [name for name in _DYNAMICS_ONLY if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply with dynamics = \"glfc\" only")
+            return
+        if self.dynamics not in DYNAMICS or self.kind != "class":
+            raise ValueError(f"dynamics must be one of {DYNAMICS}, with kind='class'; got {self.dynamics!r} with "
+                             f"kind={self.kind!r}")
+        self._check_int("joining", 0)
+        first = self.n_clients - _given(self.joining) * (self.n_tasks - 1)
+        if first < 1:
+            raise ValueError(f"{self.joining} clients joining at each of {self.n_tasks - 1} tasks leave none of "
+                             f"the {self.n_clients} for the first task")
+        for name in ("old_only", "class_share"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0 or (name == "class_share" and value == 0.0):
+                raise ValueError(f"{name} must lie in {'(0' if name == 'class_share' else '[0'}, 1], got {value}")
 
     def _validate_flowing(self, is_stream: bool) -> None:
         if is_stream or self.domains is not None:
@@ -254,6 +292,34 @@ def dirichlet_split(labels: np.ndarray, n_clients: int, alpha: float, rng: np.ra
                 donor = max(parts, key=len)
                 part.append(donor.pop(int(rng.integers(len(donor)))))
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def glfc_split(labels: np.ndarray, scenario: Scenario, t: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Task t's positions over the clients under GLFC's dynamics (`Scenario` docstring): clients not joined yet
+    and the old-only share get none; every other client draws its share of the classes, and each class's samples
+    are cut into disjoint shards among the clients that drew it."""
+    joining, n = _given(scenario.joining), scenario.n_clients
+    present = n - joining * (scenario.n_tasks - 1) + joining * t  # clients 0..present-1 are there at task t
+    earlier = present - (joining if t else 0)  # of which these were there before
+    old_only = set(rng.choice(earlier, size=round(_given_float(scenario.old_only) * earlier), replace=False)
+                   .tolist()) if t else set()
+    learning = [k for k in range(present) if k not in old_only]
+    classes = np.unique(labels)
+    share = max(1, round(_given_float(scenario.class_share) * len(classes)))
+    drawn = {k: set(rng.choice(classes, size=min(share, len(classes)), replace=False).tolist()) for k in learning}
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c in classes.tolist():
+        holders = [k for k in learning if c in drawn[k]] or [int(rng.choice(learning))]
+        members = rng.permutation(np.flatnonzero(labels == c))
+        for k, shard in zip(holders, np.array_split(members, len(holders))):
+            parts[k].extend(shard.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def _given_float(value: float | None) -> float:
+    if value is None:
+        raise ValueError("a scenario field this kind needs is unset")
+    return value
 
 
 def client_test_split(
@@ -392,7 +458,10 @@ def _make_task(
     train_idx = np.flatnonzero(np.isin(data.y_train, classes))
     test_idx = np.flatnonzero(np.isin(data.y_test, classes))
     y_train = data.y_train[train_idx]
-    clients = dirichlet_split(y_train, scenario.n_clients, scenario.alpha, _rng(scenario.seed, _SPLIT, t))
+    if scenario.dynamics == "glfc":
+        clients = glfc_split(y_train, scenario, t, _rng(scenario.seed, _DYNAMICS, t))
+    else:
+        clients = dirichlet_split(y_train, scenario.n_clients, scenario.alpha, _rng(scenario.seed, _SPLIT, t))
     client_tests = client_test_split(
         [y_train[p] for p in clients], data.y_test[test_idx], scenario.client_test_fraction,
         _rng(scenario.seed, _CLIENT_TEST, t),

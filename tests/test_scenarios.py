@@ -277,3 +277,32 @@ def test_client_sources_of_one_scenario_share_one_build(monkeypatch):
     assert (sources[0].task_data(0)[0] >= 0).all()
     other = scenarios.ClientSource(preset("digits-class", n_clients=6, seed=12).to_dict(), 0)
     assert len(calls) == 2 and other.data is not sources[0].data
+
+
+def test_glfc_dynamics_join_clients_keep_some_on_old_data_and_share_out_each_class():
+    """GLFC's client dynamics: 2 clients join at each task, a tenth of those already there get no new data, each
+    learning client sees one of a task's two classes (60 % of 2, at least one), a class's samples are disjoint
+    shards, and every class of the task is held by someone."""
+    from firmware_sim.scenarios import preset
+
+    scenario = preset("digits-class", dynamics="glfc", joining=2, n_clients=18, old_only=0.25)
+    data = scenario.build()
+    first = 18 - 2 * 4
+    for task in data.tasks:
+        present = first + 2 * task.index
+        sizes = [len(idx) for idx in task.client_train_indices]
+        assert all(n == 0 for n in sizes[present:])  # not joined yet
+        if task.index:
+            earlier = present - 2
+            assert sum(n == 0 for n in sizes[:earlier]) == round(0.25 * earlier)  # S_o: old data only
+            assert all(n > 0 for n in sizes[earlier:present])  # S_n: the newcomers learn
+        held = [set(task.data.y_train[idx].tolist()) for idx in task.client_train_indices if len(idx)]
+        assert all(len(classes) == 1 for classes in held)
+        assert set().union(*held) == set(task.classes)
+        everything = np.concatenate(task.client_train_indices)
+        assert len(everything) == len(set(everything.tolist())) == len(task.train_indices)
+    assert scenario == type(scenario).from_dict(scenario.to_dict())
+    with pytest.raises(ValueError, match="apply with dynamics"):
+        preset("digits-class", joining=2)
+    with pytest.raises(ValueError, match="leave none"):
+        preset("digits-class", dynamics="glfc", joining=5, n_clients=20)
