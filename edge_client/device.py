@@ -317,7 +317,7 @@ class Device:
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
-        if not len(self.learner.store):  # a device that has no data yet (one joining later) has nothing to add
+        if not len(self.learner.store) and not disk_full:  # no data yet (a device joining later): nothing to add
             raise ValueError(f"no samples to train on in round {round_}: this device holds no data yet")
         policy = self.learner.policy
         self._give(policy, {**self.broadcasts.get(message.get("broadcast", ""), {}),
