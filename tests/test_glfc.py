@@ -325,3 +325,31 @@ def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(
     POLICIES.get("glfc").export_artifacts(OPTIONS, ort_only)
     with pytest.raises(ValueError, match="refine_steps needs input gradients"):
         _learner(ort_only, tmp_path / "ort", trainer=OrtTrainer(ort_only), refine_steps=10)
+
+
+def test_the_proxy_scores_every_model_of_the_task_once_its_reconstructions_are_ready(artifacts):
+    """Round 1's model predicts class 1, round 2's class 0; the reconstructions (all of class 1) arrive after round
+    1: round 1's model is still scored, is the task's best, and is the old model broadcast at the task's end."""
+    proxy = _proxy(artifacts, gamma="glfc_mlp")
+    manifest = proxy.manifest
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    offset = 0
+    for p in manifest.parameters:
+        if p.name == "head.bias":
+            break
+        offset += p.size
+    says_one, says_zero = base.copy(), base.copy()
+    says_one[offset + 1] += 100.0
+    says_zero[offset] += 100.0
+
+    def ctx(round_):
+        return RoundContext(round=round_, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=round_,
+                            rounds_per_task=2)
+
+    proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says_one, 10)], ctx(1))
+    x, y = _digits([1], 5)
+    proxy.monitor = (0, x, y)  # the reconstructions of task 0 are ready now
+    result = proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says_zero, 10)], ctx(2))
+    assert result.metrics["proxy"]["best_round_of_task"] == 1.0 and result.metrics["proxy"]["reconstruction_accuracy"] == 0.0
+    weights, task = decode_old_model(result.broadcast, manifest.num_parameters)
+    assert task == 0 and np.allclose(weights, says_one)

@@ -12,9 +12,11 @@ The proxy (`proxy = true`; false is the paper's "w/o PRS" ablation, GLFC without
    line search), clamped to `input_range` at the end, all of it in a `BackgroundJob` with
    `reconstruction_budget_s` of wall time, on the strategy's torch device (cuda when present), so the coordinator
    keeps handling its devices meanwhile; an empty pool starts nothing (the authors' code divides by zero there);
-4. keeps the task's reconstructions (each finished one joins them), scores every round's global model on them
-   (top-1 over the classes seen) and keeps the best one of the task (its best score reset at each task; the
-   authors' code never resets it, so a later task's model must beat an earlier task's score);
+4. keeps the task's reconstructions (each finished one joins them), scores every round's global model of the task
+   on them (top-1 over the classes seen; a model that came before the reconstructions were ready is scored when
+   they are, so the choice does not depend on how fast the proxy ran) and keeps the best one of the task, the
+   latest on a tie as the authors' `>=` (the best score is reset at each task; the authors' code never resets it,
+   so a later task's model must beat an earlier task's score);
 5. at the last round of a task (after waiting up to `wait_at_task_end_s` for the task's reconstructions, the
    waiting ones included: 0, the default, never holds the coordinator's loop; a benchmark that must not depend on
    the machine's speed waits), broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
@@ -98,6 +100,7 @@ class GlfcProxy(FedAvg):
         self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled while a job ran
         self.monitor: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, x, y) reconstructed
         self.best: tuple[int, float, np.ndarray] | None = None  # (task, score, weights) of the task's best model
+        self.task_models: list[np.ndarray] = []  # the task's global models so far (rounds_per_task at most)
         self.last_metrics: dict[str, float] = {}
 
     # --- checks ---------------------------------------------------------------------------------
@@ -175,16 +178,18 @@ class GlfcProxy(FedAvg):
         self.last_metrics["reconstructions"] = float(len(y))
 
     def _score(self, weights: np.ndarray, ctx: RoundContext) -> None:
-        """Top-1 of this round's global model on the task's reconstructions; the task's best is kept."""
-        if self.best is not None and self.best[0] != ctx.task:
-            self.best = None  # reset at each task
+        """Every global model of the task so far, scored on the task's reconstructions as they stand now (they
+        grow as reconstructions finish, so scores are only compared on one set); the best is kept."""
+        if ctx.starts_task or (self.best is not None and self.best[0] != ctx.task):
+            self.task_models, self.best = [], None  # reset at each task
+        self.task_models.append(weights)
         if self.monitor is None or self.monitor[0] != ctx.task:
             return
         _, x, y = self.monitor
-        score = self.accuracy(weights, x, y, ctx.seen_classes)
-        self.last_metrics["reconstruction_accuracy"] = score
-        if self.best is None or score >= self.best[1]:
-            self.best = (ctx.task, score, weights)
+        scores = [self.accuracy(model, x, y, ctx.seen_classes) for model in self.task_models]
+        top = max(range(len(scores)), key=lambda i: (scores[i], i))  # the latest of the best, as the authors' >=
+        self.best = (ctx.task, scores[top], self.task_models[top])
+        self.last_metrics.update(reconstruction_accuracy=scores[-1], best_round_of_task=float(top + 1))
 
     def accuracy(self, weights: np.ndarray, x: np.ndarray, y: np.ndarray, classes: Sequence[int]) -> float:
         load_flat_weights(self.model, self.manifest, weights)
