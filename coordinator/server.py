@@ -115,6 +115,7 @@ class Coordinator:
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
         self.personalized: dict[str, np.ndarray] = {}
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
+        self.broadcast = Broadcast()  # what the rule sends to every device, once (kept in the checkpoint)
         if resumed_from is not None:
             self._load_personalized(resumed_from)
             self.strategy.load(resumed_from)
@@ -128,7 +129,6 @@ class Coordinator:
         self._last_attempt: OpenRound | None = None
         self._aggregate: RoundAggregate | None = None
         self._context = RoundContext()  # the round being run, as its rule sees it
-        self.broadcast = Broadcast()  # what the rule sends to every device, once
         self._weights_chunks: list[bytes] = []
         self._first_round = True
         self.outcome = "running"

@@ -44,14 +44,14 @@ def test_a_hosted_device_starts_its_task_and_trains_only_in_its_turn(tmp_path, e
     })
     device = virtual_device(config, turns=turns)
     held: list[tuple[str, int]] = []
-    for name in ("start_task", "train"):
+    for name in ("observe", "train"):
         real = getattr(device.learner, name)
         monkeypatch.setattr(device.learner, name,
                             lambda *a, _real=real, _name=name, **k: held.append((_name, turns.depth)) or _real(*a, **k))
     try:
         weights = device.trainer.get_weights()
         device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
-        assert held == [("start_task", 1), ("train", 1)] and turns.depth == 0
+        assert held == [("observe", 1), ("train", 1)] and turns.depth == 0
         assert device.learner.state.round == 1  # the round went through: trained, saved
     finally:
         device.learner.store.close()

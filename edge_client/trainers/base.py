@@ -241,7 +241,7 @@ class Trainer(ABC):
     ) -> tuple[float, np.ndarray]:
         """The batch loss (models/loss.py, shaped by `loss`) and its gradient w.r.t. the inputs x (float32, x's
         shape), at the current weights, in train mode as `gradient`; nothing changes. What a method that moves
-        samples needs (GLFC's prototype refinement). ValueError on a backend whose artifacts have no such graph."""
+        samples needs (a prototype's refinement). ValueError on a backend whose artifacts have no such graph."""
         x, y = self._check_batch(x, y)
         if loss is not None:
             loss = self._check_loss(loss, len(y))
