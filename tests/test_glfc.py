@@ -353,3 +353,23 @@ def test_the_proxy_scores_every_model_of_the_task_once_its_reconstructions_are_r
     assert result.metrics["proxy"]["best_round_of_task"] == 1.0 and result.metrics["proxy"]["reconstruction_accuracy"] == 0.0
     weights, task = decode_old_model(result.broadcast, manifest.num_parameters)
     assert task == 0 and np.allclose(weights, says_one)
+
+
+def test_a_restart_mid_task_keeps_the_old_model_of_the_task(artifacts, tmp_path):
+    """The old model is stored with the task it serves: a device restarted in the middle of task 1 does not take
+    the round's global model (a model of task 1 itself) for its old model."""
+    learner = _learner(artifacts, tmp_path)
+    first = learner.trainer.get_weights()
+    learner.start_task(0, *_digits([0, 1], 30))
+    learner.train()
+    learner.global_model_arrived(first)  # the last global model of task 0
+    learner.start_task(1, *_digits([2, 3], 30))
+    learner.train()
+    learner.save(tmp_path)
+    learner.store.close()
+    restarted = _learner(artifacts, tmp_path)
+    assert restarted.restore(tmp_path)
+    restarted.global_model_arrived(first + 1.0)  # a model of task 1, after the restart
+    restarted.train()
+    assert np.array_equal(restarted.policy._old_model(), first)
+    restarted.store.close()

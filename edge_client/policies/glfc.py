@@ -234,7 +234,9 @@ class Glfc(ReplayPolicy):
                              f"raise max_bytes")
         stored = held.read()
         self._gamma.set_weights(np.frombuffer(stored or b"", dtype="<f4").astype(np.float32))
-        if not self._files[OLD_MODEL_HOLDER].can_ever_hold(4 * ctx.trainer.manifest.num_parameters):
+        stored_old = self._stored_old_model()
+        self._task = stored_old[0] if stored_old is not None else -1  # a restart mid-task keeps its old model
+        if not self._files[OLD_MODEL_HOLDER].can_ever_hold(4 + 4 * ctx.trainer.manifest.num_parameters):
             log.warning("policy glfc: the old model can never fit old_model_share of M: no relation distillation")
 
     # --- the round ------------------------------------------------------------------------------
@@ -374,15 +376,22 @@ class Glfc(ReplayPolicy):
             candidate, source = self._latest, "latest-global"
         if candidate is None or view.task == 0:
             return
-        stored = self._files[OLD_MODEL_HOLDER].write(np.ascontiguousarray(candidate, dtype="<f4").tobytes())
+        header = np.array([view.task], dtype="<i4").tobytes()  # the task it serves: a restart does not store again
+        stored = self._files[OLD_MODEL_HOLDER].write(header + np.ascontiguousarray(candidate, dtype="<f4").tobytes())
         self._round.update(old_model_stored=float(stored), old_model_from_proxy=float(source == "proxy"))
 
-    def _old_model(self) -> np.ndarray | None:
+    def _stored_old_model(self) -> tuple[int, np.ndarray] | None:
+        """(the task it serves, its weights) as stored; None when there is none or it is not this model's."""
         data = self._files[OLD_MODEL_HOLDER].read() if OLD_MODEL_HOLDER in self._files else None
         trainer = self._trainer
-        if data is None or trainer is None or len(data) != 4 * trainer.manifest.num_parameters:
+        if data is None or trainer is None or len(data) != 4 + 4 * trainer.manifest.num_parameters:
             return None
-        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+        weights = np.frombuffer(data, dtype="<f4", offset=4).astype(np.float32)
+        return int(np.frombuffer(data[:4], dtype="<i4")[0]), weights
+
+    def _old_model(self) -> np.ndarray | None:
+        stored = self._stored_old_model()
+        return None if stored is None else stored[1]
 
     def _memory_orders(self) -> dict[int, np.ndarray]:
         data = self._files[MEMORY_HOLDER].read() if MEMORY_HOLDER in self._files else None
