@@ -261,6 +261,9 @@ def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str,
 def print_paired(a: str, b: str, finals: Mapping[str, list[float]]) -> None:
     if a not in finals or b not in finals or len(finals[a]) < 2:
         return
+    if len(finals[a]) != len(finals[b]):  # a run failed: pairs by seed are not known here
+        print(f"  {a} - {b}: not paired ({len(finals[a])} and {len(finals[b])} runs finished)")
+        return
     diff = np.array(finals[a]) - np.array(finals[b])
     test = stats.ttest_rel(finals[a], finals[b])
     print(f"  {a} - {b}: {' '.join(f'{d:+.2f}' for d in diff)}; mean {diff.mean():+.2f} ± {diff.std():.2f}, "
