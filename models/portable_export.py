@@ -74,41 +74,27 @@ class _Unflatten:
 
 
 class GradientGraph(torch.nn.Module):
-    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+    """models/loss.py's batch loss and its gradient w.r.t. the flat weights (`wrt = "weights"`, the training step)
+    or w.r.t. the input batch (`wrt = "input"`, a method that moves samples)."""
+
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo], wrt: str = "weights") -> None:
         super().__init__()
-        self.model, self.unflatten = model, _Unflatten(parameters)
+        self.model, self.unflatten, self.wrt = model, _Unflatten(parameters), wrt
 
     def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
                 sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
                 soft_targets: torch.Tensor, soft_weights: torch.Tensor, bce: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            raw, _ = functional_call(self.model, params, (x,))
-            return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights,
-                                 soft_targets, soft_weights, bce)
-
-        gradient, value = grad_and_value(loss)(self.unflatten(weights))
-        return value, self.unflatten.flatten(gradient)
-
-
-class InputGradientGraph(torch.nn.Module):
-    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
-        super().__init__()
-        self.model, self.unflatten = model, _Unflatten(parameters)
-
-    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
-                sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
-                soft_targets: torch.Tensor, soft_weights: torch.Tensor, bce: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        params = self.unflatten(weights)
-
-        def loss(inputs: torch.Tensor) -> torch.Tensor:
+        def loss(params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
             raw, _ = functional_call(self.model, params, (inputs,))
             return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights,
                                  soft_targets, soft_weights, bce)
 
-        gradient, value = grad_and_value(loss)(x)
-        return value, gradient
+        if self.wrt == "input":
+            gradient, value = grad_and_value(loss, argnums=1)(self.unflatten(weights), x)
+            return value, gradient
+        by_name, value = grad_and_value(loss)(self.unflatten(weights), x)
+        return value, self.unflatten.flatten(by_name)
 
 
 class EvalGraph(torch.nn.Module):
@@ -188,7 +174,7 @@ def export_portable(
         # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
                      (1, 3, 4, 5, 6, 7, 8), True),
-        "input_gradient": (InputGradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS,
+        "input_gradient": (GradientGraph(model, parameters, wrt="input"), (weights, *batch), GRADIENT_INPUTS,
                            ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8), True),
         "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
                  ("logits", "features"), (1,), False),
