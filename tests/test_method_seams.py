@@ -284,3 +284,16 @@ def test_a_device_that_detects_its_own_tasks_starts_one_only_where_its_data_is_n
     for running in devices:
         assert running.learner.state.data_task == 1
         assert running.learner.state.task == (0 if detect else 1)
+
+
+def test_a_resumed_coordinator_keeps_the_rules_broadcast(tmp_path, export_artifacts):
+    """The broadcast is part of the checkpoint: a coordinator resumed from it sends the same blob, by the same id."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"store": {"max_samples": 100}, "policy": {"name": "toy-old-model"}}
+    options = {"checkpoint": CheckpointPolicy(collapse_drop=0.0)}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2) as federation:
+        finished = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=1, **options)
+        finished.run()
+        resumed = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=1, resume=True, **options)
+    assert finished.broadcast.id is not None and set(finished.broadcast.payloads) == {"toy/old", "toy/old-task"}
+    assert resumed.broadcast.id == finished.broadcast.id and resumed.broadcast.payloads == finished.broadcast.payloads
