@@ -81,9 +81,9 @@ class Learner:
         return RoundView(
             trainer=self.trainer, rng=self.rng, batch_size=self.config.batch_size, class_mask=self.class_mask(),
             task=self.state.task, label_counts=_padded(self.state.label_counts, k),
-            task_counts=_padded(self.state.task_counts, k), n_seen=self.state.n_seen, n_stored=len(self.store),
+            task_counts=_padded(self.state.task_counts, k), n_seen=self.state.n_seen,
             global_weights=self.global_weights if global_weights is None else global_weights,
-            read_store=self._stored,
+            read_store=self._stored, count_store=self.store.__len__,
         )
 
     def global_model_arrived(self, weights: np.ndarray) -> None:

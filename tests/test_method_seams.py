@@ -54,7 +54,7 @@ class ToyPolicy(ReplayPolicy):
         return TrainingSet(x, y, LossInputs(sample_weights=weights))
 
     def attachments(self, view: RoundView) -> dict[str, bytes]:
-        return {"toy/trained": struct.pack("<I", view.n_stored)}
+        return {"toy/trained": struct.pack("<I", view.n_stored())}
 
 
 class ToyStrategy(FedAvg):
@@ -194,7 +194,7 @@ def test_a_broadcast_payload_is_sent_once_to_every_device_and_kept_by_version(tm
         for running in federation.devices:
             assert running.link.wait_subscribed(60)
         coordinator = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=2, min_clients=2,
-                                             wait_for_devices_s=0.5,  # the spare is not waited for
+                                             wait_for_devices_s=10.0,  # then on without the spare
                                              checkpoint=CheckpointPolicy(collapse_drop=0.0))  # every round's model
 
         def progress(entry: dict) -> None:

@@ -119,7 +119,7 @@ def test_a_view_is_frozen_and_shows_the_device_as_it_is(artifacts, tmp_path):
     view = learner.view()
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.task = 5  # type: ignore[misc]
-    assert view.task == 1 and view.n_stored == len(learner.store) == 20 and view.n_seen == 20
+    assert view.task == 1 and view.n_stored() == len(learner.store) == 20 and view.n_seen == 20
     assert view.seen_before_task().tolist() == [0, 1]
     assert view.task_counts[[2, 3]].tolist() == [5, 5] and view.label_counts[:4].tolist() == [5, 5, 5, 5]
     assert view.class_mask is not None and np.flatnonzero(view.class_mask).tolist() == [0, 1, 2, 3]

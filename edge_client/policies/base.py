@@ -56,9 +56,9 @@ class Samples:
 class RoundView:
     """What every hook of a policy sees of its device, made by the learner at the call and frozen: the task
     model's trainer, the learner's rng and batch size, the seen-class mask, the task, the samples seen per class
-    over the device's life (`label_counts`) and in the current task (`task_counts`), how many it has seen and
-    stores, and the latest global model it received (None before the first). The stored samples' tasks and the
-    stored samples themselves are read when asked (`stored_tasks`, `stored`): most hooks never need them, and a
+    over the device's life (`label_counts`) and in the current task (`task_counts`), how many it has seen, and
+    the latest global model it received (None before the first). How many samples it stores, their tasks and the
+    samples themselves are read when asked (`n_stored`, `stored_tasks`, `stored`): most hooks never need them, and a
     fleet worker makes a view for each of its devices at every broadcast."""
 
     trainer: Trainer
@@ -69,9 +69,9 @@ class RoundView:
     label_counts: np.ndarray
     task_counts: np.ndarray
     n_seen: int
-    n_stored: int
     global_weights: np.ndarray | None
     read_store: Callable[[int | None], Samples] = field(repr=False, compare=False)
+    count_store: Callable[[], int] = field(repr=False, compare=False)
 
     @classmethod
     def of_samples(cls, trainer: Trainer, global_weights: np.ndarray | None, class_mask: np.ndarray | None,
@@ -87,7 +87,11 @@ class RoundView:
             return Samples(held.x[pick], held.y[pick], held.task[pick])
 
         return cls(trainer, rng, batch_size, class_mask, task, np.bincount(held.y, minlength=k),
-                   np.bincount(read(task).y, minlength=k), len(held), len(held), global_weights, read)
+                   np.bincount(read(task).y, minlength=k), len(held), global_weights, read, lambda: len(held))
+
+    def n_stored(self) -> int:
+        """How many samples the store holds now (a query: a fleet worker makes a view per device per broadcast)."""
+        return self.count_store()
 
     def stored(self, task: int | None = None) -> Samples:
         """The stored samples (of one task when given), in the order `training_set` receives them."""
@@ -152,7 +156,7 @@ class ReplayPolicy(ABC):
 
     def admit(self, view: RoundView, n_new: int, capacity: int) -> Admission | None:
         """Decide, as the data stream in, which stored samples stay and which new ones enter (`view.n_seen` seen
-        before this chunk, `view.n_stored` stored, `capacity` the most the store may hold); None (the default)
+        before this chunk, `view.n_stored()` stored, `capacity` the most the store may hold); None (the default)
         leaves it to the learner's task-switch rule (rank the old, keep M - N_new of them)."""
         return None
 

@@ -18,7 +18,7 @@ class Reservoir(ReplayPolicy):
         return view.rng.permutation(len(old))[:keep]
 
     def admit(self, view: RoundView, n_new: int, capacity: int) -> Admission | None:
-        return Admission(*reservoir_update(view.n_seen, view.n_stored, n_new, capacity, view.rng))
+        return Admission(*reservoir_update(view.n_seen, view.n_stored(), n_new, capacity, view.rng))
 
 
 def reservoir_update(
