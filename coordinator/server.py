@@ -11,10 +11,13 @@ the first selection sees every device that is coming); later rounds only wait wh
 online. A device that (re)registers while selected for the open round without having delivered gets the
 round's weights and message again on its own topics (after a broker restart, or its own restart), at most
 `resends_per_round` times. A device that reports it cannot train (status "error") is not waited for; its reason
-is logged, counted ("device-error") and kept per device in `results.json`. Every device process names itself with
-a random instance id: a status from an instance other than the device's newest registered one (the late last will
-of a replaced process) is passed over, and an older instance that registers again means two processes share one
-device id: counted ("duplicate-device"), logged, kept in the results and told to the device (a retained notice).
+is logged, counted ("device-error") and kept per device in `results.json`. A device that holds no data yet (one that
+joins a later task: status "no-data") stays connected and gets every global model, but is not selected until it
+says it has data; selected before it could say so, it is not waited for ("no-data" for that round, counted).
+Every device process names itself with a random instance id: a status from an instance other than the device's
+newest registered one (the late last will of a replaced process) is passed over, and an older instance that
+registers again means two processes share one device id: counted ("duplicate-device"), logged, kept in the results
+and told to the device (a retained notice).
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -123,6 +126,7 @@ class Coordinator:
         self.rng.bit_generator.state = self.state.rng
         self.registered: dict[str, Registration] = {}
         self.online: set[str] = set()
+        self.without_data: set[str] = set()  # online, but holding no data to train on (status "no-data")
         self.open_round: OpenRound | None = None
         # between two attempts of a round (one missed its quorum): the last one, which still takes the updates
         # that answer it, and the round's aggregation, which both attempts feed
@@ -259,7 +263,7 @@ class Coordinator:
         """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
         attempt, whose deliveries count in this one."""
         encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
-                                   version=self.state.round)
+                                   version=self.state.round, task=task)
         self._weights_chunks = encoded.chunks
         self.open_round = opened = OpenRound.open(
             number, task, encoded.id, selected, self.config.deadline_s, virtual=self.config.virtual_time
@@ -322,7 +326,7 @@ class Coordinator:
             return
         for chunk in self.broadcast.chunks:
             self.link.publish(topics.to_all(self.config.fleet, "broadcast"), chunk)
-        self.broadcast.reached((d, self.registered[d].instance) for d in self._available_set())
+        self.broadcast.reached((d, self.registered[d].instance) for d in self._connected_set())
         log.info("round %d: broadcast %s (%d bytes) to the fleet", round_, ", ".join(sorted(payloads)),
                  sum(len(v) for v in payloads.values()))
 
@@ -418,16 +422,20 @@ class Coordinator:
     # --- devices ----------------------------------------------------------------------------------
 
     def _wait_for_devices(self) -> list[str]:
-        """The devices that can be selected now, after waiting as the module docstring says."""
-        wanted = len(self.config.devices) if self._first_round else self.config.min_clients
+        """The devices that can be selected now, after waiting as the module docstring says (the first round
+        waits for the roster to connect, data or not: a device joining a later task is there all along)."""
+        roster = len(self.config.devices) if self._first_round else 0
         deadline = time.monotonic() + self.config.wait_for_devices_s
-        while len(self._available_set()) < wanted and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            len(self._available_set()) < self.config.min_clients or len(self._connected_set()) < roster
+        ):
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:
-            raise QuorumError(f"{len(available)} devices online after {self.config.wait_for_devices_s:.0f} s, "
-                              f"quorum is {self.config.min_clients}")
+            waiting = f" ({len(self.without_data)} more hold no data yet)" if self.without_data else ""
+            raise QuorumError(f"{len(available)} devices online after {self.config.wait_for_devices_s:.0f} s"
+                              f"{waiting}, quorum is {self.config.min_clients}")
         return available
 
     def _await_return(self, devices: list[str], seconds: float) -> None:
@@ -435,12 +443,16 @@ class Coordinator:
         (reconnected and registered), so the retry does not fire at a fleet that is still restarting."""
         deadline = time.monotonic() + seconds
         back = set(devices)
-        while time.monotonic() < deadline and not back <= self._available_set():
+        while time.monotonic() < deadline and not back <= self._connected_set():
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
 
-    def _available_set(self) -> set[str]:
+    def _connected_set(self) -> set[str]:
         """Registered and online: a set operation in C, cheap enough to ask between slices of messages."""
         return self.registered.keys() & self.online
+
+    def _available_set(self) -> set[str]:
+        """What a round selects from: connected, and holding data to train on."""
+        return self._connected_set() - self.without_data
 
     def _available(self) -> list[str]:
         return sorted(self._available_set())
@@ -516,6 +528,10 @@ class Coordinator:
         if event.state == "error":
             self._on_device_error(event)
             return
+        if event.state == "no-data":
+            self._on_no_data(event)
+            return
+        self.without_data.discard(event.device)
         if event.state != "offline":
             self.online.add(event.device)
             if current is not None and current.came_back(event.device):  # back (or the offline was stale)
@@ -533,6 +549,16 @@ class Coordinator:
         log.warning("%s cannot train round %d: %s", event.device, event.round, event.error or "(no reason given)")
         if self.open_round is not None and self.open_round.number == event.round:
             self.open_round.failed_with(event.device, event.error)
+
+    def _on_no_data(self, event: Status) -> None:
+        """A device with nothing to train on: not selected until it says otherwise; the open round it was
+        selected for (before it could say so) does not wait for it."""
+        self.online.add(event.device)
+        self.without_data.add(event.device)
+        current = self.open_round
+        if current is not None and current.number == event.round and current.awaits(event.device):
+            self.counters["no-data"] += 1
+            current.failed_with(event.device, "it holds no data yet")
 
     def _on_update(self, update: Update) -> None:
         reason = self.strategy.inspect(_for_strategy(update))
@@ -595,6 +621,7 @@ class Coordinator:
             **self._iaa_summary(),
             "counters": dict(self.counters),
             "device_errors": self.device_errors,
+            "without_data": sorted(self.without_data),  # online devices that said they hold no data yet
             "duplicate_devices": self.duplicates,
             "bytes_sent": self.link.bytes_sent,
             "bytes_received": self.link.bytes_received,

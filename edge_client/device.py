@@ -119,6 +119,8 @@ class Device:
         self.broadcast_reassembler = wire.Reassembler(max_blob_bytes=MAX_PAYLOAD_BYTES, max_pending=2)
         self.broadcasts: dict[str, dict[str, bytes]] = {}  # broadcast blobs by id (their version)
         self.broadcasts_received = 0  # broadcast blobs assembled (one per change, when nothing is lost)
+        self.task_heard: int | None = None  # the task the latest global model or round message names
+        self._source_has: tuple[int, bool] | None = None  # (task, whether the source has data for it): asked once
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
         self.rejected = 0
@@ -149,7 +151,7 @@ class Device:
                     if item is not None:
                         self.handle(item.topic, item.payload)
                     elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
-                        self._publish_status("idle")
+                        self._publish_status(self._ready_state())
                 except Exception:  # the daemon outlives any one message; what failed is in the log
                     log.exception("%s failed to handle a message; carrying on", self.id)
         finally:
@@ -216,7 +218,36 @@ class Device:
             "register", device=self.id, profile=self.config.profile, backend=backend, manifest=self.manifest,
             software=software_version(), instance=self.instance,
         ), retain=True)
-        self._publish_status("idle")
+        self._publish_status(self._ready_state())
+
+    def _ready_state(self) -> str:
+        """"idle", or "no-data" while the device holds nothing and its source has nothing for the task the coordinator
+        last named (a device that joins a later task, as in GLFC's client dynamics): the coordinator selects no
+        device that says so. Before any task is named the device says "idle" and answers a round it cannot train
+        with "no-data"."""
+        if self.task_heard is None or len(self.learner.store):
+            return "idle"
+        task = self.task_heard
+        if self._source_has is None or self._source_has[0] != task:
+            try:
+                x, _ = self.source.task_data(task)
+                has = len(x) > 0
+            except FileNotFoundError:  # a folder source without the task's file: nothing collected yet
+                has = False
+            except ValueError:  # a damaged file is data the round must report on ("error"), not a missing one
+                has = True
+            self._source_has = (task, has)
+        return "idle" if self._source_has[1] else "no-data"
+
+    def _hear_task(self, task: Any) -> None:
+        """The coordinator named the task being trained: a device whose readiness changes with it says so now."""
+        if not isinstance(task, int) or task == self.task_heard:
+            return
+        before = self._ready_state()
+        self.task_heard = task
+        now = self._ready_state()
+        if now != before:
+            self._publish_status(now)
 
     def _take_weights(self, message: wire.Message) -> None:
         blob = self.reassembler.add("coordinator", message)
@@ -227,6 +258,7 @@ class Device:
             self.models.pop(next(iter(self.models)))
         with self.environment.turn():  # the policy's hook is CPU work, as training is
             self.learner.global_model_arrived(weights)
+        self._hear_task(blob.header.get("task"))
         self._arrived(blob.id)
 
     def _take_payload(self, message: wire.Message) -> None:
@@ -258,6 +290,7 @@ class Device:
 
     def _take_round(self, message: wire.Message) -> None:
         round_, model = message["round"], message["model"]
+        self.task_heard = message["task"]
         done = self.learner.state.round
         if round_ == done and self._resend(round_, model):
             return
@@ -290,6 +323,10 @@ class Device:
 
     def _train(self, message: wire.Message, global_weights: np.ndarray) -> None:
         round_, task, config = message["round"], message["task"], message["config"]
+        if self._ready_state() == "no-data":  # nothing stored, nothing to take (it joins a later task)
+            log.info("%s holds no data yet: round %d passed over", self.id, round_)
+            self._publish_status("no-data", round_)
+            return
         blob_bytes = 4 * self.num_parameters
         messages = wire.chunk_count(blob_bytes)
         device_seconds = self.environment.transfer(blob_bytes, messages, upload=False)
@@ -317,8 +354,8 @@ class Device:
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
-        if not len(self.learner.store) and not disk_full:  # no data yet (a device joining later): nothing to add
-            raise ValueError(f"no samples to train on in round {round_}: this device holds no data yet")
+        if not len(self.learner.store) and not disk_full:
+            raise ValueError(f"no samples to train on in round {round_}: the store kept none of the task's")
         policy = self.learner.policy
         self._give(policy, {**self.broadcasts.get(message.get("broadcast", ""), {}),
                             **self.payloads.get(message.get("payload", ""), {})})

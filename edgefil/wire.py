@@ -94,6 +94,8 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
 # blob a round message goes with (the device waits for it as for the weights); `broadcast`: the id of the broadcast
 # blob it goes with (the device keeps it by id and waits for it only when it does not hold it). `label_counts`:
 # samples seen per class (update).
+# `task`: the task the global model's round trains (weights), so that a device not selected learns it too (a device
+# that holds no data for it says so in its status and is not selected).
 # `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
 # one coming back means two processes share a device id. `error`: why a device cannot train (status "error").
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
@@ -104,6 +106,7 @@ OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "broadcast": {"attachments": list},
     "answer": {"attachments": list},
     "round": {"payload": str, "broadcast": str},
+    "weights": {"task": int},
     "notice": {"instances": list},  # the device processes the notice is about (others ignore it)
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_crc32c", "data"})

@@ -68,7 +68,8 @@ class Scenario:
     task's classes (at least one: with 2 classes a task GLFC's 60 % is one class), and each class's samples are cut
     into disjoint shards among the clients that see it (a class nobody drew goes to one of them). `alpha` does not
     apply. GLFC's authors give every client of a class all of its images; disjoint shards are the spec's
-    suggestion for small data.
+    suggestion for small data. A client that has not joined yet holds no data: its device says so (status
+    "no-data") and is not selected before its task (docs/protocol.md, "One round").
     kind "flowing" (pFedGRP): `n_tasks` rounds, one task each; every client splits the classes at random into
     `n_client_tasks` tasks (default 5) of `classes_per_task` classes and walks them in its `sequence`:
     "circulating" (T1 -> ... -> Tn -> T1 ...) or "gradual" (a loop T1, T2, T1, ... of which one task is

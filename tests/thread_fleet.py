@@ -35,18 +35,21 @@ class Federation:
 
 class ThreadFederation:
     """The broker and `n_devices` devices holding `samples` samples of each of `tasks` tasks (task t: digits
-    `task_classes(t)`, 2t and 2t + 1 by default), running while the federation is entered; `device` adds sections to every device's config (policy, store, trainer). `spares`: ids
-    on the roster and the broker with no device behind them (a compromised device's account: `passwords` has
-    theirs); `environments`: a device's surroundings by its index (the host's own otherwise). `coordinator(...)`
-    runs the coordinator once, to its end; again with `resume=True` to resume it."""
+    `task_classes(t)`, 2t and 2t + 1 by default), running while the federation is entered; `device` adds sections
+    to every device's config (policy, store, trainer). `spares`: ids on the roster and the broker with no device
+    behind them (a compromised device's account: `passwords` has theirs); `environments`: a device's surroundings
+    by its index (the host's own otherwise); `joins`: the task a device's data start at, by name (a device
+    joining a later task: no file for the tasks before). `coordinator(...)` runs the coordinator once, to its
+    end; again with `resume=True` to resume it."""
 
     def __init__(self, root: Path, artifacts: Path, device: Mapping[str, Any], tasks: int = 1, n_devices: int = 2,
                  samples: int = 40, spares: tuple[str, ...] = (),
-                 environments: Mapping[int, Environment] | None = None,
+                 environments: Mapping[int, Environment] | None = None, joins: Mapping[str, int] | None = None,
                  task_classes: Callable[[int], list[int]] = lambda t: [2 * t, 2 * t + 1]) -> None:
         self.root, self.artifacts, self.device, self.tasks = root, artifacts, device, tasks
         self.task_classes = task_classes
         self.environments = dict(environments or {})
+        self.joins = dict(joins or {})
         self.names = [f"dev-{k}" for k in range(n_devices)]
         self.samples = samples
         self.roster = (*self.names, *spares)
@@ -82,7 +85,7 @@ class ThreadFederation:
     def _start_device(self, k: int, name: str, data: Any) -> None:
         folder = self.root / name / "incoming"
         folder.mkdir(parents=True)
-        for t in range(self.tasks):
+        for t in range(self.joins.get(name, 0), self.tasks):
             mine = np.flatnonzero(np.isin(data.y_train, self.task_classes(t)))[k::len(self.names)][:self.samples]
             np.savez(folder / f"task-{t}.npz", x=data.x_train[mine], y=data.y_train[mine])
         config = DeviceConfig.from_dict({
