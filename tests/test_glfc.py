@@ -18,7 +18,13 @@ from coordinator.strategies.glfc import GlfcProxy
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, Samples, make_policy
-from edge_client.policies.glfc import compensation_weights, glfc_loss, mean_entropy, relation_targets
+from edge_client.policies.glfc import (
+    WeightSpread,
+    compensation_weights,
+    glfc_loss,
+    mean_entropy,
+    relation_targets,
+)
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
@@ -40,6 +46,15 @@ def test_compensation_weights_are_each_groups_gradient_over_its_mean():
     # |G| = 0.1, 0.5 (old: mean 0.3), 0.8, 0.2 (new: mean 0.5)
     np.testing.assert_allclose(compensation_weights(p_true, old), [1 / 3, 5 / 3, 1.6, 0.4], rtol=1e-6)
     np.testing.assert_allclose(compensation_weights(np.array([1.0, 1.0]), np.array([True, False])), [1.0, 1.0])
+
+
+def test_the_weight_spread_is_the_effective_sample_share_and_the_misclassifieds_share_of_the_weight():
+    spread = WeightSpread()
+    assert spread.metrics() == {}  # no compensation, nothing to say
+    spread.add(np.array([1.0, 1.0, 1.0, 1.0]), np.array([0.9, 0.8, 0.7, 0.2]))  # even: ess 1, 1 of 4 missed
+    spread.add(np.array([3.0, 1.0, 0.0, 0.0]), np.array([0.1, 0.9, 0.9, 0.9]))  # (4)^2 / (4 * 10) = 0.4; 3/4
+    assert spread.metrics() == pytest.approx({"compensation_ess": 0.7, "compensation_on_misclassified": 0.5,
+                                              "misclassified": 0.25})
 
 
 def _loss_of(logits, inputs):

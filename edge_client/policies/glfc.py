@@ -102,6 +102,35 @@ def compensation_weights(p_true: np.ndarray, old: np.ndarray) -> np.ndarray:
     return weights.astype(np.float32)
 
 
+@dataclass
+class WeightSpread:
+    """How unevenly the compensation weights spread a round's gradient, batch by batch (metrics of the round):
+    `compensation_ess`, the mean effective sample share (sum w)^2 / (n sum w^2) (1: every sample counts alike);
+    `compensation_on_misclassified`, the mean share of the weight that samples with p(y_i) < 0.5 carry, beside
+    `misclassified`, their mean share of the samples. Where the first is low and the second far above the third,
+    a few unlearnt samples drive the step."""
+
+    batches: int = 0
+    ess: float = 0.0
+    on_missed: float = 0.0
+    missed: float = 0.0
+
+    def add(self, weights: np.ndarray, p_true: np.ndarray) -> None:
+        w = weights.astype(np.float64)
+        wrong = p_true < 0.5
+        self.batches += 1
+        self.ess += float(w.sum() ** 2 / (len(w) * (w * w).sum())) if (w * w).sum() > 0 else 1.0
+        self.on_missed += float(w[wrong].sum() / w.sum()) if w.sum() > 0 else 0.0
+        self.missed += float(wrong.mean())
+
+    def metrics(self) -> dict[str, float]:
+        if not self.batches:
+            return {}
+        n = self.batches
+        return {"compensation_ess": self.ess / n, "compensation_on_misclassified": self.on_missed / n,
+                "misclassified": self.missed / n}
+
+
 def relation_targets(y: np.ndarray, num_classes: int, old_probs: np.ndarray, old_classes: np.ndarray) -> np.ndarray:
     """Eq. 5's Y-hat: one-hot labels with the old classes' columns replaced by the old model's sigmoid outputs."""
     targets = np.zeros((len(y), num_classes), dtype=np.float32)
@@ -307,6 +336,7 @@ class Glfc(ReplayPolicy):
         if old_weights is not None:
             old_probs = 1.0 / (1.0 + np.exp(-trainer.teacher_logits(old_weights, x).astype(np.float64)))
         forwards = last = 0.0
+        spread = WeightSpread()
         for _ in range(epochs):
             total = 0.0
             for idx in iterate_batches(len(y), view.batch_size, view.rng):
@@ -316,12 +346,14 @@ class Glfc(ReplayPolicy):
                     forwards += 1
                     p_true = 1.0 / (1.0 + np.exp(-logits[np.arange(len(idx)), y[idx]].astype(np.float64)))
                     weights = compensation_weights(p_true, is_old[idx])
+                    spread.add(weights, p_true)
                 relation = None if old_probs is None else relation_targets(y[idx], k, old_probs[idx], old_classes)
                 loss = glfc_loss(y[idx], k, weights, lambda_gc, lambda_rd, relation, self.relation)
                 total += len(idx) * trainer.fit(x[idx], y[idx], epochs=1, batch_size=len(idx), class_mask=mask,
                                                 proximal=proximal, loss=loss)
             last = total / max(len(y), 1)
-        self._round.update(extra_forward_passes=forwards, relation_distillation=float(old_probs is not None))
+        self._round.update(extra_forward_passes=forwards, relation_distillation=float(old_probs is not None),
+                           **spread.metrics())
         return last
 
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
