@@ -20,7 +20,7 @@ and not on digits (docs/results.md). One device's learner, no federation, so onl
 two classes (`--samples` of each class, M = 60, E = 10, 3 rounds a task, the ort backend), GLFC with and without
 compensation from the same start, per seed: accuracy (under the mask of the classes seen) on the new task's and
 the old task's test samples, and in task 1 the weights' spread (`WeightSpread`: effective sample share, the share
-of the weight on samples the model gets wrong, and those samples' share).
+of the weight on the unlearnt samples (their label's sigmoid below 0.5), and those samples' share).
 
     .venv/bin/python benchmarks/glfc.py [--part cost|privacy|compensation|all] [--repeats 3] [--seeds 0,1,2,3,4]
 """
@@ -162,7 +162,7 @@ def exposure() -> None:
 
 COMPENSATION_MODELS = {"digits": ("lenet", (1, 8, 8)), "mnist1d": ("cnn1d", (1, 40))}
 RELATIONS = ("kl", "bce")  # GLFC (the paper's relation form) and its "w/o CRD" row (the authors' code's form)
-SPREAD = ("compensation_ess", "compensation_on_misclassified", "misclassified")
+SPREAD = ("compensation_ess", "compensation_on_unlearnt", "unlearnt")
 
 
 def compensation_study(seeds: list[int], samples: int) -> None:

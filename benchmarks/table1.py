@@ -102,6 +102,9 @@ GLFC_METHODS: dict[str, dict[str, Any]] = {
     "fedavg": METHODS["fedavg"],
     "refed": METHODS["refed"],
 }
+# Not in the table: GLFC with the compensation from the second task on (no class is old in the first), the study
+# of where the compensation costs accuracy (docs/results.md); `--table glfc --methods glfc,glfc-cgc-later,...`.
+GLFC_STUDIES = {"glfc-cgc-later": {"policy": {**GLFC, "compensate_first_task": False}, "strategy": GLFC_PROXY}}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -149,7 +152,9 @@ class Job:
             options.setdefault("backend", self.backend)
         if options.get("strategy", {}).get("name") == "glfc":  # the proxy's reconstructions: the data's range
             data = load_dataset(PRESETS[self.scenario].dataset, **settings.dataset_options)
-            options["strategy"] = {"input_range": [float(data.x_train.min()), float(data.x_train.max())],
+            parts = data if isinstance(data, list) else [data]  # a domain stream: one dataset per domain
+            options["strategy"] = {"input_range": [min(float(d.x_train.min()) for d in parts),
+                                                   max(float(d.x_train.max()) for d in parts)],
                                    **options["strategy"]}
         if self.equal_bytes:
             assert settings.budget is not None
@@ -283,7 +288,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--scenarios", default="digits-class,mnist1d-class,digits-domain")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", help="the columns (default: the table's own; with --table glfc, any of its "
+                        "methods and GLFC_STUDIES)")
     parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc"), default="methods")
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
@@ -306,14 +312,17 @@ def main() -> None:
     for scenario in args.scenarios.split(","):
         out = Path(args.out) / args.table / scenario
         if args.table == "methods":
-            methods = {m: METHODS[m] for m in args.methods.split(",")}
+            methods = {m: METHODS[m] for m in (args.methods or ",".join(METHODS)).split(",")}
             tables.append((f"Table 1, {scenario}{regime(scenario)}: {where}", plan(scenario, seeds, methods, out, args),
                            [("refed", "fedavg")]))
         elif args.table == "glfc":
+            known = {**GLFC_METHODS, **GLFC_STUDIES}
+            glfc_methods = {m: known[m] for m in args.methods.split(",")} if args.methods else GLFC_METHODS
             tables.append((f"GLFC's Table 1, {scenario}{regime(scenario)}: {where}",
-                           plan(scenario, seeds, GLFC_METHODS, out, args),
+                           plan(scenario, seeds, glfc_methods, out, args),
                            [("glfc", "glfc-no-prs"), ("glfc-no-prs", "icarl"), ("icarl", "fedavg"),
-                            ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "refed")]))
+                            ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "refed"),
+                            ("glfc-cgc-later", "glfc"), ("glfc-cgc-later", "glfc-no-cgc")]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))

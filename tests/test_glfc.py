@@ -48,13 +48,13 @@ def test_compensation_weights_are_each_groups_gradient_over_its_mean():
     np.testing.assert_allclose(compensation_weights(np.array([1.0, 1.0]), np.array([True, False])), [1.0, 1.0])
 
 
-def test_the_weight_spread_is_the_effective_sample_share_and_the_misclassifieds_share_of_the_weight():
+def test_the_weight_spread_is_the_effective_sample_share_and_the_unlearnt_samples_share_of_the_weight():
     spread = WeightSpread()
     assert spread.metrics() == {}  # no compensation, nothing to say
-    spread.add(np.array([1.0, 1.0, 1.0, 1.0]), np.array([0.9, 0.8, 0.7, 0.2]))  # even: ess 1, 1 of 4 missed
+    spread.add(np.array([1.0, 1.0, 1.0, 1.0]), np.array([0.9, 0.8, 0.7, 0.2]))  # even: ess 1, 1 of 4 unlearnt
     spread.add(np.array([3.0, 1.0, 0.0, 0.0]), np.array([0.1, 0.9, 0.9, 0.9]))  # (4)^2 / (4 * 10) = 0.4; 3/4
-    assert spread.metrics() == pytest.approx({"compensation_ess": 0.7, "compensation_on_misclassified": 0.5,
-                                              "misclassified": 0.25})
+    assert spread.metrics() == pytest.approx({"compensation_ess": 0.7, "compensation_on_unlearnt": 0.5,
+                                              "unlearnt": 0.25})
 
 
 def _loss_of(logits, inputs):
@@ -183,6 +183,22 @@ def test_the_device_uploads_one_gamma_gradient_per_new_class_that_names_its_clas
     learner.finish_round()  # the second round of the task uploads nothing
     assert learner.policy.attachments(learner.view()) == {}
     learner.store.close()
+
+
+@pytest.mark.parametrize("first_task", [True, False])
+def test_the_compensation_runs_in_the_first_task_only_when_asked(artifacts, tmp_path, first_task):
+    """`compensate_first_task = false`: no weights (and no extra forward pass) while no class is old; from the
+    second task on the compensation runs either way."""
+    learner = _learner(artifacts, tmp_path, compensate_first_task=first_task)
+    passes = []
+    for task, classes in enumerate(([0, 1], [2, 3])):
+        learner.global_model_arrived(learner.trainer.get_weights())
+        learner.start_task(task, *_digits(classes, 40))
+        learner.train()
+        learner.finish_round()
+        passes.append(learner.policy.metrics().get("extra_forward_passes", 0.0))
+    learner.store.close()
+    assert passes[1] > 0 and (passes[0] > 0) == first_task
 
 
 @pytest.mark.parametrize("backend", ["ort", "portable"])
