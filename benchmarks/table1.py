@@ -314,7 +314,7 @@ def main() -> None:
         if args.table == "methods":
             methods = {m: METHODS[m] for m in (args.methods or ",".join(METHODS)).split(",")}
             tables.append((f"Table 1, {scenario}{regime(scenario)}: {where}", plan(scenario, seeds, methods, out, args),
-                           [("refed", "fedavg")]))
+                           [("refed", "fedavg"), ("glfc", "fedavg"), ("glfc", "refed")]))
         elif args.table == "glfc":
             known = {**GLFC_METHODS, **GLFC_STUDIES}
             glfc_methods = {m: known[m] for m in args.methods.split(",")} if args.methods else GLFC_METHODS
