@@ -18,7 +18,9 @@ step; the update carries the policy's attachments and the device's label counts.
 
 A round the device cannot train (its data missing or malformed, its configuration wrong for the task, training
 that diverges to a non-finite loss) is reported to the coordinator as a status "error" with a one-line reason,
-which the coordinator shows per device, instead of the device going silent until the deadline. A notice from the
+which the coordinator shows per device, instead of the device going silent until the deadline. A device that holds
+nothing and whose source has nothing for the task the coordinator last named (one that joins a later task) says
+"no-data" in its statuses instead of "idle", and the coordinator does not select it (`_ready_state`). A notice from the
 coordinator (e.g. that two processes use this device id) is logged as an error.
 
 Restarts on either side are safe: a round message for the round this device already trained (same global
