@@ -224,9 +224,8 @@ class Device:
 
     def _ready_state(self) -> str:
         """"idle", or "no-data" while the device holds nothing and its source has nothing for the task the coordinator
-        last named (a device that joins a later task, as in GLFC's client dynamics): the coordinator selects no
-        device that says so. Before any task is named the device says "idle" and answers a round it cannot train
-        with "no-data"."""
+        last named (a device that joins a later task): the coordinator selects no device that says so. Before any
+        task is named the device says "idle" and answers a round it cannot train with "no-data"."""
         if self.task_heard is None or len(self.learner.store):
             return "idle"
         task = self.task_heard
