@@ -222,13 +222,14 @@ class Device:
         ), retain=True)
         self._publish_status(self._ready_state())
 
-    def _ready_state(self) -> str:
+    def _ready_state(self, task: int | None = None) -> str:
         """"idle", or "no-data" while the device holds nothing and its source has nothing for the task the coordinator
         last named (a device that joins a later task): the coordinator selects no device that says so. Before any
-        task is named the device says "idle" and answers a round it cannot train with "no-data"."""
-        if self.task_heard is None or len(self.learner.store):
+        task is named the device says "idle" and answers a round it cannot train with "no-data". `task`: for that
+        task instead of the one last named."""
+        task = self.task_heard if task is None else task
+        if task is None or len(self.learner.store):
             return "idle"
-        task = self.task_heard
         if self._source_has is None or self._source_has[0] != task:
             try:
                 x, _ = self.source.task_data(task)
@@ -241,14 +242,15 @@ class Device:
         return "idle" if self._source_has[1] else "no-data"
 
     def _hear_task(self, task: Any) -> None:
-        """The coordinator named the task being trained: a device whose readiness changes with it says so now."""
+        """The coordinator named the task being trained: a device whose readiness changes with it says so now
+        (published before the task counts as heard, so whoever sees `task_heard` knows the status has gone)."""
         if not isinstance(task, int) or task == self.task_heard:
             return
-        before = self._ready_state()
-        self.task_heard = task
-        now = self._ready_state()
+        before = self._ready_state()  # the old task first: the source is asked once per task, the newest kept
+        now = self._ready_state(task)
         if now != before:
             self._publish_status(now)
+        self.task_heard = task
 
     def _take_weights(self, message: wire.Message) -> None:
         blob = self.reassembler.add("coordinator", message)

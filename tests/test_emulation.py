@@ -161,7 +161,7 @@ def test_a_device_that_joins_a_later_task_is_not_selected_before_it_holds_data(t
     before any global model named a task, it answers "no-data" and the round does not wait for it (the other three
     make the quorum). It then says it holds no data and is left out until a global model names task 1: round 5's
     selection comes before round 5's weights (4 rounds a task), so it is back in a later round of task 1, once the
-    coordinator has its status (the hook waits until the device has heard task 1 and said so)."""
+    coordinator has its status (the hook waits until the device has heard task 1, which it marks after saying so)."""
     device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
     with ThreadFederation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), device, tasks=2, n_devices=4,
                           joins={"dev-3": 1}) as federation:
