@@ -3,8 +3,8 @@
 The manifest's `backends` lists what the set serves. "portable": the standard-op graphs of
 `models/portable_export.py` (plain onnxruntime). "ort": ONNX Runtime Training's artifacts, `training_model.onnx`
 and `eval_model.onnx` (both take `input`, `class_mask` and the loss
-inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `soft_targets`, `soft_weights`, `bce`, and
-return `(loss, logits,
+inputs `targets`, `sample_weights`, `teacher_logits`, `teacher_weights`, `soft_targets`, `soft_weights`,
+`class_costs`, `bce`, and return `(loss, logits,
 features)`; `models.manifest.GRAPH_INPUTS` says what each means and `models/loss.py` is the loss they shape: the
 torch graph computes it, and ORT's artifact generator passes it through), one optimizer model per optimizer
 (`optimizer_sgd.onnx`, `optimizer_adamw.onnx`), the `checkpoint` (full, or nominal: shapes without weights, for
@@ -187,7 +187,7 @@ def _to_onnx(
         torch.zeros(n, *input_shape), torch.ones(num_classes), torch.nn.functional.one_hot(
             torch.arange(n) % num_classes, num_classes).float(),
         torch.ones(n), torch.zeros(n, num_classes), torch.zeros(n), torch.zeros(n, num_classes), torch.zeros(n),
-        torch.zeros(1),
+        torch.zeros(n, num_classes), torch.zeros(1),
     )
     batch = {0: "batch"}
     torch.onnx.export(

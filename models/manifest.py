@@ -14,6 +14,8 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 MANIFEST_NAME = "manifest.json"
 # 2: the training and eval graphs take the loss inputs below (listed in `inputs`); 3: `backends` says which
 # trainer backends the set serves, and the initial weights are a flat file (`weights.bin`)
@@ -55,14 +57,38 @@ GRAPH_INPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("teacher_weights", "float32", ("N",), "weight of each sample's teacher term (zeros: no teacher)"),
     ("soft_targets", "float32", ("N", "C"), "a distribution to distil into the softmax of the visible classes"),
     ("soft_weights", "float32", ("N",), "weight of each sample's soft-target term (zeros: none)"),
+    ("class_costs", "float32", ("N", "C"), "each class's cost per sample; adds the expected cost under the softmax"),
     ("bce", "float32", ("1",), "the head: 0 = softmax cross-entropy, 1 = sigmoid binary cross-entropy"),
 )
+LOSS_INPUT_NAMES = tuple(name for name, *_ in GRAPH_INPUTS[2:])  # what models/loss.py takes after the logits
 LOSS_HEADS = ("softmax-ce", "sigmoid-bce")  # the `bce` input's two values, 0 and 1, by name
 GRAPH_OUTPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("loss", "float32", (), "the batch loss (models/loss.py)"),
     ("logits", "float32", ("N", "C"), "logits with hidden classes at -1e9"),
     ("features", "float32", ("N", "feature_dim"), "the penultimate features"),
 )
+
+
+HEAD_WEIGHT, HEAD_BIAS = "head.weight", "head.bias"  # every zoo model's last layer: one row and one bias per class
+
+
+def class_head_positions(parameters: Sequence[ParameterInfo], classes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Positions in the flat buffer (manifest order) of the head's values of `classes`: their rows of
+    head.weight (classes x features) and their entries of head.bias, class by class (each row, then its bias).
+    What a method that treats some classes' head apart needs: a rate of their own, an aggregation of their
+    own."""
+    offsets, shapes, offset = {}, {}, 0
+    for p in parameters:
+        offsets[p.name], shapes[p.name] = offset, p.shape
+        offset += p.size
+    if HEAD_WEIGHT not in offsets or HEAD_BIAS not in offsets:
+        raise ValueError(f"the model has no {HEAD_WEIGHT} and {HEAD_BIAS}")
+    num_classes, width = shapes[HEAD_WEIGHT]
+    picked = np.asarray(classes, dtype=np.int64)
+    if picked.size and (picked.min() < 0 or picked.max() >= num_classes):
+        raise ValueError(f"classes must lie in [0, {num_classes})")
+    rows = offsets[HEAD_WEIGHT] + picked[:, None] * width + np.arange(width)[None, :]
+    return np.concatenate([rows, (offsets[HEAD_BIAS] + picked)[:, None]], axis=1).ravel()
 
 
 def runnable_backends() -> tuple[str, ...]:
@@ -275,6 +301,10 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
     if missing:
         raise ManifestError(f"manifest in {directory} lists no hash for {', '.join(missing)}")
     verify_files(directory, manifest.files, MANIFEST_NAME, check_hashes)
+    if [value.name for value in manifest.inputs] != [name for name, *_ in GRAPH_INPUTS]:
+        raise ManifestError(f"the artifacts in {directory} take the graph inputs "
+                            f"{', '.join(value.name for value in manifest.inputs)}; this edgefil feeds "
+                            f"{', '.join(name for name, *_ in GRAPH_INPUTS)}: export them again")
     if manifest.ir_version > MAX_IR_VERSION:
         raise ManifestError(
             f"artifacts use ONNX IR version {manifest.ir_version}; onnxruntime-training 1.19 reads at most "

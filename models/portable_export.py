@@ -7,12 +7,12 @@ exporter, with `models/onnx_backward.py` translating the two backward ops the ex
 graph input, one flat float32 buffer in manifest order, so a device keeps one buffer and never a checkpoint.
 
     portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
-                             teacher_weights, soft_targets, soft_weights, bce) -> (loss, gradient): models/loss.py's
-                             loss and its gradient
-    portable_sgd.onnx       (weights, gradient, velocity, lr, momentum, proximal_mu, reference)
+                             teacher_weights, soft_targets, soft_weights, class_costs, bce) -> (loss, gradient):
+                             models/loss.py's loss and its gradient
+    portable_sgd.onnx       (weights, gradient, velocity, lr, momentum, proximal_mu, reference, lr_scale)
                              -> (weights, velocity): torch.optim.SGD (momentum, no dampening), then the pull
     portable_adamw.onnx     (weights, gradient, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
-                             step_size, bias_correction2_sqrt, proximal_mu, reference)
+                             step_size, bias_correction2_sqrt, proximal_mu, reference, lr_scale)
                              -> (weights, exp_avg, exp_avg_sq): torch.optim.AdamW's update, then the pull
     portable_eval.onnx      (weights, input, class_mask) -> (logits, features): eval-mode forward, masked logits
     portable_sample_grad_norms.onnx
@@ -25,9 +25,10 @@ graph input, one flat float32 buffer in manifest order, so a device keeps one bu
 The optimizers' bias corrections (`step_size = lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)`) are computed by the
 device in float64 and fed as scalars, as torch computes them in Python floats: the graphs and torch.optim then
 take the same float32 steps. The proximal pull (`edge_client.trainers.base.proximal_pull`) is in the optimizer
-graphs, with mu = 0 when unused. Batch size is dynamic everywhere except the per-sample norms, whose vmap
-folds the batch into convolution groups: that graph takes SAMPLE_NORM_CHUNK samples and the device pads the last
-chunk.
+graphs, with mu = 0 when unused; so is each parameter's rate, lr * lr_scale (ones when unused), as torch.optim
+takes a parameter group's rate: SGD's step, AdamW's step and decoupled decay, and the pull all scale with it.
+Batch size is dynamic everywhere except the per-sample norms, whose vmap folds the batch into convolution groups:
+that graph takes SAMPLE_NORM_CHUNK samples and the device pads the last chunk.
 """
 from __future__ import annotations
 
@@ -43,18 +44,17 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
 from models.loss import training_loss
-from models.manifest import MAX_IR_VERSION, PORTABLE_MODELS, ManifestError, ParameterInfo
+from models.manifest import GRAPH_INPUTS, MAX_IR_VERSION, PORTABLE_MODELS, ManifestError, ParameterInfo
 from models.onnx_backward import KEPT_WHOLE, TRANSLATIONS
 from models.zoo import ClassifierModel
 
 PORTABLE_OPSET = 18
 SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
 
-GRADIENT_INPUTS = ("weights", "input", "class_mask", "targets", "sample_weights", "teacher_logits",
-                   "teacher_weights", "soft_targets", "soft_weights", "bce")
-SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference")
+GRADIENT_INPUTS = ("weights", *(name for name, *_ in GRAPH_INPUTS))
+SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference", "lr_scale")
 ADAMW_INPUTS = ("weights", "gradient", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps", "weight_decay",
-                "step_size", "bias_correction2_sqrt", "proximal_mu", "reference")
+                "step_size", "bias_correction2_sqrt", "proximal_mu", "reference", "lr_scale")
 
 
 class _Unflatten:
@@ -83,12 +83,12 @@ class GradientGraph(torch.nn.Module):
 
     def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
                 sample_weights: torch.Tensor, teacher_logits: torch.Tensor, teacher_weights: torch.Tensor,
-                soft_targets: torch.Tensor, soft_weights: torch.Tensor, bce: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                soft_targets: torch.Tensor, soft_weights: torch.Tensor, class_costs: torch.Tensor,
+                bce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         def loss(params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
             raw, _ = functional_call(self.model, params, (inputs,))
             return training_loss(raw, class_mask, targets, sample_weights, teacher_logits, teacher_weights,
-                                 soft_targets, soft_weights, bce)
+                                 soft_targets, soft_weights, class_costs, bce)
 
         if self.wrt == "input":
             gradient, value = grad_and_value(loss, argnums=1)(self.unflatten(weights), x)
@@ -127,25 +127,27 @@ class SampleGradNormsGraph(torch.nn.Module):
 
 class SgdGraph(torch.nn.Module):
     def forward(self, weights: torch.Tensor, gradient: torch.Tensor, velocity: torch.Tensor, lr: torch.Tensor,
-                momentum: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor
+                momentum: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor, lr_scale: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        rate = lr * lr_scale
         velocity = momentum * velocity + gradient
-        stepped = weights - lr * velocity
-        return stepped - lr * proximal_mu * (weights - reference), velocity
+        stepped = weights - rate * velocity
+        return stepped - rate * proximal_mu * (weights - reference), velocity
 
 
 class AdamWGraph(torch.nn.Module):
     def forward(self, weights: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
                 eps: torch.Tensor, weight_decay: torch.Tensor, step_size: torch.Tensor,
-                bias_correction2_sqrt: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        decayed = weights * (1.0 - lr * weight_decay)
+                bias_correction2_sqrt: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor,
+                lr_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rate = lr * lr_scale
+        decayed = weights * (1.0 - rate * weight_decay)
         exp_avg = exp_avg + (gradient - exp_avg) * (1.0 - beta1)
         exp_avg_sq = exp_avg_sq * beta2 + gradient * gradient * (1.0 - beta2)
         denom = torch.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        stepped = decayed - step_size * (exp_avg / denom)
-        return stepped - lr * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
+        stepped = decayed - step_size * lr_scale * (exp_avg / denom)
+        return stepped - rate * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
 
 
 def export_portable(
@@ -161,7 +163,7 @@ def export_portable(
     n = min(set(range(3, 64)) - {*input_shape, classes, size})
     batch = (torch.zeros(n, *input_shape), torch.ones(classes),
              F.one_hot(torch.arange(n) % classes, classes).float(), torch.ones(n), torch.zeros(n, classes),
-             torch.zeros(n), torch.zeros(n, classes), torch.zeros(n), torch.zeros(1))
+             torch.zeros(n), torch.zeros(n, classes), torch.zeros(n), torch.zeros(n, classes), torch.zeros(1))
 
     def flat(count: int) -> tuple[torch.Tensor, ...]:  # distinct tensors: torch.export merges aliased inputs
         return tuple(torch.zeros(size) for _ in range(count))
@@ -173,9 +175,9 @@ def export_portable(
     graphs: dict[str, tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]] = {
         # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
-                     (1, 3, 4, 5, 6, 7, 8), True),
+                     (1, 3, 4, 5, 6, 7, 8, 9), True),
         "input_gradient": (GradientGraph(model, parameters, wrt="input"), (weights, *batch), GRADIENT_INPUTS,
-                           ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8), True),
+                           ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8, 9), True),
         "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
                  ("logits", "features"), (1,), False),
         "sample_grad_norms": (
@@ -183,9 +185,9 @@ def export_portable(
             (weights, torch.zeros(chunk, *input_shape), torch.ones(classes),
              F.one_hot(torch.arange(chunk) % classes, classes).float()),
             ("weights", "input", "class_mask", "targets"), ("norms",), (), True),
-        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(1)), SGD_INPUTS,
+        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(2)), SGD_INPUTS,
                 ("new_weights", "new_velocity"), (), False),
-        "adamw": (AdamWGraph(), (*flat(4), *scalars(8), *flat(1)), ADAMW_INPUTS,
+        "adamw": (AdamWGraph(), (*flat(4), *scalars(8), *flat(2)), ADAMW_INPUTS,
                   ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
     }
     for graph, (module, example, inputs, outputs, batched, traced) in graphs.items():

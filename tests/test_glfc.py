@@ -27,6 +27,7 @@ from edge_client.policies.glfc import (
 )
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
+from edge_client.trainers.base import loss_arrays
 from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edge_client.trainers.pytorch import TorchTrainer
@@ -60,14 +61,8 @@ def test_the_weight_spread_is_the_effective_sample_share_and_the_unlearnt_sample
 def _loss_of(logits, inputs):
     """models/loss.py's batch loss of these logits (every class visible) under GLFC's loss inputs."""
     n, k = logits.shape
-
-    def tensor(a, shape):
-        return torch.zeros(shape) if a is None else torch.tensor(a, dtype=torch.float32)
-
-    return float(training_loss(logits, torch.ones(k), tensor(inputs.targets, (n, k)),
-                               tensor(inputs.sample_weights, (n,)), torch.zeros(n, k), torch.zeros(n),
-                               tensor(inputs.soft_targets, (n, k)), tensor(inputs.soft_weights, (n,)),
-                               torch.ones(1)))
+    arrays = loss_arrays(np.zeros(n, np.int64), k, inputs)
+    return float(training_loss(logits, torch.ones(k), *(torch.from_numpy(a) for a in arrays)))
 
 
 def test_relation_targets_and_both_forms_of_eq_6_are_its_two_terms():

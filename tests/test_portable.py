@@ -32,7 +32,7 @@ MODELS = [
     pytest.param(("resnet18_cifar", (3, 32, 32)), marks=pytest.mark.slow, id="resnet18_cifar"),
 ]
 SGD_TOLERANCE = {"resnet18_cifar": 2e-2}  # relative; 1e-3 for the others (module docstring)
-LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "soft_target_term", "all")
+LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "soft_target_term", "class_costs", "all")
 N, BATCH, LR = 24, 8, 0.05
 
 
@@ -48,7 +48,9 @@ def _loss(kind: str, rng: np.random.Generator) -> LossInputs | None:
         "bce": LossInputs(targets=(soft > 0.1).astype(np.float32), head="sigmoid-bce"),
         "soft_target_term": LossInputs(targets=(soft > 0.1).astype(np.float32), head="sigmoid-bce",
                                        soft_targets=soft, soft_weights=weights),
-        "all": LossInputs(weights, soft, teacher, teacher_weights, "softmax-ce"),
+        "class_costs": LossInputs(class_costs=rng.normal(1.0, 2.0, (N, 10)).astype(np.float32)),
+        "all": LossInputs(weights, soft, teacher, teacher_weights, "softmax-ce", soft, weights,
+                          rng.normal(1.0, 2.0, (N, 10)).astype(np.float32)),
     }[kind]
 
 

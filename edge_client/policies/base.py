@@ -13,7 +13,8 @@ method. A policy can:
 - keep more than samples on disk (`open` gets the device's `DeviceBudget`: register what you keep, write within
   `room`), so everything shares the one budget M;
 - shape local training (`training_set`: extra samples and `LossInputs` — per-sample weights, soft or multi-hot
-  targets, a teacher's logits with a weight, the CE or BCE head), with any trainer backend; or run the round's
+  targets, a teacher's logits with a weight, a soft-target term, class costs, the CE or BCE head — and a rate per
+  parameter), with any trainer backend; or run the round's
   local training itself (`fit`) when its step is not a shaped loss (one softmax per task's head, an adversary on
   the features), on the trainer's public steps;
 - speak to its strategy through named payloads: ask for some (`requests`, answered through `receive`), take those
@@ -128,11 +129,14 @@ class Admission:
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """What one round trains on: inputs, labels and, when the policy shapes the loss, its inputs."""
+    """What one round trains on: inputs, labels and, when the policy shapes the loss, its inputs; and, when it
+    trains some parameters at rates of their own, each parameter's rate as a multiple of the learning rate
+    (`Trainer.scaled_rates`; `class_rate_scale` makes one for some classes' head)."""
 
     x: np.ndarray
     y: np.ndarray
     loss: LossInputs | None = None
+    rate_scale: np.ndarray | None = None
 
 
 POLICIES: Registry[ReplayPolicy] = Registry("replay policy")  # every policy class by its config name
@@ -192,12 +196,13 @@ class ReplayPolicy(ABC):
 
     def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
         """The round's local training on `batch` (what `training_set` made); returns the last epoch's mean loss.
-        By default the trainer's `fit`: E epochs of shuffled batches under the seen-class mask, with the
-        strategy's proximal term when it sends one."""
-        return view.trainer.fit(
-            batch.x, batch.y, epochs=epochs, batch_size=view.batch_size, class_mask=view.class_mask,
-            rng=view.rng, proximal=proximal, loss=batch.loss,
-        )
+        By default the trainer's `fit`: E epochs of shuffled batches under the seen-class mask, at the batch's
+        rates, with the strategy's proximal term when it sends one."""
+        with view.trainer.scaled_rates(batch.rate_scale):
+            return view.trainer.fit(
+                batch.x, batch.y, epochs=epochs, batch_size=view.batch_size, class_mask=view.class_mask,
+                rng=view.rng, proximal=proximal, loss=batch.loss,
+            )
 
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """Called after the task model's local training with the current task's real samples."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from edge_client.policies.base import PolicyContext, RoundView, TrainingSet
 from edge_client.policies.random_cache import RandomCache
-from edge_client.trainers.base import Proximal, iterate_batches, proximal_pull
+from edge_client.trainers.base import Proximal, iterate_batches
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class DomainAdversarial(RandomCache):
                     logits = self._discriminator(reverse_gradient(features, self.domain_weight)).squeeze(1)
                     return F.binary_cross_entropy_with_logits(logits, target)
 
-                before = trainer.get_weights() if proximal is not None else None
+                before = trainer.get_weights() if proximal is not None or trainer.rate_scale is not None else None
                 self._optimizer.zero_grad(set_to_none=True)
                 value, term = trainer.train_step_with(
                     x[idx], y[idx], mask, None if loss is None else loss.batch(idx),
@@ -109,8 +109,8 @@ class DomainAdversarial(RandomCache):
                 )
                 if adversarial:
                     self._optimizer.step()
-                if before is not None and proximal is not None:
-                    trainer.set_weights(proximal_pull(trainer.get_weights(), before, proximal, trainer.learning_rate))
+                if before is not None:
+                    trainer.settle_step(before, proximal)
                 total += value * len(idx)
                 domain_total += term * len(idx)
             last = total / max(len(y), 1)

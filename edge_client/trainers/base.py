@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from models.manifest import LOSS_HEADS, Manifest
+from models.manifest import LOSS_HEADS, Manifest, class_head_positions
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
 
@@ -45,6 +46,8 @@ class LossInputs:
       of the squared distance to them over the visible classes (an alignment or distillation term);
     - `soft_targets` (N, classes) with `soft_weights` (N,): a distribution and each sample's weight of the softmax
       cross-entropy against it, beside the head's own term (a KL distillation term, whatever the head);
+    - `class_costs` (N, classes): each class's cost per sample, the loss adding the expected cost under the
+      softmax (linear in the probabilities: a reverse cross-entropy, `reverse_ce_costs`);
     - `head`: "softmax-ce" or "sigmoid-bce" (one sigmoid per class, for multi-label or growing heads).
 
     Both backends take exactly these inputs: the ORT graphs have them as inputs (the manifest lists them)."""
@@ -56,20 +59,38 @@ class LossInputs:
     head: str = "softmax-ce"
     soft_targets: np.ndarray | None = None
     soft_weights: np.ndarray | None = None
+    class_costs: np.ndarray | None = None
 
     def batch(self, idx: np.ndarray) -> LossInputs:
         def rows(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[idx]
 
         return LossInputs(rows(self.sample_weights), rows(self.targets), rows(self.teacher_logits),
-                          rows(self.teacher_weights), self.head, rows(self.soft_targets), rows(self.soft_weights))
+                          rows(self.teacher_weights), self.head, rows(self.soft_targets), rows(self.soft_weights),
+                          rows(self.class_costs))
+
+
+def reverse_ce_costs(labels: np.ndarray, classes: np.ndarray, num_classes: int, log_zero: float,
+                     weight: float = 1.0) -> np.ndarray:
+    """The `class_costs` of a reverse cross-entropy, -weight * sum_{k in classes} p_k log t_k, against one-hot
+    labels t with log 0 clamped to `log_zero` (< 0): -weight * log_zero for every class of `classes` but the
+    label, 0 elsewhere, so the term is -weight * log_zero * (mass on `classes` off the label), at most
+    -weight * log_zero. Symmetric cross-entropy (Wang et al. 2019) writes A = -4 in its text; its code clamps the
+    one-hot target to 1e-4 (A = ln 1e-4 = -9.21)."""
+    if not log_zero < 0:
+        raise ValueError(f"log 0 must be clamped to a negative number, got {log_zero}")
+    costs = np.zeros((len(labels), num_classes), dtype=np.float32)
+    costs[:, np.asarray(classes, dtype=np.int64)] = -weight * log_zero
+    costs[np.arange(len(labels)), np.asarray(labels, dtype=np.int64)] = 0.0
+    return costs
 
 
 def loss_arrays(
     y: np.ndarray, num_classes: int, loss: LossInputs | None
 ) -> tuple[np.ndarray, ...]:
-    """The graph's loss inputs for one batch (targets, sample_weights, teacher_logits, teacher_weights,
-    soft_targets, soft_weights, bce), each float32 and C-contiguous, neutral where `loss` leaves a field out."""
+    """The graph's loss inputs for one batch (models.manifest.LOSS_INPUT_NAMES: targets, sample_weights,
+    teacher_logits, teacher_weights, soft_targets, soft_weights, class_costs, bce), each float32 and
+    C-contiguous, neutral where `loss` leaves a field out."""
     loss = loss or LossInputs()
     n = len(y)
     if loss.targets is not None:
@@ -82,9 +103,10 @@ def loss_arrays(
     teacher_weights = loss.teacher_weights if loss.teacher_weights is not None else np.zeros(n, dtype=np.float32)
     soft = loss.soft_targets if loss.soft_targets is not None else np.zeros((n, num_classes), np.float32)
     soft_weights = loss.soft_weights if loss.soft_weights is not None else np.zeros(n, dtype=np.float32)
+    costs = loss.class_costs if loss.class_costs is not None else np.zeros((n, num_classes), np.float32)
     bce = np.array([float(LOSS_HEADS.index(loss.head))], dtype=np.float32)
     return tuple(np.ascontiguousarray(a, dtype=np.float32)
-                 for a in (targets, weights, teacher, teacher_weights, soft, soft_weights, bce))
+                 for a in (targets, weights, teacher, teacher_weights, soft, soft_weights, costs, bce))
 
 
 def iterate_batches(
@@ -96,15 +118,39 @@ def iterate_batches(
         yield order[start : start + batch_size]
 
 
-def proximal_pull(stepped: np.ndarray, before: np.ndarray, proximal: Proximal, lr: float) -> np.ndarray:
-    """`stepped - lr * mu * (before - reference)`: the proximal gradient applied after the optimiser's own step.
+def proximal_pull(stepped: np.ndarray, before: np.ndarray, proximal: Proximal, lr: float,
+                  rate_scale: np.ndarray | None = None) -> np.ndarray:
+    """`stepped - lr * s * mu * (before - reference)`: the proximal gradient applied after the optimiser's own
+    step, at each parameter's rate (s = `rate_scale`, 1 without one).
 
     For SGD this is exactly a step on loss + mu/2 ||w - reference||^2. For AdamW it is a decoupled pull (like
     AdamW's decoupled weight decay): the term bypasses Adam's moment estimates. ORT runs its optimiser as one
     graph with no hook to edit gradients, so this form is the one both backends can take identically.
     """
     scale = np.float32(lr * proximal.mu)
-    return stepped - scale * (before - proximal.reference)
+    pull = scale * (before - proximal.reference)
+    return stepped - (pull if rate_scale is None else rate_scale * pull)
+
+
+def rescaled_step(before: np.ndarray, stepped: np.ndarray, rate_scale: np.ndarray) -> np.ndarray:
+    """`before + s * (stepped - before)`: a step taken at the learning rate lr, retaken at lr * s per parameter.
+
+    Exact for both optimisers, because neither one's state depends on the rate: SGD's velocity accumulates
+    gradients and its step is lr * velocity; AdamW's moments accumulate gradients and its step is
+    lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * w), its decoupled decay scaling with the rate too. So
+    this is what torch does with a parameter group at lr * s (torch.optim's groups scale whole tensors; a scale
+    per value also reaches part of one, the new classes' rows of a head). The ORT backend's optimiser graph is
+    ORT's own and takes one rate: it steps at lr and the step is rescaled here; the portable graphs take the
+    scale as an input."""
+    return before + rate_scale * (stepped - before)
+
+
+def class_rate_scale(manifest: Manifest, classes: np.ndarray, scale: float, rest: float = 1.0) -> np.ndarray:
+    """A rate scale (`Trainer.scaled_rates`): `scale` for the head's rows and biases of `classes`, `rest` for every
+    other parameter (a new head trained fast over a slowly tuned backbone)."""
+    rates = np.full(manifest.num_parameters, rest, dtype=np.float32)
+    rates[class_head_positions(manifest.parameters, classes)] = scale
+    return rates
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -132,6 +178,7 @@ class Trainer(ABC):
     backend: str  # "ort", "portable" or "torch": what the device config's [trainer] backend names
     manifest: Manifest
     _learning_rate: float
+    _rate_scale: np.ndarray | None = None
 
     @abstractmethod
     def get_weights(self) -> np.ndarray: ...
@@ -144,11 +191,17 @@ class Trainer(ABC):
         """Hand a new learning rate to the backend's optimiser (set_learning_rate records it here first)."""
 
     @abstractmethod
+    def _step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
+    ) -> float:
+        """The backend's optimiser step at the learning rate, nothing rescaled or pulled; returns the batch loss."""
+
     def train_step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
     ) -> float:
-        """One optimiser step on one batch; returns the batch's loss (models/loss.py, shaped by `loss`) before
-        the step."""
+        """One optimiser step on one batch, each parameter at its rate (`scaled_rates`); returns the batch's loss
+        (models/loss.py, shaped by `loss`) before the step."""
+        return self._fit_step(x, y, class_mask, loss, None)
 
     @abstractmethod
     def forward(
@@ -176,6 +229,38 @@ class Trainer(ABC):
     def set_learning_rate(self, lr: float) -> None:
         self._learning_rate = float(lr)
         self._apply_learning_rate(self._learning_rate)
+
+    @property
+    def rate_scale(self) -> np.ndarray | None:
+        """Each parameter's learning rate as a multiple of `learning_rate` (flat, manifest order), or None: all
+        at the learning rate."""
+        return self._rate_scale
+
+    @contextmanager
+    def scaled_rates(self, scale: np.ndarray | None) -> Iterator[None]:
+        """Train each parameter at `learning_rate * scale` (flat float32, manifest order, finite and >= 0; None:
+        all at the rate) while inside; the scale before comes back on leaving. Every step honours it on every
+        backend (`rescaled_step` says how it meets the optimisers): a method fine-tunes a new head fast and the
+        rest slowly (`class_rate_scale` builds that one)."""
+        previous = self._rate_scale
+        self._set_rate_scale(None if scale is None else self._check_scale(scale))
+        try:
+            yield
+        finally:
+            self._set_rate_scale(previous)
+
+    def _set_rate_scale(self, scale: np.ndarray | None) -> None:
+        """Record the scale; a backend whose optimiser takes it itself also hands it over here."""
+        self._rate_scale = scale
+
+    def _check_scale(self, scale: np.ndarray) -> np.ndarray:
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
+        if scale.shape != (self.manifest.num_parameters,):
+            raise ValueError(f"a rate scale must have one value per parameter ({self.manifest.num_parameters}), "
+                             f"got shape {scale.shape}")
+        if not np.isfinite(scale).all() or (scale < 0).any():
+            raise ValueError("a rate scale must be finite and >= 0")
+        return scale
 
     def fit(
         self,
@@ -216,14 +301,25 @@ class Trainer(ABC):
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
         proximal: Proximal | None,
     ) -> float:
-        """One step of fit(): train_step, then the proximal pull through the weight buffer. A backend whose
-        optimiser takes the pull itself overrides this."""
-        if proximal is None:
-            return self.train_step(x, y, class_mask, loss)
+        """One step: the backend's step, then the rate scale and the proximal pull through the weight buffer
+        (`settle_step`). A backend whose optimiser takes both itself overrides this."""
+        if proximal is None and self._rate_scale is None:
+            return self._step(x, y, class_mask, loss)
         before = self.get_weights()
-        value = self.train_step(x, y, class_mask, loss)
-        self.set_weights(proximal_pull(self.get_weights(), before, proximal, self.learning_rate))
+        value = self._step(x, y, class_mask, loss)
+        self.settle_step(before, proximal)
         return value
+
+    def settle_step(self, before: np.ndarray, proximal: Proximal | None) -> None:
+        """Finish a step the optimiser took from the weights `before` at the learning rate: rescale it per
+        parameter (`rescaled_step`, with a rate scale) and add the proximal pull (`proximal_pull`). A policy with
+        a step of its own (one with an extra term) calls it after its step, so the step is every backend's."""
+        stepped = self.get_weights()
+        if self._rate_scale is not None:
+            stepped = rescaled_step(before, stepped, self._rate_scale)
+        if proximal is not None:
+            stepped = proximal_pull(stepped, before, proximal, self.learning_rate, self._rate_scale)
+        self.set_weights(stepped)
 
     def gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray | None = None, loss: LossInputs | None = None
@@ -348,7 +444,8 @@ class Trainer(ABC):
             raise ValueError(f"unknown loss head {loss.head!r}; choose one of {', '.join(LOSS_HEADS)}")
         checked: dict[str, np.ndarray | None] = {}
         for name, shape in (("sample_weights", (n,)), ("targets", (n, k)), ("teacher_logits", (n, k)),
-                            ("teacher_weights", (n,)), ("soft_targets", (n, k)), ("soft_weights", (n,))):
+                            ("teacher_weights", (n,)), ("soft_targets", (n, k)), ("soft_weights", (n,)),
+                            ("class_costs", (n, k))):
             value = getattr(loss, name)
             if value is None:
                 checked[name] = None
@@ -358,7 +455,7 @@ class Trainer(ABC):
                 raise ValueError(f"loss input {name} must have shape {shape}, got {array.shape}")
             if not np.isfinite(array).all():
                 raise ValueError(f"loss input {name} contains NaN or Inf values")
-            if name != "teacher_logits" and (array < 0).any():
+            if name not in ("teacher_logits", "class_costs") and (array < 0).any():
                 raise ValueError(f"loss input {name} must be >= 0")
             checked[name] = array
         if (loss.teacher_logits is None) != (loss.teacher_weights is None):
@@ -366,7 +463,8 @@ class Trainer(ABC):
         if (loss.soft_targets is None) != (loss.soft_weights is None):
             raise ValueError("a soft-target term needs both soft_targets and soft_weights")
         return LossInputs(checked["sample_weights"], checked["targets"], checked["teacher_logits"],
-                          checked["teacher_weights"], loss.head, checked["soft_targets"], checked["soft_weights"])
+                          checked["teacher_weights"], loss.head, checked["soft_targets"], checked["soft_weights"],
+                          checked["class_costs"])
 
     def _check_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)

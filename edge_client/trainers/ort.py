@@ -86,8 +86,8 @@ class OrtTrainer(Trainer):
         if self._optimizer is not None:
             self._optimizer.set_learning_rate(lr)
 
-    def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
+    def _step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> float:
         self._require_weights()
         if self._optimizer is None:

@@ -21,10 +21,11 @@ import numpy as np
 
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, loss_arrays
 from edge_client.trainers.ort_capi import ORT
-from models.manifest import PORTABLE_MODELS, WEIGHTS, load_manifest
+from models.manifest import GRAPH_INPUTS, PORTABLE_MODELS, WEIGHTS, load_manifest
 
 ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
 OPTIMIZERS = ("sgd", "adamw")
+GRAPH_INPUT_NAMES = tuple(name for name, *_ in GRAPH_INPUTS)  # the gradient graphs' inputs after the weights
 
 
 _shared_sessions: weakref.WeakValueDictionary[tuple[str, int, int, int], Any] = weakref.WeakValueDictionary()
@@ -52,18 +53,18 @@ def shared_session(path: Path, threads: int) -> Any:
         return session
 
 
-_shared_zeros: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_shared_filled: weakref.WeakValueDictionary[tuple[int, float], Any] = weakref.WeakValueDictionary()
 
 
-def shared_zeros(size: int) -> Any:
-    """A float32 OrtValue of `size` zeros, one per size in a process, only ever read."""
+def shared_filled(size: int, value: float) -> Any:
+    """A float32 OrtValue of `size` copies of `value`, one per size and value in a process, only ever read."""
     with _shared_lock:
-        zeros = _shared_zeros.get(size)
-        if zeros is None:
-            zeros = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
-            zeros.update_inplace(np.zeros(size, dtype=np.float32))
-            _shared_zeros[size] = zeros
-        return zeros
+        filled = _shared_filled.get((size, value))
+        if filled is None:
+            filled = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+            filled.update_inplace(np.full(size, value, dtype=np.float32))
+            _shared_filled[(size, value)] = filled
+        return filled
 
 
 class _PingPong:
@@ -121,8 +122,9 @@ class PortableTrainer(Trainer):
         self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
         # Read with mu = 0 too, so it must be finite: the process's shared zeros until a proximal term needs a
         # reference of its own (most policies never do).
-        self._reference = shared_zeros(size)
+        self._reference = shared_filled(size, 0.0)
         self._reference_of: Proximal | None = None
+        self._lr_scale = shared_filled(size, 1.0)  # each parameter's rate as a multiple of lr (scaled_rates)
         state = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
         self._state = {name: _PingPong(size) for name in state}
         self._steps = 0  # AdamW's step count t: its bias corrections are fed as scalars
@@ -157,16 +159,32 @@ class PortableTrainer(Trainer):
     def _apply_learning_rate(self, lr: float) -> None:
         self._scalars["lr"].update_inplace(np.array(lr, dtype=np.float32))
 
-    def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
+    def _step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> float:
-        return self._fit_step(x, y, class_mask, loss, None)
+        return self._update(x, y, class_mask, loss, None, shared_filled(self.manifest.num_parameters, 1.0))
 
     def _fit_step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
         proximal: Proximal | None,
     ) -> float:
-        """The gradient graph, then the optimiser graph with the proximal pull (mu = 0 without one)."""
+        """The gradient graph, then the optimiser graph with the rate scale (ones without one) and the proximal
+        pull (mu = 0 without one)."""
+        return self._update(x, y, class_mask, loss, proximal, self._lr_scale)
+
+    def _set_rate_scale(self, scale: np.ndarray | None) -> None:
+        super()._set_rate_scale(scale)
+        size = self.manifest.num_parameters
+        if scale is None:
+            self._lr_scale = shared_filled(size, 1.0)
+        else:
+            self._lr_scale = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+            self._lr_scale.update_inplace(scale)
+
+    def _update(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
+        proximal: Proximal | None, lr_scale: Any,
+    ) -> float:
         self._require_weights()
         value = self._run_gradient(x, y, class_mask, loss)
         self._set_proximal(proximal)
@@ -175,6 +193,7 @@ class PortableTrainer(Trainer):
         binding.bind_ortvalue_input("weights", self._weights.current)
         binding.bind_ortvalue_input("gradient", self._gradient_buffer)
         binding.bind_ortvalue_input("reference", self._reference)
+        binding.bind_ortvalue_input("lr_scale", lr_scale)
         binding.bind_ortvalue_output("new_weights", self._weights.spare)
         for name, state in self._state.items():
             binding.bind_ortvalue_input(name, state.current)
@@ -207,9 +226,7 @@ class PortableTrainer(Trainer):
         session = self._session("gradient")
         binding = session.io_binding()
         binding.bind_ortvalue_input("weights", self._weights.current)
-        feeds = (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))
-        for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
-                                "teacher_weights", "soft_targets", "soft_weights", "bce"), feeds):
+        for name, array in zip(GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
         binding.bind_ortvalue_output("loss", self._loss)
         binding.bind_ortvalue_output("gradient", self._gradient_buffer)
@@ -289,9 +306,7 @@ def run_input_gradient(session: Any, weights: Any, x: np.ndarray, y: np.ndarray,
         binding.bind_cpu_input("weights", np.ascontiguousarray(weights, dtype=np.float32))
     else:
         binding.bind_ortvalue_input("weights", weights)
-    feeds = (x, class_mask, *loss_arrays(y, num_classes, loss))
-    for name, array in zip(("input", "class_mask", "targets", "sample_weights", "teacher_logits",
-                            "teacher_weights", "soft_targets", "soft_weights", "bce"), feeds):
+    for name, array in zip(GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, num_classes, loss))):
         binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
     binding.bind_output("loss", "cpu")
     binding.bind_output("input_gradient", "cpu")

@@ -61,8 +61,8 @@ class TorchTrainer(Trainer):
         for group in self._optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(
-        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None = None
+    def _step(
+        self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> float:
         return self.train_step_with(x, y, class_mask, loss)[0]
 
@@ -72,8 +72,9 @@ class TorchTrainer(Trainer):
     ) -> tuple[float, float]:
         """One optimiser step on the training loss plus `extra(features)`, a differentiable term of the trunk's
         output (torch only: an adversary on the features, say). The backward pass also fills the .grad of any
-        module `extra` runs, for its owner's optimiser; this trainer steps only the model. Returns the training
-        loss and the extra term, before the step."""
+        module `extra` runs, for its owner's optimiser; this trainer steps only the model, at the learning rate
+        (its caller settles the step: `settle_step`). Returns the training loss and the extra term, before the
+        step."""
         self.model.train()
         self._optimizer.zero_grad(set_to_none=True)
         raw, features = self.model(self._tensor(x))
