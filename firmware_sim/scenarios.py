@@ -1,17 +1,10 @@
 """Federated incremental scenarios: which classes or domains each task brings, and which client holds what.
 
-A `Scenario` is plain data (it round-trips through JSON and TOML); `Scenario.build()` loads the dataset
-and returns a `ScenarioData` made of index arrays into it, so no client's data is ever copied until a
-device asks for it.
-
-Kind "flowing" is pFedGRP's flowing data (docs/flowing-data.md): every round is a task, each client has its own
-task sequence and receives a fresh part of `samples_per_class` samples of each class of its task. Two choices
-the paper leaves open ([R]):
-- a class's parts running out (the paper's MNIST has < 30 parts of 200 for some digits, and a gradual loop can
-  keep a task longer): the client starts over with a fresh permutation of that class, so a sample appears at
-  most once per pass; the remainder of a pass (fewer than `samples_per_class` samples) is left out of that pass;
-- test parts: a class's test samples are cut into as many consecutive parts as the class has train parts per
-  pass; with fewer test samples than parts, neighbouring parts share a sample, so every part holds at least one.
+A `Scenario` is plain data (it round-trips through JSON and TOML), one table for every kind; `Scenario.build()`
+loads the dataset and returns a `ScenarioData` made of index arrays into it, so no client's data is ever copied
+until a device asks for it. What a kind means (its fields, their defaults and checks, how it cuts the data into
+tasks) is its class in `firmware_sim/scenario_kinds/`, registered by name: "class", "domain", "flowing" (pFedGRP's
+flowing data) and "few-shot" (few-shot class-incremental sessions).
 """
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ import dataclasses
 import math
 import threading
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -28,21 +21,12 @@ import numpy as np
 
 from edgefil.settings import Where, convert
 
-from .datasets import DOMAIN_STREAMS, ArrayDataset, known_num_classes, load_dataset
+from .datasets import ArrayDataset, load_dataset
+from .scenario_kinds import KINDS, ScenarioKind, Task
+from .scenario_kinds.base import client_test_split, dirichlet_split
 
-KINDS: tuple[str, ...] = ("class", "domain", "flowing")
-SEQUENCES: tuple[str, ...] = ("circulating", "gradual")
-_FLOWING_ONLY: tuple[str, ...] = ("n_client_tasks", "sequence", "replace_every", "samples_per_class")
-DYNAMICS: tuple[str, ...] = ("glfc",)
-_DYNAMICS_ONLY: tuple[str, ...] = ("old_only", "joining", "class_share")
-
-# Independent random streams per purpose (and per task or client), so changing one setting, e.g. the number
-# of tasks, does not reshuffle what every other task looks like.
-_ORDER, _SPLIT, _CLIENT_TEST, _GROUPS, _SEQUENCE, _PARTS, _DYNAMICS = 0, 1, 2, 3, 4, 5, 6
-
-
-def _rng(seed: int, *keys: int) -> np.random.Generator:
-    return np.random.default_rng([seed, *keys])
+__all__ = ["OLD_DATA_CACHED", "PRESETS", "ClientSource", "Scenario", "ScenarioData", "Task", "check_scenario",
+           "client_test_split", "dirichlet_split", "preset", "scenario_from_config", "shared_build"]
 
 
 def _freeze(value: Any) -> Any:
@@ -58,24 +42,11 @@ def _thaw(value: Any) -> Any:
 class Scenario:
     """What to run: a dataset cut into tasks, each task's data spread over `n_clients` clients.
 
-    kind "class": `n_tasks` tasks of `classes_per_task` new classes each, from a seeded class order.
-    kind "domain": one task per domain of a domain stream (all labels every time); `domains` picks
-    and orders them by name, else the stream's first `n_tasks` domains are used.
-    `dynamics = "glfc"` (kind "class" only) gives GLFC's client dynamics: of the `n_clients`, `joining` new clients
-    join at each task from the second (holding data from then on only: S_n), and the rest hold data from the
-    start; at each task a share `old_only` of the clients already there gets no new data (they keep their old
-    data: S_o), the others (S_b) new data; each client with new data sees a random share `class_share` of the
-    task's classes (at least one: with 2 classes a task GLFC's 60 % is one class), and each class's samples are cut
-    into disjoint shards among the clients that see it (a class nobody drew goes to one of them). `alpha` does not
-    apply. GLFC's authors give every client of a class all of its images; disjoint shards are the spec's
-    suggestion for small data. A client that has not joined yet holds no data: its device says so (status
-    "no-data") and is not selected before its task (docs/protocol.md, "One round").
-    kind "flowing" (pFedGRP): `n_tasks` rounds, one task each; every client splits the classes at random into
-    `n_client_tasks` tasks (default 5) of `classes_per_task` classes and walks them in its `sequence`:
-    "circulating" (T1 -> ... -> Tn -> T1 ...) or "gradual" (a loop T1, T2, T1, ... of which one task is
-    replaced by another of the client's tasks every `replace_every` rounds, default 30). Each round a client
-    gets a fresh part of `samples_per_class` samples of each class of its task. `alpha` and
-    `client_test_fraction` do not apply (test parts are cut in proportion, see the module docstring).
+    `kind` names a registered `ScenarioKind` (firmware_sim/scenario_kinds/), whose docstring says what its tasks
+    are and which of the optional fields below it takes (a field set for a kind that does not take it is
+    refused): "class" (`classes_per_task`, `dynamics` with `old_only`, `joining`, `class_share`), "domain"
+    (`domains`), "flowing" (`classes_per_task`, `n_client_tasks`, `sequence`, `replace_every`,
+    `samples_per_class`), "few-shot" (`base_classes`, `classes_per_task`, `shots`, `base_training`).
     `alpha` is the Dirichlet concentration of the label split over clients (smaller = more skewed).
     `client_test_fraction`: size of a client's test set relative to its train set (see client_test_split).
     `seed` drives the class order and the splits; the dataset's own train/test split is fixed by
@@ -101,6 +72,9 @@ class Scenario:
     old_only: float | None = None
     joining: int | None = None
     class_share: float | None = None
+    base_classes: int | None = None
+    shots: int | None = None
+    base_training: str | None = None
 
     def __post_init__(self) -> None:
         normalised = {
@@ -109,91 +83,37 @@ class Scenario:
             "domains": None if self.domains is None else _freeze(self.domains),
             "dataset_options": MappingProxyType({k: _freeze(v) for k, v in self.dataset_options.items()}),
         }
-        if self.dynamics is not None:  # GLFC's defaults (its code: 10 % old-only, 60 % of the classes)
-            normalised["old_only"] = 0.1 if self.old_only is None else float(self.old_only)
-            normalised["joining"] = 0 if self.joining is None else self.joining
-            normalised["class_share"] = 0.6 if self.class_share is None else float(self.class_share)
-        if self.kind == "flowing":  # the paper's defaults, spelled out so a saved scenario states them
-            normalised["n_client_tasks"] = 5 if self.n_client_tasks is None else self.n_client_tasks
-            if self.sequence == "gradual" and self.replace_every is None:
-                normalised["replace_every"] = 30
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen
-        self._validate()
+        kind = self.kind_class()
+        for name, value in kind.defaults(self).items():
+            object.__setattr__(self, name, value)
+        self._validate(kind)
 
-    def _validate(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+    def kind_class(self) -> ScenarioKind:
+        """The registered kind this scenario is (ValueError naming every kind otherwise)."""
+        if not isinstance(self.kind, str):
+            raise ValueError(f"kind must be one of {', '.join(KINDS.names())}, got {self.kind!r}")
+        return KINDS.get(self.kind)()
+
+    def _validate(self, kind: ScenarioKind) -> None:
         for name, lowest in (("n_tasks", 1), ("n_clients", 1), ("seed", 0)):
-            self._check_int(name, lowest)
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ValueError(f"alpha (Dirichlet concentration) must be a positive finite number, got {self.alpha}")
         if not 0 < self.client_test_fraction <= 1:
             raise ValueError(f"client_test_fraction must be in (0, 1], got {self.client_test_fraction}")
-        is_stream = self.dataset in DOMAIN_STREAMS
-        self._validate_dynamics()
-        if self.kind != "flowing":
-            given = [name for name in _FLOWING_ONLY if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} apply to kind='flowing' only")
-        if self.kind == "class":
-            if is_stream:
-                raise ValueError(f"{self.dataset!r} is a domain stream: use kind='domain'")
-            if self.domains is not None:
-                raise ValueError("domains applies to kind='domain' only")
-            if not isinstance(self.classes_per_task, int) or self.classes_per_task < 1:
-                raise ValueError(f"kind='class' needs classes_per_task, an integer >= 1; got {self.classes_per_task!r}")
-            check_class_budget(self, known_num_classes(self.dataset))
-        elif self.kind == "flowing":
-            self._validate_flowing(is_stream)
-        else:
-            if not is_stream:
-                raise ValueError(f"kind='domain' needs a domain stream, one of {DOMAIN_STREAMS}; got {self.dataset!r}")
-            if self.classes_per_task is not None:
-                raise ValueError("classes_per_task applies to kind='class' only")
-            if self.domains is not None and len(self.domains) != self.n_tasks:
-                raise ValueError(f"n_tasks={self.n_tasks} but {len(self.domains)} domains given: {self.domains}")
-
-    def _validate_dynamics(self) -> None:
-        if self.dynamics is None:
-            given = [name for name in _DYNAMICS_ONLY if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} apply with dynamics = \"glfc\" only")
-            return
-        if self.dynamics not in DYNAMICS or self.kind != "class":
-            raise ValueError(f"dynamics must be one of {DYNAMICS}, with kind='class'; got {self.dynamics!r} with "
-                             f"kind={self.kind!r}")
-        self._check_int("joining", 0)
-        first = self.n_clients - _given(self.joining) * (self.n_tasks - 1)
-        if first < 1:
-            raise ValueError(f"{self.joining} clients joining at each of {self.n_tasks - 1} tasks leave none of "
-                             f"the {self.n_clients} for the first task")
-        for name in ("old_only", "class_share"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0 or (name == "class_share" and value == 0.0):
-                raise ValueError(f"{name} must lie in {'(0' if name == 'class_share' else '[0'}, 1], got {value}")
-
-    def _validate_flowing(self, is_stream: bool) -> None:
-        if is_stream or self.domains is not None:
-            raise ValueError(f"kind='flowing' splits one dataset's classes; domains and domain streams "
-                             f"({', '.join(DOMAIN_STREAMS)}) do not apply")
-        if not isinstance(self.classes_per_task, int) or self.classes_per_task < 1:
-            raise ValueError(f"kind='flowing' needs classes_per_task, an integer >= 1; got {self.classes_per_task!r}")
-        if self.sequence not in SEQUENCES:
-            raise ValueError(f"kind='flowing' needs sequence, one of {SEQUENCES}; got {self.sequence!r}")
-        self._check_int("samples_per_class", 1)
-        # A gradual loop holds 2 tasks and replaces one by another: it needs a third task to change to.
-        self._check_int("n_client_tasks", 3 if self.sequence == "gradual" else 1)
-        if self.sequence == "gradual":
-            self._check_int("replace_every", 1)
-        elif self.replace_every is not None:
-            raise ValueError("replace_every applies to sequence='gradual' only")
-        check_class_budget(self, known_num_classes(self.dataset))
-
-    def _check_int(self, name: str, lowest: int) -> None:
-        value = getattr(self, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
-            raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
+        foreign: dict[str, list[str]] = {}  # the kinds that take them -> fields set that this kind does not take
+        for name in sorted(kind_fields() - set(kind.takes), key=_FIELD_ORDER.index):
+            if getattr(self, name) is not None:
+                takers = " or ".join(f"kind={k!r}" for k in KINDS.names() if name in KINDS.get(k).takes)
+                foreign.setdefault(takers, []).append(name)
+        if foreign:
+            raise ValueError("; ".join(f"{', '.join(names)} apply to {takers} only"
+                                       for takers, names in foreign.items()))
+        kind.validate(self)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON- and TOML-ready: lists instead of tuples, and unset (None) fields left out (TOML has no null)."""
@@ -214,24 +134,12 @@ class Scenario:
         return build(self)
 
 
-def _given(value: int | None) -> int:
-    """A Scenario field that __post_init__ fills in for the scenario's kind (None only where the kind has no use)."""
-    if value is None:
-        raise ValueError("a scenario field this kind needs is unset")
-    return value
+_FIELD_ORDER = [f.name for f in dataclasses.fields(Scenario)]
 
 
-def check_class_budget(scenario: Scenario, num_classes: int | None) -> None:
-    """A scenario cannot ask for more disjoint classes than the dataset has (None: not known yet): the class
-    kind's tasks, or each flowing client's own tasks."""
-    flowing = scenario.kind == "flowing"
-    groups = scenario.n_client_tasks if flowing else scenario.n_tasks
-    needed = _given(groups) * _given(scenario.classes_per_task)
-    if num_classes is not None and needed > num_classes:
-        raise ValueError(
-            f"{groups} {'client ' if flowing else ''}tasks x {scenario.classes_per_task} classes = {needed} classes, "
-            f"but {scenario.dataset!r} has {num_classes}"
-        )
+def kind_fields() -> set[str]:
+    """The optional Scenario fields some kind takes (every other field is every kind's)."""
+    return {name for kind in KINDS.names() for name in KINDS.get(kind).takes}
 
 
 PRESETS: Mapping[str, Scenario] = MappingProxyType({
@@ -254,6 +162,12 @@ PRESETS: Mapping[str, Scenario] = MappingProxyType({
     "mnist1d-flowing-gradual": Scenario(
         "mnist1d", kind="flowing", n_tasks=20, classes_per_task=2, n_clients=10, n_client_tasks=5,
         sequence="gradual", replace_every=6, samples_per_class=100),
+    # Few-shot class-incremental sessions at digits' scale (the spec's minimal reproduction; the paper has 5
+    # clients, Dirichlet alpha 1, a base session trained centrally and 5-way sessions of 25 shots in all).
+    "digits-fewshot": Scenario("digits", kind="few-shot", n_tasks=4, base_classes=4, classes_per_task=2, shots=5,
+                               n_clients=5, alpha=1.0),
+    "mnist1d-fewshot": Scenario("mnist1d", kind="few-shot", n_tasks=4, base_classes=4, classes_per_task=2,
+                                shots=5, n_clients=5, alpha=1.0),
 })
 
 
@@ -264,128 +178,7 @@ def preset(name: str, **overrides: Any) -> Scenario:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-# --- splitting -----------------------------------------------------------------------------------
-
-def _split_classes(order: np.ndarray, groups: int, size: int) -> list[tuple[int, ...]]:
-    """The first `groups` consecutive groups of `size` classes of a class order, each sorted."""
-    return [tuple(sorted(order[g * size:(g + 1) * size].tolist())) for g in range(groups)]
-
-
-def dirichlet_split(labels: np.ndarray, n_clients: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
-    """Partition positions 0..len(labels)-1 over clients: per class, shares ~ Dirichlet(alpha * 1_K).
-
-    Repair rule: with alpha small and few classes per task most clients would get nothing (so
-    re-drawing until all are served may never end). Instead, when there are at least K samples,
-    each empty client in turn takes one random sample from the currently largest client (ties: the
-    lowest id). That client holds >= 2 samples whenever one is empty, so nobody is emptied; with
-    fewer than K samples some clients stay empty. Returns sorted int64 positions, one array per client.
-    """
-    parts: list[list[int]] = [[] for _ in range(n_clients)]
-    for c in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == c))
-        shares = rng.dirichlet(np.full(n_clients, alpha))
-        cuts = np.round(np.cumsum(shares)[:-1] * len(members)).astype(int)
-        for part, chunk in zip(parts, np.split(members, cuts)):
-            part.extend(chunk.tolist())
-    if len(labels) >= n_clients:
-        for part in parts:
-            if not part:
-                donor = max(parts, key=len)
-                part.append(donor.pop(int(rng.integers(len(donor)))))
-    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
-
-
-def glfc_split(labels: np.ndarray, scenario: Scenario, t: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Task t's positions over the clients under GLFC's dynamics (`Scenario` docstring): clients not joined yet
-    and the old-only share get none; every other client draws its share of the classes, and each class's samples
-    are cut into disjoint shards among the clients that drew it."""
-    joining, n = _given(scenario.joining), scenario.n_clients
-    present = n - joining * (scenario.n_tasks - 1) + joining * t  # clients 0..present-1 are there at task t
-    earlier = present - (joining if t else 0)  # of which these were there before
-    old_only = set(rng.choice(earlier, size=round(_given_float(scenario.old_only) * earlier), replace=False)
-                   .tolist()) if t else set()
-    learning = [k for k in range(present) if k not in old_only]
-    classes = np.unique(labels)
-    share = max(1, round(_given_float(scenario.class_share) * len(classes)))
-    drawn = {k: set(rng.choice(classes, size=min(share, len(classes)), replace=False).tolist()) for k in learning}
-    parts: list[list[int]] = [[] for _ in range(n)]
-    for c in classes.tolist():
-        holders = [k for k in learning if c in drawn[k]] or [int(rng.choice(learning))]
-        members = rng.permutation(np.flatnonzero(labels == c))
-        for k, shard in zip(holders, np.array_split(members, len(holders))):
-            parts[k].extend(shard.tolist())
-    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
-
-
-def _given_float(value: float | None) -> float:
-    if value is None:
-        raise ValueError("a scenario field this kind needs is unset")
-    return value
-
-
-def client_test_split(
-    client_labels: Sequence[np.ndarray], test_labels: np.ndarray, fraction: float, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """Each client's test set: positions into `test_labels` with the label mix of its train data.
-
-    For every class c a client trains on with n_c samples, it gets ceil(fraction * n_c) test samples
-    of class c (at most all of them), drawn without replacement. The ceiling gives every client at
-    least one test sample of each class it holds. Clients draw independently, so two clients' test
-    sets may overlap; each is a subset of the task's test set.
-    """
-    splits = []
-    for labels in client_labels:
-        picks = [np.empty(0, np.int64)]
-        for c, n in zip(*np.unique(labels, return_counts=True)):
-            pool = np.flatnonzero(test_labels == c)
-            picks.append(rng.choice(pool, size=min(len(pool), math.ceil(fraction * n)), replace=False))
-        splits.append(np.sort(np.concatenate(picks)))
-    return splits
-
-
 # --- materialised scenario -----------------------------------------------------------------------
-
-@dataclass(frozen=True, eq=False)
-class Task:
-    """One task: index arrays into `data` (train indices into x_train, test indices into x_test).
-
-    For kind "flowing" a task is one round: clients hold different classes (`client_classes`, None for the
-    other kinds) and their parts may overlap, so `train_indices`/`test_indices` are the union of the clients'."""
-
-    index: int
-    classes: tuple[int, ...]
-    domain: str | None  # the domain's dataset name for domain-incremental tasks, else None
-    data: ArrayDataset
-    train_indices: np.ndarray
-    test_indices: np.ndarray
-    client_train_indices: tuple[np.ndarray, ...]
-    client_test_indices: tuple[np.ndarray, ...]
-    client_classes: tuple[tuple[int, ...], ...] | None = None
-
-    @property
-    def n_clients(self) -> int:
-        return len(self.client_train_indices)
-
-    def client_task_classes(self, k: int) -> tuple[int, ...]:
-        """The classes client k's task brings: its own (flowing), else the task's."""
-        return self.classes if self.client_classes is None else self.client_classes[k]
-
-    def train(self) -> tuple[np.ndarray, np.ndarray]:
-        """All of the task's train samples (the union of the clients' shares)."""
-        return self.data.x_train[self.train_indices], self.data.y_train[self.train_indices]
-
-    def test(self) -> tuple[np.ndarray, np.ndarray]:
-        """The task's global held-out test set."""
-        return self.data.x_test[self.test_indices], self.data.y_test[self.test_indices]
-
-    def client_train(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        idx = self.client_train_indices[k]
-        return self.data.x_train[idx], self.data.y_train[idx]
-
-    def client_test(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        idx = self.client_test_indices[k]
-        return self.data.x_test[idx], self.data.y_test[idx]
-
 
 OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
 
@@ -408,8 +201,8 @@ class ScenarioData:
 
     @property
     def per_client(self) -> bool:
-        """Flowing data: every client has its own test data, and per-client accuracy is measured."""
-        return self.scenario.kind == "flowing"
+        """Every client has its own test data (flowing data), and per-client accuracy is measured."""
+        return self.scenario.kind_class().per_client
 
     def describe(self) -> dict[str, Any]:
         return self.scenario.to_dict()
@@ -453,132 +246,11 @@ class ScenarioData:
         return max(1, round(sum(sizes) / len(sizes) * (1 + cached * (len(self.tasks) - 1))))
 
 
-def _make_task(
-    scenario: Scenario, t: int, data: ArrayDataset, classes: tuple[int, ...], domain: str | None
-) -> Task:
-    train_idx = np.flatnonzero(np.isin(data.y_train, classes))
-    test_idx = np.flatnonzero(np.isin(data.y_test, classes))
-    y_train = data.y_train[train_idx]
-    if scenario.dynamics == "glfc":
-        clients = glfc_split(y_train, scenario, t, _rng(scenario.seed, _DYNAMICS, t))
-    else:
-        clients = dirichlet_split(y_train, scenario.n_clients, scenario.alpha, _rng(scenario.seed, _SPLIT, t))
-    client_tests = client_test_split(
-        [y_train[p] for p in clients], data.y_test[test_idx], scenario.client_test_fraction,
-        _rng(scenario.seed, _CLIENT_TEST, t),
-    )
-    return Task(
-        index=t, classes=classes, domain=domain, data=data, train_indices=train_idx, test_indices=test_idx,
-        client_train_indices=tuple(train_idx[p] for p in clients),
-        client_test_indices=tuple(test_idx[p] for p in client_tests),
-    )
-
-
-def _pick_domains(scenario: Scenario, stream: list[ArrayDataset]) -> list[ArrayDataset]:
-    by_name = {d.name: d for d in stream}
-    names = scenario.domains or tuple(by_name)[: scenario.n_tasks]
-    missing = [n for n in names if n not in by_name]
-    if missing or len(names) < scenario.n_tasks:
-        raise ValueError(
-            f"{scenario.dataset!r} has domains {tuple(by_name)}; cannot make {scenario.n_tasks} tasks"
-            + (f" (unknown: {missing})" if missing else "")
-        )
-    chosen = [by_name[n] for n in names]
-    if len({(d.num_classes, d.input_shape) for d in chosen}) != 1:
-        raise ValueError(f"domains of {scenario.dataset!r} differ in classes or input shape; they must match")
-    return chosen
-
-
-# --- flowing data (pFedGRP) ----------------------------------------------------------------------
-
-def _client_sequence(scenario: Scenario, k: int) -> list[int]:
-    """Which of client k's tasks (0..n_client_tasks-1) it gets in each round."""
-    if scenario.sequence == "circulating":
-        return [t % _given(scenario.n_client_tasks) for t in range(scenario.n_tasks)]
-    rng = _rng(scenario.seed, _SEQUENCE, k)
-    loop, sequence = [0, 1], []
-    for t in range(scenario.n_tasks):
-        if t and t % _given(scenario.replace_every) == 0:
-            others = [i for i in range(_given(scenario.n_client_tasks)) if i not in loop]
-            loop[int(rng.integers(2))] = int(rng.choice(others))
-        sequence.append(loop[t % 2])
-    return sequence
-
-
-def _test_parts(test_pos: np.ndarray, n_parts: int) -> list[np.ndarray]:
-    """Consecutive near-equal parts; with fewer samples than parts, neighbours share one ([R], module docstring)."""
-    n = len(test_pos)
-    return [test_pos[j * n // n_parts: max((j + 1) * n // n_parts, j * n // n_parts + 1)] for j in range(n_parts)]
-
-
-def _class_parts(
-    train_pos: np.ndarray, test_pos: np.ndarray, size: int, rng: np.random.Generator
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One client's parts of one class in order, each with its test part; a fresh permutation every pass."""
-    n_parts = len(train_pos) // size
-    test_parts = _test_parts(rng.permutation(test_pos), n_parts)
-    while True:
-        order = rng.permutation(train_pos)
-        for j in range(n_parts):
-            yield order[j * size:(j + 1) * size], test_parts[j]
-
-
-def _client_rounds(
-    scenario: Scenario, data: ArrayDataset, k: int
-) -> list[tuple[tuple[int, ...], np.ndarray, np.ndarray]]:
-    """Client k's (classes, train indices, test indices) of every round."""
-    groups = _split_classes(_rng(scenario.seed, _GROUPS, k).permutation(data.num_classes),
-                            _given(scenario.n_client_tasks), _given(scenario.classes_per_task))
-    parts = {
-        c: _class_parts(np.flatnonzero(data.y_train == c), np.flatnonzero(data.y_test == c),
-                        _given(scenario.samples_per_class), _rng(scenario.seed, _PARTS, k, c))
-        for group in groups for c in group
-    }
-    rounds = []
-    for g in _client_sequence(scenario, k):
-        train, test = zip(*(next(parts[c]) for c in groups[g]))
-        rounds.append((groups[g], np.sort(np.concatenate(train)), np.sort(np.concatenate(test))))
-    return rounds
-
-
-def _flowing_tasks(scenario: Scenario, data: ArrayDataset) -> tuple[Task, ...]:
-    smallest = int(np.bincount(data.y_train, minlength=data.num_classes).min())
-    if _given(scenario.samples_per_class) > smallest:
-        raise ValueError(f"samples_per_class={scenario.samples_per_class}, but a class of {scenario.dataset!r} "
-                         f"has only {smallest} train samples")
-    clients = [_client_rounds(scenario, data, k) for k in range(scenario.n_clients)]
-    tasks = []
-    for t in range(scenario.n_tasks):
-        classes, train, test = zip(*(rounds[t] for rounds in clients))
-        tasks.append(Task(
-            index=t, classes=tuple(sorted(set().union(*classes))), domain=None, data=data,
-            train_indices=np.unique(np.concatenate(train)), test_indices=np.unique(np.concatenate(test)),
-            client_train_indices=train, client_test_indices=test, client_classes=classes,
-        ))
-    return tuple(tasks)
-
-
 def build(scenario: Scenario) -> ScenarioData:
-    """Load the dataset and materialise every task's class set, client shares and test sets."""
+    """Load the dataset and materialise every task's class set, client shares and test sets (by the kind)."""
     loaded = load_dataset(scenario.dataset, scenario.data_root, **scenario.dataset_options)
-    if scenario.kind != "domain" and not isinstance(loaded, ArrayDataset):
-        raise ValueError(f"{scenario.dataset!r} is a stream of domains: use kind = \"domain\"")
-    if isinstance(loaded, ArrayDataset) and scenario.kind == "class":
-        check_class_budget(scenario, loaded.num_classes)
-        order = _rng(scenario.seed, _ORDER).permutation(loaded.num_classes)
-        tasks = tuple(
-            _make_task(scenario, t, loaded, classes, None)
-            for t, classes in enumerate(_split_classes(order, scenario.n_tasks, _given(scenario.classes_per_task)))
-        )
-        first = loaded
-    elif isinstance(loaded, ArrayDataset):  # flowing
-        check_class_budget(scenario, loaded.num_classes)
-        tasks, first = _flowing_tasks(scenario, loaded), loaded
-    else:
-        domains = _pick_domains(scenario, loaded if isinstance(loaded, list) else [loaded])
-        labels = tuple(range(domains[0].num_classes))
-        tasks = tuple(_make_task(scenario, t, d, labels, d.name) for t, d in enumerate(domains))
-        first = domains[0]
+    tasks = scenario.kind_class().tasks(scenario, loaded)
+    first = tasks[0].data
     return ScenarioData(scenario, tasks, first.num_classes, first.input_shape)
 
 

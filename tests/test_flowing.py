@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.evaluation import Evaluator
 from edge_client.trainers.pytorch import TorchTrainer
-from firmware_sim import scenarios
+from firmware_sim.scenario_kinds import flowing as flowing_kind
 from firmware_sim.scenarios import PRESETS, ClientSource, Scenario, preset, scenario_from_config
 from models.manifest import load_manifest
 
@@ -191,10 +191,10 @@ def test_parts_are_used_in_passes_with_matching_test_parts(circulating):
 
 
 def test_test_parts_hold_at_least_one_sample():
-    many = scenarios._test_parts(np.arange(10), 4)
+    many = flowing_kind._test_parts(np.arange(10), 4)
     assert [len(p) for p in many] == [2, 3, 2, 3]
     np.testing.assert_array_equal(np.concatenate(many), np.arange(10))
-    few = scenarios._test_parts(np.arange(3), 5)
+    few = flowing_kind._test_parts(np.arange(3), 5)
     assert all(len(p) == 1 for p in few) and set(np.concatenate(few)) == {0, 1, 2}
 
 
