@@ -69,6 +69,7 @@ class RoundAggregate:
         self._stream = None if fold is None else bounds.stream(global_weights, self._folding_into(fold), counters)
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0
+        self._trusted: list[ClientUpdate] = []  # the coordinator's own (a host-trained round): not bounded
 
     @property
     def folds(self) -> bool:
@@ -84,18 +85,30 @@ class RoundAggregate:
         finally:
             self.seconds += time.perf_counter() - started
 
-    def close(self) -> AggregateResult | None:
-        """The rule's result for the round; None when it failed on it or used no update (counted and logged)."""
+    def add_trusted(self, update: ClientUpdate) -> None:
+        """The coordinator's own update (coordinator/host_training.py): the rule gets it, the guard does not bound
+        it (the guard bounds what devices send)."""
+        if self._fold is not None:
+            refused, self._sound = self.strategy.add(self._fold, update)
+            if refused is None:
+                self.used.append(_used(update))
+        else:
+            self._trusted.append(update)
+
+    def close(self, wait: Callable[[float], None] | None = None) -> AggregateResult | None:
+        """The rule's result for the round; None when it failed on it or used no update (counted and logged). A rule
+        that finishes its round off the loop (`Pending`) is waited for with `wait(seconds)`, the coordinator's
+        message pump."""
         started = time.perf_counter()
         try:
-            result = self._result()
+            result = self._result(wait)
         finally:
             self.seconds += time.perf_counter() - started
         if result is not None:
             _drop_nonfinite_personalized(result, self.counters)
         return result
 
-    def _result(self) -> AggregateResult | None:
+    def _result(self, wait: Callable[[float], None] | None) -> AggregateResult | None:
         if self._stream is not None and self._fold is not None:
             self._stream.close()
             if not self._sound:
@@ -104,10 +117,10 @@ class RoundAggregate:
                             "previous model stays", self.number, self.strategy.name)
                 return None
             return self.strategy.result(self._fold, self.number)
-        bounded = self.bounds.apply(self.global_weights, self._held, self.counters)
-        self._held, self._held_bytes = [], 0
+        bounded = [*self._trusted, *self.bounds.apply(self.global_weights, self._held, self.counters)]
+        self._held, self._held_bytes, self._trusted = [], 0, []
         self.used = [_used(update) for update in bounded]
-        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx)
+        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx, wait)
 
     def _folding_into(self, fold: Fold) -> Callable[[ClientUpdate], None]:
         def take(update: ClientUpdate) -> None:

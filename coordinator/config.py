@@ -33,6 +33,8 @@
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
                 collapse_drop = 0.5
     [client]    sent to devices in every round: epochs, lr, answer_wait_s (each optional)
+    [host]      a task the host learns itself (coordinator/host_training.py): epochs = 20, lr = 0.05,
+                momentum = 0.9, batch_size = 32, seed = 0
 
 Relative paths are taken relative to the file's folder. Checked by the one config checker (`edgefil.settings`):
 an unknown key, a missing one or a wrong type is a one-line error naming file, table and key.
@@ -47,6 +49,7 @@ from typing import Any
 
 from coordinator.checkpoint import CheckpointPolicy
 from coordinator.guard import UpdateBounds
+from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
 from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
@@ -80,6 +83,7 @@ class CoordinatorConfig:
     limits: RateLimits = RateLimits()
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     client: Mapping[str, Any] = field(default_factory=dict)
+    host: HostTraining = HostTraining()
 
     def __post_init__(self) -> None:
         check_name(self.fleet, "fleet")

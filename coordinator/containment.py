@@ -24,17 +24,25 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RefusedUpdate, RoundContext, Strategy
+from coordinator.strategies.base import Pending
 
 log = logging.getLogger("edgefil.coordinator")
 RULE_FAILED = "rule-failed"  # the rule raised on a whole round: the previous global model stays
 METHOD_ERROR = "method-error"  # a method's call raised something other than a refusal
+
+
+def _settle(pending: Pending, wait: Callable[[float], None] | None) -> AggregateResult:
+    result = pending.settle(wait)
+    if result is None:
+        raise RuntimeError(f"its pending round failed or was not done within {pending.wait_s:g} s")
+    return result
 
 
 def _described(err: BaseException) -> str:
@@ -93,19 +101,29 @@ class ContainedStrategy:
         return None, True
 
     def result(self, fold: Fold, number: int) -> AggregateResult | None:
-        return self._round(number, fold.result)
+        result = self._round(number, fold.result)
+        return None if isinstance(result, Pending) else result
 
-    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate], ctx: RoundContext
-                  ) -> AggregateResult | None:
-        return self._round(ctx.round, lambda: self.strategy.aggregate(global_weights, updates, ctx))
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate], ctx: RoundContext,
+                  wait: Callable[[float], None] | None = None) -> AggregateResult | None:
+        """The rule's result for the round; a `Pending` one is settled while `wait(seconds)` serves the devices."""
+        result = self._round(ctx.round, lambda: self.strategy.aggregate(global_weights, updates, ctx))
+        if isinstance(result, Pending):
+            pending = result
+            result = self._round(ctx.round, lambda: _settle(pending, wait))
+        if isinstance(result, Pending):
+            return None
+        return result
 
-    def _round(self, number: int, compute: Any) -> AggregateResult | None:
+    def _round(self, number: int, compute: Any) -> AggregateResult | Pending | None:
         """The rule's result for round `number`, its per-update refusals counted; None when it failed on the round."""
         try:
-            result: AggregateResult = compute()
+            result: AggregateResult | Pending = compute()
         except Exception as err:
             self._count(RULE_FAILED, f"round {number}: the {self.name} rule failed; the previous model stays", err)
             return None
+        if isinstance(result, Pending):
+            return result
         for device, reason in sorted(result.refused.items()):
             self.counters[reason] += 1
             log.warning("round %d: the %s rule could not use the payloads of %s (%s)", number, self.name, device,

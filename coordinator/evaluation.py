@@ -57,10 +57,15 @@ class TestSets(Protocol):
 
     def client_samples_seen(self, k: int, t: int) -> int: ...
 
+    def host_train(self, t: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The train data of a task the host learns itself (coordinator/host_training.py), None for a task the
+        devices learn."""
+
 
 class FolderTestSets:
     """A deployment's test data: `test-<t>.npz` files (arrays `x` float32, `y` int64), one per task, in a folder
-    the operator keeps, read once. A task's classes are the labels its test set holds. No per-client data."""
+    the operator keeps, read once. A task's classes are the labels its test set holds. No per-client data. A task
+    the host learns itself has its train data beside them, `host-train-<t>.npz`."""
 
     per_client = False
 
@@ -97,6 +102,11 @@ class FolderTestSets:
 
     def client_samples_seen(self, k: int, t: int) -> int:
         raise NotImplementedError("a test-set folder has no per-client data")
+
+    def host_train(self, t: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """`host-train-<t>.npz` (arrays x, y) beside the test files: task t is learnt by the host."""
+        path = self.folder / f"host-train-{t}.npz"
+        return _load_test(path) if path.is_file() else None
 
 
 def _load_test(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -55,6 +55,7 @@ from coordinator.checkpoint import (
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
+from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
 from coordinator.rounds import OpenRound, select
@@ -213,9 +214,25 @@ class Coordinator:
         self._aggregate = aggregate = RoundAggregate(
             self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx)
         try:
-            self._run_attempts(number, task, aggregate)
+            host = self.data.host_train(task)
+            if host is not None:
+                self._run_on_host(number, task, aggregate, *host)
+            else:
+                self._run_attempts(number, task, aggregate)
         finally:
             self._aggregate = self._last_attempt = None
+
+    def _run_on_host(self, number: int, task: int, aggregate: RoundAggregate, x: np.ndarray, y: np.ndarray
+                     ) -> None:
+        """A task the host learns itself (coordinator/host_training.py): no device is selected; the global model
+        trained on the host's data is the round's one update."""
+        log.info("round %d (task %d): trained on the host (%d samples)", number, task, len(y))
+        weights = self.config.host.train(self.manifest, self.state.weights, x, y, self._context.seen_classes,
+                                         self.strategy.device)
+        aggregate.add_trusted(ClientUpdate(HOST, weights, len(y)))
+        collected = OpenRound.open(number, task, "", [HOST], self.config.deadline_s)
+        collected.delivered.add(HOST)
+        self._close(collected, aggregate)
 
     def _run_attempts(self, number: int, task: int, aggregate: RoundAggregate) -> None:
         for attempt in range(1, self.config.max_attempts + 1):
@@ -338,7 +355,10 @@ class Coordinator:
         return named
 
     def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:
-        result = aggregate.close()  # None: the rule failed on the round (counted and logged where it was contained)
+        # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
+        # devices while a rule finishes its round off it; an update that comes meanwhile is late.
+        self._aggregate = None
+        result = aggregate.close(wait=self._pump)
         weights, refused, accuracies = self._judge(result, collected.task)
         used = aggregate.used
         state = self.state

@@ -238,6 +238,11 @@ class ScenarioData:
         """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
         return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
 
+    def host_train(self, t: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A host-trained task's train data (a few-shot base session trained centrally); None otherwise."""
+        task = self.tasks[t]
+        return task.train() if task.host_trained else None
+
     def binding_budget(self, cached: float = OLD_DATA_CACHED) -> int:
         """A budget M that binds: N_task (1 + cached (T - 1)), with N_task the mean number of samples one client
         gets per task and T tasks, so a device holds its newest task and `cached` of its older data at the last

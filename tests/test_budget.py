@@ -19,6 +19,17 @@ OPTIONS = {"refed": {"pim_epochs": 1, "importance": "last-layer"},
            "generator": {"init_steps": 3, "transfer_steps": 2, "precision": "int8", "keep_auxiliary": False},
            "fedcil": {"gan_steps": 3}}
 TORCH_ONLY = ("dann",)  # trains a second model on the features: the torch backend only
+
+
+def _sdd_replay(rng: np.random.Generator) -> dict[str, bytes]:
+    """A synthetic replay set as SDD's coordinator broadcasts it, of a random size (up to ~80 KB)."""
+    from models.sdd import REPLAY, encode_replay
+
+    n = int(rng.integers(10, 600))
+    return {REPLAY: encode_replay(rng.random((n, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, n))}
+
+
+PAYLOADS = {"sdd": _sdd_replay}  # what a method's coordinator sends, for a "receive" step
 BUILT_IN = [name for name in policy_names() if POLICIES.get(name).__module__.startswith("edge_client.")]
 
 
@@ -51,7 +62,7 @@ def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy):
     learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy)
     task, classes = 0, [0, 1]
     for step in range(14):
-        action = rng.choice(["switch", "chunk", "train", "restart"], p=[0.3, 0.3, 0.3, 0.1])
+        action = rng.choice(["switch", "chunk", "train", "restart", "receive"], p=[0.25, 0.25, 0.25, 0.1, 0.15])
         if action == "switch":
             task += 1
             classes = rng.choice(10, size=2, replace=False).tolist()
@@ -61,8 +72,11 @@ def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy):
             x = (y[:, None, None, None] / 10 + 0.1 * rng.standard_normal((n, 1, 8, 8))).astype(np.float32)
             learner.observe(Chunk(x, y, task))
         elif action == "train" and len(learner.store):
+            learner.global_model_arrived(learner.trainer.get_weights())
             learner.train()
             learner.finish_round()
+        elif action == "receive" and policy in PAYLOADS:
+            learner.policy.receive(learner.view(), PAYLOADS[policy](rng))
         elif action == "restart":
             learner.save(tmp_path)
             learner.store.close()

@@ -20,6 +20,8 @@ Methods that reach further plug in through the same interface, and the coordinat
   device's "personal" payload and evaluated as its model), per-device named payloads (`payloads`: synthetic
   samples, ...), sent with the device's next round, and named payloads for every device (`broadcast`: an old
   model), sent once to the fleet and kept by each device until they change;
+- `aggregate` whose work takes minutes (a generator trained from the round's models) returns a `Pending`: the
+  rest of the round runs as a `BackgroundJob` and the coordinator keeps serving its devices until it finishes;
 - `save` / `load` keep the rule's state across a `--resume`.
 
 Every call runs contained (coordinator/containment.py): a rule refuses what it cannot use rather than fail on it,
@@ -35,7 +37,7 @@ rule adds a file here and touches nothing else.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,6 +45,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from coordinator.background import BackgroundJob, Deadline
 from coordinator.compute import resolve_device
 from edgefil.registry import Registry
 from models.manifest import Manifest
@@ -101,6 +104,40 @@ class AggregateResult:
     refused: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Pending:
+    """A round a rule finishes off the coordinator's loop: `job` (started by the rule) computes the round's
+    AggregateResult. The coordinator serves its devices while it runs, for at most `wait_s` seconds; a job that
+    fails, or is not done by then, loses the round as a failing rule does (its late result is dropped)."""
+
+    job: BackgroundJob[AggregateResult]
+    wait_s: float
+
+    def settle(self, wait: Callable[[float], None] | None = None) -> AggregateResult | None:
+        """The job's result once it is done; `wait(seconds)` passes the time meanwhile (the coordinator pumps its
+        messages; by default, outside a run, the job is simply joined). None: it failed or ran out of time."""
+        deadline = Deadline(self.wait_s)
+        while self.job.running and not deadline.passed():
+            if wait is None:
+                self.job.wait(deadline.left())
+            else:
+                wait(min(PENDING_POLL_S, deadline.left()))
+        return None if self.job.running else self.job.take()
+
+
+PENDING_POLL_S = 0.05  # how often the coordinator looks at a pending round between its messages
+
+
+def settled(result: AggregateResult | Pending) -> AggregateResult:
+    """A rule's result outside a run (a benchmark, a test): a pending one waited for; ValueError if it failed."""
+    if isinstance(result, AggregateResult):
+        return result
+    done = result.settle()
+    if done is None:
+        raise ValueError("the rule's pending round failed or ran out of time")
+    return done
+
+
 class RefusedUpdate(ValueError):
     """An update the rule cannot use (e.g. an attachment that does not decode); `reason` is counted."""
 
@@ -151,9 +188,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
-                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult | Pending:
         """The next global model (on self.device) from the updates of round `ctx`; implementations call
-        validate_updates first."""
+        validate_updates first. A `Pending` finishes the round off the coordinator's loop."""
 
 
 class Fold(ABC):

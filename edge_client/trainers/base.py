@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.feature_stats import LayerStatistics, statistics_of
 from models.manifest import LOSS_HEADS, Manifest, class_head_positions
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
@@ -399,6 +400,14 @@ class Trainer(ABC):
         mask = self.mask(class_mask)
         parts = [self.forward(x[idx], y[idx], mask)[1:] for idx in iterate_batches(len(y), batch_size, None)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def feature_statistics(self, x: np.ndarray, batch_size: int = 256) -> tuple[LayerStatistics, ...]:
+        """Per-layer means and variances of x at this model (models/feature_stats.py: each input channel's, each
+        penultimate feature's, from eval-mode forward passes): what a device may tell a server that inverts
+        models about its data."""
+        x, y = self._check_batch(x, np.zeros(len(x), dtype=np.int64))
+        _, features = self.outputs(x, y, None, batch_size)
+        return statistics_of(x, features)
 
     def mask(self, class_mask: np.ndarray | None) -> np.ndarray:
         """A float32 mask over all classes: ones (nothing hidden) unless a mask of seen classes is given."""

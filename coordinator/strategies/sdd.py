@@ -1,0 +1,404 @@
+"""`sdd`: SDD's coordinator half (spec: shared/specs/fewshot-sdd.md, Secs. 2.2-2.4): a conditional generator
+trained data-free from the round's local models, class-specific weighted aggregation (CSWA), and the synthetic
+replay set every device replays.
+
+A session is a task; its first round (the paper has one round per session) does the session's work:
+
+1. The generator (Eqs. 4-11), after local training and before aggregation, off the coordinator's loop (a
+   `Pending` round: the coordinator serves its devices meanwhile, for at most `generator_budget_s` plus a margin),
+   on the strategy's torch device (cuda when present). The teacher O(x) is the plain average of the local models'
+   logits over the session's classes; the loss is lambda_ce CE(O(x), y) - lambda_entropy H_info(O(x)) +
+   lambda_statistics L_stat + lambda_adversarial L_KL. L_stat compares the synthetic batch's statistics with
+   each device's (`models/feature_stats.py`: the input channels', and the penultimate features' under that
+   device's model), averaged over the devices that sent them (the zoo's models keep no BatchNorm statistics:
+   docs/methods/sdd.md says why and what they reveal). L_KL = -omega KL(O || S) against a student S (the
+   classifier's architecture, trained by SGD on KL(O || S)), omega by the paper's sign (1 where teacher and
+   student disagree) or TARGET's (`adversarial_sign = "target"`: where they agree), after `warmup_epochs` epochs
+   without it. One batch per epoch, the last, joins the session's synthetic set X~_t (TARGET keeps one per
+   epoch; the paper's Alg. 2 would keep every batch). Every loss component, the steps and the wall time are
+   round metrics (`generator`).
+2. CSWA (Eqs. 12-18): everything by sample-weighted FedAvg, then each new class's head row and bias (our heads
+   are classes x features, the paper's columns) as sum_m a_m^i w_m^i, a_m^i the accuracy of local model m on
+   X~_t's samples of class i (argmax over the classes seen). `aggregation = "cswa-literal"` is Eq. 17 as printed
+   (unnormalised: a row's weights sum to sum_m a_m^i, up to the number of devices); "cswa-normalized" divides by
+   sum_m a_m^i; either falls back to the FedAvg row for a class every model gets wrong (sum 0). "fedavg" is the
+   ablation (SDD without CSWA).
+3. The replay set: X~_t's samples join those of the sessions before, at most `replay_per_class` per class (the
+   last ones made, by the best-trained generator), broadcast to every device as `sdd/replay` at the end of the
+   session (the devices replay them in the next). At the end of the base session (task 0), the generator is
+   trained from the global model alone (Eq. 4, t = 0) for the base classes. Samples, not the generator, travel:
+   for digits' 8x8 images a class's 50 samples take 6.5 KB against the generator's 77 KB (both are metrics,
+   `replay_bytes` and `generator_bytes`).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from coordinator.background import BackgroundJob, Deadline
+from coordinator.strategies.base import (
+    OUTSIDE_A_RUN,
+    AggregateResult,
+    ClientUpdate,
+    Pending,
+    RefusedUpdate,
+    RoundContext,
+    Strategy,
+    validate_updates,
+)
+from coordinator.strategies.fedavg import WeightedFold
+from edgefil.durable import write_atomically
+from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
+from models.flat_weights import load_flat_weights
+from models.manifest import Manifest, class_head_positions
+from models.sdd import (
+    ADVERSARIAL_SIGNS,
+    REPLAY,
+    ConditionalGenerator,
+    adversarial_mask,
+    distillation_kl,
+    encode_replay,
+    ensemble_logits,
+    information_entropy,
+    statistics_distance,
+)
+from models.zoo import ClassifierModel, build_model
+
+log = logging.getLogger("edgefil.coordinator")
+AGGREGATIONS = ("cswa-literal", "cswa-normalized", "fedavg")
+STATE_FILE = "sdd.npz"
+PENDING_MARGIN_S = 30.0  # beyond the generator's budget: evaluating the models on X~_t and aggregating
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """The generator's schedule and loss weights (the spec's Sec. 2.2; the paper: 100 epochs x 50 iterations,
+    Adam 1e-3, student SGD 0.2 with momentum 0.9; temperature and warm-up are TARGET's)."""
+
+    epochs: int = 20
+    iterations: int = 20
+    batch_size: int = 64
+    nz: int = 32
+    ngf: int = 16
+    lr: float = 1e-3
+    lambda_ce: float = 1.0
+    lambda_entropy: float = 1.0
+    lambda_statistics: float = 1.0
+    lambda_adversarial: float = 1.0
+    adversarial_sign: str = "paper"
+    warmup_epochs: int = 5
+    temperature: float = 5.0
+    student_lr: float = 0.2
+    student_steps: int = 1
+
+    def check(self) -> None:
+        for name in ("epochs", "iterations", "batch_size", "nz", "ngf", "student_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"generator {name} must be >= 1")
+        if self.adversarial_sign not in ADVERSARIAL_SIGNS:
+            raise ValueError(f"adversarial_sign must be one of {ADVERSARIAL_SIGNS}, got {self.adversarial_sign!r}")
+        if self.lambda_adversarial > 0 and self.warmup_epochs >= self.epochs:
+            raise ValueError(f"warmup_epochs = {self.warmup_epochs} of {self.epochs} epochs: the adversarial term "
+                             f"would never run (set lambda_adversarial = 0 to train without it)")
+        if min(self.lr, self.student_lr, self.temperature) <= 0 or self.warmup_epochs < 0 or min(
+                self.lambda_ce, self.lambda_entropy, self.lambda_statistics, self.lambda_adversarial) < 0:
+            raise ValueError("generator rates and temperature must be > 0, loss weights and warm-up >= 0")
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    """Synthetic samples (one batch per epoch, in order) and the labels they were generated for, with the
+    generator's log and the student it trained against."""
+
+    x: np.ndarray
+    y: np.ndarray
+    log: dict[str, float]
+    student: ClassifierModel | None = None
+
+
+def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[dict[str, LayerStatistics] | None],
+                    classes: Sequence[int], settings: GeneratorSettings, manifest: Manifest,
+                    input_range: tuple[float, float], device: torch.device, seed: int,
+                    deadline: Deadline | None = None, student: ClassifierModel | None = None) -> Synthetic:
+    """The module docstring's step 1: a conditional generator for `classes` from the frozen `teachers` (each with
+    its device's statistics, or None), within the deadline; the synthetic set is one batch per epoch. The student
+    starts as `student` (trained in place), by default the manifest's model initialised afresh (TARGET's)."""
+    input_shape, num_classes = tuple(manifest.input_shape), manifest.num_classes
+    generator_seed = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        generator = ConditionalGenerator(input_shape, num_classes, settings.nz, settings.ngf, input_range).to(device)
+        if student is None:
+            student = build_model(manifest.model, num_classes, input_shape)
+    student = student.to(device).requires_grad_(True)
+    for teacher in teachers:
+        teacher.eval().requires_grad_(False)
+    session = torch.tensor(list(classes), device=device)
+    optimizer = torch.optim.Adam(generator.parameters(), lr=settings.lr)
+    student_optimizer = torch.optim.SGD(student.parameters(), lr=settings.student_lr, momentum=0.9)
+    stats = [(i, _tensors(s, device)) for i, s in enumerate(statistics) if s is not None]
+    totals = dict.fromkeys(("ce", "entropy", "statistics", "adversarial", "student_kl"), 0.0)
+    kept_x, kept_y, steps, started = [], [], 0, time.perf_counter()
+    for epoch in range(settings.epochs):
+        for _ in range(settings.iterations):
+            if deadline is not None and deadline.passed():
+                break
+            z = torch.randn(settings.batch_size, settings.nz, generator=generator_seed).to(device)
+            index = torch.randint(len(classes), (settings.batch_size,), generator=generator_seed).to(device)
+            x = generator(z, session[index])
+            outputs = [teacher(x) for teacher in teachers]
+            ensemble = ensemble_logits([logits[:, session] for logits, _ in outputs])
+            ce = F.cross_entropy(ensemble, index)
+            entropy = information_entropy(ensemble)
+            statistics_term = torch.zeros((), device=device)
+            for i, layers in stats:
+                statistics_term = statistics_term + statistics_distance(x, *layers["input"]) \
+                    + statistics_distance(outputs[i][1], *layers["features"])
+            statistics_term = statistics_term / max(len(stats), 1)
+            adversarial = torch.zeros((), device=device)
+            if epoch >= settings.warmup_epochs and settings.lambda_adversarial > 0:
+                student.eval()
+                s_logits = student(x)[0][:, session]
+                omega = adversarial_mask(ensemble.detach(), s_logits.detach(), settings.adversarial_sign)
+                adversarial = -(omega * distillation_kl(ensemble, s_logits, settings.temperature)).mean()
+            loss = settings.lambda_ce * ce - settings.lambda_entropy * entropy \
+                + settings.lambda_statistics * statistics_term + settings.lambda_adversarial * adversarial
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            student.train()
+            for _ in range(settings.student_steps):
+                kl = distillation_kl(ensemble.detach(), student(x.detach())[0][:, session], settings.temperature)
+                student_optimizer.zero_grad(set_to_none=True)
+                kl.mean().backward()
+                student_optimizer.step()
+            steps += 1
+            for name, value in (("ce", ce), ("entropy", entropy), ("statistics", statistics_term),
+                                ("adversarial", adversarial), ("student_kl", kl.mean())):
+                totals[name] += float(value.detach())
+        else:
+            kept_x.append(x.detach().cpu().numpy())
+            kept_y.append(session[index].cpu().numpy())
+            continue
+        break  # out of time
+    log_ = {f"generator_{name}": value / max(steps, 1) for name, value in totals.items()}
+    log_.update(generator_steps=float(steps), generator_s=time.perf_counter() - started,
+                generator_bytes=float(generator.parameter_bytes()))
+    if not kept_x:
+        return Synthetic(np.zeros((0, *input_shape), np.float32), np.zeros(0, np.int64), log_, student.eval())
+    return Synthetic(np.concatenate(kept_x).astype(np.float32), np.concatenate(kept_y).astype(np.int64), log_,
+                     student.eval())
+
+
+def model_for(manifest: Manifest, weights: np.ndarray, device: torch.device) -> ClassifierModel:
+    """The classifier with these weights, frozen, on `device`."""
+    model = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape))
+    load_flat_weights(model, manifest, np.asarray(weights, dtype=np.float32))
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _tensors(stats: dict[str, LayerStatistics], device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {name: (torch.from_numpy(s.mean).to(device), torch.from_numpy(s.var).to(device))
+            for name, s in stats.items()}
+
+
+# --- CSWA (Eqs. 12-18) ---------------------------------------------------------------------------------------------
+
+def class_accuracies(models: Sequence[ClassifierModel], x: np.ndarray, y: np.ndarray, classes: Sequence[int],
+                     seen: Sequence[int], num_classes: int, device: torch.device) -> np.ndarray:
+    """a_m^i: each model's accuracy on the samples of each class of `classes` (argmax over `seen`), (M, c); a
+    class with no sample gets 0 for every model."""
+    mask = torch.zeros(num_classes, device=device)
+    mask[list(seen)] = 1.0
+    inputs = torch.from_numpy(x).to(device)
+    out = np.zeros((len(models), len(classes)))
+    for m, model in enumerate(models):
+        with torch.no_grad():
+            predicted = model(inputs, mask)[0].argmax(1).cpu().numpy()
+        for i, c in enumerate(classes):
+            picked = y == c
+            out[m, i] = float((predicted[picked] == c).mean()) if picked.any() else 0.0
+    return out
+
+
+def weighted_rows(fedavg: torch.Tensor, local: torch.Tensor, accuracies: np.ndarray, positions: np.ndarray,
+                  normalized: bool) -> torch.Tensor:
+    """Eqs. 16-18 on a FedAvg result: row i of the new classes' head (its `positions`, one row per class) becomes
+    sum_m a_m^i w_m^i, divided by sum_m a_m^i when `normalized`; a row whose accuracies are all 0 keeps its FedAvg
+    value. `local` holds the M local models (M x P)."""
+    out = fedavg.clone()
+    weights = torch.as_tensor(accuracies, dtype=local.dtype, device=local.device)  # (M, c)
+    for i, row in enumerate(torch.as_tensor(positions, device=local.device)):
+        total = float(weights[:, i].sum())
+        if total <= 0:
+            continue
+        combined = (weights[:, i, None] * local[:, row]).sum(0)
+        out[row] = combined / total if normalized else combined
+    return out
+
+
+def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per_class: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The replay set with `new`'s samples joined: at most `per_class` per class, a class's newest kept."""
+    x = new.x if held is None else np.concatenate([held[0], new.x])
+    y = new.y if held is None else np.concatenate([held[1], new.y])
+    keep = np.concatenate([np.flatnonzero(y == c)[-per_class:] for c in np.unique(y)]) if len(y) else np.zeros(0, int)
+    keep.sort()
+    return x[keep], y[keep]
+
+
+class Sdd(Strategy):
+    name = "sdd"
+
+    def __init__(
+        self,
+        aggregation: str = "cswa-normalized",
+        replay_per_class: int = 50,
+        generator_budget_s: float = 300.0,
+        generator_epochs: int = 20,
+        generator_iterations: int = 20,
+        generator_batch_size: int = 64,
+        nz: int = 32,
+        ngf: int = 16,
+        generator_lr: float = 1e-3,
+        lambda_ce: float = 1.0,
+        lambda_entropy: float = 1.0,
+        lambda_statistics: float = 1.0,
+        lambda_adversarial: float = 1.0,
+        adversarial_sign: str = "paper",
+        warmup_epochs: int = 5,
+        temperature: float = 5.0,
+        student_lr: float = 0.2,
+        student_steps: int = 1,
+        input_range: tuple[float, float] = (0.0, 1.0),
+        seed: int = 0,
+        device: torch.device | str = "auto",
+        manifest: Manifest | None = None,
+    ) -> None:
+        if manifest is None:
+            raise ValueError("strategy 'sdd' needs the model's manifest (its generator inverts the model)")
+        super().__init__(device, manifest)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if replay_per_class < 1 or not (math.isfinite(generator_budget_s) and generator_budget_s > 0):
+            raise ValueError("replay_per_class must be >= 1 and generator_budget_s > 0")
+        low, high = (float(v) for v in input_range)
+        if not low < high:
+            raise ValueError(f"input_range must be [low, high] with low < high, got {input_range}")
+        self.settings = GeneratorSettings(
+            generator_epochs, generator_iterations, generator_batch_size, nz, ngf, generator_lr, lambda_ce,
+            lambda_entropy, lambda_statistics, lambda_adversarial, adversarial_sign, warmup_epochs, temperature,
+            student_lr, student_steps)
+        self.settings.check()
+        self.manifest: Manifest = manifest
+        self.aggregation, self.replay_per_class, self.budget_s = aggregation, replay_per_class, generator_budget_s
+        self.input_range, self.seed = (low, high), seed
+        self.sizes = {"input": int(manifest.input_shape[0]), "features": int(manifest.feature_dim)}
+        self.replay: tuple[np.ndarray, np.ndarray] | None = None
+        self.session: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, X~_t, its labels)
+        self.job: BackgroundJob[AggregateResult] = BackgroundJob("sdd-generator")
+
+    def inspect(self, update: ClientUpdate) -> None:
+        """Only feature statistics, of this model's layers."""
+        for name, data in update.attachments.items():
+            if name != STATISTICS:
+                raise RefusedUpdate("attachments", f"unknown attachment {name!r}")
+            try:
+                decode_statistics(bytes(data), self.sizes)
+            except ValueError as err:
+                raise RefusedUpdate("statistics", str(err)) from None
+
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult | Pending:
+        validate_updates(global_weights, updates)
+        fedavg = WeightedFold(global_weights, True, self.device)
+        for update in updates:
+            fedavg.add(update)
+        averaged = fedavg.result().global_weights
+        base = ctx.task == 0
+        generate = (ctx.starts_task and not base) or (base and ctx.ends_task)
+        if not generate and (base or self.aggregation == "fedavg"):
+            return self._finish(AggregateResult(averaged), ctx, {})
+        local = [np.asarray(u.weights, dtype=np.float32).copy() for u in updates]  # the job outlives the payloads
+        statistics = [self._statistics(u) for u in updates]
+        budget = self.budget_s
+
+        def work(deadline: Deadline) -> AggregateResult:
+            metrics: dict[str, float] = {}
+            if generate:
+                teachers_weights = [averaged.detach().cpu().numpy()] if base else local
+                teachers = [model_for(self.manifest, w, self.device) for w in teachers_weights]
+                synthetic = train_generator(
+                    teachers, [None] if base else statistics, ctx.task_classes, self.settings, self.manifest,
+                    self.input_range, self.device, self.seed + ctx.task, deadline)
+                self.session = (ctx.task, synthetic.x, synthetic.y)
+                self.replay = merge_replay(self.replay, synthetic, self.replay_per_class)
+                metrics.update(synthetic.log)
+            weights = averaged
+            if not base and self.aggregation != "fedavg" and self.session is not None \
+                    and self.session[0] == ctx.task:
+                models = [model_for(self.manifest, w, self.device) for w in local]
+                accuracies = class_accuracies(models, self.session[1], self.session[2], ctx.task_classes,
+                                              ctx.seen_classes or range(self.manifest.num_classes),
+                                              self.manifest.num_classes, self.device)
+                positions = class_head_positions(self.manifest.parameters, ctx.task_classes).reshape(
+                    len(ctx.task_classes), -1)
+                stacked = torch.from_numpy(np.stack(local)).to(self.device)
+                weights = weighted_rows(averaged, stacked, accuracies, positions,
+                                        normalized=self.aggregation == "cswa-normalized")
+                metrics.update(cswa_mean_accuracy=float(accuracies.mean()))
+            return self._finish(AggregateResult(weights), ctx, metrics)
+
+        if not generate:
+            return work(Deadline(budget))
+        if not self.job.start(work, budget):
+            raise RuntimeError("the previous session's generator still runs")
+        return Pending(self.job, budget + PENDING_MARGIN_S)
+
+    def _statistics(self, update: ClientUpdate) -> dict[str, LayerStatistics] | None:
+        data = update.attachments.get(STATISTICS)
+        return None if data is None else decode_statistics(bytes(data), self.sizes)
+
+    def _finish(self, result: AggregateResult, ctx: RoundContext, metrics: dict[str, float]) -> AggregateResult:
+        if ctx.ends_task and self.replay is not None:
+            result.broadcast = {REPLAY: encode_replay(*self.replay)}
+            metrics["replay_samples"] = float(len(self.replay[1]))
+            metrics["replay_bytes"] = float(len(result.broadcast[REPLAY]))
+        if metrics:
+            result.metrics = {"generator": metrics}
+        return result
+
+    # --- across a resume ------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        arrays: dict[str, Any] = {}
+        if self.replay is not None:
+            arrays.update(replay_x=self.replay[0], replay_y=self.replay[1])
+        if self.session is not None:
+            arrays.update(session_task=np.int64(self.session[0]), session_x=self.session[1],
+                          session_y=self.session[2])
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        write_atomically(directory / STATE_FILE, buffer.getvalue())
+
+    def load(self, directory: Path) -> None:
+        path = directory / STATE_FILE
+        if not path.exists():
+            return
+        with np.load(path, allow_pickle=False) as saved:
+            if "replay_x" in saved.files:
+                self.replay = (saved["replay_x"].astype(np.float32), saved["replay_y"].astype(np.int64))
+            if "session_task" in saved.files:
+                self.session = (int(saved["session_task"]), saved["session_x"].astype(np.float32),
+                                saved["session_y"].astype(np.int64))
+

@@ -1,0 +1,286 @@
+"""SDD (spec: shared/specs/fewshot-sdd.md): CSWA against hand-computed aggregates, each generator loss term
+moving its quantity the right way on a toy teacher, the generator's refused settings, the replay payload, and a
+rule that finishes its round off the coordinator's loop (`Pending`)."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.background import BackgroundJob
+from coordinator.containment import RULE_FAILED, ContainedStrategy
+from coordinator.strategies.base import AggregateResult, ClientUpdate, Pending, RoundContext, Strategy, settled
+from coordinator.strategies.sdd import (
+    GeneratorSettings,
+    Sdd,
+    class_accuracies,
+    merge_replay,
+    model_for,
+    train_generator,
+    weighted_rows,
+)
+from models.feature_stats import LayerStatistics
+from models.flat_weights import flatten_weights
+from models.manifest import class_head_positions, load_manifest
+from models.sdd import (
+    decode_replay,
+    distillation_kl,
+    encode_replay,
+    ensemble_logits,
+    information_entropy,
+    statistics_distance,
+)
+
+CPU = torch.device("cpu")
+
+
+# --- CSWA ----------------------------------------------------------------------------------------------------------
+
+def test_literal_and_normalised_rows_match_hand_computed_aggregates():
+    """Three devices, two new classes whose rows sit at positions [0, 1] and [4, 5] of a 6-value model."""
+    local = torch.tensor([[1.0, 2.0, 9.0, 9.0, 3.0, 4.0],
+                          [5.0, 6.0, 9.0, 9.0, 7.0, 8.0],
+                          [0.0, 1.0, 9.0, 9.0, 2.0, 2.0]])
+    fedavg = local.mean(0)
+    accuracies = np.array([[1.0, 0.5], [0.5, 0.0], [0.0, 0.5]])
+    positions = np.array([[0, 1], [4, 5]])
+    literal = weighted_rows(fedavg, local, accuracies, positions, normalized=False)
+    # class 0: 1 * [1, 2] + 0.5 * [5, 6] + 0 = [3.5, 5]; class 1: 0.5 * [3, 4] + 0 + 0.5 * [2, 2] = [2.5, 3]
+    np.testing.assert_allclose(literal.numpy(), [3.5, 5.0, 9.0, 9.0, 2.5, 3.0])
+    normalised = weighted_rows(fedavg, local, accuracies, positions, normalized=True)
+    np.testing.assert_allclose(normalised.numpy(), [3.5 / 1.5, 5 / 1.5, 9.0, 9.0, 2.5, 3.0])
+    # a device with a = 1 alone makes the row its own (the spec's check)
+    alone = weighted_rows(fedavg, local, np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]), positions, True)
+    np.testing.assert_allclose(alone.numpy()[:2], [5.0, 6.0])
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_a_class_every_model_gets_wrong_keeps_its_fedavg_row(normalized):
+    local = torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]])
+    fedavg = torch.tensor([2.0, 3.0, 4.0])
+    out = weighted_rows(fedavg, local, np.zeros((2, 1)), np.array([[0, 1]]), normalized)
+    np.testing.assert_array_equal(out.numpy(), fedavg.numpy())
+
+
+def test_class_accuracies_are_per_model_and_class(export_artifacts):
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    model = model_for(manifest, np.zeros(manifest.num_parameters, np.float32), CPU)
+    with torch.no_grad():
+        model.head.bias[:] = torch.tensor([0.0, 1.0, 0.0, 0.0])  # predicts class 1 for every input
+    x, y = np.zeros((5, 1, 8, 8), np.float32), np.array([1, 1, 2, 2, 2])
+    out = class_accuracies([model, model], x, y, (1, 2, 3), (0, 1, 2, 3), 4, CPU)
+    np.testing.assert_array_equal(out, [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # class 3: no sample, 0
+
+
+def test_the_sdd_rule_aggregates_new_rows_by_synthetic_accuracy(export_artifacts):
+    """The rule end to end on one round of session 1: a device whose model gets the new class right on X~_t
+    gives that class its row; the other rows are FedAvg."""
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    rule = Sdd(aggregation="cswa-normalized", generator_epochs=2, generator_iterations=2, warmup_epochs=1,
+               generator_batch_size=8, device="cpu", manifest=manifest)
+    rng = np.random.default_rng(0)
+    start = rng.normal(0, 0.1, manifest.num_parameters).astype(np.float32)
+    right, wrong = start.copy(), start.copy()
+    row3 = class_head_positions(manifest.parameters, [3])
+    right[row3[-1]] = 50.0  # class 3's bias: predicts class 3 for anything
+    wrong[row3[-1]] = -50.0
+    updates = [ClientUpdate("a", right, 10), ClientUpdate("b", wrong, 30)]
+    ctx = RoundContext(round=2, task=1, task_classes=(3,), seen_classes=(0, 1, 2, 3))
+    result = settled(rule.aggregate(torch.from_numpy(start), updates, ctx))
+    weights = result.global_weights.numpy()
+    np.testing.assert_allclose(weights[row3], right[row3], rtol=1e-6)  # a(a) = 1, a(b) = 0
+    others = np.setdiff1d(np.arange(manifest.num_parameters), row3)
+    np.testing.assert_allclose(weights[others], (10 * right[others] + 30 * wrong[others]) / 40, rtol=1e-5)
+    assert result.metrics["generator"]["generator_steps"] == 4
+    x, y = decode_replay(result.broadcast["sdd/replay"], manifest.input_shape, 4)
+    assert set(y.tolist()) == {3} and len(y) == 16  # one batch per epoch
+
+
+# --- the generator's loss terms on a toy teacher ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy(export_artifacts):
+    """A fixed random MLP over 8x8 inputs with 4 classes, and statistics its data would never have."""
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    weights = np.random.default_rng(3).normal(0, 0.3, manifest.num_parameters).astype(np.float32)
+    teacher = model_for(manifest, weights, CPU)
+    stats = {"input": LayerStatistics("input", np.array([0.2], np.float32), np.array([0.01], np.float32), 10),
+             "features": LayerStatistics("features", np.full(manifest.feature_dim, 0.5, np.float32),
+                                         np.full(manifest.feature_dim, 0.1, np.float32), 10)}
+    return manifest, teacher, stats
+
+
+def _alone(term: str, **more) -> GeneratorSettings:
+    weights = {name: 0.0 for name in ("lambda_ce", "lambda_entropy", "lambda_statistics", "lambda_adversarial")}
+    weights[f"lambda_{term}"] = 1.0
+    return GeneratorSettings(epochs=6, iterations=15, batch_size=32, warmup_epochs=0, **{**weights, **more})
+
+
+def _first_and_last(synthetic, batch):
+    return (synthetic.x[:batch], synthetic.y[:batch]), (synthetic.x[-batch:], synthetic.y[-batch:])
+
+
+def _ensemble(teacher, x, classes):
+    with torch.no_grad():
+        return ensemble_logits([teacher(torch.from_numpy(x))[0][:, list(classes)]])
+
+
+def test_the_ce_term_makes_samples_the_teacher_labels_as_asked(toy):
+    manifest, teacher, _ = toy
+    classes = (0, 1, 2, 3)
+    out = train_generator([teacher], [None], classes, _alone("ce"), manifest, (0.0, 1.0), CPU, seed=0)
+    (x0, y0), (x1, y1) = _first_and_last(out, 32)
+    ce = [float(torch.nn.functional.cross_entropy(_ensemble(teacher, x, classes), torch.from_numpy(y)))
+          for x, y in ((x0, y0), (x1, y1))]
+    assert ce[1] < ce[0]
+
+
+def test_the_entropy_term_raises_the_teachers_entropy(toy):
+    manifest, teacher, _ = toy
+    classes = (0, 1, 2, 3)
+    out = train_generator([teacher], [None], classes, _alone("entropy"), manifest, (0.0, 1.0), CPU, seed=0)
+    (x0, _), (x1, _) = _first_and_last(out, 32)
+    entropy = [float(information_entropy(_ensemble(teacher, x, classes))) for x in (x0, x1)]
+    assert entropy[1] > entropy[0]
+
+
+def test_the_statistics_term_moves_the_batch_towards_the_devices_statistics(toy):
+    manifest, teacher, stats = toy
+    out = train_generator([teacher], [stats], (0, 1), _alone("statistics"), manifest, (0.0, 1.0), CPU, seed=0)
+    (x0, _), (x1, _) = _first_and_last(out, 32)
+
+    def distance(x):
+        with torch.no_grad():
+            features = teacher(torch.from_numpy(x))[1]
+        return float(statistics_distance(torch.from_numpy(x), torch.tensor([0.2]), torch.tensor([0.01]))
+                     + statistics_distance(features, torch.from_numpy(stats["features"].mean),
+                                           torch.from_numpy(stats["features"].var)))
+
+    assert distance(x1) < distance(x0)
+
+
+@pytest.mark.parametrize("sign", ["paper", "target"])
+def test_the_adversarial_term_drives_teacher_and_student_apart_where_its_sign_says(toy, sign):
+    """With the student frozen (a rate of ~0) the term -omega KL(O || S) raises the teacher-student KL on the
+    generated samples; the paper's sign (omega = 1 where they disagree) by pushing the disagreeing samples further
+    apart, TARGET's (where they agree) by turning agreeing samples into disagreeing ones. The student is the
+    teacher perturbed, agreeing with it on about half of the samples at first."""
+    from models.sdd import adversarial_mask
+
+    manifest, teacher, _ = toy
+    classes = (0, 1, 2, 3)
+    weights = flatten_weights(teacher, manifest)
+    noise = np.random.default_rng(5).normal(0, 0.8, weights.size).astype(np.float32)
+    student = model_for(manifest, weights + noise, CPU)
+    settings = _alone("adversarial", adversarial_sign=sign, student_lr=1e-12)
+    out = train_generator([teacher], [None], classes, settings, manifest, (0.0, 1.0), CPU, seed=0, student=student)
+    measured = []
+    for x, _ in _first_and_last(out, 32):
+        o = _ensemble(teacher, x, classes)
+        with torch.no_grad():
+            s = out.student(torch.from_numpy(x))[0][:, list(classes)]
+        kl, mask = distillation_kl(o, s, settings.temperature), adversarial_mask(o, s, sign)
+        measured.append((float(kl.mean()), float((mask * kl).mean()), float((o.argmax(1) == s.argmax(1)).float().mean())))
+    (kl0, masked0, agree0), (kl1, masked1, agree1) = measured
+    assert 0.2 < 1 - agree0 < 0.8 and kl1 > kl0
+    if sign == "paper":
+        assert masked1 > masked0
+    else:
+        assert agree1 < agree0
+
+
+def test_a_warmup_that_outlasts_the_epochs_is_refused():
+    with pytest.raises(ValueError, match="adversarial term would never run"):
+        GeneratorSettings(epochs=20, warmup_epochs=20).check()
+    GeneratorSettings(epochs=20, warmup_epochs=20, lambda_adversarial=0.0).check()  # without the term: fine
+    with pytest.raises(ValueError, match="adversarial_sign must be one of"):
+        GeneratorSettings(adversarial_sign="dense").check()
+
+
+def test_the_generator_stops_at_its_deadline(toy):
+    from coordinator.background import Deadline
+
+    manifest, teacher, _ = toy
+    out = train_generator([teacher], [None], (0, 1), GeneratorSettings(epochs=50, warmup_epochs=1), manifest,
+                          (0.0, 1.0), CPU, seed=0, deadline=Deadline(0.0))
+    assert out.log["generator_steps"] == 0 and len(out.y) == 0
+
+
+# --- the replay set ------------------------------------------------------------------------------------------------
+
+def test_the_replay_payload_round_trips_and_refuses_what_is_not_samples():
+    rng = np.random.default_rng(0)
+    x, y = rng.random((7, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 7)
+    back_x, back_y = decode_replay(encode_replay(x, y), (1, 8, 8), 10)
+    np.testing.assert_allclose(back_x, x, atol=1e-3)  # float16
+    np.testing.assert_array_equal(back_y, y)
+    for bad, shape, classes in ((encode_replay(x, y)[:-1], (1, 8, 8), 10), (encode_replay(x, y), (1, 40), 10),
+                                (encode_replay(x, y), (1, 8, 8), 3), (b"\x00" * 5, (1, 8, 8), 10)):
+        with pytest.raises(ValueError):
+            decode_replay(bad, shape, classes)
+
+
+def test_merged_replay_keeps_each_class_newest_samples():
+    from coordinator.strategies.sdd import Synthetic
+
+    held = (np.arange(6, dtype=np.float32).reshape(6, 1), np.array([0, 0, 0, 1, 1, 1]))
+    new = Synthetic(np.array([[10.0], [11.0], [12.0]], np.float32), np.array([1, 2, 2]), {})
+    x, y = merge_replay(held, new, per_class=2)
+    assert sorted(zip(y.tolist(), x[:, 0].tolist())) == [(0, 1.0), (0, 2.0), (1, 5.0), (1, 10.0), (2, 11.0),
+                                                         (2, 12.0)]
+
+
+# --- a round finished off the loop ---------------------------------------------------------------------------------
+
+class _Slow(Strategy):
+    """A rule whose round finishes in a job that needs the loop to have run (it waits for `served`)."""
+
+    name = "test-slow-round"
+
+    def __init__(self, fail: bool = False, wait_s: float = 60.0) -> None:
+        super().__init__("cpu")
+        self.served, self.fail, self.wait_s = threading.Event(), fail, wait_s
+        self.job: BackgroundJob[AggregateResult] = BackgroundJob("slow")
+
+    def aggregate(self, global_weights, updates, ctx=RoundContext()):
+        def work(deadline):
+            if not self.served.wait(30):
+                raise TimeoutError("the loop never ran")
+            if self.fail:
+                raise RuntimeError("the job fails")
+            return AggregateResult(global_weights + 1)
+
+        self.job.start(work, 30)
+        return Pending(self.job, self.wait_s)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_pending_round_is_settled_while_the_loop_runs(fail):
+    rule = _Slow(fail=fail)
+    counters: Counter[str] = Counter()
+    pumped = []
+
+    def pump(seconds: float) -> None:  # the coordinator's loop: handles messages while the job runs
+        pumped.append(seconds)
+        rule.served.set()
+        rule.job.wait(seconds)
+
+    result = ContainedStrategy(rule, counters).aggregate(torch.zeros(3), [ClientUpdate("a", np.zeros(3, np.float32),
+                                                                                       1)], RoundContext(), pump)
+    assert pumped  # the loop ran while the round was pending
+    if fail:
+        assert result is None and counters[RULE_FAILED] == 1
+    else:
+        assert result is not None and result.global_weights.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_pending_round_that_outlasts_its_wait_is_lost_not_waited_for():
+    rule = _Slow(wait_s=0.0)
+    counters: Counter[str] = Counter()
+    result = ContainedStrategy(rule, counters).aggregate(torch.zeros(3), [], RoundContext(), lambda s: None)
+    assert result is None and counters[RULE_FAILED] == 1
+    rule.served.set()
+    rule.job.wait(30)
