@@ -325,6 +325,8 @@ class Coordinator:
                 self.broadcast.reached([(device, instance)])
             payload["broadcast"] = self.broadcast.id
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
+        if config.pop("known_classes", False):
+            config["known_classes"] = list(self._context.seen_classes)
         self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,

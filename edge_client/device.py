@@ -346,6 +346,7 @@ class Device:
         self.trainer.set_weights(global_weights)
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
+        self.learner.known_classes = self._known_classes(config.get("known_classes", ()))
         disk_full = False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
@@ -490,6 +491,15 @@ class Device:
         done = self.learner.state.round if round_ is None else round_
         extra: dict[str, Any] = {"error": error} if error else {}
         return wire.encode("status", device=self.id, state=state, round=done, instance=self.instance, **extra)
+
+    def _known_classes(self, value: object) -> tuple[int, ...]:
+        """The round's `known_classes`, when they are class ids of this model; refused (none) otherwise."""
+        k = self.trainer.manifest.num_classes
+        if isinstance(value, (list, tuple)) and len(value) <= k and all(
+                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < k for c in value):
+            return tuple(value)
+        log.warning("%s: the round's known_classes are not class ids of this model: ignored", self.id)
+        return ()
 
     def _publish_status(self, state: str, round_: int | None = None, error: str | None = None) -> None:
         self._last_status = time.monotonic()

@@ -75,6 +75,8 @@ class Learner:
 
     # --- the stream -------------------------------------------------------------------------------
 
+    known_classes: tuple[int, ...] = ()  # what the coordinator's round said the fleet knows (class_mask)
+
     def view(self, global_weights: np.ndarray | None = None) -> RoundView:
         """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest)."""
         k = self.trainer.manifest.num_classes
@@ -133,10 +135,12 @@ class Learner:
         return self.trainer.evaluate(x, y, class_mask=self.class_mask())
 
     def class_mask(self) -> np.ndarray | None:
-        if not self.config.mask_seen_classes or not self.state.seen_classes:
+        """The classes the device has seen, and those the coordinator says the fleet knows (`known_classes`)."""
+        if not self.config.mask_seen_classes or not (self.state.seen_classes or self.known_classes):
             return None
         mask = np.zeros(self.trainer.manifest.num_classes, dtype=np.float32)
         mask[self.state.seen_classes] = 1.0
+        mask[list(self.known_classes)] = 1.0
         return mask
 
     # --- persistence ------------------------------------------------------------------------------

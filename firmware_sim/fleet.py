@@ -32,7 +32,9 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
-    [client]       epochs (10), lr, answer_wait_s                        (the coordinator file's [client])
+    [client]       epochs (10), lr, answer_wait_s, known_classes         (the coordinator file's [client]; a
+                                                                         scenario whose host learns a task sets
+                                                                         known_classes = true unless it is given)
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device                                   (the coordinator file's keys)
@@ -263,6 +265,9 @@ class Fleet:
         data = self.config.check(file)  # before anything starts
         if self.config.store is None:
             self.config = dataclasses.replace(self.config, store=StoreSettings(max_samples=data.binding_budget()))
+        if any(task.host_trained for task in data.tasks) and "known_classes" not in self.config.client:
+            # the host's classes never reach a device: without them its mask would hide what the model knows
+            self.config = dataclasses.replace(self.config, client={**self.config.client, "known_classes": True})
         out = self.config.out
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)

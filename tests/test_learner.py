@@ -199,3 +199,21 @@ def test_client_state_survives_a_killed_process(export_artifacts, tmp_path):
     after = json.loads(second.stdout.strip().splitlines()[-1])
     assert after == before
     assert (after["task"], after["round"], after["seen"]) == (1, 2, [0, 1, 2, 3])
+
+
+def test_the_classes_the_fleet_knows_join_the_seen_class_mask(make_learner):
+    """A task the host learnt leaves a device none of its samples: the round's `known_classes` show its classes in
+    the device's mask beside its own; a round message whose list is not class ids of the model is ignored."""
+    from types import SimpleNamespace
+
+    from edge_client.device import Device
+
+    learner = make_learner()
+    learner.start_task(1, *_task_data([6, 7], 20, 1))
+    assert np.flatnonzero(learner.class_mask()).tolist() == [6, 7]
+    learner.known_classes = (0, 1, 2, 3)
+    assert np.flatnonzero(learner.class_mask()).tolist() == [0, 1, 2, 3, 6, 7]
+    device = SimpleNamespace(trainer=learner.trainer, id="d")
+    assert Device._known_classes(device, [0, 3]) == (0, 3)
+    for bad in ([0, 10], [-1], ["1"], [True], "0,1", list(range(11)), None):
+        assert Device._known_classes(device, bad) == ()

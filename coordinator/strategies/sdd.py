@@ -262,7 +262,7 @@ class Sdd(Strategy):
 
     def __init__(
         self,
-        aggregation: str = "cswa-normalized",
+        aggregation: str = "cswa-literal",
         replay_per_class: int = 50,
         generator_budget_s: float = 300.0,
         generator_epochs: int = 20,
