@@ -10,6 +10,9 @@ epochs of SGD at lr 0.1 on the portable backend, the same device budget M. Colum
 - `sdd-ce`: SDD without noise-aware replay (plain CE on the replay samples, beta = 0);
 - `sdd-fedavg`: SDD without CSWA (FedAvg of the whole model);
 - `sdd-normalized`: SDD with CSWA normalised (a column of ours, not the paper's);
+- `sdd-nostats`: SDD without the statistics term (lambda_statistics = 0, no statistics sent): what the devices'
+  feature statistics buy;
+- `sdd-target`: SDD with TARGET's adversarial sign (omega = 1 where teacher and student agree);
 - `finetune`: FedAvg fine-tuning (no replay, every parameter at lr);
 - `refed`: Re-Fed with raw-sample replay within the same M (the few real samples of each session a device saw;
   the base session's never reached a device).
@@ -43,6 +46,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "sdd-fedavg": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "aggregation": "fedavg", **GENERATOR}},
     "sdd-normalized": {"policy": {"name": "sdd"},
                        "strategy": {"name": "sdd", "aggregation": "cswa-normalized", **GENERATOR}},
+    "sdd-nostats": {"policy": {"name": "sdd", "send_statistics": False},
+                    "strategy": {"name": "sdd", "lambda_statistics": 0.0, **GENERATOR}},
+    "sdd-target": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "adversarial_sign": "target", **GENERATOR}},
     "finetune": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},
     "refed": {"policy": {"name": "refed"}, "strategy": {"name": "fedavg", "weighted": False}},
 }

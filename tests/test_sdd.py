@@ -284,3 +284,45 @@ def test_a_pending_round_that_outlasts_its_wait_is_lost_not_waited_for():
     assert result is None and counters[RULE_FAILED] == 1
     rule.served.set()
     rule.job.wait(30)
+
+
+# --- the device half on every backend -----------------------------------------------------------------------------
+
+def test_a_round_of_sdd_local_training_ends_at_the_same_weights_on_every_backend(export_artifacts, tmp_path):
+    """Session 1 on one device: replay samples (relabelled by the old model) with SCE, the new head at 10x the
+    rest's rate; the portable and ORT backends end where torch ends (SGD, relative to how far it moved), and the
+    old classes' rows, at a rate of 0, do not move at all."""
+    from edge_client.budget import Budget, DeviceBudget
+    from edge_client.policies import make_policy
+    from edge_client.policies.base import PolicyContext, RoundView, Samples, TrainingSet
+    from edge_client.trainers.ort import OrtTrainer
+    from edge_client.trainers.portable import PortableTrainer
+    from edge_client.trainers.pytorch import TorchTrainer
+
+    directory = export_artifacts("lenet", 10, (1, 8, 8), backends=("ort", "portable", "torch"))
+    manifest = load_manifest(directory)
+    trainers = {"torch": TorchTrainer(manifest, "sgd", 0.1), "portable": PortableTrainer(directory, "sgd", 0.1),
+                "ort": OrtTrainer(directory, "sgd", 0.1)}
+    start = trainers["portable"].get_weights()
+    rng = np.random.default_rng(0)
+    x, y = rng.random((6, 1, 8, 8), dtype=np.float32), np.array([6, 7, 6, 7, 6, 7])
+    replay = encode_replay(rng.random((40, 1, 8, 8), dtype=np.float32), np.repeat([0, 1, 2, 3], 10))
+    ends = {}
+    for name, trainer in trainers.items():
+        trainer.set_weights(start)
+        policy = make_policy("sdd", rest_rate=0.0, new_head_rate=1.0)
+        policy.open(PolicyContext(tmp_path / name, directory, DeviceBudget(Budget(None, 1 << 20)), trainer))
+        view = RoundView.of_samples(trainer, start, None, np.random.default_rng(1), batch_size=4,
+                                    stored=Samples(x, y, np.ones(6, np.int64)))
+        policy.receive(view, {"sdd/replay": replay})
+        policy.fit(view, TrainingSet(x, y), epochs=2, proximal=None)
+        ends[name] = trainer.get_weights()
+        assert policy.metrics()["replay_held"] == 40
+    moved = np.abs(ends["torch"] - start).max()
+    assert moved > 0
+    for name in ("portable", "ort"):
+        assert np.abs(ends[name] - ends["torch"]).max() <= 1e-3 * moved, name
+    frozen = np.ones(start.size, bool)
+    frozen[class_head_positions(manifest.parameters, [6, 7])] = False
+    for name, weights in ends.items():
+        assert np.array_equal(weights[frozen], start[frozen]), name
