@@ -10,6 +10,7 @@ epochs of SGD at lr 0.1 on the portable backend, the same device budget M. Colum
 - `sdd-ce`: SDD without noise-aware replay (plain CE on the replay samples, beta = 0);
 - `sdd-fedavg`: SDD without CSWA (FedAvg of the whole model);
 - `sdd-normalized`: SDD with CSWA normalised (a column of ours, not the paper's);
+- `sdd-normalized-ce`: the same without noise-aware replay (NAGR's ablation where CSWA keeps the old classes);
 - `sdd-nostats`: SDD without the statistics term (lambda_statistics = 0, no statistics sent): what the devices'
   feature statistics buy;
 - `sdd-target`: SDD with TARGET's adversarial sign (omega = 1 where teacher and student agree);
@@ -46,11 +47,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "sdd-fedavg": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "aggregation": "fedavg", **GENERATOR}},
     "sdd-normalized": {"policy": {"name": "sdd"},
                        "strategy": {"name": "sdd", "aggregation": "cswa-normalized", **GENERATOR}},
+    "sdd-normalized-ce": {"policy": {"name": "sdd", "replay": "ce"},
+                          "strategy": {"name": "sdd", "aggregation": "cswa-normalized", **GENERATOR}},
     "sdd-nostats": {"policy": {"name": "sdd", "send_statistics": False},
                     "strategy": {"name": "sdd", "lambda_statistics": 0.0, **GENERATOR}},
     "sdd-target": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "adversarial_sign": "target", **GENERATOR}},
     "finetune": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},
-    "refed": {"policy": {"name": "refed"}, "strategy": {"name": "fedavg", "weighted": False}},
+    "refed": {"policy": {"name": "refed"}, "strategy": {"name": "fedavg"}},
 }
 DEFAULT_METHODS = ("sdd", "sdd-ce", "sdd-fedavg", "finetune", "refed")
 BUDGET_BYTES = 256 * 1024  # M for every method: SDD's replay set takes at most half (replay_share)
@@ -131,6 +134,17 @@ def main() -> None:
     report(jobs, methods, alphas)
 
 
+def old_and_new(record: dict[str, Any]) -> list[tuple[float, float]]:
+    """After each few-shot session: the accuracy on the classes of the sessions before (weighted by their test
+    sets' sizes) and on the session's own (the paper's Fig. 6 split)."""
+    from firmware_sim.scenarios import preset
+
+    built = preset(record["scenario"], alpha=record["alpha"], seed=record["seed"]).build()
+    sizes = [len(task.test_indices) for task in built.tasks]
+    return [(float(np.average(row[:-1], weights=sizes[: len(row) - 1])), float(row[-1]))
+            for row in record["accuracy_matrix"][1:]]
+
+
 def report(jobs: list, methods: list[str], alphas: list[float]) -> None:
     records: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for method, alpha, _seed, folder in jobs:
@@ -150,6 +164,9 @@ def report(jobs: list, methods: list[str], alphas: list[float]) -> None:
             cells = " ".join(f"{m:5.1f}" for m in seen.mean(0))
             print(f"  {method:15s} {cells} | avg {avg.mean():5.1f} ± {avg.std(ddof=1) if len(avg) > 1 else 0:4.1f}"
                   f"  (n={len(runs)}, held ≤ {max(r['held_bytes'] for r in runs) / 1024:.0f} KiB)")
+            split = np.array([old_and_new(r) for r in runs]).mean(0) * 100  # (sessions - 1, 2)
+            print(f"  {'':15s} old/new classes after each session: "
+                  + "  ".join(f"{o:4.1f}/{n:4.1f}" for o, n in split))
         base = {r["seed"]: r["average"] for r in records.get(("sdd", alpha), [])}
         for method in methods:
             if method == "sdd":

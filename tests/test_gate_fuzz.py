@@ -30,7 +30,7 @@ from wire_frames import pack, unpack
 
 from coordinator.inbox import UNEXPECTED, Inbox
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy, strategy_names
-from coordinator.strategies.base import STRATEGIES
+from coordinator.strategies.base import STRATEGIES, settled
 from edgefil import topics, wire
 from models.generator_record import (
     GeneratorFormatError,
@@ -308,7 +308,7 @@ def test_every_rule_refuses_hostile_attachments_with_a_reason_and_aggregates_wha
         taken.append(update)
     if not taken:
         return
-    result = strategy.aggregate(torch.zeros(size), taken)
+    result = settled(strategy.aggregate(torch.zeros(size), taken))
     assert bool(torch.isfinite(result.global_weights).all())
     assert all(bool(torch.isfinite(w).all()) for w in result.personalized.values())
 

@@ -326,3 +326,16 @@ def test_a_round_of_sdd_local_training_ends_at_the_same_weights_on_every_backend
     frozen[class_head_positions(manifest.parameters, [6, 7])] = False
     for name, weights in ends.items():
         assert np.array_equal(weights[frozen], start[frozen]), name
+
+
+def test_hostile_statistics_never_put_a_sample_that_is_not_finite_in_the_replay_set(toy):
+    """A device's statistics at the edge of float32 (they decode: finite, variances >= 0): the generator skips a
+    step whose loss is not finite, and only finite samples join X~_t."""
+    manifest, teacher, _ = toy
+    huge = {"input": LayerStatistics("input", np.array([3e38], np.float32), np.array([3e38], np.float32), 10),
+            "features": LayerStatistics("features", np.full(manifest.feature_dim, -3e38, np.float32),
+                                        np.full(manifest.feature_dim, 3e38, np.float32), 10)}
+    settings = GeneratorSettings(epochs=3, iterations=5, batch_size=16, warmup_epochs=1)
+    out = train_generator([teacher, teacher], [huge, None], (0, 1), settings, manifest, (0.0, 1.0), CPU, seed=0)
+    assert np.isfinite(out.x).all() and len(out.y) > 0
+    assert out.log["generator_steps"] + out.log["generator_skipped_steps"] == 15

@@ -148,7 +148,7 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
     student_optimizer = torch.optim.SGD(student.parameters(), lr=settings.student_lr, momentum=0.9)
     stats = [(i, _tensors(s, device)) for i, s in enumerate(statistics) if s is not None]
     totals = dict.fromkeys(("ce", "entropy", "statistics", "adversarial", "student_kl"), 0.0)
-    kept_x, kept_y, steps, started = [], [], 0, time.perf_counter()
+    kept_x, kept_y, steps, skipped, started = [], [], 0, 0, time.perf_counter()
     for epoch in range(settings.epochs):
         for _ in range(settings.iterations):
             if deadline is not None and deadline.passed():
@@ -174,6 +174,9 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
             loss = settings.lambda_ce * ce - settings.lambda_entropy * entropy \
                 + settings.lambda_statistics * statistics_term + settings.lambda_adversarial * adversarial
             optimizer.zero_grad(set_to_none=True)
+            if not bool(torch.isfinite(loss)):  # a device's hostile statistics, say: the step is skipped
+                skipped += 1
+                continue
             loss.backward()
             optimizer.step()
             student.train()
@@ -187,12 +190,14 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
                                 ("adversarial", adversarial), ("student_kl", kl.mean())):
                 totals[name] += float(value.detach())
         else:
-            kept_x.append(x.detach().cpu().numpy())
-            kept_y.append(session[index].cpu().numpy())
+            finite = torch.isfinite(x.detach()).flatten(1).all(1)  # only finite samples join X~_t
+            kept_x.append(x.detach()[finite].cpu().numpy())
+            kept_y.append(session[index][finite].cpu().numpy())
             continue
         break  # out of time
     log_ = {f"generator_{name}": value / max(steps, 1) for name, value in totals.items()}
-    log_.update(generator_steps=float(steps), generator_s=time.perf_counter() - started,
+    log_.update(generator_steps=float(steps), generator_skipped_steps=float(skipped),
+                generator_s=time.perf_counter() - started,
                 generator_bytes=float(generator.parameter_bytes()))
     if not kept_x:
         return Synthetic(np.zeros((0, *input_shape), np.float32), np.zeros(0, np.int64), log_, student.eval())
@@ -320,50 +325,58 @@ class Sdd(Strategy):
 
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
                   ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult | Pending:
+        """FedAvg, then (module docstring) the generator where the round makes X~ (off the loop), and CSWA where
+        the session has it; the replay set goes out at the session's end."""
         validate_updates(global_weights, updates)
         fedavg = WeightedFold(global_weights, True, self.device)
         for update in updates:
             fedavg.add(update)
         averaged = fedavg.result().global_weights
+        local = [np.asarray(u.weights, dtype=np.float32).copy() for u in updates]  # a job outlives the payloads
+        if not self._generates(ctx):
+            metrics: dict[str, float] = {}
+            return self._finish(self._weighted(averaged, local, ctx, metrics), ctx, metrics)
         base = ctx.task == 0
-        generate = (ctx.starts_task and not base) or (base and ctx.ends_task)
-        if not generate and (base or self.aggregation == "fedavg"):
-            return self._finish(AggregateResult(averaged), ctx, {})
-        local = [np.asarray(u.weights, dtype=np.float32).copy() for u in updates]  # the job outlives the payloads
-        statistics = [self._statistics(u) for u in updates]
-        budget = self.budget_s
+        teachers = [averaged.detach().cpu().numpy()] if base else local  # Eq. 4: t = 0, t >= 1
+        statistics = [None] if base else [self._statistics(u) for u in updates]
 
         def work(deadline: Deadline) -> AggregateResult:
-            metrics: dict[str, float] = {}
-            if generate:
-                teachers_weights = [averaged.detach().cpu().numpy()] if base else local
-                teachers = [model_for(self.manifest, w, self.device) for w in teachers_weights]
-                synthetic = train_generator(
-                    teachers, [None] if base else statistics, ctx.task_classes, self.settings, self.manifest,
-                    self.input_range, self.device, self.seed + ctx.task, deadline)
-                self.session = (ctx.task, synthetic.x, synthetic.y)
-                self.replay = merge_replay(self.replay, synthetic, self.replay_per_class)
-                metrics.update(synthetic.log)
-            weights = averaged
-            if not base and self.aggregation != "fedavg" and self.session is not None \
-                    and self.session[0] == ctx.task:
-                models = [model_for(self.manifest, w, self.device) for w in local]
-                accuracies = class_accuracies(models, self.session[1], self.session[2], ctx.task_classes,
-                                              ctx.seen_classes or range(self.manifest.num_classes),
-                                              self.manifest.num_classes, self.device)
-                positions = class_head_positions(self.manifest.parameters, ctx.task_classes).reshape(
-                    len(ctx.task_classes), -1)
-                stacked = torch.from_numpy(np.stack(local)).to(self.device)
-                weights = weighted_rows(averaged, stacked, accuracies, positions,
-                                        normalized=self.aggregation == "cswa-normalized")
-                metrics.update(cswa_mean_accuracy=float(accuracies.mean()))
-            return self._finish(AggregateResult(weights), ctx, metrics)
+            synthetic = train_generator(
+                [model_for(self.manifest, w, self.device) for w in teachers], statistics, ctx.task_classes,
+                self.settings, self.manifest, self.input_range, self.device, self.seed + ctx.task, deadline)
+            self.session = (ctx.task, synthetic.x, synthetic.y)
+            self.replay = merge_replay(self.replay, synthetic, self.replay_per_class)
+            logged = dict(synthetic.log)
+            return self._finish(self._weighted(averaged, local, ctx, logged), ctx, logged)
 
-        if not generate:
-            return work(Deadline(budget))
-        if not self.job.start(work, budget):
+        if not self.job.start(work, self.budget_s):
             raise RuntimeError("the previous session's generator still runs")
-        return Pending(self.job, budget + PENDING_MARGIN_S)
+        return Pending(self.job, self.budget_s + PENDING_MARGIN_S)
+
+    @staticmethod
+    def _generates(ctx: RoundContext) -> bool:
+        """A session's first round, the base session's last; never without classes to generate (outside a run)."""
+        if not ctx.task_classes:
+            return False
+        return ctx.ends_task if ctx.task == 0 else ctx.starts_task
+
+    def _weighted(self, averaged: torch.Tensor, local: list[np.ndarray], ctx: RoundContext,
+                  metrics: dict[str, float]) -> AggregateResult:
+        """CSWA (Eqs. 12-18) on the FedAvg result, for a session whose X~ is here; FedAvg otherwise (the base
+        session, `aggregation = "fedavg"`, a session whose generator made nothing in time)."""
+        held = self.session
+        if ctx.task == 0 or self.aggregation == "fedavg" or held is None or held[0] != ctx.task:
+            return AggregateResult(averaged)
+        models = [model_for(self.manifest, w, self.device) for w in local]
+        accuracies = class_accuracies(models, held[1], held[2], ctx.task_classes,
+                                      ctx.seen_classes or range(self.manifest.num_classes),
+                                      self.manifest.num_classes, self.device)
+        positions = class_head_positions(self.manifest.parameters, ctx.task_classes).reshape(
+            len(ctx.task_classes), -1)
+        stacked = torch.from_numpy(np.stack(local)).to(self.device)
+        metrics["cswa_mean_accuracy"] = float(accuracies.mean())
+        return AggregateResult(weighted_rows(averaged, stacked, accuracies, positions,
+                                             normalized=self.aggregation == "cswa-normalized"))
 
     def _statistics(self, update: ClientUpdate) -> dict[str, LayerStatistics] | None:
         data = update.attachments.get(STATISTICS)
