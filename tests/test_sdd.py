@@ -339,3 +339,23 @@ def test_hostile_statistics_never_put_a_sample_that_is_not_finite_in_the_replay_
     out = train_generator([teacher, teacher], [huge, None], (0, 1), settings, manifest, (0.0, 1.0), CPU, seed=0)
     assert np.isfinite(out.x).all() and len(out.y) > 0
     assert out.log["generator_steps"] + out.log["generator_skipped_steps"] == 15
+
+
+def test_the_replay_set_and_the_sessions_samples_survive_a_resume(export_artifacts, tmp_path):
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    options = dict(generator_epochs=2, generator_iterations=2, warmup_epochs=1, generator_batch_size=8,
+                   device="cpu", manifest=manifest)
+    rule = Sdd(**options)
+    start = np.zeros(manifest.num_parameters, np.float32)
+    ctx = RoundContext(round=2, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3))
+    before = settled(rule.aggregate(torch.from_numpy(start), [ClientUpdate("a", start.copy(), 3)], ctx))
+    rule.save(tmp_path)
+    resumed = Sdd(**options)
+    resumed.load(tmp_path)
+    assert resumed.replay is not None and resumed.session is not None and rule.replay is not None
+    np.testing.assert_array_equal(resumed.replay[0], rule.replay[0])
+    np.testing.assert_array_equal(resumed.session[2], rule.session[2])
+    later = RoundContext(round=3, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3), round_in_task=2,
+                         rounds_per_task=2)  # the session's next round: CSWA on the resumed X~, no generator
+    after = resumed.aggregate(torch.from_numpy(start), [ClientUpdate("a", start.copy(), 3)], later)
+    assert isinstance(after, AggregateResult) and after.broadcast == before.broadcast
