@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,26 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
 
 
+def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
+    """The scenario in words and its tasks' names, as its kind gives them (firmware_sim/scenario_kinds/), read
+    off the recorded fields as they are (a run of another version may not validate today); a generic wording
+    for a kind this edgefil does not know."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from firmware_sim.scenario_kinds import KINDS
+    from firmware_sim.scenarios import Scenario
+
+    fields = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(Scenario)}
+    recorded: Any = SimpleNamespace(**{**fields, **scenario})
+    try:
+        kind = KINDS.get(str(scenario.get("kind")))()
+    except ValueError:
+        return (f"{scenario.get('kind', '?')}-incremental, {scenario.get('n_tasks', '?')} tasks",
+                lambda t: f"task {t}")
+    return kind.setting(recorded), lambda t: kind.task_label(recorded, t)
+
+
 def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
     sc, strategy = results["scenario"], dict(results["strategy"])
     name = strategy.pop("name", "?")
@@ -170,22 +190,18 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
         ["reconnects", results.get("reconnects", "—")],
     ])
     acc = s["accuracy_matrix"]
-    matrix = _table(["after task"] + [f"task {j}" for j in range(s["tasks_completed"])],
-                    [[i] + [_pct(v) if j <= i else "" for j, v in enumerate(row)] for i, row in enumerate(acc)]
+    names = _described(sc)[1]
+    matrix = _table(["after"] + [names(j) for j in range(s["tasks_completed"])],
+                    [[names(i)] + [_pct(v) if j <= i else "" for j, v in enumerate(row)] for i, row in enumerate(acc)]
                     ) if acc is not None else "No task completed yet."
-    cor = _table(["task", "rounds to best"], [[t, "—" if c is None else c] for t, c in enumerate(s["cor"])])
+    cor = _table(["task", "rounds to best"], [[names(t), "—" if c is None else c] for t, c in enumerate(s["cor"])])
     devices = _table(["device", "peak stored", "sent", "received", "device seconds"], [
         [d, _bytes(s["storage"].get(d, {}).get("peak")), _bytes(t["sent"]), _bytes(t["received"]),
          "—" if s["device_seconds"].get(d) is None else f"{s['device_seconds'][d]:.2f}"]
         for d, t in traffic["devices"].items()
     ])
     refusals = _table(["reason", "count"], sorted(s["refusals"].items())) if s["refusals"] else "None."
-    if sc.get("kind") == "flowing":
-        setting = (f"flowing data ({sc.get('sequence', '?')}), {sc['n_tasks']} rounds, {sc.get('n_clients', '?')} "
-                   f"clients, {sc.get('samples_per_class', '?')} samples per class per round")
-    else:
-        setting = (f"{sc.get('kind', '?')}-incremental, {sc['n_tasks']} tasks, {sc.get('n_clients', '?')} clients, "
-                   f"Dirichlet alpha {sc.get('alpha', '?')}")
+    setting = _described(sc)[0]
     return "\n\n".join([
         f"# Run report: {label}",
         f"Fleet `{results.get('fleet', '?')}`, strategy `{name}`{f' ({options})' if options else ''}; scenario "

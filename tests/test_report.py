@@ -85,7 +85,7 @@ def test_write_report_writes_the_summary_and_three_pngs(tmp_path):
     text = paths[0].read_text()
     s = run_summary(results())
     for expected in ("refed-run", f"{s['final_accuracy']:.2%}", f"{s['average_accuracy']:.2%}",
-                     f"{s['forgetting']:.2%}", f"{s['backward_transfer']:.2%}", "| 2 | 45.00% | 65.00% | 85.00% |",
+                     f"{s['forgetting']:.2%}", f"{s['backward_transfer']:.2%}", "| task 2 | 45.00% | 65.00% | 85.00% |",
                      "| dev-b | 12.3 kB | 400 B | 4.0 kB | — |", "| stale | 2 |"):
         assert expected in text
     for png in paths[1:]:

@@ -122,3 +122,14 @@ def test_a_few_shot_scenario_round_trips_through_its_dict():
     scenario = preset("digits-fewshot", alpha=0.5)
     assert Scenario.from_dict(scenario.to_dict()) == scenario
     assert scenario.to_dict()["base_training"] == "central"  # the default, stated
+
+
+def test_the_reports_name_a_kinds_tasks_as_the_kind_does():
+    from firmware_sim.report import _described
+
+    setting, names = _described(preset("digits-fewshot").to_dict())
+    assert setting.startswith("few-shot: 4 base classes learnt by the host, then 3 sessions of 2-way 5-shot")
+    assert [names(t) for t in range(3)] == ["base", "session 1", "session 2"]
+    setting, names = _described(preset("digits-class").to_dict())
+    assert setting.startswith("class-incremental, 5 tasks") and names(2) == "task 2"
+    assert _described({"kind": "from-another-version", "n_tasks": 3})[1](1) == "task 1"

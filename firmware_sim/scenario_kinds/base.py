@@ -115,6 +115,15 @@ class ScenarioKind(ABC):
     def tasks(self, scenario: Scenario, loaded: ArrayDataset | list[ArrayDataset]) -> tuple[Task, ...]:
         """The loaded dataset (a list for a domain stream) cut into tasks."""
 
+    def setting(self, scenario: Scenario) -> str:
+        """The scenario in words, for the run reports."""
+        return (f"{self.name}-incremental, {scenario.n_tasks} tasks, {scenario.n_clients} clients, Dirichlet alpha "
+                f"{scenario.alpha}")
+
+    def task_label(self, scenario: Scenario, t: int) -> str:
+        """Task t's name in the reports' tables and plots."""
+        return f"task {t}"
+
 
 def require_classes(scenario: Scenario, needed: int, what: str, num_classes: int | None) -> None:
     """The one wording of "more classes asked for than the dataset has"."""

@@ -91,6 +91,15 @@ class FewShot(ScenarioKind):
             tasks.append(split_task(scenario, t, data, classes, None, train_idx, clients))
         return tuple(tasks)
 
+    def setting(self, scenario: Scenario) -> str:
+        learnt = "learnt by the host" if scenario.base_training == "central" else "federated"
+        return (f"few-shot: {scenario.base_classes} base classes {learnt}, then {scenario.n_tasks - 1} sessions of "
+                f"{scenario.classes_per_task}-way {scenario.shots}-shot over {scenario.n_clients} clients, Dirichlet "
+                f"alpha {scenario.alpha}")
+
+    def task_label(self, scenario: Scenario, t: int) -> str:
+        return "base" if t == 0 else f"session {t}"
+
     def _base(self, scenario: Scenario, data: ArrayDataset, classes: tuple[int, ...]) -> Task:
         if scenario.base_training == "federated":
             return dirichlet_task(scenario, 0, data, classes)

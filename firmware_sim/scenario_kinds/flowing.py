@@ -70,6 +70,13 @@ class Flowing(ScenarioKind):
             raise ValueError("replace_every applies to sequence='gradual' only")
         self.check_classes(scenario, known_num_classes(scenario.dataset))
 
+    def setting(self, scenario: Scenario) -> str:
+        return (f"flowing data ({scenario.sequence}), {scenario.n_tasks} rounds, {scenario.n_clients} clients, "
+                f"{scenario.samples_per_class} samples per class per round")
+
+    def task_label(self, scenario: Scenario, t: int) -> str:
+        return f"round {t + 1}"
+
     def check_classes(self, scenario: Scenario, num_classes: int | None) -> None:
         require_classes(scenario, given(scenario.n_client_tasks) * given(scenario.classes_per_task),
                         f"{scenario.n_client_tasks} client tasks x {scenario.classes_per_task} classes", num_classes)
