@@ -163,7 +163,7 @@ def test_the_command_line_prints_one_line_and_starts_nothing(kind, command, tmp_
 
 def _toml_examples() -> list[tuple[str, int, str]]:
     examples = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for match in re.finditer(r"```toml\n(.*?)```", doc.read_text(), re.S):
             examples.append((doc.name, doc.read_text()[:match.start()].count("\n") + 1, match.group(1)))
     return examples
