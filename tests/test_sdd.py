@@ -15,7 +15,7 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.strategies.base import AggregateResult, ClientUpdate, Pending, RoundContext, Strategy, settled
 from coordinator.strategies.sdd import (
     GeneratorSettings,
-    Sdd,
+    SddCoordinator,
     class_accuracies,
     merge_replay,
     model_for,
@@ -79,7 +79,7 @@ def test_the_sdd_rule_aggregates_new_rows_by_synthetic_accuracy(export_artifacts
     """The rule end to end on one round of session 1: a device whose model gets the new class right on X~_t
     gives that class its row; the other rows are FedAvg."""
     manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
-    rule = Sdd(aggregation="cswa-normalized", generator_epochs=2, generator_iterations=2, warmup_epochs=1,
+    rule = SddCoordinator(aggregation="cswa-normalized", generator_epochs=2, generator_iterations=2, warmup_epochs=1,
                generator_batch_size=8, device="cpu", manifest=manifest)
     rng = np.random.default_rng(0)
     start = rng.normal(0, 0.1, manifest.num_parameters).astype(np.float32)
@@ -345,12 +345,12 @@ def test_the_replay_set_and_the_sessions_samples_survive_a_resume(export_artifac
     manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
     options = dict(generator_epochs=2, generator_iterations=2, warmup_epochs=1, generator_batch_size=8,
                    device="cpu", manifest=manifest)
-    rule = Sdd(**options)
+    rule = SddCoordinator(**options)
     start = np.zeros(manifest.num_parameters, np.float32)
     ctx = RoundContext(round=2, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3))
     before = settled(rule.aggregate(torch.from_numpy(start), [ClientUpdate("a", start.copy(), 3)], ctx))
     rule.save(tmp_path)
-    resumed = Sdd(**options)
+    resumed = SddCoordinator(**options)
     resumed.load(tmp_path)
     assert resumed.replay is not None and resumed.session is not None and rule.replay is not None
     np.testing.assert_array_equal(resumed.replay[0], rule.replay[0])

@@ -262,7 +262,9 @@ def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per
     return x[keep], y[keep]
 
 
-class Sdd(Strategy):
+class SddCoordinator(Strategy):
+    """The coordinator half (module docstring): the rule registered as "sdd"."""
+
     name = "sdd"
 
     def __init__(
