@@ -1,4 +1,5 @@
-"""The device path (edge_client with the ORT backend) imports and trains with torch, torchvision and onnx absent."""
+"""The device path (edge_client with the ORT backend, every method's device half) imports and trains with torch,
+torchvision and onnx absent."""
 import json
 import subprocess
 import sys
@@ -27,6 +28,9 @@ DEVICE_SCRIPT = textwrap.dedent(
     from models.manifest import load_manifest
 
     build_parser()  # the command line itself must load on a device
+    from edge_client.policies import policy_names  # every method's device half registers without host packages
+
+    assert "refed" in policy_names()
     if "onnxruntime" in HOST_ONLY:
         from edge_client.trainers.pytorch import TorchTrainer
         trainer = TorchTrainer(load_manifest(sys.argv[1]), optimizer="adamw", lr=3e-3)

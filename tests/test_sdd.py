@@ -25,14 +25,8 @@ from coordinator.strategies.sdd import (
 from models.feature_stats import LayerStatistics
 from models.flat_weights import flatten_weights
 from models.manifest import class_head_positions, load_manifest
-from models.sdd import (
-    decode_replay,
-    distillation_kl,
-    encode_replay,
-    ensemble_logits,
-    information_entropy,
-    statistics_distance,
-)
+from models.sdd import decode_replay, encode_replay
+from models.sdd_generator import distillation_kl, ensemble_logits, information_entropy, statistics_distance
 
 CPU = torch.device("cpu")
 
@@ -168,7 +162,7 @@ def test_the_adversarial_term_drives_teacher_and_student_apart_where_its_sign_sa
     generated samples; the paper's sign (omega = 1 where they disagree) by pushing the disagreeing samples further
     apart, TARGET's (where they agree) by turning agreeing samples into disagreeing ones. The student is the
     teacher perturbed, agreeing with it on about half of the samples at first."""
-    from models.sdd import adversarial_mask
+    from models.sdd_generator import adversarial_mask
 
     manifest, teacher, _ = toy
     classes = (0, 1, 2, 3)

@@ -61,13 +61,12 @@ from edgefil.durable import write_atomically
 from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest, class_head_positions
-from models.sdd import (
+from models.sdd import REPLAY, encode_replay
+from models.sdd_generator import (
     ADVERSARIAL_SIGNS,
-    REPLAY,
     ConditionalGenerator,
     adversarial_mask,
     distillation_kl,
-    encode_replay,
     ensemble_logits,
     information_entropy,
     statistics_distance,
