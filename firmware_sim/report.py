@@ -296,13 +296,14 @@ def _plot_matrix(acc: np.ndarray | None, path: Path) -> Path:
     return path
 
 
-def _plot_per_task(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
+def _plot_per_task(history: Sequence[Mapping[str, Any]], path: Path,
+                   names: Callable[[int], str] = lambda t: f"task {t}") -> Path:
     fig = _figure(8, 4.5)
     ax = fig.add_subplot()
     tasks = max((e["task"] for e in history), default=-1) + 1
     for t in range(tasks):
         points = [(e["round"], e["accuracy"][t]) for e in history if len(e["accuracy"]) > t]
-        ax.plot(*zip(*points), marker="o", markersize=3, label=f"task {t}")
+        ax.plot(*zip(*points), marker="o", markersize=3, label=names(t))
         ax.axvline(min(e["round"] for e in history if e["task"] == t) - 0.5, color="grey", lw=0.5, ls=":")
     if history:
         ax.plot(*_round_accuracy(history), color="black", lw=2, ls="--", label="mean of seen tasks")
@@ -398,7 +399,7 @@ def write_report(folder: str | Path, results: Mapping[str, Any] | None = None) -
     return [
         markdown,
         _plot_matrix(summary["accuracy_matrix"], folder / "accuracy_matrix.png"),
-        _plot_per_task(results["history"], folder / "accuracy_per_task.png"),
+        _plot_per_task(results["history"], folder / "accuracy_per_task.png", _described(results["scenario"])[1]),
         _plot_devices(summary, folder / "storage_traffic.png"),
         *([_plot_iaa(results["history"], folder / "iaa.png")] if summary["iaa"] is not None else []),
     ]
