@@ -40,6 +40,15 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_directory(path.parent)
 
 
+def npz_bytes(arrays: dict[str, Any]) -> bytes:
+    """Named arrays as one .npz file's bytes (what `write_atomically` or a budgeted file then writes whole)."""
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
 def fsync_directory(directory: Path) -> None:
     """Make a rename or unlink in `directory` durable."""
     dir_fd = os.open(directory, os.O_RDONLY)

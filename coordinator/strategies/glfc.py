@@ -32,7 +32,6 @@ else of the protocol changes.
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 from collections.abc import Sequence
@@ -46,7 +45,7 @@ from torch.nn import functional as F
 from coordinator.background import BackgroundJob, Deadline
 from coordinator.strategies.base import OUTSIDE_A_RUN, AggregateResult, ClientUpdate, RefusedUpdate, RoundContext
 from coordinator.strategies.fedavg import FedAvg
-from edgefil.durable import write_atomically
+from edgefil.durable import npz_bytes, write_atomically
 from models.flat_weights import load_flat_weights
 from models.glfc import MAX_PROTOTYPES, decode_gradient, encode_old_model, infer_label, is_prototype
 from models.manifest import Manifest, ParameterInfo
@@ -253,9 +252,7 @@ class GlfcProxy(FedAvg):
         if self.best is not None:
             arrays.update(best_task=np.int64(self.best[0]), best_score=np.float64(self.best[1]),
                           best_weights=self.best[2])
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(directory / STATE_FILE, buffer.getvalue())
+        write_atomically(directory / STATE_FILE, npz_bytes(arrays))
 
     def load(self, directory: Path) -> None:
         path = directory / STATE_FILE

@@ -32,7 +32,6 @@ A session is a task; its first round (the paper has one round per session) does 
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 import time
@@ -57,7 +56,7 @@ from coordinator.strategies.base import (
     validate_updates,
 )
 from coordinator.strategies.fedavg import WeightedFold
-from edgefil.durable import write_atomically
+from edgefil.durable import npz_bytes, write_atomically
 from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest, class_head_positions
@@ -401,9 +400,7 @@ class SddCoordinator(Strategy):
         if self.session is not None:
             arrays.update(session_task=np.int64(self.session[0]), session_x=self.session[1],
                           session_y=self.session[2])
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(directory / STATE_FILE, buffer.getvalue())
+        write_atomically(directory / STATE_FILE, npz_bytes(arrays))
 
     def load(self, directory: Path) -> None:
         path = directory / STATE_FILE

@@ -77,6 +77,7 @@ from edge_client.policies.base import (
 )
 from edge_client.policies.herding import herding_order
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
+from edgefil.durable import npz_bytes
 from models.glfc import decode_old_model, encode_gradient, prototype_name
 from models.manifest import WEIGHTS
 
@@ -442,10 +443,8 @@ class Glfc(ReplayPolicy):
     def _save_memory_orders(self, orders: dict[int, np.ndarray]) -> None:
         if MEMORY_HOLDER not in self._files:
             return
-        buffer = io.BytesIO()
         arrays: dict[str, Any] = {f"class-{c}": np.asarray(v, dtype=np.int64) for c, v in orders.items()}
-        np.savez(buffer, **arrays)
-        if not self._files[MEMORY_HOLDER].write(buffer.getvalue()):
+        if not self._files[MEMORY_HOLDER].write(npz_bytes(arrays)):
             log.warning("glfc: no room for the memory order; the next switch herds the old classes again")
 
     def _require_gamma(self) -> Trainer:
