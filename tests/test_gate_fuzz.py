@@ -32,6 +32,7 @@ from coordinator.inbox import UNEXPECTED, Inbox
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy, strategy_names
 from coordinator.strategies.base import STRATEGIES, settled
 from edgefil import topics, wire
+from models.feature_stats import STATISTICS
 from models.generator_record import (
     GeneratorFormatError,
     GeneratorRecord,
@@ -264,7 +265,7 @@ def hostile_attachment(draw: st.DrawFn) -> tuple[str, bytes]:
     """A name and bytes a hostile device attaches: random, a method's names with random bytes, well-formed records
     of the fleet's own layouts with any values, of specs it does not use, or with their bytes damaged."""
     label = draw(st.integers(0, 12))
-    name = draw(st.text(max_size=20) | st.sampled_from([attachment_name(label), "generator/٣", "generator/03"]))
+    name = draw(st.text(max_size=20) | st.sampled_from([attachment_name(label), "generator/٣", "generator/03", STATISTICS]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     layouts = exported_layouts((1, 8, 8))
     kind = draw(st.sampled_from(["bytes", "record", "foreign", "damaged"]))
