@@ -256,7 +256,7 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             super()._on_registration(event)
             now = time.time()
             probe.first_registered = probe.first_registered or now
-            if len(self.registered) == probe.devices and not probe.all_registered:
+            if len(self.roster.registered) == probe.devices and not probe.all_registered:
                 probe.all_registered = now
                 probe.snapshot("registered")
 

@@ -15,17 +15,41 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+import msgpack
 import numpy as np
 
-from edgefil.durable import STATE_FILE, StateError, load_record, save_record
+from edgefil.durable import STATE_FILE, StateError, load_record, save_record, write_atomically
 
 log = logging.getLogger("edgefil.coordinator")
 GENERATION_PREFIX = "round-"
+PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
+
+
+class RoundEntry(TypedDict, total=False):
+    """One completed round (or evaluation-only task) as the history keeps it (coordinator/run_record.py makes it)."""
+
+    round: int
+    task: int
+    selected: list[str]
+    received: list[str]
+    samples: int
+    accuracy: list[float]  # the global model after the round on tasks 0..task
+    aggregate_s: float
+    metrics: dict[str, dict[str, float]]  # device -> what its update reported
+    trained: bool  # False: an evaluation-only task of a Fixed run
+    rule_metrics: dict[str, Any]  # the rule's own numbers (a detector's signal, a generator's progress)
+    refused: str  # why the round kept the previous global model
+    client_accuracy: dict[str, float]  # flowing data: each client's model on its own test data
+    iaa: float
+    ended_at: float  # wall-clock time the round was committed
+    bytes_sent: int  # the coordinator's traffic up to the round's end
+    bytes_received: int
+    refusals: dict[str, int]  # what the gate and the round refused during the round, by reason
 
 
 @dataclass
@@ -35,7 +59,7 @@ class RunState:
     task: int = 0  # task of the next round
     round_in_task: int = 0  # rounds of `task` completed
     rng: dict[str, Any] = field(default_factory=dict)  # numpy bit generator state for selection
-    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per completed round
+    history: list[RoundEntry] = field(default_factory=list)  # one entry per completed round
     accuracy_matrix: list[list[float]] = field(default_factory=list)  # row i: after task i, on tasks 0..i
     counters: dict[str, int] = field(default_factory=dict)  # rejections and round events by reason
 
@@ -177,3 +201,68 @@ def load_latest(root: Path, num_parameters: int | None = None) -> tuple[RunState
     if failures:
         raise StateError(f"no checkpoint in {root} can be resumed: {'; '.join(failures)}")
     return None
+
+
+@dataclass
+class DeviceDeliveries:
+    """What the coordinator holds for devices between rounds: each one's personalized model and named payloads for
+    its next round, and the fleet's broadcast payloads (with the round that made them)."""
+
+    models: dict[str, np.ndarray] = field(default_factory=dict)
+    payloads: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    broadcast: dict[str, bytes] = field(default_factory=dict)
+    broadcast_round: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.models or self.payloads or self.broadcast)
+
+
+class Checkpoints:
+    """A run's checkpoint folder: where a run starts from (fresh, or the newest generation that loads) and the
+    generation each completed round writes, whole, before older ones are pruned."""
+
+    def __init__(self, root: Path, policy: CheckpointPolicy, num_parameters: int) -> None:
+        self.root, self.policy, self.num_parameters = root, policy, num_parameters
+
+    def start(self, resume: bool, fresh: RunState) -> tuple[RunState, Path | None]:
+        """The newest checkpoint that loads (and its folder) when resuming, else `fresh`; FileExistsError when the
+        folder holds a run and `resume` is not set."""
+        if generations(self.root) and not resume:
+            raise FileExistsError(f"{self.root} holds a run: pass --resume, or choose another `out`")
+        latest = load_latest(self.root, self.num_parameters) if resume else None
+        if latest is None:
+            return fresh, None
+        state, directory = latest
+        log.info("resuming after round %d (task %d) from %s", state.round, state.task, directory.name)
+        return state, directory
+
+    @staticmethod
+    def deliveries(directory: Path, round_: int) -> DeviceDeliveries:
+        """The deliveries checkpointed with round `round_` in `directory` (none when absent or of another round)."""
+        path = directory / PERSONALIZED_FILE
+        if not path.exists():
+            return DeviceDeliveries()
+        saved = msgpack.unpackb(path.read_bytes(), raw=False)
+        if saved["round"] != round_:
+            return DeviceDeliveries()
+        return DeviceDeliveries(
+            models={d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()},
+            payloads={d: dict(p) for d, p in saved.get("payloads", {}).items()},
+            broadcast=dict(saved.get("broadcast", {})), broadcast_round=saved["round"],
+        )
+
+    def save(self, state: RunState, deliveries: DeviceDeliveries, save_rule: Callable[[Path], None]) -> Path:
+        """Write round `state.round`'s generation: the rule's state (`save_rule` into the folder), the deliveries,
+        then the run state last (a generation without its state.json is incomplete); prune the old ones."""
+        generation = generation_dir(self.root, state.round)
+        shutil.rmtree(generation, ignore_errors=True)  # a retried round's or a crashed write's leftovers
+        generation.mkdir(parents=True)
+        save_rule(generation)
+        if deliveries:
+            write_atomically(generation / PERSONALIZED_FILE, msgpack.packb({
+                "round": state.round, "models": {d: w.tobytes() for d, w in deliveries.models.items()},
+                "payloads": deliveries.payloads, "broadcast": deliveries.broadcast,
+            }, use_bin_type=True))
+        save_run_state(generation, state)
+        prune_generations(self.root, self.policy.keep, generation)
+        return generation

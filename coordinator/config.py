@@ -105,6 +105,14 @@ class CoordinatorConfig:
             raise ValueError("the coordinator needs test data: test_data = \"folder\" (test-<t>.npz files, one per "
                              "task) or, in simulation, a scenario")
 
+    def describe(self) -> dict[str, Any]:
+        """What the run's record keeps of its settings, for the reports (no password, no paths)."""
+        return {
+            "rounds_per_task": self.rounds_per_task, "fraction": self.fraction, "min_clients": self.min_clients,
+            "deadline_s": self.deadline_s, "train_tasks": self.train_tasks, "devices": len(self.devices),
+            "client": dict(self.client), "guard": dataclasses.asdict(self.guard),
+        }
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], base: Path = Path("."), file: str = "coordinator config"
                   ) -> CoordinatorConfig:

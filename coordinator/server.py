@@ -30,55 +30,36 @@ per-client accuracies, IAA (Eq. 9), AA and AFM (Eqs. 10-11) go into the history 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
 from coordinator.broadcast import Broadcast
-from coordinator.checkpoint import (
-    RunState,
-    generation_dir,
-    generations,
-    load_latest,
-    prune_generations,
-    save_run_state,
-)
+from coordinator.checkpoint import Checkpoints, DeviceDeliveries, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
+from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
+from coordinator.run_logs import RunLogs
+from coordinator.run_record import RunRecord
 from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics, wire
-from edgefil.durable import write_atomically
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, Link
-from edgefil.metrics import (
-    accuracy_matrix,
-    average_accuracy,
-    average_of_iaa,
-    backward_transfer,
-    forgetting,
-    iaa_forgetting,
-)
 from models.checkpoint import checkpoint_weights
 from models.manifest import load_manifest, manifest_digest
 
 log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
-RESULTS_FILE = "results.json"
-PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
 PERSONAL = "personal"  # the payload that carries a device's personalized model
 CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online) checks between messages
 
@@ -112,8 +93,11 @@ class Coordinator:
             config.limits,
         )
         self.resends = ResendBudget(config.limits.resends_per_round)
-        self.checkpoint_dir = config.out / CHECKPOINT_DIR
-        self.state, resumed_from = self._load_or_start(resume)
+        self.checkpoints = Checkpoints(config.out / CHECKPOINT_DIR, config.checkpoint, self.manifest.num_parameters)
+        self.state, resumed_from = self.checkpoints.start(resume, RunState(
+            weights=checkpoint_weights(config.artifacts),
+            rng=dict(np.random.default_rng(config.seed).bit_generator.state),
+        ))
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
@@ -121,13 +105,13 @@ class Coordinator:
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
         self.broadcast = Broadcast()  # what the rule sends to every device, once (kept in the checkpoint)
         if resumed_from is not None:
-            self._load_personalized(resumed_from)
+            saved = self.checkpoints.deliveries(resumed_from, self.state.round)
+            self.personalized, self.payloads = saved.models, saved.payloads
+            self.broadcast.replace(saved.broadcast, saved.broadcast_round)
             self.strategy.load(resumed_from)
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
-        self.registered: dict[str, Registration] = {}
-        self.online: set[str] = set()
-        self.without_data: set[str] = set()  # online, but holding no data to train on (status "no-data")
+        self.roster = Roster(config.devices)
         self.open_round: OpenRound | None = None
         # between two attempts of a round (one missed its quorum): the last one, which still takes the updates
         # that answer it, and the round's aggregation, which both attempts feed
@@ -136,40 +120,25 @@ class Coordinator:
         self._context = RoundContext()  # the round being run, as its rule sees it
         self._weights_chunks: list[bytes] = []
         self._first_round = True
-        self.outcome = "running"
-        self.instances: dict[str, list[str]] = {}  # device -> the instance ids it registered with, newest last
-        self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
-        self.device_errors: dict[str, dict[str, Any]] = {}  # device -> its last reported error and round
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
         )
+        self.record = RunRecord(
+            config.fleet, self.data.describe(), dict(config.strategy), config.describe(), self.state, self.roster,
+            self.counters, self.link, total_steps=self._total_steps(),
+        )
+        self.logs = RunLogs(config.out, self.record, self.data.n_tasks)
 
-    def _load_or_start(self, resume: bool) -> tuple[RunState, Path | None]:
-        """The newest checkpoint that loads (and its folder) when resuming, else a fresh state."""
-        if generations(self.checkpoint_dir) and not resume:
-            raise FileExistsError(f"{self.checkpoint_dir} holds a run: pass --resume, or choose another `out`")
-        latest = load_latest(self.checkpoint_dir, self.manifest.num_parameters) if resume else None
-        if latest is not None:
-            state, directory = latest
-            log.info("resuming after round %d (task %d) from %s", state.round, state.task, directory.name)
-            return state, directory
-        return RunState(
-            weights=checkpoint_weights(self.config.artifacts),
-            rng=dict(np.random.default_rng(self.config.seed).bit_generator.state),
-        ), None
+    def _total_steps(self) -> int:
+        """The run's rounds, a task past `train_tasks` counted once (it is evaluated, not trained)."""
+        trained = self.data.n_tasks if not self.config.train_tasks else min(self.config.train_tasks,
+                                                                              self.data.n_tasks)
+        return trained * self.config.rounds_per_task + self.data.n_tasks - trained
 
-    def _load_personalized(self, directory: Path) -> None:
-        """The personalized models and payloads of the checkpointed round (written just before the run state)."""
-        path = directory / PERSONALIZED_FILE
-        if not path.exists():
-            return
-        saved = msgpack.unpackb(path.read_bytes(), raw=False)
-        if saved["round"] != self.state.round:
-            return
-        self.personalized = {d: np.frombuffer(b, dtype="<f4").copy() for d, b in saved["models"].items()}
-        self.payloads = {d: dict(p) for d, p in saved.get("payloads", {}).items()}
-        self.broadcast.replace(dict(saved.get("broadcast", {})), saved["round"])
+    @property
+    def outcome(self) -> str:
+        return self.record.outcome
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -184,17 +153,17 @@ class Coordinator:
                     self.evaluate_only()
                 else:
                     self.run_round()
-            self.outcome = "complete"
+            self.record.outcome = "complete"
         except KeyboardInterrupt:
-            self.outcome = "stopped"
+            self.record.outcome = "stopped"
             raise
         except Exception as err:
-            self.outcome = f"failed: {type(err).__name__}: {err}"
+            self.record.outcome = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
-            write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
+            self.logs.run_ended()
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
@@ -268,10 +237,10 @@ class Coordinator:
         state, task = self.state, self.state.task
         accuracies = self.evaluator.accuracies(state.weights, task)
         with uninterrupted():
-            state.history.append({
-                "round": state.round, "task": task, "selected": [], "received": [], "samples": 0,
-                "accuracy": accuracies, "aggregate_s": 0.0, "metrics": {}, "trained": False,
-            })
+            state.history.append(self.record.entry(
+                round=state.round, task=task, selected=[], received=[], samples=0, accuracy=accuracies,
+                aggregate_s=0.0, metrics={}, trained=False,
+            ))
             log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s", task,
                      self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
             self._finish_round(accuracies, task_done=True)
@@ -285,6 +254,7 @@ class Coordinator:
         self.open_round = opened = OpenRound.open(
             number, task, encoded.id, selected, self.config.deadline_s, virtual=self.config.virtual_time
         )
+        self.record.round_opened(opened)
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
         for chunk in self._weights_chunks:
             self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
@@ -317,8 +287,7 @@ class Coordinator:
                 self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
             payload = {"payload": encoded.id}
         if self.broadcast.id is not None:
-            registered = self.registered.get(device)
-            instance = registered.instance if registered is not None else ""
+            instance = self.roster.instance(device)
             if self.broadcast.needs(device, instance):
                 for chunk in self.broadcast.chunks:
                     self.link.publish(topics.to_device(fleet, device, "broadcast"), chunk)
@@ -345,7 +314,7 @@ class Coordinator:
             return
         for chunk in self.broadcast.chunks:
             self.link.publish(topics.to_all(self.config.fleet, "broadcast"), chunk)
-        self.broadcast.reached((d, self.registered[d].instance) for d in self._connected_set())
+        self.broadcast.reached((d, self.roster.instance(d)) for d in self.roster.connected())
         log.info("round %d: broadcast %s (%d bytes) to the fleet", round_, ", ".join(sorted(payloads)),
                  sum(len(v) for v in payloads.values()))
 
@@ -376,15 +345,15 @@ class Coordinator:
                 log.warning("round %d: no new global model (%s); the previous one stays", collected.number, refused)
             state.round = collected.number
             state.round_in_task += 1
-            state.history.append({
-                "round": collected.number, "task": collected.task, "selected": collected.selected,
-                "received": sorted(collected.delivered), "samples": sum(u.num_samples for u in used),
-                "accuracy": accuracies, "aggregate_s": aggregate.seconds,
-                "metrics": {u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
+            state.history.append(self.record.entry(
+                round=collected.number, task=collected.task, selected=collected.selected,
+                received=sorted(collected.delivered), samples=sum(u.num_samples for u in used),
+                accuracy=accuracies, aggregate_s=aggregate.seconds,
+                metrics={u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
                 **({"rule_metrics": result.metrics} if result is not None and result.metrics else {}),
                 **({"refused": refused} if refused else {}),
                 **self._client_evaluation(collected.task),
-            })
+            ))
             log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
                      collected.task, " ".join(f"{a:.3f}" for a in accuracies))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
@@ -407,7 +376,7 @@ class Coordinator:
         return None, refused, self.evaluator.accuracies(state.weights, task)
 
     def _finish_round(self, accuracies: list[float], task_done: bool) -> None:
-        """Move the schedule on, then checkpoint and rewrite results.json (atomically, in that order)."""
+        """Move the schedule on, then checkpoint and rewrite the run's files (atomically, in that order)."""
         state = self.state
         if task_done:
             state.accuracy_matrix.append(accuracies)
@@ -415,20 +384,12 @@ class Coordinator:
             state.round_in_task = 0
         state.rng = dict(self.rng.bit_generator.state)
         state.counters = dict(self.counters)
-        generation = generation_dir(self.checkpoint_dir, state.round)
-        shutil.rmtree(generation, ignore_errors=True)  # a retried round's or a crashed write's leftovers
-        generation.mkdir(parents=True)
-        self.strategy.save(generation)
-        if self.personalized or self.payloads or self.broadcast.payloads:
-            write_atomically(generation / PERSONALIZED_FILE, msgpack.packb({
-                "round": state.round, "models": {d: w.tobytes() for d, w in self.personalized.items()},
-                "payloads": self.payloads, "broadcast": self.broadcast.payloads,
-            }, use_bin_type=True))
-        save_run_state(generation, state)  # last: a generation without its state.json is incomplete
-        prune_generations(self.checkpoint_dir, self.config.checkpoint.keep, generation)
-        write_atomically(self.config.out / RESULTS_FILE, json.dumps(self.results(), indent=1).encode())
+        self.checkpoints.save(state, DeviceDeliveries(self.personalized, self.payloads, self.broadcast.payloads),
+                              self.strategy.save)
+        self.record.round_closed(state.history[-1])
+        self.logs.round_done()
         if self.progress is not None:
-            self.progress(state.history[-1])
+            self.progress(dict(state.history[-1]))
 
     def _client_evaluation(self, task: int) -> dict[str, Any]:
         """Flowing data: each client's model (personalized, else global) on its test data seen so far, and IAA."""
@@ -449,13 +410,14 @@ class Coordinator:
         roster = len(self.config.devices) if self._first_round else 0
         deadline = time.monotonic() + self.config.wait_for_devices_s
         while time.monotonic() < deadline and (
-            len(self._available_set()) < self.config.min_clients or len(self._connected_set()) < roster
+            len(self.roster.available()) < self.config.min_clients or len(self.roster.connected()) < roster
         ):
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:
-            waiting = f" ({len(self.without_data)} more hold no data yet)" if self.without_data else ""
+            without = self.roster.without_data
+            waiting = f" ({len(without)} more hold no data yet)" if without else ""
             raise QuorumError(f"{len(available)} devices online after {self.config.wait_for_devices_s:.0f} s"
                               f"{waiting}, quorum is {self.config.min_clients}")
         return available
@@ -465,19 +427,11 @@ class Coordinator:
         (reconnected and registered), so the retry does not fire at a fleet that is still restarting."""
         deadline = time.monotonic() + seconds
         back = set(devices)
-        while time.monotonic() < deadline and not back <= self._connected_set():
+        while time.monotonic() < deadline and not back <= self.roster.connected():
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
 
-    def _connected_set(self) -> set[str]:
-        """Registered and online: a set operation in C, cheap enough to ask between slices of messages."""
-        return self.registered.keys() & self.online
-
-    def _available_set(self) -> set[str]:
-        """What a round selects from: connected, and holding data to train on."""
-        return self._connected_set() - self.without_data
-
     def _available(self) -> list[str]:
-        return sorted(self._available_set())
+        return sorted(self.roster.available())
 
     def _pump_for(self, seconds: float) -> None:
         """Handle messages for `seconds`: a loop that waits for the whole fleet checks between such slices, since
@@ -492,6 +446,7 @@ class Coordinator:
     def _pump(self, timeout: float) -> None:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
         item = self.link.get(timeout=max(timeout, 0.0))
+        self.logs.maybe_write_live()
         if item is None or item.topic == CONNECTED:
             return
         event = self.inbox.accept(item.topic, item.payload, item.retained)
@@ -510,64 +465,39 @@ class Coordinator:
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
-        self._note_instance(event.device, event.instance)
-        self.registered[event.device] = event  # online is what its (retained) status says
+        both = self.roster.register(event)
+        if both is not None:  # an older process of the device registered again: two processes share its id
+            self.counters["duplicate-device"] += 1
+            log.error("two processes use device id %s (instances %s): the broker lets only one connect at a time, "
+                      "so they push each other off; stop one", event.device, " and ".join(both))
+            self.link.publish(topics.to_device(self.config.fleet, event.device, "notice"), wire.encode(
+                "notice", reason="duplicate-device", instances=both,
+                detail=f"two processes use device id {event.device} (instances {' and '.join(both)}); stop one",
+            ), retain=True)
         current = self.open_round
         if current is not None and current.awaits(event.device):
             self._send_round(event.device, with_weights=True)
 
-    def _note_instance(self, device: str, instance: str) -> None:
-        """Track the device's processes; an older one registering again is a second process with its id."""
-        if not instance:
-            return
-        seen = self.instances.setdefault(device, [])
-        if seen and seen[-1] == instance:
-            return
-        if instance in seen:  # a restart never brings an old instance back
-            both = sorted({instance, seen[-1]})
-            self.duplicates[device] = both
-            self.counters["duplicate-device"] += 1
-            log.error("two processes use device id %s (instances %s): the broker lets only one connect at a time, "
-                      "so they push each other off; stop one", device, " and ".join(both))
-            self.link.publish(topics.to_device(self.config.fleet, device, "notice"), wire.encode(
-                "notice", reason="duplicate-device", instances=both,
-                detail=f"two processes use device id {device} (instances {' and '.join(both)}); stop one",
-            ), retain=True)
-            seen.remove(instance)
-        seen.append(instance)
-        del seen[:-4]
-
-    def _current_instance(self, device: str) -> str:
-        seen = self.instances.get(device)
-        return seen[-1] if seen else ""
-
     def _on_status(self, event: Status) -> None:
-        current = self.open_round
-        newest = self._current_instance(event.device)
-        if event.instance and newest and event.instance != newest:
+        if self.roster.is_stale(event):
             log.debug("%s: status %s of a replaced process passed over", event.device, event.state)
             return
+        self.roster.take_status(event)
+        current = self.open_round
         if event.state == "error":
             self._on_device_error(event)
-            return
-        if event.state == "no-data":
+        elif event.state == "no-data":
             self._on_no_data(event)
-            return
-        self.without_data.discard(event.device)
-        if event.state != "offline":
-            self.online.add(event.device)
+        elif event.state != "offline":
             if current is not None and current.came_back(event.device):  # back (or the offline was stale)
                 self._send_round(event.device, with_weights=True)
-            return
-        self.online.discard(event.device)
-        if current is not None:
+        elif current is not None:
             current.went_offline(event.device)
 
     def _on_device_error(self, event: Status) -> None:
-        """A device that cannot train: shown per device, and the open round does not wait for it."""
-        self.online.add(event.device)
+        """A device that cannot train: shown per device (the roster keeps its reason), and the open round does not
+        wait for it."""
         self.counters["device-error"] += 1
-        self.device_errors[event.device] = {"round": event.round, "error": event.error}
         log.warning("%s cannot train round %d: %s", event.device, event.round, event.error or "(no reason given)")
         if self.open_round is not None and self.open_round.number == event.round:
             self.open_round.failed_with(event.device, event.error)
@@ -575,8 +505,6 @@ class Coordinator:
     def _on_no_data(self, event: Status) -> None:
         """A device with nothing to train on: not selected until it says otherwise; the open round it was
         selected for (before it could say so) does not wait for it."""
-        self.online.add(event.device)
-        self.without_data.add(event.device)
         current = self.open_round
         if current is not None and current.number == event.round and current.awaits(event.device):
             self.counters["no-data"] += 1
@@ -596,6 +524,7 @@ class Coordinator:
         if reason is not None:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
             return
+        self.roster.take_update(update)
         self._aggregate.add(_for_strategy(update))
 
     def _on_refused(self, refused: UpdateRefused) -> None:
@@ -615,41 +544,8 @@ class Coordinator:
 
     # --- results ----------------------------------------------------------------------------------
 
-    def _iaa_summary(self) -> dict[str, Any]:
-        """IAA, AA and AFM over the rounds so far (per-client test data only)."""
-        iaa = [entry["iaa"] for entry in self.state.history if "iaa" in entry]
-        if not iaa:
-            return {}
-        return {"iaa": iaa, "aa": average_of_iaa(iaa), "afm": iaa_forgetting(iaa)}
-
     def results(self) -> dict[str, Any]:
-        state = self.state
-        done = len(state.accuracy_matrix)
-        square = accuracy_matrix(state.accuracy_matrix) if done else None
-        last_row = state.history[-1]["accuracy"] if state.history else []
-        return {
-            "fleet": self.config.fleet,
-            "outcome": self.outcome,
-            "scenario": self.data.describe(),
-            "strategy": dict(self.config.strategy),
-            "rounds_completed": state.round,
-            "tasks_completed": done,
-            "accuracy_matrix": state.accuracy_matrix,
-            # the global model after the last completed round, on every task seen (mid-task too, unlike the matrix)
-            "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
-            "average_accuracy": average_accuracy(square) if square is not None else 0.0,
-            "forgetting": forgetting(square) if square is not None else 0.0,
-            "backward_transfer": backward_transfer(square) if square is not None else 0.0,
-            **self._iaa_summary(),
-            "counters": dict(self.counters),
-            "device_errors": self.device_errors,
-            "without_data": sorted(self.without_data),  # online devices that said they hold no data yet
-            "duplicate_devices": self.duplicates,
-            "bytes_sent": self.link.bytes_sent,
-            "bytes_received": self.link.bytes_received,
-            "reconnects": max(self.link.connects - 1, 0),
-            "history": state.history,
-        }
+        return self.record.results()
 
 
 def _for_strategy(update: Update) -> ClientUpdate:

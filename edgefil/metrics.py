@@ -38,6 +38,13 @@ def average_accuracy(acc: np.ndarray, after: int | None = None) -> float:
     return float(acc[t, : t + 1].mean())
 
 
+def average_incremental_accuracy(acc: np.ndarray) -> float:
+    """The mean over tasks of `average_accuracy` after each task: what results.json and the reports call the
+    average accuracy (the final accuracy is `average_accuracy` after the last task)."""
+    acc = check_matrix(acc)
+    return float(np.mean([average_accuracy(acc, after=t) for t in range(acc.shape[0])]))
+
+
 def forgetting(acc: np.ndarray) -> float:
     """Mean over the earlier tasks of (best accuracy ever reached on it) - (accuracy after the last task)."""
     acc = check_matrix(acc)

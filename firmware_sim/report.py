@@ -24,6 +24,7 @@ import numpy as np
 from edgefil.metrics import (
     accuracy_matrix,
     average_accuracy,
+    average_incremental_accuracy,
     average_of_iaa,
     backward_transfer,
     forgetting,
@@ -95,8 +96,7 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
         "tasks_completed": tasks,
         "accuracy_matrix": acc,
         "final_accuracy": average_accuracy(acc) if acc is not None else None,
-        "average_accuracy": float(np.mean([average_accuracy(acc, after=t) for t in range(tasks)]))
-        if acc is not None else None,
+        "average_accuracy": average_incremental_accuracy(acc) if acc is not None else None,
         "forgetting": forgetting(acc) if acc is not None else None,
         "backward_transfer": backward_transfer(acc) if acc is not None else None,
         "iaa": iaa,

@@ -1,0 +1,136 @@
+"""A run's files for people and their tools, all read from the one run record (coordinator/run_record.py):
+
+- `results.json`: the results and the history (rewritten after each round and at the end);
+- `metrics.csv`: one row per round (round, task, accuracy per task seen, their mean, samples, traffic, refusals);
+- `tensorboard/events.out.tfevents.<start>.edgefil`: the same numbers as TensorBoard scalars (coordinator/
+  tensorboard.py), plus the rule's own numeric metrics;
+- `live.json`: what the dashboard shows while the run goes (the roster, the open round, the ETA), rewritten at most
+  every `LIVE_MIN_INTERVAL_S`, and less often when writing it takes long (a large fleet's roster): it never takes
+  more than `LIVE_MAX_SHARE` of the coordinator's time.
+
+The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
+Writing them may fail (a full disk): the failure is logged, and the run goes on.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator import tensorboard
+from coordinator.checkpoint import RoundEntry
+from coordinator.run_record import RunRecord
+from edgefil.durable import write_atomically
+
+log = logging.getLogger("edgefil.coordinator")
+RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.csv"
+LIVE_FILE = "live.json"
+TENSORBOARD_DIR = "tensorboard"
+LIVE_MIN_INTERVAL_S = 1.0
+LIVE_MAX_SHARE = 0.05
+
+
+def csv_rows(history: list[RoundEntry], n_tasks: int) -> list[dict[str, Any]]:
+    """The rows of metrics.csv: a column per task (empty before the task is seen)."""
+    rows = []
+    for step, entry in enumerate(history, start=1):
+        accuracy = entry["accuracy"]
+        refusals = entry.get("refusals", {})
+        rows.append({
+            "step": step, "round": entry["round"], "task": entry["task"], "trained": int(entry.get("trained", True)),
+            **{f"accuracy_task_{t}": (f"{accuracy[t]:.6f}" if t < len(accuracy) else "") for t in range(n_tasks)},
+            "average_accuracy": f"{sum(accuracy) / len(accuracy):.6f}" if accuracy else "",
+            "samples": entry.get("samples", 0), "updates": len(entry.get("received", [])),
+            "bytes_sent": entry.get("bytes_sent", ""), "bytes_received": entry.get("bytes_received", ""),
+            "refusals": sum(refusals.values()),
+            "refusal_reasons": " ".join(f"{k}={n}" for k, n in sorted(refusals.items())),
+            "ended_at": f"{entry['ended_at']:.3f}" if "ended_at" in entry else "",
+        })
+    return rows
+
+
+def csv_text(history: list[RoundEntry], n_tasks: int) -> str:
+    columns = ["step", "round", "task", "trained", *(f"accuracy_task_{t}" for t in range(n_tasks)),
+               "average_accuracy", "samples", "updates", "bytes_sent", "bytes_received", "refusals",
+               "refusal_reasons", "ended_at"]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(csv_rows(history, n_tasks))
+    return out.getvalue()
+
+
+def scalars(entry: RoundEntry) -> dict[str, float]:
+    """A round's TensorBoard scalars: accuracy per task and on average, samples, traffic, refusals, IAA, and the
+    rule's numeric metrics under `rule/`."""
+    accuracy = entry["accuracy"]
+    values: dict[str, float] = {f"accuracy/task_{t}": a for t, a in enumerate(accuracy)}
+    if accuracy:
+        values["accuracy/average"] = sum(accuracy) / len(accuracy)
+    values["round/samples"] = float(entry.get("samples", 0))
+    values["round/updates"] = float(len(entry.get("received", [])))
+    values["round/refusals"] = float(sum(entry.get("refusals", {}).values()))
+    for name in ("bytes_sent", "bytes_received"):
+        if name in entry:
+            values[f"traffic/{name}"] = float(entry[name])
+    if "iaa" in entry:
+        values["accuracy/iaa"] = entry["iaa"]
+    for name, value in entry.get("rule_metrics", {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values[f"rule/{name}"] = float(value)
+    return values
+
+
+class RunLogs:
+    """Writes a run's files under `out` from its record."""
+
+    def __init__(self, out: Path, record: RunRecord, n_tasks: int) -> None:
+        self.out, self.record, self.n_tasks = out, record, n_tasks
+        # one event file per run folder, kept across resumes (its name holds the time the run first started)
+        found = sorted((out / TENSORBOARD_DIR).glob("events.out.tfevents.*.edgefil"))
+        name = f"events.out.tfevents.{int(record.started_at)}.edgefil"
+        self.events = found[0] if found else out / TENSORBOARD_DIR / name
+        self._first_started = float(self.events.name.split(".")[3])
+        self._live_at = 0.0
+        self._live_cost = 0.0
+
+    def round_done(self) -> None:
+        """After a round is checkpointed: every file anew."""
+        write_atomically(self.out / RESULTS_FILE, json.dumps(self.record.results(), indent=1).encode())
+        self._write_tables()
+        self.write_live()
+
+    def run_ended(self) -> None:
+        """However the run ended (its outcome is in the record): every file, so each run has them all."""
+        self.round_done()
+
+    def maybe_write_live(self) -> None:
+        """live.json again if it is due (called between messages)."""
+        now = time.monotonic()
+        if now - self._live_at >= max(LIVE_MIN_INTERVAL_S, self._live_cost / LIVE_MAX_SHARE):
+            self.write_live()
+
+    def write_live(self) -> None:
+        started = time.monotonic()
+        try:
+            write_atomically(self.out / LIVE_FILE, json.dumps(self.record.live()).encode())
+        except OSError as err:
+            log.warning("live.json not written: %s", err)
+        self._live_at = time.monotonic()
+        self._live_cost = self._live_at - started
+
+    def _write_tables(self) -> None:
+        history = self.record.history
+        try:
+            write_atomically(self.out / METRICS_FILE, csv_text(history, self.n_tasks).encode())
+            self.events.parent.mkdir(exist_ok=True)
+            steps = [(step, entry.get("ended_at", self._first_started), scalars(entry))
+                     for step, entry in enumerate(history, start=1)]
+            write_atomically(self.events, tensorboard.event_file(steps, self._first_started))
+        except OSError as err:
+            log.warning("metrics.csv or the TensorBoard log not written: %s", err)

@@ -1,0 +1,151 @@
+"""The record of a run: what each round did, who is in the fleet, how the run ends. Every reader reads this one
+record: `results.json`, `metrics.csv` and the TensorBoard log (coordinator/run_logs.py), the dashboard (through
+`live.json`) and the reports.
+
+A round's entry (`RoundEntry`) is made by the round loop when it closes the round and kept in the run state, so it
+is checkpointed with the round and a resumed run's record is whole. The record adds what only exists while the
+coordinator runs: the open round (who was selected, who delivered), the roster's table, traffic, and the ETA.
+
+The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the rounds left (a task past
+`train_tasks` counts as one step: it is evaluated, not trained); None before a round has completed in this process.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Protocol
+
+import numpy as np
+
+from coordinator.checkpoint import RoundEntry, RunState
+from coordinator.roster import Roster
+from coordinator.rounds import OpenRound
+from edgefil.metrics import (
+    accuracy_matrix,
+    average_incremental_accuracy,
+    average_of_iaa,
+    backward_transfer,
+    forgetting,
+    iaa_forgetting,
+)
+
+ETA_WINDOW = 5  # completed rounds the ETA averages over
+
+
+class Traffic(Protocol):
+    """What the record reads of the coordinator's link."""
+
+    bytes_sent: int
+    bytes_received: int
+    connects: int
+
+
+class RunRecord:
+    """The run as its readers see it, from the run state, the roster, the counters and the link."""
+
+    def __init__(self, fleet: str, scenario: dict[str, Any], strategy: dict[str, Any], settings: dict[str, Any],
+                 state: RunState, roster: Roster, counters: Counter[str], traffic: Traffic,
+                 total_steps: int) -> None:
+        """`settings`: what was run (rounds per task, quorum, the devices' round config) for the reports;
+        `total_steps`: the rounds of the whole run, evaluation-only tasks counted once."""
+        self.fleet, self.scenario, self.strategy, self.settings = fleet, scenario, strategy, settings
+        self.state, self.roster, self.counters, self.traffic = state, roster, counters, traffic
+        self.total_steps = total_steps
+        self.outcome = "running"
+        self.started_at = time.time()
+        self.open_round: OpenRound | None = None
+        self._counted_at_open: Counter[str] = Counter()
+        self._step_seconds: list[float] = []  # durations of the rounds completed in this process
+
+    # --- what the round loop tells it -------------------------------------------------------------
+
+    def round_opened(self, opened: OpenRound) -> None:
+        if self.open_round is None or self.open_round.number != opened.number:  # a retry counts from its first try
+            self._counted_at_open = Counter(self.counters)
+        self.open_round = opened
+
+    def entry(self, **fields: Any) -> RoundEntry:
+        """A closing round's entry: its fields, with the time, the traffic and the round's refusals added."""
+        refusals = {k: n for k, n in (self.counters - self._counted_at_open).items() if n}
+        entry = RoundEntry(**fields)  # type: ignore[typeddict-item]
+        entry.update(ended_at=time.time(), bytes_sent=self.traffic.bytes_sent,
+                     bytes_received=self.traffic.bytes_received, refusals=refusals)
+        return entry
+
+    def round_closed(self, entry: RoundEntry) -> None:
+        """The entry is in the history: the next round's refusals count from here."""
+        previous = self.state.history[-2]["ended_at"] if len(self.state.history) > 1 else None
+        began = max(previous or 0.0, self.started_at)
+        self._step_seconds.append(max(entry["ended_at"] - began, 0.0))
+        self.open_round = None
+        self._counted_at_open = Counter(self.counters)
+
+    # --- what its readers read --------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[RoundEntry]:
+        return self.state.history
+
+    def eta_s(self) -> float | None:
+        done = len(self.state.history)
+        if not self._step_seconds or done >= self.total_steps:
+            return None if done < self.total_steps else 0.0
+        recent = self._step_seconds[-ETA_WINDOW:]
+        return float(np.mean(recent)) * (self.total_steps - done)
+
+    def results(self) -> dict[str, Any]:
+        """`results.json`: the run's outcome, accuracy matrix and summary numbers, counters, per-device problems,
+        traffic and the history."""
+        state = self.state
+        done = len(state.accuracy_matrix)
+        square = accuracy_matrix(state.accuracy_matrix) if done else None
+        last_row = state.history[-1]["accuracy"] if state.history else []
+        return {
+            "fleet": self.fleet,
+            "outcome": self.outcome,
+            "scenario": self.scenario,
+            "strategy": self.strategy,
+            "settings": self.settings,
+            "rounds_completed": state.round,
+            "tasks_completed": done,
+            "accuracy_matrix": state.accuracy_matrix,
+            # the global model after the last completed round, on every task seen (mid-task too, unlike the matrix)
+            "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
+            "average_accuracy": average_incremental_accuracy(square) if square is not None else 0.0,
+            "forgetting": forgetting(square) if square is not None else 0.0,
+            "backward_transfer": backward_transfer(square) if square is not None else 0.0,
+            **self._iaa_summary(),
+            "counters": dict(self.counters),
+            "device_errors": self.roster.errors(),
+            "without_data": sorted(self.roster.without_data),  # online devices that said they hold no data yet
+            "duplicate_devices": self.roster.duplicates,
+            "devices": self.roster.table(),
+            "bytes_sent": self.traffic.bytes_sent,
+            "bytes_received": self.traffic.bytes_received,
+            "reconnects": max(self.traffic.connects - 1, 0),
+            "history": state.history,
+        }
+
+    def live(self) -> dict[str, Any]:
+        """`live.json`, what the dashboard shows: the results so far, the open round and the progress."""
+        current = self.open_round
+        return {
+            **self.results(),
+            "updated_at": time.time(),
+            "started_at": self.started_at,
+            "steps_total": self.total_steps,
+            "steps_done": len(self.state.history),
+            "eta_s": self.eta_s(),
+            "open_round": None if current is None else {
+                "round": current.number, "task": current.task, "selected": current.selected,
+                "delivered": sorted(current.delivered), "failed": dict(current.failed),
+                "remaining_s": max(current.remaining_s(), 0.0),
+            },
+        }
+
+    def _iaa_summary(self) -> dict[str, Any]:
+        """IAA, AA and AFM over the rounds so far (per-client test data only)."""
+        iaa = [entry["iaa"] for entry in self.state.history if "iaa" in entry]
+        if not iaa:
+            return {}
+        return {"iaa": iaa, "aa": average_of_iaa(iaa), "afm": iaa_forgetting(iaa)}

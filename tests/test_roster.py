@@ -1,0 +1,64 @@
+"""The roster: the coordinator's one record of its devices (coordinator/roster.py)."""
+from __future__ import annotations
+
+from coordinator.inbox import Registration, Status, Update
+from coordinator.roster import Roster
+
+
+def update(device: str, round_: int, **metrics: float) -> Update:
+    return Update(device=device, round=round_, task=0, model="m", num_samples=5, metrics=metrics, weights=None,
+                  label_counts=(3, 2))
+
+
+def test_a_device_is_selectable_once_registered_online_and_holding_data():
+    roster = Roster(["a", "b", "c"])
+    assert roster.available() == set() and [r["state"] for r in roster.table()] == ["unseen"] * 3
+    roster.register(Registration("a", "ort", "raspberry-pi-4-4gb", "i1"))
+    assert roster.available() == set()  # registered, but no status says it is online yet
+    roster.take_status(Status("a", "idle", 0, instance="i1"))
+    roster.register(Registration("b", "portable", "jetson-nano", "j1"))
+    roster.take_status(Status("b", "no-data", 0, instance="j1"))
+    roster.take_status(Status("c", "idle", 0))  # online, but never registered
+    assert roster.connected() == {"a", "b"} and roster.available() == {"a"}
+    roster.take_status(Status("b", "idle", 0, instance="j1"))
+    roster.take_status(Status("a", "offline", 0, instance="i1"))
+    assert roster.available() == {"b"}
+    table = {row["device"]: row for row in roster.table()}
+    assert (table["a"]["profile"], table["a"]["backend"], table["a"]["online"]) == ("raspberry-pi-4-4gb", "ort", False)
+    assert (table["b"]["profile"], table["b"]["online"], table["b"]["state"]) == ("jetson-nano", True, "idle")
+
+
+def test_an_error_is_kept_with_its_round_until_the_device_reports_another():
+    roster = Roster(["a"])
+    roster.register(Registration("a", "ort", "pc", "i1"))
+    roster.take_status(Status("a", "error", 3, error="data of shape (5,) do not fit the model's (1, 8, 8)",
+                              instance="i1"))
+    assert roster.errors() == {"a": {"round": 3, "error": "data of shape (5,) do not fit the model's (1, 8, 8)"}}
+    assert roster.connected() == {"a"}  # it answers, it cannot train
+    roster.take_status(Status("a", "error", 4, error="disk full", instance="i1"))
+    assert roster.errors() == {"a": {"round": 4, "error": "disk full"}}
+
+
+def test_a_late_last_will_of_a_replaced_process_is_stale_and_an_old_instance_back_is_a_duplicate():
+    roster = Roster(["a"])
+    assert roster.register(Registration("a", "ort", "pc", "old")) is None
+    assert roster.register(Registration("a", "ort", "pc", "new")) is None  # a restart
+    assert roster.instance("a") == "new"
+    assert roster.is_stale(Status("a", "offline", 0, instance="old"))
+    assert not roster.is_stale(Status("a", "offline", 0, instance="new"))
+    assert not roster.is_stale(Status("a", "offline", 0))  # a device that names no instance is believed
+    assert roster.register(Registration("a", "ort", "pc", "old")) == ["new", "old"]  # both run at once
+    assert roster.duplicates == {"a": ["new", "old"]}
+
+
+def test_an_update_records_the_devices_round_store_and_labels():
+    roster = Roster(["a"])
+    roster.take_update(update("a", 4, stored_samples=120, stored_bytes=40_000, store_budget_bytes=65_536))
+    roster.take_update(update("a", 3, stored_samples=1, stored_bytes=1, store_budget_bytes=0))  # a late resend
+    row = roster.table()[0]
+    assert row["last_round"] == 4  # never goes back
+    assert (row["stored_samples"], row["stored_bytes"], row["budget_bytes"]) == (1, 1, None)  # 0: no byte budget
+    assert row["label_counts"] == [3, 2]
+    roster.take_update(update("a", 5, stored_bytes=float("nan"), stored_samples=-1))  # what a gate would not pass
+    row = roster.table()[0]
+    assert (row["stored_samples"], row["stored_bytes"]) == (None, None)

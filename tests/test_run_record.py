@@ -1,0 +1,177 @@
+"""The run record (coordinator/run_record.py), the checkpoint's generations with their deliveries
+(coordinator/checkpoint.py), and the run's files for people's tools (coordinator/run_logs.py): metrics.csv and a
+TensorBoard log that TensorBoard's own reader loads."""
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.checkpoint import CheckpointPolicy, Checkpoints, DeviceDeliveries, RunState, load_latest
+from coordinator.inbox import Registration, Status
+from coordinator.roster import Roster
+from coordinator.rounds import OpenRound
+from coordinator.run_logs import LIVE_FILE, METRICS_FILE, RESULTS_FILE, TENSORBOARD_DIR, RunLogs
+from coordinator.run_record import RunRecord
+
+
+@dataclass
+class LinkCounters:
+    """The link's traffic counters, as the record reads them (a link's own are tested in test_link.py)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    connects: int = 1
+
+
+def make_record(total_steps: int = 6) -> tuple[RunRecord, Counter[str], LinkCounters]:
+    counters: Counter[str] = Counter()
+    traffic = LinkCounters()
+    roster = Roster(["a", "b"])
+    state = RunState(weights=np.zeros(3, dtype=np.float32))
+    record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {"rounds_per_task": 2}, state, roster,
+                       counters, traffic, total_steps=total_steps)
+    return record, counters, traffic
+
+
+def close_round(record: RunRecord, number: int, task: int, accuracy: list[float], ended_at: float,
+                task_done: bool = False) -> None:
+    entry = record.entry(round=number, task=task, selected=["a", "b"], received=["a"], samples=10,
+                         accuracy=accuracy, aggregate_s=0.01, metrics={}, rule_metrics={"signal": 0.5, "kind": "x"})
+    entry["ended_at"] = ended_at
+    record.state.history.append(entry)
+    record.state.round = number
+    if task_done:
+        record.state.accuracy_matrix.append(accuracy)
+    record.round_closed(entry)
+
+
+def test_an_entry_carries_its_rounds_refusals_and_the_traffic_so_far():
+    record, counters, traffic = make_record()
+    counters["late"] += 2  # before the round opened: not this round's
+    record.round_opened(OpenRound.open(1, 0, "m", ["a", "b"], 60.0))
+    counters["rate"] += 3
+    traffic.bytes_sent, traffic.bytes_received = 1000, 4000
+    record.round_opened(OpenRound.open(1, 0, "m", ["a"], 60.0))  # a retry: still counted from the first attempt
+    counters["stale"] += 1
+    entry = record.entry(round=1, task=0, accuracy=[0.5])
+    assert entry["refusals"] == {"rate": 3, "stale": 1}
+    assert (entry["bytes_sent"], entry["bytes_received"]) == (1000, 4000)
+    record.state.history.append(entry)
+    record.round_closed(entry)
+    assert record.entry(round=2, task=0, accuracy=[0.5])["refusals"] == {}
+
+
+def test_the_eta_is_the_recent_round_time_times_the_rounds_left():
+    record, _, _ = make_record(total_steps=6)
+    assert record.eta_s() is None  # no round done in this process yet
+    record.started_at = 100.0
+    close_round(record, 1, 0, [0.5], ended_at=110.0)
+    close_round(record, 2, 0, [0.7], ended_at=130.0, task_done=True)
+    assert record.eta_s() == pytest.approx(15.0 * 4)
+    live = record.live()
+    assert (live["steps_done"], live["steps_total"], live["open_round"]) == (2, 6, None)
+    opened = OpenRound.open(3, 1, "m", ["a", "b"], 60.0)
+    opened.delivered.add("b")
+    record.round_opened(opened)
+    assert record.live()["open_round"]["delivered"] == ["b"]
+    for n in range(3, 7):
+        close_round(record, n, 1, [0.5, 0.5], ended_at=130.0 + n)
+    assert record.eta_s() == 0.0
+
+
+def test_results_say_what_was_run_and_the_devices_state():
+    record, _, _ = make_record()
+    record.roster.register(Registration("a", "ort", "jetson-nano", "i"))
+    record.roster.take_status(Status("a", "error", 1, error="no room", instance="i"))
+    close_round(record, 1, 0, [0.8], ended_at=1.0, task_done=True)
+    close_round(record, 2, 1, [0.6, 0.9], ended_at=2.0, task_done=True)
+    results = record.results()
+    assert results["settings"] == {"rounds_per_task": 2} and results["strategy"] == {"name": "fedavg"}
+    assert results["final_accuracy"] == pytest.approx(0.75)
+    assert results["average_accuracy"] == pytest.approx((0.8 + 0.75) / 2)  # the mean over the matrix's rows
+    assert results["device_errors"] == {"a": {"round": 1, "error": "no room"}}
+    assert [(d["device"], d["profile"], d["state"]) for d in results["devices"]] == [
+        ("a", "jetson-nano", "error"), ("b", "", "unseen")]
+    json.dumps(record.live())  # every reader gets JSON
+
+
+def test_a_generation_keeps_the_devices_deliveries_and_a_resume_finds_them(tmp_path):
+    checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=2), num_parameters=3)
+    fresh = RunState(weights=np.zeros(3, dtype=np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
+    state, resumed_from = checkpoints.start(resume=False, fresh=fresh)
+    assert state is fresh and resumed_from is None
+    saved_rules = []
+    for number in (1, 2, 3):
+        state.round = number
+        deliveries = DeviceDeliveries(models={"a": np.full(3, number, dtype=np.float32)},
+                                      payloads={"a": {"old": b"x" * number}}, broadcast={"best": b"b"},
+                                      broadcast_round=number)
+        checkpoints.save(state, deliveries, saved_rules.append)
+    assert [p.name for p in saved_rules] == ["round-000001", "round-000002", "round-000003"]
+    with pytest.raises(FileExistsError, match="--resume"):
+        checkpoints.start(resume=False, fresh=fresh)
+    state, resumed_from = checkpoints.start(resume=True, fresh=fresh)
+    assert state.round == 3 and resumed_from == tmp_path / "round-000003"
+    assert len(list(tmp_path.iterdir())) == 2  # keep = 2
+    found = checkpoints.deliveries(resumed_from, 3)
+    np.testing.assert_array_equal(found.models["a"], np.full(3, 3, dtype=np.float32))
+    assert (found.payloads, found.broadcast, found.broadcast_round) == ({"a": {"old": b"xxx"}}, {"best": b"b"}, 3)
+    assert not checkpoints.deliveries(resumed_from, 2)  # another round's are not this state's
+    assert load_latest(tmp_path, 3)[0].round == 3
+
+
+def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record, counters, traffic = make_record(total_steps=4)
+    logs = RunLogs(tmp_path, record, n_tasks=2)
+    record.round_opened(OpenRound.open(1, 0, "m", ["a"], 60.0))
+    counters["rate"] += 2
+    traffic.bytes_sent = 500
+    close_round(record, 1, 0, [0.25], ended_at=record.started_at + 1, task_done=True)
+    logs.round_done()
+    close_round(record, 2, 1, [0.5, 0.75], ended_at=record.started_at + 2, task_done=True)
+    record.outcome = "complete"
+    logs.run_ended()
+
+    rows = list(csv.DictReader((tmp_path / METRICS_FILE).open()))
+    assert [(r["round"], r["task"], r["accuracy_task_0"], r["accuracy_task_1"]) for r in rows] == [
+        ("1", "0", "0.250000", ""), ("2", "1", "0.500000", "0.750000")]
+    assert rows[1]["average_accuracy"] == "0.625000"
+    assert (rows[0]["refusals"], rows[0]["refusal_reasons"], rows[0]["bytes_sent"]) == ("2", "rate=2", "500")
+    assert json.loads((tmp_path / RESULTS_FILE).read_text())["outcome"] == "complete"
+    assert json.loads((tmp_path / LIVE_FILE).read_text())["steps_done"] == 2
+
+    files = list((tmp_path / TENSORBOARD_DIR).iterdir())
+    assert len(files) == 1
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"accuracy/task_0", "accuracy/task_1", "accuracy/average", "traffic/bytes_sent", "rule/signal"} <= set(tags)
+    assert "rule/kind" not in tags  # not a number
+    average = events.Scalars("accuracy/average")
+    assert [(s.step, round(s.value, 4)) for s in average] == [(1, 0.25), (2, 0.625)]
+    assert [s.step for s in events.Scalars("accuracy/task_1")] == [2]
+
+    resumed = RunLogs(tmp_path, record, n_tasks=2)  # a resumed run rewrites the same log, whole
+    close_round(record, 3, 1, [0.5, 0.5], ended_at=record.started_at + 3)
+    resumed.round_done()
+    assert list((tmp_path / TENSORBOARD_DIR).iterdir()) == files
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert [s.step for s in events.Scalars("accuracy/average")] == [1, 2, 3]
+
+
+def test_a_run_folder_that_cannot_be_written_does_not_stop_the_round(tmp_path):
+    record, _, _ = make_record()
+    logs = RunLogs(tmp_path, record, n_tasks=1)
+    (tmp_path / TENSORBOARD_DIR).write_text("a file where the folder goes")
+    close_round(record, 1, 0, [0.5], ended_at=1.0)
+    logs.round_done()  # logged, not raised
+    assert Path(tmp_path / METRICS_FILE).exists()
