@@ -198,11 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_run.set_defaults(run=_fleet_run)
 
     from coordinator.broker import add_broker_parser
+    from coordinator.dashboard import add_dashboard_parser
     from coordinator.pki import add_credentials_parser
     from firmware_sim.report import add_report_parser
 
     add_broker_parser(commands)
     add_credentials_parser(commands)
+    add_dashboard_parser(commands)
     add_report_parser(commands)
     return parser
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from coordinator.checkpoint import generation_dir
-from coordinator.server import CHECKPOINT_DIR, PERSONALIZED_FILE
+from coordinator.checkpoint import PERSONALIZED_FILE, generation_dir
+from coordinator.server import CHECKPOINT_DIR
 from coordinator.strategies.pfedgrp import STATE_FILE
 from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.metrics import average_of_iaa, iaa_forgetting
