@@ -35,7 +35,8 @@ class DeviceRecord:
     last_round: int = 0  # the last round it delivered an update for (0: none yet)
     stored_samples: int | None = None  # from its latest update's metrics
     stored_bytes: int | None = None
-    budget_bytes: int | None = None  # its store's byte budget (None: a sample budget only)
+    budget_bytes: int | None = None  # its store's byte budget (None: none)
+    budget_samples: int | None = None  # its store's sample budget (None: none)
     label_counts: tuple[int, ...] = ()  # its latest update's samples per class
     error: str = ""  # the last reason it gave for not training
     error_round: int | None = None
@@ -46,7 +47,8 @@ class DeviceRecord:
             "device": self.device, "profile": self.profile, "backend": self.backend, "state": self.state,
             "online": online, "last_seen": self.last_seen, "last_round": self.last_round,
             "stored_samples": self.stored_samples, "stored_bytes": self.stored_bytes,
-            "budget_bytes": self.budget_bytes, "label_counts": list(self.label_counts), "error": self.error,
+            "budget_bytes": self.budget_bytes, "budget_samples": self.budget_samples,
+            "label_counts": list(self.label_counts), "error": self.error,
             "error_round": self.error_round,
         }
 
@@ -121,6 +123,7 @@ class Roster:
         record.stored_samples = _count(update.metrics, "stored_samples")
         record.stored_bytes = _count(update.metrics, "stored_bytes")
         record.budget_bytes = _count(update.metrics, "store_budget_bytes") or None  # 0: no byte budget
+        record.budget_samples = _count(update.metrics, "store_budget_samples") or None
         record.label_counts = tuple(update.label_counts)
 
     def connected(self) -> set[str]:

@@ -44,13 +44,13 @@ class RunRecord:
     """The run as its readers see it, from the run state, the roster, the counters and the link."""
 
     def __init__(self, fleet: str, scenario: dict[str, Any], strategy: dict[str, Any], settings: dict[str, Any],
-                 state: RunState, roster: Roster, counters: Counter[str], traffic: Traffic,
+                 state: RunState, roster: Roster, counters: Counter[str], traffic: Traffic, total_rounds: int,
                  total_steps: int) -> None:
         """`settings`: what was run (rounds per task, quorum, the devices' round config) for the reports;
-        `total_steps`: the rounds of the whole run, evaluation-only tasks counted once."""
+        `total_rounds`: the rounds the run trains; `total_steps`: those and its evaluation-only tasks."""
         self.fleet, self.scenario, self.strategy, self.settings = fleet, scenario, strategy, settings
         self.state, self.roster, self.counters, self.traffic = state, roster, counters, traffic
-        self.total_steps = total_steps
+        self.total_rounds, self.total_steps = total_rounds, total_steps
         self.outcome = "running"
         self.started_at = time.time()
         self.open_round: OpenRound | None = None
@@ -92,6 +92,14 @@ class RunRecord:
             return None if done < self.total_steps else 0.0
         recent = self._step_seconds[-ETA_WINDOW:]
         return float(np.mean(recent)) * (self.total_steps - done)
+
+    def eta_text(self) -> str:
+        """"; ETA 1 min 5 s" for a log line, "" when there is none yet or nothing is left."""
+        eta = self.eta_s()
+        if not eta:
+            return ""
+        minutes, seconds = divmod(round(eta), 60)
+        return f"; ETA {minutes} min {seconds} s" if minutes else f"; ETA {seconds} s"
 
     def results(self) -> dict[str, Any]:
         """`results.json`: the run's outcome, accuracy matrix and summary numbers, counters, per-device problems,

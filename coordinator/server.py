@@ -124,17 +124,13 @@ class Coordinator:
             config.broker, client_id=f"coordinator-{config.fleet}",
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
         )
+        trained = min(config.train_tasks or self.data.n_tasks, self.data.n_tasks)  # the rest: evaluated only
         self.record = RunRecord(
             config.fleet, self.data.describe(), dict(config.strategy), config.describe(), self.state, self.roster,
-            self.counters, self.link, total_steps=self._total_steps(),
+            self.counters, self.link, total_rounds=trained * config.rounds_per_task,
+            total_steps=trained * config.rounds_per_task + self.data.n_tasks - trained,
         )
         self.logs = RunLogs(config.out, self.record, self.data.n_tasks)
-
-    def _total_steps(self) -> int:
-        """The run's rounds, a task past `train_tasks` counted once (it is evaluated, not trained)."""
-        trained = self.data.n_tasks if not self.config.train_tasks else min(self.config.train_tasks,
-                                                                              self.data.n_tasks)
-        return trained * self.config.rounds_per_task + self.data.n_tasks - trained
 
     @property
     def outcome(self) -> str:
@@ -241,9 +237,9 @@ class Coordinator:
                 round=state.round, task=task, selected=[], received=[], samples=0, accuracy=accuracies,
                 aggregate_s=0.0, metrics={}, trained=False,
             ))
-            log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s", task,
-                     self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies))
             self._finish_round(accuracies, task_done=True)
+            log.info("task %d not trained (train_tasks = %d); accuracy on tasks 0..%d: %s%s", task,
+                     self.config.train_tasks, task, " ".join(f"{a:.3f}" for a in accuracies), self.record.eta_text())
 
     def _open(self, number: int, task: int, selected: list[str], earlier: OpenRound | None) -> OpenRound:
         """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
@@ -354,9 +350,10 @@ class Coordinator:
                 **({"refused": refused} if refused else {}),
                 **self._client_evaluation(collected.task),
             ))
-            log.info("round %d: %d updates aggregated; accuracy on tasks 0..%d: %s", collected.number, len(used),
-                     collected.task, " ".join(f"{a:.3f}" for a in accuracies))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
+            log.info("round %d/%d: %d updates aggregated; accuracy on tasks 0..%d: %s%s", collected.number,
+                     self.record.total_rounds, len(used), collected.task, " ".join(f"{a:.3f}" for a in accuracies),
+                     self.record.eta_text())
 
     def _judge(self, result: AggregateResult | None, task: int) -> tuple[np.ndarray | None, str | None, list[float]]:
         """The round's new global model and its accuracies on the tasks so far; or None, why not, and the previous

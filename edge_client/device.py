@@ -475,6 +475,7 @@ class Device:
                 "stored_bytes": self.learner.budget.used(),
                 "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
                 "store_budget_bytes": self.learner.budget.max_bytes or 0,
+                "store_budget_samples": self.learner.budget.max_samples or 0,
             },
         ).chunks
         for chunk in chunks:

@@ -11,6 +11,9 @@ from collections.abc import Iterator, Sequence
 
 from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+OWN_PACKAGES = ("edgefil", "edge_client", "coordinator", "firmware_sim", "models")  # their loggers follow --log-level
+
 
 def _shape(text: str) -> tuple[int, ...]:
     try:
@@ -112,6 +115,11 @@ def _coordinator(args: argparse.Namespace) -> int:
         from firmware_sim.scenarios import check_scenario
 
         test_sets = check_scenario(config.scenario, Where(args.config).inner("scenario")).build()
+    if args.dashboard is not None:
+        from coordinator.dashboard import start_dashboard
+
+        config.out.mkdir(parents=True, exist_ok=True)
+        start_dashboard(config.out, args.dashboard)  # a daemon thread: it ends with the command
     try:
         with stop_signals():
             results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
@@ -130,7 +138,8 @@ def _fleet_run(args: argparse.Namespace) -> int:
 
     try:
         with stop_signals():
-            results = run_fleet_file(args.fleet_file, resume=args.resume, address=args.address)
+            results = run_fleet_file(args.fleet_file, resume=args.resume, address=args.address,
+                                     dashboard=args.dashboard)
     except KeyboardInterrupt:
         return 130
     except ConnectionError as err:  # a Ray cluster that does not answer
@@ -146,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from edgefil import __version__
 
     parser.add_argument("--version", action="version", version=f"edgefil {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="what edgefil logs: DEBUG, INFO (default), WARNING or ERROR; other libraries log "
+                             "warnings and errors only, and everything at DEBUG")
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a registered model for the devices' trainer backends")
@@ -186,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     coordinator.add_argument("--device", choices=("auto", "cpu", "cuda"),
                              help="where to aggregate (overrides the config)")
+    coordinator.add_argument("--dashboard", metavar="[HOST:]PORT",
+                             help="serve the run's live dashboard there (edgefil dashboard RUN_DIR does it apart)")
     coordinator.set_defaults(run=_coordinator)
 
     fleet = commands.add_parser("fleet", help="virtual devices, a broker and the coordinator on this machine")
@@ -195,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_run.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     fleet_run.add_argument("--address", help="run the workers on this Ray cluster (auto, HOST:PORT or "
                                              "ray://HOST:10001): backend = \"ray\" with [ray] address set")
+    fleet_run.add_argument("--dashboard", metavar="[HOST:]PORT",
+                           help="serve the run's live dashboard there while it runs (e.g. 8765)")
     fleet_run.set_defaults(run=_fleet_run)
 
     from coordinator.broker import add_broker_parser
@@ -209,11 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def configure_logging(level: str) -> None:
+    """edgefil's loggers at `level`; every other library's (onnxscript's optimizer alone logs hundreds of INFO lines
+    per export) at WARNING, unless `level` is DEBUG, which shows everything."""
+    logging.basicConfig(level=level if level == "DEBUG" else "WARNING",
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for package in OWN_PACKAGES:
+        logging.getLogger(package).setLevel(level)
     # onnxruntime.training imports torch's cpp_extension, which warns about a missing CUDA runtime on CPU hosts.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level)
     from edgefil.durable import StateError
     from edgefil.settings import ConfigError
 

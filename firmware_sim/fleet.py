@@ -63,6 +63,7 @@ from typing import Any
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
 from coordinator.config import CoordinatorConfig, RoundSettings
+from coordinator.dashboard import start_dashboard
 from coordinator.pki import make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
@@ -374,7 +375,8 @@ class Fleet:
         attack = self.config.adversary.of(index, self.config.devices)
         adversary = {} if attack is None else {ADVERSARY: {"attack": attack, "fleet_size": self.config.devices}}
         return {
-            **emulation, **adversary, "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
+            "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
@@ -445,16 +447,25 @@ def state_reserve_bytes(artifacts: Path) -> int:
     return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
-def run_fleet_file(path: str | Path, resume: bool = False, address: str | None = None) -> dict[str, Any]:
-    """`edgefil fleet run FLEET.toml [--resume] [--address A]`: the run's results, plus the path of its report;
-    `address`: the workers go to that Ray cluster. The command line turns SIGTERM and SIGHUP into
-    KeyboardInterrupt, so they stop it as Ctrl-C does (the clean-up runs, the run can be resumed)."""
+def run_fleet_file(path: str | Path, resume: bool = False, address: str | None = None,
+                   dashboard: str | None = None) -> dict[str, Any]:
+    """`edgefil fleet run FLEET.toml [--resume] [--address A] [--dashboard [HOST:]PORT]`: the run's results, plus
+    the path of its report; `address`: the workers go to that Ray cluster; `dashboard`: serve the run's dashboard
+    there while it runs. The command line turns SIGTERM and SIGHUP into KeyboardInterrupt, so they stop it as
+    Ctrl-C does (the clean-up runs, the run can be resumed)."""
     config = FleetConfig.load(path)
     if address is not None:
         config = dataclasses.replace(config, backend="ray", ray=dataclasses.replace(config.ray, address=address))
     fleet = Fleet(config)
+    served = None
+    if dashboard is not None:
+        config.out.mkdir(parents=True, exist_ok=True)
+        served = start_dashboard(config.out, dashboard)
     try:
         return fleet.run(resume=resume, file=str(path))
     except KeyboardInterrupt as stop:
         log.warning("stopped (%s); the run resumes with: edgefil fleet run %s --resume", stop or "Ctrl-C", path)
         raise
+    finally:
+        if served is not None:
+            served.stop()

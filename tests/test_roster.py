@@ -53,7 +53,9 @@ def test_a_late_last_will_of_a_replaced_process_is_stale_and_an_old_instance_bac
 
 def test_an_update_records_the_devices_round_store_and_labels():
     roster = Roster(["a"])
-    roster.take_update(update("a", 4, stored_samples=120, stored_bytes=40_000, store_budget_bytes=65_536))
+    roster.take_update(update("a", 4, stored_samples=120, stored_bytes=40_000, store_budget_bytes=65_536,
+                              store_budget_samples=200))
+    assert roster.table()[0]["budget_samples"] == 200
     roster.take_update(update("a", 3, stored_samples=1, stored_bytes=1, store_budget_bytes=0))  # a late resend
     row = roster.table()[0]
     assert row["last_round"] == 4  # never goes back

@@ -35,7 +35,7 @@ def make_record(total_steps: int = 6) -> tuple[RunRecord, Counter[str], LinkCoun
     roster = Roster(["a", "b"])
     state = RunState(weights=np.zeros(3, dtype=np.float32))
     record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {"rounds_per_task": 2}, state, roster,
-                       counters, traffic, total_steps=total_steps)
+                       counters, traffic, total_rounds=total_steps, total_steps=total_steps)
     return record, counters, traffic
 
 
@@ -73,7 +73,7 @@ def test_the_eta_is_the_recent_round_time_times_the_rounds_left():
     record.started_at = 100.0
     close_round(record, 1, 0, [0.5], ended_at=110.0)
     close_round(record, 2, 0, [0.7], ended_at=130.0, task_done=True)
-    assert record.eta_s() == pytest.approx(15.0 * 4)
+    assert record.eta_s() == pytest.approx(15.0 * 4) and record.eta_text() == "; ETA 1 min 0 s"
     live = record.live()
     assert (live["steps_done"], live["steps_total"], live["open_round"]) == (2, 6, None)
     opened = OpenRound.open(3, 1, "m", ["a", "b"], 60.0)

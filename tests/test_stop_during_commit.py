@@ -12,9 +12,10 @@ import signal
 import pytest
 from thread_fleet import run_federation
 
-from coordinator import server
+from coordinator import checkpoint, server
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import load_latest
+from coordinator.run_logs import RESULTS_FILE
 from edgefil.lifetime import uninterrupted
 
 
@@ -50,7 +51,7 @@ def test_a_block_without_a_signal_raises_nothing():
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 def test_ctrl_c_during_a_checkpoint_leaves_results_and_checkpoint_at_the_same_round(tmp_path, export_artifacts,
                                                                                    monkeypatch):
-    real_save = server.save_run_state
+    real_save = checkpoint.save_run_state
     interrupted = []
 
     def save_interrupted(directory, state):  # Ctrl-C as the second round's checkpoint is being written
@@ -59,12 +60,12 @@ def test_ctrl_c_during_a_checkpoint_leaves_results_and_checkpoint_at_the_same_ro
             signal.raise_signal(signal.SIGINT)
         real_save(directory, state)
 
-    monkeypatch.setattr(server, "save_run_state", save_interrupted)
+    monkeypatch.setattr(checkpoint, "save_run_state", save_interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_federation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), {"store": {"max_samples": 100}},
                        {"name": "fedavg"}, rounds_per_task=3)
     assert interrupted == [2]
-    results = json.loads((tmp_path / "run" / server.RESULTS_FILE).read_text())
+    results = json.loads((tmp_path / "run" / RESULTS_FILE).read_text())
     latest = load_latest(tmp_path / "run" / server.CHECKPOINT_DIR)
     assert latest is not None
     state, _ = latest

@@ -102,8 +102,8 @@ class Dashboard:
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else str(host)
+        host, port = str(self.server.server_address[0]), self.server.server_address[1]
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}/" + (f"?token={self.token}" if self.token else "")
 
     def start(self) -> Dashboard:

@@ -82,18 +82,20 @@ function drawDevices(run) {
     tr.append(el("td", d.device), el("td", d.profile || "–"), el("td", d.backend || "–"),
       el("td", state, "state-" + (state === "not seen" ? "unseen" : state)), el("td", d.last_round || "–"));
     const store = el("td");
-    if (d.stored_bytes !== null && d.stored_bytes !== undefined) {
-      if (d.budget_bytes) {
-        const bar = el("span", null, "store");
-        const fill = el("div", null, d.stored_bytes > d.budget_bytes ? "over" : "");
-        fill.style.width = Math.min(100, 100 * d.stored_bytes / d.budget_bytes) + "%";
-        bar.append(fill);
-        store.append(bar, document.createTextNode(bytes(d.stored_bytes) + " / " + bytes(d.budget_bytes)));
-      } else {
-        store.textContent = bytes(d.stored_bytes) + (d.stored_samples !== null ? " (" + d.stored_samples + " samples)" : "");
-      }
+    const meter = (used, budget, text) => {
+      const bar = el("span", null, "store");
+      const fill = el("div", null, used > budget ? "over" : "");
+      fill.style.width = Math.min(100, 100 * used / budget) + "%";
+      bar.append(fill);
+      store.append(bar, document.createTextNode(text));
+    };
+    if (d.budget_samples && d.stored_samples !== null && d.stored_samples !== undefined) {
+      meter(d.stored_samples, d.budget_samples, d.stored_samples + " / " + d.budget_samples + " samples, " +
+        bytes(d.stored_bytes));
+    } else if (d.budget_bytes && d.stored_bytes !== null && d.stored_bytes !== undefined) {
+      meter(d.stored_bytes, d.budget_bytes, bytes(d.stored_bytes) + " / " + bytes(d.budget_bytes));
     } else {
-      store.textContent = "–";
+      store.textContent = d.stored_bytes === null || d.stored_bytes === undefined ? "–" : bytes(d.stored_bytes);
     }
     tr.append(store, el("td", d.error ? "round " + d.error_round + ": " + d.error : "", "error"));
     return tr;
@@ -153,7 +155,8 @@ function lineChart(id, title, names, xs, series, format) {
     const opts = {
       width, height: 220, title,
       scales: { x: { time: false } },
-      axes: [{ label: "step (round)" }, { values: (u, v) => v.map(format) }],
+      axes: [{ label: "step (round)", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] },
+        { values: (u, v) => v.map(format), size: 70 }],
       series: [{ label: "step" }, ...names.map((name, i) => ({
         label: name, stroke: palette[i % palette.length], width: 2, spanGaps: false,
         value: (u, v) => (v === null || v === undefined ? "–" : format(v)),
@@ -201,7 +204,9 @@ function drawSettings(view, run) {
     rows.push(tr);
   };
   const fleet = view.fleet || {};
-  add("scenario", run.scenario && (run.scenario.preset || run.scenario.name || JSON.stringify(run.scenario)));
+  const scenario = run.scenario || {};
+  add("scenario", scenario.preset || [scenario.dataset, scenario.kind, scenario.n_tasks && scenario.n_tasks + " tasks",
+    scenario.n_clients && scenario.n_clients + " clients"].filter(Boolean).join(", ") || scenario.test_data);
   add("rule", run.strategy && run.strategy.name);
   add("policy", fleet.policy && fleet.policy.name);
   add("budget M", fleet.store);

@@ -1,0 +1,203 @@
+"""The live dashboard (coordinator/dashboard/): what it serves and to whom, and, in Debian's chromium driven by
+selenium, the page of a running 10-device fleet (every device, the round advancing) and of the finished run (the
+accuracy matrix). The browser test saves screenshots under runs/test-screenshots/ for a person to look at."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from fleet_harness import default_signals
+
+from coordinator.broker import mosquitto_path
+from coordinator.dashboard import Dashboard
+from edgefil.cli import OWN_PACKAGES
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOTS = ROOT / "runs" / "test-screenshots"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+FLEET = """
+name = "watched"
+out = "run"
+devices = 10
+workers = 2
+broker = "{broker}"
+scenario = {{preset = "digits-class", n_tasks = 3}}
+profiles = {{raspberry-pi-4-4gb = 4, raspberry-pi-zero-2w = 2, jetson-nano = 2, jetson-orin-nano = 2}}
+[policy]
+name = "refed"
+[store]
+max_samples = 120
+[client]
+epochs = 10
+[coordinator]
+rounds_per_task = 3
+min_clients = 5
+deadline_s = 60.0
+"""
+
+
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_a_dashboard_serves_the_run_folders_newest_record_and_nothing_else(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"fleet": "f", "outcome": "complete", "history": []}))
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0).start()
+    try:
+        base = dashboard.url
+        status, body = get(base + "api/run")
+        assert status == 200 and json.loads(body)["run"]["outcome"] == "complete"
+        (tmp_path / "live.json").write_text('{"fleet": "f", "outcome": "running", "loss": NaN}')
+        status, body = get(base + "api/run")
+        view = json.loads(body)  # strict JSON: the NaN a browser could not parse is null
+        assert view["run"]["outcome"] == "running" and view["run"]["loss"] is None
+        status, page = get(base)
+        assert status == 200 and b"dashboard.js" in page
+        assert get(base + "static/uPlot.iife.min.js")[0] == 200
+        for path in ("static/../../results.json", "static/fleet.json", "etc/passwd", "static/"):
+            assert get(base + path)[0] == 404, path
+    finally:
+        dashboard.stop()
+
+
+def test_off_loopback_the_dashboard_needs_its_token(tmp_path):
+    assert Dashboard(tmp_path, "127.0.0.1", 0).token is None  # loopback: no token unless asked for
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0, token="s3cret").start()  # as bound elsewhere
+    try:
+        plain = dashboard.url.split("?")[0]
+        assert dashboard.url.endswith("?token=s3cret")
+        assert get(plain)[0] == 403 and get(plain + "api/run")[0] == 403
+        assert get(plain + "api/run?token=wrong")[0] == 403
+        assert get(plain + "api/run?token=s3cret")[0] == 200
+        assert get(plain + "api/run", token="s3cret")[0] == 200
+    finally:
+        dashboard.stop()
+
+
+def test_a_dashboard_that_cannot_listen_leaves_the_run_alone(tmp_path, caplog):
+    from coordinator.dashboard import start_dashboard
+
+    first = Dashboard(tmp_path, "127.0.0.1", 0)
+    try:
+        taken = first.server.server_address[1]
+        assert start_dashboard(tmp_path, f"127.0.0.1:{taken}") is None
+        assert "the run goes on without it" in caplog.text
+    finally:
+        first.server.server_close()
+
+
+def browser(tmp_path: Path):  # noqa: ANN201 (selenium's driver)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1400,1500", f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def wait_for(condition, timeout: float, what: str):  # noqa: ANN001, ANN201
+    """Poll `condition` until it returns something true (its value); fail naming `what` after `timeout`, which is a
+    ceiling for a stuck run, not a measure of speed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"the dashboard never showed {what} within {timeout:.0f} s")
+
+
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
+def test_the_browser_shows_a_running_fleets_devices_and_rounds_and_the_finished_runs_matrix(tmp_path):
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(FLEET.format(broker="auto" if mosquitto_path() else "embedded"))
+    log = tmp_path / "fleet.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgefil.cli", "fleet", "run", str(fleet_file), "--dashboard", "127.0.0.1:0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    driver = None
+    try:
+        url = wait_for(lambda: next((line.split("dashboard: ")[1].strip() for line in list(lines)
+                                     if "dashboard: http" in line), None), 120, "its address (the fleet's log)")
+        driver = browser(tmp_path)
+        driver.get(url + "?refresh=200")
+
+        # read in one script each: the page redraws its tables every refresh, so elements found earlier go stale
+        def devices() -> list[list[str]]:
+            return driver.execute_script(
+                "return [...document.querySelectorAll('#devices tbody tr')]"
+                ".map(r => [...r.querySelectorAll('td')].map(c => c.textContent));")
+
+        def progress() -> tuple[int, int, str]:
+            done, total, outcome = driver.execute_script(
+                "const p = document.getElementById('progress-text');"
+                "return [p.dataset.done || 0, p.dataset.total || 0, document.getElementById('outcome').textContent];")
+            return int(done), int(total), outcome
+
+        shown = wait_for(lambda: (d := devices()) and len(d) == 10 and all(r[3] == "online" for r in d) and d,
+                         180, "ten devices online")
+        assert [r[0] for r in shown] == [f"dev-{i:03d}" for i in range(10)]
+        assert {r[1] for r in shown} == {"raspberry-pi-4-4gb", "raspberry-pi-zero-2w", "jetson-nano",
+                                         "jetson-orin-nano"}
+        seen_while_running = set()
+
+        def advanced() -> bool:
+            done, total, outcome = progress()
+            if outcome == "running":
+                seen_while_running.add(done)
+            return len(seen_while_running - {0}) >= 2 or outcome != "running"
+
+        wait_for(advanced, 300, "the rounds advance")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(SCREENSHOTS / "dashboard-running.png"))
+        assert len(seen_while_running - {0}) >= 2, f"the page went from {sorted(seen_while_running)} to the end"
+        assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
+        wait_for(lambda: progress()[2] == "complete", 30, "the run complete")
+        done, total, _ = progress()
+        assert done == total == 9
+        results = json.loads((tmp_path / "run" / "results.json").read_text())
+        expected = [f"{100 * a:.1f}" for row in results["accuracy_matrix"] for a in row]
+        shown_matrix = wait_for(lambda: driver.execute_script(
+            "return [...document.querySelectorAll('#matrix td')].map(c => c.textContent).filter(t => t);"),
+            30, "the accuracy matrix")
+        assert shown_matrix == expected and len(expected) == 6
+        driver.save_screenshot(str(SCREENSHOTS / "dashboard-finished.png"))
+        assert (SCREENSHOTS / "dashboard-finished.png").stat().st_size > 10_000
+        # the command's console: its own log lines only (an export logged hundreds of onnxscript INFO lines)
+        logged = [line.split()[2] for line in lines if LOG_LINE.match(line)]
+        assert logged and all(name.split(".")[0] in OWN_PACKAGES for name in logged), sorted(set(logged))
+    finally:
+        if driver is not None:
+            driver.quit()
+        if proc.poll() is None:  # SIGTERM stops a fleet cleanly (its device disks unmounted); SIGKILL if it hangs
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.write_text("".join(lines))
