@@ -123,7 +123,7 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write a file only the owner can read, replacing any old one in one step."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -276,8 +276,8 @@ class MosquittoBroker:
         """Write mosquitto.conf, the hashed passwd and the acl into the workdir; return the config's path."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._write_passwords(self.workdir / "passwd")
-        _write_private(self.workdir / "acl", self._acl())
-        _write_private(self.conf_path, self._conf())
+        write_private(self.workdir / "acl", self._acl())
+        write_private(self.conf_path, self._conf())
         return self.conf_path
 
     def _log_size(self) -> int:

@@ -10,6 +10,8 @@ writes, into `--out` (private files 0600):
                                     (coordinator/broker.py writes them, as for a simulated fleet)
     coordinator.toml                the coordinator's [broker] table (username, password, cafile; with
                                     --client-certs its certificate, devices/coordinator.crt and .key)
+    observer.toml                   a read-only account on the fleet's topics, with `fleet`: for `edgefil watch
+                                    --config observer.toml` (with --client-certs its certificate too)
     devices/<id>.toml               each device's [broker] table; with --client-certs also devices/<id>.crt, .key
     devices/ca.crt                  a copy of the CA's certificate: devices/ holds all a device needs
 
@@ -30,12 +32,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password
+from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password, write_private
 from edgefil import topics
 from edgefil.settings import dump_toml, load_toml
 
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 DEFAULT_DAYS = 825
+OBSERVER = "observer"  # the read-only account of `edgefil watch`
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -110,15 +113,15 @@ def _password_in(table: Path) -> str | None:
     return load_toml(table).get("broker", {}).get("password")
 
 
-def _broker_table(path: Path, host: str, port: int, username: str, password: str, cafile: str,
-                  client_cert: tuple[str, str] | None) -> None:
-    values: dict[str, str | int] = {"host": host, "port": port, "username": username, "password": password,
-                                    "cafile": cafile}
+def _broker_table(path: Path, host: str, port: int, username: str, password: str, cafile: str | None,
+                  client_cert: tuple[str, str] | None, fleet: str | None = None) -> None:
+    """A private file with a [broker] table (and `fleet`, for an observer's file)."""
+    values: dict[str, str | int] = {"host": host, "port": port, "username": username, "password": password}
+    if cafile is not None:
+        values["cafile"] = cafile
     if client_cert is not None:
         values.update(certfile=client_cert[0], keyfile=client_cert[1])
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(dump_toml({"broker": values}))
+    write_private(path, dump_toml({**({"fleet": fleet} if fleet else {}), "broker": values}))
 
 
 def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts: Sequence[str], port: int = 8883,
@@ -127,6 +130,8 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
     """Everything the module docstring lists; the broker object whose files were written (its `start()` runs
     mosquitto with them)."""
     topics.check_name(fleet, "fleet")
+    if OBSERVER in devices:
+        raise ValueError(f"{OBSERVER!r} is the observer's account: choose another device id")
     out = out.resolve()
     (out / "devices").mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
@@ -134,8 +139,9 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
     tls = make_server_cert(out, hosts, days)
     passwords = {d: _password_in(out / "devices" / f"{d}.toml") or generate_password() for d in devices}
     coordinator = Credentials("coordinator", _password_in(out / "coordinator.toml") or generate_password())
+    observer = Credentials(OBSERVER, _password_in(out / "observer.toml") or generate_password())
     broker = MosquittoBroker(out, fleet, passwords, coordinator, host=bind, port=port, tls=tls,
-                             require_certificate=client_certs)
+                             require_certificate=client_certs, observers={observer.username: observer.password})
     broker.write_config()
     coordinator_cert = None
     if client_certs:
@@ -143,6 +149,12 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
         coordinator_cert = (f"devices/{made[0].name}", f"devices/{made[1].name}")
     _broker_table(out / "coordinator.toml", hosts[0], port, coordinator.username, coordinator.password,
                   "ca.crt", coordinator_cert)
+    observer_cert = None
+    if client_certs:
+        made = make_client_cert(out, observer.username, days)
+        observer_cert = (f"devices/{made[0].name}", f"devices/{made[1].name}")
+    _broker_table(out / "observer.toml", hosts[0], port, observer.username, observer.password, "ca.crt",
+                  observer_cert, fleet=fleet)
     for device, password in passwords.items():
         cert = None
         if client_certs:
@@ -160,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote TLS material, mosquitto's files and {len(devices)} device tables to {broker.workdir}\n"
           f"  broker:      mosquitto -c {broker.conf_path}\n"
           f"  coordinator: copy the [broker] table of coordinator.toml into its config (with ca.crt beside it)\n"
+          f"  watching:    edgefil watch --config {broker.workdir / 'observer.toml'}\n"
           f"  devices:     copy devices/<id>.toml's [broker] table and ca.crt to each device")
     return 0
 

@@ -61,10 +61,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password, mosquitto_path
+from coordinator.broker import (
+    Credentials,
+    EmbeddedBroker,
+    MosquittoBroker,
+    generate_password,
+    mosquitto_path,
+    write_private,
+)
 from coordinator.config import CoordinatorConfig, RoundSettings
 from coordinator.dashboard import start_dashboard
-from coordinator.pki import make_ca, make_server_cert
+from coordinator.pki import OBSERVER, make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import StoreSettings, TrainerSettings
@@ -72,7 +79,7 @@ from edge_client.policies import POLICIES, check_policy
 from edge_client.trainers.choice import resolve_backend
 from edgefil.durable import write_atomically
 from edgefil.link import BrokerSettings
-from edgefil.settings import Where, build, check_options, load_toml
+from edgefil.settings import Where, build, check_options, dump_toml, load_toml
 from edgefil.topics import check_name
 from firmware_sim import disk
 from firmware_sim.adversary import AdversarySettings
@@ -256,6 +263,7 @@ class Fleet:
         self.scenario = config.scenario_table()
         self.passwords = {d: generate_password() for d in config.device_ids}
         self.coordinator_password = generate_password()
+        self.observer_password = generate_password()
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
         self.workers: ProcessWorkers | RayWorkers | None = None
         self.keepalive: int | None = None  # the clients' MQTT keepalive (None: their default), for the workers' cores
@@ -345,12 +353,23 @@ class Fleet:
             tls = make_server_cert(folder, sorted({LOOPBACK, host}))
         broker: MosquittoBroker | EmbeddedBroker = (
             MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
-                            Credentials("coordinator", self.coordinator_password), tls=tls, host=host)
+                            Credentials("coordinator", self.coordinator_password), tls=tls, host=host,
+                            observers={OBSERVER: self.observer_password})
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()
+        self._write_observer_file(broker)
         log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
         return broker
+
+    def _write_observer_file(self, broker: MosquittoBroker | EmbeddedBroker) -> None:
+        """broker/observer.toml: what `edgefil watch --config` needs to follow this fleet's traffic (private)."""
+        settings = self._settings(OBSERVER, self.observer_password)
+        if isinstance(broker, EmbeddedBroker):  # no accounts there
+            settings = {k: v for k, v in settings.items() if k not in ("username", "password")}
+        folder = self.config.out / "broker"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_private(folder / "observer.toml", dump_toml({"fleet": self.config.name, "broker": settings}))
 
     def _settings(self, username: str, password: str) -> dict[str, Any]:
         if self.broker is None:
