@@ -289,6 +289,7 @@ class Fleet:
             self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
             self.broker = self._start_broker(self.workers.broker_host)
+            self._write_observer_file(self.broker)
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
@@ -358,7 +359,6 @@ class Fleet:
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()
-        self._write_observer_file(broker)
         log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
         return broker
 

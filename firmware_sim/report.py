@@ -74,6 +74,15 @@ def reported_budgets(results: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
+def reported_sample_budgets(results: Mapping[str, Any]) -> dict[str, int]:
+    """Each device's sample budget M, as its updates report it (devices without one are left out)."""
+    return {
+        device: int(metrics["store_budget_samples"])
+        for entry in results["history"] for device, metrics in entry["metrics"].items()
+        if metrics.get("store_budget_samples")
+    }
+
+
 def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The numbers a report shows. Accuracy metrics come from the accuracy matrix (None before a task completes);
     "average_accuracy" is the average incremental accuracy (the final-style accuracy after each task, averaged
@@ -106,18 +115,37 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
         "traffic": traffic_summary(sent, received),
         "storage": storage,
         "device_seconds": {d: float(sum(s)) if s else None for d, s in _series(reports, "device_seconds").items()},
+        "stored_samples": {d: {"peak": max(s), "budget": reported_sample_budgets(results).get(d)}
+                           for d, s in _series(reports, "stored_samples").items() if s},
+        "devices": {d["device"]: d for d in results.get("devices", [])},  # the coordinator's roster at the end
         "refusals": dict(results.get("counters", {})),
     }
 
 
-def _round_accuracy(history: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+def _round_axis(history: Sequence[Mapping[str, Any]], rounds_per_task: int) -> list[float]:
+    """Where each history entry goes on a round axis: a trained round at its number; an evaluation-only task (a
+    Fixed run past its `train_tasks`, which keeps the round count) `rounds_per_task` further on than the entry
+    before it, where the task would have ended had it been trained. So a Fixed run is drawn task by task beside
+    the runs that train every task, not as a vertical line at its last trained round."""
+    xs: list[float] = []
+    for entry in history:
+        xs.append(xs[-1] + rounds_per_task if xs and entry.get("trained") is False else float(entry["round"]))
+    return xs
+
+
+def _rounds_per_task(results: Mapping[str, Any]) -> int:
+    return int((results.get("settings") or {}).get("rounds_per_task") or 1)
+
+
+def _round_accuracy(results: Mapping[str, Any]) -> tuple[list[float], list[float]]:
     """Per round: the global model's mean accuracy over the tasks seen so far (the coordinator's final_accuracy)."""
-    return [e["round"] for e in history], [float(np.mean(e["accuracy"])) for e in history]
+    history = results["history"]
+    return _round_axis(history, _rounds_per_task(results)), [float(np.mean(e["accuracy"])) for e in history]
 
 
-def _round_iaa(history: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+def _round_iaa(results: Mapping[str, Any]) -> tuple[list[int], list[float]]:
     """Per round that carries one: pFedGRP's IAA (flowing runs)."""
-    points = [(e["round"], float(e["iaa"])) for e in history if "iaa" in e]
+    points = [(e["round"], float(e["iaa"])) for e in results["history"] if "iaa" in e]
     return [r for r, _ in points], [v for _, v in points]
 
 
@@ -157,6 +185,9 @@ def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
     from firmware_sim.scenario_kinds import KINDS
     from firmware_sim.scenarios import Scenario
 
+    if "kind" not in scenario and "test_data" in scenario:  # a deployment's test sets, not a scenario
+        return (f"test sets from `{scenario['test_data']}`, {scenario.get('n_tasks', '?')} tasks",
+                lambda t: f"task {t}")
     fields = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(Scenario)}
     recorded: Any = SimpleNamespace(**{**fields, **scenario})
     try:
@@ -167,7 +198,62 @@ def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
     return kind.setting(recorded), lambda t: kind.task_label(recorded, t)
 
 
-def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
+def _devices_markdown(s: Mapping[str, Any]) -> str:
+    """One row per device: its profile and state at the end (the roster's, where the run has one), its peak store
+    against its budget, its traffic, and the last reason it gave for not training."""
+    traffic, roster = s["traffic"]["devices"], s["devices"]
+    names = sorted(traffic.keys() | roster.keys() | s["storage"].keys())
+
+    def stored(d: str) -> str:
+        samples = s["stored_samples"].get(d)
+        if samples is not None and samples["budget"]:
+            return f"{samples['peak']} / M = {samples['budget']}"
+        peak, budget = s["storage"].get(d, {}).get("peak"), s["storage"].get(d, {}).get("budget")
+        return _bytes(peak) + (f" / {_bytes(budget)}" if budget else "")
+
+    def reason(d: str) -> str:
+        row = roster.get(d, {})
+        return f"round {row['error_round']}: {row['error']}" if row.get("error") else ""
+
+    rows = [[d, roster.get(d, {}).get("profile") or "—", roster.get(d, {}).get("state", "—"), stored(d),
+             _bytes(traffic.get(d, {}).get("sent")), _bytes(traffic.get(d, {}).get("received")),
+             "—" if s["device_seconds"].get(d) is None else f"{s['device_seconds'][d]:.2f}", reason(d)]
+            for d in names]
+    table = _table(["device", "profile", "state at the end", "peak stored / budget", "sent", "received",
+                    "device seconds", "last reason it could not train"], rows)
+    silent = [d for d, row in roster.items() if d not in traffic and row.get("state") != "no-data"]
+    return table + (f"\n\nNever delivered an update: {', '.join(silent)}." if silent else "")
+
+
+def _settings_markdown(results: Mapping[str, Any], fleet: Mapping[str, Any]) -> str:
+    """What this run compared: its policy and budget M (a fleet's fleet.json), E and the other round settings, the
+    rule, the devices' profiles."""
+    settings = results.get("settings") or {}
+    client = {**(fleet.get("client") or {}), **(settings.get("client") or {})}
+    policy, budget = describe_policy(fleet) if fleet else ("—", "—")
+    roster = results.get("devices") or []
+    profiles = fleet.get("profiles") or {}
+    if not profiles and roster:
+        counted: dict[str, int] = {}
+        for row in roster:
+            counted[row.get("profile") or "unknown"] = counted.get(row.get("profile") or "unknown", 0) + 1
+        profiles = counted
+    rows = [
+        ["replay policy", policy], ["budget M", budget],
+        ["local epochs E", client.get("epochs", "the devices' own")],
+        ["learning rate", client.get("lr", "the devices' own")],
+        ["aggregation rule", describe_rule(results.get("strategy", {}))],
+        ["rounds per task", settings.get("rounds_per_task", "—")],
+        ["quorum / selected share", f"{settings.get('min_clients', '—')} / {settings.get('fraction', '—')}"],
+        ["devices", ", ".join(f"{n} {p}" for p, n in profiles.items()) or settings.get("devices", "—")],
+    ]
+    if settings.get("train_tasks"):
+        rows.append(["trained tasks", f"the first {settings['train_tasks']} (the rest evaluated only)"])
+    return _table(["setting", "value"], rows)
+
+
+def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, Any],
+                      fleet: Mapping[str, Any] | None = None) -> str:
     sc, strategy = results["scenario"], dict(results["strategy"])
     name = strategy.pop("name", "?")
     options = ", ".join(f"{k}={v}" for k, v in strategy.items())
@@ -195,18 +281,17 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
                     [[names(i)] + [_pct(v) if j <= i else "" for j, v in enumerate(row)] for i, row in enumerate(acc)]
                     ) if acc is not None else "No task completed yet."
     cor = _table(["task", "rounds to best"], [[names(t), "—" if c is None else c] for t, c in enumerate(s["cor"])])
-    devices = _table(["device", "peak stored", "sent", "received", "device seconds"], [
-        [d, _bytes(s["storage"].get(d, {}).get("peak")), _bytes(t["sent"]), _bytes(t["received"]),
-         "—" if s["device_seconds"].get(d) is None else f"{s['device_seconds'][d]:.2f}"]
-        for d, t in traffic["devices"].items()
-    ])
+    devices = _devices_markdown(s)
     refusals = _table(["reason", "count"], sorted(s["refusals"].items())) if s["refusals"] else "None."
     setting = _described(sc)[0]
+    data = f"scenario `{sc['dataset']}`, {setting}" if "dataset" in sc else setting
     return "\n\n".join([
         f"# Run report: {label}",
-        f"Fleet `{results.get('fleet', '?')}`, strategy `{name}`{f' ({options})' if options else ''}; scenario "
-        f"`{sc.get('dataset', '?')}`, {setting}.",
+        f"Fleet `{results.get('fleet', '?')}`, strategy `{name}`{f' ({options})' if options else ''}; {data}"
+        + (f"; outcome {results['outcome']}." if "outcome" in results else "."),
         headline,
+        "## What was run",
+        _settings_markdown(results, fleet or {}),
         "## Accuracy matrix\n\nRow i: the global model after task i, on each task seen so far.",
         matrix,
         "## Rounds to best accuracy (CoR)\n\nPer task: rounds from its start until its best accuracy (1 = first).",
@@ -249,19 +334,25 @@ def describe_rule(strategy: Mapping[str, Any]) -> str:
 def _comparison_markdown(labels: Sequence[str], runs: Sequence[Mapping[str, Any]],
                          summaries: Sequence[Mapping[str, Any]], fleets: Sequence[Mapping[str, Any]]) -> str:
     with_iaa = any(s["aa"] is not None for s in summaries)
+    described = [dict(zip(("policy", "budget"), describe_policy(fleet)), aggregation=describe_rule(results["strategy"]),
+                      E=str({**(fleet.get("client") or {}), **(results.get("settings") or {}).get("client", {})}
+                            .get("epochs", "—")))
+                 for results, fleet in zip(runs, fleets)]
+    differ = [k for k in described[0] if len({d[k] for d in described}) > 1]  # what the comparison is about
+    shared = [f"{k} {described[0][k]}" for k in described[0] if k not in differ and described[0][k] != "—"]
     rows = []
-    for label, results, s, fleet in zip(labels, runs, summaries, fleets):
+    for label, s, what in zip(labels, summaries, described):
         cor = _mean_cor(s)
         peaks = [p["peak"] for p in s["storage"].values()]
-        rows.append([label, *describe_policy(fleet), describe_rule(results["strategy"]), s["rounds"],
-                     _pct(s["final_accuracy"]),
+        rows.append([label, *(what[k] for k in differ), s["rounds"], _pct(s["final_accuracy"]),
                      _pct(s["average_accuracy"]), _pct(s["forgetting"]), _pct(s["backward_transfer"]),
                      *([_pct(s["aa"]), _pct(s["afm"])] if with_iaa else []),
                      "—" if cor is None else f"{cor:.2f}",
                      _bytes(s["traffic"]["sent"] + s["traffic"]["received"]), _bytes(max(peaks, default=None))])
-    header = ["run", "policy", "budget", "aggregation", "rounds", "final acc.", "average acc.", "forgetting", "BWT",
+    header = ["run", *differ, "rounds", "final acc.", "average acc.", "forgetting", "BWT",
               *(["AA", "AFM"] if with_iaa else []), "mean CoR", "device traffic", "max peak stored"]
-    return "# Run comparison\n\n" + _table(header, rows) + "\n"
+    alike = f"Every run: {', '.join(shared)}.\n\n" if shared and len(runs) > 1 else ""
+    return "# Run comparison\n\n" + alike + _table(header, rows) + "\n"
 
 
 # --- plots --------------------------------------------------------------------------------------------------
@@ -296,20 +387,35 @@ def _plot_matrix(acc: np.ndarray | None, path: Path) -> Path:
     return path
 
 
-def _plot_per_task(history: Sequence[Mapping[str, Any]], path: Path,
+def _evaluated_only(history: Sequence[Mapping[str, Any]]) -> bool:
+    return any(e.get("trained") is False for e in history)
+
+
+def _plot_per_task(results: Mapping[str, Any], path: Path,
                    names: Callable[[int], str] = lambda t: f"task {t}") -> Path:
+    history = results["history"]
+    xs = _round_axis(history, _rounds_per_task(results))
     fig = _figure(8, 4.5)
     ax = fig.add_subplot()
     tasks = max((e["task"] for e in history), default=-1) + 1
     for t in range(tasks):
-        points = [(e["round"], e["accuracy"][t]) for e in history if len(e["accuracy"]) > t]
-        ax.plot(*zip(*points), marker="o", markersize=3, label=names(t))
-        ax.axvline(min(e["round"] for e in history if e["task"] == t) - 0.5, color="grey", lw=0.5, ls=":")
+        points = [(x, e["accuracy"][t], e.get("trained") is not False)
+                  for x, e in zip(xs, history) if len(e["accuracy"]) > t]
+        line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=names(t),
+                       drawstyle="steps-post" if _evaluated_only(history) else "default")[0]
+        untrained = [p for p in points if not p[2]]
+        if untrained:  # evaluated, not trained: hollow
+            ax.plot([p[0] for p in untrained], [p[1] for p in untrained], ls="none", marker="o", markersize=6,
+                    markerfacecolor="white", color=line.get_color())
+        start = min(x for x, e in zip(xs, history) if e["task"] == t)
+        ax.axvline(start - 0.5, color="grey", lw=0.5, ls=":")
     if history:
-        ax.plot(*_round_accuracy(history), color="black", lw=2, ls="--", label="mean of seen tasks")
+        ax.plot(*_round_accuracy(results), color="black", lw=2, ls="--", label="mean of seen tasks",
+                drawstyle="steps-post" if _evaluated_only(history) else "default")
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel("round (dotted: a task starts)")
+    ax.set_xlabel("round (dotted: a task starts; hollow: evaluated only, not trained)"
+                  if _evaluated_only(history) else "round (dotted: a task starts)")
     ax.set_ylabel("accuracy of the global model")
     ax.set_title("Accuracy on each task over rounds")
     fig.savefig(path, dpi=120)
@@ -331,9 +437,22 @@ def _plot_devices(summary: Mapping[str, Any], path: Path) -> Path:
     x = np.arange(len(devices))
     fig = _figure(max(8, 0.35 * len(devices) + 3), 4.5)
     left, right = fig.subplots(1, 2)
-    left.bar(x, [storage.get(d, {}).get("peak", 0) / 1e3 for d in devices], color="tab:green")
-    left.set_ylabel("kB")
-    left.set_title("Peak stored bytes (replay)")
+    samples = summary["stored_samples"]
+    if any(samples.get(d, {}).get("budget") for d in devices):  # a sample budget M: stored samples against it
+        left.bar(x, [samples.get(d, {}).get("peak", 0) for d in devices], color="tab:green")
+        budgets = [samples.get(d, {}).get("budget") for d in devices]
+        left.set_ylabel("samples")
+        left.set_title("Peak stored samples and the budget M")
+    else:
+        left.bar(x, [storage.get(d, {}).get("peak", 0) / 1e3 for d in devices], color="tab:green")
+        budgets = [(storage.get(d, {}).get("budget") or 0) / 1e3 or None for d in devices]
+        left.set_ylabel("kB")
+        left.set_title("Peak stored bytes and the budget M")
+    drawn = [(i, b) for i, b in enumerate(budgets) if b]
+    if drawn:
+        left.hlines([b for _, b in drawn], [i - 0.45 for i, _ in drawn], [i + 0.45 for i, _ in drawn],
+                    color="tab:red", lw=2, label="budget M")
+        left.legend(fontsize="small", loc="lower right")
     for offset, key, colour in ((-0.2, "sent", "tab:blue"), (0.2, "received", "tab:orange")):
         right.bar(x + offset, [traffic.get(d, {}).get(key, 0) / 1e6 for d in devices], width=0.4, color=colour,
                   label=key)
@@ -356,7 +475,7 @@ def _plot_iaa(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
             clients.setdefault(device, []).append((entry["round"], accuracy))
     for i, points in enumerate(clients.values()):
         ax.plot(*zip(*points), color="grey", lw=0.7, alpha=0.6, label="a client" if i == 0 else None)
-    ax.plot(*_round_iaa(history), color="black", lw=2, marker="o", markersize=3, label="IAA")
+    ax.plot(*_round_iaa({"history": history}), color="black", lw=2, marker="o", markersize=3, label="IAA")
     ax.legend(fontsize="small")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("round")
@@ -375,7 +494,8 @@ def _plot_comparison(labels: Sequence[str], runs: Sequence[Mapping[str, Any]], p
               (_round_iaa, with_iaa, "IAA", "Instant average accuracy per round")][: len(axes)]
     for ax, (curve, shown, ylabel, title) in zip(axes, curves):
         for label, results in shown:
-            ax.plot(*curve(results["history"]), marker="o", markersize=3, label=label)
+            ax.plot(*curve(results), marker="o", markersize=3, label=label,
+                    drawstyle="steps-post" if _evaluated_only(results["history"]) else "default")
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
@@ -395,11 +515,12 @@ def write_report(folder: str | Path, results: Mapping[str, Any] | None = None) -
     results = load_run(folder) if results is None else results
     summary = run_summary(results)
     markdown = folder / "summary.md"
-    markdown.write_text(_summary_markdown(results.get("label") or folder.resolve().name, results, summary))
+    markdown.write_text(_summary_markdown(results.get("label") or folder.resolve().name, results, summary,
+                                          load_fleet(folder)))
     return [
         markdown,
         _plot_matrix(summary["accuracy_matrix"], folder / "accuracy_matrix.png"),
-        _plot_per_task(results["history"], folder / "accuracy_per_task.png", _described(results["scenario"])[1]),
+        _plot_per_task(results, folder / "accuracy_per_task.png", _described(results["scenario"])[1]),
         _plot_devices(summary, folder / "storage_traffic.png"),
         *([_plot_iaa(results["history"], folder / "iaa.png")] if summary["iaa"] is not None else []),
     ]

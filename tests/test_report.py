@@ -86,7 +86,7 @@ def test_write_report_writes_the_summary_and_three_pngs(tmp_path):
     s = run_summary(results())
     for expected in ("refed-run", f"{s['final_accuracy']:.2%}", f"{s['average_accuracy']:.2%}",
                      f"{s['forgetting']:.2%}", f"{s['backward_transfer']:.2%}", "| task 2 | 45.00% | 65.00% | 85.00% |",
-                     "| dev-b | 12.3 kB | 400 B | 4.0 kB | — |", "| stale | 2 |"):
+                     "| dev-b | — | — | 12.3 kB | 400 B | 4.0 kB | — |  |", "| stale | 2 |"):
         assert expected in text
     for png in paths[1:]:
         data = png.read_bytes()
@@ -108,7 +108,8 @@ def test_compare_runs_writes_a_table_with_every_run_and_a_plot(tmp_path):
     folders = [run_folder(tmp_path, "a", results()), run_folder(tmp_path, "b", results("fedprox", shift=0.1))]
     md, png = compare_runs(folders, tmp_path / "cmp", labels=["avg", "prox"])
     text = md.read_text()
-    assert "| avg | — | — | fedavg | 6 | 65.00% |" in text and "| prox | — | — | fedprox | 6 | 55.00% |" in text
+    assert "| run | aggregation | rounds |" in text  # only what differs between the runs is a column
+    assert "| avg | fedavg | 6 | 65.00% |" in text and "| prox | fedprox | 6 | 55.00% |" in text
     assert "| 1.33 | 11.0 kB | 16.4 kB |" in text  # mean CoR (2+1+1)/3, device traffic, max peak stored
     assert png.read_bytes().startswith(PNG)
     with pytest.raises(ValueError, match="2 runs"):
@@ -128,6 +129,9 @@ def test_a_fleets_runs_are_compared_with_their_policy_budget_and_rule(tmp_path):
     text = compare_runs(folders, tmp_path / "cmp", labels=["quotas", "fixed"])[0].read_text()
     assert "| quotas | refed by class | M = 48 | fedavg (weighted = False) | 6 |" in text
     assert "| fixed | random (trains 1 task only) | M = 48, 65.5 kB | fedavg | 6 |" in text
+    same = compare_runs([folders[0], folders[0]], tmp_path / "same", labels=["x", "y"])[0].read_text()
+    assert "Every run: policy refed by class, budget M = 48, aggregation fedavg (weighted = False)." in same
+    assert "| x | 6 |" in same  # nothing differs: no setting column
 
 
 def parser():
@@ -141,7 +145,7 @@ def test_report_command_compares_several_folders(tmp_path, capsys):
     args = parser().parse_args(["report", str(one), str(two), "--labels", "a,b"])
     assert args.run(args) == 0
     out = capsys.readouterr().out
-    assert "| a | — | — | fedavg |" in out and "| b | — | — | fedavg |" in out
+    assert "Every run: aggregation fedavg." in out and "| a | 6 |" in out and "| b | 6 |" in out
     assert (tmp_path / "comparison" / "comparison.md").exists()
     assert (tmp_path / "comparison" / "comparison.png").exists()
 
@@ -200,3 +204,39 @@ def test_compare_runs_adds_aa_and_afm_columns_when_a_run_has_iaa(tmp_path):
     assert png.read_bytes().startswith(PNG)
     md, _ = compare_runs(folders[1:], tmp_path / "cmp-plain")
     assert "AA" not in md.read_text()
+
+
+def test_a_fixed_runs_evaluation_only_tasks_go_where_their_rounds_would_be_not_on_one_vertical_line():
+    from firmware_sim.report import _round_axis
+
+    history = [{"round": 1, "task": 0}, {"round": 2, "task": 0},
+               {"round": 2, "task": 1, "trained": False}, {"round": 2, "task": 2, "trained": False}]
+    assert _round_axis(history, rounds_per_task=2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_a_summary_says_what_was_run_and_lists_every_device_with_profile_budget_and_last_reason(tmp_path):
+    data = results()
+    for entry in data["history"]:
+        for metrics_ in entry["metrics"].values():
+            metrics_.update(stored_samples=30, store_budget_samples=48)
+    data["settings"] = {"rounds_per_task": 2, "min_clients": 2, "fraction": 1.0, "devices": 3,
+                        "client": {"epochs": 4}}
+    data["devices"] = [
+        {"device": "dev-a", "profile": "jetson-nano", "state": "idle", "error": "", "error_round": None},
+        {"device": "dev-b", "profile": "raspberry-pi-4-4gb", "state": "error", "error": "no room on the disk",
+         "error_round": 5},
+        {"device": "dev-c", "profile": "raspberry-pi-4-4gb", "state": "offline", "error": "", "error_round": None},
+    ]
+    folder = run_folder(tmp_path, "run", data)
+    (folder / "fleet.json").write_text(json.dumps({"policy": {"name": "refed"}, "store": {"max_samples": 48}}))
+    text = write_report(folder)[0].read_text()
+    for expected in ("| replay policy | refed |", "| budget M | M = 48 |", "| local epochs E | 4 |",
+                     "| aggregation rule | fedavg |", "| rounds per task | 2 |",
+                     "| devices | 1 jetson-nano, 2 raspberry-pi-4-4gb |",
+                     "| dev-a | jetson-nano | idle | 30 / M = 48 |",
+                     "| dev-b | raspberry-pi-4-4gb | error | 30 / M = 48 |", "round 5: no room on the disk |",
+                     "Never delivered an update: dev-c."):
+        assert expected in text, expected
+    by_hand = {**results(), "scenario": {"test_data": "tests", "n_tasks": 3}}
+    text = write_report(run_folder(tmp_path, "by-hand", by_hand))[0].read_text()
+    assert "test sets from `tests`, 3 tasks" in text and "?" not in text.splitlines()[2]
