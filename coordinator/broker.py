@@ -255,6 +255,7 @@ class MosquittoBroker:
             lines.append(f"persistence_location {w}/")
         if os.geteuid() == 0:  # started as root, mosquitto switches to user `mosquitto`, who cannot read the workdir
             lines.append("user root")
+        lines.append(f"pid_file {w / 'mosquitto.pid'}")  # `mosquitto -c ... -d`: what to kill to stop it
         lines.append(f"log_dest file {self.log_path}")
         lines += [f"log_type {kind}" for kind in ("error", "warning", "notice", "information")]
         lines.append(f"listener {self.port} {self.host}")

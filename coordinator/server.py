@@ -120,6 +120,7 @@ class Coordinator:
         self._context = RoundContext()  # the round being run, as its rule sees it
         self._weights_chunks: list[bytes] = []
         self._first_round = True
+        self._class_warned: set[tuple[str, int]] = set()  # (device, task) already warned about its classes
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
@@ -143,12 +144,17 @@ class Coordinator:
         complete, stopped, or failed with the reason), with the counters up to the end."""
         self.config.out.mkdir(parents=True, exist_ok=True)
         self.link.start(timeout=connect_timeout)
+        end = topics.to_all(self.config.fleet, "end")
+        self.link.publish(end, b"", retain=True)  # an earlier run's end is not this one's
         try:
             while self.state.task < self.data.n_tasks:
                 if self.config.train_tasks and self.state.task >= self.config.train_tasks:
                     self.evaluate_only()
                 else:
                     self.run_round()
+            if self.record.total_rounds and not self._a_device_trained():
+                raise QuorumError("no device trained in any round: every device reported it cannot train or sent "
+                                  "nothing (their reasons: device_errors in results.json)")
             self.record.outcome = "complete"
         except KeyboardInterrupt:
             self.record.outcome = "stopped"
@@ -157,12 +163,20 @@ class Coordinator:
             self.record.outcome = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
+            if self.record.outcome != "stopped":  # a stopped run resumes: its devices stay
+                self.link.publish(end, wire.encode("end", outcome=self.record.outcome[:wire.MAX_TEXT_CHARS],
+                                                   rounds=self.state.round), retain=True)
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
             self.logs.run_ended()
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
+
+    def _a_device_trained(self) -> bool:
+        """Whether some round aggregated an update a device trained (not the host's)."""
+        return any(set(entry["received"]) - {HOST} and entry.get("samples", 0) > 0 for entry in self.state.history
+                   if entry.get("trained", True))
 
     def round_context(self) -> RoundContext:
         """The next round as a rule sees it (`configure`, `aggregate`)."""
@@ -522,7 +536,22 @@ class Coordinator:
             log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
             return
         self.roster.take_update(update)
+        self._check_classes(update)
         self._aggregate.add(_for_strategy(update))
+
+    def _check_classes(self, update: Update) -> None:
+        """Warn, once per device and task, when its labels hold classes that are not among the tasks' so far: its
+        data follow another class order than the coordinator's test sets, and its accuracy would be garbage."""
+        seen = set(self._context.seen_classes)
+        held = {c for c, n in enumerate(update.label_counts) if n > 0}
+        if self.flowing or not seen or held <= seen or (update.device, update.task) in self._class_warned:
+            return
+        self._class_warned.add((update.device, update.task))
+        self.counters["class-mismatch"] += 1
+        log.warning("%s's data hold classes %s, not among tasks 0..%d's (%s): its task files follow another class "
+                    "order than the coordinator's test sets (edgefil data split writes the order to classes.json)",
+                    update.device, ", ".join(map(str, sorted(held - seen))), self._context.task,
+                    ", ".join(map(str, sorted(seen))))
 
     def _on_refused(self, refused: UpdateRefused) -> None:
         """A selected device's update for the open round was refused (counted where it was): the round stops

@@ -7,6 +7,7 @@
     state_dir = "state/dev-0"          # replay store + client state; survives restarts
     profile = "generic"                # informational: sent at registration
     heartbeat_s = 5.0
+    on_end = "exit"                    # when the coordinator says the run is over: exit, or "wait" for the next
 
     [broker]   host, port, username (defaults to device_id), password, cafile, keepalive
     [trainer]  backend = "auto" | "portable" | "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads, momentum
@@ -100,10 +101,13 @@ class DeviceConfig:
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     data: DataSettings | None = None
     emulation: EmulationSettings | None = None  # virtual devices only
+    on_end: str = "exit"  # when the coordinator says the run is over: "exit", or "wait" for the next run
 
     def __post_init__(self) -> None:
         for key in ("device_id", "fleet"):
             check_name(getattr(self, key), key)
+        if self.on_end not in ("exit", "wait"):
+            raise ValueError(f"on_end must be \"exit\" or \"wait\", got {self.on_end!r}")
 
     @property
     def simulated(self) -> bool:

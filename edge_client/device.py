@@ -48,7 +48,7 @@ from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, split_policy
-from edge_client.sources import TaskSource, open_source
+from edge_client.sources import TaskSource, check_task_data, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.stream import Chunk
@@ -127,6 +127,7 @@ class Device:
         self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
         self.rejected = 0
         self.notices: list[str] = []  # what the coordinator reported about this device
+        self.run_ended: str | None = None  # how the coordinator's run ended, once it says so
         self._last_status = 0.0
         self.stop_requested = threading.Event()
         fleet = config.fleet
@@ -192,6 +193,8 @@ class Device:
             self.rejected += 1
             log.debug("%s ignored a message on %s", self.id, topic)
             return
+        if not len(payload):  # a retained message deleted (the end of an earlier run, cleared): nothing to do
+            return
         try:
             message = wire.decode(payload)
             if message["kind"] == "weights":
@@ -206,6 +209,8 @@ class Device:
                 log.debug("%s ignored a late answer to a request", self.id)
             elif message["kind"] == "notice" and parsed.device == self.id:
                 self._take_notice(message)
+            elif message["kind"] == "end" and parsed.direction == topics.TO_ALL:
+                self._take_end(message)
             else:
                 raise wire.WireError("kind", f"{message['kind']} on {topic}")
         except wire.WireError as err:
@@ -306,6 +311,16 @@ class Device:
             return
         self._train_round(message, self.models[model])
 
+    def _take_end(self, message: wire.Message) -> None:
+        """The coordinator's run is over: exit (`on_end = "exit"`), or stay connected for the next (`"wait"`)."""
+        self.run_ended = f"{message['outcome']} after {message['rounds']} rounds"
+        if self.config.on_end == "exit":
+            log.info("%s: the run is over (%s): exiting", self.id, self.run_ended)
+            self.stop_requested.set()
+        else:
+            log.info("%s: the run is over (%s): waiting for the next one (on_end = \"wait\")", self.id,
+                     self.run_ended)
+
     def _take_notice(self, message: wire.Message) -> None:
         """What the coordinator wants this device's operator to know; a notice about other processes is not
         about this one."""
@@ -350,6 +365,8 @@ class Device:
         disk_full = False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
+            manifest = self.trainer.manifest
+            check_task_data(x, y, manifest.input_shape, manifest.num_classes, task)
             try:
                 with self.environment.turn():
                     self.learner.state.data_task = task  # taken, whatever the store keeps of it

@@ -35,6 +35,24 @@ class FolderSource:
         return x, y
 
 
+def check_task_data(x: np.ndarray, y: np.ndarray, input_shape: tuple[int, ...], num_classes: int, task: int) -> None:
+    """ValueError, in one line, for a task's data the model cannot learn from: the device refuses to train on them
+    and says why (its status "error"), instead of training on whatever survives and reporting an update."""
+    if len(y) == 0:
+        raise ValueError(f"task {task}'s data hold no samples")
+    if tuple(x.shape[1:]) != tuple(input_shape):
+        raise ValueError(f"task {task}'s samples have shape {tuple(x.shape[1:])}, the model takes "
+                         f"{tuple(input_shape)} (edgefil data split writes a model's input format)")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"task {task}'s labels are not one per sample: y has shape {y.shape} for {len(x)} samples")
+    outside = np.unique(y[(y < 0) | (y >= num_classes)])
+    if outside.size:
+        raise ValueError(f"task {task}'s labels {outside[:5].tolist()} are not classes of the model "
+                         f"(0..{num_classes - 1})")
+    if not np.isfinite(x).all():
+        raise ValueError(f"task {task}'s samples hold NaN or infinite values")
+
+
 def open_source(folder: Path | None) -> TaskSource:
     """The device config's `[data] folder`. (A simulated device's source is a scenario's share, which
     firmware_sim builds and hands to the device.)"""

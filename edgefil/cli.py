@@ -216,12 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.dashboard import add_dashboard_parser
     from coordinator.pki import add_credentials_parser
     from edgefil.watch import add_watch_parser
+    from firmware_sim.data_split import add_data_parser
     from firmware_sim.report import add_report_parser
+    from firmware_sim.starter import add_init_parser
 
     add_broker_parser(commands)
     add_credentials_parser(commands)
     add_dashboard_parser(commands)
     add_watch_parser(commands)
+    add_init_parser(commands)
+    add_data_parser(commands)
     add_report_parser(commands)
     return parser
 

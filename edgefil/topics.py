@@ -18,7 +18,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
 DEVICE_SENDS = ("register", "status", "update", "request")  # on dev/<device>/<kind>
 DEVICE_RECEIVES = ("round", "weights", "payload", "broadcast", "answer", "notice")  # on to/<device>/<kind>
-BROADCASTS = ("weights", "broadcast")  # on all/<kind>
+BROADCASTS = ("weights", "broadcast", "end")  # on all/<kind>
 RETAINED = frozenset({"register", "status"})
 
 

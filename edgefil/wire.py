@@ -88,6 +88,7 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "broadcast": {**_CHUNK_FIELDS, "round": int},  # named payloads for every device, kept by blob id: attachments only
     "answer": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
     "notice": {"reason": str, "detail": str},  # something the device's operator must know (e.g. duplicate-device)
+    "end": {"outcome": str, "rounds": int},  # the run is over (retained on all/end; cleared when a run starts)
 }
 # Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
 # weights in a blob (update, payload, broadcast, answer), each padded to 4 bytes. `payload`: the id of the payload

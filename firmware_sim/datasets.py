@@ -200,19 +200,58 @@ _EMBEDDED_LOADERS: dict[str, Callable[..., ArrayDataset | list[ArrayDataset]]] =
 assert tuple(_EMBEDDED_LOADERS) == EMBEDDED_DATASETS
 
 
+ARRAYS = "arrays"  # a user's own arrays (load_arrays)
+
+
+def load_arrays(root: str, test_fraction: float = 0.25, seed: int = 0) -> ArrayDataset:
+    """A user's own dataset as arrays: `root` is an .npz file or a folder of .npy files, holding `x` (N samples of
+    any shape, channels first for images, float) and `y` (N int labels 0..K-1), and optionally `x_test` and
+    `y_test`; without them a stratified `test_fraction` of the samples is the test set. ValueError in one line for
+    anything else."""
+    path = Path(root)
+    arrays: dict[str, np.ndarray]
+    if path.is_dir():
+        files = {p.stem: p for p in path.glob("*.npy")}
+        arrays = {k: np.load(files[k], allow_pickle=False) for k in ("x", "y", "x_test", "y_test") if k in files}
+    elif path.is_file():
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in ("x", "y", "x_test", "y_test") if k in data.files}
+    else:
+        raise ValueError(f"{path}: no such file or folder (an .npz with x and y, or a folder with x.npy and y.npy)")
+    if "x" not in arrays or "y" not in arrays:
+        raise ValueError(f"{path}: needs arrays x and y (found {', '.join(sorted(arrays)) or 'none'})")
+    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in arrays and "y_test" in arrays else [])
+    for xs, ys in pairs:
+        if arrays[xs].ndim < 2 or arrays[ys].ndim != 1 or len(arrays[xs]) != len(arrays[ys]):
+            raise ValueError(f"{path}: {xs} must be (N, ...) with one label per sample in {ys}, got "
+                             f"{arrays[xs].shape} and {arrays[ys].shape}")
+        if not np.issubdtype(arrays[ys].dtype, np.integer) or arrays[ys].min() < 0:
+            raise ValueError(f"{path}: {ys} must hold integer class ids 0..K-1")
+    x, y = arrays["x"].astype(np.float32), arrays["y"].astype(np.int64)
+    if len(pairs) == 1:
+        return _stratified_split(path.stem, x, y, test_fraction, seed)
+    x_test, y_test = arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int64)
+    return ArrayDataset(path.stem, x, y, x_test, y_test, num_classes=int(max(y.max(), y_test.max())) + 1)
+
+
 def load_dataset(name: str, root: str | None = None, **options: Any) -> ArrayDataset | list[ArrayDataset]:
     """Load a dataset (or, for the names in DOMAIN_STREAMS, a list of domains) by name.
 
     Embedded datasets take their loader's keyword options and ignore `root`. Folder datasets
     (firmware_sim.folders.FOLDER_DATASETS) and `digit10` are read from `root`; `digit10` takes
-    `shape=(C, H, W)` (default (1, 28, 28): MNIST's, greyscale, the cheaper input for a device).
+    `shape=(C, H, W)` (default (1, 28, 28): MNIST's, greyscale, the cheaper input for a device). `arrays` is a
+    user's own arrays at `root` (load_arrays).
     """
     if name in _EMBEDDED_LOADERS:
         return _EMBEDDED_LOADERS[name](**options)
+    if name == ARRAYS:
+        if root is None:
+            raise ValueError("dataset \"arrays\" is read from data_root: an .npz with x and y, or a folder of them")
+        return load_arrays(root, **options)
     from . import folders
 
     if name not in (*folders.FOLDER_DATASETS, "digit10"):
-        known = (*EMBEDDED_DATASETS, *folders.FOLDER_DATASETS, "digit10")
+        known = (*EMBEDDED_DATASETS, *folders.FOLDER_DATASETS, "digit10", ARRAYS)
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known)}")
     if root is None:
         raise ValueError(

@@ -396,6 +396,7 @@ class Fleet:
         return {
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
             "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
+            "on_end": "wait",  # the fleet stops its workers itself
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),

@@ -1,0 +1,187 @@
+"""`edgefil init`: the files of a first federation, commented, for a chosen preset.
+
+    edgefil init lab --preset digits-class --devices pi-1,pi-2 [--host 127.0.0.1] [--port 8883]
+
+writes, into the folder (`lab/`):
+
+    coordinator.toml        the coordinator: the roster, the rounds, test_data = "data/test", its [broker] account
+    devices/<id>.toml       each device: its [broker] account, its [data] folder, the budget M, the replay policy
+    fleet.toml              the same federation as a simulated fleet (`edgefil fleet run lab/fleet.toml`): a
+                            rehearsal on this machine before the devices are real
+    broker/                 mosquitto's files with TLS for `--host` (the CA, the broker's certificate, a password
+                            per device, the ACL; edgefil credentials makes them), and observer.toml for
+                            `edgefil watch`
+
+and prints the commands that come next: `edgefil data split` (the devices' task files and the test sets, in the
+preset's class order), `edgefil export` (the model), the broker, the coordinator and one client per device. Every
+relative path in the files is relative to the file's own folder, so the folder can move whole. Writing into a
+folder that holds any of these files is refused: nothing is overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coordinator.pki import write_fleet_credentials
+from edgefil.settings import load_toml
+from edgefil.topics import check_name
+from firmware_sim.scenarios import PRESETS, ScenarioData, preset
+
+
+def model_for(data: ScenarioData) -> str:
+    """The zoo's model for the scenario's inputs: a 1-D CNN for signals (C, L), LeNet for images (C, H, W)."""
+    return "cnn1d" if len(data.input_shape) == 2 else "lenet"
+
+
+def _broker_lines(table: dict[str, object], cafile: str) -> str:
+    return "\n".join([
+        "[broker]                          # edgefil init made this account (broker/ holds mosquitto's files)",
+        f"host = \"{table['host']}\"",
+        f"port = {table['port']}",
+        f"username = \"{table['username']}\"",
+        f"password = \"{table['password']}\"",
+        f"cafile = \"{cafile}\"               # the fleet's CA: TLS to the broker",
+    ])
+
+
+def coordinator_file(fleet: str, devices: list[str], broker: dict[str, object], rounds_per_task: int,
+                     epochs: int) -> str:
+    roster = ", ".join(f'"{d}"' for d in devices)
+    return f"""# The coordinator of fleet "{fleet}" (every key: coordinator/config.py).
+#   edgefil coordinator --config coordinator.toml [--dashboard 8765]
+fleet = "{fleet}"
+out = "run"                          # results.json, metrics.csv, tensorboard/, checkpoint/, live.json
+artifacts = "artifacts"              # edgefil export ... --out artifacts (the devices hold the same files)
+devices = [{roster}]
+test_data = "data/test"              # test-<t>.npz from edgefil data split: task t's test set, in its class order
+rounds_per_task = {rounds_per_task}
+min_clients = {len(devices)}                      # a round aggregates with at least this many updates
+deadline_s = 120                     # an update later than this is dropped
+wait_for_devices_s = 300             # the first round waits this long for the whole roster
+
+{_broker_lines(broker, "broker/ca.crt")}
+
+[client]                             # sent to the devices with every round
+epochs = {epochs}                           # E: local epochs per round
+"""
+
+
+def device_file(fleet: str, device: str, broker: dict[str, object], budget: int, policy: str) -> str:
+    return f"""# Device "{device}" of fleet "{fleet}" (every key: edge_client/config.py).
+#   edgefil client --config devices/{device}.toml
+# On a real device, copy this file, ../artifacts, ../broker/ca.crt and its data folder, and fix the paths.
+device_id = "{device}"
+fleet = "{fleet}"
+artifacts = "../artifacts"           # the model (its manifest must match the coordinator's)
+state_dir = "../state/{device}"       # the replay store and the device's state: survives restarts
+on_end = "exit"                      # when the run is over: exit, or "wait" for the next run
+
+{_broker_lines(broker, "../broker/ca.crt")}
+
+[store]
+max_samples = {budget}                  # the budget M: replay samples kept on the device
+
+[policy]
+name = "{policy}"                      # refed, random, reservoir, herding, ... (edge_client/policies/)
+
+[data]
+folder = "../data/devices/{device}"   # task-<t>.npz (x float32, y int64) from edgefil data split
+"""
+
+
+def fleet_file(fleet: str, preset_name: str, devices: list[str], budget: int, policy: str, rounds_per_task: int,
+               epochs: int, model: str) -> str:
+    return f"""# The same federation as a simulated fleet on this machine (every key: firmware_sim/fleet.py):
+#   edgefil fleet run fleet.toml --dashboard 8765
+name = "{fleet}-rehearsal"
+out = "rehearsal"
+devices = {len(devices)}
+model = "{model}"
+scenario = {{preset = "{preset_name}"}}
+
+[policy]
+name = "{policy}"
+
+[store]
+max_samples = {budget}
+
+[client]
+epochs = {epochs}
+
+[coordinator]
+rounds_per_task = {rounds_per_task}
+min_clients = {len(devices)}
+"""
+
+
+def write_starter(folder: Path, fleet: str, preset_name: str, devices: list[str], host: str, port: int,
+                  policy: str = "refed", rounds_per_task: int = 3, epochs: int = 10) -> list[Path]:
+    """Write the files the module docstring lists; returns them. FileExistsError when one is there already."""
+    check_name(fleet, "fleet")
+    for device in devices:
+        check_name(device, "device id")
+    data = preset(preset_name, n_clients=len(devices)).build()
+    budget = data.binding_budget()
+    targets = [folder / "coordinator.toml", folder / "fleet.toml", *(folder / "devices" / f"{d}.toml"
+                                                                     for d in devices)]
+    present = [p for p in [*targets, folder / "broker"] if p.exists()]
+    if present:
+        raise FileExistsError(f"{present[0]} exists: edgefil init writes into a new folder (nothing is overwritten)")
+    (folder / "devices").mkdir(parents=True)
+    write_fleet_credentials(folder / "broker", fleet, devices, [host], port=port, bind=host)
+    coordinator = load_toml(folder / "broker" / "coordinator.toml")["broker"]
+    (folder / "coordinator.toml").write_text(coordinator_file(fleet, devices, coordinator, rounds_per_task, epochs))
+    for device in devices:
+        account = load_toml(folder / "broker" / "devices" / f"{device}.toml")["broker"]
+        path = folder / "devices" / f"{device}.toml"
+        path.write_text(device_file(fleet, device, account, budget, policy))
+        path.chmod(0o600)  # it holds the device's password
+    (folder / "coordinator.toml").chmod(0o600)
+    (folder / "fleet.toml").write_text(fleet_file(fleet, preset_name, devices, budget, policy, rounds_per_task,
+                                                  epochs, model_for(data)))
+    return targets
+
+
+def next_steps(folder: Path, preset_name: str, devices: list[str]) -> str:
+    data = preset(preset_name, n_clients=len(devices)).build()
+    shape = ",".join(map(str, data.input_shape))
+    clients = "\n".join(f"  edgefil client --config {folder}/devices/{d}.toml" for d in devices)
+    return (f"next:\n"
+            f"  edgefil data split --preset {preset_name} --devices {','.join(devices)} --out {folder}/data\n"
+            f"  edgefil export --model {model_for(data)} --classes {data.num_classes} --input-shape {shape} "
+            f"--out {folder}/artifacts\n"
+            f"  mosquitto -c {folder}/broker/mosquitto.conf -d\n"
+            f"  edgefil coordinator --config {folder}/coordinator.toml --dashboard 8765\n{clients}\n"
+            f"  edgefil watch --config {folder}/broker/observer.toml     # the traffic, decoded\n"
+            f"  edgefil report {folder}/run")
+
+
+def _run_init(args: argparse.Namespace) -> int:
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    folder = Path(args.folder)
+    try:
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError("--devices: give each device once (comma-separated ids)")
+        written = write_starter(folder, args.fleet or folder.resolve().name, args.preset, devices, args.host,
+                                args.port, args.policy)
+    except (ValueError, FileExistsError) as err:
+        print(f"edgefil init: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(str(p) for p in written)} and the broker's files in {folder / 'broker'}")
+    print(next_steps(folder, args.preset, devices))
+    return 0
+
+
+def add_init_parser(commands: argparse._SubParsersAction) -> None:
+    """Add `edgefil init FOLDER --devices a,b [--preset P]` to the `edgefil` command's subparsers."""
+    init = commands.add_parser("init", help="write the commented files of a first federation into a new folder")
+    init.add_argument("folder", help="the folder to make (its name is the fleet's unless --fleet)")
+    init.add_argument("--devices", required=True, help="comma-separated device ids")
+    init.add_argument("--preset", default="digits-class", choices=sorted(PRESETS),
+                      help="the scenario whose data the devices get (edgefil data split)")
+    init.add_argument("--fleet", help="the fleet's name (default: the folder's)")
+    init.add_argument("--host", default="127.0.0.1", help="the broker's address, as the devices reach it")
+    init.add_argument("--port", type=int, default=8883, help="the broker's TLS port")
+    init.add_argument("--policy", default="refed", help="the devices' replay policy")
+    init.set_defaults(run=_run_init)

@@ -1,0 +1,98 @@
+"""The README's first federation, run as it stands: init, data split, export, mosquitto, the coordinator and two
+clients, against a real mosquitto; the accuracy matrix means something, the report is written, every process
+exits. Then the same federation with the devices fed the digits in their natural class order (the mistake the
+README once made itself): the coordinator says so in one line per device."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.broker import free_port, mosquitto_path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the edgefil command of this environment
+
+
+def readme_block() -> list[str]:
+    """The commands of the README's first-federation block."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## A first federation"):]
+    block = section[section.index("```bash\n") + len("```bash\n"):section.index("```", section.index("```bash\n") + 7)]
+    return block.strip().splitlines()
+
+
+def environment() -> dict[str, str]:
+    mosquitto_dir = str(Path(mosquitto_path()).parent)
+    return {**os.environ, "PATH": f"{BIN}:{mosquitto_dir}:{os.environ.get('PATH', '')}"}
+
+
+def running(pattern: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if "pgrep" not in line]
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is_called_out(tmp_path):
+    lines = readme_block()
+    assert lines[0].startswith("edgefil init lab ")
+    port = free_port("127.0.0.1")
+    # the one change: a free port, where the README takes init's default (8883) on a machine of one's own
+    script = "\n".join([f"{lines[0].split('#')[0].strip()} --port {port}", *lines[1:]])
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=environment(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lab = tmp_path / "lab"
+    results = json.loads((lab / "run" / "results.json").read_text())
+    assert results["outcome"] == "complete"
+    matrix = results["accuracy_matrix"]
+    assert [len(row) for row in matrix] == [1, 2, 3, 4, 5]
+    diagonal = [row[-1] for row in matrix]
+    assert min(diagonal) > 0.5, diagonal  # each task learnt: chance is 0.5 within a task, 0.1 over ten classes
+    assert results["final_accuracy"] > 0.3, matrix
+    assert [d["profile"] for d in results["devices"]] == ["generic", "generic"]
+    for written in ("summary.md", "accuracy_matrix.png", "metrics.csv", "live.json"):
+        assert (lab / "run" / written).is_file(), written
+    assert list((lab / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    classes = json.loads((lab / "data" / "classes.json").read_text())
+    assert [t["classes"] for t in classes["tasks"]] != [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # seeded order
+    assert not running(str(lab)), "a process of the federation is still running"
+
+    # the same federation, the devices' files in the digits' natural class order: 0-1, 2-3, ...
+    from firmware_sim.datasets import load_digits_dataset
+
+    digits = load_digits_dataset()
+    for k, device in enumerate(("pi-1", "pi-2")):
+        folder = lab / "data" / "devices" / device
+        for t in range(5):
+            pick = np.flatnonzero(np.isin(digits.y_train, [2 * t, 2 * t + 1]))[k::2]
+            np.savez(folder / f"task-{t}.npz", x=digits.x_train[pick], y=digits.y_train[pick])
+    shutil.rmtree(lab / "state")
+    config = (lab / "coordinator.toml").read_text()
+    (lab / "coordinator.toml").write_text(config.replace('out = "run"', 'out = "natural"')
+                                          .replace("rounds_per_task = 3", "rounds_per_task = 1"))
+    env = environment()
+    subprocess.run(["mosquitto", "-c", str(lab / "broker" / "mosquitto.conf"), "-d"], check=True, env=env)
+    try:
+        coordinator = subprocess.Popen([str(BIN / "edgefil"), "coordinator", "--config", str(lab / "coordinator.toml")],
+                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+        clients = [subprocess.Popen([str(BIN / "edgefil"), "client", "--config", str(lab / "devices" / f"{d}.toml")],
+                                    cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for d in ("pi-1", "pi-2")]
+        log, _ = coordinator.communicate(timeout=300)
+        assert [c.wait(timeout=60) for c in clients] == [0, 0]  # they exit when the run ends
+    finally:
+        subprocess.run(["kill", (lab / "broker" / "mosquitto.pid").read_text().strip()], check=False)
+    warnings = [line for line in log.splitlines() if "not among tasks" in line]
+    first = [w for w in warnings if re.search(r"pi-\d's data hold classes [\d, ]+, not among tasks 0\.\.0's", w)]
+    assert len(first) == 2, log[-3000:]  # one line per device as its first task's update arrives
+    natural = json.loads((lab / "natural" / "results.json").read_text())
+    assert natural["counters"]["class-mismatch"] == len(warnings) <= 2 * 5  # one per device and task at most
