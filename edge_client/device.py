@@ -52,10 +52,11 @@ from edge_client.sources import TaskSource, check_task_data, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
 from edge_client.stream import Chunk
+from edge_client.systemd import notify
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
-from edgefil.link import CONNECTED, Link, Message, Will
+from edgefil.link import CONNECTED, ConnectionRefused, Link, Message, Will
 from edgefil.netloop import NetworkLoop
 from models.manifest import manifest_digest, software_version
 
@@ -143,6 +144,7 @@ class Device:
     def run(self, connect_timeout: float = 60.0) -> None:
         self.link.start(timeout=connect_timeout)
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
+        notify("READY=1")  # under systemd (edge_client/systemd.py): started
         try:
             while not self.stop_requested.is_set():
                 away = self.environment.offline_for()
@@ -155,6 +157,7 @@ class Device:
                         self.handle(item.topic, item.payload)
                     elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
                         self._publish_status(self._ready_state())
+                        notify("WATCHDOG=1")
                 except Exception:  # the daemon outlives any one message; what failed is in the log
                     log.exception("%s failed to handle a message; carrying on", self.id)
         finally:
@@ -416,6 +419,7 @@ class Device:
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
         self._upload(round_, message["model"], self.learner.state.metrics, attachments)
+        notify("WATCHDOG=1")  # a round trained: alive
 
     def _give(self, policy: ReplayPolicy, payloads: dict[str, bytes]) -> None:
         """Hand named payloads to the policy; one it cannot use is counted and logged, and the round goes on."""
@@ -534,8 +538,18 @@ def _seed_of(device_id: str) -> int:
     return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
 
 
-def run_device(device: Device) -> None:
-    """`edgefil client --config FILE`: run until SIGTERM/SIGINT, then leave cleanly (status offline)."""
+def run_device(device: Device, connect_timeout: float = 60.0) -> None:
+    """`edgefil client --config FILE`: run until SIGTERM/SIGINT or the run's end, then leave cleanly (status
+    offline). A broker that does not answer is waited for, however long (a device often boots before it, or
+    outlives its restart); one that refuses the device (its password, its certificate) is not: ConnectionRefused."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: device.stop_requested.set())
-    device.run()
+    while not device.stop_requested.is_set():
+        try:
+            device.run(connect_timeout)
+            return
+        except ConnectionRefused:
+            raise
+        except ConnectionError as err:
+            log.warning("%s: %s; still trying (Ctrl-C stops)", device.id, err)
+            notify("WATCHDOG=1")  # waiting for a broker is not being stuck

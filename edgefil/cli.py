@@ -12,6 +12,9 @@ from collections.abc import Iterator, Sequence
 from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# What the host extras bring and the device install leaves out (pyproject.toml), and the extra to install.
+HOST_ONLY = {name: "host" for name in ("torch", "torchvision", "onnx", "onnxscript", "sklearn", "matplotlib", "tqdm",
+                                       "mnist1d", "threadpoolctl", "amqtt")} | {"ray": "host,ray"}
 OWN_PACKAGES = ("edgefil", "edge_client", "coordinator", "firmware_sim", "models")  # their loggers follow --log-level
 
 
@@ -72,7 +75,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> int:
     from edge_client.config import DeviceConfig
     from edge_client.device import Device, run_device
+    from edgefil.link import ConnectionRefused
 
+    if args.action == "install":
+        return _client_install(args)
     config = DeviceConfig.load(args.config)
     device: Device
     if config.simulated:  # a virtual device: the simulator builds its surroundings
@@ -81,7 +87,30 @@ def _client(args: argparse.Namespace) -> int:
         device = virtual_device(config)
     else:
         device = Device(config)
-    run_device(device)
+    try:
+        run_device(device)
+    except ConnectionRefused as err:  # wrong credentials, a certificate that does not verify: retrying won't help
+        print(f"edgefil client: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _client_install(args: argparse.Namespace) -> int:
+    """`edgefil client install --config FILE`: the device's systemd unit and its file (edge_client/systemd.py)."""
+    from pathlib import Path
+
+    from edge_client.systemd import install
+
+    try:
+        unit, config = install(Path(args.config), Path(args.root), args.user, args.watchdog_s)
+    except (ValueError, OSError) as err:
+        print(f"edgefil client install: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {unit} and {config} (mode 0600)\nnext, as root:\n"
+          f"  id {args.user} >/dev/null 2>&1 || useradd --system --home-dir /var/lib/edgefil --shell /usr/sbin/nologin "
+          f"{args.user}\n  chown {args.user}: /etc/edgefil/{config.name}\n"
+          f"  systemctl daemon-reload && systemctl enable --now {unit.name}\n"
+          f"  journalctl -u {unit.name} -f     # its log")
     return 0
 
 
@@ -188,8 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
 
-    client = commands.add_parser("client", help="run one device: connect, register, train when selected, upload")
+    client = commands.add_parser("client", help="run one device: connect, register, train when selected, upload; "
+                                                "`client install` writes its systemd unit")
+    client.add_argument("action", nargs="?", choices=("run", "install"), default="run",
+                        help="run the device (default), or install it as a systemd service")
     client.add_argument("--config", required=True, help="device config file (TOML, see edge_client/config.py)")
+    client.add_argument("--root", default="/", help="install: write under this root (default /)")
+    client.add_argument("--user", default="edgefil", help="install: the system user the service runs as")
+    client.add_argument("--watchdog-s", type=int, default=600,
+                        help="install: systemd restarts a daemon silent this long (longer than its longest round)")
     client.set_defaults(run=_client)
 
     coordinator = commands.add_parser("coordinator", help="run the rounds of a federation over MQTT")
@@ -251,6 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (ConfigError, StateError) as err:  # a config file, or saved state, that cannot be used: one line
         print(f"edgefil {args.command}: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:  # a host command on a device install: which extra brings it
+        extra = HOST_ONLY.get((err.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"edgefil {args.command}: needs {err.name}, which a device install leaves out: install the "
+              f"{extra} extra (in the edgefil checkout: pip install '.[{extra}]')", file=sys.stderr)
         return 2
 
 

@@ -43,6 +43,12 @@ class BrokerSettings:
     keyfile: Path | None = None
     keepalive: int = 10  # seconds; the broker declares the client gone (last will) after 1.5x this
 
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.keepalive < 1:
+            raise ValueError(f"keepalive must be at least 1 s, got {self.keepalive}")
+
 
 @dataclass(frozen=True)
 class Will:

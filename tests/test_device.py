@@ -3,6 +3,7 @@ its round, answers a repeated round with the same update (also after a process r
 and shrugs off garbage. Its data comes from a folder of task files, as on a real device."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -160,8 +161,42 @@ def test_a_round_the_device_cannot_train_is_reported_with_its_reason(setup, tmp_
     diverged = [m for m in statuses(coordinator) if m["state"] == "error"][1]
     assert diverged["round"] == 2 and "diverged" in diverged["error"], diverged
     assert updates(coordinator, len(initial)) == [] and thread.is_alive()
+
+    # data that do not fit the model: refused before anything is stored or trained, the reason in one line
+    for round_, (x, y, reason) in enumerate([
+        (np.zeros((40, 1, 28, 28), np.float32), np.arange(40) % 2, "have shape (1, 28, 28), the model takes (1, 8, 8)"),
+        (np.zeros((40, 1, 8, 8), np.float32), np.arange(40) % 2 + 10, "labels [10, 11] are not classes of the model"),
+        (np.full((40, 1, 8, 8), np.nan, np.float32), np.arange(40) % 2, "NaN or infinite"),
+    ], start=3):
+        np.savez(config.data.folder / "task-0.npz", x=x, y=y)
+        device.learner.state.data_task = -1  # a new task file: taken again
+        send_round(coordinator, initial, round_=round_)
+        wait_for(lambda n=round_: sum(m["state"] == "error" for m in statuses(coordinator)) == n)
+        error = [m for m in statuses(coordinator) if m["state"] == "error"][-1]
+        assert error["round"] == round_ and reason in error["error"] and "\n" not in error["error"], error
+    assert updates(coordinator, len(initial)) == []  # nothing trained, nothing uploaded
     device.stop_requested.set()
     thread.join(15)
+
+
+@pytest.mark.parametrize("on_end", ["exit", "wait"])
+def test_when_the_coordinator_says_the_run_is_over_the_device_exits_or_waits(setup, on_end):
+    config, coordinator, _ = setup
+    device, thread = start(dataclasses.replace(config, on_end=on_end))
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    coordinator.publish(topics.to_all(FLEET, "end"), b"", retain=True)  # a cleared end (a new run): nothing
+    coordinator.publish(topics.to_all(FLEET, "end"), wire.encode("end", outcome="complete", rounds=5), retain=True)
+    wait_for(lambda: device.run_ended is not None)
+    assert device.run_ended == "complete after 5 rounds" and device.rejected == 0
+    if on_end == "exit":
+        thread.join(15)
+        assert not thread.is_alive()
+        assert statuses(coordinator)[-1]["state"] == "offline"
+    else:
+        assert thread.is_alive() and not device.stop_requested.is_set()
+        device.stop_requested.set()
+        thread.join(15)
+    coordinator.publish(topics.to_all(FLEET, "end"), b"", retain=True)
 
 
 def test_a_notice_is_logged_only_by_the_processes_it_names(setup):

@@ -50,6 +50,35 @@ def test_device_install_on_python_312_has_no_torch_and_no_ort_training(device_ve
                           cwd="/")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("(3, 12)")
+    size = sum(p.stat().st_size for p in device_venv.rglob("*") if p.is_file() and not p.is_symlink())
+    print(f"device install (CPython 3.12, from the checkout): {size / 2**20:.0f} MiB")  # benchmarks/device_install.py
+    assert size < 400 * 2**20  # torch alone is several times this
+
+
+@pytest.mark.parametrize("command, missing", [
+    ("export --model lenet --classes 10 --out x", "torch"), ("demo", "torch"),
+    ("coordinator --config coordinator.toml", "torch"), ("fleet run fleet.toml", "torch"),
+    ("init lab --devices a,b", "sklearn"), ("data split --devices a,b --out data", "sklearn"),
+])
+def test_a_host_command_on_the_device_install_says_which_extra_in_one_line(device_venv, tmp_path, command, missing):
+    done = subprocess.run([str(device_venv / "bin/edgefil"), *command.split()], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    name = command.split()[0]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"edgefil {name}: needs {missing}, which a device install leaves out: install the host extra (in the "
+        f"edgefil checkout: pip install '.[host]')"], done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_the_device_install_serves_a_dashboard_and_decodes_traffic_without_the_host_extra(device_venv, tmp_path):
+    """What a person on the device itself may want: the dashboard of a copied run folder, and `edgefil watch`."""
+    done = subprocess.run([str(device_venv / "bin/edgefil"), "watch", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "--config" in done.stdout
+    probe = "from coordinator.dashboard import Dashboard; d = Dashboard('.', '127.0.0.1', 0); print(d.url)"
+    done = subprocess.run([str(device_venv / "bin/python"), "-c", probe], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("http://127.0.0.1:"), done.stderr
 
 
 def test_python_312_device_trains_rounds_with_the_portable_backend(device_venv, export_artifacts, tmp_path,

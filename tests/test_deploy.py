@@ -1,0 +1,170 @@
+"""Deployment: the systemd unit `edgefil client install` writes (checked by `systemd-analyze verify` where systemd
+is present) and the private file beside it; the daemon's notifications to systemd; a device whose broker is not up
+yet waits for it instead of exiting; the container files name what exists and build where a container engine
+answers."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
+from edge_client.config import DeviceConfig
+from edge_client.systemd import notify
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = """
+device_id = "pi-1"
+fleet = "lab"
+artifacts = "../artifacts"
+state_dir = "../state/pi-1"
+[broker]
+host = "127.0.0.1"
+port = 8883
+password = "a-device-password-1"
+cafile = "../broker/ca.crt"
+[data]
+folder = "../data/devices/pi-1"
+"""
+
+
+def test_client_install_writes_a_unit_systemd_accepts_and_a_private_absolute_config(tmp_path):
+    folder = tmp_path / "lab" / "devices"
+    folder.mkdir(parents=True)
+    (folder / "pi-1.toml").write_text(DEVICE)
+    root = tmp_path / "root"
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "client", "install", "--config",
+                           str(folder / "pi-1.toml"), "--root", str(root), "--watchdog-s", "900"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    unit = root / "etc/systemd/system/edgefil-pi-1.service"
+    installed = root / "etc/edgefil/pi-1.toml"
+    assert "systemctl daemon-reload && systemctl enable --now edgefil-pi-1.service" in done.stdout
+    text = unit.read_text()
+    for line in ("Type=notify", "Restart=always", "WatchdogSec=900", "StateDirectory=edgefil/pi-1", "User=edgefil",
+                 "ExecStart=", " client --config /etc/edgefil/pi-1.toml", "NoNewPrivileges=yes"):
+        assert line in text, line
+    executable = re.search(r"ExecStart=(\S+)", text).group(1)
+    assert Path(executable).is_absolute() and os.access(executable, os.X_OK)
+    assert installed.stat().st_mode & 0o777 == 0o600  # it holds the broker password
+    config = DeviceConfig.load(installed)
+    lab = (tmp_path / "lab").resolve()
+    assert config.state_dir == Path("/var/lib/edgefil/pi-1") and config.on_end == "wait"
+    assert config.artifacts == lab / "artifacts" and config.data.folder == lab / "data/devices/pi-1"
+    assert config.broker.cafile == lab / "broker/ca.crt" and config.broker.password == "a-device-password-1"
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed: the unit was not verified")
+    verified = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"})
+    problems = [line for line in (verified.stdout + verified.stderr).splitlines()
+                if "edgefil-pi-1.service" in line]
+    assert verified.returncode == 0 and problems == [], verified.stdout + verified.stderr
+
+
+def test_a_broken_device_file_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "d.toml").write_text(DEVICE.replace("port = 8883", "port = 70000"))
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "client", "install", "--config",
+                           str(tmp_path / "d.toml"), "--root", str(tmp_path / "root")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "port must be in 1..65535" in done.stderr and not (tmp_path / "root").exists()
+
+
+def notify_socket(tmp_path: Path) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    listener.settimeout(60)
+    return listener
+
+
+def test_notify_speaks_to_systemds_socket_and_is_silent_without_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert notify("READY=1") is False
+    listener = notify_socket(tmp_path)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    assert notify("WATCHDOG=1") is True
+    assert listener.recv(64) == b"WATCHDOG=1"
+    listener.close()
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_device_waits_for_a_broker_that_comes_up_late_and_then_says_it_is_ready(tmp_path, export_artifacts,
+                                                                                  monkeypatch, caplog):
+    from edge_client.device import Device, run_device
+
+    port = free_port()
+    config = DeviceConfig.from_dict({
+        "device_id": "pi-1", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "state_dir": str(tmp_path / "state"), "broker": {"port": port, "password": "a-device-password-1"},
+        "data": {"folder": str(tmp_path)},
+    })
+    listener = notify_socket(tmp_path)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    built: list[Device] = []
+    monkeypatch.setattr("signal.signal", lambda *args: None)  # run_device's handlers are the main thread's
+
+    def run() -> None:
+        built.append(Device(config))
+        run_device(built[0], connect_timeout=0.5)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert listener.recv(64) == b"WATCHDOG=1"  # waiting for its broker, and alive
+    assert thread.is_alive()
+    broker = MosquittoBroker(tmp_path / "broker", "lab", {"pi-1": "a-device-password-1"},
+                             Credentials("coordinator", "coordinator-password"), port=port)
+    broker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while listener.recv(64) != b"READY=1":
+            assert time.monotonic() < deadline
+        assert "still trying" in caplog.text
+        built[0].stop_requested.set()
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        broker.stop()
+        listener.close()
+
+
+CONTAINER_FILES = sorted((ROOT / "deploy").glob("*.Containerfile"))
+
+
+def test_every_container_file_copies_what_exists_and_installs_the_right_extra():
+    assert {p.name for p in CONTAINER_FILES} == {"coordinator.Containerfile", "device.Containerfile",
+                                                  "jetson.Containerfile"}
+    for path in CONTAINER_FILES:
+        text = path.read_text()
+        for source in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.M):
+            for name in source.split():
+                assert (ROOT / name).exists(), f"{path.name}: COPY {name}: no such path"
+        installs = re.findall(r"pip install [^&\n]*", text)
+        assert len(installs) == 1, path.name
+        wants_host = path.name == "coordinator.Containerfile"
+        assert ("'.[host]'" in installs[0]) == wants_host and installs[0].rstrip().endswith(
+            "'.[host]'" if wants_host else " ."), installs[0]
+        assert "USER edgefil" in text and 'ENTRYPOINT ["edgefil"]' in text
+
+
+def _container_engine() -> str | None:
+    for tool in ("docker", "podman"):
+        if shutil.which(tool) and subprocess.run([tool, "info"], capture_output=True, timeout=30).returncode == 0:
+            return tool
+    return None
+
+
+@pytest.mark.skipif(_container_engine() is None,
+                    reason="no container engine answers here (tried docker info and podman info)")
+def test_the_device_container_builds():
+    tool = _container_engine()
+    done = subprocess.run([tool, "build", "-f", "deploy/device.Containerfile", "-t", "edgefil-device-test", "."],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
