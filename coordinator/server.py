@@ -1,10 +1,15 @@
-"""The coordinator: runs the rounds of every task over MQTT, aggregates, evaluates and checkpoints.
+"""The coordinator's round loop: runs the rounds of every task over MQTT, aggregates, evaluates and checkpoints.
 
 One thread does all protocol work, in the order messages arrive (the link's inbox): a round is opened by
 publishing the global weights to every device and a round message to each selected one, then collected until
 every selected device has answered or the deadline passes. Every payload goes through the inbox gate first;
 only validated updates of the open round reach the strategy. After aggregation the global model is evaluated
-on every task seen so far and the run state is checkpointed atomically, then `results.json` is rewritten.
+on every task seen so far, the run state is checkpointed atomically, then the run's files are rewritten.
+
+What the loop leans on, each in its own module: who is in the fleet and in what state (`roster.py`), what is sent
+to the devices and held for them between rounds (`outbox.py`), the checkpoint's generations (`checkpoint.py`), the
+record every reader reads (`run_record.py`) and the files written from it (`run_logs.py`: results.json,
+metrics.csv, the TensorBoard log, live.json for the dashboard).
 
 Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so
 the first selection sees every device that is coming); later rounds only wait while fewer than the quorum are
@@ -17,7 +22,10 @@ says it has data; selected before it could say so, it is not waited for ("no-dat
 Every device process names itself with a random instance id: a status from an instance other than the device's
 newest registered one (the late last will of a replaced process) is passed over, and an older instance that
 registers again means two processes share one device id: counted ("duplicate-device"), logged, kept in the results
-and told to the device (a retained notice).
+and told to the device (a retained notice). A device whose labels hold classes outside the tasks' so far follows
+another class order than the test sets: warned about once per device and task ("class-mismatch"). When the run
+ends (complete or failed; not when stopped to be resumed) the devices are told on `all/end`; a run in which no
+device's update was aggregated fails.
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -39,20 +47,20 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
-from coordinator.broadcast import Broadcast
-from coordinator.checkpoint import Checkpoints, DeviceDeliveries, RunState
+from coordinator.checkpoint import Checkpoints, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
+from coordinator.outbox import Outbox
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
 from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext, make_strategy
-from edgefil import topics, wire
+from edgefil import topics
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, Link
 from models.checkpoint import checkpoint_weights
@@ -60,7 +68,6 @@ from models.manifest import load_manifest, manifest_digest
 
 log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
-PERSONAL = "personal"  # the payload that carries a device's personalized model
 CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online) checks between messages
 
 
@@ -92,7 +99,6 @@ class Coordinator:
             config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
             config.limits,
         )
-        self.resends = ResendBudget(config.limits.resends_per_round)
         self.checkpoints = Checkpoints(config.out / CHECKPOINT_DIR, config.checkpoint, self.manifest.num_parameters)
         self.state, resumed_from = self.checkpoints.start(resume, RunState(
             weights=checkpoint_weights(config.artifacts),
@@ -101,14 +107,6 @@ class Coordinator:
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
-        self.personalized: dict[str, np.ndarray] = {}
-        self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
-        self.broadcast = Broadcast()  # what the rule sends to every device, once (kept in the checkpoint)
-        if resumed_from is not None:
-            saved = self.checkpoints.deliveries(resumed_from, self.state.round)
-            self.personalized, self.payloads = saved.models, saved.payloads
-            self.broadcast.replace(saved.broadcast, saved.broadcast_round)
-            self.strategy.load(resumed_from)
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
         self.roster = Roster(config.devices)
@@ -118,13 +116,17 @@ class Coordinator:
         self._last_attempt: OpenRound | None = None
         self._aggregate: RoundAggregate | None = None
         self._context = RoundContext()  # the round being run, as its rule sees it
-        self._weights_chunks: list[bytes] = []
         self._first_round = True
         self._class_warned: set[tuple[str, int]] = set()  # (device, task) already warned about its classes
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
             subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
         )
+        self.outbox = Outbox(self.link, config.fleet, self.roster, ResendBudget(config.limits.resends_per_round),
+                             self.counters)
+        if resumed_from is not None:
+            self.outbox.restore(self.checkpoints.deliveries(resumed_from, self.state.round))
+            self.strategy.load(resumed_from)
         trained = min(config.train_tasks or self.data.n_tasks, self.data.n_tasks)  # the rest: evaluated only
         self.record = RunRecord(
             config.fleet, self.data.describe(), dict(config.strategy), config.describe(), self.state, self.roster,
@@ -144,8 +146,7 @@ class Coordinator:
         complete, stopped, or failed with the reason), with the counters up to the end."""
         self.config.out.mkdir(parents=True, exist_ok=True)
         self.link.start(timeout=connect_timeout)
-        end = topics.to_all(self.config.fleet, "end")
-        self.link.publish(end, b"", retain=True)  # an earlier run's end is not this one's
+        self.outbox.run_started()
         try:
             while self.state.task < self.data.n_tasks:
                 if self.config.train_tasks and self.state.task >= self.config.train_tasks:
@@ -164,8 +165,7 @@ class Coordinator:
             raise
         finally:
             if self.record.outcome != "stopped":  # a stopped run resumes: its devices stay
-                self.link.publish(end, wire.encode("end", outcome=self.record.outcome[:wire.MAX_TEXT_CHARS],
-                                                   rounds=self.state.round), retain=True)
+                self.outbox.run_ended(self.record.outcome, self.state.round)
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
             self.logs.run_ended()
@@ -258,16 +258,12 @@ class Coordinator:
     def _open(self, number: int, task: int, selected: list[str], earlier: OpenRound | None) -> OpenRound:
         """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
         attempt, whose deliveries count in this one."""
-        encoded = wire.encode_blob("weights", wire.weights_bytes(self.state.weights), round=number,
-                                   version=self.state.round, task=task)
-        self._weights_chunks = encoded.chunks
+        log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
+        model = self.outbox.publish_weights(self.state.weights, number, self.state.round, task)
         self.open_round = opened = OpenRound.open(
-            number, task, encoded.id, selected, self.config.deadline_s, virtual=self.config.virtual_time
+            number, task, model, selected, self.config.deadline_s, virtual=self.config.virtual_time
         )
         self.record.round_opened(opened)
-        log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
-        for chunk in self._weights_chunks:
-            self.link.publish(topics.to_all(self.config.fleet, "weights"), chunk)
         if earlier is not None:
             opened.carry_over(earlier.delivered)
         for device in opened.missing():
@@ -275,65 +271,15 @@ class Coordinator:
         return opened
 
     def _send_round(self, device: str, with_weights: bool = False) -> None:
-        """The round's message (and payloads) to one device; `with_weights`: a resend after the device came back,
-        which also sends the global weights, at most `resends_per_round` times per device and round."""
-        fleet, current = self.config.fleet, self.open_round
+        """The open round's message to one device, with the round config its rule adds for it; `with_weights`: a
+        resend to a device that came back (the outbox limits those)."""
+        current = self.open_round
         if current is None:
             return
-        if with_weights and not self.resends.allow(device, current.number):
-            self.counters["resend-limited"] += 1
-            log.warning("%s asked for round %d again: over its %d resends, not sent", device, current.number,
-                        self.config.limits.resends_per_round)
-            return
-        if with_weights:
-            for chunk in self._weights_chunks:
-                self.link.publish(topics.to_device(fleet, device, "weights"), chunk)
-        payload: dict[str, Any] = {}
-        named = self._payloads_for(device)
-        if named:
-            data, layout = wire.pack_attachments(b"", named)
-            encoded = wire.encode_blob("payload", data, round=current.number, attachments=layout)
-            for chunk in encoded.chunks:
-                self.link.publish(topics.to_device(fleet, device, "payload"), chunk)
-            payload = {"payload": encoded.id}
-        if self.broadcast.id is not None:
-            instance = self.roster.instance(device)
-            if self.broadcast.needs(device, instance):
-                for chunk in self.broadcast.chunks:
-                    self.link.publish(topics.to_device(fleet, device, "broadcast"), chunk)
-                self.broadcast.reached([(device, instance)])
-            payload["broadcast"] = self.broadcast.id
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
         if config.pop("known_classes", False):
             config["known_classes"] = list(self._context.seen_classes)
-        self.link.publish(topics.to_device(fleet, device, "round"), wire.encode(
-            "round", round=current.number, task=current.task, model=current.model, version=self.state.round,
-            deadline_s=max(current.remaining_s(), 0.0), config=config, **payload,
-        ))
-
-    def _publish_broadcast(self, payloads: dict[str, bytes], round_: int) -> None:
-        """The rule's payloads for every device: published once to the fleet when they change, the devices online
-        now counted as reached (the others get it with their next round message)."""
-        try:
-            changed = self.broadcast.replace(payloads, round_)
-        except ValueError as err:
-            self.counters["broadcast-refused"] += 1
-            log.warning("round %d: the %s rule's broadcast is not sent: %s", round_, self.strategy.name, err)
-            return
-        if not changed:
-            return
-        for chunk in self.broadcast.chunks:
-            self.link.publish(topics.to_all(self.config.fleet, "broadcast"), chunk)
-        self.broadcast.reached((d, self.roster.instance(d)) for d in self.roster.connected())
-        log.info("round %d: broadcast %s (%d bytes) to the fleet", round_, ", ".join(sorted(payloads)),
-                 sum(len(v) for v in payloads.values()))
-
-    def _payloads_for(self, device: str) -> dict[str, bytes]:
-        """What goes to a device with its round: its personalized model and the rule's payloads for it."""
-        named = dict(self.payloads.get(device, {}))
-        if device in self.personalized:
-            named[PERSONAL] = bytes(wire.weights_bytes(self.personalized[device]))
-        return named
+        self.outbox.send_round(device, current, self.state.round, config, with_weights)
 
     def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
@@ -346,11 +292,9 @@ class Coordinator:
         with uninterrupted():  # committed whole: a stop never leaves results.json ahead of the checkpoint
             if result is not None and weights is not None:
                 state.weights = weights
-                self.personalized.update(
-                    {d: w.detach().cpu().numpy().astype(np.float32, copy=False) for d, w in result.personalized.items()}
-                )
-                self.payloads.update(result.payloads)
-                self._publish_broadcast(result.broadcast, collected.number)
+                self.outbox.take({d: w.detach().cpu().numpy().astype(np.float32, copy=False)
+                                  for d, w in result.personalized.items()}, result.payloads)
+                self.outbox.publish_broadcast(result.broadcast, collected.number, self.strategy.name)
             else:  # the round counts, the previous global model stays (and is what is checkpointed)
                 log.warning("round %d: no new global model (%s); the previous one stays", collected.number, refused)
             state.round = collected.number
@@ -395,8 +339,7 @@ class Coordinator:
             state.round_in_task = 0
         state.rng = dict(self.rng.bit_generator.state)
         state.counters = dict(self.counters)
-        self.checkpoints.save(state, DeviceDeliveries(self.personalized, self.payloads, self.broadcast.payloads),
-                              self.strategy.save)
+        self.checkpoints.save(state, self.outbox.deliveries(), self.strategy.save)
         self.record.round_closed(state.history[-1])
         self.logs.round_done()
         if self.progress is not None:
@@ -407,7 +350,7 @@ class Coordinator:
         if not self.flowing:
             return {}
         accuracy = {
-            k: self.evaluator.client_accuracy(self.personalized.get(device, self.state.weights), k, task)
+            k: self.evaluator.client_accuracy(self.outbox.personalized.get(device, self.state.weights), k, task)
             for k, device in enumerate(self.config.devices)
         }
         return {"client_accuracy": {self.config.devices[k]: a for k, a in accuracy.items()},
@@ -481,10 +424,7 @@ class Coordinator:
             self.counters["duplicate-device"] += 1
             log.error("two processes use device id %s (instances %s): the broker lets only one connect at a time, "
                       "so they push each other off; stop one", event.device, " and ".join(both))
-            self.link.publish(topics.to_device(self.config.fleet, event.device, "notice"), wire.encode(
-                "notice", reason="duplicate-device", instances=both,
-                detail=f"two processes use device id {event.device} (instances {' and '.join(both)}); stop one",
-            ), retain=True)
+            self.outbox.notice_duplicate(event.device, both)
         current = self.open_round
         if current is not None and current.awaits(event.device):
             self._send_round(event.device, with_weights=True)
@@ -563,9 +503,7 @@ class Coordinator:
     def _on_request(self, request: Request) -> None:
         """Answer with the named payloads the rule can give (an empty answer otherwise)."""
         given = self.strategy.answer(request.device, request.names)
-        data, layout = wire.pack_attachments(b"", given)
-        for chunk in wire.encode_blob("answer", data, round=request.round, attachments=layout).chunks:
-            self.link.publish(topics.to_device(self.config.fleet, request.device, "answer"), chunk)
+        self.outbox.answer(request.device, request.round, given)
         log.info("%s asked for %s: sent %s", request.device, list(request.names), sorted(given))
 
     # --- results ----------------------------------------------------------------------------------

@@ -295,5 +295,5 @@ def test_a_resumed_coordinator_keeps_the_rules_broadcast(tmp_path, export_artifa
         finished = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=1, **options)
         finished.run()
         resumed = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=1, resume=True, **options)
-    assert finished.broadcast.id is not None and set(finished.broadcast.payloads) == {"toy/old", "toy/old-task"}
-    assert resumed.broadcast.id == finished.broadcast.id and resumed.broadcast.payloads == finished.broadcast.payloads
+    assert finished.outbox.broadcast.id is not None and set(finished.outbox.broadcast.payloads) == {"toy/old", "toy/old-task"}
+    assert resumed.outbox.broadcast.id == finished.outbox.broadcast.id and resumed.outbox.broadcast.payloads == finished.outbox.broadcast.payloads
