@@ -68,6 +68,7 @@ from models.manifest import load_manifest, manifest_digest
 
 log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
+WAITING_SAID_EVERY_S = 5.0  # while it waits for the fleet, the coordinator says how far it is this often
 CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online) checks between messages
 
 
@@ -363,10 +364,16 @@ class Coordinator:
         waits for the roster to connect, data or not: a device joining a later task is there all along)."""
         roster = len(self.config.devices) if self._first_round else 0
         deadline = time.monotonic() + self.config.wait_for_devices_s
+        said = time.monotonic()
         while time.monotonic() < deadline and (
             len(self.roster.available()) < self.config.min_clients or len(self.roster.connected()) < roster
         ):
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
+            if time.monotonic() - said >= WAITING_SAID_EVERY_S:  # a fleet's start can take minutes: say so
+                said = time.monotonic()
+                log.info("waiting for the fleet: %d of %d devices connected, %d can train (%.0f s left)",
+                         len(self.roster.connected()), len(self.config.devices), len(self.roster.available()),
+                         deadline - said)
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:

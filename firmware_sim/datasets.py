@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import random
 import tempfile
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("edgefil.datasets")
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ def load_mnist1d(num_samples: int = 20_000, test_fraction: float = 0.2, seed: in
         with np.load(path) as f:
             raw = {k: f[k] for k in f.files}
     else:
+        log.info("generating MNIST-1D (%d samples; once: kept in %s) ...", params["num_samples"], path)
         raw = _generate_mnist1d(params)
         _save_npz_atomically(path, **raw)
     mean, std = raw["x"].mean(), raw["x"].std()

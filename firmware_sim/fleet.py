@@ -282,6 +282,8 @@ class Fleet:
             (out / folder).mkdir(parents=True, exist_ok=True)
         write_atomically(out / FLEET_FILE, json.dumps(self.config.describe(), indent=1).encode())
         artifacts = self._export(data)
+        log.info("starting %d devices on %s, then the coordinator", self.config.devices,
+                 "a Ray cluster" if self.config.backend == "ray" else "worker processes")
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
             # mosquitto inherits the limit: a connection per device

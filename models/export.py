@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,8 @@ from models.manifest import (
 )
 from models.zoo import ClassifierModel, build_model
 
+log = logging.getLogger("edgefil.export")  # a name of the command line's own (edgefil/cli.py)
+
 OPSET = 17
 INPUT_NAMES = [name for name, *_ in GRAPH_INPUTS]
 OUTPUT_NAMES = [name for name, *_ in GRAPH_OUTPUTS]
@@ -74,11 +77,13 @@ def export_model(
     ir_version = 0
     parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
     if "ort" in backends:
-        parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
+        with _step(f"exporting {name} for the ort backend (ORT training artifacts)"):
+            parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
     if "portable" in backends:
         from models.portable_export import export_portable
 
-        export_portable(model, parameters, input_shape, out_dir)
+        with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)"):
+            export_portable(model, parameters, input_shape, out_dir)
         ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in PORTABLE_MODELS.values()))
     files = [f for backend in backends for f in BACKEND_FILES[backend]]
     if not nominal:
@@ -101,6 +106,15 @@ def export_model(
     manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+@contextlib.contextmanager
+def _step(what: str) -> Iterator[None]:
+    """A long step, said before it starts and when it is done (the command line shows edgefil's INFO lines)."""
+    log.info("%s ...", what)
+    started = time.perf_counter()
+    yield
+    log.info("%s: done in %.1f s", what, time.perf_counter() - started)
 
 
 def exportable_backends() -> tuple[str, ...]:

@@ -37,7 +37,7 @@ profiles = {{raspberry-pi-4-4gb = 4, raspberry-pi-zero-2w = 2, jetson-nano = 2, 
 [policy]
 name = "refed"
 [store]
-max_samples = 120
+max_samples = 40                  # binds from the second task: Re-Fed runs its PIM and reports it
 [client]
 epochs = 10
 [coordinator]
@@ -185,6 +185,8 @@ def test_the_browser_shows_a_running_fleets_devices_and_rounds_and_the_finished_
             "return [...document.querySelectorAll('#matrix td')].map(c => c.textContent).filter(t => t);"),
             30, "the accuracy matrix")
         assert shown_matrix == expected and len(expected) == 6
+        # Re-Fed's devices report their PIM runs: the method's panel draws them
+        assert driver.execute_script("return document.getElementById('method-none').hidden") is True
         driver.save_screenshot(str(SCREENSHOTS / "dashboard-finished.png"))
         assert (SCREENSHOTS / "dashboard-finished.png").stat().st_size > 10_000
         # the command's console: its own log lines only (an export logged hundreds of onnxscript INFO lines)

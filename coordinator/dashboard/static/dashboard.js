@@ -7,6 +7,9 @@ const token = params.get("token");
 const refreshMs = Math.max(200, Number(params.get("refresh")) || 1000);
 const charts = {};
 const STALE_S = 15;
+// what every device daemon reports with its update (edge_client/device.py): not a method's own numbers
+const STANDARD_METRICS = new Set(["loss", "device_seconds", "disk_full", "disk_free_bytes", "stored_samples",
+  "stored_bytes", "bytes_sent", "bytes_received", "store_budget_bytes", "store_budget_samples"]);
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -184,14 +187,25 @@ function drawCharts(run) {
   }
   document.getElementById("traffic").textContent = "sent " + bytes(run.bytes_sent) + " · received " +
     bytes(run.bytes_received) + " · reconnects " + (run.reconnects || 0);
-  const names = [...new Set(history.flatMap((e) => Object.entries(e.rule_metrics || {})
+  // the method's own numbers: the rule's (coordinator side), and the mean over the devices of what their policy
+  // reports beside the daemon's standard metrics (a detector's signal, a generator's progress, Re-Fed's PIM drift)
+  const ruleNames = [...new Set(history.flatMap((e) => Object.entries(e.rule_metrics || {})
     .filter(([, v]) => typeof v === "number").map(([k]) => k)))].sort();
+  const deviceNames = [...new Set(history.flatMap((e) => Object.values(e.metrics || {}).flatMap((m) =>
+    Object.entries(m).filter(([k, v]) => typeof v === "number" && !STANDARD_METRICS.has(k)).map(([k]) => k))))].sort();
+  const names = [...ruleNames.map((k) => "rule: " + k), ...deviceNames.map((k) => "devices' mean: " + k)];
   document.getElementById("method-none").hidden = names.length > 0;
   if (names.length) {
-    lineChart("method", "", names, xs, names.map((k) => history.map((e) => {
+    const ruleSeries = ruleNames.map((k) => history.map((e) => {
       const v = (e.rule_metrics || {})[k];
       return typeof v === "number" ? v : null;
-    })), (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3)));
+    }));
+    const deviceSeries = deviceNames.map((k) => history.map((e) => {
+      const values = Object.values(e.metrics || {}).map((m) => m[k]).filter((v) => typeof v === "number");
+      return values.length ? values.reduce((a, b) => a + b, 0) / values.length : null;
+    }));
+    lineChart("method", "", names, xs, [...ruleSeries, ...deviceSeries],
+      (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3)));
   }
 }
 
@@ -209,10 +223,17 @@ function drawSettings(view, run) {
     scenario.n_clients && scenario.n_clients + " clients"].filter(Boolean).join(", ") || scenario.test_data);
   add("rule", run.strategy && run.strategy.name);
   add("policy", fleet.policy && fleet.policy.name);
-  add("budget M", fleet.store);
+  const store = fleet.store || {};
+  add("budget M", [store.max_samples && store.max_samples + " samples", store.max_bytes && bytes(store.max_bytes)]
+    .filter(Boolean).join(", "));
   add("rounds per task", run.settings && run.settings.rounds_per_task);
-  add("devices' round settings", run.settings && run.settings.client);
-  add("profiles", fleet.profiles);
+  const client = (run.settings && run.settings.client) || {};
+  add("devices' round settings", Object.entries(client).map(([k, v]) => (k === "epochs" ? "E" : k) + " = " + v)
+    .join(", "));
+  const counted = {};
+  (run.devices || []).forEach((d) => { counted[d.profile || "unknown"] = (counted[d.profile || "unknown"] || 0) + 1; });
+  add("profiles", Object.entries(Object.keys(fleet.profiles || {}).length ? fleet.profiles : counted)
+    .map(([name, n]) => n + " " + name).join(", "));
   replaceRows(document.querySelector("#settings tbody"), rows);
 }
 
