@@ -39,7 +39,7 @@ def _export(args: argparse.Namespace) -> int:
         raise SystemExit("edgefil export: --model, --classes and --out are required (or --list)")
     manifest = export_registered(
         args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal,
-        backends=args.backends,
+        backends=args.backends, cache=not args.no_cache,
     )
     print(
         f"exported {manifest.model} ({manifest.num_parameters:,} parameters, input {manifest.input_shape}, "
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="trainer backends to export for, comma-separated: portable, ort, torch (default: every "
                              "one this host can export)")
     export.add_argument("--list", action="store_true", help="list the registered models")
+    export.add_argument("--no-cache", action="store_true",
+                        help="export anew, even when the same export is kept in the cache (models/cache.py)")
     export.add_argument("--generator", choices=GENERATOR_KINDS,
                         help="export the per-class generator for --input-shape instead of a model")
     export.set_defaults(run=_export)

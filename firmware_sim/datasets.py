@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from models.cache import cache_dir
+
 log = logging.getLogger("edgefil.datasets")
 
 
@@ -129,9 +131,6 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
     return domains
 
 
-def cache_dir() -> Path:
-    """Where generated datasets are kept: `$EDGEFIL_CACHE`, else `~/.cache/edgefil`."""
-    return Path(os.environ.get("EDGEFIL_CACHE") or Path.home() / ".cache" / "edgefil")
 
 
 def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:

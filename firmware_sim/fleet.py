@@ -333,7 +333,7 @@ class Fleet:
             # Only what the devices run: the portable graphs take seconds to export, the others a fraction.
             backend = resolve_backend(self.config.trainer.backend, exportable_backends())
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
-                              seed=self.config.seed, backends=(backend, "torch"))
+                              seed=self.config.seed, backends=(backend, "torch"), cache=True)
         policy = dict(self.config.policy)
         POLICIES.get(policy.pop("name")).export_artifacts(policy, artifacts, seed=self.config.seed)
         return artifacts

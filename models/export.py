@@ -45,6 +45,7 @@ from models.manifest import (
     Manifest,
     ManifestError,
     ParameterInfo,
+    load_manifest,
     read_ir_version,
     runnable_backends,
     sha256_file,
@@ -180,11 +181,24 @@ def export_registered(
     seed: int = 0,
     nominal: bool = False,
     backends: Sequence[str] | None = None,
+    cache: bool = False,
 ) -> Manifest:
-    """Build a registry model with seeded initial weights and export it."""
-    model = build_model(name, num_classes, input_shape, seed=seed)
+    """Build a registry model with seeded initial weights and export it; `cache`: copy the same export made
+    before, and keep this one for the next (models/cache.py)."""
     shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
-    return export_model(model, name, shape, out_dir, nominal=nominal, backends=backends)
+    chosen = _checked_backends(backends)
+
+    def export(folder: Path) -> Manifest:
+        model = build_model(name, num_classes, input_shape, seed=seed)
+        return export_model(model, name, shape, folder, nominal=nominal, backends=chosen)
+
+    if not cache:
+        return export(Path(out_dir))
+    from models.cache import cached_export, export_key
+
+    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed, nominal=nominal, backends=chosen)
+    cached_export(key, Path(out_dir), export, chosen)
+    return load_manifest(out_dir)
 
 
 def _default_shape(name: str) -> tuple[int, ...]:

@@ -196,3 +196,30 @@ def test_bad_batches_are_refused(export_artifacts):
         trainer.fit(good_x, good_y, class_mask=np.ones(3))
     with pytest.raises(ValueError, match="unknown optimizer"):
         OrtTrainer(export_artifacts("lenet"), optimizer="lamb")
+
+
+def test_a_cached_export_is_the_same_set_copied_and_a_damaged_one_is_made_anew(tmp_path, monkeypatch):
+    """models/cache.py: the second export of the same arguments is the first one's files, verified and copied;
+    other arguments are another key; a cached file that no longer matches its sha256 is exported again."""
+    from models.cache import ARTIFACTS, cache_dir
+    from models.export import export_registered
+
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "cache"))
+    calls = []
+    import models.export as export_module
+
+    real = export_module.export_model
+    monkeypatch.setattr(export_module, "export_model", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    first = export_registered("lenet", 10, tmp_path / "a", (1, 8, 8), backends=("ort", "torch"), cache=True)
+    second = export_registered("lenet", 10, tmp_path / "b", (1, 8, 8), backends=("ort", "torch"), cache=True)
+    assert calls == ["lenet"] and first == second
+    for name in [*first.files, "manifest.json"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    export_registered("lenet", 10, tmp_path / "c", (1, 8, 8), seed=1, backends=("ort", "torch"), cache=True)
+    assert calls == ["lenet", "lenet"] and len(list((cache_dir() / ARTIFACTS).iterdir())) == 2
+    kept = next(p for p in (cache_dir() / ARTIFACTS).iterdir() if (p / "checkpoint").exists()
+                and (p / "checkpoint").read_bytes() == (tmp_path / "a" / "checkpoint").read_bytes())
+    (kept / "checkpoint").write_bytes(b"\0" * (kept / "checkpoint").stat().st_size)
+    export_registered("lenet", 10, tmp_path / "d", (1, 8, 8), backends=("ort", "torch"), cache=True)
+    assert len(calls) == 3  # the damaged set was not copied
+    assert (tmp_path / "d" / "checkpoint").read_bytes() == (tmp_path / "a" / "checkpoint").read_bytes()
