@@ -89,6 +89,7 @@ class Fleet:
         config = {
             "device_id": device, "fleet": self.fleet, "artifacts": str(self.artifacts),
             "state_dir": str(self.root / "devices" / device), "heartbeat_s": 1.0,
+            "on_end": "wait",  # the tests check the devices outlive what they put them through
             "broker": self.broker_section(device, self.passwords[device]),
             "trainer": {"backend": "ort", "optimizer": "adamw", "lr": 3e-3},
             "learner": {"epochs": 2, "batch_size": 32},
