@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,14 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PATH": f"{BIN}:{mosquitto_dir}:{os.environ.get('PATH', '')}"}
 
 
+def gone(pid: int, timeout: float = 60.0) -> None:
+    """Wait until process `pid` has exited (a ceiling for a stuck process, not a measure of speed)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, f"process {pid} did not exit"
+        time.sleep(0.05)
+
+
 def running(pattern: str) -> list[str]:
     found = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
     return [line for line in found if "pgrep" not in line]
@@ -46,9 +56,16 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     port = free_port("127.0.0.1")
     # the one change: a free port, where the README takes init's default (8883) on a machine of one's own
     script = "\n".join([f"{lines[0].split('#')[0].strip()} --port {port}", *lines[1:]])
-    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=environment(), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    block = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = block.communicate(timeout=600)
+    finally:  # a step that failed may leave its clients waiting for a broker that is gone: end the whole group
+        try:
+            os.killpg(block.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    assert block.returncode == 0, stdout[-3000:] + stderr[-3000:]
     lab = tmp_path / "lab"
     results = json.loads((lab / "run" / "results.json").read_text())
     assert results["outcome"] == "complete"
@@ -64,6 +81,10 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     classes = json.loads((lab / "data" / "classes.json").read_text())
     assert [t["classes"] for t in classes["tasks"]] != [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # seeded order
     assert not running(str(lab)), "a process of the federation is still running"
+    from firmware_sim.fleet import FleetConfig
+
+    rehearsal = FleetConfig.load(lab / "fleet.toml")  # init's simulated twin of the federation checks whole
+    assert rehearsal.devices == 2 and rehearsal.check(str(lab / "fleet.toml")).n_tasks == 5
 
     # the same federation, the devices' files in the digits' natural class order: 0-1, 2-3, ...
     from firmware_sim.datasets import load_digits_dataset
@@ -79,7 +100,9 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     (lab / "coordinator.toml").write_text(config.replace('out = "run"', 'out = "natural"')
                                           .replace("rounds_per_task = 3", "rounds_per_task = 1"))
     env = environment()
+    gone(int((lab / "broker" / "mosquitto.pid").read_text()))  # the block's broker let go of its port
     subprocess.run(["mosquitto", "-c", str(lab / "broker" / "mosquitto.conf"), "-d"], check=True, env=env)
+    processes: list[subprocess.Popen] = []
     try:
         coordinator = subprocess.Popen([str(BIN / "edgefil"), "coordinator", "--config", str(lab / "coordinator.toml")],
                                        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -87,9 +110,15 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
         clients = [subprocess.Popen([str(BIN / "edgefil"), "client", "--config", str(lab / "devices" / f"{d}.toml")],
                                     cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    for d in ("pi-1", "pi-2")]
+        processes = [coordinator, *clients]
         log, _ = coordinator.communicate(timeout=300)
+        assert coordinator.returncode == 0, log[-3000:]
         assert [c.wait(timeout=60) for c in clients] == [0, 0]  # they exit when the run ends
     finally:
+        for process in processes:  # whatever failed above: nothing of this run stays behind
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
         subprocess.run(["kill", (lab / "broker" / "mosquitto.pid").read_text().strip()], check=False)
     warnings = [line for line in log.splitlines() if "not among tasks" in line]
     first = [w for w in warnings if re.search(r"pi-\d's data hold classes [\d, ]+, not among tasks 0\.\.0's", w)]
