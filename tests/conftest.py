@@ -19,7 +19,8 @@ def export_artifacts(tmp_path_factory):
         key = (name, classes, shape, nominal, backends)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"artifacts-{name}")
-            export_registered(name, classes, out, input_shape=shape, seed=0, nominal=nominal, backends=backends)
+            export_registered(name, classes, out, input_shape=shape, seed=0, nominal=nominal, backends=backends,
+                              cache=True)  # models/cache.py: the same export a fleet or the CLI made is copied
             cache[key] = out
         return cache[key]
 

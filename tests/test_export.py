@@ -74,11 +74,11 @@ def test_eval_model_returns_loss_logits_and_penultimate_features(export_artifact
 
 
 def test_cli_export_writes_a_loadable_artifact_set(tmp_path, capsys):
-    out = tmp_path / "mlp"
-    assert main(["export", "--model", "mlp", "--classes", "6", "--out", str(out), "--input-shape", "1,8,8"]) == 0
+    out = tmp_path / "lenet"  # the README's export (test_first_federation then finds it in the cache)
+    assert main(["export", "--model", "lenet", "--classes", "10", "--out", str(out), "--input-shape", "1,8,8"]) == 0
     assert "for the ort, portable, torch backends" in capsys.readouterr().out
     trainer = OrtTrainer(out)
-    assert trainer.manifest.num_classes == 6
+    assert trainer.manifest.num_classes == 10
     assert np.array_equal(PortableTrainer(out).get_weights(), trainer.get_weights())
     assert main(["export", "--list"]) == 0
     assert "resnet18_cifar" in capsys.readouterr().out

@@ -24,7 +24,7 @@ FLEET = "lab"
 
 @pytest.fixture
 def wired(tmp_path):
-    broker = MosquittoBroker(tmp_path / "broker", FLEET, {"d1": "device-password-1"},
+    broker = MosquittoBroker(tmp_path / "broker", FLEET, {"d1": "device-password-1", "d2": "device-password-2"},
                              Credentials("coordinator", "coordinator-password"))
     broker.start()
     link = Link(BrokerSettings(port=broker.address.port, username="coordinator", password="coordinator-password"),
@@ -77,14 +77,14 @@ def test_the_runs_end_is_retained_for_late_devices_and_cleared_by_the_next_run(w
     end = wire.decode(device.expect(topics.to_all(FLEET, "end"), timeout=30))
     assert (end["outcome"], end["rounds"]) == ("complete", 12)
     outbox.link.wait_idle(10)
-    late = Peer(device.address, "d1", "device-password-1", client_id="late")  # a device that connects afterwards
+    late = Peer(device.address, "d2", "device-password-2")  # a device that connects afterwards
     assert not late.connect().is_failure
     late.subscribe(topics.to_all(FLEET, "end"))
     assert wire.decode(late.expect(topics.to_all(FLEET, "end"), timeout=30))["rounds"] == 12
     late.close()
     outbox.run_started()
     outbox.link.wait_idle(10)
-    again = Peer(device.address, "d1", "device-password-1", client_id="again")
+    again = Peer(device.address, "d2", "device-password-2")
     assert not again.connect().is_failure
     again.subscribe(topics.to_all(FLEET, "end"))
     again.subscribe(topics.to_all(FLEET, "weights"))
