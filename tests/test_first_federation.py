@@ -78,7 +78,13 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     assert [d["profile"] for d in results["devices"]] == ["generic", "generic"]
     for written in ("summary.md", "accuracy_matrix.png", "metrics.csv", "live.json"):
         assert (lab / "run" / written).is_file(), written
-    assert list((lab / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((lab / "run" / "tensorboard").glob("events.out.tfevents.*"))))
+    events.Reload()  # TensorBoard's own reader: a scalar per round
+    assert [s.step for s in events.Scalars("accuracy/average")] == list(range(1, 16))
+    rows = (lab / "run" / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 16 and rows[0].startswith("step,round,task,trained,accuracy_task_0")
     classes = json.loads((lab / "data" / "classes.json").read_text())
     assert [t["classes"] for t in classes["tasks"]] != [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # seeded order
     assert not running(str(lab)), "a process of the federation is still running"
