@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
@@ -97,8 +98,6 @@ def _client(args: argparse.Namespace) -> int:
 
 def _client_install(args: argparse.Namespace) -> int:
     """`edgefil client install --config FILE`: the device's systemd unit and its file (edge_client/systemd.py)."""
-    from pathlib import Path
-
     from edge_client.systemd import install
 
     try:
@@ -157,9 +156,24 @@ def _coordinator(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        _write_report(config.out)
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "
-          f"accuracy matrix: {results['accuracy_matrix']}")
+          f"accuracy matrix: {results['accuracy_matrix']}; report: {config.out / 'summary.md'}")
     return 0
+
+
+def _write_report(out: Path) -> None:
+    """The run's report beside its results, however the run ended (a fleet writes its own); one that cannot be
+    written is said in one line and changes nothing else."""
+    if not (out / "results.json").is_file():
+        return
+    from firmware_sim.report import write_report
+
+    try:
+        write_report(out)
+    except (OSError, ValueError) as err:
+        print(f"edgefil coordinator: the report was not written: {err}", file=sys.stderr)
 
 
 def _fleet_run(args: argparse.Namespace) -> int:

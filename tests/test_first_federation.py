@@ -130,5 +130,6 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     warnings = [line for line in log.splitlines() if "not among tasks" in line]
     first = [w for w in warnings if re.search(r"pi-\d's data hold classes [\d, ]+, not among tasks 0\.\.0's", w)]
     assert len(first) == 2, log[-3000:]  # one line per device as its first task's update arrives
+    assert (lab / "natural" / "summary.md").is_file()  # the coordinator writes the report at a run's end
     natural = json.loads((lab / "natural" / "results.json").read_text())
     assert natural["counters"]["class-mismatch"] == len(warnings) <= 2 * 5  # one per device and task at most
