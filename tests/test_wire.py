@@ -74,6 +74,9 @@ def test_two_sources_sending_the_same_blob_are_kept_apart():
     (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle", "round": "3"}), "field"),
     (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "status", "device": "d", "state": "idle", "round": True}), "field"),
     (bytes(wire.MAX_MESSAGE_BYTES + 1), "oversized"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "end", "outcome": "complete", "rounds": "3"}), "field"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "end", "outcome": 1, "rounds": 3}), "field"),
+    (msgpack.packb({"v": wire.SCHEMA_VERSION, "kind": "end", "rounds": 3}), "field"),
 ])
 def test_bad_payloads_are_refused_with_a_reason(payload, reason):
     with pytest.raises(wire.WireError) as err:
