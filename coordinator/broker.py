@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from edgefil import topics
+from edgefil.durable import write_private
 from edgefil.lifetime import die_with_parent
 
 log = logging.getLogger("edgefil.broker")
@@ -121,15 +122,6 @@ def _accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only the owner can read, replacing any old one in one step."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class MosquittoBroker:

@@ -32,8 +32,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password, write_private
+from coordinator.broker import Credentials, MosquittoBroker, TlsFiles, generate_password
 from edgefil import topics
+from edgefil.durable import write_private
 from edgefil.settings import dump_toml, load_toml
 
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edgefil.durable import write_private
 from edgefil.settings import dump_toml, load_toml
 from edgefil.topics import check_name
 
@@ -116,11 +117,7 @@ def install(config_path: Path, root: Path, user: str = "edgefil", watchdog_s: in
     etc.mkdir(parents=True, exist_ok=True)
     units.mkdir(parents=True, exist_ok=True)
     installed = etc / f"{config.device_id}.toml"
-    text = dump_toml(installed_config(raw, config_path.resolve().parent, config.device_id))
-    fd = os.open(installed, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(installed, 0o600)
+    write_private(installed, dump_toml(installed_config(raw, config_path.resolve().parent, config.device_id)))
     try:
         pwd.getpwnam(user)
         shutil.chown(installed, user, user)  # the daemon reads it as its user

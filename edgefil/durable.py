@@ -40,6 +40,16 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_directory(path.parent)
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (a password, a key), replacing any old one in one step: it is never
+    readable by others, not even between its creation and a chmod."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def npz_bytes(arrays: dict[str, Any]) -> bytes:
     """Named arrays as one .npz file's bytes (what `write_atomically` or a budgeted file then writes whole)."""
     import io

@@ -67,7 +67,6 @@ from coordinator.broker import (
     MosquittoBroker,
     generate_password,
     mosquitto_path,
-    write_private,
 )
 from coordinator.config import CoordinatorConfig, RoundSettings
 from coordinator.dashboard import start_dashboard
@@ -77,7 +76,7 @@ from coordinator.strategies import check_strategy
 from edge_client.config import StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy
 from edge_client.trainers.choice import resolve_backend
-from edgefil.durable import write_atomically
+from edgefil.durable import write_atomically, write_private
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, dump_toml, load_toml
 from edgefil.topics import check_name

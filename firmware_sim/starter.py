@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from coordinator.pki import write_fleet_credentials
+from edgefil.durable import write_private
 from edgefil.settings import load_toml
 from edgefil.topics import check_name
 from firmware_sim.scenarios import PRESETS, ScenarioData, preset
@@ -131,13 +132,11 @@ def write_starter(folder: Path, fleet: str, preset_name: str, devices: list[str]
     (folder / "devices").mkdir(parents=True)
     write_fleet_credentials(folder / "broker", fleet, devices, [host], port=port, bind=host)
     coordinator = load_toml(folder / "broker" / "coordinator.toml")["broker"]
-    (folder / "coordinator.toml").write_text(coordinator_file(fleet, devices, coordinator, rounds_per_task, epochs))
+    # private: each holds a broker password
+    write_private(folder / "coordinator.toml", coordinator_file(fleet, devices, coordinator, rounds_per_task, epochs))
     for device in devices:
         account = load_toml(folder / "broker" / "devices" / f"{device}.toml")["broker"]
-        path = folder / "devices" / f"{device}.toml"
-        path.write_text(device_file(fleet, device, account, budget, policy))
-        path.chmod(0o600)  # it holds the device's password
-    (folder / "coordinator.toml").chmod(0o600)
+        write_private(folder / "devices" / f"{device}.toml", device_file(fleet, device, account, budget, policy))
     (folder / "fleet.toml").write_text(fleet_file(fleet, preset_name, devices, budget, policy, rounds_per_task,
                                                   epochs, model_for(data)))
     return targets

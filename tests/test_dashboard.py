@@ -31,6 +31,8 @@ name = "watched"
 out = "run"
 devices = 10
 workers = 2
+real_time = true                  # each round lasts its emulated devices' time, however fast this host: the page
+                                  # sees the rounds advance without racing them
 broker = "{broker}"
 scenario = {{preset = "digits-class", n_tasks = 3}}
 profiles = {{raspberry-pi-4-4gb = 4, raspberry-pi-zero-2w = 2, jetson-nano = 2, jetson-orin-nano = 2}}

@@ -88,6 +88,8 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     classes = json.loads((lab / "data" / "classes.json").read_text())
     assert [t["classes"] for t in classes["tasks"]] != [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # seeded order
     assert not running(str(lab)), "a process of the federation is still running"
+    for private in ("coordinator.toml", "devices/pi-1.toml", "broker/observer.toml"):  # each holds a password
+        assert (lab / private).stat().st_mode & 0o077 == 0, private
     from firmware_sim.fleet import FleetConfig
 
     rehearsal = FleetConfig.load(lab / "fleet.toml")  # init's simulated twin of the federation checks whole
