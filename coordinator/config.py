@@ -18,6 +18,8 @@
     train_tasks = 0                     # train only the first N tasks (1: the Fixed baseline); 0: every task
     max_held_mib = 4096                 # rules that need a whole round at once (median, trimmed-mean, pfedgrp):
                                         # the most update bytes a round holds (coordinator/aggregation.py)
+    last_rounds = 10                    # the final accuracy is also reported as the mean over the last task's
+                                        # last rounds, as the papers report it (Re-Fed: 10)
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
@@ -53,6 +55,7 @@ from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
 from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
+from edgefil.metrics import LAST_ROUNDS
 from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
 
@@ -78,6 +81,7 @@ class CoordinatorConfig:
     virtual_time: bool = False
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
+    last_rounds: int = LAST_ROUNDS  # results.json's last-rounds mean covers the last task's last rounds, this many
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: UpdateBounds = UpdateBounds()
     limits: RateLimits = RateLimits()
@@ -99,6 +103,8 @@ class CoordinatorConfig:
             raise ValueError("rounds_per_task and max_attempts must be >= 1, deadline_s > 0 and retry_backoff_s >= 0")
         if self.max_held_mib < 1:
             raise ValueError(f"max_held_mib must be >= 1, got {self.max_held_mib}")
+        if self.last_rounds < 1:
+            raise ValueError(f"last_rounds must be >= 1, got {self.last_rounds}")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
         if not self.scenario and self.test_data is None:
@@ -110,6 +116,7 @@ class CoordinatorConfig:
         return {
             "rounds_per_task": self.rounds_per_task, "fraction": self.fraction, "min_clients": self.min_clients,
             "deadline_s": self.deadline_s, "train_tasks": self.train_tasks, "devices": len(self.devices),
+            "last_rounds": self.last_rounds,
             "client": dict(self.client), "guard": dataclasses.asdict(self.guard),
         }
 

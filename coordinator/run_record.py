@@ -11,6 +11,7 @@ The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from typing import Any, Protocol
@@ -21,12 +22,14 @@ from coordinator.checkpoint import RoundEntry, RunState
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from edgefil.metrics import (
+    LAST_ROUNDS,
     accuracy_matrix,
     average_incremental_accuracy,
     average_of_iaa,
     backward_transfer,
     forgetting,
     iaa_forgetting,
+    last_rounds_accuracy,
 )
 
 ETA_WINDOW = 5  # completed rounds the ETA averages over
@@ -51,6 +54,7 @@ class RunRecord:
         self.fleet, self.scenario, self.strategy, self.settings = fleet, scenario, strategy, settings
         self.state, self.roster, self.counters, self.traffic = state, roster, counters, traffic
         self.total_rounds, self.total_steps = total_rounds, total_steps
+        self.last_rounds = int(settings.get("last_rounds", LAST_ROUNDS))
         self.outcome = "running"
         self.started_at = time.time()
         self.open_round: OpenRound | None = None
@@ -119,6 +123,9 @@ class RunRecord:
             "accuracy_matrix": state.accuracy_matrix,
             # the global model after the last completed round, on every task seen (mid-task too, unlike the matrix)
             "final_accuracy": float(np.mean(last_row)) if last_row else 0.0,
+            # and as the papers report it: the mean over the last task's last rounds, with their spread
+            "last_rounds_accuracy": (dataclasses.asdict(last_rounds_accuracy(state.history, self.last_rounds))
+                                     if state.history else None),
             "average_accuracy": average_incremental_accuracy(square) if square is not None else 0.0,
             "forgetting": forgetting(square) if square is not None else 0.0,
             "backward_transfer": backward_transfer(square) if square is not None else 0.0,

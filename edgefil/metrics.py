@@ -6,6 +6,7 @@ pFedGRP's IAA/AA/AFM (Eqs. 9-11). Devices: traffic and peak storage against a bu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,33 @@ def average_incremental_accuracy(acc: np.ndarray) -> float:
     average accuracy (the final accuracy is `average_accuracy` after the last task)."""
     acc = check_matrix(acc)
     return float(np.mean([average_accuracy(acc, after=t) for t in range(acc.shape[0])]))
+
+
+LAST_ROUNDS = 10  # Re-Fed reports the final accuracy averaged over the last 10 rounds (spec section 4)
+
+
+@dataclass(frozen=True)
+class LastRounds:
+    """The mean accuracy over a run's last rounds, their spread (np.std over the rounds) and how many there were."""
+
+    mean: float
+    std: float
+    rounds: int
+
+
+def last_rounds_accuracy(history: Sequence[Mapping[str, Any]], rounds: int = LAST_ROUNDS) -> LastRounds:
+    """The final accuracy as the papers report it: over the last `rounds` rounds of the last task in `history`
+    (the coordinator's per-round list: "task", and "accuracy" on tasks 0..task), each round's mean accuracy on the
+    tasks seen, averaged; with the spread of those rounds (np.std) and how many there were. Only the last task's
+    rounds count, since an earlier task's round is measured on fewer tasks; a task with fewer rounds than asked
+    gives them all ("rounds" says how many). `rounds` >= 1; an empty history is refused."""
+    if rounds < 1:
+        raise ValueError(f"the last-rounds mean takes at least one round, got {rounds}")
+    if not history:
+        raise ValueError("the last-rounds mean needs at least one round")
+    last_task = history[-1]["task"]
+    tail = [float(np.mean(entry["accuracy"])) for entry in history if entry["task"] == last_task][-rounds:]
+    return LastRounds(float(np.mean(tail)), float(np.std(tail)), len(tail))
 
 
 def forgetting(acc: np.ndarray) -> float:

@@ -123,8 +123,8 @@ def next_run_folder(out: Path) -> Path:
 def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
                  options: Mapping[str, Any] | None = None) -> FleetConfig:
     """The fleet of one run: `options` (METHODS[method] by default) give its policy, and may give its strategy,
-    its coordinator options, its trainer backend (a method that trains with torch only) and a byte limit beside M
-    (`store`: {"max_bytes": ...})."""
+    its coordinator options, its trainer backend (a method that trains with torch only), its devices' [learner]
+    (`learner`: {"mask_seen_classes": ...}) and a byte limit beside M (`store`: {"max_bytes": ...})."""
     options = METHODS[method] if options is None else options
     return FleetConfig(
         name=f"demo-{method}", out=out / method, devices=settings.devices, workers=2, model=settings.model,
@@ -132,7 +132,8 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
         profiles=demo_profiles(settings.devices) if settings.emulated else {},
         policy=options["policy"], store=StoreSettings(max_samples=budget, **options.get("store", {})),
         trainer=TrainerSettings(backend=options.get("backend", "ort"), optimizer="adamw", lr=settings.lr),
-        client={"epochs": settings.epochs}, strategy=options.get("strategy", STRATEGY),
+        client={"epochs": settings.epochs}, learner=options.get("learner", {}),
+        strategy=options.get("strategy", STRATEGY),
         coordinator={
             "rounds_per_task": settings.rounds_per_task, "fraction": settings.fraction,
             "min_clients": max(1, round(settings.devices * settings.fraction) // 2),

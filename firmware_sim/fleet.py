@@ -32,6 +32,9 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
+    [learner]      batch_size, mask_seen_classes, detect_new_tasks       (the device file's [learner]; left out,
+                                                                         mask_seen_classes is the scenario kind's
+                                                                         measured default, `ScenarioKind.masks`)
     [client]       epochs (10), lr, answer_wait_s, known_classes         (the coordinator file's [client]; a
                                                                          scenario whose host learns a task sets
                                                                          known_classes = true unless it is given)
@@ -73,7 +76,7 @@ from coordinator.dashboard import start_dashboard
 from coordinator.pki import OBSERVER, make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
-from edge_client.config import StoreSettings, TrainerSettings
+from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy
 from edge_client.trainers.choice import resolve_backend
 from edgefil.durable import write_atomically, write_private
@@ -125,6 +128,7 @@ class FleetConfig:
     # session, not one per device; it also runs on any Python a fleet host has (benchmarks/fleet_scale.py)
     trainer: TrainerSettings = TrainerSettings(backend="portable", optimizer="adamw", lr=3e-3)
     client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 10})  # E: each task learnt in its rounds
+    learner: Mapping[str, Any] = field(default_factory=dict)  # the devices' [learner]; see `learner_options`
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     coordinator: Mapping[str, Any] = field(default_factory=dict)
     profiles: Mapping[str, int] = field(default_factory=dict)
@@ -177,6 +181,7 @@ class FleetConfig:
         check_policy(self.policy, where.inner("policy"))
         check_strategy(self.strategy, where.inner("strategy"))
         build(RoundSettings, self.client, where.inner("client"))
+        build(LearnerSettings, self.learner, where.inner("learner"))
         self.coordinator_options(file)
         for name in self.profiles:
             try:
@@ -206,10 +211,15 @@ class FleetConfig:
             "name": self.name, "devices": self.devices, "model": self.model, "seed": self.seed,
             "scenario": dict(self.scenario), "policy": dict(self.policy),
             "store": self.store_options(),
-            "trainer": vars(self.trainer),
+            "trainer": vars(self.trainer), "learner": dict(self.learner),
             "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
             "profiles": dict(self.profiles), "adversary": vars(self.adversary),
         }
+
+    def learner_options(self, data: ScenarioData) -> dict[str, Any]:
+        """The devices' [learner] as set; where it leaves `mask_seen_classes` out, the scenario kind's default
+        (`ScenarioKind.masks`: measured per kind, docs/results.md "The class mask")."""
+        return {"mask_seen_classes": data.scenario.kind_class().masks(data.scenario), **self.learner}
 
     def store_options(self) -> dict[str, Any]:
         """The devices' [store] as set, unset fields left out. `store` None means the scenario's binding budget,
@@ -266,6 +276,7 @@ class Fleet:
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
         self.workers: ProcessWorkers | RayWorkers | None = None
         self.keepalive: int | None = None  # the clients' MQTT keepalive (None: their default), for the workers' cores
+        self.learner: dict[str, Any] = dict(config.learner)  # the devices' [learner], the kind's defaults in (run)
 
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -281,6 +292,7 @@ class Fleet:
             (out / folder).mkdir(parents=True, exist_ok=True)
         write_atomically(out / FLEET_FILE, json.dumps(self.config.describe(), indent=1).encode())
         artifacts = self._export(data)
+        self.learner = self.config.learner_options(data)
         log.info("starting %d devices on %s, then the coordinator", self.config.devices,
                  "a Ray cluster" if self.config.backend == "ray" else "worker processes")
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
@@ -400,7 +412,8 @@ class Fleet:
             "on_end": "wait",  # the fleet stops its workers itself
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
-            "trainer": vars(self.config.trainer), "store": store, "policy": dict(self.config.policy),
+            "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,
+            "policy": dict(self.config.policy),
             "data": {"scenario": self.scenario, "client": index},
         }
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from edgefil.metrics import (
+    LAST_ROUNDS,
+    LastRounds,
     accuracy_matrix,
     average_accuracy,
     average_incremental_accuracy,
@@ -29,6 +31,7 @@ from edgefil.metrics import (
     backward_transfer,
     forgetting,
     iaa_forgetting,
+    last_rounds_accuracy,
     peak_storage,
     rounds_to_best,
     traffic_summary,
@@ -105,6 +108,8 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
         "tasks_completed": tasks,
         "accuracy_matrix": acc,
         "final_accuracy": average_accuracy(acc) if acc is not None else None,
+        "last_rounds": (last_rounds_accuracy(results["history"], _last_rounds(results))
+                        if results["history"] else None),
         "average_accuracy": average_incremental_accuracy(acc) if acc is not None else None,
         "forgetting": forgetting(acc) if acc is not None else None,
         "backward_transfer": backward_transfer(acc) if acc is not None else None,
@@ -131,6 +136,18 @@ def _round_axis(history: Sequence[Mapping[str, Any]], rounds_per_task: int) -> l
     for entry in history:
         xs.append(xs[-1] + rounds_per_task if xs and entry.get("trained") is False else float(entry["round"]))
     return xs
+
+
+def _last_rounds(results: Mapping[str, Any]) -> int:
+    """How many of the last task's rounds the run's last-rounds mean covers (its coordinator's `last_rounds`)."""
+    return int((results.get("settings") or {}).get("last_rounds") or LAST_ROUNDS)
+
+
+def _last_rounds_text(last: LastRounds | None) -> str:
+    """"81.20% ± 1.30 (last 10 rounds)": the mean over the last task's last rounds, with their spread."""
+    if last is None:
+        return "—"
+    return f"{last.mean:.2%} ± {100 * last.std:.2f} (last {last.rounds} round{'s' if last.rounds != 1 else ''})"
 
 
 def _rounds_per_task(results: Mapping[str, Any]) -> int:
@@ -264,7 +281,8 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
     ] if s["aa"] is not None else []
     headline = _table(["metric", "value"], [
         *flowing,
-        ["final accuracy", _pct(s["final_accuracy"])],
+        ["final accuracy (after the last task)", _pct(s["final_accuracy"])],
+        ["final accuracy over the last rounds (mean ± std)", _last_rounds_text(s["last_rounds"])],
         ["average accuracy", _pct(s["average_accuracy"])],
         ["forgetting", _pct(s["forgetting"])],
         ["backward transfer", _pct(s["backward_transfer"])],
@@ -345,11 +363,12 @@ def _comparison_markdown(labels: Sequence[str], runs: Sequence[Mapping[str, Any]
         cor = _mean_cor(s)
         peaks = [p["peak"] for p in s["storage"].values()]
         rows.append([label, *(what[k] for k in differ), s["rounds"], _pct(s["final_accuracy"]),
+                     _last_rounds_text(s["last_rounds"]),
                      _pct(s["average_accuracy"]), _pct(s["forgetting"]), _pct(s["backward_transfer"]),
                      *([_pct(s["aa"]), _pct(s["afm"])] if with_iaa else []),
                      "—" if cor is None else f"{cor:.2f}",
                      _bytes(s["traffic"]["sent"] + s["traffic"]["received"]), _bytes(max(peaks, default=None))])
-    header = ["run", *differ, "rounds", "final acc.", "average acc.", "forgetting", "BWT",
+    header = ["run", *differ, "rounds", "final acc.", "last rounds (mean ± std)", "average acc.", "forgetting", "BWT",
               *(["AA", "AFM"] if with_iaa else []), "mean CoR", "device traffic", "max peak stored"]
     alike = f"Every run: {', '.join(shared)}.\n\n" if shared and len(runs) > 1 else ""
     return "# Run comparison\n\n" + alike + _table(header, rows) + "\n"

@@ -307,3 +307,22 @@ def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
     path.write_text(FLEET.format(broker="auto") + '[ray]\nadress = "auto"\n')
     with pytest.raises(ValueError, match=r"\[ray\].*adress"):
         fleet_module.FleetConfig.load(path)
+
+
+def test_the_fleet_files_learner_table_reaches_the_devices_with_the_kinds_mask_default(tmp_path):
+    """[learner] is the devices' table: what it sets wins, `mask_seen_classes` left out is the scenario kind's
+    measured default, and a typo is refused in one line before anything starts."""
+    from edgefil.settings import ConfigError, Where
+    from firmware_sim.scenarios import check_scenario
+
+    def config(scenario: dict, learner: dict) -> fleet_module.FleetConfig:
+        return fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2, scenario=scenario, learner=learner)
+
+    for preset in ("digits-class", "digits-domain"):
+        data = check_scenario({"preset": preset, "n_clients": 2}, Where("t")).build()
+        default = data.scenario.kind_class().masks(data.scenario)
+        assert config({"preset": preset}, {}).learner_options(data) == {"mask_seen_classes": default}
+        chosen = config({"preset": preset}, {"mask_seen_classes": not default, "batch_size": 16})
+        assert chosen.learner_options(data) == {"mask_seen_classes": not default, "batch_size": 16}
+    with pytest.raises(ConfigError, match=r"\[learner\].*mask_seen_class"):
+        config({"preset": "digits-class"}, {"mask_seen_class": False}).check()

@@ -9,6 +9,7 @@ from edgefil.metrics import (
     forgetting,
     iaa_forgetting,
     instant_average_accuracy,
+    last_rounds_accuracy,
     peak_storage,
     rounds_to_best,
     traffic_summary,
@@ -100,6 +101,22 @@ def test_rounds_to_best_by_hand_with_a_tie_and_a_task_without_rounds():
 
 
 # --- pFedGRP's IAA / AA / AFM (spec section 1, Eqs. 9-11) --------------------------------------------------------
+
+def test_the_last_rounds_mean_covers_the_last_tasks_last_rounds_by_hand():
+    history = [{"task": 0, "accuracy": [0.9]}, {"task": 1, "accuracy": [0.2, 0.4]},
+               {"task": 1, "accuracy": [0.6, 0.8]}, {"task": 1, "accuracy": [0.5, 0.9]}]
+    last = last_rounds_accuracy(history, rounds=2)  # rounds 0.7 and 0.7
+    assert (last.mean, last.std, last.rounds) == (pytest.approx(0.7), pytest.approx(0.0), 2)
+    last = last_rounds_accuracy(history, rounds=10)  # the last task's three rounds, never task 0's (one task only)
+    assert last.rounds == 3
+    assert last.mean == pytest.approx((0.3 + 0.7 + 0.7) / 3)
+    assert last.std == pytest.approx(np.std([0.3, 0.7, 0.7]))
+    assert last_rounds_accuracy(history, rounds=1).mean == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="at least one round"):
+        last_rounds_accuracy(history, rounds=0)
+    with pytest.raises(ValueError, match="at least one round"):
+        last_rounds_accuracy([])
+
 
 def test_instant_average_accuracy_weights_by_samples_seen():
     # (100 * 0.9 + 300 * 0.6 + 600 * 0.3) / (100 + 300 + 600) = (90 + 180 + 180) / 1000 = 0.45 (plain mean: 0.6)

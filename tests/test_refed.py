@@ -138,7 +138,8 @@ def test_a_flat_loss_ends_the_pim_early(artifacts, old_samples, global_weights):
     assert early.last_pim is not None and early.last_pim.epochs < 12
     losses = early.last_pim.losses
     assert losses[-2] - losses[-1] < 0.5 * losses[-2]  # it stopped because the last epoch gained too little
-    assert early.metrics() == {"pim_epochs": float(early.last_pim.epochs), "pim_drift": early.last_pim.drift}
+    assert early.metrics() == {"pim_epochs": float(early.last_pim.epochs), "pim_drift": early.last_pim.drift,
+                               "pim_diverged": 0.0}
     assert early.metrics() == {}  # reported once
 
 
@@ -147,6 +148,39 @@ def test_a_flat_loss_ends_the_pim_early(artifacts, old_samples, global_weights):
 def test_bad_pim_options_are_refused(options):
     with pytest.raises(ValueError):
         make_policy("refed", **options)
+
+
+@pytest.mark.parametrize(("lam", "pim_lr"), [(0.05, 0.22), (0.5, 4.0), (0.2, 1.0)])
+def test_a_pim_whose_proximal_step_diverges_is_refused_in_one_line_when_configured(lam, pim_lr):
+    """pim_lr * q(lam) >= 2 makes Eq. 3's distance to the global model grow at every step: refused where the
+    [policy] table is checked, in one line that says the bound; just under it is taken."""
+    from edge_client.policies import check_policy
+    from edgefil.settings import ConfigError, Where
+
+    q = proximal_coefficient(lam)
+    assert pim_lr * q >= 2
+    with pytest.raises(ConfigError, match=r"\[policy\].*pim_lr .* diverges.*must stay below 2") as refused:
+        check_policy({"name": "refed", "lam": lam, "pim_lr": pim_lr}, Where("device.toml").inner("policy"))
+    assert "\n" not in str(refused.value)
+    assert make_policy("refed", lam=lam, pim_lr=0.99 * 2 / q).pim_lr == pytest.approx(0.99 * 2 / q)
+
+
+def test_a_pim_that_diverges_anyway_keeps_its_finite_epochs_and_says_so(artifacts, old_samples, global_weights,
+                                                                        caplog):
+    """A step the proximal bound allows can still diverge on a steep loss (a huge pim_lr with a weak pull): the
+    run stops at the first epoch that is not finite, ranks on the epochs before it (or on the global model's
+    scores), and reports it."""
+    trainer = _trainer("ort", artifacts)
+    trainer.set_weights(global_weights)
+    policy = ReFed(lam=0.999, pim_epochs=6, pim_lr=1e3, importance="last-layer")
+    with caplog.at_level("WARNING"):
+        order = policy.rank(old_samples, 40, _context(trainer, global_weights))
+    assert policy.last_pim is not None and policy.last_pim.diverged and policy.last_pim.epochs < 6
+    assert len(order) == 40 and len(set(order.tolist())) == 40 and order.max() < len(old_samples)
+    reported = policy.metrics()
+    assert reported["pim_diverged"] == 1.0 and np.isfinite(reported["pim_drift"])  # the last finite point's
+    assert any("PIM diverged" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(trainer.get_weights(), global_weights)  # the task model as it was
 
 
 def test_class_quotas_keep_every_seen_class_when_the_budget_allows_one_each(artifacts, old_samples,

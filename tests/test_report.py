@@ -56,6 +56,10 @@ def test_run_summary_matches_the_metrics_and_hand_checked_values():
     assert s["average_accuracy"] == pytest.approx(np.mean([metrics.average_accuracy(acc, t) for t in range(3)]))
     assert s["forgetting"] == metrics.forgetting(acc)
     assert s["backward_transfer"] == metrics.backward_transfer(acc)
+    # the last task's two rounds (no settings: the default 10 asked, 2 there): 0.6333 and 0.65
+    assert s["last_rounds"] == metrics.LastRounds(pytest.approx((1.9 / 3 + 0.65) / 2), pytest.approx(0.05 / 6), 2)
+    one = run_summary({**data, "settings": {"last_rounds": 1}})["last_rounds"]
+    assert (one.mean, one.rounds) == (pytest.approx(0.65), 1)
     # task 0 peaks in its 2nd round; task 1 ties (0.7, 0.7): first; task 2 peaks in its 1st round
     assert s["cor"] == metrics.rounds_to_best(data["history"], 3) == [2, 1, 1]
     # last reports: dev-a in round 6 (600 / 6000), dev-b in round 5 (400 / 4000)

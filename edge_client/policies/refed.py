@@ -29,6 +29,7 @@ Choices the paper leaves open (all configurable):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,7 @@ import numpy as np
 from edge_client.policies.base import ReplayPolicy, RoundView, Samples
 from edge_client.trainers.base import Trainer, iterate_batches
 
+log = logging.getLogger(__name__)
 WEIGHTINGS = ("early", "average", "late")
 
 
@@ -55,13 +57,26 @@ def proximal_coefficient(lam: float) -> float:
     return (1.0 - lam) / (2.0 * lam)
 
 
+def check_pim_step(lam: float, lr: float) -> None:
+    """Refuse, in one line, a PIM whose proximal step alone diverges: Eq. 3 multiplies v - w by 1 - lr q(lambda) at
+    every step, so lr q >= 2 makes the distance to the global model grow without bound (NaN within the PIM's
+    epochs). Steps below that bound can still diverge on a steep loss; `train_pim` stops such a run."""
+    q = proximal_coefficient(lam)
+    if lr * q >= 2.0:
+        raise ValueError(f"pim_lr {lr:g} with lam {lam:g} diverges: the PIM's proximal step pim_lr * q(lam) = "
+                         f"{lr * q:.3g} must stay below 2 (q = (1 - lam) / (2 lam) = {q:.3g}); take pim_lr < "
+                         f"{2.0 / q:.3g} or a larger lam")
+
+
 @dataclass(frozen=True)
 class PimRun:
-    """What one PIM run did: epochs run, its mean loss per epoch, and its final drift ||v - w|| / ||w||."""
+    """What one PIM run did: epochs run, its mean loss per epoch, its final drift ||v - w|| / ||w||, and whether it
+    diverged (a loss or a score stopped being finite: the epochs before it are kept)."""
 
     epochs: int
     losses: tuple[float, ...]
     drift: float
+    diverged: bool = False
 
 
 def pim_step(v: np.ndarray, gradient: np.ndarray, reference: np.ndarray, lr: float, q: float) -> np.ndarray:
@@ -75,30 +90,52 @@ def train_pim(
 ) -> tuple[list[np.ndarray], PimRun]:
     """Run the PIM from view.global_weights (the trainer's weights before any arrived) on `old`; the per-sample
     squared gradient norms after each epoch, and what the run did. The trainer's weights are set as the PIM moves
-    and restored afterwards."""
+    and restored afterwards.
+
+    A run that diverges (an epoch's loss or scores not finite; a configuration that must is refused by
+    `check_pim_step`) stops there and keeps the epochs before it; when not even the first epoch is finite, the
+    scores are the samples' gradient norms under the global model (the PIM's start), so a ranking always exists."""
     q = proximal_coefficient(lam)
     saved = trainer.get_weights()
     reference = np.asarray(saved if view.global_weights is None else view.global_weights, dtype=np.float32)
     v = reference.copy()
     norms: list[np.ndarray] = []
     losses: list[float] = []
+    diverged = False
     try:
-        for _ in range(epochs):
-            total = 0.0
-            for idx in iterate_batches(len(old), view.batch_size, view.rng):
+        with np.errstate(over="ignore", invalid="ignore"):
+            for _ in range(epochs):
+                total = 0.0
+                for idx in iterate_batches(len(old), view.batch_size, view.rng):
+                    trainer.set_weights(v)
+                    loss, gradient = trainer.gradient(old.x[idx], old.y[idx], view.class_mask)
+                    step = pim_step(v, gradient, reference, lr, q)
+                    total += loss * len(idx)
+                    if not (np.isfinite(total) and np.isfinite(step).all()):
+                        diverged = True  # v stays the last finite point: the drift reported is where it got
+                        break
+                    v = step
+                if diverged:
+                    break
                 trainer.set_weights(v)
-                loss, gradient = trainer.gradient(old.x[idx], old.y[idx], view.class_mask)
-                v = pim_step(v, gradient, reference, lr, q)
-                total += loss * len(idx)
-            trainer.set_weights(v)
+                scores = trainer.per_sample_grad_norms(old.x, old.y, mode=mode, class_mask=view.class_mask)
+                if not np.isfinite(scores).all():
+                    diverged = True
+                    break
+                norms.append(scores)
+                losses.append(total / max(len(old), 1))
+                if tolerance > 0 and len(losses) > 1 and losses[-2] - losses[-1] < tolerance * abs(losses[-2]):
+                    break
+        if not norms:
+            trainer.set_weights(reference)
             norms.append(trainer.per_sample_grad_norms(old.x, old.y, mode=mode, class_mask=view.class_mask))
-            losses.append(total / max(len(old), 1))
-            if tolerance > 0 and len(losses) > 1 and losses[-2] - losses[-1] < tolerance * abs(losses[-2]):
-                break
     finally:
         trainer.set_weights(saved)
     drift = float(np.linalg.norm(v - reference) / max(float(np.linalg.norm(reference)), 1e-12))
-    return norms, PimRun(len(losses), tuple(losses), drift)
+    if diverged:
+        log.warning("Re-Fed's PIM diverged after %d finite epochs (pim_lr %g, lam %g): ranking on those (lower "
+                    "pim_lr)", len(losses), lr, lam)
+    return norms, PimRun(len(losses), tuple(losses), drift, diverged)
 
 
 @dataclass
@@ -121,6 +158,7 @@ class ReFed(ReplayPolicy):
             raise ValueError(f"pim_epochs must be at least 1, got {self.pim_epochs}")
         if not (np.isfinite(self.pim_lr) and self.pim_lr > 0):
             raise ValueError(f"pim_lr must be a positive number, got {self.pim_lr}")
+        check_pim_step(self.lam, self.pim_lr)
         if not (np.isfinite(self.pim_tolerance) and self.pim_tolerance >= 0):
             raise ValueError(f"pim_tolerance must be >= 0, got {self.pim_tolerance}")
 
@@ -141,4 +179,5 @@ class ReFed(ReplayPolicy):
     def metrics(self) -> dict[str, float]:
         """The PIM run since the last report, once: its epochs and drift."""
         run, self._unreported = self._unreported, None
-        return {} if run is None else {"pim_epochs": float(run.epochs), "pim_drift": run.drift}
+        return {} if run is None else {"pim_epochs": float(run.epochs), "pim_drift": run.drift,
+                                       "pim_diverged": float(run.diverged)}
