@@ -13,7 +13,8 @@
     [trainer]  backend = "auto" | "portable" | "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads, momentum
     [learner]  epochs, batch_size, mask_seen_classes, detect_new_tasks
     [store]    max_samples (M), max_bytes
-    [policy]   name = "refed" | "random" | ..., group_by = "class", and the policy's own options (e.g. lam)
+    [policy]   name = "refed" | "random" | ..., group_by = "class", new_share = "stream" | 0.5 (M's split between
+               the newest task and the old ones; left out: Re-Fed's rule), and the policy's own options (e.g. lam)
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
     [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time, time_scale
 

@@ -100,13 +100,13 @@ class Device:
         self.num_parameters = self.trainer.manifest.num_parameters
         store = ReplayStore.within(DeviceBudget(Budget(config.store.max_samples, config.store.max_bytes)),
                                    config.state_dir / "store", tuple(self.trainer.manifest.input_shape))
-        policy, group_by = split_policy(config.policy)
+        policy, around = split_policy(config.policy)
         settings = config.learner
         self.learner = Learner(
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
                           mask_seen_classes=settings.mask_seen_classes, detect_new_tasks=settings.detect_new_tasks,
-                          group_by=group_by),
+                          **around),
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)

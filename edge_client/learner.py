@@ -15,6 +15,11 @@ Choices (documented, configurable where it matters):
 - `group_by` ("class" or "task") puts quotas around any policy's ranking (`group_ranking`): the policy ranks all
   the old samples, each group keeps its water-filled share in the policy's order. Every other hook is the
   policy's own, so grouping never changes how a method trains.
+- `new_share` splits M between the newest task and the older ones around any policy's ranking (`new_task_quota`):
+  by default the papers' budget rule (the newest task keeps everything it brings, the old data get M - N_new);
+  "stream" gives the newest task its share of everything seen, as uniform sampling of the stream does; a number s
+  at most s M. The newest task's samples beyond its quota are dropped uniformly (a later chunk fills what its quota
+  leaves). The papers have only the default: the split is ours (docs/results.md, "The budget split").
 - Every hook sees the device through one frozen `RoundView` (`view()`), never the learner itself.
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
   what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.
@@ -27,7 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.policies import GROUPINGS, PolicyContext, ReplayPolicy, RoundView, Samples, group_ranking
+from edge_client.policies import (
+    GROUPINGS,
+    PolicyContext,
+    ReplayPolicy,
+    RoundView,
+    Samples,
+    check_new_share,
+    group_ranking,
+    new_task_quota,
+)
 from edge_client.state import ClientState, load_state, save_state, save_state_keeping_weights
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
@@ -43,10 +57,12 @@ class LearnerConfig:
     mask_seen_classes: bool = True
     detect_new_tasks: bool = False  # start a task when unseen labels appear (when the stream does not say)
     group_by: str | None = None  # quotas per "class" or "task" around the policy's ranking (GROUPINGS)
+    new_share: float | str | None = None  # M's split between the newest task and the old ones (new_task_quota)
 
     def __post_init__(self) -> None:
         if self.group_by is not None and self.group_by not in GROUPINGS:
             raise ValueError(f"unknown group_by {self.group_by!r}; choose one of {', '.join(GROUPINGS)}")
+        check_new_share(self.new_share)
 
 
 class Learner:
@@ -201,11 +217,14 @@ class Learner:
         task = self.state.task
         tasks = self.store.tasks(ids)
         current, old = ids[tasks == task], ids[tasks != task]
-        room = max(self._capacity() - len(current), 0)
+        capacity = self._capacity()
+        quota = new_task_quota(self.config.new_share, capacity, int(sum(self.state.task_counts)),
+                               self.state.n_seen + len(y), len(old) if self.policy.keeps_old else 0)
+        room = max(min(capacity, quota) - len(current), 0)
         if len(y) > room:
             pick = np.sort(self.rng.choice(len(y), room, replace=False))
             x, y = x[pick], y[pick]
-        keep_old = room - len(y) if self.policy.keeps_old else 0
+        keep_old = capacity - len(current) - len(y) if self.policy.keeps_old else 0
         bytes_short = self.store.room_for(len(y)) < len(y)  # the byte budget will cut into the cache too
         if len(old) > keep_old or (bytes_short and len(old)):
             ranked = old[self._rank(old, min(keep_old, len(old)))]

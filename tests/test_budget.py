@@ -41,25 +41,30 @@ def artifacts(tmp_path_factory, export_artifacts):
     return lenet
 
 
-def _open(artifacts, folder, max_samples, max_bytes, policy):
+def _open(artifacts, folder, max_samples, max_bytes, policy, new_share=None):
     budget = DeviceBudget(Budget(max_samples, max_bytes))
     store = ReplayStore.within(budget, folder / "store", (1, 8, 8))
     trainer = (TorchTrainer(load_manifest(artifacts), optimizer="sgd", lr=0.05) if policy in TORCH_ONLY
                else OrtTrainer(artifacts, optimizer="sgd", lr=0.05))
-    learner = Learner(trainer, store,
-                      make_policy(policy, **OPTIONS.get(policy, {})), LearnerConfig(epochs=1, batch_size=16),
-                      seed=1)
+    learner = Learner(trainer, store, make_policy(policy, **OPTIONS.get(policy, {})),
+                      LearnerConfig(epochs=1, batch_size=16, new_share=new_share), seed=1)
     assert learner.budget is budget
     learner.open_policy(folder, artifacts)
     return learner, budget
 
 
 
-@pytest.mark.parametrize("policy", BUILT_IN)
-def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy):
-    rng = np.random.default_rng(sum(map(ord, policy)))
+def _splits(policy: str) -> list:
+    """Every split of M a policy takes (`new_share`): a policy that admits the stream itself takes only its own."""
+    streams = POLICIES.get(policy).admit is not POLICIES.get("random").admit
+    return [None, "stream"] if streams else [None, "stream", 0.3]
+
+
+@pytest.mark.parametrize(("policy", "new_share"), [(p, s) for p in BUILT_IN for s in _splits(p)])
+def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy, new_share):
+    rng = np.random.default_rng(sum(map(ord, policy)) + len(str(new_share)))
     max_samples, max_bytes = 60, 300 * 1024
-    learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy)
+    learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy, new_share)
     task, classes = 0, [0, 1]
     for step in range(14):
         action = rng.choice(["switch", "chunk", "train", "restart", "receive"], p=[0.25, 0.25, 0.25, 0.1, 0.15])
@@ -80,7 +85,7 @@ def test_everything_a_device_keeps_stays_within_m(artifacts, tmp_path, policy):
         elif action == "restart":
             learner.save(tmp_path)
             learner.store.close()
-            learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy)
+            learner, budget = _open(artifacts, tmp_path, max_samples, max_bytes, policy, new_share)
             assert learner.restore(tmp_path)
         held = budget.held()
         assert sum(held.values()) <= max_bytes, (step, action, held)

@@ -41,6 +41,42 @@ def test_a_task_switch_caches_m_minus_n_new_old_samples(make_learner, policy):
     assert learner.state.seen_classes == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(("new_share", "first", "new", "old"), [
+    (None, 100, 100, 0),        # Re-Fed's rule: the newest task keeps all it brings
+    (0.3, 100, 30, 70),         # at most 30 % of M for it, the rest for the old data by the policy's ranking
+    ("stream", 100, 50, 50),    # its share of everything seen: 100 of 200
+    ("stream", 300, 25, 75),    # 100 of 400 seen
+    (0.3, 20, 80, 20),          # what the old data cannot fill goes to the newest task
+])
+@pytest.mark.parametrize("policy", ["random", "refed"])
+def test_the_budget_split_gives_the_newest_task_its_share_of_m(make_learner, policy, new_share, first, new, old):
+    learner = make_learner(policy, max_samples=100, config=LearnerConfig(new_share=new_share),
+                           **({"pim_epochs": 1} if policy == "refed" else {}))
+    learner.start_task(0, *_task_data([0, 1], first, 0))
+    learner.start_task(1, *_task_data([2, 3], 100, 1))
+    tasks = learner.store.tasks()
+    assert ((tasks == 1).sum(), (tasks == 0).sum()) == (new, old)
+    learner.observe(Chunk(*_task_data([2, 3], 100, 2), task=1))  # a later chunk: the quota follows the stream
+    tasks = learner.store.tasks()
+    assert len(tasks) == 100
+    if new_share == "stream":
+        assert (tasks == 1).sum() == int(np.ceil(100 * 200 / (first + 200)))
+
+
+def test_a_split_is_refused_in_one_line_where_it_cannot_apply():
+    from edge_client.policies import check_policy
+    from edgefil.settings import ConfigError, Where
+
+    where = Where("device.toml").inner("policy")
+    assert check_policy({"name": "refed", "new_share": 0.4}, where)["new_share"] == 0.4
+    assert check_policy({"name": "reservoir", "new_share": "stream"}, where)["new_share"] == "stream"
+    for table, message in [({"name": "random", "new_share": 1.5}, "number in \\(0, 1\\]"),
+                           ({"name": "random", "new_share": "all"}, "number in"),
+                           ({"name": "reservoir", "new_share": 0.5}, "admits the stream itself")]:
+        with pytest.raises(ConfigError, match=rf"\[policy\] new_share.*{message}"):
+            check_policy(table, where)
+
+
 def test_new_data_larger_than_the_budget_is_subsampled(make_learner):
     learner = make_learner(max_samples=50)
     learner.start_task(0, *_task_data([0, 1], 40, 0))

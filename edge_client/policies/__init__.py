@@ -12,13 +12,16 @@ from typing import Any
 from edge_client.policies.base import (
     GROUPINGS,
     POLICIES,
+    STREAM_SHARE,
     Admission,
     PolicyContext,
     ReplayPolicy,
     RoundView,
     Samples,
     TrainingSet,
+    check_new_share,
     group_ranking,
+    new_task_quota,
 )
 from edgefil.registry import import_submodules
 from edgefil.settings import Where, check_options
@@ -30,10 +33,15 @@ def policy_names() -> list[str]:
     return POLICIES.names()
 
 
+# `[policy]` keys every policy takes, applied by the learner around the policy's hooks (LearnerConfig's fields)
+AROUND_ANY_POLICY = ("group_by", "new_share")
+
+
 def check_policy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
-    """A `[policy]` table checked: `name` (a registered policy), `group_by` (quotas the learner applies around the
-    policy's ranking, `GROUPINGS`), and the policy's own options against its constructor (names, types, and the
-    values it refuses); ConfigError naming the key otherwise."""
+    """A `[policy]` table checked: `name` (a registered policy), what the learner applies around any policy's
+    ranking (`group_by`: quotas, `GROUPINGS`; `new_share`: how M is split between the newest task and the older
+    ones, `new_task_quota`), and the policy's own options against its constructor (names, types, and the values it
+    refuses); ConfigError naming the key otherwise."""
     name = raw.get("name")
     if name is None:
         raise where.error("name", f"missing (required); one of {', '.join(policy_names())}")
@@ -42,12 +50,21 @@ def check_policy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
     group_by = raw.get("group_by")
     if group_by is not None and group_by not in GROUPINGS:
         raise where.error("group_by", f"expected one of {', '.join(map(repr, GROUPINGS))}, got {group_by!r}")
-    options = check_options(POLICIES.get(name), raw, where, also=("name", "group_by"))
+    new_share = raw.get("new_share")
+    try:
+        check_new_share(new_share)
+    except ValueError as err:
+        raise where.error("new_share", str(err)) from None
+    if new_share not in (None, STREAM_SHARE) and POLICIES.get(name).admit is not ReplayPolicy.admit:
+        raise where.error("new_share", f"{name} admits the stream itself, so each task keeps its share of the "
+                                       f"stream: only new_share = \"{STREAM_SHARE}\" (its own split) applies")
+    options = check_options(POLICIES.get(name), raw, where, also=("name", *AROUND_ANY_POLICY))
     try:
         make_policy(name, **options)
     except (ValueError, TypeError) as err:
         raise where.error(None, str(err)) from None
-    return {"name": name, **({"group_by": group_by} if group_by is not None else {}), **options}
+    around = {key: raw[key] for key in AROUND_ANY_POLICY if raw.get(key) is not None}
+    return {"name": name, **around, **options}
 
 
 def make_policy(name: str, **options: Any) -> ReplayPolicy:
@@ -55,13 +72,14 @@ def make_policy(name: str, **options: Any) -> ReplayPolicy:
     return POLICIES.get(name)(**options)
 
 
-def split_policy(table: Mapping[str, Any]) -> tuple[ReplayPolicy, str | None]:
-    """A checked `[policy]` table as the policy it names and the grouping the learner applies around its ranking
-    (`LearnerConfig.group_by`)."""
+def split_policy(table: Mapping[str, Any]) -> tuple[ReplayPolicy, dict[str, Any]]:
+    """A checked `[policy]` table as the policy it names and what the learner applies around it (`group_by`,
+    `new_share`: LearnerConfig's fields of those names, only those given)."""
     options = dict(table)
-    group_by = options.pop("group_by", None)
-    return make_policy(**options), group_by
+    around = {key: options.pop(key) for key in AROUND_ANY_POLICY if key in options}
+    return make_policy(**options), around
 
 
-__all__ = ["GROUPINGS", "Admission", "PolicyContext", "ReplayPolicy", "RoundView", "Samples", "TrainingSet",
-           "group_ranking", "make_policy", "policy_names", "split_policy"]
+__all__ = ["AROUND_ANY_POLICY", "GROUPINGS", "STREAM_SHARE", "Admission", "PolicyContext", "ReplayPolicy",
+           "RoundView", "Samples", "TrainingSet", "check_new_share", "group_ranking", "make_policy", "new_task_quota",
+           "policy_names", "split_policy"]

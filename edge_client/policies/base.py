@@ -28,6 +28,7 @@ asks for a ranking, and tells the store what to keep.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -259,6 +260,32 @@ GROUPINGS: dict[str, Callable[[Samples], np.ndarray]] = {
     "class": lambda samples: samples.y,
     "task": lambda samples: samples.task,
 }
+
+
+# How M is split between the newest task and the older ones (`LearnerConfig.new_share`), applied by the learner at
+# the task-switch rule around any policy's ranking: None (the papers' budget rule, the default) gives the newest
+# task all it brings and the old data M - N_new; "stream" gives it its share of everything seen (the split of a
+# uniform sample of the stream, at a task switch); a number s in (0, 1] gives it at most s M. Room the other side
+# cannot fill goes to the side that can.
+STREAM_SHARE = "stream"
+
+
+def check_new_share(value: object) -> None:
+    """ValueError, in one line, unless `value` is a split `new_task_quota` takes."""
+    if value is None or value == STREAM_SHARE:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"new_share must be \"{STREAM_SHARE}\" or a number in (0, 1], got {value!r}")
+
+
+def new_task_quota(new_share: float | str | None, capacity: int, n_task: int, n_seen: int, n_old: int) -> int:
+    """The most samples of the newest task the store keeps under the split `new_share` (see STREAM_SHARE):
+    `capacity` is M, `n_task` the newest task's samples seen so far, `n_seen` every sample seen so far (the task's
+    included), `n_old` the older samples stored. Never less than what the old samples leave empty."""
+    if new_share is None:
+        return capacity
+    share = n_task / max(n_seen, 1) if new_share == STREAM_SHARE else float(new_share)
+    return max(math.ceil(share * capacity), capacity - n_old, 0)
 
 
 def group_ranking(order: np.ndarray, keys: np.ndarray, keep: int) -> np.ndarray:
