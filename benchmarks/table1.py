@@ -52,7 +52,14 @@ from firmware_sim.datasets import load_dataset
 from firmware_sim.demo import REFED, STRATEGY, DemoSettings, budget_for, run_methods
 from firmware_sim.scenarios import OLD_DATA_CACHED, PRESETS, check_scenario
 
-MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet"}
+MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet", "digits-onetask": "lenet",
+          "mnist1d-onetask": "cnn1d"}
+# Scenarios that are a preset with fields replaced: one task of all ten classes, non-IID (Dirichlet 0.1), where no
+# replay is involved and only the learning itself (the class mask) is measured.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "digits-onetask": ("digits-class", {"n_tasks": 1, "classes_per_task": 10, "alpha": 0.1}),
+    "mnist1d-onetask": ("mnist1d-class", {"n_tasks": 1, "classes_per_task": 10, "alpha": 0.1}),
+}
 # A scenario's own regime, the same for every method. Domain-IL digits: each task holds all 10 classes at alpha 0.1,
 # so a device sees one or two of them. With each domain its own quarter of the 1,797 images (~17 a device) at E = 10
 # and lr 3e-3, the first domain reached 0.28-0.46 after its 8 rounds (FedAvg, 2 seeds; E = 30: 0.52, lr 1e-3: 0.22,
@@ -105,6 +112,16 @@ GLFC_METHODS: dict[str, dict[str, Any]] = {
 # Not in the table: GLFC with the compensation from the second task on (no class is old in the first), the study
 # of where the compensation costs accuracy (docs/results.md); `--table glfc --methods glfc,glfc-cgc-later,...`.
 GLFC_STUDIES = {"glfc-cgc-later": {"policy": {**GLFC, "compensate_first_task": False}, "strategy": GLFC_PROXY}}
+# The class mask (`--table mask`): the same runs with the devices' seen-class mask on and off.
+MASK = {f"{method}-{'mask' if on else 'nomask'}": {**METHODS[method], "learner": {"mask_seen_classes": on}}
+        for method in ("fedavg", "refed") for on in (True, False)}
+# The budget split (`--table split`): Re-Fed's ranking and the random cache under each split of M between the newest
+# task and the old data (`[policy] new_share`), beside plain reservoir sampling.
+SPLITS: dict[str, Any] = {"all": None, "stream": "stream", "half": 0.5}
+SPLIT = {**{f"{method}-{label}": {"policy": {**METHODS[method]["policy"],
+                                             **({} if share is None else {"new_share": share})}}
+            for method in ("refed", "fedavg") for label, share in SPLITS.items()},
+         "reservoir": METHODS["reservoir"]}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -131,6 +148,7 @@ class Job:
     lr: float = 3e-3  # AdamW's learning rate
     dataset_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the preset's loader options replaced
     scenario_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. GLFC's client dynamics
+    learner: dict[str, Any] = dataclasses.field(default_factory=dict)  # the devices' [learner] (a method's own wins)
     backend: str | None = None  # every method's trainer backend (None: the method's own, else ort)
 
     @property
@@ -138,10 +156,13 @@ class Job:
         return Path(self.folder) / self.method / RESULT_FILE
 
     def settings(self) -> DemoSettings:
-        settings = DemoSettings(devices=self.devices, fraction=self.fraction, emulated=False, preset=self.scenario,
-                                model=MODELS[self.scenario], tasks=PRESETS[self.scenario].n_tasks, seed=self.seed,
+        preset, fields = VARIANTS.get(self.scenario, (self.scenario, {}))
+        fields = {**fields, **self.scenario_options}
+        tasks = fields.pop("n_tasks", PRESETS[preset].n_tasks)
+        settings = DemoSettings(devices=self.devices, fraction=self.fraction, emulated=False, preset=preset,
+                                model=MODELS[self.scenario], tasks=tasks, seed=self.seed,
                                 rounds_per_task=self.rounds_per_task, epochs=self.epochs, lr=self.lr,
-                                dataset_options=self.dataset_options, scenario_options=self.scenario_options)
+                                dataset_options=self.dataset_options, scenario_options=fields)
         return dataclasses.replace(settings, budget=budget_for(settings.scenario, self.cached))
 
     def run(self) -> dict[str, Any]:
@@ -150,8 +171,9 @@ class Job:
         options = dict(self.options)
         if self.backend is not None:
             options.setdefault("backend", self.backend)
+        options["learner"] = {**self.learner, **options.get("learner", {})}
         if options.get("strategy", {}).get("name") == "glfc":  # the proxy's reconstructions: the data's range
-            data = load_dataset(PRESETS[self.scenario].dataset, **settings.dataset_options)
+            data = load_dataset(PRESETS[settings.preset].dataset, **settings.dataset_options)
             parts = data if isinstance(data, list) else [data]  # a domain stream: one dataset per domain
             options["strategy"] = {"input_range": [min(float(d.x_train.min()) for d in parts),
                                                    max(float(d.x_train.max()) for d in parts)],
@@ -162,7 +184,10 @@ class Job:
         started = time.monotonic()
         results = run_methods(Path(self.folder), settings, {self.method: options})[self.method]
         acc = accuracy_matrix(results["accuracy_matrix"])
+        last = results["last_rounds_accuracy"]
         summary = {"final": 100 * average_accuracy(acc), "diagonal": np.diag(acc).round(3).tolist(),
+                   "last_rounds": 100 * last["mean"], "last_rounds_std": 100 * last["std"],
+                   "last_rounds_n": last["rounds"],
                    "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
                    "seconds": round(time.monotonic() - started, 1)}
         self.result_file.write_text(json.dumps(summary))
@@ -237,42 +262,65 @@ def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any
     return [Job(scenario=scenario, seed=seed, method=method, options=dict(options),
                 folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
                 rounds_per_task=args.rounds_per_task, cached=cached, equal_bytes=method in EQUAL_BYTES,
-                backend=args.backend, scenario_options=dict(args.scenario_option), **REGIMES.get(scenario, {}))
+                backend=args.backend, scenario_options=dict(args.scenario_option), learner=dict(args.learner_option),
+                **REGIMES.get(scenario, {}))
             for seed in seeds for method, options in methods.items()]
 
 
-def finals_of(jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> dict[str, list[float]]:
-    """Final accuracy (%) per method over the seeds that finished."""
+METRICS = {"final": "the last round", "last_rounds": "the mean over the last task's last rounds"}
+
+
+def finals_of(jobs: list[Job], results: Mapping[Path, Mapping[str, Any]],
+              metric: str = "final") -> dict[str, list[float]]:
+    """A metric (%, `METRICS`) per method over the seeds that finished (a summary written before the last-rounds
+    mean existed has none: left out)."""
     finals: dict[str, list[float]] = {}
     for job in jobs:
-        if job.result_file in results:
-            finals.setdefault(job.method, []).append(results[job.result_file]["final"])
+        if job.result_file in results and metric in results[job.result_file]:
+            finals.setdefault(job.method, []).append(results[job.result_file][metric])
     return finals
 
 
-def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> dict[str, list[float]]:
-    """Mean ± std of the final accuracy per method, each seed's value, and the mean diagonal (each task's accuracy
-    right after its own rounds: whether the tasks are learnt at all)."""
+def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]
+                ) -> dict[str, dict[str, list[float]]]:
+    """Per method: mean ± std over the seeds of the final accuracy in the last round and over the last task's last
+    rounds (with the mean spread within those rounds), each seed's last-round value, and the mean diagonal (each
+    task's accuracy right after its own rounds: whether the tasks are learnt at all)."""
     print(f"\n{title}")
-    finals = finals_of(jobs, results)
-    for method, values in finals.items():
-        diagonals = np.array([results[j.result_file]["diagonal"] for j in jobs
-                              if j.method == method and j.result_file in results])
-        print(f"  {method:14s} {np.mean(values):6.2f} ± {np.std(values):5.2f}   "
-              f"({' '.join(f'{v:.2f}' for v in values)})   diagonal {' '.join(f'{d:.2f}' for d in diagonals.mean(0))}")
+    finals = {metric: finals_of(jobs, results, metric) for metric in METRICS}
+    print(f"  {'method':18s} {'last round':>15s} {'last rounds':>15s} {'(within)':>8s}   last round per seed"
+          f"{'':14s}diagonal")
+    for method, values in finals["final"].items():
+        done = [results[j.result_file] for j in jobs if j.method == method and j.result_file in results]
+        diagonals = np.array([r["diagonal"] for r in done])
+        last = finals["last_rounds"].get(method, [])
+        within = [r["last_rounds_std"] for r in done if "last_rounds_std" in r]
+        last_text = f"{np.mean(last):6.2f} ± {np.std(last):5.2f}" if last else f"{'—':>15s}"
+        within_text = f"{np.mean(within):8.2f}" if within else f"{'—':>8s}"
+        print(f"  {method:18s} {np.mean(values):6.2f} ± {np.std(values):5.2f} {last_text} {within_text}   "
+              f"({' '.join(f'{v:.2f}' for v in values)})   {' '.join(f'{d:.2f}' for d in diagonals.mean(0))}")
     return finals
 
 
-def print_paired(a: str, b: str, finals: Mapping[str, list[float]]) -> None:
-    if a not in finals or b not in finals or len(finals[a]) < 2:
-        return
-    if len(finals[a]) != len(finals[b]):  # a run failed: pairs by seed are not known here
-        print(f"  {a} - {b}: not paired ({len(finals[a])} and {len(finals[b])} runs finished)")
-        return
-    diff = np.array(finals[a]) - np.array(finals[b])
-    test = stats.ttest_rel(finals[a], finals[b])
-    print(f"  {a} - {b}: {' '.join(f'{d:+.2f}' for d in diff)}; mean {diff.mean():+.2f} ± {diff.std():.2f}, "
-          f"{a} ahead in {int((diff > 0).sum())}/{len(diff)}, paired t = {test.statistic:.2f}, p = {test.pvalue:.3f}")
+def print_paired(a: str, b: str, finals: Mapping[str, Mapping[str, list[float]]]) -> None:
+    """a - b per seed with a paired t-test, on the last round and on the last rounds' mean."""
+    for metric, words in METRICS.items():
+        values = finals[metric]
+        if a not in values or b not in values or len(values[a]) < 2:
+            continue
+        if len(values[a]) != len(values[b]):  # a run failed: pairs by seed are not known here
+            print(f"  {a} - {b} ({words}): not paired ({len(values[a])} and {len(values[b])} runs finished)")
+            continue
+        diff = np.array(values[a]) - np.array(values[b])
+        test = stats.ttest_rel(values[a], values[b])
+        print(f"  {a} - {b} ({words}): {' '.join(f'{d:+.2f}' for d in diff)}; mean {diff.mean():+.2f} ± "
+              f"{diff.std():.2f}, {a} ahead in {int((diff > 0).sum())}/{len(diff)}, paired t = {test.statistic:.2f}, "
+              f"p = {test.pvalue:.3f}")
+
+
+def pick(methods: Mapping[str, Mapping[str, Any]], chosen: str | None) -> dict[str, Mapping[str, Any]]:
+    """The table's methods, or those of them `--methods` names."""
+    return dict(methods) if not chosen else {m: methods[m] for m in chosen.split(",")}
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -290,7 +338,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default="digits-class,mnist1d-class,digits-domain")
     parser.add_argument("--methods", help="the columns (default: the table's own; with --table glfc, any of its "
                         "methods and GLFC_STUDIES)")
-    parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc"), default="methods")
+    parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc", "mask", "split"),
+                        default="methods")
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
     parser.add_argument("--rounds-per-task", type=int, default=ROUNDS_PER_TASK)
@@ -299,6 +348,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/table1")
     parser.add_argument("--scenario-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                         help="a Scenario field for every run, e.g. dynamics=glfc joining=2 (GLFC's clients)")
+    parser.add_argument("--learner-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                        help="the devices' [learner] for every run, e.g. mask_seen_classes=false")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run, in a process of its own (run_jobs)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -323,6 +374,18 @@ def main() -> None:
                            [("glfc", "glfc-no-prs"), ("glfc-no-prs", "icarl"), ("icarl", "fedavg"),
                             ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "refed"),
                             ("glfc-cgc-later", "glfc"), ("glfc-cgc-later", "glfc-no-cgc")]))
+        elif args.table == "mask":
+            tables.append((f"The class mask, {scenario}{regime(scenario)}: {where}",
+                           plan(scenario, seeds, pick(MASK, args.methods), out, args),
+                           [("fedavg-nomask", "fedavg-mask"), ("refed-nomask", "refed-mask")]))
+        elif args.table == "split":
+            for cached in CACHED:
+                tables.append((f"The budget split, {scenario}{regime(scenario)}, M caching {cached:.0%} of the old "
+                               f"data: {where}", plan(scenario, seeds, pick(SPLIT, args.methods),
+                                                      out / f"cached{cached}", args, cached),
+                               [("refed-all", "fedavg-all"), ("refed-stream", "fedavg-stream"),
+                                ("refed-stream", "refed-all"), ("refed-half", "refed-all"),
+                                ("refed-stream", "reservoir"), ("fedavg-stream", "reservoir")]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))
