@@ -1,17 +1,18 @@
 """Re-Fed's PIM, measured: what lambda, the PIM's learning rate and its epochs do to the PIM and to the cache it picks.
 
-The setting is a device of the class-incremental digits (or `--scenario mnist1d-class`) fleet (`benchmarks/table1.py`: 20 devices, Dirichlet 1.0,
-M caching 25 % of the old data at the last task) at its switch to task `--task` (default 2): its old samples are its
-previous task's data and a uniform cache of the tasks before (what the random cache would hold), M - N_new of them
-are kept. The global model the PIM starts from is the model (LeNet, the 1-D CNN) trained on every client's data of the tasks before (AdamW,
-3e-3, `--global-epochs` epochs): a global model that knows the old tasks, as it does in the fleets (diagonal 0.9+).
+The setting is a device of the class-incremental digits (or `--scenario mnist1d-class`) fleet
+(`benchmarks/table1.py`: 20 devices, Dirichlet 1.0, M caching 25 % of the old data at the last task) at its switch
+to task `--task` (default 2): its old samples are its previous task's data and a uniform cache of the tasks before
+(what the random cache would hold), M - N_new of them are kept. The global model the PIM starts from is the model
+(LeNet, the 1-D CNN) trained on every client's data of the tasks before (AdamW, 3e-3, `--global-epochs` epochs): a
+global model that knows the old tasks, as it does in the fleets (diagonal 0.9+).
 
-For each configuration (lambda x pim_lr x stopping rule) and each device: the PIM's epochs run, its drift ||v - w|| / ||w|| (the
-median: a diverged run stops wherever it got) and whether it diverged; the share of the kept set it has in common with the set ranked by the samples' gradient norms
-under the global model itself (the PIM's start: what the ranking would be without the PIM), and with the kept set at
-the shipped configuration (lambda 0.5, pim_lr 0.01, tolerance 0.05); the share of the kept set from the previous task
-(the rest comes from the older cache). Mean over devices and seeds. Every configuration sees the same samples,
-global model and rng seed.
+For each configuration (lambda x pim_lr x stopping rule) and each device: the PIM's epochs run, its drift ||v - w||
+/ ||w|| (the median: a diverged run stops wherever it got) and whether it diverged; the share of the kept set it has
+in common with the set ranked by the samples' gradient norms under the global model itself (the PIM's start: what
+the ranking would be without the PIM), and with the kept set at the shipped configuration (lambda 0.5, pim_lr 0.01,
+tolerance 0.05); the share of the kept set from the previous task (the rest comes from the older cache). Mean over
+devices and seeds. Every configuration sees the same samples, global model and rng seed.
 
     .venv/bin/python benchmarks/pim_study.py [--seeds 0 1 2] [--devices 5] [--task 2] [--scenario digits-class]
 """
