@@ -19,12 +19,19 @@ Every run is a process of its own (`--parallel` at a time; a fleet takes about t
 its folder; a finished run is read back, not repeated, so an interrupted table resumes. Prints per scenario the
 final accuracy (mean ± std over seeds, %) per method with its mean diagonal, then the paired difference Re-Fed -
 FedAvg per seed with a paired t-test. `--table emphasis` runs Table 10 instead (Re-Fed with early / average / late
-emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 % of the old data).
+emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 % of the old data). Beyond the
+paper: `--table split` runs Re-Fed's ranking and the random cache under each split of M between the newest task and
+the old data (`[policy] new_share`) beside reservoir sampling, at each of those M; `--table mask` the random cache and
+Re-Fed with the devices' class mask on and off; `--table pim` Re-Fed under lambda x pim_lr. Every table prints the
+final accuracy in the last round and as the papers report it, the mean over the last task's last rounds (10, or all
+of its rounds when it has fewer), each with a paired test. `digits-onetask` and `mnist1d-onetask` are one task of all
+ten classes at Dirichlet 0.1 (`VARIANTS`), for the class mask.
 
     .venv/bin/python benchmarks/table1.py [--seeds 0,1,2,3,4] [--scenarios digits-class,mnist1d-class,digits-domain]
-        [--methods fedavg,refed,...] [--table methods|emphasis|budget|glfc] [--rounds-per-task 8] [--parallel 2]
+        [--methods fedavg,refed,...] [--table methods|emphasis|budget|glfc|split|mask|pim] [--rounds-per-task 8]
+        [--parallel 2]
         [--backend ort|portable|torch] [--scenario-option dynamics=glfc --scenario-option joining=2]
-        [--out runs/table1]
+        [--learner-option mask_seen_classes=false] [--out runs/table1]
 """
 from __future__ import annotations
 
@@ -122,6 +129,11 @@ SPLIT = {**{f"{method}-{label}": {"policy": {**METHODS[method]["policy"],
                                              **({} if share is None else {"new_share": share})}}
             for method in ("refed", "fedavg") for label, share in SPLITS.items()},
          "reservoir": METHODS["reservoir"]}
+# The PIM (`--table pim`): Re-Fed's cache under lambda x the PIM's learning rate (those the step bound allows), beside
+# the random cache; `benchmarks/pim_study.py` measures what each does to the PIM and the kept set.
+PIM = {"fedavg": METHODS["fedavg"],
+       **{f"refed-lam{lam}-lr{lr}": {"policy": {**REFED, "lam": lam, "pim_lr": lr}}
+          for lr in (0.01, 0.1, 1.0) for lam in (0.05, 0.5, 0.95) if lr * (1 - lam) / (2 * lam) < 2}}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -338,7 +350,7 @@ def main() -> None:
     parser.add_argument("--scenarios", default="digits-class,mnist1d-class,digits-domain")
     parser.add_argument("--methods", help="the columns (default: the table's own; with --table glfc, any of its "
                         "methods and GLFC_STUDIES)")
-    parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc", "mask", "split"),
+    parser.add_argument("--table", choices=("methods", "emphasis", "budget", "glfc", "mask", "split", "pim"),
                         default="methods")
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
@@ -386,6 +398,12 @@ def main() -> None:
                                [("refed-all", "fedavg-all"), ("refed-stream", "fedavg-stream"),
                                 ("refed-stream", "refed-all"), ("refed-half", "refed-all"),
                                 ("refed-stream", "reservoir"), ("fedavg-stream", "reservoir")]))
+        elif args.table == "pim":
+            tables.append((f"The PIM, {scenario}{regime(scenario)}: {where}",
+                           plan(scenario, seeds, pick(PIM, args.methods), out, args),
+                           [("refed-lam0.5-lr0.01", "fedavg"), ("refed-lam0.05-lr0.01", "refed-lam0.95-lr0.01"),
+                            ("refed-lam0.5-lr0.1", "refed-lam0.5-lr0.01"), ("refed-lam0.5-lr1.0", "refed-lam0.5-lr0.01"),
+                            ("refed-lam0.95-lr1.0", "fedavg")]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))
