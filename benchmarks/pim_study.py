@@ -7,7 +7,8 @@ to task `--task` (default 2): its old samples are its previous task's data and a
 (LeNet, the 1-D CNN) trained on every client's data of the tasks before (AdamW, 3e-3, `--global-epochs` epochs): a
 global model that knows the old tasks, as it does in the fleets (diagonal 0.9+).
 
-For each configuration (lambda x pim_lr x stopping rule) and each device: the PIM's epochs run, its drift ||v - w||
+For each configuration (lambda x pim_lr x stopping rule, and the supplement's two heads at lambda 0.5: the PIM an
+auxiliary head on the shared layers) and each device: the PIM's epochs run, its drift ||v - w||
 / ||w|| (the median: a diverged run stops wherever it got) and whether it diverged; the share of the kept set it has
 in common with the set ranked by the samples' gradient norms under the global model itself (the PIM's start: what
 the ranking would be without the PIM), and with the kept set at the shipped configuration (lambda 0.5, pim_lr 0.01,
@@ -34,7 +35,8 @@ from models.export import export_registered
 LAMBDAS = (0.05, 0.5, 0.95)
 RATES = (0.01, 0.1, 1.0)
 STOPS = {"tolerance 0.05": 0.05, "40 epochs": 0.0}  # the fleets' rule, and the paper's 40 epochs
-SHIPPED = (0.5, 0.01, "tolerance 0.05")
+SHIPPED = (0.5, 0.01, "tolerance 0.05", "one")
+TWO_HEADS_LAMBDA = 0.5  # the supplement's two heads (`heads = "two"`), at the shipped lambda
 DEVICES = 20
 MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d"}
 
@@ -66,10 +68,12 @@ def main() -> None:
     parser.add_argument("--scenario", choices=sorted(MODELS), default="digits-class")
     args = parser.parse_args()
     configs, refused = [], []
-    for lam, lr, stop in itertools.product(LAMBDAS, RATES, STOPS):
+    grid = [(*c, "one") for c in itertools.product(LAMBDAS, RATES, STOPS)]
+    grid += [(TWO_HEADS_LAMBDA, lr, stop, "two") for lr, stop in itertools.product(RATES, STOPS)]
+    for lam, lr, stop, heads in grid:
         try:
             check_pim_step(lam, lr)
-            configs.append((lam, lr, stop))
+            configs.append((lam, lr, stop, heads))
         except ValueError as err:
             refused.append(f"lambda {lam}, pim_lr {lr}: {err}")
     rows: dict[tuple, list[dict[str, float]]] = {c: [] for c in configs}
@@ -103,10 +107,10 @@ def main() -> None:
                 by_global = set(np.argsort(-start, kind="stable")[:keep].tolist())
                 kept: dict[tuple, set[int]] = {}
                 runs = {}
-                for lam, lr, stop in configs:
-                    policy = ReFed(lam=lam, pim_lr=lr, pim_epochs=40, pim_tolerance=STOPS[stop])
-                    kept[(lam, lr, stop)] = set(policy.rank(old, keep, view()).tolist())
-                    runs[(lam, lr, stop)] = policy.last_pim
+                for lam, lr, stop, heads in configs:
+                    policy = ReFed(lam=lam, pim_lr=lr, pim_epochs=40, pim_tolerance=STOPS[stop], heads=heads)
+                    kept[(lam, lr, stop, heads)] = set(policy.rank(old, keep, view()).tolist())
+                    runs[(lam, lr, stop, heads)] = policy.last_pim
                 for config in configs:
                     chosen, run = kept[config], runs[config]
                     assert run is not None
@@ -120,15 +124,15 @@ def main() -> None:
     print(f"\nRe-Fed's PIM at the switch to task {args.task} on {args.scenario} ({DEVICES} devices, M caching "
           f"{OLD_DATA_CACHED:.0%} of the old data at the last task), seeds {args.seeds}, {args.devices} devices each; "
           "mean over devices and seeds")
-    print(f"{'lambda':>6s} {'pim_lr':>6s} {'stopping':>15s} {'epochs':>6s} {'drift % (median)':>16s} {'diverged':>8s} "
+    print(f"{'lambda':>6s} {'pim_lr':>6s} {'stopping':>15s} {'heads':>5s} {'epochs':>6s} {'drift % (median)':>16s} {'diverged':>8s} "
           f"{'kept set shared with: global ranking %':>38s} {'shipped %':>9s} {'from the previous task %':>24s}")
-    for (lam, lr, stop), values in rows.items():
+    for (lam, lr, stop, heads), values in rows.items():
         mean = {key: float(np.mean([v[key] for v in values])) for key in values[0]} if values else {}
         if mean:  # a diverged run's drift is where it stopped, however far: the median says what a run does
             mean["drift"] = float(np.median([v["drift"] for v in values]))
         if not mean:
             continue
-        print(f"{lam:6.2f} {lr:6.3f} {stop:>15s} {mean['epochs']:6.1f} {mean['drift']:16.2f} {mean['diverged']:8.2f} "
+        print(f"{lam:6.2f} {lr:6.3f} {stop:>15s} {heads:>5s} {mean['epochs']:6.1f} {mean['drift']:16.2f} {mean['diverged']:8.2f} "
               f"{mean['with_global']:38.1f} {mean['with_shipped']:9.1f} {mean['previous_task']:24.1f}")
     for line in sorted(set(refused)):
         print(f"refused when configured: {line}")

@@ -22,7 +22,7 @@ FedAvg per seed with a paired t-test. `--table emphasis` runs Table 10 instead (
 emphasis), `--table budget` Table 4 (FedAvg and Re-Fed as M caches 10 / 25 / 50 % of the old data). Beyond the
 paper: `--table split` runs Re-Fed's ranking and the random cache under each split of M between the newest task and
 the old data (`[policy] new_share`) beside reservoir sampling, at each of those M; `--table mask` the random cache and
-Re-Fed with the devices' class mask on and off; `--table pim` Re-Fed under lambda x pim_lr. Every table prints the
+Re-Fed with the devices' class mask on and off; `--table pim` Re-Fed under lambda x pim_lr, and with the supplement's two heads. Every table prints the
 final accuracy in the last round and as the papers report it, the mean over the last task's last rounds (10, or all
 of its rounds when it has fewer), each with a paired test. `digits-onetask` and `mnist1d-onetask` are one task of all
 ten classes at Dirichlet 0.1 (`VARIANTS`), for the class mask.
@@ -133,7 +133,8 @@ SPLIT = {**{f"{method}-{label}": {"policy": {**METHODS[method]["policy"],
 # the random cache; `benchmarks/pim_study.py` measures what each does to the PIM and the kept set.
 PIM = {"fedavg": METHODS["fedavg"],
        **{f"refed-lam{lam}-lr{lr}": {"policy": {**REFED, "lam": lam, "pim_lr": lr}}
-          for lr in (0.01, 0.1, 1.0) for lam in (0.05, 0.5, 0.95) if lr * (1 - lam) / (2 * lam) < 2}}
+          for lr in (0.01, 0.1, 1.0) for lam in (0.05, 0.5, 0.95) if lr * (1 - lam) / (2 * lam) < 2},
+       **{f"refed-twoheads-lr{lr}": {"policy": {**REFED, "heads": "two", "pim_lr": lr}} for lr in (0.01, 1.0)}}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -206,6 +207,12 @@ class Job:
         return summary
 
 
+def regime_of(scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The scenario's regime (`REGIMES`), with the epochs and learning rate the command line gives."""
+    given = {key: value for key, value in (("epochs", args.epochs), ("lr", args.lr)) if value is not None}
+    return {**REGIMES.get(scenario, {}), **given}
+
+
 def regime(scenario: str) -> str:
     """The scenario's own regime (REGIMES) as a table title says it."""
     options = REGIMES.get(scenario)
@@ -275,7 +282,7 @@ def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any
                 folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
                 rounds_per_task=args.rounds_per_task, cached=cached, equal_bytes=method in EQUAL_BYTES,
                 backend=args.backend, scenario_options=dict(args.scenario_option), learner=dict(args.learner_option),
-                **REGIMES.get(scenario, {}))
+                **regime_of(scenario, args))
             for seed in seeds for method, options in methods.items()]
 
 
@@ -355,6 +362,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.4)
     parser.add_argument("--rounds-per-task", type=int, default=ROUNDS_PER_TASK)
+    parser.add_argument("--epochs", type=int, help="local epochs E a round for every run (default 10)")
+    parser.add_argument("--lr", type=float, help="AdamW's learning rate for every run (default: the regime's)")
     parser.add_argument("--backend", help="every method's trainer backend (default: ort; DANN always torch)")
     parser.add_argument("--parallel", type=int, default=1, help="fleet runs at a time (each takes about 2 cores)")
     parser.add_argument("--out", default="runs/table1")
@@ -369,7 +378,10 @@ def main() -> None:
         Job(**json.loads(args.job)).run()
         return
     seeds = [int(s) for s in args.seeds.split(",")]
-    where = (f"{args.devices} devices, active ratio {args.fraction}, {args.rounds_per_task} rounds per task, "
+    given = "".join(f", {name} {value}" for name, value in (("E", args.epochs), ("lr", args.lr),
+                                                             ("learner", dict(args.learner_option) or None))
+                     if value is not None)
+    where = (f"{args.devices} devices, active ratio {args.fraction}, {args.rounds_per_task} rounds per task{given}, "
              f"seeds {seeds}; final accuracy, %, mean ± std")
     tables: list[tuple[str, list[Job], list[tuple[str, str]]]] = []
     for scenario in args.scenarios.split(","):
@@ -403,7 +415,8 @@ def main() -> None:
                            plan(scenario, seeds, pick(PIM, args.methods), out, args),
                            [("refed-lam0.5-lr0.01", "fedavg"), ("refed-lam0.05-lr0.01", "refed-lam0.95-lr0.01"),
                             ("refed-lam0.5-lr0.1", "refed-lam0.5-lr0.01"), ("refed-lam0.5-lr1.0", "refed-lam0.5-lr0.01"),
-                            ("refed-lam0.95-lr1.0", "fedavg")]))
+                            ("refed-lam0.95-lr1.0", "fedavg"), ("refed-twoheads-lr0.01", "refed-lam0.5-lr0.01"),
+                            ("refed-twoheads-lr1.0", "refed-lam0.5-lr1.0")]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))

@@ -183,6 +183,32 @@ def test_a_pim_that_diverges_anyway_keeps_its_finite_epochs_and_says_so(artifact
     np.testing.assert_array_equal(trainer.get_weights(), global_weights)  # the task model as it was
 
 
+def test_with_two_heads_the_pim_moves_only_its_auxiliary_head(artifacts, old_samples, global_weights, monkeypatch):
+    """The supplement's structure: the PIM is a second fully-connected head on the shared layers, so every model
+    the PIM scores or steps from keeps the global model's shared layers; its head moves."""
+    from models.manifest import class_head_positions
+
+    trainer = _trainer("ort", artifacts)
+    trainer.set_weights(global_weights)
+    head = class_head_positions(trainer.manifest.parameters, np.arange(trainer.manifest.num_classes))
+    shared = np.setdiff1d(np.arange(len(global_weights)), head)
+    seen: list[np.ndarray] = []
+    original = trainer.set_weights
+
+    def spy(weights: np.ndarray) -> None:
+        seen.append(np.array(weights, copy=True))
+        original(weights)
+
+    monkeypatch.setattr(trainer, "set_weights", spy)
+    policy = ReFed(pim_epochs=3, pim_lr=0.5, heads="two", importance="exact")
+    policy.importance_scores(old_samples, _context(trainer, global_weights))
+    assert policy.last_pim is not None and policy.last_pim.drift > 0
+    assert all(np.array_equal(w[shared], global_weights[shared]) for w in seen)
+    assert any(not np.array_equal(w[head], global_weights[head]) for w in seen)
+    with pytest.raises(ValueError, match="heads must be one of"):
+        ReFed(heads="three")
+
+
 def test_class_quotas_keep_every_seen_class_when_the_budget_allows_one_each(artifacts, old_samples,
                                                                             global_weights):
     """Re-Fed's ranking under `group_by = "class"`: with as many slots as classes, one sample of every class."""
