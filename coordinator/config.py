@@ -34,7 +34,8 @@
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
                 collapse_drop = 0.5
-    [client]    sent to devices in every round: epochs, lr, answer_wait_s, known_classes (each optional)
+    [client]    sent to devices in every round: epochs, lr, answer_wait_s, known_classes, mask_seen_classes
+                (each optional)
     [host]      a task the host learns itself (coordinator/host_training.py): epochs = 20, lr = 0.05,
                 momentum = 0.9, batch_size = 32, seed = 0
 
@@ -149,3 +150,6 @@ class RoundSettings:
     # true: every round tells the devices the classes of tasks 0..t as the coordinator knows them, which the
     # devices' seen-class masks then show beside their own (a task the host learnt left them none of its samples)
     known_classes: bool | None = None
+    # true or false: every device masks (or does not mask) the classes it has not seen, whatever its own [learner]
+    # says; left out, each device's own setting (docs/results.md, "The class mask", says where the mask helps)
+    mask_seen_classes: bool | None = None

@@ -365,6 +365,7 @@ class Device:
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
         self.learner.known_classes = self._known_classes(config.get("known_classes", ()))
+        self.learner.round_mask = self._round_mask(config.get("mask_seen_classes"))
         disk_full = False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
@@ -522,6 +523,13 @@ class Device:
             return tuple(value)
         log.warning("%s: the round's known_classes are not class ids of this model: ignored", self.id)
         return ()
+
+    def _round_mask(self, value: object) -> bool | None:
+        """The round's `mask_seen_classes` when it is true or false; anything else is ignored (the device's own)."""
+        if value is None or isinstance(value, bool):
+            return value
+        log.warning("%s: the round's mask_seen_classes is not true or false: ignored", self.id)
+        return None
 
     def _publish_status(self, state: str, round_: int | None = None, error: str | None = None) -> None:
         self._last_status = time.monotonic()

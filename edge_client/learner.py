@@ -92,6 +92,7 @@ class Learner:
     # --- the stream -------------------------------------------------------------------------------
 
     known_classes: tuple[int, ...] = ()  # what the coordinator's round said the fleet knows (class_mask)
+    round_mask: bool | None = None  # the coordinator's round says whether to mask (None: `mask_seen_classes`)
 
     def view(self, global_weights: np.ndarray | None = None) -> RoundView:
         """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest)."""
@@ -151,8 +152,10 @@ class Learner:
         return self.trainer.evaluate(x, y, class_mask=self.class_mask())
 
     def class_mask(self) -> np.ndarray | None:
-        """The classes the device has seen, and those the coordinator says the fleet knows (`known_classes`)."""
-        if not self.config.mask_seen_classes or not (self.state.seen_classes or self.known_classes):
+        """The classes the device has seen, and those the coordinator says the fleet knows (`known_classes`); None
+        where the device does not mask (its `mask_seen_classes`, or the round's `round_mask` when it says)."""
+        masking = self.config.mask_seen_classes if self.round_mask is None else self.round_mask
+        if not masking or not (self.state.seen_classes or self.known_classes):
             return None
         mask = np.zeros(self.trainer.manifest.num_classes, dtype=np.float32)
         mask[self.state.seen_classes] = 1.0

@@ -34,7 +34,8 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _config(config: Mapping[str, Any], keep: tuple[str, ...] = ("epochs", "lr", "known_classes")) -> str:
+def _config(config: Mapping[str, Any], keep: tuple[str, ...] = ("epochs", "lr", "known_classes",
+                                                                  "mask_seen_classes")) -> str:
     shown = {k: v for k, v in config.items() if k in keep or len(config) <= 4}
     more = len(config) - len(shown)
     return ", ".join(f"{k}={v}" for k, v in shown.items()) + (f" (+{more} more)" if more else "")

@@ -253,3 +253,24 @@ def test_the_classes_the_fleet_knows_join_the_seen_class_mask(make_learner):
     assert Device._known_classes(device, [0, 3]) == (0, 3)
     for bad in ([0, 10], [-1], ["1"], [True], "0,1", list(range(11)), None):
         assert Device._known_classes(device, bad) == ()
+
+
+def test_the_round_can_turn_the_class_mask_on_or_off_whatever_the_device_says(make_learner):
+    """The coordinator's [client] mask_seen_classes reaches every device with each round: true or false wins over
+    the device's own [learner] setting, left out leaves it; anything else is ignored."""
+    from types import SimpleNamespace
+
+    from edge_client.device import Device
+
+    for own in (True, False):
+        learner = make_learner(config=LearnerConfig(mask_seen_classes=own), name=f"store-{own}")
+        learner.start_task(0, *_task_data([2, 5], 20, 0))
+        assert (learner.class_mask() is not None) == own
+        learner.round_mask = not own
+        assert (learner.class_mask() is not None) == (not own)
+        learner.round_mask = None
+        assert (learner.class_mask() is not None) == own
+    device = SimpleNamespace(id="d")
+    assert [Device._round_mask(device, v) for v in (True, False, None)] == [True, False, None]
+    for bad in (1, "false", [True]):
+        assert Device._round_mask(device, bad) is None
