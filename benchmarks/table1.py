@@ -193,7 +193,8 @@ class Job:
                                    **options["strategy"]}
         if self.equal_bytes:
             assert settings.budget is not None
-            options["store"] = {"max_bytes": raw_store_bytes(settings, settings.budget)}
+            shape = tuple(check_scenario(settings.scenario, Where("table1")).build().input_shape)
+            options["store"] = {"max_bytes": raw_store_bytes(shape, settings.budget)}
         started = time.monotonic()
         results = run_methods(Path(self.folder), settings, {self.method: options})[self.method]
         acc = accuracy_matrix(results["accuracy_matrix"])
@@ -219,11 +220,10 @@ def regime(scenario: str) -> str:
     return "" if not options else " (" + ", ".join(f"{k} {v}" for k, v in options.items()) + ")"
 
 
-def raw_store_bytes(settings: DemoSettings, samples: int) -> int:
-    """FedCIL's equal-bytes budget: the least byte limit (to a 4 KiB block) under which the raw-cache methods'
-    store holds `samples` of the scenario's inputs and goes through a task switch (half of them replaced), its
-    write peaks included."""
-    shape = tuple(check_scenario(settings.scenario, Where("table1")).build().input_shape)
+def raw_store_bytes(shape: tuple[int, ...], samples: int) -> int:
+    """An equal-bytes budget (FedCIL's here, the generators' in generator_bytes.py): the least byte limit (to a
+    4 KiB block) under which the raw-cache methods' store holds `samples` inputs of `shape` and goes through a task
+    switch (half of them replaced), its write peaks included."""
 
     def fits(limit: int) -> bool:
         x, y = np.zeros((samples, *shape), np.float32), np.zeros(samples, np.int64)
