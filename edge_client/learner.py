@@ -9,8 +9,7 @@ Choices (documented, configurable where it matters):
 - New data larger than the room left (N_new >= M, or later chunks of a task) is subsampled uniformly.
 - A later chunk of the current task that does not fit makes the policy rank the old cache again (smaller keep).
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
-- Training and evaluation mask the classes the device has not seen (`mask_seen_classes`), unless that would leave
-  one class (whose softmax has no gradient).
+- Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
 - A task starts where the stream announces one; where it does not, where a chunk brings an unseen label
   (`detect_new_tasks`) or where the policy says so (`task_boundary`, e.g. a detector on the received model).
 - `group_by` ("class" or "task") puts quotas around any policy's ranking (`group_ranking`): the policy ranks all
@@ -154,16 +153,14 @@ class Learner:
 
     def class_mask(self) -> np.ndarray | None:
         """The classes the device has seen, and those the coordinator says the fleet knows (`known_classes`); None
-        where the device does not mask (its `mask_seen_classes`, or the round's `round_mask` when it says), and
-        where the mask would leave one class: a softmax over one class has a zero loss for every sample, so a
-        device that has seen a single class would learn nothing at all (a non-IID split gives many such devices)."""
+        where the device does not mask (its `mask_seen_classes`, or the round's `round_mask` when it says)."""
         masking = self.config.mask_seen_classes if self.round_mask is None else self.round_mask
-        if not masking:
+        if not masking or not (self.state.seen_classes or self.known_classes):
             return None
         mask = np.zeros(self.trainer.manifest.num_classes, dtype=np.float32)
         mask[self.state.seen_classes] = 1.0
         mask[list(self.known_classes)] = 1.0
-        return mask if mask.sum() >= 2 else None
+        return mask
 
     # --- persistence ------------------------------------------------------------------------------
 

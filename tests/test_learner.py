@@ -274,16 +274,3 @@ def test_the_round_can_turn_the_class_mask_on_or_off_whatever_the_device_says(ma
     assert [Device._round_mask(device, v) for v in (True, False, None)] == [True, False, None]
     for bad in (1, "false", [True]):
         assert Device._round_mask(device, bad) is None
-
-
-def test_a_mask_that_would_leave_one_class_is_not_applied(make_learner):
-    """A softmax over one class has a zero loss for every sample: a device that has seen one class trains
-    unmasked (it would learn nothing otherwise), and masks again from its second class on."""
-    learner = make_learner()
-    learner.start_task(0, *_task_data([4], 20, 0))
-    assert learner.class_mask() is None
-    x, y = _task_data([4], 20, 0)
-    learner.train()
-    assert learner.trainer.gradient(x, y, learner.class_mask())[0] > 0  # a loss to learn from
-    learner.start_task(1, *_task_data([7], 20, 1))
-    assert np.flatnonzero(learner.class_mask()).tolist() == [4, 7]
