@@ -10,10 +10,12 @@ it, and the share the reference classifies as that class. `gaussian` is a per-cl
 the same samples (no training): the floor a generator must beat to be worth its bytes. Also printed: each kind's
 sampler and auxiliary sizes (values), what a device stores per class.
 
-A kind may name its base width, `conv-vae:8` (default: `default_spec`'s).
+A kind may name its base width, `conv-vae:8` (default: `default_spec`'s). `--precisions float32,int8` samples each
+trained generator once per precision the bank may store it at (its weights quantized through the record format,
+the same draws of z): whether int8 loses anything a classifier can see.
 
     .venv/bin/python benchmarks/generator_quality.py [--datasets digits,mnist1d] [--kinds vae,conv-vae,wgan-gp]
-        [--steps 200,1000] [--seeds 0,1,2] [--per-class 64] [--samples 200]
+        [--steps 200,1000] [--seeds 0,1,2] [--per-class 64] [--samples 200] [--precisions float32,int8]
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from edge_client.generators.training import make_generator_trainer
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import ArrayDataset, load_digits_dataset, load_mnist1d
 from models.export import export_registered
+from models.generator_record import GeneratorRecord, quantize
 from models.generators import GeneratorSpec, auxiliary_size, build_sampler, default_spec, load_module, sampler_size
 from models.manifest import load_manifest
 
@@ -49,20 +52,27 @@ def spec_of(kind: str, shape: tuple[int, ...]) -> GeneratorSpec:
     return dataclasses.replace(spec, width=int(width)) if width else spec
 
 
-def generated(kind: str, x: np.ndarray, steps: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n samples of a generator of `kind` trained from scratch on x, or of a diagonal Gaussian fitted to x."""
+def generated(kind: str, x: np.ndarray, steps: int, n: int, rng: np.random.Generator,
+              precisions: tuple[str, ...] = ("float32",)) -> dict[str, np.ndarray]:
+    """n samples of a generator of `kind` trained once from scratch on x, per precision the bank may store its
+    weights at (quantized through the record format, the same draws of z for each), or of a diagonal Gaussian
+    fitted to x."""
     if kind == "gaussian":
         mean, std = x.mean(0), x.std(0)
-        return (mean + std * rng.standard_normal((n, *x.shape[1:]))).astype(np.float32)
+        return {"float32": (mean + std * rng.standard_normal((n, *x.shape[1:]))).astype(np.float32)}
     import torch
 
     spec = spec_of(kind, x.shape[1:])
-    sampler_buffer, _ = make_generator_trainer(spec.to_dict(), "torch").train(x, None, steps, rng)
-    sampler = build_sampler(spec).eval()
-    load_module(sampler, sampler_buffer)
-    with torch.no_grad():
-        z = torch.from_numpy(rng.standard_normal((n, spec.latent_dim)).astype(np.float32))
-        return sampler(z).numpy()
+    trained, _ = make_generator_trainer(spec.to_dict(), "torch").train(x, None, steps, rng)
+    z = torch.from_numpy(rng.standard_normal((n, spec.latent_dim)).astype(np.float32))
+    samples = {}
+    for precision in precisions:
+        record = GeneratorRecord(0, spec.to_dict(), "float32", np.asarray(trained, np.float32), None, len(x), steps)
+        sampler = build_sampler(spec).eval()
+        load_module(sampler, quantize(record, precision).sampler)
+        with torch.no_grad():
+            samples[precision] = sampler(z).numpy()
+    return samples
 
 
 def main() -> None:
@@ -74,6 +84,8 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=64, help="training samples of a class per generator")
     parser.add_argument("--samples", type=int, default=200, help="generated samples per class")
     parser.add_argument("--reference-epochs", type=int, default=30)
+    parser.add_argument("--precisions", default="float32", help="the bank's precisions to sample at, e.g. "
+                        "float32,int8 (each generator trained once, quantized as the bank stores it)")
     args = parser.parse_args()
     import tempfile
 
@@ -82,6 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
     kinds, steps_list = args.kinds.split(","), [int(s) for s in args.steps.split(",")]
+    precisions = tuple(args.precisions.split(","))
     for name in args.datasets.split(","):
         model, load = DATASETS[name]
         dataset = load()
@@ -100,19 +113,21 @@ def main() -> None:
             rng = np.random.default_rng(seed)
             for kind in kinds:
                 for steps in ([0] if kind == "gaussian" else steps_list):
-                    started, hits = time.monotonic(), 0
+                    started = time.monotonic()
+                    hits: dict[str, int] = {}
                     for c in range(dataset.num_classes):
                         pool = np.flatnonzero(dataset.y_train == c)
                         x = dataset.x_train[rng.choice(pool, min(args.per_class, len(pool)), replace=False)]
-                        fake = generated(kind, x, steps, args.samples, rng)
-                        logits = reference.teacher_logits(reference.get_weights(), fake)
-                        hits += int((logits.argmax(1) == c).sum())
-                    share = 100 * hits / (args.samples * dataset.num_classes)
-                    shares.setdefault((kind, steps), []).append(share)
-                    print(f"    {kind:9s} {steps:5d} steps: {share:5.1f} %  ({time.monotonic() - started:.0f} s)",
-                          flush=True)
-        for (kind, steps), values in shares.items():
-            label = kind if kind == "gaussian" else f"{kind}, {steps} steps"
+                        for precision, fake in generated(kind, x, steps, args.samples, rng, precisions).items():
+                            logits = reference.teacher_logits(reference.get_weights(), fake)
+                            hits[precision] = hits.get(precision, 0) + int((logits.argmax(1) == c).sum())
+                    for precision, hit in hits.items():
+                        share = 100 * hit / (args.samples * dataset.num_classes)
+                        shares.setdefault((kind, steps, precision), []).append(share)
+                        print(f"    {kind:9s} {steps:5d} steps {precision:8s}: {share:5.1f} %  "
+                              f"({time.monotonic() - started:.0f} s)", flush=True)
+        for (kind, steps, precision), values in shares.items():
+            label = kind if kind == "gaussian" else f"{kind}, {steps} steps, {precision}"
             print(f"  {label:22s} {np.mean(values):5.1f} ± {np.std(values):4.1f}   "
                   f"({' '.join(f'{v:.1f}' for v in values)})")
 
