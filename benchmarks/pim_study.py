@@ -12,8 +12,9 @@ auxiliary head on the shared layers) and each device: the PIM's epochs run, its 
 / ||w|| (the median: a diverged run stops wherever it got) and whether it diverged; the share of the kept set it has
 in common with the set ranked by the samples' gradient norms under the global model itself (the PIM's start: what
 the ranking would be without the PIM), and with the kept set at the shipped configuration (lambda 0.5, pim_lr 0.01,
-tolerance 0.05); the share of the kept set from the previous task (the rest comes from the older cache). Mean over
-devices and seeds. Every configuration sees the same samples, global model and rng seed.
+tolerance 0.05); the share of the kept set from the previous task (the rest comes from the older cache), the share
+of it the global model classifies right, and the classes it holds; the same of all old samples (what a random cache
+keeps in expectation). Mean over devices and seeds. Every configuration sees the same samples, global model and rng seed.
 
     .venv/bin/python benchmarks/pim_study.py [--seeds 0 1 2] [--devices 5] [--task 2] [--scenario digits-class]
 """
@@ -77,6 +78,7 @@ def main() -> None:
         except ValueError as err:
             refused.append(f"lambda {lam}, pim_lr {lr}: {err}")
     rows: dict[tuple, list[dict[str, float]]] = {c: [] for c in configs}
+    everything: list[dict[str, float]] = []  # per device: the old samples as a whole (what a random cache keeps)
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             data = preset(args.scenario, n_clients=DEVICES, seed=seed).build()
@@ -105,6 +107,11 @@ def main() -> None:
                 trainer.set_weights(global_weights)
                 start = trainer.per_sample_grad_norms(old.x, old.y, mode="exact", class_mask=mask)
                 by_global = set(np.argsort(-start, kind="stable")[:keep].tolist())
+                logits = trainer.teacher_logits(global_weights, old.x) + np.where(mask > 0, 0.0, -1e9)
+                right = logits.argmax(1) == old.y  # what the global model gets right of the old samples
+                everything.append({"right": 100 * float(right.mean()),
+                                   "previous_task": 100 * float(np.mean(old.task == args.task - 1)),
+                                   "classes": len(np.unique(old.y))})
                 kept: dict[tuple, set[int]] = {}
                 runs = {}
                 for lam, lr, stop, heads in configs:
@@ -119,13 +126,16 @@ def main() -> None:
                         "with_global": 100 * len(chosen & by_global) / keep,
                         "with_shipped": 100 * len(chosen & kept[SHIPPED]) / keep,
                         "previous_task": 100 * float(np.mean(old.task[sorted(chosen)] == args.task - 1)),
+                        "right": 100 * float(right[sorted(chosen)].mean()),
+                        "classes": len(np.unique(old.y[sorted(chosen)])),
                     })
                 print(f"seed {seed} device {k}: {len(old)} old samples, keeps {keep}", flush=True)
     print(f"\nRe-Fed's PIM at the switch to task {args.task} on {args.scenario} ({DEVICES} devices, M caching "
           f"{OLD_DATA_CACHED:.0%} of the old data at the last task), seeds {args.seeds}, {args.devices} devices each; "
           "mean over devices and seeds")
     print(f"{'lambda':>6s} {'pim_lr':>6s} {'stopping':>15s} {'heads':>5s} {'epochs':>6s} {'drift % (median)':>16s} {'diverged':>8s} "
-          f"{'kept set shared with: global ranking %':>38s} {'shipped %':>9s} {'from the previous task %':>24s}")
+          f"{'kept set shared with: global ranking %':>38s} {'shipped %':>9s} {'from the previous task %':>24s} "
+          f"{'global model right %':>20s} {'classes':>7s}")
     for (lam, lr, stop, heads), values in rows.items():
         mean = {key: float(np.mean([v[key] for v in values])) for key in values[0]} if values else {}
         if mean:  # a diverged run's drift is where it stopped, however far: the median says what a run does
@@ -133,7 +143,13 @@ def main() -> None:
         if not mean:
             continue
         print(f"{lam:6.2f} {lr:6.3f} {stop:>15s} {heads:>5s} {mean['epochs']:6.1f} {mean['drift']:16.2f} {mean['diverged']:8.2f} "
-              f"{mean['with_global']:38.1f} {mean['with_shipped']:9.1f} {mean['previous_task']:24.1f}")
+              f"{mean['with_global']:38.1f} {mean['with_shipped']:9.1f} {mean['previous_task']:24.1f} "
+              f"{mean['right']:20.1f} {mean['classes']:7.2f}")
+    whole = {key: float(np.mean([v[key] for v in everything])) for key in everything[0]} if everything else {}
+    if whole:
+        print(f"every old sample (what a random cache keeps in expectation): from the previous task "
+              f"{whole['previous_task']:.1f} %, global model right on {whole['right']:.1f} %, {whole['classes']:.2f} "
+              "classes")
     for line in sorted(set(refused)):
         print(f"refused when configured: {line}")
 
