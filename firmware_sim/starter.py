@@ -85,6 +85,10 @@ max_samples = {budget}                  # the budget M: replay samples kept on t
 
 [policy]
 name = "{policy}"                      # refed, random, reservoir, herding, ... (edge_client/policies/)
+# new_share = "stream"               # the newest task's share of M (left out: all it brings; or a number <= 1)
+
+[learner]
+mask_seen_classes = true             # softmax over the classes this device has seen (measured: docs/results.md)
 
 [data]
 folder = "../data/devices/{device}"   # task-<t>.npz (x float32, y int64) from edgefil data split
