@@ -77,7 +77,11 @@ class GeneratorReplay(ReplayPolicy):
     keeps_old = False  # the old real data are deleted at every task switch
 
     kind: str = "vae"  # "vae", "conv-vae" or "wgan-gp" (models/generators.py)
-    precision: str = "float16"  # how the bank stores generators: float32, float16 or int8
+    # how the bank stores generators: float32, float16 or int8. int8 by default: a generator sampled from its int8
+    # weights is recognised as often as from its float32 ones (within 0.2 points), and at equal bytes the int8
+    # bank without encoders holds every class where float16 with them holds 3-4 (docs/results.md, "Generators at
+    # equal bytes")
+    precision: str = "int8"
     backend: str = "auto"  # generator training: "torch", "ort" (VAE only: ORT Training artifacts), or "auto": the
     # backend the device trains its task model with, or torch when that is "portable" (no generator graphs yet)
     lambda_align: float = 1.0  # weight of the alignment term (the paper does not give it; its section 5 uses 1)
@@ -86,7 +90,9 @@ class GeneratorReplay(ReplayPolicy):
     # device sets fewer (docs/generators.md gives the measured costs).
     init_steps: int = 1000  # optimisation steps of a generator trained from scratch
     transfer_steps: int = 100  # steps of a warm-started one
-    keep_auxiliary: bool = True  # also store the critic / encoder, for better warm starts (counts against M)
+    # also store the critic / encoder, for better warm starts (counts against M: it doubles a VAE's record, and at
+    # equal bytes the bank then holds too few classes to replay; measured with the precision above)
+    keep_auxiliary: bool = False
     bank_share: float = 0.5  # the most of M the generators may take; the rest stays the store's
     artifacts: str = ""  # generator artifact folder; "" = <model artifacts>/generator-<kind>
     _bank: GeneratorBank | None = field(default=None, init=False, repr=False)
