@@ -129,12 +129,17 @@ SPLIT = {**{f"{method}-{label}": {"policy": {**METHODS[method]["policy"],
                                              **({} if share is None else {"new_share": share})}}
             for method in ("refed", "fedavg") for label, share in SPLITS.items()},
          "reservoir": METHODS["reservoir"]}
+def pim_method(lam: float, lr: float, kind: str = "refed") -> str:
+    """A PIM column's name, a fleet name too (no dots): refed-lam0_5-lr0_01."""
+    return f"{kind}-lam{lam:g}-lr{lr:g}".replace(".", "_")
+
+
 # The PIM (`--table pim`): Re-Fed's cache under lambda x the PIM's learning rate (those the step bound allows), beside
 # the random cache; `benchmarks/pim_study.py` measures what each does to the PIM and the kept set.
 PIM = {"fedavg": METHODS["fedavg"],
-       **{f"refed-lam{lam}-lr{lr}": {"policy": {**REFED, "lam": lam, "pim_lr": lr}}
+       **{pim_method(lam, lr): {"policy": {**REFED, "lam": lam, "pim_lr": lr}}
           for lr in (0.01, 0.1, 1.0) for lam in (0.05, 0.5, 0.95) if lr * (1 - lam) / (2 * lam) < 2},
-       **{f"refed-twoheads-lr{lr}": {"policy": {**REFED, "heads": "two", "pim_lr": lr}} for lr in (0.01, 1.0)}}
+       **{pim_method(0.5, lr, "twoheads"): {"policy": {**REFED, "heads": "two", "pim_lr": lr}} for lr in (0.01, 1.0)}}
 EMPHASIS = {f"refed-{w}": {"policy": {**REFED, "weighting": w}} for w in ("early", "average", "late")}
 CACHED = (0.10, 0.25, 0.50)  # Table 4: the share of old data M caches at the last task
 # With 20 devices at active ratio 0.4 a device trains in about one round in 2.5, so a task needs more rounds than
@@ -413,10 +418,10 @@ def main() -> None:
         elif args.table == "pim":
             tables.append((f"The PIM, {scenario}{regime(scenario)}: {where}",
                            plan(scenario, seeds, pick(PIM, args.methods), out, args),
-                           [("refed-lam0.5-lr0.01", "fedavg"), ("refed-lam0.05-lr0.01", "refed-lam0.95-lr0.01"),
-                            ("refed-lam0.5-lr0.1", "refed-lam0.5-lr0.01"), ("refed-lam0.5-lr1.0", "refed-lam0.5-lr0.01"),
-                            ("refed-lam0.95-lr1.0", "fedavg"), ("refed-twoheads-lr0.01", "refed-lam0.5-lr0.01"),
-                            ("refed-twoheads-lr1.0", "refed-lam0.5-lr1.0")]))
+                           [(pim_method(0.5, 0.01), "fedavg"), (pim_method(0.05, 0.01), pim_method(0.95, 0.01)),
+                            (pim_method(0.5, 0.1), pim_method(0.5, 0.01)), (pim_method(0.5, 1.0), pim_method(0.5, 0.01)),
+                            (pim_method(0.95, 1.0), "fedavg"), (pim_method(0.5, 0.01, "twoheads"), pim_method(0.5, 0.01)),
+                            (pim_method(0.5, 1.0, "twoheads"), pim_method(0.5, 1.0))]))
         elif args.table == "emphasis":
             tables.append((f"Table 10, {scenario}: {where}", plan(scenario, seeds, EMPHASIS, out, args),
                            [("refed-early", "refed-average"), ("refed-average", "refed-late")]))
