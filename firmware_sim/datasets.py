@@ -6,6 +6,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -89,7 +90,7 @@ def _invert(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return 1.0 - x
 
 
-def _blur_and_noise(x: np.ndarray, rng: np.random.Generator, sigma: float = 0.7, noise: float = 0.15) -> np.ndarray:
+def _blur_and_noise(x: np.ndarray, rng: np.random.Generator, sigma: float, noise: float) -> np.ndarray:
     # A degraded-sensor domain (SVHN's role in Digit10): blur within each image only, then pixel noise.
     from scipy.ndimage import gaussian_filter
 
@@ -97,16 +98,21 @@ def _blur_and_noise(x: np.ndarray, rng: np.random.Generator, sigma: float = 0.7,
     return np.clip(blurred + rng.normal(0.0, noise, size=x.shape), 0.0, 1.0).astype(np.float32)
 
 
-# Domain name -> transform; each takes (images, rng) so the noisy one draws from a seeded generator.
-_DIGIT_DOMAIN_TRANSFORMS = {
-    "digits-original": lambda x, rng: x,
-    "digits-rot90": _rotate90,
-    "digits-inverted": _invert,
-    "digits-noisy": _blur_and_noise,
-}
+DomainTransform = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 
 
-def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bool = True) -> list[ArrayDataset]:
+def _digit_domain_transforms(blur: float, noise: float) -> dict[str, DomainTransform]:
+    """Domain name -> transform; each takes (images, rng) so the noisy one draws from a seeded generator."""
+    return {
+        "digits-original": lambda x, rng: x,
+        "digits-rot90": _rotate90,
+        "digits-inverted": _invert,
+        "digits-noisy": lambda x, rng: _blur_and_noise(x, rng, blur, noise),
+    }
+
+
+def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bool = True, blur: float = 0.7,
+                        noise: float = 0.15) -> list[ArrayDataset]:
     """Four digit domains with the same 10 labels: original, rotated 90 degrees, inverted, blurred + noisy.
 
     A small offline stand-in for Digit10. With `disjoint` (default) the 1,797 images are first cut
@@ -114,11 +120,20 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
     every domain has its own images: a later domain never shows a transformed copy of an image the
     model already trained on, and no test image of one domain is a train image of another.
     `disjoint=False` gives every domain all images (more data, but the domains share their content).
+
+    `blur` (the Gaussian's sigma, pixels) and `noise` (the pixel noise's std) degrade the fourth domain. At the
+    defaults it is hard: LeNet, an MLP and a small CNN trained centrally on all of it reach 0.82-0.93 on its test
+    images; at blur 0.3 and noise 0.1, 0.98 (docs/results.md, issue 35).
     """
     from sklearn.model_selection import StratifiedKFold
 
+    for name, value in (("blur", blur), ("noise", noise)):
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"digits_domains' {name} must be a finite number >= 0, got {value!r}")
+    transforms = _digit_domain_transforms(blur, noise)
+
     x, y = _digits_arrays()
-    names = list(_DIGIT_DOMAIN_TRANSFORMS)
+    names = list(transforms)
     if disjoint:
         folds = StratifiedKFold(n_splits=len(names), shuffle=True, random_state=seed).split(x, y)
         subsets = [idx for _, idx in folds]
@@ -126,7 +141,7 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
         subsets = [np.arange(len(y))] * len(names)
     domains = []
     for d, (name, idx) in enumerate(zip(names, subsets)):
-        x_d = _DIGIT_DOMAIN_TRANSFORMS[name](x[idx], np.random.default_rng([seed, d]))
+        x_d = transforms[name](x[idx], np.random.default_rng([seed, d]))
         domains.append(_stratified_split(name, x_d.astype(np.float32), y[idx], test_fraction, seed))
     return domains
 

@@ -85,6 +85,23 @@ def test_digit_domains_are_the_documented_transforms():
     assert diff > 0.05 and corr > 0.7
 
 
+def test_digit_domains_blur_and_noise_set_the_fourth_domain_only():
+    default = datasets.load_digits_domains(disjoint=False)
+    mild = datasets.load_digits_domains(disjoint=False, blur=0.3, noise=0.1)
+    clean = datasets.load_digits_domains(disjoint=False, blur=0, noise=0)
+    for d, m in zip(default[:3], mild[:3]):
+        np.testing.assert_array_equal(d.x_train, m.x_train)
+    np.testing.assert_allclose(clean[3].x_train, default[0].x_train, atol=1e-6)  # nothing left to degrade
+    distance = lambda d: np.abs(d[3].x_train - d[0].x_train).mean()  # noqa: E731
+    assert 0 < distance(mild) < distance(default)
+
+
+@pytest.mark.parametrize("option", [{"blur": -0.1}, {"noise": float("nan")}, {"noise": True}, {"blur": "0.3"}])
+def test_digit_domains_refuse_a_bad_degradation(option):
+    with pytest.raises(ValueError, match="digits_domains' (blur|noise) must be a finite number >= 0"):
+        datasets.load_digits_domains(**option)
+
+
 def test_digit_domains_differ_from_each_other():
     domains = datasets.load_digits_domains()
     means = [np.concatenate([d.x_train, d.x_test]).mean(axis=0) for d in domains]
