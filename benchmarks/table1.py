@@ -32,7 +32,7 @@ domain that can be learnt (blur 0.3, noise 0.1: `REGIMES`).
         [--methods fedavg,refed,...] [--table methods|emphasis|budget|glfc|split|mask|pim] [--rounds-per-task 8]
         [--parallel 2]
         [--backend ort|portable|torch] [--scenario-option dynamics=glfc --scenario-option joining=2]
-        [--learner-option mask_seen_classes=false] [--out runs/table1]
+        [--learner-option mask_seen_classes=false] [--guard-option norm_bound=off] [--out runs/table1]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from edge_client.store import BudgetExceededError, ReplayStore
 from edgefil.metrics import accuracy_matrix, average_accuracy
 from edgefil.settings import Where
 from firmware_sim.datasets import load_dataset
-from firmware_sim.demo import REFED, STRATEGY, DemoSettings, budget_for, run_methods
+from firmware_sim.demo import GUARD, REFED, STRATEGY, DemoSettings, budget_for, run_methods
 from firmware_sim.scenarios import OLD_DATA_CACHED, PRESETS, check_scenario
 
 MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet", "digits-onetask": "lenet",
@@ -172,6 +172,7 @@ class Job:
     dataset_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the preset's loader options replaced
     scenario_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. GLFC's client dynamics
     learner: dict[str, Any] = dataclasses.field(default_factory=dict)  # the devices' [learner] (a method's own wins)
+    guard: dict[str, Any] = dataclasses.field(default_factory=dict)  # the coordinator's [guard] over the table's GUARD
     backend: str | None = None  # every method's trainer backend (None: the method's own, else ort)
 
     @property
@@ -195,6 +196,9 @@ class Job:
         if self.backend is not None:
             options.setdefault("backend", self.backend)
         options["learner"] = {**self.learner, **options.get("learner", {})}
+        if self.guard:
+            coordinator = options.get("coordinator", {})
+            options["coordinator"] = {**coordinator, "guard": {**GUARD, **coordinator.get("guard", {}), **self.guard}}
         if options.get("strategy", {}).get("name") == "glfc":  # the proxy's reconstructions: the data's range
             data = load_dataset(PRESETS[settings.preset].dataset, **settings.dataset_options)
             parts = data if isinstance(data, list) else [data]  # a domain stream: one dataset per domain
@@ -292,7 +296,7 @@ def plan(scenario: str, seeds: list[int], methods: Mapping[str, Mapping[str, Any
                 folder=str(out / f"seed{seed}"), devices=args.devices, fraction=args.fraction,
                 rounds_per_task=args.rounds_per_task, cached=cached, equal_bytes=method in EQUAL_BYTES,
                 backend=args.backend, scenario_options=dict(args.scenario_option), learner=dict(args.learner_option),
-                **regime_of(scenario, args))
+                guard=dict(args.guard_option), **regime_of(scenario, args))
             for seed in seeds for method, options in methods.items()]
 
 
@@ -381,6 +385,9 @@ def main() -> None:
                         help="a Scenario field for every run, e.g. dynamics=glfc joining=2 (GLFC's clients)")
     parser.add_argument("--learner-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                         help="the devices' [learner] for every run, e.g. mask_seen_classes=false")
+    parser.add_argument("--guard-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                        help="the coordinator's [guard] for every run, over the table's (Krum selection off), e.g. "
+                        "norm_bound=off")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run, in a process of its own (run_jobs)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -389,7 +396,8 @@ def main() -> None:
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     given = "".join(f", {name} {value}" for name, value in (("E", args.epochs), ("lr", args.lr),
-                                                             ("learner", dict(args.learner_option) or None))
+                                                             ("learner", dict(args.learner_option) or None),
+                                                             ("guard", dict(args.guard_option) or None))
                      if value is not None)
     where = (f"{args.devices} devices, active ratio {args.fraction}, {args.rounds_per_task} rounds per task{given}, "
              f"seeds {seeds}; final accuracy, %, mean ± std")
