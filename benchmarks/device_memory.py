@@ -1,0 +1,156 @@
+"""Where a virtual device's memory goes: the host memory of each part a fleet worker holds per device.
+
+A fleet worker hosts its devices as objects in one process; `fleet_scale.py` and `vs_flower.py` measure what one
+more device costs in all (about 1.2 MB). This takes the device apart: each part below is built `--n` times in a
+fresh process of its own (so no part reuses memory another freed), and its cost is that process's PSS growth
+(/proc/self/smaps_rollup) over `--n`, in KiB:
+
+  trainer-<backend>          the device's trainer on the model's artifacts, with the weights set (what every device
+                             holds between rounds)
+  trainer-<backend>-trained  the same after one training step (optimizer state allocated: what a device holds once
+                             it has trained)
+  store                      the replay store (SQLite database and connection) holding `--samples` samples
+  link                       the MQTT link (paho client, inbox, callbacks), not connected, on a shared network loop
+  thread                     an idle thread (the device's own), blocked on an event
+
+The parts the list leaves out (the learner and policy objects, the device's bookkeeping, the connected socket and
+the broker's side) are what the fleet's marginal cost has beyond their sum. The model's parameter count is printed
+beside them: one float32 copy of the parameters is that times 4 bytes.
+
+    .venv/bin/python benchmarks/device_memory.py [--model lenet] [--backends portable,ort,torch] [--n 200]
+        [--samples 50]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INPUT_SHAPES = {"lenet": (1, 8, 8), "cnn1d": (1, 40), "mlp": (1, 8, 8), "small_cnn": (3, 32, 32)}
+NUM_CLASSES = 10
+RESULT = "RESULT "
+
+
+def pss_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+
+
+def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Callable[[int], Any]:
+    """What one device's `component` is, as a function of the device's index."""
+    from models.manifest import load_manifest
+
+    manifest = load_manifest(artifacts)
+    shape = tuple(manifest.input_shape)
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal(manifest.num_parameters) * 0.01).astype(np.float32)
+    x = rng.random((8, *shape), dtype=np.float32)
+    y = np.arange(8, dtype=np.int64) % NUM_CLASSES
+    mask = np.ones(NUM_CLASSES, np.float32)
+    if component.startswith("trainer-"):
+        from edge_client.config import TrainerSettings
+        from edge_client.trainers.choice import make_trainer
+
+        backend, _, trained = component.removeprefix("trainer-").partition("-")
+        settings = TrainerSettings(backend=backend, optimizer="adamw", lr=1e-3)
+
+        def trainer(i: int) -> Any:
+            built = make_trainer(settings, artifacts)
+            built.set_weights(weights)
+            if trained:
+                built.train_step(x, y, mask)
+            return built
+
+        return trainer
+    if component == "store":
+        from edge_client.budget import Budget
+        from edge_client.store import ReplayStore
+
+        batch = rng.random((samples, *shape), dtype=np.float32)
+        labels = np.arange(samples, dtype=np.int64) % NUM_CLASSES
+
+        def store(i: int) -> Any:
+            opened = ReplayStore(folder / f"store-{i}", Budget(max_samples=samples), shape)
+            opened.insert(batch, labels, 0)
+            return opened
+
+        return store
+    if component == "link":
+        from edgefil.link import BrokerSettings, Link
+        from edgefil.netloop import NetworkLoop
+
+        loop = NetworkLoop()
+        return lambda i: Link(BrokerSettings(), client_id=f"device-{i}", subscriptions=["a/b", "c/d"], network=loop)
+    if component == "thread":
+        def thread(i: int) -> Any:
+            stop = threading.Event()
+            started = threading.Thread(target=stop.wait, daemon=True)
+            started.start()
+            return started, stop
+
+        return thread
+    raise ValueError(f"unknown component {component!r}")
+
+
+def measure(component: str, artifacts: Path, n: int, samples: int) -> float:
+    """KiB of PSS one instance of `component` adds (in this process: run it in a fresh one)."""
+    with tempfile.TemporaryDirectory() as folder:
+        build = builder(component, artifacts, samples, Path(folder))
+        kept = [build(-1)]  # the first builds what all of them share (sessions, imports), not counted
+        gc.collect()
+        before = pss_bytes()
+        kept.extend(build(i) for i in range(n))
+        gc.collect()
+        return (pss_bytes() - before) / n / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="lenet", choices=sorted(INPUT_SHAPES))
+    parser.add_argument("--backends", default="portable,ort,torch")
+    parser.add_argument("--n", type=int, default=200, help="instances of each part")
+    parser.add_argument("--samples", type=int, default=50, help="samples in each replay store")
+    parser.add_argument("--component", help=argparse.SUPPRESS)  # one part, in a process of its own
+    parser.add_argument("--artifacts", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.component:
+        print(RESULT + json.dumps(measure(args.component, Path(args.artifacts), args.n, args.samples)))
+        return
+    from models.export import export_registered, exportable_backends
+    from models.manifest import load_manifest
+
+    backends = [b for b in args.backends.split(",") if b in exportable_backends()]
+    with tempfile.TemporaryDirectory() as folder:
+        artifacts = Path(folder) / "artifacts"
+        export_registered(args.model, NUM_CLASSES, artifacts, INPUT_SHAPES[args.model], seed=0,
+                          backends=tuple(backends), cache=True)
+        parameters = load_manifest(artifacts).num_parameters
+        print(f"{args.model} {INPUT_SHAPES[args.model]}: {parameters} parameters, one float32 copy "
+              f"{parameters * 4 / 1024:.1f} KiB; each part built {args.n} times in a fresh process, KiB of PSS each")
+        parts = [f"trainer-{b}{trained}" for b in backends for trained in ("", "-trained")]
+        for part in (*parts, "store", "link", "thread"):
+            done = subprocess.run([sys.executable, __file__, "--component", part, "--artifacts", str(artifacts),
+                                   "--n", str(args.n), "--samples", str(args.samples)],
+                                  capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+            if done.returncode or not lines:
+                print(f"  {part:28s} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            kib = json.loads(lines[-1][len(RESULT):])
+            print(f"  {part:28s} {kib:8.1f} KiB  ({kib * 1024 / (parameters * 4):4.1f} parameter copies)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
