@@ -4,10 +4,12 @@ onnxruntime-training has no aarch64 wheel and none for CPython >= 3.12; the infe
 backend runs the graphs of `models/portable_export.py` with `InferenceSession`s only, and imports neither torch,
 nor onnx, nor onnxruntime-training's API.
 
-The weights and the optimiser state live in ORT-allocated buffers for the trainer's whole life. A step binds them
-with I/O binding: the gradient graph writes the gradient into a preallocated buffer, and the optimiser graph reads
-weights, gradient and state and writes the new weights and state into a second set of buffers; the two sets then
-swap roles (ping-pong), so no step copies a parameter through numpy. Only get_weights/set_weights copy.
+The weights and the optimiser state live in ORT-allocated buffers. A step binds them with I/O binding: the gradient
+graph writes the gradient into a buffer, and the optimiser graph reads weights, gradient and state and writes the
+new weights and state into other buffers, which then become the trainer's; so no step copies a parameter through
+numpy (only get_weights/set_weights copy). The buffers a step writes come from a process-wide pool (`_SparePool`)
+and the ones it leaves go back to it: between steps a trainer holds only its weights and its optimiser state (none
+before its first step), not the spares and the gradient, which a fleet worker's devices, taking turns, share.
 """
 from __future__ import annotations
 
@@ -67,27 +69,57 @@ def shared_filled(size: int, value: float) -> Any:
         return filled
 
 
-class _PingPong:
-    """Two ORT-allocated float32 buffers of one size: `current` is read by a step, `spare` written; swap()."""
+class _SparePool:
+    """Free float32 OrtValues by size, taken by a step for what it writes and given back when they are left over.
 
-    def __init__(self, size: int) -> None:
-        self._values = [ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32) for _ in range(2)]
-        self._current = 0
-        self.fill(np.zeros(size, dtype=np.float32))
+    A step holds at most the gradient and one new buffer for the weights and for each state (4 with AdamW), so the
+    pool holds 4 buffers of a size for each trainer that steps at the same time as others, and every trainer
+    between steps holds none: a fleet worker's devices, taking turns, share 4 (one LeNet device: 7.2 parameter
+    copies before, 3 after; `benchmarks/device_memory.py`). A size's free buffers go with its last trainer."""
 
-    @property
-    def current(self) -> Any:
-        return self._values[self._current]
+    def __init__(self) -> None:
+        self._free: dict[int, list[Any]] = {}
+        self._users: dict[int, int] = {}
+        self._lock = threading.Lock()
 
-    @property
-    def spare(self) -> Any:
-        return self._values[1 - self._current]
+    def join(self, size: int) -> None:
+        with self._lock:
+            self._users[size] = self._users.get(size, 0) + 1
 
-    def swap(self) -> None:
-        self._current = 1 - self._current
+    def leave(self, size: int) -> None:
+        with self._lock:
+            self._users[size] -= 1
+            if not self._users[size]:
+                del self._users[size]
+                self._free.pop(size, None)
 
-    def fill(self, values: np.ndarray) -> None:
-        self.current.update_inplace(values)
+    def take(self, size: int) -> Any:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        return ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+
+    def give(self, *values: Any) -> None:
+        with self._lock:
+            for value in values:
+                size = int(value.shape()[0])
+                if size in self._users:
+                    self._free.setdefault(size, []).append(value)
+
+    def held(self, size: int) -> int:
+        """How many free buffers of `size` the pool holds."""
+        with self._lock:
+            return len(self._free.get(size, ()))
+
+
+_spares = _SparePool()
+
+
+def _filled(size: int, value: float) -> Any:
+    buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+    buffer.update_inplace(np.full(size, value, dtype=np.float32))
+    return buffer
 
 
 class PortableTrainer(Trainer):
@@ -117,17 +149,18 @@ class PortableTrainer(Trainer):
         self._directory, self._optimizer_name, self._threads = directory, optimizer, threads
         self._sessions: dict[str, Any] = {}
         size = self.manifest.num_parameters
-        self._weights = _PingPong(size)
-        self._gradient_buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+        _spares.join(size)
+        weakref.finalize(self, _spares.leave, size)
+        self._weights = _filled(size, 0.0)
         self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
         # Read with mu = 0 too, so it must be finite: the process's shared zeros until a proximal term needs a
         # reference of its own (most policies never do).
         self._reference = shared_filled(size, 0.0)
         self._reference_of: Proximal | None = None
         self._lr_scale = shared_filled(size, 1.0)  # each parameter's rate as a multiple of lr (scaled_rates)
-        state = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
-        self._state = {name: _PingPong(size) for name in state}
-        self._steps = 0  # AdamW's step count t: its bias corrections are fed as scalars
+        self._state_names = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
+        self._state: dict[str, Any] = {}  # zeros until the first step writes it
+        self._steps = 0  # the steps taken: AdamW's t, whose bias corrections are fed as scalars
         self._betas = betas
         self._scalars = {name: _scalar(0.0) for name in ("lr", "momentum", "proximal_mu", "beta1", "beta2", "eps",
                                                         "weight_decay", "step_size", "bias_correction2_sqrt")}
@@ -139,7 +172,7 @@ class PortableTrainer(Trainer):
         self._update_scalars = [i.name for i in self._session(optimizer).get_inputs() if i.name in self._scalars]
         self._has_weights = not self.manifest.nominal_checkpoint
         if self._has_weights:
-            self._weights.fill(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
+            self._weights.update_inplace(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
 
     def _session(self, graph: str) -> Any:
         """The graph's InferenceSession, taken on first use (a device that never asks for exact norms never
@@ -150,10 +183,10 @@ class PortableTrainer(Trainer):
 
     def get_weights(self) -> np.ndarray:
         self._require_weights()
-        return np.asarray(self._weights.current.numpy(), dtype=np.float32).copy()
+        return np.asarray(self._weights.numpy(), dtype=np.float32).copy()
 
     def set_weights(self, buffer: np.ndarray) -> None:
-        self._weights.fill(self.check_weights(buffer))
+        self._weights.update_inplace(self.check_weights(buffer))
         self._has_weights = True
 
     def _apply_learning_rate(self, lr: float) -> None:
@@ -186,50 +219,64 @@ class PortableTrainer(Trainer):
         proximal: Proximal | None, lr_scale: Any,
     ) -> float:
         self._require_weights()
-        value = self._run_gradient(x, y, class_mask, loss)
-        self._set_proximal(proximal)
-        update = self._session(self._optimizer_name)
-        binding = update.io_binding()
-        binding.bind_ortvalue_input("weights", self._weights.current)
-        binding.bind_ortvalue_input("gradient", self._gradient_buffer)
-        binding.bind_ortvalue_input("reference", self._reference)
-        binding.bind_ortvalue_input("lr_scale", lr_scale)
-        binding.bind_ortvalue_output("new_weights", self._weights.spare)
-        for name, state in self._state.items():
-            binding.bind_ortvalue_input(name, state.current)
-            binding.bind_ortvalue_output(f"new_{name}", state.spare)
-        if self._optimizer_name == "adamw":
-            self._steps += 1
-            beta1, beta2 = self._betas
-            step_size = self.learning_rate / (1.0 - beta1**self._steps)
-            self._scalars["step_size"].update_inplace(np.array(step_size, dtype=np.float32))
-            self._scalars["bias_correction2_sqrt"].update_inplace(
-                np.array(math.sqrt(1.0 - beta2**self._steps), dtype=np.float32))
-        for name in self._update_scalars:
-            binding.bind_ortvalue_input(name, self._scalars[name])
-        update.run_with_iobinding(binding)
-        self._weights.swap()
-        for state in self._state.values():
-            state.swap()
+        size = self.manifest.num_parameters
+        gradient = _spares.take(size)
+        written = {name: _spares.take(size) for name in ("weights", *self._state_names)}
+        try:
+            value = self._run_gradient(x, y, class_mask, loss, gradient)
+            self._set_proximal(proximal)
+            update = self._session(self._optimizer_name)
+            binding = update.io_binding()
+            binding.bind_ortvalue_input("weights", self._weights)
+            binding.bind_ortvalue_input("gradient", gradient)
+            binding.bind_ortvalue_input("reference", self._reference)
+            binding.bind_ortvalue_input("lr_scale", lr_scale)
+            if not self._state:
+                self._state = {name: shared_filled(size, 0.0) for name in self._state_names}
+            for name in ("weights", *self._state_names):
+                binding.bind_ortvalue_output(f"new_{name}", written[name])
+            for name, state in self._state.items():
+                binding.bind_ortvalue_input(name, state)
+            if self._optimizer_name == "adamw":
+                beta1, beta2 = self._betas
+                step_size = self.learning_rate / (1.0 - beta1**(self._steps + 1))
+                self._scalars["step_size"].update_inplace(np.array(step_size, dtype=np.float32))
+                self._scalars["bias_correction2_sqrt"].update_inplace(
+                    np.array(math.sqrt(1.0 - beta2**(self._steps + 1)), dtype=np.float32))
+            for name in self._update_scalars:
+                binding.bind_ortvalue_input(name, self._scalars[name])
+            update.run_with_iobinding(binding)
+        except BaseException:
+            _spares.give(gradient, *written.values())
+            raise
+        left = [self._weights, *self._state.values()] if self._steps else [self._weights]  # not the shared zeros
+        self._weights = written.pop("weights")
+        self._state = written
+        self._steps += 1
+        _spares.give(gradient, *left)
         return value
 
     def _gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> tuple[float, np.ndarray]:
         self._require_weights()
-        value = self._run_gradient(x, y, class_mask, loss)
-        return value, np.asarray(self._gradient_buffer.numpy(), dtype=np.float32).copy()
+        buffer = _spares.take(self.manifest.num_parameters)
+        try:
+            value = self._run_gradient(x, y, class_mask, loss, buffer)
+            return value, np.asarray(buffer.numpy(), dtype=np.float32).copy()
+        finally:
+            _spares.give(buffer)
 
-    def _run_gradient(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
-                      ) -> float:
-        """Run the gradient graph into the gradient buffer; returns the batch loss."""
+    def _run_gradient(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
+                      gradient: Any) -> float:
+        """Run the gradient graph into `gradient` (an OrtValue of the parameters' size); returns the batch loss."""
         session = self._session("gradient")
         binding = session.io_binding()
-        binding.bind_ortvalue_input("weights", self._weights.current)
+        binding.bind_ortvalue_input("weights", self._weights)
         for name, array in zip(GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
         binding.bind_ortvalue_output("loss", self._loss)
-        binding.bind_ortvalue_output("gradient", self._gradient_buffer)
+        binding.bind_ortvalue_output("gradient", gradient)
         session.run_with_iobinding(binding)
         return float(self._loss.numpy())
 
@@ -237,7 +284,7 @@ class PortableTrainer(Trainer):
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> tuple[float, np.ndarray]:
         self._require_weights()
-        return run_input_gradient(self._session("input_gradient"), self._weights.current, x, y, class_mask,
+        return run_input_gradient(self._session("input_gradient"), self._weights, x, y, class_mask,
                                   self.manifest.num_classes, loss)
 
     def _set_proximal(self, proximal: Proximal | None) -> None:
@@ -256,7 +303,7 @@ class PortableTrainer(Trainer):
         self._require_weights()
         session = self._session("eval")
         binding = session.io_binding()
-        binding.bind_ortvalue_input("weights", self._weights.current)
+        binding.bind_ortvalue_input("weights", self._weights)
         binding.bind_cpu_input("input", np.ascontiguousarray(x, dtype=np.float32))
         binding.bind_cpu_input("class_mask", np.ascontiguousarray(class_mask, dtype=np.float32))
         binding.bind_output("logits", "cpu")
@@ -281,7 +328,7 @@ class PortableTrainer(Trainer):
             xs[: len(idx)] = x[idx]
             targets[np.arange(len(idx)), y[idx]] = 1.0
             binding = session.io_binding()
-            binding.bind_ortvalue_input("weights", self._weights.current)
+            binding.bind_ortvalue_input("weights", self._weights)
             binding.bind_cpu_input("input", xs)
             binding.bind_cpu_input("class_mask", np.ascontiguousarray(class_mask, dtype=np.float32))
             binding.bind_cpu_input("targets", targets)
