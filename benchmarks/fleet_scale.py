@@ -4,7 +4,8 @@ For each fleet size N (default 10, 50, 200) this runs a whole fleet in this proc
 (`firmware_sim.fleet.Fleet`: broker, `--workers` worker processes hosting the N real `Device`s, the coordinator
 here), on the embedded digits class-incremental scenario cut to one task (`n_tasks = 1`, two classes, the
 ~270 training samples split over the N clients), `--rounds` rounds, every device selected every round
-(`fraction = 1`, `min_clients = N`), random replay with M = `--replay-m`, one local epoch, no emulation (devices
+(`fraction = 1`; `min_clients` = the devices that hold data: past ~270 devices some hold none, say so and are
+not selected), random replay with M = `--replay-m`, one local epoch, no emulation (devices
 train at the host's speed). The total training data is the same at every N, so the devices' summed training
 work per round stays about constant and what grows with N is overhead.
 
@@ -321,6 +322,19 @@ def log_problems(logs: Path) -> list[tuple[int, str]]:
     return sorted(((count, first) for count, first in groups.values()), reverse=True)
 
 
+SCENARIO = {"preset": "digits-class", "n_tasks": 1}
+
+
+def holding_data(n: int) -> int:
+    """How many of the N devices the scenario gives training data (past ~270 devices some get none: they say so
+    and are not selected, so they cannot count toward a round's quorum)."""
+    from edgefil.settings import Where
+    from firmware_sim.scenarios import check_scenario
+
+    data = check_scenario({**SCENARIO, "n_clients": n}, Where("fleet_scale")).build()
+    return sum(len(data.tasks[0].client_train(client)[1]) > 0 for client in range(n))
+
+
 def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str) -> dict:
     import firmware_sim.fleet as fleet_module
     from edge_client.config import StoreSettings
@@ -336,11 +350,11 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
     config = FleetConfig(
         name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
         trainer=dataclasses.replace(FleetConfig.trainer, backend=args.backend),
-        scenario={"preset": "digits-class", "n_tasks": 1},
+        scenario=dict(SCENARIO),
         policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
         client={"epochs": 1},
         coordinator={
-            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": n,
+            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": holding_data(n),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
             "guard": {"krum_share": 0.0},  # FedAvg over every update, the work Flower's side does (vs_flower.py)
         },
