@@ -49,12 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleet_scale import memory_of  # its top level imports the standard library only
+from fleet_scale import SCENARIO, memory_of  # its top level imports the standard library only
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_PACKAGES = ["flwr[simulation]==1.40.0", "torch==2.14.1", "numpy"]
 MODEL, SEED = "lenet", 0
-SCENARIO = {"preset": "digits-class", "n_tasks": 1}
 LR, BATCH, EPOCHS = 3e-3, 32, 1
 ADAMW_EPS, WEIGHT_DECAY = 1e-6, 0.0  # the devices' AdamW (edge_client/trainers): torch's defaults are 1e-8 and 0.01
 REPLAY_M = 400  # more than any share: every device trains on all of its data, as Flower's clients do
