@@ -58,14 +58,19 @@ def shared_session(path: Path, threads: int) -> Any:
 _shared_filled: weakref.WeakValueDictionary[tuple[int, float], Any] = weakref.WeakValueDictionary()
 
 
+def _filled(size: int, value: float) -> Any:
+    """A new float32 OrtValue of `size` copies of `value`."""
+    buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
+    buffer.update_inplace(np.full(size, value, dtype=np.float32))
+    return buffer
+
+
 def shared_filled(size: int, value: float) -> Any:
     """A float32 OrtValue of `size` copies of `value`, one per size and value in a process, only ever read."""
     with _shared_lock:
         filled = _shared_filled.get((size, value))
         if filled is None:
-            filled = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
-            filled.update_inplace(np.full(size, value, dtype=np.float32))
-            _shared_filled[(size, value)] = filled
+            filled = _shared_filled[(size, value)] = _filled(size, value)
         return filled
 
 
@@ -75,7 +80,7 @@ class _SparePool:
     A step holds at most the gradient and one new buffer for the weights and for each state (4 with AdamW), so the
     pool holds 4 buffers of a size for each trainer that steps at the same time as others, and every trainer
     between steps holds none: a fleet worker's devices, taking turns, share 4 (one LeNet device: 7.2 parameter
-    copies before, 3 after; `benchmarks/device_memory.py`). A size's free buffers go with its last trainer."""
+    copies before, 3.2 after; `benchmarks/device_memory.py`). A size's free buffers go with its last trainer."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[Any]] = {}
@@ -114,12 +119,6 @@ class _SparePool:
 
 
 _spares = _SparePool()
-
-
-def _filled(size: int, value: float) -> Any:
-    buffer = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
-    buffer.update_inplace(np.full(size, value, dtype=np.float32))
-    return buffer
 
 
 class PortableTrainer(Trainer):
