@@ -20,6 +20,14 @@ write transaction returns freed pages to the file system at commit, without VACU
 Exclusive locking: one process owns the store and no lock files appear. temp_store=MEMORY and cache_spill=OFF
 keep every byte of a transaction in this directory or in memory, and give its journal a single header.
 
+Ownership and the connection. The store holds a lock (flock) on its directory from open to close, so one store
+object owns it at a time, in any process, whether or not it has SQLite open. The SQLite connection itself is
+opened at first use and let go by `release()`: an open connection costs ~150 KiB (its lookaside and page cache)
+even when it holds nothing, which a device between rounds has no use for and a fleet worker pays once per device
+(`benchmarks/device_memory.py`). The next use opens it again (under a millisecond, no checks repeated: nothing
+else may have written meanwhile). Its count of live samples is kept between writes, so a device's heartbeat asks
+no connection.
+
 Budget bound. Before a write, the store bounds the bytes the directory can hold at any instant of it:
 
     peak = now + file(G * page) + max(journal now, file(header + J * (page + 8)))
@@ -50,6 +58,7 @@ start. `keep_only` is a delete of the complement.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import json
 import math
@@ -196,6 +205,8 @@ class ReplayStore:
         self.budget = budget
         self._db = self.directory / DB_NAME
         self._conn: sqlite3.Connection | None = None
+        self._owner: int | None = None  # the directory's descriptor, flocked, from open to close
+        self._length: int | None = None  # live samples, known since the last write
         self._open(sample_shape)
 
     # ------------------------------------------------------------------ lifecycle
@@ -213,9 +224,9 @@ class ReplayStore:
         with self._errors():
             self.directory.mkdir(parents=True, exist_ok=True)
             self._block = os.statvfs(self.directory).f_frsize
-            self._conn = sqlite3.connect(self._db, isolation_level=None, timeout=0)
+            self._own()
             try:
-                self._configure()
+                self._connect()
                 if self._connection().execute("PRAGMA page_count").fetchone()[0] == 0:  # new, or a create rolled back
                     if shape is None:
                         raise ValueError(f"no store at {self.directory}: sample_shape is needed to create one")
@@ -226,9 +237,29 @@ class ReplayStore:
             except BaseException:
                 self.close()
                 raise
+        self.release()
 
-    def _configure(self) -> None:
-        conn = self._connection()
+    def _own(self) -> None:
+        """Take the directory's lock, or refuse: another store object (here or in another process) owns it."""
+        owner = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(owner)
+            raise StoreError(f"{self._db}: in use by another process or store") from None
+        self._owner = owner
+
+    def _connect(self) -> sqlite3.Connection:
+        self._conn = sqlite3.connect(self._db, isolation_level=None, timeout=0, check_same_thread=False)
+        try:
+            self._configure(self._conn)
+        except BaseException:
+            self._conn.close()
+            self._conn = None
+            raise
+        return self._conn
+
+    def _configure(self, conn: sqlite3.Connection) -> None:
         # Roll back a hot journal left by a crash before locking exclusively: in exclusive mode SQLite leaves
         # the rolled-back journal at full size until the next write; in the default mode it deletes it.
         conn.execute("PRAGMA schema_version").fetchone()
@@ -330,10 +361,22 @@ class ReplayStore:
         owner.register(STORE_HOLDER, self.bytes_on_disk)
         return owner
 
+    def release(self) -> None:
+        """Let the SQLite connection go until the next use (the store stays open and owned): for a holder that is
+        idle for a while, as a device between rounds."""
+        if self._conn is not None:
+            if self._length is None:  # counted now: a heartbeat asks len() while idle
+                len(self)
+            self._conn.close()
+            self._conn = None
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._owner is not None:
+            os.close(self._owner)  # and with it the lock
+            self._owner = None
 
     def __enter__(self) -> ReplayStore:
         return self
@@ -426,6 +469,7 @@ class ReplayStore:
 
         It ends with the freelist vacuumed, so the file shrinks at commit."""
         conn = self._connection()
+        self._length = None
         if not self._fits(peak):
             raise BudgetExceededError(f"{self.directory}: a write could take {peak} bytes, over max_bytes "
                                       f"{self.budget.max_bytes}; nothing was written")
@@ -472,7 +516,11 @@ class ReplayStore:
         return x.reshape(len(ids), *self.sample_shape), np.array([r[2] for r in rows], dtype=np.int64)
 
     def __len__(self) -> int:
-        return self._query("SELECT count(*) FROM samples WHERE id NOT IN (SELECT id FROM doomed)")[0][0]
+        if self._length is None:
+            self._length = self._query("SELECT count(*) FROM samples WHERE id NOT IN (SELECT id FROM doomed)")[0][0]
+        elif self._owner is None:
+            raise StoreError(f"the store at {self.directory} is closed")
+        return self._length
 
     def bytes_on_disk(self) -> int:
         """Allocated bytes of the directory and its files (du's measure, and what a disk quota charges).
@@ -681,9 +729,12 @@ class ReplayStore:
             return conn.execute(sql, params).fetchall()
 
     def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
+        if self._conn is not None:
+            return self._conn
+        if self._owner is None:
             raise StoreError(f"the store at {self.directory} is closed")
-        return self._conn
+        with self._errors():
+            return self._connect()
 
     @contextmanager
     def _errors(self) -> Iterator[None]:

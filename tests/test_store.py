@@ -592,6 +592,41 @@ def test_one_owner_at_a_time(tmp_path):
         len(store)
 
 
+def _open_files_under(directory: Path) -> list[str]:
+    """The files under `directory` this process holds open (the directory's own lock descriptor aside)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{directory}/"):
+            names.append(target)
+    return names
+
+
+def test_a_released_store_holds_no_database_open_stays_owned_and_reopens_at_its_next_use(tmp_path):
+    folder = tmp_path / "store"
+    with ReplayStore(folder, Budget(max_samples=10), (8, 8)) as store:
+        x, y = samples((8, 8), 4, 0)
+        ids = store.insert(x, y, task=0)
+        assert _open_files_under(folder)  # in use: SQLite holds the database open
+        store.release()
+        assert _open_files_under(folder) == []
+        assert len(store) == 4 and _open_files_under(folder) == []  # the count is known: no connection for it
+        with pytest.raises(StoreError, match="in use"):  # still its owner
+            ReplayStore(folder, Budget())
+        got, labels = store.get(ids)  # opened again
+        np.testing.assert_array_equal(got, x)
+        np.testing.assert_array_equal(labels, y)
+        store.delete(ids[:1])
+        assert len(store) == 3
+        store.release()
+    reopened = ReplayStore(folder, Budget(max_samples=10))  # the lock went with the close
+    assert len(reopened) == 3 and _open_files_under(folder) == []  # a store is released once opened
+    reopened.close()
+
+
 @pytest.mark.parametrize("bad", [
     lambda x, y: (x[:, :7], y, 0),  # wrong sample shape
     lambda x, y: (x[0], y[:1], 0),  # no batch axis
