@@ -169,6 +169,32 @@ def test_steps_reuse_the_process_spares_and_a_trainer_keeps_only_its_weights_and
     assert len(seen) <= 3 + held  # the buffers rotate among the trainer's and the pool's, nothing new
 
 
+def test_untrained_trainers_read_shared_weights_in_place_and_a_step_writes_a_buffer_of_their_own(export_artifacts):
+    """Two trainers on one artifact set read one copy of the initial weights, and two given the same read-only
+    global model read that array itself; a step writes weights of the trainer's own and leaves the shared array as
+    it was, so the other trainer still reads it; a writable buffer is copied (its owner may change it)."""
+    directory = export_artifacts("lenet", backends=ALL)
+    first, second = PortableTrainer(directory, "adamw", LR), PortableTrainer(directory, "adamw", LR)
+    assert first._weights.data_ptr() == second._weights.data_ptr()  # the artifacts' weights, once
+    rng = np.random.default_rng(5)
+    global_model = rng.standard_normal(first.manifest.num_parameters).astype(np.float32) * 0.05
+    global_model.flags.writeable = False
+    kept = global_model.copy()
+    for trainer in (first, second):
+        trainer.set_weights(global_model)
+        assert trainer._weights.data_ptr() == global_model.ctypes.data
+    x, y = rng.random((8, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 8)
+    first.train_step(x, y, first.mask(None))
+    assert first._weights.data_ptr() != global_model.ctypes.data
+    assert not np.array_equal(first.get_weights(), kept)  # it learnt ...
+    np.testing.assert_array_equal(global_model, kept)  # ... in a buffer of its own
+    np.testing.assert_array_equal(second.get_weights(), kept)
+    writable = kept.copy()
+    second.set_weights(writable)
+    writable[:] = 0.0
+    np.testing.assert_array_equal(second.get_weights(), kept)
+
+
 def test_trainers_on_one_artifact_set_share_sessions_and_train_independently(export_artifacts):
     """A fleet worker's devices share each graph's session (one copy, not one per device) but not their weights
     or optimiser state: two trainers stepping at once in two threads end where each ends alone."""

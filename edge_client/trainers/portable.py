@@ -10,6 +10,11 @@ new weights and state into other buffers, which then become the trainer's; so no
 numpy (only get_weights/set_weights copy). The buffers a step writes come from a process-wide pool (`_SparePool`)
 and the ones it leaves go back to it: between steps a trainer holds only its weights and its optimiser state (none
 before its first step), not the spares and the gradient, which a fleet worker's devices, taking turns, share.
+Until its first step a trainer's weights need not be its own either: it reads the artifacts' initial weights, or a
+read-only buffer given to set_weights (a device's global model, one per process), in place, and has a buffer of
+its own only once a step writes one. A fleet worker's devices that have not trained hold no copy of the weights.
+A parked trainer (`park`: a device between rounds, its weights and optimiser state just saved) holds neither: it
+takes each back from the saved state when it is next needed, the weights when read, the state at the next step.
 """
 from __future__ import annotations
 
@@ -21,7 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, loss_arrays
+from edge_client.trainers.base import (
+    OPTIMIZER_BUFFERS,
+    LossInputs,
+    OptimizerState,
+    Proximal,
+    Reload,
+    Trainer,
+    iterate_batches,
+    loss_arrays,
+)
 from edge_client.trainers.ort_capi import ORT
 from models.manifest import GRAPH_INPUTS, PORTABLE_MODELS, WEIGHTS, load_manifest
 
@@ -53,6 +67,23 @@ def shared_session(path: Path, threads: int) -> Any:
             session = ORT.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             _shared_sessions[key] = session
         return session
+
+
+_shared_initial: weakref.WeakValueDictionary[tuple[str, int, int], np.ndarray] = weakref.WeakValueDictionary()
+
+
+def shared_initial_weights(path: Path) -> np.ndarray:
+    """The artifacts' initial weights, read-only, one array per file in a process (keyed and held as
+    `shared_session`'s sessions are)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    with _shared_lock:
+        weights = _shared_initial.get(key)
+        if weights is None:
+            weights = np.fromfile(path, dtype="<f4").astype(np.float32, copy=False)
+            weights.flags.writeable = False
+            _shared_initial[key] = weights
+        return weights
 
 
 _shared_filled: weakref.WeakValueDictionary[tuple[int, float], Any] = weakref.WeakValueDictionary()
@@ -150,16 +181,19 @@ class PortableTrainer(Trainer):
         size = self.manifest.num_parameters
         _spares.join(size)
         weakref.finalize(self, _spares.leave, size)
-        self._weights = _filled(size, 0.0)
+        self._weights = shared_filled(size, 0.0)
+        self._own_weights = False  # whether self._weights is this trainer's to write and give back (module doc)
         self._loss = _scalar(0.0)  # bound as an output: cheaper than the binding's get_outputs() on every step
         # Read with mu = 0 too, so it must be finite: the process's shared zeros until a proximal term needs a
         # reference of its own (most policies never do).
         self._reference = shared_filled(size, 0.0)
         self._reference_of: Proximal | None = None
         self._lr_scale = shared_filled(size, 1.0)  # each parameter's rate as a multiple of lr (scaled_rates)
-        self._state_names = ("velocity",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
+        self._state_names = OPTIMIZER_BUFFERS[optimizer]
         self._state: dict[str, Any] = {}  # zeros until the first step writes it
         self._steps = 0  # the steps taken: AdamW's t, whose bias corrections are fed as scalars
+        self._reload: Reload | None = None  # while parked: where the weights and the state come back from
+        self._weights_parked = self._state_parked = False
         self._betas = betas
         self._scalars = {name: _scalar(0.0) for name in ("lr", "momentum", "proximal_mu", "beta1", "beta2", "eps",
                                                         "weight_decay", "step_size", "bias_correction2_sqrt")}
@@ -171,7 +205,7 @@ class PortableTrainer(Trainer):
         self._update_scalars = [i.name for i in self._session(optimizer).get_inputs() if i.name in self._scalars]
         self._has_weights = not self.manifest.nominal_checkpoint
         if self._has_weights:
-            self._weights.update_inplace(np.fromfile(directory / WEIGHTS, dtype="<f4").astype(np.float32, copy=False))
+            self._weights = ORT.OrtValue.ortvalue_from_numpy(shared_initial_weights(directory / WEIGHTS))
 
     def _session(self, graph: str) -> Any:
         """The graph's InferenceSession, taken on first use (a device that never asks for exact norms never
@@ -185,8 +219,67 @@ class PortableTrainer(Trainer):
         return np.asarray(self._weights.numpy(), dtype=np.float32).copy()
 
     def set_weights(self, buffer: np.ndarray) -> None:
-        self._weights.update_inplace(self.check_weights(buffer))
+        """A read-only `buffer` is read in place until a step writes weights of the trainer's own: whoever made it
+        read-only promises it never changes (a device's global models: `edge_client.device.shared_model`). A
+        writable one is copied."""
+        buffer = self.check_weights(buffer)
+        self._weights_parked = False  # replaced: what was parked is not needed back
+        if not buffer.flags.writeable:
+            if self._own_weights:
+                _spares.give(self._weights)
+            self._weights, self._own_weights = ORT.OrtValue.ortvalue_from_numpy(buffer), False
+        else:
+            if not self._own_weights:
+                self._weights, self._own_weights = _spares.take(self.manifest.num_parameters), True
+            self._weights.update_inplace(buffer)
         self._has_weights = True
+
+    def optimizer_state(self) -> OptimizerState | None:
+        """None before the first step (the state is zeros then)."""
+        if not self._steps:
+            return None
+        self._unpark(state=True)
+        return OptimizerState(self._steps, {name: np.asarray(value.numpy(), dtype=np.float32).copy()
+                                            for name, value in self._state.items()})
+
+    def set_optimizer_state(self, state: OptimizerState) -> None:
+        self.check_optimizer_state(state, self._state_names)
+        self._state_parked = False
+        self._state = {name: self._own_copy(buffer) for name, buffer in state.buffers.items()} if state.steps else {}
+        self._steps = state.steps
+
+    def park(self, reload: Reload) -> bool:
+        """Drop the trainer's own weights and state (not to the spare pool, which would keep them): the next read
+        of the weights and the next step take them back from `reload()`."""
+        self._reload = reload
+        if self._own_weights:
+            self._weights, self._own_weights = shared_filled(self.manifest.num_parameters, 0.0), False
+            self._weights_parked = True
+        if self._state:
+            self._state, self._state_parked = {}, True
+        return True
+
+    def _unpark(self, weights: bool = False, state: bool = False) -> None:
+        """Take back from the saved state what was parked and is needed now."""
+        weights, state = weights and self._weights_parked, state and self._state_parked
+        if not (weights or state) or self._reload is None:
+            return
+        saved_weights, saved_state = self._reload()
+        if weights:
+            self._weights, self._own_weights = self._own_copy(self.check_weights(saved_weights)), True
+            self._weights_parked = False
+        if state:
+            if saved_state is None or saved_state.steps != self._steps:
+                raise RuntimeError(f"the saved optimizer state is not the one parked ({self._steps} steps)")
+            self._state = {name: self._own_copy(buffer) for name, buffer in
+                           self.check_optimizer_state(saved_state, self._state_names).buffers.items()}
+            self._state_parked = False
+
+    def _own_copy(self, buffer: np.ndarray) -> Any:
+        """A buffer of the trainer's own (from the spare pool) holding a copy of `buffer`."""
+        value = _spares.take(self.manifest.num_parameters)
+        value.update_inplace(np.ascontiguousarray(buffer, dtype=np.float32))
+        return value
 
     def _apply_learning_rate(self, lr: float) -> None:
         self._scalars["lr"].update_inplace(np.array(lr, dtype=np.float32))
@@ -218,6 +311,7 @@ class PortableTrainer(Trainer):
         proximal: Proximal | None, lr_scale: Any,
     ) -> float:
         self._require_weights()
+        self._unpark(state=True)
         size = self.manifest.num_parameters
         gradient = _spares.take(size)
         written = {name: _spares.take(size) for name in ("weights", *self._state_names)}
@@ -248,8 +342,10 @@ class PortableTrainer(Trainer):
         except BaseException:
             _spares.give(gradient, *written.values())
             raise
-        left = [self._weights, *self._state.values()] if self._steps else [self._weights]  # not the shared zeros
-        self._weights = written.pop("weights")
+        left = [*self._state.values()] if self._steps else []  # not the shared zeros
+        if self._own_weights:
+            left.append(self._weights)
+        self._weights, self._own_weights = written.pop("weights"), True
         self._state = written
         self._steps += 1
         _spares.give(gradient, *left)
@@ -337,6 +433,7 @@ class PortableTrainer(Trainer):
         return norms
 
     def _require_weights(self) -> None:
+        self._unpark(weights=True)
         if not self._has_weights:
             raise RuntimeError(
                 "this artifact set ships no initial weights (nominal): call set_weights() with the model's flat "
