@@ -53,6 +53,10 @@ class LearnerSettings:
     # The device decides where its own tasks start: a round's task only names the data to take, and the learner's
     # detectors (a label never seen, the policy's `task_boundary`) say whether that data starts a task.
     detect_new_tasks: bool = False
+    # Where the weights and the optimiser state are between rounds: "memory" (kept; the optimiser state is not
+    # saved), or "disk" (saved with the state every round, let go until the next: a fleet's default, for hosts of
+    # thousands of devices). The same steps either way (edge_client/learner.py).
+    between_rounds: Literal["memory", "disk"] = "memory"
 
 
 @dataclass(frozen=True)

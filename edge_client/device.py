@@ -106,7 +106,7 @@ class Device:
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
                           mask_seen_classes=settings.mask_seen_classes, detect_new_tasks=settings.detect_new_tasks,
-                          **around),
+                          between_rounds=settings.between_rounds, **around),
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)

@@ -23,6 +23,10 @@ Choices (documented, configurable where it matters):
 - Every hook sees the device through one frozen `RoundView` (`view()`), never the learner itself.
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
   what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.
+- Between rounds (`between_rounds`) the weights and the optimiser state stay in memory ("memory", a device's
+  default: the optimiser state is not saved, and a restart starts it afresh), or are saved with the state at
+  every save and let go until the next round ("disk", a fleet's default: thousands of devices share a host's
+  memory; a restart resumes the optimiser where it was). Either way the same steps are taken.
 """
 from __future__ import annotations
 
@@ -42,12 +46,13 @@ from edge_client.policies import (
     group_ranking,
     new_task_quota,
 )
-from edge_client.state import ClientState, load_state, save_state, save_state_keeping_weights
+from edge_client.state import ClientState, StateError, load_state, save_state, save_state_keeping_weights
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk, NoveltyDetector
-from edge_client.trainers.base import EvalResult, Proximal, Trainer
+from edge_client.trainers.base import EvalResult, OptimizerState, Proximal, Trainer
 
 log = logging.getLogger(__name__)
+BETWEEN_ROUNDS = ("memory", "disk")
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,14 @@ class LearnerConfig:
     detect_new_tasks: bool = False  # start a task when unseen labels appear (when the stream does not say)
     group_by: str | None = None  # quotas per "class" or "task" around the policy's ranking (GROUPINGS)
     new_share: float | str | None = None  # M's split between the newest task and the old ones (new_task_quota)
+    between_rounds: str = "memory"  # where the weights and the optimiser state are between rounds (BETWEEN_ROUNDS)
 
     def __post_init__(self) -> None:
         if self.group_by is not None and self.group_by not in GROUPINGS:
             raise ValueError(f"unknown group_by {self.group_by!r}; choose one of {', '.join(GROUPINGS)}")
+        if self.between_rounds not in BETWEEN_ROUNDS:
+            raise ValueError(f"unknown between_rounds {self.between_rounds!r}; choose one of "
+                             f"{', '.join(BETWEEN_ROUNDS)}")
         check_new_share(self.new_share)
 
 
@@ -171,13 +180,31 @@ class Learner:
         Where the disk has no room for the weight file (OSError), the record alone is saved, beside the weights of
         the last whole save: the task, round, seen classes and counts survive a restart (which otherwise starts the
         task again and forgets what the device has seen), and the record names no model (`model` "", no metrics),
-        so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits."""
+        so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits.
+
+        A save ends the learner's work until the next round: the store lets its database connection go (its next
+        use opens it again; `ReplayStore.release`), as a device between rounds has no use for its memory; with
+        `between_rounds = "disk"` the optimiser state is saved too, and the trainer parks (`Trainer.park`) what a
+        whole save holds."""
+        on_disk = self.config.between_rounds == "disk"
         try:
-            save_state(directory, replace(self.state, weights=self.trainer.get_weights()))
-            return True
+            state = replace(self.state, weights=self.trainer.get_weights())
+            save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)
         except OSError:
             save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
             return False
+        finally:
+            self.store.release()
+        if on_disk:
+            self.trainer.park(lambda: self._saved_training(directory))
+        return True
+
+    def _saved_training(self, directory: str | Path) -> tuple[np.ndarray, OptimizerState | None]:
+        """The weights and the optimiser state of the last whole save (what a parked trainer takes back)."""
+        saved = load_state(directory)
+        if saved is None or saved.weights is None:
+            raise StateError(f"the state saved in {directory} lost the weights this device parked there")
+        return saved.weights, saved.optimizer_state(self.trainer.manifest.num_parameters)
 
     def restore(self, directory: str | Path) -> bool:
         """Reload the saved state, its weights into the trainer; False when there is none."""
@@ -187,6 +214,10 @@ class Learner:
         if state.weights is not None:
             self.trainer.set_weights(state.weights)
             state.weights = None
+        optimizer = state.optimizer_state(self.trainer.manifest.num_parameters)
+        if optimizer is not None and self.config.between_rounds == "disk":
+            self.trainer.set_optimizer_state(optimizer)
+        state = state.with_optimizer(None)  # the trainer holds it (a second copy here would cost what parking saves)
         self.state = state
         self._detector = NoveltyDetector(state.seen_classes)
         return True

@@ -1,16 +1,25 @@
-"""Client state that must survive a restart of the device process: task, round, seen classes, weights.
+"""Client state that must survive a restart of the device process: task, round, seen classes, weights, and the
+optimiser's state where the device saves it (`[learner] between_rounds = "disk"`).
 
 Saved atomically with `edgefil.durable` (a crash leaves the previous or the new state, whole).
 The replay store persists itself; it is not part of this file.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from edgefil.durable import STATE_FILE, StateError, load_record, save_record, save_record_keeping_weights
+from edge_client.trainers.base import OptimizerState
+from edgefil.durable import (
+    STATE_FILE,
+    StateError,
+    load_buffer,
+    load_record,
+    save_record,
+    save_record_keeping_weights,
+)
 
 __all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state", "save_state_keeping_weights"]
 
@@ -27,6 +36,28 @@ class ClientState:
     model: str = ""  # id of the global model the saved weights were trained from ("" before any round)
     metrics: dict[str, float] = field(default_factory=dict)  # what the last update reported (for a resend)
     weights: np.ndarray | None = None
+    # the optimiser's state (Trainer.optimizer_state), its buffers one after another in `optimizer_buffers`' order
+    optimizer: np.ndarray | None = None
+    optimizer_buffers: list[str] = field(default_factory=list)
+    optimizer_steps: int = 0
+
+    def with_optimizer(self, state: OptimizerState | None) -> ClientState:
+        """This state with `state` as its optimiser's (None: none saved)."""
+        if state is None:
+            return replace(self, optimizer=None, optimizer_buffers=[], optimizer_steps=0)
+        names = sorted(state.buffers)
+        return replace(self, optimizer=np.concatenate([state.buffers[name] for name in names]),
+                       optimizer_buffers=names, optimizer_steps=state.steps)
+
+    def optimizer_state(self, size: int) -> OptimizerState | None:
+        """The saved optimiser state, its buffers `size` values each; None when none was saved."""
+        if self.optimizer is None:
+            return None
+        if len(self.optimizer) != size * len(self.optimizer_buffers):
+            raise StateError(f"saved optimizer state holds {len(self.optimizer)} values, not {size} for each of "
+                             f"{self.optimizer_buffers}")
+        return OptimizerState(self.optimizer_steps, {
+            name: self.optimizer[i * size:(i + 1) * size] for i, name in enumerate(self.optimizer_buffers)})
 
 
 def save_state(directory: str | Path, state: ClientState) -> None:
@@ -56,6 +87,9 @@ def load_state(directory: str | Path) -> ClientState | None:
             model=str(record.get("model", "")),
             metrics={str(k): float(v) for k, v in record.get("metrics", {}).items()},
             weights=weights,
+            optimizer=load_buffer(directory, record, "optimizer"),
+            optimizer_buffers=[str(name) for name in record.get("optimizer_buffers", [])],
+            optimizer_steps=int(record.get("optimizer_steps", 0)),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise StateError(f"client state in {directory} is unreadable: {err!r}") from err

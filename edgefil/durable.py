@@ -1,8 +1,8 @@
-"""Durable checkpoints: a JSON record plus an optional flat float32 weight buffer, replaced atomically.
+"""Durable checkpoints: a JSON record plus optional flat float32 buffers, replaced atomically.
 
-The weights go to a new file named after their sha256, then `state.json` is replaced with rename(2) and the old
-weight file removed. A crash at any point leaves the previous or the new checkpoint, whole. Device state and the
-coordinator's run state both use this.
+Each buffer (the record's `weights`, and a device's `optimizer` state where it saves one) goes to a new file named
+after its sha256, then `state.json` is replaced with rename(2) and the old buffer files removed. A crash at any
+point leaves the previous or the new checkpoint, whole. Device state and the coordinator's run state both use this.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 STATE_FILE = "state.json"
+BUFFERS = ("weights", "optimizer")  # a record's fields that are flat float32 buffers, each saved in a file of its own
 
 
 class StateError(ValueError):
@@ -69,22 +70,27 @@ def fsync_directory(directory: Path) -> None:
 
 
 def save_record(directory: str | Path, state: Any) -> None:
-    """Save a dataclass whose `weights` field is a flat float32 buffer (or None) and whose other fields are JSON."""
+    """Save a dataclass whose `weights` field (and `optimizer` field, where it has one) is a flat float32 buffer
+    (or None) and whose other fields are JSON."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    record = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "weights"}
-    record["weights_file"] = None
-    weights = state.weights
-    if weights is not None:
-        blob = np.ascontiguousarray(weights, dtype="<f4").tobytes()
-        digest = hashlib.sha256(blob).hexdigest()
-        record["weights_file"] = f"weights-{digest[:16]}.f32"
-        record["weights_sha256"] = digest
-        write_atomically(directory / record["weights_file"], blob)
+    names = [f.name for f in fields(state)]
+    buffers = [name for name in BUFFERS if name in names]
+    record = {name: getattr(state, name) for name in names if name not in BUFFERS}
+    for name in buffers:
+        record[f"{name}_file"] = None
+        value = getattr(state, name)
+        if value is not None:
+            blob = np.ascontiguousarray(value, dtype="<f4").tobytes()
+            digest = hashlib.sha256(blob).hexdigest()
+            record[f"{name}_file"] = f"{name}-{digest[:16]}.f32"
+            record[f"{name}_sha256"] = digest
+            write_atomically(directory / record[f"{name}_file"], blob)
     write_atomically(directory / STATE_FILE, json.dumps(record).encode())
-    for stale in directory.glob("weights-*.f32"):
-        if stale.name != record["weights_file"]:
-            stale.unlink()
+    for name in buffers:
+        for stale in directory.glob(f"{name}-*.f32"):
+            if stale.name != record[f"{name}_file"]:
+                stale.unlink()
 
 
 def save_record_keeping_weights(directory: str | Path, state: Any) -> None:
@@ -92,14 +98,15 @@ def save_record_keeping_weights(directory: str | Path, state: Any) -> None:
     hundred bytes where a full disk has no room for a weight file, so what the record holds survives a restart."""
     directory = Path(directory)
     path = directory / STATE_FILE
-    kept = {"weights_file": None}
+    keys = [f"{name}_{what}" for name in BUFFERS for what in ("file", "sha256")]
+    kept: dict[str, Any] = {"weights_file": None}
     if path.is_file():
         try:
             saved = json.loads(path.read_text())
-            kept = {key: saved[key] for key in ("weights_file", "weights_sha256") if key in saved}
-        except (OSError, ValueError, TypeError):  # unreadable: the weights it named cannot be trusted either
+            kept = {key: saved[key] for key in keys if key in saved}
+        except (OSError, ValueError, TypeError):  # unreadable: the buffers it named cannot be trusted either
             kept = {"weights_file": None}
-    record = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "weights"}
+    record = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in BUFFERS}
     write_atomically(path, json.dumps({**record, **kept}).encode())
 
 
@@ -110,12 +117,21 @@ def load_record(directory: str | Path) -> tuple[dict[str, Any], np.ndarray | Non
         return None
     try:
         record = json.loads(path.read_text())
-        weights_file = record["weights_file"]
-        blob = None if weights_file is None else (Path(directory) / weights_file).read_bytes()
+        record["weights_file"]  # noqa: B018 (every record names its weights, or None)
     except (OSError, KeyError, TypeError, ValueError) as err:
         raise StateError(f"saved state in {directory} is unreadable: {err!r}") from err
-    if blob is None:
-        return record, None
-    if hashlib.sha256(blob).hexdigest() != record.get("weights_sha256"):
-        raise StateError(f"{weights_file} in {directory} does not match its sha256")
-    return record, np.frombuffer(blob, dtype="<f4").astype(np.float32)
+    return record, load_buffer(directory, record, "weights")
+
+
+def load_buffer(directory: str | Path, record: dict[str, Any], name: str) -> np.ndarray | None:
+    """The buffer `name` (one of BUFFERS) that `record` names, checked against its sha256; None when it names none."""
+    file = record.get(f"{name}_file")
+    if file is None:
+        return None
+    try:
+        blob = (Path(directory) / str(file)).read_bytes()
+    except (OSError, TypeError, ValueError) as err:
+        raise StateError(f"saved state in {directory} is unreadable: {err!r}") from err
+    if hashlib.sha256(blob).hexdigest() != record.get(f"{name}_sha256"):
+        raise StateError(f"{file} in {directory} does not match its sha256")
+    return np.frombuffer(blob, dtype="<f4").astype(np.float32)

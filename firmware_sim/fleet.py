@@ -78,6 +78,7 @@ from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy
+from edge_client.trainers.base import OPTIMIZER_BUFFERS
 from edge_client.trainers.choice import resolve_backend
 from edgefil.durable import write_atomically, write_private
 from edgefil.link import BrokerSettings
@@ -218,8 +219,11 @@ class FleetConfig:
 
     def learner_options(self, data: ScenarioData) -> dict[str, Any]:
         """The devices' [learner] as set; where it leaves `mask_seen_classes` out, the scenario kind's default
-        (`ScenarioKind.masks`: measured per kind, docs/results.md "The class mask")."""
-        return {"mask_seen_classes": data.scenario.kind_class().masks(data.scenario), **self.learner}
+        (`ScenarioKind.masks`: measured per kind, docs/results.md "The class mask"); where it leaves
+        `between_rounds` out, "disk": a worker hosts thousands of devices, and a device that keeps its weights and
+        optimiser state in memory between rounds costs ~0.36 MB more (LeNet; benchmarks/device_memory.py)."""
+        return {"mask_seen_classes": data.scenario.kind_class().masks(data.scenario), "between_rounds": "disk",
+                **self.learner}
 
     def store_options(self) -> dict[str, Any]:
         """The devices' [store] as set, unset fields left out. `store` None means the scenario's binding budget,
@@ -398,7 +402,7 @@ class Fleet:
         profile = self.config.device_profiles()[index]
         store = self.config.store_options()
         if profile is not None:  # the store's byte budget leaves the disk room for the device's state files
-            room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts)
+            room = load_profile(profile).disk_bytes - state_reserve_bytes(artifacts, self._saved_buffers())
             store["max_bytes"] = min(store.get("max_bytes", room), room)
         emulation = {} if profile is None else {"emulation": {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
@@ -416,6 +420,11 @@ class Fleet:
             "policy": dict(self.config.policy),
             "data": {"scenario": self.scenario, "client": index},
         }
+
+    def _saved_buffers(self) -> int:
+        """The parameter-sized buffers a device saves: its weights, and its optimiser's state when it parks it."""
+        on_disk = self.learner.get("between_rounds") == "disk"
+        return 1 + (len(OPTIMIZER_BUFFERS[self.config.trainer.optimizer]) if on_disk else 0)
 
     def _start_workers(self, artifacts: Path) -> None:
         if self.workers is None:
@@ -475,10 +484,11 @@ class ProcessWorkers:
             disk.unmount(self._mounted.pop())
 
 
-def state_reserve_bytes(artifacts: Path) -> int:
-    """Disk a device needs beside its store: two weight files (old and new, during the atomic replace) plus room
-    for state.json and file-system blocks."""
-    return 2 * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
+def state_reserve_bytes(artifacts: Path, saved_buffers: int = 1) -> int:
+    """Disk a device needs beside its store: two files of each of the `saved_buffers` parameter-sized buffers it
+    saves (old and new, during the atomic replace: the weights, and the optimiser's state where it saves it) plus
+    room for state.json and file-system blocks."""
+    return 2 * saved_buffers * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 
 def run_fleet_file(path: str | Path, resume: bool = False, address: str | None = None,

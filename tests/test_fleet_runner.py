@@ -311,7 +311,8 @@ def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
 
 def test_the_fleet_files_learner_table_reaches_the_devices_with_the_kinds_mask_default(tmp_path):
     """[learner] is the devices' table: what it sets wins, `mask_seen_classes` left out is the scenario kind's
-    measured default, and a typo is refused in one line before anything starts."""
+    measured default, `between_rounds` left out is "disk" (a fleet host's devices park between rounds), and a typo
+    is refused in one line before anything starts."""
     from edgefil.settings import ConfigError, Where
     from firmware_sim.scenarios import check_scenario
 
@@ -321,8 +322,41 @@ def test_the_fleet_files_learner_table_reaches_the_devices_with_the_kinds_mask_d
     for preset in ("digits-class", "digits-domain"):
         data = check_scenario({"preset": preset, "n_clients": 2}, Where("t")).build()
         default = data.scenario.kind_class().masks(data.scenario)
-        assert config({"preset": preset}, {}).learner_options(data) == {"mask_seen_classes": default}
-        chosen = config({"preset": preset}, {"mask_seen_classes": not default, "batch_size": 16})
-        assert chosen.learner_options(data) == {"mask_seen_classes": not default, "batch_size": 16}
+        assert config({"preset": preset}, {}).learner_options(data) == {"mask_seen_classes": default,
+                                                                         "between_rounds": "disk"}
+        chosen = config({"preset": preset}, {"mask_seen_classes": not default, "batch_size": 16,
+                                             "between_rounds": "memory"})
+        assert chosen.learner_options(data) == {"mask_seen_classes": not default, "batch_size": 16,
+                                                "between_rounds": "memory"}
     with pytest.raises(ConfigError, match=r"\[learner\].*mask_seen_class"):
         config({"preset": "digits-class"}, {"mask_seen_class": False}).check()
+    with pytest.raises(ConfigError, match=r"\[learner\].*between_rounds"):
+        config({"preset": "digits-class"}, {"between_rounds": "ram"}).check()
+
+
+def test_a_worker_maps_each_large_buffer_on_its_own_so_a_freed_one_leaves_its_memory():
+    """Past `unmap_large_buffers`, a buffer of a few times WORKER_MMAP_THRESHOLD_BYTES lies outside the heap
+    (glibc maps it alone, and unmaps it when freed) even after a larger mapped block was freed, which, with glibc's
+    own settings, raises its threshold so that such buffers come from the heap and stay resident once freed. Each
+    in a child process: the threshold is the process's."""
+    script = """
+import ctypes, sys
+from firmware_sim.fleet_worker import WORKER_MMAP_THRESHOLD_BYTES, unmap_large_buffers
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+fixed = sys.argv[1] == "fixed" and unmap_large_buffers()
+libc.free(libc.malloc(8 << 20))  # a mapped block freed: glibc's own threshold rises past 8 MiB
+block = libc.malloc(WORKER_MMAP_THRESHOLD_BYTES * 4)
+heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+start, end = (int(a, 16) for a in heap[0].split("-"))
+print(fixed, start <= block < end)
+"""
+    outputs = []
+    for mode in ("glibc", "fixed"):
+        done = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout.split())
+    assert outputs == [["False", "True"], ["True", "False"]]

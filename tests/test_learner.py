@@ -177,6 +177,48 @@ def test_state_survives_a_restart(make_learner, tmp_path):
     assert len(again.store) == 100
 
 
+def _portable_learner(export_artifacts, folder, between_rounds):
+    from edge_client.trainers.portable import PortableTrainer
+
+    trainer = PortableTrainer(export_artifacts("lenet", backends=("portable",)), optimizer="adamw", lr=3e-3)
+    store = ReplayStore(folder / "store", Budget(100), sample_shape=(1, 8, 8))
+    return Learner(trainer, store, make_policy("random"), LearnerConfig(between_rounds=between_rounds), seed=0)
+
+
+def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_resumes_its_optimizer(
+        export_artifacts, tmp_path):
+    """between_rounds = "disk": after each save the trainer holds neither weights nor optimiser state of its own,
+    takes them back from the saved state, and trains exactly as a learner that kept them in memory; a restarted
+    learner gets the optimiser state back too (kept in memory, it would start afresh)."""
+    kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory")
+    parked = _portable_learner(export_artifacts, tmp_path / "parked", "disk")
+    for learner in (kept, parked):
+        learner.start_task(0, *_task_data([0, 1], 60, 0))
+    for round_ in range(3):
+        for learner, name in ((kept, "kept"), (parked, "parked")):
+            learner.train()
+            learner.state.round = round_
+            learner.save(tmp_path / name / "state")
+        assert not parked.trainer._own_weights and parked.trainer._state == {}  # parked: nothing of its own
+        assert kept.trainer._own_weights and len(kept.trainer._state) == 2
+    np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
+    saved = parked.trainer.optimizer_state()
+    np.testing.assert_array_equal(saved.buffers["exp_avg"], kept.trainer.optimizer_state().buffers["exp_avg"])
+    parked.store.close()
+
+    restarted = _portable_learner(export_artifacts, tmp_path / "parked", "disk")
+    assert restarted.restore(tmp_path / "parked" / "state")
+    resumed = restarted.trainer.optimizer_state()
+    assert resumed.steps == saved.steps > 0
+    for name, buffer in saved.buffers.items():
+        np.testing.assert_array_equal(resumed.buffers[name], buffer)
+
+
+def test_between_rounds_is_refused_in_one_line_when_it_names_no_place():
+    with pytest.raises(ValueError, match="unknown between_rounds 'ram'; choose one of memory, disk"):
+        LearnerConfig(between_rounds="ram")
+
+
 RESTART_SCRIPT = """
 import hashlib, json, os, signal, sys
 import numpy as np

@@ -7,7 +7,7 @@ order take the same steps and give the same scores.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +17,9 @@ from models.feature_stats import LayerStatistics, statistics_of
 from models.manifest import LOSS_HEADS, Manifest, class_head_positions
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
+# The buffers each optimiser carries from step to step (`OptimizerState`), at most: a backend may keep fewer (torch's
+# SGD without momentum keeps none).
+OPTIMIZER_BUFFERS: dict[str, tuple[str, ...]] = {"sgd": ("velocity",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,19 @@ class Proximal:
 
     mu: float
     reference: np.ndarray
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimiser carries from step to step: its steps taken and its buffers by name (SGD's "velocity",
+    AdamW's "exp_avg" and "exp_avg_sq"), each a flat float32 buffer of the parameters' size, manifest order."""
+
+    steps: int
+    buffers: dict[str, np.ndarray]
+
+
+# What a parked trainer calls to have its weights and optimiser state back (`Trainer.park`): as last saved.
+Reload = Callable[[], tuple[np.ndarray, OptimizerState | None]]
 
 
 @dataclass(frozen=True)
@@ -186,6 +202,34 @@ class Trainer(ABC):
 
     @abstractmethod
     def set_weights(self, buffer: np.ndarray) -> None: ...
+
+    def optimizer_state(self) -> OptimizerState | None:
+        """The optimiser's state, to be saved with the weights; None where the backend does not hand it out (it
+        then lives in memory only, and a restarted device starts it afresh). Default: None."""
+        return None
+
+    def set_optimizer_state(self, state: OptimizerState) -> None:
+        """Take back a state `optimizer_state` gave (after a restart). Default: ignored, as the backend gives none."""
+
+    def park(self, reload: Reload) -> bool:
+        """Let the weights and the optimiser state go from memory until the next use, which takes them back from
+        `reload()` (the device's saved state): for an owner that has just saved them and will not train for a
+        while (a device between rounds; a fleet worker hosts thousands). True when the backend parked; False
+        where it keeps them (the default)."""
+        return False
+
+    def check_optimizer_state(self, state: OptimizerState, names: tuple[str, ...]) -> OptimizerState:
+        """Refuse a state that is not this optimiser's: other buffer names, sizes, dtype, NaN, a negative count."""
+        size = self.manifest.num_parameters
+        if set(state.buffers) != set(names):
+            raise ValueError(f"optimizer state holds {sorted(state.buffers)}, this optimizer keeps {sorted(names)}")
+        for name, buffer in state.buffers.items():
+            if buffer.dtype != np.float32 or buffer.shape != (size,) or not np.isfinite(buffer).all():
+                raise ValueError(f"optimizer state {name!r} must be {size} finite float32 values, got "
+                                 f"{buffer.dtype} {buffer.shape}")
+        if state.steps < 0:
+            raise ValueError(f"optimizer state has {state.steps} steps")
+        return state
 
     @abstractmethod
     def _apply_learning_rate(self, lr: float) -> None:
