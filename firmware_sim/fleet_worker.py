@@ -53,6 +53,13 @@ CROWDED_KEEPALIVE_S = 60
 # wakes every device thread of a worker at once (1500 of them at 9000 devices on 6 workers), and their wake-ups
 # then crowd out everything else on the host, the broker first. A longer interval in the workers thins them out.
 WORKER_SWITCH_INTERVAL_S = 0.05
+# glibc serves an allocation below its mmap threshold from the heap, and raises the threshold (up to 32 MiB) each
+# time a larger mapped block is freed. A worker's devices each receive every global model into a buffer of its own
+# (121 KiB for LeNet) at about the same time; freed, those buffers stayed in the heap as resident memory: 0.30 MB a
+# device at 1000 devices, 0.21 MB with the threshold fixed here (benchmarks/fleet_scale.py). Fixed, every buffer at
+# least this large is mapped on its own and unmapped when freed.
+WORKER_MMAP_THRESHOLD_BYTES = 64 * 1024
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def crowded_keepalive(devices: int, cores: int) -> int | None:
@@ -110,14 +117,14 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
 
 def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object]) -> None:
     """Run the devices of `configs` (device config tables) until `wait_for_stop()` returns, then stop them: one
-    thread per virtual device (each device's store belongs to the thread that opens it) and one network thread that
-    carries all their MQTT connections (edgefil.netloop). A worker process and a Ray actor
-    (firmware_sim/fleet_ray.py) both host their devices with this."""
+    thread per virtual device and one network thread that carries all their MQTT connections (edgefil.netloop). A
+    worker process and a Ray actor (firmware_sim/fleet_ray.py) both host their devices with this."""
     # The worker's devices train in parallel threads: torch's intra-op pool (one thread per core by default, in
     # every worker) would oversubscribe the host many times over. Set before anything imports torch, which reads
     # it once; ORT sessions take their thread count from [trainer] threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+    unmap_large_buffers()
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
@@ -127,9 +134,9 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     devices: list[Device] = []
     lock = threading.Lock()
     network = NetworkLoop(name="fleet-worker-mqtt")
-    # The devices take turns at CPU work: being built (each in its own thread: its store belongs to the thread that
-    # opens it), starting a task, training. Hundreds at once hold the GIL for seconds on end and starve the network
-    # thread: keepalives lapse and the broker drops the connections (seen at 500 devices a worker).
+    # The devices take turns at CPU work: being built (each in its own thread), starting a task, training. Hundreds
+    # at once hold the GIL for seconds on end and starve the network thread: keepalives lapse and the broker drops
+    # the connections (seen at 500 devices a worker).
     turns = threading.Lock()
 
     def run(raw: dict[str, Any]) -> None:
@@ -159,6 +166,20 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     network.stop()
+
+
+def unmap_large_buffers() -> bool:
+    """Fix glibc's mmap threshold at WORKER_MMAP_THRESHOLD_BYTES in this process; False where the C library is
+    not glibc (it has no mallopt, or another allocator policy), which is left as it is."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES))
 
 
 def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:

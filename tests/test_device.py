@@ -48,7 +48,7 @@ def setup(tmp_path, export_artifacts):
 
 
 def start(config: DeviceConfig) -> tuple[Device, threading.Thread]:
-    """Build and run a device on its own thread (its replay store belongs to the thread that opened it)."""
+    """Build and run a device on its own thread."""
     built: list[Device] = []
     ready = threading.Event()
 

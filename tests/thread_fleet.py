@@ -1,6 +1,6 @@
 """A small federation in one process for method tests: a real mosquitto, the real coordinator and real device
-daemons, each device in a thread of its own (a replay store belongs to the thread that opens it), on class-
-incremental digits: task t holds classes 2t and 2t + 1, split between the devices."""
+daemons, each device in a thread of its own, on class-incremental digits: task t holds classes 2t and 2t + 1,
+split between the devices."""
 from __future__ import annotations
 
 import threading
