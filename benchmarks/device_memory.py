@@ -5,16 +5,24 @@ more device costs in all (about 1.2 MB). This takes the device apart: each part 
 fresh process of its own (so no part reuses memory another freed), and its cost is that process's PSS growth
 (/proc/self/smaps_rollup) over `--n`, in KiB:
 
-  trainer-<backend>          the device's trainer on the model's artifacts, with the weights set (what every device
-                             holds between rounds)
+  trainer-<backend>          the device's trainer on the model's artifacts, with the weights set from a read-only
+                             global model shared by all (what a device that has not trained holds)
   trainer-<backend>-trained  the same after one training step (optimizer state allocated: what a device holds once
                              it has trained)
-  store                      the replay store (SQLite database and connection) holding `--samples` samples
+  store                      the replay store holding `--samples` samples, between uses (its SQLite connection
+                             let go, as a device's is between rounds)
   link                       the MQTT link (paho client, inbox, callbacks), not connected, on a shared network loop
   thread                     an idle thread (the device's own), blocked on an event
+  device                     the whole device as a fleet worker builds it (`firmware_sim.virtual_device`, the
+                             fleet's trainer and store settings, its share of the one-task digits scenario), not
+                             connected: trainer, store, learner, policy, link and bookkeeping together
+  device-trained             the same after it took its share and trained one round on it (one epoch), and saved
+                             its state, as a device does in a round (a fleet's `between_rounds = "disk"`: the
+                             weights and optimiser state saved and let go)
+  device-trained-kept        the same with `between_rounds = "memory"` (a device's default: kept in memory)
 
-The parts the list leaves out (the learner and policy objects, the device's bookkeeping, the connected socket and
-the broker's side) are what the fleet's marginal cost has beyond their sum. The model's parameter count is printed
+What `device` has beyond the sum of its parts is the learner, the policy and the device's bookkeeping; what a
+fleet's marginal cost has beyond `device` is the thread, the connected socket and the broker's side. The model's parameter count is printed
 beside them: one float32 copy of the parameters is that times 4 bytes.
 
     .venv/bin/python benchmarks/device_memory.py [--model lenet] [--backends portable,ort,torch] [--n 200]
@@ -56,6 +64,7 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
     shape = tuple(manifest.input_shape)
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal(manifest.num_parameters) * 0.01).astype(np.float32)
+    weights.flags.writeable = False  # as a device's global model is (edge_client.device.shared_model)
     x = rng.random((8, *shape), dtype=np.float32)
     y = np.arange(8, dtype=np.int64) % NUM_CLASSES
     mask = np.ones(NUM_CLASSES, np.float32)
@@ -84,6 +93,7 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
         def store(i: int) -> Any:
             opened = ReplayStore(folder / f"store-{i}", Budget(max_samples=samples), shape)
             opened.insert(batch, labels, 0)
+            opened.release()  # as a device holds it between rounds (Learner.save)
             return opened
 
         return store
@@ -93,6 +103,9 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
 
         loop = NetworkLoop()
         return lambda i: Link(BrokerSettings(), client_id=f"device-{i}", subscriptions=["a/b", "c/d"], network=loop)
+    if component in ("device", "device-trained", "device-trained-kept"):
+        return whole_device(artifacts, folder, trained=component != "device",
+                            between_rounds="memory" if component.endswith("kept") else "disk")
     if component == "thread":
         def thread(i: int) -> Any:
             stop = threading.Event()
@@ -102,6 +115,39 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
 
         return thread
     raise ValueError(f"unknown component {component!r}")
+
+
+def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: str) -> Callable[[int], Any]:
+    """A fleet's device, as `firmware_sim.fleet_worker` builds it, from the config a fleet gives it (its
+    `between_rounds` as the fleet sets it, "disk", unless told otherwise)."""
+    from dataclasses import asdict
+
+    from edge_client.config import DeviceConfig
+    from edge_client.stream import Chunk
+    from edgefil.netloop import NetworkLoop
+    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.virtual_device import virtual_device
+
+    loop = NetworkLoop()
+    scenario = {"preset": "digits-class", "n_tasks": 1, "n_clients": 100}  # fleet_scale's, ~3 samples a device
+
+    def device(i: int) -> Any:
+        built = virtual_device(DeviceConfig.from_dict({
+            "device_id": f"dev-{i + 1}", "fleet": "memory", "artifacts": str(artifacts),
+            "state_dir": str(folder / f"dev-{i + 1}"), "broker": {"host": "127.0.0.1", "port": 1883},
+            "trainer": asdict(FleetConfig.trainer), "store": {"max_samples": 50}, "policy": {"name": "random"},
+            "learner": {"epochs": 1, "between_rounds": between_rounds},
+            "data": {"scenario": scenario, "client": i % 100},
+        }), loop)
+        if trained:
+            x, y = built.source.task_data(0)
+            built.learner.observe(Chunk(x, y, 0))
+            built.learner.train()
+            built.learner.finish_round()
+            built.learner.save(built.config.state_dir)
+        return built
+
+    return device
 
 
 def measure(component: str, artifacts: Path, n: int, samples: int) -> float:
@@ -140,7 +186,7 @@ def main() -> None:
         print(f"{args.model} {INPUT_SHAPES[args.model]}: {parameters} parameters, one float32 copy "
               f"{parameters * 4 / 1024:.1f} KiB; each part built {args.n} times in a fresh process, KiB of PSS each")
         parts = [f"trainer-{b}{trained}" for b in backends for trained in ("", "-trained")]
-        for part in (*parts, "store", "link", "thread"):
+        for part in (*parts, "store", "link", "thread", "device", "device-trained", "device-trained-kept"):
             done = subprocess.run([sys.executable, __file__, "--component", part, "--artifacts", str(artifacts),
                                    "--n", str(args.n), "--samples", str(args.samples)],
                                   capture_output=True, text=True, check=False)

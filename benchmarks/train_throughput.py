@@ -1,17 +1,24 @@
 """Local training throughput and footprint of the three trainer backends: portable (standard ONNX graphs on plain
-onnxruntime), ORT Training, and torch eager.
+onnxruntime), ORT Training, and torch eager; beside them a plain torch training loop and the physical reference.
 
 Every backend trains the same model from the same weights on the same batches (SGD, same batch size), each in its
 own process that imports only its backend, so that the process's peak RSS (VmHWM) is the backend's footprint while
-training. Printed: samples/s per backend at each thread count and the ratio of each ONNX backend to torch, then
-the peak RSS, then each backend's install size (the installed files of its packages and their dependencies;
-portable measured in a fresh CPython 3.12 virtual environment with the device install's packages).
+training. `loop` is not edgefil's: the zoo's torch module trained by the loop anyone would write (shuffle, batches,
+cross-entropy on the logits, zero_grad, backward, torch.optim.SGD step), with no class mask, no weight buffer and no
+checks: what the device's training would cost written by hand in torch. Printed: samples/s per backend at each
+thread count, the ratio of portable to the best of ORT Training, the torch trainer and the loop, and the physical
+reference: the model's training FLOPs per sample (forward and backward, counted by torch's FlopCounterMode on a
+batch) against the FLOP/s a 512x512 float32 matrix multiply reaches on the same cores and threads, as the samples/s
+that ceiling allows and each backend's share of it. Then the peak RSS, then each backend's install size (the
+installed files of its packages and their dependencies; portable measured in a fresh CPython 3.12 virtual
+environment with the device install's packages).
 
     .venv/bin/python benchmarks/train_throughput.py [--batch 32] [--repeats 3] [--threads 1 2] [--no-install-size]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -22,6 +29,7 @@ import time
 from pathlib import Path
 
 BACKENDS = ("portable", "ort", "torch")
+LOOP = "loop"  # the plain torch loop
 CASES = [  # model, input shape, samples per timed epoch (ResNet-18 trains ~100x slower per sample)
     ("lenet", (1, 8, 8), 4096),
     ("cnn1d", (1, 40), 4096),
@@ -29,6 +37,73 @@ CASES = [  # model, input shape, samples per timed epoch (ResNet-18 trains ~100x
     ("small_cnn", (3, 32, 32), 1024),
     ("resnet18_cifar", (3, 32, 32), 64),
 ]
+
+
+def peak_rss_mb() -> float:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def loop_worker(directory: str, threads: int, samples: int, batch: int, repeats: int) -> None:
+    """In a fresh process: the plain torch loop on the artifacts' model and initial weights; samples/s, peak RSS."""
+    import numpy as np
+    import torch
+
+    from models.manifest import WEIGHTS, load_manifest
+    from models.zoo import build_model
+
+    torch.set_num_threads(threads)
+    manifest = load_manifest(Path(directory))
+    net = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape), seed=0)
+    flat = torch.from_numpy(np.fromfile(Path(directory) / WEIGHTS, dtype="<f4").copy())
+    torch.nn.utils.vector_to_parameters(flat, net.parameters())
+    net.train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand((samples, *manifest.input_shape), generator=generator)
+    y = torch.randint(0, manifest.num_classes, (samples,), generator=generator)
+
+    def epoch(count: int) -> None:
+        for index in torch.randperm(count, generator=generator).split(batch):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[index])[0], y[index]).backward()
+            optimizer.step()
+
+    epoch(batch * 2)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        epoch(samples)
+        best = min(best, time.perf_counter() - start)
+    print(json.dumps({"rate": samples / best, "rss_mb": peak_rss_mb()}))
+
+
+def reference_worker(directory: str, threads: int, batch: int) -> None:
+    """In a fresh process: the model's training FLOPs per sample and a matrix multiply's FLOP/s at `threads`."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.manifest import load_manifest
+    from models.zoo import build_model
+
+    torch.set_num_threads(threads)
+    manifest = load_manifest(Path(directory))
+    net = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape), seed=0)
+    x = torch.rand((batch, *manifest.input_shape))
+    y = torch.randint(0, manifest.num_classes, (batch,))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.cross_entropy(net(x)[0], y).backward()
+    a, b = torch.rand(512, 512), torch.rand(512, 512)
+    for _ in range(3):
+        a @ b  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 20)
+    print(json.dumps({"flops_per_sample": counter.get_total_flops() / batch, "matmul_flops": 2 * 512**3 / best}))
 
 
 def worker(backend: str, directory: str, threads: int, samples: int, batch: int, repeats: int) -> None:
@@ -52,9 +127,7 @@ def worker(backend: str, directory: str, threads: int, samples: int, batch: int,
         start = time.perf_counter()
         trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
         best = min(best, time.perf_counter() - start)
-    status = Path("/proc/self/status").read_text().splitlines()
-    peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    print(json.dumps({"rate": samples / best, "rss_mb": peak_kb / 1024}))
+    print(json.dumps({"rate": samples / best, "rss_mb": peak_rss_mb()}))
 
 
 def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int) -> dict:
@@ -114,14 +187,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         backend, directory, threads, samples, batch, repeats = args.worker
-        worker(backend, directory, int(threads), int(samples), int(batch), int(repeats))
+        if backend == "reference":
+            reference_worker(directory, int(threads), int(batch))
+        else:
+            run = loop_worker if backend == LOOP else functools.partial(worker, backend)
+            run(directory, int(threads), int(samples), int(batch), int(repeats))
         return
 
     from models.export import export_registered
 
-    print(f"batch {args.batch}, best of {args.repeats} epochs, SGD lr 0.01; each backend in its own process")
-    print(f"{'model':15s} {'params':>10s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in BACKENDS)
-          + f" {'portable/torch':>14s} {'ort/torch':>9s} {'portable/best':>13s}")
+    print(f"batch {args.batch}, best of {args.repeats} epochs, SGD lr 0.01; each backend in its own process; "
+          "best = the fastest of ort, torch and loop; ceiling = matmul FLOP/s / training FLOPs per sample")
+    timed = (*BACKENDS, LOOP)
+    print(f"{'model':15s} {'params':>10s} {'MFLOP/s.':>8s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in timed)
+          + f" {'portable/best':>13s} {'ceiling s/s':>11s} " + " ".join(f"{b + '/ceil':>9s}" for b in timed))
     rss: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape, samples in CASES:
@@ -130,19 +209,22 @@ def main() -> None:
             directory = Path(tmp) / name
             manifest = export_registered(name, 10, directory, input_shape=shape, seed=0, backends=BACKENDS)
             for threads in args.threads:
-                result = {b: measure(b, directory, threads, samples, args.batch, args.repeats) for b in BACKENDS}
+                result = {b: measure(b, directory, threads, samples, args.batch, args.repeats) for b in timed}
+                reference = measure("reference", directory, threads, samples, args.batch, args.repeats)
+                ceiling = reference["matmul_flops"] / reference["flops_per_sample"]
                 rate = {b: r["rate"] for b, r in result.items()}
                 for b, r in result.items():
                     rss[(name, b)] = max(rss.get((name, b), 0.0), r["rss_mb"])
-                print(f"{name:15s} {manifest.num_parameters:10,d} {threads:3d} "
-                      + " ".join(f"{rate[b]:13,.1f}" for b in BACKENDS)
-                      + f" {rate['portable'] / rate['torch']:14.2f} {rate['ort'] / rate['torch']:9.2f}"
-                      + f" {rate['portable'] / max(rate['ort'], rate['torch']):13.2f}")
+                best = max(rate[b] for b in timed if b != "portable")
+                print(f"{name:15s} {manifest.num_parameters:10,d} {reference['flops_per_sample'] / 1e6:8.2f} "
+                      f"{threads:3d} " + " ".join(f"{rate[b]:13,.1f}" for b in timed)
+                      + f" {rate['portable'] / best:13.2f} {ceiling:11,.0f} "
+                      + " ".join(f"{rate[b] / ceiling:9.3f}" for b in timed))
             shutil.rmtree(directory)
     print("\npeak RSS of the training process (MB), the larger over thread counts")
-    print(f"{'model':15s} " + " ".join(f"{b:>9s}" for b in BACKENDS))
+    print(f"{'model':15s} " + " ".join(f"{b:>9s}" for b in (*BACKENDS, LOOP)))
     for name in dict.fromkeys(n for n, _ in rss):
-        print(f"{name:15s} " + " ".join(f"{rss[(name, b)]:9.0f}" for b in BACKENDS))
+        print(f"{name:15s} " + " ".join(f"{rss[(name, b)]:9.0f}" for b in (*BACKENDS, LOOP)))
     if not args.no_install_size:
         print("\ninstall size of each backend's device packages with numpy, msgpack, paho-mqtt (MB)")
         for backend, size in install_sizes().items():

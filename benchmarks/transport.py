@@ -489,11 +489,14 @@ def run(args: argparse.Namespace) -> None:
               f"procedure with 1-byte messages: a message that small reaches a mosquitto_sub ~40 ms late here "
               f"(a small-packet TCP delay the ~1 MB messages do not hit). One untimed warm-up of both methods")
         print(f"MB/s = payload MB moved per round ({n} x model down + {n} x model up) / s; "
-              f"ratio = edgefil best / clients best; best and median of {args.repeats} runs per size")
+              f"ratio = edgefil best / clients best, median ratio = edgefil median / clients median; best and "
+              f"median of {args.repeats} runs per size, the two methods alternating (which goes first changes "
+              f"from run to run)")
         print()
         head = (f"{'params':>6s} {'model MB':>8s} {'msgs':>4s} {'moved MB':>8s} | "
                 f"{'edgefil s':>9s} {'median':>7s} {'MB/s':>6s} | {'clients s':>9s} {'median':>7s} {'MB/s':>6s} | "
-                f"{'start s':>7s} {'-start s':>8s} {'median':>7s} {'MB/s':>6s} | {'ratio':>5s} {'-start':>6s}")
+                f"{'start s':>7s} {'-start s':>8s} {'median':>7s} {'MB/s':>6s} | {'ratio':>5s} {'-start':>6s} "
+                f"{'median ratio':>12s}")
         print(head)
         print("-" * len(head), flush=True)
         cpu_rows = []
@@ -501,17 +504,19 @@ def run(args: argparse.Namespace) -> None:
             model_bytes = 4 * params
             count = max(1, math.ceil(model_bytes / wire.CHUNK_BYTES))  # edgefil's chunks per blob
             moved = 2 * n * model_bytes
-            edgefil = [coordinator.round(rng.standard_normal(params, dtype=np.float32), meter)
-                       for _ in range(args.repeats)]
             message = workdir / f"message-{params}.bin"
             message_bytes = math.ceil(model_bytes / count)  # count equal messages carry the model's bytes
             message.write_bytes(rng.standard_normal(params, dtype=np.float32).tobytes()[:message_bytes])
-            startup, baseline = [], []
-            coordinator.pause()
-            for _ in range(args.repeats):
-                startup.append(clients.startup(tiny, n))
-                baseline.append(clients.round(message, count, n, meter))
-            coordinator.resume()
+            edgefil, startup, baseline = [], [], []
+            for repeat in range(args.repeats):
+                for method in ("edgefil", "clients") if repeat % 2 == 0 else ("clients", "edgefil"):
+                    if method == "edgefil":
+                        edgefil.append(coordinator.round(rng.standard_normal(params, dtype=np.float32), meter))
+                        continue
+                    coordinator.pause()
+                    startup.append(clients.startup(tiny, n))
+                    baseline.append(clients.round(message, count, n, meter))
+                    coordinator.resume()
             e_best, e_median = spread([t for t, _ in edgefil])
             c_best, c_median = spread([t for t, _ in baseline])
             u_best, u_median = spread(startup)
@@ -521,7 +526,8 @@ def run(args: argparse.Namespace) -> None:
                   f"{e_best:9.3f} {e_median:7.3f} {mb / e_best:6.0f} | "
                   f"{c_best:9.3f} {c_median:7.3f} {mb / c_best:6.0f} | "
                   f"{u_best:7.3f} {s_best:8.3f} {s_median:7.3f} {quotient(mb, s_best, '6.0f')} | "
-                  f"{e_best / c_best:5.2f} {quotient(e_best, s_best, '6.2f')}", flush=True)
+                  f"{e_best / c_best:5.2f} {quotient(e_best, s_best, '6.2f')} {e_median / c_median:12.2f}",
+                  flush=True)
             cpu_rows.append((params, [c for _, c in edgefil], [c for _, c in baseline]))
 
         print()

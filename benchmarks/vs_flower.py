@@ -4,13 +4,18 @@ The work of one run, on both sides: N clients, each with its share of the embedd
 scenario cut to one task (the ~360 training samples of two classes split over the N clients: the total data is the
 same at every N), `--rounds` rounds of one local epoch of LeNet (models/zoo.py, the same initial weights, AdamW lr
 3e-3, eps 1e-6, no weight decay, batches of 32) on every client, FedAvg over all N, the global model evaluated on
-the task's test set after each round. One difference is left, in what is learnt, not in the work: edgefil's devices
-keep their AdamW moments from round to round (docs/architecture.md), Flower's clients start each round afresh.
+the task's test set after each round. Two differences are left, in what is learnt, not in the work: edgefil's devices
+keep their AdamW moments from round to round (docs/architecture.md), Flower's clients start each round afresh; and
+edgefil trains and evaluates under the mask of the classes seen (the task's 2 of the 10 logits), Flower's side over
+all 10, so its accuracy after a few short rounds is lower (near 0.5: it has not yet pushed the 8 unseen classes
+below the 2) without its work being any different.
 
 - edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, the workers it
   sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
-  enough to hold every share. The artifacts are exported once, before the runs (Flower builds its torch model
-  in-process).
+  enough to hold every share. The fleet exports its model's artifacts itself, inside the timed run, through the
+  export cache (models/cache.py, `$EDGEFIL_CACHE` set per run): "cached", the cache filled once before the runs
+  (every fleet run after a host's first), and, once per N, "cold", an empty cache (a host's first run: the export
+  itself). Flower builds its torch model in-process.
 - Flower 1.40: `flwr.simulation.run_simulation` with the message API's FedAvg (`fraction_train = 1`, no
   client-side evaluation, the central evaluation as `evaluate_fn`), one client per core at a time
   (`client_resources = {num_cpus = 1}`), torch at one thread in each. Its clients train on the very shards
@@ -23,13 +28,17 @@ coordinator, the workers and mosquitto; Flower's driver and every Ray process) t
 medians over `--repeats` (the two sides alternate which goes first):
   round s      the median round after the first: edgefil from the round's open to its close (aggregation,
                evaluation and checkpoint included), Flower from one central evaluation to the next
-  start s      from the process start until round 1 is done: the imports, then the broker and the workers starting
-               and every device registering (edgefil), or Ray and the simulation engine starting and its first
-               ClientApps being built (Flower, which starts them when round 1 asks for them), then round 1
+  start s      from the process start until round 1 is done: the imports, then the export (cold, or from the cache),
+               the broker and the workers starting and every device registering (edgefil), or Ray and the
+               simulation engine starting and its first ClientApps being built (Flower, which starts them when
+               round 1 asks for them), then round 1
   MB/device    the peak PSS of the side's process tree over N (fixed costs included: it falls with N)
+  marginal     what one more device costs: (peak PSS at N - peak PSS at the N before) / (N - the N before), the first
+               N against a fleet of `--base` devices (one per core: below that, either side starts fewer
+               processes, and the first N's marginal would count a process, not a device)
   ratio        Flower / edgefil (above 1: edgefil is faster or smaller)
 
-    .venv/bin/python benchmarks/vs_flower.py [--devices 10,50,200,500,1000] [--rounds 4] [--repeats 2]
+    .venv/bin/python benchmarks/vs_flower.py [--devices 10,200,1000,3000] [--rounds 3] [--repeats 2] [--base CORES]
         [--flower-venv .venv-flower] [--json FILE]
 
 The module's top level imports the standard library only: its Flower side runs under the other environment.
@@ -79,22 +88,41 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def process_name(pid: int, root: int) -> str:
+    """What a process of a side's tree is, for the memory breakdown: the side's own process ("main": edgefil's
+    coordinator, Flower's driver and simulation engine), else its command name (a fleet worker is "python")."""
+    if pid == root:
+        return "main"
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 class PeakMemory(threading.Thread):
-    """The peak, over the samples, of the summed PSS of a process and its descendants."""
+    """The peak, over the samples, of the summed PSS of a process and its descendants, and what each kind of
+    process held at that peak."""
 
     def __init__(self, pid: int, every_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.pid, self.every_s, self.peak = pid, every_s, 0
+        self.parts: dict[str, int] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
-            self.peak = max(self.peak, sum(memory_of(p).get("Pss", 0) for p in descendants(self.pid)))
+            parts: dict[str, int] = {}
+            for pid in descendants(self.pid):
+                name = process_name(pid, self.pid)
+                parts[name] = parts.get(name, 0) + int(memory_of(pid).get("Pss", 0))
+            total = sum(parts.values())
+            if total > self.peak:
+                self.peak, self.parts = total, parts
 
 
-def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path, cache: Path) -> dict[str, Any]:
     command = [str(python), str(Path(__file__).resolve()), "--side", side, "--n", str(n),
-               "--rounds", str(args.rounds), "--folder", str(folder), "--t0", repr(time.time())]
+               "--rounds", str(args.rounds), "--folder", str(folder), "--cache", str(cache), "--t0", repr(time.time())]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory = PeakMemory(proc.pid)
     memory.start()
@@ -104,7 +132,7 @@ def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: 
     lines = [line for line in output.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{side} N={n} failed ({proc.returncode}):\n{output[-3000:]}")
-    return {**json.loads(lines[-1][len(RESULT):]), "peak_pss": memory.peak}
+    return {**json.loads(lines[-1][len(RESULT):]), "peak_pss": memory.peak, "peak_parts": memory.parts}
 
 
 # --- the shared data (project environment) --------------------------------------------------------
@@ -128,9 +156,10 @@ def write_shards(n: int, folder: Path) -> None:
 
 # --- edgefil's side (project environment) ---------------------------------------------------------
 
-def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]:
+def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> dict[str, Any]:
     import logging
 
+    os.environ["EDGEFIL_CACHE"] = str(cache)  # before the fleet's export reads it
     from fleet_scale import run_fleet, summarize
 
     logging.basicConfig(level=logging.WARNING)
@@ -138,7 +167,7 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]
     # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
                                  idle_s=0.0, rounds=rounds)
-    run = run_fleet(n, options, folder / "edgefil", folder / "artifacts", "mosquitto")
+    run = run_fleet(n, options, folder / "edgefil", None, "mosquitto")  # the fleet exports, through the cache
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
     return {"first_round_done_s": first.closed - t0, "round_s": summary["rounds"]["walls"],
@@ -146,18 +175,21 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]
             "completed": summary["completed"]}
 
 
-def export_artifacts(folder: Path) -> None:
+def fill_cache(cache: Path, folder: Path) -> None:
+    """Export the fleet's artifacts once into the export cache at `cache`, as a host's first fleet run does."""
+    os.environ["EDGEFIL_CACHE"] = str(cache)
     from edgefil.settings import Where
     from firmware_sim.scenarios import check_scenario
     from models.export import export_registered
 
     data = check_scenario({**SCENARIO, "n_clients": 1}, Where("vs_flower")).build()
-    export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"))
+    export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"),
+                      cache=True)
 
 
 # --- Flower's side (its own environment) ----------------------------------------------------------
 
-def flower_side(n: int, rounds: int, folder: Path, t0: float) -> dict[str, Any]:
+def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> dict[str, Any]:  # noqa: ARG001
     os.environ["VS_FLOWER_DATA"] = str(folder)
     import numpy as np
     import torch
@@ -242,62 +274,103 @@ def median(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", default="10,50,200,500,1000", help="comma-separated N")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per run (the first is timed apart)")
+    parser.add_argument("--devices", default="10,200,1000,3000", help="comma-separated N")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per run (the first is timed apart)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side per N (alternating first)")
+    parser.add_argument("--base", type=int, default=len(os.sched_getaffinity(0)),
+                        help="the fleet size the first N's marginal is taken from (default: one device per core, the "
+                             "smallest fleet that starts every process either side starts here: a worker or a Ray "
+                             "actor per core)")
     parser.add_argument("--flower-venv", default=str(ROOT / ".venv-flower"))
     parser.add_argument("--json", default=None, help="also write every run's figures to this file")
     parser.add_argument("--side", choices=("edgefil", "flower"), help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
         side = edgefil_side if args.side == "edgefil" else flower_side
-        print(RESULT + json.dumps(side(args.n, args.rounds, Path(args.folder), args.t0)), flush=True)
+        print(RESULT + json.dumps(side(args.n, args.rounds, Path(args.folder), args.t0, Path(args.cache))),
+              flush=True)
         return
 
     flower_python = ensure_flower_venv(Path(args.flower_venv))
     sizes = [int(n) for n in args.devices.split(",")]
     base = Path(tempfile.mkdtemp(prefix="vs-flower-"))
     pythons = {"edgefil": Path(sys.executable), "flower": flower_python}
+    warm = base / "cache"
     runs: list[dict[str, Any]] = []
     try:
-        export_artifacts(base / "artifacts")
-        for n in sizes:
+        fill_cache(warm, base / "artifacts")
+        for n in ([args.base] if args.base else []) + sizes:
             folder = base / f"n{n}"
             write_shards(n, folder)
-            shutil.copytree(base / "artifacts", folder / "artifacts")
             for repeat in range(args.repeats):
-                order = ("edgefil", "flower") if repeat % 2 == 0 else ("flower", "edgefil")
+                order = ["edgefil", "flower"] if repeat % 2 == 0 else ["flower", "edgefil"]
+                if repeat == 0 and n != args.base:
+                    order.append("edgefil-cold")
                 for side in order:
                     shutil.rmtree(folder / "edgefil", ignore_errors=True)
-                    run = {"side": side, "n": n, "repeat": repeat, **run_side(side, pythons[side], n, args, folder)}
+                    cold = base / "cold-cache"
+                    shutil.rmtree(cold, ignore_errors=True)
+                    program = side.split("-")[0]
+                    run = {"side": side, "n": n, "repeat": repeat,
+                           **run_side(program, pythons[program], n, args, folder, cold if "cold" in side else warm)}
                     runs.append(run)
-                    print(f"N={n} {side:8s} start {run['first_round_done_s']:6.1f} s  rounds "
+                    print(f"N={n} {side:12s} start {run['first_round_done_s']:6.1f} s  rounds "
                           f"{' '.join(f'{r:.2f}' for r in run['round_s'])} s  peak {run['peak_pss'] / 2**20:7.0f} MB"
                           f"  accuracy {run['accuracy']:.3f}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print_table(runs, sizes)
+    print_table(runs, sizes, args.base)
+    print_parts(runs, sizes)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
 
 
-def print_table(runs: list[dict[str, Any]], sizes: list[int]) -> None:
-    print("\n|    N | round s edgefil | round s Flower | ratio | start s edgefil | start s Flower | ratio "
-          "| MB/device edgefil | MB/device Flower | ratio |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None:
+    def of(n: int, side: str, figure: str) -> float:
+        mine = [r for r in runs if r["n"] == n and r["side"] == side]
+        if figure == "round":
+            return median([median(r["round_s"][1:]) for r in mine])
+        if figure == "start":
+            return median([r["first_round_done_s"] for r in mine])
+        return median([r["peak_pss"] / 2**20 for r in mine])  # MB
+
+    print("\nround s: the median round after the first; start s: until round 1 is done (edgefil: export from the "
+          "cache, and cold); MB: peak PSS of the side's processes; marginal: MB one more device costs (from the N "
+          "before); ratio: Flower / edgefil")
+    print("\n|    N | round s edgefil | Flower | ratio | start s edgefil cached | cold | Flower | ratio (cached) "
+          "| MB/device edgefil | Flower | ratio | marginal MB/device edgefil | Flower | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    before = base if base else None
     for n in sizes:
-        cell = {}
-        for side in ("edgefil", "flower"):
-            mine = [r for r in runs if r["n"] == n and r["side"] == side]
-            cell[side] = (median([median(r["round_s"][1:]) for r in mine]),
-                          median([r["first_round_done_s"] for r in mine]),
-                          median([r["peak_pss"] / 2**20 / n for r in mine]))
-        e, f = cell["edgefil"], cell["flower"]
-        print(f"| {n:4d} | {e[0]:.2f} | {f[0]:.2f} | {f[0] / e[0]:.2f} | {e[1]:.1f} | {f[1]:.1f} | {f[1] / e[1]:.2f} "
-              f"| {e[2]:.2f} | {f[2]:.2f} | {f[2] / e[2]:.2f} |")
+        row = {side: (of(n, side, "round"), of(n, side, "start"), of(n, side, "peak")) for side in ("edgefil", "flower")}
+        cold = of(n, "edgefil-cold", "start")
+        (e_round, e_start, e_peak), (f_round, f_start, f_peak) = row["edgefil"], row["flower"]
+        if before is not None:
+            e_marginal = (e_peak - of(before, "edgefil", "peak")) / (n - before)
+            f_marginal = (f_peak - of(before, "flower", "peak")) / (n - before)
+            marginal = f"{e_marginal:.3f} | {f_marginal:.3f} | {f_marginal / e_marginal:.2f}"
+        else:
+            marginal = "- | - | -"
+        print(f"| {n:4d} | {e_round:.2f} | {f_round:.2f} | {f_round / e_round:.2f} | {e_start:.1f} | {cold:.1f} "
+              f"| {f_start:.1f} | {f_start / e_start:.2f} | {e_peak / n:.2f} | {f_peak / n:.2f} | {f_peak / e_peak:.2f} "
+              f"| {marginal} |")
+        before = n
+
+
+def print_parts(runs: list[dict[str, Any]], sizes: list[int]) -> None:
+    """Each side's peak PSS by kind of process (MB; the run at the median peak, the first repeat on a tie)."""
+    print("\npeak PSS by process (MB), at the peak; main = edgefil's coordinator or Flower's driver and engine")
+    for side in ("edgefil", "flower"):
+        for n in sizes:
+            mine = sorted((r for r in runs if r["n"] == n and r["side"] == side), key=lambda r: r["peak_pss"])
+            if mine:
+                parts = mine[(len(mine) - 1) // 2]["peak_parts"]
+                print(f"{side:8s} N={n:5d} " + "  ".join(
+                    f"{name} {size / 2**20:.0f}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":
