@@ -196,15 +196,16 @@ class Learner:
         finally:
             self.store.release()
         if on_disk:
-            self.trainer.park(lambda: self._saved_training(directory))
+            self.trainer.park(lambda weights, state: self._saved_training(directory, weights, state))
         return True
 
-    def _saved_training(self, directory: str | Path) -> tuple[np.ndarray, OptimizerState | None]:
-        """The weights and the optimiser state of the last whole save (what a parked trainer takes back)."""
-        saved = load_state(directory)
-        if saved is None or saved.weights is None:
+    def _saved_training(self, directory: str | Path, weights: bool, state: bool
+                        ) -> tuple[np.ndarray | None, OptimizerState | None]:
+        """The weights and (or) the optimiser state of the last whole save: what a parked trainer takes back."""
+        saved = load_state(directory, weights=weights, optimizer=state)
+        if saved is None or (weights and saved.weights is None):
             raise StateError(f"the state saved in {directory} lost the weights this device parked there")
-        return saved.weights, saved.optimizer_state(self.trainer.manifest.num_parameters)
+        return saved.weights, saved.optimizer_state(self.trainer.manifest.num_parameters) if state else None
 
     def restore(self, directory: str | Path) -> bool:
         """Reload the saved state, its weights into the trainer; False when there is none."""

@@ -69,12 +69,13 @@ def save_state_keeping_weights(directory: str | Path, state: ClientState) -> Non
     save_record_keeping_weights(directory, state)
 
 
-def load_state(directory: str | Path) -> ClientState | None:
-    """The last saved state, or None when the device has never saved one."""
-    saved = load_record(directory)
+def load_state(directory: str | Path, weights: bool = True, optimizer: bool = True) -> ClientState | None:
+    """The last saved state, or None when the device has never saved one; `weights`, `optimizer` False: without
+    reading that buffer (None in the state)."""
+    saved = load_record(directory, weights)
     if saved is None:
         return None
-    record, weights = saved
+    record, buffer = saved
     try:
         return ClientState(
             task=int(record["task"]),
@@ -86,8 +87,8 @@ def load_state(directory: str | Path) -> ClientState | None:
             task_counts=[int(n) for n in record.get("task_counts", [])],
             model=str(record.get("model", "")),
             metrics={str(k): float(v) for k, v in record.get("metrics", {}).items()},
-            weights=weights,
-            optimizer=load_buffer(directory, record, "optimizer"),
+            weights=buffer,
+            optimizer=load_buffer(directory, record, "optimizer") if optimizer else None,
             optimizer_buffers=[str(name) for name in record.get("optimizer_buffers", [])],
             optimizer_steps=int(record.get("optimizer_steps", 0)),
         )

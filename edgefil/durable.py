@@ -110,8 +110,9 @@ def save_record_keeping_weights(directory: str | Path, state: Any) -> None:
     write_atomically(path, json.dumps({**record, **kept}).encode())
 
 
-def load_record(directory: str | Path) -> tuple[dict[str, Any], np.ndarray | None] | None:
-    """The last saved (record, weights), or None when nothing was ever saved here."""
+def load_record(directory: str | Path, weights: bool = True) -> tuple[dict[str, Any], np.ndarray | None] | None:
+    """The last saved (record, weights), or None when nothing was ever saved here; `weights` False: the record
+    alone (its weights None)."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         return None
@@ -120,7 +121,7 @@ def load_record(directory: str | Path) -> tuple[dict[str, Any], np.ndarray | Non
         record["weights_file"]  # noqa: B018 (every record names its weights, or None)
     except (OSError, KeyError, TypeError, ValueError) as err:
         raise StateError(f"saved state in {directory} is unreadable: {err!r}") from err
-    return record, load_buffer(directory, record, "weights")
+    return record, load_buffer(directory, record, "weights") if weights else None
 
 
 def load_buffer(directory: str | Path, record: dict[str, Any], name: str) -> np.ndarray | None:

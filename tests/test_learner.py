@@ -214,6 +214,21 @@ def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_
         np.testing.assert_array_equal(resumed.buffers[name], buffer)
 
 
+def test_a_backend_that_keeps_its_optimizer_state_trains_on_when_asked_to_park(make_learner, tmp_path):
+    """ORT Training hands out no optimiser state (the base contract's default): with between_rounds = "disk" its
+    learner saves the weights alone, keeps everything in memory and trains on."""
+    from edge_client.state import load_state
+
+    learner = make_learner(config=LearnerConfig(between_rounds="disk"))
+    learner.start_task(0, *_task_data([0, 1], 60, 0))
+    learner.train()
+    assert learner.save(tmp_path / "state")
+    before = learner.trainer.get_weights()
+    assert load_state(tmp_path / "state").optimizer is None
+    learner.train()
+    assert not np.array_equal(learner.trainer.get_weights(), before)
+
+
 def test_between_rounds_is_refused_in_one_line_when_it_names_no_place():
     with pytest.raises(ValueError, match="unknown between_rounds 'ram'; choose one of memory, disk"):
         LearnerConfig(between_rounds="ram")

@@ -48,8 +48,9 @@ class OptimizerState:
     buffers: dict[str, np.ndarray]
 
 
-# What a parked trainer calls to have its weights and optimiser state back (`Trainer.park`): as last saved.
-Reload = Callable[[], tuple[np.ndarray, OptimizerState | None]]
+# What a parked trainer calls to have its weights and optimiser state back (`Trainer.park`), as last saved:
+# reload(weights, state) reads only what is asked for (None for the other).
+Reload = Callable[[bool, bool], tuple[np.ndarray | None, OptimizerState | None]]
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,9 @@ class Trainer(ABC):
 
     def park(self, reload: Reload) -> bool:
         """Let the weights and the optimiser state go from memory until the next use, which takes them back from
-        `reload()` (the device's saved state): for an owner that has just saved them and will not train for a
-        while (a device between rounds; a fleet worker hosts thousands). True when the backend parked; False
-        where it keeps them (the default)."""
+        `reload(weights, state)` (the device's saved state): for an owner that has just saved them and will not
+        train for a while (a device between rounds; a fleet worker hosts thousands). True when the backend parked;
+        False where it keeps them (the default)."""
         return False
 
     def check_optimizer_state(self, state: OptimizerState, names: tuple[str, ...]) -> OptimizerState:

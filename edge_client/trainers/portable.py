@@ -250,7 +250,7 @@ class PortableTrainer(Trainer):
 
     def park(self, reload: Reload) -> bool:
         """Drop the trainer's own weights and state (not to the spare pool, which would keep them): the next read
-        of the weights and the next step take them back from `reload()`."""
+        of the weights and the next step take them back from `reload`."""
         self._reload = reload
         if self._own_weights:
             self._weights, self._own_weights = shared_filled(self.manifest.num_parameters, 0.0), False
@@ -264,8 +264,10 @@ class PortableTrainer(Trainer):
         weights, state = weights and self._weights_parked, state and self._state_parked
         if not (weights or state) or self._reload is None:
             return
-        saved_weights, saved_state = self._reload()
+        saved_weights, saved_state = self._reload(weights, state)
         if weights:
+            if saved_weights is None:
+                raise RuntimeError("the saved state holds no weights to take back")
             self._weights, self._own_weights = self._own_copy(self.check_weights(saved_weights)), True
             self._weights_parked = False
         if state:
