@@ -120,3 +120,41 @@ def test_a_first_connect_is_retried_until_the_broker_comes(tmp_path):
 
 def settings_on(port: int) -> BrokerSettings:
     return BrokerSettings("127.0.0.1", port, "dev-a", "pw-a", keepalive=2)
+
+
+@needs_mosquitto
+def test_links_of_one_loop_hold_one_copy_of_a_large_payload_they_all_receive(tmp_path):
+    """A broadcast of SHARED_PAYLOAD_BYTES or more reaches every link of a shared loop as one object (the devices
+    of a fleet worker hold one copy of each global model, not one each); a payload of the same length with other
+    bytes stays its own, as does every payload of a link on a loop of its own."""
+    from edgefil.link import SHARED_PAYLOAD_BYTES
+
+    ids = [f"dev-{i}" for i in range(3)]
+    broker = MosquittoBroker(tmp_path, FLEET, {d: f"pw-{d}" for d in ids}, Credentials("coordinator", "pw-c"))
+    with broker:
+        coordinator = Link(settings(broker, "coordinator", "pw-c"), "c")
+        network = NetworkLoop()
+        shared = [Link(settings(broker, d, f"pw-{d}"), f"{FLEET}-{d}", topics.device_subscriptions(FLEET, d),
+                       network=network) for d in ids[:2]]
+        alone = Link(settings(broker, ids[2], f"pw-{ids[2]}"), f"{FLEET}-{ids[2]}",
+                     topics.device_subscriptions(FLEET, ids[2]))
+        links = [*shared, alone]
+        try:
+            for link in [coordinator, *links]:
+                link.start(timeout=20)
+            assert all(link.wait_subscribed(LISTENING_S) for link in links)
+            first = bytes(range(256)) * (SHARED_PAYLOAD_BYTES // 256 + 1)
+            second = first[1:] + first[:1]  # the same length, other bytes
+            for payload in (first, second):
+                coordinator.publish(topics.to_all(FLEET, "weights"), payload)
+            got = [[next_message(link)[1] for _ in range(2)] for link in links]
+            for received in got:
+                assert [bytes(p) for p in received] == [first, second]
+            assert got[0][0] is got[1][0] and got[0][1] is got[1][1]  # one object for the loop's links
+            assert got[0][0] is not got[0][1]
+            assert got[2][0] is not got[0][0]  # a link on its own loop keeps its own
+        finally:
+            for link in links:
+                link.stop()
+            network.stop()
+            coordinator.stop()
