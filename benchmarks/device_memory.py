@@ -145,6 +145,7 @@ def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: s
             built.learner.train()
             built.learner.finish_round()
             built.learner.save(built.config.state_dir)
+            built.learner.idle()  # as the device does once it has uploaded
         return built
 
     return device

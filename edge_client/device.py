@@ -111,6 +111,7 @@ class Device:
         )
         self.learner.restore(config.state_dir)
         self.learner.open_policy(config.state_dir, config.artifacts)
+        self.learner.idle()  # until its first round
         self.source = source if source is not None else open_source(config.data.folder if config.data else None)
         self.environment = environment if environment is not None else RealEnvironment()
         self.manifest = manifest_digest(config.artifacts)
@@ -420,6 +421,7 @@ class Device:
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
         self._upload(round_, message["model"], self.learner.state.metrics, attachments)
+        self.learner.idle()  # saved and sent: what the next round needs waits on disk (between_rounds)
         notify("WATCHDOG=1")  # a round trained: alive
 
     def _give(self, policy: ReplayPolicy, payloads: dict[str, bytes]) -> None:

@@ -87,6 +87,7 @@ class Learner:
         self.trainer = trainer
         self.store = store
         self.policy = policy
+        self._saved_in: Path | None = None  # where the last whole save is, while the trainer holds what it holds
         self.config = config
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
@@ -148,6 +149,7 @@ class Learner:
     def train(self, epochs: int | None = None, proximal: Proximal | None = None) -> float:
         """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
         with the plain loss, trained by the trainer's `fit`); returns the last epoch's loss."""
+        self._saved_in = None  # the trainer's weights and state move on from what was saved
         x, y = self.store.get(self.store.ids())
         batch = self.policy.training_set(self.view(), x, y)
         return self.policy.fit(self.view(), batch, epochs or self.config.epochs, proximal)
@@ -182,11 +184,10 @@ class Learner:
         task again and forgets what the device has seen), and the record names no model (`model` "", no metrics),
         so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits.
 
-        A save ends the learner's work until the next round: the store lets its database connection go (its next
-        use opens it again; `ReplayStore.release`), as a device between rounds has no use for its memory; with
-        `between_rounds = "disk"` the optimiser state is saved too, and the trainer parks (`Trainer.park`) what a
-        whole save holds."""
+        With `between_rounds = "disk"` the optimiser state is saved too, and `idle()` may then park what the save
+        holds. The store lets its database connection go (its next use opens it again)."""
         on_disk = self.config.between_rounds == "disk"
+        self._saved_in = None
         try:
             state = replace(self.state, weights=self.trainer.get_weights())
             save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)
@@ -195,9 +196,18 @@ class Learner:
             return False
         finally:
             self.store.release()
-        if on_disk:
-            self.trainer.park(lambda weights, state: self._saved_training(directory, weights, state))
+        self._saved_in = Path(directory)
         return True
+
+    def idle(self) -> None:
+        """The learner's work is done until the next round (a device has saved and uploaded): the store lets its
+        database connection go (`ReplayStore.release`), and with `between_rounds = "disk"` the trainer parks
+        (`Trainer.park`) the weights and optimiser state that the last save holds, when it holds the trainer's
+        current ones (no step since, and the save whole), so a device between rounds holds neither."""
+        self.store.release()
+        directory = self._saved_in
+        if self.config.between_rounds == "disk" and directory is not None:
+            self.trainer.park(lambda weights, state: self._saved_training(directory, weights, state))
 
     def _saved_training(self, directory: str | Path, weights: bool, state: bool
                         ) -> tuple[np.ndarray | None, OptimizerState | None]:
@@ -212,6 +222,7 @@ class Learner:
         state = load_state(directory)
         if state is None:
             return False
+        whole = state.weights is not None  # the trainer then holds what the save holds: it may park again
         if state.weights is not None:
             self.trainer.set_weights(state.weights)
             state.weights = None
@@ -219,6 +230,7 @@ class Learner:
         if optimizer is not None and self.config.between_rounds == "disk":
             self.trainer.set_optimizer_state(optimizer)
         state = state.with_optimizer(None)  # the trainer holds it (a second copy here would cost what parking saves)
+        self._saved_in = Path(directory) if whole else None
         self.state = state
         self._detector = NoveltyDetector(state.seen_classes)
         return True

@@ -187,7 +187,7 @@ def _portable_learner(export_artifacts, folder, between_rounds):
 
 def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_resumes_its_optimizer(
         export_artifacts, tmp_path):
-    """between_rounds = "disk": after each save the trainer holds neither weights nor optimiser state of its own,
+    """between_rounds = "disk": idle after each save, the trainer holds neither weights nor optimiser state of its own,
     takes them back from the saved state, and trains exactly as a learner that kept them in memory; a restarted
     learner gets the optimiser state back too (kept in memory, it would start afresh)."""
     kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory")
@@ -199,6 +199,7 @@ def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_
             learner.train()
             learner.state.round = round_
             learner.save(tmp_path / name / "state")
+            learner.idle()
         assert not parked.trainer._own_weights and parked.trainer._state == {}  # parked: nothing of its own
         assert kept.trainer._own_weights and len(kept.trainer._state) == 2
     np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
@@ -208,10 +209,15 @@ def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_
 
     restarted = _portable_learner(export_artifacts, tmp_path / "parked", "disk")
     assert restarted.restore(tmp_path / "parked" / "state")
+    restarted.idle()  # what it restored is what the save holds: parked again at once
+    assert not restarted.trainer._own_weights and restarted.trainer._state == {}
     resumed = restarted.trainer.optimizer_state()
     assert resumed.steps == saved.steps > 0
     for name, buffer in saved.buffers.items():
         np.testing.assert_array_equal(resumed.buffers[name], buffer)
+    restarted.train()
+    restarted.idle()  # trained since the save: what it holds is not on disk, and stays
+    assert restarted.trainer._own_weights and len(restarted.trainer._state) == 2
 
 
 def test_a_backend_that_keeps_its_optimizer_state_trains_on_when_asked_to_park(make_learner, tmp_path):
