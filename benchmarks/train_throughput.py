@@ -199,7 +199,7 @@ def main() -> None:
     print(f"batch {args.batch}, best of {args.repeats} epochs, SGD lr 0.01; each backend in its own process; "
           "best = the fastest of ort, torch and loop; ceiling = matmul FLOP/s / training FLOPs per sample")
     timed = (*BACKENDS, LOOP)
-    print(f"{'model':15s} {'params':>10s} {'MFLOP/s.':>8s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in timed)
+    print(f"{'model':15s} {'params':>10s} {'MFLOP/smp':>9s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in timed)
           + f" {'portable/best':>13s} {'ceiling s/s':>11s} " + " ".join(f"{b + '/ceil':>9s}" for b in timed))
     rss: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +216,7 @@ def main() -> None:
                 for b, r in result.items():
                     rss[(name, b)] = max(rss.get((name, b), 0.0), r["rss_mb"])
                 best = max(rate[b] for b in timed if b != "portable")
-                print(f"{name:15s} {manifest.num_parameters:10,d} {reference['flops_per_sample'] / 1e6:8.2f} "
+                print(f"{name:15s} {manifest.num_parameters:10,d} {reference['flops_per_sample'] / 1e6:9.2f} "
                       f"{threads:3d} " + " ".join(f"{rate[b]:13,.1f}" for b in timed)
                       + f" {rate['portable'] / best:13.2f} {ceiling:11,.0f} "
                       + " ".join(f"{rate[b] / ceiling:9.3f}" for b in timed))
