@@ -65,6 +65,7 @@ import math
 import os
 import sqlite3
 import struct
+import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -248,6 +249,7 @@ class ReplayStore:
             os.close(owner)
             raise StoreError(f"{self._db}: in use by another process or store") from None
         self._owner = owner
+        self._let_go = weakref.finalize(self, os.close, owner)  # a store dropped unclosed lets its lock go too
 
     def _connect(self) -> sqlite3.Connection:
         self._conn = sqlite3.connect(self._db, isolation_level=None, timeout=0, check_same_thread=False)
@@ -375,7 +377,7 @@ class ReplayStore:
             self._conn.close()
             self._conn = None
         if self._owner is not None:
-            os.close(self._owner)  # and with it the lock
+            self._let_go()  # closes the directory's descriptor, and with it the lock
             self._owner = None
 
     def __enter__(self) -> ReplayStore:
