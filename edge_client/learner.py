@@ -185,7 +185,7 @@ class Learner:
         so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits.
 
         With `between_rounds = "disk"` the optimiser state is saved too, and `idle()` may then park what the save
-        holds. The store lets its database connection go (its next use opens it again)."""
+        holds."""
         on_disk = self.config.between_rounds == "disk"
         self._saved_in = None
         try:
@@ -194,8 +194,6 @@ class Learner:
         except OSError:
             save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
             return False
-        finally:
-            self.store.release()
         self._saved_in = Path(directory)
         return True
 
