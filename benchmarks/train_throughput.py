@@ -9,7 +9,11 @@ checks: what the device's training would cost written by hand in torch. Printed:
 thread count, the ratio of portable to the best of ORT Training, the torch trainer and the loop, and the physical
 reference: the model's training FLOPs per sample (forward and backward, counted by torch's FlopCounterMode on a
 batch) against the FLOP/s a 512x512 float32 matrix multiply reaches on the same cores and threads, as the samples/s
-that ceiling allows and each backend's share of it. Then the peak RSS, then each backend's install size (the
+that ceiling allows and each backend's share of it. Where the portable backend is below the best, what stops it, per
+model and thread count, from its step split measured in one more epoch (the gradient graph's session run, the
+optimiser graph's, and the Python, binding and batching around them) against the best's whole step: when the
+gradient graph alone takes longer, ORT's kernels for the standard-op graph; otherwise the second session run and the
+Python around the runs. Then the peak RSS, then each backend's install size (the
 installed files of its packages and their dependencies; portable measured in a fresh CPython 3.12 virtual
 environment with the device install's packages).
 
@@ -127,7 +131,47 @@ def worker(backend: str, directory: str, threads: int, samples: int, batch: int,
         start = time.perf_counter()
         trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
         best = min(best, time.perf_counter() - start)
-    print(json.dumps({"rate": samples / best, "rss_mb": peak_rss_mb()}))
+    result = {"rate": samples / best, "rss_mb": peak_rss_mb()}
+    if backend == "portable":
+        result["split_us"] = portable_step_split(trainer, x, y, batch, rng)
+    print(json.dumps(result))
+
+
+def portable_step_split(trainer, x, y, batch: int, rng) -> dict[str, float]:
+    """Where a portable step's time goes, in us a step over one more (untimed) epoch: the gradient graph's session
+    run, the optimiser graph's, and the rest (Python, binding, batching). Each session's `run_with_iobinding` is
+    wrapped with a clock on the trainer's own session objects (`_sessions`, a benchmark's look inside)."""
+    spent = {"gradient": 0.0, trainer._optimizer_name: 0.0}
+    for graph in spent:
+        session = trainer._session(graph)
+        run = session.run_with_iobinding
+
+        def timed(binding, *args, _run=run, _graph=graph, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _run(binding, *args, **kwargs)
+            finally:
+                spent[_graph] += time.perf_counter() - start
+
+        session.run_with_iobinding = timed
+    steps = -(-len(x) // batch)
+    start = time.perf_counter()
+    trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
+    whole = time.perf_counter() - start
+    gradient, optimiser = spent["gradient"], spent[trainer._optimizer_name]
+    return {"step": 1e6 * whole / steps, "gradient": 1e6 * gradient / steps, "optimiser": 1e6 * optimiser / steps,
+            "rest": 1e6 * (whole - gradient - optimiser) / steps}
+
+
+def what_stops(split: dict[str, float], best_step_us: float, best: str) -> str:
+    """The measured reason the portable step is slower than the best backend's (named `best`), in words."""
+    numbers = (f"portable {split['step']:,.0f} us a step = gradient graph {split['gradient']:,.0f} + optimiser "
+               f"graph {split['optimiser']:,.0f} + Python/binding/batching {split['rest']:,.0f}; {best} "
+               f"{best_step_us:,.0f} us")
+    if split["gradient"] >= best_step_us:
+        return f"the gradient graph's ORT kernels (alone slower than {best}'s whole step): {numbers}"
+    return (f"the second session run and the Python around the runs (the gradient graph alone is faster than "
+            f"{best}'s whole step): {numbers}")
 
 
 def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int) -> dict:
@@ -202,6 +246,7 @@ def main() -> None:
     print(f"{'model':15s} {'params':>10s} {'MFLOP/smp':>9s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in timed)
           + f" {'portable/best':>13s} {'ceiling s/s':>11s} " + " ".join(f"{b + '/ceil':>9s}" for b in timed))
     rss: dict[tuple[str, str], float] = {}
+    stops: list[str] = []  # per model and thread count where portable is below the best: what stops it
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape, samples in CASES:
             if name not in args.models:
@@ -220,7 +265,16 @@ def main() -> None:
                       f"{threads:3d} " + " ".join(f"{rate[b]:13,.1f}" for b in timed)
                       + f" {rate['portable'] / best:13.2f} {ceiling:11,.0f} "
                       + " ".join(f"{rate[b] / ceiling:9.3f}" for b in timed))
+                if rate["portable"] < best:
+                    fastest = max((b for b in timed if b != "portable"), key=rate.__getitem__)
+                    stops.append(f"{name} at {threads} thread{'s' if threads > 1 else ''}: " + what_stops(
+                        result["portable"]["split_us"], 1e6 * args.batch / best, fastest))
             shutil.rmtree(directory)
+    if stops:
+        print("\nwhat stops the portable backend where it is below the best (its step split, measured in one more "
+              "epoch with each session run clocked; the best's step = batch / its samples/s)")
+        for line in stops:
+            print(f"- {line}")
     print("\npeak RSS of the training process (MB), the larger over thread counts")
     print(f"{'model':15s} " + " ".join(f"{b:>9s}" for b in (*BACKENDS, LOOP)))
     for name in dict.fromkeys(n for n, _ in rss):

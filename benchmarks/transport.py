@@ -7,8 +7,9 @@ edgefil round: the coordinator side in this process (a Link with the coordinator
 `edgefil/<fleet>/dev/+/+`, an Inbox, an OpenRound) and N device processes, each a minimal echo device made only of
 the protocol's pieces: a Link with its own credentials on its own topics, a wire.Reassembler for the weight chunks,
 and on the round message (once it has the round's model) an update of the very same weights, encoded with
-wire.encode_blob and published on its update topic. The clock runs from encoding the global weights into chunks
-(as the coordinator's `_open` does) and publishing them and the N round messages, to the last of the N updates
+wire.encode_blob and published on its update topic as frames (as a device does). The clock runs from encoding the
+global weights into chunks (as the coordinator's outbox does, as frames) and publishing them and the N round
+messages, to the last of the N updates
 reassembled, validated by the Inbox and accepted by the OpenRound. New weights every round.
 
 mosquitto clients: downlink = one mosquitto_pub to N mosquitto_sub; then uplink = N concurrent mosquitto_pub to
@@ -87,11 +88,11 @@ def device_worker(device_id: str, host: str, port: int, max_parameters: int) -> 
     def echo(round_message: wire.Message) -> None:
         blob = models[round_message["model"]]
         weights = blob.weights(round_message["config"]["num_parameters"])
-        for chunk in wire.encode_blob(
+        for frame in wire.encode_blob(
             "update", wire.weights_bytes(weights), device=device_id, round=round_message["round"],
             task=round_message["task"], model=round_message["model"], num_samples=1, metrics={},
-        ).chunks:
-            link.publish(update_topic, chunk)
+        ).frames:
+            link.publish(update_topic, frame)
 
     try:
         link.start()
@@ -270,10 +271,10 @@ class Coordinator:
         cpu = meter()
         started = time.perf_counter()
         encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=number, version=number - 1)
-        model, chunks = encoded.id, encoded.chunks
+        model = encoded.id
         current = OpenRound.open(number, 0, model, list(self.devices), ROUND_TIMEOUT_S)
-        for chunk in chunks:
-            self.link.publish(topics.to_all(FLEET, "weights"), chunk)
+        for frame in encoded.frames:
+            self.link.publish(topics.to_all(FLEET, "weights"), frame)
         for device in self.devices:
             self.link.publish(topics.to_device(FLEET, device, "round"), wire.encode(
                 "round", round=number, task=0, model=model, version=number - 1, deadline_s=current.remaining_s(),

@@ -31,8 +31,9 @@ class Broadcast:
         return None if self._encoded is None else self._encoded.id
 
     @property
-    def chunks(self) -> list[bytes]:
-        return [] if self._encoded is None else self._encoded.chunks
+    def frames(self) -> list[wire.Frame]:
+        """The current blob's chunk messages, to publish."""
+        return [] if self._encoded is None else self._encoded.frames
 
     def replace(self, payloads: Mapping[str, bytes], round_: int) -> bool:
         """Make `payloads` the fleet's broadcast; True when it changed (publish it to every device). ValueError for

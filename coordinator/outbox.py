@@ -37,7 +37,7 @@ class Outbox:
         self.personalized: dict[str, np.ndarray] = {}
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
         self.broadcast = Broadcast()  # what the rule sends to every device, once
-        self._weights: list[bytes] = []  # the open round's global weights, as chunks
+        self._weights: list[wire.Frame] = []  # the open round's global weights, as chunk frames
 
     # --- between rounds ---------------------------------------------------------------------------
 
@@ -59,9 +59,9 @@ class Outbox:
     def publish_weights(self, weights: np.ndarray, number: int, version: int, task: int) -> str:
         """The round's global weights to every device; returns their blob id (what the round message names)."""
         encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=number, version=version, task=task)
-        self._weights = encoded.chunks
-        for chunk in self._weights:
-            self.link.publish(topics.to_all(self.fleet, "weights"), chunk)
+        self._weights = encoded.frames
+        for frame in self._weights:
+            self.link.publish(topics.to_all(self.fleet, "weights"), frame)
         return encoded.id
 
     def send_round(self, device: str, current: OpenRound, version: int, config: dict[str, Any],
@@ -74,21 +74,21 @@ class Outbox:
                         self.resends.per_round)
             return
         if with_weights:
-            for chunk in self._weights:
-                self.link.publish(topics.to_device(self.fleet, device, "weights"), chunk)
+            for frame in self._weights:
+                self.link.publish(topics.to_device(self.fleet, device, "weights"), frame)
         named: dict[str, Any] = {}
         payloads = self._payloads_for(device)
         if payloads:
             data, layout = wire.pack_attachments(b"", payloads)
             encoded = wire.encode_blob("payload", data, round=current.number, attachments=layout)
-            for chunk in encoded.chunks:
-                self.link.publish(topics.to_device(self.fleet, device, "payload"), chunk)
+            for frame in encoded.frames:
+                self.link.publish(topics.to_device(self.fleet, device, "payload"), frame)
             named["payload"] = encoded.id
         if self.broadcast.id is not None:
             instance = self.roster.instance(device)
             if self.broadcast.needs(device, instance):
-                for chunk in self.broadcast.chunks:
-                    self.link.publish(topics.to_device(self.fleet, device, "broadcast"), chunk)
+                for frame in self.broadcast.frames:
+                    self.link.publish(topics.to_device(self.fleet, device, "broadcast"), frame)
                 self.broadcast.reached([(device, instance)])
             named["broadcast"] = self.broadcast.id
         self.link.publish(topics.to_device(self.fleet, device, "round"), wire.encode(
@@ -107,8 +107,8 @@ class Outbox:
             return
         if not changed:
             return
-        for chunk in self.broadcast.chunks:
-            self.link.publish(topics.to_all(self.fleet, "broadcast"), chunk)
+        for frame in self.broadcast.frames:
+            self.link.publish(topics.to_all(self.fleet, "broadcast"), frame)
         self.broadcast.reached((d, self.roster.instance(d)) for d in self.roster.connected())
         log.info("round %d: broadcast %s (%d bytes) to the fleet", round_, ", ".join(sorted(payloads)),
                  sum(len(v) for v in payloads.values()))
@@ -125,8 +125,8 @@ class Outbox:
     def answer(self, device: str, round_: int, given: dict[str, bytes]) -> None:
         """The answer to a device's request: the named payloads the rule gave (possibly none)."""
         data, layout = wire.pack_attachments(b"", given)
-        for chunk in wire.encode_blob("answer", data, round=round_, attachments=layout).chunks:
-            self.link.publish(topics.to_device(self.fleet, device, "answer"), chunk)
+        for frame in wire.encode_blob("answer", data, round=round_, attachments=layout).frames:
+            self.link.publish(topics.to_device(self.fleet, device, "answer"), frame)
 
     def notice_duplicate(self, device: str, instances: list[str]) -> None:
         """Tell the device's processes (a retained notice) that two of them run with its id."""

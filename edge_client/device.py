@@ -491,7 +491,7 @@ class Device:
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner.view()) if attachments is None
                                              else attachments)
-        chunks = wire.encode_blob(
+        frames = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.data_task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
             metrics={
@@ -501,9 +501,9 @@ class Device:
                 "store_budget_bytes": self.learner.budget.max_bytes or 0,
                 "store_budget_samples": self.learner.budget.max_samples or 0,
             },
-        ).chunks
-        for chunk in chunks:
-            self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), chunk)
+        ).frames
+        for frame in frames:  # over `data`, which is the update's alone (a copy the trainer or the state gave)
+            self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), frame)
         self._publish_status("idle", round_)
 
     def _claims(self, model: str, weights: np.ndarray) -> tuple[np.ndarray, int]:

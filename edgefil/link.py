@@ -7,7 +7,8 @@ successful (re)connect), so the owner handles all protocol logic on its own thre
 renewed on every connect (clean sessions: a broker restart loses nothing the protocol cannot resend). Publishing
 while disconnected is queued by paho and sent on reconnect. paho's copies of large messages are taken out
 (edgefil/paho_buffers.py): a received payload is a memoryview of the packet paho read, not a copy. The links of a
-shared loop hold one copy of a large payload they all receive (`SharedPayloads`).
+shared loop hold one copy of a large payload they all receive (`SharedPayloads`); a blob's chunks are published as
+`wire.Frame`s, which paho joins into a packet only when it sends them.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import paho.mqtt.client as mqtt
 
 from edgefil import paho_buffers
 from edgefil.netloop import TCP_CONNECT_TIMEOUT_S, NetworkLoop
+from edgefil.wire import Frame
 
 QOS = 1
 CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
@@ -252,10 +254,13 @@ class Link:
 
     # --- traffic ----------------------------------------------------------------------------------
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes | Frame, retain: bool = False) -> None:
         """Hand a message to paho (QoS 1). Raises only when paho's own queue is full; while disconnected the
-        message waits in paho and goes out after the reconnect."""
-        info = self._client.publish(topic, payload, qos=QOS, retain=retain)
+        message waits in paho and goes out after the reconnect. A blob's chunk may be given as its `wire.Frame`:
+        paho then copies it into its packet only when it sends it (edgefil/paho_buffers.py)."""
+        if isinstance(payload, Frame) and not paho_buffers.publishes_parts():
+            payload = bytes(payload)  # a paho this process could not teach to take parts
+        info = self._client.publish(topic, payload, qos=QOS, retain=retain)  # type: ignore[arg-type]
         if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:
             raise BufferError(f"MQTT outgoing queue is full; {topic} not sent")
         self.bytes_sent += len(payload)

@@ -9,7 +9,15 @@ must:
 - reading a packet's body, each socket read allocates a buffer of the whole rest (1 MB, then shrunk) and appends
   what it got to a growing bytearray: every byte copied once more, plus the growth's reallocations.
 
-`Client` queues each outgoing packet as a memoryview, so a retried write slices a view; it reads the body of a
+- publishing, paho takes the payload as one bytes object and copies it into the packet: a blob's chunk messages,
+  which the codec can leave as their head and a view of the blob (`wire.Frame`), had to be laid out in full first,
+  every chunk of the blob at once, in fresh memory.
+
+`Client` publishes a payload given as parts (an object with `parts()`, like `wire.Frame`) by copying its parts
+straight into the packet when paho builds it, which for a message beyond the in-flight window is when the window
+frees: paho keeps the parts, never their joined copy. `install()` lets such a payload through paho's `publish`
+(whose `_encode_payload` takes bytes only). `Client` queues each outgoing packet as a memoryview, so a retried write
+slices a view; it reads the body of a
 packet of `IN_PLACE_BYTES` or more with `recv_into` straight into a buffer allocated at the packet's size (the
 length paho has just decoded), handing paho the count of bytes it read in place of them. `install()` replaces paho's
 PUBLISH decoder with one that returns the payload as a memoryview of the packet buffer (paho starts a new buffer
@@ -32,6 +40,7 @@ except ImportError:  # paho < 2.2 decodes inside the client class: not patched
     _packet = None  # type: ignore[assignment]
 
 _PUBLISH_FIELDS = ("dup", "qos", "retain", "topic", "mid", "properties", "payload")
+_SEND_PUBLISH_PARAMETERS = ["self", "mid", "topic", "payload", "qos", "retain", "dup", "info", "properties"]
 _QUEUE_PARAMETERS = ["self", "command", "packet", "mid", "qos", "info"]
 # paho's body loop in `_packet_read`, which the in-place read stands in for: it asks for the rest of the body and
 # appends what it got, taking only its length besides
@@ -106,12 +115,41 @@ class _Count:
         return self.n
 
 
+def parts_fit() -> bool:
+    """paho checks a payload with the module's `_encode_payload` and builds a PUBLISH in
+    `_send_publish(mid, topic, payload, qos, retain, dup, info, properties)` with `_pack_remaining_length`."""
+    send = getattr(mqtt.Client, "_send_publish", None)
+    return (callable(getattr(mqtt, "_encode_payload", None)) and send is not None
+            and list(inspect.signature(send).parameters) == _SEND_PUBLISH_PARAMETERS
+            and hasattr(mqtt.Client, "_pack_remaining_length") and queue_fits())
+
+
+def _is_parts(payload: Any) -> bool:
+    return callable(getattr(payload, "parts", None)) and not isinstance(payload, (bytes, bytearray, str))
+
+
+def _encode_payload(payload: Any) -> Any:
+    """paho's `_encode_payload`, letting a payload given as parts through as it is."""
+    return payload if _is_parts(payload) else _original_encode_payload(payload)
+
+
+_original_encode_payload: Any = getattr(mqtt, "_encode_payload", None)
+
+
 def install() -> bool:
-    """Use `decode_publish` for every paho client in this process (idempotent); False where paho differs."""
+    """Use `decode_publish` for every paho client in this process, and let `Client` publish payloads given as
+    parts (idempotent); False where paho differs (then a caller joins parts itself: `publishes_parts`)."""
+    if parts_fit():
+        mqtt._encode_payload = _encode_payload
     if not decoder_fits():
         return False
     _packet.decode_publish = decode_publish
     return True
+
+
+def publishes_parts() -> bool:
+    """Whether `Client.publish` takes a payload given as parts (after `install`)."""
+    return getattr(mqtt, "_encode_payload", None) is _encode_payload
 
 
 class Client(mqtt.Client):
@@ -122,6 +160,25 @@ class Client(mqtt.Client):
         def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
                           info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
             return super()._packet_queue(command, memoryview(packet), mid, qos, info)  # type: ignore[arg-type]
+
+    if parts_fit():
+        def _send_publish(self, mid: int, topic: bytes, payload: Any = b"", qos: int = 0, retain: bool = False,
+                          dup: bool = False, info: mqtt.MQTTMessageInfo | None = None,
+                          properties: Any = None) -> mqtt.MQTTErrorCode:
+            """paho's PUBLISH (MQTT 3.1.x) for a payload given as parts: the fixed and variable header, then the
+            parts, joined once into the packet (MQTT 5, and payloads as bytes, go to paho's own)."""
+            if not _is_parts(payload):
+                return super()._send_publish(mid, topic, payload, qos, retain, dup, info, properties)
+            if self._protocol == mqtt.MQTTv5:
+                return super()._send_publish(mid, topic, bytes(payload), qos, retain, dup, info, properties)
+            if self._sock is None:
+                return mqtt.MQTT_ERR_NO_CONN
+            header = bytearray((mqtt.PUBLISH | ((dup & 0x1) << 3) | (qos << 1) | retain,))
+            self._pack_remaining_length(header, 2 + len(topic) + (2 if qos else 0) + len(payload))
+            header += len(topic).to_bytes(2, "big") + topic
+            if qos:
+                header += mid.to_bytes(2, "big")
+            return self._packet_queue(mqtt.PUBLISH, b"".join((header, *payload.parts())), mid, qos, info)
 
     if read_fits():
         def _sock_recv(self, bufsize: int) -> Any:

@@ -1,8 +1,11 @@
 """paho without its copies of large messages (edgefil/paho_buffers.py): the replaced PUBLISH decoder agrees with
 paho's own on every packet, well-formed or not; received payloads are views of paho's packet, sent packets are
-queued as views, large packets are read in place; a model-sized message crosses a real broker intact both ways,
-over TCP and over TLS."""
+queued as views, large packets are read in place; a payload given as parts (a chunk's `wire.Frame`) goes out as the
+very bytes of the joined message; a model-sized message crosses a real broker intact both ways, over TCP and over
+TLS, sent as frames one way and as bytes the other."""
 from __future__ import annotations
+
+import socket
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -37,7 +40,37 @@ def decoded(decoder, header: int, packet: bytearray):
 
 def test_this_paho_has_the_internals_the_patches_were_written_for():
     assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.read_fits()
-    assert paho_buffers.install()
+    assert paho_buffers.parts_fit()
+    assert paho_buffers.install() and paho_buffers.publishes_parts()
+
+
+def sent_bytes(payload, qos: int, dup: bool = False) -> bytes:
+    """What a connected paho_buffers.Client writes to its socket for one publish of `payload` (then, with `dup`,
+    for its resend as paho makes it after a reconnect)."""
+    paho_buffers.install()
+    ours, theirs = socket.socketpair()
+    try:
+        client = paho_buffers.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t", protocol=MQTT311)
+        client._sock = ours  # "connected": paho writes each packet as it is queued
+        info = client.publish("edgefil/lab/all/weights", payload, qos=qos)
+        assert info.rc == mqtt.MQTT_ERR_SUCCESS
+        if dup:
+            message = client._out_messages[info.mid]
+            client._send_publish(message.mid, message.topic.encode(), message.payload, qos, False, True,
+                                 message.info)
+        client._sock = None
+        ours.close()
+        return b"".join(iter(lambda: theirs.recv(1 << 20), b""))
+    finally:
+        theirs.close()
+
+
+@pytest.mark.parametrize(("qos", "dup"), [(0, False), (1, False), (1, True)], ids=["qos0", "qos1", "qos1-resent"])
+def test_a_frame_goes_out_as_the_bytes_of_its_joined_message(qos, dup):
+    data = wire.weights_bytes(np.arange(20_000, dtype=np.float32))
+    frame = wire.encode_blob("weights", data, chunk_bytes=50_000, round=1, version=0).frames[1]
+    assert isinstance(frame, wire.Frame) and len(frame) == len(bytes(frame))
+    assert sent_bytes(frame, qos, dup) == sent_bytes(bytes(frame), qos, dup)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,8 +119,8 @@ def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path, tls
             # both listening before either publishes: a chunk that reaches the broker before the SUBSCRIBE is lost
             assert coordinator.wait_subscribed(LISTENING_S) and device.wait_subscribed(LISTENING_S)
             down = wire.encode_blob("weights", wire.weights_bytes(weights), round=1, version=0)
-            for chunk in down.chunks:
-                coordinator.publish(topics.to_all("lab", "weights"), chunk)
+            for frame in down.frames:  # as frames (paho joins each into its packet); the update below as bytes
+                coordinator.publish(topics.to_all("lab", "weights"), frame)
             reassembler = wire.Reassembler(max_blob_bytes=weights.nbytes)
             blob = None
             while blob is None:

@@ -120,6 +120,41 @@ def test_reassembler_refuses_blobs_larger_than_the_model_and_bad_weights():
     assert err.value.reason == "weights-nonfinite"
 
 
+def blob_of(values: np.ndarray) -> wire.Blob:
+    encoded = wire.encode_blob("update", wire.weights_bytes(values), **HEADER)
+    reassembler = wire.Reassembler(values.nbytes)
+    return [reassembler.add("d", wire.decode(c)) for c in encoded.chunks][-1]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_nonfinite_value_anywhere_refuses_the_weights_and_huge_finite_ones_pass(bad):
+    """The finiteness check sums first: a NaN or infinity must still be found wherever it is, and finite values
+    whose sum overflows float32 must not be refused."""
+    rng = np.random.default_rng(0)
+    huge = np.full(1000, 3e38, dtype=np.float32)  # finite, and their float32 sum is inf
+    np.testing.assert_array_equal(blob_of(huge).weights(1000), huge)
+    for where in (0, 499, 999):
+        values = rng.standard_normal(1000).astype(np.float32)
+        values[where] = bad
+        for mixed in (values, np.where(np.arange(1000) == where, values, huge)):
+            with pytest.raises(wire.WireError) as err:
+                blob_of(mixed.astype(np.float32)).weights(1000)
+            assert err.value.reason == "weights-nonfinite"
+
+
+def test_weights_without_attachments_are_packed_without_a_copy_and_frames_are_the_chunks():
+    data = wire.weights_bytes(weights(3000))
+    packed, layout = wire.pack_attachments(data, {})
+    assert packed is data and layout == []
+    packed, layout = wire.pack_attachments(data, {"a": b"xyz"})
+    assert bytes(packed) == bytes(data) + b"xyz\0" and layout == [["a", 3]]
+    encoded = wire.encode_blob("update", data, chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER)
+    assert all(frame.data.obj is data.obj for frame in encoded.frames)  # views of the blob, not copies
+    assert [bytes(frame) for frame in encoded.frames] == encoded.chunks
+    reassembler = wire.Reassembler(len(data))
+    assert [reassembler.add("d", wire.decode(c)) for c in encoded.chunks][-1].id == encoded.id
+
+
 def test_chunks_that_disagree_with_their_blob_are_refused_and_nothing_is_delivered():
     chunks = [wire.decode(c) for c in wire.encode_blob(
         "update", wire.weights_bytes(weights(2000)), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER).chunks]
