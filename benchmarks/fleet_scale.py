@@ -24,7 +24,9 @@ Round overhead: wall = coordinator opens the round (encodes and publishes the we
 until its close (aggregate, evaluate, checkpoint, results.json) returns. floor = the devices' training CPU time
 packed onto the host's cores: max(slowest device, sum of devices / cores); overhead = wall - floor, everything
 that is not training (the coordinator, the broker, MQTT and the devices' protocol work, scheduling). ratio is
-the median wall at N over the median wall at the first N (same broker).
+the median wall at N over the median wall at the first N (same broker). Round time per device: the median wall
+over N at each N, with the wall each added device adds, whether the first is flat within 1.3x across the sizes,
+and the least-squares line wall = fixed + per device x N over the sizes.
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty). "other
 procs" is the host's busy CPU outside the fleet during the round (/proc/stat): on a shared machine, anything
@@ -397,7 +399,7 @@ def summarize(run: dict) -> dict:
             "last_trained": (max(trained) - r.sent) if trained else float("nan"),
             "upload": (r.last_update - max(trained)) if trained else float("nan"),
             "dev_sum": sum(device_cpu), "dev_max": max(device_cpu, default=0.0), "floor": floor,
-            "overhead": wall - floor, "received": len(h["received"]), "attempts": r.attempts,
+            "overhead": wall - floor, "received": len(h["received"]), "attempts": r.attempts, "selected": r.selected,
             # busy CPU of the host's other processes (other users of the machine) during the round
             "other": r.cpu["host"] - r.cpu["coordinator"] - r.cpu["broker"] - r.cpu["workers"],
             **{f"cpu_{k}": v for k, v in r.cpu.items()},
@@ -473,6 +475,8 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
               f"{r['dev_sum']:11.3f} {r['dev_max']:7.3f} {r['floor']:6.3f} {r['overhead']:8.2f} "
               f"{r['overhead'] / s['n'] * 1e3:13.1f}")
 
+    per_device(summaries)
+
     print("\nCPU seconds per round (median), by process: the coordinator process, the broker, all workers (of "
           "which kernel); dev train = the devices' training threads; workers-dev = the devices' other work; "
           "per device = (coordinator + broker + workers-dev) / N; other procs = the host's busy CPU outside this "
@@ -513,6 +517,37 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
                   f"(the embedded broker runs here), by kind:")
             for count, what in s["foreign"][:5]:
                 print(f"  {count:6d}  {what[:200]}")
+
+
+def per_device(summaries: list[dict]) -> None:
+    """Round time per device at each N, the round time each added device adds, and whether the first is flat
+    within 1.3x; then the least-squares line wall = fixed + per_device x N over the sizes, which separates what
+    grows with N from what does not (the selected devices' own rounds, once their number stops growing with N)."""
+    for broker in dict.fromkeys(s["broker"] for s in summaries):
+        done = [s for s in summaries if s["broker"] == broker and s["rounds"].get("rounds")]
+        if not done:
+            continue
+        print(f"\nround time per device, {broker} (median wall / N; added = the wall's growth over the previous N's "
+              f"/ the devices added; selected = the devices in the round, those that hold data)")
+        print(f"{'N':>6s} {'selected':>8s} {'wall s':>7s} {'ms per device':>13s} {'added ms per added device':>25s}")
+        previous = None
+        for s in done:
+            r = s["rounds"]
+            added = ((r["wall"] - previous["rounds"]["wall"]) / (s["n"] - previous["n"]) * 1e3
+                     if previous is not None else float("nan"))
+            print(f"{s['n']:6d} {r['selected']:8.0f} {r['wall']:7.2f} {r['wall'] / s['n'] * 1e3:13.2f} "
+                  f"{fmt(added, '25.2f')}")
+            previous = s
+        if len(done) < 2:
+            continue
+        each = [s["rounds"]["wall"] / s["n"] for s in done]
+        spread = max(each) / min(each)
+        sizes = [float(s["n"]) for s in done]
+        walls = [s["rounds"]["wall"] for s in done]
+        slope, fixed = statistics.linear_regression(sizes, walls)
+        print(f"per device {min(each) * 1e3:.2f}-{max(each) * 1e3:.2f} ms: {spread:.2f}x "
+              f"({'within' if spread <= 1.3 else 'outside'} 1.3x); least squares over the sizes: wall = "
+              f"{fixed:.2f} s + {slope * 1e3:.2f} ms x N")
 
 
 def main() -> None:
