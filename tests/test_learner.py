@@ -177,12 +177,45 @@ def test_state_survives_a_restart(make_learner, tmp_path):
     assert len(again.store) == 100
 
 
-def _portable_learner(export_artifacts, folder, between_rounds):
+def _portable_learner(export_artifacts, folder, between_rounds, optimizer="adamw", lr=3e-3):
     from edge_client.trainers.portable import PortableTrainer
 
-    trainer = PortableTrainer(export_artifacts("lenet", backends=("portable",)), optimizer="adamw", lr=3e-3)
+    trainer = PortableTrainer(export_artifacts("lenet", backends=("portable",)), optimizer=optimizer, lr=lr)
     store = ReplayStore(folder / "store", Budget(100), sample_shape=(1, 8, 8))
     return Learner(trainer, store, make_policy("random"), LearnerConfig(between_rounds=between_rounds), seed=0)
+
+
+def test_sgd_without_momentum_keeps_saves_and_parks_no_optimizer_state_and_trains_the_same(export_artifacts, tmp_path):
+    """SGD without momentum carries nothing from step to step: a parking learner saves the weights alone (no
+    optimiser file to write and read back each round) and takes the same steps as one that keeps everything in
+    memory; a state saved with a velocity (momentum before) is taken and ignored."""
+    from edge_client.state import load_state
+    from edge_client.trainers.base import OptimizerState
+
+    kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory", optimizer="sgd", lr=0.05)
+    parked = _portable_learner(export_artifacts, tmp_path / "parked", "disk", optimizer="sgd", lr=0.05)
+    for learner in (kept, parked):
+        learner.start_task(0, *_task_data([0, 1], 60, 0))
+    for round_ in range(3):
+        for learner, name in ((kept, "kept"), (parked, "parked")):
+            learner.train()
+            learner.state.round = round_
+            assert learner.save(tmp_path / name / "state")
+            learner.idle()
+        assert parked.trainer.optimizer_state() is None and parked.trainer._state == {}
+        assert load_state(tmp_path / "parked" / "state").optimizer is None
+        assert not list((tmp_path / "parked" / "state").glob("optimizer-*"))
+        assert not parked.trainer._own_weights  # the weights are parked all the same
+    np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
+    size = parked.trainer.manifest.num_parameters
+    parked.trainer.set_optimizer_state(OptimizerState(5, {"velocity": np.ones(size, np.float32)}))
+    before = parked.trainer.get_weights()
+    parked.train()  # the velocity given is not used: the same step as the learner that kept everything
+    kept.train()
+    assert not np.array_equal(parked.trainer.get_weights(), before)
+    np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
+    for learner in (kept, parked):
+        learner.store.close()
 
 
 def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_resumes_its_optimizer(

@@ -17,8 +17,8 @@ from models.feature_stats import LayerStatistics, statistics_of
 from models.manifest import LOSS_HEADS, Manifest, class_head_positions
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
-# The buffers each optimiser carries from step to step (`OptimizerState`), at most: a backend may keep fewer (torch's
-# SGD without momentum keeps none).
+# The buffers each optimiser carries from step to step (`OptimizerState`), at most: a backend may keep fewer (SGD
+# without momentum keeps none, in torch and in the portable backend).
 OPTIMIZER_BUFFERS: dict[str, tuple[str, ...]] = {"sgd": ("velocity",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 

@@ -189,8 +189,12 @@ class PortableTrainer(Trainer):
         self._reference = shared_filled(size, 0.0)
         self._reference_of: Proximal | None = None
         self._lr_scale = shared_filled(size, 1.0)  # each parameter's rate as a multiple of lr (scaled_rates)
-        self._state_names = OPTIMIZER_BUFFERS[optimizer]
-        self._state: dict[str, Any] = {}  # zeros until the first step writes it
+        self._graph_state = OPTIMIZER_BUFFERS[optimizer]  # the optimiser graph's state inputs and outputs
+        # What is kept from step to step (saved, parked, restored): SGD without momentum carries nothing (its graph's
+        # velocity output is the step's gradient, which the next step multiplies by zero), as torch's SGD keeps no
+        # buffer then. Keeping it cost a fleet's training devices a weight-sized write and read-back every round.
+        self._state_names = () if optimizer == "sgd" and momentum == 0.0 else self._graph_state
+        self._state: dict[str, Any] = {}  # the kept buffers; zeros (not held) until the first step writes them
         self._steps = 0  # the steps taken: AdamW's t, whose bias corrections are fed as scalars
         self._reload: Reload | None = None  # while parked: where the weights and the state come back from
         self._weights_parked = self._state_parked = False
@@ -235,14 +239,17 @@ class PortableTrainer(Trainer):
         self._has_weights = True
 
     def optimizer_state(self) -> OptimizerState | None:
-        """None before the first step (the state is zeros then)."""
-        if not self._steps:
+        """None before the first step (the state is zeros then), and where nothing is kept (SGD without momentum)."""
+        if not self._steps or not self._state_names:
             return None
         self._unpark(state=True)
         return OptimizerState(self._steps, {name: np.asarray(value.numpy(), dtype=np.float32).copy()
                                             for name, value in self._state.items()})
 
     def set_optimizer_state(self, state: OptimizerState) -> None:
+        if not self._state_names:  # nothing kept: a state saved with momentum, say, has nothing this one needs
+            self._state, self._state_parked, self._steps = {}, False, state.steps
+            return
         self.check_optimizer_state(state, self._state_names)
         self._state_parked = False
         self._state = {name: self._own_copy(buffer) for name, buffer in state.buffers.items()} if state.steps else {}
@@ -316,7 +323,7 @@ class PortableTrainer(Trainer):
         self._unpark(state=True)
         size = self.manifest.num_parameters
         gradient = _spares.take(size)
-        written = {name: _spares.take(size) for name in ("weights", *self._state_names)}
+        written = {name: _spares.take(size) for name in ("weights", *self._graph_state)}
         try:
             value = self._run_gradient(x, y, class_mask, loss, gradient)
             self._set_proximal(proximal)
@@ -326,12 +333,11 @@ class PortableTrainer(Trainer):
             binding.bind_ortvalue_input("gradient", gradient)
             binding.bind_ortvalue_input("reference", self._reference)
             binding.bind_ortvalue_input("lr_scale", lr_scale)
-            if not self._state:
-                self._state = {name: shared_filled(size, 0.0) for name in self._state_names}
-            for name in ("weights", *self._state_names):
+            zeros = shared_filled(size, 0.0)  # the state before the first step, and always what is not kept
+            for name in ("weights", *self._graph_state):
                 binding.bind_ortvalue_output(f"new_{name}", written[name])
-            for name, state in self._state.items():
-                binding.bind_ortvalue_input(name, state)
+                if name != "weights":
+                    binding.bind_ortvalue_input(name, self._state.get(name, zeros))
             if self._optimizer_name == "adamw":
                 beta1, beta2 = self._betas
                 step_size = self.learning_rate / (1.0 - beta1**(self._steps + 1))
@@ -344,10 +350,11 @@ class PortableTrainer(Trainer):
         except BaseException:
             _spares.give(gradient, *written.values())
             raise
-        left = [*self._state.values()] if self._steps else []  # not the shared zeros
+        left = [*self._state.values()]
         if self._own_weights:
             left.append(self._weights)
         self._weights, self._own_weights = written.pop("weights"), True
+        left += [written.pop(name) for name in self._graph_state if name not in self._state_names]
         self._state = written
         self._steps += 1
         _spares.give(gradient, *left)
