@@ -185,6 +185,26 @@ def _portable_learner(export_artifacts, folder, between_rounds, optimizer="adamw
     return Learner(trainer, store, make_policy("random"), LearnerConfig(between_rounds=between_rounds), seed=0)
 
 
+def _kept_and_parked(export_artifacts, tmp_path, **trainer):
+    """Two learners on the same task, one keeping its trainer's weights and state in memory between rounds, one
+    parking them ("disk"), with a generator of their rounds: each trains, saves and goes idle, then the caller looks."""
+    kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory", **trainer)
+    parked = _portable_learner(export_artifacts, tmp_path / "parked", "disk", **trainer)
+    for learner in (kept, parked):
+        learner.start_task(0, *_task_data([0, 1], 60, 0))
+
+    def rounds(count):
+        for round_ in range(count):
+            for learner, name in ((kept, "kept"), (parked, "parked")):
+                learner.train()
+                learner.state.round = round_
+                assert learner.save(tmp_path / name / "state")
+                learner.idle()
+            yield round_
+
+    return kept, parked, rounds
+
+
 def test_sgd_without_momentum_keeps_saves_and_parks_no_optimizer_state_and_trains_the_same(export_artifacts, tmp_path):
     """SGD without momentum carries nothing from step to step: a parking learner saves the weights alone (no
     optimiser file to write and read back each round) and takes the same steps as one that keeps everything in
@@ -192,16 +212,8 @@ def test_sgd_without_momentum_keeps_saves_and_parks_no_optimizer_state_and_train
     from edge_client.state import load_state
     from edge_client.trainers.base import OptimizerState
 
-    kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory", optimizer="sgd", lr=0.05)
-    parked = _portable_learner(export_artifacts, tmp_path / "parked", "disk", optimizer="sgd", lr=0.05)
-    for learner in (kept, parked):
-        learner.start_task(0, *_task_data([0, 1], 60, 0))
-    for round_ in range(3):
-        for learner, name in ((kept, "kept"), (parked, "parked")):
-            learner.train()
-            learner.state.round = round_
-            assert learner.save(tmp_path / name / "state")
-            learner.idle()
+    kept, parked, rounds = _kept_and_parked(export_artifacts, tmp_path, optimizer="sgd", lr=0.05)
+    for _ in rounds(3):
         assert parked.trainer.optimizer_state() is None and parked.trainer._state == {}
         assert load_state(tmp_path / "parked" / "state").optimizer is None
         assert not list((tmp_path / "parked" / "state").glob("optimizer-*"))
@@ -223,16 +235,8 @@ def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_
     """between_rounds = "disk": idle after each save, the trainer holds neither weights nor optimiser state of its own,
     takes them back from the saved state, and trains exactly as a learner that kept them in memory; a restarted
     learner gets the optimiser state back too (kept in memory, it would start afresh)."""
-    kept = _portable_learner(export_artifacts, tmp_path / "kept", "memory")
-    parked = _portable_learner(export_artifacts, tmp_path / "parked", "disk")
-    for learner in (kept, parked):
-        learner.start_task(0, *_task_data([0, 1], 60, 0))
-    for round_ in range(3):
-        for learner, name in ((kept, "kept"), (parked, "parked")):
-            learner.train()
-            learner.state.round = round_
-            learner.save(tmp_path / name / "state")
-            learner.idle()
+    kept, parked, rounds = _kept_and_parked(export_artifacts, tmp_path)
+    for _ in rounds(3):
         assert not parked.trainer._own_weights and parked.trainer._state == {}  # parked: nothing of its own
         assert kept.trainer._own_weights and len(kept.trainer._state) == 2
     np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
