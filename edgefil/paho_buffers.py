@@ -7,24 +7,22 @@ must:
 - writing, each try of a partial socket write slices the unsent rest of the packet: on a busy socket a 1 MB
   packet was copied once per try;
 - reading a packet's body, each socket read allocates a buffer of the whole rest (1 MB, then shrunk) and appends
-  what it got to a growing bytearray: every byte copied once more, plus the growth's reallocations.
+  what it got to a growing bytearray: every byte copied once more, plus the growth's reallocations;
+- publishing, it takes the payload as one bytes object, which it then copies into the packet: a blob's chunk
+  messages, which the codec can leave as their head and a view of the blob (`wire.Frame`), had to be laid out in
+  full first, every chunk of the blob at once, in fresh memory.
 
-- publishing, paho takes the payload as one bytes object and copies it into the packet: a blob's chunk messages,
-  which the codec can leave as their head and a view of the blob (`wire.Frame`), had to be laid out in full first,
-  every chunk of the blob at once, in fresh memory.
-
-`Client` publishes a payload given as parts (an object with `parts()`, like `wire.Frame`) by copying its parts
-straight into the packet when paho builds it, which for a message beyond the in-flight window is when the window
-frees: paho keeps the parts, never their joined copy. `install()` lets such a payload through paho's `publish`
-(whose `_encode_payload` takes bytes only). `Client` queues each outgoing packet as a memoryview, so a retried write
-slices a view; it reads the body of a
+`Client` queues each outgoing packet as a memoryview, so a retried write slices a view; it reads the body of a
 packet of `IN_PLACE_BYTES` or more with `recv_into` straight into a buffer allocated at the packet's size (the
-length paho has just decoded), handing paho the count of bytes it read in place of them. `install()` replaces paho's
-PUBLISH decoder with one that returns the payload as a memoryview of the packet buffer (paho starts a new buffer
-for the next packet, so the view stays valid for as long as the message is kept). Consumers read payloads as
-`bytes | memoryview` (wire.decode does). Both rely on paho internals: each is checked against what paho ships
-(tests/test_paho_buffers.py) and applied only where those internals have the shape they were written for; with
-another paho, paho runs as shipped.
+length paho has just decoded), handing paho the count of bytes it read in place of them; it publishes a payload
+given as parts (an object with `parts()`, like `wire.Frame`) by joining its parts straight into the packet when
+paho builds it, which for a message beyond the in-flight window is when the window frees: paho keeps the parts,
+never their joined copy. `install()` replaces paho's PUBLISH decoder with one that returns the payload as a
+memoryview of the packet buffer (paho starts a new buffer for the next packet, so the view stays valid for as long
+as the message is kept), and lets a payload given as parts through paho's `publish` (whose `_encode_payload` takes
+bytes only). Consumers read payloads as `bytes | memoryview` (wire.decode does). All rely on paho internals: each
+is checked against what paho ships (tests/test_paho_buffers.py) and applied only where those internals have the
+shape they were written for; with another paho, paho runs as shipped (and a Link joins a frame itself).
 """
 from __future__ import annotations
 
