@@ -6,8 +6,10 @@ little-endian), that map, then the chunk's raw bytes. Weights travel as raw litt
 from a trainer's flat buffer, in chunks of at most `MAX_MESSAGE_BYTES` per MQTT payload, each chunk carrying its
 own CRC32C and the blob's id, the BLAKE3 hash of the whole blob. Framing lets a receiver read the chunk's bytes
 where they arrived (a memoryview of the payload) and copy them once, into the blob's buffer at the chunk's offset;
-inside a msgpack map they were copied out of the payload first. `Reassembler` puts blobs back together
-idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and verified.
+inside a msgpack map they were copied out of the payload first. It also lets a sender keep a chunk as its head and
+a view of the blob (`Frame`), laid out in one buffer only in the packet that sends it. `Reassembler` puts blobs
+back together idempotently: duplicate or reordered chunks are harmless, and a blob is delivered once, whole and
+verified.
 
 The checks run at memory speed, because every byte of every model crosses them on both sides each round: a chunk's
 CRC32C (hardware instructions on x86-64 and ARMv8: 16 GB/s here) catches a damaged chunk as it arrives, and the

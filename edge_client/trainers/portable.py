@@ -333,11 +333,11 @@ class PortableTrainer(Trainer):
             binding.bind_ortvalue_input("gradient", gradient)
             binding.bind_ortvalue_input("reference", self._reference)
             binding.bind_ortvalue_input("lr_scale", lr_scale)
-            zeros = shared_filled(size, 0.0)  # the state before the first step, and always what is not kept
             for name in ("weights", *self._graph_state):
                 binding.bind_ortvalue_output(f"new_{name}", written[name])
-                if name != "weights":
-                    binding.bind_ortvalue_input(name, self._state.get(name, zeros))
+            zeros = shared_filled(size, 0.0)  # the state before the first step, and always what is not kept
+            for name in self._graph_state:
+                binding.bind_ortvalue_input(name, self._state.get(name, zeros))
             if self._optimizer_name == "adamw":
                 beta1, beta2 = self._betas
                 step_size = self.learning_rate / (1.0 - beta1**(self._steps + 1))
