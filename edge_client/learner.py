@@ -96,7 +96,13 @@ class Learner:
         self.global_weights: np.ndarray | None = None  # the latest global model received (read-only)
 
     def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
-        """Let the policy open what it keeps besides the store (its own files, within M)."""
+        """Let the policy open what it keeps besides the store (its own files, within M), once the trainer is
+        known to run what the policy needs of it."""
+        lacking = self.policy.trainer_graphs() - self.trainer.graphs
+        if lacking:
+            raise ValueError(f"policy {self.policy.name} needs the optional trainer graphs "
+                             f"{', '.join(sorted(lacking))} with these options, which the {self.trainer.backend} "
+                             f"backend's artifacts lack: export them again with those graphs, or change the options")
         self.policy.open(PolicyContext(Path(state_dir), Path(model_artifacts), self.budget, self.trainer))
 
     # --- the stream -------------------------------------------------------------------------------

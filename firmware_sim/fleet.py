@@ -77,7 +77,7 @@ from coordinator.pki import OBSERVER, make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
-from edge_client.policies import POLICIES, check_policy
+from edge_client.policies import POLICIES, check_policy, split_policy
 from edge_client.trainers.base import OPTIMIZER_BUFFERS
 from edge_client.trainers.choice import resolve_backend
 from edgefil.durable import write_atomically, write_private
@@ -343,14 +343,17 @@ class Fleet:
         from models.export import export_registered, exportable_backends  # host only
 
         artifacts = self.config.out / "artifacts"
+        policy, _ = split_policy(self.config.policy)
         if not (artifacts / "manifest.json").is_file():
             artifacts.mkdir(parents=True, exist_ok=True)
-            # Only what the devices run: the portable graphs take seconds to export, the others a fraction.
+            # Only what the devices run: the portable graphs take seconds each to export, the others a fraction;
+            # of the optional graphs, those the policy runs with its options.
             backend = resolve_backend(self.config.trainer.backend, exportable_backends())
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
-                              seed=self.config.seed, backends=(backend, "torch"), cache=True)
-        policy = dict(self.config.policy)
-        POLICIES.get(policy.pop("name")).export_artifacts(policy, artifacts, seed=self.config.seed)
+                              seed=self.config.seed, backends=(backend, "torch"), cache=True,
+                              graphs=policy.trainer_graphs())
+        options = dict(self.config.policy)
+        POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
         return artifacts
 
     def _start_broker(self, host: str = LOOPBACK) -> MosquittoBroker | EmbeddedBroker:

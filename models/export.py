@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from models.manifest import (
     MANIFEST_NAME,
     MAX_IR_VERSION,
     OPTIMIZER_MODELS,
+    OPTIONAL_GRAPHS,
     PORTABLE_MODELS,
     TRAINING_MODEL,
     WEIGHTS,
@@ -67,12 +68,15 @@ def export_model(
     out_dir: str | Path,
     nominal: bool = False,
     backends: Sequence[str] | None = None,
+    graphs: Collection[str] | None = None,
 ) -> Manifest:
     """Write the artifact set of `model` (its current weights) for `backends` (default: every backend this host
-    can export, `exportable_backends()`) to `out_dir` and return its manifest."""
+    can export, `exportable_backends()`) to `out_dir` and return its manifest. `graphs`: the optional portable
+    graphs to export (`OPTIONAL_GRAPHS`; default all; a run exports those its method needs)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backends = _checked_backends(backends)
+    optional = _checked_graphs(graphs)
     num_classes = model.head.out_features
     model = model.cpu().eval()
     ir_version = 0
@@ -84,9 +88,11 @@ def export_model(
         from models.portable_export import export_portable
 
         with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)"):
-            export_portable(model, parameters, input_shape, out_dir)
-        ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in PORTABLE_MODELS.values()))
+            made = export_portable(model, parameters, input_shape, out_dir, optional)
+        ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in made))
     files = [f for backend in backends for f in BACKEND_FILES[backend]]
+    if "portable" in backends:
+        files += [PORTABLE_MODELS[graph] for graph in sorted(optional)]
     if not nominal:
         named = dict(model.named_parameters())
         flat = np.concatenate([named[p.name].detach().numpy().astype("<f4").ravel() for p in parameters])
@@ -126,6 +132,16 @@ def exportable_backends() -> tuple[str, ...]:
     if importlib.util.find_spec("onnxscript"):
         found.append("portable")
     return (*found, "torch")
+
+
+def _checked_graphs(graphs: Collection[str] | None) -> frozenset[str]:
+    if graphs is None:
+        return OPTIONAL_GRAPHS
+    unknown = sorted(set(graphs) - OPTIONAL_GRAPHS)
+    if unknown:
+        raise ValueError(f"unknown optional graphs {', '.join(unknown)}; "
+                         f"choose from {', '.join(sorted(OPTIONAL_GRAPHS))}")
+    return frozenset(graphs)
 
 
 def _checked_backends(backends: Sequence[str] | None) -> tuple[str, ...]:
@@ -182,21 +198,24 @@ def export_registered(
     nominal: bool = False,
     backends: Sequence[str] | None = None,
     cache: bool = False,
+    graphs: Collection[str] | None = None,
 ) -> Manifest:
-    """Build a registry model with seeded initial weights and export it; `cache`: copy the same export made
-    before, and keep this one for the next (models/cache.py)."""
+    """Build a registry model with seeded initial weights and export it (`graphs`: as `export_model`'s); `cache`:
+    copy the same export made before, and keep this one for the next (models/cache.py)."""
     shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
     chosen = _checked_backends(backends)
+    optional = _checked_graphs(graphs)
 
     def export(folder: Path) -> Manifest:
         model = build_model(name, num_classes, input_shape, seed=seed)
-        return export_model(model, name, shape, folder, nominal=nominal, backends=chosen)
+        return export_model(model, name, shape, folder, nominal=nominal, backends=chosen, graphs=optional)
 
     if not cache:
         return export(Path(out_dir))
     from models.cache import cached_export, export_key
 
-    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed, nominal=nominal, backends=chosen)
+    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed, nominal=nominal, backends=chosen,
+                     graphs=sorted(optional))
     cached_export(key, Path(out_dir), export, chosen)
     return load_manifest(out_dir)
 

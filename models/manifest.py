@@ -35,13 +35,16 @@ PORTABLE_MODELS = {
     "sgd": "portable_sgd.onnx",
     "adamw": "portable_adamw.onnx",
 }
+# The portable graphs only some methods run (each method says which: `ReplayPolicy.trainer_graphs`): an export may
+# leave them out (`export_model(graphs=...)`), and a trainer runs those its set holds (`Trainer.graphs`).
+OPTIONAL_GRAPHS: frozenset[str] = frozenset({"sample_grad_norms", "input_gradient"})
 # The initial weights: float32, little-endian, manifest order, no header (absent from a nominal set).
 WEIGHTS = "weights.bin"
 # The files each trainer backend loads: "ort" runs ORT Training's artifacts, "portable" the standard-op graphs on
 # plain onnxruntime, "torch" rebuilds the architecture from the model zoo and needs only the manifest.
 BACKEND_FILES: dict[str, tuple[str, ...]] = {
     "ort": (TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()),
-    "portable": tuple(PORTABLE_MODELS.values()),
+    "portable": tuple(file for graph, file in PORTABLE_MODELS.items() if graph not in OPTIONAL_GRAPHS),
     "torch": (),
 }
 
@@ -158,6 +161,11 @@ class Manifest:
     @property
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters)
+
+    @property
+    def optional_graphs(self) -> frozenset[str]:
+        """The optional portable graphs (OPTIONAL_GRAPHS) this set holds."""
+        return frozenset(graph for graph in OPTIONAL_GRAPHS if PORTABLE_MODELS[graph] in self.files)
 
     def require_backend(self, backend: str) -> None:
         """ManifestError unless this artifact set was exported for `backend`."""

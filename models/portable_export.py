@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
+import os
+import queue
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +47,19 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
 from models.loss import training_loss
-from models.manifest import GRAPH_INPUTS, MAX_IR_VERSION, PORTABLE_MODELS, ManifestError, ParameterInfo
+from models.manifest import (
+    GRAPH_INPUTS,
+    MAX_IR_VERSION,
+    OPTIONAL_GRAPHS,
+    PORTABLE_MODELS,
+    ManifestError,
+    ParameterInfo,
+)
 from models.onnx_backward import KEPT_WHOLE, TRANSLATIONS
 from models.zoo import ClassifierModel
 
 PORTABLE_OPSET = 18
+log = logging.getLogger("edgefil.export")
 SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
 
 GRADIENT_INPUTS = ("weights", *(name for name, *_ in GRAPH_INPUTS))
@@ -150,11 +161,52 @@ class AdamWGraph(torch.nn.Module):
         return stepped - rate * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
 
 
+GraphSpec = tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]
+
+
 def export_portable(
-    model: ClassifierModel, parameters: Sequence[ParameterInfo], input_shape: tuple[int, ...], out_dir: Path
+    model: ClassifierModel, parameters: Sequence[ParameterInfo], input_shape: tuple[int, ...], out_dir: Path,
+    optional: Collection[str] = OPTIONAL_GRAPHS, helpers: int | None = None,
 ) -> list[str]:
-    """Write the portable graphs of `model` to `out_dir`; returns their file names."""
+    """Write the portable graphs of `model` to `out_dir`, of the optional ones (`OPTIONAL_GRAPHS`) those in
+    `optional`; returns their file names.
+
+    The graphs are independent, and each export is single-threaded Python (tracing and translating), so
+    `helpers` processes (default `export_helpers()`: one per other core) export some of them while this one
+    exports the others, each taking the next graph, longest first, when it is free. A helper that cannot start,
+    dies or fails leaves its graphs to this process, which exports them itself (and raises what it raises)."""
     model = model.cpu().eval()
+    graphs = [graph for graph in _graph_specs(model, parameters, input_shape)
+              if graph not in OPTIONAL_GRAPHS or graph in optional]
+    helpers = export_helpers() if helpers is None else helpers
+    with _Helpers(min(helpers, len(graphs) - 1), (model, parameters, input_shape, out_dir, graphs)) as pool:
+        made: set[str] = set()
+        while (index := pool.take()) is not None:
+            _export_one(graphs[index], model, parameters, input_shape, out_dir)
+            made.add(graphs[index])
+        made |= pool.wait()
+    for graph in graphs:
+        if graph not in made:  # a helper's that it did not make
+            _export_one(graph, model, parameters, input_shape, out_dir)
+    return [PORTABLE_MODELS[graph] for graph in graphs]
+
+
+def export_helpers() -> int:
+    """`$EDGEFIL_EXPORT_HELPERS`, else one helper process per core beyond this one's (0: export in this one)."""
+    value = os.environ.get("EDGEFIL_EXPORT_HELPERS", "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"EDGEFIL_EXPORT_HELPERS must be a whole number, not {value!r}") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - 1
+
+
+def _graph_specs(model: ClassifierModel, parameters: Sequence[ParameterInfo], input_shape: tuple[int, ...]
+                 ) -> dict[str, GraphSpec]:
+    """Each graph's (module, example inputs, input names, output names, inputs with a batch dim, traced via
+    make_fx), longest export first (the order in which the exporting processes take them)."""
     classes = model.head.out_features
     size = sum(p.size for p in parameters)
     weights = torch.zeros(size)
@@ -172,27 +224,114 @@ def export_portable(
         return tuple(torch.tensor(0.5) for _ in range(count))
 
     chunk = SAMPLE_NORM_CHUNK
-    graphs: dict[str, tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]] = {
-        # graph: (module, example inputs, input names, output names, inputs with a batch dim, traced via make_fx)
+    return {
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
                      (1, 3, 4, 5, 6, 7, 8, 9), True),
         "input_gradient": (GradientGraph(model, parameters, wrt="input"), (weights, *batch), GRADIENT_INPUTS,
                            ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8, 9), True),
-        "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
-                 ("logits", "features"), (1,), False),
         "sample_grad_norms": (
             SampleGradNormsGraph(model, parameters),
             (weights, torch.zeros(chunk, *input_shape), torch.ones(classes),
              F.one_hot(torch.arange(chunk) % classes, classes).float()),
             ("weights", "input", "class_mask", "targets"), ("norms",), (), True),
-        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(2)), SGD_INPUTS,
-                ("new_weights", "new_velocity"), (), False),
         "adamw": (AdamWGraph(), (*flat(4), *scalars(8), *flat(2)), ADAMW_INPUTS,
                   ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
+        "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
+                 ("logits", "features"), (1,), False),
+        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(2)), SGD_INPUTS,
+                ("new_weights", "new_velocity"), (), False),
     }
-    for graph, (module, example, inputs, outputs, batched, traced) in graphs.items():
-        _export_graph(module, example, inputs, outputs, batched, traced, out_dir / PORTABLE_MODELS[graph])
-    return [PORTABLE_MODELS[graph] for graph in graphs]
+
+
+def _export_one(graph: str, model: ClassifierModel, parameters: Sequence[ParameterInfo],
+                input_shape: tuple[int, ...], out_dir: Path) -> None:
+    module, example, inputs, outputs, batched, traced = _graph_specs(model, parameters, input_shape)[graph]
+    _export_graph(module, example, inputs, outputs, batched, traced, out_dir / PORTABLE_MODELS[graph])
+
+
+class _Helpers:
+    """Helper processes and this one share the graphs through a counter: whoever is free takes the next. Each
+    helper reports every graph it exported; `wait` returns those once every graph is taken and the helpers that
+    took one reported it or died. A helper still starting when none is left is stopped, not waited for."""
+
+    def __init__(self, count: int, job: tuple) -> None:
+        self.count, self.job, self.graphs = count, job, len(job[-1])
+        self.processes: list[Any] = []
+        self.taken: list[int] = []
+        self.next: Any = None  # the shared counter: the next graph to take (None: no helper)
+        self.reports: Any = None
+
+    def __enter__(self) -> _Helpers:
+        if self.count <= 0:
+            return self
+        context = mp.get_context("spawn")  # a fresh interpreter: this process may hold threads and locks
+        try:
+            self.next, self.reports = context.Value("i", 0), context.Queue()
+            for _ in range(self.count):
+                process = context.Process(target=_help, args=(self.job, self.next, self.reports), daemon=True)
+                process.start()
+                self.processes.append(process)
+        except (OSError, AssertionError) as error:  # AssertionError: a daemonic process may not have children
+            log.info("exporting the portable graphs without helper processes (%s)", error)
+            if not self.processes:
+                self.next = None
+        return self
+
+    def take(self) -> int | None:
+        """The next graph for this process, or None when all are taken."""
+        if self.next is None:
+            index = len(self.taken)
+        else:
+            with self.next.get_lock():
+                index = self.next.value
+                self.next.value = index + 1
+        if index >= self.graphs:
+            return None
+        self.taken.append(index)
+        return index
+
+    def wait(self) -> set[str]:
+        """The graphs the helpers made."""
+        made: set[str] = set()
+        if self.next is None:
+            return made
+        owed = self.graphs - len(self.taken)  # every graph is taken: the others took these
+        while owed > 0 and any(p.is_alive() for p in self.processes):
+            try:
+                graph, ok = self.reports.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            owed -= 1
+            if ok:
+                made.add(graph)
+        while owed > 0 and not self.reports.empty():  # reports sent just before a helper ended
+            graph, ok = self.reports.get()
+            owed -= 1
+            if ok:
+                made.add(graph)
+        return made
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:  # done, or still starting when no graph was left, or this one failed
+            process.terminate()
+            process.join()
+
+
+def _help(job: tuple, next_graph: Any, reports: Any) -> None:
+    """A helper process: export graphs until none is left, reporting each (name, made or not)."""
+    model, parameters, input_shape, out_dir, graphs = job
+    while True:
+        with next_graph.get_lock():
+            index = next_graph.value
+            next_graph.value = index + 1
+        if index >= len(graphs):
+            return
+        try:
+            _export_one(graphs[index], model, parameters, input_shape, out_dir)
+        except Exception:  # noqa: BLE001 (this process exports the graph again and raises what it raises)
+            reports.put((graphs[index], False))
+        else:
+            reports.put((graphs[index], True))
 
 
 def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str], outputs: Sequence[str],

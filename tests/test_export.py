@@ -223,3 +223,50 @@ def test_a_cached_export_is_the_same_set_copied_and_a_damaged_one_is_made_anew(t
     export_registered("lenet", 10, tmp_path / "d", (1, 8, 8), backends=("ort", "torch"), cache=True)
     assert len(calls) == 3  # the damaged set was not copied
     assert (tmp_path / "d" / "checkpoint").read_bytes() == (tmp_path / "a" / "checkpoint").read_bytes()
+
+
+def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_leave_the_optional_ones_out(
+        tmp_path, monkeypatch):
+    """The portable graphs exported by this process alone and with a helper process beside it (taking graphs as it
+    is free) are the same bytes; without the optional graphs the set loads, lists none of them, a portable trainer says so when
+    asked for one (per-sample norms in "exact" mode) while everything else runs, and a learner refuses to open a
+    method that needs one (Re-Fed's "exact" importance) and opens it without ("last-layer")."""
+    from models.export import export_registered
+    from models.manifest import OPTIONAL_GRAPHS, PORTABLE_MODELS
+
+    sets = {}
+    for helpers in (0, 1):
+        monkeypatch.setenv("EDGEFIL_EXPORT_HELPERS", str(helpers))
+        sets[helpers] = export_registered("mlp", 4, tmp_path / str(helpers), (1, 8, 8),
+                                          backends=("portable", "torch"), graphs=())
+    assert sets[0].files == sets[1].files
+    manifest = load_manifest(tmp_path / "1")
+    assert manifest.optional_graphs == frozenset()
+    assert {PORTABLE_MODELS[g] for g in OPTIONAL_GRAPHS}.isdisjoint(manifest.files)
+    assert not any((tmp_path / "1" / PORTABLE_MODELS[g]).exists() for g in OPTIONAL_GRAPHS)
+    trainer = PortableTrainer(tmp_path / "1", optimizer="sgd", lr=0.1)
+    x = np.random.default_rng(0).standard_normal((6, 1, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2, 3, 0, 1])
+    assert trainer.graphs == frozenset()
+    assert np.isfinite(trainer.fit(x, y, epochs=1))
+    assert trainer.per_sample_grad_norms(x, y, mode="last-layer").shape == (6,)
+    with pytest.raises(ValueError, match="no portable_sample_grad_norms.onnx"):
+        trainer.per_sample_grad_norms(x, y, mode="exact")
+    with pytest.raises(ValueError, match="no portable_input_gradient.onnx"):
+        trainer.input_gradient(x, y)
+    from edge_client.budget import Budget, DeviceBudget
+    from edge_client.learner import Learner, LearnerConfig
+    from edge_client.policies import make_policy
+    from edge_client.store import ReplayStore
+
+    for importance, refused in (("exact", True), ("last-layer", False)):
+        policy = make_policy("refed", importance=importance)
+        folder = tmp_path / importance
+        store = ReplayStore.within(DeviceBudget(Budget(30, None)), folder / "store", (1, 8, 8))
+        learner = Learner(trainer, store, policy, LearnerConfig(), seed=0)
+        if refused:
+            with pytest.raises(ValueError, match="policy refed needs the optional trainer graphs sample_grad_norms"):
+                learner.open_policy(folder, tmp_path / "1")
+        else:
+            learner.open_policy(folder, tmp_path / "1")
+        store.close()

@@ -349,7 +349,7 @@ def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(
     learner.store.close()
     ort_only = export_artifacts("lenet", 10, (1, 8, 8))
     POLICIES.get("glfc").export_artifacts(OPTIONS, ort_only)
-    with pytest.raises(ValueError, match="refine_steps needs input gradients"):
+    with pytest.raises(ValueError, match="policy glfc needs the optional trainer graphs input_gradient"):
         _learner(ort_only, tmp_path / "ort", trainer=OrtTrainer(ort_only), refine_steps=10)
 
 

@@ -179,6 +179,12 @@ class ReplayPolicy(ABC):
         """Host side (a fleet, before its devices start): write what the policy opens besides the model's
         artifacts (e.g. a generative model's) when it is missing. Nothing by default."""
 
+    def trainer_graphs(self) -> frozenset[str]:
+        """The optional trainer computations (`models.manifest.OPTIONAL_GRAPHS`) the policy runs with its options:
+        a fleet exports only these of the optional graphs, and the learner refuses to open the policy on a trainer
+        that lacks one (`Trainer.graphs`). None by default."""
+        return frozenset()
+
     def open(self, ctx: PolicyContext) -> None:
         """Open what the policy keeps on disk besides the store, registering it with `ctx.budget`."""
 

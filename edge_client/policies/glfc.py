@@ -240,14 +240,15 @@ class Glfc(ReplayPolicy):
                           input_shape=tuple(manifest.input_shape), seed=int(options.get("gamma_seed", cls.gamma_seed)),
                           backends=manifest.backends)
 
+    def trainer_graphs(self) -> frozenset[str]:
+        """The prototype's refinement descends the input gradient."""
+        return frozenset({"input_gradient"}) if self.refine_steps else frozenset()
+
     def open(self, ctx: PolicyContext) -> None:
         from edge_client.config import TrainerSettings  # here: the config module imports the policies
         from edge_client.trainers.choice import make_trainer
 
         self._trainer = ctx.trainer
-        if self.refine_steps and not ctx.trainer.has_input_gradients:
-            raise ValueError(f"policy glfc: refine_steps needs input gradients, which the {ctx.trainer.backend} "
-                             f"backend has only with the portable graphs in its artifacts; set refine_steps = 0")
         folder = self.gamma_folder({"gamma": self.gamma, "gamma_seed": self.gamma_seed}, ctx.artifacts)
         if not (folder / "manifest.json").is_file():
             raise FileNotFoundError(f"no GLFC encoding network at {folder}: the host exports it "

@@ -181,6 +181,10 @@ class ReFed(ReplayPolicy):
         if not (np.isfinite(self.pim_tolerance) and self.pim_tolerance >= 0):
             raise ValueError(f"pim_tolerance must be >= 0, got {self.pim_tolerance}")
 
+    def trainer_graphs(self) -> frozenset[str]:
+        """"exact" importance takes every parameter's per-sample gradient."""
+        return frozenset({"sample_grad_norms"}) if self.importance == "exact" else frozenset()
+
     def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
         order = np.argsort(-self.importance_scores(old, view), kind="stable")
         return (order[::-1] if self.weighting == "late" else order)[:keep]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.feature_stats import LayerStatistics, statistics_of
-from models.manifest import LOSS_HEADS, Manifest, class_head_positions
+from models.manifest import LOSS_HEADS, OPTIONAL_GRAPHS, Manifest, class_head_positions
 
 GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
 # The buffers each optimiser carries from step to step (`OptimizerState`), at most: a backend may keep fewer (SGD
@@ -390,9 +390,12 @@ class Trainer(ABC):
         return self._input_gradient(x, y, self.mask(class_mask), loss)
 
     @property
-    def has_input_gradients(self) -> bool:
-        """Whether `input_gradient` works here (a method that needs it refuses its options at open otherwise)."""
-        return True
+    def graphs(self) -> frozenset[str]:
+        """The optional computations this trainer runs (`models.manifest.OPTIONAL_GRAPHS`: "input_gradient" for
+        `input_gradient`, "sample_grad_norms" for `per_sample_grad_norms(mode="exact")`): a backend whose
+        artifacts may lack their graphs says which it has, and the learner refuses a method that needs one it
+        lacks (`ReplayPolicy.trainer_graphs`) when it opens. All of them by default."""
+        return OPTIONAL_GRAPHS
 
     def _input_gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None

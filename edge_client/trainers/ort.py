@@ -138,8 +138,10 @@ class OrtTrainer(Trainer):
         return norms
 
     @property
-    def has_input_gradients(self) -> bool:
-        return "portable" in self.manifest.backends
+    def graphs(self) -> frozenset[str]:
+        """Per-sample norms of its own (a batch of one per sample); input gradients through the portable graph,
+        when the set holds it."""
+        return frozenset({"sample_grad_norms"}) | (self.manifest.optional_graphs & {"input_gradient"})
 
     def _input_gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
@@ -148,9 +150,9 @@ class OrtTrainer(Trainer):
         inference session at this trainer's weights, where the artifact set serves the portable backend too."""
         from edge_client.trainers.portable import run_input_gradient, shared_session
 
-        if not self.has_input_gradients:
-            raise ValueError("input gradients on the ort backend need the portable graphs in its artifact set "
-                             "(export with backends ort and portable), or the portable or torch backend")
+        if "input_gradient" not in self.graphs:
+            raise ValueError("input gradients on the ort backend need the portable input-gradient graph in its "
+                             "artifact set (export with backends ort and portable), or the portable or torch backend")
         session = shared_session(self._directory / PORTABLE_MODELS["input_gradient"], 1)
         return run_input_gradient(session, self.get_weights(), x, y, class_mask, self.manifest.num_classes, loss)
 

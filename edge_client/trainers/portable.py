@@ -37,7 +37,7 @@ from edge_client.trainers.base import (
     loss_arrays,
 )
 from edge_client.trainers.ort_capi import ORT
-from models.manifest import GRAPH_INPUTS, PORTABLE_MODELS, WEIGHTS, load_manifest
+from models.manifest import GRAPH_INPUTS, OPTIONAL_GRAPHS, PORTABLE_MODELS, WEIGHTS, load_manifest
 
 ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
 OPTIMIZERS = ("sgd", "adamw")
@@ -211,10 +211,18 @@ class PortableTrainer(Trainer):
         if self._has_weights:
             self._weights = ORT.OrtValue.ortvalue_from_numpy(shared_initial_weights(directory / WEIGHTS))
 
+    @property
+    def graphs(self) -> frozenset[str]:
+        """The optional graphs its artifact set holds."""
+        return self.manifest.optional_graphs
+
     def _session(self, graph: str) -> Any:
         """The graph's InferenceSession, taken on first use (a device that never asks for exact norms never
         loads that graph) from the ones this process shares."""
         if graph not in self._sessions:
+            if graph in OPTIONAL_GRAPHS and graph not in self.graphs:
+                raise ValueError(f"this artifact set has no {PORTABLE_MODELS[graph]} (exported without the "
+                                 f"optional {graph!r} graph): export it again with that graph")
             self._sessions[graph] = shared_session(self._directory / PORTABLE_MODELS[graph], self._threads)
         return self._sessions[graph]
 
