@@ -178,13 +178,15 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
 def fill_cache(cache: Path, folder: Path) -> None:
     """Export the fleet's artifacts once into the export cache at `cache`, as a host's first fleet run does."""
     os.environ["EDGEFIL_CACHE"] = str(cache)
+    from edge_client.policies import make_policy
     from edgefil.settings import Where
     from firmware_sim.scenarios import check_scenario
     from models.export import export_registered
 
     data = check_scenario({**SCENARIO, "n_clients": 1}, Where("vs_flower")).build()
+    # the set the fleet exports: the optional graphs its policy (fleet_scale's random replay) runs, no others
     export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"),
-                      cache=True)
+                      cache=True, graphs=make_policy("random").trainer_graphs())
 
 
 # --- Flower's side (its own environment) ----------------------------------------------------------
