@@ -2,12 +2,13 @@
 
 `cache_dir()` is `$EDGEFIL_CACHE`, else `~/.cache/edgefil`. An artifact set (`cached_export`) is kept under
 `artifacts/<key>`, the key a hash of everything the export's bytes depend on: the model's name, classes, input
-shape, seed, nominal or not, the backends, edgefil's version, the source of every module of `models/` (the
-exporters, the zoo, the loss, the backward translations) and the versions of torch, onnx, onnxscript and
-onnxruntime. So a fleet run (or `edgefil export`) that asks for an export made before copies it in a fraction of a
-second instead of exporting again (the portable graphs take 15 s for LeNet), and any change to what an export
-would make is a new key. A cached set is verified (every file's sha256, as a device verifies it) before it is
-copied; one that fails is exported anew.
+shape, seed, nominal or not, the backends, the optional graphs, edgefil's version, the source of every module of
+`models/` (the exporters, the zoo, the loss, the backward translations) and the versions of torch, onnx, onnxscript
+and onnxruntime. So a fleet run (or `edgefil export`) that asks for an export made before copies it in a fraction of
+a second instead of exporting again (a fleet's portable graphs take 6-14 s for LeNet on 2 cores), and any change to
+what an export would make is a new key. A cached set is verified (every file's sha256, as a device verifies it)
+before it
+is copied; one that fails is exported anew.
 """
 from __future__ import annotations
 
