@@ -15,7 +15,7 @@ from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.pytorch import TorchTrainer
-from models.manifest import load_manifest
+from models.manifest import OPTIONAL_GRAPHS, load_manifest
 
 OPTIONS = {"refed": {"pim_epochs": 1, "importance": "last-layer"},
            "generator": {"init_steps": 2, "transfer_steps": 1, "precision": "int8", "keep_auxiliary": False},
@@ -172,3 +172,37 @@ def test_every_global_model_reaches_the_policy_and_becomes_the_views_latest(arti
     assert [w is m for w, m in zip(policy.models_seen, (first, second))] == [True, True]
     assert learner.view().global_weights is second and learner.state.task == -1  # no data needed
     learner.store.close()
+
+
+class NeedsInputGradients(LabelBoundary):
+    """A policy that runs the input gradient (as GLFC's refinement does) when told to."""
+
+    name = "test-input-gradients"
+
+    def __init__(self, refine: bool) -> None:
+        super().__init__()
+        self.refine = refine
+
+    def trainer_graphs(self) -> frozenset[str]:
+        return frozenset({"input_gradient"}) if self.refine else frozenset()
+
+
+def test_every_policy_declares_only_optional_graphs_and_a_learner_refuses_what_its_trainer_lacks(artifacts, tmp_path):
+    """What a built-in policy declares, with its defaults and the options used here, are optional graphs; a
+    policy that needs a graph its trainer lacks (ort artifacts without the portable graphs: no input gradient) is
+    refused when the learner opens it, in one line, and the same policy not needing it opens."""
+    for name in BUILT_IN:
+        for options in ({}, OPTIONS.get(name, {})):
+            assert make_policy(name, **options).trainer_graphs() <= OPTIONAL_GRAPHS
+    trainer = OrtTrainer(artifacts, optimizer="sgd", lr=0.05)
+    assert "input_gradient" not in trainer.graphs
+    for refine in (True, False):
+        store = ReplayStore.within(DeviceBudget(Budget(30, None)), tmp_path / str(refine) / "store", (1, 8, 8))
+        learner = Learner(trainer, store, NeedsInputGradients(refine), LearnerConfig(), seed=1)
+        if refine:
+            with pytest.raises(ValueError, match="test-input-gradients needs the optional trainer graphs "
+                                                 "input_gradient .* ort backend's artifacts lack"):
+                learner.open_policy(tmp_path, artifacts)
+        else:
+            learner.open_policy(tmp_path, artifacts)
+        store.close()
