@@ -228,7 +228,8 @@ class Glfc(ReplayPolicy):
 
     @classmethod
     def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
-        """Gamma's artifacts beside the model's (for the backends the model serves), when missing. Host only."""
+        """Gamma's artifacts beside the model's (for the backends the model serves), when missing, through the
+        host's export cache; none of the optional graphs: a device runs only Gamma's gradient. Host only."""
         folder = cls.gamma_folder(options, model_artifacts)
         if (folder / "manifest.json").is_file():
             return
@@ -238,7 +239,7 @@ class Glfc(ReplayPolicy):
         manifest = load_manifest(model_artifacts)
         export_registered(str(options.get("gamma", cls.gamma)), manifest.num_classes, folder,
                           input_shape=tuple(manifest.input_shape), seed=int(options.get("gamma_seed", cls.gamma_seed)),
-                          backends=manifest.backends)
+                          backends=manifest.backends, cache=True, graphs=())
 
     def trainer_graphs(self) -> frozenset[str]:
         """The prototype's refinement descends the input gradient."""
