@@ -2,13 +2,14 @@
 
 `cache_dir()` is `$EDGEFIL_CACHE`, else `~/.cache/edgefil`. An artifact set (`cached_export`) is kept under
 `artifacts/<key>`, the key a hash of everything the export's bytes depend on: the model's name, classes, input
-shape, seed, nominal or not, the backends, the optional graphs, edgefil's version, the source of every module of
-`models/` (the exporters, the zoo, the loss, the backward translations) and the versions of torch, onnx, onnxscript
-and onnxruntime. So a fleet run (or `edgefil export`) that asks for an export made before copies it in a fraction of
-a second instead of exporting again (a fleet's portable graphs take 6-14 s for LeNet on 2 cores), and any change to
-what an export would make is a new key. A cached set is verified (every file's sha256, as a device verifies it)
-before it
-is copied; one that fails is exported anew.
+shape, nominal or not, the backends, the optional graphs, edgefil's version, the source of every module of
+`models/` (the exporters, the zoo, the loss, the backward translations), the versions of torch, onnx, onnxscript
+and onnxruntime, and the seed only where a graph holds the initial weights (ORT Training's full checkpoint): every
+other graph takes the weights as an input, so a set kept for one seed serves every seed, its `weights.bin` (and that
+file's hash in the manifest) written anew by `export_registered`. So a fleet run (or `edgefil export`) that asks for
+an export made before copies it in a fraction of a second instead of exporting again (a fleet's portable graphs
+take 6-14 s for LeNet on 2 cores), and any change to what an export would make is a new key. A cached set is
+verified (every file's sha256, as a device verifies it) before it is copied; one that fails is exported anew.
 """
 from __future__ import annotations
 

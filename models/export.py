@@ -94,9 +94,7 @@ def export_model(
     if "portable" in backends:
         files += [PORTABLE_MODELS[graph] for graph in sorted(optional)]
     if not nominal:
-        named = dict(model.named_parameters())
-        flat = np.concatenate([named[p.name].detach().numpy().astype("<f4").ravel() for p in parameters])
-        (out_dir / WEIGHTS).write_bytes(flat.tobytes())
+        _write_weights(model, parameters, out_dir)
         files.append(WEIGHTS)
     manifest = Manifest(
         model=name,
@@ -214,10 +212,27 @@ def export_registered(
         return export(Path(out_dir))
     from models.cache import cached_export, export_key
 
-    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed, nominal=nominal, backends=chosen,
-                     graphs=sorted(optional))
+    # Every graph takes the weights as an input, except ORT Training's checkpoint, which holds them: without it
+    # (or with a nominal one) a set kept for one seed differs from another seed's only in its initial weights.
+    seeded = "ort" in chosen and not nominal
+    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed if seeded else None, nominal=nominal,
+                     backends=chosen, graphs=sorted(optional))
     cached_export(key, Path(out_dir), export, chosen)
-    return load_manifest(out_dir)
+    manifest = load_manifest(out_dir)
+    if seeded or nominal:
+        return manifest
+    model = build_model(name, num_classes, input_shape, seed=seed)
+    _write_weights(model, manifest.parameters, Path(out_dir))
+    manifest = replace(manifest, files={**manifest.files, WEIGHTS: sha256_file(Path(out_dir) / WEIGHTS)})
+    (Path(out_dir) / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def _write_weights(model: torch.nn.Module, parameters: Sequence[ParameterInfo], out_dir: Path) -> None:
+    """The model's initial weights as `weights.bin`: flat float32, little-endian, manifest order."""
+    named = dict(model.named_parameters())
+    flat = np.concatenate([named[p.name].detach().numpy().astype("<f4").ravel() for p in parameters])
+    (out_dir / WEIGHTS).write_bytes(flat.tobytes())
 
 
 def _default_shape(name: str) -> tuple[int, ...]:

@@ -270,3 +270,29 @@ def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_lea
         else:
             learner.open_policy(folder, tmp_path / "1")
         store.close()
+
+
+def test_a_cached_set_without_weights_in_its_graphs_serves_every_seed(tmp_path, monkeypatch):
+    """A set whose graphs take the weights as an input is exported once for all seeds: another seed's set is the
+    same files with that seed's initial weights (and their hash); a set holding ORT Training's full checkpoint is
+    exported per seed."""
+    from models.export import export_registered
+
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "cache"))
+    calls = []
+    import models.export as export_module
+
+    real = export_module.export_model
+    monkeypatch.setattr(export_module, "export_model", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    sets = {seed: export_registered("lenet", 10, tmp_path / str(seed), (1, 8, 8), seed=seed, backends=("torch",),
+                                    cache=True) for seed in (0, 1, 0)}
+    assert calls == ["lenet"]
+    for seed in (0, 1):
+        model = build_model("lenet", 10, (1, 8, 8), seed=seed)
+        expected = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+        assert np.array_equal(np.fromfile(tmp_path / str(seed) / WEIGHTS, dtype="<f4"), expected)
+        assert load_manifest(tmp_path / str(seed)) == sets[seed]  # the weights' new hash, verified
+    assert sets[0].files[WEIGHTS] != sets[1].files[WEIGHTS]
+    export_registered("lenet", 10, tmp_path / "ort-0", (1, 8, 8), seed=0, backends=("ort", "torch"), cache=True)
+    export_registered("lenet", 10, tmp_path / "ort-1", (1, 8, 8), seed=1, backends=("ort", "torch"), cache=True)
+    assert calls == ["lenet"] * 3
