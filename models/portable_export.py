@@ -296,16 +296,13 @@ class _Helpers:
         if self.next is None:
             return made
         owed = self.graphs - len(self.taken)  # every graph is taken: the others took these
-        while owed > 0 and any(p.is_alive() for p in self.processes):
+        while owed > 0:
             try:
                 graph, ok = self.reports.get(timeout=0.5)
             except queue.Empty:
-                continue
-            owed -= 1
-            if ok:
-                made.add(graph)
-        while owed > 0 and not self.reports.empty():  # reports sent just before a helper ended
-            graph, ok = self.reports.get()
+                if any(p.is_alive() for p in self.processes):
+                    continue
+                break  # every helper ended, and what it sent before it ended has been read
             owed -= 1
             if ok:
                 made.add(graph)
