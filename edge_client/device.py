@@ -268,8 +268,7 @@ class Device:
         weights = self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
-        with self.environment.turn():  # the policy's hook is CPU work, as training is
-            self.learner.global_model_arrived(weights)
+        self.environment.turn(lambda: self.learner.global_model_arrived(weights))  # CPU work, as training is
         self._hear_task(blob.header.get("task"))
         self._arrived(blob.id)
 
@@ -361,7 +360,7 @@ class Device:
             self.stop_requested.set()
             return
         self._publish_status("training", round_)
-        started = time.thread_time()  # this thread's CPU time: virtual devices share the host's cores
+        started = self.environment.cpu_time()  # CPU time, not wall: virtual devices share the host's cores
         self.trainer.set_weights(global_weights)
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
@@ -373,10 +372,9 @@ class Device:
             manifest = self.trainer.manifest
             check_task_data(x, y, manifest.input_shape, manifest.num_classes, task)
             try:
-                with self.environment.turn():
-                    self.learner.state.data_task = task  # taken, whatever the store keeps of it
-                    announced = None if self.config.learner.detect_new_tasks else task
-                    self.learner.observe(Chunk(x, y, announced), global_weights=global_weights)
+                self.learner.state.data_task = task  # taken, whatever the store keeps of it
+                chunk = Chunk(x, y, None if self.config.learner.detect_new_tasks else task)
+                self.environment.turn(lambda: self.learner.observe(chunk, global_weights=global_weights))
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
@@ -387,17 +385,16 @@ class Device:
                             **self.payloads.get(message.get("payload", ""), {})})
         asked = self._request(round_, policy.requests(self.learner.view(), config))
         mu = float(config.get("mu", 0.0))
-        with self.environment.turn():  # not held while awaiting an answer above: that is no CPU work
-            loss = self.learner.train(
-                epochs=int(config["epochs"]) if "epochs" in config else None,
-                proximal=Proximal(mu, global_weights) if mu > 0 else None,
-            )
+        epochs = int(config["epochs"]) if "epochs" in config else None
+        proximal = Proximal(mu, global_weights) if mu > 0 else None
+        # Not a turn while awaiting an answer above: that is no CPU work.
+        loss = self.environment.turn(lambda: self.learner.train(epochs=epochs, proximal=proximal))
         if not math.isfinite(loss):
             raise FloatingPointError(f"training diverged: loss {loss} (learning rate too high for this data?)")
         if asked:
             self._give(policy, self._await_answer(round_, float(config.get("answer_wait_s", ANSWER_WAIT_S))))
         self.learner.finish_round()
-        device_seconds += self.environment.compute(time.thread_time() - started)
+        device_seconds += self.environment.compute(self.environment.cpu_time() - started)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return

@@ -6,14 +6,25 @@ applies its profile's RAM, speed, link and availability.
 Devices hosted together in one process (a fleet worker's) take turns at a round's CPU work (`turn`): trained all at
 once, hundreds of device threads starve the process's network thread of the GIL, keepalives lapse and the broker
 drops the connections; one at a time, the worker still keeps a core busy, as the GIL allows it no more anyway.
+Their turns run on one thread the process keeps for them (`Turns`), not on each device's own: work that goes deep
+into native code (an ONNX Runtime step) leaves its depth on the stack of the thread that ran it, touched pages
+that stay for as long as the thread lives, and native libraries keep buffers per thread until it ends. On each
+device's thread that cost about 110 KiB a device that had trained once (a LeNet step: 80 KiB of stack, 30 of
+per-thread buffers; docs/results.md); on one thread it is paid once a process. A device alone (`turns` None)
+works on its own thread, as before.
 """
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
 
 from models.manifest import Manifest
+
+T = TypeVar("T")
 
 
 class Environment(Protocol):
@@ -32,16 +43,76 @@ class Environment(Protocol):
     def online_for(self) -> float:
         """Wall seconds the device stays online for sure (inf: for good): how long an idle device may sleep."""
 
-    def turn(self) -> AbstractContextManager[Any]:
-        """Held while the device starts a task or trains: its turn among the devices its process hosts."""
+    def turn(self, work: Callable[[], T]) -> T:
+        """Run `work` (starting a task, training) in the device's turn among the devices its process hosts; its
+        result, or what it raised."""
+
+    def cpu_time(self) -> float:
+        """CPU seconds the calling device thread has worked, its turns included wherever they ran."""
 
 
-class RealEnvironment:
+class Turns:
+    """The turns of the devices one process hosts: each `run` waits for the ones before it, in order, and runs on
+    the one thread this object keeps (started at the first turn; a daemon, so a process that ends does not wait
+    for the queue). Why not each device's own thread: the module docstring."""
+
+    def __init__(self, name: str = "device-turns") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+
+    def run(self, work: Callable[[], T]) -> T:
+        """`work`'s result; what it raised is raised here, in the caller's thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a device's turn asked for another turn: turns do not nest")
+        with self._started:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+        done: Future[object] = Future()
+        self._jobs.put((work, done))
+        return done.result()  # type: ignore[return-value]  # (the future carries `work`'s own T)
+
+    def _serve(self) -> None:
+        while True:
+            work, done = self._jobs.get()
+            try:
+                result = work()
+            except BaseException as err:  # the caller's to handle; this thread serves the next turn
+                done.set_exception(err)
+            else:
+                done.set_result(result)
+
+
+class TakesTurns:
+    """An environment's turns (both environments'): on the process's `Turns` when it hosts several devices, inline
+    when alone; and the device's CPU time, its own thread's with its turns' added wherever they ran."""
+
+    def __init__(self, turns: Turns | None = None) -> None:
+        self._turns = turns
+        self._elsewhere = 0.0  # CPU seconds this device's turns took on the turns' thread
+
+    def turn(self, work: Callable[[], T]) -> T:
+        if self._turns is None:
+            return work()
+
+        def timed() -> T:
+            start = time.thread_time()
+            try:
+                return work()
+            finally:  # read by the device's thread once `run` returns or raises: after this write
+                self._elsewhere += time.thread_time() - start
+
+        return self._turns.run(timed)
+
+    def cpu_time(self) -> float:
+        return time.thread_time() + self._elsewhere
+
+
+class RealEnvironment(TakesTurns):
     """The device itself: no emulated limits; compute is what it measured, transfers are real (0 extra).
     `turns`: shared by devices hosted in one process (a simulated fleet's unemulated devices); None: alone."""
-
-    def __init__(self, turns: AbstractContextManager[Any] | None = None) -> None:
-        self._turns = turns
 
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         return None
@@ -57,6 +128,3 @@ class RealEnvironment:
 
     def online_for(self) -> float:
         return float("inf")
-
-    def turn(self) -> AbstractContextManager[Any]:
-        return self._turns if self._turns is not None else contextlib.nullcontext()

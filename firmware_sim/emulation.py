@@ -11,13 +11,11 @@ apply unchanged (slower: a run takes as long as on the devices).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
 
+from edge_client.environment import TakesTurns, Turns
 from firmware_sim.limits import (
     AvailabilitySchedule,
     HostCalibration,
@@ -31,10 +29,10 @@ from firmware_sim.profiles import DeviceProfile
 from models.manifest import Manifest
 
 
-class EmulatedEnvironment:
+class EmulatedEnvironment(TakesTurns):
     def __init__(
         self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False, availability_seed: int = 0,
-        time_scale: float = 1.0, turns: AbstractContextManager[Any] | None = None,
+        time_scale: float = 1.0, turns: Turns | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`turns`: shared by the devices of one worker process, which take turns at CPU work (None: alone);
@@ -49,7 +47,7 @@ class EmulatedEnvironment:
         self.time_scale = time_scale  # availability: profile seconds per wall second since the device joined
         self._clock = clock
         self._joined = clock()
-        self._turns = turns
+        super().__init__(turns)
 
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         peak = training_peak_bytes(
@@ -82,9 +80,6 @@ class EmulatedEnvironment:
             return 0.0
         change = self.schedule.next_change(t)
         return math.inf if change is None else (change - t) / self.time_scale
-
-    def turn(self) -> AbstractContextManager[Any]:
-        return self._turns if self._turns is not None else contextlib.nullcontext()
 
     def _spend(self, seconds: float, already: float) -> None:
         self.clock.advance(seconds)

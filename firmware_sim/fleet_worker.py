@@ -128,23 +128,23 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device
+    from edge_client.environment import Turns
     from edgefil.netloop import NetworkLoop
     from firmware_sim.virtual_device import virtual_device
 
     devices: list[Device] = []
     lock = threading.Lock()
     network = NetworkLoop(name="fleet-worker-mqtt")
-    # The devices take turns at CPU work: being built (each in its own thread), starting a task, training. Hundreds
-    # at once hold the GIL for seconds on end and starve the network thread: keepalives lapse and the broker drops
-    # the connections (seen at 500 devices a worker).
-    turns = threading.Lock()
+    # The devices take turns at CPU work: being built, starting a task, training, on the turns' one thread
+    # (edge_client/environment.py). Hundreds at once hold the GIL for seconds on end and starve the network thread:
+    # keepalives lapse and the broker drops the connections (seen at 500 devices a worker).
+    turns = Turns()
 
     def run(raw: dict[str, Any]) -> None:
         try:
             raw = dict(raw)
             adversary = raw.pop(ADVERSARY, None)
-            with turns:
-                device = virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary)
+            device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary))
         except Exception:
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return

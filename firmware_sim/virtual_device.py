@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from typing import Any
 
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
-from edge_client.environment import Environment, RealEnvironment
+from edge_client.environment import Environment, RealEnvironment, Turns
 from edge_client.sources import TaskSource
 from edgefil.netloop import NetworkLoop
 from firmware_sim.adversary import AdversarialDevice
@@ -31,7 +30,7 @@ def simulated_source(config: DeviceConfig) -> TaskSource | None:
     return ClientSource(config.data.scenario, config.data.client)
 
 
-def hosted_environment(config: DeviceConfig, turns: AbstractContextManager[Any] | None = None) -> Environment:
+def hosted_environment(config: DeviceConfig, turns: Turns | None = None) -> Environment:
     """The emulated profile's limits, or the host's own for a device that runs at the host's speed; `turns`: the
     worker's, shared by the devices it hosts (they take turns at CPU work)."""
     emulation = config.emulation
@@ -46,7 +45,7 @@ def hosted_environment(config: DeviceConfig, turns: AbstractContextManager[Any] 
 
 
 def virtual_device(
-    config: DeviceConfig, network: NetworkLoop | None = None, turns: AbstractContextManager[Any] | None = None,
+    config: DeviceConfig, network: NetworkLoop | None = None, turns: Turns | None = None,
     adversary: Mapping[str, Any] | None = None,
 ) -> Device:
     """`network` and `turns`: a worker's, shared by the devices it hosts (one network thread for all their

@@ -1,13 +1,17 @@
 """Many devices in one process, as a fleet worker hosts them: what they share (one read-only copy of each global
-model) and how they take turns at CPU work (starting a task and training hold the worker's turn; nothing else
-does)."""
+model) and how they take turns at CPU work (starting a task and training are the worker's turns, run on its one
+turns thread; nothing else is)."""
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from edge_client.config import DeviceConfig
 from edge_client.device import shared_model
+from edge_client.environment import RealEnvironment, Turns
 from firmware_sim.virtual_device import virtual_device
 
 
@@ -19,42 +23,83 @@ def test_a_process_keeps_one_read_only_copy_of_each_global_model():
     assert other is not first and float(other.sum()) == 6.0
 
 
-class Turns:
-    """A worker's turns that record how deep they are held."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.taken = 0
-
-    def __enter__(self) -> None:
-        self.depth += 1
-        self.taken += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.depth -= 1
-
-
-def test_a_hosted_device_starts_its_task_and_trains_only_in_its_turn(tmp_path, export_artifacts, monkeypatch):
-    turns = Turns()
+def test_a_hosted_device_starts_its_task_and_trains_in_its_turn_on_the_turns_thread(tmp_path, export_artifacts,
+                                                                                    monkeypatch):
+    """Its turns run on the worker's one turns thread (not the device's: what deep native work leaves on a thread's
+    stack stays there), and the round's device seconds count them."""
+    turns = Turns(name="turns-under-test")
     config = DeviceConfig.from_dict({
         "device_id": "dev-0", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
         "state_dir": str(tmp_path / "state"), "broker": {"port": 1, "password": "pw"},
         "store": {"max_samples": 30}, "policy": {"name": "random"},
         "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
     })
-    device = virtual_device(config, turns=turns)
-    held: list[tuple[str, int]] = []
+    device = turns.run(lambda: virtual_device(config, turns=turns))
+    held: list[tuple[str, str]] = []
     for name in ("observe", "train"):
         real = getattr(device.learner, name)
-        monkeypatch.setattr(device.learner, name,
-                            lambda *a, _real=real, _name=name, **k: held.append((_name, turns.depth)) or _real(*a, **k))
+        monkeypatch.setattr(device.learner, name, lambda *a, _real=real, _name=name, **k: held.append(
+            (_name, threading.current_thread().name)) or _real(*a, **k))
+    spent: list[float] = []
+    monkeypatch.setattr(device.environment, "compute", lambda seconds: spent.append(seconds) or seconds)
     try:
         weights = device.trainer.get_weights()
+        before = device.environment.cpu_time()
         device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
-        assert held == [("observe", 1), ("train", 1)] and turns.depth == 0
+        assert held == [("observe", "turns-under-test"), ("train", "turns-under-test")]
         assert device.learner.state.round == 1  # the round went through: trained, saved
+        assert spent and spent[0] <= device.environment.cpu_time() - before
     finally:
         device.learner.store.close()
+
+
+def test_turns_run_one_at_a_time_in_order_and_raise_in_the_caller():
+    turns = Turns()
+    order: list[str] = []
+    first_running = threading.Event()
+    release_first = threading.Event()
+
+    def first() -> str:
+        order.append("first starts")
+        first_running.set()
+        release_first.wait(30)
+        order.append("first ends")
+        return "one"
+
+    results: list[str] = []
+    caller = threading.Thread(target=lambda: results.append(turns.run(first)))
+    caller.start()
+    assert first_running.wait(30)
+    second = threading.Thread(target=lambda: results.append(turns.run(lambda: order.append("second") or "two")))
+    second.start()
+    second.join(0.2)  # (a second turn queued behind the first; whether it had started shows in `order` below)
+    release_first.set()
+    caller.join(30)
+    second.join(30)
+    assert order == ["first starts", "first ends", "second"] and sorted(results) == ["one", "two"]
+
+    def fails() -> None:
+        raise KeyError("the work's own error")
+
+    with pytest.raises(KeyError, match="the work's own error"):
+        turns.run(fails)
+    assert turns.run(lambda: 3) == 3  # the turns thread serves on after a turn raised
+    with pytest.raises(RuntimeError, match="turns do not nest"):
+        turns.run(lambda: turns.run(lambda: 1))
+
+
+def test_a_device_s_cpu_time_counts_its_turns_on_the_turns_thread():
+    environment = RealEnvironment(Turns())
+
+    def burn() -> float:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            sum(range(1000))
+        return time.thread_time() - start
+
+    before = environment.cpu_time()
+    burned = environment.turn(burn)
+    assert environment.cpu_time() - before >= burned
 
 
 def test_an_idle_device_sleeps_until_its_heartbeat_or_its_availability_changes(tmp_path, export_artifacts):
