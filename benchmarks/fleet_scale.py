@@ -7,7 +7,10 @@ here), on the embedded digits class-incremental scenario cut to one task (`n_tas
 (`fraction = 1`; `min_clients` = the devices that hold data: past ~270 devices some hold none, say so and are
 not selected), random replay with M = `--replay-m`, one local epoch, no emulation (devices
 train at the host's speed). The total training data is the same at every N, so the devices' summed training
-work per round stays about constant and what grows with N is overhead.
+work per round stays about constant and what grows with N is overhead. With `--per-device K` the data grow with the
+fleet instead: MNIST-1D (the cnn1d model) generated (once, then cached) for about K training samples a device, one task of all 10
+classes, so (nearly) every device trains, as in a fleet whose every device collects data, and the round time per
+device is the cost of one device's whole round.
 
 Instrumentation lives here only: a `Fleet` subclass notes when the workers start and samples memory just before
 the fleet stops, and a `Coordinator` subclass (swapped into `firmware_sim.fleet` for the run) times each round's
@@ -36,7 +39,8 @@ Startup: from the first worker process start until the N-th registration reached
 
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
         fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
-        [--broker mosquitto,embedded] [--replay-m 50] [--idle-s 10] [--out DIR] [--keep] [--json FILE]
+        [--broker mosquitto,embedded] [--replay-m 50] [--per-device 0] [--idle-s 10] [--out DIR] [--keep]
+        [--json FILE]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -47,6 +51,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -325,15 +330,30 @@ def log_problems(logs: Path) -> list[tuple[int, str]]:
 
 
 SCENARIO = {"preset": "digits-class", "n_tasks": 1}
+# MNIST-1D's split: 0.8 of the generated samples train, and a client keeps 1 / 1.25 of its share for training
+# (client_test_fraction 0.25): the share of the generated samples that devices train on.
+MNIST1D_TRAINING_SHARE = 0.8 / 1.25
 
 
-def holding_data(n: int) -> int:
-    """How many of the N devices the scenario gives training data (past ~270 devices some get none: they say so
-    and are not selected, so they cannot count toward a round's quorum)."""
+def scenario(n: int, per_device: int) -> dict:
+    """The fleet's scenario at N devices: one digits task (~270 training samples, the same at every N) or, with
+    `per_device` > 0, one MNIST-1D task (cnn1d) of all 10 classes generated with about `per_device` training samples a
+    device, so the training work grows with N as the devices do."""
+    if per_device <= 0:
+        return {**SCENARIO, "n_clients": n}
+    samples = math.ceil(n * per_device / MNIST1D_TRAINING_SHARE)
+    return {"preset": "mnist1d-class", "n_tasks": 1, "classes_per_task": 10, "n_clients": n,
+            "dataset_options": {"num_samples": samples}}
+
+
+def holding_data(n: int, per_device: int) -> int:
+    """How many of the N devices the scenario gives training data (the digits task past ~270 devices, or a device
+    the Dirichlet split leaves empty, gives some none: they say so and are not selected, so they cannot count
+    toward a round's quorum)."""
     from edgefil.settings import Where
     from firmware_sim.scenarios import check_scenario
 
-    data = check_scenario({**SCENARIO, "n_clients": n}, Where("fleet_scale")).build()
+    data = check_scenario(scenario(n, per_device), Where("fleet_scale")).build()
     return sum(len(data.tasks[0].client_train(client)[1]) > 0 for client in range(n))
 
 
@@ -351,12 +371,13 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         shutil.copytree(artifacts, out / "artifacts")
     config = FleetConfig(
         name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
+        model="cnn1d" if args.per_device > 0 else "lenet",
         trainer=dataclasses.replace(FleetConfig.trainer, backend=args.backend),
-        scenario=dict(SCENARIO),
+        scenario=scenario(n, args.per_device),
         policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
         client={"epochs": 1},
         coordinator={
-            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": holding_data(n),
+            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": holding_data(n, args.per_device),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
             "guard": {"krum_share": 0.0},  # FedAvg over every update, the work Flower's side does (vs_flower.py)
         },
@@ -429,8 +450,10 @@ def fmt(value: float, spec: str) -> str:
 def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.Namespace) -> None:
     cores = os.cpu_count() or 1
     workers = args.workers or "the fleet's own number of"
-    print(f"\nfleet scale: {workers} worker processes, {cores} cores, {args.backend} backend, digits-class with "
-          f"1 task, {args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
+    work = (f"MNIST-1D (cnn1d), 1 task of 10 classes, ~{args.per_device} training samples a device" if args.per_device > 0
+            else "digits-class (LeNet) with 1 task (~270 training samples at every N)")
+    print(f"\nfleet scale: {workers} worker processes, {cores} cores, {args.backend} backend, {work}, "
+          f"{args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
     print(f"an idle worker (its imports, no device), of {args.idle_workers} alive together: PSS "
           f"{idle.get('Pss', 0) / MB:.0f} MB, RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous "
           f"{idle.get('Anonymous', 0) / MB:.0f} MB")
@@ -561,6 +584,9 @@ def main() -> None:
     parser.add_argument("--broker", default="mosquitto,embedded",
                         help="mosquitto, embedded, or both comma-separated (default: both)")
     parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
+    parser.add_argument("--per-device", type=int, default=0,
+                        help="0: one digits task, the same ~270 samples at every N (default); K > 0: MNIST-1D "
+                             "generated for about K training samples a device, every device training")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="round deadline")
     parser.add_argument("--wait-s", type=float, default=600.0, help="how long round 1 waits for all devices")
     parser.add_argument("--idle-s", type=float, default=10.0,
