@@ -20,6 +20,12 @@ fresh process of its own (so no part reuses memory another freed), and its cost 
                              its state, as a device does in a round (a fleet's `between_rounds = "disk"`: the
                              weights and optimiser state saved and let go)
   device-trained-kept        the same with `between_rounds = "memory"` (a device's default: kept in memory)
+  device-trained-own-thread  device-trained, each device built and trained on a thread of its own that stays
+                             (as a fleet worker's devices were before its turns had a thread of their own)
+  device-trained-turns       the same as a fleet worker hosts them now: each device's thread stays, its building,
+                             task start and training run on the worker's one turns thread
+                             (`edge_client.environment.Turns`); the difference is what running deep native work
+                             on each device's thread kept: its stack's depth and the per-thread buffers
 
 What `device` has beyond the sum of its parts is the learner, the policy and the device's bookkeeping; what a
 fleet's marginal cost has beyond `device` is the thread, the connected socket and the broker's side. The model's parameter count is printed
@@ -106,6 +112,9 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
     if component in ("device", "device-trained", "device-trained-kept"):
         return whole_device(artifacts, folder, trained=component != "device",
                             between_rounds="memory" if component.endswith("kept") else "disk")
+    if component in ("device-trained-own-thread", "device-trained-turns"):
+        return whole_device(artifacts, folder, trained=True, between_rounds="disk",
+                            hosting=component.removeprefix("device-trained-"))
     if component == "thread":
         def thread(i: int) -> Any:
             stop = threading.Event()
@@ -117,12 +126,18 @@ def builder(component: str, artifacts: Path, samples: int, folder: Path) -> Call
     raise ValueError(f"unknown component {component!r}")
 
 
-def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: str) -> Callable[[int], Any]:
+def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: str,
+                 hosting: str | None = None) -> Callable[[int], Any]:
     """A fleet's device, as `firmware_sim.fleet_worker` builds it, from the config a fleet gives it (its
-    `between_rounds` as the fleet sets it, "disk", unless told otherwise)."""
+    `between_rounds` as the fleet sets it, "disk", unless told otherwise). `hosting`: None, built and trained in
+    this (the main) thread; "own-thread", each device built and trained on a thread of its own that then stays
+    (as a fleet worker's devices did before their turns had a thread of their own); "turns", as a fleet worker
+    hosts it now: each device on a thread of its own, its building, task start and training on one `Turns` thread
+    shared by all."""
     from dataclasses import asdict
 
     from edge_client.config import DeviceConfig
+    from edge_client.environment import Turns
     from edge_client.stream import Chunk
     from edgefil.netloop import NetworkLoop
     from firmware_sim.fleet import FleetConfig
@@ -130,25 +145,44 @@ def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: s
 
     loop = NetworkLoop()
     scenario = {"preset": "digits-class", "n_tasks": 1, "n_clients": 100}  # fleet_scale's, ~3 samples a device
+    turns = Turns() if hosting == "turns" else None
 
     def device(i: int) -> Any:
-        built = virtual_device(DeviceConfig.from_dict({
+        config = DeviceConfig.from_dict({
             "device_id": f"dev-{i + 1}", "fleet": "memory", "artifacts": str(artifacts),
             "state_dir": str(folder / f"dev-{i + 1}"), "broker": {"host": "127.0.0.1", "port": 1883},
             "trainer": asdict(FleetConfig.trainer), "store": {"max_samples": 50}, "policy": {"name": "random"},
             "learner": {"epochs": 1, "between_rounds": between_rounds},
             "data": {"scenario": scenario, "client": i % 100},
-        }), loop)
+        })
+        built = turns.run(lambda: virtual_device(config, loop, turns)) if turns else virtual_device(config, loop)
         if trained:
             x, y = built.source.task_data(0)
-            built.learner.observe(Chunk(x, y, 0))
-            built.learner.train()
+            built.environment.turn(lambda: built.learner.observe(Chunk(x, y, 0)))
+            built.environment.turn(built.learner.train)
             built.learner.finish_round()
             built.learner.save(built.config.state_dir)
             built.learner.idle()  # as the device does once it has uploaded
         return built
 
-    return device
+    if hosting is None:
+        return device
+
+    def on_its_thread(i: int) -> Any:
+        held: list[Any] = []
+        ready, stop = threading.Event(), threading.Event()
+
+        def run() -> None:
+            held.append(device(i))
+            ready.set()
+            stop.wait()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        ready.wait()
+        return held[0], thread, stop
+
+    return on_its_thread
 
 
 def measure(component: str, artifacts: Path, n: int, samples: int) -> float:
@@ -187,7 +221,8 @@ def main() -> None:
         print(f"{args.model} {INPUT_SHAPES[args.model]}: {parameters} parameters, one float32 copy "
               f"{parameters * 4 / 1024:.1f} KiB; each part built {args.n} times in a fresh process, KiB of PSS each")
         parts = [f"trainer-{b}{trained}" for b in backends for trained in ("", "-trained")]
-        for part in (*parts, "store", "link", "thread", "device", "device-trained", "device-trained-kept"):
+        for part in (*parts, "store", "link", "thread", "device", "device-trained", "device-trained-kept",
+                     "device-trained-own-thread", "device-trained-turns"):
             done = subprocess.run([sys.executable, __file__, "--component", part, "--artifacts", str(artifacts),
                                    "--n", str(args.n), "--samples", str(args.samples)],
                                   capture_output=True, text=True, check=False)

@@ -166,7 +166,7 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
-                                 idle_s=0.0, rounds=rounds)
+                                 idle_s=0.0, rounds=rounds, per_device=0)
     run = run_fleet(n, options, folder / "edgefil", None, "mosquitto")  # the fleet exports, through the cache
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
