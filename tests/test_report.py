@@ -97,6 +97,23 @@ def test_write_report_writes_the_summary_and_three_pngs(tmp_path):
         assert data.startswith(PNG) and len(data) > 5000
 
 
+def test_a_fleet_of_thousands_draws_its_devices_in_a_figure_of_fixed_width(tmp_path):
+    """One bar a device drew 10,000 devices' figure 3,500 inches wide (minutes at the end of the run); past
+    BARS_UP_TO devices each is a step of one line."""
+    from firmware_sim.report import BARS_UP_TO
+
+    many = results()
+    devices = {f"dev-{i:05d}": _device(1 + i % 7, 4096 * (1 + i % 3), 0.5) for i in range(BARS_UP_TO * 50)}
+    many["history"] = [{**entry, "selected": sorted(devices), "received": sorted(devices), "metrics": devices}
+                       for entry in many["history"]]
+    plotted = write_report(run_folder(tmp_path, "thousands", many))[-1]
+    few = write_report(run_folder(tmp_path, "two", results()))[-1]
+    assert plotted.name == few.name == "storage_traffic.png"
+    width = int.from_bytes(plotted.read_bytes()[16:20], "big")  # the PNG header's IHDR width, in pixels
+    assert width == 16 * 120  # 16 inches at 120 dpi, as for any fleet past BARS_UP_TO
+    assert int.from_bytes(few.read_bytes()[16:20], "big") < width
+
+
 def test_load_run_names_the_file_when_missing_or_corrupt(tmp_path):
     with pytest.raises(FileNotFoundError, match="results.json"):
         load_run(tmp_path)
