@@ -91,6 +91,7 @@ from firmware_sim.fleet_worker import (
     ADVERSARY,
     DESCRIPTORS_PER_CONNECTION,
     STOP_GRACE_S,
+    crowded_heartbeat,
     crowded_keepalive,
     ensure_descriptors,
     host_devices,
@@ -280,6 +281,7 @@ class Fleet:
         self.broker: MosquittoBroker | EmbeddedBroker | None = None
         self.workers: ProcessWorkers | RayWorkers | None = None
         self.keepalive: int | None = None  # the clients' MQTT keepalive (None: their default), for the workers' cores
+        self.heartbeat: float | None = None  # the devices' heartbeat (None: their default), for the workers' cores
         self.learner: dict[str, Any] = dict(config.learner)  # the devices' [learner], the kind's defaults in (run)
 
     def run(self, resume: bool = False, file: str = "fleet config",
@@ -305,6 +307,7 @@ class Fleet:
             ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
             self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
+            self.heartbeat = crowded_heartbeat(self.config.devices, self.workers.cores())
             self.broker = self._start_broker(self.workers.broker_host)
             self._write_observer_file(self.broker)
             self._start_workers(artifacts)
@@ -417,6 +420,7 @@ class Fleet:
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
             "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
             "on_end": "wait",  # the fleet stops its workers itself
+            **({} if self.heartbeat is None else {"heartbeat_s": self.heartbeat}),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,

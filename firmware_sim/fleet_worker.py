@@ -49,6 +49,13 @@ def worker_count(workers: int | None, devices: int, cores: int) -> int:
 # coordinator the longer keepalive; the price is a dead device noticed after 90 s instead of 15 s.
 CROWDED_DEVICES_PER_CORE = 2000
 CROWDED_KEEPALIVE_S = 60
+# A device's heartbeat (a status message every `heartbeat_s`, 5 s by default) costs its worker, the broker and the
+# coordinator about 0.9 ms of CPU together: at 10,000 devices on 2 cores an idle fleet kept 1.73 cores busy with
+# them, and a round in which every device trained took 308 s, its devices' heartbeats then outnumbering their
+# updates 60 to 1 (benchmarks/fleet_scale.py --per-device 3). Past the same crowd the devices beat every
+# CROWDED_HEARTBEAT_S; nothing but the live view reads a heartbeat's age (a device that goes away says so: its
+# last will), so the view's "last seen" is what ages.
+CROWDED_HEARTBEAT_S = 30.0
 # A Python thread waiting for the GIL wakes every switch interval (5 ms by default) to ask for it. A broadcast
 # wakes every device thread of a worker at once (1500 of them at 9000 devices on 6 workers), and their wake-ups
 # then crowd out everything else on the host, the broker first. A longer interval in the workers thins them out.
@@ -62,9 +69,19 @@ WORKER_MMAP_THRESHOLD_BYTES = 64 * 1024
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
+def crowded(devices: int, cores: int) -> bool:
+    """Whether `devices` on `cores` crowd the host (CROWDED_DEVICES_PER_CORE)."""
+    return devices > CROWDED_DEVICES_PER_CORE * max(cores, 1)
+
+
 def crowded_keepalive(devices: int, cores: int) -> int | None:
     """The keepalive of a fleet's clients: None (their own default) unless the host is crowded."""
-    return CROWDED_KEEPALIVE_S if devices > CROWDED_DEVICES_PER_CORE * max(cores, 1) else None
+    return CROWDED_KEEPALIVE_S if crowded(devices, cores) else None
+
+
+def crowded_heartbeat(devices: int, cores: int) -> float | None:
+    """The heartbeat of a fleet's devices: None (their own default) unless the host is crowded."""
+    return CROWDED_HEARTBEAT_S if crowded(devices, cores) else None
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:

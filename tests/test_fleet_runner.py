@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,11 @@ from firmware_sim import fleet as fleet_module
 from firmware_sim.fleet_worker import (
     BASE_DESCRIPTORS,
     CROWDED_DEVICES_PER_CORE,
+    CROWDED_HEARTBEAT_S,
     CROWDED_KEEPALIVE_S,
     DESCRIPTORS_PER_DEVICE,
     DEVICES_PER_WORKER,
+    crowded_heartbeat,
     crowded_keepalive,
     worker_count,
 )
@@ -288,6 +291,24 @@ def test_clients_on_a_crowded_host_get_the_longer_keepalive():
     assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_KEEPALIVE_S
     assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 3) is None
     assert CROWDED_KEEPALIVE_S > BrokerSettings.keepalive
+
+
+def test_devices_on_a_crowded_host_beat_less_often(tmp_path):
+    """Heartbeats cost the worker, the broker and the coordinator CPU for each device: past the crowd the fleet's
+    device configs carry the longer heartbeat; below it they keep the device's own."""
+    from edge_client.config import DeviceConfig, StoreSettings
+
+    assert crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2, 2) is None
+    assert crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_HEARTBEAT_S > DeviceConfig.heartbeat_s
+    fleet = fleet_module.Fleet(fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2,
+                                                        scenario={"preset": "digits-class"},
+                                                        store=StoreSettings(max_samples=10)))
+    fleet.broker = types.SimpleNamespace(address=types.SimpleNamespace(host="127.0.0.1", port=1, cafile=None))
+    fleet.passwords = {device: "pw" for device in fleet.config.device_ids}
+    assert "heartbeat_s" not in fleet.device_config(0, tmp_path)
+    fleet.heartbeat = crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2 + 1, 2)
+    assert DeviceConfig.from_dict({**fleet.device_config(0, tmp_path), "data": None}).heartbeat_s == \
+        CROWDED_HEARTBEAT_S
 
 
 def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
