@@ -268,7 +268,8 @@ class Device:
         weights = self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
-        self.environment.turn(lambda: self.learner.global_model_arrived(weights))  # CPU work, as training is
+        # Not a turn: every device takes every global model, and the hook is to be cheap (ReplayPolicy).
+        self.learner.global_model_arrived(weights)
         self._hear_task(blob.header.get("task"))
         self._arrived(blob.id)
 
