@@ -72,7 +72,9 @@ def test_turns_run_one_at_a_time_in_order_and_raise_in_the_caller():
     assert first_running.wait(30)
     second = threading.Thread(target=lambda: results.append(turns.run(lambda: order.append("second") or "two")))
     second.start()
-    second.join(0.2)  # (a second turn queued behind the first; whether it had started shows in `order` below)
+    while turns._jobs.qsize() < 1:  # wait for the event: the second turn queued behind the first
+        assert second.is_alive()
+        time.sleep(0.001)
     release_first.set()
     caller.join(30)
     second.join(30)
