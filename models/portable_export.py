@@ -346,14 +346,15 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
                          decomposition_table=decompositions)(*example)
     batch = Dim("batch", min=1, max=1 << 20)
     dynamic = tuple({0: batch} if i in batched else None for i in range(len(example))) if batched else None
-    with _exporter_quiet():
+    with _exporter_quiet(), _decomposed_once():
         program = torch.onnx.export(
             target, example, dynamo=True, dynamic_shapes=dynamic, opset_version=PORTABLE_OPSET,
             input_names=list(inputs), output_names=list(outputs), custom_translation_table=TRANSLATIONS,
-            optimize=True, verbose=False,
+            optimize=False, verbose=False,
         )
-    if program is None:
-        raise ManifestError(f"torch's ONNX exporter returned nothing for {path.name}")
+        if program is None:
+            raise ManifestError(f"torch's ONNX exporter returned nothing for {path.name}")
+        _optimize(program.model)
     program.save(str(path), external_data=False)
     ir_version = program.model_proto.ir_version
     if ir_version > MAX_IR_VERSION:
@@ -362,14 +363,94 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
 
 
 @contextlib.contextmanager
+def _decomposed_once() -> Iterator[None]:
+    """Skip the exporter's second decomposition where it has nothing to decompose.
+
+    torch's exporter decomposes the program it exports into the ops its registry translates, which re-traces the
+    whole program (about a third of a gradient graph's export). A graph traced through make_fx is core ATen already:
+    when every op of the program is registered and none mutates, that pass would give the program back as it is
+    (the same nodes and outputs, with other value names: tests/test_export.py), so the program is passed on as it
+    is. Where any target is something else (an unregistered or mutating op, a higher-order op), or the program has
+    buffers to mutate, the pass runs. The hook is a private function of the pinned torch (2.14.1); where a torch
+    lacks it, the exporter runs unchanged."""
+    try:
+        from torch.onnx._internal.exporter import _decomp, _fx_passes
+    except ImportError:
+        yield
+        return
+    decompose = getattr(_fx_passes, "decompose_with_registry", None)
+    if decompose is None or not hasattr(_decomp, "get_onnx_implemented_overloads"):
+        yield
+        return
+
+    def decompose_if_needed(program: Any, registry: Any) -> Any:
+        registered = set(_decomp.get_onnx_implemented_overloads(registry))
+        targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+        to_decompose = {target for target in targets if target not in _ASSERTIONS and (
+            not isinstance(target, torch._ops.OpOverload) or target not in registered or target._schema.is_mutable)
+            and getattr(target, "__module__", None) not in _SYMBOLIC_MODULES}
+        if to_decompose or program.graph_signature.buffers_to_mutate:
+            return decompose(program, registry)
+        return program
+
+    _fx_passes.decompose_with_registry = decompose_if_needed  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = decompose
+
+
+# Python's operators on symbolic sizes (getitem of a multi-output op, a size's eq): nothing to decompose.
+_SYMBOLIC_MODULES = frozenset({"_operator", "operator", "math"})
+# Checks the exporter removes after its decomposition (`_fx_passes.remove_assertion_nodes`): nothing to decompose.
+_ASSERTIONS = frozenset({torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten._assert_async.default,
+                         torch.ops.aten._assert_async.msg, torch.ops.aten._assert_scalar.default,
+                         torch.ops.aten._assert_tensor_metadata.default})
+
+
+def _optimize(model: Any) -> None:
+    """torch's exporter's optimisation (onnxscript's `optimize_ir`) without its pattern rewriter, in place.
+
+    The rewriter matches its ~40 rules against every node: 1.3-1.6 s of a LeNet gradient graph's export, where they
+    fire 18 times and merge consecutive Reshapes, Transposes and Squeezes (403 nodes against 417). ONNX Runtime's
+    own graph optimisations, when a session opens, take the graphs to the same step time and the same opening time
+    within noise (docs/results.md). What is kept: inlining, constant folding, unused nodes and functions,
+    constants as shared initializers, common subexpressions, and the output and name fixes. Each node's metadata
+    (the FX node it came from and the host's Python stack) is dropped: five sixths of a graph file's bytes, of no use
+    to a device."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.inline(model)
+    onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True)
+    ir.passes.Sequential(
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.RemoveUnusedOpsetsPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
+    for node in model.graph:
+        node.metadata_props.clear()
+
+
+@contextlib.contextmanager
 def _exporter_quiet() -> Iterator[None]:
-    """The exporter reports each stage and onnx_ir warns about empty attribute lists it resolves itself."""
-    logger = logging.getLogger("onnx_ir")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """The exporter reports each stage, onnx_ir warns about empty attribute lists it resolves itself, and both
+    onnx_ir's passes and onnxscript's constant folding report each thing they do at INFO."""
+    loggers = [logging.getLogger(name) for name in ("onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -272,6 +272,56 @@ def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_lea
         store.close()
 
 
+def test_the_exporter_decomposes_again_only_a_graph_with_an_op_it_cannot_translate(tmp_path, monkeypatch):
+    """A graph traced through make_fx is core ATen ops the exporter translates: its second decomposition (a re-trace
+    of the whole program) is skipped, and the graph is the same as with it (the same nodes in the same order, the same
+    outputs to the bit; only the names of values, taken from the trace's counters, differ). A graph holding an op the exporter
+    lacks (AdamW's, exported without make_fx: rsub) is still decomposed."""
+    import contextlib
+
+    import torch
+
+    from models import portable_export
+    from models.manifest import PORTABLE_MODELS, ParameterInfo
+
+    model = build_model("mlp", 4, (1, 8, 8), seed=0).eval()
+    parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
+    decompositions = []
+    run_decompositions = torch.export.ExportedProgram.run_decompositions
+
+    def counted(program, *args, **kwargs):
+        decompositions.append(graph)
+        return run_decompositions(program, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    for folder in ("skipping", "decomposing"):
+        (tmp_path / folder).mkdir()
+    for graph in ("gradient", "adamw"):
+        portable_export._export_one(graph, model, parameters, (1, 8, 8), tmp_path / "skipping")
+    assert decompositions == ["adamw"]
+    monkeypatch.setattr(portable_export, "_decomposed_once", contextlib.nullcontext)
+    graph = "gradient"
+    portable_export._export_one(graph, model, parameters, (1, 8, 8), tmp_path / "decomposing")
+    assert decompositions == ["adamw", "gradient"]
+    import onnx
+    import onnxruntime as ort
+
+    name = PORTABLE_MODELS["gradient"]
+    graphs = [onnx.load(tmp_path / folder / name).graph for folder in ("skipping", "decomposing")]
+    assert [(n.op_type, list(n.attribute)) for n in graphs[0].node] == [
+        (n.op_type, list(n.attribute)) for n in graphs[1].node]
+    rng = np.random.default_rng(0)
+    feeds = None
+    outputs = []
+    for folder in ("skipping", "decomposing"):
+        session = ort.InferenceSession(str(tmp_path / folder / name), providers=["CPUExecutionProvider"])
+        feeds = feeds or {i.name: rng.random([5 if isinstance(d, str) else d for d in i.shape], dtype=np.float32)
+                          for i in session.get_inputs()}
+        outputs.append(session.run(None, feeds))
+    for skipped, decomposed in zip(*outputs):
+        np.testing.assert_array_equal(skipped, decomposed)
+
+
 def test_a_cached_set_without_weights_in_its_graphs_serves_every_seed(tmp_path, monkeypatch):
     """A set whose graphs take the weights as an input is exported once for all seeds: another seed's set is the
     same files with that seed's initial weights (and their hash); a set holding ORT Training's full checkpoint is
