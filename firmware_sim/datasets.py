@@ -76,9 +76,20 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> ArrayDataset:
-    """The 1,797 bundled 8x8 digits (10 classes), split train/test stratified and seeded."""
-    x, y = _digits_arrays()
-    return _stratified_split("digits", x, y, test_fraction, seed)
+    """The 1,797 bundled 8x8 digits (10 classes), split train/test stratified and seeded.
+
+    The split is kept under `cache_dir()` (keyed by the fraction, the seed and scikit-learn's version, whose
+    splitter draws it): importing scikit-learn takes about 2 s, which every fleet worker paid at its start."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+    def split() -> dict[str, np.ndarray]:
+        data = _stratified_split("digits", *_digits_arrays(), test_fraction, seed)
+        return {"x": data.x_train, "y": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
+
+    arrays = _cached_arrays("digits", {"test_fraction": float(test_fraction), "seed": int(seed),
+                                       "scikit-learn": importlib.metadata.version("scikit-learn")}, split)
+    return ArrayDataset("digits", arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"], num_classes=10)
 
 
 def _rotate90(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -148,6 +159,21 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
 
 
 
+def _cached_arrays(name: str, key_fields: dict[str, Any], make: Callable[[], dict[str, np.ndarray]]
+                   ) -> dict[str, np.ndarray]:
+    """The arrays `make()` gives, kept under `cache_dir()` as `<name>-<key>.npz`, the key a hash of `key_fields`
+    (everything the arrays depend on): made once, read back by every later run and process."""
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.npz"
+    if path.is_file():
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    log.info("making %s (once: kept in %s) ...", name, path)
+    arrays = make()
+    _save_npz_atomically(path, **arrays)
+    return arrays
+
+
 def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,16 +220,8 @@ def load_mnist1d(num_samples: int = 20_000, test_fraction: float = 0.2, seed: in
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     params = {"num_samples": int(num_samples), "train_split": 1.0 - float(test_fraction), "seed": int(seed)}
     # The generator's version is part of the key: another release may draw different signals.
-    key_fields = {**params, "mnist1d": importlib.metadata.version("mnist1d")}
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"mnist1d-{key}.npz"
-    if path.is_file():
-        with np.load(path) as f:
-            raw = {k: f[k] for k in f.files}
-    else:
-        log.info("generating MNIST-1D (%d samples; once: kept in %s) ...", params["num_samples"], path)
-        raw = _generate_mnist1d(params)
-        _save_npz_atomically(path, **raw)
+    raw = _cached_arrays("mnist1d", {**params, "mnist1d": importlib.metadata.version("mnist1d")},
+                         lambda: _generate_mnist1d(params))
     mean, std = raw["x"].mean(), raw["x"].std()
     x_train, x_test = (((raw[k] - mean) / std).astype(np.float32)[:, None] for k in ("x", "x_test"))
     y_train, y_test = (raw[k].astype(np.int64) for k in ("y", "y_test"))

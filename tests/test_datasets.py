@@ -60,6 +60,32 @@ def test_digits_split_is_seeded():
     assert _rows(a.x_test) != _rows(c.x_test)
 
 
+def test_digits_split_is_kept_and_read_back_without_scikit_learn(monkeypatch, tmp_path):
+    """The split made once is kept in the cache; a later load reads the same arrays without splitting again, in a
+    fresh process without importing scikit-learn (2 s a fleet worker paid at its start); another seed is another
+    entry."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path))
+    made = datasets.load_digits_dataset(seed=3)
+    assert len(list(tmp_path.glob("digits-*.npz"))) == 1
+
+    def fail(*args):
+        raise AssertionError("split again")
+
+    monkeypatch.setattr(datasets, "_stratified_split", fail)
+    kept = datasets.load_digits_dataset(seed=3)
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(made, name), getattr(kept, name))
+    with pytest.raises(AssertionError, match="split again"):
+        datasets.load_digits_dataset(seed=4)
+    probe = ("import sys; from firmware_sim.datasets import load_digits_dataset; d = load_digits_dataset(seed=3); "
+             "print(len(d.y_train), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(len(made.y_train)), "False"]
+
+
 # --- digit domains -------------------------------------------------------------------------------
 
 def test_digit_domains_shapes_and_labels():
