@@ -303,6 +303,7 @@ def main() -> None:
     pythons = {"edgefil": Path(sys.executable), "flower": flower_python}
     warm = base / "cache"
     runs: list[dict[str, Any]] = []
+    finished = False
     try:
         fill_cache(warm, base / "artifacts")
         for n in ([args.base] if args.base else []) + sizes:
@@ -323,8 +324,12 @@ def main() -> None:
                     print(f"N={n} {side:12s} start {run['first_round_done_s']:6.1f} s  rounds "
                           f"{' '.join(f'{r:.2f}' for r in run['round_s'])} s  peak {run['peak_pss'] / 2**20:7.0f} MB"
                           f"  accuracy {run['accuracy']:.3f}", flush=True)
+        finished = True
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if finished:
+            shutil.rmtree(base, ignore_errors=True)
+        else:  # the failed side's run folder (its logs) is still there
+            print(f"a run failed: its folders are kept in {base}", file=sys.stderr, flush=True)
     print_table(runs, sizes, args.base)
     print_parts(runs, sizes)
     if args.json:
