@@ -75,6 +75,15 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return x, bunch.target.astype(np.int64)
 
 
+def _splitter_version() -> str:
+    """scikit-learn's version, whose splitter draws the digits split. Where it is not installed (a device install),
+    the error importing it would give: the CLI names the extra that brings it, in one line."""
+    try:
+        return importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError("No module named 'sklearn'", name="sklearn") from None
+
+
 def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> ArrayDataset:
     """The 1,797 bundled 8x8 digits (10 classes), split train/test stratified and seeded.
 
@@ -88,7 +97,7 @@ def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> ArrayData
         return {"x": data.x_train, "y": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
 
     arrays = _cached_arrays("digits", {"test_fraction": float(test_fraction), "seed": int(seed),
-                                       "scikit-learn": importlib.metadata.version("scikit-learn")}, split)
+                                       "scikit-learn": _splitter_version()}, split)
     return ArrayDataset("digits", arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"], num_classes=10)
 
 
