@@ -171,7 +171,8 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
 def _cached_arrays(name: str, key_fields: dict[str, Any], make: Callable[[], dict[str, np.ndarray]]
                    ) -> dict[str, np.ndarray]:
     """The arrays `make()` gives, kept under `cache_dir()` as `<name>-<key>.npz`, the key a hash of `key_fields`
-    (everything the arrays depend on): made once, read back by every later run and process."""
+    (everything the arrays depend on): made once, read back by every later run and process. A cache that cannot
+    be written (a read-only home) only costs the keeping, as for exported artifacts (models/cache.py)."""
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / f"{name}-{key}.npz"
     if path.is_file():
@@ -179,7 +180,10 @@ def _cached_arrays(name: str, key_fields: dict[str, Any], make: Callable[[], dic
             return {k: f[k] for k in f.files}
     log.info("making %s (once: kept in %s) ...", name, path)
     arrays = make()
-    _save_npz_atomically(path, **arrays)
+    try:
+        _save_npz_atomically(path, **arrays)
+    except OSError as err:
+        log.warning("could not keep %s in %s: %s", name, path.parent, err)
     return arrays
 
 

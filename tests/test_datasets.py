@@ -86,6 +86,15 @@ def test_digits_split_is_kept_and_read_back_without_scikit_learn(monkeypatch, tm
     assert out == [str(len(made.y_train)), "False"]
 
 
+def test_digits_load_where_the_cache_cannot_be_written(monkeypatch, tmp_path):
+    """Before the split was cached, a host without a writable cache loaded the digits: it still does."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("EDGEFIL_CACHE", str(blocked / "cache"))
+    assert len(datasets.load_digits_dataset(seed=2).y_train) + len(datasets.load_digits_dataset(seed=2).y_test) \
+        == N_DIGITS
+
+
 # --- digit domains -------------------------------------------------------------------------------
 
 def test_digit_domains_shapes_and_labels():
