@@ -14,8 +14,11 @@ below the 2) without its work being any different.
   sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
   enough to hold every share. The fleet exports its model's artifacts itself, inside the timed run, through the
   export cache (models/cache.py, `$EDGEFIL_CACHE` set per run): "cached", the cache filled once before the runs
-  (every fleet run after a host's first), and, once per N, "cold", an empty cache (a host's first run: the export
-  itself). Flower builds its torch model in-process.
+  (every fleet run after a host's first), and, once per N, "cold", a cache without exports (a host's first run:
+  the export itself). The cold cache keeps the digits split that the cache also holds (firmware_sim/datasets.py,
+  made from scikit-learn's copy once per host, ~3 s of importing scikit-learn): Flower's side gets its shards made
+  before its run too, so both sides start with their data made and only the export is cold. Flower builds its
+  torch model in-process.
 - Flower 1.40: `flwr.simulation.run_simulation` with the message API's FedAvg (`fraction_train = 1`, no
   client-side evaluation, the central evaluation as `evaluate_fn`), one client per core at a time
   (`client_resources = {num_cpus = 1}`), torch at one thread in each. Its clients train on the very shards
@@ -189,6 +192,15 @@ def fill_cache(cache: Path, folder: Path) -> None:
                       cache=True, graphs=make_policy("random").trainer_graphs())
 
 
+def without_exports(cache: Path, copy: Path) -> None:
+    """`copy` made anew as `cache` without its exported artifact sets: the data the host made (the digits split)
+    kept, as Flower's side gets its shards made before its run."""
+    from models.cache import ARTIFACTS
+
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(cache, copy, ignore=lambda folder, names: [ARTIFACTS] if Path(folder) == cache else [])
+
+
 # --- Flower's side (its own environment) ----------------------------------------------------------
 
 def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> dict[str, Any]:  # noqa: ARG001
@@ -316,7 +328,7 @@ def main() -> None:
                 for side in order:
                     shutil.rmtree(folder / "edgefil", ignore_errors=True)
                     cold = base / "cold-cache"
-                    shutil.rmtree(cold, ignore_errors=True)
+                    without_exports(warm, cold)
                     program = side.split("-")[0]
                     run = {"side": side, "n": n, "repeat": repeat,
                            **run_side(program, pythons[program], n, args, folder, cold if "cold" in side else warm)}

@@ -33,6 +33,7 @@ that graph takes SAMPLE_NORM_CHUNK samples and the device pads the last chunk.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import multiprocessing as mp
 import os
@@ -346,7 +347,7 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
                          decomposition_table=decompositions)(*example)
     batch = Dim("batch", min=1, max=1 << 20)
     dynamic = tuple({0: batch} if i in batched else None for i in range(len(example))) if batched else None
-    with _exporter_quiet(), _decomposed_once():
+    with _exporter_quiet(), _registry_built_once(), _decomposed_once():
         program = torch.onnx.export(
             target, example, dynamo=True, dynamic_shapes=dynamic, opset_version=PORTABLE_OPSET,
             input_names=list(inputs), output_names=list(outputs), custom_translation_table=TRANSLATIONS,
@@ -398,6 +399,48 @@ def _decomposed_once() -> Iterator[None]:
         yield
     finally:
         _fx_passes.decompose_with_registry = decompose
+
+
+@contextlib.contextmanager
+def _registry_built_once() -> Iterator[None]:
+    """Build the exporter's registry of op translations once per process, not once per graph.
+
+    torch's exporter builds its registry (every torchlib function, for about 2000 ops) anew for each export: 1.7 s
+    the first time in a process, 0.7-1.1 s each time after, a fifth of a small graph's export. Within this
+    context the first registry a process builds is kept, and each export gets a copy of it with lists of its own
+    (the export inserts its custom translations, `models/onnx_backward.py`'s, into them), so what every export
+    sees is what a fresh build gives (tests/test_export.py). The registry depends only on the opset and on the
+    torchlib functions imported, which do not change within a process. The hook is a private classmethod of the
+    pinned torch (2.14.1); where a torch lacks it, the exporter runs unchanged."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    registry_class = getattr(_registration, "ONNXRegistry", None)
+    build = getattr(registry_class, "from_torchlib", None)
+    if registry_class is None or build is None:
+        yield
+        return
+    descriptor = registry_class.__dict__["from_torchlib"]
+
+    def copy_of_kept(cls: type, *args: Any, **kwargs: Any) -> Any:
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        kept = _REGISTRIES.get(key)
+        if kept is None:
+            kept = _REGISTRIES[key] = descriptor.__func__(cls, *args, **kwargs)
+        registry = copy.copy(kept)
+        registry.functions = {target: list(translations) for target, translations in kept.functions.items()}
+        return registry
+
+    registry_class.from_torchlib = classmethod(copy_of_kept)
+    try:
+        yield
+    finally:
+        registry_class.from_torchlib = descriptor
+
+
+_REGISTRIES: dict[tuple, Any] = {}  # the exporter's registries this process built: (class, arguments) -> registry
 
 
 # Python's operators on symbolic sizes (getitem of a multi-output op, a size's eq): nothing to decompose.

@@ -322,6 +322,54 @@ def test_the_exporter_decomposes_again_only_a_graph_with_an_op_it_cannot_transla
         np.testing.assert_array_equal(skipped, decomposed)
 
 
+def test_a_process_builds_the_exporter_s_registry_once_and_each_export_gets_a_fresh_copy(tmp_path, monkeypatch):
+    """The exporter's registry of translations is built once in a process: each later export gets a copy equal to a
+    fresh build, whatever an export before it inserted (its custom translations), and exports the same graph as
+    with a registry built for it."""
+    import contextlib
+
+    import onnx
+    from torch.onnx._internal.exporter import _registration
+
+    from models import portable_export
+    from models.manifest import PORTABLE_MODELS, ParameterInfo
+    from models.onnx_backward import TRANSLATIONS
+
+    registry_class = _registration.ONNXRegistry
+    build = registry_class.__dict__["from_torchlib"]
+    built = []
+
+    def counted(cls, *args, **kwargs):
+        built.append(args)
+        return build.__func__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(registry_class, "from_torchlib", classmethod(counted))
+    monkeypatch.setattr(portable_export, "_REGISTRIES", {})
+    op, translation = next(iter(TRANSLATIONS.items()))
+    with portable_export._registry_built_once():
+        first = registry_class.from_torchlib()
+        first.register_op(op, translation)
+        second = registry_class.from_torchlib()
+    fresh = registry_class.from_torchlib()
+    assert len(built) == 2  # once inside the context, once outside
+    assert len(first.get_decomps(op)) == len(fresh.get_decomps(op)) + 1
+    assert second.functions == fresh.functions and second.opset_version == fresh.opset_version
+
+    model = build_model("mlp", 4, (1, 8, 8), seed=0).eval()
+    parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
+    for folder in ("kept", "built"):
+        (tmp_path / folder).mkdir()
+    for _ in range(2):  # the second export's registry is a copy of the one the first used
+        portable_export._export_one("gradient", model, parameters, (1, 8, 8), tmp_path / "kept")
+    assert len(built) == 3
+    monkeypatch.setattr(portable_export, "_registry_built_once", contextlib.nullcontext)
+    portable_export._export_one("gradient", model, parameters, (1, 8, 8), tmp_path / "built")
+    assert len(built) == 4
+    graphs = [onnx.load(tmp_path / folder / PORTABLE_MODELS["gradient"]).graph for folder in ("kept", "built")]
+    assert [(n.op_type, list(n.attribute)) for n in graphs[0].node] == [
+        (n.op_type, list(n.attribute)) for n in graphs[1].node]
+
+
 def test_a_cached_set_without_weights_in_its_graphs_serves_every_seed(tmp_path, monkeypatch):
     """A set whose graphs take the weights as an input is exported once for all seeds: another seed's set is the
     same files with that seed's initial weights (and their hash); a set holding ORT Training's full checkpoint is
