@@ -361,8 +361,8 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
           "cache, and cold); MB: peak PSS of the side's processes; marginal: MB one more device costs (from the N "
           "before); ratio: Flower / edgefil")
     print("\n|    N | round s edgefil | Flower | ratio | start s edgefil cached | cold | Flower | ratio (cached) "
-          "| MB/device edgefil | Flower | ratio | marginal MB/device edgefil | Flower | ratio |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| ratio (cold) | MB/device edgefil | Flower | ratio | marginal MB/device edgefil | Flower | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     before = base if base else None
     for n in sizes:
         row = {side: (of(n, side, "round"), of(n, side, "start"), of(n, side, "peak")) for side in ("edgefil", "flower")}
@@ -375,7 +375,7 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
         else:
             marginal = "- | - | -"
         print(f"| {n:4d} | {e_round:.2f} | {f_round:.2f} | {f_round / e_round:.2f} | {e_start:.1f} | {cold:.1f} "
-              f"| {f_start:.1f} | {f_start / e_start:.2f} | {e_peak / n:.2f} | {f_peak / n:.2f} | {f_peak / e_peak:.2f} "
+              f"| {f_start:.1f} | {f_start / e_start:.2f} | {f_start / cold:.2f} | {e_peak / n:.2f} | {f_peak / n:.2f} | {f_peak / e_peak:.2f} "
               f"| {marginal} |")
         before = n
 
