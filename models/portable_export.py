@@ -417,12 +417,11 @@ def _registry_built_once() -> Iterator[None]:
     except ImportError:
         yield
         return
-    registry_class = getattr(_registration, "ONNXRegistry", None)
-    build = getattr(registry_class, "from_torchlib", None)
-    if registry_class is None or build is None:
+    registry_class: Any = getattr(_registration, "ONNXRegistry", None)
+    descriptor = vars(registry_class).get("from_torchlib") if registry_class is not None else None
+    if not isinstance(descriptor, classmethod):
         yield
         return
-    descriptor = registry_class.__dict__["from_torchlib"]
 
     def copy_of_kept(cls: type, *args: Any, **kwargs: Any) -> Any:
         key = (cls, args, tuple(sorted(kwargs.items())))
