@@ -63,7 +63,11 @@ from models.manifest import manifest_digest, software_version
 log = logging.getLogger("edgefil.device")
 KEPT_MODELS = 4  # weight blobs kept in memory: the current global and personal ones, and the next, arriving early
 KEPT_BROADCASTS = 2  # broadcast blobs kept: the current one, and the next, arriving early
-STOP_POLL_S = 5.0  # the longest an idle device sleeps before it looks whether it was asked to stop
+# The longest an idle device sleeps before it looks whether it was asked to stop, where a signal handler asks (it
+# may not take the inbox's lock to wake the device). A device whose owner stops it with `request_stop` (a fleet
+# worker) is woken instead and does not poll: 10,000 devices polling every 5 s were 2000 thread wake-ups a second
+# on a 2-core host, each a handover of its worker's GIL (benchmarks/fleet_scale.py).
+STOP_POLL_S = 5.0
 MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
 
@@ -88,12 +92,15 @@ def shared_model(blob_id: str, weights: np.ndarray) -> np.ndarray:
 class Device:
     def __init__(
         self, config: DeviceConfig, source: TaskSource | None = None, environment: Environment | None = None,
-        network: NetworkLoop | None = None,
+        network: NetworkLoop | None = None, stop_poll_s: float | None = STOP_POLL_S,
     ) -> None:
         """`source` and `environment` default to the config's data folder and the device's own surroundings; a
         simulated fleet passes a scenario's share and an emulated profile instead (built by firmware_sim), and the
-        network loop its worker's devices share (None: the device's link runs a loop of its own)."""
+        network loop its worker's devices share (None: the device's link runs a loop of its own). `stop_poll_s`:
+        how often an idle device looks at `stop_requested` (STOP_POLL_S); None where its owner stops it only with
+        `request_stop`, which wakes it."""
         self.config = config
+        self.stop_poll_s = stop_poll_s
         self.id = config.device_id
         self.instance = secrets.token_hex(8)  # this process: a restart has another (duplicate-id detection)
         self.trainer = make_trainer(config.trainer, config.artifacts)
@@ -167,12 +174,19 @@ class Device:
             self.link.stop()
             self.learner.store.close()
 
+    def request_stop(self) -> None:
+        """Ask the device to leave, and wake it if it waits for a message (not from a signal handler: set
+        `stop_requested` there, which an idle device sees within its `stop_poll_s`)."""
+        self.stop_requested.set()
+        self.link.wake()
+
     def _idle_wait(self) -> float:
         """How long to wait for a message: until the next heartbeat is due or the availability schedule may take
-        the device away, at most STOP_POLL_S. Not a fixed short poll: a fleet worker's thousands of idle device
+        the device away, at most `stop_poll_s`. Not a fixed short poll: a fleet worker's thousands of idle device
         threads waking every second kept its network thread from the GIL (connections timed out at 5000)."""
         heartbeat = self._last_status + self.config.heartbeat_s - time.monotonic()
-        return max(0.0, min(heartbeat, self.environment.online_for(), STOP_POLL_S))
+        poll = self.stop_poll_s if self.stop_poll_s is not None else threading.TIMEOUT_MAX  # (a wait's longest)
+        return max(0.0, min(heartbeat, self.environment.online_for(), poll))
 
     def _stay_away(self, seconds: float) -> None:
         """Offline (availability): say so, disconnect, come back when the environment says so, asking it again at

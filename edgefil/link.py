@@ -33,6 +33,7 @@ from edgefil.wire import Frame
 
 QOS = 1
 CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
+_WAKE = "$wake"  # inbox marker: `wake` was called; `get` returns None for it, as for a timeout
 SHARED_PAYLOAD_BYTES = 64 * 1024  # the smallest payload the links of a shared loop hold once (SharedPayloads)
 
 
@@ -271,11 +272,19 @@ class Link:
                 self._unacked.add(info.mid)
 
     def get(self, timeout: float | None) -> Message | None:
-        """The next message from the inbox, Message(CONNECTED, b"") after a (re)connect, None on timeout."""
+        """The next message from the inbox, Message(CONNECTED, b"") after a (re)connect, None on timeout or when
+        `wake` was called."""
         try:
-            return self.inbox.get(timeout=timeout)
+            item = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return None
+        return None if item.topic == _WAKE else item
+
+    def wake(self) -> None:
+        """Make a `get` that waits (or the next one) return None now: an owner that wants the reader to look at
+        something other than messages (a request to stop) says so without the reader polling for it. From any
+        thread, not from a signal handler (it takes the inbox's lock, which the interrupted thread may hold)."""
+        self.inbox.put(Message(_WAKE, b""))
 
     def wait_subscribed(self, timeout: float) -> bool:
         """Wait until the broker has acknowledged every subscription of the current connection. start() returns

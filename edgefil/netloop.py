@@ -42,7 +42,13 @@ BACKOFF_CAP_S = 8.0
 CONNACK_TIMEOUT_S = 10.0  # an attempt whose CONNACK has not come by then is abandoned (a broker overwhelmed)
 CLOSE_GRACE_S = 2.0  # how long a closing connection may take to send its DISCONNECT before its socket is shut
 TCP_CONNECT_TIMEOUT_S = 5.0
-TICK_S = 0.5  # keepalives (loop_misc), CONNACK timeouts and closing deadlines are looked at this often
+TICK_S = 0.5  # CONNACK timeouts and closing deadlines are looked at this often
+# A connection's keepalive (paho's loop_misc: a PINGREQ when one is due, the socket closed when its answer is late)
+# is looked at KEEPALIVE_CHECKS times a keepalive period (and at least every tick where that is shorter): a PINGREQ
+# goes out at most 1/KEEPALIVE_CHECKS of the period late, well inside the broker's 1.5x. Every connection at every
+# tick was 2.75 us a connection (paho's locks and clock), 4 ms a second of a worker's 1500 connections, paid under
+# its GIL for as long as a round lasts (benchmarks/fleet_scale.py).
+KEEPALIVE_CHECKS = 5
 
 
 def backoff_delay(failures: int, rng: random.Random) -> float:
@@ -61,6 +67,7 @@ class _Connection:
     sock: Any = None  # the socket the loop has registered, None between attempts
     attempt_at: float | None = None  # when the open attempt started, until its CONNACK
     close_by: float | None = None  # closing: the deadline for its DISCONNECT to go out
+    keepalive_at: float = 0.0  # when its keepalive is next looked at (loop_misc)
     closed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -275,6 +282,9 @@ class NetworkLoop:
             log.info("MQTT client %s: no CONNACK in %.0f s; retrying", conn.name, CONNACK_TIMEOUT_S)
             self._lose_socket(conn)
             return
+        if now < conn.keepalive_at:
+            return
+        conn.keepalive_at = now + conn.client.keepalive / KEEPALIVE_CHECKS
         try:
             conn.client.loop_misc()  # keepalive: a PINGREQ when due, the socket closed when its answer is late
         except Exception:

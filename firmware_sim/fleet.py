@@ -76,7 +76,7 @@ from coordinator.dashboard import start_dashboard
 from coordinator.pki import OBSERVER, make_ca, make_server_cert
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
-from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
+from edge_client.config import DeviceConfig, LearnerSettings, StoreSettings, TrainerSettings
 from edge_client.policies import POLICIES, check_policy, split_policy
 from edge_client.trainers.base import OPTIMIZER_BUFFERS
 from edge_client.trainers.choice import resolve_backend
@@ -91,9 +91,9 @@ from firmware_sim.fleet_worker import (
     ADVERSARY,
     DESCRIPTORS_PER_CONNECTION,
     STOP_GRACE_S,
-    crowded_heartbeat,
     crowded_keepalive,
     ensure_descriptors,
+    fleet_heartbeat,
     host_devices,
     mount_disks,
     worker_count,
@@ -307,7 +307,7 @@ class Fleet:
             ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
             self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
-            self.heartbeat = crowded_heartbeat(self.config.devices, self.workers.cores())
+            self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
             self.broker = self._start_broker(self.workers.broker_host)
             self._write_observer_file(self.broker)
             self._start_workers(artifacts)

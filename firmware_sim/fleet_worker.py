@@ -53,12 +53,15 @@ def worker_count(workers: int | None, devices: int, cores: int) -> int:
 CROWDED_DEVICES_PER_CORE = 1000
 CROWDED_KEEPALIVE_S = 60
 # A device's heartbeat (a status message every `heartbeat_s`, 5 s by default) costs its worker, the broker and the
-# coordinator about 0.9 ms of CPU together: at 10,000 devices on 2 cores an idle fleet kept 1.73 cores busy with
-# them, and a round in which every device trained took 308 s, its devices' heartbeats then outnumbering their
-# updates 60 to 1 (benchmarks/fleet_scale.py --per-device 3). Past the same crowd the devices beat every
-# CROWDED_HEARTBEAT_S; nothing but the live view reads a heartbeat's age (a device that goes away says so: its
-# last will), so the view's "last seen" is what ages.
-CROWDED_HEARTBEAT_S = 30.0
+# coordinator about 1 ms of CPU together. A fleet keeps its devices' heartbeats, all of them together, within
+# HEARTBEATS_PER_CORE_S a second per core of its host: past that, every device beats less often than its default.
+# A budget for the whole fleet, not a longer heartbeat for large ones: at 10,000 devices on 2 cores a 5 s heartbeat
+# kept 1.73 cores busy and a round took 308 s (benchmarks/fleet_scale.py --per-device 3); a fixed 30 s past 2000
+# devices still left them costing each round in proportion to the fleet's size times the round's length, which
+# itself grows with the fleet. At 50 a second a core, 2 cores: 5 s up to 500 devices, 30 s at 3000, 100 s at
+# 10,000. Nothing but the live view reads a heartbeat's age (a device that goes away says so: its last will), so
+# the view's "last seen" is what ages.
+HEARTBEATS_PER_CORE_S = 50.0
 # A Python thread waiting for the GIL wakes every switch interval (5 ms by default) to ask for it. A broadcast
 # wakes every device thread of a worker at once (1500 of them at 9000 devices on 6 workers), and their wake-ups
 # then crowd out everything else on the host, the broker first. A longer interval in the workers thins them out.
@@ -82,9 +85,11 @@ def crowded_keepalive(devices: int, cores: int) -> int | None:
     return CROWDED_KEEPALIVE_S if crowded(devices, cores) else None
 
 
-def crowded_heartbeat(devices: int, cores: int) -> float | None:
-    """The heartbeat of a fleet's devices: None (their own default) unless the host is crowded."""
-    return CROWDED_HEARTBEAT_S if crowded(devices, cores) else None
+def fleet_heartbeat(devices: int, cores: int, default_s: float) -> float | None:
+    """The heartbeat of a fleet's devices: None (their own, `default_s`) while their heartbeats at that keep within
+    HEARTBEATS_PER_CORE_S a second per core, else the longer one that does."""
+    interval = devices / (HEARTBEATS_PER_CORE_S * max(cores, 1))
+    return interval if interval > default_s else None
 
 
 def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER_DEVICE) -> None:
@@ -164,7 +169,8 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
         try:
             raw = dict(raw)
             adversary = raw.pop(ADVERSARY, None)
-            device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary))
+            device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary,
+                                                      stop_poll_s=None))  # woken by request_stop below
         except Exception:
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return
@@ -181,7 +187,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     wait_for_stop()
     with lock:
         for device in devices:
-            device.stop_requested.set()
+            device.request_stop()
     deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all (a device mid-step finishes it first)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

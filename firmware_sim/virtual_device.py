@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from edge_client.config import DeviceConfig
-from edge_client.device import Device
+from edge_client.device import STOP_POLL_S, Device
 from edge_client.environment import Environment, RealEnvironment, Turns
 from edge_client.sources import TaskSource
 from edgefil.netloop import NetworkLoop
@@ -46,13 +46,13 @@ def hosted_environment(config: DeviceConfig, turns: Turns | None = None) -> Envi
 
 def virtual_device(
     config: DeviceConfig, network: NetworkLoop | None = None, turns: Turns | None = None,
-    adversary: Mapping[str, Any] | None = None,
+    adversary: Mapping[str, Any] | None = None, stop_poll_s: float | None = STOP_POLL_S,
 ) -> Device:
     """`network` and `turns`: a worker's, shared by the devices it hosts (one network thread for all their
     connections; one device at a time doing CPU work). `adversary`: a compromised device's attack and its fleet's
-    size (firmware_sim/adversary.py)."""
+    size (firmware_sim/adversary.py). `stop_poll_s`: the daemon's (None: stopped with `Device.request_stop` only)."""
     parts: dict[str, Any] = {"source": simulated_source(config), "environment": hosted_environment(config, turns),
-                             "network": network}
+                             "network": network, "stop_poll_s": stop_poll_s}
     if adversary is not None:
         return AdversarialDevice(config, attack=adversary["attack"], fleet_size=adversary["fleet_size"], **parts)
     return Device(config, **parts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,13 +48,13 @@ def setup(tmp_path, export_artifacts):
     broker.stop()
 
 
-def start(config: DeviceConfig) -> tuple[Device, threading.Thread]:
-    """Build and run a device on its own thread."""
+def start(config: DeviceConfig, **options: Any) -> tuple[Device, threading.Thread]:
+    """Build and run a device (`options`: the Device's) on its own thread."""
     built: list[Device] = []
     ready = threading.Event()
 
     def run() -> None:
-        built.append(Device(config))
+        built.append(Device(config, **options))
         ready.set()
         built[0].run()
 
@@ -197,6 +198,20 @@ def test_when_the_coordinator_says_the_run_is_over_the_device_exits_or_waits(set
         device.stop_requested.set()
         thread.join(15)
     coordinator.publish(topics.to_all(FLEET, "end"), b"", retain=True)
+
+
+def test_a_device_stopped_by_request_stop_does_not_poll_and_leaves_at_once(setup):
+    """A fleet worker stops its devices with request_stop, so they need not wake every STOP_POLL_S to look: idle,
+    this one would sleep until its next heartbeat, an hour away, and it still leaves when asked."""
+    config, coordinator, _ = setup
+    device, thread = start(dataclasses.replace(config, heartbeat_s=3600.0), stop_poll_s=None)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    wait_for(lambda: bool(statuses(coordinator)))  # its first status: the heartbeat clock has started
+    assert device._idle_wait() > 3000.0
+    device.request_stop()
+    thread.join(15)
+    assert not thread.is_alive()
+    assert statuses(coordinator)[-1]["state"] == "offline"
 
 
 def test_a_notice_is_logged_only_by_the_processes_it_names(setup):

@@ -22,12 +22,12 @@ from firmware_sim import fleet as fleet_module
 from firmware_sim.fleet_worker import (
     BASE_DESCRIPTORS,
     CROWDED_DEVICES_PER_CORE,
-    CROWDED_HEARTBEAT_S,
     CROWDED_KEEPALIVE_S,
     DESCRIPTORS_PER_DEVICE,
     DEVICES_PER_WORKER,
-    crowded_heartbeat,
+    HEARTBEATS_PER_CORE_S,
     crowded_keepalive,
+    fleet_heartbeat,
     worker_count,
 )
 from firmware_sim.report import run_summary
@@ -293,22 +293,29 @@ def test_clients_on_a_crowded_host_get_the_longer_keepalive():
     assert CROWDED_KEEPALIVE_S > BrokerSettings.keepalive
 
 
-def test_devices_on_a_crowded_host_beat_less_often(tmp_path):
-    """Heartbeats cost the worker, the broker and the coordinator CPU for each device: past the crowd the fleet's
-    device configs carry the longer heartbeat; below it they keep the device's own."""
+def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):
+    """Heartbeats cost the worker, the broker and the coordinator CPU for each device: a fleet whose devices would
+    beat more than HEARTBEATS_PER_CORE_S a second per core at their default gets a longer heartbeat that keeps them
+    at the budget (longer the larger the fleet); below it they keep the device's own."""
     from edge_client.config import DeviceConfig, StoreSettings
 
-    assert crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2, 2) is None
-    assert crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_HEARTBEAT_S > DeviceConfig.heartbeat_s
+    default = DeviceConfig.heartbeat_s
+    within = int(HEARTBEATS_PER_CORE_S * 2 * default)  # devices on 2 cores that beat at the budget at their default
+    assert fleet_heartbeat(within, 2, default) is None
+    for devices in (within + 1, 3000, 10_000):
+        beat = fleet_heartbeat(devices, 2, default)
+        assert beat is not None and beat > default
+        assert devices / beat == pytest.approx(HEARTBEATS_PER_CORE_S * 2)  # the whole fleet, at the budget
+    assert fleet_heartbeat(10_000, 4, default) == pytest.approx(fleet_heartbeat(10_000, 2, default) / 2)
     fleet = fleet_module.Fleet(fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2,
                                                         scenario={"preset": "digits-class"},
                                                         store=StoreSettings(max_samples=10)))
     fleet.broker = types.SimpleNamespace(address=types.SimpleNamespace(host="127.0.0.1", port=1, cafile=None))
     fleet.passwords = {device: "pw" for device in fleet.config.device_ids}
     assert "heartbeat_s" not in fleet.device_config(0, tmp_path)
-    fleet.heartbeat = crowded_heartbeat(CROWDED_DEVICES_PER_CORE * 2 + 1, 2)
+    fleet.heartbeat = fleet_heartbeat(10_000, 2, default)
     assert DeviceConfig.from_dict({**fleet.device_config(0, tmp_path), "data": None}).heartbeat_s == \
-        CROWDED_HEARTBEAT_S
+        fleet.heartbeat
 
 
 def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):

@@ -158,3 +158,32 @@ def test_links_of_one_loop_hold_one_copy_of_a_large_payload_they_all_receive(tmp
                 link.stop()
             network.stop()
             coordinator.stop()
+
+
+@needs_mosquitto
+def test_a_quiet_connection_keeps_alive_though_its_keepalive_is_looked_at_only_a_few_times_a_period(tmp_path):
+    """paho's keepalive check (loop_misc) runs KEEPALIVE_CHECKS times a keepalive period, not at every tick of the
+    loop; the pings still go out in time: a connection that sends nothing outlives the broker's 1.5x limit
+    twice over without reconnecting."""
+    from edgefil.netloop import KEEPALIVE_CHECKS
+
+    broker = MosquittoBroker(tmp_path, FLEET, {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    with broker:
+        keepalive = 4
+        link = Link(BrokerSettings("127.0.0.1", broker.address.port, "dev-a", "pw-a", keepalive=keepalive), "q")
+        checks = 0
+        loop_misc = link._client.loop_misc
+
+        def counted():  # the real client's own check, counted
+            nonlocal checks
+            checks += 1
+            return loop_misc()
+
+        link._client.loop_misc = counted
+        link.start(timeout=30)
+        started = time.monotonic()
+        assert drain_connects(link, 3.0 * keepalive) == 1  # two lifetimes of 1.5 keepalives: still the first
+        elapsed = time.monotonic() - started
+        assert link.connected
+        assert 1 <= checks <= elapsed / (keepalive / KEEPALIVE_CHECKS) + 2  # not once a tick (TICK_S)
+        link.stop()
