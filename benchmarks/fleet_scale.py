@@ -198,6 +198,7 @@ class Probe:
     devices: int
     idle_s: float = 0.0                   # the idle window after all registered (0: none)
     idle_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per second in that window
+    heartbeat_s: float = 5.0              # the devices' heartbeat, as the fleet set it
     started: float = 0.0                  # Fleet.run called
     workers_started: float = 0.0          # first worker process started
     first_registered: float = 0.0
@@ -238,6 +239,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
 
         def _start_workers(self, artifacts: Path) -> None:
             probe.workers_started = time.time()
+            if self.heartbeat is not None:
+                probe.heartbeat_s = self.heartbeat
             super()._start_workers(artifacts)
             probe.worker_pids = [w.pid for w in self.workers.processes]
 
@@ -434,7 +437,7 @@ def summarize(run: dict) -> dict:
         "n": n, "broker": run["broker"], "rounds": med, "rows": rows, "workers": len(probe.worker_pids),
         "startup": (probe.all_registered - probe.workers_started) if probe.all_registered else float("nan"),
         "first_registered": (probe.first_registered - probe.workers_started) if probe.first_registered else float("nan"),
-        "registered": registered, "after": after, "idle_cpu": probe.idle_cpu,
+        "registered": registered, "after": after, "idle_cpu": probe.idle_cpu, "heartbeat_s": probe.heartbeat_s,
         "broker_after": probe.broker_memory.get("after", {}), "problems": run["problems"],
         "foreign": run["foreign"],
         "completed": run["results"]["rounds_completed"], "accuracy": run["results"]["final_accuracy"],
@@ -517,15 +520,15 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
               f"{' '.join(f'{w:.2f}' for w in r['walls'])}")
     idle = [s for s in summaries if s["idle_cpu"]]
     if idle:
-        print(f"\nidle fleet (all registered, no round open, {args.idle_s:.0f} s; devices heartbeat every 5 s): "
-              f"CPU cores busy")
-        print(f"{'broker':>9s} {'N':>4s} {'coordinator':>11s} {'broker':>7s} {'workers':>7s} {'w. sys':>6s} "
-              f"{'per device %':>12s}")
+        print(f"\nidle fleet (all registered, no round open, {args.idle_s:.0f} s; heartbeat s: every device's, as "
+              f"the fleet set it): CPU cores busy")
+        print(f"{'broker':>9s} {'N':>4s} {'heartbeat s':>11s} {'coordinator':>11s} {'broker':>7s} {'workers':>7s} "
+              f"{'w. sys':>6s} {'per device %':>12s} {'other procs':>11s}")
         for s in idle:
             c = s["idle_cpu"]
             total = c["coordinator"] + c["broker"] + c["workers"]
-            print(f"{s['broker']:>9s} {s['n']:4d} {c['coordinator']:11.3f} {c['broker']:7.3f} {c['workers']:7.3f} "
-                  f"{c['workers_sys']:6.3f} {total / s['n'] * 100:12.3f} {c['host'] - total:11.3f}")
+            print(f"{s['broker']:>9s} {s['n']:4d} {s['heartbeat_s']:11.1f} {c['coordinator']:11.3f} {c['broker']:7.3f} "
+                  f"{c['workers']:7.3f} {c['workers_sys']:6.3f} {total / s['n'] * 100:12.3f} {c['host'] - total:11.3f}")
     for s in summaries:
         if s["completed"] < args.rounds:
             print(f"\n{s['broker']} N={s['n']}: only {s['completed']} of {args.rounds} rounds completed")
