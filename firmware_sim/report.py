@@ -100,6 +100,7 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
     received = {d: s[-1] for d, s in _series(reports, "bytes_received").items() if s}
     budget = budget if budget is not None else reported_budgets(results)
     stored = _series(reports, "stored_bytes")
+    sample_budgets = reported_sample_budgets(results)
     storage = peak_storage(stored, {d: float(budget.get(d, math.inf)) for d in stored})
     for device in stored.keys() - budget.keys():
         storage[device].update(budget=None, within_budget=None)
@@ -120,7 +121,7 @@ def run_summary(results: Mapping[str, Any], budget: Mapping[str, int] | None = N
         "traffic": traffic_summary(sent, received),
         "storage": storage,
         "device_seconds": {d: float(sum(s)) if s else None for d, s in _series(reports, "device_seconds").items()},
-        "stored_samples": {d: {"peak": max(s), "budget": reported_sample_budgets(results).get(d)}
+        "stored_samples": {d: {"peak": max(s), "budget": sample_budgets.get(d)}
                            for d, s in _series(reports, "stored_samples").items() if s},
         "devices": {d["device"]: d for d in results.get("devices", [])},  # the coordinator's roster at the end
         "refusals": dict(results.get("counters", {})),
