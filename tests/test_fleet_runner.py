@@ -318,6 +318,17 @@ def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):
         fleet.heartbeat
 
 
+def test_each_device_s_profile_and_id_follow_the_fleet_s_layout(tmp_path):
+    """Device k's id and profile, as its config is built (one device at a time, not from lists of the whole
+    fleet): the profiles' counts laid out in the order the fleet file gives them."""
+    base = {"name": "mini", "out": tmp_path, "scenario": {"preset": "digits-class"}}
+    mixed = fleet_module.FleetConfig(devices=5, profiles={"raspberry-pi-zero-2w": 2, "jetson-nano": 3}, **base)
+    assert [mixed.device_profile(k) for k in range(5)] == ["raspberry-pi-zero-2w"] * 2 + ["jetson-nano"] * 3
+    assert [mixed.device_id(k) for k in range(5)] == mixed.device_ids == [f"dev-{k:03d}" for k in range(5)]
+    plain = fleet_module.FleetConfig(devices=3, **base)
+    assert [plain.device_profile(k) for k in range(3)] == [None] * 3
+
+
 def test_a_ray_fleet_is_checked_before_anything_starts(tmp_path):
     """`backend` and `[ray]` refused in one line: an unknown backend, a cluster behind the embedded broker (no
     authentication, reached over the network), a typo in `[ray]`."""
