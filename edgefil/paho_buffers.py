@@ -13,8 +13,9 @@ must:
   full first, every chunk of the blob at once, in fresh memory.
 
 `Client` queues each outgoing packet as a memoryview, so a retried write slices a view; it reads the body of a
-packet of `IN_PLACE_BYTES` or more with `recv_into` straight into a buffer allocated at the packet's size (the
-length paho has just decoded), handing paho the count of bytes it read in place of them; it publishes a payload
+packet of `IN_PLACE_BYTES` or more with `recv_into` straight into a buffer of the packet's size (the length paho
+has just decoded; one an earlier packet used when nothing refers to it any more, `PACKET_BUFFERS`), handing paho
+the count of bytes it read in place of them; it publishes a payload
 given as parts (an object with `parts()`, like `wire.Frame`) by joining its parts straight into the packet when
 paho builds it, which for a message beyond the in-flight window is when the window frees: paho keeps the parts,
 never their joined copy. `install()` replaces paho's PUBLISH decoder with one that returns the payload as a
@@ -32,6 +33,8 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
+from edgefil.buffers import BufferPool
+
 try:
     from paho.mqtt import _packet
 except ImportError:  # paho < 2.2 decodes inside the client class: not patched
@@ -45,6 +48,9 @@ _QUEUE_PARAMETERS = ["self", "command", "packet", "mid", "qos", "info"]
 _BODY_LOOP = ("data = self._sock_recv(self._in_packet['to_process'])", "self._in_packet['to_process'] -= len(data)",
               "self._in_packet['packet'] += data")
 IN_PLACE_BYTES = 64 * 1024  # smaller packets (acknowledgements, statuses, small models) are read as paho does
+# The bodies read in place are kept for reuse, PACKET_BUFFER_POOL_BYTES of them a process at most (edgefil/buffers.py):
+# a zeroed 1 MB bytearray for every packet was a page fault per 4 KiB wherever glibc had returned the memory.
+PACKET_BUFFER_POOL_BYTES = 32 << 20
 
 
 def decode_publish(header: int, packet: bytes | bytearray, protocol: Any) -> Any:
@@ -93,7 +99,21 @@ def read_fits() -> bool:
 
 class _Body(bytearray):
     """A packet body allocated at its full size and filled in place: paho's `packet += data` then gets the
-    `_Count` of bytes already there, and adds nothing."""
+    `_Count` of bytes already there, and adds nothing. Made with room to spare (its `capacity`), so that a later
+    packet of about the same size reuses it (`PACKET_BUFFERS`), resized by `fit` within the memory it has."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.capacity = capacity
+
+    def fit(self, size: int) -> _Body:
+        """This body, `size` bytes long (at most its capacity, at least half of it: CPython then resizes a bytearray
+        in place, without reallocating). The bytes are left from before: the read overwrites them."""
+        if size > len(self):
+            self.extend(bytes(size - len(self)))
+        elif size < len(self):
+            del self[size:]
+        return self
 
     def __iadd__(self, received: Any) -> _Body:  # type: ignore[misc]  # takes a _Count, unlike __add__
         if not isinstance(received, _Count):
@@ -111,6 +131,9 @@ class _Count:
 
     def __len__(self) -> int:
         return self.n
+
+
+PACKET_BUFFERS: BufferPool[_Body] = BufferPool(_Body, PACKET_BUFFER_POOL_BYTES, IN_PLACE_BYTES)
 
 
 def parts_fit() -> bool:
@@ -189,7 +212,7 @@ class Client(mqtt.Client):
                 return super()._sock_recv(bufsize)
             body = incoming["packet"]
             if not isinstance(body, _Body):  # the body's first read: paho's fresh, empty buffer
-                body = incoming["packet"] = _Body(size)
+                body = incoming["packet"] = PACKET_BUFFERS.take(size).fit(size)
             try:
                 return _Count(recv_into(memoryview(body)[size - bufsize:]))
             except ssl.SSLWantReadError as err:  # as paho's own `_sock_recv` maps them

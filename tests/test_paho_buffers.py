@@ -143,3 +143,38 @@ def test_a_model_sized_blob_crosses_a_real_broker_both_ways_intact(tmp_path, tls
         finally:
             device.stop()
             coordinator.stop()
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_packet_s_body_is_read_into_again_once_its_payload_is_dropped_never_while_it_is_held(tmp_path):
+    """Three 200 KB messages through a real broker: the second arrives while the first one's payload is held, so
+    it gets a body of its own and the first stays intact; with both dropped, the third reuses one of their bodies
+    (PACKET_BUFFERS) and arrives intact."""
+    rng = np.random.default_rng(2)
+    sent = [rng.bytes(200_000) for _ in range(3)]
+    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    with broker:
+        coordinator = Link(broker_settings(broker, "coordinator", "pw-c"), "c")
+        device = Link(broker_settings(broker, "dev-a", "pw-a"), "dev-a",
+                      subscriptions=topics.device_subscriptions("lab", "dev-a"))
+        coordinator.start()
+        device.start()
+        try:
+            assert device.wait_subscribed(LISTENING_S)
+            topic = topics.to_all("lab", "weights")
+            coordinator.publish(topic, sent[0])
+            _, first = next_message(device)
+            reused = paho_buffers.PACKET_BUFFERS.reused
+            coordinator.publish(topic, sent[1])
+            _, second = next_message(device)
+            assert read_in_place(first) and read_in_place(second) and second.obj is not first.obj
+            assert bytes(first) == sent[0] and bytes(second) == sent[1]
+            bodies = {id(first.obj), id(second.obj)}  # both kept by the pool: their ids stay theirs
+            del first, second
+            coordinator.publish(topic, sent[2])
+            _, third = next_message(device)
+            assert paho_buffers.PACKET_BUFFERS.reused > reused and id(third.obj) in bodies
+            assert bytes(third) == sent[2]
+        finally:
+            device.stop()
+            coordinator.stop()
