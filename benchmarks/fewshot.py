@@ -14,7 +14,11 @@ epochs of SGD at lr 0.1 on the portable backend, the same device budget M. Colum
 - `sdd-nostats`: SDD without the statistics term (lambda_statistics = 0, no statistics sent): what the devices'
   feature statistics buy;
 - `sdd-target`: SDD with TARGET's adversarial sign (omega = 1 where teacher and student agree);
-- `finetune`: FedAvg fine-tuning (no replay, every parameter at lr);
+- `sdd-bias-cswa`: SDD with the new classes' biases scaled with their rows by CSWA (the paper's W_new is weights
+  only: by default the biases are averaged with W_old);
+- `finetune-paper`: the paper's Finetune+FL: fine-tuning at SDD's two rates (the new head at lr, the rest at
+  1e-3 lr), no replay, FedAvg;
+- `finetune`: plain FedAvg fine-tuning (no replay, every parameter at lr);
 - `refed`: Re-Fed with raw-sample replay within the same M (the few real samples of each session a device saw;
   the base session's never reached a device).
 
@@ -40,7 +44,7 @@ import numpy as np
 from scipy import stats
 
 GENERATOR = {"generator_epochs": 10, "generator_iterations": 20, "generator_batch_size": 64, "warmup_epochs": 3,
-             "replay_per_class": 40, "generator_budget_s": 600.0}
+             "replay_per_class": 40}
 METHODS: dict[str, dict[str, Any]] = {
     "sdd": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", **GENERATOR}},
     "sdd-ce": {"policy": {"name": "sdd", "replay": "ce"}, "strategy": {"name": "sdd", **GENERATOR}},
@@ -52,10 +56,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "sdd-nostats": {"policy": {"name": "sdd", "send_statistics": False},
                     "strategy": {"name": "sdd", "lambda_statistics": 0.0, **GENERATOR}},
     "sdd-target": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "adversarial_sign": "target", **GENERATOR}},
+    "sdd-bias-cswa": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "new_bias": "cswa", **GENERATOR}},
     "finetune": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},
+    "finetune-paper": {"policy": {"name": "sdd", "replay": "none", "send_statistics": False},
+                       "strategy": {"name": "fedavg"}},
     "refed": {"policy": {"name": "refed"}, "strategy": {"name": "fedavg"}},
 }
-DEFAULT_METHODS = ("sdd", "sdd-ce", "sdd-fedavg", "finetune", "refed")
+DEFAULT_METHODS = ("sdd", "sdd-ce", "sdd-fedavg", "finetune-paper", "finetune", "refed")
 BUDGET_BYTES = 256 * 1024  # M for every method: SDD's replay set takes at most half (replay_share)
 EPOCHS, LR, DEVICES = 10, 0.1, 5
 

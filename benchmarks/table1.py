@@ -91,10 +91,10 @@ RANDOM = {"name": "random"}
 # ACGAN at every task switch (real data first) and FedCIL replays nothing.
 FEDCIL = {"name": "fedcil"}
 # GLFC at its defaults but Gamma: the small encoding network (`glfc_mlp`) takes any input shape (the authors' LeNet
-# needs images; MNIST-1D's are signals). The proxy waits for its reconstructions at a task's end, so the old model
-# it picks does not depend on this host's speed; its input range is the scenario's (`Job.run`).
+# needs images; MNIST-1D's are signals). The proxy's work is counted, not timed, and it waits for it at a task's end,
+# so the old model it picks does not depend on this host's speed; its input range is the scenario's (`Job.run`).
 GLFC = {"name": "glfc", "gamma": "glfc_mlp"}
-GLFC_PROXY = {**STRATEGY, "name": "glfc", "gamma": "glfc_mlp", "wait_at_task_end_s": 600.0}
+GLFC_PROXY = {**STRATEGY, "name": "glfc", "gamma": "glfc_mlp"}
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"policy": RANDOM},
     "fedprox": {"policy": RANDOM, "strategy": {**STRATEGY, "name": "fedprox", "mu": 0.01}},
@@ -112,10 +112,15 @@ METHODS: dict[str, dict[str, Any]] = {
 # store holds the current task, its ACGAN gets what M leaves.
 EQUAL_BYTES = frozenset({"fedcil-bytes"})
 # GLFC's table (`--table glfc`): the method, its ablations and its paper's baselines, every one at the same M.
+# The paper's ablations replace what they remove: w/o CGC trains with the plain BCE, w/o CRD with iCaRL's
+# distillation in place of the relation term (Sec. 5.3: "utilize L_CE and the knowledge distillation proposed in
+# iCaRL for a replacement"), w/o PRS without the proxy. "glfc-no-rd" (ours) has no distillation at all, so that the
+# table also says what distillation is worth against none.
 GLFC_METHODS: dict[str, dict[str, Any]] = {
     "glfc": METHODS["glfc"],
     "glfc-no-cgc": {"policy": {**GLFC, "compensation": False}, "strategy": GLFC_PROXY},
     "glfc-no-crd": {"policy": {**GLFC, "relation": "bce"}, "strategy": GLFC_PROXY},
+    "glfc-no-rd": {"policy": {**GLFC, "relation": "none"}, "strategy": GLFC_PROXY},
     "glfc-no-prs": {"policy": GLFC, "strategy": {**GLFC_PROXY, "proxy": False}},
     "icarl": {"policy": {**GLFC, "compensation": False, "relation": "bce", "prototypes": False}},
     "fedavg": METHODS["fedavg"],
@@ -123,7 +128,11 @@ GLFC_METHODS: dict[str, dict[str, Any]] = {
 }
 # Not in the table: GLFC with the compensation from the second task on (no class is old in the first), the study
 # of where the compensation costs accuracy (docs/results.md); `--table glfc --methods glfc,glfc-cgc-later,...`.
-GLFC_STUDIES = {"glfc-cgc-later": {"policy": {**GLFC, "compensate_first_task": False}, "strategy": GLFC_PROXY}}
+# The relation term summed over the classes (Eq. 5 as printed, the default before issue 55) and the proxy scoring old
+# classes' reconstructions too (`monitor = "seen"`, not the paper's): `--methods glfc,glfc-rd-sum,glfc-monitor-seen`.
+GLFC_STUDIES = {"glfc-cgc-later": {"policy": {**GLFC, "compensate_first_task": False}, "strategy": GLFC_PROXY},
+                "glfc-rd-sum": {"policy": {**GLFC, "relation_scale": "sum"}, "strategy": GLFC_PROXY},
+                "glfc-monitor-seen": {"policy": GLFC, "strategy": {**GLFC_PROXY, "monitor": "seen"}}}
 # The class mask (`--table mask`): the same runs with the devices' seen-class mask on and off.
 MASK = {f"{method}-{'mask' if on else 'nomask'}": {**METHODS[method], "learner": {"mask_seen_classes": on}}
         for method in ("fedavg", "refed") for on in (True, False)}
@@ -414,7 +423,8 @@ def main() -> None:
             tables.append((f"GLFC's Table 1, {scenario}{regime(scenario)}: {where}",
                            plan(scenario, seeds, glfc_methods, out, args),
                            [("glfc", "glfc-no-prs"), ("glfc-no-prs", "icarl"), ("icarl", "fedavg"),
-                            ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "refed"),
+                            ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "glfc-no-rd"),
+                            ("glfc", "refed"), ("glfc-rd-sum", "glfc"), ("glfc-monitor-seen", "glfc"),
                             ("glfc-cgc-later", "glfc"), ("glfc-cgc-later", "glfc-no-cgc")]))
         elif args.table == "mask":
             tables.append((f"The class mask, {scenario}{regime(scenario)}: {where}",

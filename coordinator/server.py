@@ -278,8 +278,9 @@ class Coordinator:
         if current is None:
             return
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
-        if config.pop("known_classes", False):
+        if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
+            config["task_classes"] = list(self._context.task_classes)
         self.outbox.send_round(device, current, self.state.round, config, with_weights)
 
     def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:

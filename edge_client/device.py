@@ -20,8 +20,10 @@ A round the device cannot train (its data missing or malformed, its configuratio
 that diverges to a non-finite loss) is reported to the coordinator as a status "error" with a one-line reason,
 which the coordinator shows per device, instead of the device going silent until the deadline. A device that holds
 nothing and whose source has nothing for the task the coordinator last named (one that joins a later task) says
-"no-data" in its statuses instead of "idle", and the coordinator does not select it (`_ready_state`). A notice from the
-coordinator (e.g. that two processes use this device id) is logged as an error.
+"no-data" in its statuses instead of "idle", and the coordinator does not select it (`_ready_state`). A device
+whose task brings no samples but whose store holds some (a client left with its old data only) starts the task and
+trains on its store, whatever its method. A notice from the coordinator (e.g. that two processes use this device id)
+is logged as an error.
 
 Restarts on either side are safe: a round message for the round this device already trained (same global
 model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
@@ -135,6 +137,7 @@ class Device:
         self.waiting: wire.Message | None = None  # a round message whose weights have not arrived yet
         self.backlog: collections.deque[Message] = collections.deque()  # set aside while awaiting a reply
         self.rejected = 0
+        self._told_head = False  # said once that a "fleet" head got a round without the fleet's classes
         self.notices: list[str] = []  # what the coordinator reported about this device
         self.run_ended: str | None = None  # how the coordinator's run ended, once it says so
         self._last_status = 0.0
@@ -380,12 +383,22 @@ class Device:
         if "lr" in config:
             self.trainer.set_learning_rate(float(config["lr"]))
         self.learner.known_classes = self._known_classes(config.get("known_classes", ()))
+        self.learner.task_classes = self._known_classes(config.get("task_classes", ()), "task_classes")
+        if self.learner.policy.head_classes == "fleet" and not self.learner.known_classes and not self._told_head:
+            self._told_head = True
+            log.warning("%s: policy %s trains its head over the fleet's classes, and the round names none: set "
+                        "[client] known_classes = true on the coordinator", self.id, self.learner.policy.name)
         self.learner.round_mask = self._round_mask(config.get("mask_seen_classes"))
         disk_full = False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
             manifest = self.trainer.manifest
-            check_task_data(x, y, manifest.input_shape, manifest.num_classes, task)
+            if len(y) or not len(self.learner.store):  # a task that brings nothing: the device trains on its store
+                check_task_data(x, y, manifest.input_shape, manifest.num_classes, task)
+            else:
+                x, y = np.zeros((0, *manifest.input_shape), np.float32), np.zeros(0, np.int64)
+                log.info("%s: task %d brings no new samples: training on its store (%d samples)", self.id, task,
+                         len(self.learner.store))
             try:
                 self.learner.state.data_task = task  # taken, whatever the store keeps of it
                 chunk = Chunk(x, y, None if self.config.learner.detect_new_tasks else task)
@@ -529,13 +542,14 @@ class Device:
         extra: dict[str, Any] = {"error": error} if error else {}
         return wire.encode("status", device=self.id, state=state, round=done, instance=self.instance, **extra)
 
-    def _known_classes(self, value: object) -> tuple[int, ...]:
-        """The round's `known_classes`, when they are class ids of this model; refused (none) otherwise."""
+    def _known_classes(self, value: object, key: str = "known_classes") -> tuple[int, ...]:
+        """The round's `known_classes` (or `task_classes`), when they are class ids of this model; refused (none)
+        otherwise."""
         k = self.trainer.manifest.num_classes
         if isinstance(value, (list, tuple)) and len(value) <= k and all(
                 isinstance(c, int) and not isinstance(c, bool) and 0 <= c < k for c in value):
             return tuple(value)
-        log.warning("%s: the round's known_classes are not class ids of this model: ignored", self.id)
+        log.warning("%s: the round's %s are not class ids of this model: ignored", self.id, key)
         return ()
 
     def _round_mask(self, value: object) -> bool | None:

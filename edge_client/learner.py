@@ -108,6 +108,7 @@ class Learner:
     # --- the stream -------------------------------------------------------------------------------
 
     known_classes: tuple[int, ...] = ()  # what the coordinator's round said the fleet knows (class_mask)
+    task_classes: tuple[int, ...] = ()  # ... and which of those the task being trained brings
     round_mask: bool | None = None  # the coordinator's round says whether to mask (None: `mask_seen_classes`)
 
     def view(self, global_weights: np.ndarray | None = None) -> RoundView:
@@ -119,6 +120,7 @@ class Learner:
             task_counts=_padded(self.state.task_counts, k), n_seen=self.state.n_seen,
             global_weights=self.global_weights if global_weights is None else global_weights,
             read_store=self._stored, count_store=self.store.__len__,
+            known_classes=self.known_classes, task_classes=self.task_classes,
         )
 
     def global_model_arrived(self, weights: np.ndarray) -> None:

@@ -36,8 +36,10 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                                                                          mask_seen_classes is the scenario kind's
                                                                          measured default, `ScenarioKind.masks`)
     [client]       epochs (10), lr, answer_wait_s, known_classes         (the coordinator file's [client]; a
-                                                                         scenario whose host learns a task sets
-                                                                         known_classes = true unless it is given)
+                                                                         scenario whose host learns a task, or a
+                                                                         policy whose head covers the fleet's
+                                                                         classes, sets known_classes = true
+                                                                         unless it is given)
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device                                   (the coordinator file's keys)
@@ -298,8 +300,11 @@ class Fleet:
         data = self.config.check(file)  # before anything starts
         if self.config.store is None:
             self.config = dataclasses.replace(self.config, store=StoreSettings(max_samples=data.binding_budget()))
-        if any(task.host_trained for task in data.tasks) and "known_classes" not in self.config.client:
-            # the host's classes never reach a device: without them its mask would hide what the model knows
+        policy, _ = split_policy(self.config.policy)
+        if "known_classes" not in self.config.client and (
+                any(task.host_trained for task in data.tasks) or policy.head_classes == "fleet"):
+            # the host's classes never reach a device: without them its mask would hide what the model knows; a
+            # head over the fleet's classes needs them named (ReplayPolicy.head_classes)
             self.config = dataclasses.replace(self.config, client={**self.config.client, "known_classes": True})
         out = self.config.out
         for folder in ("devices", "logs"):

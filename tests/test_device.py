@@ -74,13 +74,14 @@ def updates(coordinator: Peer, n_params: int) -> list[wire.Blob]:
     return blobs
 
 
-def send_round(coordinator: Peer, weights: np.ndarray, round_: int = 1, **config) -> str:
+def send_round(coordinator: Peer, weights: np.ndarray, round_: int = 1, task: int = 0, **config) -> str:
     encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=round_, version=round_ - 1)
     for chunk in encoded.chunks:
         coordinator.publish(topics.to_all(FLEET, "weights"), chunk)
     model = encoded.id
     coordinator.publish(topics.to_device(FLEET, "dev-0", "round"), wire.encode(
-        "round", round=round_, task=0, model=model, version=round_ - 1, deadline_s=30, config={"epochs": 1, **config}))
+        "round", round=round_, task=task, model=model, version=round_ - 1, deadline_s=30,
+        config={"epochs": 1, **config}))
     return model
 
 
@@ -134,6 +135,26 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
     distance = lambda blob: np.linalg.norm(blob.weights(n) - initial)  # noqa: E731
     assert distance(pulled) < 0.5 * distance(free)
     restarted.stop_requested.set()
+    thread.join(15)
+
+
+def test_a_device_whose_task_brings_no_samples_trains_on_its_store(setup):
+    """GLFC's old-data-only clients: task 1's file holds no samples, the store holds task 0's: the device starts
+    task 1 and trains on what it stores (an update of its 50 samples), instead of refusing the round."""
+    config, coordinator, initial = setup
+    n = len(initial)
+    np.savez(config.data.folder / "task-1.npz", x=np.zeros((0, 1, 8, 8), np.float32), y=np.zeros(0, np.int64))
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 1)
+    send_round(coordinator, initial, round_=2, task=1)
+    wait_for(lambda: len(updates(coordinator, n)) == 2)
+    second = updates(coordinator, n)[1]
+    assert second.header["round"] == 2 and second.header["num_samples"] == 50
+    assert not np.array_equal(second.weights(n), initial)  # it trained
+    assert device.learner.state.task == 1 and not any(m["state"] == "error" for m in statuses(coordinator))
+    device.stop_requested.set()
     thread.join(15)
 
 

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from coordinator.background import Deadline
 from coordinator.broker import mosquitto_path
 from coordinator.strategies import ClientUpdate, RoundContext, make_strategy
+from coordinator.strategies.base import settled
 from coordinator.strategies.glfc import GlfcProxy
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import Learner, LearnerConfig
@@ -32,7 +33,7 @@ from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_dataset
-from models.glfc import decode_gradient, decode_old_model, infer_label, prototype_name
+from models.glfc import decode_gradient, decode_old_model, encode_gradient, infer_label, prototype_name
 from models.loss import training_loss
 from models.manifest import ParameterInfo, load_manifest
 from models.zoo import build_model
@@ -82,13 +83,53 @@ def test_relation_targets_and_both_forms_of_eq_6_are_its_two_terms():
     assert merged.head == "sigmoid-bce"
     expected = (0.5 * weights * bce + 0.5 * bce_hat).mean()
     assert _loss_of(logits, merged) == pytest.approx(float(expected), rel=1e-6)
-    # the paper's form: the same BCE term, and lambda_2 times the cross-entropy of softmax(z) against Y-hat
-    kl = glfc_loss(y, 3, weights, 0.5, 0.5, targets, "kl")
+    # the paper's form: the same BCE term, and lambda_2 times the cross-entropy of softmax(z) against Y-hat,
+    # summed over the classes as Eq. 5 prints it, or (the default) averaged over them as the authors' BCE is
     cross = -(targets * F.log_softmax(logits, dim=1).numpy()).sum(1)
-    expected = (0.5 * weights * bce + 0.5 * cross).mean()
-    assert _loss_of(logits, kl) == pytest.approx(float(expected), rel=1e-6)
+    for scale, per_class in (("sum", 1.0), ("mean", 1 / 3)):
+        kl = glfc_loss(y, 3, weights, 0.5, 0.5, targets, "kl", scale)
+        expected = (0.5 * weights * bce + 0.5 * per_class * cross).mean()
+        assert _loss_of(logits, kl) == pytest.approx(float(expected), rel=1e-6)
+    summed = glfc_loss(y, 3, weights, 0.5, 0.5, targets, "bce", "sum")  # the authors' BCE, summed over classes
+    expected = (0.5 * weights * bce + 0.5 * 3 * bce_hat).mean()
+    assert _loss_of(logits, summed) == pytest.approx(float(expected), rel=1e-6)
     plain = glfc_loss(y, 3, weights, 1.0, 0.0, None)  # the first task: the compensated BCE alone
     assert _loss_of(logits, plain) == pytest.approx(float((weights * bce).mean()), rel=1e-6)
+
+
+def _relation_gradient(z, y, targets, mask, form, scale=None):
+    """The gradient w.r.t. the logits of GLFC's relation term alone (lambda_1 = 0, lambda_2 = 0.5) as the one loss
+    (models/loss.py) computes it, under a class mask."""
+    n, k = z.shape
+    args = () if scale is None else (scale,)
+    inputs = glfc_loss(y, k, np.ones(n, np.float32), 0.0, 0.5, targets, form, *args, visible=int(mask.sum()))
+    logits = torch.tensor(z, dtype=torch.float32, requires_grad=True)
+    arrays = loss_arrays(y, k, inputs)
+    training_loss(logits, torch.from_numpy(mask), *(torch.from_numpy(a) for a in arrays)).backward()
+    return logits.grad.numpy()
+
+
+def test_the_relation_terms_gradient_is_the_authors_formula_at_the_default_scale():
+    """Hand-computed, B = 2 samples, 4 classes of which 3 visible (class 3 hidden), Y-hat with the old class 0 from
+    an old model: the authors' BCE gives dL/dz = lambda_2 (sigmoid(z) - Y-hat) / (3 B) on the visible classes; the
+    paper's KL at the default scale lambda_2 (softmax(z) sum(Y-hat) - Y-hat) / (3 B), the same size (its first
+    moment is the BCE's), where Eq. 5 as printed (scale "sum") is 3 times that; a hidden class gets nothing."""
+    z = np.array([[1.2, -0.4, 0.3, 5.0], [-0.7, 0.9, 2.1, -3.0]])
+    y = np.array([1, 2])
+    mask = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+    targets = relation_targets(y, 4, np.array([[0.8, 0.1, 0.2, 0.5], [0.3, 0.6, 0.4, 0.5]]), np.array([0]))
+    visible = mask.astype(bool)
+    sigmoid = 1 / (1 + np.exp(-z))
+    authors = 0.5 * (sigmoid - targets) / (3 * 2) * mask
+    np.testing.assert_allclose(_relation_gradient(z, y, targets, mask, "bce"), authors, rtol=1e-5, atol=1e-7)
+    soft = np.exp(z[:, visible]) / np.exp(z[:, visible]).sum(1, keepdims=True)
+    paper = np.zeros_like(z)
+    paper[:, visible] = soft * targets[:, visible].sum(1, keepdims=True) - targets[:, visible]
+    np.testing.assert_allclose(_relation_gradient(z, y, targets, mask, "kl"), 0.5 * paper / (3 * 2), rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(_relation_gradient(z, y, targets, mask, "kl", "sum"), 0.5 * paper / 2, rtol=1e-5,
+                               atol=1e-7)
+    assert make_policy("glfc", **OPTIONS).relation_scale == "mean"
 
 
 def test_entropy_is_the_mean_softmax_entropy_over_visible_classes():
@@ -180,6 +221,34 @@ def test_the_device_uploads_one_gamma_gradient_per_new_class_that_names_its_clas
     learner.store.close()
 
 
+def test_the_sigmoid_head_lowers_the_fleets_classes_the_device_does_not_hold_and_leaves_unnamed_ones_alone(
+        artifacts, tmp_path):
+    """A device holding only 0s, in a fleet whose task names classes 0 and 1 (`known_classes`): one round of SGD
+    lowers class 1's bias (its BCE pushes every visible logit but the label's down) and leaves the head rows of
+    classes no task named (2-9) as they were. Without the fleet's classes, class 1 would stay hidden and untouched:
+    nothing would ever push it down on this device."""
+    manifest = load_manifest(artifacts)
+    offset, weight = _offset(manifest), _offset(manifest, "head.weight")
+    moved = {}
+    for known in ((0, 1), ()):
+        learner = _learner(artifacts, tmp_path / f"known-{len(known)}",
+                           trainer=OrtTrainer(artifacts, optimizer="sgd", lr=0.1))
+        learner.known_classes, learner.task_classes = known, known
+        before = learner.trainer.get_weights()
+        learner.start_task(0, *_digits([0], 30))
+        learner.train()
+        after = learner.trainer.get_weights()
+        learner.store.close()
+        rows = (after - before)[weight:offset].reshape(10, -1)
+        moved[known] = (after - before)[offset : offset + 10], np.abs(rows).sum(1)
+    bias, rows = moved[(0, 1)]
+    assert bias[1] < 0 and bias[0] > 0
+    assert not bias[2:].any() and not rows[2:].any()
+    bias, rows = moved[()]
+    assert bias[1] == 0 and not rows[1:].any()
+    assert make_policy("glfc", **OPTIONS).head_classes == "fleet"
+
+
 @pytest.mark.parametrize("first_task", [True, False])
 def test_the_compensation_runs_in_the_first_task_only_when_asked(artifacts, tmp_path, first_task):
     """`compensate_first_task = false`: no weights (and no extra forward pass) while no class is old; from the
@@ -252,21 +321,78 @@ def test_the_proxy_handles_no_gradients_and_keeps_the_best_model_of_each_task(ar
                        rounds_per_task=2)
     result = proxy.aggregate(torch.from_numpy(base), [update], ctx)  # no prototypes: nothing starts
     assert not proxy.job.running and result.broadcast == {}
+    assert proxy.configure(ctx, ["d0"]) == {"d0": {"known_classes": True}}  # the head covers the fleet's classes
     last = RoundContext(round=2, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=2,
                         rounds_per_task=2)
-    result = proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", base.copy(), 10)], last)
+    result = settled(proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", base.copy(), 10)], last))
     weights, task = decode_old_model(result.broadcast, size)  # no reconstructions: the task's last model
     assert task == 0 and np.allclose(weights, base)
+
+
+def _offset(manifest, name="head.bias"):
+    """Where a parameter starts in the flat weights (manifest order)."""
+    offset = 0
+    for p in manifest.parameters:
+        if p.name == name:
+            return offset
+        offset += p.size
+    raise AssertionError(f"no {name}")
+
+
+def test_the_proxy_makes_the_same_choice_on_a_slow_host(artifacts):
+    """The proxy's work is bounded by counts: a proxy whose every reconstruction takes longer (a busy host)
+    reconstructs the same samples and chooses the same old model as one at full speed, because both wait for
+    the task's reconstructions at its last round (off the coordinator's loop). Round 1 brings three prototype
+    gradients (two of class 1, one of class 0); the rounds' models predict 0, 1 and 0 everywhere: round 2's is
+    the best on the reconstructions."""
+    import time
+
+    class SlowProxy(GlfcProxy):
+        name = "test-glfc-slow"
+
+        def invert(self, gradient, label, generator, deadline):
+            time.sleep(0.5)
+            return super().invert(gradient, label, generator, deadline)
+
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    offset = _offset(load_manifest(artifacts))
+    says = {}
+    for c in (0, 1):
+        says[c] = base.copy()
+        says[c][offset + c] += 100.0
+    ones, _ = _digits([1], 2)
+    zeros, _ = _digits([0], 1)
+    gradients = [encode_gradient(_gamma_gradient("glfc_mlp", x, label)[0])
+                 for x, label in ((ones[0], 1), (ones[1], 1), (zeros[0], 0))]
+
+    def ctx(r):
+        return RoundContext(round=r, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=r,
+                            rounds_per_task=3)
+
+    chosen = []
+    for kind in ("glfc", "test-glfc-slow"):
+        proxy = make_strategy(kind, device="cpu", manifest=load_manifest(artifacts), gamma="glfc_mlp",
+                              lbfgs_iterations=20)
+        for r, model in enumerate((says[0], says[1], says[0]), start=1):
+            updates = [ClientUpdate(f"d{k}", model.copy(), 10, attachments={prototype_name(0): g} if r == 1 else {})
+                       for k, g in enumerate(gradients)]
+            result = settled(proxy.aggregate(torch.from_numpy(base), updates, ctx(r)))
+        weights, _ = decode_old_model(result.broadcast, proxy.manifest.num_parameters)
+        chosen.append((weights, proxy.monitor, result.metrics["proxy"]))
+    (fast, fast_monitor, fast_metrics), (slow, slow_monitor, slow_metrics) = chosen
+    assert fast_metrics == slow_metrics and np.array_equal(fast, slow) and np.array_equal(fast, says[1])
+    assert np.array_equal(fast_monitor[1], slow_monitor[1]) and np.array_equal(fast_monitor[2], slow_monitor[2])
+    assert fast_metrics["monitor_samples"] == 3.0 and fast_metrics["best_round_of_task"] == 2.0
 
 
 @needs_broker
 def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_joining(tmp_path, artifacts):
     """Two tasks of two rounds, two devices and one that joins after round 1: the proxy pools the prototype
     gradients of each task's first round, reconstructs them, and the old model it broadcasts at the end of task 0
-    is what every device distils from in task 1."""
+    is what every device distils from in task 1 (the newcomer too: its head covers the fleet's classes)."""
     device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS},
               "trainer": {"optimizer": "adamw", "lr": 3e-3}}
-    strategy = {"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 30, "wait_at_task_end_s": 300.0}
+    strategy = {"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 30}
     with ThreadFederation(tmp_path, artifacts, device, tasks=2, spares=("dev-2",)) as federation:
         for running in federation.devices:
             assert running.link.wait_subscribed(60)
@@ -287,11 +413,10 @@ def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_jo
     assert history[1]["rule_metrics"]["proxy"]["reconstruction_accuracy"] >= 0.5
     first_of_task_1 = history[2]
     assert first_of_task_1["rule_metrics"]["proxy"]["prototypes_pooled"] == 2 * len(first_of_task_1["received"])
-    trained_task_0 = {name for h in history[:2] for name in h["received"]}
-    for name in first_of_task_1["received"]:  # the old model came from the proxy; a device that learnt task 0
-        metrics = first_of_task_1["metrics"][name]  # distils from it (a newcomer has no old classes of its own)
+    for name in first_of_task_1["received"]:  # the old model came from the proxy, and every device distils from
+        metrics = first_of_task_1["metrics"][name]  # it: a newcomer too, whose head covers task 0's classes
         assert metrics["old_model_from_proxy"] == 1.0
-        assert metrics["relation_distillation"] == float(name in trained_task_0)
+        assert metrics["relation_distillation"] == 1.0
     assert any("dev-2" in h["received"] for h in history[1:])
     assert devices["dev-2"].broadcasts_received >= 1
 
@@ -310,7 +435,7 @@ def test_the_coordinator_keeps_running_rounds_while_the_proxy_reconstructs(tmp_p
             return super().reconstruct(gradients, deadline)
 
     device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS}}
-    strategy = {"name": "test-glfc-held", "gamma": "glfc_mlp", "lbfgs_iterations": 20, "wait_at_task_end_s": 300.0}
+    strategy = {"name": "test-glfc-held", "gamma": "glfc_mlp", "lbfgs_iterations": 20}
     running_after: dict[int, bool] = {}
     with ThreadFederation(tmp_path, artifacts, device, tasks=1) as federation:
         coordinator = federation.coordinator(strategy, rounds_per_task=3)
@@ -353,17 +478,13 @@ def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(
         _learner(ort_only, tmp_path / "ort", trainer=OrtTrainer(ort_only), refine_steps=10)
 
 
-def test_the_proxy_scores_every_model_of_the_task_once_its_reconstructions_are_ready(artifacts):
-    """Round 1's model predicts class 1, round 2's class 0; the reconstructions (all of class 1) arrive after round
-    1: round 1's model is still scored, is the task's best, and is the old model broadcast at the task's end."""
+def test_the_proxy_scores_every_model_of_the_task_on_its_reconstructions_at_the_tasks_end(artifacts):
+    """Round 1's model predicts class 1, round 2's class 0; the reconstructions (all of class 1) are there at the
+    task's end: round 1's model is the task's best, and the old model broadcast at the task's end."""
     proxy = _proxy(artifacts, gamma="glfc_mlp")
     manifest = proxy.manifest
     base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
-    offset = 0
-    for p in manifest.parameters:
-        if p.name == "head.bias":
-            break
-        offset += p.size
+    offset = _offset(manifest)
     says_one, says_zero = base.copy(), base.copy()
     says_one[offset + 1] += 100.0
     says_zero[offset] += 100.0
@@ -374,11 +495,43 @@ def test_the_proxy_scores_every_model_of_the_task_once_its_reconstructions_are_r
 
     proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says_one, 10)], ctx(1))
     x, y = _digits([1], 5)
-    proxy.monitor = (0, x, y)  # the reconstructions of task 0 are ready now
-    result = proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says_zero, 10)], ctx(2))
-    assert result.metrics["proxy"]["best_round_of_task"] == 1.0 and result.metrics["proxy"]["reconstruction_accuracy"] == 0.0
+    proxy.monitor = (0, x, y)  # the reconstructions of task 0
+    result = settled(proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says_zero, 10)], ctx(2)))
+    metrics = result.metrics["proxy"]
+    assert metrics["best_round_of_task"] == 1.0 and metrics["reconstruction_accuracy"] == 0.0
     weights, task = decode_old_model(result.broadcast, manifest.num_parameters)
     assert task == 0 and np.allclose(weights, says_one)
+
+
+def test_the_seen_monitor_scores_old_classes_and_the_task_monitor_only_the_tasks(artifacts):
+    """Task 1's rounds: round 1's model predicts class 0 (of task 0) everywhere, round 2's class 3. On task 1's
+    reconstructions alone (class 2) both score 0 and the latest wins (the paper's monitor); with task 0's
+    reconstructions kept (`monitor = "seen"`) round 1's model gets its class-0 samples right and wins."""
+    manifest = load_manifest(artifacts)
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    offset = _offset(manifest)
+    says = {}
+    for c in (0, 3):
+        says[c] = base.copy()
+        says[c][offset + c] += 100.0
+    x0, y0 = _digits([0], 4)
+    x2, y2 = _digits([2], 4)
+    chosen = {}
+    for monitor in ("task", "seen"):
+        proxy = _proxy(artifacts, gamma="glfc_mlp", monitor=monitor)
+        proxy.monitor = (0, x0, y0)  # task 0's reconstructions
+        proxy.job.start(lambda deadline: (1, x2, y2), 10)  # task 1's, done
+        proxy.job.wait(10)
+
+        def ctx(r):
+            return RoundContext(round=2 + r, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3),
+                                round_in_task=r, rounds_per_task=2)
+
+        proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says[0], 10)], ctx(1))
+        result = settled(proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says[3], 10)], ctx(2)))
+        metrics = result.metrics["proxy"]
+        chosen[monitor] = (metrics["best_round_of_task"], metrics["monitor_samples"])
+    assert chosen == {"task": (2.0, 4.0), "seen": (1.0, 8.0)}
 
 
 def test_a_restart_mid_task_keeps_the_old_model_of_the_task(artifacts, tmp_path):

@@ -3,6 +3,7 @@ moving its quantity the right way on a toy teacher, the generator's refused sett
 rule that finishes its round off the coordinator's loop (`Pending`)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 
@@ -69,24 +70,28 @@ def test_class_accuracies_are_per_model_and_class(export_artifacts):
     np.testing.assert_array_equal(out, [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # class 3: no sample, 0
 
 
-def test_the_sdd_rule_aggregates_new_rows_by_synthetic_accuracy(export_artifacts):
+@pytest.mark.parametrize("new_bias", ["fedavg", "cswa"])
+def test_the_sdd_rule_aggregates_new_rows_by_synthetic_accuracy(export_artifacts, new_bias):
     """The rule end to end on one round of session 1: a device whose model gets the new class right on X~_t
-    gives that class its row; the other rows are FedAvg."""
+    gives that class its row; the other values are FedAvg, the new class's bias among them (the paper's W_new is
+    weights only), unless `new_bias = "cswa"` scales it with its row."""
     manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
-    rule = SddCoordinator(aggregation="cswa-normalized", generator_epochs=2, generator_iterations=2, warmup_epochs=1,
-               generator_batch_size=8, device="cpu", manifest=manifest)
+    rule = SddCoordinator(aggregation="cswa-normalized", new_bias=new_bias, generator_epochs=2, generator_iterations=2,
+                          warmup_epochs=1, generator_batch_size=8, device="cpu", manifest=manifest)
     rng = np.random.default_rng(0)
     start = rng.normal(0, 0.1, manifest.num_parameters).astype(np.float32)
     right, wrong = start.copy(), start.copy()
     row3 = class_head_positions(manifest.parameters, [3])
+    right[row3[:-1]] += 0.5
     right[row3[-1]] = 50.0  # class 3's bias: predicts class 3 for anything
     wrong[row3[-1]] = -50.0
     updates = [ClientUpdate("a", right, 10), ClientUpdate("b", wrong, 30)]
     ctx = RoundContext(round=2, task=1, task_classes=(3,), seen_classes=(0, 1, 2, 3))
     result = settled(rule.aggregate(torch.from_numpy(start), updates, ctx))
     weights = result.global_weights.numpy()
-    np.testing.assert_allclose(weights[row3], right[row3], rtol=1e-6)  # a(a) = 1, a(b) = 0
-    others = np.setdiff1d(np.arange(manifest.num_parameters), row3)
+    by_accuracy = row3 if new_bias == "cswa" else row3[:-1]
+    np.testing.assert_allclose(weights[by_accuracy], right[by_accuracy], rtol=1e-6)  # a(a) = 1, a(b) = 0
+    others = np.setdiff1d(np.arange(manifest.num_parameters), by_accuracy)
     np.testing.assert_allclose(weights[others], (10 * right[others] + 30 * wrong[others]) / 40, rtol=1e-5)
     assert result.metrics["generator"]["generator_steps"] == 4
     x, y = decode_replay(result.broadcast["sdd/replay"], manifest.input_shape, 4)
@@ -320,6 +325,42 @@ def test_a_round_of_sdd_local_training_ends_at_the_same_weights_on_every_backend
     frozen[class_head_positions(manifest.parameters, [6, 7])] = False
     for name, weights in ends.items():
         assert np.array_equal(weights[frozen], start[frozen]), name
+
+
+def test_the_papers_finetune_trains_at_the_two_rates_without_replay(export_artifacts, tmp_path):
+    """`replay = "none"` (the paper's Finetune+FL beside a FedAvg rule): session 1 at the two rates, the replay set
+    left out even where one is held (the same weights as a device that holds none), and the old classes' rows,
+    at a rate of 0, unmoved; the session's classes the round names but the device does not hold (class 8) train
+    at the new head's rate too."""
+    from edge_client.budget import Budget, DeviceBudget
+    from edge_client.policies import make_policy
+    from edge_client.policies.base import PolicyContext, RoundView, Samples, TrainingSet
+    from edge_client.trainers.portable import PortableTrainer
+
+    directory = export_artifacts("lenet", 10, (1, 8, 8), backends=("portable",))
+    manifest = load_manifest(directory)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((6, 1, 8, 8), dtype=np.float32), np.array([6, 7, 6, 7, 6, 7])
+    replay = encode_replay(rng.random((40, 1, 8, 8), dtype=np.float32), np.repeat([0, 1, 2, 3], 10))
+    ends = {}
+    for held in (True, False):
+        trainer = PortableTrainer(directory, "sgd", 0.1)
+        start = trainer.get_weights()
+        policy = make_policy("sdd", replay="none", rest_rate=0.0, new_head_rate=1.0)
+        policy.open(PolicyContext(tmp_path / str(held), directory, DeviceBudget(Budget(None, 1 << 20)), trainer))
+        view = RoundView.of_samples(trainer, start, None, np.random.default_rng(1), batch_size=4,
+                                    stored=Samples(x, y, np.ones(6, np.int64)))
+        view = dataclasses.replace(view, known_classes=tuple(range(9)), task_classes=(6, 7, 8))
+        if held:
+            policy.receive(view, {"sdd/replay": replay})
+        policy.fit(view, TrainingSet(x, y), epochs=2, proximal=None)
+        ends[held] = trainer.get_weights()
+    assert np.array_equal(ends[True], ends[False])
+    moving = np.zeros(start.size, bool)
+    moving[class_head_positions(manifest.parameters, [6, 7, 8])] = True
+    assert np.array_equal(ends[True][~moving], start[~moving]) and not np.array_equal(ends[True], start)
+    assert not np.array_equal(ends[True][class_head_positions(manifest.parameters, [8])],
+                              start[class_head_positions(manifest.parameters, [8])])
 
 
 def test_hostile_statistics_never_put_a_sample_that_is_not_finite_in_the_replay_set(toy):

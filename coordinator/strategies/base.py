@@ -126,6 +126,9 @@ class Pending:
 
 
 PENDING_POLL_S = 0.05  # how often the coordinator looks at a pending round between its messages
+# A pending round's wait beyond its job's own budget: what the job does after its budgeted work (evaluating models,
+# aggregating) before it hands the round back
+PENDING_MARGIN_S = 30.0
 
 
 def settled(result: AggregateResult | Pending) -> AggregateResult:

@@ -1,27 +1,38 @@
 """`glfc`: GLFC's coordinator half (spec: shared/specs/glfc.md, Sec. 4.2): FedAvg, and the proxy server.
 
 Aggregation is unweighted FedAvg of the round's models (the authors' code; `weighted = true` weighs by samples).
-The proxy (`proxy = true`; false is the paper's "w/o PRS" ablation, GLFC without it):
+Every round names the fleet's classes to the devices (`known_classes`): GLFC's head is one sigmoid per class of the
+tasks so far (edge_client/policies/glfc.py). The proxy (`proxy = true`; false is the paper's "w/o PRS" ablation,
+GLFC without it):
 
 1. pools the round's prototype gradients (`glfc/prototype/<k>` attachments, checked in `inspect`; a device
-   uploads them in its first round of a task, so they come over the task's rounds) and shuffles them, so no
-   gradient is tied to its device once pooled; gradients that arrive while a reconstruction runs wait for it;
+   uploads them in its first round of a task, so they come over the task's rounds), the round's in device order,
+   then shuffled with a seeded permutation (no gradient is tied to its device once pooled, and the same updates
+   give the same pool on any host); at most `max_reconstructions` of a task (the rest are counted, not used);
 2. infers each one's label from the last layer's gradient (`models.glfc.infer_label`);
 3. reconstructs one sample per gradient by gradient matching (Eqs. 8-9): x ~ N(0, 1), L-BFGS on
    sum_i ||grad_W_i CE(Gamma(x), y) - grad_W_i||^2 (`lbfgs_iterations` per sample, `lbfgs_lr`, a strong Wolfe
-   line search), clamped to `input_range` at the end, all of it in a `BackgroundJob` with
-   `reconstruction_budget_s` of wall time, on the strategy's torch device (cuda when present), so the coordinator
-   keeps handling its devices meanwhile; an empty pool starts nothing (the authors' code divides by zero there);
-4. keeps the task's reconstructions (each finished one joins them), scores every round's global model of the task
-   on them (top-1 over the classes seen; a model that came before the reconstructions were ready is scored when
-   they are, so the choice does not depend on how fast the proxy ran) and keeps the best one of the task, the
-   latest on a tie as the authors' `>=` (the best score is reset at each task; the authors' code never resets it,
-   so a later task's model must beat an earlier task's score);
-5. at the last round of a task (after waiting up to `wait_at_task_end_s` for the task's reconstructions, the
-   waiting ones included: 0, the default, never holds the coordinator's loop; a benchmark that must not depend on
-   the machine's speed waits), broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every
-   device, once (coordinator/broadcast.py): the old model the devices distil from in the next task. Without
+   line search), clamped to `input_range` at the end, in a `BackgroundJob` on the strategy's torch device (cuda
+   when present), so the coordinator keeps handling its devices meanwhile; an empty pool starts nothing (the
+   authors' code divides by zero there). Its work is bounded by counts (reconstructions x iterations), not by
+   time, so what it reconstructs is the same on a quiet and a loaded host;
+4. at the last round of a task, waits (off the loop: a `Pending` round, the coordinator serving its devices
+   meanwhile) until every pooled gradient of the task is reconstructed, then scores every global model of the task
+   on the monitor set (top-1 over the classes seen) and keeps the best, the latest on a tie as the authors' `>=`
+   (the score is reset at each task; the authors' code never resets it, so a later task's model must beat an
+   earlier task's score). The choice waits for the whole monitor set, so it does not depend on how fast the proxy
+   ran. The monitor set (`monitor`) is the paper's, "task": the task's reconstructions, prototypes of its new
+   classes (Sec. 4.2: S_P "reconstructs N_g^t prototype samples of new classes ... forwards these reconstructed
+   samples into the global model ... to select the best"); with it the latest model of the task nearly always
+   wins, because a task's rounds only improve its new classes. "seen" (ours, not the paper's) keeps every task's
+   reconstructions, so old classes are scored too and a model that forgot them can lose: the paper motivates the
+   proxy by "the best memory for all old classes" but its text scores new classes only;
+5. broadcasts the task's best model (`glfc/old-model`, `glfc/old-task`) to every device, once, with the task's last
+   round (coordinator/broadcast.py): the old model the devices distil from in the next task. Without
    reconstructions for the task, the best model is the task's last global model (as without the proxy).
+
+`reconstruction_timeout_s` is a safeguard, not a budget: a task's reconstructions not done by then (a GPU-sized
+job on a small CPU) are cut short with an error in the log, and the choice is then the machine's.
 
 Gamma is the registered model `gamma` built from `gamma_seed`, the same network the devices' policy exports.
 Running the proxy as a process of its own (the paper's separate role) would take: a subscription to the devices'
@@ -32,6 +43,7 @@ else of the protocol changes.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -43,8 +55,18 @@ import torch
 from torch.nn import functional as F
 
 from coordinator.background import BackgroundJob, Deadline
-from coordinator.strategies.base import OUTSIDE_A_RUN, AggregateResult, ClientUpdate, RefusedUpdate, RoundContext
-from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.base import (
+    OUTSIDE_A_RUN,
+    PENDING_MARGIN_S,
+    AggregateResult,
+    ClientUpdate,
+    Pending,
+    RefusedUpdate,
+    RoundContext,
+    Strategy,
+    aggregate_by_folding,
+)
+from coordinator.strategies.fedavg import WeightedFold
 from edgefil.durable import npz_bytes, write_atomically
 from models.flat_weights import load_flat_weights
 from models.glfc import MAX_PROTOTYPES, decode_gradient, encode_old_model, infer_label, is_prototype
@@ -53,10 +75,11 @@ from models.zoo import build_model
 
 log = logging.getLogger("edgefil.coordinator")
 STATE_FILE = "glfc.npz"
-LBFGS_BURST = 10  # L-BFGS iterations between two looks at the deadline
+LBFGS_BURST = 10  # L-BFGS iterations between two looks at the safeguard's deadline
+MONITORS = ("task", "seen")
 
 
-class GlfcProxy(FedAvg):
+class GlfcProxy(Strategy):
     name = "glfc"
 
     def __init__(
@@ -66,8 +89,9 @@ class GlfcProxy(FedAvg):
         gamma_seed: int = 2021,
         lbfgs_iterations: int = 100,
         lbfgs_lr: float = 1.0,
-        reconstruction_budget_s: float = 120.0,
-        wait_at_task_end_s: float = 0.0,
+        max_reconstructions: int = 64,
+        monitor: str = "task",
+        reconstruction_timeout_s: float = 3600.0,
         input_range: tuple[float, float] = (0.0, 1.0),
         weighted: bool = False,
         seed: int = 0,
@@ -76,19 +100,22 @@ class GlfcProxy(FedAvg):
     ) -> None:
         if manifest is None:
             raise ValueError("strategy 'glfc' needs the model's manifest (the proxy runs the model)")
-        super().__init__(weighted=weighted, device=device, manifest=manifest)
+        super().__init__(device, manifest)
+        self.weighted = weighted
         if lbfgs_iterations < 1 or not (math.isfinite(lbfgs_lr) and lbfgs_lr > 0):
             raise ValueError("lbfgs_iterations must be >= 1 and lbfgs_lr a positive number")
-        if not (math.isfinite(reconstruction_budget_s) and reconstruction_budget_s > 0):
-            raise ValueError(f"reconstruction_budget_s must be > 0, got {reconstruction_budget_s}")
+        if max_reconstructions < 1:
+            raise ValueError(f"max_reconstructions must be >= 1, got {max_reconstructions}")
+        if monitor not in MONITORS:
+            raise ValueError(f"monitor must be one of {', '.join(MONITORS)}, got {monitor!r}")
+        if not (math.isfinite(reconstruction_timeout_s) and reconstruction_timeout_s > 0):
+            raise ValueError(f"reconstruction_timeout_s must be > 0, got {reconstruction_timeout_s}")
         low, high = (float(v) for v in input_range)
         if not low < high:
             raise ValueError(f"input_range must be [low, high] with low < high, got {input_range}")
         self.proxy, self.lbfgs_iterations, self.lbfgs_lr = proxy, lbfgs_iterations, lbfgs_lr
-        if not (math.isfinite(wait_at_task_end_s) and wait_at_task_end_s >= 0):
-            raise ValueError(f"wait_at_task_end_s must be >= 0, got {wait_at_task_end_s}")
-        self.budget_s, self.input_range, self.seed = reconstruction_budget_s, (low, high), seed
-        self.wait_at_task_end_s = wait_at_task_end_s
+        self.max_reconstructions, self.monitor_kind = max_reconstructions, monitor
+        self.timeout_s, self.input_range, self.seed = reconstruction_timeout_s, (low, high), seed
         self.manifest: Manifest = manifest
         self.shape = tuple(manifest.input_shape)
         self.num_classes = manifest.num_classes
@@ -96,10 +123,11 @@ class GlfcProxy(FedAvg):
         self.gamma_parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in self.gamma.named_parameters())
         self.model = build_model(manifest.model, manifest.num_classes, self.shape).to(self.device).eval()
         self.job: BackgroundJob[tuple[int, np.ndarray, np.ndarray]] = BackgroundJob("glfc-proxy")
-        self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled while a job ran
+        self.choice: BackgroundJob[AggregateResult] = BackgroundJob("glfc-proxy-choice")
+        self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled, not yet started
+        self.pooled: tuple[int, int] = (-1, 0)  # (task, gradients of it pooled so far), for the cap
         self.monitor: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, x, y) reconstructed
-        self.best: tuple[int, float, np.ndarray] | None = None  # (task, score, weights) of the task's best model
-        self.task_models: list[np.ndarray] = []  # the task's global models so far (rounds_per_task at most)
+        self.task_models: tuple[int, list[np.ndarray]] = (-1, [])  # the task's global models so far
         self.last_metrics: dict[str, float] = {}
 
     # --- checks ---------------------------------------------------------------------------------
@@ -119,76 +147,105 @@ class GlfcProxy(FedAvg):
 
     # --- the round ------------------------------------------------------------------------------
 
+    def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Every round names the fleet's classes: the devices' heads cover them (Eq. 1)."""
+        return {device: {"known_classes": True} for device in devices}
+
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
-                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
-        result = super().aggregate(global_weights, updates, ctx)
+                  ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult | Pending:
+        result = aggregate_by_folding(WeightedFold(global_weights, self.weighted, self.device), updates)
         weights = result.global_weights.detach().cpu().numpy().astype(np.float32)
         self.last_metrics = {}
+        task, models = self.task_models
+        self.task_models = (ctx.task, ([] if task != ctx.task or ctx.starts_task else models) + [weights])
         if self.proxy:
             self._pool(updates, ctx.task)
             self._take_reconstruction()
             self._start_reconstruction()
-            if ctx.ends_task and self.wait_at_task_end_s > 0:  # this task's gradients, all of them, first
-                deadline = Deadline(self.wait_at_task_end_s)
-                while self.job.running or self.waiting is not None:
-                    if not self.job.wait(deadline.left()) or deadline.passed():
-                        break
-                    self._take_reconstruction()
-                    self._start_reconstruction()
-            self._take_reconstruction()
-            self._score(weights, ctx)
-        if ctx.ends_task:
-            best = self.best[2] if self.best is not None and self.best[0] == ctx.task else weights
-            result.broadcast = encode_old_model(best, ctx.task)
+        if not ctx.ends_task:
+            return self._with_metrics(result)
+        if not self.proxy:
+            result.broadcast = encode_old_model(weights, ctx.task)
+            return result
+
+        def choose(deadline: Deadline) -> AggregateResult:
+            self._finish_reconstructions(deadline)
+            result.broadcast = encode_old_model(self._choose(ctx), ctx.task)
+            return self._with_metrics(result)
+
+        if not self.choice.start(choose, self.timeout_s):
+            raise RuntimeError("the previous task's choice of its best model still runs")
+        return Pending(self.choice, self.timeout_s + PENDING_MARGIN_S)
+
+    def _with_metrics(self, result: AggregateResult) -> AggregateResult:
         if self.last_metrics:
             result.metrics = {"proxy": dict(self.last_metrics)}
         return result
 
     def _pool(self, updates: Sequence[ClientUpdate], task: int) -> None:
-        """The round's prototype gradients join those waiting for a reconstruction (a new task's replace an
-        earlier task's that never started)."""
+        """The round's prototype gradients, in device order and shuffled (seeded by the task and the gradients
+        pooled before), join those waiting for a reconstruction, up to `max_reconstructions` a task (a new task's
+        replace an earlier task's that never started)."""
         pool = [decode_gradient(bytes(data), self.gamma_parameters)
-                for update in updates for name, data in sorted(update.attachments.items()) if is_prototype(name)]
+                for update in sorted(updates, key=lambda u: u.device)
+                for name, data in sorted(update.attachments.items()) if is_prototype(name)]
         if not pool:
             return
-        earlier = self.waiting[1] if self.waiting is not None and self.waiting[0] == task else []
-        self.waiting = (task, earlier + pool)
+        earlier = self.pooled[1] if self.pooled[0] == task else 0
+        order = np.random.default_rng([self.seed, task, earlier]).permutation(len(pool))
+        room = max(self.max_reconstructions - earlier, 0)
+        kept = [pool[i] for i in order[:room]]
+        self.pooled = (task, earlier + len(kept))
         self.last_metrics["prototypes_pooled"] = float(len(pool))
+        if len(kept) < len(pool):
+            self.last_metrics["prototypes_over_the_cap"] = float(len(pool) - len(kept))
+        if not kept:
+            return
+        waiting = self.waiting[1] if self.waiting is not None and self.waiting[0] == task else []
+        self.waiting = (task, waiting + kept)
 
     def _start_reconstruction(self) -> None:
-        """Reconstruct what waits, shuffled (no device order survives), unless a reconstruction runs."""
+        """Reconstruct what waits, unless a reconstruction runs."""
         if self.waiting is None or self.job.running:
             return
-        task, pool = self.waiting
-        order = np.random.default_rng(self.seed + task).permutation(len(pool))
-        gradients = [pool[i] for i in order]
-        if self.job.start(lambda deadline: (task, *self.reconstruct(gradients, deadline)), self.budget_s):
+        task, gradients = self.waiting
+        if self.job.start(lambda deadline: (task, *self.reconstruct(gradients, deadline)), self.timeout_s):
             self.waiting = None
 
     def _take_reconstruction(self) -> None:
-        """A finished reconstruction joins its task's monitor set (a new task's replaces the earlier task's)."""
+        """A finished reconstruction joins the monitor set: its task's, or (`monitor = "seen"`) every task's."""
         done = self.job.take()
         if done is None or not len(done[2]):
             return
         task, x, y = done
-        if self.monitor is not None and self.monitor[0] == task:
+        if self.monitor is not None and (self.monitor[0] == task or self.monitor_kind == "seen"):
             x, y = np.concatenate([self.monitor[1], x]), np.concatenate([self.monitor[2], y])
         self.monitor = (task, x, y)
         self.last_metrics["reconstructions"] = float(len(y))
 
-    def _score(self, weights: np.ndarray, ctx: RoundContext) -> None:
-        """Every global model of the task so far, scored on the task's reconstructions as they stand now (they
-        grow as reconstructions finish, so scores are only compared on one set); the best is kept."""
-        if ctx.starts_task or (self.best is not None and self.best[0] != ctx.task):
-            self.task_models, self.best = [], None  # reset at each task
-        self.task_models.append(weights)
-        if self.monitor is None or self.monitor[0] != ctx.task:
-            return
+    def _finish_reconstructions(self, deadline: Deadline) -> None:
+        """Until every pooled gradient of the task is reconstructed (or the safeguard's deadline passes)."""
+        while self.job.running or self.waiting is not None:
+            if not self.job.wait(deadline.left()) or deadline.passed():
+                log.error("glfc proxy: the task's reconstructions were not done within reconstruction_timeout_s = "
+                          "%g s; its best model is chosen on those done (a choice of this machine's speed)",
+                          self.timeout_s)
+                break
+            self._take_reconstruction()
+            self._start_reconstruction()
+        self._take_reconstruction()
+
+    def _choose(self, ctx: RoundContext) -> np.ndarray:
+        """The task's best global model on the monitor set, the latest of the best; the last model without one."""
+        models = self.task_models[1]
+        if self.monitor is None or (self.monitor[0] != ctx.task and self.monitor_kind == "task"):
+            return models[-1]
         _, x, y = self.monitor
-        scores = [self.accuracy(model, x, y, ctx.seen_classes) for model in self.task_models]
-        top = max(range(len(scores)), key=lambda i: (scores[i], i))  # the latest of the best, as the authors' >=
-        self.best = (ctx.task, scores[top], self.task_models[top])
-        self.last_metrics.update(reconstruction_accuracy=scores[-1], best_round_of_task=float(top + 1))
+        scores = [self.accuracy(model, x, y, ctx.seen_classes) for model in models]
+        top = max(range(len(scores)), key=lambda i: (scores[i], i))
+        self.last_metrics.update(reconstruction_accuracy=scores[-1], best_accuracy=scores[top],
+                                 best_round_of_task=float(top + 1), monitor_samples=float(len(y)))
+        return models[top]
 
     def accuracy(self, weights: np.ndarray, x: np.ndarray, y: np.ndarray, classes: Sequence[int]) -> float:
         load_flat_weights(self.model, self.manifest, weights)
@@ -201,15 +258,17 @@ class GlfcProxy(FedAvg):
     # --- the proxy's reconstruction -------------------------------------------------------------
 
     def reconstruct(self, gradients: Sequence[np.ndarray], deadline: Deadline) -> tuple[np.ndarray, np.ndarray]:
-        """One sample per gradient by gradient matching (module docstring, 3); what the deadline leaves time for."""
+        """One sample per gradient by gradient matching (module docstring, 3), each from its own seeded start."""
         samples: list[np.ndarray] = []
         labels: list[int] = []
-        generator = torch.Generator().manual_seed(self.seed)
         for gradient in gradients:
             if deadline.passed():
-                log.warning("glfc proxy: out of time after %d of %d reconstructions", len(samples), len(gradients))
+                log.error("glfc proxy: out of time (reconstruction_timeout_s) after %d of %d reconstructions",
+                          len(samples), len(gradients))
                 break
             label = infer_label(gradient, self.gamma_parameters)
+            start = int.from_bytes(hashlib.blake2b(gradient.tobytes(), digest_size=4).digest(), "little")
+            generator = torch.Generator().manual_seed(self.seed * 7919 + start)
             samples.append(self.invert(gradient, label, generator, deadline))
             labels.append(label)
         if not samples:
@@ -218,8 +277,9 @@ class GlfcProxy(FedAvg):
 
     def invert(self, gradient: np.ndarray, label: int, generator: torch.Generator, deadline: Deadline) -> np.ndarray:
         """L-BFGS (strong Wolfe line search) from N(0, 1) on the squared distance between the gradient at x and
-        `gradient`, in bursts of LBFGS_BURST iterations with the deadline checked between them; clamped to the
-        input range at the end (clamping between iterations breaks L-BFGS's curvature pairs: it then stalls)."""
+        `gradient`, in bursts of LBFGS_BURST iterations with the safeguard's deadline checked between them; clamped
+        to the input range at the end (clamping between iterations breaks L-BFGS's curvature pairs: it then
+        stalls)."""
         parameters = list(self.gamma.parameters())
         pieces = torch.from_numpy(gradient).to(self.device).split([p.numel() for p in parameters])
         target = [t.reshape(p.shape) for t, p in zip(pieces, parameters)]
@@ -246,12 +306,13 @@ class GlfcProxy(FedAvg):
     # --- across a resume ------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
-        arrays: dict[str, Any] = {}
+        """The monitor set, the task's global models so far and how many of its gradients were pooled (gradients
+        pooled but not reconstructed when the coordinator stops are lost)."""
+        arrays: dict[str, Any] = {"pooled": np.asarray(self.pooled, dtype=np.int64)}
         if self.monitor is not None:
             arrays.update(monitor_task=np.int64(self.monitor[0]), monitor_x=self.monitor[1], monitor_y=self.monitor[2])
-        if self.best is not None:
-            arrays.update(best_task=np.int64(self.best[0]), best_score=np.float64(self.best[1]),
-                          best_weights=self.best[2])
+        if self.task_models[1]:
+            arrays.update(models_task=np.int64(self.task_models[0]), models=np.stack(self.task_models[1]))
         write_atomically(directory / STATE_FILE, npz_bytes(arrays))
 
     def load(self, directory: Path) -> None:
@@ -259,10 +320,12 @@ class GlfcProxy(FedAvg):
         if not path.exists():
             return
         with np.load(path, allow_pickle=False) as saved:
+            if "pooled" in saved.files and saved["pooled"].shape == (2,):
+                task, count = saved["pooled"].tolist()
+                self.pooled = (int(task), int(count))
             if "monitor_task" in saved.files:
                 self.monitor = (int(saved["monitor_task"]), saved["monitor_x"].astype(np.float32),
                                 saved["monitor_y"].astype(np.int64))
-            if "best_task" in saved.files:
-                weights = saved["best_weights"].astype(np.float32)
-                if weights.size == self.manifest.num_parameters:
-                    self.best = (int(saved["best_task"]), float(saved["best_score"]), weights)
+            if "models_task" in saved.files and saved["models"].ndim == 2 and \
+                    saved["models"].shape[1] == self.manifest.num_parameters:
+                self.task_models = (int(saved["models_task"]), list(saved["models"].astype(np.float32)))

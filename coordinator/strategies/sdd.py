@@ -5,24 +5,28 @@ replay set every device replays.
 A session is a task; its first round (the paper has one round per session) does the session's work:
 
 1. The generator (Eqs. 4-11), after local training and before aggregation, off the coordinator's loop (a
-   `Pending` round: the coordinator serves its devices meanwhile, for at most `generator_budget_s` plus a margin),
-   on the strategy's torch device (cuda when present). The teacher O(x) is the plain average of the local models'
-   logits over the session's classes; the loss is lambda_ce CE(O(x), y) - lambda_entropy H_info(O(x)) +
-   lambda_statistics L_stat + lambda_adversarial L_KL. L_stat compares the synthetic batch's statistics with
-   each device's (`models/feature_stats.py`: the input channels', and the penultimate features' under that
-   device's model), averaged over the devices that sent them (the zoo's models keep no BatchNorm statistics:
-   docs/methods/sdd.md says why and what they reveal). L_KL = -omega KL(O || S) against a student S (the
-   classifier's architecture, trained by SGD on KL(O || S)), omega by the paper's sign (1 where teacher and
-   student disagree) or TARGET's (`adversarial_sign = "target"`: where they agree), after `warmup_epochs` epochs
-   without it. One batch per epoch, the last, joins the session's synthetic set X~_t (TARGET keeps one per
-   epoch; the paper's Alg. 2 would keep every batch). Every loss component, the steps and the wall time are
-   round metrics (`generator`).
-2. CSWA (Eqs. 12-18): everything by sample-weighted FedAvg, then each new class's head row and bias (our heads
-   are classes x features, the paper's columns) as sum_m a_m^i w_m^i, a_m^i the accuracy of local model m on
+   `Pending` round: the coordinator serves its devices meanwhile), on the strategy's torch device (cuda when
+   present). Its work is counted (`generator_epochs` x `generator_iterations` steps), not timed, so what it makes
+   is the same on a quiet and a loaded host; `generator_timeout_s` is a safeguard, not a budget (a generator cut
+   short by it is an error in the log, and its samples are then the machine's). The teacher O(x) is the plain
+   average of the local models' logits over the session's classes; the loss is lambda_ce CE(O(x), y) -
+   lambda_entropy H_info(O(x)) + lambda_statistics L_stat + lambda_adversarial L_KL. L_stat compares the synthetic
+   batch's statistics with each device's (`models/feature_stats.py`: the input channels', and the penultimate
+   features' under that device's model), averaged over the devices that sent them (the zoo's models keep no
+   BatchNorm statistics: docs/methods/sdd.md says why and what they reveal). L_KL = -omega KL(O || S) against a
+   student S (the classifier's architecture, trained by SGD on KL(O || S)), omega by the paper's sign (1 where
+   teacher and student disagree) or TARGET's (`adversarial_sign = "target"`: where they agree), after
+   `warmup_epochs` epochs without it. One batch per epoch, the last, joins the session's synthetic set X~_t
+   (TARGET keeps one per epoch; the paper's Alg. 2 would keep every batch). Every loss component, the steps and
+   the wall time are round metrics (`generator`).
+2. CSWA (Eqs. 12-18): everything by sample-weighted FedAvg, then each new class's head row (our heads are
+   classes x features, the paper's columns) as sum_m a_m^i w_m^i, a_m^i the accuracy of local model m on
    X~_t's samples of class i (argmax over the classes seen). `aggregation = "cswa-literal"` is Eq. 17 as printed
    (unnormalised: a row's weights sum to sum_m a_m^i, up to the number of devices); "cswa-normalized" divides by
    sum_m a_m^i; either falls back to the FedAvg row for a class every model gets wrong (sum 0). "fedavg" is the
-   ablation (SDD without CSWA).
+   ablation (SDD without CSWA). The new classes' biases: the paper's W_new = [w_{l,i}] is L x c (Eq. 13), weights
+   without a bias, and Eq. 12 averages everything else by samples, so `new_bias = "fedavg"` (the default) averages
+   them with W_old; "cswa" scales each with its row (this runtime's reading before issue 55).
 3. The replay set: X~_t's samples join those of the sessions before, at most `replay_per_class` per class (the
    last ones made, by the best-trained generator), broadcast to every device as `sdd/replay` at the end of the
    session (the devices replay them in the next). At the end of the base session (task 0), the generator is
@@ -47,6 +51,7 @@ from torch.nn import functional as F
 from coordinator.background import BackgroundJob, Deadline
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
+    PENDING_MARGIN_S,
     AggregateResult,
     ClientUpdate,
     Pending,
@@ -74,8 +79,8 @@ from models.zoo import ClassifierModel, build_model
 
 log = logging.getLogger("edgefil.coordinator")
 AGGREGATIONS = ("cswa-literal", "cswa-normalized", "fedavg")
+NEW_BIASES = ("fedavg", "cswa")  # how CSWA treats the new classes' biases (module docstring, 2)
 STATE_FILE = "sdd.npz"
-PENDING_MARGIN_S = 30.0  # beyond the generator's budget: evaluating the models on X~_t and aggregating
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,8 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
     for epoch in range(settings.epochs):
         for _ in range(settings.iterations):
             if deadline is not None and deadline.passed():
+                log.error("sdd: the generator was cut short by generator_timeout_s after %d of %d steps: its samples "
+                          "are this machine's", steps, settings.epochs * settings.iterations)
                 break
             z = torch.randn(settings.batch_size, settings.nz, generator=generator_seed).to(device)
             index = torch.randint(len(classes), (settings.batch_size,), generator=generator_seed).to(device)
@@ -268,8 +275,9 @@ class SddCoordinator(Strategy):
     def __init__(
         self,
         aggregation: str = "cswa-literal",
+        new_bias: str = "fedavg",
         replay_per_class: int = 50,
-        generator_budget_s: float = 300.0,
+        generator_timeout_s: float = 3600.0,
         generator_epochs: int = 20,
         generator_iterations: int = 20,
         generator_batch_size: int = 64,
@@ -295,8 +303,11 @@ class SddCoordinator(Strategy):
         super().__init__(device, manifest)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if replay_per_class < 1 or not (math.isfinite(generator_budget_s) and generator_budget_s > 0):
-            raise ValueError("replay_per_class must be >= 1 and generator_budget_s > 0")
+        if new_bias not in NEW_BIASES:
+            raise ValueError(f"new_bias must be one of {NEW_BIASES}, got {new_bias!r}")
+        self.new_bias = new_bias
+        if replay_per_class < 1 or not (math.isfinite(generator_timeout_s) and generator_timeout_s > 0):
+            raise ValueError("replay_per_class must be >= 1 and generator_timeout_s > 0")
         low, high = (float(v) for v in input_range)
         if not low < high:
             raise ValueError(f"input_range must be [low, high] with low < high, got {input_range}")
@@ -306,7 +317,7 @@ class SddCoordinator(Strategy):
             student_lr, student_steps)
         self.settings.check()
         self.manifest: Manifest = manifest
-        self.aggregation, self.replay_per_class, self.budget_s = aggregation, replay_per_class, generator_budget_s
+        self.aggregation, self.replay_per_class, self.timeout_s = aggregation, replay_per_class, generator_timeout_s
         self.input_range, self.seed = (low, high), seed
         self.sizes = {"input": int(manifest.input_shape[0]), "features": int(manifest.feature_dim)}
         self.replay: tuple[np.ndarray, np.ndarray] | None = None
@@ -349,9 +360,9 @@ class SddCoordinator(Strategy):
             logged = dict(synthetic.log)
             return self._finish(self._weighted(averaged, local, ctx, logged), ctx, logged)
 
-        if not self.job.start(work, self.budget_s):
+        if not self.job.start(work, self.timeout_s):
             raise RuntimeError("the previous session's generator still runs")
-        return Pending(self.job, self.budget_s + PENDING_MARGIN_S)
+        return Pending(self.job, self.timeout_s + PENDING_MARGIN_S)
 
     @staticmethod
     def _generates(ctx: RoundContext) -> bool:
@@ -372,7 +383,9 @@ class SddCoordinator(Strategy):
                                       ctx.seen_classes or range(self.manifest.num_classes),
                                       self.manifest.num_classes, self.device)
         positions = class_head_positions(self.manifest.parameters, ctx.task_classes).reshape(
-            len(ctx.task_classes), -1)
+            len(ctx.task_classes), -1)  # each class's row, then its bias
+        if self.new_bias == "fedavg":
+            positions = positions[:, :-1]
         stacked = torch.from_numpy(np.stack(local)).to(self.device)
         metrics["cswa_mean_accuracy"] = float(accuracies.mean())
         return AggregateResult(weighted_rows(averaged, stacked, accuracies, positions,

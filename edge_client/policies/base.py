@@ -74,6 +74,10 @@ class RoundView:
     global_weights: np.ndarray | None
     read_store: Callable[[int | None], Samples] = field(repr=False, compare=False)
     count_store: Callable[[], int] = field(repr=False, compare=False)
+    # what the coordinator's round said of the fleet (`[client] known_classes`): the classes of its tasks so far, and
+    # of those the classes of the task being trained (both empty where the round does not say)
+    known_classes: tuple[int, ...] = ()
+    task_classes: tuple[int, ...] = ()
 
     @classmethod
     def of_samples(cls, trainer: Trainer, global_weights: np.ndarray | None, class_mask: np.ndarray | None,
@@ -106,6 +110,13 @@ class RoundView:
     def seen_before_task(self) -> np.ndarray:
         """Classes the device had seen before the current task."""
         return np.flatnonzero(self.label_counts - self.task_counts > 0)
+
+    def old_classes(self) -> np.ndarray:
+        """The classes of earlier tasks: those this device had seen before the current task, and those the round
+        names as the fleet's but not as the task's own (`known_classes` less `task_classes`), sorted. A head over
+        the fleet's classes keeps what the fleet learnt of these, a device's own share of them included."""
+        fleet = set(self.known_classes) - set(self.task_classes) - set(np.flatnonzero(self.task_counts).tolist())
+        return np.union1d(self.seen_before_task(), np.asarray(sorted(fleet), dtype=np.int64)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,13 @@ class ReplayPolicy(ABC):
 
     name: ClassVar[str]
     keeps_old: ClassVar[bool] = True  # False: earlier tasks' samples leave the store at every task switch
+    # The classes the model's head trains: "seen" (the default) those this device has seen (its class mask); "fleet"
+    # those of the fleet's tasks so far as the round names them (`[client] known_classes`), which a one-vs-rest
+    # (sigmoid) head needs: its loss pushes down every visible class but the label, and a class the device never
+    # holds would otherwise never be pushed down anywhere. Classes no task has named stay hidden either way. A fleet
+    # sends known_classes for a "fleet" policy (firmware_sim/fleet.py); a device that gets a round without them
+    # says so once.
+    head_classes: ClassVar[str] = "seen"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

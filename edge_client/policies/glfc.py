@@ -1,9 +1,13 @@
 """`glfc`: GLFC, federated class-incremental learning (CVPR 2022; spec: shared/specs/glfc.md), the device half.
 
 A round on a device:
-1. The head is the model's fixed maximum head under the class mask (sigmoid-BCE over the classes seen so far); a new
-   class's row starts as the global model has it (never trained while masked), where the authors' code grows the
-   head with freshly initialised rows: the same start, without a server that knows the classes in advance.
+1. The head is one sigmoid per class of the fleet's tasks so far (Eq. 1: C^p + C^t outputs): the model's fixed
+   maximum head under a mask of the classes the round names as the fleet's (`known_classes`, which a fleet sends
+   for this policy: `head_classes = "fleet"`) and those the device has seen. The BCE pushes down every visible
+   logit but the label's, so a device lowers the classes other devices hold as the authors' clients do; a class
+   no task has named yet stays masked (neither pulled nor pushed). A new class's row starts as the global model
+   has it (never trained while masked), where the authors' code grows the head with freshly initialised rows: the
+   same start, without a server that knows the classes in advance.
 2. Local training runs its own loop (`fit`), one extra eval forward pass per batch: the class-aware gradient
    compensation (Eqs. 2-4) weighs each sample by |G_i| / the mean |G| of its group (old classes: those the device
    saw before this task; new: the rest), G_i = sigmoid(z_{i,y_i}) - 1 of the model being trained, detached. The
@@ -11,14 +15,19 @@ A round on a device:
    graph (`benchmarks/glfc.py` measures the extra pass). With `compensation = false` (the "w/o CGC" ablation)
    every weight is 1.
 3. Class-semantic relation distillation (Eq. 5) from the stored old model, with Y-hat the one-hot labels whose
-   old classes' columns hold the old model's sigmoid outputs. `relation = "kl"` (the default: the paper's form) is
-   D_KL between Y-hat and the softmax of the current logits over the visible classes, read as KL(Y-hat ||
+   old classes' columns (the first C^p: every class of an earlier task the head covers, the fleet's included,
+   `RoundView.old_classes`) hold the old model's sigmoid outputs. `relation = "kl"` (the default: the paper's
+   form) is D_KL between Y-hat and the softmax of the current logits over the visible classes, read as KL(Y-hat ||
    softmax(z)) with Y-hat unnormalised as printed (the printed argument order is undefined where Y-hat is 0); up
    to a constant that is the loss's soft-target term (models/loss.py), so the step is exact on every backend.
-   `relation = "bce"` is the authors' code: a BCE against Y-hat, which is iCaRL's distillation (the "w/o CRD"
-   ablation, as the paper's); BCE is linear in its target, so lambda_1 w_i BCE(z, y) + lambda_2 BCE(z, Y-hat) is
-   one BCE with weight lambda_1 w_i + lambda_2 and their weighted mean as target. lambda = (1, 0) in the first
-   task, (`lambda_gc`, `lambda_rd`) = (0.5, 0.5) afterwards. `relation = "none"` drops the term.
+   `relation = "bce"` is the authors' code: a BCE against Y-hat, which is iCaRL's distillation (what the paper's
+   "w/o CRD" ablation puts in its place); BCE is linear in its target, so lambda_1 w_i BCE(z, y) + lambda_2 BCE(z,
+   Y-hat) is one BCE with weight lambda_1 w_i + lambda_2 and their weighted mean as target. `relation = "none"`
+   drops the term. Form and scale are separate options: `relation_scale = "mean"` (the default) puts the term at
+   the authors' scale, averaged over the visible classes as their BCE and the task term are; "sum" is Eq. 5 as
+   printed, a sum over the classes (the KL's gradient softmax(z) sum(Y-hat) - Y-hat is then about C times the
+   authors' at C visible classes: 6.5x at 4, 11.7x at 10). lambda = (1, 0) in the first task, (`lambda_gc`,
+   `lambda_rd`) = (0.5, 0.5) afterwards.
 4. Memory: iCaRL's exemplars, by herding on L2-normalised features without replacement (`herding_order`), the
    quota water-filled over the classes seen before the task (M - N_new slots, as every policy), each class kept in
    the order herding chose when the class became old, so a smaller quota later is a truncation (the order is
@@ -86,6 +95,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RELATIONS = ("kl", "bce", "none")
+RELATION_SCALES = ("mean", "sum")
 ENTROPY_RATIO = 0.05  # r_h = ENTROPY_RATIO * ln C (module docstring, 6)
 OLD_MODEL_HOLDER, GAMMA_HOLDER, MEMORY_HOLDER = "glfc-old-model", "glfc-gamma", "glfc-memory"
 FOLDER = "glfc"
@@ -141,18 +151,24 @@ def relation_targets(y: np.ndarray, num_classes: int, old_probs: np.ndarray, old
 
 
 def glfc_loss(y: np.ndarray, num_classes: int, weights: np.ndarray, lambda_gc: float, lambda_rd: float,
-              relation: np.ndarray | None, form: str = "kl") -> LossInputs:
+              relation: np.ndarray | None, form: str = "kl", scale: str = "mean",
+              visible: int | None = None) -> LossInputs:
     """Eq. 6's loss inputs for one batch: lambda_gc w_i BCE(z_i, onehot y_i) plus lambda_rd times the relation
-    term against Y-hat (`relation`, None: none): its KL form as the soft-target term, or its BCE form merged into
-    one BCE (module docstring, 3)."""
+    term against Y-hat (`relation`, None: none), its KL form as the soft-target term or its BCE form merged into
+    one BCE (module docstring, 3). The task term's BCE averages over the `visible` classes (None: all of them);
+    `scale` "mean" puts the relation term at that scale too (the authors' code: a BCE averaged over the classes),
+    "sum" sums it over them (Eq. 5's KL as printed). Form and scale are separate: the KL form is a sum, so "mean"
+    divides it by the visible classes; the BCE form is a mean, so "sum" multiplies it by them."""
     onehot = np.zeros((len(y), num_classes), dtype=np.float32)
     onehot[np.arange(len(y)), y] = 1.0
+    summed, classes = form == "kl", num_classes if visible is None else max(visible, 1)
+    factor = 1.0 if (scale == "sum") == summed else (1.0 / classes if summed else float(classes))
     if form == "kl" and relation is not None:
         return LossInputs(sample_weights=np.float32(lambda_gc) * weights.astype(np.float32), targets=onehot,
                           head="sigmoid-bce", soft_targets=relation.astype(np.float32),
-                          soft_weights=np.full(len(y), lambda_rd, dtype=np.float32))
+                          soft_weights=np.full(len(y), lambda_rd * factor, dtype=np.float32))
     a = np.float32(lambda_gc) * weights.astype(np.float32)
-    b = np.float32(lambda_rd if relation is not None else 0.0)
+    b = np.float32(lambda_rd * factor if relation is not None else 0.0)
     total = a + b
     mixed = a[:, None] * onehot + (b * relation if relation is not None else 0.0)
     targets = np.where(total[:, None] > 0, mixed / np.maximum(total, 1e-12)[:, None], onehot).astype(np.float32)
@@ -177,12 +193,17 @@ def fingerprint(x: np.ndarray) -> np.ndarray:
 @dataclass
 class Glfc(ReplayPolicy):
     name = "glfc"
+    head_classes = "fleet"  # one sigmoid per class of the fleet's tasks so far (Eq. 1; module docstring, 1)
 
     compensation: bool = True  # class-aware gradient compensation; False: the "w/o CGC" ablation
     # the compensation in the first task too (the paper's), where no class is old: there it corrects no imbalance
     # between old and new and only moves the step onto the least-learnt samples (docs/results.md measures both)
     compensate_first_task: bool = True
     relation: str = "kl"  # relation distillation: "kl" (the paper's Eq. 5), "bce" (the authors' code), "none"
+    # the relation term's scale, apart from its form: "mean" over the visible classes (the authors' code, whose BCE
+    # averages over the classes as the task term does), or "sum" over them (Eq. 5's KL as printed: about C times
+    # as heavy at C visible classes, the default before issue 55)
+    relation_scale: str = "mean"
     lambda_gc: float = 0.5  # lambda_1 from the second task on (the first task trains with (1, 0))
     lambda_rd: float = 0.5  # lambda_2
     entropy_ratio: float = ENTROPY_RATIO  # task detection: r_h = entropy_ratio * ln(visible classes)
@@ -206,6 +227,9 @@ class Glfc(ReplayPolicy):
     def __post_init__(self) -> None:
         if self.relation not in RELATIONS:
             raise ValueError(f"relation must be one of {', '.join(RELATIONS)}, got {self.relation!r}")
+        if self.relation_scale not in RELATION_SCALES:
+            raise ValueError(f"relation_scale must be one of {', '.join(RELATION_SCALES)}, got "
+                             f"{self.relation_scale!r}")
         for name in ("lambda_gc", "lambda_rd", "entropy_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -333,9 +357,11 @@ class Glfc(ReplayPolicy):
         trainer = view.trainer
         x, y, mask, proximal, _ = trainer.fit_inputs(batch.x, batch.y, view.class_mask, proximal)
         k = trainer.manifest.num_classes
-        old_classes = view.seen_before_task()
-        is_old = np.isin(y, old_classes)
+        own_old = view.seen_before_task()  # the compensation's old group: the device's own (the authors' code)
+        old_classes = view.old_classes()  # Y-hat's old columns: every class of earlier tasks the head covers
+        is_old = np.isin(y, own_old)
         first = len(old_classes) == 0
+        visible = int(mask.sum())
         lambda_gc, lambda_rd = (1.0, 0.0) if first else (self.lambda_gc, self.lambda_rd)
         old_weights = None if first or self.relation == "none" else self._old_model()
         old_probs = None
@@ -354,7 +380,8 @@ class Glfc(ReplayPolicy):
                     weights = compensation_weights(p_true, is_old[idx])
                     spread.add(weights, p_true)
                 relation = None if old_probs is None else relation_targets(y[idx], k, old_probs[idx], old_classes)
-                loss = glfc_loss(y[idx], k, weights, lambda_gc, lambda_rd, relation, self.relation)
+                loss = glfc_loss(y[idx], k, weights, lambda_gc, lambda_rd, relation, self.relation,
+                                 self.relation_scale, visible)
                 total += len(idx) * trainer.fit(x[idx], y[idx], epochs=1, batch_size=len(idx), class_mask=mask,
                                                 proximal=proximal, loss=loss)
             last = total / max(len(y), 1)

@@ -14,10 +14,13 @@ and two-rate fine-tuning. The server half is `coordinator/strategies/sdd.py`.
    CE on the real samples, and on the replay samples symmetric cross-entropy against y*, the softmax over every
    class seen and both sums over the old classes C_B, log 0 clamped to `log_zero` (SCE's code: ln 1e-4; its text
    says -4). The reverse term is the loss's class-cost term (`reverse_ce_costs`), so every backend runs it.
-   `replay = "ce"` drops the reverse term (beta = 0): the ablation "SDD without noise-aware replay".
-4. The new classes' head trains at `new_head_rate` times the trainer's rate, every other parameter at
-   `rest_rate` times it (`Trainer.scaled_rates`): with [trainer] lr = 0.1 the defaults are the paper's 0.1 and
-   1e-4. The base session trains every parameter at the rate, with the plain loss.
+   `replay = "ce"` drops the reverse term (beta = 0): the ablation "SDD without noise-aware replay"; `replay =
+   "none"` trains on the real samples alone, at the two rates below: with a FedAvg strategy, the paper's
+   Finetune+FL (its baselines fine-tune at the incremental sessions' rates and average; Sec. IV-A).
+4. The new classes' head (the session's classes: those the round names, `task_classes`, and the device's own)
+   trains at `new_head_rate` times the trainer's rate, every other parameter at `rest_rate` times it
+   (`Trainer.scaled_rates`): with [trainer] lr = 0.1 the defaults are the paper's 0.1 and 1e-4, with or without a
+   replay set. The base session trains every parameter at the rate, with the plain loss.
 5. After local training the device attaches its feature statistics (`models/feature_stats.py`: its real
    samples of the session under its trained model) for the generator's statistics term, when it holds at least
    `MIN_SAMPLES` of them (one sample's statistics are that sample's features); `send_statistics = false` sends
@@ -40,7 +43,7 @@ from models.feature_stats import MIN_SAMPLES, STATISTICS, encode_statistics
 from models.sdd import REPLAY, decode_replay, encode_replay
 
 log = logging.getLogger(__name__)
-REPLAY_MODES = ("sce", "ce")
+REPLAY_MODES = ("sce", "ce", "none")
 REPLAY_HOLDER = "sdd-replay"
 
 
@@ -49,7 +52,9 @@ class Sdd(ReplayPolicy):
     name = "sdd"
     keeps_old = False
 
-    replay: str = "sce"  # "sce": alpha CE + beta RCE on the replay samples; "ce": plain CE (beta = 0)
+    # "sce": alpha CE + beta RCE on the replay samples; "ce": plain CE (beta = 0); "none": no replay, the two rates
+    # alone (the paper's Finetune+FL with a FedAvg strategy)
+    replay: str = "sce"
     alpha: float = 1.0
     beta: float = 1.0
     k: float = 1.0  # the replay term's weight (Eq. 3)
@@ -121,21 +126,24 @@ class Sdd(ReplayPolicy):
         return None
 
     def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
-        """The base session (or a device holding no replay set): the default training. Later sessions: the
-        module docstring's steps 2-4, batch by batch. The old classes are those the device saw before the session
-        and those of its replay set (a base session the host trained left the device no sample of its own), all
-        visible beside the device's own."""
-        if view.task == 0 or self._held is None or view.global_weights is None:
+        """The base session: the default training. Later sessions: the module docstring's steps 2-4, batch by batch,
+        the replay samples left out where the device holds none or `replay = "none"` (the two rates stay). The old
+        classes are those the device saw before the session and those of its replay set (a base session the host
+        trained left the device no sample of its own), all visible beside the device's own; the new ones are the
+        session's (those the round names, and the device's own)."""
+        if view.task == 0:
             return super().fit(view, batch, epochs, proximal)
         trainer = view.trainer
         k = trainer.manifest.num_classes
-        new = np.flatnonzero(view.task_counts > 0)
-        old = np.setdiff1d(np.union1d(view.seen_before_task(), np.unique(self._held[1])), new)
+        new = np.union1d(np.flatnonzero(view.task_counts > 0), np.asarray(view.task_classes, dtype=np.int64))
+        replay = self._held if self.replay != "none" and view.global_weights is not None else None
+        held = np.unique(replay[1]) if replay is not None else np.zeros(0, np.int64)
+        old = np.setdiff1d(np.union1d(view.seen_before_task(), held), new)
         mask = np.zeros(k, np.float32) if view.class_mask is not None else np.ones(k, np.float32)
         if view.class_mask is not None:
             mask[np.flatnonzero(view.class_mask)] = 1.0
             mask[old] = 1.0
-        x_replay, y_star = self._held[0], self._relabelled(view, old)
+        x_replay, y_star = (batch.x[:0], batch.y[:0]) if replay is None else (replay[0], self._relabelled(view, old))
         scale = class_rate_scale(trainer.manifest, new, self.new_head_rate, rest=self.rest_rate)
         beta = self.beta if self.replay == "sce" else 0.0
         last = 0.0
@@ -143,19 +151,21 @@ class Sdd(ReplayPolicy):
             for _ in range(epochs):
                 total = 0.0
                 for idx in iterate_batches(len(batch.y), view.batch_size, view.rng):
-                    pick = view.rng.integers(len(y_star), size=len(idx))  # fresh replay samples every batch
-                    x = np.concatenate([batch.x[idx], x_replay[pick]])
+                    pick = view.rng.integers(len(y_star), size=len(idx)) if len(y_star) else idx[:0]
+                    x = np.concatenate([batch.x[idx], x_replay[pick]])  # fresh replay samples every batch
                     y = np.concatenate([batch.y[idx], y_star[pick]])
                     n_real = len(idx)
                     weights = np.ones(len(y), np.float32)
                     weights[n_real:] = self.alpha * self.k
                     costs = np.zeros((len(y), k), np.float32)
-                    costs[n_real:] = reverse_ce_costs(y_star[pick], old, k, self.log_zero, weight=beta * self.k)
+                    if len(pick):
+                        costs[n_real:] = reverse_ce_costs(y_star[pick], old, k, self.log_zero, weight=beta * self.k)
                     loss = LossInputs(sample_weights=weights, class_costs=costs)
                     total += trainer.fit(x, y, epochs=1, batch_size=len(y), class_mask=mask, proximal=proximal,
                                          loss=loss) * n_real
                 last = total / max(len(batch.y), 1)
-        self._round.update(relabelled_unlike_generated=self._changed)
+        if replay is not None:
+            self._round.update(relabelled_unlike_generated=self._changed)
         return last
 
     def _relabelled(self, view: RoundView, old: np.ndarray) -> np.ndarray:
