@@ -117,7 +117,8 @@ class RoundAggregate:
                             "previous model stays", self.number, self.strategy.name)
                 return None
             return self.strategy.result(self._fold, self.number)
-        bounded = [*self._trusted, *self.bounds.apply(self.global_weights, self._held, self.counters)]
+        held = sorted(self._held, key=lambda update: update.device)  # the network's order is no order: the devices'
+        bounded = [*self._trusted, *self.bounds.apply(self.global_weights, held, self.counters)]
         self._held, self._held_bytes, self._trusted = [], 0, []
         self.used = [_used(update) for update in bounded]
         return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx, wait)

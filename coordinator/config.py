@@ -14,7 +14,12 @@
                                         # wait_for_devices_s) for the devices that missed attempt k to be back
     seed = 0
     device = "auto"                     # aggregation and evaluation: auto | cpu | cuda
-    virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time
+    virtual_time = false                # simulated fleets: deadlines apply to the devices' reported device time, and
+                                        # the wall clock bounds only a hung run (`wall_limit_s`): a round waits
+                                        # for every selected device, the first for the whole roster, so a busy host
+                                        # drops no device (the same seed gives the same run on any host)
+    wall_limit_s = 3600.0               # virtual time: the longest a round, or the first round's wait for the
+                                        # roster, may take in wall time (a safeguard, not a deadline)
     train_tasks = 0                     # train only the first N tasks (1: the Fixed baseline); 0: every task
     max_held_mib = 4096                 # rules that need a whole round at once (median, trimmed-mean, pfedgrp):
                                         # the most update bytes a round holds (coordinator/aggregation.py)
@@ -80,6 +85,7 @@ class CoordinatorConfig:
     seed: int = 0
     device: str = "auto"
     virtual_time: bool = False
+    wall_limit_s: float = 3600.0  # virtual time: a round's (and the first wait's) wall-clock safeguard
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
     last_rounds: int = LAST_ROUNDS  # results.json's last-rounds mean covers the last task's last rounds, this many

@@ -393,7 +393,9 @@ class BoundedStream:
         self.take(update)
 
     def _release(self) -> None:
-        held, self.held = self.held or [], None
+        """The held updates, bounded together in device order (the order they arrived in is the network's: in
+        device order the same round is bounded and folded alike on any host)."""
+        held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection):

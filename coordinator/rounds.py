@@ -9,7 +9,9 @@ Choices (configurable in the coordinator config, documented in docs/protocol.md)
   at once, and it keeps only who delivered. A later attempt of the same round starts with those deliveries: they
   answer the same global model, and count towards its quorum whether or not their devices are selected again.
 - In virtual time (simulated fleets), an update whose reported `device_seconds` (download + compute + upload on
-  the emulated device) exceed the deadline is late too, however fast the host delivered it.
+  the emulated device) exceed the deadline is late too, however fast the host delivered it; and however slowly the
+  host delivers it, it is not late: the round waits for every selected device (up to `wall_limit_s` of wall time, a
+  safeguard), so which devices a round aggregates does not depend on the host's speed.
 - A round with fewer updates than the quorum is not aggregated; it is run again (new selection) up to
   `max_attempts` times, after which the run stops with an error rather than go on with a stale model.
 """
@@ -59,9 +61,13 @@ class OpenRound:
 
     @classmethod
     def open(
-        cls, number: int, task: int, model: str, selected: list[str], deadline_s: float, virtual: bool = False
+        cls, number: int, task: int, model: str, selected: list[str], deadline_s: float, virtual: bool = False,
+        wall_limit_s: float | None = None,
     ) -> OpenRound:
-        return cls(number, task, model, selected, time.monotonic() + deadline_s, deadline_s if virtual else None)
+        """In virtual time the deadline counts the devices' own seconds, and the wall clock closes the round only at
+        `wall_limit_s` (a safeguard for a hung device; the deadline where none is given)."""
+        wall = wall_limit_s if virtual and wall_limit_s is not None else deadline_s
+        return cls(number, task, model, selected, time.monotonic() + wall, deadline_s if virtual else None)
 
     @property
     def complete(self) -> bool:

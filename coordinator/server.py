@@ -11,21 +11,22 @@ to the devices and held for them between rounds (`outbox.py`), the checkpoint's 
 record every reader reads (`run_record.py`) and the files written from it (`run_logs.py`: results.json,
 metrics.csv, the TensorBoard log, live.json for the dashboard).
 
-Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so
-the first selection sees every device that is coming); later rounds only wait while fewer than the quorum are
-online. A device that (re)registers while selected for the open round without having delivered gets the
-round's weights and message again on its own topics (after a broker restart, or its own restart), at most
-`resends_per_round` times. A device that reports it cannot train (status "error") is not waited for; its reason
-is logged, counted ("device-error") and kept per device in `results.json`. A device that holds no data yet (one that
-joins a later task: status "no-data") stays connected and gets every global model, but is not selected until it
-says it has data; selected before it could say so, it is not waited for ("no-data" for that round, counted).
-Every device process names itself with a random instance id: a status from an instance other than the device's
-newest registered one (the late last will of a replaced process) is passed over, and an older instance that
-registers again means two processes share one device id: counted ("duplicate-device"), logged, kept in the results
-and told to the device (a retained notice). A device whose labels hold classes outside the tasks' so far follows
-another class order than the test sets: warned about once per device and task ("class-mismatch"). When the run
-ends (complete or failed; not when stopped to be resumed) the devices are told on `all/end`; a run in which no
-device's update was aggregated fails.
+Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so the
+first selection sees every device that is coming); later rounds only wait while fewer than the quorum are online. In
+virtual time (simulated fleets) the wall clock is a safeguard only (`wall_limit_s`): the first round waits for the
+whole roster, and a round for every device it selected, however busy the host. A device that (re)registers while
+selected for the open round without having delivered gets the round's weights and message again on its own topics
+(after a broker restart, or its own restart), at most `resends_per_round` times. A device that reports it cannot
+train (status "error") is not waited for; its reason is logged, counted ("device-error") and kept per device in
+`results.json`. A device that holds no data yet (one that joins a later task: status "no-data") stays connected and
+gets every global model, but is not selected until it says it has data; selected before it could say so, it is not
+waited for ("no-data" for that round, counted). Every device process names itself with a random instance id: a
+status from an instance other than the device's newest registered one (the late last will of a replaced process) is
+passed over, and an older instance that registers again means two processes share one device id: counted
+("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device whose labels
+hold classes outside the tasks' so far follows another class order than the test sets: warned about once per device
+and task ("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed) the devices are
+told on `all/end`; a run in which no device's update was aggregated fails.
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -262,7 +263,8 @@ class Coordinator:
         log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
         model = self.outbox.publish_weights(self.state.weights, number, self.state.round, task)
         self.open_round = opened = OpenRound.open(
-            number, task, model, selected, self.config.deadline_s, virtual=self.config.virtual_time
+            number, task, model, selected, self.config.deadline_s, virtual=self.config.virtual_time,
+            wall_limit_s=self.config.wall_limit_s,
         )
         self.record.round_opened(opened)
         if earlier is not None:
@@ -364,7 +366,7 @@ class Coordinator:
         """The devices that can be selected now, after waiting as the module docstring says (the first round
         waits for the roster to connect, data or not: a device joining a later task is there all along)."""
         roster = len(self.config.devices) if self._first_round else 0
-        deadline = time.monotonic() + self.config.wait_for_devices_s
+        deadline = time.monotonic() + self._wait_limit()
         said = time.monotonic()
         while time.monotonic() < deadline and (
             len(self.roster.available()) < self.config.min_clients or len(self.roster.connected()) < roster
@@ -380,9 +382,16 @@ class Coordinator:
         if len(available) < self.config.min_clients:
             without = self.roster.without_data
             waiting = f" ({len(without)} more hold no data yet)" if without else ""
-            raise QuorumError(f"{len(available)} devices online after {self.config.wait_for_devices_s:.0f} s"
+            raise QuorumError(f"{len(available)} devices online after {self._wait_limit():.0f} s"
                               f"{waiting}, quorum is {self.config.min_clients}")
         return available
+
+    def _wait_limit(self) -> float:
+        """How long to wait for devices to be online: `wait_for_devices_s`, or in virtual time `wall_limit_s` at
+        least (a simulated fleet's devices are all coming; a busy host only makes them slower to start)."""
+        if self.config.virtual_time:
+            return max(self.config.wait_for_devices_s, self.config.wall_limit_s)
+        return self.config.wait_for_devices_s
 
     def _await_return(self, devices: list[str], seconds: float) -> None:
         """Before a retry: wait up to `seconds` (handling messages) for devices that missed the round to be back

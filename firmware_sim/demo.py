@@ -16,6 +16,7 @@ Each demo writes a new numbered folder under `out` (run-1, run-2, ...), so runni
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.guard import UpdateBounds
 from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.settings import Where
 from firmware_sim.fleet import Fleet, FleetConfig
@@ -138,9 +140,17 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
         coordinator={
             "rounds_per_task": settings.rounds_per_task, "fraction": settings.fraction,
             "min_clients": max(1, round(settings.devices * settings.fraction) // 2),
-            "deadline_s": 60.0, "wait_for_devices_s": 60.0, "guard": GUARD, **options.get("coordinator", {}),
+            "deadline_s": 60.0, "wait_for_devices_s": 60.0, "guard": {**GUARD, "hold": held(settings)},
+            **options.get("coordinator", {}),
         },
     )
+
+
+def held(settings: DemoSettings) -> int:
+    """The guard's `hold` for these fleets: every update of a round (at least the guard's default). Held updates
+    are bounded together in device order, so which updates a round takes does not depend on the order the network
+    brought them in: the same seed makes the same run on a quiet and on a busy host (with virtual time)."""
+    return max(UpdateBounds().hold, math.ceil(settings.devices * settings.fraction))
 
 
 def run_methods(out: Path, settings: DemoSettings,

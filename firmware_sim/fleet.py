@@ -24,8 +24,10 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                                    # device k holds share k, so more shares than devices leave some unused
     profiles = {raspberry-pi-4-4gb = 6, jetson-nano = 4}   # emulated devices by profile (counts sum to
                                    # `devices`); none: devices run unemulated at the host's speed
-    real_time = false              # emulation: sleep to match device time (else virtual time: deadlines apply
-                                   # to the devices' reported device seconds)
+    real_time = false              # emulation: sleep to match device time, deadlines on the wall clock (else
+                                   # virtual time: deadlines apply to the devices' reported device seconds, an
+                                   # unemulated device's being its CPU seconds, and a round waits for every device
+                                   # it selected however busy the host: coordinator/server.py)
     time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
     backend = "processes"          # processes (workers on this machine) | ray (Ray actors over a cluster's
                                    # nodes, firmware_sim/fleet_ray.py; `--address` sets it with [ray] address)
@@ -459,7 +461,7 @@ class Fleet:
             devices=tuple(self.config.device_ids), scenario=self.scenario,
             broker=build(BrokerSettings, self._settings("coordinator", self.coordinator_password), Where("fleet")),
             seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
-            virtual_time=bool(self.config.profiles) and not self.config.real_time,
+            virtual_time=not self.config.real_time,
             **self.config.coordinator_options(),
         )
 

@@ -212,6 +212,79 @@ def test_mnist1d_rejects_bad_test_fraction():
         datasets.load_mnist1d(num_samples=SMALL_MNIST1D, test_fraction=1.0)
 
 
+# --- Fashion-MNIST (Debian's package, or a folder of the same files) -----------------------------
+
+needs_fashion = pytest.mark.skipif(not (datasets.FASHION_MNIST_ROOT / "train-images-idx3-ubyte.gz").is_file(),
+                                   reason="dataset-fashion-mnist is not installed (scripts/setup installs it)")
+
+
+def _write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    import gzip
+
+    data = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape) + array.tobytes()
+    (gzip.open if gz else open)(path, "wb").write(data)
+
+
+def _fashion_folder(folder: Path, per_class: int = 6, gz: bool = True) -> dict[str, np.ndarray]:
+    """A small Fashion-MNIST look-alike in the package's layout: 10 classes, `per_class` train and test images."""
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.integers(0, 256, (10 * per_class, 28, 28), dtype=np.uint8),
+              "y": np.repeat(np.arange(10, dtype=np.uint8), per_class),
+              "x_test": rng.integers(0, 256, (10 * per_class, 28, 28), dtype=np.uint8),
+              "y_test": np.tile(np.arange(10, dtype=np.uint8), per_class)}
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, name in datasets.FASHION_MNIST_FILES.items():
+        _write_idx(folder / (name + (".gz" if gz else "")), arrays[key], gz)
+    return arrays
+
+
+@needs_fashion
+def test_fashion_mnist_is_read_from_the_debian_package():
+    data = load_dataset("fashion_mnist")
+    _check_arrays(data, (1, 28, 28))
+    assert (len(data.y_train), len(data.y_test)) == (60_000, 10_000)
+    assert data.x_train.min() == 0.0 and data.x_train.max() == 1.0
+    cut = load_dataset("fashion_mnist", train_per_class=30, test_per_class=10, seed=1)
+    assert np.bincount(cut.y_train).tolist() == [30] * 10 and np.bincount(cut.y_test).tolist() == [10] * 10
+    assert _rows(cut.x_train) <= _rows(data.x_train)  # a draw of the real images, not new ones
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_is_read_from_a_users_folder_of_the_same_files(tmp_path, gz):
+    arrays = _fashion_folder(tmp_path / "fmnist", gz=gz)
+    data = load_dataset("fashion_mnist", root=str(tmp_path / "fmnist"))
+    np.testing.assert_array_equal(data.x_train[:, 0], arrays["x"].astype(np.float32) / 255)
+    np.testing.assert_array_equal(data.y_test, arrays["y_test"].astype(np.int64))
+    again = load_dataset("fashion_mnist", root=str(tmp_path / "fmnist"), train_per_class=2, seed=3)
+    same = load_dataset("fashion_mnist", root=str(tmp_path / "fmnist"), train_per_class=2, seed=3)
+    np.testing.assert_array_equal(again.x_train, same.x_train)  # a seeded draw
+    assert np.bincount(again.y_train).tolist() == [2] * 10 and len(again.y_test) == 60
+
+
+def test_fashion_mnist_missing_or_damaged_says_so_in_one_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing train-images-idx3-ubyte.gz, .*t10k-labels") as err:
+        load_dataset("fashion_mnist", root=str(tmp_path))
+    assert "\n" not in str(err.value)
+    _fashion_folder(tmp_path / "bad")
+    (tmp_path / "bad" / "train-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte.gz: not a readable IDX file"):
+        load_dataset("fashion_mnist", root=str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="train_per_class must be an integer >= 1"):
+        load_dataset("fashion_mnist", root=str(tmp_path / "bad"), train_per_class=0)
+
+
+def test_fashion_mnist_domains_are_disjoint_transformed_quarters(tmp_path):
+    _fashion_folder(tmp_path / "fmnist", per_class=8)
+    domains = load_dataset("fashion_mnist_domains", root=str(tmp_path / "fmnist"))
+    assert [d.name for d in domains] == ["fashion-original", "fashion-rot90", "fashion-inverted", "fashion-noisy"]
+    original = load_dataset("fashion_mnist", root=str(tmp_path / "fmnist"))
+    for d in domains:
+        assert np.bincount(d.y_train).tolist() == [2] * 10 and np.bincount(d.y_test).tolist() == [2] * 10
+    assert _rows(domains[0].x_train) <= _rows(original.x_train)
+    seen = [_rows(np.rot90(domains[1].x_train, k=-1, axes=(-2, -1))), _rows(1.0 - domains[2].x_train)]
+    assert not (_rows(domains[0].x_train) & seen[0]) and not (seen[0] & seen[1])  # no image in two domains
+
+
 # --- dispatcher ----------------------------------------------------------------------------------
 
 def test_load_dataset_passes_options_to_the_loader():

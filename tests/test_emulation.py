@@ -184,3 +184,38 @@ def test_a_device_that_joins_a_later_task_is_not_selected_before_it_holds_data(t
     assert all("dev-3" in h["selected"] for h in history[6:])
     assert joiner.id == "dev-3" and joiner.learner.state.round == 8  # it trained (the guard may drop an outlier)
     assert results["without_data"] == []
+
+
+class BusyHost:
+    """A device on a busy host: every turn at the CPU waits `seconds` of wall time first (other processes had the
+    core), and its own CPU time, what it reports as device seconds, is what it would be on a quiet host."""
+
+    def __init__(self, seconds: float) -> None:
+        from edge_client.environment import RealEnvironment
+
+        self.seconds, self.real = seconds, RealEnvironment()
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def turn(self, work):
+        time.sleep(self.seconds)
+        return self.real.turn(work)
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("virtual", [True, False])
+def test_in_virtual_time_a_busy_host_drops_no_device(tmp_path, export_artifacts, virtual):
+    """dev-1 waits 4 s of wall time for the CPU at every round, beyond the 2 s deadline. On the wall clock it
+    misses every round; in virtual time (a simulated fleet's) the deadline counts its device seconds, the round
+    waits for it, and it is in every round."""
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    with ThreadFederation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), device, tasks=1, n_devices=2,
+                          environments={1: BusyHost(4.0)}) as federation:
+        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=2, min_clients=1, deadline_s=2.0,
+                                             virtual_time=virtual, wall_limit_s=120.0)
+        results = coordinator.run()
+    assert results["outcome"] == "complete"
+    took_part = [("dev-1" in h["received"]) for h in results["history"]]
+    assert took_part == ([True, True] if virtual else [False, False])
+    assert ("missed-deadline" in results["counters"]) != virtual
