@@ -54,7 +54,7 @@ from scipy import stats
 
 from edge_client.budget import Budget
 from edge_client.store import BudgetExceededError, ReplayStore
-from edgefil.metrics import accuracy_matrix, average_accuracy
+from edgefil.metrics import accuracy_matrix, average_accuracy, average_incremental_accuracy, task_detection
 from edgefil.settings import Where
 from firmware_sim.datasets import load_dataset
 from firmware_sim.demo import GUARD, REFED, STRATEGY, DemoSettings, budget_for, run_methods
@@ -223,9 +223,11 @@ class Job:
         results = run_methods(Path(self.folder), settings, {self.method: options})[self.method]
         acc = accuracy_matrix(results["accuracy_matrix"])
         last = results["last_rounds_accuracy"]
-        summary = {"final": 100 * average_accuracy(acc), "diagonal": np.diag(acc).round(3).tolist(),
+        summary = {"final": 100 * average_accuracy(acc), "average": 100 * average_incremental_accuracy(acc),
+                   "diagonal": np.diag(acc).round(3).tolist(),
                    "last_rounds": 100 * last["mean"], "last_rounds_std": 100 * last["std"],
                    "last_rounds_n": last["rounds"],
+                   "detection": dataclasses.asdict(task_detection(results["history"])),
                    "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
                    "seconds": round(time.monotonic() - started, 1)}
         self.result_file.write_text(json.dumps(summary))
@@ -345,6 +347,23 @@ def print_table(title: str, jobs: list[Job], results: Mapping[Path, Mapping[str,
     return finals
 
 
+def print_detection(jobs: list[Job], results: Mapping[Path, Mapping[str, Any]]) -> None:
+    """Where the devices were not told where tasks start (`detect_new_tasks`): per method, summed over seeds and
+    devices, the boundaries their detectors caught at once, later (and the mean delay in the device's rounds),
+    missed, and the tasks they started where none began."""
+    print("  task detection (boundaries: caught at once / later / missed, false starts, mean delay in rounds):")
+    for method in dict.fromkeys(job.method for job in jobs):
+        found = [results[j.result_file]["detection"] for j in jobs
+                 if j.method == method and j.result_file in results and "detection" in results[j.result_file]]
+        if not found:
+            continue
+        total = {key: sum(d[key] for d in found) for key in ("boundaries", "at_once", "later", "missed",
+                                                             "false_starts")}
+        delay = np.mean([d["delay_rounds"] for d in found])
+        print(f"    {method:18s} {total['boundaries']:4d} boundaries: {total['at_once']} / {total['later']} / "
+              f"{total['missed']}, {total['false_starts']} false starts, delay {delay:.2f}")
+
+
 def print_paired(a: str, b: str, finals: Mapping[str, Mapping[str, list[float]]]) -> None:
     """a - b per seed with a paired t-test, on the last round and on the last rounds' mean."""
     for metric, words in METRICS.items():
@@ -460,6 +479,8 @@ def main() -> None:
         finals = print_table(title, jobs, results)
         for a, b in pairs:
             print_paired(a, b, finals)
+        if dict(args.learner_option).get("detect_new_tasks"):
+            print_detection(jobs, results)
 
 
 if __name__ == "__main__":

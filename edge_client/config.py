@@ -11,7 +11,7 @@
 
     [broker]   host, port, username (defaults to device_id), password, cafile, keepalive
     [trainer]  backend = "auto" | "portable" | "ort" | "torch", optimizer = "sgd" | "adamw", lr, threads, momentum
-    [learner]  epochs, batch_size, mask_seen_classes, detect_new_tasks
+    [learner]  epochs, batch_size, mask_seen_classes, detect_new_tasks, task_detectors
     [store]    max_samples (M), max_bytes
     [policy]   name = "refed" | "random" | ..., group_by = "class", new_share = "stream" | 0.5 (M's split between
                the newest task and the old ones; left out: Re-Fed's rule), and the policy's own options (e.g. lam)
@@ -53,6 +53,9 @@ class LearnerSettings:
     # The device decides where its own tasks start: a round's task only names the data to take, and the learner's
     # detectors (a label never seen, the policy's `task_boundary`) say whether that data starts a task.
     detect_new_tasks: bool = False
+    # Which of them decide with detect_new_tasks: "both" (either one starts a task), "labels" (a label never seen),
+    # "policy" (the policy's own detector alone, e.g. GLFC's entropy jump)
+    task_detectors: Literal["both", "labels", "policy"] = "both"
     # Where the weights and the optimiser state are between rounds: "memory" (kept; the optimiser state is not
     # saved), or "disk" (saved with the state every round, let go until the next: a fleet's default, for hosts of
     # thousands of devices). The same steps either way (edge_client/learner.py).

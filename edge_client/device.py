@@ -115,7 +115,7 @@ class Device:
             self.trainer, store, policy,
             LearnerConfig(epochs=settings.epochs, batch_size=settings.batch_size,
                           mask_seen_classes=settings.mask_seen_classes, detect_new_tasks=settings.detect_new_tasks,
-                          between_rounds=settings.between_rounds, **around),
+                          task_detectors=settings.task_detectors, between_rounds=settings.between_rounds, **around),
             seed=_seed_of(self.id),
         )
         self.learner.restore(config.state_dir)
@@ -389,7 +389,7 @@ class Device:
             log.warning("%s: policy %s trains its head over the fleet's classes, and the round names none: set "
                         "[client] known_classes = true on the coordinator", self.id, self.learner.policy.name)
         self.learner.round_mask = self._round_mask(config.get("mask_seen_classes"))
-        disk_full = False
+        disk_full, started_task = False, False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
             manifest = self.trainer.manifest
@@ -402,7 +402,7 @@ class Device:
             try:
                 self.learner.state.data_task = task  # taken, whatever the store keeps of it
                 chunk = Chunk(x, y, None if self.config.learner.detect_new_tasks else task)
-                self.environment.turn(lambda: self.learner.observe(chunk, global_weights=global_weights))
+                started_task = self.environment.turn(lambda: self.learner.observe(chunk, global_weights=global_weights))
             except StoreDiskFullError as err:  # the store kept its last committed state: train on that
                 log.warning("%s: disk full while storing task %d: %s", self.id, task, err)
                 disk_full = True
@@ -434,6 +434,8 @@ class Device:
         self.learner.state.metrics = {
             **self.learner.policy.metrics(),
             "loss": loss, "device_seconds": device_seconds, "disk_full": float(disk_full),
+            # where the device's own tasks start (with detect_new_tasks, its detectors decide: benchmarks count them)
+            "device_task": float(self.learner.state.task), "task_started": float(started_task),
             "disk_free_bytes": float(shutil.disk_usage(self.config.state_dir).free),
         }
         try:

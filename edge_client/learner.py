@@ -11,7 +11,8 @@ Choices (documented, configurable where it matters):
 - With a byte budget tighter than M samples, the lowest-ranked cached samples go first, then new samples.
 - Training and evaluation mask the classes the device has not seen (`mask_seen_classes`).
 - A task starts where the stream announces one; where it does not, where a chunk brings an unseen label
-  (`detect_new_tasks`) or where the policy says so (`task_boundary`, e.g. a detector on the received model).
+  (`detect_new_tasks`) or where the policy says so (`task_boundary`, e.g. a detector on the received model);
+  `task_detectors` keeps one of the two alone ("labels", "policy"), to measure each.
 - `group_by` ("class" or "task") puts quotas around any policy's ranking (`group_ranking`): the policy ranks all
   the old samples, each group keeps its water-filled share in the policy's order. Every other hook is the
   policy's own, so grouping never changes how a method trains.
@@ -53,6 +54,9 @@ from edge_client.trainers.base import EvalResult, OptimizerState, Proximal, Trai
 
 log = logging.getLogger(__name__)
 BETWEEN_ROUNDS = ("memory", "disk")
+# With detect_new_tasks, what starts a task: an unseen label ("labels"), the policy's `task_boundary` ("policy", e.g.
+# GLFC's entropy jump), or either ("both")
+TASK_DETECTORS = ("both", "labels", "policy")
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ class LearnerConfig:
     epochs: int = 1
     batch_size: int = 32
     mask_seen_classes: bool = True
-    detect_new_tasks: bool = False  # start a task when unseen labels appear (when the stream does not say)
+    detect_new_tasks: bool = False  # the stream does not say where tasks start: the detectors do
+    task_detectors: str = "both"  # which detectors decide then (TASK_DETECTORS)
     group_by: str | None = None  # quotas per "class" or "task" around the policy's ranking (GROUPINGS)
     new_share: float | str | None = None  # M's split between the newest task and the old ones (new_task_quota)
     between_rounds: str = "memory"  # where the weights and the optimiser state are between rounds (BETWEEN_ROUNDS)
@@ -68,6 +73,9 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.group_by is not None and self.group_by not in GROUPINGS:
             raise ValueError(f"unknown group_by {self.group_by!r}; choose one of {', '.join(GROUPINGS)}")
+        if self.task_detectors not in TASK_DETECTORS:
+            raise ValueError(f"unknown task_detectors {self.task_detectors!r}; choose one of "
+                             f"{', '.join(TASK_DETECTORS)}")
         if self.between_rounds not in BETWEEN_ROUNDS:
             raise ValueError(f"unknown between_rounds {self.between_rounds!r}; choose one of "
                              f"{', '.join(BETWEEN_ROUNDS)}")
@@ -134,9 +142,7 @@ class Learner:
         if global_weights is not None:
             self.global_weights = global_weights
         announced = chunk.task is not None and chunk.task != self.state.task
-        detected = chunk.task is None and self.state.task >= 0 and (
-            (self.config.detect_new_tasks and self._detector.is_new_task(chunk.y))
-            or self.policy.task_boundary(self.view(), chunk.x, chunk.y))
+        detected = chunk.task is None and self.state.task >= 0 and self._detected(chunk)
         starts = announced or detected or self.state.task < 0
         if starts:
             self.state.task = chunk.task if chunk.task is not None else self.state.task + 1
@@ -147,6 +153,14 @@ class Learner:
         self.state.seen_classes = sorted(self._detector.seen)
         self.state.n_seen += len(chunk.y)
         return starts
+
+    def _detected(self, chunk: Chunk) -> bool:
+        """Whether the detectors `task_detectors` names say this unannounced chunk starts a task; both are asked
+        every chunk where they decide (a detector may follow the stream, as GLFC's previous chunk's entropy)."""
+        which = self.config.task_detectors
+        labels = which != "policy" and self.config.detect_new_tasks and self._detector.is_new_task(chunk.y)
+        policy = which != "labels" and self.policy.task_boundary(self.view(), chunk.x, chunk.y)
+        return bool(labels or policy)
 
     def start_task(self, task: int, x: np.ndarray, y: np.ndarray, global_weights: np.ndarray | None = None) -> None:
         """A task boundary announced together with the task's data."""

@@ -104,6 +104,63 @@ def rounds_to_best(history: Sequence[Mapping[str, Any]], n_tasks: int) -> list[i
     return counts
 
 
+@dataclass(frozen=True)
+class TaskDetection:
+    """How devices that were not told where tasks start found them (`task_detection`): of the true boundaries
+    (a device's first round on a later task's data), how many its detectors caught at once, how many later, and
+    how many tasks it started where none began; `delay_rounds` is the mean of the device's own rounds from a
+    boundary to its start, over those caught (0: at once)."""
+
+    boundaries: int
+    at_once: int
+    later: int
+    missed: int
+    false_starts: int
+    delay_rounds: float
+
+    @property
+    def rate(self) -> float:
+        """The share of boundaries caught at once (1.0 when there are none)."""
+        return self.at_once / self.boundaries if self.boundaries else 1.0
+
+
+def task_detection(history: Sequence[Mapping[str, Any]]) -> TaskDetection:
+    """`TaskDetection` of a run's history: each round's task, and each device's `task_started` metric (1 where its
+    learner started a task in that round). A device's first round starts its first task (no boundary); after it, a
+    boundary is a round whose task differs from the device's round before; a start in a round of the same task as
+    the one before is a false start, the first start after a missed boundary (within the same task) a late
+    catch."""
+    rounds: dict[str, list[tuple[int, bool]]] = {}
+    for entry in history:
+        for device, metrics in entry.get("metrics", {}).items():
+            if "task_started" in metrics:
+                rounds.setdefault(device, []).append((int(entry["task"]), metrics["task_started"] > 0))
+    boundaries = at_once = later = false_starts = 0
+    delays: list[int] = []
+    for seen in rounds.values():
+        pending: int | None = None  # rounds since a missed boundary, while its task lasts
+        for (previous, _), (task, started) in zip(seen, seen[1:]):
+            if task != previous:
+                boundaries += 1
+                pending = None
+                if started:
+                    at_once += 1
+                    delays.append(0)
+                else:
+                    pending = 0
+            elif started and pending is not None:
+                later += 1
+                delays.append(pending + 1)
+                pending = None
+            elif started:
+                false_starts += 1
+            elif pending is not None:
+                pending += 1
+    missed = boundaries - at_once - later
+    return TaskDetection(boundaries, at_once, later, missed, false_starts,
+                         float(np.mean(delays)) if delays else 0.0)
+
+
 def instant_average_accuracy(accuracies: Sequence[float], samples_seen: Sequence[int]) -> float:
     """pFedGRP's IAA^t (Eq. 9): client accuracies at one round weighted by the samples each has seen so far."""
     if len(accuracies) != len(samples_seen):

@@ -422,6 +422,26 @@ def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_jo
 
 
 @needs_broker
+def test_entropy_detection_finds_an_unannounced_boundary_in_a_fleet(tmp_path, artifacts):
+    """Devices that are not told where tasks start and may not look at labels (`detect_new_tasks`,
+    `task_detectors = "policy"`): GLFC's entropy jump alone starts task 1 when its data arrive, on every device,
+    and never within a task; the run's history says so (`task_detection`)."""
+    from edgefil.metrics import task_detection
+
+    device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS},
+              "learner": {"detect_new_tasks": True, "task_detectors": "policy"}}
+    strategy = {"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 10}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2) as federation:
+        coordinator = federation.coordinator(strategy, rounds_per_task=3, client={"epochs": 5})
+        results = coordinator.run()
+        devices = federation.devices
+    found = task_detection(results["history"])
+    assert found.boundaries == 2 and found.at_once == 2 and found.false_starts == 0
+    assert all(d.learner.state.task == 1 for d in devices)
+    assert all(m["device_task"] == 1.0 for m in results["history"][-1]["metrics"].values())
+
+
+@needs_broker
 def test_the_coordinator_keeps_running_rounds_while_the_proxy_reconstructs(tmp_path, artifacts):
     """The proxy's reconstruction held back until round 2 is over: round 2 runs (its updates, the devices'
     heartbeats) while it works, and the task's last round uses what it reconstructed."""

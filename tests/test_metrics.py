@@ -172,3 +172,23 @@ def test_peak_storage_reports_going_over_the_budget_without_raising():
         "b": {"peak": 60, "budget": 50, "within_budget": False},
         "c": {"peak": 0, "budget": 1, "within_budget": True},     # no readings: nothing stored
     }
+
+
+def test_task_detection_counts_boundaries_caught_at_once_later_missed_and_false_starts():
+    """Two devices' rounds: a's boundaries into tasks 1 and 2 are caught at once; b misses each at its first round
+    there and catches it one round later. Then a device that starts a task where none began (a false start) and
+    misses both boundaries."""
+    from edgefil.metrics import task_detection
+
+    def entry(task, **started):
+        return {"task": task, "metrics": {d: {"task_started": float(s)} for d, s in started.items()}}
+
+    history = [entry(0, a=1, b=1), entry(1, a=1, b=0), entry(1, b=1), entry(1, a=0), entry(2, a=1, b=0),
+               entry(2, b=1), entry(2, a=0)]
+    found = task_detection(history)
+    assert (found.boundaries, found.at_once, found.later, found.missed, found.false_starts) == (4, 2, 2, 0, 0)
+    assert found.delay_rounds == pytest.approx(0.5) and found.rate == 0.5
+    history = [entry(0, a=1), entry(0, a=1), entry(1, a=0), entry(2, a=0)]
+    found = task_detection(history)
+    assert (found.boundaries, found.at_once, found.later, found.missed, found.false_starts) == (2, 0, 0, 2, 1)
+    assert task_detection([]).rate == 1.0

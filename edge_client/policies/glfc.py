@@ -45,8 +45,10 @@ A round on a device:
    costs refine_steps forward and backward passes per new class, and the ort backend needs the portable graphs
    beside its own for it (the device refuses the option in one line otherwise).
 6. Task detection (Eq. 7), for streams that do not announce tasks (`task_boundary`): the mean softmax entropy of a
-   chunk under the latest global model against the previous chunk's, over the head GLFC's received model would
-   have: the classes seen and the chunk's own labels (in GLFC the server grows the head at a new task, and the
+   chunk under the latest global model against that of the data before it: the task's training data at the start
+   of the device's last round (the paper's H^{r-1,t}, computed in `training_set`: a round costs one more forward
+   pass over the task's samples), or the previous chunk's; each over the head GLFC's received model would
+   have: the classes seen and the data's own labels (in GLFC the server grows the head at a new task, and the
    jump comes mostly from the new, untrained logits; a head masked to the classes seen stays confidently wrong on
    new classes, 0.02-0.3 nats on digits). The paper's absolute r_h = 1.2 cannot fire where ln C < 1.2 (tasks of
    2-5 classes); here r_h = `entropy_ratio` * ln C, C the classes of that head. Measured on digits (LeNet trained
@@ -310,15 +312,24 @@ class Glfc(ReplayPolicy):
 
     def task_boundary(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> bool:
         """Eq. 7 with the scaled threshold (module docstring, 6): this chunk's mean entropy under the latest model,
-        over the classes seen and the chunk's labels, against the previous chunk's."""
+        over the classes seen and the chunk's labels, against the entropy of the data before it: the last round's
+        training data at the round's start (`training_set`), or the previous chunk's; where neither was seen (a
+        restarted device) that of the task's stored samples now, and with none H = 0, as the authors' code starts."""
+        entropy, classes = self._entropy_of(view, x, y)
+        previous, self._entropy = self._entropy, entropy
+        if previous is None and view.n_stored():
+            held = view.stored(view.task)
+            previous = self._entropy_of(view, held.x, held.y)[0] if len(held) else None
+        self._round["entropy"] = entropy
+        return entropy - (previous or 0.0) >= self.entropy_ratio * math.log(max(classes, 2))
+
+    def _entropy_of(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """The mean entropy of `x` under the trainer's weights over the classes seen and `y`'s, and their count."""
         head = np.zeros(view.trainer.manifest.num_classes, dtype=np.float32)
         head[np.flatnonzero(view.label_counts)] = 1.0
         head[np.unique(y)] = 1.0
         logits, _ = view.trainer.outputs(x, y, head)
-        entropy = mean_entropy(logits)
-        previous, self._entropy = self._entropy, entropy
-        self._round["entropy"] = entropy
-        return previous is not None and entropy - previous >= self.entropy_ratio * math.log(max(head.sum(), 2))
+        return mean_entropy(logits), int(head.sum())
 
     def rank(self, old: Samples, keep: int, view: RoundView) -> np.ndarray:
         """iCaRL's memory: per class, the order herding chose when the class became old (kept in a file of M), so
@@ -346,9 +357,15 @@ class Glfc(ReplayPolicy):
         return interleave_by_class(chosen)
 
     def training_set(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> TrainingSet:
+        """At a new task the old model is stored; every round, the entropy of the task's data at the round's start
+        (Eq. 7's H^{r,t}: every client, every round, the paper's; here the rounds a device trains) is what the next
+        chunk is compared with (`task_boundary`)."""
         if view.task != self._task:
             self._store_old_model(view)
             self._task = view.task
+        current = view.stored_tasks() == view.task
+        if current.any():
+            self._entropy, _ = self._entropy_of(view, x[current], y[current])
         return TrainingSet(x, y)
 
     def fit(self, view: RoundView, batch: TrainingSet, epochs: int, proximal: Proximal | None) -> float:
