@@ -20,13 +20,15 @@ selected for the open round without having delivered gets the round's weights an
 train (status "error") is not waited for; its reason is logged, counted ("device-error") and kept per device in
 `results.json`. A device that holds no data yet (one that joins a later task: status "no-data") stays connected and
 gets every global model, but is not selected until it says it has data; selected before it could say so, it is not
-waited for ("no-data" for that round, counted). Every device process names itself with a random instance id: a
-status from an instance other than the device's newest registered one (the late last will of a replaced process) is
-passed over, and an older instance that registers again means two processes share one device id: counted
-("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device whose labels
-hold classes outside the tasks' so far follows another class order than the test sets: warned about once per device
-and task ("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed) the devices are
-told on `all/end`; a run in which no device's update was aggregated fails.
+waited for ("no-data" for that round, counted). In virtual time every round names its start on the fleet's clock
+(`clock_s` = (round - 1) x deadline_s: a round lasts its deadline there), and an emulated device offline then by its
+availability answers "away": not waited for, still selectable (counted). Every device process names itself with a
+random instance id: a status from an instance other than the device's newest registered one (the late last will of a
+replaced process) is passed over, and an older instance that registers again means two processes share one device
+id: counted ("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device
+whose labels hold classes outside the tasks' so far follows another class order than the test sets: warned about
+once per device and task ("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed)
+the devices are told on `all/end`; a run in which no device's update was aggregated fails.
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -225,7 +227,7 @@ class Coordinator:
             self.open_round, self._last_attempt = None, collected
             self.inbox.drop_partial_updates(before_round=number + 1)
             if collected.failed:
-                log.warning("round %d closed without %s (cannot train, or refused)", number,
+                log.warning("round %d closed without %s (cannot train, away, or refused)", number,
                             ", ".join(f"{d}: {why}" for d, why in sorted(collected.failed.items())))
             if missing:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
@@ -280,6 +282,8 @@ class Coordinator:
         if current is None:
             return
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
+        if self.config.virtual_time:  # the round's start on the fleet's clock: each round lasts its deadline there
+            config["clock_s"] = (current.number - 1) * self.config.deadline_s
         if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
             config["task_classes"] = list(self._context.task_classes)
@@ -456,6 +460,8 @@ class Coordinator:
             self._on_device_error(event)
         elif event.state == "no-data":
             self._on_no_data(event)
+        elif event.state == "away":
+            self._on_away(event)
         elif event.state != "offline":
             if current is not None and current.came_back(event.device):  # back (or the offline was stale)
                 self._send_round(event.device, with_weights=True)
@@ -477,6 +483,14 @@ class Coordinator:
         if current is not None and current.number == event.round and current.awaits(event.device):
             self.counters["no-data"] += 1
             current.failed_with(event.device, "it holds no data yet")
+
+    def _on_away(self, event: Status) -> None:
+        """A device offline at the round's start on the fleet's clock (virtual time): it stays connected and
+        selectable, and the open round does not wait for it."""
+        current = self.open_round
+        if current is not None and current.number == event.round and current.awaits(event.device):
+            self.counters["away"] += 1
+            current.failed_with(event.device, "away: offline at the round's start on the fleet's clock")
 
     def _on_update(self, update: Update) -> None:
         reason = self.strategy.inspect(_for_strategy(update))

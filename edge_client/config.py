@@ -90,6 +90,9 @@ class EmulationSettings:
     real_time: bool = False
     time_scale: float = 1.0
     availability_seed: int | None = None
+    # the clock availability follows: "wall" (the wall clock since the device joined: it disconnects while
+    # offline), or "fleet" (the fleet's virtual clock the rounds name: it sits out the rounds it is away for)
+    availability_clock: Literal["wall", "fleet"] = "wall"
 
 
 @dataclass(frozen=True)

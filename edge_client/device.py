@@ -16,14 +16,15 @@ policy may ask for payloads by name (`request`), the answer is awaited for up to
 `answer_wait_s` while other messages wait in a backlog, in order, and goes to the policy before its own update
 step; the update carries the policy's attachments and the device's label counts.
 
-A round the device cannot train (its data missing or malformed, its configuration wrong for the task, training
-that diverges to a non-finite loss) is reported to the coordinator as a status "error" with a one-line reason,
-which the coordinator shows per device, instead of the device going silent until the deadline. A device that holds
-nothing and whose source has nothing for the task the coordinator last named (one that joins a later task) says
-"no-data" in its statuses instead of "idle", and the coordinator does not select it (`_ready_state`). A device
-whose task brings no samples but whose store holds some (a client left with its old data only) starts the task and
-trains on its store, whatever its method. A notice from the coordinator (e.g. that two processes use this device id)
-is logged as an error.
+A round the device cannot train (its data missing or malformed, its configuration wrong for the task, training that
+diverges to a non-finite loss) is reported to the coordinator as a status "error" with a one-line reason, which the
+coordinator shows per device, instead of the device going silent until the deadline. A device that holds nothing and
+whose source has nothing for the task the coordinator last named (one that joins a later task) says "no-data" in its
+statuses instead of "idle", and the coordinator does not select it (`_ready_state`). A simulated device that its
+availability has away at the round's start on the fleet's clock (virtual time) answers "away". A device whose task
+brings no samples but whose store holds some (a client left with its old data only) starts the task and trains on
+its store, whatever its method. A notice from the coordinator (e.g. that two processes use this device id) is logged
+as an error.
 
 Restarts on either side are safe: a round message for the round this device already trained (same global
 model) is answered with the same update again, rebuilt from the saved state after a process restart, so a
@@ -366,6 +367,10 @@ class Device:
             log.info("%s holds no data yet: round %d passed over", self.id, round_)
             self._publish_status("no-data", round_)
             return
+        if self.environment.away_at(_clock_s(config)):  # offline then on the fleet's clock: it sits the round out
+            log.info("%s is away at round %d's start (the fleet's clock): round passed over", self.id, round_)
+            self._publish_status("away", round_)
+            return
         blob_bytes = 4 * self.num_parameters
         messages = wire.chunk_count(blob_bytes)
         device_seconds = self.environment.transfer(blob_bytes, messages, upload=False)
@@ -570,6 +575,14 @@ class Device:
 def _needed(message: wire.Message) -> list[str]:
     """The blobs a round message needs: the global model, and its payload and broadcast blobs when it names them."""
     return [message["model"], *(message[k] for k in ("payload", "broadcast") if k in message)]
+
+
+def _clock_s(config: dict[str, Any]) -> float | None:
+    """The round's start on the fleet's clock (`clock_s`, virtual time), when the round names a finite one."""
+    value = config.get("clock_s")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _seed_of(device_id: str) -> int:

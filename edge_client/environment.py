@@ -43,6 +43,11 @@ class Environment(Protocol):
     def online_for(self) -> float:
         """Wall seconds the device stays online for sure (inf: for good): how long an idle device may sleep."""
 
+    def away_at(self, clock_s: float | None) -> bool:
+        """Whether the device is offline at `clock_s` on the fleet's clock (a simulated fleet in virtual time names
+        each round's start on it: `config["clock_s"]`): it then stays connected but sits the round out. False
+        without a fleet clock (the wall clock's availability is `offline_for`'s) and for a real device."""
+
     def turn(self, work: Callable[[], T]) -> T:
         """Run `work` (starting a task, training) in the device's turn among the devices its process hosts; its
         result, or what it raised."""
@@ -128,3 +133,6 @@ class RealEnvironment(TakesTurns):
 
     def online_for(self) -> float:
         return float("inf")
+
+    def away_at(self, clock_s: float | None) -> bool:
+        return False

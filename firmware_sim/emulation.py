@@ -1,8 +1,12 @@
 """A virtual device's environment: its profile's RAM, compute speed and link applied to each round, on a virtual
 clock (`edge_client.environment.Environment`).
 
-Availability follows the profile's schedule on the wall clock since the device joined, sped up by `time_scale`
-(profile seconds per wall second), so hour-long on/off periods show within a short run.
+Availability follows the profile's schedule, sped up by `time_scale` (profile seconds per second of the clock it
+follows), so hour-long on/off periods show within a short run. On the fleet's clock (`availability_clock =
+"fleet"`, a simulated fleet in virtual time): the coordinator names each round's start on it (`clock_s`), the device
+is online or away for the round by the schedule at that moment, and it never disconnects (an away device answers
+the round "away"), so who takes part does not depend on how fast the host runs the fleet. On the wall clock
+("wall", real time): the schedule runs from when the device joined, and an offline device disconnects.
 
 Virtual time (default): nothing sleeps; the device reports the round's device seconds (download + compute +
 upload) with its update and a coordinator in virtual-time mode drops updates whose device time exceeds the round's
@@ -28,17 +32,23 @@ from firmware_sim.limits import (
 from firmware_sim.profiles import DeviceProfile
 from models.manifest import Manifest
 
+AVAILABILITY_CLOCKS = ("wall", "fleet")
+
 
 class EmulatedEnvironment(TakesTurns):
     def __init__(
         self, profile: DeviceProfile, host: HostCalibration, real_time: bool = False, availability_seed: int = 0,
         time_scale: float = 1.0, turns: Turns | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, availability_clock: str = "wall",
     ) -> None:
         """`turns`: shared by the devices of one worker process, which take turns at CPU work (None: alone);
-        `clock`: the wall clock (seconds) availability follows, which a test may step itself."""
+        `clock`: the wall clock (seconds) availability follows, which a test may step itself; `availability_clock`:
+        which clock availability follows (AVAILABILITY_CLOCKS, the module docstring)."""
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
+        if availability_clock not in AVAILABILITY_CLOCKS:
+            raise ValueError(f"availability_clock must be one of {AVAILABILITY_CLOCKS}, got {availability_clock!r}")
+        self.on_fleet_clock = availability_clock == "fleet"
         self.profile = profile
         self.host = host
         self.real_time = real_time
@@ -68,6 +78,8 @@ class EmulatedEnvironment(TakesTurns):
         return seconds
 
     def offline_for(self) -> float:
+        if self.on_fleet_clock:
+            return 0.0
         t = (self._clock() - self._joined) * self.time_scale
         if self.schedule.online(t):
             return 0.0
@@ -75,11 +87,18 @@ class EmulatedEnvironment(TakesTurns):
         return math.inf if back is None else (back - t) / self.time_scale
 
     def online_for(self) -> float:
+        if self.on_fleet_clock:
+            return math.inf
         t = (self._clock() - self._joined) * self.time_scale
         if not self.schedule.online(t):
             return 0.0
         change = self.schedule.next_change(t)
         return math.inf if change is None else (change - t) / self.time_scale
+
+    def away_at(self, clock_s: float | None) -> bool:
+        if not self.on_fleet_clock or clock_s is None:
+            return False
+        return not self.schedule.online(clock_s * self.time_scale)
 
     def _spend(self, seconds: float, already: float) -> None:
         self.clock.advance(seconds)

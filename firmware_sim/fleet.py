@@ -28,7 +28,9 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                                    # virtual time: deadlines apply to the devices' reported device seconds, an
                                    # unemulated device's being its CPU seconds, and a round waits for every device
                                    # it selected however busy the host: coordinator/server.py)
-    time_scale = 60.0              # availability schedules: profile seconds per wall second (1 in real time)
+    time_scale = 60.0              # availability schedules: profile seconds per second of the fleet's clock (in
+                                   # virtual time a round starts at (round - 1) x deadline_s on it; 1 in real
+                                   # time, on the wall clock)
     backend = "processes"          # processes (workers on this machine) | ray (Ray actors over a cluster's
                                    # nodes, firmware_sim/fleet_ray.py; `--address` sets it with [ray] address)
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
@@ -428,6 +430,7 @@ class Fleet:
         emulation = {} if profile is None else {"emulation": {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
             "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
+            "availability_clock": "wall" if self.config.real_time else "fleet",
         }}
         attack = self.config.adversary.of(index, self.config.devices)
         adversary = {} if attack is None else {ADVERSARY: {"attack": attack, "fleet_size": self.config.devices}}

@@ -219,3 +219,29 @@ def test_in_virtual_time_a_busy_host_drops_no_device(tmp_path, export_artifacts,
     took_part = [("dev-1" in h["received"]) for h in results["history"]]
     assert took_part == ([True, True] if virtual else [False, False])
     assert ("missed-deadline" in results["counters"]) != virtual
+
+
+@needs_mosquitto
+def test_on_the_fleets_clock_a_device_sits_out_the_rounds_it_is_away_for_and_stays_connected(tmp_path,
+                                                                                           export_artifacts):
+    """Virtual time: round r starts at (r - 1) x deadline_s = 0, 50, 100, ... on the fleet's clock, whatever the
+    host's speed. The wanderer's trace has it away on [100, 200): it answers rounds 3 and 4 "away" (the round does
+    not wait for it, and it is counted), takes part in every other, and never disconnects."""
+    (tmp_path / "trace.csv").write_text("0,100\n200,inf\n")
+    away = f'[availability]\nmode = "trace"\ntrace = "{tmp_path / "trace.csv"}"'
+    wanderer = EmulatedEnvironment(load_profile(profile_file(tmp_path, "wanderer", HOST_GFLOPS, availability=away)),
+                                   HostCalibration(HOST_GFLOPS), availability_clock="fleet")
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    with ThreadFederation(tmp_path / "fleet", export_artifacts("lenet", 10, (1, 8, 8)), device, tasks=2, n_devices=2,
+                          environments={1: wanderer}) as federation:
+        link = federation.devices[1].link
+        connected: list[bool] = []
+        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=3, min_clients=1, deadline_s=50.0,
+                                             virtual_time=True, wall_limit_s=120.0)
+        coordinator.progress = lambda entry: connected.append(link.connected)
+        results = coordinator.run()
+    took_part = ["dev-1" in h["received"] for h in results["history"]]
+    assert took_part == [True, True, False, False, True, True]
+    assert all("dev-1" in h["selected"] for h in results["history"])  # away, not offline: still selected
+    assert results["counters"]["away"] == 2 and "missed-deadline" not in results["counters"]
+    assert all(connected)
