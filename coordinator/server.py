@@ -284,6 +284,8 @@ class Coordinator:
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
         if self.config.virtual_time:  # the round's start on the fleet's clock: each round lasts its deadline there
             config["clock_s"] = (current.number - 1) * self.config.deadline_s
+            # an answer to a device's request comes at once from a quiet host: from a busy one later, but it comes
+            config.setdefault("answer_wait_s", self.config.wall_limit_s)
         if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
             config["task_classes"] = list(self._context.task_classes)

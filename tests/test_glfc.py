@@ -339,6 +339,18 @@ def _offset(manifest, name="head.bias"):
     raise AssertionError(f"no {name}")
 
 
+def _predicting(artifacts, classes):
+    """The exported initial weights, and for each class a copy whose head bias makes it predict that class for
+    every input."""
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    offset = _offset(load_manifest(artifacts))
+    says = {}
+    for c in classes:
+        says[c] = base.copy()
+        says[c][offset + c] += 100.0
+    return base, says
+
+
 def test_the_proxy_makes_the_same_choice_on_a_slow_host(artifacts):
     """The proxy's work is bounded by counts: a proxy whose every reconstruction takes longer (a busy host)
     reconstructs the same samples and chooses the same old model as one at full speed, because both wait for
@@ -354,12 +366,7 @@ def test_the_proxy_makes_the_same_choice_on_a_slow_host(artifacts):
             time.sleep(0.5)
             return super().invert(gradient, label, generator, deadline)
 
-    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
-    offset = _offset(load_manifest(artifacts))
-    says = {}
-    for c in (0, 1):
-        says[c] = base.copy()
-        says[c][offset + c] += 100.0
+    base, says = _predicting(artifacts, (0, 1))
     ones, _ = _digits([1], 2)
     zeros, _ = _digits([0], 1)
     gradients = [encode_gradient(_gamma_gradient("glfc_mlp", x, label)[0])
@@ -503,11 +510,8 @@ def test_the_proxy_scores_every_model_of_the_task_on_its_reconstructions_at_the_
     task's end: round 1's model is the task's best, and the old model broadcast at the task's end."""
     proxy = _proxy(artifacts, gamma="glfc_mlp")
     manifest = proxy.manifest
-    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
-    offset = _offset(manifest)
-    says_one, says_zero = base.copy(), base.copy()
-    says_one[offset + 1] += 100.0
-    says_zero[offset] += 100.0
+    base, says = _predicting(artifacts, (0, 1))
+    says_zero, says_one = says[0], says[1]
 
     def ctx(round_):
         return RoundContext(round=round_, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=round_,
@@ -527,13 +531,7 @@ def test_the_seen_monitor_scores_old_classes_and_the_task_monitor_only_the_tasks
     """Task 1's rounds: round 1's model predicts class 0 (of task 0) everywhere, round 2's class 3. On task 1's
     reconstructions alone (class 2) both score 0 and the latest wins (the paper's monitor); with task 0's
     reconstructions kept (`monitor = "seen"`) round 1's model gets its class-0 samples right and wins."""
-    manifest = load_manifest(artifacts)
-    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
-    offset = _offset(manifest)
-    says = {}
-    for c in (0, 3):
-        says[c] = base.copy()
-        says[c][offset + c] += 100.0
+    base, says = _predicting(artifacts, (0, 3))
     x0, y0 = _digits([0], 4)
     x2, y2 = _digits([2], 4)
     chosen = {}
