@@ -15,8 +15,8 @@ sampling, iCaRL+FL (herding and iCaRL's distillation), GLFC with its proxy (Gamm
 (per-class generators and its personalized rule; the global model is what is measured), FedCIL (an ACGAN), and
 fine-tuning without replay (M unused: the floor). Printed per budget: the final accuracy and the average
 incremental accuracy (the mean over tasks of the accuracy on the tasks so far, the papers' "Avg."), mean ± std over
-seeds, each paired against FedAvg at the same M with a paired t-test; then the table as markdown and a plot
-(`--plot`). Every run is a fleet of its own (`table1.run_jobs`), a finished one read back.
+seeds, each paired against FedAvg at the same M with a paired t-test, and the mean diagonal (each task's accuracy
+right after its own rounds), as markdown tables; and a plot (`--plot`). Every run is a fleet of its own (`table1.run_jobs`), a finished one read back.
 
     .venv/bin/python benchmarks/budget_curve.py [--scenario fashion-class] [--seeds 0,1,2,3,4]
         [--cached 0.02,0.05,0.1,0.25,1.0] [--methods fedavg,refed,...] [--parallel 1] [--out runs/budget]
@@ -46,6 +46,7 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 CACHED = (0.02, 0.05, 0.1, 0.25, 1.0)
 METRICS = {"final": "final accuracy", "average": "average incremental accuracy"}
+DIAGONAL = "the mean diagonal: each task's accuracy right after its own rounds (whether it was learnt at all)"
 
 
 def plan(scenario: str, seeds: list[int], methods: list[str], cached: list[float], out: Path) -> list[Job]:
@@ -63,10 +64,12 @@ def collect(jobs: list[Job], results: dict[Path, dict[str, Any]]) -> dict[tuple[
         summary = results.get(job.result_file)
         if summary is None:
             continue
-        row = table.setdefault((job.cached, job.method), {"seed": [], "final": [], "average": [], "bytes": []})
+        row = table.setdefault((job.cached, job.method), {"seed": [], "final": [], "average": [], "diagonal": [],
+                                                          "bytes": []})
         row["seed"].append(job.seed)
         row["final"].append(summary["final"])
         row["average"].append(summary["average"])
+        row["diagonal"].append(100 * float(np.mean(summary["diagonal"])))
         row["bytes"].append(summary["max_bytes"])
     return table
 
@@ -107,6 +110,12 @@ def report(table: dict[tuple[float, str], dict[str, list[float]]], cached: list[
                     text += f"<br>{paired(row, base, metric)}"
                 cells.append(text)
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append(f"\n{DIAGONAL} (%, mean over seeds)\n")
+    lines.append("| method | " + " | ".join(f"{kib[f]:.0f} KiB" for f in cached) + " |")
+    lines.append("|---|" + "---|" * len(cached))
+    for method in methods:
+        cells = [f"{np.mean(table[(f, method)]['diagonal']):.1f}" if (f, method) in table else "—" for f in cached]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
