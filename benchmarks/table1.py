@@ -61,7 +61,7 @@ from firmware_sim.demo import GUARD, REFED, STRATEGY, DemoSettings, budget_for, 
 from firmware_sim.scenarios import OLD_DATA_CACHED, PRESETS, check_scenario
 
 MODELS = {"digits-class": "lenet", "mnist1d-class": "cnn1d", "digits-domain": "lenet", "digits-onetask": "lenet",
-          "fashion-class": "lenet", "fashion-domain": "lenet",
+          "fashion-class": "lenet", "fashion-domain": "lenet", "fashion-glfc": "lenet",
           "mnist1d-onetask": "cnn1d", "digits-domain-mild": "lenet"}
 # Scenarios that are a preset with fields replaced: one task of all ten classes, non-IID (Dirichlet 0.1), where no
 # replay is involved and only the learning itself (the class mask) is measured.

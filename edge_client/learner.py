@@ -55,7 +55,7 @@ from edge_client.trainers.base import EvalResult, OptimizerState, Proximal, Trai
 log = logging.getLogger(__name__)
 BETWEEN_ROUNDS = ("memory", "disk")
 # With detect_new_tasks, what starts a task: an unseen label ("labels"), the policy's `task_boundary` ("policy", e.g.
-# GLFC's entropy jump), or either ("both")
+# a jump in the entropy of the received model's outputs), or either ("both")
 TASK_DETECTORS = ("both", "labels", "policy")
 
 
@@ -156,7 +156,7 @@ class Learner:
 
     def _detected(self, chunk: Chunk) -> bool:
         """Whether the detectors `task_detectors` names say this unannounced chunk starts a task; both are asked
-        every chunk where they decide (a detector may follow the stream, as GLFC's previous chunk's entropy)."""
+        every chunk where they decide (a detector may follow the stream, as an entropy detector the previous chunk's)."""
         which = self.config.task_detectors
         labels = which != "policy" and self.config.detect_new_tasks and self._detector.is_new_task(chunk.y)
         policy = which != "labels" and self.policy.task_boundary(self.view(), chunk.x, chunk.y)

@@ -172,14 +172,18 @@ PRESETS: Mapping[str, Scenario] = MappingProxyType({
                                 shots=5, n_clients=5, alpha=1.0),
     # Fashion-MNIST (Debian's dataset-fashion-mnist), real 28x28 images, cut to FASHION_SCALE images a class (a
     # seeded draw; `dataset_options = {}` takes all 70,000): class-incremental as digits-class, domain-incremental
-    # over four transformed domains as digits-domain, few-shot sessions as digits-fewshot. GLFC's client dynamics
-    # are fashion-class with `dynamics = "glfc"`.
+    # over four transformed domains as digits-domain, few-shot sessions as digits-fewshot, and GLFC's client
+    # dynamics on the class-incremental tasks.
     "fashion-class": Scenario("fashion_mnist", kind="class", n_tasks=5, classes_per_task=2, alpha=1.0,
                               dataset_options=FASHION_SCALE),
     "fashion-domain": Scenario("fashion_mnist_domains", kind="domain", n_tasks=4, alpha=0.1,
                                dataset_options=FASHION_SCALE),
     "fashion-fewshot": Scenario("fashion_mnist", kind="few-shot", n_tasks=4, base_classes=4, classes_per_task=2,
                                 shots=5, n_clients=5, alpha=1.0, dataset_options=FASHION_SCALE),
+    # GLFC's client dynamics (old-data-only clients, 2 clients joining at each task, 60 % of a task's classes each:
+    # one class of two) on fashion-class's tasks
+    "fashion-glfc": Scenario("fashion_mnist", kind="class", n_tasks=5, classes_per_task=2, dynamics="glfc", joining=2,
+                             dataset_options=FASHION_SCALE),
 })
 
 
