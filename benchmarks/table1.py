@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -201,7 +202,11 @@ class Job:
         return dataclasses.replace(settings, budget=budget_for(settings.scenario, self.cached))
 
     def run(self) -> dict[str, Any]:
-        """The fleet run, then its summary written beside it (a finished job is not run again)."""
+        """The fleet run, then its summary written beside it (a finished job is not run again). What an interrupted
+        run left goes first: its devices' saved states would otherwise start the new run where it stopped."""
+        stale = Path(self.folder) / self.method
+        if stale.exists():
+            shutil.rmtree(stale)
         settings = self.settings()
         options = dict(self.options)
         if self.backend is not None:
