@@ -1,7 +1,7 @@
 """Few-shot class-incremental learning on non-IID devices (SDD, shared/specs/fewshot-sdd.md): the paper's Tables
 I-III at the embedded data's scale, every run a real fleet (coordinator, device daemons, a broker).
 
-Scenario `digits-fewshot` (or `mnist1d-fewshot`): the host learns 4 base classes centrally, then 3 sessions of
+Scenario `digits-fewshot` (or `mnist1d-fewshot`, `fashion-fewshot`): the host learns 4 base classes centrally, then 3 sessions of
 2-way 5-shot (5 images per class over all 5 devices), split by Dirichlet(alpha); one round per session (the
 paper's R = 1). The same settings for every method: the same base model (the host's training, seeded), E local
 epochs of SGD at lr 0.1 on the portable backend, the same device budget M. Columns:
@@ -72,16 +72,16 @@ def run_one(scenario: str, method: str, alpha: float, seed: int, out: Path) -> d
     from edge_client.config import StoreSettings, TrainerSettings
     from firmware_sim.datasets import load_dataset
     from firmware_sim.fleet import Fleet, FleetConfig
-    from firmware_sim.scenarios import preset
+    from firmware_sim.scenarios import PRESETS, preset
 
     spec = METHODS[method]
-    data = load_dataset(scenario.split("-")[0])
+    data = load_dataset(PRESETS[scenario].dataset, **PRESETS[scenario].dataset_options)
     strategy = dict(spec["strategy"])
     if strategy["name"] == "sdd":
         strategy["input_range"] = [float(data.x_train.min()), float(data.x_train.max())]
     config = FleetConfig(
-        name=f"fs{seed}", out=out / "run", devices=DEVICES, workers=1, model="lenet" if "digits" in scenario
-        else "cnn1d", seed=seed, broker="auto", scenario={"preset": scenario, "alpha": alpha, "seed": seed},
+        name=f"fs{seed}", out=out / "run", devices=DEVICES, workers=1,
+        model="cnn1d" if len(data.input_shape) == 2 else "lenet", seed=seed, broker="auto", scenario={"preset": scenario, "alpha": alpha, "seed": seed},
         policy=spec["policy"], store=StoreSettings(max_bytes=BUDGET_BYTES),
         trainer=TrainerSettings(backend="portable", optimizer="sgd", lr=LR), client={"epochs": EPOCHS},
         strategy=strategy, coordinator={"rounds_per_task": 1, "min_clients": DEVICES, "deadline_s": 900.0,
