@@ -20,7 +20,7 @@ right after its own rounds), as markdown tables; and a plot (`--plot`). Every ru
 
     .venv/bin/python benchmarks/budget_curve.py [--scenario fashion-class] [--seeds 0,1,2,3,4]
         [--cached 0.02,0.05,0.1,0.25,1.0] [--methods fedavg,refed,...] [--parallel 1] [--out runs/budget]
-        [--plot docs/img/budget-curve.png]
+        [--plot docs/img/budget-curve.png] [--no-run]
 """
 from __future__ import annotations
 
@@ -157,12 +157,14 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="fleet runs at a time (each takes about 2 cores)")
     parser.add_argument("--out", type=Path, default=Path("runs/budget"))
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
+    parser.add_argument("--no-run", action="store_true", help="report the runs finished so far, run none")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cached = [float(f) for f in args.cached.split(",")]
     methods = args.methods.split(",")
     jobs = plan(args.scenario, seeds, methods, cached, args.out / args.scenario)
-    results = run_jobs(jobs, args.parallel)
+    results = ({job.result_file: json.loads(job.result_file.read_text()) for job in jobs if job.result_file.is_file()}
+               if args.no_run else run_jobs(jobs, args.parallel))
     table = collect(jobs, results)
     title = (f"{args.scenario}: 20 devices, active ratio 0.4, 8 rounds a task, E = 10, seeds {seeds}; every method "
              f"at the same M in bytes")

@@ -156,7 +156,7 @@ class Learner:
 
     def _detected(self, chunk: Chunk) -> bool:
         """Whether the detectors `task_detectors` names say this unannounced chunk starts a task; both are asked
-        every chunk where they decide (a detector may follow the stream, as an entropy detector the previous chunk's)."""
+        every chunk where they decide (a detector may follow the stream: an entropy detector, the chunk before)."""
         which = self.config.task_detectors
         labels = which != "policy" and self.config.detect_new_tasks and self._detector.is_new_task(chunk.y)
         policy = which != "labels" and self.policy.task_boundary(self.view(), chunk.x, chunk.y)

@@ -249,6 +249,25 @@ def test_the_sigmoid_head_lowers_the_fleets_classes_the_device_does_not_hold_and
     assert make_policy("glfc", **OPTIONS).head_classes == "fleet"
 
 
+def test_what_an_option_turns_off_costs_no_byte_of_m(artifacts, tmp_path):
+    """iCaRL+FL's GLFC (no prototypes) keeps no Gamma under M, and without a relation term no old model is kept;
+    GLFC at its defaults keeps both once a second task starts."""
+    held = {}
+    for name, options in (("glfc", {}), ("icarl", {"prototypes": False, "relation": "bce"}),
+                          ("no-rd", {"relation": "none"})):
+        learner = _learner(artifacts, tmp_path / name, **options)
+        learner.global_model_arrived(learner.trainer.get_weights())
+        learner.start_task(0, *_digits([0, 1], 30))
+        learner.train()
+        learner.start_task(1, *_digits([2, 3], 30))
+        learner.train()
+        held[name] = {holder for holder, size in learner.budget.held().items() if size > 0}
+        learner.store.close()
+    assert {"glfc-old-model", "glfc-gamma"} <= held["glfc"]
+    assert "glfc-gamma" not in held["icarl"] and "glfc-old-model" in held["icarl"]
+    assert "glfc-old-model" not in held["no-rd"] and "glfc-gamma" in held["no-rd"]
+
+
 @pytest.mark.parametrize("first_task", [True, False])
 def test_the_compensation_runs_in_the_first_task_only_when_asked(artifacts, tmp_path, first_task):
     """`compensate_first_task = false`: no weights (and no extra forward pass) while no class is old; from the

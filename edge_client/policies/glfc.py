@@ -272,33 +272,39 @@ class Glfc(ReplayPolicy):
         return frozenset({"input_gradient"}) if self.refine_steps else frozenset()
 
     def open(self, ctx: PolicyContext) -> None:
+        """The files GLFC keeps under M: the old model (when a relation term uses it), Gamma's weights (when
+        prototypes go up) and the memory order. What an option turns off costs no byte."""
+        self._trainer = ctx.trainer
+        state = Path(ctx.state_dir) / FOLDER
+        self._files = {MEMORY_HOLDER: BudgetedFile(ctx.budget, MEMORY_HOLDER, state / "memory" / "order.npz")}
+        if self.relation != "none":
+            self._files[OLD_MODEL_HOLDER] = BudgetedFile(ctx.budget, OLD_MODEL_HOLDER, state / "old-model" /
+                                                         "weights.f32", share=self.old_model_share)
+            stored_old = self._stored_old_model()
+            self._task = stored_old[0] if stored_old is not None else -1  # a restart mid-task keeps its old model
+            if not self._files[OLD_MODEL_HOLDER].can_ever_hold(4 + 4 * ctx.trainer.manifest.num_parameters):
+                log.warning("policy glfc: the old model can never fit old_model_share of M: no relation "
+                            "distillation")
+        if self.prototypes:
+            self._gamma = self._open_gamma(ctx, state)
+
+    def _open_gamma(self, ctx: PolicyContext, state: Path) -> Trainer:
+        """Gamma's trainer, its weights a file of M (copied from the artifacts at the first open)."""
         from edge_client.config import TrainerSettings  # here: the config module imports the policies
         from edge_client.trainers.choice import make_trainer
 
-        self._trainer = ctx.trainer
         folder = self.gamma_folder({"gamma": self.gamma, "gamma_seed": self.gamma_seed}, ctx.artifacts)
         if not (folder / "manifest.json").is_file():
             raise FileNotFoundError(f"no GLFC encoding network at {folder}: the host exports it "
                                     f"(Glfc.export_artifacts, done by a fleet run before its devices start)")
-        state = Path(ctx.state_dir) / FOLDER
-        self._files = {
-            OLD_MODEL_HOLDER: BudgetedFile(ctx.budget, OLD_MODEL_HOLDER, state / "old-model" / "weights.f32",
-                                           share=self.old_model_share),
-            GAMMA_HOLDER: BudgetedFile(ctx.budget, GAMMA_HOLDER, state / "gamma" / "weights.f32"),
-            MEMORY_HOLDER: BudgetedFile(ctx.budget, MEMORY_HOLDER, state / "memory" / "order.npz"),
-        }
-        self._gamma = make_trainer(TrainerSettings(backend=cast("Backend", ctx.trainer.backend)), folder)
-        held = self._files[GAMMA_HOLDER]
+        held = self._files[GAMMA_HOLDER] = BudgetedFile(ctx.budget, GAMMA_HOLDER, state / "gamma" / "weights.f32")
+        gamma = make_trainer(TrainerSettings(backend=cast("Backend", ctx.trainer.backend)), folder)
         if held.read() is None and not held.write((folder / WEIGHTS).read_bytes()):
             raise ValueError(f"policy glfc: its encoding network {self.gamma} ({(folder / WEIGHTS).stat().st_size} "
-                             f"bytes) does not fit what [store] max_bytes leaves; choose gamma = \"glfc_mlp\" or "
-                             f"raise max_bytes")
-        stored = held.read()
-        self._gamma.set_weights(np.frombuffer(stored or b"", dtype="<f4").astype(np.float32))
-        stored_old = self._stored_old_model()
-        self._task = stored_old[0] if stored_old is not None else -1  # a restart mid-task keeps its old model
-        if not self._files[OLD_MODEL_HOLDER].can_ever_hold(4 + 4 * ctx.trainer.manifest.num_parameters):
-            log.warning("policy glfc: the old model can never fit old_model_share of M: no relation distillation")
+                             f"bytes) does not fit what [store] max_bytes leaves; choose a smaller gamma, set "
+                             f"prototypes = false, or raise max_bytes")
+        gamma.set_weights(np.frombuffer(held.read() or b"", dtype="<f4").astype(np.float32))
+        return gamma
 
     # --- the round ------------------------------------------------------------------------------
 
@@ -450,7 +456,9 @@ class Glfc(ReplayPolicy):
 
     def _store_old_model(self, view: RoundView) -> None:
         """At a new task: the proxy's best model of the previous task if it sent one, else the latest global model
-        received before the switch."""
+        received before the switch (none without a relation term: nothing would read it)."""
+        if OLD_MODEL_HOLDER not in self._files:
+            return
         candidate = None
         if self._broadcast is not None and self._broadcast[1] == view.task - 1:
             candidate, source = self._broadcast[0], "proxy"
