@@ -11,7 +11,8 @@ its encoding network Gamma and its memory order. A method whose extra does not f
 no relation distillation; a generator that does not fit is not kept) and says so in its metrics.
 
 Columns (`METHODS`): FedAvg with random caching (the baseline every column is paired against), Re-Fed, reservoir
-sampling, iCaRL+FL (herding and iCaRL's distillation), GLFC with its proxy (Gamma the authors' LeNet), pFedGRP
+sampling, random caching with M split as reservoir sampling splits it (the newest task keeps its share of the
+stream, `new_share = "stream"`), iCaRL+FL (herding and iCaRL's distillation), GLFC with its proxy (Gamma the authors' LeNet), pFedGRP
 (per-class generators and its personalized rule; the global model is what is measured), FedCIL (an ACGAN), and
 fine-tuning without replay (M unused: the floor). Printed per budget: the final accuracy and the average
 incremental accuracy (the mean over tasks of the accuracy on the tasks so far, the papers' "Avg."), mean ± std over
@@ -38,6 +39,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"policy": RANDOM},
     "refed": {"policy": REFED},
     "reservoir": {"policy": {"name": "reservoir"}},
+    # random caching with M split as a uniform sample of the stream splits it (`new_share = "stream"`): the newest
+    # task keeps its share of everything seen, not all it brings; what reservoir sampling does beside its ranking
+    "fedavg-stream": {"policy": {**RANDOM, "new_share": "stream"}},
     "icarl": {"policy": {**GLFC, "compensation": False, "relation": "bce", "prototypes": False}},
     "glfc": {"policy": GLFC, "strategy": GLFC_PROXY},
     "pfedgrp": {"policy": {"name": "generator"}, "strategy": {"name": "pfedgrp"}},
