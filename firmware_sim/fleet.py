@@ -327,6 +327,7 @@ class Fleet:
             self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
             self.broker = self._start_broker(self.workers.broker_host)
             self._write_observer_file(self.broker)
+            self._check_a_device_starts(artifacts, file)
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
@@ -375,6 +376,24 @@ class Fleet:
         options = dict(self.config.policy)
         POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
         return artifacts
+
+    def _check_a_device_starts(self, artifacts: Path, file: str) -> None:
+        """Build the first device as its worker would, in a folder of its own, before anything starts: what only
+        opening shows (a method's file that can never fit M, a graph the backend lacks) is refused here in one line,
+        not found by a coordinator that waits for devices that never come (in virtual time, up to wall_limit_s)."""
+        import tempfile
+
+        from firmware_sim.virtual_device import virtual_device
+
+        raw = self.device_config(0, artifacts)
+        raw.pop(ADVERSARY, None)
+        with tempfile.TemporaryDirectory(prefix="edgefil-device-check-") as folder:
+            raw["state_dir"] = folder
+            try:
+                device = virtual_device(DeviceConfig.from_dict(raw))
+            except (ValueError, OSError, RuntimeError) as err:
+                raise Where(file).error(None, f"a device cannot start with these tables: {err}") from None
+            device.learner.store.close()
 
     def _start_broker(self, host: str = LOOPBACK) -> MosquittoBroker | EmbeddedBroker:
         """`host`: the address it listens on (the devices' and the coordinator's to connect to)."""

@@ -399,3 +399,19 @@ print(fixed, start <= block < end)
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout.split())
     assert outputs == [["False", "True"], ["True", "False"]]
+
+
+def test_a_method_whose_files_can_never_fit_m_is_refused_in_one_line_before_any_worker_starts(tmp_path):
+    """FedCIL's ACGAN at width 64 (570 KB) cannot be replaced within half of a 300 KB M: the fleet builds its first
+    device before the workers start and says so in one line, where a coordinator in virtual time would wait for
+    devices that never come."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="auto").replace('name = "random"', 'name = "fedcil"\nwidth = 64')
+                    .replace("max_samples = 120", "max_samples = 120\nmax_bytes = 300000")
+                    .replace("profiles = ", "# profiles = "))
+    process = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(path)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=CEILING_S)
+    assert process.returncode == 2
+    last = process.stderr.strip().splitlines()[-1]
+    assert "a device cannot start with these tables: policy fedcil: replacing its ACGAN" in last, process.stderr
+    assert not (tmp_path / "run" / "results.json").exists() and not list((tmp_path / "run" / "logs").glob("worker-*"))
