@@ -63,6 +63,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -381,9 +382,7 @@ class Fleet:
         """Build the first device as its worker would, in a folder of its own, before anything starts: what only
         opening shows (a method's file that can never fit M, a graph the backend lacks) is refused here in one line,
         not found by a coordinator that waits for devices that never come (in virtual time, up to wall_limit_s)."""
-        import tempfile
-
-        from firmware_sim.virtual_device import virtual_device
+        from firmware_sim.virtual_device import virtual_device  # lazily, as fleet_worker: the device runtime
 
         raw = self.device_config(0, artifacts)
         raw.pop(ADVERSARY, None)
