@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from edgefil.durable import read_npz
 from edgefil.metrics import instant_average_accuracy
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest
@@ -110,8 +111,8 @@ class FolderTestSets:
 
 
 def _load_test(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return data["x"].astype(np.float32), data["y"].astype(np.int64)
+    data = read_npz(path)
+    return data["x"].astype(np.float32), data["y"].astype(np.int64)
 
 
 class Evaluator:

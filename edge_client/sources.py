@@ -7,6 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
+from edgefil.durable import read_npz
+
 
 class TaskSource(Protocol):
     def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
@@ -26,8 +28,8 @@ class FolderSource:
         if not path.is_file():
             raise FileNotFoundError(f"no data for task {task}: {path} is missing")
         try:
-            with np.load(path, allow_pickle=False) as data:
-                x, y = data["x"].astype(np.float32), data["y"].astype(np.int64)
+            data = read_npz(path)
+            x, y = data["x"].astype(np.float32), data["y"].astype(np.int64)
         except Exception as err:  # np.load and the npz reader raise many types for a damaged or foreign file
             raise ValueError(f"{path} is not a task file of arrays x and y ({type(err).__name__}: {err})") from err
         if len(x) != len(y):

@@ -7,8 +7,10 @@ point leaves the previous or the new checkpoint, whole. Device state and the coo
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import threading
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -53,11 +55,34 @@ def write_private(path: Path, text: str) -> None:
 
 def npz_bytes(arrays: dict[str, Any]) -> bytes:
     """Named arrays as one .npz file's bytes (what `write_atomically` or a budgeted file then writes whole)."""
-    import io
-
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+# numpy reads each array's header with `ast.literal_eval`. CPython 3.11 (3.11.7 here) keeps the AST constructor's
+# recursion depth per interpreter, not per call: when garbage collection lets another thread run in
+# the middle of one parse and that thread parses too, one of them fails with "SystemError: AST constructor
+# recursion depth mismatch" (gh-106905, fixed by gh-113035). Simulated devices, the coordinator's background jobs
+# and paho's threads share a process, so every array file the runtime reads is read whole under this lock.
+_ARRAY_HEADERS = threading.Lock()
+
+
+def read_npz(source: str | Path | bytes) -> dict[str, np.ndarray]:
+    """Every array of an .npz file (a path, or the file's bytes), read in full, never pickles. Raises what
+    `np.load` raises for a damaged or foreign file (OSError, ValueError, EOFError, zipfile.BadZipFile)."""
+    with _ARRAY_HEADERS:
+        data = np.load(io.BytesIO(source) if isinstance(source, bytes) else source, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("an .npy array, not an .npz file of named arrays")
+        with data:
+            return {name: data[name] for name in data.files}
+
+
+def read_npy(path: str | Path) -> np.ndarray:
+    """One .npy file's array, never pickles (see `read_npz` for the lock)."""
+    with _ARRAY_HEADERS:
+        return np.load(path, allow_pickle=False)
 
 
 def fsync_directory(directory: Path) -> None:

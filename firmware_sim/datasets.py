@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from edgefil.durable import read_npy, read_npz
 from models.cache import cache_dir
 
 log = logging.getLogger("edgefil.datasets")
@@ -299,8 +300,7 @@ def _cached_arrays(name: str, key_fields: dict[str, Any], make: Callable[[], dic
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / f"{name}-{key}.npz"
     if path.is_file():
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
+        return read_npz(path)
     log.info("making %s (once: kept in %s) ...", name, path)
     arrays = make()
     try:
@@ -388,10 +388,9 @@ def load_arrays(root: str, test_fraction: float = 0.25, seed: int = 0) -> ArrayD
     arrays: dict[str, np.ndarray]
     if path.is_dir():
         files = {p.stem: p for p in path.glob("*.npy")}
-        arrays = {k: np.load(files[k], allow_pickle=False) for k in ("x", "y", "x_test", "y_test") if k in files}
+        arrays = {k: read_npy(files[k]) for k in ("x", "y", "x_test", "y_test") if k in files}
     elif path.is_file():
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in ("x", "y", "x_test", "y_test") if k in data.files}
+        arrays = {k: v for k, v in read_npz(path).items() if k in ("x", "y", "x_test", "y_test")}
     else:
         raise ValueError(f"{path}: no such file or folder (an .npz with x and y, or a folder with x.npy and y.npy)")
     if "x" not in arrays or "y" not in arrays:

@@ -67,7 +67,7 @@ from coordinator.strategies.base import (
     aggregate_by_folding,
 )
 from coordinator.strategies.fedavg import WeightedFold
-from edgefil.durable import npz_bytes, write_atomically
+from edgefil.durable import npz_bytes, read_npz, write_atomically
 from models.flat_weights import load_flat_weights
 from models.glfc import MAX_PROTOTYPES, decode_gradient, encode_old_model, infer_label, is_prototype
 from models.manifest import Manifest, ParameterInfo
@@ -319,13 +319,13 @@ class GlfcProxy(Strategy):
         path = directory / STATE_FILE
         if not path.exists():
             return
-        with np.load(path, allow_pickle=False) as saved:
-            if "pooled" in saved.files and saved["pooled"].shape == (2,):
-                task, count = saved["pooled"].tolist()
-                self.pooled = (int(task), int(count))
-            if "monitor_task" in saved.files:
-                self.monitor = (int(saved["monitor_task"]), saved["monitor_x"].astype(np.float32),
-                                saved["monitor_y"].astype(np.int64))
-            if "models_task" in saved.files and saved["models"].ndim == 2 and \
-                    saved["models"].shape[1] == self.manifest.num_parameters:
-                self.task_models = (int(saved["models_task"]), list(saved["models"].astype(np.float32)))
+        saved = read_npz(path)
+        if "pooled" in saved and saved["pooled"].shape == (2,):
+            task, count = saved["pooled"].tolist()
+            self.pooled = (int(task), int(count))
+        if "monitor_task" in saved:
+            self.monitor = (int(saved["monitor_task"]), saved["monitor_x"].astype(np.float32),
+                            saved["monitor_y"].astype(np.int64))
+        if "models_task" in saved and saved["models"].ndim == 2 and \
+                saved["models"].shape[1] == self.manifest.num_parameters:
+            self.task_models = (int(saved["models_task"]), list(saved["models"].astype(np.float32)))

@@ -61,7 +61,7 @@ from coordinator.strategies.base import (
     validate_updates,
 )
 from coordinator.strategies.fedavg import WeightedFold
-from edgefil.durable import npz_bytes, write_atomically
+from edgefil.durable import npz_bytes, read_npz, write_atomically
 from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest, class_head_positions
@@ -419,10 +419,10 @@ class SddCoordinator(Strategy):
         path = directory / STATE_FILE
         if not path.exists():
             return
-        with np.load(path, allow_pickle=False) as saved:
-            if "replay_x" in saved.files:
-                self.replay = (saved["replay_x"].astype(np.float32), saved["replay_y"].astype(np.int64))
-            if "session_task" in saved.files:
-                self.session = (int(saved["session_task"]), saved["session_x"].astype(np.float32),
-                                saved["session_y"].astype(np.int64))
+        saved = read_npz(path)
+        if "replay_x" in saved:
+            self.replay = (saved["replay_x"].astype(np.float32), saved["replay_y"].astype(np.int64))
+        if "session_task" in saved:
+            self.session = (int(saved["session_task"]), saved["session_x"].astype(np.float32),
+                            saved["session_y"].astype(np.int64))
 

@@ -40,6 +40,7 @@ import numpy as np
 from edge_client.budget import BudgetedFile, replacement_peak
 from edge_client.policies.base import PolicyContext, RoundView, TrainingSet
 from edge_client.policies.no_replay import NoReplay
+from edgefil.durable import read_npz
 
 ACGAN_DIR = "fedcil"
 ACGAN_FILE = "acgan.npz"
@@ -188,10 +189,10 @@ class FedCil(NoReplay):
         if stored is None:
             return None
         try:
-            with np.load(io.BytesIO(stored), allow_pickle=False) as data:
-                spec = data["spec"].tolist()
-                flats = data["generator"].astype(np.float32), data["discriminator"].astype(np.float32)
-                classes = set(data["classes"].tolist())
+            data = read_npz(stored)
+            spec = data["spec"].tolist()
+            flats = data["generator"].astype(np.float32), data["discriminator"].astype(np.float32)
+            classes = set(data["classes"].tolist())
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             return None
         if spec != self._spec_numbers() or [f.size for f in flats] != self._sizes or not all(

@@ -65,7 +65,6 @@ the backends the model serves) and the proxy builds the same network from the sa
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import math
 import zipfile
@@ -88,7 +87,7 @@ from edge_client.policies.base import (
 )
 from edge_client.policies.herding import herding_order
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
-from edgefil.durable import npz_bytes
+from edgefil.durable import npz_bytes, read_npz
 from models.glfc import decode_old_model, encode_gradient, prototype_name
 from models.manifest import WEIGHTS
 
@@ -488,8 +487,7 @@ class Glfc(ReplayPolicy):
         if data is None:
             return {}
         try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as saved:
-                return {int(name.split("-")[1]): saved[name].astype(np.int64) for name in saved.files}
+            return {int(name.split("-")[1]): order.astype(np.int64) for name, order in read_npz(data).items()}
         except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile):
             log.warning("glfc: the memory order does not load; herding the old classes again")
             return {}
