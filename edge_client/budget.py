@@ -5,8 +5,11 @@ number of bytes on disk. Everything the device keeps for learning — the replay
 generator bank, an old model, prototypes) — is a holder registered here with a function that says how many bytes
 it occupies right now. A holder may use what M leaves after every other holder (`room`); each holder enforces
 that bound before it writes (the store with its transaction bound, the bank with its put bound), so the sum over
-holders never exceeds M. The device daemon's own state files (weights, state.json) are not under M: a simulated
-device's disk leaves room for them (firmware_sim/fleet.py).
+holders never exceeds M. A holder that needs bytes to shrink registers that headroom too, and no other holder may
+take it: the store journals before a delete frees anything, so a method's file written into its headroom once
+refused every cache cut after it, and locked pFedGRP, GLFC and iCaRL devices out of rounds at tight budgets.
+The device daemon's own state files (weights, state.json) are not under M: a simulated device's disk leaves room
+for them (firmware_sim/fleet.py).
 
 `file_bytes` is the one file-size rule every holder uses: a write of n bytes occupies its file-system blocks plus
 the blocks that map them (see ReplayStore's docstring for the sources of the numbers). A method that keeps a whole
@@ -74,6 +77,7 @@ class DeviceBudget:
     def __init__(self, limits: Budget) -> None:
         self.limits = limits
         self._holders: dict[str, Callable[[], int]] = {}
+        self._headroom: dict[str, Callable[[], int]] = {}
 
     @property
     def max_samples(self) -> int | None:
@@ -83,11 +87,15 @@ class DeviceBudget:
     def max_bytes(self) -> int | None:
         return self.limits.max_bytes
 
-    def register(self, name: str, bytes_on_disk: Callable[[], int]) -> None:
-        """Count a holder's bytes against M from now on (a holder registers once, by a name of its own)."""
+    def register(self, name: str, bytes_on_disk: Callable[[], int],
+                 headroom: Callable[[], int] | None = None) -> None:
+        """Count a holder's bytes against M from now on (a holder registers once, by a name of its own), and the
+        bytes beyond them it needs to give bytes back (`headroom`), which other holders may not take."""
         if name in self._holders:
             raise ValueError(f"a budget holder named {name!r} is registered already")
         self._holders[name] = bytes_on_disk
+        if headroom is not None:
+            self._headroom[name] = headroom
 
     def held(self) -> dict[str, int]:
         """Bytes on disk per holder, now."""
@@ -97,10 +105,11 @@ class DeviceBudget:
         return sum(self.held().values())
 
     def room(self, name: str) -> int | None:
-        """M in bytes less what every other holder occupies now (never negative)."""
+        """M in bytes less what every other holder occupies now and the headroom it needs (never negative)."""
         if self.max_bytes is None:
             return None
         others = sum(measure() for holder, measure in self._holders.items() if holder != name)
+        others += sum(needs() for holder, needs in self._headroom.items() if holder != name)
         return max(self.max_bytes - others, 0)
 
     def share(self, name: str) -> BudgetShare:

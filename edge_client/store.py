@@ -350,7 +350,7 @@ class ReplayStore:
                ) -> ReplayStore:
         """The device's store as one holder of M: it writes within what the budget's other holders leave."""
         store = cls(directory, budget.share(STORE_HOLDER), sample_shape)
-        budget.register(STORE_HOLDER, store.bytes_on_disk)
+        budget.register(STORE_HOLDER, store.bytes_on_disk, store.delete_headroom)
         return store
 
     def device_budget(self) -> DeviceBudget:
@@ -360,7 +360,7 @@ class ReplayStore:
             return self.budget.owner
         owner = DeviceBudget(self.budget)
         self.budget = owner.share(STORE_HOLDER)
-        owner.register(STORE_HOLDER, self.bytes_on_disk)
+        owner.register(STORE_HOLDER, self.bytes_on_disk, self.delete_headroom)
         return owner
 
     def release(self) -> None:
@@ -530,6 +530,13 @@ class ReplayStore:
         The budget bound also covers the apparent size (`du --apparent-size`), so max_bytes holds for both."""
         entries = [os.stat(self.directory)] + [e.stat(follow_symlinks=False) for e in os.scandir(self.directory)]
         return sum(s.st_blocks * 512 for s in entries)
+
+    def delete_headroom(self) -> int:
+        """Bytes beyond `bytes_on_disk()` that starting a delete of every sample may take (its tombstones' and its
+        first step's journal): what the store's inserts keep free within its own room, and what the budget's other
+        holders must leave it (a delete journals before it frees anything)."""
+        state = self._state()
+        return max(self._reserve_peak(state, 0, _Growth(0, 0, 0, state.depth)) - self.bytes_on_disk(), 0)
 
     def room_for(self, n: int) -> int:
         """How many of n more samples fit under both budgets right now, so callers can evict first."""

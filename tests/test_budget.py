@@ -109,6 +109,38 @@ def test_a_holder_gets_what_the_others_leave():
     assert DeviceBudget(Budget(5)).room("store") is None
 
 
+def test_the_headroom_a_holder_needs_to_shrink_is_left_to_it():
+    budget = DeviceBudget(Budget(None, 2000))
+    budget.register("store", lambda: 1000, headroom=lambda: 300)
+    budget.register("bank", lambda: 200)
+    assert budget.room("bank") == 2000 - 1000 - 300  # the others may not take the store's headroom
+    assert budget.room("store") == 2000 - 200  # the store keeps its own headroom within its room
+    assert budget.used() == 1200  # headroom is not held
+
+
+def test_a_methods_file_never_takes_the_journal_a_store_needs_to_cut_its_cache(tmp_path):
+    """The store journals before a delete frees anything. A method's file written as large as M allows, beside a
+    full store, must leave that journal's room: a cache cut (keep_only) then goes through and M holds throughout.
+    (Without the headroom, pFedGRP's generators, GLFC's and iCaRL's old models took it at tight budgets and every
+    task switch after refused the cut, locking the device out of its rounds.)"""
+    max_bytes = 400 * 1024
+    budget = DeviceBudget(Budget(None, max_bytes))
+    store = ReplayStore.within(budget, tmp_path / "store", (1, 8, 8))
+    rng = np.random.default_rng(0)
+    n = store.room_for(10_000)
+    store.insert(rng.standard_normal((n, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, n), task=0)
+    old_model = BudgetedFile(budget, "old-model", tmp_path / "old-model" / "model.bin")
+    size = old_model.room() or 0
+    while size > 0 and not old_model.write(b"w" * size):
+        size -= 1024
+    assert size > 0 and budget.used() <= max_bytes
+    assert budget.used() + store.delete_headroom() <= max_bytes
+    ids = store.ids()
+    store.keep_only(ids[: len(ids) // 10])
+    assert len(store) == len(ids) // 10 and budget.used() <= max_bytes
+    store.close()
+
+
 def test_one_file_size_rule():
     assert file_bytes(0, 4096) == 0
     assert file_bytes(1, 4096, fresh=True) == 4096  # a small fresh file is mapped from its inode
