@@ -1,6 +1,6 @@
 """Do pFedGRP's class generators generate their class? The share of generated samples that a classifier trained on
-the real data recognises as the class they were generated for, on the embedded digits (1, 8, 8) and MNIST-1D
-(1, 40), per generator kind (models/generators.py) and step count.
+the real data recognises as the class they were generated for, on the embedded digits (1, 8, 8), MNIST-1D (1, 40)
+and Fashion-MNIST (1, 28, 28, at the presets' `FASHION_SCALE`), per generator kind (models/generators.py) and step count.
 
 Per seed: the reference classifier (the runtime's model for the dataset, LeNet or the 1-D CNN, trained with the
 torch trainer on every training sample; its test accuracy is printed, the ceiling of what "recognised" can mean);
@@ -14,7 +14,7 @@ A kind may name its base width, `conv-vae:8` (default: `default_spec`'s). `--pre
 trained generator once per precision the bank may store it at (its weights quantized through the record format,
 the same draws of z): whether int8 loses anything a classifier can see.
 
-    .venv/bin/python benchmarks/generator_quality.py [--datasets digits,mnist1d] [--kinds vae,conv-vae,wgan-gp]
+    .venv/bin/python benchmarks/generator_quality.py [--datasets digits,mnist1d,fashion] [--kinds vae,conv-vae,wgan-gp]
         [--steps 200,1000] [--seeds 0,1,2] [--per-class 64] [--samples 200] [--precisions float32,int8]
 """
 from __future__ import annotations
@@ -28,14 +28,16 @@ import numpy as np
 
 from edge_client.generators.training import make_generator_trainer
 from edge_client.trainers.pytorch import TorchTrainer
-from firmware_sim.datasets import ArrayDataset, load_digits_dataset, load_mnist1d
+from firmware_sim.datasets import ArrayDataset, load_digits_dataset, load_fashion_mnist, load_mnist1d
+from firmware_sim.scenarios import FASHION_SCALE
 from models.export import export_registered
 from models.generator_record import GeneratorRecord, quantize
 from models.generators import GeneratorSpec, auxiliary_size, build_sampler, default_spec, load_module, sampler_size
 from models.manifest import load_manifest
 
 DATASETS: dict[str, tuple[str, Callable[[], ArrayDataset]]] = {
-    "digits": ("lenet", load_digits_dataset), "mnist1d": ("cnn1d", load_mnist1d)}
+    "digits": ("lenet", load_digits_dataset), "mnist1d": ("cnn1d", load_mnist1d),
+    "fashion": ("lenet", lambda: load_fashion_mnist(**FASHION_SCALE))}
 
 
 def reference_classifier(dataset: ArrayDataset, model: str, seed: int, epochs: int, folder: str) -> TorchTrainer:
