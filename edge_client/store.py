@@ -338,7 +338,7 @@ class ReplayStore:
             raise BudgetExceededError(f"{self.directory} holds {live} samples, over max_samples "
                                       f"{self.budget.max_samples}; open it with a larger budget and keep_only()")
         if self.budget.max_bytes is not None:
-            need = max(state.now + state.journal, self._reserve_peak(state, 0, _Growth(0, 0, 0, state.depth)))
+            need = max(state.now + state.journal, self._delete_peak(state))
             if need > self.budget.max_bytes:
                 raise BudgetExceededError(
                     f"{self.directory} takes {self.bytes_on_disk()} bytes and needs up to {need} with the headroom "
@@ -535,8 +535,7 @@ class ReplayStore:
         """Bytes beyond `bytes_on_disk()` that starting a delete of every sample may take (its tombstones' and its
         first step's journal): what the store's inserts keep free within its own room, and what the budget's other
         holders must leave it (a delete journals before it frees anything)."""
-        state = self._state()
-        return max(self._reserve_peak(state, 0, _Growth(0, 0, 0, state.depth)) - self.bytes_on_disk(), 0)
+        return max(self._delete_peak(self._state()) - self.bytes_on_disk(), 0)
 
     def room_for(self, n: int) -> int:
         """How many of n more samples fit under both budgets right now, so callers can evict first."""
@@ -658,6 +657,10 @@ class ReplayStore:
                                 next_id=state.next_id + n)
         _, tomb_peak, step_peak = self._tombstone_peaks(after, after.rows)
         return max(tomb_peak, step_peak)
+
+    def _delete_peak(self, state: _State) -> int:
+        """Peak of starting a delete of every sample stored now (`_reserve_peak` with nothing inserted)."""
+        return self._reserve_peak(state, 0, _Growth(0, 0, 0, state.depth))
 
     def _room(self, state: _State, n: int) -> int:
         n = int(n)

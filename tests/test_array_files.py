@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from edgefil import durable
 from edgefil.durable import npz_bytes, read_npy, read_npz
 
 
@@ -38,12 +39,12 @@ def test_a_foreign_or_pickled_file_is_refused():
 
 
 def test_no_two_threads_parse_an_array_header_at_once(tmp_path, monkeypatch):
-    """Each parse waits (up to a timeout) for another thread to enter the parser beside it: without the lock the
-    second reader enters and the count reaches 2; with it the waiter times out alone. A slow host can only make the
-    second reader late, never make the lock look broken."""
+    """Every header parse runs while the process-wide lock is held, so two readers (an .npz and an .npy, on two
+    threads) never parse at once. Checked by the lock's state at each parse, not by timing: a busy host cannot make
+    it fail, and without the lock it fails on every run."""
     inside, most = 0, 0
+    held_while_parsing: list[bool] = []
     count = threading.Lock()
-    someone_else = threading.Event()
     parse = ast.literal_eval
 
     def watched_parse(text):
@@ -51,20 +52,21 @@ def test_no_two_threads_parse_an_array_header_at_once(tmp_path, monkeypatch):
         with count:
             inside += 1
             most = max(most, inside)
-            if inside > 1:
-                someone_else.set()
-        someone_else.wait(timeout=0.5)
-        with count:
-            inside -= 1
-        return parse(text)
+            held_while_parsing.append(durable._ARRAY_HEADERS.locked())
+        try:
+            return parse(text)
+        finally:
+            with count:
+                inside -= 1
 
     monkeypatch.setattr(ast, "literal_eval", watched_parse)  # numpy imports ast and calls ast.literal_eval
     np.save(tmp_path / "x.npy", np.arange(3))
-    data = npz_bytes({"a": np.arange(3)})
+    data = npz_bytes({"a": np.arange(3), "b": np.arange(4)})
     readers = [threading.Thread(target=read_npz, args=(data,)), threading.Thread(target=read_npy,
                                                                                  args=(tmp_path / "x.npy",))]
     for reader in readers:
         reader.start()
     for reader in readers:
         reader.join()
+    assert len(held_while_parsing) == 3 and all(held_while_parsing)
     assert most == 1

@@ -62,12 +62,13 @@ def test_what_a_pool_keeps_stays_within_its_bound_and_free_buffers_go_first():
     held = [buffers.take(4096) for _ in range(5)]  # 3 kept, 2 ordinary allocations
     assert buffers.kept_bytes == 3 * capacity_for(4096)
     newest = id(held[2])
+    held[0][:6] = b"oldest"  # told apart by contents: a freed buffer's id may well be reused by `larger`
     del held
     larger = buffers.take(8192)  # does not fit beside the 3 free ones: free ones go, oldest first, to make room
     kept = [id(b) for b in buffers._buffers]
-    # the two oldest are gone (no id of theirs is compared: a freed buffer's id may well be `larger`'s)
     assert kept == [newest, id(larger)]
     assert buffers.kept_bytes == capacity_for(4096) + capacity_for(8192) <= buffers.max_bytes
+    assert not any(bytes(b[:6]) == b"oldest" for b in buffers._buffers)  # bytearray() is zeroed: no false match
 
 
 def test_a_pool_of_no_bytes_keeps_nothing():
