@@ -10,11 +10,12 @@ counts in those bytes (edge_client/budget.py): raw samples, pFedGRP's generators
 its encoding network Gamma and its memory order. A method whose extra does not fit gives it up (GLFC's old model:
 no relation distillation; a generator that does not fit is not kept) and says so in its metrics.
 
-Columns (`METHODS`): FedAvg with random caching (the baseline every column is paired against), Re-Fed, reservoir
-sampling, random caching with M split as reservoir sampling splits it (the newest task keeps its share of the
-stream, `new_share = "stream"`), iCaRL+FL (herding and iCaRL's distillation), GLFC with its proxy (Gamma the authors' LeNet), pFedGRP
-(per-class generators and its personalized rule; the global model is what is measured), FedCIL (an ACGAN of width
-8), and
+Columns (`METHODS`): Re-Fed's Table 1 as `table1.METHODS` defines it: FedAvg with random caching (the baseline
+every column is paired against), FedProx, Fixed (the first task only), DANN, Shared (a head per task), Re-Fed,
+reservoir sampling and GLFC with its proxy (Gamma the authors' LeNet); and the curve's own: random caching with M
+split as reservoir sampling splits it (the newest task keeps its share of the stream, `new_share = "stream"`),
+iCaRL+FL (herding and iCaRL's distillation), pFedGRP (per-class generators and its personalized rule; the global
+model is what is measured), FedCIL (an ACGAN of width 8, Table 1's `fedcil-bytes`), and
 fine-tuning without replay (M unused: the floor). Printed per budget: the final accuracy and the average
 incremental accuracy (the mean over tasks of the accuracy on the tasks so far, the papers' "Avg."), mean ± std over
 seeds, each paired against FedAvg at the same M with a paired t-test, and the mean diagonal (each task's accuracy
@@ -33,22 +34,21 @@ from typing import Any
 
 import numpy as np
 from scipy import stats
-from table1 import GLFC_PROXY, MODELS, RANDOM, REFED, STRATEGY, Job, run_jobs
+from table1 import GLFC_METHODS, MODELS, RANDOM, STRATEGY, Job, run_jobs
+from table1 import METHODS as TABLE1
 
-GLFC = {"name": "glfc"}  # Gamma: the authors' LeNet (52 KiB at 28x28; glfc_mlp would take 99), `table1.GAMMAS`
+# Table 1's columns, as `table1.METHODS` defines them (one definition a method), and the curve's own: iCaRL+FL,
+# pFedGRP, random caching split as the stream, fine-tuning, and FedCIL at the width that fits
 METHODS: dict[str, dict[str, Any]] = {
-    "fedavg": {"policy": RANDOM},
-    "refed": {"policy": REFED},
-    "reservoir": {"policy": {"name": "reservoir"}},
+    **{name: TABLE1[name] for name in ("fedavg", "fedprox", "fixed", "dann", "shared", "refed", "reservoir", "glfc")},
     # random caching with M split as a uniform sample of the stream splits it (`new_share = "stream"`): the newest
     # task keeps its share of everything seen, not all it brings; what reservoir sampling does beside its ranking
     "fedavg-stream": {"policy": {**RANDOM, "new_share": "stream"}},
-    "icarl": {"policy": {**GLFC, "compensation": False, "relation": "bce", "prototypes": False}},
-    "glfc": {"policy": GLFC, "strategy": GLFC_PROXY},
+    "icarl": GLFC_METHODS["icarl"],
     "pfedgrp": {"policy": {"name": "generator"}, "strategy": {"name": "pfedgrp"}},
-    # FedCIL's ACGAN at width 8 (94 KB at float16 on 28x28): at its default width 16 (200 KB) replacing it does not
-    # fit half of the tightest M, which the fleet refuses before it starts
-    "fedcil": {"policy": {"name": "fedcil", "width": 8}},
+    # FedCIL's ACGAN at width 8 (94 KB at float16 on 28x28), Table 1's `fedcil-bytes`: at its default width 16
+    # (200 KB) replacing it does not fit half of the tightest M, which the fleet refuses before it starts
+    "fedcil": TABLE1["fedcil-bytes"],
     "finetune": {"policy": {"name": "none"}, "strategy": STRATEGY},
 }
 CACHED = (0.02, 0.05, 0.1, 0.25, 1.0)
