@@ -134,23 +134,25 @@ def plot(table: dict[tuple[float, str], dict[str, list[float]]], cached: list[fl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    colours, markers = plt.get_cmap("tab20").colors, "os^vD<>ph*Xd"  # a dozen methods: no two lines alike
     for ax, (metric, words) in zip(axes, METRICS.items()):
-        for method in methods:
+        for i, method in enumerate(methods):
             points = [(table[(f, method)]["bytes"][0] / 1024, np.mean(table[(f, method)][metric]),
                        np.std(table[(f, method)][metric])) for f in cached if (f, method) in table]
             if not points:
                 continue
             x, y, e = (np.array(v) for v in zip(*points))
-            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=method)
+            ax.errorbar(x, y, yerr=e, marker=markers[i % len(markers)], color=colours[i % len(colours)], capsize=3,
+                        label=method)
         ax.set_xscale("log")
         ax.set_xlabel("M, KiB on the device's disk (log)")
         ax.set_title(words)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy on every task seen, %")
-    axes[1].legend(fontsize=8, loc="lower right")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="center right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
