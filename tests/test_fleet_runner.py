@@ -261,6 +261,27 @@ except RuntimeError as err:
     assert f"ulimit -Hn {need}" in lines[1] and len(lines) == 2
 
 
+def test_a_worker_spawned_after_torch_was_loaded_still_runs_torch_on_one_thread():
+    """A benchmark script imports torch before it spawns a fleet (spawn re-imports its main module in every
+    worker), so OMP_NUM_THREADS set in the worker comes too late: the pool is set directly, to one thread, or to
+    the user's OMP_NUM_THREADS."""
+    script = """
+import os, sys, torch
+torch.set_num_threads(2)
+os.environ.pop("OMP_NUM_THREADS", None)
+if len(sys.argv) > 1:
+    os.environ["OMP_NUM_THREADS"] = sys.argv[1]
+from firmware_sim.fleet_worker import limit_torch_threads
+limit_torch_threads()
+print(torch.get_num_threads())
+"""
+    for argv, threads in (([], "1"), (["3"], "3"), (["x"], "1")):
+        done = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [threads]
+
+
 def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeypatch, tmp_path):
     """A worker is one Python process (one GIL), about one core of device work: left out of the fleet file,
     `workers` is the cores the fleet may use, or more where the devices outnumber what one worker's network thread
