@@ -49,8 +49,8 @@ class Environment(Protocol):
         without a fleet clock (the wall clock's availability is `offline_for`'s) and for a real device."""
 
     def turn(self, work: Callable[[], T]) -> T:
-        """Run `work` (starting a task, training) in the device's turn among the devices its process hosts; its
-        result, or what it raised."""
+        """Run `work` (starting a task, training, the policy's after-training update) in the device's turn among
+        the devices its process hosts; its result, or what it raised."""
 
     def cpu_time(self) -> float:
         """CPU seconds the calling device thread has worked, its turns included wherever they ran."""

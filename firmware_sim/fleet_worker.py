@@ -178,9 +178,10 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     devices: list[Device] = []
     lock = threading.Lock()
     network = NetworkLoop(name="fleet-worker-mqtt")
-    # The devices take turns at CPU work: being built, starting a task, training, on the turns' one thread
-    # (edge_client/environment.py). Hundreds at once hold the GIL for seconds on end and starve the network thread:
-    # keepalives lapse and the broker drops the connections (seen at 500 devices a worker).
+    # The devices take turns at CPU work: being built, starting a task, training, the policy's after-training
+    # update, on the turns' one thread (edge_client/environment.py). Hundreds at once hold the GIL for seconds on
+    # end and starve the network thread: keepalives lapse and the broker drops the connections (seen at 500
+    # devices a worker).
     turns = Turns()
 
     def run(raw: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Many devices in one process, as a fleet worker hosts them: what they share (one read-only copy of each global
-model) and how they take turns at CPU work (starting a task and training are the worker's turns, run on its one
-turns thread; nothing else is)."""
+model) and how they take turns at CPU work (starting a task, training and the policy's after-training work are the
+worker's turns, run on its one turns thread; nothing else is)."""
 from __future__ import annotations
 
 import threading
@@ -23,8 +23,8 @@ def test_a_process_keeps_one_read_only_copy_of_each_global_model():
     assert other is not first and float(other.sum()) == 6.0
 
 
-def test_a_hosted_device_starts_its_task_and_trains_in_its_turn_on_the_turns_thread(tmp_path, export_artifacts,
-                                                                                    monkeypatch):
+def test_a_hosted_device_starts_its_task_trains_and_finishes_its_round_in_its_turn_on_the_turns_thread(
+        tmp_path, export_artifacts, monkeypatch):
     """Its turns run on the worker's one turns thread (not the device's: what deep native work leaves on a thread's
     stack stays there), and the round's device seconds count them."""
     turns = Turns(name="turns-under-test")
@@ -36,7 +36,7 @@ def test_a_hosted_device_starts_its_task_and_trains_in_its_turn_on_the_turns_thr
     })
     device = turns.run(lambda: virtual_device(config, turns=turns))
     held: list[tuple[str, str]] = []
-    for name in ("observe", "train"):
+    for name in ("observe", "train", "finish_round"):
         real = getattr(device.learner, name)
         monkeypatch.setattr(device.learner, name, lambda *a, _real=real, _name=name, **k: held.append(
             (_name, threading.current_thread().name)) or _real(*a, **k))
@@ -46,7 +46,8 @@ def test_a_hosted_device_starts_its_task_and_trains_in_its_turn_on_the_turns_thr
         weights = device.trainer.get_weights()
         before = device.environment.cpu_time()
         device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
-        assert held == [("observe", "turns-under-test"), ("train", "turns-under-test")]
+        assert held == [("observe", "turns-under-test"), ("train", "turns-under-test"),
+                        ("finish_round", "turns-under-test")]
         assert device.learner.state.round == 1  # the round went through: trained, saved
         assert spent and spent[0] <= device.environment.cpu_time() - before
     finally:
