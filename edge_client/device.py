@@ -426,8 +426,8 @@ class Device:
             raise FloatingPointError(f"training diverged: loss {loss} (learning rate too high for this data?)")
         if asked:
             self._give(policy, self._await_answer(round_, float(config.get("answer_wait_s", ANSWER_WAIT_S))))
-        # The policy's own update (FedCIL's ACGAN, pFedGRP's generators) is CPU work too: in a turn, not beside the
-        # other devices' (hosted devices' torch work in parallel threads fought over the GIL).
+        # The policy's own update (a generator's training) is CPU work too: in a turn, not beside the other hosted
+        # devices' (their torch work in parallel threads fought over the GIL).
         self.environment.turn(self.learner.finish_round)
         device_seconds += self.environment.compute(self.environment.cpu_time() - started)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
