@@ -5,10 +5,10 @@ For each run (`<runs>/<scenario>/seed<k>/<method>/`), each device's last ACGAN (
 file the policy keeps) generates `--per-class` samples of every class it has learnt; the reference (the final global
 model of the `--reference` run of the same seed, FedAvg by default) classifies them. Printed per method: the devices
 holding an ACGAN, the classes one holds, and the share of generated samples the reference reads as the class they
-were conditioned on, split by whether the class is of the device's last task (the one its ACGAN trained on real data
-last) or of an earlier one (the replay that is meant to hold the old classes), beside the reference's accuracy on
-those classes' real test images. A share near the real images' says the ACGAN draws its classes; near 1/10 that it
-does not.
+were conditioned on, by the class's age: 0 for the classes of the device's last task (the ones its ACGAN last
+trained on real data), k for those of the task k before it (held only by the ACGAN's replay of its own earlier
+self), with how many device-classes each share averages; beside it the reference's accuracy on the real test
+images. A share near the real images' says the ACGAN draws its classes; near 1/10 (chance) that it does not.
 
     .venv/bin/python benchmarks/fedcil_replay.py --scenario fashion-class --seeds 0,1,2,3,4
         --runs runs/table1/methods --methods fedcil,fedcil-bytes [--reference fedavg] [--per-class 100]
@@ -74,9 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"{args.scenario}, seeds {seeds}: what each device's last ACGAN draws, read by {args.reference}'s final model")
-    print(f"  {'method':<14} {'ACGANs':>6} {'classes':>8} {'last task':>10} {'earlier':>8} {'real images':>12}")
     for method in args.methods.split(","):
-        held, classes, newest, earlier, real = [], [], [], [], []
+        held, classes, real = [], [], []
+        by_age: dict[int, list[float]] = {}
         for seed in seeds:
             folder = args.runs / args.scenario / f"seed{seed}"
             reader = reference_model(folder / args.reference, seed)
@@ -88,15 +88,15 @@ def main() -> None:
             for path in files:
                 shares = device_replay(path, reader, args.per_class, seed)
                 classes.append(len(shares))
-                # The device's last task: the latest task among its ACGAN's classes.
-                own = max(task_of_class[c] for c in shares)
-                newest += [v for c, v in shares.items() if task_of_class[c] == own]
-                earlier += [v for c, v in shares.items() if task_of_class[c] < own]
+                own = max(task_of_class[c] for c in shares)  # the device's last task: its ACGAN's latest
+                for c, v in shares.items():
+                    by_age.setdefault(own - task_of_class[c], []).append(v)
             for t in range(last_task + 1):
                 x, y = data.task_test(t)
                 real.append(float(np.mean(predictions(reader, x) == y)))
-        print(f"  {method:<14} {np.mean(held):>6.1f} {np.mean(classes):>8.1f} {np.mean(newest):>10.2f} "
-              f"{np.mean(earlier) if earlier else float('nan'):>8.2f} {np.mean(real):>12.2f}")
+        ages = "  ".join(f"age {age}: {np.mean(v):.2f} (n {len(v)})" for age, v in sorted(by_age.items()))
+        print(f"  {method:<14} ACGANs a run {np.mean(held):.1f}, classes each {np.mean(classes):.1f}; read as their "
+              f"class: {ages}; real test images {np.mean(real):.2f}")
 
 
 if __name__ == "__main__":
