@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fedcil_replay import predictions, reference_model
+from task_confusion import final_model, predicted_classes
 
 from firmware_sim.scenarios import PRESETS, ScenarioData, build
-from models.acgan import AcganSpec, build_acgan, discriminator_loss, generator_loss
+from models.acgan import AcganSpec, acgan_step, build_acgan
 
 WAYS = ("frozen each round", "frozen at the task switch")
 BATCH = 32
@@ -60,26 +60,19 @@ def train_device(data: ScenarioData, client: int, way: str, args: argparse.Names
                         replay_x = previous(torch.randn(len(pick), LATENT, generator=noise), replay_y)
                     real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
                 fake_y = torch.from_numpy(rng.choice(classes, size=len(real_y)))
-                fake = generator(torch.randn(len(real_y), LATENT, generator=noise), fake_y)
-                loss_d = discriminator_loss(discriminator(real_x), real_y, discriminator(fake.detach()), fake_y)
-                opt_d.zero_grad()
-                loss_d.backward()
-                opt_d.step()
-                loss_g = generator_loss(discriminator(fake), fake_y)
-                opt_g.zero_grad()
-                loss_g.backward()
-                opt_g.step()
+                z = torch.randn(len(real_y), LATENT, generator=noise)
+                acgan_step(generator, discriminator, opt_g, opt_d, real_x, real_y, z, fake_y)
         learnt.update({int(c): task for c in np.unique(y)})
     last = max(learnt.values())
     generator.eval()
     noise = torch.Generator().manual_seed(args.seed)
-    reader = reference_model(args.reference, args.seed)
+    reader = final_model(args.reference, args.seed)
     by_age: dict[int, list[float]] = {}
     for label, task in learnt.items():
         with torch.no_grad():
             made = generator(torch.randn(args.per_class, LATENT, generator=noise),
                              torch.full((args.per_class,), label, dtype=torch.int64)).numpy().astype(np.float32)
-        by_age.setdefault(last - task, []).append(float(np.mean(predictions(reader, made) == label)))
+        by_age.setdefault(last - task, []).append(float(np.mean(predicted_classes(reader, made) == label)))
     return {age: float(np.mean(v)) for age, v in by_age.items()}
 
 

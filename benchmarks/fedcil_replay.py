@@ -21,29 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from task_confusion import final_model, predicted_classes
 
-from coordinator.checkpoint import load_latest
 from edge_client.trainers.pytorch import TorchTrainer
 from edgefil.durable import read_npz
 from firmware_sim.scenarios import PRESETS, build
 from models.acgan import AcganSpec, build_acgan
 from models.generators import load_module
-from models.manifest import load_manifest
-
-
-def reference_model(run: Path, seed: int) -> TorchTrainer:
-    """The final global model of `run` (its last checkpoint), to read generated samples with."""
-    found = load_latest(run / "checkpoint")
-    if found is None:
-        raise SystemExit(f"{run}: no checkpoint to read")
-    trainer = TorchTrainer(load_manifest(run / "artifacts"), optimizer="adamw", lr=3e-3, seed=seed)
-    trainer.set_weights(found[0].weights)
-    return trainer
-
-
-def predictions(reader: TorchTrainer, x: np.ndarray) -> np.ndarray:
-    _, logits, _ = reader.forward(x, np.zeros(len(x), np.int64), reader.mask(None))
-    return np.asarray(logits.argmax(axis=1))
 
 
 def device_replay(path: Path, reader: TorchTrainer, per_class: int, seed: int) -> dict[int, float]:
@@ -59,7 +43,7 @@ def device_replay(path: Path, reader: TorchTrainer, per_class: int, seed: int) -
         labels = torch.full((per_class,), int(label), dtype=torch.int64)
         with torch.no_grad():
             made = generator(torch.randn(per_class, latent, generator=noise), labels).numpy().astype(np.float32)
-        shares[int(label)] = float(np.mean(predictions(reader, made) == label))
+        shares[int(label)] = float(np.mean(predicted_classes(reader, made) == label))
     return shares
 
 
@@ -79,7 +63,7 @@ def main() -> None:
         by_age: dict[int, list[float]] = {}
         for seed in seeds:
             folder = args.runs / args.scenario / f"seed{seed}"
-            reader = reference_model(folder / args.reference, seed)
+            reader = final_model(folder / args.reference, seed)
             data = build(dataclasses.replace(PRESETS[args.scenario], seed=seed))
             task_of_class = {c: t for t in range(len(data.tasks)) for c in data.task_classes(t)}
             last_task = max(task_of_class.values())
@@ -93,7 +77,7 @@ def main() -> None:
                     by_age.setdefault(own - task_of_class[c], []).append(v)
             for t in range(last_task + 1):
                 x, y = data.task_test(t)
-                real.append(float(np.mean(predictions(reader, x) == y)))
+                real.append(float(np.mean(predicted_classes(reader, x) == y)))
         ages = "  ".join(f"age {age}: {np.mean(v):.2f} (n {len(v)})" for age, v in sorted(by_age.items()))
         print(f"  {method:<14} ACGANs a run {np.mean(held):.1f}, classes each {np.mean(classes):.1f}; read as their "
               f"class: {ages}; real test images {np.mean(real):.2f}")

@@ -22,14 +22,26 @@ from firmware_sim.scenarios import PRESETS, build
 from models.manifest import load_manifest
 
 
-def task_of_predictions(run: Path, scenario: str, seed: int) -> np.ndarray:
-    """Row t: the shares of task t's test images predicted as a class of task 0, 1, ... (rows sum to 1)."""
-    data = build(dataclasses.replace(PRESETS[scenario], seed=seed))
+def final_model(run: Path, seed: int) -> TorchTrainer:
+    """The run's final global model (its last checkpoint: the model whose accuracy `results.json` reports)."""
     found = load_latest(run / "checkpoint")
     if found is None:
         raise SystemExit(f"{run}: no checkpoint to read")
     trainer = TorchTrainer(load_manifest(run / "artifacts"), optimizer="adamw", lr=3e-3, seed=seed)
     trainer.set_weights(found[0].weights)
+    return trainer
+
+
+def predicted_classes(trainer: TorchTrainer, x: np.ndarray) -> np.ndarray:
+    """The class `trainer`'s model gives each sample of `x`, over every class (no mask)."""
+    _, logits, _ = trainer.forward(x, np.zeros(len(x), np.int64), trainer.mask(None))
+    return np.asarray(logits.argmax(axis=1))
+
+
+def task_of_predictions(run: Path, scenario: str, seed: int) -> np.ndarray:
+    """Row t: the shares of task t's test images predicted as a class of task 0, 1, ... (rows sum to 1)."""
+    data = build(dataclasses.replace(PRESETS[scenario], seed=seed))
+    trainer = final_model(run, seed)
     tasks = len(data.tasks)
     task_of_class = np.full(trainer.manifest.num_classes, -1)
     for t in range(tasks):
@@ -37,8 +49,7 @@ def task_of_predictions(run: Path, scenario: str, seed: int) -> np.ndarray:
     shares = np.zeros((tasks, tasks))
     for t in range(tasks):
         x, y = data.task_test(t)
-        _, logits, _ = trainer.forward(x, y, trainer.mask(None))
-        predicted = task_of_class[logits.argmax(axis=1)]
+        predicted = task_of_class[predicted_classes(trainer, x)]
         shares[t] = [np.mean(predicted == u) for u in range(tasks)]
     return shares
 

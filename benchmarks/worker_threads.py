@@ -28,7 +28,7 @@ WAYS = ("pool per core", "one thread", "one thread, turns")
 
 def acgan_update(width: int, steps: int, seed: int) -> None:
     """`steps` ACGAN steps of FedCIL's shape (models/acgan.py; 28x28, 10 classes, batch 32) from `seed`."""
-    from models.acgan import AcganSpec, build_acgan, discriminator_loss, generator_loss
+    from models.acgan import AcganSpec, acgan_step, build_acgan
 
     generator, discriminator = build_acgan(AcganSpec((1, 28, 28), 10, 16, width), seed)
     opt_g = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
@@ -36,15 +36,7 @@ def acgan_update(width: int, steps: int, seed: int) -> None:
     noise = torch.Generator().manual_seed(seed)
     x, y = torch.randn(32, 1, 28, 28, generator=noise), torch.randint(0, 10, (32,), generator=noise)
     for _ in range(steps):
-        fake = generator(torch.randn(32, 16, generator=noise), y)
-        loss_d = discriminator_loss(discriminator(x), y, discriminator(fake.detach()), y)
-        opt_d.zero_grad()
-        loss_d.backward()
-        opt_d.step()
-        loss_g = generator_loss(discriminator(fake), y)
-        opt_g.zero_grad()
-        loss_g.backward()
-        opt_g.step()
+        acgan_step(generator, discriminator, opt_g, opt_d, x, y, torch.randn(32, 16, generator=noise), y)
 
 
 def worker(way: str, devices: int, steps: int, width: int, out: Any) -> None:

@@ -62,6 +62,22 @@ def discriminator_loss(real: torch.Tensor, real_y: torch.Tensor, fake: torch.Ten
             + F.cross_entropy(real[:, 1:], real_y) + F.cross_entropy(fake[:, 1:], fake_y))
 
 
+def acgan_step(generator: ConditionalGenerator, discriminator: nn.Module, opt_g: torch.optim.Optimizer,
+               opt_d: torch.optim.Optimizer, real_x: torch.Tensor, real_y: torch.Tensor, z: torch.Tensor,
+               fake_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ACGAN step: the discriminator on `real_x` and on G(z, fake_y), then the generator; (L_D, L_G)."""
+    fake = generator(z, fake_y)
+    loss_d = discriminator_loss(discriminator(real_x), real_y, discriminator(fake.detach()), fake_y)
+    opt_d.zero_grad()
+    loss_d.backward()
+    opt_d.step()
+    loss_g = generator_loss(discriminator(fake), fake_y)
+    opt_g.zero_grad()
+    loss_g.backward()
+    opt_g.step()
+    return loss_d, loss_g
+
+
 def generator_loss(fake: torch.Tensor, fake_y: torch.Tensor) -> torch.Tensor:
     """L_G of the module docstring from the discriminator's outputs on generated samples."""
     return F.binary_cross_entropy_with_logits(fake[:, 0], torch.ones_like(fake[:, 0])) + F.cross_entropy(

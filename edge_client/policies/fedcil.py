@@ -126,7 +126,7 @@ class FedCil(NoReplay):
         """`gan_steps` ACGAN steps on this task's real samples and the previous generator's earlier classes."""
         import torch
 
-        from models.acgan import build_acgan, discriminator_loss, generator_loss
+        from models.acgan import acgan_step, build_acgan
 
         if not len(y) or self.gan_steps == 0:
             return
@@ -156,15 +156,8 @@ class FedCil(NoReplay):
                     replay_x = previous(torch.randn(len(pick), self.latent_dim, generator=noise), replay_y)
                 real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
             fake_y = torch.from_numpy(view.rng.choice(classes, size=len(real_y)))
-            fake = generator(torch.randn(len(real_y), self.latent_dim, generator=noise), fake_y)
-            loss_d = discriminator_loss(discriminator(real_x), real_y, discriminator(fake.detach()), fake_y)
-            opt_d.zero_grad()
-            loss_d.backward()
-            opt_d.step()
-            loss_g = generator_loss(discriminator(fake), fake_y)
-            opt_g.zero_grad()
-            loss_g.backward()
-            opt_g.step()
+            z = torch.randn(len(real_y), self.latent_dim, generator=noise)
+            loss_d, loss_g = acgan_step(generator, discriminator, opt_g, opt_d, real_x, real_y, z, fake_y)
         generator.eval()
         saved = self._held().write(self._encode(generator, discriminator, {int(c) for c in classes}))
         self._round.update(acgan_loss_d=float(loss_d.item()), acgan_loss_g=float(loss_g.item()),
