@@ -1,7 +1,9 @@
 """A fleet across machines: `backend = "ray"` on a two-node Ray cluster simulated on this machine (the nodes, the
-broker and the coordinator on its own address: nothing leaves it), through a real mosquitto. The node hosting one worker's devices is killed mid-run: the next round misses its quorum
-(every device), Ray starts the worker again on the node left, its devices come back, the round is run again and
-the run completes."""
+broker and the coordinator on its own address: nothing leaves it), through a real mosquitto. The node hosting one worker's devices is killed mid-run: Ray starts the worker again on the node
+left, its devices come back, and the run completes with every device in every round. Whether the round after the
+kill opens before the broker has seen the devices go (then it misses its quorum of every device and is run again)
+or after (then it waits for them to come back) is a race the host's speed decides: both are right, neither is
+asserted (a loaded host once gave the second)."""
 from __future__ import annotations
 
 import shutil
@@ -70,7 +72,6 @@ def test_a_fleet_on_two_ray_nodes_completes_when_a_devices_node_is_killed(tmp_pa
     assert sorted(seen["placement"]) == sorted([head, worker_node.node_id]), seen  # one worker on each node
     assert seen["killed"] and seen["moved"] == [head, head], seen
     assert results["outcome"] == "complete" and results["rounds_completed"] == ROUNDS
-    assert results["counters"]["round-retried"] >= 1, results["counters"]  # the round after the kill, again
     assert all(set(r["received"]) == set(config.device_ids) for r in results["history"])  # each with every device
     logs = "".join(path.read_text() for path in (config.out / "logs").glob("worker-*.log"))
     for device in seen["killed"]:  # by a second process: the worker Ray started again
