@@ -143,11 +143,11 @@ def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> Non
 def limit_torch_threads() -> None:
     """One torch intra-op thread per worker process (or `OMP_NUM_THREADS` where the user set it).
 
-    The worker's devices compute in parallel threads (a policy's torch work, FedCIL's ACGAN or pFedGRP's generators,
-    runs in the device's own thread): torch's intra-op pool, one thread per core by default in every worker, would
-    oversubscribe the host many times over, and its OpenMP threads spin while they wait. Measured on a 2-core host
-    running two table1 fleets: 68 % of FedCIL's ACGAN time was spent inside libgomp, and two threads' ACGAN steps
-    cost 2.6x the CPU of one thread each. The environment variable only counts before torch is loaded; a worker
+    A host runs several workers (and fleets) at once: torch's intra-op pool, one thread per core by default in
+    every worker, would oversubscribe it many times over, and its OpenMP threads spin while they wait. Measured on a
+    2-core host running two table1 fleets: 68 % of FedCIL's ACGAN time was spent inside libgomp, and the same ACGAN
+    updates took 0.43 of the CPU on one thread (benchmarks/worker_threads.py). The environment variable only counts
+    before torch is loaded; a worker
     spawned from a script that imported torch (multiprocessing's spawn re-imports the parent's main module, so
     every benchmark's workers) has already loaded it, so its pool is set directly. ORT sessions take their thread
     count from [trainer] threads."""
