@@ -146,7 +146,60 @@ def test_fedcil_replays_its_acgans_earlier_classes_and_keeps_no_raw_old_sample(t
     assert learner.policy.metrics()["replayed_samples"] == 40
     learner.trainer.fit(batch.x, batch.y, epochs=1)
     learner.finish_round()  # the ACGAN learns classes 2 and 3 and keeps 0 and 1 through its own replay
-    assert learner.policy._load()[2] == {0, 1, 2, 3}
+    assert learner.policy._load().classes == {0, 1, 2, 3}
+
+
+def test_fedcil_replays_from_the_generator_frozen_when_the_task_began(tmp_path, export_artifacts):
+    """Under `replay_from = "task"` (the authors' `last_generator`) the earlier classes come, for the whole task, from
+    the generator as the device ended its previous task, while the trained generator moves every round; under
+    `"round"` they come from the generator stored at the round's start and no second generator is kept."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    stored = {}
+    for replay_from in ("task", "round"):
+        learner = _learner(tmp_path, OrtTrainer(artifacts, optimizer="adamw", lr=3e-3), "fedcil", gan_steps=5,
+                           replay_from=replay_from)
+        learner.start_task(0, *_classes([0, 1], 60))
+        learner.finish_round()
+        end_of_task_0 = learner.policy._load()
+        assert end_of_task_0.replay is None  # nothing earlier to replay in the first task
+        learner.start_task(1, *_classes([2, 3], 40))
+        rounds = []
+        for _ in range(2):
+            x, y = learner.store.get(learner.store.ids())
+            replay_source = learner.policy._replay(learner.view(), learner.policy._load())
+            learner.policy.training_set(learner.view(), x, y)
+            learner.finish_round()
+            rounds.append((replay_source, learner.policy._load()))
+        stored[replay_from] = rounds
+        (first_source, after_first), (second_source, after_second) = rounds
+        assert not np.array_equal(after_first.generator, after_second.generator)  # the trained generator moves
+        if replay_from == "task":
+            for source, after in rounds:
+                assert np.array_equal(source[0], end_of_task_0.generator) and source[1] == {0, 1}
+                assert np.array_equal(after.replay, end_of_task_0.generator) and after.replay_task == 1
+                assert after.replay_classes == {0, 1} and after.classes == {0, 1, 2, 3}
+        else:
+            assert np.array_equal(first_source[0], end_of_task_0.generator)
+            assert np.array_equal(second_source[0], after_first.generator) and second_source[1] == {0, 1, 2, 3}
+            assert after_second.replay is None
+    assert learner.policy._held().bytes_on_disk() > 0
+
+
+def test_fedcil_counts_its_frozen_generator_in_the_share_of_the_bytes(tmp_path, export_artifacts):
+    """The replay generator frozen for the task is stored in M's bytes: at a share the one-generator form fits, the
+    authors' form (a second generator) is refused at open in one line."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    trainer = OrtTrainer(artifacts, optimizer="adamw", lr=3e-3)
+    learner = _learner(tmp_path, trainer, "fedcil", gan_steps=2, replay_from="round", max_bytes=400_000)
+    learner.start_task(0, *_classes([0, 1], 60))
+    learner.finish_round()
+    one_generator = learner.policy._held().bytes_on_disk()
+    share = 2.5 * one_generator / 400_000  # room for replacing one-generator files, not two-generator ones
+    _learner(tmp_path, trainer, "fedcil", gan_steps=2, replay_from="round", max_bytes=400_000, acgan_share=share)
+    with pytest.raises(ValueError, match=r"^policy fedcil: replacing its ACGAN \(width 16, float16, \d+ bytes\) "):
+        _learner(tmp_path, trainer, "fedcil", gan_steps=2, replay_from="task", max_bytes=400_000, acgan_share=share)
+    with pytest.raises(ValueError, match="replay_from must be one of task, round, got 'epoch'"):
+        make_policy("fedcil", replay_from="epoch")
 
 
 def test_fedcil_keeps_its_previous_acgan_when_a_new_one_would_not_fit_the_budget(tmp_path, export_artifacts):
@@ -179,7 +232,7 @@ def test_fedcil_leaves_the_store_its_share_of_the_bytes(tmp_path, export_artifac
         learner.start_task(task, *_classes(classes, 60))
         learner.finish_round()
         assert learner.policy.metrics()["acgan_dropped"] == 0
-    assert learner.policy._load()[2] == {0, 1, 2, 3}
+    assert learner.policy._load().classes == {0, 1, 2, 3}
     assert learner.budget.held()["acgan"] <= 0.5 * 400_000
 
 
