@@ -160,9 +160,33 @@ FIELD_CHECKS = {
 }
 
 
-def load_run_state(directory: str | Path, num_parameters: int | None = None) -> RunState | None:
+@dataclass(frozen=True)
+class RunSchedule:
+    """The run's task schedule, which a resumed state must lie within: a checkpoint of another run's schedule (or a
+    hand-edited task of 10^9) would otherwise end the run at once as complete, or index past its test sets."""
+
+    n_tasks: int
+    rounds_per_task: int
+
+    def refusal(self, state: RunState) -> str | None:
+        """Why `state` does not lie within this schedule (the first reason), or None."""
+        if state.task > self.n_tasks:
+            return f"its task {state.task} is past this run's {self.n_tasks} tasks"
+        if state.round_in_task >= self.rounds_per_task:
+            return f"its round_in_task {state.round_in_task} is not below rounds_per_task {self.rounds_per_task}"
+        if len(state.accuracy_matrix) > self.n_tasks:
+            return f"its accuracy_matrix has {len(state.accuracy_matrix)} rows, this run {self.n_tasks} tasks"
+        late = [e["task"] for e in state.history if e["task"] > state.task]
+        if late:
+            return f"its history holds task {late[0]}, after its own task {state.task}"
+        return None
+
+
+def load_run_state(directory: str | Path, num_parameters: int | None = None,
+                   schedule: RunSchedule | None = None) -> RunState | None:
     """The run state saved in `directory` (None when there is none); StateError when a field is missing or not of
-    its type, or the weights are not the model's `num_parameters` values (when given)."""
+    its type, the weights are not the model's `num_parameters` values, or it lies outside the run's `schedule`
+    (each when given)."""
     saved = load_record(directory)
     if saved is None:
         return None
@@ -180,10 +204,15 @@ def load_run_state(directory: str | Path, num_parameters: int | None = None) -> 
         raise StateError(f"run state in {directory} is unreadable: "
                          + "; ".join([*(f"{n} is missing or not of its type" for n in wrong),
                                       *(f"{n} is not a field" for n in unknown)]))
-    return RunState(weights=weights, **record)
+    state = RunState(weights=weights, **record)
+    refusal = None if schedule is None else schedule.refusal(state)
+    if refusal is not None:
+        raise StateError(f"run state in {directory} does not fit this run: {refusal}")
+    return state
 
 
-def load_latest(root: Path, num_parameters: int | None = None) -> tuple[RunState, Path] | None:
+def load_latest(root: Path, num_parameters: int | None = None,
+                schedule: RunSchedule | None = None) -> tuple[RunState, Path] | None:
     """The newest generation under `root` that loads and verifies (a model of `num_parameters` values, when given),
     and its folder; None when there is none. Generations that do not load are skipped with a warning; when none
     loads, StateError names each reason."""
@@ -191,7 +220,7 @@ def load_latest(root: Path, num_parameters: int | None = None) -> tuple[RunState
     failures = []
     for directory in candidates:
         try:
-            state = load_run_state(directory, num_parameters)
+            state = load_run_state(directory, num_parameters, schedule)
         except StateError as err:
             log.warning("checkpoint %s cannot be resumed (%s); trying the one before", directory.name, err)
             failures.append(f"{directory.name}: {err}")
@@ -221,15 +250,16 @@ class Checkpoints:
     """A run's checkpoint folder: where a run starts from (fresh, or the newest generation that loads) and the
     generation each completed round writes, whole, before older ones are pruned."""
 
-    def __init__(self, root: Path, policy: CheckpointPolicy, num_parameters: int) -> None:
-        self.root, self.policy, self.num_parameters = root, policy, num_parameters
+    def __init__(self, root: Path, policy: CheckpointPolicy, num_parameters: int,
+                 schedule: RunSchedule | None = None) -> None:
+        self.root, self.policy, self.num_parameters, self.schedule = root, policy, num_parameters, schedule
 
     def start(self, resume: bool, fresh: RunState) -> tuple[RunState, Path | None]:
         """The newest checkpoint that loads (and its folder) when resuming, else `fresh`; FileExistsError when the
         folder holds a run and `resume` is not set."""
         if generations(self.root) and not resume:
             raise FileExistsError(f"{self.root} holds a run: pass --resume, or choose another `out`")
-        latest = load_latest(self.root, self.num_parameters) if resume else None
+        latest = load_latest(self.root, self.num_parameters, self.schedule) if resume else None
         if latest is None:
             return fresh, None
         state, directory = latest

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
-from coordinator.checkpoint import Checkpoints, RunState
+from coordinator.checkpoint import Checkpoints, RunSchedule, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
@@ -103,7 +103,8 @@ class Coordinator:
             config.fleet, set(config.devices), manifest_digest(config.artifacts), self.manifest.num_parameters,
             config.limits,
         )
-        self.checkpoints = Checkpoints(config.out / CHECKPOINT_DIR, config.checkpoint, self.manifest.num_parameters)
+        self.checkpoints = Checkpoints(config.out / CHECKPOINT_DIR, config.checkpoint, self.manifest.num_parameters,
+                                       RunSchedule(self.data.n_tasks, config.rounds_per_task))
         self.state, resumed_from = self.checkpoints.start(resume, RunState(
             weights=checkpoint_weights(config.artifacts),
             rng=dict(np.random.default_rng(config.seed).bit_generator.state),

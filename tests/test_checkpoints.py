@@ -2,10 +2,21 @@
 deliveries kept with each round, pruning to `keep`. (The run state's own round trip and refusals: test_coordinator.)"""
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import CheckpointPolicy, Checkpoints, DeviceDeliveries, RunState, load_latest
+from coordinator.checkpoint import (
+    CheckpointPolicy,
+    Checkpoints,
+    DeviceDeliveries,
+    RunSchedule,
+    RunState,
+    load_latest,
+)
+from edgefil.durable import StateError
 
 
 def test_a_generation_keeps_the_devices_deliveries_and_a_resume_finds_them(tmp_path):
@@ -31,3 +42,31 @@ def test_a_generation_keeps_the_devices_deliveries_and_a_resume_finds_them(tmp_p
     assert (found.payloads, found.broadcast, found.broadcast_round) == ({"a": {"old": b"xxx"}}, {"best": b"b"}, 3)
     assert not checkpoints.deliveries(resumed_from, 2)  # another round's are not this state's
     assert load_latest(tmp_path, 3)[0].round == 3
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("task", 10**9, "its task 1000000000 is past this run's 5 tasks"),
+    ("round_in_task", 8, "its round_in_task 8 is not below rounds_per_task 8"),
+    ("accuracy_matrix", [[0.5]] * 6, "its accuracy_matrix has 6 rows, this run 5 tasks"),
+    ("history", [{"round": 1, "task": 3, "accuracy": [0.5] * 4}], "its history holds task 3, after its own task 2"),
+])
+def test_a_checkpoint_outside_the_runs_schedule_is_not_resumed(tmp_path, field, value, reason):
+    """A generation that loads but lies outside the run's task schedule (a hand edit, another run's folder) would end
+    the run at once as complete, or index past its test sets: resume falls back to the generation before, and
+    refuses in one line naming why when none fits."""
+    checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=3), num_parameters=3, schedule=RunSchedule(5, 8))
+    state = RunState(weights=np.zeros(3, dtype=np.float32), task=2, round_in_task=1,
+                     rng=dict(np.random.default_rng(0).bit_generator.state))
+    for number in (1, 2):
+        state.round = number
+        checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
+    assert checkpoints.start(resume=True, fresh=state)[0].round == 2
+    newest = tmp_path / "round-000002" / "state.json"
+    newest.write_text(json.dumps({**json.loads(newest.read_text()), field: value}))
+    resumed, folder = checkpoints.start(resume=True, fresh=state)
+    assert resumed.round == 1 and folder == tmp_path / "round-000001"
+    oldest = tmp_path / "round-000001" / "state.json"
+    oldest.write_text(json.dumps({**json.loads(oldest.read_text()), field: value}))
+    with pytest.raises(StateError, match=f"^no checkpoint in .* can be resumed: round-000002: .*does not fit this "
+                                         f"run: {re.escape(reason)}; round-000001"):
+        checkpoints.start(resume=True, fresh=state)
