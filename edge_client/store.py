@@ -32,7 +32,8 @@ Budget bound. Before a write, the store bounds the bytes the directory can hold 
 
     peak = now + file(G * page) + max(journal now, file(header + J * (page + 8)))
 
-`now` is the size of the directory and the database, the larger of allocated and apparent size. G bounds the
+`now` is the size of the directory and the database as M counts them (`budget.charged_bytes`: the larger of the
+allocated bytes and the file-size rule below applied to the apparent size, so the same in every run). G bounds the
 pages the database grows by: rows, overflow pages, B-tree pages and pointer-map pages (`_append_bound`), less
 pages a crash left past its end. J bounds the pages the transaction copies into the rollback journal, which
 only ever holds pages that existed before it began, each at most once (so J <= pages now); a record is a page
@@ -74,7 +75,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_client.budget import Budget, BudgetShare, DeviceBudget, file_bytes
+from edge_client.budget import Budget, BudgetShare, DeviceBudget, charged_bytes, directory_bytes, file_bytes
 
 DB_NAME = "replay.sqlite"
 STORE_HOLDER = "store"  # the store's name among the holders of a DeviceBudget
@@ -192,7 +193,7 @@ class _State(NamedTuple):
     doomed: int  # rows in doomed (a delete being purged)
     rows: int  # rows in samples, doomed ones included
     next_id: int
-    now: int  # bytes of the directory and the database: the larger of allocated and apparent size
+    now: int  # bytes of the directory and the database as M counts them (budget.charged_bytes)
     journal: int  # bytes of the journal file: 0 but after a crash (a new journal overwrites it from the start)
 
 
@@ -279,7 +280,7 @@ class ReplayStore:
         existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
         self._block = os.statvfs(existing).f_frsize
         self._set_shape(shape)
-        directory = _size(os.stat(self.directory)) if self.directory.exists() else max(self._block, 4096)
+        directory = self._charged(os.stat(self.directory)) if self.directory.exists() else max(self._block, 4096)
         empty = _State(pages=EMPTY_PAGES, file_pages=EMPTY_PAGES, free=0, depth=1, doomed=0, rows=0, next_id=0,
                        now=directory + self._file_bytes(EMPTY_PAGES * PAGE), journal=0)
         need = max(empty.now + self._file_bytes(JOURNAL_HEADER + EMPTY_PAGES * JOURNAL_RECORD, fresh=True),
@@ -525,11 +526,10 @@ class ReplayStore:
         return self._length
 
     def bytes_on_disk(self) -> int:
-        """Allocated bytes of the directory and its files (du's measure, and what a disk quota charges).
-
-        The budget bound also covers the apparent size (`du --apparent-size`), so max_bytes holds for both."""
-        entries = [os.stat(self.directory)] + [e.stat(follow_symlinks=False) for e in os.scandir(self.directory)]
-        return sum(s.st_blocks * 512 for s in entries)
+        """The directory and its files as M counts them (`budget.charged_bytes`): at least their allocated bytes
+        (du's measure, what a disk quota charges) and their apparent size (`du --apparent-size`), and the same in
+        every run of the same operations, however the disk placed the blocks."""
+        return directory_bytes(self.directory, self._block)
 
     def delete_headroom(self) -> int:
         """Bytes beyond `bytes_on_disk()` that starting a delete of every sample may take (its tombstones' and its
@@ -578,8 +578,8 @@ class ReplayStore:
                 doomed=one("SELECT count(*) FROM doomed"),
                 rows=one("SELECT count(*) FROM samples"),
                 next_id=one("SELECT value FROM meta WHERE key = 'next_id'"),
-                now=_size(os.stat(self.directory), *files.values()),
-                journal=_size(journal) if journal else 0,
+                now=self._charged(os.stat(self.directory), *files.values()),
+                journal=self._charged(journal) if journal else 0,
             )
 
     def _depth(self, table: str, pages: int) -> int:
@@ -596,6 +596,10 @@ class ReplayStore:
 
     def _file_bytes(self, size: int, fresh: bool = False) -> int:
         return file_bytes(size, self._block, fresh)
+
+    def _charged(self, *stats: os.stat_result) -> int:
+        """Entries of the directory as M counts them (`budget.charged_bytes`)."""
+        return sum(charged_bytes(s, self._block) for s in stats)
 
     def _peak(self, state: _State, grow_pages: int, journal_pages: int) -> int:
         """Bound on the directory's bytes during a transaction (see the module docstring). Growth first fills
@@ -774,11 +778,6 @@ def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if not shape or min(shape) < 1:
         raise ValueError(f"sample_shape must be positive dimensions, not {shape}")
     return shape
-
-
-def _size(*stats: os.stat_result) -> int:
-    """Bytes of files by the larger of their allocated and apparent size, so a bound on it bounds both."""
-    return max(sum(s.st_blocks * 512 for s in stats), sum(s.st_size for s in stats))
 
 
 def _crc(task: int, label: int, data: bytes) -> int:

@@ -149,6 +149,34 @@ def test_one_file_size_rule():
     assert file_bytes(5 * 4096, 4096, fresh=True) == (5 + 1 + 2) * 4096
 
 
+def test_what_m_counts_of_a_file_does_not_depend_on_how_the_disk_placed_it(tmp_path):
+    """Two files of the same 32 blocks, one written in one piece, one a block at a time interleaved with another
+    file's blocks, each synced (so the file system places them apart: on ext4, 17 extents and an index block). What
+    M counts of them is the same, and at least what either occupies: a byte-budgeted run does not depend on the
+    disk's placement (it did: one seed's fleet kept 64 samples on a device in one run and 65 in the next)."""
+    import os
+
+    from edge_client.budget import charged_bytes
+
+    block = os.statvfs(tmp_path).f_frsize
+    whole = tmp_path / "whole"
+    whole.write_bytes(b"x" * 32 * block)
+    pieces, other = (os.open(tmp_path / name, os.O_RDWR | os.O_CREAT) for name in ("pieces", "other"))
+    try:
+        for k in range(32):
+            for fd in (pieces, other):
+                os.pwrite(fd, b"y" * block, k * block)
+                os.fsync(fd)
+    finally:
+        os.close(pieces)
+        os.close(other)
+    placed = {name: os.stat(tmp_path / name) for name in ("whole", "pieces")}
+    assert placed["whole"].st_size == placed["pieces"].st_size
+    charged = {name: charged_bytes(entry, block) for name, entry in placed.items()}
+    assert charged["whole"] == charged["pieces"] == file_bytes(32 * block, block, fresh=True)
+    assert all(charged[name] >= entry.st_blocks * 512 for name, entry in placed.items())
+
+
 def test_the_replacement_peak_known_before_any_file_bounds_the_real_one(tmp_path):
     """What a holder checks at open (`replacement_peak`) is at least what replacing its one file really peaks at."""
     import os

@@ -97,8 +97,8 @@ def test_a_tight_budget_drops_generators_by_the_rule_and_never_samples_a_missing
     probe.finish_round()
     record_bytes = probe.policy._bank.bytes_on_disk() // 2
     budget = 7 * record_bytes + 4096  # half of it (the bank's share) holds three generators, not four
-    learner = make_learner(artifacts, tmp_path / "tight", max(budget, 256 * 1024), bank_share=budget / max(
-        budget, 256 * 1024) / 2)
+    learner = make_learner(artifacts, tmp_path / "tight", max(budget, 320 * 1024), bank_share=budget / max(
+        budget, 320 * 1024) / 2)
     bank = learner.policy._bank
     dropped = 0
     for _, classes in run_rounds(learner, digits, [(0, 1), (2, 3), (4, 5), (6, 7)], bank.bytes_on_disk,

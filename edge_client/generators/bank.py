@@ -9,7 +9,8 @@ beside the old one and renames it over it, so at its peak the directory holds bo
 
 where file(n) rounds up to file-system blocks and adds the mapping metadata the replay store counts (none for a
 file of at most 4 blocks, else ceil(blocks / 128) + 2 blocks). `bytes_on_disk()` counts the directory and every
-file by the larger of its allocated bytes (st_blocks * 512) and its apparent size rounded up to the block.
+file as every holder of M does (`budget.charged_bytes`): the larger of its allocated bytes (st_blocks * 512) and
+file(its apparent size), the same in every run however the disk placed the blocks.
 
 Crash safety: temp file, fsync, rename, fsync of the directory; a crash leaves the old file or the new one, and
 possibly a temporary file, which the next open removes. A class file that fails verification on open (torn by a
@@ -98,7 +99,7 @@ class GeneratorBank:
         fsync_directory(self.directory)
 
     def bytes_on_disk(self) -> int:
-        """The directory and its files, each by the larger of allocated and block-rounded apparent size."""
+        """The directory and its files, each as M counts it (`budget.charged_bytes`)."""
         return directory_bytes(self.directory, self._block)
 
     def _peak(self, size: int) -> int:
