@@ -92,6 +92,83 @@ def test_off_loopback_the_dashboard_needs_its_token(tmp_path):
         dashboard.stop()
 
 
+def test_without_a_token_only_a_loopback_host_header_is_served(tmp_path):
+    """DNS rebinding: a page elsewhere that makes its own name resolve to 127.0.0.1 sends its name as the Host."""
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0).start()
+    try:
+        port = dashboard.server.server_address[1]
+        for host, status in ((f"evil.example:{port}", 403), ("evil.example", 403), (f"localhost:{port}", 200),
+                             (f"127.0.0.1:{port}", 200), (f"[::1]:{port}", 200)):
+            request = urllib.request.Request(dashboard.url + "api/run", headers={"Host": host})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    got, body = response.status, response.read()
+            except urllib.error.HTTPError as err:
+                got, body = err.code, err.read()
+            assert got == status, (host, body)
+        assert b"the Host header names no loopback address" in get_with_host(dashboard.url, "evil.example")
+    finally:
+        dashboard.stop()
+
+
+def get_with_host(url: str, host: str) -> bytes:
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, headers={"Host": host}), timeout=10)
+    except urllib.error.HTTPError as err:
+        return err.read()
+    return b""
+
+
+def test_idle_connections_are_bounded_and_closed(tmp_path):
+    """Clients that connect and send nothing hold at most `max_connections` threads (one more is closed at once),
+    each idle one is closed after `idle_timeout_s`, and then the page answers again."""
+    import socket
+
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0, max_connections=4, idle_timeout_s=1.0).start()
+    threads_before = threading.active_count()
+    most, done = [0], threading.Event()
+
+    def count_threads() -> None:
+        while not done.is_set():
+            most[0] = max(most[0], threading.active_count() - 1)  # less this one
+            time.sleep(0.01)
+
+    counter = threading.Thread(target=count_threads, daemon=True)
+    counter.start()
+    idle = [socket.create_connection(dashboard.server.server_address[:2], timeout=60) for _ in range(12)]
+    try:
+        for sock in idle:  # refused at once, or closed once idle past the timeout: the server ends every one
+            assert sock.recv(1) == b""
+        done.set()
+        counter.join()
+        assert most[0] <= threads_before + 4 and dashboard.server.refused >= 1, (most, dashboard.server.refused)
+        assert get(dashboard.url + "api/run")[0] == 200
+    finally:
+        done.set()
+        for sock in idle:
+            sock.close()
+        dashboard.stop()
+
+
+def test_a_client_that_hangs_up_costs_one_line_not_a_traceback(tmp_path, caplog, capfd):
+    import logging
+    import socket
+    import struct
+
+    caplog.set_level(logging.DEBUG, logger="edgefil.dashboard")
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0).start()
+    try:
+        sock = socket.create_connection(dashboard.server.server_address[:2], timeout=10)
+        sock.sendall(b"GET /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the headers never end
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, mid-request
+        wait_for(lambda: "dashboard client 127.0.0.1: ConnectionResetError" in caplog.text, 60, "the hang-up logged")
+        assert "Traceback" not in capfd.readouterr().err
+        assert get(dashboard.url + "api/run")[0] == 200
+    finally:
+        dashboard.stop()
+
+
 def test_a_dashboard_that_cannot_listen_leaves_the_run_alone(tmp_path, caplog):
     from coordinator.dashboard import start_dashboard
 

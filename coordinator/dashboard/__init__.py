@@ -8,7 +8,13 @@ shipped in `static/`, no CDN, no build step).
 
 Bound to a loopback address it needs nothing; bound elsewhere it needs a token (`--token`, or one made at start and
 printed with the address), given as `?token=` in the page's address or an `Authorization: Bearer` header, compared in
-constant time. The page and its data are read-only; no request changes anything.
+constant time. Without a token, a request must name a loopback host in its Host header: a page elsewhere that makes
+its own name resolve to 127.0.0.1 (DNS rebinding) is refused. The page and its data are read-only; no request
+changes anything.
+
+What a client can hold of it is bounded: at most `max_connections` connections are served at a time (one thread
+each; more are closed at once), and a connection that sends nothing for `idle_timeout_s` is closed. A client that
+hangs up mid-answer costs one debug line, not a traceback in the coordinator's log.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import json
 import logging
 import math
 import secrets
+import socket
+import sys
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +46,8 @@ STATIC = {
     "uPlot.iife.min.js": "text/javascript; charset=utf-8",
     "uPlot.min.css": "text/css; charset=utf-8",
 }
+MAX_CONNECTIONS = 32  # served at a time, a thread each: a browser opens a handful
+IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'",
     "X-Content-Type-Options": "nosniff",
@@ -52,6 +62,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def host_name(header: str | None) -> str:
+    """The host a Host header names, without its port or an IPv6 literal's brackets ('' when absent)."""
+    value = (header or "").strip()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
 
 
 def _read_json(path: Path) -> Any:
@@ -89,15 +107,52 @@ def run_view(folder: Path) -> dict[str, Any]:
     return _finite({"folder": folder.name, "run": run, "fleet": _read_json(folder / FLEET_FILE)})
 
 
+class BoundedServer(ThreadingHTTPServer):
+    """The standard library's threading HTTP server, holding at most `max_connections` connections (a thread each)
+    at a time: one more is closed at once, so idle or slow clients cannot pile up threads. An error a client
+    causes (it hung up, it sent nothing in time) is logged in one line."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
+                 ) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections closed because every slot was taken
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, socket.timeout)):
+            log.debug("dashboard client %s: %s", client_address[0], error.__class__.__name__)
+        else:
+            log.warning("dashboard request from %s failed: %r", client_address[0], error)
+
+
 class Dashboard:
     """A dashboard of `folder`, served on (host, port) from a daemon thread once `start` is called."""
 
-    def __init__(self, folder: str | Path, host: str = "127.0.0.1", port: int = 8765, token: str | None = None
-                 ) -> None:
+    def __init__(self, folder: str | Path, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.folder = Path(folder)
         self.token = token if token is not None else (None if is_loopback(host) else secrets.token_urlsafe(16))
-        self.server = ThreadingHTTPServer((host, port), _handler(self))
-        self.server.daemon_threads = True
+        self.server = BoundedServer((host, port), _handler(self, idle_timeout_s), max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -115,9 +170,10 @@ class Dashboard:
         self.server.shutdown()
         self.server.server_close()
 
-    def allowed(self, query: dict[str, list[str]], authorization: str | None) -> bool:
+    def allowed(self, query: dict[str, list[str]], authorization: str | None, host: str | None) -> bool:
+        """With a token: the request carries it. Without: the request names a loopback host (no DNS rebinding)."""
         if self.token is None:
-            return True
+            return is_loopback(host_name(host))
         given = (query.get("token") or [""])[0]
         if authorization and authorization.startswith("Bearer "):
             given = authorization[len("Bearer "):]
@@ -165,17 +221,20 @@ def _run_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
+def _handler(dashboard: Dashboard, idle_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     static = resources.files(__package__) / "static"
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "edgefil-dashboard"
+        timeout = idle_timeout_s  # StreamRequestHandler sets it on the connection: an idle one is closed
 
         def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
             parts = urlsplit(self.path)
-            if not dashboard.allowed(parse_qs(parts.query), self.headers.get("Authorization")):
-                self._send(HTTPStatus.FORBIDDEN, b"a token is needed: open the address the dashboard printed\n",
-                           "text/plain; charset=utf-8")
+            if not dashboard.allowed(parse_qs(parts.query), self.headers.get("Authorization"),
+                                     self.headers.get("Host")):
+                why = (b"a token is needed: open the address the dashboard printed\n" if dashboard.token else
+                       b"the Host header names no loopback address: open the address the dashboard printed\n")
+                self._send(HTTPStatus.FORBIDDEN, why, "text/plain; charset=utf-8")
                 return
             path = parts.path
             if path == "/api/run":
