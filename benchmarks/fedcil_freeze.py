@@ -3,8 +3,8 @@ outside a fleet: the one stored at the round's start (edge_client/policies/fedci
 classes pass through one more self-replay every round) or the one frozen at the task switch (the authors' code,
 daiqing98/FedCIL: `last_generator`, copied in `next_task`, kept for the whole task).
 
-For each client of the scenario (its own train data, task after task), an ACGAN trains as the policy's
-`after_training` does (`--rounds` rounds of `--steps` steps a task, batch 32, Adam 2e-4 (0.5, 0.999), the earlier
+For each client of the scenario (its own train data, task after task), an ACGAN trains by the policy's
+own loop (`models/acgan.py` `train_acgan`; `--rounds` rounds of `--steps` steps a task, batch 32, Adam 2e-4 (0.5, 0.999), the earlier
 classes replayed as real, as many as the batch's real samples), once per way, from the same seed. After the last
 task, `--per-class` samples of each class it learnt are read by the final model of a FedAvg run of the same seed
 (`--reference`, a table1 run folder): the share read as the class they were conditioned on, by the class's age (0:
@@ -26,7 +26,7 @@ import torch
 from task_confusion import final_model, predicted_classes
 
 from firmware_sim.scenarios import PRESETS, ScenarioData, build
-from models.acgan import AcganSpec, acgan_step, build_acgan
+from models.acgan import AcganSpec, build_acgan, train_acgan
 
 WAYS = ("frozen each round", "frozen at the task switch")
 BATCH = 32
@@ -48,20 +48,8 @@ def train_device(data: ScenarioData, client: int, way: str, args: argparse.Names
         for _ in range(args.rounds):
             previous = (copy.deepcopy(generator).eval() if old else None) if way == WAYS[0] else at_switch
             noise = torch.Generator().manual_seed(int(rng.integers(2**31 - 1)))
-            opt_g = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
-            opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
             classes = np.asarray(sorted({*old, *np.unique(y).tolist()}), dtype=np.int64)
-            for _ in range(args.steps):
-                pick = rng.choice(len(y), size=min(BATCH, len(y)), replace=False)
-                real_x, real_y = torch.from_numpy(np.ascontiguousarray(x[pick])), torch.from_numpy(y[pick])
-                if previous is not None:
-                    replay_y = torch.from_numpy(rng.choice(np.asarray(old, dtype=np.int64), size=len(pick)))
-                    with torch.no_grad():
-                        replay_x = previous(torch.randn(len(pick), LATENT, generator=noise), replay_y)
-                    real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
-                fake_y = torch.from_numpy(rng.choice(classes, size=len(real_y)))
-                z = torch.randn(len(real_y), LATENT, generator=noise)
-                acgan_step(generator, discriminator, opt_g, opt_d, real_x, real_y, z, fake_y)
+            train_acgan(generator, discriminator, x, y, classes, args.steps, BATCH, 2e-4, rng, noise, previous, old)
         learnt.update({int(c): task for c in np.unique(y)})
     last = max(learnt.values())
     generator.eval()

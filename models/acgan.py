@@ -9,11 +9,17 @@ Losses (Odena et al.), with BCE on the real/fake logit and CE on the class logit
 
     L_D = BCE(D(x), 1) + BCE(D(G(z, c)), 0) + CE(D(x), y) + CE(D(G(z, c)), c)
     L_G = BCE(D(G(z, c)), 1) + CE(D(G(z, c)), c)
+
+`train_acgan` is the steps of one round as FedCIL's clients take them (Deep Generative Replay's form): each step a
+batch of real samples, as many of the earlier classes drawn from a frozen replay generator counted as real, and
+the ACGAN step on them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -82,3 +88,33 @@ def generator_loss(fake: torch.Tensor, fake_y: torch.Tensor) -> torch.Tensor:
     """L_G of the module docstring from the discriminator's outputs on generated samples."""
     return F.binary_cross_entropy_with_logits(fake[:, 0], torch.ones_like(fake[:, 0])) + F.cross_entropy(
         fake[:, 1:], fake_y)
+
+
+def train_acgan(generator: ConditionalGenerator, discriminator: nn.Module, x: np.ndarray, y: np.ndarray,
+                classes: np.ndarray, steps: int, batch: int, lr: float, rng: np.random.Generator,
+                noise: torch.Generator, replay: ConditionalGenerator | None = None,
+                replay_classes: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` ACGAN steps with fresh Adam optimisers (`lr`, betas (0.5, 0.999), as DCGAN and ACGAN), each on
+    `batch` real samples of (x, y) (fewer when y holds fewer) and, with a `replay` generator, as many samples of
+    `replay_classes` from it, labelled with their class and counted as real; the generated side draws its classes
+    from `classes`. Draws from `rng` (picks, labels) and `noise` (latents) in a fixed order; (L_D, L_G) of the last
+    step (zeros without steps)."""
+    opt_g = torch.optim.Adam(generator.parameters(), lr=lr, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(discriminator.parameters(), lr=lr, betas=(0.5, 0.999))
+    old = np.asarray(replay_classes, dtype=np.int64)
+    latent = generator.latent_dim
+    generator.train()
+    loss_d = loss_g = torch.zeros(())
+    for _ in range(steps):
+        pick = rng.choice(len(y), size=min(batch, len(y)), replace=False)
+        real_x, real_y = torch.from_numpy(np.ascontiguousarray(x[pick])), torch.from_numpy(y[pick])
+        if replay is not None:
+            replay_y = torch.from_numpy(rng.choice(old, size=len(pick)))
+            with torch.no_grad():
+                replay_x = replay(torch.randn(len(pick), latent, generator=noise), replay_y)
+            real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
+        fake_y = torch.from_numpy(rng.choice(classes, size=len(real_y)))
+        z = torch.randn(len(real_y), latent, generator=noise)
+        loss_d, loss_g = acgan_step(generator, discriminator, opt_g, opt_d, real_x, real_y, z, fake_y)
+    generator.eval()
+    return loss_d, loss_g

@@ -153,7 +153,7 @@ class FedCil(NoReplay):
         """`gan_steps` ACGAN steps on this task's real samples and the replay generator's earlier classes."""
         import torch
 
-        from models.acgan import acgan_step, build_acgan
+        from models.acgan import build_acgan, train_acgan
 
         if not len(y) or self.gan_steps == 0:
             return
@@ -170,26 +170,10 @@ class FedCil(NoReplay):
         old = [] if replay is None else sorted(replay[1] - (set(np.unique(y).tolist()) if self.replay_from == "round"
                                                              else set()))
         previous = self._generator(replay[0]) if old and replay is not None else None
-        noise = torch.Generator().manual_seed(seed)
-        opt_g = torch.optim.Adam(generator.parameters(), lr=self.gan_lr, betas=(0.5, 0.999))
-        opt_d = torch.optim.Adam(discriminator.parameters(), lr=self.gan_lr, betas=(0.5, 0.999))
         known = set() if stored is None else stored.classes
         classes = np.asarray(sorted({*known, *old, *np.unique(y).tolist()}), dtype=np.int64)
-        batch = view.batch_size
-        generator.train()
-        loss_d = loss_g = torch.zeros(())
-        for _ in range(self.gan_steps):
-            pick = view.rng.choice(len(y), size=min(batch, len(y)), replace=False)
-            real_x, real_y = torch.from_numpy(np.ascontiguousarray(x[pick])), torch.from_numpy(y[pick])
-            if previous is not None:  # the earlier classes, from the previous generator, count as real
-                replay_y = torch.from_numpy(view.rng.choice(np.asarray(old, dtype=np.int64), size=len(pick)))
-                with torch.no_grad():
-                    replay_x = previous(torch.randn(len(pick), self.latent_dim, generator=noise), replay_y)
-                real_x, real_y = torch.cat([real_x, replay_x]), torch.cat([real_y, replay_y])
-            fake_y = torch.from_numpy(view.rng.choice(classes, size=len(real_y)))
-            z = torch.randn(len(real_y), self.latent_dim, generator=noise)
-            loss_d, loss_g = acgan_step(generator, discriminator, opt_g, opt_d, real_x, real_y, z, fake_y)
-        generator.eval()
+        loss_d, loss_g = train_acgan(generator, discriminator, x, y, classes, self.gan_steps, view.batch_size,
+                                     self.gan_lr, view.rng, torch.Generator().manual_seed(seed), previous, old)
         frozen = None if self.replay_from == "round" else self._frozen(view, stored)
         saved = self._held().write(self._encode(generator, discriminator, {int(c) for c in classes}, frozen))
         self._round.update(acgan_loss_d=float(loss_d.item()), acgan_loss_g=float(loss_g.item()),
