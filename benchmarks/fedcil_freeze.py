@@ -3,13 +3,13 @@ outside a fleet: the one stored at the round's start (edge_client/policies/fedci
 classes pass through one more self-replay every round) or the one frozen at the task switch (the authors' code,
 daiqing98/FedCIL: `last_generator`, copied in `next_task`, kept for the whole task).
 
-For each client of the scenario (its own train data, task after task), an ACGAN trains by the policy's
-own loop (`models/acgan.py` `train_acgan`; `--rounds` rounds of `--steps` steps a task, batch 32, Adam 2e-4 (0.5, 0.999), the earlier
-classes replayed as real, as many as the batch's real samples), once per way, from the same seed. After the last
-task, `--per-class` samples of each class it learnt are read by the final model of a FedAvg run of the same seed
-(`--reference`, a table1 run folder): the share read as the class they were conditioned on, by the class's age (0:
-the last task's classes; k: the task k before it). Printed per way: the mean over clients at each age and over the
-earlier classes (ages >= 1).
+For each client of the scenario (its own train data, task after task), an ACGAN trains by the policy's own loop
+(`models/acgan.py` `train_acgan`; `--rounds` rounds of `--steps` steps a task, batch 32, Adam 2e-4 (0.5, 0.999), the
+earlier classes replayed as real, as many as the batch's real samples), once per way, from the same seed. After the
+last task, `--per-class` samples of each class it learnt are read by the final model of a FedAvg run of the same
+seed (`--reference`, a table1 run folder): the share read as the class they were conditioned on, by the class's age
+(0: the last task's classes; k: the task k before it). Printed per way: the mean over clients at each age and over
+the earlier classes (ages >= 1).
 
     .venv/bin/python benchmarks/fedcil_freeze.py --reference runs/table1/methods/fashion-class/seed0/fedavg
         [--scenario fashion-class] [--seed 0] [--clients 0,1,2,3,4] [--width 8] [--rounds 3] [--steps 200]
