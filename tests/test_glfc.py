@@ -589,3 +589,52 @@ def test_a_restart_mid_task_keeps_the_old_model_of_the_task(artifacts, tmp_path)
     restarted.train()
     assert np.array_equal(restarted.policy._old_model(), first)
     restarted.store.close()
+
+
+def _prototypes(gradients):
+    return {prototype_name(k): encode_gradient(g) for k, g in enumerate(gradients)}
+
+
+def test_one_device_cannot_crowd_the_proxys_pool(artifacts, tmp_path):
+    """An honest device sends one prototype gradient per new class of a task, once a task. A device that sends 64
+    (of the task's classes, of another task's class) gets one per class of the task pooled, once: the honest
+    device's count, not the pool. Its second upload in the task is not pooled, across a restart too."""
+    proxy = _proxy(artifacts, gamma="glfc_mlp", lbfgs_iterations=1)
+    data = load_dataset("digits")
+    gradient = {c: _gamma_gradient("glfc_mlp", data.x_train[data.y_train == c][0], c)[0] for c in (0, 1, 5)}
+    assert {c: infer_label(g, proxy.gamma_parameters) for c, g in gradient.items()} == {0: 0, 1: 1, 5: 5}
+    base = np.fromfile(artifacts / "weights.bin", dtype="<f4")
+    flood = [gradient[0] * (1 + k / 100) for k in range(31)] + [gradient[1] * (1 + k / 100) for k in range(31)]
+    flood += [gradient[5], gradient[5]]
+
+    def ctx(round_):
+        return RoundContext(round=round_, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=round_,
+                            rounds_per_task=4)
+
+    hostile = ClientUpdate("d0", base.copy(), 10, attachments=_prototypes(flood))
+    honest = ClientUpdate("d1", base.copy(), 10, attachments=_prototypes([gradient[0], gradient[1]]))
+    proxy.inspect(hostile)  # well-formed: the pool's rule, not the gate, bounds it
+    proxy.aggregate(torch.from_numpy(base), [hostile, honest], ctx(1))
+    assert proxy.last_metrics["prototypes_pooled"] == 4.0 and proxy.last_metrics["prototypes_refused"] == 62.0
+    assert proxy.pooled == (0, 4)
+    proxy.save(tmp_path)
+    restarted = _proxy(artifacts, gamma="glfc_mlp", lbfgs_iterations=1)
+    restarted.load(tmp_path)
+    for strategy in (proxy, restarted):
+        again = ClientUpdate("d0", base.copy(), 10, attachments=_prototypes([gradient[0], gradient[1]]))
+        strategy.aggregate(torch.from_numpy(base), [again], ctx(2))
+        assert strategy.last_metrics == {"prototypes_refused": 2.0} and strategy.pooled[1] in (0, 4)
+    proxy.job.wait(60)
+    restarted.job.wait(60)
+
+
+def test_a_reconstruction_that_is_not_finite_is_dropped(artifacts):
+    """A finite but extreme gradient (an honest one x 1e10) makes the matching diverge: its reconstruction is not
+    finite, and it never reaches the monitor set."""
+    proxy = _proxy(artifacts, gamma="glfc_lenet", lbfgs_iterations=5)
+    x, _ = _digits([4], 1)
+    gradient, _ = _gamma_gradient("glfc_lenet", x[0], 4)
+    extreme = gradient * np.float32(1e10)
+    assert np.isfinite(extreme).all()
+    made, labels = proxy.reconstruct([gradient, extreme], Deadline(600))
+    assert labels.tolist() == [4] and made.shape == (1, 1, 8, 8) and np.isfinite(made).all()

@@ -8,11 +8,16 @@ GLFC without it):
 1. pools the round's prototype gradients (`glfc/prototype/<k>` attachments, checked in `inspect`; a device
    uploads them in its first round of a task, so they come over the task's rounds), the round's in device order,
    then shuffled with a seeded permutation (no gradient is tied to its device once pooled, and the same updates
-   give the same pool on any host); at most `max_reconstructions` of a task (the rest are counted, not used);
+   give the same pool on any host); at most `max_reconstructions` of a task (the rest are counted, not used).
+   A device's gradients count only as far as an honest device's would, so one device cannot crowd the pool or
+   outvote the others' labels: once a task (its first update that carries any), one per class of the task's
+   (`task_classes`; every class where the round does not name them), each of a class its label (read as in 2)
+   does not repeat; the rest are counted (`prototypes_refused`), not used;
 2. infers each one's label from the last layer's gradient (`models.glfc.infer_label`);
 3. reconstructs one sample per gradient by gradient matching (Eqs. 8-9): x ~ N(0, 1), L-BFGS on
    sum_i ||grad_W_i CE(Gamma(x), y) - grad_W_i||^2 (`lbfgs_iterations` per sample, `lbfgs_lr`, a strong Wolfe
-   line search), clamped to `input_range` at the end, in a `BackgroundJob` on the strategy's torch device (cuda
+   line search), clamped to `input_range` at the end (one that is not finite, as a finite but extreme gradient
+   gives, is dropped and logged), in a `BackgroundJob` on the strategy's torch device (cuda
    when present), so the coordinator keeps handling its devices meanwhile; an empty pool starts nothing (the
    authors' code divides by zero there). Its work is bounded by counts (reconstructions x iterations), not by
    time, so what it reconstructs is the same on a quiet and a loaded host;
@@ -126,6 +131,7 @@ class GlfcProxy(Strategy):
         self.choice: BackgroundJob[AggregateResult] = BackgroundJob("glfc-proxy-choice")
         self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled, not yet started
         self.pooled: tuple[int, int] = (-1, 0)  # (task, gradients of it pooled so far), for the cap
+        self.contributed: tuple[int, set[str]] = (-1, set())  # (task, devices whose gradients of it were taken)
         self.monitor: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, x, y) reconstructed
         self.task_models: tuple[int, list[np.ndarray]] = (-1, [])  # the task's global models so far
         self.last_metrics: dict[str, float] = {}
@@ -159,7 +165,7 @@ class GlfcProxy(Strategy):
         task, models = self.task_models
         self.task_models = (ctx.task, ([] if task != ctx.task or ctx.starts_task else models) + [weights])
         if self.proxy:
-            self._pool(updates, ctx.task)
+            self._pool(updates, ctx)
             self._take_reconstruction()
             self._start_reconstruction()
         if not ctx.ends_task:
@@ -182,13 +188,27 @@ class GlfcProxy(Strategy):
             result.metrics = {"proxy": dict(self.last_metrics)}
         return result
 
-    def _pool(self, updates: Sequence[ClientUpdate], task: int) -> None:
-        """The round's prototype gradients, in device order and shuffled (seeded by the task and the gradients
-        pooled before), join those waiting for a reconstruction, up to `max_reconstructions` a task (a new task's
-        replace an earlier task's that never started)."""
-        pool = [decode_gradient(bytes(data), self.gamma_parameters)
-                for update in sorted(updates, key=lambda u: u.device)
-                for name, data in sorted(update.attachments.items()) if is_prototype(name)]
+    def _pool(self, updates: Sequence[ClientUpdate], ctx: RoundContext) -> None:
+        """The round's prototype gradients, each device's as far as an honest device's go (`_honest_share`), in
+        device order and shuffled (seeded by the task and the gradients pooled before), join those waiting for a
+        reconstruction, up to `max_reconstructions` a task (a new task's replace an earlier task's that never
+        started)."""
+        task = ctx.task
+        contributed = self.contributed[1] if self.contributed[0] == task else set()
+        pool: list[np.ndarray] = []
+        refused = 0
+        for update in sorted(updates, key=lambda u: u.device):
+            gradients = [decode_gradient(bytes(data), self.gamma_parameters)
+                         for name, data in sorted(update.attachments.items()) if is_prototype(name)]
+            if not gradients:
+                continue
+            taken = [] if update.device in contributed else self._honest_share(gradients, ctx.task_classes)
+            contributed.add(update.device)
+            pool.extend(taken)
+            refused += len(gradients) - len(taken)
+        self.contributed = (task, contributed)
+        if refused:
+            self.last_metrics["prototypes_refused"] = float(refused)
         if not pool:
             return
         earlier = self.pooled[1] if self.pooled[0] == task else 0
@@ -203,6 +223,17 @@ class GlfcProxy(Strategy):
             return
         waiting = self.waiting[1] if self.waiting is not None and self.waiting[0] == task else []
         self.waiting = (task, waiting + kept)
+
+    def _honest_share(self, gradients: Sequence[np.ndarray], task_classes: Sequence[int]) -> list[np.ndarray]:
+        """What an honest device sends of a task: one gradient per class of the task (of its new classes), so at
+        most one whose label is each class of `task_classes` (any class where the round names none)."""
+        allowed = set(task_classes) or set(range(self.num_classes))
+        taken: dict[int, np.ndarray] = {}
+        for gradient in gradients:
+            label = infer_label(gradient, self.gamma_parameters)
+            if label in allowed and label not in taken:
+                taken[label] = gradient
+        return list(taken.values())
 
     def _start_reconstruction(self) -> None:
         """Reconstruct what waits, unless a reconstruction runs."""
@@ -261,6 +292,7 @@ class GlfcProxy(Strategy):
         """One sample per gradient by gradient matching (module docstring, 3), each from its own seeded start."""
         samples: list[np.ndarray] = []
         labels: list[int] = []
+        dropped = 0
         for gradient in gradients:
             if deadline.passed():
                 log.error("glfc proxy: out of time (reconstruction_timeout_s) after %d of %d reconstructions",
@@ -269,8 +301,14 @@ class GlfcProxy(Strategy):
             label = infer_label(gradient, self.gamma_parameters)
             start = int.from_bytes(hashlib.blake2b(gradient.tobytes(), digest_size=4).digest(), "little")
             generator = torch.Generator().manual_seed(self.seed * 7919 + start)
-            samples.append(self.invert(gradient, label, generator, deadline))
+            sample = self.invert(gradient, label, generator, deadline)
+            if not np.isfinite(sample).all():  # an extreme gradient's distance overflows: nothing to score with
+                dropped += 1
+                continue
+            samples.append(sample)
             labels.append(label)
+        if dropped:
+            log.warning("glfc proxy: %d of %d reconstructions not finite, dropped", dropped, len(gradients))
         if not samples:
             return np.zeros((0, *self.shape), np.float32), np.zeros(0, np.int64)
         return np.stack(samples).astype(np.float32), np.asarray(labels, dtype=np.int64)
@@ -306,9 +344,11 @@ class GlfcProxy(Strategy):
     # --- across a resume ------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
-        """The monitor set, the task's global models so far and how many of its gradients were pooled (gradients
-        pooled but not reconstructed when the coordinator stops are lost)."""
-        arrays: dict[str, Any] = {"pooled": np.asarray(self.pooled, dtype=np.int64)}
+        """The monitor set, the task's global models so far, how many of its gradients were pooled and whose
+        (gradients pooled but not reconstructed when the coordinator stops are lost)."""
+        arrays: dict[str, Any] = {"pooled": np.asarray(self.pooled, dtype=np.int64),
+                                  "contributed_task": np.int64(self.contributed[0]),
+                                  "contributed": np.asarray(sorted(self.contributed[1]), dtype=str)}
         if self.monitor is not None:
             arrays.update(monitor_task=np.int64(self.monitor[0]), monitor_x=self.monitor[1], monitor_y=self.monitor[2])
         if self.task_models[1]:
@@ -323,6 +363,8 @@ class GlfcProxy(Strategy):
         if "pooled" in saved and saved["pooled"].shape == (2,):
             task, count = saved["pooled"].tolist()
             self.pooled = (int(task), int(count))
+        if "contributed_task" in saved and saved["contributed"].dtype.kind == "U":
+            self.contributed = (int(saved["contributed_task"]), set(saved["contributed"].tolist()))
         if "monitor_task" in saved:
             self.monitor = (int(saved["monitor_task"]), saved["monitor_x"].astype(np.float32),
                             saved["monitor_y"].astype(np.int64))
