@@ -20,6 +20,7 @@ from coordinator.strategies.sdd import (
     class_accuracies,
     merge_replay,
     model_for,
+    plausible_statistics,
     train_generator,
     weighted_rows,
 )
@@ -363,17 +364,60 @@ def test_the_papers_finetune_trains_at_the_two_rates_without_replay(export_artif
                               start[class_head_positions(manifest.parameters, [8])])
 
 
-def test_hostile_statistics_never_put_a_sample_that_is_not_finite_in_the_replay_set(toy):
-    """A device's statistics at the edge of float32 (they decode: finite, variances >= 0): the generator skips a
-    step whose loss is not finite, and only finite samples join X~_t."""
+def test_a_generator_that_made_no_finite_step_makes_no_samples(toy):
+    """Statistics at the edge of float32 (they decode: finite, variances >= 0) make every step's loss non-finite:
+    each is skipped, and the untrained generator's output (noise, whatever labels it was asked for) is not kept as
+    the session's synthetic set, which would weight the classes' rows and join every device's replay."""
     manifest, teacher, _ = toy
     huge = {"input": LayerStatistics("input", np.array([3e38], np.float32), np.array([3e38], np.float32), 10),
             "features": LayerStatistics("features", np.full(manifest.feature_dim, -3e38, np.float32),
                                         np.full(manifest.feature_dim, 3e38, np.float32), 10)}
     settings = GeneratorSettings(epochs=3, iterations=5, batch_size=16, warmup_epochs=1)
     out = train_generator([teacher, teacher], [huge, None], (0, 1), settings, manifest, (0.0, 1.0), CPU, seed=0)
-    assert np.isfinite(out.x).all() and len(out.y) > 0
-    assert out.log["generator_steps"] + out.log["generator_skipped_steps"] == 15
+    assert out.log["generator_steps"] == 0 and out.log["generator_skipped_steps"] == 15
+    assert len(out.y) == 0 and out.x.shape == (0, 1, 8, 8)
+
+
+def test_only_statistics_an_honest_device_could_send_reach_the_generator(toy):
+    """Inputs' means outside the data's range or variances beyond what the range allows, or features two orders of
+    magnitude off the round's lower median, are not used; an honest spread (a device at twice another's scale)
+    is."""
+    manifest, _, stats = toy
+
+    def scaled(features=1.0, input_mean=0.2, input_var=0.01):
+        return {"input": LayerStatistics("input", np.array([input_mean], np.float32),
+                                         np.array([input_var], np.float32), 10),
+                "features": LayerStatistics("features", stats["features"].mean * features,
+                                            stats["features"].var * features**2, 10)}
+
+    sent = [scaled(), scaled(2.0), None, scaled(1e3), scaled(input_mean=3e38), scaled(input_var=0.3), scaled(0.5)]
+    kept = plausible_statistics(sent, (0.0, 1.0), factor=100.0)
+    assert [k is not None for k in kept] == [True, True, False, False, False, False, True]
+    assert plausible_statistics([scaled(1e3), scaled()], (0.0, 1.0), 100.0)[0] is None  # two: the lower median
+
+
+def test_the_sdd_rule_trains_its_generator_on_the_honest_devices_statistics_only(export_artifacts):
+    """One device of three sends statistics of 3e38: the rule leaves them out (counted), and its generator steps."""
+    from models.feature_stats import STATISTICS, encode_statistics
+
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    rule = SddCoordinator(generator_epochs=2, generator_iterations=2, warmup_epochs=1, generator_batch_size=8,
+                          device="cpu", manifest=manifest)
+    start = np.random.default_rng(0).normal(0, 0.1, manifest.num_parameters).astype(np.float32)
+    honest = [LayerStatistics("input", np.array([0.3], np.float32), np.array([0.05], np.float32), 10),
+              LayerStatistics("features", np.full(manifest.feature_dim, 0.5, np.float32),
+                              np.full(manifest.feature_dim, 0.1, np.float32), 10)]
+    hostile = [LayerStatistics("input", np.array([3e38], np.float32), np.array([3e38], np.float32), 10),
+               LayerStatistics("features", np.full(manifest.feature_dim, 3e38, np.float32),
+                               np.full(manifest.feature_dim, 3e38, np.float32), 10)]
+    updates = [ClientUpdate(name, start.copy(), 10, attachments={STATISTICS: encode_statistics(layers)})
+               for name, layers in (("a", honest), ("b", honest), ("c", hostile))]
+    for update in updates:
+        rule.inspect(update)  # each decodes: the plausibility is the rule's, over the round
+    ctx = RoundContext(round=2, task=1, task_classes=(3,), seen_classes=(0, 1, 2, 3))
+    metrics = settled(rule.aggregate(torch.from_numpy(start), updates, ctx)).metrics["generator"]
+    assert metrics["statistics_refused"] == 1 and metrics["generator_skipped_steps"] == 0
+    assert metrics["generator_steps"] == 4
 
 
 def test_the_replay_set_and_the_sessions_samples_survive_a_resume(export_artifacts, tmp_path):

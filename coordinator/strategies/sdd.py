@@ -18,7 +18,11 @@ A session is a task; its first round (the paper has one round per session) does 
    teacher and student disagree) or TARGET's (`adversarial_sign = "target"`: where they agree), after
    `warmup_epochs` epochs without it. One batch per epoch, the last, joins the session's synthetic set X~_t
    (TARGET keeps one per epoch; the paper's Alg. 2 would keep every batch). Every loss component, the steps and
-   the wall time are round metrics (`generator`).
+   the wall time are round metrics (`generator`). What one device sends cannot steer it (issue 56): its
+   statistics are used only where an honest device's could be (`plausible_statistics`: inputs within the data's
+   range, features within `statistics_factor` of the round's lower median; the rest counted,
+   `statistics_refused`), and a generator that made no finite step makes no samples (the session then keeps the
+   FedAvg rows and adds nothing to the replay set).
 2. CSWA (Eqs. 12-18): everything by sample-weighted FedAvg, then each new class's head row (our heads are
    classes x features, the paper's columns) as sum_m a_m^i w_m^i, a_m^i the accuracy of local model m on
    X~_t's samples of class i (argmax over the classes seen). `aggregation = "cswa-literal"` is Eq. 17 as printed
@@ -195,19 +199,54 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
                                 ("adversarial", adversarial), ("student_kl", kl.mean())):
                 totals[name] += float(value.detach())
         else:
-            finite = torch.isfinite(x.detach()).flatten(1).all(1)  # only finite samples join X~_t
-            kept_x.append(x.detach()[finite].cpu().numpy())
-            kept_y.append(session[index][finite].cpu().numpy())
+            if steps:  # a generator that has made no finite step yet draws noise, not the session's classes
+                finite = torch.isfinite(x.detach()).flatten(1).all(1)  # only finite samples join X~_t
+                kept_x.append(x.detach()[finite].cpu().numpy())
+                kept_y.append(session[index][finite].cpu().numpy())
             continue
         break  # out of time
     log_ = {f"generator_{name}": value / max(steps, 1) for name, value in totals.items()}
     log_.update(generator_steps=float(steps), generator_skipped_steps=float(skipped),
                 generator_s=time.perf_counter() - started,
                 generator_bytes=float(generator.parameter_bytes()))
+    if not steps:
+        log.error("sdd: the generator made no finite step in %d: it is not used (no synthetic samples, FedAvg rows)",
+                  skipped)
     if not kept_x:
         return Synthetic(np.zeros((0, *input_shape), np.float32), np.zeros(0, np.int64), log_, student.eval())
     return Synthetic(np.concatenate(kept_x).astype(np.float32), np.concatenate(kept_y).astype(np.int64), log_,
                      student.eval())
+
+
+def plausible_statistics(statistics: Sequence[dict[str, LayerStatistics] | None], input_range: tuple[float, float],
+                         factor: float) -> list[dict[str, LayerStatistics] | None]:
+    """Each device's statistics where they could be an honest device's, else None (not used): the input channels'
+    means within `input_range` and variances at most ((high - low) / 2)^2, the most values in the range can
+    spread; the features' largest |mean| and variance at most `factor` (and `factor`^2) times the lower median
+    over the round's devices, so one device's scale cannot set the statistics term (3e38 decodes, being finite,
+    and then made every step of the generator non-finite)."""
+    low, high = input_range
+    spread = ((high - low) / 2) ** 2
+
+    def scale(entry: dict[str, LayerStatistics]) -> tuple[float, float]:
+        features = entry["features"]
+        return float(np.abs(features.mean).max(initial=0.0)), float(features.var.max(initial=0.0))
+
+    given = [entry for entry in statistics if entry is not None]
+    if not given:
+        return list(statistics)
+    scales = np.array([scale(entry) for entry in given])
+    median = np.sort(scales, axis=0)[(len(given) - 1) // 2]
+    out: list[dict[str, LayerStatistics] | None] = []
+    for entry in statistics:
+        if entry is not None:
+            inputs = entry["input"]
+            mean, var = scale(entry)
+            if (inputs.mean.min() < low or inputs.mean.max() > high or inputs.var.max() > spread
+                    or mean > factor * max(median[0], 1e-6) or var > factor**2 * max(median[1], 1e-6)):
+                entry = None
+        out.append(entry)
+    return out
 
 
 def model_for(manifest: Manifest, weights: np.ndarray, device: torch.device) -> ClassifierModel:
@@ -294,12 +333,16 @@ class SddCoordinator(Strategy):
         student_lr: float = 0.2,
         student_steps: int = 1,
         input_range: tuple[float, float] = (0.0, 1.0),
+        statistics_factor: float = 100.0,
         seed: int = 0,
         device: torch.device | str = "auto",
         manifest: Manifest | None = None,
     ) -> None:
         if manifest is None:
             raise ValueError("strategy 'sdd' needs the model's manifest (its generator inverts the model)")
+        if not (math.isfinite(statistics_factor) and statistics_factor >= 1):
+            raise ValueError(f"statistics_factor must be >= 1, got {statistics_factor}")
+        self.statistics_factor = statistics_factor
         super().__init__(device, manifest)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
@@ -349,7 +392,9 @@ class SddCoordinator(Strategy):
             return self._finish(self._weighted(averaged, local, ctx, metrics), ctx, metrics)
         base = ctx.task == 0
         teachers = [averaged.detach().cpu().numpy()] if base else local  # Eq. 4: t = 0, t >= 1
-        statistics = [None] if base else [self._statistics(u) for u in updates]
+        sent = [] if base else [self._statistics(u) for u in updates]
+        statistics = [None] if base else plausible_statistics(sent, self.input_range, self.statistics_factor)
+        refused = sum(a is not None and b is None for a, b in zip(sent, statistics))
 
         def work(deadline: Deadline) -> AggregateResult:
             synthetic = train_generator(
@@ -357,7 +402,7 @@ class SddCoordinator(Strategy):
                 self.settings, self.manifest, self.input_range, self.device, self.seed + ctx.task, deadline)
             self.session = (ctx.task, synthetic.x, synthetic.y)
             self.replay = merge_replay(self.replay, synthetic, self.replay_per_class)
-            logged = dict(synthetic.log)
+            logged = dict(synthetic.log, statistics_refused=float(refused))
             return self._finish(self._weighted(averaged, local, ctx, logged), ctx, logged)
 
         if not self.job.start(work, self.timeout_s):
