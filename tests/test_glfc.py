@@ -638,3 +638,31 @@ def test_a_reconstruction_that_is_not_finite_is_dropped(artifacts):
     assert np.isfinite(extreme).all()
     made, labels = proxy.reconstruct([gradient, extreme], Deadline(600))
     assert labels.tolist() == [4] and made.shape == (1, 1, 8, 8) and np.isfinite(made).all()
+
+
+def test_one_device_lying_about_labels_does_not_choose_the_tasks_model(artifacts):
+    """Three honest devices hold class 0 of task 0 and send its prototype gradient; a fourth floods 64 gradients
+    of class 1. Round 1's model says 1 for everything, round 2's says 0. Pooled whole, the flood would make the
+    monitor set mostly class 1 and round 1's model the task's best; one per class of the task from each device
+    leaves it 3 to 1, and the honest devices' choice (round 2's model) stands."""
+    proxy = _proxy(artifacts, gamma="glfc_mlp", lbfgs_iterations=1)
+    data = load_dataset("digits")
+    gradient = {c: _gamma_gradient("glfc_mlp", data.x_train[data.y_train == c][k], c)[0]
+                for c, k in ((0, 0), (1, 0))}
+    base, says = _predicting(artifacts, (0, 1))
+
+    def ctx(round_):
+        return RoundContext(round=round_, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=round_,
+                            rounds_per_task=2)
+
+    honest = [ClientUpdate(f"d{k}", says[1].copy(), 10, attachments=_prototypes([gradient[0] * (1 + k / 10)]))
+              for k in range(3)]
+    liar = ClientUpdate("d9", says[1].copy(), 10,
+                        attachments=_prototypes([gradient[1] * (1 + k / 100) for k in range(64)]))
+    proxy.aggregate(torch.from_numpy(base), [*honest, liar], ctx(1))  # round 1's model: says 1
+    assert proxy.pooled == (0, 4)
+    result = settled(proxy.aggregate(torch.from_numpy(base), [ClientUpdate("d0", says[0].copy(), 10)], ctx(2)))
+    metrics = result.metrics["proxy"]
+    assert metrics["monitor_samples"] == 4.0 and metrics["best_round_of_task"] == 2.0
+    weights, task = decode_old_model(result.broadcast, proxy.manifest.num_parameters)
+    assert task == 0 and np.allclose(weights, says[0])
