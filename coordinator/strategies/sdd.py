@@ -340,10 +340,10 @@ class SddCoordinator(Strategy):
     ) -> None:
         if manifest is None:
             raise ValueError("strategy 'sdd' needs the model's manifest (its generator inverts the model)")
+        super().__init__(device, manifest)
         if not (math.isfinite(statistics_factor) and statistics_factor >= 1):
             raise ValueError(f"statistics_factor must be >= 1, got {statistics_factor}")
         self.statistics_factor = statistics_factor
-        super().__init__(device, manifest)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if new_bias not in NEW_BIASES:
@@ -419,9 +419,9 @@ class SddCoordinator(Strategy):
     def _weighted(self, averaged: torch.Tensor, local: list[np.ndarray], ctx: RoundContext,
                   metrics: dict[str, float]) -> AggregateResult:
         """CSWA (Eqs. 12-18) on the FedAvg result, for a session whose X~ is here; FedAvg otherwise (the base
-        session, `aggregation = "fedavg"`, a session whose generator made nothing in time)."""
+        session, `aggregation = "fedavg"`, a session whose generator made nothing, in time or at all)."""
         held = self.session
-        if ctx.task == 0 or self.aggregation == "fedavg" or held is None or held[0] != ctx.task:
+        if ctx.task == 0 or self.aggregation == "fedavg" or held is None or held[0] != ctx.task or not len(held[2]):
             return AggregateResult(averaged)
         models = [model_for(self.manifest, w, self.device) for w in local]
         accuracies = class_accuracies(models, held[1], held[2], ctx.task_classes,
