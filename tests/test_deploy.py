@@ -4,6 +4,7 @@ yet waits for it instead of exiting; the container files name what exists and bu
 answers."""
 from __future__ import annotations
 
+import ctypes.util
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from external_device import run_rounds
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
 from edge_client.config import DeviceConfig
@@ -67,6 +69,36 @@ def test_client_install_writes_a_unit_systemd_accepts_and_a_private_absolute_con
     problems = [line for line in (verified.stdout + verified.stderr).splitlines()
                 if "edgefil-pi-1.service" in line]
     assert verified.returncode == 0 and problems == [], verified.stdout + verified.stderr
+
+
+def sandbox_unit(tmp_path: Path) -> Path:
+    from edge_client.systemd import install
+
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "pi-1.toml").write_text(DEVICE)
+    return install(tmp_path / "lab" / "pi-1.toml", tmp_path / "root")[0]
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_the_units_sandbox_scores_3_or_less_and_a_device_trains_a_round_inside_it(tmp_path, export_artifacts,
+                                                                                caplog):
+    """The exposure `systemd-analyze security` gives the unit (8.6 before the sandbox), and a device daemon training
+    a round under the unit's system call filter, address families and dropped capabilities (tests/unit_sandbox.py
+    applies them from the unit's lines; the mount-namespace options need systemd as init)."""
+    if shutil.which("systemd-analyze") is None or ctypes.util.find_library("seccomp") is None:
+        pytest.skip("systemd-analyze or libseccomp is not installed: the sandbox was not checked")
+    unit = sandbox_unit(tmp_path)
+    scored = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=30", "--no-pager",
+                             str(unit)], capture_output=True, text=True, timeout=60)
+    exposure = re.search(r"Overall exposure level for edgefil-pi-1.service: ([0-9.]+)", scored.stdout)
+    assert scored.returncode == 0 and exposure and float(exposure.group(1)) <= 3.0, scored.stdout + scored.stderr
+    sandbox = [sys.executable, str(ROOT / "tests" / "unit_sandbox.py"), str(unit), "--"]
+    packet = subprocess.run([*sandbox, sys.executable, "-c", "import socket; socket.socket(socket.AF_PACKET, "
+                             "socket.SOCK_RAW)"], capture_output=True, text=True, timeout=60)
+    assert packet.returncode != 0 and "Operation not permitted" in packet.stderr, packet.stderr  # the filter holds
+    results, output = run_rounds([*sandbox, sys.executable], export_artifacts("lenet", 10, (1, 8, 8)), tmp_path,
+                                 caplog, rounds=1, samples=200, deadline_s=600.0)
+    assert results["rounds_completed"] == 1 and "pi-0" in results["history"][0]["received"], output
 
 
 def test_a_broken_device_file_is_refused_before_anything_is_written(tmp_path):
