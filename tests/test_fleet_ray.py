@@ -83,9 +83,9 @@ def test_an_address_where_no_cluster_answers_is_refused_in_one_line():
     from firmware_sim.fleet_ray import refuse_unreachable
 
     address = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
+    assert not ray.is_initialized()
     with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address}"):
         RayWorkers(RaySettings(address=address))
-    assert time.monotonic() - started < 15  # not Ray's minutes of retries
+    assert not ray.is_initialized()  # refused before ray.init, whose connect retries for minutes
     with pytest.raises(ValueError, match="HOST:PORT"):
         refuse_unreachable("head-without-port")
