@@ -2,11 +2,12 @@
 and each robust rule, every run a real fleet.
 
 Each cell is `edgefil fleet run` (mosquitto, the coordinator, virtual devices in worker processes) on class-
-incremental digits: 5 tasks of 2 classes, 3 rounds a task, every device in every round, E = 10 local epochs of
-AdamW, random caching at the fleet's binding M. The data are split into 4 (8) shares; the honest devices hold the
-first 3 (6). The clean run is the honest devices alone; an attacked run adds the compromised devices, which hold
-the last shares, train honestly on them, and send what their attack makes of it (firmware_sim/adversary.py: scaled,
-sign-flip, huge, nan, samples, boosted, drift, lazy). So the difference between an attacked run and the clean run
+incremental digits or Fashion-MNIST (`--scenarios digits-class,fashion-class`): 5 tasks of 2 classes, 3 rounds a
+task, every device in every round, E = 10 local epochs of AdamW, random caching at the fleet's binding M. The data
+are split into 4 (8, 20) shares; the honest devices hold the first 3 (6, 16). The clean run is the honest devices
+alone; an attacked run adds the compromised devices, which hold the last shares, train honestly on them, and send
+what their attack makes of it (firmware_sim/adversary.py: scaled, sign-flip, huge, nan, samples, boosted, drift,
+lazy, and the literature's alie, ipm, min-max, min-sum, fang, mimic, gaussian, label-flip). So the difference between an attacked run and the clean run
 of the same seed is what the attack does, and nothing else: the runs are deterministic, and an attack the settings
 remove entirely leaves the clean run's trajectory exactly as it was.
 
@@ -15,14 +16,17 @@ bounds and Krum selection, which together are Multi-Krum), `fedavg` (plain FedAv
 `no-krum` (the default bounds without Krum selection), and the robust rules after the default bounds (`median`,
 `trimmed-mean`, `centered-clip`). Printed per setting and fleet: the clean final accuracy (mean ±
 std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
-(attacked - clean) in points, paired by seed; a cell 3 points or more away is marked `!`, one where a run failed
-(every device diverged, so no round could reach its quorum) `f`, counted with its last completed round's model.
+(attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
+devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
+one where a run failed (every device diverged, so no round could reach its quorum) `f`, counted with its last
+completed round's model. The clean column's brackets are the clean runs' own honest refusals.
 
 Every cell runs in a process of its own and writes `cell.json` in its folder; a finished cell is read back, not
 run again, so an interrupted matrix resumes.
 
     .venv/bin/python benchmarks/poisoning.py [--seeds 0,1,2] [--settings default,fedavg,median,...]
-        [--attacks scaled,... | clean] [--fleets 4,8] [--out runs/poisoning]
+        [--attacks scaled,... | clean] [--fleets 4,8,20] [--scenarios digits-class,fashion-class]
+        [--out runs/poisoning]
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS  # noqa: E402
 
-FLEETS = {4: 1, 8: 2}  # devices: of which hostile
+FLEETS = {4: 1, 8: 2, 20: 4}  # devices: of which hostile
+INPUTS = {"digits-class": (1, 8, 8), "fashion-class": (1, 28, 28)}  # each scenario's LeNet input
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},  # a coordinator file without [guard] or [strategy]
@@ -63,6 +68,7 @@ MARK = 3.0  # points: a cell this far from its clean run is marked
 
 @dataclass(frozen=True)
 class Cell:
+    scenario: str
     setting: str
     devices: int  # the fleet's, hostile ones included (the scenario's shares)
     attack: str  # "clean": the honest devices alone
@@ -77,7 +83,7 @@ class Cell:
         return self.devices - FLEETS[self.devices]
 
     def folder(self, out: Path) -> Path:
-        return out / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
+        return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
 
     def fleet(self, out: Path) -> dict[str, Any]:
         setting = SETTINGS[self.setting]
@@ -86,7 +92,7 @@ class Cell:
         table: dict[str, Any] = {
             "name": "poisoning", "out": str(self.folder(out)), "devices": self.honest + self.hostile,
             "model": "lenet", "seed": self.seed, "broker": "mosquitto",
-            "scenario": {"preset": "digits-class", "n_clients": self.devices, "seed": self.seed},
+            "scenario": {"preset": self.scenario, "n_clients": self.devices, "seed": self.seed},
             "policy": {"name": "random"}, "client": {"epochs": 10}, "coordinator": coordinator,
         }
         if "strategy" in setting:
@@ -104,7 +110,7 @@ def run_cell(cell: Cell, out: Path, artifacts: Path) -> dict[str, Any]:
         return json.loads(done.read_text())
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    shutil.copytree(artifacts, folder / "artifacts", copy_function=os.link)  # exported once for every cell
+    shutil.copytree(artifacts, folder / "artifacts", copy_function=os.link)  # exported once per scenario
     file = folder / "fleet.toml"
     file.write_text(dump_toml(cell.fleet(out)))
     started = time.monotonic()
@@ -118,18 +124,28 @@ def run_cell(cell: Cell, out: Path, artifacts: Path) -> dict[str, Any]:
     record = {"final_accuracy": results["final_accuracy"], "last_rounds_accuracy": results["last_rounds_accuracy"],
               "outcome": results["outcome"],
               "counters": results["counters"], "accuracy_matrix": results["accuracy_matrix"],
-              "seconds": time.monotonic() - started}
+              **honest_refusals(results, cell.honest), "seconds": time.monotonic() - started}
     done.write_text(json.dumps(record, indent=1))
     return record
 
 
-def export_once(out: Path) -> Path:
+def honest_refusals(results: dict[str, Any], honest: int) -> dict[str, int]:
+    """How many of the honest devices' (the first `honest` of the fleet) updates arrived, and how many of those the
+    round refused (received, not aggregated: a round's `metrics` name the aggregated ones)."""
+    names = sorted({d for entry in results["history"] for d in entry["received"]})[:honest]
+    received = sum(d in entry["received"] for entry in results["history"] for d in names)
+    refused = sum(d in entry["received"] and d not in entry["metrics"] for entry in results["history"] for d in names)
+    return {"honest_received": received, "honest_refused": refused}
+
+
+def export_once(out: Path, scenario: str) -> Path:
     from models.export import export_registered
 
-    artifacts = out / "artifacts-lenet"
+    shape = INPUTS[scenario]
+    artifacts = out / f"artifacts-lenet-{'x'.join(map(str, shape))}"
     if not (artifacts / "manifest.json").is_file():
         shutil.rmtree(artifacts, ignore_errors=True)
-        export_registered("lenet", 10, artifacts, (1, 8, 8), seed=0, backends=("portable", "torch"))
+        export_registered("lenet", 10, artifacts, shape, seed=0, backends=("portable", "torch"))
     return artifacts
 
 
@@ -144,32 +160,43 @@ def points(values: list[float]) -> str:
     return f"{mean:+5.1f} ± {std:3.1f}"
 
 
-def table(results: dict[Cell, dict[str, Any]], settings: list[str], attacks: list[str], seeds: list[int],
-          fleets: list[int]) -> str:
+def refused(cells: list[dict[str, Any]]) -> str:
+    """"(1.2 %)": the share of honest updates refused over `cells` (cells run before it was recorded: "(?)")."""
+    if not all("honest_received" in cell for cell in cells):
+        return "(?)"
+    received = sum(cell["honest_received"] for cell in cells)
+    return f"({100 * sum(cell['honest_refused'] for cell in cells) / max(received, 1):.1f} %)"
+
+
+def table(results: dict[Cell, dict[str, Any]], scenario: str, settings: list[str], attacks: list[str],
+          seeds: list[int], fleets: list[int]) -> str:
     lines = []
-    header = f"{'setting':<14}{'fleet':<7}{'clean %':>13}{'vs fedavg':>14}" + "".join(f"{a:>15}" for a in attacks)
+    header = f"{'setting':<14}{'fleet':<8}{'clean %':>22}{'vs fedavg':>14}" + "".join(f"{a:>24}" for a in attacks)
     lines.append(header)
     for setting in settings:
         for devices in fleets:
-            clean = [results[Cell(setting, devices, "clean", s)]["final_accuracy"] for s in seeds]
-            plain = [results[Cell("fedavg", devices, "clean", s)]["final_accuracy"] for s in seeds]
+            clean_cells = [results[Cell(scenario, setting, devices, "clean", s)] for s in seeds]
+            clean = [cell["final_accuracy"] for cell in clean_cells]
+            plain = [results[Cell(scenario, "fedavg", devices, "clean", s)]["final_accuracy"] for s in seeds]
             vs = np.subtract(clean, plain).tolist()
-            row = f"{setting:<14}{f'{FLEETS[devices]} of {devices}':<7}"
-            row += f"{100 * np.mean(clean):>7.1f} ± {100 * np.std(clean):3.1f}{points(vs):>14}"
+            row = f"{setting:<14}{f'{FLEETS[devices]} of {devices}':<8}"
+            row += f"{f'{100 * np.mean(clean):.1f} ± {100 * np.std(clean):3.1f} {refused(clean_cells)}':>22}"
+            row += f"{points(vs):>14}"
             for attack in attacks:
-                cells = [results[Cell(setting, devices, attack, s)] for s in seeds]
+                cells = [results[Cell(scenario, setting, devices, attack, s)] for s in seeds]
                 diff = [cell["final_accuracy"] - c for cell, c in zip(cells, clean)]
                 mark = "!" if abs(100 * np.mean(diff)) >= MARK else " "
                 mark += "f" if any(cell.get("outcome", "complete") != "complete" for cell in cells) else " "
-                row += f"{points(diff) + mark:>15}"
+                row += f"{points(diff) + ' ' + refused(cells) + mark:>24}"
             lines.append(row)
     return "\n".join(lines)
 
 
-def paired(results: dict[Cell, dict[str, Any]], setting: str, seeds: list[int], fleets: list[int]) -> str:
+def paired(results: dict[Cell, dict[str, Any]], scenario: str, setting: str, seeds: list[int],
+           fleets: list[int]) -> str:
     """The clean runs of `setting` against plain FedAvg's, paired by seed (every fleet)."""
-    diffs = [results[Cell(setting, d, "clean", s)]["final_accuracy"] - results[Cell("fedavg", d, "clean", s)]
-             ["final_accuracy"] for d in fleets for s in seeds]
+    diffs = [results[Cell(scenario, setting, d, "clean", s)]["final_accuracy"]
+             - results[Cell(scenario, "fedavg", d, "clean", s)]["final_accuracy"] for d in fleets for s in seeds]
     if np.allclose(diffs, 0):
         return f"{setting}: clean runs identical to plain FedAvg's in every pair ({len(diffs)})"
     test = stats.ttest_1samp(diffs, 0.0)
@@ -182,31 +209,35 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--fleets", default=",".join(map(str, FLEETS)))
+    parser.add_argument("--scenarios", default=",".join(INPUTS))
     parser.add_argument("--out", default="runs/poisoning")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     settings = args.settings.split(",")
     attacks = [a for a in args.attacks.split(",") if a and a != "clean"]  # the clean run is always run
     fleets = [int(d) for d in args.fleets.split(",")]
+    scenarios = args.scenarios.split(",")
     out = Path(args.out).resolve()
-    artifacts = export_once(out)
-    cells = [Cell(setting, devices, attack, seed) for setting in dict.fromkeys(["fedavg", *settings])
+    cells = [Cell(scenario, setting, devices, attack, seed) for scenario in scenarios
+             for setting in dict.fromkeys(["fedavg", *settings])
              for devices in fleets for attack in ["clean", *(attacks if setting in settings else [])]
              for seed in seeds]
     results = {}
     started = time.monotonic()
     for k, cell in enumerate(cells, 1):
-        results[cell] = run_cell(cell, out, artifacts)
-        print(f"[{k}/{len(cells)} {time.monotonic() - started:6.0f} s] {cell.setting} {cell.honest}+{cell.hostile} "
-              f"{cell.attack} seed {cell.seed}: final {results[cell]['final_accuracy']:.3f}{last_rounds(results[cell])}",
-              flush=True)
-    print(f"\npoisoning: class-incremental digits, 5 tasks x 3 rounds, E = 10, seeds {args.seeds}; final accuracy "
-          f"of the clean run (%) and each attack's change from it (points, mean ± std over seeds, paired)\n")
-    print(table(results, settings, attacks, seeds, fleets))
-    print()
-    for setting in settings:
-        if setting != "fedavg":
-            print(paired(results, setting, seeds, fleets))
+        results[cell] = run_cell(cell, out, export_once(out, cell.scenario))
+        print(f"[{k}/{len(cells)} {time.monotonic() - started:6.0f} s] {cell.scenario} {cell.setting} "
+              f"{cell.honest}+{cell.hostile} {cell.attack} seed {cell.seed}: final "
+              f"{results[cell]['final_accuracy']:.3f}{last_rounds(results[cell])}", flush=True)
+    for scenario in scenarios:
+        print(f"\npoisoning: {scenario}, 5 tasks x 3 rounds, E = 10, seeds {args.seeds}; final accuracy of the clean "
+              f"run (%) and each attack's change from it (points, mean ± std over seeds, paired), honest updates "
+              f"refused in brackets\n")
+        print(table(results, scenario, settings, attacks, seeds, fleets))
+        print()
+        for setting in settings:
+            if setting != "fedavg":
+                print(paired(results, scenario, setting, seeds, fleets))
 
 
 if __name__ == "__main__":

@@ -25,21 +25,61 @@ and n its honest sample count (colluding devices run the same attack, each on it
 
 The noise of `samples` and `boosted` is seeded by the round, so colluding devices send the same garbage (what a
 coordinated attack would do to look like a majority).
+
+The literature's adaptive attacks, as FLPoison (vio1etus/FLPoison) and ByzFL run them: omniscient, each crafted
+from B, the round's honest updates (every compromised device reads them and sends the same vector; how, below),
+with mu and sigma B's coordinate-wise mean and standard deviation, n the fleet's devices and f the compromised ones:
+
+- `alie` (Baruch et al. 2019, "A little is enough"): mu + z sigma, z = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - f,
+  the paper's Algorithm 3 (FLPoison divides by n - f instead). At 1 of 4, z = 0: the attack is B's mean, harmless
+  by construction; at 2 of 8, z = 0.32; at 4 of 20, 0.39.
+- `ipm` (Xie et al. 2020, inner product manipulation): -epsilon mu, epsilon = `IPM_EPSILON` (0.1, FLPoison's; small
+  enough to pass Krum, which a large one would not).
+- `min-max`, `min-sum` (Shejwalkar and Houmansadr 2021, AGR-agnostic): mu - gamma u, u = mu / |mu|, gamma the
+  largest (binary search from 10 to 1e-5) whose distance to every update of B is at most B's largest pairwise
+  distance (min-max), or whose summed squared distances to B are at most the largest of a B update's (min-sum).
+- `fang` (Fang et al. 2020, full knowledge, against Krum): -lambda sign(mu), lambda halved from the paper's upper
+  bound until Krum over B and the f crafted updates picks a crafted one (or lambda < 1e-5).
+- `mimic` (Karimireddy et al. 2022): the update of B's first device, so its data count f + 1 times.
+- `gaussian` (Blanchard et al. 2017): an update of N(0, `GAUSSIAN_STD`^2) noise per weight (1, FLPoison's).
+- `label-flip` (data poisoning, FLPoison's all-to-all "inverse"): the device trains honestly on labels y -> C - 1 - y
+  of its share and sends what it learnt.
+
+How a compromised device knows B: in a simulated fleet every device saves the update it sends in its state folder
+before sending it (edge_client/state.py), and the fleet names the honest devices' folders to the compromised ones,
+which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits
+(at most `KNOWLEDGE_WAIT_S`) until every honest device has saved its update of the round's global model, and uses
+those that have; with none (a device never selected), its own honest update is B. Deterministic whenever every
+honest device trains in every round, as in `benchmarks/poisoning.py`. A deployed fleet's broker ACL gives no device
+another's update: these attacks are what an attacker who also holds the coordinator's inbox could do, the standard
+worst case of the robustness literature.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 from edge_client.device import Device
+from edge_client.sources import TaskSource
+from edge_client.state import StateError, load_state
 
 SCALE = 20.0  # `scaled`: times the honest update
 FLIP = 2.5  # `sign-flip`: the reversed update's length, in honest updates (under a 3x distance bound)
 HUGE = 1e30
 INFLATED_SAMPLES = 10**9
+IPM_EPSILON = 0.1
+GAUSSIAN_STD = 1.0
+SEARCH_START, SEARCH_STOP = 10.0, 1e-5  # min-max and min-sum's binary search on gamma; fang's smallest lambda
+KNOWLEDGE_WAIT_S = 60.0  # the most a compromised device waits for the round's honest updates
+log = logging.getLogger("edgefil.fleet")
 
 
 @dataclass(frozen=True)
@@ -52,6 +92,8 @@ class Honest:
     round: int
     fleet_size: int
     start: np.ndarray  # the first global model the device saw
+    benign: np.ndarray | None = None  # B: the round's honest updates, one a row (omniscient attacks only)
+    colluders: int = 1  # f: the fleet's compromised devices
 
     @property
     def update(self) -> np.ndarray:
@@ -61,6 +103,11 @@ class Honest:
         """A random direction as long as the honest update, the same for every colluding device in a round."""
         direction = np.random.default_rng(self.round).standard_normal(self.weights.size)
         return direction * (float(np.linalg.norm(self.update)) / max(float(np.linalg.norm(direction)), 1e-12))
+
+    @property
+    def known(self) -> np.ndarray:
+        """B, or the device's own honest update where it read none."""
+        return self.benign if self.benign is not None and len(self.benign) else self.update[None, :]
 
 
 def _from(honest: Honest, change: np.ndarray, samples: int | None = None) -> tuple[np.ndarray, int]:
@@ -75,6 +122,76 @@ def _drift(honest: Honest) -> tuple[np.ndarray, int]:
     return _from(honest, honest.update + pull)
 
 
+def _alie(honest: Honest) -> tuple[np.ndarray, int]:
+    known, n, f = honest.known, honest.fleet_size, honest.colluders
+    s = math.floor(n / 2 + 1) - f
+    z = NormalDist().inv_cdf(min(max((n - s) / n, 1e-6), 1 - 1e-6))
+    return _from(honest, known.mean(0) + z * known.std(0))
+
+
+def _largest(known: np.ndarray, fits: Callable[[np.ndarray], bool], direction: np.ndarray) -> np.ndarray:
+    """mu - gamma direction for the largest gamma (a binary search, FLPoison's) with which `fits` holds."""
+    mean = known.mean(0)
+    gamma, step, found = SEARCH_START, SEARCH_START / 2, 0.0
+    while abs(found - gamma) > SEARCH_STOP:
+        if fits(mean - gamma * direction):
+            found, gamma = gamma, gamma + step
+        else:
+            gamma -= step
+        step /= 2
+    return mean - found * direction
+
+
+def _pairwise(known: np.ndarray) -> np.ndarray:
+    squared = (known**2).sum(1)
+    return np.sqrt(np.maximum(squared[:, None] + squared[None, :] - 2 * known @ known.T, 0.0))
+
+
+def _min_max(honest: Honest) -> tuple[np.ndarray, int]:
+    known = honest.known
+    bound = _pairwise(known).max()
+    mean = known.mean(0)
+    unit = mean / max(float(np.linalg.norm(mean)), 1e-12)
+    return _from(honest, _largest(known, lambda v: float(np.linalg.norm(known - v, axis=1).max()) <= bound, unit))
+
+
+def _min_sum(honest: Honest) -> tuple[np.ndarray, int]:
+    known = honest.known
+    bound = (_pairwise(known) ** 2).sum(1).max()
+    mean = known.mean(0)
+    unit = mean / max(float(np.linalg.norm(mean)), 1e-12)
+    return _from(honest, _largest(known, lambda v: float((np.linalg.norm(known - v, axis=1) ** 2).sum()) <= bound,
+                                  unit))
+
+
+def krum_pick(vectors: np.ndarray, byzantine: int) -> int:
+    """Krum's choice (Blanchard et al. 2017): the row with the least sum of squared distances to its n - f - 2
+    nearest others (at least one)."""
+    neighbours = max(len(vectors) - byzantine - 2, 1)
+    distances = np.sort(_pairwise(vectors) ** 2, axis=1)[:, 1:neighbours + 1]
+    return int(np.argmin(distances.sum(1)))
+
+
+def _fang(honest: Honest) -> tuple[np.ndarray, int]:
+    """Fang et al.'s full-knowledge attack on Krum, in update space (g is the origin): -lambda s, s = sign(mu),
+    lambda from the paper's upper bound, halved until Krum picks a crafted update."""
+    known, f = honest.known, honest.colluders
+    m, d = len(known) + f, known.shape[1]
+    direction = np.sign(known.mean(0))
+    distances = _pairwise(known)
+    spread = 0.0
+    if m - 2 * f - 1 > 0 and len(known) > 1:
+        near = np.sort(distances, axis=1)[:, 1:max(m - f - 2, 1) + 1]
+        spread = float(near.sum(1).min()) / ((m - 2 * f - 1) * math.sqrt(d))
+    lam = spread + float(np.linalg.norm(known, axis=1).max()) / math.sqrt(d)
+    while lam > SEARCH_STOP:
+        crafted = -lam * direction
+        if krum_pick(np.vstack([known, np.tile(crafted, (f, 1))]), f) >= len(known):
+            return _from(honest, crafted)
+        lam /= 2
+    return _from(honest, np.zeros_like(direction))
+
+
 ATTACKS: dict[str, Callable[[Honest], tuple[np.ndarray, int]]] = {
     "scaled": lambda h: _from(h, SCALE * h.update),
     "sign-flip": lambda h: _from(h, -FLIP * h.update),
@@ -84,7 +201,16 @@ ATTACKS: dict[str, Callable[[Honest], tuple[np.ndarray, int]]] = {
     "boosted": lambda h: _from(h, h.fleet_size * h.noise()),
     "drift": _drift,
     "lazy": lambda h: (h.global_weights.astype(np.float32), h.num_samples),
+    "alie": _alie,
+    "ipm": lambda h: _from(h, -IPM_EPSILON * h.known.mean(0)),
+    "min-max": _min_max,
+    "min-sum": _min_sum,
+    "fang": _fang,
+    "mimic": lambda h: _from(h, h.known[0]),
+    "gaussian": lambda h: _from(h, np.random.default_rng([h.round, 1]).standard_normal(h.weights.size) * GAUSSIAN_STD),
+    "label-flip": lambda h: (h.weights, h.num_samples),  # what it learnt from flipped labels (FlippedLabels)
 }
+OMNISCIENT = frozenset({"alie", "ipm", "min-max", "min-sum", "fang", "mimic"})  # they read the honest updates
 
 
 @dataclass(frozen=True)
@@ -105,19 +231,62 @@ class AdversarySettings:
         return self.attack if index >= fleet_size - self.devices else None
 
 
-class AdversarialDevice(Device):
-    """The real device daemon whose updates say what `attack` makes of them (module docstring)."""
+class FlippedLabels:
+    """A data source whose labels are flipped all-to-all (y -> C - 1 - y): `label-flip`'s device trains on them."""
 
-    def __init__(self, *args: Any, attack: str, fleet_size: int, **kwargs: Any) -> None:
+    def __init__(self, source: TaskSource, num_classes: int) -> None:
+        self.source = source
+        self.num_classes = num_classes
+
+    def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.source.task_data(task)
+        return x, (self.num_classes - 1 - np.asarray(y)).astype(np.int64)
+
+
+class AdversarialDevice(Device):
+    """The real device daemon whose updates say what `attack` makes of them (module docstring). `peers`: the
+    honest devices' state folders, which the omniscient attacks read B from."""
+
+    def __init__(self, *args: Any, attack: str, fleet_size: int, colluders: int = 1, peers: Sequence[str] = (),
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.attack_name = attack
         self.attack = ATTACKS[attack]
         self.fleet_size = fleet_size
+        self.colluders = colluders
+        self.peers = [Path(p) for p in peers]
         self._start: np.ndarray | None = None
+        if attack == "label-flip":
+            self.source = FlippedLabels(self.source, self.trainer.manifest.num_classes)
 
     def _claims(self, model: str, weights: np.ndarray) -> tuple[np.ndarray, int]:
         honest_weights, samples = super()._claims(model, weights)
         global_weights = self.models[model]
         if self._start is None:
             self._start = global_weights
+        benign = self._benign(model, global_weights) if self.attack_name in OMNISCIENT else None
+        if benign is not None:  # in the update's metrics (the round's dict, sent after this): what it knew
+            self.learner.state.metrics["known_updates"] = float(len(benign))
         return self.attack(Honest(global_weights, honest_weights, samples, self.learner.state.round,
-                                  self.fleet_size, self._start))
+                                  self.fleet_size, self._start, benign, self.colluders))
+
+    def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
+        """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""
+        found: dict[Path, np.ndarray] = {}
+        deadline = time.monotonic() + KNOWLEDGE_WAIT_S
+        while True:
+            for peer in self.peers:
+                if peer not in found:
+                    try:
+                        saved = load_state(peer, weights=True, optimizer=False)
+                    except (StateError, OSError, ValueError):  # being written: read it next time
+                        continue
+                    if saved is not None and saved.model == model and saved.weights is not None:
+                        found[peer] = saved.weights.astype(np.float64) - global_weights
+            if len(found) == len(self.peers) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if len(found) < len(self.peers):
+            log.warning("%s (%s): %d of %d honest updates of the round read", self.id, self.attack_name, len(found),
+                        len(self.peers))
+        return np.stack([found[p] for p in self.peers if p in found]) if found else None

@@ -92,7 +92,7 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, check_options, dump_toml, load_toml
 from edgefil.topics import check_name
 from firmware_sim import disk
-from firmware_sim.adversary import AdversarySettings
+from firmware_sim.adversary import OMNISCIENT, AdversarySettings
 from firmware_sim.fleet_ray import LOOPBACK, RaySettings, RayWorkers, ray_module
 from firmware_sim.fleet_worker import (
     ADVERSARY,
@@ -451,7 +451,10 @@ class Fleet:
             "availability_clock": "wall" if self.config.real_time else "fleet",
         }}
         attack = self.config.adversary.of(index, self.config.devices)
-        adversary = {} if attack is None else {ADVERSARY: {"attack": attack, "fleet_size": self.config.devices}}
+        honest = range(self.config.devices - self.config.adversary.devices)
+        adversary = {} if attack is None else {ADVERSARY: {
+            "attack": attack, "fleet_size": self.config.devices, "colluders": self.config.adversary.devices,
+            "peers": [str(self.config.out / "devices" / self.config.device_id(k)) for k in honest]}}
         return {
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
             "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
@@ -474,7 +477,12 @@ class Fleet:
             raise RuntimeError("no workers to start")
         configs = [self.device_config(i, artifacts) for i in range(self.config.devices)]
         count = worker_count(self.config.workers, self.config.devices, self.workers.cores())
-        self.workers.start([configs[k::count] for k in range(count)], artifacts, self.config.out / "logs")
+        groups = [configs[k::count] for k in range(count)]
+        if self.config.adversary.attack in OMNISCIENT:  # they wait for the honest updates: in a worker of their own
+            honest = configs[:self.config.devices - self.config.adversary.devices]
+            groups = [group for group in (honest[k::count] for k in range(count)) if group]
+            groups.append(configs[len(honest):])
+        self.workers.start(groups, artifacts, self.config.out / "logs")
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:
         return CoordinatorConfig(

@@ -49,10 +49,11 @@ def virtual_device(
     adversary: Mapping[str, Any] | None = None, stop_poll_s: float | None = STOP_POLL_S,
 ) -> Device:
     """`network` and `turns`: a worker's, shared by the devices it hosts (one network thread for all their
-    connections; one device at a time doing CPU work). `adversary`: a compromised device's attack and its fleet's
-    size (firmware_sim/adversary.py). `stop_poll_s`: the daemon's (None: stopped with `Device.request_stop` only)."""
+    connections; one device at a time doing CPU work). `adversary`: a compromised device's attack, its fleet's
+    size, the compromised devices' count and the honest ones' state folders (firmware_sim/adversary.py).
+    `stop_poll_s`: the daemon's (None: stopped with `Device.request_stop` only)."""
     parts: dict[str, Any] = {"source": simulated_source(config), "environment": hosted_environment(config, turns),
                              "network": network, "stop_poll_s": stop_poll_s}
     if adversary is not None:
-        return AdversarialDevice(config, attack=adversary["attack"], fleet_size=adversary["fleet_size"], **parts)
+        return AdversarialDevice(config, **adversary, **parts)
     return Device(config, **parts)

@@ -54,3 +54,106 @@ def test_the_fleets_table_names_the_last_devices_and_refuses_nonsense():
         AdversarySettings("bribe", 1)
     with pytest.raises(ValueError, match="devices"):
         AdversarySettings("lazy", 0)
+
+
+def omniscient(seed: int = 0, honest_devices: int = 6, colluders: int = 2, size: int = 300) -> Honest:
+    """A compromised device of a fleet of honest_devices + colluders that read B, the honest updates of the round."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(size).astype(np.float32)
+    benign = rng.standard_normal((honest_devices, size)) * 0.1 + 0.05  # B: a shared direction and spread
+    return Honest(g, (g + benign[0]).astype(np.float32), 30, 4, honest_devices + colluders, np.zeros(size, np.float32),
+                  benign, colluders)
+
+
+def test_alie_is_the_mean_plus_z_sigma_with_the_papers_z():
+    """Baruch et al.'s Algorithm 3: z = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - f: 0 at 1 of 4 (the mean),
+    0.32 at 2 of 8, 0.39 at 4 of 20."""
+    from statistics import NormalDist
+
+    for honest_devices, f, z in ((3, 1, 0.0), (6, 2, NormalDist().inv_cdf(5 / 8)), (16, 4, NormalDist().inv_cdf(13 / 20))):
+        h = omniscient(honest_devices=honest_devices, colluders=f)
+        sent = change(ATTACKS["alie"](h)[0], h)
+        np.testing.assert_allclose(sent, h.benign.mean(0) + z * h.benign.std(0), rtol=1e-4, atol=1e-5)
+    assert NormalDist().inv_cdf(5 / 8) == pytest.approx(0.3186, abs=1e-4)
+
+
+def test_ipm_mimic_and_gaussian_send_what_they_say():
+    from firmware_sim.adversary import GAUSSIAN_STD, IPM_EPSILON
+
+    h = omniscient()
+    np.testing.assert_allclose(change(ATTACKS["ipm"](h)[0], h), -IPM_EPSILON * h.benign.mean(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(change(ATTACKS["mimic"](h)[0], h), h.benign[0], rtol=1e-4, atol=1e-5)
+    noise = change(ATTACKS["gaussian"](h)[0], h)
+    assert abs(noise.mean()) < 0.3 and noise.std() == pytest.approx(GAUSSIAN_STD, rel=0.15)
+    assert noise @ h.benign.mean(0) < 0.3 * np.linalg.norm(noise) * np.linalg.norm(h.benign.mean(0))
+
+
+def test_min_max_and_min_sum_go_as_far_as_their_bound_allows():
+    """Shejwalkar and Houmansadr's AGR-agnostic attacks: mu - gamma u within B's own spread, gamma as large as
+    that allows (a 1 % longer step breaks the bound)."""
+    h = omniscient()
+    benign = h.benign
+    pairwise = np.linalg.norm(benign[:, None] - benign[None], axis=2)
+    mean = benign.mean(0)
+    unit = mean / np.linalg.norm(mean)
+    for name, measure, bound in (
+            ("min-max", lambda v: np.linalg.norm(benign - v, axis=1).max(), pairwise.max()),
+            ("min-sum", lambda v: (np.linalg.norm(benign - v, axis=1) ** 2).sum(), (pairwise**2).sum(1).max())):
+        sent = change(ATTACKS[name](h)[0], h)
+        gamma = float((mean - sent) @ unit)
+        np.testing.assert_allclose(sent, mean - gamma * unit, rtol=1e-4, atol=1e-5)  # along -u only
+        assert gamma > 0 and measure(sent) <= bound * (1 + 1e-4), name
+        assert measure(mean - 1.01 * gamma * unit) > bound, name  # the largest such step
+
+
+def test_fangs_update_points_against_the_honest_signs_and_is_what_krum_picks():
+    from firmware_sim.adversary import krum_pick
+
+    h = omniscient(honest_devices=6, colluders=2)
+    sent = change(ATTACKS["fang"](h)[0], h)
+    signs = np.sign(h.benign.mean(0))
+    lam = float(np.abs(sent).max())
+    np.testing.assert_allclose(sent, -lam * signs, rtol=1e-4, atol=1e-6)
+    assert lam > 0 and krum_pick(np.vstack([h.benign, sent, sent]), 2) >= 6
+
+
+def test_an_omniscient_attack_without_b_uses_the_devices_own_update(honest):
+    """A device that read no honest update (never selected with them) crafts from its own: ALIE then sends it."""
+    np.testing.assert_allclose(change(ATTACKS["alie"](honest)[0], honest), honest.update, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(change(ATTACKS["mimic"](honest)[0], honest), honest.update, rtol=1e-4, atol=1e-5)
+
+
+def test_label_flip_trains_on_labels_flipped_all_to_all():
+    from firmware_sim.adversary import FlippedLabels
+
+    class Share:
+        def task_data(self, task):
+            return np.zeros((4, 1)), np.array([0, 1, 2, 9])
+
+    x, y = FlippedLabels(Share(), 10).task_data(0)
+    assert y.tolist() == [9, 8, 7, 0] and y.dtype == np.int64 and x.shape == (4, 1)
+
+
+def test_an_omniscient_attacker_in_a_fleet_reads_every_honest_update_of_each_round(tmp_path):
+    """`mimic` in a real fleet (mosquitto, workers): the compromised device, in a worker of its own, reads the 3
+    honest devices' updates of every round before it sends (its update's `known_updates`)."""
+    from coordinator.broker import mosquitto_path
+    from edge_client.config import TrainerSettings
+    from firmware_sim.fleet import Fleet, FleetConfig
+
+    if mosquitto_path() is None:
+        pytest.skip("mosquitto is not installed (scripts/test installs it)")
+    config = FleetConfig(
+        name="mimic", out=tmp_path / "run", devices=4, workers=1, model="lenet", seed=0, broker="mosquitto",
+        scenario={"preset": "digits-class", "n_tasks": 2}, policy={"name": "random"},
+        trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3), client={"epochs": 1},
+        strategy={"name": "fedavg"}, adversary=AdversarySettings("mimic", 1),
+        coordinator={"rounds_per_task": 2, "min_clients": 4, "deadline_s": 120.0, "wait_for_devices_s": 120.0,
+                     "guard": {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0,
+                               "krum_share": 0.0}},
+    )
+    results = Fleet(config).run()
+    assert results["rounds_completed"] == 4
+    for entry in results["history"]:
+        assert sorted(entry["received"]) == ["dev-000", "dev-001", "dev-002", "dev-003"]
+        assert entry["metrics"]["dev-003"]["known_updates"] == 3, entry["metrics"]["dev-003"]
