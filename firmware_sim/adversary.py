@@ -22,6 +22,11 @@ and n its honest sample count (colluding devices run the same attack, each on it
   to the start, in the honest direction's company and within a typical length. Only a rule that leaves out what
   the honest majority does not do stops it.
 - `lazy`: g itself, n: a free rider. Stopped by a free-rider check.
+- `tinynoise`: g + noise 0.3 times as long as the fleet's last global step (g - g', g' the global model of the
+  device's previous round), claiming 100 samples: moves enough to pass as no free rider, lies nearest the honest
+  centre (issue 56's adaptive free rider).
+- `reversed-step`: g - (g - g'): the fleet's last step undone, as long as a global step (shorter than an honest
+  update, so within every distance bound).
 
 The noise of `samples` and `boosted` is seeded by the round, so colluding devices send the same garbage (what a
 coordinated attack would do to look like a majority).
@@ -75,6 +80,8 @@ SCALE = 20.0  # `scaled`: times the honest update
 FLIP = 2.5  # `sign-flip`: the reversed update's length, in honest updates (under a 3x distance bound)
 HUGE = 1e30
 INFLATED_SAMPLES = 10**9
+TINY = 0.3  # `tinynoise`: times the last global step
+TINY_SAMPLES = 100
 IPM_EPSILON = 0.1
 GAUSSIAN_STD = 1.0
 SEARCH_START, SEARCH_STOP = 10.0, 1e-5  # min-max and min-sum's binary search on gamma; fang's smallest lambda
@@ -93,6 +100,7 @@ class Honest:
     fleet_size: int
     start: np.ndarray  # the first global model the device saw
     benign: np.ndarray | None = None  # B: the round's honest updates, one a row (omniscient attacks only)
+    previous: np.ndarray | None = None  # g': the global model of the device's previous round (None at its first)
     colluders: int = 1  # f: the fleet's compromised devices
 
     @property
@@ -103,6 +111,13 @@ class Honest:
         """A random direction as long as the honest update, the same for every colluding device in a round."""
         direction = np.random.default_rng(self.round).standard_normal(self.weights.size)
         return direction * (float(np.linalg.norm(self.update)) / max(float(np.linalg.norm(direction)), 1e-12))
+
+    @property
+    def last_step(self) -> np.ndarray:
+        """g - g': the fleet's last step as this device saw it (zero at its first round)."""
+        if self.previous is None:
+            return np.zeros(self.weights.size)
+        return self.global_weights.astype(np.float64) - self.previous
 
     @property
     def known(self) -> np.ndarray:
@@ -120,6 +135,12 @@ def _drift(honest: Honest) -> tuple[np.ndarray, int]:
     length = np.linalg.norm(back)
     pull = back / length * np.linalg.norm(honest.update) if length > 0 else 0.0
     return _from(honest, honest.update + pull)
+
+
+def _tiny(honest: Honest) -> tuple[np.ndarray, int]:
+    direction = np.random.default_rng([honest.round, 2]).standard_normal(honest.weights.size)
+    length = TINY * float(np.linalg.norm(honest.last_step))
+    return _from(honest, direction * length / max(float(np.linalg.norm(direction)), 1e-12), TINY_SAMPLES)
 
 
 def _alie(honest: Honest) -> tuple[np.ndarray, int]:
@@ -201,6 +222,8 @@ ATTACKS: dict[str, Callable[[Honest], tuple[np.ndarray, int]]] = {
     "boosted": lambda h: _from(h, h.fleet_size * h.noise()),
     "drift": _drift,
     "lazy": lambda h: (h.global_weights.astype(np.float32), h.num_samples),
+    "tinynoise": _tiny,
+    "reversed-step": lambda h: _from(h, -h.last_step),
     "alie": _alie,
     "ipm": lambda h: _from(h, -IPM_EPSILON * h.known.mean(0)),
     "min-max": _min_max,
@@ -256,6 +279,8 @@ class AdversarialDevice(Device):
         self.colluders = colluders
         self.peers = [Path(p) for p in peers]
         self._start: np.ndarray | None = None
+        self._previous: np.ndarray | None = None  # g': the global model of the round before the current one
+        self._current: tuple[str, np.ndarray] | None = None  # the current round's global model and its id
         if attack == "label-flip":
             self.source = FlippedLabels(self.source, self.trainer.manifest.num_classes)
 
@@ -267,8 +292,11 @@ class AdversarialDevice(Device):
         benign = self._benign(model, global_weights) if self.attack_name in OMNISCIENT else None
         if benign is not None:  # in the update's metrics (the round's dict, sent after this): what it knew
             self.learner.state.metrics["known_updates"] = float(len(benign))
+        if self._current is None or self._current[0] != model:  # a new round's model (not a resend of the same)
+            self._previous, self._current = (self._current[1] if self._current else None), (model, global_weights)
+        previous = self._previous
         return self.attack(Honest(global_weights, honest_weights, samples, self.learner.state.round,
-                                  self.fleet_size, self._start, benign, self.colluders))
+                                  self.fleet_size, self._start, benign, previous, self.colluders))
 
     def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
         """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""

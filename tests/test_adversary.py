@@ -35,7 +35,25 @@ def test_each_attack_sends_what_it_says(honest):
     back = honest.start - honest.global_weights.astype(np.float64)
     assert np.linalg.norm(drift) == pytest.approx(length, rel=1e-3) and drift @ back > 0.999 * length * np.linalg.norm(back)
     np.testing.assert_array_equal(sent["lazy"][0], honest.global_weights)
-    assert all(count == 40 for name, (_, count) in sent.items() if name != "samples")
+    assert all(count == 40 for name, (_, count) in sent.items() if name not in ("samples", "tinynoise"))
+
+
+def test_tinynoise_and_the_reversed_step_follow_the_fleets_last_step(honest):
+    """Issue 56's adaptive free rider: noise 0.3 times the last global step, claiming 100 samples; the reversed
+    step undoes it. At a device's first round there is no step: both send the global model."""
+    from dataclasses import replace
+
+    from firmware_sim.adversary import TINY, TINY_SAMPLES
+
+    previous = honest.global_weights - np.float32(0.05)
+    h = replace(honest, previous=previous)
+    step = honest.global_weights.astype(np.float64) - previous
+    tiny, count = ATTACKS["tinynoise"](h)
+    assert count == TINY_SAMPLES
+    assert np.linalg.norm(change(tiny, h)) == pytest.approx(TINY * np.linalg.norm(step), rel=1e-3)
+    np.testing.assert_allclose(change(ATTACKS["reversed-step"](h)[0], h), -step, rtol=1e-4, atol=1e-5)
+    for name in ("tinynoise", "reversed-step"):
+        np.testing.assert_array_equal(ATTACKS[name](honest)[0], honest.global_weights)
 
 
 def test_colluding_devices_send_the_same_garbage_in_a_round():
@@ -62,7 +80,7 @@ def omniscient(seed: int = 0, honest_devices: int = 6, colluders: int = 2, size:
     g = rng.standard_normal(size).astype(np.float32)
     benign = rng.standard_normal((honest_devices, size)) * 0.1 + 0.05  # B: a shared direction and spread
     return Honest(g, (g + benign[0]).astype(np.float32), 30, 4, honest_devices + colluders, np.zeros(size, np.float32),
-                  benign, colluders)
+                  benign=benign, colluders=colluders)
 
 
 def test_alie_is_the_mean_plus_z_sigma_with_the_papers_z():
