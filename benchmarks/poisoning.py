@@ -7,9 +7,10 @@ task, every device in every round, E = 10 local epochs of AdamW, random caching 
 are split into 4 (8, 20) shares; the honest devices hold the first 3 (6, 16). The clean run is the honest devices
 alone; an attacked run adds the compromised devices, which hold the last shares, train honestly on them, and send
 what their attack makes of it (firmware_sim/adversary.py: scaled, sign-flip, huge, nan, samples, boosted, drift,
-lazy, tinynoise, reversed-step, and the literature's alie, ipm, min-max, min-sum, fang, mimic, gaussian, label-flip). So the difference between an attacked run and the clean run
-of the same seed is what the attack does, and nothing else: the runs are deterministic, and an attack the settings
-remove entirely leaves the clean run's trajectory exactly as it was.
+lazy, tinynoise, reversed-step, and the literature's alie, ipm, min-max, min-sum, fang, mimic, gaussian,
+label-flip). So the difference between an attacked run and the clean run of the same seed is what the attack does,
+and nothing else: the runs are deterministic, and an attack the settings remove entirely leaves the clean run's
+trajectory exactly as it was.
 
 Settings (`--settings`): `default` (a coordinator file without [guard] or [strategy]: FedAvg after the guard's
 bounds and Krum selection, which together are Multi-Krum), `fedavg` (plain FedAvg: every bound and check off),
