@@ -249,9 +249,13 @@ class AdversarySettings:
         if self.devices < 0 or (self.devices > 0) != (self.attack != "none"):
             raise ValueError("devices must be > 0 with an attack, and 0 without one")
 
+    def honest(self, fleet_size: int) -> int:
+        """How many devices of the fleet are honest: the first ones."""
+        return fleet_size - self.devices
+
     def of(self, index: int, fleet_size: int) -> str | None:
         """The attack device `index` runs, or None (honest)."""
-        return self.attack if index >= fleet_size - self.devices else None
+        return self.attack if index >= self.honest(fleet_size) else None
 
 
 class FlippedLabels:

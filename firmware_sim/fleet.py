@@ -451,7 +451,7 @@ class Fleet:
             "availability_clock": "wall" if self.config.real_time else "fleet",
         }}
         attack = self.config.adversary.of(index, self.config.devices)
-        honest = range(self.config.devices - self.config.adversary.devices)
+        honest = range(self.config.adversary.honest(self.config.devices))
         adversary = {} if attack is None else {ADVERSARY: {
             "attack": attack, "fleet_size": self.config.devices, "colluders": self.config.adversary.devices,
             "peers": [str(self.config.out / "devices" / self.config.device_id(k)) for k in honest]}}
@@ -479,7 +479,7 @@ class Fleet:
         count = worker_count(self.config.workers, self.config.devices, self.workers.cores())
         groups = [configs[k::count] for k in range(count)]
         if self.config.adversary.attack in OMNISCIENT:  # they wait for the honest updates: in a worker of their own
-            honest = configs[:self.config.devices - self.config.adversary.devices]
+            honest = configs[:self.config.adversary.honest(self.config.devices)]
             groups = [group for group in (honest[k::count] for k in range(count)) if group]
             groups.append(configs[len(honest):])
         self.workers.start(groups, artifacts, self.config.out / "logs")
