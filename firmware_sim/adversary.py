@@ -53,11 +53,12 @@ with mu and sigma B's coordinate-wise mean and standard deviation, n the fleet's
 How a compromised device knows B: in a simulated fleet every device saves the update it sends in its state folder
 before sending it (edge_client/state.py), and the fleet names the honest devices' folders to the compromised ones,
 which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits
-(at most `KNOWLEDGE_WAIT_S`) until every honest device has saved its update of the round's global model, and uses
-those that have; with none (a device never selected), its own honest update is B. Deterministic whenever every
-honest device trains in every round, as in `benchmarks/poisoning.py`. A deployed fleet's broker ACL gives no device
-another's update: these attacks are what an attacker who also holds the coordinator's inbox could do, the standard
-worst case of the robustness literature.
+until every honest device has saved its update of the round's global model: for as long as that takes where the
+fleet selects every device every round (`wait_all`: fraction 1, no availability profiles, as in
+`benchmarks/poisoning.py`; so what it knows never depends on the host's speed), else at most `KNOWLEDGE_WAIT_S`,
+using those that have; with none, its own honest update is B. A stop request ends the wait. A deployed fleet's
+broker ACL gives no device another's update: these attacks are what an attacker who also holds the coordinator's
+inbox could do, the standard worst case of the robustness literature.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ TINY_SAMPLES = 100
 IPM_EPSILON = 0.1
 GAUSSIAN_STD = 1.0
 SEARCH_START, SEARCH_STOP = 10.0, 1e-5  # min-max and min-sum's binary search on gamma; fang's smallest lambda
-KNOWLEDGE_WAIT_S = 60.0  # the most a compromised device waits for the round's honest updates
+KNOWLEDGE_WAIT_S = 60.0  # the most a compromised device waits for the honest updates where not all train each round
 log = logging.getLogger("edgefil.fleet")
 
 
@@ -187,10 +188,11 @@ def _min_sum(honest: Honest) -> tuple[np.ndarray, int]:
 
 def krum_pick(vectors: np.ndarray, byzantine: int) -> int:
     """Krum's choice (Blanchard et al. 2017): the row with the least sum of squared distances to its n - f - 2
-    nearest others (at least one)."""
-    neighbours = max(len(vectors) - byzantine - 2, 1)
-    distances = np.sort(_pairwise(vectors) ** 2, axis=1)[:, 1:neighbours + 1]
-    return int(np.argmin(distances.sum(1)))
+    nearest others (at least one), scored as the coordinator's guard scores them."""
+    from coordinator.guard import krum_scores  # torch: only where an attack needs it, not at a worker's start
+
+    rows = [np.ascontiguousarray(v, dtype=np.float32) for v in vectors]
+    return int(np.argmin(krum_scores(rows, max(len(vectors) - byzantine - 2, 1))))
 
 
 def _fang(honest: Honest) -> tuple[np.ndarray, int]:
@@ -275,13 +277,14 @@ class AdversarialDevice(Device):
     honest devices' state folders, which the omniscient attacks read B from."""
 
     def __init__(self, *args: Any, attack: str, fleet_size: int, colluders: int = 1, peers: Sequence[str] = (),
-                 **kwargs: Any) -> None:
+                 wait_all: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attack_name = attack
         self.attack = ATTACKS[attack]
         self.fleet_size = fleet_size
         self.colluders = colluders
         self.peers = [Path(p) for p in peers]
+        self.wait_all = wait_all
         self._start: np.ndarray | None = None
         self._previous: np.ndarray | None = None  # g': the global model of the round before the current one
         self._current: tuple[str, np.ndarray] | None = None  # the current round's global model and its id
@@ -305,8 +308,8 @@ class AdversarialDevice(Device):
     def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
         """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""
         found: dict[Path, np.ndarray] = {}
-        deadline = time.monotonic() + KNOWLEDGE_WAIT_S
-        while True:
+        deadline = math.inf if self.wait_all else time.monotonic() + KNOWLEDGE_WAIT_S
+        while not self.stop_requested.is_set():
             for peer in self.peers:
                 if peer not in found:
                     try:
@@ -317,7 +320,7 @@ class AdversarialDevice(Device):
                         found[peer] = saved.weights.astype(np.float64) - global_weights
             if len(found) == len(self.peers) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.05)
+            self.stop_requested.wait(0.05)
         if len(found) < len(self.peers):
             log.warning("%s (%s): %d of %d honest updates of the round read", self.id, self.attack_name, len(found),
                         len(self.peers))

@@ -454,7 +454,8 @@ class Fleet:
         honest = range(self.config.adversary.honest(self.config.devices))
         adversary = {} if attack is None else {ADVERSARY: {
             "attack": attack, "fleet_size": self.config.devices, "colluders": self.config.adversary.devices,
-            "peers": [str(self.config.out / "devices" / self.config.device_id(k)) for k in honest]}}
+            "peers": [str(self.config.out / "devices" / self.config.device_id(k)) for k in honest],
+            "wait_all": self.config.coordinator_options().get("fraction", 1.0) >= 1.0 and not self.config.profiles}}
         return {
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
             "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
