@@ -1,9 +1,20 @@
 """Shared fixtures: artifact sets are exported once per test session."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_peer_outlives_its_test():
+    """A test's MQTT peers are closed when it ends, passed or failed: a peer left running keeps reconnecting to its
+    stopped broker from its own thread, into whatever test runs next."""
+    yield
+    helpers = sys.modules.get("mqtt_helpers")
+    if helpers is not None:
+        helpers.close_running_peers()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,14 @@ from coordinator.pki import make_ca
 from coordinator.pki import make_server_cert as pki_server_cert
 
 WAIT_S = 30.0  # every wait below is a ceiling for an event that comes in milliseconds on a quiet machine
+_RUNNING: set[Peer] = set()  # peers whose network thread runs: closed after each test (conftest), so none outlives
+# its broker and keeps reconnecting into a later test
+
+
+def close_running_peers() -> None:
+    """Close every peer a test left open (one that failed before its close, or never closed one)."""
+    for peer in list(_RUNNING):
+        peer.close()
 
 
 class Peer:
@@ -58,6 +66,7 @@ class Peer:
                 break
         if self.connack is not None and not self.connack.is_failure:
             self.client.loop_start()
+            _RUNNING.add(self)
         else:
             self.client.disconnect()
         return self.connack
@@ -103,6 +112,7 @@ class Peer:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+        _RUNNING.discard(self)
 
 
 def make_server_cert(folder: Path) -> TlsFiles:
