@@ -20,7 +20,15 @@ std over seeds, %), its difference from plain FedAvg's clean run, and per attack
 (attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
 devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
 one where a run failed (every device diverged, so no round could reach its quorum) `f`, counted with its last
-completed round's model. The clean column's brackets are the clean runs' own honest refusals.
+completed round's model. The clean column's brackets are the clean runs' own honest refusals. "All honest" is the
+fleet with every device honest (the compromised devices' shares held by honest devices: what the issue's "clean
+4-device run" is, and where a rule that reads novelty as attack refuses honest updates), against plain FedAvg's same
+run, with its honest refusals; below the table, why they were refused.
+
+Scenarios (`--scenarios`): `digits-class` and `fashion-class` (the presets: Dirichlet 1 label split), and the
+splits where honest devices look least alike: `digits-skewed` (Dirichlet 0.1) and `digits-dynamics` (GLFC's client
+dynamics: a device of 8 joins at each task holding only the task's classes, a tenth of those there keep only their
+old data, and each device with new data holds one of the task's two classes).
 
 Every cell runs in a process of its own and writes `cell.json` in its folder; a finished cell is read back, not
 run again, so an interrupted matrix resumes.
@@ -32,12 +40,14 @@ run again, so an interrupted matrix resumes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +62,28 @@ from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS  # noqa: E402
 
 FLEETS = {4: 1, 8: 2, 20: 4}  # devices: of which hostile
-INPUTS = {"digits-class": (1, 8, 8), "fashion-class": (1, 28, 28)}  # each scenario's LeNet input
+
+
+
+@dataclass(frozen=True)
+class Split:
+    """A scenario of the matrix: a preset, its LeNet input, and what it changes of the preset's split."""
+
+    preset: str
+    shape: tuple[int, ...]
+    alpha: float | None = None  # the Dirichlet concentration of the label split (None: the preset's, 1)
+    dynamics: bool = False  # GLFC's client dynamics: devices joining with new classes only, one class a device
+
+
+SCENARIOS = {
+    "digits-class": Split("digits-class", (1, 8, 8)),
+    "fashion-class": Split("fashion-class", (1, 28, 28)),
+    # the splits in which honest devices look least alike: few classes a device, and devices that join late
+    "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
+    "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
+}
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
+BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},  # a coordinator file without [guard] or [strategy]
     "fedavg": {"strategy": {"name": "fedavg"},  # plain FedAvg: every bound and check off
@@ -62,7 +92,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "median": {"strategy": {"name": "median"}},  # each robust rule after the default bounds
     "trimmed-mean": {"strategy": {"name": "trimmed-mean"}},
     "centered-clip": {"strategy": {"name": "centered-clip"}},
+    # candidates for a default that bounds each update's influence instead of refusing it (issue 56): no Krum,
+    # no free-rider refusal, claims capped and distances clipped at the guard's factors; then FedAvg or centered
+    # clipping
+    "bounded": {"coordinator": {"guard": BOUNDED_GUARD}},
+    "bounded-cc": {"coordinator": {"guard": BOUNDED_GUARD}, "strategy": {"name": "centered-clip"}},
 }
+NO_ATTACK = ("clean", "all-honest")
+REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters
 CELL_FILE = "cell.json"
 MARK = 3.0  # points: a cell this far from its clean run is marked
 
@@ -72,16 +109,16 @@ class Cell:
     scenario: str
     setting: str
     devices: int  # the fleet's, hostile ones included (the scenario's shares)
-    attack: str  # "clean": the honest devices alone
+    attack: str  # "clean": the honest devices alone; "all-honest": every device of the fleet honest
     seed: int
 
     @property
     def hostile(self) -> int:
-        return 0 if self.attack == "clean" else FLEETS[self.devices]
+        return 0 if self.attack in NO_ATTACK else FLEETS[self.devices]
 
     @property
     def honest(self) -> int:
-        return self.devices - FLEETS[self.devices]
+        return self.devices if self.attack == "all-honest" else self.devices - FLEETS[self.devices]
 
     def folder(self, out: Path) -> Path:
         return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
@@ -90,10 +127,15 @@ class Cell:
         setting = SETTINGS[self.setting]
         coordinator = {"rounds_per_task": 3, "min_clients": self.honest, "deadline_s": 120.0,
                        "wait_for_devices_s": 120.0, **setting.get("coordinator", {})}
+        split = SCENARIOS[self.scenario]
+        scenario: dict[str, Any] = {"preset": split.preset, "n_clients": self.devices, "seed": self.seed}
+        if split.alpha is not None:
+            scenario["alpha"] = split.alpha
+        if split.dynamics:  # a device of 8 joins at each task (none of 4, 2 of 20); one class of two a device
+            scenario.update(dynamics="glfc", joining=self.devices // 8)
         table: dict[str, Any] = {
             "name": "poisoning", "out": str(self.folder(out)), "devices": self.honest + self.hostile,
-            "model": "lenet", "seed": self.seed, "broker": "mosquitto",
-            "scenario": {"preset": self.scenario, "n_clients": self.devices, "seed": self.seed},
+            "model": "lenet", "seed": self.seed, "broker": "mosquitto", "scenario": scenario,
             "policy": {"name": "random"}, "client": {"epochs": 10}, "coordinator": coordinator,
         }
         if "strategy" in setting:
@@ -142,7 +184,7 @@ def honest_refusals(results: dict[str, Any], honest: int) -> dict[str, int]:
 def export_once(out: Path, scenario: str) -> Path:
     from models.export import export_registered
 
-    shape = INPUTS[scenario]
+    shape = SCENARIOS[scenario].shape
     artifacts = out / f"artifacts-lenet-{'x'.join(map(str, shape))}"
     if not (artifacts / "manifest.json").is_file():
         shutil.rmtree(artifacts, ignore_errors=True)
@@ -172,36 +214,63 @@ def refused(cells: list[dict[str, Any]]) -> str:
 def table(results: dict[Cell, dict[str, Any]], scenario: str, settings: list[str], attacks: list[str],
           seeds: list[int], fleets: list[int]) -> str:
     lines = []
-    header = f"{'setting':<14}{'fleet':<8}{'clean %':>22}{'vs fedavg':>14}" + "".join(f"{a:>24}" for a in attacks)
+    header = (f"{'setting':<14}{'fleet':<8}{'clean %':>22}{'vs fedavg':>14}{'all honest vs fedavg':>26}"
+              + "".join(f"{a:>24}" for a in attacks))
     lines.append(header)
     for setting in settings:
         for devices in fleets:
             clean_cells = [results[Cell(scenario, setting, devices, "clean", s)] for s in seeds]
             clean = [cell["final_accuracy"] for cell in clean_cells]
-            plain = [results[Cell(scenario, "fedavg", devices, "clean", s)]["final_accuracy"] for s in seeds]
-            vs = np.subtract(clean, plain).tolist()
             row = f"{setting:<14}{f'{FLEETS[devices]} of {devices}':<8}"
             row += f"{f'{100 * np.mean(clean):.1f} ± {100 * np.std(clean):3.1f} {refused(clean_cells)}':>22}"
-            row += f"{points(vs):>14}"
+            row += f"{points(against_fedavg(results, Cell(scenario, setting, devices, 'clean', 0), seeds)):>14}"
+            everyone = [results[Cell(scenario, setting, devices, "all-honest", s)] for s in seeds]
+            all_honest = against_fedavg(results, Cell(scenario, setting, devices, "all-honest", 0), seeds)
+            row += f"{points(all_honest) + ' ' + refused(everyone) + marked(all_honest, everyone):>26}"
             for attack in attacks:
                 cells = [results[Cell(scenario, setting, devices, attack, s)] for s in seeds]
                 diff = [cell["final_accuracy"] - c for cell, c in zip(cells, clean)]
-                mark = "!" if abs(100 * np.mean(diff)) >= MARK else " "
-                mark += "f" if any(cell.get("outcome", "complete") != "complete" for cell in cells) else " "
-                row += f"{points(diff) + ' ' + refused(cells) + mark:>24}"
+                row += f"{points(diff) + ' ' + refused(cells) + marked(diff, cells):>24}"
             lines.append(row)
     return "\n".join(lines)
 
 
+def against_fedavg(results: dict[Cell, dict[str, Any]], cell: Cell, seeds: list[int]) -> list[float]:
+    """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed."""
+    return [results[dataclasses.replace(cell, seed=s)]["final_accuracy"]
+            - results[dataclasses.replace(cell, setting="fedavg", seed=s)]["final_accuracy"] for s in seeds]
+
+
+def marked(diff: list[float], cells: list[dict[str, Any]]) -> str:
+    """`!` for a mean change of MARK points or more, `f` where a run failed."""
+    mark = "!" if abs(100 * np.mean(diff)) >= MARK else " "
+    return mark + ("f" if any(cell.get("outcome", "complete") != "complete" for cell in cells) else " ")
+
+
+def refusal_causes(results: dict[Cell, dict[str, Any]], scenario: str, setting: str, seeds: list[int],
+                   fleets: list[int]) -> str:
+    """Why the guard refused honest updates in the runs without attack (every device honest), per fleet."""
+    parts = []
+    for devices in fleets:
+        counters: Counter[str] = Counter()
+        for s in seeds:
+            counters.update({k: v for k, v in results[Cell(scenario, setting, devices, "all-honest", s)]["counters"]
+                             .items() if k in REFUSALS})
+        causes = ", ".join(f"{k} {v}" for k, v in counters.most_common()) or "none"
+        parts.append(f"{devices} devices: {causes}")
+    return f"{setting}: honest updates refused, by cause: " + "; ".join(parts)
+
+
 def paired(results: dict[Cell, dict[str, Any]], scenario: str, setting: str, seeds: list[int],
            fleets: list[int]) -> str:
-    """The clean runs of `setting` against plain FedAvg's, paired by seed (every fleet)."""
-    diffs = [results[Cell(scenario, setting, d, "clean", s)]["final_accuracy"]
-             - results[Cell(scenario, "fedavg", d, "clean", s)]["final_accuracy"] for d in fleets for s in seeds]
+    """The runs without attack of `setting` (clean and all honest) against plain FedAvg's, paired by seed."""
+    diffs = [d for devices in fleets for kind in NO_ATTACK
+             for d in against_fedavg(results, Cell(scenario, setting, devices, kind, 0), seeds)]
     if np.allclose(diffs, 0):
-        return f"{setting}: clean runs identical to plain FedAvg's in every pair ({len(diffs)})"
+        return f"{setting}: runs without attack identical to plain FedAvg's in every pair ({len(diffs)})"
     test = stats.ttest_1samp(diffs, 0.0)
-    return f"{setting}: clean - plain FedAvg {points(diffs)} points over {len(diffs)} pairs, paired t-test p {test.pvalue:.2f}"
+    return (f"{setting}: without attack - plain FedAvg {points(diffs)} points over {len(diffs)} pairs, paired t-test "
+            f"p {test.pvalue:.2f}")
 
 
 def main() -> None:
@@ -210,7 +279,7 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--fleets", default=",".join(map(str, FLEETS)))
-    parser.add_argument("--scenarios", default=",".join(INPUTS))
+    parser.add_argument("--scenarios", default="digits-class,fashion-class", help=f"of {', '.join(SCENARIOS)}")
     parser.add_argument("--out", default="runs/poisoning")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -221,7 +290,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     cells = [Cell(scenario, setting, devices, attack, seed) for scenario in scenarios
              for setting in dict.fromkeys(["fedavg", *settings])
-             for devices in fleets for attack in ["clean", *(attacks if setting in settings else [])]
+             for devices in fleets for attack in [*NO_ATTACK, *(attacks if setting in settings else [])]
              for seed in seeds]
     results = {}
     started = time.monotonic()
@@ -239,6 +308,7 @@ def main() -> None:
         for setting in settings:
             if setting != "fedavg":
                 print(paired(results, scenario, setting, seeds, fleets))
+                print(refusal_causes(results, scenario, setting, seeds, fleets))
 
 
 if __name__ == "__main__":
