@@ -101,6 +101,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters
 CELL_FILE = "cell.json"
+TASKS = 5  # the class-incremental presets' tasks
 MARK = 3.0  # points: a cell this far from its clean run is marked
 
 
@@ -120,19 +121,29 @@ class Cell:
     def honest(self) -> int:
         return self.devices if self.attack == "all-honest" else self.devices - FLEETS[self.devices]
 
+    @property
+    def joining(self) -> int:
+        """Devices joining at each task (client dynamics): one of 8, none of 4, 2 of 20."""
+        return self.devices // 8 if SCENARIOS[self.scenario].dynamics else 0
+
+    @property
+    def first_present(self) -> int:
+        """The devices there from the first task (those that join later hold no data before, and are not selected)."""
+        return self.devices - self.joining * (TASKS - 1)
+
     def folder(self, out: Path) -> Path:
         return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
 
     def fleet(self, out: Path) -> dict[str, Any]:
         setting = SETTINGS[self.setting]
-        coordinator = {"rounds_per_task": 3, "min_clients": self.honest, "deadline_s": 120.0,
+        coordinator = {"rounds_per_task": 3, "min_clients": min(self.honest, self.first_present), "deadline_s": 120.0,
                        "wait_for_devices_s": 120.0, **setting.get("coordinator", {})}
         split = SCENARIOS[self.scenario]
         scenario: dict[str, Any] = {"preset": split.preset, "n_clients": self.devices, "seed": self.seed}
         if split.alpha is not None:
             scenario["alpha"] = split.alpha
         if split.dynamics:  # a device of 8 joins at each task (none of 4, 2 of 20); one class of two a device
-            scenario.update(dynamics="glfc", joining=self.devices // 8)
+            scenario.update(dynamics="glfc", joining=self.joining)
         table: dict[str, Any] = {
             "name": "poisoning", "out": str(self.folder(out)), "devices": self.honest + self.hostile,
             "model": "lenet", "seed": self.seed, "broker": "mosquitto", "scenario": scenario,
