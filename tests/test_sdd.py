@@ -3,6 +3,8 @@ moving its quantity the right way on a toy teacher, the generator's refused sett
 rule that finishes its round off the coordinator's loop (`Pending`)."""
 from __future__ import annotations
 
+import inspect
+
 import dataclasses
 import threading
 from collections import Counter
@@ -51,6 +53,35 @@ def test_literal_and_normalised_rows_match_hand_computed_aggregates():
     # a device with a = 1 alone makes the row its own (the spec's check)
     alone = weighted_rows(fedavg, local, np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]), positions, True)
     np.testing.assert_allclose(alone.numpy()[:2], [5.0, 6.0])
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_a_device_that_scales_its_new_rows_moves_them_no_further_than_the_default_row_bound(normalized):
+    """Issue 56: one device of four doubles its new-class rows (a sliver of the model: the guard passes it). Under
+    the default `row_bound` its rows count at most that many times the lower median length of the rows that count:
+    each aggregated row moves by at most (row_bound - 1) of the device's own honest row, x2 not at all more."""
+    bound = inspect.signature(SddCoordinator).parameters["row_bound"].default
+    rng = np.random.default_rng(0)
+    honest = torch.from_numpy(rng.normal(size=(4, 2, 8)) + 3.0)  # 4 devices, 2 new classes' rows of 8
+    honest /= torch.linalg.vector_norm(honest, dim=2, keepdim=True)  # rows of one length, as a session trains them
+    honest *= torch.tensor([1.0, 1.1, 0.9, 1.05])[:, None, None]
+    hostile = honest.clone()
+    hostile[3] *= 2.0
+    positions = np.arange(16).reshape(2, 8)
+    accuracies = np.array([[1.0, 0.8], [0.9, 1.0], [0.7, 0.9], [1.0, 1.0]])
+    clean, attacked = (weighted_rows(m.reshape(4, -1).mean(0), m.reshape(4, -1), accuracies, positions, normalized,
+                                     row_bound=bound) for m in (honest, hostile))
+    own = torch.linalg.vector_norm(honest[3], dim=1)
+    for i, row in enumerate(positions):
+        total = 1.0 if not normalized else float(accuracies[:, i].sum())
+        moved = float(torch.linalg.vector_norm(attacked[row] - clean[row]))
+        assert moved <= (bound - 1) * accuracies[3, i] * float(own[i]) / total + 1e-9
+        unbounded = weighted_rows(hostile.reshape(4, -1).mean(0), hostile.reshape(4, -1), accuracies, positions,
+                                  normalized)
+        assert float(torch.linalg.vector_norm(unbounded[row] - clean[row])) > moved + 0.5 * accuracies[3, i] / total
+    # the honest rows lie within the bound: it changes nothing of a clean session
+    np.testing.assert_allclose(clean.numpy(), weighted_rows(honest.reshape(4, -1).mean(0), honest.reshape(4, -1),
+                                                            accuracies, positions, normalized).numpy())
 
 
 @pytest.mark.parametrize("normalized", [False, True])

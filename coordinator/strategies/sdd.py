@@ -30,7 +30,9 @@ A session is a task; its first round (the paper has one round per session) does 
    sum_m a_m^i; either falls back to the FedAvg row for a class every model gets wrong (sum 0). "fedavg" is the
    ablation (SDD without CSWA). The new classes' biases: the paper's W_new = [w_{l,i}] is L x c (Eq. 13), weights
    without a bias, and Eq. 12 averages everything else by samples, so `new_bias = "fedavg"` (the default) averages
-   them with W_old; "cswa" scales each with its row (this runtime's reading before issue 55).
+   them with W_old; "cswa" scales each with its row (this runtime's reading before issue 55). Each device's row
+   first counts at most `row_bound` x the lower median length of the rows that count (`row_lengths_bound`): one
+   device cannot scale a new class over the old ones (issue 56).
 3. The replay set: X~_t's samples join those of the sessions before, at most `replay_per_class` per class (the
    last ones made, by the best-trained generator), broadcast to every device as `sdd/replay` at the end of the
    session (the devices replay them in the next). At the end of the base session (task 0), the generator is
@@ -281,19 +283,45 @@ def class_accuracies(models: Sequence[ClassifierModel], x: np.ndarray, y: np.nda
 
 
 def weighted_rows(fedavg: torch.Tensor, local: torch.Tensor, accuracies: np.ndarray, positions: np.ndarray,
-                  normalized: bool) -> torch.Tensor:
+                  normalized: bool, row_bound: float = 0.0) -> torch.Tensor:
     """Eqs. 16-18 on a FedAvg result: row i of the new classes' head (its `positions`, one row per class) becomes
     sum_m a_m^i w_m^i, divided by sum_m a_m^i when `normalized`; a row whose accuracies are all 0 keeps its FedAvg
-    value. `local` holds the M local models (M x P)."""
+    value. `local` holds the M local models (M x P). `row_bound` > 0: each w_m^i first clipped to that many times
+    the lower median length of the rows that count (`row_lengths_bound`)."""
     out = fedavg.clone()
     weights = torch.as_tensor(accuracies, dtype=local.dtype, device=local.device)  # (M, c)
-    for i, row in enumerate(torch.as_tensor(positions, device=local.device)):
+    rows = [torch.as_tensor(row, device=local.device) for row in positions]
+    lengths = row_lengths(local, positions)
+    limit = row_lengths_bound(lengths, weights, row_bound)
+    for i, row in enumerate(rows):
         total = float(weights[:, i].sum())
         if total <= 0:
             continue
-        combined = (weights[:, i, None] * local[:, row]).sum(0)
+        scale = (limit / lengths[:, i].clamp(min=1e-30)).clamp(max=1.0)
+        combined = (weights[:, i, None] * scale[:, None] * local[:, row]).sum(0)
         out[row] = combined / total if normalized else combined
     return out
+
+
+def row_lengths(local: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+    """||w_m^i||: each local model's (M) length of each new class's row (c): M x c."""
+    return torch.stack([torch.linalg.vector_norm(local[:, torch.as_tensor(row, device=local.device)], dim=1)
+                        for row in positions], 1)
+
+
+def row_lengths_bound(lengths: torch.Tensor, weights: torch.Tensor, factor: float) -> float:
+    """How long a device's new-class row may be in CSWA: `factor` x the lower median of the lengths of the rows that
+    count (those of a device and class with a_m^i > 0, pooled over the session's classes), inf with factor 0.
+
+    Why: CSWA sums rows as they come, so a device that scales its own new-class rows (x2 passes the guard: the rows
+    are a sliver of the model) takes the session's classes over every old one (0.693 to 0.406 under the literal sum,
+    -6.1 points under the normalised one; issue 56). Pooled, because a class may count one device only; the lower
+    median, because with two rows that count the upper one may be the scaled one. Honest rows of a session are
+    trained alike from the same start, so they lie near one length."""
+    counted = lengths[weights > 0]
+    if factor <= 0 or not len(counted):
+        return math.inf
+    return factor * float(torch.sort(counted).values[(len(counted) - 1) // 2])
 
 
 def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per_class: int
@@ -315,6 +343,7 @@ class SddCoordinator(Strategy):
         self,
         aggregation: str = "cswa-literal",
         new_bias: str = "fedavg",
+        row_bound: float = 1.5,
         replay_per_class: int = 50,
         generator_timeout_s: float = 3600.0,
         generator_epochs: int = 20,
@@ -344,6 +373,9 @@ class SddCoordinator(Strategy):
         if not (math.isfinite(statistics_factor) and statistics_factor >= 1):
             raise ValueError(f"statistics_factor must be >= 1, got {statistics_factor}")
         self.statistics_factor = statistics_factor
+        if not (math.isfinite(row_bound) and (row_bound == 0 or row_bound >= 1)):
+            raise ValueError(f"row_bound must be 0 (off) or >= 1, got {row_bound}")
+        self.row_bound = row_bound
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if new_bias not in NEW_BIASES:
@@ -433,8 +465,14 @@ class SddCoordinator(Strategy):
             positions = positions[:, :-1]
         stacked = torch.from_numpy(np.stack(local)).to(self.device)
         metrics["cswa_mean_accuracy"] = float(accuracies.mean())
+        counted = row_lengths(stacked, positions)[torch.as_tensor(accuracies, device=self.device) > 0]
+        if len(counted):  # how far the rows that count spread: the longest over the lower median, and those clipped
+            median = float(torch.sort(counted).values[(len(counted) - 1) // 2])
+            metrics["cswa_row_spread"] = float(counted.max()) / max(median, 1e-30)
+            metrics["cswa_rows_clipped"] = float((counted > self.row_bound * median).sum()) if self.row_bound else 0.0
         return AggregateResult(weighted_rows(averaged, stacked, accuracies, positions,
-                                             normalized=self.aggregation == "cswa-normalized"))
+                                             normalized=self.aggregation == "cswa-normalized",
+                                             row_bound=self.row_bound))
 
     def _statistics(self, update: ClientUpdate) -> dict[str, LayerStatistics] | None:
         data = update.attachments.get(STATISTICS)
