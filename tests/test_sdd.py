@@ -3,9 +3,8 @@ moving its quantity the right way on a toy teacher, the generator's refused sett
 rule that finishes its round off the coordinator's loop (`Pending`)."""
 from __future__ import annotations
 
-import inspect
-
 import dataclasses
+import inspect
 import threading
 from collections import Counter
 
