@@ -240,7 +240,7 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
     from coordinator.strategies.pfedgrp import PFedGRP
     from models.generator_record import encode_record
 
-    rule = PFedGRP(manifest, device="cpu", weight_steps=3)
+    rule = PFedGRP(manifest, device="cpu", weight_steps=3, quality_check=False)  # random models recognise nothing
     rng = np.random.default_rng(0)
     updates = [
         ClientUpdate("a", rng.standard_normal(manifest.num_parameters).astype(np.float32), 10, {},
@@ -260,7 +260,7 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
     assert sorted(rule.answer("c", ["generator/1", "generator/2", "generator/7", "other"])) == [
         "generator/1", "generator/2"]
     rule.save(tmp_path)
-    again = PFedGRP(manifest, device="cpu", weight_steps=3)
+    again = PFedGRP(manifest, device="cpu", weight_steps=3, quality_check=False)
     again.load(tmp_path)
     asked = ["generator/0", "generator/1", "generator/2"]
     assert again.answer("c", asked) == rule.answer("c", asked)
@@ -268,7 +268,8 @@ def test_the_rule_caches_generators_answers_requests_and_survives_a_checkpoint(m
     x1 = rule.replay_set("a")
     x2 = again.replay_set("a")
     torch.testing.assert_close(x1[0], x2[0])  # the sampling generator's state was checkpointed too
-    mean_personal = PFedGRP(manifest, device="cpu", weight_steps=3, global_model="mean-personalized")
+    mean_personal = PFedGRP(manifest, device="cpu", weight_steps=3, global_model="mean-personalized",
+                            quality_check=False)
     result = mean_personal.aggregate(torch.zeros(manifest.num_parameters), updates)
     torch.testing.assert_close(result.global_weights, (result.personalized["a"] + result.personalized["b"]) / 2)
 
@@ -327,8 +328,44 @@ def test_the_quality_check_keeps_only_samples_the_reference_recognises(manifest)
     checked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
     result = checked.aggregate(torch.zeros(manifest.num_parameters), updates)
     assert checked.recognised == {"a": 0.0, "b": 0.0}
-    assert result.metrics == {"a": {"recognised": 0.0}, "b": {"recognised": 0.0}}  # the round's history shows it
+    assert result.metrics == {"a": {"recognised": 0.0}, "b": {"recognised": 0.0},  # the round's history shows it
+                              "serving": {"not_served": 2.0}}
     assert checked.weights_used["a"] == [0.5, 0.5]
     unchecked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20, quality_check=False)
     result = unchecked.aggregate(torch.zeros(manifest.num_parameters), updates)
     assert unchecked.recognised == {} and unchecked.weights_used["a"] != [0.5, 0.5] and result.metrics == {}
+
+
+def test_a_generator_the_fleets_model_does_not_recognise_is_never_served_to_another_device(manifest, tmp_path):
+    """Issue 56: a device's well-formed generator of class 0 that makes what the round's models read as class 1 (a
+    label lie) used to answer every other device's request for class 0. Now a generator is served only when the
+    round's reference model (the mean of its local models) recognises half its samples as its class, among the
+    fleet's classes, not those the device claims: the honest one stays served, also across a checkpoint."""
+    from coordinator.strategies.base import ClientUpdate
+    from coordinator.strategies.pfedgrp import PFedGRP
+    from models.generator_record import encode_record
+
+    zero, one = _favouring(manifest, 0), _favouring(manifest, 1)
+    honest = encode_record(_record(0))
+    rule = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
+    fleet = RoundContext(seen_classes=(0, 1))
+    rule.aggregate(torch.zeros(manifest.num_parameters),  # a round whose models read everything as class 0
+                   [ClientUpdate("a", zero, 10, {}, (5, 5) + (0,) * 8, {"generator/0": honest})], fleet)
+    assert rule.answer("c", ["generator/0"]) == {"generator/0": honest}
+    lie = encode_record(_record(0, seed=3))  # the same layout, another generator: what the models read decides
+    for claimed in ((5,) + (0,) * 9, (5, 5) + (0,) * 8):  # it claims class 0 only, or both
+        result = rule.aggregate(torch.zeros(manifest.num_parameters),  # this round's models read class 1
+                                [ClientUpdate("x", one, 10, {}, claimed, {"generator/0": lie}),
+                                 ClientUpdate("a", one, 10, {}, (5, 5) + (0,) * 8)], fleet)
+        assert rule.answer("c", ["generator/0"]) == {"generator/0": honest}, claimed
+        assert result.metrics["serving"] == {"not_served": 1.0}
+    assert rule.configure(RoundContext(round=3), ["c"]) == {"c": {"generator_classes": [0]}}
+    rule.save(tmp_path)
+    again = PFedGRP(manifest, device="cpu", weight_steps=3)
+    again.load(tmp_path)
+    assert again.answer("c", ["generator/0"]) == {"generator/0": honest}
+    unchecked = PFedGRP(manifest, device="cpu", weight_steps=3, quality_check=False)  # as before the check
+    for weights, record in ((zero, honest), (one, lie)):
+        unchecked.aggregate(torch.zeros(manifest.num_parameters),
+                            [ClientUpdate("a", weights, 10, {}, (5, 5) + (0,) * 8, {"generator/0": record})], fleet)
+    assert unchecked.answer("c", ["generator/0"]) == {"generator/0": lie}

@@ -12,7 +12,7 @@ with `weight_lr` for `weight_steps` steps (the paper's 20 "rounds"); `replay_per
 step on a seeded minibatch of `weight_batch` of them (0: the whole set; minibatches make a step's cost independent
 of how many classes a device has seen); the device's seen classes unmasked, as devices train. A device with no
 cached generator yet gets the global model as its personalized one. Which cached generator answers another
-device's request for a class: the latest uploaded.
+device's request for a class: the latest uploaded that the quality check serves (below).
 
 Quality check (`quality_check`, on by default; not in the paper): a generated sample that a reference model does not
 classify as the class it was generated for is left out of the replay set, so a generator that has not learnt its
@@ -21,6 +21,13 @@ fit its noise. The reference is the plain mean of this round's local models: eve
 its device's real data, while the previous global model has not seen this round's classes. A device none of whose
 samples pass gets the plain mean as its weights, as one without generators does. The share that passed in its last
 round is kept per device (`recognised`, checkpointed with the rule's state, and in each round's `rule_metrics`).
+The same check decides what is served to other devices (issue 56): a generator joins the served ones only when the
+reference classifies at least `serve_share` (half) of `SERVE_PROBE` of its samples as its class, among the fleet's
+classes so far (the round's `seen_classes`; every class outside a run), not among those its device claims, which a
+device names itself. Otherwise the class's earlier served generator stays served (the round's `not_served`
+metric counts them). An honest generator passes: pFedGRP's were recognised 95 % at 28x28 (docs/results.md); one
+that makes another class's images under its label (a label lie, well-formed) or noise does not reach another
+device's replay. Its own device still replays it, as before: a device can only mislead its own model.
 
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes
@@ -72,6 +79,7 @@ from models.zoo import MASK_FILL, build_model
 
 GLOBAL_MODELS = ("mean-local", "mean-personalized")
 STATE_FILE = "pfedgrp.msgpack"
+SERVE_PROBE = 64  # samples a generator makes for the check that decides whether it is served
 
 
 def simplex_weights(
@@ -101,6 +109,7 @@ class PFedGRP(Strategy):
         replay_per_class: int = 100,
         weight_batch: int = 256,
         quality_check: bool = True,
+        serve_share: float = 0.5,
         seed: int = 0,
         device: torch.device | str = "auto",
     ) -> None:
@@ -118,12 +127,15 @@ class PFedGRP(Strategy):
         self.replay_per_class = replay_per_class
         self.weight_batch = weight_batch
         self.quality_check = quality_check
+        if not 0 <= serve_share <= 1:
+            raise ValueError(f"serve_share must lie in [0, 1], got {serve_share}")
+        self.serve_share = serve_share
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.layouts = exported_layouts(manifest.input_shape)  # the generators a device of this fleet may send
         self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
         self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
         self.label_counts: dict[str, list[int]] = {}
-        self.latest: dict[int, str] = {}  # class -> the device whose generator of it came last
+        self.served: dict[int, tuple[str, GeneratorRecord]] = {}  # class -> (device, generator) answering requests
         self.weights_used: dict[str, list[float]] = {}  # device -> its simplex weights of the last round
         self.recognised: dict[str, float] = {}  # device -> the share of its replay set the quality check kept
 
@@ -131,13 +143,12 @@ class PFedGRP(Strategy):
 
     def configure(self, ctx: RoundContext, devices: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Tell each device which classes the coordinator can send a cached generator of (on request)."""
-        return {device: {"generator_classes": sorted(self.latest)} for device in devices}
+        return {device: {"generator_classes": sorted(self.served)} for device in devices}
 
     def answer(self, device: str, names: Sequence[str]) -> dict[str, bytes]:
-        """The latest cached generator of each `generator/<class>` asked for that the coordinator has."""
+        """The served generator of each `generator/<class>` asked for that the coordinator has."""
         labels = [label for label in map(attachment_label, names) if label is not None]
-        return {attachment_name(c): encode_record(self.generators[self.latest[c]][c])
-                for c in labels if c in self.latest}
+        return {attachment_name(c): encode_record(self.served[c][1]) for c in labels if c in self.served}
 
     def inspect(self, update: ClientUpdate) -> None:
         """Every attachment must be a `generator/<class>` record of that class, for a class the model has."""
@@ -161,10 +172,11 @@ class PFedGRP(Strategy):
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
                   ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult:
         validate_updates(global_weights, updates)
-        for update in updates:
-            self._cache(update)
         models = torch.stack([as_tensor(u.weights, self.device) for u in updates])
         reference = models.mean(0) if self.quality_check else None
+        fleet = torch.zeros(self.manifest.num_classes, device=self.device)
+        fleet[list(ctx.seen_classes or range(self.manifest.num_classes))] = 1.0
+        not_served = sum(self._cache(update, reference, fleet) for update in updates)
         personalized, refused = {}, {}
         for update in updates:
             self.recognised.pop(update.device, None)  # a device without a replay set this round has no share
@@ -175,7 +187,10 @@ class PFedGRP(Strategy):
             self.weights_used[update.device] = weights.tolist()
             personalized[update.device] = weights @ models
         mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
-        checked = {u.device: {"recognised": self.recognised[u.device]} for u in updates if u.device in self.recognised}
+        checked: dict[str, Any] = {u.device: {"recognised": self.recognised[u.device]}
+                                   for u in updates if u.device in self.recognised}
+        if reference is not None:
+            checked["serving"] = {"not_served": float(not_served)}
         return AggregateResult(mean_of.mean(0), personalized, metrics=checked, refused=refused)
 
     def _contained_weights_for(self, device: str, models: torch.Tensor, reference: torch.Tensor | None
@@ -194,14 +209,31 @@ class PFedGRP(Strategy):
         """Drop a device's cached generators (and, where its were the latest of a class, that class's cache)."""
         self.generators.pop(device, None)
         self.recognised.pop(device, None)
-        self.latest = {c: d for c, d in self.latest.items() if d != device}
+        self.served = {c: served for c, served in self.served.items() if served[0] != device}
 
-    def _cache(self, update: ClientUpdate) -> None:
+    def _cache(self, update: ClientUpdate, reference: torch.Tensor | None, fleet: torch.Tensor) -> int:
+        """Keep the update's generators for its device; serve each the check passes (all without it). Returns how
+        many were not served."""
+        not_served = 0
         for label, record in self._records(update).items():
             self.generators.setdefault(update.device, {})[label] = record
-            self.latest[label] = update.device
+            if reference is None or self._passes(record, label, reference, fleet):
+                self.served[label] = (update.device, record)
+            else:
+                not_served += 1
         if update.label_counts:
             self.label_counts[update.device] = list(update.label_counts)
+        return not_served
+
+    def _passes(self, record: GeneratorRecord, label: int, reference: torch.Tensor, fleet: torch.Tensor) -> bool:
+        """Whether the reference classifies `serve_share` of SERVE_PROBE of the generator's finite samples as its
+        class, among the fleet's classes."""
+        x = self._sample(record, SERVE_PROBE)
+        x = x[torch.isfinite(x).flatten(1).all(1)]
+        if not len(x):
+            return False
+        recognised = self.recognised_by(reference, x, torch.full((len(x),), label, device=self.device), fleet)
+        return float(recognised.float().sum()) >= self.serve_share * SERVE_PROBE
 
     def _weights_for(self, device: str, models: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
         replay = self.replay_set(device, reference)
@@ -281,7 +313,8 @@ class PFedGRP(Strategy):
     def save(self, directory: Path) -> None:
         state = {
             "generators": {d: {str(c): encode_record(r) for c, r in g.items()} for d, g in self.generators.items()},
-            "label_counts": self.label_counts, "latest": {str(c): d for c, d in self.latest.items()},
+            "label_counts": self.label_counts,
+            "served": {str(c): [d, encode_record(r)] for c, (d, r) in self.served.items()},
             "weights_used": self.weights_used, "recognised": self.recognised,
             "rng": self.generator.get_state().numpy().tobytes(),
         }
@@ -295,7 +328,10 @@ class PFedGRP(Strategy):
         self.generators = {d: {int(c): decode_record(b, self.layouts) for c, b in g.items()}
                            for d, g in state["generators"].items()}
         self.label_counts = {d: list(v) for d, v in state["label_counts"].items()}
-        self.latest = {int(c): d for c, d in state["latest"].items()}
+        if "served" in state:
+            self.served = {int(c): (d, decode_record(b, self.layouts)) for c, (d, b) in state["served"].items()}
+        else:  # written before the served check: the latest generator of each class
+            self.served = {int(c): (d, self.generators[d][int(c)]) for c, d in state["latest"].items()}
         self.weights_used = dict(state["weights_used"])
         self.recognised = dict(state.get("recognised", {}))  # absent in checkpoints written before the check
         self.generator.set_state(torch.from_numpy(np.frombuffer(state["rng"], dtype=np.uint8).copy()))
