@@ -97,6 +97,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # clipping
     "bounded": {"coordinator": {"guard": BOUNDED_GUARD}},
     "bounded-cc": {"coordinator": {"guard": BOUNDED_GUARD}, "strategy": {"name": "centered-clip"}},
+    # ... and what points against the round's others taken out of an update (what is new to them kept)
+    "bounded-turn": {"coordinator": {"guard": {**BOUNDED_GUARD, "min_alignment": 0.0, "direction_bound": "project"}}},
 }
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters

@@ -33,8 +33,8 @@
     [guard]     bounds on one update (coordinator/guard.py): norm_bound = "reject" | "clip" | "off",
                 norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, sample_bound = "reject" | "cap",
                 free_rider_factor = 0.1, krum_share = 0.25 (Krum selection; 0: off), krum_radius = 2.0 (a refused
-                update this near the kept ones is taken back; 0: none), min_alignment = -1.0 (off), hold = 8 (the
-                first updates of a round, bounded together)
+                update this near the kept ones is taken back; 0: none), min_alignment = -1.0 (off),
+                direction_bound = "reject" | "project", hold = 8 (the first updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,

@@ -34,7 +34,10 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   worse than the worst of them and beyond the radius (`KrumSelection`): a round's cost stays `hold` distances an
   update, not N.
 - **Direction** (off by default, `min_alignment = -1`): an update whose change points against the round's
-  others (its cosine with the sum of the others' changes below `min_alignment`) is refused. Honest updates on
+  others (its cosine with the sum of the others' changes below `min_alignment`) is refused (`direction_bound =
+  "reject"`), or turned (`"project"`): its component along the others' direction is raised until its cosine is
+  `min_alignment` (at 0: what pointed against them is taken out), and what is orthogonal to them, which is where an
+  update on classes the others do not hold lies, stays (`turned`). Honest updates on
   non-IID data reached -0.34 in a first round (from a random model), so a threshold that catches reversed updates
   refuses honest ones too; measured weaker than Krum selection against a reversed update.
 
@@ -78,6 +81,7 @@ from coordinator.strategies.robust import squared_distances
 log = logging.getLogger("edgefil.coordinator")
 CPU = torch.device("cpu")
 NORM_BOUNDS = ("clip", "reject", "off")
+DIRECTION_BOUNDS = ("reject", "project")
 SAMPLE_BOUNDS = ("cap", "reject")
 
 
@@ -129,11 +133,15 @@ class UpdateBounds:
     krum_share: float = 0.25
     krum_radius: float = 2.0
     min_alignment: float = -1.0
+    direction_bound: str = "reject"
     hold: int = 8  # a folding rule's first updates of a round, bounded together before any is folded
 
     def __post_init__(self) -> None:
         if self.norm_bound not in NORM_BOUNDS:
             raise ValueError(f"norm_bound must be one of {', '.join(NORM_BOUNDS)}, got {self.norm_bound!r}")
+        if self.direction_bound not in DIRECTION_BOUNDS:
+            raise ValueError(f"direction_bound must be one of {', '.join(DIRECTION_BOUNDS)}, got "
+                             f"{self.direction_bound!r}")
         if self.sample_bound not in SAMPLE_BOUNDS:
             raise ValueError(f"sample_bound must be one of {', '.join(SAMPLE_BOUNDS)}, got {self.sample_bound!r}")
         if not self.norm_factor >= 1 or self.max_samples < 0 or not self.sample_factor >= 0 or self.hold < 1 \
@@ -182,7 +190,8 @@ class UpdateBounds:
         if not self.checks_direction or len(kept) < 2:
             return kept
         total = change_sum(global_weights, kept)
-        return [u for u in kept if self.aligned(global_weights, u, total, counters, leave_out=True)]
+        directed = (self.directed(global_weights, u, total, counters, leave_out=True) for u in kept)
+        return [u for u in directed if u is not None]
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str]
                ) -> BoundedStream:
@@ -218,17 +227,25 @@ class UpdateBounds:
         change = (update.weights.astype(np.float64) - global_weights) * (upper / moved)
         return dataclasses.replace(update, weights=(global_weights + change).astype(np.float32))
 
-    def aligned(self, global_weights: np.ndarray, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
-                leave_out: bool) -> bool:
-        """Whether the update's change points at least `min_alignment` (cosine) the way of the others' (the sum
-        of the round's changes so far, `total`, less its own when it is in it: `leave_out`); counted when not."""
+    def directed(self, global_weights: np.ndarray, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
+                 leave_out: bool) -> ClientUpdate | None:
+        """The update when its change points at least `min_alignment` (cosine) the way of the others' (the sum of
+        the round's changes so far, `total`, less its own when it is in it: `leave_out`). Else, by
+        `direction_bound`: refused (`misaligned`), or its component along the others' raised until it does
+        (`turned`; a new array): what pointed against them is taken out, what is new to them (orthogonal) stays."""
         cosine = alignment(global_weights, update.weights, total, leave_out)
         if cosine is None or cosine >= self.min_alignment:
-            return True
-        counters["misaligned"] += 1
-        log.warning("update of %s dropped: it points %+.2f (cosine) the way of the round's others, under %+.2f",
+            return update
+        if self.direction_bound == "reject":
+            counters["misaligned"] += 1
+            log.warning("update of %s dropped: it points %+.2f (cosine) the way of the round's others, under %+.2f",
+                        update.device, cosine, self.min_alignment)
+            return None
+        counters["turned"] += 1
+        log.warning("update of %s turned: it pointed %+.2f (cosine) the way of the round's others, under %+.2f",
                     update.device, cosine, self.min_alignment)
-        return False
+        return dataclasses.replace(update, weights=turned(global_weights, update.weights, total, leave_out,
+                                                          self.min_alignment))
 
 
 def krum_scores(updates: Sequence[np.ndarray], neighbours: int,
@@ -345,6 +362,20 @@ def alignment(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray
     return dot / math.sqrt(own * others)
 
 
+def turned(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray, leave_out: bool,
+           cosine: float) -> np.ndarray:
+    """g + d', with d = w - g written as p u + r (u the unit direction of the others' changes: `total`, less d when
+    `leave_out`; r orthogonal to u) and d' = p' u + r, p' chosen so that cos(d', u) = `cosine` (< 0: p' =
+    cosine |r| / sqrt(1 - cosine^2); 0: the part along u removed). Float64 inside, float32 out."""
+    change = weights.astype(np.float64) - global_weights
+    others = total - change if leave_out else total
+    unit = others / math.sqrt(float(np.einsum("i,i->", others, others)))
+    along = float(np.einsum("i,i->", change, unit))  # einsum, not BLAS's dot: see `distance`
+    across = math.sqrt(max(float(np.einsum("i,i->", change, change)) - along * along, 0.0))
+    wanted = cosine * across / math.sqrt(1.0 - cosine * cosine)
+    return (global_weights + change + (wanted - along) * unit).astype(np.float32)
+
+
 class BoundedStream:
     """The bounds for a rule that folds (module docstring): `add` each update as it arrives; each one within the
     bounds is passed to `take`, the first `hold` of them only once `hold` have come or at `close`."""
@@ -378,8 +409,9 @@ class BoundedStream:
         )
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
-        if self.total is None or self.bounds.aligned(self.global_weights, bounded, self.total, self.counters,
-                                                     leave_out=False):
+        if self.total is not None:
+            bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, leave_out=False)
+        if bounded is not None:
             self._take(bounded)
 
     def close(self) -> None:

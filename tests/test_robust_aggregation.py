@@ -175,6 +175,40 @@ def test_an_update_pointing_against_the_others_is_refused_held_or_streamed():
     assert taken == [f"d{k}" for k in range(5)] and counters == {"misaligned": 1}
 
 
+def test_an_update_pointing_against_the_others_is_turned_not_refused_when_projected():
+    """`direction_bound = "project"`: a reversed update keeps its part orthogonal to the others' (where an update on
+    classes they do not hold lies) and loses what pointed against them, until its cosine is `min_alignment`; an
+    update already at or above it is passed as it is; held or streamed alike."""
+    rng = np.random.default_rng(3)
+    common = rng.standard_normal(200)
+    deltas = np.stack([common + rng.standard_normal(200) * 0.5 for _ in range(6)]) * 0.01
+    deltas[5] = -deltas[5] + np.eye(200)[7] * 0.05  # reversed, with a part of its own
+    for cosine in (0.0, -0.2):
+        bounds = UpdateBounds(min_alignment=cosine, direction_bound="project", krum_share=0.0)
+        counters: Counter[str] = Counter()
+        out = bounds.apply(np.zeros(200, np.float32), updates_of(deltas), counters)
+        assert [u.device for u in out] == [f"d{k}" for k in range(6)] and counters == {"turned": 1}
+        for k in range(5):
+            np.testing.assert_array_equal(out[k].weights, deltas[k].astype(np.float32))
+        others = deltas[:5].sum(0)
+        unit = others / np.linalg.norm(others)
+        kept = out[5].weights.astype(np.float64)
+        assert np.dot(kept, unit) / np.linalg.norm(kept) == pytest.approx(cosine, abs=1e-5)
+        orthogonal = deltas[5] - np.dot(deltas[5], unit) * unit
+        np.testing.assert_allclose(kept - np.dot(kept, unit) * unit, orthogonal, atol=1e-6)
+    taken: list[ClientUpdate] = []
+    counters = Counter()
+    stream = UpdateBounds(min_alignment=0.0, direction_bound="project", hold=2, krum_share=0.0).stream(
+        np.zeros(200, np.float32), taken.append, counters)
+    for update in updates_of(deltas):
+        stream.add(update)
+    stream.close()
+    assert [u.device for u in taken] == [f"d{k}" for k in range(6)] and counters == {"turned": 1}
+    so_far = deltas[:5].sum(0)  # the changes taken before it
+    last = taken[5].weights.astype(np.float64)
+    assert np.dot(last, so_far) / (np.linalg.norm(last) * np.linalg.norm(so_far)) == pytest.approx(0.0, abs=1e-5)
+
+
 @pytest.mark.parametrize("device", devices)
 def test_squared_distances_are_numpys(device):
     w = np.random.default_rng(4).standard_normal((6, 40)).astype(np.float32)
