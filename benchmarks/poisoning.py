@@ -73,6 +73,8 @@ class Split:
     shape: tuple[int, ...]
     alpha: float | None = None  # the Dirichlet concentration of the label split (None: the preset's, 1)
     dynamics: bool = False  # GLFC's client dynamics: devices joining with new classes only, one class a device
+    method: dict[str, Any] | None = None  # a method's fleet tables (policy, strategy, trainer, coordinator keys)
+    tasks: int = 5
 
 
 SCENARIOS = {
@@ -81,6 +83,11 @@ SCENARIOS = {
     # the splits in which honest devices look least alike: few classes a device, and devices that join late
     "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
     "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
+    # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds
+    "digits-sdd": Split("digits-fewshot", (1, 8, 8), tasks=4, method={
+        "policy": {"name": "sdd"}, "strategy": {"name": "sdd", "input_range": [0.0, 1.0]},
+        "trainer": {"backend": "portable", "optimizer": "sgd", "lr": 0.1},
+        "coordinator": {"rounds_per_task": 1, "host": {"epochs": 20}}}),
 }
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
@@ -103,7 +110,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters
 CELL_FILE = "cell.json"
-TASKS = 5  # the class-incremental presets' tasks
 MARK = 3.0  # points: a cell this far from its clean run is marked
 
 
@@ -131,16 +137,17 @@ class Cell:
     @property
     def first_present(self) -> int:
         """The devices there from the first task (those that join later hold no data before, and are not selected)."""
-        return self.devices - self.joining * (TASKS - 1)
+        return self.devices - self.joining * (SCENARIOS[self.scenario].tasks - 1)
 
     def folder(self, out: Path) -> Path:
         return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
 
     def fleet(self, out: Path) -> dict[str, Any]:
         setting = SETTINGS[self.setting]
-        coordinator = {"rounds_per_task": 3, "min_clients": min(self.honest, self.first_present), "deadline_s": 120.0,
-                       "wait_for_devices_s": 120.0, **setting.get("coordinator", {})}
         split = SCENARIOS[self.scenario]
+        method = split.method or {}
+        coordinator = {"rounds_per_task": 3, "min_clients": min(self.honest, self.first_present), "deadline_s": 120.0,
+                       "wait_for_devices_s": 120.0, **method.get("coordinator", {}), **setting.get("coordinator", {})}
         scenario: dict[str, Any] = {"preset": split.preset, "n_clients": self.devices, "seed": self.seed}
         if split.alpha is not None:
             scenario["alpha"] = split.alpha
@@ -149,10 +156,14 @@ class Cell:
         table: dict[str, Any] = {
             "name": "poisoning", "out": str(self.folder(out)), "devices": self.honest + self.hostile,
             "model": "lenet", "seed": self.seed, "broker": "mosquitto", "scenario": scenario,
-            "policy": {"name": "random"}, "client": {"epochs": 10}, "coordinator": coordinator,
+            "policy": method.get("policy", {"name": "random"}), "client": {"epochs": 10}, "coordinator": coordinator,
         }
-        if "strategy" in setting:
-            table["strategy"] = setting["strategy"]
+        if "trainer" in method:
+            table["trainer"] = method["trainer"]
+        # a method's scenario keeps its rule: its `fedavg` setting is that rule with every bound and check off
+        strategy = method.get("strategy", setting.get("strategy"))
+        if strategy is not None:
+            table["strategy"] = strategy
         if self.hostile:
             table["adversary"] = {"attack": self.attack, "devices": self.hostile}
         return table
@@ -300,6 +311,10 @@ def main() -> None:
     attacks = [a for a in args.attacks.split(",") if a and a != "clean"]  # the clean run is always run
     fleets = [int(d) for d in args.fleets.split(",")]
     scenarios = args.scenarios.split(",")
+    for scenario in scenarios:
+        ruled = [s for s in settings if SCENARIOS[scenario].method and "strategy" in SETTINGS[s] and s != "fedavg"]
+        if ruled:
+            parser.error(f"{scenario} runs its method's own rule: {', '.join(ruled)} would replace it")
     out = Path(args.out).resolve()
     cells = [Cell(scenario, setting, devices, attack, seed) for scenario in scenarios
              for setting in dict.fromkeys(["fedavg", *settings])
@@ -313,7 +328,7 @@ def main() -> None:
               f"{cell.honest}+{cell.hostile} {cell.attack} seed {cell.seed}: final "
               f"{results[cell]['final_accuracy']:.3f}{last_rounds(results[cell])}", flush=True)
     for scenario in scenarios:
-        print(f"\npoisoning: {scenario}, 5 tasks x 3 rounds, E = 10, seeds {args.seeds}; final accuracy of the clean "
+        print(f"\npoisoning: {scenario}, E = 10, seeds {args.seeds}; final accuracy of the clean "
               f"run (%) and each attack's change from it (points, mean ± std over seeds, paired), honest updates "
               f"refused in brackets\n")
         print(table(results, scenario, settings, attacks, seeds, fleets))

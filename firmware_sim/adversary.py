@@ -50,6 +50,12 @@ with mu and sigma B's coordinate-wise mean and standard deviation, n the fleet's
 - `label-flip` (data poisoning, FLPoison's all-to-all "inverse"): the device trains honestly on labels y -> C - 1 - y
   of its share and sends what it learnt.
 
+Against a method's own aggregation:
+
+- `head-scale`: w with the head's rows (and biases) of the classes of the device's current task times
+  `HEAD_SCALE` (2), n: a sliver of the model, so within every distance bound, that class-wise aggregation (SDD's
+  CSWA sums a device's new-class rows) takes as it comes (issue 56: 0.693 to 0.406 under SDD as printed).
+
 How a compromised device knows B: in a simulated fleet every device saves the update it sends in its state folder
 before sending it (edge_client/state.py), and the fleet names the honest devices' folders to the compromised ones,
 which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits
@@ -76,6 +82,7 @@ import numpy as np
 from edge_client.device import Device
 from edge_client.sources import TaskSource
 from edge_client.state import StateError, load_state
+from models.manifest import class_head_positions
 
 SCALE = 20.0  # `scaled`: times the honest update
 FLIP = 2.5  # `sign-flip`: the reversed update's length, in honest updates (under a 3x distance bound)
@@ -85,6 +92,7 @@ TINY = 0.3  # `tinynoise`: times the last global step
 TINY_SAMPLES = 100
 IPM_EPSILON = 0.1
 GAUSSIAN_STD = 1.0
+HEAD_SCALE = 2.0  # `head-scale`: times the current task's classes' head rows
 SEARCH_START, SEARCH_STOP = 10.0, 1e-5  # min-max and min-sum's binary search on gamma; fang's smallest lambda
 KNOWLEDGE_WAIT_S = 60.0  # the most a compromised device waits for the honest updates where not all train each round
 log = logging.getLogger("edgefil.fleet")
@@ -103,6 +111,7 @@ class Honest:
     benign: np.ndarray | None = None  # B: the round's honest updates, one a row (omniscient attacks only)
     previous: np.ndarray | None = None  # g': the global model of the device's previous round (None at its first)
     colluders: int = 1  # f: the fleet's compromised devices
+    task_rows: np.ndarray | None = None  # positions of the head's rows and biases of the current task's classes
 
     @property
     def update(self) -> np.ndarray:
@@ -129,6 +138,13 @@ class Honest:
 def _from(honest: Honest, change: np.ndarray, samples: int | None = None) -> tuple[np.ndarray, int]:
     weights = (honest.global_weights.astype(np.float64) + change).astype(np.float32)
     return weights, honest.num_samples if samples is None else samples
+
+
+def _head_scaled(honest: Honest) -> tuple[np.ndarray, int]:
+    weights = honest.weights.astype(np.float32, copy=True)
+    if honest.task_rows is not None:
+        weights[honest.task_rows] *= HEAD_SCALE
+    return weights, honest.num_samples
 
 
 def _drift(honest: Honest) -> tuple[np.ndarray, int]:
@@ -234,6 +250,7 @@ ATTACKS: dict[str, Callable[[Honest], tuple[np.ndarray, int]]] = {
     "mimic": lambda h: _from(h, h.known[0]),
     "gaussian": lambda h: _from(h, np.random.default_rng([h.round, 1]).standard_normal(h.weights.size) * GAUSSIAN_STD),
     "label-flip": lambda h: (h.weights, h.num_samples),  # what it learnt from flipped labels (FlippedLabels)
+    "head-scale": _head_scaled,
 }
 OMNISCIENT = frozenset({"alie", "ipm", "min-max", "min-sum", "fang", "mimic"})  # they read the honest updates
 
@@ -303,7 +320,14 @@ class AdversarialDevice(Device):
             self._previous, self._current = (self._current[1] if self._current else None), (model, global_weights)
         previous = self._previous
         return self.attack(Honest(global_weights, honest_weights, samples, self.learner.state.round,
-                                  self.fleet_size, self._start, benign, previous, self.colluders))
+                                  self.fleet_size, self._start, benign, previous, self.colluders, self._task_rows()))
+
+    def _task_rows(self) -> np.ndarray | None:
+        """The head's positions of the classes of the device's current task (`head-scale` only)."""
+        if self.attack_name != "head-scale":
+            return None
+        classes = np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
+        return class_head_positions(self.trainer.manifest.parameters, classes)
 
     def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
         """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""
