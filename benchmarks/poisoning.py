@@ -77,17 +77,27 @@ class Split:
     tasks: int = 5
 
 
+def sdd_fleet(aggregation: str, row_bound: float | None) -> dict[str, Any]:
+    """SDD's fleet tables (docs/methods/sdd.md): `row_bound` None keeps the rule's default."""
+    strategy: dict[str, Any] = {"name": "sdd", "input_range": [0.0, 1.0], "aggregation": aggregation}
+    if row_bound is not None:
+        strategy["row_bound"] = row_bound
+    return {"policy": {"name": "sdd"}, "strategy": strategy,
+            "trainer": {"backend": "portable", "optimizer": "sgd", "lr": 0.1},
+            "coordinator": {"rounds_per_task": 1, "host": {"epochs": 20}}}
+
+
 SCENARIOS = {
     "digits-class": Split("digits-class", (1, 8, 8)),
     "fashion-class": Split("fashion-class", (1, 28, 28)),
     # the splits in which honest devices look least alike: few classes a device, and devices that join late
     "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
     "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
-    # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds
-    "digits-sdd": Split("digits-fewshot", (1, 8, 8), tasks=4, method={
-        "policy": {"name": "sdd"}, "strategy": {"name": "sdd", "input_range": [0.0, 1.0]},
-        "trainer": {"backend": "portable", "optimizer": "sgd", "lr": 0.1},
-        "coordinator": {"rounds_per_task": 1, "host": {"epochs": 20}}}),
+    # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds,
+    # as printed (Eq. 17's sum) and normalised, each with its row bound (the default) and without it
+    **{f"digits-sdd{form}{bound}": Split("digits-fewshot", (1, 8, 8), tasks=4, method=sdd_fleet(
+        "cswa-normalized" if form else "cswa-literal", 0.0 if bound else None))
+       for form in ("", "-normalized") for bound in ("", "-unbounded")},
 }
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
