@@ -2,10 +2,21 @@
 module's docstring says, from the device's honest update, and the fleet's [adversary] table picks the devices."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from firmware_sim.adversary import ATTACKS, FLIP, HUGE, INFLATED_SAMPLES, SCALE, AdversarySettings, Honest
+from firmware_sim.adversary import (
+    ATTACKS,
+    FLIP,
+    HEAD_SCALE,
+    HUGE,
+    INFLATED_SAMPLES,
+    SCALE,
+    AdversarySettings,
+    Honest,
+)
 
 
 @pytest.fixture
@@ -36,6 +47,16 @@ def test_each_attack_sends_what_it_says(honest):
     assert np.linalg.norm(drift) == pytest.approx(length, rel=1e-3) and drift @ back > 0.999 * length * np.linalg.norm(back)
     np.testing.assert_array_equal(sent["lazy"][0], honest.global_weights)
     assert all(count == 40 for name, (_, count) in sent.items() if name not in ("samples", "tinynoise"))
+
+
+def test_head_scale_scales_the_current_tasks_head_rows_and_nothing_else(honest):
+    rows = np.array([10, 11, 12, 400])
+    weights, count = ATTACKS["head-scale"](dataclasses.replace(honest, task_rows=rows))
+    np.testing.assert_allclose(weights[rows], HEAD_SCALE * honest.weights[rows])
+    rest = np.setdiff1d(np.arange(500), rows)
+    np.testing.assert_array_equal(weights[rest], honest.weights[rest])
+    assert count == honest.num_samples
+    np.testing.assert_array_equal(ATTACKS["head-scale"](honest)[0], honest.weights)  # no task rows: nothing
 
 
 def test_tinynoise_and_the_reversed_step_follow_the_fleets_last_step(honest):
