@@ -116,6 +116,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bounded-cc": {"coordinator": {"guard": BOUNDED_GUARD}, "strategy": {"name": "centered-clip"}},
     # ... and what points against the round's others taken out of an update (what is new to them kept)
     "bounded-turn": {"coordinator": {"guard": {**BOUNDED_GUARD, "min_alignment": 0.0, "direction_bound": "project"}}},
+    # ... with claims capped by their rank (the largest honest claim), not by the median, and no rollback on a
+    # collapse of the task's accuracy (skewed honest rounds swing by half)
+    "bounded-rank": {"coordinator": {
+        "guard": {**BOUNDED_GUARD, "min_alignment": 0.0, "direction_bound": "project", "sample_factor": 0.0,
+                  "sample_rank": 0.25},
+        "checkpoint": {"collapse_drop": 0.0}}},
 }
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters

@@ -31,7 +31,8 @@
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean" | "centered-clip", and its
                 options
     [guard]     bounds on one update (coordinator/guard.py): norm_bound = "reject" | "clip" | "off",
-                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, sample_bound = "reject" | "cap",
+                norm_factor = 3.0, max_samples = 0 (none), sample_factor = 10.0, sample_rank = 0.0 (none),
+                sample_bound = "reject" | "cap",
                 free_rider_factor = 0.1, krum_share = 0.25 (Krum selection; 0: off), krum_radius = 2.0 (a refused
                 update this near the kept ones is taken back; 0: none), min_alignment = -1.0 (off),
                 direction_bound = "reject" | "project", hold = 8 (the first updates of a round, bounded together)

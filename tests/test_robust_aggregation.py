@@ -1,6 +1,7 @@
 """The bounds on one update (coordinator/guard.py) and the coordinate-wise robust rules (median, trimmed mean)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -150,6 +151,29 @@ def test_a_free_rider_is_refused_and_a_device_without_data_is_not():
     out = UpdateBounds(free_rider_factor=0.0, krum_share=0.0).apply(np.zeros(20, np.float32), updates_of(deltas, [10] * 5),
                                                                     Counter())
     assert len(out) == 5  # off
+
+
+def test_the_rank_cap_counts_a_claim_beyond_every_honest_one_as_the_largest_honest_one():
+    """`sample_rank`: no claim counts more than the (f+1)-th largest of the round (f = sample_rank x n, rounded
+    down), held or streamed; off (0), nothing is capped."""
+    rng = np.random.default_rng(5)
+    deltas = rng.standard_normal((8, 20)) * 0.1
+    claims = [10, 12, 11, 9, 10, 13, 10**9, 10**9]  # two of eight claim a billion
+    bounds = UpdateBounds(sample_rank=0.25, sample_factor=0.0, sample_bound="cap", krum_share=0.0,
+                          free_rider_factor=0.0)
+    counters: Counter[str] = Counter()
+    out = bounds.apply(np.zeros(20, np.float32), updates_of(deltas, claims), counters)
+    assert [u.num_samples for u in out] == [10, 12, 11, 9, 10, 13, 13, 13] and counters == {"samples-capped": 2}
+    taken: list[ClientUpdate] = []
+    stream = dataclasses.replace(bounds, hold=4).stream(np.zeros(20, np.float32), taken.append, Counter())
+    for update in updates_of(deltas, claims):
+        stream.add(update)
+    stream.close()
+    # streamed, each by the claims so far: among the first four, f = 1 caps the largest honest one to the second
+    assert [u.num_samples for u in taken] == [10, 11, 11, 9, 10, 12, 13, 13]
+    off = dataclasses.replace(bounds, sample_rank=0.0).apply(np.zeros(20, np.float32), updates_of(deltas, claims),
+                                                             Counter())
+    assert [u.num_samples for u in off] == claims
 
 
 def test_an_update_pointing_against_the_others_is_refused_held_or_streamed():
