@@ -101,6 +101,7 @@ SCENARIOS = {
 }
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
+TURN_GUARD = {"krum_share": 0.0, "min_alignment": 0.0, "direction_bound": "project"}
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},  # a coordinator file without [guard] or [strategy]
     "fedavg": {"strategy": {"name": "fedavg"},  # plain FedAvg: every bound and check off
@@ -114,13 +115,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # clipping
     "bounded": {"coordinator": {"guard": BOUNDED_GUARD}},
     "bounded-cc": {"coordinator": {"guard": BOUNDED_GUARD}, "strategy": {"name": "centered-clip"}},
-    # ... and what points against the round's others taken out of an update (what is new to them kept)
-    "bounded-turn": {"coordinator": {"guard": {**BOUNDED_GUARD, "min_alignment": 0.0, "direction_bound": "project"}}},
-    # ... with claims capped by their rank (the largest honest claim), not by the median, and no rollback on a
-    # collapse of the task's accuracy (skewed honest rounds swing by half)
-    "bounded-rank": {"coordinator": {
-        "guard": {**BOUNDED_GUARD, "min_alignment": 0.0, "direction_bound": "project", "sample_factor": 0.0,
-                  "sample_rank": 0.25},
+    # the default bounds without Krum, and what points against the round's others taken out of an update (what is
+    # new to them kept) instead
+    "turn": {"coordinator": {"guard": TURN_GUARD}},
+    # ... with no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused
+    # beyond 10x the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's
+    # accuracy (skewed honest rounds swing by half)
+    "turn-rank": {"coordinator": {
+        "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
+                  "sample_bound": "cap"},
         "checkpoint": {"collapse_drop": 0.0}}},
 }
 NO_ATTACK = ("clean", "all-honest")
