@@ -209,7 +209,8 @@ class UpdateBounds:
         if not self.checks_direction or len(kept) < 2:
             return kept
         total = change_sum(global_weights, kept)
-        directed = (self.directed(global_weights, u, total, counters, leave_out=True) for u in kept)
+        typical_distance = typical(measured)
+        directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
         return [u for u in directed if u is not None]
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str]
@@ -247,11 +248,13 @@ class UpdateBounds:
         return dataclasses.replace(update, weights=(global_weights + change).astype(np.float32))
 
     def directed(self, global_weights: np.ndarray, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
-                 leave_out: bool) -> ClientUpdate | None:
+                 leave_out: bool, typical_distance: float | None = None) -> ClientUpdate | None:
         """The update when its change points at least `min_alignment` (cosine) the way of the others' (the sum of
         the round's changes so far, `total`, less its own when it is in it: `leave_out`). Else, by
         `direction_bound`: refused (`misaligned`), or its component along the others' raised until it does
-        (`turned`; a new array): what pointed against them is taken out, what is new to them (orthogonal) stays."""
+        (`turned`; a new array): what pointed against them is taken out, what is new to them (orthogonal) stays,
+        at most as long as the round's `typical_distance` (an update that disagreed with the round gets a typical
+        update's reach, not more: a reversed update 2.5x as long kept 2.5x its own direction, issue 56)."""
         cosine = alignment(global_weights, update.weights, total, leave_out)
         if cosine is None or cosine >= self.min_alignment:
             return update
@@ -264,7 +267,7 @@ class UpdateBounds:
         log.warning("update of %s turned: it pointed %+.2f (cosine) the way of the round's others, under %+.2f",
                     update.device, cosine, self.min_alignment)
         return dataclasses.replace(update, weights=turned(global_weights, update.weights, total, leave_out,
-                                                          self.min_alignment))
+                                                          self.min_alignment, typical_distance))
 
 
 def krum_scores(updates: Sequence[np.ndarray], neighbours: int,
@@ -382,17 +385,22 @@ def alignment(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray
 
 
 def turned(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray, leave_out: bool,
-           cosine: float) -> np.ndarray:
+           cosine: float, longest: float | None = None) -> np.ndarray:
     """g + d', with d = w - g written as p u + r (u the unit direction of the others' changes: `total`, less d when
     `leave_out`; r orthogonal to u) and d' = p' u + r, p' chosen so that cos(d', u) = `cosine` (< 0: p' =
-    cosine |r| / sqrt(1 - cosine^2); 0: the part along u removed). Float64 inside, float32 out."""
+    cosine |r| / sqrt(1 - cosine^2); 0: the part along u removed), then scaled onto `longest` when longer. Float64
+    inside, float32 out."""
     change = weights.astype(np.float64) - global_weights
     others = total - change if leave_out else total
     unit = others / math.sqrt(float(np.einsum("i,i->", others, others)))
     along = float(np.einsum("i,i->", change, unit))  # einsum, not BLAS's dot: see `distance`
     across = math.sqrt(max(float(np.einsum("i,i->", change, change)) - along * along, 0.0))
     wanted = cosine * across / math.sqrt(1.0 - cosine * cosine)
-    return (global_weights + change + (wanted - along) * unit).astype(np.float32)
+    change += (wanted - along) * unit
+    length = math.sqrt(float(np.einsum("i,i->", change, change)))
+    if longest is not None and length > longest > 0:
+        change *= longest / length
+    return (global_weights + change).astype(np.float32)
 
 
 class BoundedStream:
@@ -429,7 +437,8 @@ class BoundedStream:
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:
-            bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, leave_out=False)
+            bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, False,
+                                           self.distances.value())
         if bounded is not None:
             self._take(bounded)
 

@@ -220,6 +220,14 @@ def test_an_update_pointing_against_the_others_is_turned_not_refused_when_projec
         assert np.dot(kept, unit) / np.linalg.norm(kept) == pytest.approx(cosine, abs=1e-5)
         orthogonal = deltas[5] - np.dot(deltas[5], unit) * unit
         np.testing.assert_allclose(kept - np.dot(kept, unit) * unit, orthogonal, atol=1e-6)
+    # a reversed update 2.5x as long with a long part of its own keeps that part, at most a typical update long
+    long = deltas.copy()
+    long[5] = 2.5 * deltas[5] + np.eye(200)[7] * 0.5  # deltas[5] is reversed already
+    out = UpdateBounds(min_alignment=0.0, direction_bound="project", krum_share=0.0, norm_bound="off").apply(
+        np.zeros(200, np.float32), updates_of(long), Counter())
+    typical = np.median(np.linalg.norm(long, axis=1))
+    assert np.linalg.norm(out[5].weights) == pytest.approx(typical, rel=1e-4)
+    assert out[5].weights[7] > 0.9 * np.linalg.norm(out[5].weights)  # what is left is its own part
     taken: list[ClientUpdate] = []
     counters = Counter()
     stream = UpdateBounds(min_alignment=0.0, direction_bound="project", hold=2, krum_share=0.0).stream(
