@@ -278,6 +278,26 @@ def table(results: dict[Cell, dict[str, Any]], scenario: str, settings: list[str
     return "\n".join(lines)
 
 
+def by_attack(results: dict[Cell, dict[str, Any]], scenario: str, settings: list[str], attacks: list[str],
+              seeds: list[int], devices: int) -> str:
+    """`table` turned for one fleet: a row per attack (the all-honest fleet against plain FedAvg first), a column
+    per setting, each cell the mean ± std change, the honest refusals and the mark."""
+    lines = [f"{'attack':<15}" + "".join(f"{setting:>24}" for setting in settings)]
+    for attack in ["all-honest", *attacks]:
+        row = f"{attack:<15}"
+        for setting in settings:
+            if attack == "all-honest":
+                cells = [results[Cell(scenario, setting, devices, attack, s)] for s in seeds]
+                diff = against_fedavg(results, Cell(scenario, setting, devices, attack, 0), seeds)
+            else:
+                clean = [results[Cell(scenario, setting, devices, "clean", s)]["final_accuracy"] for s in seeds]
+                cells = [results[Cell(scenario, setting, devices, attack, s)] for s in seeds]
+                diff = [cell["final_accuracy"] - c for cell, c in zip(cells, clean)]
+            row += f"{points(diff) + ' ' + refused(cells) + marked(diff, cells):>24}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def against_fedavg(results: dict[Cell, dict[str, Any]], cell: Cell, seeds: list[int]) -> list[float]:
     """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed."""
     return [results[dataclasses.replace(cell, seed=s)]["final_accuracy"]
@@ -324,6 +344,7 @@ def main() -> None:
     parser.add_argument("--fleets", default=",".join(map(str, FLEETS)))
     parser.add_argument("--scenarios", default="digits-class,fashion-class", help=f"of {', '.join(SCENARIOS)}")
     parser.add_argument("--out", default="runs/poisoning")
+    parser.add_argument("--by-attack", action="store_true", help="also a table per fleet with a row per attack")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     settings = args.settings.split(",")
@@ -352,6 +373,8 @@ def main() -> None:
               f"refused in brackets\n")
         print(table(results, scenario, settings, attacks, seeds, fleets))
         print()
+        for devices in fleets if args.by_attack else []:
+            print(f"{FLEETS[devices]} of {devices}, by attack:\n{by_attack(results, scenario, settings, attacks, seeds, devices)}\n")
         for setting in settings:
             if setting != "fedavg":
                 print(paired(results, scenario, setting, seeds, fleets))
