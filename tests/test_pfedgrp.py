@@ -328,8 +328,8 @@ def test_the_quality_check_keeps_only_samples_the_reference_recognises(manifest)
     checked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20)
     result = checked.aggregate(torch.zeros(manifest.num_parameters), updates)
     assert checked.recognised == {"a": 0.0, "b": 0.0}
-    assert result.metrics == {"a": {"recognised": 0.0}, "b": {"recognised": 0.0},  # the round's history shows it
-                              "serving": {"not_served": 2.0}}
+    assert result.metrics == {"a": {"recognised": 0.0, "not_served": 1.0},  # the round's history shows it
+                              "b": {"recognised": 0.0, "not_served": 1.0}}
     assert checked.weights_used["a"] == [0.5, 0.5]
     unchecked = PFedGRP(manifest, device="cpu", weight_steps=3, replay_per_class=20, quality_check=False)
     result = unchecked.aggregate(torch.zeros(manifest.num_parameters), updates)
@@ -358,7 +358,7 @@ def test_a_generator_the_fleets_model_does_not_recognise_is_never_served_to_anot
                                 [ClientUpdate("x", one, 10, {}, claimed, {"generator/0": lie}),
                                  ClientUpdate("a", one, 10, {}, (5, 5) + (0,) * 8)], fleet)
         assert rule.answer("c", ["generator/0"]) == {"generator/0": honest}, claimed
-        assert result.metrics["serving"] == {"not_served": 1.0}
+        assert result.metrics["x"]["not_served"] == 1.0 and "not_served" not in result.metrics.get("a", {})
     assert rule.configure(RoundContext(round=3), ["c"]) == {"c": {"generator_classes": [0]}}
     rule.save(tmp_path)
     again = PFedGRP(manifest, device="cpu", weight_steps=3)

@@ -24,10 +24,11 @@ round is kept per device (`recognised`, checkpointed with the rule's state, and 
 The same check decides what is served to other devices (issue 56): a generator joins the served ones only when the
 reference classifies at least `serve_share` (half) of `SERVE_PROBE` of its samples as its class, among the fleet's
 classes so far (the round's `seen_classes`; every class outside a run), not among those its device claims, which a
-device names itself. Otherwise the class's earlier served generator stays served (the round's `not_served`
-metric counts them). An honest generator passes: pFedGRP's were recognised 95 % at 28x28 (docs/results.md); one
-that makes another class's images under its label (a label lie, well-formed) or noise does not reach another
-device's replay. Its own device still replays it, as before: a device can only mislead its own model.
+device names itself. Otherwise the class's earlier served generator stays served (each device's `not_served` round
+metric counts its generators not served). An honest generator passes: pFedGRP's were recognised 95 % at 28x28
+(docs/results.md); one that makes another class's images under its label (a label lie, well-formed) or noise does
+not reach another device's replay. Its own device still replays it, as before: a device can only mislead its own
+model.
 
 On the wire (the method's own names, opaque to the coordinator): updates attach `generator/<class>` records
 (`models.generator_record`), checked in `inspect`; the round config lists the cached classes
@@ -176,7 +177,7 @@ class PFedGRP(Strategy):
         reference = models.mean(0) if self.quality_check else None
         fleet = torch.zeros(self.manifest.num_classes, device=self.device)
         fleet[list(ctx.seen_classes or range(self.manifest.num_classes))] = 1.0
-        not_served = sum(self._cache(update, reference, fleet) for update in updates)
+        not_served = {update.device: self._cache(update, reference, fleet) for update in updates}
         personalized, refused = {}, {}
         for update in updates:
             self.recognised.pop(update.device, None)  # a device without a replay set this round has no share
@@ -187,10 +188,12 @@ class PFedGRP(Strategy):
             self.weights_used[update.device] = weights.tolist()
             personalized[update.device] = weights @ models
         mean_of = models if self.global_model == "mean-local" else torch.stack(list(personalized.values()))
-        checked: dict[str, Any] = {u.device: {"recognised": self.recognised[u.device]}
-                                   for u in updates if u.device in self.recognised}
-        if reference is not None:
-            checked["serving"] = {"not_served": float(not_served)}
+        checked: dict[str, dict[str, float]] = {}
+        for update in updates:
+            if update.device in self.recognised:
+                checked.setdefault(update.device, {})["recognised"] = self.recognised[update.device]
+            if reference is not None and update.attachments:
+                checked.setdefault(update.device, {})["not_served"] = float(not_served[update.device])
         return AggregateResult(mean_of.mean(0), personalized, metrics=checked, refused=refused)
 
     def _contained_weights_for(self, device: str, models: torch.Tensor, reference: torch.Tensor | None
