@@ -202,14 +202,14 @@ class UpdateBounds:
         if measured is None:
             measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
         cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
-        lower, upper = self.distance_bounds(typical(measured))
+        typical_distance = typical(measured)
+        lower, upper = self.distance_bounds(typical_distance)
         within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
         kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(
             [update for update in within if update is not None], counters)
         if not self.checks_direction or len(kept) < 2:
             return kept
         total = change_sum(global_weights, kept)
-        typical_distance = typical(measured)
         directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
         return [u for u in directed if u is not None]
 

@@ -322,10 +322,8 @@ class AdversarialDevice(Device):
         return self.attack(Honest(global_weights, honest_weights, samples, self.learner.state.round,
                                   self.fleet_size, self._start, benign, previous, self.colluders, self._task_rows()))
 
-    def _task_rows(self) -> np.ndarray | None:
-        """The head's positions of the classes of the device's current task (`head-scale` only)."""
-        if self.attack_name != "head-scale":
-            return None
+    def _task_rows(self) -> np.ndarray:
+        """The head's positions of the classes of the device's current task (what `head-scale` scales)."""
         classes = np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
         return class_head_positions(self.trainer.manifest.parameters, classes)
 

@@ -321,7 +321,12 @@ def row_lengths_bound(lengths: torch.Tensor, weights: torch.Tensor, factor: floa
     counted = lengths[weights > 0]
     if factor <= 0 or not len(counted):
         return math.inf
-    return factor * float(torch.sort(counted).values[(len(counted) - 1) // 2])
+    return factor * lower_median(counted)
+
+
+def lower_median(values: torch.Tensor) -> float:
+    """The lower of the two middle values (the middle one of an odd count): with two, never the larger."""
+    return float(torch.sort(values).values[(len(values) - 1) // 2])
 
 
 def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per_class: int
@@ -467,7 +472,7 @@ class SddCoordinator(Strategy):
         metrics["cswa_mean_accuracy"] = float(accuracies.mean())
         counted = row_lengths(stacked, positions)[torch.as_tensor(accuracies, device=self.device) > 0]
         if len(counted):  # how far the rows that count spread: the longest over the lower median, and those clipped
-            median = float(torch.sort(counted).values[(len(counted) - 1) // 2])
+            median = lower_median(counted)
             metrics["cswa_row_spread"] = float(counted.max()) / max(median, 1e-30)
             metrics["cswa_rows_clipped"] = float((counted > self.row_bound * median).sum()) if self.row_bound else 0.0
         return AggregateResult(weighted_rows(averaged, stacked, accuracies, positions,
