@@ -75,6 +75,7 @@ class Split:
     dynamics: bool = False  # GLFC's client dynamics: devices joining with new classes only, one class a device
     method: dict[str, Any] | None = None  # a method's fleet tables (policy, strategy, trainer, coordinator keys)
     tasks: int = 5
+    calibration: int = 0  # train samples a class the coordinator keeps (the `reference` setting's), none on devices
 
 
 def sdd_fleet(aggregation: str, row_bound: float | None) -> dict[str, Any]:
@@ -99,6 +100,9 @@ SCENARIOS = {
         "cswa-normalized" if form else "cswa-literal", 0.0 if bound else None))
        for form in ("", "-normalized") for bound in ("", "-unbounded")},
 }
+CALIBRATION = 10  # a class's calibration samples in the "-cal" splits (digits: about 7 % of a class's train images)
+SCENARIOS.update({f"{name}-cal": dataclasses.replace(SCENARIOS[name], calibration=CALIBRATION)
+                  for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics")})
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
 TURN_GUARD = {"krum_share": 0.0, "min_alignment": 0.0, "direction_bound": "project"}
@@ -121,13 +125,23 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # ... with no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused
     # beyond 10x the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's
     # accuracy (skewed honest rounds swing by half)
+    # the default bounds without Krum, and each update compared on its own classes' calibration samples (needs
+    # --calibration)
+    "reference": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes"}}},
+    # ... with nothing refused for what skewed honest devices do: no free-rider check (a device with little data for
+    # the task moves the model little), claims capped at the (f+1)-th largest of the round instead of refused beyond
+    # 10x the median
+    "reference-open": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_factor": 0.0,
+        "sample_rank": 0.25, "sample_bound": "cap"}}},
     "turn-rank": {"coordinator": {
         "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
                   "sample_bound": "cap"},
         "checkpoint": {"collapse_drop": 0.0}}},
 }
 NO_ATTACK = ("clean", "all-honest")
-REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned")  # the guard's counters
+REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",
+            "worse-on-own-classes")  # the guard's counters
 CELL_FILE = "cell.json"
 MARK = 3.0  # points: a cell this far from its clean run is marked
 
@@ -170,6 +184,8 @@ class Cell:
         scenario: dict[str, Any] = {"preset": split.preset, "n_clients": self.devices, "seed": self.seed}
         if split.alpha is not None:
             scenario["alpha"] = split.alpha
+        if split.calibration:
+            scenario["calibration"] = split.calibration
         if split.dynamics:  # a device of 8 joins at each task (none of 4, 2 of 20); one class of two a device
             scenario.update(dynamics="glfc", joining=self.joining)
         table: dict[str, Any] = {

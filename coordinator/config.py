@@ -35,7 +35,9 @@
                 sample_bound = "reject" | "cap",
                 free_rider_factor = 0.1, krum_share = 0.25 (Krum selection; 0: off), krum_radius = 2.0 (a refused
                 update this near the kept ones is taken back; 0: none), min_alignment = -1.0 (off),
-                direction_bound = "reject" | "project", hold = 8 (the first updates of a round, bounded together)
+                direction_bound = "reject" | "project", reference = "off" | "classes" (each update on its classes'
+                calibration samples, coordinator/reference.py), reference_tolerance = 1.0, hold = 8 (the first
+                updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,

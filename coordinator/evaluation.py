@@ -62,6 +62,10 @@ class TestSets(Protocol):
         """The train data of a task the host learns itself (coordinator/host_training.py), None for a task the
         devices learn."""
 
+    def calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Task t's calibration samples, apart from its test set and from every device (the guard's reference,
+        coordinator/reference.py); empty when there are none."""
+
 
 class FolderTestSets:
     """A deployment's test data: `test-<t>.npz` files (arrays `x` float32, `y` int64), one per task, in a folder
@@ -109,6 +113,14 @@ class FolderTestSets:
         path = self.folder / f"host-train-{t}.npz"
         return _load_test(path) if path.is_file() else None
 
+    def calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """`calibration-<t>.npz` (arrays x, y) beside the test files, samples the operator keeps apart from the
+        test set and from every device; empty when there is no such file."""
+        path = self.folder / f"calibration-{t}.npz"
+        if path.is_file():
+            return _load_test(path)
+        return np.empty((0, *self.input_shape), np.float32), np.empty(0, np.int64)
+
 
 def _load_test(path: Path) -> tuple[np.ndarray, np.ndarray]:
     data = read_npz(path)
@@ -129,14 +141,14 @@ class Evaluator:
 
     def accuracies(self, weights: np.ndarray, task: int) -> list[float]:
         """Accuracy on the test set of each task 0..task, with the classes seen up to `task` unmasked."""
-        self._load(weights)
+        self.load(weights)
         mask = self.seen_mask(task)
         return [self._accuracy(*self.data.task_test(j), mask) for j in range(task + 1)]
 
     def client_accuracy(self, weights: np.ndarray, client: int, t: int) -> float:
         """a_k^t: accuracy of `weights` (the client's personalised model, or the global one) on the client's test
         parts of tasks 0..t, with the client's classes of tasks 0..t unmasked."""
-        self._load(weights)
+        self.load(weights)
         mask = self._mask(self.data.client_seen_classes(client, t))
         return self._accuracy(*self.data.client_seen_test(client, t), mask)
 
@@ -155,7 +167,8 @@ class Evaluator:
         mask[list(classes)] = 1.0
         return mask
 
-    def _load(self, weights: np.ndarray) -> None:
+    def load(self, weights: np.ndarray) -> None:
+        """`weights` into the evaluated model (ValueError when not finite)."""
         buffer = np.asarray(weights, dtype=np.float32)
         if not np.isfinite(buffer).all():
             raise ValueError("weights contain NaN or Inf values")

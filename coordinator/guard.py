@@ -43,6 +43,11 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   update on classes the others do not hold lies, stays (`turned`). Honest updates on
   non-IID data reached -0.34 in a first round (from a random model), so a threshold that catches reversed updates
   refuses honest ones too; measured weaker than Krum selection against a reversed update.
+- **Calibration reference** (`reference = "classes"`; off by default): an update that raises the calibration loss of
+  what it trained on (its `trained_counts`, class by class, on samples the coordinator keeps apart from every device
+  and test set) by more than `reference_tolerance` nats above the global model's is refused (`worse-on-own-classes`;
+  coordinator/reference.py). It compares a device with the model, not with the other devices, so an update on
+  classes no other device holds passes it. Without calibration samples it is off (the coordinator says so once).
 
 The medians are taken over the updates that carry something: counts above 0, distances above 0. A device with
 nothing to train on this round (an empty share, a task that brought it no data) sends the global model back with
@@ -61,8 +66,8 @@ bounded by the majority of those before it, so hostile updates move it only wher
 round's first arrivals; `hold` sets how many arrivals that takes.
 
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
-`krum-outlier`, `misaligned`) in the run's counters and logged. The robust rules (coordinator/strategies/
-robust.py) go further; the bounds compose with them and with every other rule.
+`krum-outlier`, `misaligned`, `turned`, `worse-on-own-classes`) in the run's counters and logged. The robust rules
+(coordinator/strategies/robust.py) go further; the bounds compose with them and with every other rule.
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ import numpy as np
 import torch
 
 from coordinator.compute import float64_blocks
+from coordinator.reference import ClassReference
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import squared_distances
 
@@ -86,6 +92,7 @@ CPU = torch.device("cpu")
 NORM_BOUNDS = ("clip", "reject", "off")
 DIRECTION_BOUNDS = ("reject", "project")
 SAMPLE_BOUNDS = ("cap", "reject")
+REFERENCES = ("off", "classes")
 
 
 def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
@@ -144,6 +151,8 @@ class UpdateBounds:
     krum_radius: float = 2.0
     min_alignment: float = -1.0
     direction_bound: str = "reject"
+    reference: str = "off"  # "classes": each update compared on its classes' calibration samples (reference.py)
+    reference_tolerance: float = 1.0  # nats it may raise its mix's calibration loss above the global model's
     hold: int = 8  # a folding rule's first updates of a round, bounded together before any is folded
 
     def __post_init__(self) -> None:
@@ -152,6 +161,10 @@ class UpdateBounds:
         if self.direction_bound not in DIRECTION_BOUNDS:
             raise ValueError(f"direction_bound must be one of {', '.join(DIRECTION_BOUNDS)}, got "
                              f"{self.direction_bound!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if not self.reference_tolerance >= 0:
+            raise ValueError(f"reference_tolerance must be >= 0, got {self.reference_tolerance}")
         if self.sample_bound not in SAMPLE_BOUNDS:
             raise ValueError(f"sample_bound must be one of {', '.join(SAMPLE_BOUNDS)}, got {self.sample_bound!r}")
         if not self.norm_factor >= 1 or self.max_samples < 0 or not self.sample_factor >= 0 or self.hold < 1 \
@@ -195,27 +208,45 @@ class UpdateBounds:
         return self.free_rider_factor * typical_distance, upper
 
     def apply(self, global_weights: np.ndarray, updates: Sequence[ClientUpdate], counters: Counter[str],
-              measured: Sequence[float] | None = None, selection: KrumSelection | None = None) -> list[ClientUpdate]:
+              measured: Sequence[float] | None = None, selection: KrumSelection | None = None,
+              reference: ClassReference | None = None) -> list[ClientUpdate]:
         """A whole round's updates within the bounds (clipped ones are new arrays; the others are passed as they
         are). `measured`: their distances from the global model, when known already; `selection`: the round's Krum
-        selection, which keeps what it learns for later updates (a stream's)."""
+        selection, which keeps what it learns for later updates (a stream's); `reference`: the round's calibration
+        reference (None: no check)."""
         if measured is None:
             measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
         cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
         within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
-        kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(
-            [update for update in within if update is not None], counters)
+        checked = [c for c in (self.referenced(u, reference, counters) for u in within if u is not None)
+                   if c is not None]
+        kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(checked, counters)
         if not self.checks_direction or len(kept) < 2:
             return kept
         total = change_sum(global_weights, kept)
         directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
         return [u for u in directed if u is not None]
 
-    def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str]
-               ) -> BoundedStream:
-        return BoundedStream(self, global_weights, take, counters)
+    def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str],
+               reference: ClassReference | None = None) -> BoundedStream:
+        return BoundedStream(self, global_weights, take, counters, reference)
+
+    def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str]
+                   ) -> ClientUpdate | None:
+        """The update, unless it makes its own classes worse on the coordinator's calibration samples by more than
+        `reference_tolerance` (refused: `worse-on-own-classes`). A device that claims no samples is not compared:
+        it counts for nothing."""
+        if reference is None or self.reference == "off" or update.num_samples <= 0:
+            return update
+        change = reference.loss_change(update)
+        if change <= self.reference_tolerance:
+            return update
+        counters["worse-on-own-classes"] += 1
+        log.warning("update of %s dropped: it raises the calibration loss of its classes by %.3g, over %.3g",
+                    update.device, change, self.reference_tolerance)
+        return None
 
     def bounded(self, global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float, lower: float,
                 upper: float, counters: Counter[str]) -> ClientUpdate | None:
@@ -408,8 +439,9 @@ class BoundedStream:
     bounds is passed to `take`, the first `hold` of them only once `hold` have come or at `close`."""
 
     def __init__(self, bounds: UpdateBounds, global_weights: np.ndarray, take: Callable[[ClientUpdate], None],
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], reference: ClassReference | None = None) -> None:
         self.bounds = bounds
+        self.reference = reference
         self.global_weights = global_weights
         self.take = take
         self.counters = counters
@@ -434,6 +466,8 @@ class BoundedStream:
             self.global_weights, update, moved, self.bounds.sample_cap(self.counts),
             *self.bounds.distance_bounds(self.distances.value()), self.counters,
         )
+        if bounded is not None:
+            bounded = self.bounds.referenced(bounded, self.reference, self.counters)
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:
@@ -458,5 +492,5 @@ class BoundedStream:
         held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
-                                        self.selection):
+                                        self.selection, self.reference):
             self._take(update)

@@ -56,6 +56,7 @@ class Update:
     weights: np.ndarray  # flat float32 view over the reassembled bytes (no copy)
     label_counts: tuple[int, ...] = ()
     attachments: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # named, as the device sent them
+    trained_counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,5 +179,6 @@ class Inbox:
             device=device, round=header["round"], task=header["task"], model=header["model"],
             num_samples=header["num_samples"], metrics=dict(header["metrics"]), weights=weights,
             label_counts=tuple(header.get("label_counts", ())),
+            trained_counts=tuple(header.get("trained_counts", ())),
             attachments={name: bytes(data) for name, data in attachments.items()},
         )

@@ -58,6 +58,7 @@ from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
+from coordinator.reference import ClassReference, calibration_by_class
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
@@ -96,6 +97,7 @@ class Coordinator:
         options = {k: v for k, v in config.strategy.items() if k != "name"}
         strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
+        self._said_no_calibration = False
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
@@ -196,7 +198,8 @@ class Coordinator:
         number, task = self.state.round + 1, self.state.task
         self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
-            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx)
+            self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx,
+            self.reference(ctx))
         try:
             host = self.data.host_train(task)
             if host is not None:
@@ -205,6 +208,20 @@ class Coordinator:
                 self._run_attempts(number, task, aggregate)
         finally:
             self._aggregate = self._last_attempt = None
+
+    def reference(self, ctx: RoundContext) -> ClassReference | None:
+        """The round's calibration reference for the guard (`[guard] reference`), None when it is off or the test
+        data hold no calibration samples (said once)."""
+        if self.config.guard.reference == "off":
+            return None
+        calibration = calibration_by_class([self.data.calibration(t) for t in range(ctx.task + 1)])
+        if not calibration:
+            if not self._said_no_calibration:
+                log.warning("[guard] reference = %r, but the test data hold no calibration samples: updates are not "
+                            "compared with it", self.config.guard.reference)
+                self._said_no_calibration = True
+            return None
+        return ClassReference(self.evaluator, calibration, self.state.weights, ctx)
 
     def _run_on_host(self, number: int, task: int, aggregate: RoundAggregate, x: np.ndarray, y: np.ndarray
                      ) -> None:
@@ -549,7 +566,7 @@ class Coordinator:
 def _for_strategy(update: Update) -> ClientUpdate:
     """What a strategy sees of an update from the gate (round bookkeeping is the coordinator's)."""
     return ClientUpdate(update.device, update.weights, update.num_samples, dict(update.metrics),
-                        update.label_counts, update.attachments)
+                        update.label_counts, update.attachments, update.trained_counts)
 
 
 def run_coordinator(

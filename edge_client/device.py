@@ -528,6 +528,7 @@ class Device:
         frames = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.data_task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
+            trained_counts=np.bincount(store.labels(), minlength=self.trainer.manifest.num_classes).tolist(),
             metrics={
                 **metrics, "stored_samples": len(store),
                 "stored_bytes": self.learner.budget.used(),

@@ -98,7 +98,8 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
 # weights in a blob (update, payload, broadcast, answer), each padded to 4 bytes. `payload`: the id of the payload
 # blob a round message goes with (the device waits for it as for the weights); `broadcast`: the id of the broadcast
 # blob it goes with (the device keeps it by id and waits for it only when it does not hold it). `label_counts`:
-# samples seen per class (update).
+# samples seen per class (update); `trained_counts`: samples per class of what the update was trained on (the
+# device's store; the guard's calibration reference compares the update on that mix).
 # `task`: the task the global model's round trains (weights), so that a device not selected learns it too (a device
 # that holds no data for it says so in its status and is not selected).
 # `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
@@ -106,7 +107,7 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "register": {"instance": str},
     "status": {"instance": str, "error": str},
-    "update": {"attachments": list, "label_counts": list},
+    "update": {"attachments": list, "label_counts": list, "trained_counts": list},
     "payload": {"attachments": list},
     "broadcast": {"attachments": list},
     "answer": {"attachments": list},
@@ -232,6 +233,7 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
     if kind == "update":
         _check_metrics(message["metrics"])
         _check_ints(message.get("label_counts", []), "update.label_counts")
+        _check_ints(message.get("trained_counts", []), "update.trained_counts")
     if kind == "request":
         _check_names(message["names"])
     declared = OPTIONAL.get(kind, {})  # a field a kind does not declare is an unknown extra one: ignored

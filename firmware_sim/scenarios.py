@@ -23,7 +23,7 @@ from edgefil.settings import Where, convert
 
 from .datasets import ArrayDataset, load_dataset
 from .scenario_kinds import KINDS, ScenarioKind, Task
-from .scenario_kinds.base import client_test_split, dirichlet_split
+from .scenario_kinds.base import client_test_split, dirichlet_split, held_out
 
 __all__ = ["OLD_DATA_CACHED", "PRESETS", "ClientSource", "Scenario", "ScenarioData", "Task", "check_scenario",
            "client_test_split", "dirichlet_split", "preset", "scenario_from_config", "shared_build"]
@@ -49,6 +49,9 @@ class Scenario:
     `samples_per_class`), "few-shot" (`base_classes`, `classes_per_task`, `shots`, `base_training`).
     `alpha` is the Dirichlet concentration of the label split over clients (smaller = more skewed).
     `client_test_fraction`: size of a client's test set relative to its train set (see client_test_split).
+    `calibration`: train samples of each class a task keeps apart from every client for the coordinator (its
+    guard's trust reference, coordinator/reference.py; 0: none). They come out of the clients' shares after the
+    split, so a client's share is what it was less those samples.
     `seed` drives the class order and the splits; the dataset's own train/test split is fixed by
     its loader's options (`dataset_options`), so seeds vary the federation, not the benchmark.
     """
@@ -62,6 +65,7 @@ class Scenario:
     alpha: float = 1.0
     seed: int = 0
     client_test_fraction: float = 0.25
+    calibration: int = 0
     data_root: str | None = None
     dataset_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     n_client_tasks: int | None = None
@@ -97,7 +101,7 @@ class Scenario:
         return KINDS.get(self.kind)()
 
     def _validate(self, kind: ScenarioKind) -> None:
-        for name, lowest in (("n_tasks", 1), ("n_clients", 1), ("seed", 0)):
+        for name, lowest in (("n_tasks", 1), ("n_clients", 1), ("seed", 0), ("calibration", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
@@ -256,6 +260,10 @@ class ScenarioData:
         """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
         return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
 
+    def calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Task t's calibration samples (the scenario's `calibration` a class; empty for none)."""
+        return self.tasks[t].calibration()
+
     def host_train(self, t: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A host-trained task's train data (a few-shot base session trained centrally); None otherwise."""
         task = self.tasks[t]
@@ -272,7 +280,8 @@ class ScenarioData:
 def build(scenario: Scenario) -> ScenarioData:
     """Load the dataset and materialise every task's class set, client shares and test sets (by the kind)."""
     loaded = load_dataset(scenario.dataset, scenario.data_root, **scenario.dataset_options)
-    tasks = scenario.kind_class().tasks(scenario, loaded)
+    tasks = tuple(held_out(task, scenario.calibration, scenario.seed)
+                  for task in scenario.kind_class().tasks(scenario, loaded))
     first = tasks[0].data
     return ScenarioData(scenario, tasks, first.num_classes, first.input_shape)
 

@@ -200,6 +200,26 @@ def test_client_shares_partition_each_task(fixture, request):
         assert x.shape == (len(y), *built.input_shape)
 
 
+@pytest.mark.parametrize("name", ["digits-class", "digits-domain"])
+def test_calibration_samples_are_kept_from_every_client_and_test_set(name):
+    plain, held = preset(name).build(), preset(name, calibration=5).build()
+    for before, task in zip(plain.tasks, held.tasks):
+        x, y = held.calibration(task.index)
+        assert x.shape == (len(y), *held.input_shape)
+        classes, counts = np.unique(y, return_counts=True)
+        assert set(classes) == set(np.unique(task.data.y_train[before.train_indices])) and set(counts) == {5}
+        kept = task.calibration_indices
+        assert not np.isin(kept, np.concatenate(task.client_train_indices)).any()
+        assert not np.isin(kept, task.train_indices).any()
+        # the clients' shares are what they were less the kept samples, in their order; the test sets are untouched
+        for was, now in zip(before.client_train_indices, task.client_train_indices):
+            np.testing.assert_array_equal(now, was[~np.isin(was, kept)])
+        np.testing.assert_array_equal(task.test_indices, before.test_indices)
+    assert len(plain.calibration(0)[1]) == 0  # none unless asked for
+    with pytest.raises(ValueError, match="calibration"):
+        preset(name, calibration=-1)
+
+
 @pytest.mark.parametrize("fixture", ["digits_class", "digits_domain"])
 def test_client_test_sets_are_subsets_with_the_client_label_mix(fixture, request):
     built = request.getfixturevalue(fixture)

@@ -198,6 +198,17 @@ def test_an_optional_field_on_a_kind_that_does_not_declare_it_is_an_extra_one(fi
     assert err.value.reason == "field"
 
 
+@pytest.mark.parametrize("field", ["label_counts", "trained_counts"])
+@pytest.mark.parametrize("value", [[1, -1], [1.5], [True], ["3"], [0] * 4097])
+def test_an_update_counts_field_takes_non_negative_ints_only(field, value):
+    chunk = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, **{field: [3, 0]}
+                                         ).chunks[0])
+    assert chunk[field] == [3, 0]
+    with pytest.raises(wire.WireError) as err:  # the codec checks what it writes as what it reads
+        wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, **{field: value})
+    assert err.value.reason == "field" and field in str(err.value)
+
+
 def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():
     reassembler = wire.Reassembler(max_blob_bytes=8000, max_pending=2)
     for round_ in range(3):

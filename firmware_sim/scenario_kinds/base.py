@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Independent random streams per purpose (and per task or client), so changing one setting, e.g. the number
 # of tasks, does not reshuffle what every other task looks like.
-ORDER, SPLIT, CLIENT_TEST, GROUPS, SEQUENCE, PARTS, DYNAMICS, SHOTS = 0, 1, 2, 3, 4, 5, 6, 7
+ORDER, SPLIT, CLIENT_TEST, GROUPS, SEQUENCE, PARTS, DYNAMICS, SHOTS, CALIBRATION = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 def rng_for(seed: int, *keys: int) -> np.random.Generator:
@@ -45,7 +45,9 @@ class Task:
     For kind "flowing" a task is one round: clients hold different classes (`client_classes`, None for the
     other kinds) and their parts may overlap, so `train_indices`/`test_indices` are the union of the clients'.
     `host_trained`: no client holds this task's data; the host trains on it (`train()`) before the fleet's first
-    round (a few-shot scenario's base session, trained centrally as its paper does)."""
+    round (a few-shot scenario's base session, trained centrally as its paper does).
+    `calibration_indices`: train samples no client gets, which the coordinator keeps (the scenario's `calibration`,
+    `held_out`)."""
 
     index: int
     classes: tuple[int, ...]
@@ -57,6 +59,7 @@ class Task:
     client_test_indices: tuple[np.ndarray, ...]
     client_classes: tuple[tuple[int, ...], ...] | None = None
     host_trained: bool = False
+    calibration_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @property
     def n_clients(self) -> int:
@@ -73,6 +76,10 @@ class Task:
     def test(self) -> tuple[np.ndarray, np.ndarray]:
         """The task's global held-out test set."""
         return self.data.x_test[self.test_indices], self.data.y_test[self.test_indices]
+
+    def calibration(self) -> tuple[np.ndarray, np.ndarray]:
+        """The task's calibration samples (`held_out`): the coordinator's own, apart from every client and test set."""
+        return self.data.x_train[self.calibration_indices], self.data.y_train[self.calibration_indices]
 
     def client_train(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx = self.client_train_indices[k]
@@ -223,3 +230,21 @@ def dirichlet_task(scenario: Scenario, t: int, data: ArrayDataset, classes: tupl
     clients = dirichlet_split(data.y_train[train_idx], scenario.n_clients, scenario.alpha,
                               rng_for(scenario.seed, SPLIT, t))
     return split_task(scenario, t, data, classes, domain, train_idx, clients)
+
+
+def held_out(task: Task, per_class: int, seed: int) -> Task:
+    """`task` with up to `per_class` train samples of each of its classes taken from the clients and kept apart as
+    its calibration set: a seeded draw of its own, so it does not depend on how the clients were split, and the
+    clients' shares keep their order. A class keeps at least one train sample for the clients."""
+    if per_class <= 0:
+        return task
+    rng = rng_for(seed, CALIBRATION, task.index)
+    labels = task.data.y_train[task.train_indices]
+    picks = [np.empty(0, np.int64)]
+    for c in np.unique(labels):
+        pool = task.train_indices[labels == c]
+        picks.append(rng.choice(pool, size=min(per_class, len(pool) - 1), replace=False))
+    kept = np.sort(np.concatenate(picks))
+    return replace(task, train_indices=task.train_indices[~np.isin(task.train_indices, kept)],
+                   client_train_indices=tuple(idx[~np.isin(idx, kept)] for idx in task.client_train_indices),
+                   calibration_indices=kept)

@@ -1,0 +1,152 @@
+"""The guard's calibration reference (coordinator/reference.py): an update is compared with the global model on the
+coordinator's calibration samples of what it trained on. Honest updates on classes no other device holds, and on a
+store with no data of the task, pass; reversed ones and ones trained on swapped labels are refused."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from coordinator.evaluation import Evaluator, FolderTestSets
+from coordinator.guard import UpdateBounds
+from coordinator.reference import ClassReference, calibration_by_class
+from coordinator.strategies.base import ClientUpdate, RoundContext
+from edge_client.trainers.pytorch import TorchTrainer
+from edgefil.durable import npz_bytes, write_atomically
+from firmware_sim.scenarios import preset
+from models.manifest import load_manifest
+
+EPOCHS = 10  # a device's, as the fleets' (E = 10); the global models are trained to fit (GLOBAL_EPOCHS)
+GLOBAL_EPOCHS = 40
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return preset("digits-class", n_clients=4, calibration=10).build()
+
+
+@pytest.fixture(scope="module")
+def manifest(export_artifacts):
+    return load_manifest(export_artifacts("lenet", 10, (1, 8, 8)))
+
+
+def _trained(manifest, start: np.ndarray, x: np.ndarray, y: np.ndarray, seen: tuple[int, ...],
+             epochs: int = EPOCHS) -> np.ndarray:
+    trainer = TorchTrainer(manifest, lr=0.1)
+    trainer.set_weights(start)
+    mask = np.isin(np.arange(10), seen).astype(np.float32)
+    trainer.fit(x, y, epochs=epochs, class_mask=mask, rng=np.random.default_rng(0))
+    return trainer.get_weights()
+
+
+def _update(device: str, weights: np.ndarray, y: np.ndarray) -> ClientUpdate:
+    counts = np.bincount(y, minlength=10).tolist()
+    return ClientUpdate(device, weights.astype(np.float32), len(y), label_counts=counts, trained_counts=counts)
+
+
+def _round(digits, manifest, global_weights: np.ndarray) -> ClassReference:
+    seen = tuple(sorted((*digits.task_classes(0), *digits.task_classes(1))))
+    ctx = RoundContext(round=4, task=1, task_classes=digits.task_classes(1), seen_classes=seen)
+    calibration = calibration_by_class([digits.calibration(t) for t in (0, 1)])
+    return ClassReference(Evaluator(digits, manifest), calibration, global_weights, ctx)
+
+
+@pytest.fixture(scope="module")
+def round_one(digits, manifest):
+    """Task 1's first round from a global model that learnt task 0: a device that holds only task 1's first class
+    (no other device holds it), one with no data for task 1 (its store of task 0), and a reversed update of the
+    first (sign-flip, 2.5x)."""
+    x0, y0 = digits.tasks[0].train()
+    seen = (*digits.task_classes(0), *digits.task_classes(1))
+    global_weights = _trained(manifest, TorchTrainer(manifest).get_weights(), x0, y0, digits.task_classes(0),
+                              GLOBAL_EPOCHS)
+    x1, y1 = digits.tasks[1].train()
+    novel = y1 == digits.task_classes(1)[0]
+    joiner = _trained(manifest, global_weights, x1[novel], y1[novel], seen)
+    updates = [
+        _update("joiner", joiner, y1[novel]),
+        _update("store-only", _trained(manifest, global_weights, x0[:60], y0[:60], seen), y0[:60]),
+        _update("sign-flip", global_weights - 2.5 * (joiner - global_weights), y1[novel]),
+    ]
+    return global_weights, updates, _round(digits, manifest, global_weights)
+
+
+@pytest.fixture(scope="module")
+def round_two(digits, manifest, round_one):
+    """A later round of task 1, from a global model that learnt it: a device's honest update on its share, and one
+    trained on the same share with the task's two classes swapped (label flipping, which it reports)."""
+    x1, y1 = digits.tasks[1].train()
+    seen = (*digits.task_classes(0), *digits.task_classes(1))
+    global_weights = _trained(manifest, round_one[0], x1, y1, seen, GLOBAL_EPOCHS)
+    share_x, share_y = digits.tasks[1].client_train(0)
+    first, second = digits.task_classes(1)
+    swapped = np.where(share_y == first, second, first)
+    updates = [
+        _update("honest", _trained(manifest, global_weights, share_x, share_y, seen), share_y),
+        _update("label-flip", _trained(manifest, global_weights, share_x, swapped, seen), swapped),
+    ]
+    return global_weights, updates, _round(digits, manifest, global_weights)
+
+
+def test_honest_updates_lower_the_loss_of_what_they_trained_on_and_attacks_raise_it(round_one, round_two):
+    change = {u.device: reference.loss_change(u) for _, updates, reference in (round_one, round_two) for u in updates}
+    assert change["joiner"] < 0 and change["store-only"] < 0.5 and change["honest"] < 0.5, change
+    tolerance = UpdateBounds().reference_tolerance
+    assert change["sign-flip"] > tolerance and change["label-flip"] > tolerance, change
+
+
+@pytest.mark.parametrize("which, kept", [("round_one", ["joiner", "store-only"]), ("round_two", ["honest"])])
+def test_the_guard_refuses_what_makes_its_own_mix_worse_and_keeps_novelty(which, kept, request):
+    global_weights, updates, reference = request.getfixturevalue(which)
+    only = {"krum_share": 0.0, "free_rider_factor": 0.0, "norm_bound": "off"}  # the reference alone
+    counters: Counter[str] = Counter()
+    kept_by = UpdateBounds(**only, reference="classes").apply(global_weights, updates, counters, reference=reference)
+    assert [u.device for u in kept_by] == kept
+    assert counters["worse-on-own-classes"] == len(updates) - len(kept)
+    assert len(UpdateBounds(**only).apply(global_weights, updates, Counter(), reference=reference)) == len(updates)
+
+
+def test_a_device_that_claims_nothing_is_not_compared(round_one):
+    global_weights, updates, reference = round_one
+    nothing = ClientUpdate("empty", updates[2].weights, 0)
+    assert UpdateBounds(krum_share=0.0, reference="classes").referenced(nothing, reference, Counter()) is nothing
+
+
+def test_without_trained_counts_an_update_is_compared_on_the_task_classes_it_has_seen(round_one, digits):
+    _, _, reference = round_one
+    first, second = digits.task_classes(1)
+    old = digits.task_classes(0)[0]
+    counts = np.zeros(10, int)
+    counts[[first, old]] = 5
+    assert reference.compared_on(ClientUpdate("d", np.zeros(1, np.float32), 5, label_counts=counts.tolist())) == (
+        [first], [5.0])
+    counts[first] = 0  # nothing of the task: its earlier classes
+    assert reference.compared_on(ClientUpdate("d", np.zeros(1, np.float32), 5, label_counts=counts.tolist())) == (
+        [old], [5.0])
+    # classes the run has not seen: the task's, evenly
+    unseen = [c for c in range(10) if c not in reference.ctx.seen_classes][0]
+    counts[:] = 0
+    counts[unseen] = 3
+    assert reference.compared_on(ClientUpdate("d", np.zeros(1, np.float32), 3, label_counts=counts.tolist())) == (
+        [first, second], [1.0, 1.0])
+
+
+def test_a_model_without_a_finite_answer_counts_as_worse(round_one):
+    global_weights, updates, reference = round_one
+    huge = updates[0].weights.copy()
+    huge[:] = 3e38
+    assert reference.loss_change(ClientUpdate("huge", huge, 5, trained_counts=updates[0].trained_counts)) == np.inf
+
+
+def test_a_deployment_keeps_its_calibration_samples_beside_its_test_files(tmp_path, manifest):
+    rng = np.random.default_rng(0)
+    for name, n in (("test-0", 12), ("test-1", 12), ("calibration-0", 6)):
+        arrays = {"x": rng.random((n, 1, 8, 8), dtype=np.float32), "y": np.arange(n) % 2}
+        write_atomically(tmp_path / f"{name}.npz", npz_bytes(arrays))
+    folder = FolderTestSets(tmp_path, manifest)
+    x, y = folder.calibration(0)
+    assert x.shape == (6, 1, 8, 8) and y.tolist() == [0, 1] * 3
+    x, y = folder.calibration(1)  # none kept for task 1: nothing to compare its updates on
+    assert x.shape == (0, 1, 8, 8) and len(y) == 0
+    assert calibration_by_class([folder.calibration(0), folder.calibration(1)]).keys() == {0, 1}
