@@ -244,8 +244,10 @@ class UpdateBounds:
         if change <= self.reference_tolerance:
             return update
         counters["worse-on-own-classes"] += 1
-        log.warning("update of %s dropped: it raises the calibration loss of its classes by %.3g, over %.3g",
-                    update.device, change, self.reference_tolerance)
+        classes, weights = reference.compared_on(update)
+        log.warning("update of %s dropped: it raises the calibration loss of what it trained on (%s) by %.3g nats, "
+                    "over %.3g", update.device, ", ".join(f"{c}: {w:.0f}" for c, w in zip(classes, weights)), change,
+                    self.reference_tolerance)
         return None
 
     def bounded(self, global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float, lower: float,

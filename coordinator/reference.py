@@ -43,14 +43,19 @@ class ClassReference:
     """One round's reference: the global model's calibration loss per class, taken once, then each update's."""
 
     def __init__(self, evaluator: Evaluator, calibration: dict[int, tuple[np.ndarray, np.ndarray]],
-                 global_weights: np.ndarray, ctx: RoundContext) -> None:
-        """`calibration`: class -> its samples (x, y), as `calibration_by_class` gives them."""
+                 global_weights: np.ndarray, ctx: RoundContext, device_masks: bool = True) -> None:
+        """`calibration`: class -> its samples (x, y), as `calibration_by_class` gives them; `device_masks`: the
+        devices mask the classes they have not seen (their [learner]'s default; false where the round tells them
+        the fleet's classes, `[client] known_classes`)."""
         self.evaluator = evaluator
         self.calibration = calibration
         self.ctx = ctx
-        self.mask = torch.from_numpy(evaluator.seen_mask(ctx.task)).to(evaluator.device)
-        baseline = self.losses(global_weights, sorted(calibration))
-        self.baseline = {c: loss for c, loss in baseline.items() if math.isfinite(loss)}  # else nothing to compare
+        self.device_masks = device_masks
+        self.global_weights = global_weights
+        self.fleet_mask = tuple(c for c in ctx.seen_classes if c < evaluator.data.num_classes)
+        self._baselines: dict[tuple[int, ...], dict[int, float]] = {}
+        self.baseline = {c: loss for c, loss in self.losses(global_weights, sorted(calibration)).items()
+                         if math.isfinite(loss)}  # a class the global model gives no finite answer on is not compared
 
     def loss_change(self, update: ClientUpdate) -> float:
         """How much the update raises the calibration loss of its mix above the global model's (negative: it lowers
@@ -58,8 +63,32 @@ class ClassReference:
         classes, weights = self.compared_on(update)
         if not classes:
             return 0.0
-        losses = self.losses(update.weights, classes)
-        return sum(w * (losses[c] - self.baseline[c]) for c, w in zip(classes, weights)) / sum(weights)
+        mask = self.mask_of(update)
+        baseline = self._baseline(mask)
+        if not all(math.isfinite(baseline.get(c, math.nan)) for c in classes):  # compared beyond what it has seen
+            mask, baseline = self.fleet_mask, self.baseline
+        losses = self.losses(update.weights, classes, mask)
+        return sum(w * (losses[c] - baseline[c]) for c, w in zip(classes, weights)) / sum(weights)
+
+    def mask_of(self, update: ClientUpdate) -> tuple[int, ...]:
+        """The classes the update's device trained over: those it has seen (its `label_counts`, and what it trained
+        on), as a device masks by default, or the fleet's classes so far where the devices do not mask so or that
+        leaves fewer than two (over one class every model has a loss of 0: nothing would be compared). A device
+        with one class of the task in its store, which masks the classes it has never seen, learns nothing of the
+        fleet's others, and under the fleet's classes its model looked 17 nats worse on its own class (issue 56)."""
+        if not self.device_masks:
+            return self.fleet_mask
+        own = {c for counts in (update.label_counts, update.trained_counts) for c, n in enumerate(counts)
+               if n > 0 and c < self.evaluator.data.num_classes}
+        return tuple(sorted(own)) if len(own) >= 2 else self.fleet_mask
+
+    def _baseline(self, mask: tuple[int, ...]) -> dict[int, float]:
+        """The global model's loss per class over `mask` (taken once a round for each mask)."""
+        if mask == self.fleet_mask:
+            return self.baseline
+        if mask not in self._baselines:
+            self._baselines[mask] = self.losses(self.global_weights, [c for c in mask if c in self.calibration], mask)
+        return self._baselines[mask]
 
     def compared_on(self, update: ClientUpdate) -> tuple[list[int], list[float]]:
         """The classes an update is compared on, with their weights (module docstring)."""
@@ -75,20 +104,24 @@ class ClassReference:
         return chosen, [1.0] * len(chosen)
 
     @torch.no_grad()
-    def losses(self, weights: np.ndarray, classes: Sequence[int]) -> dict[int, float]:
-        """Mean cross-entropy of each class's calibration samples under `weights` (inf where it is not finite: a
-        model that gives no answer is no better)."""
+    def losses(self, weights: np.ndarray, classes: Sequence[int], mask: Sequence[int] | None = None
+               ) -> dict[int, float]:
+        """Mean cross-entropy of each class's calibration samples under `weights`, over the classes of `mask` (the
+        fleet's so far by default; inf where it is not finite: a model that gives no answer is no better)."""
         try:
             self.evaluator.load(weights)
         except ValueError:
             return dict.fromkeys(classes, math.inf)
+        shown = np.zeros(self.evaluator.data.num_classes, np.float32)
+        shown[list(self.fleet_mask if mask is None else mask)] = 1.0
+        over = torch.from_numpy(shown).to(self.evaluator.device)
         out = {}
         for c in classes:
             x, y = self.calibration[c]
             total = 0.0
             for start in range(0, len(y), EVAL_BATCH):
                 xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
-                logits, _ = self.evaluator.model(xb.to(self.evaluator.device), self.mask)
+                logits, _ = self.evaluator.model(xb.to(self.evaluator.device), over)
                 target = torch.from_numpy(y[start:start + EVAL_BATCH]).to(self.evaluator.device)
                 total += float(F.cross_entropy(logits.float(), target, reduction="sum"))
             out[c] = total / len(y) if math.isfinite(total) else math.inf

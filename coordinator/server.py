@@ -221,7 +221,10 @@ class Coordinator:
                             "compared with it", self.config.guard.reference)
                 self._said_no_calibration = True
             return None
-        return ClassReference(self.evaluator, calibration, self.state.weights, ctx)
+        # a device masks the classes it has not seen unless the round names the fleet's or says not to mask
+        client = self.config.client
+        device_masks = client.get("mask_seen_classes") is not False and not client.get("known_classes")
+        return ClassReference(self.evaluator, calibration, self.state.weights, ctx, device_masks)
 
     def _run_on_host(self, number: int, task: int, aggregate: RoundAggregate, x: np.ndarray, y: np.ndarray
                      ) -> None:
