@@ -7,6 +7,8 @@ writes, into `--out`:
 
     devices/<id>/task-<t>.npz   each device's share of task t (arrays x float32, y int64): its [data] folder
     test/test-<t>.npz           task t's test set: the coordinator's `test_data` folder
+    test/calibration-<t>.npz    with `--calibration N`: N train samples of each of task t's classes that no device
+                                gets, for the coordinator's guard (`[guard] reference`, coordinator/reference.py)
     classes.json                the class order (task t -> its classes), the input format (shape, dtype, range),
                                 the number of classes, the scenario that made it, and each device's label counts
 
@@ -47,6 +49,10 @@ def split_scenario(data: ScenarioData, devices: list[str], out: Path) -> dict[st
         x, y = data.task_test(t)
         write_atomically(out / "test" / f"test-{t}.npz", npz_bytes({"x": x.astype(np.float32),
                                                                      "y": y.astype(np.int64)}))
+        if len(task.calibration_indices):
+            x, y = task.calibration()
+            write_atomically(out / "test" / f"calibration-{t}.npz", npz_bytes({"x": x.astype(np.float32),
+                                                                                "y": y.astype(np.int64)}))
         for k, device in enumerate(devices):
             x, y = task.client_train(k)
             write_atomically(out / "devices" / device / f"task-{t}.npz",
@@ -68,7 +74,7 @@ def split_scenario(data: ScenarioData, devices: list[str], out: Path) -> dict[st
 
 
 def _scenario(args: argparse.Namespace, devices: list[str]) -> ScenarioData:
-    overrides: dict[str, Any] = {"n_clients": len(devices), "seed": args.seed}
+    overrides: dict[str, Any] = {"n_clients": len(devices), "seed": args.seed, "calibration": args.calibration}
     if args.tasks is not None:
         overrides["n_tasks"] = args.tasks
     if args.source is not None:
@@ -121,4 +127,7 @@ def add_data_parser(commands: argparse._SubParsersAction) -> None:
     split.add_argument("--tasks", type=int, help="number of tasks (default: the preset's)")
     split.add_argument("--classes-per-task", type=int, help="classes per task (default: the preset's)")
     split.add_argument("--seed", type=int, default=0, help="the class order's and the split's seed")
+    split.add_argument("--calibration", type=int, default=0, metavar="N",
+                       help="train samples of each class kept from every device for the coordinator's guard, "
+                            "written as test/calibration-<t>.npz (default 0: none)")
     split.set_defaults(run=_run_split)

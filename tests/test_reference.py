@@ -150,3 +150,24 @@ def test_a_deployment_keeps_its_calibration_samples_beside_its_test_files(tmp_pa
     x, y = folder.calibration(1)  # none kept for task 1: nothing to compare its updates on
     assert x.shape == (0, 1, 8, 8) and len(y) == 0
     assert calibration_by_class([folder.calibration(0), folder.calibration(1)]).keys() == {0, 1}
+
+
+def test_an_update_is_compared_over_the_classes_its_device_has_seen(round_one, digits, manifest):
+    """A device that has seen one class of task 0 and one of task 1, and whose store keeps only the second (its
+    budget), trains over those two: under the fleet's four classes its model looks worse on its own class, which it
+    did learn; over its own two it does not."""
+    global_weights, _, reference = round_one
+    old, new = digits.task_classes(0)[1], digits.task_classes(1)[1]
+    x1, y1 = digits.tasks[1].train()
+    mine = y1 == new
+    weights = _trained(manifest, global_weights, x1[mine], y1[mine], (old, new))
+    counts = np.zeros(10, int)
+    counts[[old, new]] = [8, int(mine.sum())]
+    update = ClientUpdate("one-class-store", weights, int(mine.sum()), label_counts=counts.tolist(),
+                          trained_counts=np.bincount(y1[mine], minlength=10).tolist())
+    assert reference.mask_of(update) == tuple(sorted((old, new)))
+    over_fleet = reference.losses(weights, [new])[new] - reference.baseline[new]
+    assert reference.loss_change(update) < 0 < over_fleet
+    # over one class every model's loss is 0: such a device is compared over the fleet's classes
+    alone = ClientUpdate("one", weights, 5, trained_counts=update.trained_counts)
+    assert reference.mask_of(alone) == reference.fleet_mask

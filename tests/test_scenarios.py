@@ -1,6 +1,7 @@
 """Scenarios: validation, serialisation, class/domain tasks, Dirichlet client splits, client test sets."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -9,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgefil.durable import read_npz
 from firmware_sim import scenarios
+from firmware_sim.data_split import add_data_parser
 from firmware_sim.datasets import ArrayDataset
 from firmware_sim.scenarios import PRESETS, Scenario, client_test_split, dirichlet_split, preset
 
@@ -218,6 +221,20 @@ def test_calibration_samples_are_kept_from_every_client_and_test_set(name):
     assert len(plain.calibration(0)[1]) == 0  # none unless asked for
     with pytest.raises(ValueError, match="calibration"):
         preset(name, calibration=-1)
+
+
+def test_a_deployments_split_writes_its_calibration_samples_beside_the_test_sets(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_data_parser(parser.add_subparsers())
+    args = parser.parse_args(["data", "split", "--devices", "a,b", "--out", str(tmp_path), "--calibration", "4"])
+    assert args.run(args) == 0
+    built = preset("digits-class", n_clients=2, calibration=4).build()
+    for t in range(built.n_tasks):
+        kept = read_npz(tmp_path / "test" / f"calibration-{t}.npz")
+        np.testing.assert_array_equal(kept["y"], built.calibration(t)[1])
+        assert kept["x"].shape == (len(kept["y"]), 1, 8, 8)
+        share = read_npz(tmp_path / "devices" / "a" / f"task-{t}.npz")
+        np.testing.assert_array_equal(share["y"], built.tasks[t].client_train(0)[1])  # less what was kept
 
 
 @pytest.mark.parametrize("fixture", ["digits_class", "digits_domain"])
