@@ -134,6 +134,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-open": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_factor": 0.0,
         "sample_rank": 0.25, "sample_bound": "cap"}}},
+    # ... with claims beyond 10x the median capped there (not refused), which leaves a round of claims within that
+    # range as FedAvg weighs it (the rank cap acts in every round)
+    "reference-capped": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap"}}},
     "turn-rank": {"coordinator": {
         "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
                   "sample_bound": "cap"},
