@@ -115,16 +115,19 @@ class ClassReference:
         shown = np.zeros(self.evaluator.data.num_classes, np.float32)
         shown[list(self.fleet_mask if mask is None else mask)] = 1.0
         over = torch.from_numpy(shown).to(self.evaluator.device)
+        classes = list(classes)
+        x = np.concatenate([self.calibration[c][0] for c in classes]) if classes else np.empty(0, np.float32)
+        y = np.concatenate([self.calibration[c][1] for c in classes]) if classes else np.empty(0, np.int64)
+        per_sample = np.empty(len(y), np.float64)
+        for start in range(0, len(y), EVAL_BATCH):  # one pass over every class compared: a pass costs, not a sample
+            xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
+            logits, _ = self.evaluator.model(xb.to(self.evaluator.device), over)
+            target = torch.from_numpy(y[start:start + EVAL_BATCH]).to(self.evaluator.device)
+            per_sample[start:start + len(target)] = F.cross_entropy(logits.float(), target, reduction="none").cpu()
         out = {}
         for c in classes:
-            x, y = self.calibration[c]
-            total = 0.0
-            for start in range(0, len(y), EVAL_BATCH):
-                xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
-                logits, _ = self.evaluator.model(xb.to(self.evaluator.device), over)
-                target = torch.from_numpy(y[start:start + EVAL_BATCH]).to(self.evaluator.device)
-                total += float(F.cross_entropy(logits.float(), target, reduction="sum"))
-            out[c] = total / len(y) if math.isfinite(total) else math.inf
+            mean = float(per_sample[y == c].mean())
+            out[c] = mean if math.isfinite(mean) else math.inf
         return out
 
 
