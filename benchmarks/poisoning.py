@@ -138,6 +138,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # range as FedAvg weighs it (the rank cap acts in every round)
     "reference-capped": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap"}}},
+    # ... and what points against the round's others taken out (`turn`): the reference sees an update that makes its
+    # own data worse, the direction one that pulls the others' progress back (drift, the reversed step)
+    "reference-turn": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap",
+        "min_alignment": 0.0, "direction_bound": "project"}}},
     "turn-rank": {"coordinator": {
         "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
                   "sample_bound": "cap"},
