@@ -94,6 +94,7 @@ SCENARIOS = {
     # the splits in which honest devices look least alike: few classes a device, and devices that join late
     "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
     "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
+    "digits-domain": Split("digits-domain", (1, 8, 8), tasks=4),  # Dirichlet 0.1, every class in every task
     # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds,
     # as printed (Eq. 17's sum) and normalised, each with its row bound (the default) and without it
     **{f"digits-sdd{form}{bound}": Split("digits-fewshot", (1, 8, 8), tasks=4, method=sdd_fleet(
@@ -102,7 +103,7 @@ SCENARIOS = {
 }
 CALIBRATION = 10  # a class's calibration samples in the "-cal" splits (digits: about 7 % of a class's train images)
 SCENARIOS.update({f"{name}-cal": dataclasses.replace(SCENARIOS[name], calibration=CALIBRATION)
-                  for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics")})
+                  for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics", "digits-domain")})
 PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
 BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
 TURN_GUARD = {"krum_share": 0.0, "min_alignment": 0.0, "direction_bound": "project"}
