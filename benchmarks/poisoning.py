@@ -283,14 +283,14 @@ def refused(cells: list[dict[str, Any]]) -> str:
 def table(results: dict[Cell, dict[str, Any]], scenario: str, settings: list[str], attacks: list[str],
           seeds: list[int], fleets: list[int]) -> str:
     lines = []
-    header = (f"{'setting':<14}{'fleet':<8}{'clean %':>22}{'vs fedavg':>14}{'all honest vs fedavg':>26}"
+    header = (f"{'setting':<18}{'fleet':<8}{'clean %':>22}{'vs fedavg':>14}{'all honest vs fedavg':>26}"
               + "".join(f"{a:>24}" for a in attacks))
     lines.append(header)
     for setting in settings:
         for devices in fleets:
             clean_cells = [results[Cell(scenario, setting, devices, "clean", s)] for s in seeds]
             clean = [cell["final_accuracy"] for cell in clean_cells]
-            row = f"{setting:<14}{f'{FLEETS[devices]} of {devices}':<8}"
+            row = f"{setting:<18}{f'{FLEETS[devices]} of {devices}':<8}"
             row += f"{f'{100 * np.mean(clean):.1f} ± {100 * np.std(clean):3.1f} {refused(clean_cells)}':>22}"
             row += f"{points(against_fedavg(results, Cell(scenario, setting, devices, 'clean', 0), seeds)):>14}"
             everyone = [results[Cell(scenario, setting, devices, "all-honest", s)] for s in seeds]
