@@ -171,3 +171,16 @@ def test_an_update_is_compared_over_the_classes_its_device_has_seen(round_one, d
     # over one class every model's loss is 0: such a device is compared over the fleet's classes
     alone = ClientUpdate("one", weights, 5, trained_counts=update.trained_counts)
     assert reference.mask_of(alone) == reference.fleet_mask
+
+
+def test_a_folding_rules_later_updates_are_compared_as_they_arrive(round_one):
+    """Past the held updates (`hold`), each update is bounded as it arrives (`BoundedStream`): the reference too."""
+    global_weights, updates, reference = round_one
+    taken: list[str] = []
+    counters: Counter[str] = Counter()
+    bounds = UpdateBounds(krum_share=0.0, free_rider_factor=0.0, norm_bound="off", reference="classes", hold=1)
+    stream = bounds.stream(global_weights, lambda u: taken.append(u.device), counters, reference)
+    for update in updates:  # the joiner is held and released; the others stream
+        stream.add(update)
+    stream.close()
+    assert taken == ["joiner", "store-only"] and counters["worse-on-own-classes"] == 1
