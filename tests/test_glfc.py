@@ -623,7 +623,11 @@ def test_one_device_cannot_crowd_the_proxys_pool(artifacts, tmp_path):
     for strategy in (proxy, restarted):
         again = ClientUpdate("d0", base.copy(), 10, attachments=_prototypes([gradient[0], gradient[1]]))
         strategy.aggregate(torch.from_numpy(base), [again], ctx(2))
-        assert strategy.last_metrics == {"prototypes_refused": 2.0} and strategy.pooled[1] in (0, 4)
+        # nothing of it pooled; round 1's reconstructions may have finished meanwhile (a metric of their own,
+        # there or not by the host's speed)
+        metrics = strategy.last_metrics
+        assert metrics["prototypes_refused"] == 2.0 and "prototypes_pooled" not in metrics, metrics
+        assert strategy.pooled[1] in (0, 4)
     proxy.job.wait(60)
     restarted.job.wait(60)
 
