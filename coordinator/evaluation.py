@@ -13,7 +13,7 @@ the same way.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,6 +85,7 @@ class FolderTestSets:
             raise FileNotFoundError(f"{self.folder}: expected test-0.npz, test-1.npz, ... (one per task); "
                                     f"{'none found' if not files else 'missing ' + ', '.join(missing)}")
         self._tests = [_load_test(p) for p in paths]
+        self._calibration = [self._read_calibration(t) for t in range(len(paths))]  # read once, as the tests
 
     @property
     def n_tasks(self) -> int:
@@ -116,6 +117,9 @@ class FolderTestSets:
     def calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """`calibration-<t>.npz` (arrays x, y) beside the test files, samples the operator keeps apart from the
         test set and from every device; empty when there is no such file."""
+        return self._calibration[t]
+
+    def _read_calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         path = self.folder / f"calibration-{t}.npz"
         if path.is_file():
             return _load_test(path)
@@ -149,7 +153,7 @@ class Evaluator:
         """a_k^t: accuracy of `weights` (the client's personalised model, or the global one) on the client's test
         parts of tasks 0..t, with the client's classes of tasks 0..t unmasked."""
         self.load(weights)
-        mask = self._mask(self.data.client_seen_classes(client, t))
+        mask = self.mask(self.data.client_seen_classes(client, t))
         return self._accuracy(*self.data.client_seen_test(client, t), mask)
 
     def iaa(self, accuracies: Mapping[int, float], t: int) -> float:
@@ -160,9 +164,9 @@ class Evaluator:
                                         [self.data.client_samples_seen(k, t) for k in clients])
 
     def seen_mask(self, task: int) -> np.ndarray:
-        return self._mask(c for t in range(task + 1) for c in self.data.task_classes(t))
+        return self.mask(c for t in range(task + 1) for c in self.data.task_classes(t))
 
-    def _mask(self, classes: Iterable[int]) -> np.ndarray:
+    def mask(self, classes: Iterable[int]) -> np.ndarray:
         mask = np.zeros(self.data.num_classes, dtype=np.float32)
         mask[list(classes)] = 1.0
         return mask
@@ -179,10 +183,15 @@ class Evaluator:
         """Share of samples whose masked arg-max logit is the label (0 for an empty set)."""
         if not len(y):
             return 0.0
-        mask_t = torch.from_numpy(mask).to(self.device)
         correct = 0
-        for start in range(0, len(y), EVAL_BATCH):
-            xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
-            logits, _ = self.model(xb.to(self.device), mask_t)
-            correct += int((logits.cpu().numpy().argmax(1) == y[start:start + EVAL_BATCH]).sum())  # first max wins
+        for start, logits in self.logits(x, mask):
+            correct += int((logits.cpu().numpy().argmax(1) == y[start:start + len(logits)]).sum())  # first max wins
         return correct / len(y)
+
+    @torch.no_grad()
+    def logits(self, x: np.ndarray, mask: np.ndarray) -> Iterator[tuple[int, torch.Tensor]]:
+        """The loaded model's masked logits of `x`, a batch of EVAL_BATCH at a time, each with its first row."""
+        mask_t = torch.from_numpy(mask).to(self.device)
+        for start in range(0, len(x), EVAL_BATCH):
+            xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
+            yield start, self.model(xb.to(self.device), mask_t)[0]

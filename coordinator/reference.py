@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from coordinator.evaluation import EVAL_BATCH, Evaluator
+from coordinator.evaluation import Evaluator
 from coordinator.strategies.base import ClientUpdate, RoundContext
 
 
@@ -113,17 +113,15 @@ class ClassReference:
             self.evaluator.load(weights)
         except ValueError:
             return dict.fromkeys(classes, math.inf)
-        shown = np.zeros(self.evaluator.data.num_classes, np.float32)
-        shown[list(self.fleet_mask if mask is None else mask)] = 1.0
-        over = torch.from_numpy(shown).to(self.evaluator.device)
+        shown = self.evaluator.mask(self.fleet_mask if mask is None else mask)
         classes = list(classes)
-        x = np.concatenate([self.calibration[c][0] for c in classes]) if classes else np.empty(0, np.float32)
-        y = np.concatenate([self.calibration[c][1] for c in classes]) if classes else np.empty(0, np.int64)
+        if not classes:
+            return {}
+        x = np.concatenate([self.calibration[c][0] for c in classes])
+        y = np.concatenate([self.calibration[c][1] for c in classes])
         per_sample = np.empty(len(y), np.float64)
-        for start in range(0, len(y), EVAL_BATCH):  # one pass over every class compared: a pass costs, not a sample
-            xb = torch.from_numpy(np.ascontiguousarray(x[start:start + EVAL_BATCH], dtype=np.float32))
-            logits, _ = self.evaluator.model(xb.to(self.evaluator.device), over)
-            target = torch.from_numpy(y[start:start + EVAL_BATCH]).to(self.evaluator.device)
+        for start, logits in self.evaluator.logits(x, shown):  # one pass over every class compared
+            target = torch.from_numpy(y[start:start + len(logits)]).to(self.evaluator.device)
             per_sample[start:start + len(target)] = F.cross_entropy(logits.float(), target, reduction="none").cpu()
         out = {}
         for c in classes:

@@ -7,6 +7,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from coordinator.evaluation import Evaluator, FolderTestSets
 from coordinator.guard import UpdateBounds
@@ -184,3 +186,18 @@ def test_a_folding_rules_later_updates_are_compared_as_they_arrive(round_one):
         stream.add(update)
     stream.close()
     assert taken == ["joiner", "store-only"] and counters["worse-on-own-classes"] == 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(label_counts=st.lists(st.integers(0, 2**62), max_size=40), trained=st.lists(st.integers(0, 2**62), max_size=40),
+       scale=st.sampled_from([0.0, 1e-3, 1.0, 1e6, 3e38]), samples=st.integers(-5, 10**9))
+def test_hostile_counts_and_weights_get_a_decision_never_an_exception(round_one, label_counts, trained, scale,
+                                                                      samples):
+    """Any counts the wire lets through (non-negative ints, up to 4096 of them; beyond the head's classes too) and
+    any finite weights: the guard keeps or refuses the update, and a refusal is counted."""
+    global_weights, updates, reference = round_one
+    weights = (global_weights + np.float32(scale) * np.sign(updates[0].weights - global_weights)).astype(np.float32)
+    update = ClientUpdate("hostile", weights, samples, label_counts=label_counts, trained_counts=trained)
+    counters: Counter[str] = Counter()
+    kept = UpdateBounds(krum_share=0.0, reference="classes").referenced(update, reference, counters)
+    assert (kept is update) != (counters["worse-on-own-classes"] == 1)
