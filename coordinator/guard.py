@@ -44,10 +44,11 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   non-IID data reached -0.34 in a first round (from a random model), so a threshold that catches reversed updates
   refuses honest ones too; measured weaker than Krum selection against a reversed update.
 - **Calibration reference** (`reference = "classes"`; off by default): an update that raises the calibration loss of
-  what it trained on (its `trained_counts`, class by class, on samples the coordinator keeps apart from every device
-  and test set) by more than `reference_tolerance` nats above the global model's is refused (`worse-on-own-classes`;
-  coordinator/reference.py). It compares a device with the model, not with the other devices, so an update on
-  classes no other device holds passes it. Without calibration samples it is off (the coordinator says so once).
+  what it trained on (its `trained_counts`, by task and class, on samples the coordinator keeps apart from every
+  device and test set) by more than `reference_tolerance` nats above the global model's is refused
+  (`worse-on-own-classes`; coordinator/reference.py). It compares a device with the model, not with the other devices,
+  so an update on classes no other device holds passes it. Without calibration samples it is off (the coordinator
+  says so once).
 
 The medians are taken over the updates that carry something: counts above 0, distances above 0. A device with
 nothing to train on this round (an empty share, a task that brought it no data) sends the global model back with

@@ -56,7 +56,7 @@ class Update:
     weights: np.ndarray  # flat float32 view over the reassembled bytes (no copy)
     label_counts: tuple[int, ...] = ()
     attachments: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # named, as the device sent them
-    trained_counts: tuple[int, ...] = ()
+    trained_counts: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,6 @@ class Inbox:
             device=device, round=header["round"], task=header["task"], model=header["model"],
             num_samples=header["num_samples"], metrics=dict(header["metrics"]), weights=weights,
             label_counts=tuple(header.get("label_counts", ())),
-            trained_counts=tuple(header.get("trained_counts", ())),
+            trained_counts=tuple(tuple(part) for part in header.get("trained_counts", ())),
             attachments={name: bytes(data) for name, data in attachments.items()},
         )

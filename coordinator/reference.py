@@ -12,16 +12,17 @@ classes, each class weighted by the samples the device trained on of it, rise ab
 instead of a direction to align with: Zeno (Xie et al., ICML 2019) scores an update by the loss it reaches on the
 server's data over every class, which punishes a device for the classes it does not hold.
 
-The mix an update is compared on: its `trained_counts` (the device's store when it trained: its new data and the
-old samples it keeps; a device with no data for the task trains on its store and is compared on it). Measured on
-digits (docs/results.md, issue 56), honest updates compared on that mix raised its loss by at most 1.4 nats in 1,100
-updates but one (4.6), and 90 % of them lowered it; compared on the task's classes they held (`label_counts`), a device
-with few samples of the task raised it by up to 7.8 (it trains mostly on its store). An update that sends no
-`trained_counts` (an older device) is compared on the classes of the task it has seen, else on those of earlier
-tasks, else on the task's classes evenly. A class's calibration samples are those of the latest task that brought
-it (a domain-incremental task's own domain; a device's store there holds every domain it has seen, and at Dirichlet
-0.1 this refused 8-15 % of honest updates: docs/results.md. Comparing a store by task as well as class is the fix
-not yet made). The model is evaluated over the classes the device has seen (`mask_of`).
+The mix an update is compared on: its `trained_counts` (the device's store when it trained, by task and class: its
+new data and the old samples it keeps; a device with no data for the task trains on its store and is compared on
+it). Measured on digits (docs/results.md, issue 56), honest updates compared on that mix raised its loss by at most
+1.4 nats in 1,100 updates but one (4.6), and 90 % of them lowered it; compared on the task's classes they held
+(`label_counts`), a device with few samples of the task raised it by up to 7.8 (it trains mostly on its store). An
+update that sends no `trained_counts` (an older device) is compared on the classes of the task it has seen, else on
+those of earlier tasks, else on the task's classes evenly. Each part of the mix is compared on the calibration
+samples of its own task and class (a domain-incremental task's own domain), else on those of the latest task that
+brought the class: compared on the current domain alone, a store that holds every domain it has seen looked worse
+when it kept the old ones and let the new one slip, and at Dirichlet 0.1 8-15 % of honest updates were refused
+(docs/results.md). The model is evaluated over the classes the device has seen (`mask_of`).
 
 What it cannot see: an update that makes the mix it claims better and other classes worse (a head scaled up: what
 the distance bounds and SDD's row bound are for), and a device that claims a mix it did not train on, which changes
@@ -39,14 +40,16 @@ import torch.nn.functional as F
 from coordinator.evaluation import Evaluator
 from coordinator.strategies.base import ClientUpdate, RoundContext
 
+Part = tuple[int, int]  # (task, class): the calibration samples of a class in one task (its domain there)
+
 
 class ClassReference:
-    """One round's reference: the global model's calibration loss per class, taken once, then each update's."""
+    """One round's reference: the global model's calibration loss per part, taken once, then each update's."""
 
-    def __init__(self, evaluator: Evaluator, calibration: dict[int, tuple[np.ndarray, np.ndarray]],
+    def __init__(self, evaluator: Evaluator, calibration: dict[Part, tuple[np.ndarray, np.ndarray]],
                  global_weights: np.ndarray, ctx: RoundContext, device_masks: bool = True) -> None:
-        """`calibration`: class -> its samples (x, y), as `calibration_by_class` gives them; `device_masks`: the
-        devices mask the classes they have not seen (their [learner]'s default; false where the round tells them
+        """`calibration`: (task, class) -> its samples (x, y), as `calibration_by_part` gives them; `device_masks`:
+        the devices mask the classes they have not seen (their [learner]'s default; false where the round tells them
         the fleet's classes, `[client] known_classes`)."""
         self.evaluator = evaluator
         self.calibration = calibration
@@ -54,22 +57,23 @@ class ClassReference:
         self.device_masks = device_masks
         self.global_weights = global_weights
         self.fleet_mask = tuple(c for c in ctx.seen_classes if c < evaluator.data.num_classes)
-        self._baselines: dict[tuple[int, ...], dict[int, float]] = {}
-        self.baseline = {c: loss for c, loss in self.losses(global_weights, sorted(calibration)).items()
-                         if math.isfinite(loss)}  # a class the global model gives no finite answer on is not compared
+        self._latest = {part[1]: part for part in sorted(calibration)}  # each class's latest task
+        self._baselines: dict[tuple[int, ...], dict[Part, float]] = {}
+        self.baseline = {part: loss for part, loss in self.losses(global_weights, sorted(calibration)).items()
+                         if math.isfinite(loss)}  # a part the global model gives no finite answer on is not compared
 
     def loss_change(self, update: ClientUpdate) -> float:
         """How much the update raises the calibration loss of its mix above the global model's (negative: it lowers
-        it), in nats, weighted by its samples of each class; inf when its model gives no finite answer."""
-        classes, weights = self.compared_on(update)
-        if not classes:
+        it), in nats, weighted by its samples of each part; inf when its model gives no finite answer."""
+        parts, weights = self.compared_on(update)
+        if not parts:
             return 0.0
         mask = self.mask_of(update)
         baseline = self._baseline(mask)
-        if not all(math.isfinite(baseline.get(c, math.nan)) for c in classes):  # compared beyond what it has seen
+        if not all(math.isfinite(baseline.get(p, math.nan)) for p in parts):  # compared beyond what it has seen
             mask, baseline = self.fleet_mask, self.baseline
-        losses = self.losses(update.weights, classes, mask)
-        return sum(w * (losses[c] - baseline[c]) for c, w in zip(classes, weights)) / sum(weights)
+        losses = self.losses(update.weights, parts, mask)
+        return sum(w * (losses[p] - baseline[p]) for p, w in zip(parts, weights)) / sum(weights)
 
     def mask_of(self, update: ClientUpdate) -> tuple[int, ...]:
         """The classes the update's device trained over: those it has seen (its `label_counts`, and what it trained
@@ -79,63 +83,71 @@ class ClassReference:
         fleet's others, and under the fleet's classes its model looked 17 nats worse on its own class (issue 56)."""
         if not self.device_masks:
             return self.fleet_mask
-        own = {c for counts in (update.label_counts, update.trained_counts) for c, n in enumerate(counts)
-               if n > 0 and c < self.evaluator.data.num_classes}
+        own = {c for c, n in enumerate(update.label_counts) if n > 0}
+        own |= {c for _, c, n in update.trained_counts if n > 0}
+        own = {c for c in own if c < self.evaluator.data.num_classes}
         return tuple(sorted(own)) if len(own) >= 2 else self.fleet_mask
 
-    def _baseline(self, mask: tuple[int, ...]) -> dict[int, float]:
-        """The global model's loss per class over `mask` (taken once a round for each mask)."""
+    def _baseline(self, mask: tuple[int, ...]) -> dict[Part, float]:
+        """The global model's loss per part over `mask` (taken once a round for each mask)."""
         if mask == self.fleet_mask:
             return self.baseline
         if mask not in self._baselines:
-            self._baselines[mask] = self.losses(self.global_weights, [c for c in mask if c in self.calibration], mask)
+            self._baselines[mask] = self.losses(self.global_weights, [p for p in self.calibration if p[1] in mask],
+                                                mask)
         return self._baselines[mask]
 
-    def compared_on(self, update: ClientUpdate) -> tuple[list[int], list[float]]:
-        """The classes an update is compared on, with their weights (module docstring)."""
-        trained = [c for c, n in enumerate(update.trained_counts) if n > 0 and c in self.baseline]
-        if trained:
-            return trained, [float(update.trained_counts[c]) for c in trained]
-        held = {c: float(n) for c, n in enumerate(update.label_counts) if n > 0 and c in self.baseline}
+    def part_of(self, task: int, class_: int) -> Part | None:
+        """The calibration samples a class the device holds of a task is compared on: that task's, else the latest
+        task's that has the class (a deployment that kept none for that task), None when none has it."""
+        return (task, class_) if (task, class_) in self.baseline else self._latest.get(class_)
+
+    def compared_on(self, update: ClientUpdate) -> tuple[list[Part], list[float]]:
+        """The parts an update is compared on, with their weights (module docstring)."""
+        weights: dict[Part, float] = {}
+        for task, class_, n in update.trained_counts:
+            part = self.part_of(task, class_) if n > 0 else None
+            if part in self.baseline:
+                weights[part] = weights.get(part, 0.0) + float(n)
+        if weights:
+            return list(weights), list(weights.values())
+        held = {c: float(n) for c, n in enumerate(update.label_counts) if n > 0}
         for scope in (self.ctx.task_classes, self.ctx.seen_classes):
-            chosen = [c for c in scope if c in held]
+            chosen = [(p, held[c]) for c in scope if c in held for p in (self.part_of(self.ctx.task, c),)
+                      if p in self.baseline]
             if chosen:
-                return chosen, [held[c] for c in chosen]
-        chosen = [c for c in self.ctx.task_classes if c in self.baseline]
-        return chosen, [1.0] * len(chosen)
+                return [p for p, _ in chosen], [w for _, w in chosen]
+        parts = [p for c in self.ctx.task_classes for p in (self.part_of(self.ctx.task, c),) if p in self.baseline]
+        return parts, [1.0] * len(parts)
 
     @torch.no_grad()
-    def losses(self, weights: np.ndarray, classes: Sequence[int], mask: Sequence[int] | None = None
-               ) -> dict[int, float]:
-        """Mean cross-entropy of each class's calibration samples under `weights`, over the classes of `mask` (the
+    def losses(self, weights: np.ndarray, parts: Sequence[Part], mask: Sequence[int] | None = None
+               ) -> dict[Part, float]:
+        """Mean cross-entropy of each part's calibration samples under `weights`, over the classes of `mask` (the
         fleet's so far by default; inf where it is not finite: a model that gives no answer is no better)."""
+        parts = list(parts)
         try:
             self.evaluator.load(weights)
         except ValueError:
-            return dict.fromkeys(classes, math.inf)
+            return dict.fromkeys(parts, math.inf)
         shown = self.evaluator.mask(self.fleet_mask if mask is None else mask)
-        classes = list(classes)
-        if not classes:
+        if not parts:
             return {}
-        x = np.concatenate([self.calibration[c][0] for c in classes])
-        y = np.concatenate([self.calibration[c][1] for c in classes])
+        x = np.concatenate([self.calibration[p][0] for p in parts])
+        y = np.concatenate([self.calibration[p][1] for p in parts])
         per_sample = np.empty(len(y), np.float64)
-        for start, logits in self.evaluator.logits(x, shown):  # one pass over every class compared
+        for start, logits in self.evaluator.logits(x, shown):  # one pass over every part compared
             target = torch.from_numpy(y[start:start + len(logits)]).to(self.evaluator.device)
             per_sample[start:start + len(target)] = F.cross_entropy(logits.float(), target, reduction="none").cpu()
-        out = {}
-        for c in classes:
-            mean = float(per_sample[y == c].mean())
-            out[c] = mean if math.isfinite(mean) else math.inf
+        out, start = {}, 0
+        for p in parts:
+            mean = float(per_sample[start:start + len(self.calibration[p][1])].mean())
+            start += len(self.calibration[p][1])
+            out[p] = mean if math.isfinite(mean) else math.inf
         return out
 
 
-def calibration_by_class(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Tasks 0..t's calibration sets (in task order) as class -> samples, each class's from the latest task that
-    has it."""
-    by_class: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for x, y in parts:
-        for c in np.unique(y):
-            picked = y == c
-            by_class[int(c)] = (x[picked], np.asarray(y[picked], dtype=np.int64))
-    return by_class
+def calibration_by_part(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[Part, tuple[np.ndarray, np.ndarray]]:
+    """Tasks 0..t's calibration sets (in task order) as (task, class) -> samples."""
+    return {(t, int(c)): (x[y == c], np.asarray(y[y == c], dtype=np.int64))
+            for t, (x, y) in enumerate(parts) for c in np.unique(y)}

@@ -58,7 +58,7 @@ from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
-from coordinator.reference import ClassReference, calibration_by_class
+from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
@@ -214,7 +214,7 @@ class Coordinator:
         data hold no calibration samples (said once)."""
         if self.config.guard.reference == "off":
             return None
-        calibration = calibration_by_class([self.data.calibration(t) for t in range(ctx.task + 1)])
+        calibration = calibration_by_part([self.data.calibration(t) for t in range(ctx.task + 1)])
         if not calibration:
             if not self._said_no_calibration:
                 log.warning("[guard] reference = %r, but the test data hold no calibration samples: updates are not "

@@ -528,7 +528,7 @@ class Device:
         frames = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.data_task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
-            trained_counts=np.bincount(store.labels(), minlength=self.trainer.manifest.num_classes).tolist(),
+            trained_counts=trained_parts(store),
             metrics={
                 **metrics, "stored_samples": len(store),
                 "stored_bytes": self.learner.budget.used(),
@@ -607,3 +607,11 @@ def run_device(device: Device, connect_timeout: float = 60.0) -> None:
         except ConnectionError as err:
             log.warning("%s: %s; still trying (Ctrl-C stops)", device.id, err)
             notify("WATCHDOG=1")  # waiting for a broker is not being stuck
+
+
+def trained_parts(store: ReplayStore) -> list[list[int]]:
+    """What an update was trained on, for the coordinator's calibration reference: [task, class, samples] of the
+    store, by task as well as class (a domain-incremental store holds a class in every domain it has seen), the
+    4096 largest (the wire's bound; a store of more distinct parts is compared on those)."""
+    parts = collections.Counter(zip(store.tasks().tolist(), store.labels().tolist()))
+    return [[task, class_, n] for (task, class_), n in parts.most_common(4096) if task >= 0 and class_ >= 0]

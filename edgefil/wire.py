@@ -98,8 +98,9 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
 # weights in a blob (update, payload, broadcast, answer), each padded to 4 bytes. `payload`: the id of the payload
 # blob a round message goes with (the device waits for it as for the weights); `broadcast`: the id of the broadcast
 # blob it goes with (the device keeps it by id and waits for it only when it does not hold it). `label_counts`:
-# samples seen per class (update); `trained_counts`: samples per class of what the update was trained on (the
-# device's store; the guard's calibration reference compares the update on that mix).
+# samples seen per class (update); `trained_counts`: [[task, class, samples], ...] of what the update was trained
+# on (the device's store; the guard's calibration reference compares the update on that mix, each part on the
+# calibration samples of its task: a domain-incremental store holds a class in every domain it has seen).
 # `task`: the task the global model's round trains (weights), so that a device not selected learns it too (a device
 # that holds no data for it says so in its status and is not selected).
 # `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
@@ -233,7 +234,7 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
     if kind == "update":
         _check_metrics(message["metrics"])
         _check_ints(message.get("label_counts", []), "update.label_counts")
-        _check_ints(message.get("trained_counts", []), "update.trained_counts")
+        _check_parts(message.get("trained_counts", []), "update.trained_counts")
     if kind == "request":
         _check_names(message["names"])
     declared = OPTIONAL.get(kind, {})  # a field a kind does not declare is an unknown extra one: ignored
@@ -262,6 +263,15 @@ def _check_metrics(metrics: dict) -> None:
 def _check_ints(values: list, where: str) -> None:
     if len(values) > 4096 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise WireError("field", f"{where} must be a list of at most 4096 non-negative ints")
+
+
+def _check_parts(values: list, where: str) -> None:
+    """[[task, class, samples], ...]: at most 4096 triples of non-negative ints."""
+    if len(values) > 4096 or not all(
+            isinstance(v, list) and len(v) == 3 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                        for n in v) for v in values):
+        raise WireError("field", f"{where} must be a list of at most 4096 [task, class, samples] triples of "
+                                 "non-negative ints")
 
 
 def _is_name(value: Any) -> bool:

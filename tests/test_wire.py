@@ -198,15 +198,26 @@ def test_an_optional_field_on_a_kind_that_does_not_declare_it_is_an_extra_one(fi
     assert err.value.reason == "field"
 
 
-@pytest.mark.parametrize("field", ["label_counts", "trained_counts"])
 @pytest.mark.parametrize("value", [[1, -1], [1.5], [True], ["3"], [0] * 4097])
-def test_an_update_counts_field_takes_non_negative_ints_only(field, value):
-    chunk = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, **{field: [3, 0]}
+def test_an_updates_label_counts_are_non_negative_ints_only(value):
+    chunk = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, label_counts=[3, 0]
                                          ).chunks[0])
-    assert chunk[field] == [3, 0]
+    assert chunk["label_counts"] == [3, 0]
     with pytest.raises(wire.WireError) as err:  # the codec checks what it writes as what it reads
-        wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, **{field: value})
-    assert err.value.reason == "field" and field in str(err.value)
+        wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, label_counts=value)
+    assert err.value.reason == "field" and "label_counts" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [[3, 0], [[0, 1]], [[0, 1, 2, 3]], [[0, -1, 2]], [[0, 1, 1.5]], [[True, 1, 2]],
+                                   [[0, "1", 2]], [[0, 0, 1]] * 4097])
+def test_an_updates_trained_counts_are_task_class_samples_triples_only(value):
+    parts = [[0, 3, 40], [1, 3, 7]]  # class 3 in two tasks (two domains)
+    chunk = wire.decode(wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, trained_counts=parts
+                                         ).chunks[0])
+    assert chunk["trained_counts"] == parts
+    with pytest.raises(wire.WireError) as err:
+        wire.encode_blob("update", wire.weights_bytes(weights(8)), **HEADER, trained_counts=value)
+    assert err.value.reason == "field" and "trained_counts" in str(err.value)
 
 
 def test_pending_blobs_are_bounded_and_stale_ones_can_be_dropped():

@@ -61,7 +61,7 @@ class ClientUpdate:
     metrics: Mapping[str, float] = field(default_factory=dict)
     label_counts: Sequence[int] = ()  # samples the device has seen per class
     attachments: Mapping[str, bytes] = field(default_factory=dict)  # named byte strings from the device's policy
-    trained_counts: Sequence[int] = ()  # samples per class of what it trained on this round (its store)
+    trained_counts: Sequence[tuple[int, int, int]] = ()  # (task, class, samples) of what it trained on (its store)
 
 
 @dataclass(frozen=True)
