@@ -15,7 +15,8 @@ trajectory exactly as it was.
 Settings (`--settings`): `default` (a coordinator file without [guard] or [strategy]: FedAvg after the guard's
 bounds and Krum selection, which together are Multi-Krum), `fedavg` (plain FedAvg: every bound and check off),
 `no-krum` (the default bounds without Krum selection), and the robust rules after the default bounds (`median`,
-`trimmed-mean`, `centered-clip`). Printed per setting and fleet: the clean final accuracy (mean ±
+`trimmed-mean`, `centered-clip`), and the candidates for a default of issue 56 (`SETTINGS`, each with why: bounded
+influence, the direction projection, the calibration reference). Printed per setting and fleet: the clean final accuracy (mean ±
 std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
 (attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
 devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
@@ -28,7 +29,9 @@ run, with its honest refusals; below the table, why they were refused.
 Scenarios (`--scenarios`): `digits-class` and `fashion-class` (the presets: Dirichlet 1 label split), and the
 splits where honest devices look least alike: `digits-skewed` (Dirichlet 0.1) and `digits-dynamics` (GLFC's client
 dynamics: a device of 8 joins at each task holding only the task's classes, a tenth of those there keep only their
-old data, and each device with new data holds one of the task's two classes).
+old data, and each device with new data holds one of the task's two classes), `digits-domain` (four domains of every
+class, Dirichlet 0.1), and each of these with `-cal`: 10 train samples of each class kept from every device for the
+calibration reference.
 
 Every cell runs in a process of its own and writes `cell.json` in its folder; a finished cell is read back, not
 run again, so an interrupted matrix resumes.
@@ -123,11 +126,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the default bounds without Krum, and what points against the round's others taken out of an update (what is
     # new to them kept) instead
     "turn": {"coordinator": {"guard": TURN_GUARD}},
-    # ... with no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused
-    # beyond 10x the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's
-    # accuracy (skewed honest rounds swing by half)
     # the default bounds without Krum, and each update compared on its own classes' calibration samples (needs
-    # --calibration)
+    # --calibration; a short step that lowered them is not a free rider)
     "reference": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes"}}},
     # ... with nothing refused for what skewed honest devices do: no free-rider check (a device with little data for
     # the task moves the model little), claims capped at the (f+1)-th largest of the round instead of refused beyond
@@ -144,6 +144,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-turn": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap",
         "min_alignment": 0.0, "direction_bound": "project"}}},
+    # ... with claims capped (at 10x the median, or at the (f+1)-th largest of the round) instead of refused, and the
+    # free-rider check on: a short step is refused unless it lowered the loss of what it trained on
+    "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
+    "reference-ranked": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "sample_factor": 0.0, "sample_rank": 0.25, "sample_bound": "cap"}}},
+    # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
+    # the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's accuracy (skewed
+    # honest rounds swing by half)
     "turn-rank": {"coordinator": {
         "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
                   "sample_bound": "cap"},
