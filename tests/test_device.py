@@ -158,6 +158,25 @@ def test_a_device_whose_task_brings_no_samples_trains_on_its_store(setup):
     thread.join(15)
 
 
+def test_a_device_that_learnt_nothing_claims_no_samples(setup):
+    """A device whose data hold one class, and which masks the classes it has not seen, has a loss of 0: its
+    weights come back as the global model's, and it says it learnt from nothing rather than claiming its 50 samples
+    (which would weigh the global model back into the round and make it a free rider to the guard)."""
+    config, coordinator, initial = setup
+    n = len(initial)
+    x, y = (np.load(config.data.folder / "task-0.npz")[k] for k in ("x", "y"))
+    np.savez(config.data.folder / "task-0.npz", x=x[y == 0], y=y[y == 0])
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 1)
+    update = updates(coordinator, n)[0]
+    assert np.array_equal(update.weights(n), initial) and update.header["num_samples"] == 0
+    assert update.header["metrics"]["stored_samples"] > 0  # it holds samples; it learnt nothing from them
+    device.stop_requested.set()
+    thread.join(15)
+
+
 def statuses(coordinator: Peer) -> list[wire.Message]:
     topic = topics.from_device(FLEET, "dev-0", "status")
     return [wire.decode(p) for t, p in list(coordinator.messages) if t == topic]
