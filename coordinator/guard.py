@@ -19,8 +19,10 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   backdoor federated learning?"); the factor is ours.
 - **Free riders**: an update that claims samples but moved the model less than `free_rider_factor` times the
   median distance (the global model sent back) is refused; honest updates moved at least 0.45x the median at
-  Dirichlet 1, but less where a device has little or nothing new and trains on a store the model knows. With the
-  calibration reference on, such an update is kept when it lowered the loss of what it trained on (`trained`).
+  Dirichlet 1. At 0.1 the guard refused 15 % of honest updates so: each the global model exactly, from a device
+  whose store held one class (under its mask, a loss of 0); such a device now claims no samples
+  (edge_client/device.py `_claims`) and is no free rider. With the calibration reference on, a short step that
+  lowered the loss of what it trained on is kept too (`trained`).
 - **Krum selection** (Blanchard et al. 2017, Multi-Krum; Flower's MultiKrum): of the n updates left, the f =
   `krum_share` x n (rounded down; a quarter) whose Krum scores are worst are named, and refused (`krum-outlier`)
   unless taken back (below). An update's score is the sum of its squared distances to its n - f - 2 nearest others (at
@@ -259,8 +261,8 @@ class UpdateBounds:
         """Whether an update that moved the model less than a free rider's bound shows that it trained: with the
         calibration reference on, it lowered the loss of what it trained on (`loss_change` below 0). A device with
         little or nothing new trains on its store, which the model mostly knows already: a short step, not a free
-        ride (at Dirichlet 0.1 the distance alone refused 15 % of honest updates, issue 56). The global model sent
-        back changes that loss by exactly 0; noise about it (tinynoise) by as much either way."""
+        ride. The global model sent back changes that loss by exactly 0; noise about it (tinynoise) by as much
+        either way."""
         if reference is None or self.reference == "off":
             return False
         change = reference.loss_change(update)
