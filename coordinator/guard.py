@@ -19,7 +19,7 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   backdoor federated learning?"); the factor is ours.
 - **Free riders**: an update that claims samples but moved the model less than `free_rider_factor` times the
   median distance (the global model sent back) is refused; honest updates moved at least 0.45x the median at
-  Dirichlet 1. At 0.1 the guard refused 15 % of honest updates so: each the global model exactly, from a device
+  Dirichlet 1. At 0.1 the guard refused 13 % of honest updates so: each the global model exactly, from a device
   whose store held one class (under its mask, a loss of 0); such a device now claims no samples
   (edge_client/device.py `_claims`) and is no free rider. With the calibration reference on, a short step that
   lowered the loss of what it trained on is kept too (`trained`).

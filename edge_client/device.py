@@ -546,7 +546,7 @@ class Device:
         learnt from (its store's). Weights that training left exactly as the global model was learnt nothing, and
         claim no samples: a device whose store holds one class, and which masks the classes it has not seen, has a
         loss of 0 and no gradient. Counting its samples would weigh the global model back into the round (its
-        update says it has nothing, rather than riding free: at Dirichlet 0.1, 15 % of honest updates were such,
+        update says it has nothing, rather than riding free: at Dirichlet 0.1, 13 % of honest updates were such,
         and the guard refused them as free riders; issue 56). A compromised device of a simulated fleet says
         otherwise (firmware_sim/adversary.py)."""
         start = self.models.get(model)
