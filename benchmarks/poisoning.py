@@ -127,7 +127,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # new to them kept) instead
     "turn": {"coordinator": {"guard": TURN_GUARD}},
     # the default bounds without Krum, and each update compared on its own classes' calibration samples (needs
-    # --calibration; a short step that lowered them is not a free rider)
+    # --calibration)
     "reference": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes"}}},
     # ... with nothing refused for what skewed honest devices do: no free-rider check (a device with little data for
     # the task moves the model little), claims capped at the (f+1)-th largest of the round instead of refused beyond
@@ -144,8 +144,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-turn": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap",
         "min_alignment": 0.0, "direction_bound": "project"}}},
-    # ... with claims capped (at 10x the median, or at the (f+1)-th largest of the round) instead of refused, and the
-    # free-rider check on: a short step is refused unless it lowered the loss of what it trained on
+    # ... with claims capped (at 10x the median, or at the (f+1)-th largest of the round) instead of refused, the
+    # free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     "reference-ranked": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "sample_factor": 0.0, "sample_rank": 0.25, "sample_bound": "cap"}}},

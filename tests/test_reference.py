@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.evaluation import Evaluator, FolderTestSets
-from coordinator.guard import UpdateBounds, distance, typical
+from coordinator.guard import UpdateBounds
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.strategies.base import ClientUpdate, RoundContext
 from edge_client.trainers.pytorch import TorchTrainer
@@ -229,24 +229,3 @@ def test_a_domain_incremental_store_is_compared_on_each_domain_it_holds(manifest
     latest_only = ClientUpdate("store", weights, len(y), trained_counts=[(1, c, n) for _, c, n in parts])
     assert reference.compared_on(by_domain) == ([(0, 7), (0, 6), (0, 2), (1, 7)], [float(n) for _, _, n in parts])
     assert reference.loss_change(by_domain) < 0 < reference.loss_change(latest_only)
-
-
-def test_a_device_that_trained_on_what_the_model_knows_is_not_a_free_rider(round_one):
-    """A device with no data for the task trains on its store, which the global model mostly knows: its step is
-    short, and under the distance alone it is counted a free rider. With the reference on, it lowered the loss of
-    what it trained on and is kept; the global model sent back (claiming samples) changes that loss by exactly 0 and
-    is refused."""
-    global_weights, updates, reference = round_one
-    joiner, store_only = updates[0], updates[1]
-    lazy = ClientUpdate("lazy", global_weights.astype(np.float32), 100, trained_counts=store_only.trained_counts)
-    moved = {u.device: distance(global_weights, u.weights) for u in (joiner, store_only)}
-    factor = 0.99  # the store-only update moved less than 0.99x the round's typical distance
-    bounds = {"krum_share": 0.0, "norm_bound": "off", "free_rider_factor": factor}
-    assert moved["store-only"] < factor * typical(list(moved.values()))
-    counters: Counter[str] = Counter()
-    kept = UpdateBounds(**bounds).apply(global_weights, [joiner, store_only, lazy], counters)
-    assert [u.device for u in kept] == ["joiner"] and counters["free-rider"] == 2
-    counters.clear()
-    kept = UpdateBounds(**bounds, reference="classes").apply(global_weights, [joiner, store_only, lazy], counters,
-                                                             reference=reference)
-    assert [u.device for u in kept] == ["joiner", "store-only"] and counters["free-rider"] == 1
