@@ -144,11 +144,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-turn": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap",
         "min_alignment": 0.0, "direction_bound": "project"}}},
-    # ... with claims capped (at 10x the median, or at the (f+1)-th largest of the round) instead of refused, the
-    # free-rider check on
+    # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
-    "reference-ranked": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "sample_factor": 0.0, "sample_rank": 0.25, "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
     # the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's accuracy (skewed
     # honest rounds swing by half)
