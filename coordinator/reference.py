@@ -112,13 +112,13 @@ class ClassReference:
         if weights:
             return list(weights), list(weights.values())
         held = {c: float(n) for c, n in enumerate(update.label_counts) if n > 0}
+        compared = {c: part for c in self.ctx.seen_classes if (part := self.part_of(self.ctx.task, c)) in self.baseline}
         for scope in (self.ctx.task_classes, self.ctx.seen_classes):
-            chosen = [(p, held[c]) for c in scope if c in held for p in (self.part_of(self.ctx.task, c),)
-                      if p in self.baseline]
+            chosen = [c for c in scope if c in held and c in compared]
             if chosen:
-                return [p for p, _ in chosen], [w for _, w in chosen]
-        parts = [p for c in self.ctx.task_classes for p in (self.part_of(self.ctx.task, c),) if p in self.baseline]
-        return parts, [1.0] * len(parts)
+                return [compared[c] for c in chosen], [held[c] for c in chosen]
+        chosen = [c for c in self.ctx.task_classes if c in compared]
+        return [compared[c] for c in chosen], [1.0] * len(chosen)
 
     @torch.no_grad()
     def losses(self, weights: np.ndarray, parts: Sequence[Part], mask: Sequence[int] | None = None

@@ -508,6 +508,12 @@ class ReplayStore:
         """Tasks of the given samples in their order (all samples by id when ids is None)."""
         return self._column("task", ids)
 
+    def counts(self) -> list[tuple[int, int, int]]:
+        """(task, label, samples) of what is stored, most samples first (one query: no column read into memory)."""
+        rows = self._query("SELECT task, label, COUNT(*) AS n FROM samples WHERE id NOT IN (SELECT id FROM doomed) "
+                           "GROUP BY task, label ORDER BY n DESC, task, label")
+        return [(int(task), int(label), int(n)) for task, label, n in rows]
+
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(x float32 (n, *sample_shape), y int64) in the order of ids; unknown ids raise KeyError."""
         ids = _id_array(ids)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -264,6 +265,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert np.array_equal(store.ids(), ids) and len(store) == len(model)
         assert store.labels().tolist() == [model[i][1] for i in ids.tolist()]
         assert store.tasks().tolist() == [model[i][0] for i in ids.tolist()]
+        counted = Counter((task, label) for task, label, _ in model.values())  # what the device tells the reference
+        assert sorted(store.counts()) == sorted((t, c, n) for (t, c), n in counted.items())
+        assert [n for _, _, n in store.counts()] == sorted(counted.values(), reverse=True)
         assert contents(store) == model  # bit-identical
         for task in {t for t, _, _ in model.values()}:
             assert store.ids(task).tolist() == [i for i in ids.tolist() if model[i][0] == task]
