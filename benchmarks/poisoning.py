@@ -149,6 +149,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # honest centre (Min-Max, Min-Sum, the reversed step) by a median of 0.1-0.2
     "reference-tight": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
                                                   "reference_tolerance": 0.2}}},
+    # ... and an update that points back along the fleet's last global step refused (`min_progress`): honest
+    # updates pointed at least -0.53 (cosine) against it, the reversed step -1
+    "reference-progress": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
+                                                     "reference_tolerance": 0.2, "min_progress": -0.8}}},
+    # ... and one that points against the round's others refused: honest updates pointed at least -0.76 (cosine)
+    # against them, Min-Max and Min-Sum -1 in most rounds (their crafted update is the honest mean reversed)
+    "reference-aligned": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
+                                                    "reference_tolerance": 0.2, "min_progress": -0.8,
+                                                    "min_alignment": -0.9}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
@@ -161,7 +170,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",
-            "worse-on-own-classes")  # the guard's counters
+            "worse-on-own-classes", "undoes-last-step")  # the guard's counters
 CELL_FILE = "cell.json"
 MARK = 3.0  # points: a cell this far from its clean run is marked
 

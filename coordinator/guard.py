@@ -48,6 +48,15 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   update on classes the others do not hold lies, stays (`turned`). Honest updates on
   non-IID data reached -0.34 in a first round (from a random model), so a threshold that catches reversed updates
   refuses honest ones too; measured weaker than Krum selection against a reversed update.
+- **The fleet's last step undone** (off by default, `min_progress = -1`): an update whose change points back along
+  the fleet's last global step (its cosine with g - g', g' the global model before this one, below `min_progress`)
+  is refused (`undoes-last-step`). Sending g' back, or any part of the way to it, is an update that keeps the
+  device's own data as the fleet had it a round ago and pulls every class the round learnt back (`reversed-step` in
+  firmware_sim/adversary.py; the calibration reference passed 35 of its 45 updates). Honest updates on digits
+  pointed at least -0.53 (cosine) against the last step, at Dirichlet 0.1 and at a task's first round included
+  (issue 56, docs/results.md); they learn what the step learnt or something new, which is orthogonal to it. The
+  coordinator knows g' once a round has made a new global model since it started (not in a resumed run's first
+  round): until then nothing is checked.
 - **Calibration reference** (`reference = "classes"`; off by default): an update that raises the calibration loss of
   what it trained on (its `trained_counts`, by task and class, on samples the coordinator keeps apart from every
   device and test set) by more than `reference_tolerance` nats above the global model's is refused
@@ -72,8 +81,9 @@ bounded by the majority of those before it, so hostile updates move it only wher
 round's first arrivals; `hold` sets how many arrivals that takes.
 
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
-`krum-outlier`, `misaligned`, `turned`, `worse-on-own-classes`) in the run's counters and logged. The robust rules
-(coordinator/strategies/robust.py) go further; the bounds compose with them and with every other rule.
+`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `worse-on-own-classes`) in the run's counters and
+logged. The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them and with every
+other rule.
 """
 from __future__ import annotations
 
@@ -159,6 +169,7 @@ class UpdateBounds:
     direction_bound: str = "reject"
     reference: str = "off"  # "classes": each update compared on its classes' calibration samples (reference.py)
     reference_tolerance: float = 1.0  # nats it may raise its mix's calibration loss above the global model's
+    min_progress: float = -1.0  # the least cosine of an update with the fleet's last global step (-1: off)
     hold: int = 8  # a folding rule's first updates of a round, bounded together before any is folded
 
     def __post_init__(self) -> None:
@@ -182,6 +193,8 @@ class UpdateBounds:
         if not 0 <= self.free_rider_factor < 1 or not 0 <= self.krum_share < 0.5 or not -1 <= self.min_alignment < 1:
             raise ValueError("free_rider_factor must be in [0, 1), krum_share in [0, 0.5) and min_alignment in "
                              "[-1, 1)")
+        if not -1 <= self.min_progress < 1:
+            raise ValueError(f"min_progress must be in [-1, 1), got {self.min_progress}")
 
     @property
     def measures_distance(self) -> bool:
@@ -190,6 +203,10 @@ class UpdateBounds:
     @property
     def checks_direction(self) -> bool:
         return self.min_alignment > -1
+
+    @property
+    def checks_progress(self) -> bool:
+        return self.min_progress > -1
 
     def sample_cap(self, counts: RunningTypical) -> float:
         """The most samples an update may count for, given the round's claims so far: max_samples (0: none),
@@ -215,18 +232,20 @@ class UpdateBounds:
 
     def apply(self, global_weights: np.ndarray, updates: Sequence[ClientUpdate], counters: Counter[str],
               measured: Sequence[float] | None = None, selection: KrumSelection | None = None,
-              reference: ClassReference | None = None) -> list[ClientUpdate]:
+              reference: ClassReference | None = None, last_step: np.ndarray | None = None) -> list[ClientUpdate]:
         """A whole round's updates within the bounds (clipped ones are new arrays; the others are passed as they
         are). `measured`: their distances from the global model, when known already; `selection`: the round's Krum
         selection, which keeps what it learns for later updates (a stream's); `reference`: the round's calibration
-        reference (None: no check)."""
+        reference (None: no check); `last_step`: the fleet's last global step g - g' (float64; None: not known, no
+        check)."""
         if measured is None:
             measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
         cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
         within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
-        checked = [c for c in (self.referenced(u, reference, counters) for u in within if u is not None)
+        progressing = (self.progressing(global_weights, u, last_step, counters) for u in within if u is not None)
+        checked = [c for c in (self.referenced(u, reference, counters) for u in progressing if u is not None)
                    if c is not None]
         kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(checked, counters)
         if not self.checks_direction or len(kept) < 2:
@@ -236,8 +255,23 @@ class UpdateBounds:
         return [u for u in directed if u is not None]
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str],
-               reference: ClassReference | None = None) -> BoundedStream:
-        return BoundedStream(self, global_weights, take, counters, reference)
+               reference: ClassReference | None = None, last_step: np.ndarray | None = None) -> BoundedStream:
+        return BoundedStream(self, global_weights, take, counters, reference, last_step)
+
+    def progressing(self, global_weights: np.ndarray, update: ClientUpdate, last_step: np.ndarray | None,
+                    counters: Counter[str]) -> ClientUpdate | None:
+        """The update, unless its change points back along the fleet's last global step (its cosine with
+        `last_step` below `min_progress`: refused, `undoes-last-step`). A device that claims no samples counts for
+        nothing and is not checked."""
+        if last_step is None or not self.checks_progress or update.num_samples <= 0:
+            return update
+        cosine = alignment(global_weights, update.weights, last_step, False)
+        if cosine is None or cosine >= self.min_progress:
+            return update
+        counters["undoes-last-step"] += 1
+        log.warning("update of %s dropped: it points %+.2f (cosine) along the fleet's last step, under %+.2f: it "
+                    "undoes it", update.device, cosine, self.min_progress)
+        return None
 
     def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str]
                    ) -> ClientUpdate | None:
@@ -448,9 +482,11 @@ class BoundedStream:
     bounds is passed to `take`, the first `hold` of them only once `hold` have come or at `close`."""
 
     def __init__(self, bounds: UpdateBounds, global_weights: np.ndarray, take: Callable[[ClientUpdate], None],
-                 counters: Counter[str], reference: ClassReference | None = None) -> None:
+                 counters: Counter[str], reference: ClassReference | None = None,
+                 last_step: np.ndarray | None = None) -> None:
         self.bounds = bounds
         self.reference = reference
+        self.last_step = last_step
         self.global_weights = global_weights
         self.take = take
         self.counters = counters
@@ -475,6 +511,8 @@ class BoundedStream:
             self.global_weights, update, moved, self.bounds.sample_cap(self.counts),
             *self.bounds.distance_bounds(self.distances.value()), self.counters,
         )
+        if bounded is not None:
+            bounded = self.bounds.progressing(self.global_weights, bounded, self.last_step, self.counters)
         if bounded is not None:
             bounded = self.bounds.referenced(bounded, self.reference, self.counters)
         if bounded is None or not self.selection.takes(bounded, self.counters):
@@ -501,5 +539,5 @@ class BoundedStream:
         held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
-                                        self.selection, self.reference):
+                                        self.selection, self.reference, self.last_step):
             self._take(update)

@@ -98,6 +98,7 @@ class Coordinator:
         strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
+        self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
@@ -199,7 +200,7 @@ class Coordinator:
         self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
             self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx,
-            self.reference(ctx))
+            self.reference(ctx), self.last_step())
         try:
             host = self.data.host_train(task)
             if host is not None:
@@ -208,6 +209,13 @@ class Coordinator:
                 self._run_attempts(number, task, aggregate)
         finally:
             self._aggregate = self._last_attempt = None
+
+    def last_step(self) -> np.ndarray | None:
+        """The fleet's last global step, g - g' in float64, for the guard's `min_progress`; None where it is off or
+        no round has made a new global model since the coordinator started (a resumed run's first round)."""
+        if not self.config.guard.checks_progress or self._previous_weights is None:
+            return None
+        return self.state.weights.astype(np.float64) - self._previous_weights
 
     def reference(self, ctx: RoundContext) -> ClassReference | None:
         """The round's calibration reference for the guard (`[guard] reference`), None when it is off or the test
@@ -322,6 +330,8 @@ class Coordinator:
         state = self.state
         with uninterrupted():  # committed whole: a stop never leaves results.json ahead of the checkpoint
             if result is not None and weights is not None:
+                if self.config.guard.checks_progress:
+                    self._previous_weights = state.weights
                 state.weights = weights
                 self.outbox.take({d: w.detach().cpu().numpy().astype(np.float32, copy=False)
                                   for d, w in result.personalized.items()}, result.payloads)

@@ -199,6 +199,43 @@ def test_an_update_pointing_against_the_others_is_refused_held_or_streamed():
     assert taken == [f"d{k}" for k in range(5)] and counters == {"misaligned": 1}
 
 
+def test_an_update_that_undoes_the_fleets_last_step_is_refused_held_or_streamed():
+    """`min_progress`: an update's change must not point back along the fleet's last global step g - g' (its cosine
+    with it at least `min_progress`): g' sent back (`reversed-step`) is refused, an update that learns what the step
+    learnt or something new (orthogonal to it) passes; no step known or a claim of no samples: not checked."""
+    rng = np.random.default_rng(4)
+    previous = rng.standard_normal(200).astype(np.float32)
+    step = rng.standard_normal(200) * 0.01
+    current = (previous + step).astype(np.float32)
+    new = np.zeros(200)
+    new[:20] = rng.standard_normal(20) * 0.01  # a class of its own: orthogonal-ish to the step
+    changes = [step + rng.standard_normal(200) * 0.005 for _ in range(3)] + [new - np.dot(new, step) / np.dot(
+        step, step) * step]
+    weights = [current + c for c in changes] + [previous]  # the last one sends g' back
+    last_step = current.astype(np.float64) - previous
+    bounds = UpdateBounds(min_progress=-0.8, krum_share=0.0, free_rider_factor=0.0)
+    counters: Counter[str] = Counter()
+    out = bounds.apply(current, updates_of(weights), counters, last_step=last_step)
+    assert [u.device for u in out] == [f"d{k}" for k in range(4)] and counters == {"undoes-last-step": 1}
+    assert len(bounds.apply(current, updates_of(weights), Counter())) == 5  # no step known
+    assert len(UpdateBounds(krum_share=0.0, free_rider_factor=0.0).apply(
+        current, updates_of(weights), Counter(), last_step=last_step)) == 5  # off by default
+    nothing = updates_of(weights, [10, 10, 10, 10, 0])
+    assert len(bounds.apply(current, nothing, Counter(), last_step=last_step)) == 5
+    halfway = updates_of([*weights[:4], (current + previous) / 2])  # part of the way back is the same direction
+    assert len(bounds.apply(current, halfway, Counter(), last_step=last_step)) == 4
+    taken: list[str] = []
+    counters = Counter()
+    stream = dataclasses.replace(bounds, hold=2).stream(current, lambda u: taken.append(u.device), counters,
+                                                         last_step=last_step)
+    for update in updates_of(weights):
+        stream.add(update)
+    stream.close()
+    assert taken == [f"d{k}" for k in range(4)] and counters == {"undoes-last-step": 1}
+    with pytest.raises(ValueError, match="min_progress"):
+        UpdateBounds(min_progress=1.0)
+
+
 def test_an_update_pointing_against_the_others_is_turned_not_refused_when_projected():
     """`direction_bound = "project"`: a reversed update keeps its part orthogonal to the others' (where an update on
     classes they do not hold lies) and loses what pointed against them, until its cosine is `min_alignment`; an
