@@ -52,9 +52,11 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   the fleet's last global step (its cosine with g - g', g' the global model before this one, below `min_progress`)
   is refused (`undoes-last-step`). Sending g' back, or any part of the way to it, is an update that keeps the
   device's own data as the fleet had it a round ago and pulls every class the round learnt back (`reversed-step` in
-  firmware_sim/adversary.py; the calibration reference passed 35 of its 45 updates). Honest updates on digits
-  pointed at least -0.53 (cosine) against the last step, at Dirichlet 0.1 and at a task's first round included
-  (issue 56, docs/results.md); they learn what the step learnt or something new, which is orthogonal to it. The
+  firmware_sim/adversary.py; the calibration reference passed 35 of its 45 updates), and points -1 against the
+  step. Honest updates learn what the step learnt or something new, which is orthogonal to it: on digits they
+  pointed at least -0.53 against it in 1,500 updates, but in one round at Dirichlet 0.1 three of six pointed -0.81
+  to -0.83 (the round after a step they all corrected), so a bound must sit below that: -0.95 is measured (issue
+  56, docs/results.md). The
   coordinator knows g' once a round has made a new global model since it started (not in a resumed run's first
   round): until then nothing is checked.
 - **Calibration reference** (`reference = "classes"`; off by default): an update that raises the calibration loss of

@@ -36,7 +36,7 @@ rounds_per_task = 3
 min_clients = 4
 deadline_s = 900.0
 wait_for_devices_s = 900.0
-guard = {krum_share = 0.0, min_progress = -0.8}
+guard = {krum_share = 0.0, min_progress = -0.95}
 [adversary]
 attack = "reversed-step"
 devices = 1
