@@ -159,6 +159,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-aligned": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
                                                     "reference_tolerance": 0.2, "min_progress": -0.95,
                                                     "min_alignment": -0.9}}},
+    # the two direction bounds with the reference at its 1 nat: the tolerance of 0.2 refused 15 honest updates of
+    # 3,456 (1.7 % of a fleet of 4 at Dirichlet 0.1 and under client dynamics), the direction bounds none
+    "reference-directed": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
+                                                     "min_progress": -0.95, "min_alignment": -0.9}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
