@@ -14,7 +14,7 @@ from typing import Any
 
 from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password
 from edgefil.lifetime import stop_processes
-from edgefil.settings import dump_toml
+from edgefil.settings import dump_toml, load_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a wait for a run's event allows: the wait returns when the event comes, and the ceiling only ends one for an
@@ -34,6 +34,16 @@ def default_signals() -> None:
 def write_toml(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(dump_toml(data))
     return path
+
+
+def run_fleet_file(folder: Path, text: str) -> dict[str, Any]:
+    """`edgefil fleet run` of a fleet file (`text`, written into `folder`, its `out` relative to it) to its end: the
+    run's results.json. The run must exit 0 (its log's tail is the failure's message)."""
+    (folder / "fleet.toml").write_text(text)
+    run = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(folder / "fleet.toml")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((folder / load_toml(folder / "fleet.toml")["out"] / "results.json").read_text())
 
 
 @dataclass

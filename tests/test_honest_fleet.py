@@ -4,17 +4,11 @@ counted a free rider: a device that learnt nothing (one class under its mask: a 
 samples, and one that trained on its store moved the model."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from fleet_harness import CEILING_S
+from fleet_harness import run_fleet_file
 
 from coordinator.broker import mosquitto_path
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 
 # benchmarks/poisoning.py's digits-skewed-cal all-honest fleet of 4, seed 0: before devices that learnt nothing claimed
@@ -41,11 +35,7 @@ wait_for_devices_s = 900.0
 
 
 def test_no_honest_device_of_a_skewed_fleet_is_counted_a_free_rider(tmp_path):
-    (tmp_path / "fleet.toml").write_text(FLEET)
-    run = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(tmp_path / "fleet.toml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = run_fleet_file(tmp_path, FLEET)
     assert sum(len(r["received"]) for r in results["history"]) == 60  # 4 devices, 5 tasks of 3 rounds
     assert "free-rider" not in results["counters"], results["counters"]
     used = [m for r in results["history"] for m in r["metrics"].values()]

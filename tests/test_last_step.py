@@ -4,17 +4,11 @@ reference passes it) is refused in every round from the one where the coordinato
 is."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from fleet_harness import CEILING_S
+from fleet_harness import run_fleet_file
 
 from coordinator.broker import mosquitto_path
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 
 # every device is waited for in every round (a deadline far beyond a round on a busy host), so the hostile device's
@@ -44,11 +38,7 @@ devices = 1
 
 
 def test_an_update_that_sends_the_previous_global_model_back_is_refused(tmp_path):
-    (tmp_path / "fleet.toml").write_text(FLEET)
-    run = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(tmp_path / "fleet.toml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = run_fleet_file(tmp_path, FLEET)
     history = results["history"]
     assert len(history) == 6 and all(len(r["received"]) == 4 for r in history)
     hostile = sorted(history[0]["received"])[-1]  # the fleet's last device
