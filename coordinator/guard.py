@@ -56,9 +56,8 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   step. Honest updates learn what the step learnt or something new, which is orthogonal to it: on digits they
   pointed at least -0.53 against it in 1,500 updates, but in one round at Dirichlet 0.1 three of six pointed -0.81
   to -0.83 (the round after a step they all corrected), so a bound must sit below that: -0.95 is measured (issue
-  56, docs/results.md). The
-  coordinator knows g' once a round has made a new global model since it started (not in a resumed run's first
-  round): until then nothing is checked.
+  56, docs/results.md). The coordinator knows g' once a round has made a new global model since it started (not in
+  a resumed run's first round): until then nothing is checked.
 - **Calibration reference** (`reference = "classes"`; off by default): an update that raises the calibration loss of
   what it trained on (its `trained_counts`, by task and class, on samples the coordinator keeps apart from every
   device and test set) by more than `reference_tolerance` nats above the global model's is refused
