@@ -620,4 +620,4 @@ def trained_parts(store: ReplayStore) -> list[list[int]]:
     """What an update was trained on, for the coordinator's calibration reference: [task, class, samples] of the
     store, by task as well as class (a domain-incremental store holds a class in every domain it has seen), the
     4096 largest (the wire's bound; a store of more distinct parts is compared on those)."""
-    return [[task, class_, n] for task, class_, n in store.counts()[:4096] if task >= 0]
+    return [[task, class_, n] for task, class_, n in store.counts() if task >= 0 and class_ >= 0][:4096]
