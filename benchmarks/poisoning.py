@@ -163,6 +163,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # 3,456 (1.7 % of a fleet of 4 at Dirichlet 0.1 and under client dynamics), the direction bounds none
     "reference-directed": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
                                                      "min_progress": -0.95, "min_alignment": -0.9}}},
+    # ... and no update stepping back toward the first global model further than the round's median step back
+    # (`way_back`): drift's pull back to the start is one direction, along which honest updates differ little
+    "reference-path": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
+                                                 "min_alignment": -0.9, "way_back": "clip"}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x

@@ -29,7 +29,7 @@ import torch
 
 from coordinator.compute import as_tensor
 from coordinator.containment import RULE_FAILED, ContainedStrategy
-from coordinator.guard import UpdateBounds
+from coordinator.guard import UNKNOWN_PATH, FleetPath, UpdateBounds
 from coordinator.reference import ClassReference
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
 from coordinator.strategies.base import OUTSIDE_A_RUN
@@ -55,9 +55,9 @@ class RoundAggregate:
 
     def __init__(self, strategy: ContainedStrategy, bounds: UpdateBounds, global_weights: np.ndarray,
                  counters: Counter[str], max_held_bytes: int, ctx: RoundContext = OUTSIDE_A_RUN,
-                 reference: ClassReference | None = None, last_step: np.ndarray | None = None) -> None:
+                 reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH) -> None:
         """`ctx`: the round, as the rule sees it; `reference`: the guard's calibration reference (None: none);
-        `last_step`: the fleet's last global step, g - g' (None: not known)."""
+        `path`: where the fleet's global model has been, as far as the guard's bounds ask."""
         self.strategy = strategy
         self.bounds = bounds
         self.global_weights = global_weights
@@ -65,14 +65,14 @@ class RoundAggregate:
         self.max_held_bytes = max_held_bytes
         self.ctx = ctx
         self.reference = reference
-        self.last_step = last_step
+        self.path = path
         self.number = ctx.round
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
         self._sound = True  # False once a fold raised while changing its running aggregate
         self._stream = None if fold is None else bounds.stream(
-            global_weights, self._folding_into(fold), counters, reference, last_step)
+            global_weights, self._folding_into(fold), counters, reference, path)
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0
         self._trusted: list[ClientUpdate] = []  # the coordinator's own (a host-trained round): not bounded
@@ -126,7 +126,7 @@ class RoundAggregate:
         held = sorted(self._held, key=lambda update: update.device)  # the network's order is no order: the devices'
         bounded = [*self._trusted,
                    *self.bounds.apply(self.global_weights, held, self.counters, reference=self.reference,
-                                      last_step=self.last_step)]
+                                      path=self.path)]
         self._held, self._held_bytes, self._trusted = [], 0, []
         self.used = [_used(update) for update in bounded]
         return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx, wait)

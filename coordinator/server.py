@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from coordinator.checkpoint import Checkpoints, RunSchedule, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
+from coordinator.guard import FleetPath
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.limits import ResendBudget
@@ -99,6 +101,8 @@ class Coordinator:
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
+        # g0: the run's first global model (`way_back`), kept only where the guard asks for it
+        self._first_weights = checkpoint_weights(config.artifacts) if config.guard.checks_way_back else None
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
@@ -200,7 +204,7 @@ class Coordinator:
         self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
             self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx,
-            self.reference(ctx), self.last_step())
+            self.reference(ctx), self.path())
         try:
             host = self.data.host_train(task)
             if host is not None:
@@ -210,12 +214,21 @@ class Coordinator:
         finally:
             self._aggregate = self._last_attempt = None
 
-    def last_step(self) -> np.ndarray | None:
-        """The fleet's last global step, g - g' in float64, for the guard's `min_progress`; None where it is off or
-        no round has made a new global model since the coordinator started (a resumed run's first round)."""
-        if not self.config.guard.checks_progress or self._previous_weights is None:
-            return None
-        return self.state.weights.astype(np.float64) - self._previous_weights
+    def path(self) -> FleetPath:
+        """Where the fleet's global model g has been, as far as the guard's bounds ask: the last global step g - g'
+        (`min_progress`; not known until a round has made a new global model since the coordinator started, so
+        not in a resumed run's first round) and the unit way back to the first global model (`way_back`; not
+        known while g is the first)."""
+        guard, weights = self.config.guard, self.state.weights
+        last_step = None
+        if guard.checks_progress and self._previous_weights is not None:
+            last_step = weights.astype(np.float64) - self._previous_weights
+        way_back = None
+        if self._first_weights is not None:
+            way_back = self._first_weights.astype(np.float64) - weights
+            length = math.sqrt(float(np.einsum("i,i->", way_back, way_back)))  # einsum: guard.distance says why
+            way_back = way_back / length if length > 0 else None
+        return FleetPath(last_step, way_back)
 
     def reference(self, ctx: RoundContext) -> ClassReference | None:
         """The round's calibration reference for the guard (`[guard] reference`), None when it is off or the test

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.config import CoordinatorConfig
-from coordinator.guard import UpdateBounds
+from coordinator.guard import FleetPath, UpdateBounds
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import sorted_mean, squared_distances
@@ -212,22 +212,22 @@ def test_an_update_that_undoes_the_fleets_last_step_is_refused_held_or_streamed(
     changes = [step + rng.standard_normal(200) * 0.005 for _ in range(3)] + [new - np.dot(new, step) / np.dot(
         step, step) * step]
     weights = [current + c for c in changes] + [previous]  # the last one sends g' back
-    last_step = current.astype(np.float64) - previous
+    path = FleetPath(last_step=current.astype(np.float64) - previous)
     bounds = UpdateBounds(min_progress=-0.8, krum_share=0.0, free_rider_factor=0.0)
     counters: Counter[str] = Counter()
-    out = bounds.apply(current, updates_of(weights), counters, last_step=last_step)
+    out = bounds.apply(current, updates_of(weights), counters, path=path)
     assert [u.device for u in out] == [f"d{k}" for k in range(4)] and counters == {"undoes-last-step": 1}
     assert len(bounds.apply(current, updates_of(weights), Counter())) == 5  # no step known
     assert len(UpdateBounds(krum_share=0.0, free_rider_factor=0.0).apply(
-        current, updates_of(weights), Counter(), last_step=last_step)) == 5  # off by default
+        current, updates_of(weights), Counter(), path=path)) == 5  # off by default
     nothing = updates_of(weights, [10, 10, 10, 10, 0])
-    assert len(bounds.apply(current, nothing, Counter(), last_step=last_step)) == 5
+    assert len(bounds.apply(current, nothing, Counter(), path=path)) == 5
     halfway = updates_of([*weights[:4], (current + previous) / 2])  # part of the way back is the same direction
-    assert len(bounds.apply(current, halfway, Counter(), last_step=last_step)) == 4
+    assert len(bounds.apply(current, halfway, Counter(), path=path)) == 4
     taken: list[str] = []
     counters = Counter()
     stream = dataclasses.replace(bounds, hold=2).stream(current, lambda u: taken.append(u.device), counters,
-                                                         last_step=last_step)
+                                                         path=path)
     for update in updates_of(weights):
         stream.add(update)
     stream.close()
