@@ -278,18 +278,17 @@ class UpdateBounds:
         cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
-        within = [b for b in (self.bounded(global_weights, u, d, cap, lower, upper, counters)
-                              for u, d in zip(updates, measured)) if b is not None]
-        returned = self.returned(global_weights, within, path.way_back, counters, backs or RunningMedian())
-        progressing = (self.progressing(global_weights, u, path.last_step, counters) for u in returned)
+        within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
+        progressing = (self.progressing(global_weights, u, path.last_step, counters) for u in within if u is not None)
         checked = [c for c in (self.referenced(u, reference, counters) for u in progressing if u is not None)
                    if c is not None]
         kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(checked, counters)
-        if not self.checks_direction or len(kept) < 2:
-            return kept
-        total = change_sum(global_weights, kept)
-        directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
-        return [u for u in directed if u is not None]
+        if self.checks_direction and len(kept) >= 2:
+            total = change_sum(global_weights, kept)
+            directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
+            kept = [u for u in directed if u is not None]
+        # last: the bounds above that refuse judge what a device sent, not what this made of it
+        return self.returned(global_weights, kept, path.way_back, counters, backs or RunningMedian())
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str],
                reference: ClassReference | None = None, path: FleetPath | None = None) -> BoundedStream:
@@ -586,8 +585,6 @@ class BoundedStream:
             *self.bounds.distance_bounds(self.distances.value()), self.counters,
         )
         if bounded is not None:
-            bounded, = self.bounds.returned(self.global_weights, [bounded], self.path.way_back, self.counters,
-                                            self.backs)
             bounded = self.bounds.progressing(self.global_weights, bounded, self.path.last_step, self.counters)
         if bounded is not None:
             bounded = self.bounds.referenced(bounded, self.reference, self.counters)
@@ -597,7 +594,8 @@ class BoundedStream:
             bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, False,
                                            self.distances.value())
         if bounded is not None:
-            self._take(bounded)
+            self._take(self.bounds.returned(self.global_weights, [bounded], self.path.way_back, self.counters,
+                                            self.backs)[0])
 
     def close(self) -> None:
         """The round is over: the held updates (a round of fewer than `hold`) go on, bounded together."""
