@@ -167,6 +167,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # (`way_back`): drift's pull back to the start is one direction, along which honest updates differ little
     "reference-path": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
                                                  "min_alignment": -0.9, "way_back": "clip"}}},
+    # ... and no class's head row longer than the lower median of its claimants' (`row_factor`; x1.5: SDD's own)
+    "reference-rows": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
+                                                 "min_alignment": -0.9, "way_back": "clip", "row_factor": 1.0}}},
+    "reference-rows-1.5": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.5}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x

@@ -29,7 +29,8 @@ import torch
 
 from coordinator.compute import as_tensor
 from coordinator.containment import RULE_FAILED, ContainedStrategy
-from coordinator.guard import UNKNOWN_PATH, FleetPath, UpdateBounds
+from coordinator.guard import UpdateBounds
+from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
 from coordinator.reference import ClassReference
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
 from coordinator.strategies.base import OUTSIDE_A_RUN
@@ -55,9 +56,11 @@ class RoundAggregate:
 
     def __init__(self, strategy: ContainedStrategy, bounds: UpdateBounds, global_weights: np.ndarray,
                  counters: Counter[str], max_held_bytes: int, ctx: RoundContext = OUTSIDE_A_RUN,
-                 reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH) -> None:
+                 reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
+                 heads: HeadLayout | None = None) -> None:
         """`ctx`: the round, as the rule sees it; `reference`: the guard's calibration reference (None: none);
-        `path`: where the fleet's global model has been, as far as the guard's bounds ask."""
+        `path`: where the fleet's global model has been, as far as the guard's bounds ask; `heads`: the model's
+        head layout, for the guard's row bound (None: none)."""
         self.strategy = strategy
         self.bounds = bounds
         self.global_weights = global_weights
@@ -66,13 +69,14 @@ class RoundAggregate:
         self.ctx = ctx
         self.reference = reference
         self.path = path
+        self.heads = heads
         self.number = ctx.round
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
         self._sound = True  # False once a fold raised while changing its running aggregate
         self._stream = None if fold is None else bounds.stream(
-            global_weights, self._folding_into(fold), counters, reference, path)
+            global_weights, self._folding_into(fold), counters, reference, path, heads)
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0
         self._trusted: list[ClientUpdate] = []  # the coordinator's own (a host-trained round): not bounded
@@ -126,7 +130,7 @@ class RoundAggregate:
         held = sorted(self._held, key=lambda update: update.device)  # the network's order is no order: the devices'
         bounded = [*self._trusted,
                    *self.bounds.apply(self.global_weights, held, self.counters, reference=self.reference,
-                                      path=self.path)]
+                                      path=self.path, heads=self.heads)]
         self._held, self._held_bytes, self._trusted = [], 0, []
         self.used = [_used(update) for update in bounded]
         return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx, wait)

@@ -37,6 +37,7 @@
                 update this near the kept ones is taken back; 0: none), min_alignment = -1.0 (off),
                 min_progress = -1.0 (off; the least cosine with the fleet's last global step),
                 way_back = "off" | "clip" (no step back toward the first global model beyond the round's median),
+                row_factor = 0.0 (off; a class's head row at most this x its claimants' lower median: influence.py),
                 direction_bound = "reject" | "project", reference = "off" | "classes" (each update on its classes'
                 calibration samples, coordinator/reference.py), reference_tolerance = 1.0, hold = 8 (the first
                 updates of a round, bounded together)

@@ -91,7 +91,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from bisect import insort
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,6 +99,8 @@ import numpy as np
 import torch
 
 from coordinator.compute import float64_blocks
+from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence
+from coordinator.medians import RunningTypical, typical
 from coordinator.reference import ClassReference
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import squared_distances
@@ -124,59 +125,6 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
     return math.sqrt(total)
 
 
-class RunningMedian:
-    """The median of the values added so far, None when there is none; kept sorted as they come, so a stream asks
-    it after every update."""
-
-    def __init__(self, values: Sequence[float] = ()) -> None:
-        self.values: list[float] = sorted(float(v) for v in values if self.counts(v))
-
-    @staticmethod
-    def counts(value: float) -> bool:
-        return True
-
-    def add(self, value: float) -> None:
-        if self.counts(value):
-            insort(self.values, float(value))
-
-    def value(self) -> float | None:
-        n = len(self.values)
-        if not n:
-            return None
-        middle = n // 2
-        return self.values[middle] if n % 2 else (self.values[middle - 1] + self.values[middle]) / 2
-
-    def below_top(self, share: float) -> float | None:
-        """The value ranked just past the top `share` of the values (the (f+1)-th largest, f = share x n rounded
-        down), None when there is none."""
-        n = len(self.values)
-        return self.values[n - 1 - int(share * n)] if n else None
-
-
-class RunningTypical(RunningMedian):
-    """The median of the values above 0 added so far (the updates that carry something)."""
-
-    @staticmethod
-    def counts(value: float) -> bool:
-        return value > 0
-
-
-def typical(values: Sequence[float]) -> float | None:
-    """The median of the values above 0 (the updates that carry something), None when there is none."""
-    return RunningTypical(values).value()
-
-
-@dataclass(frozen=True)
-class FleetPath:
-    """Where the fleet's global model g has been, for the bounds that read it, in float64: the last global step
-    g - g' (`min_progress`; g' the global model before g) and the unit way back to the first global model g0,
-    (g0 - g) / |g0 - g| (`way_back`). None where it is not known or not asked for."""
-
-    last_step: np.ndarray | None = None
-    way_back: np.ndarray | None = None
-
-
-UNKNOWN_PATH = FleetPath()
 
 
 @dataclass(frozen=True)
@@ -198,6 +146,7 @@ class UpdateBounds:
     reference_tolerance: float = 1.0  # nats it may raise its mix's calibration loss above the global model's
     min_progress: float = -1.0  # the least cosine of an update with the fleet's last global step (-1: off)
     way_back: str = "off"  # "clip": no update steps back toward the first global model further than the round's median
+    row_factor: float = 0.0  # a class's head row at most this times the lower median of its claimants' (0: off)
     hold: int = 8  # a folding rule's first updates of a round, bounded together before any is folded
 
     def __post_init__(self) -> None:
@@ -206,6 +155,8 @@ class UpdateBounds:
         if self.direction_bound not in DIRECTION_BOUNDS:
             raise ValueError(f"direction_bound must be one of {', '.join(DIRECTION_BOUNDS)}, got "
                              f"{self.direction_bound!r}")
+        if not (self.row_factor == 0 or self.row_factor >= 1):
+            raise ValueError(f"row_factor must be 0 (off) or >= 1, got {self.row_factor}")
         if self.way_back not in WAY_BACK_BOUNDS:
             raise ValueError(f"way_back must be one of {', '.join(WAY_BACK_BOUNDS)}, got {self.way_back!r}")
         if self.reference not in REFERENCES:
@@ -242,6 +193,14 @@ class UpdateBounds:
     def checks_way_back(self) -> bool:
         return self.way_back != "off"
 
+    def influence(self, global_weights: np.ndarray, path: FleetPath, heads: HeadLayout | None
+                  ) -> RoundInfluence | None:
+        """The round's influence bounds (coordinator/influence.py), None where none is on or can act."""
+        way_back = path.way_back if self.checks_way_back else None
+        if way_back is None and (heads is None or not self.row_factor):
+            return None
+        return RoundInfluence(global_weights, way_back, heads, self.row_factor)
+
     def sample_cap(self, counts: RunningTypical) -> float:
         """The most samples an update may count for, given the round's claims so far: max_samples (0: none),
         sample_factor x their typical count (0: none), and the (f+1)-th largest of them, f = sample_rank x n
@@ -267,12 +226,13 @@ class UpdateBounds:
     def apply(self, global_weights: np.ndarray, updates: Sequence[ClientUpdate], counters: Counter[str],
               measured: Sequence[float] | None = None, selection: KrumSelection | None = None,
               reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
-              backs: RunningMedian | None = None) -> list[ClientUpdate]:
+              heads: HeadLayout | None = None, influence: RoundInfluence | None = None) -> list[ClientUpdate]:
         """A whole round's updates within the bounds (clipped ones are new arrays; the others are passed as they
         are). `measured`: their distances from the global model, when known already; `selection`: the round's Krum
         selection, which keeps what it learns for later updates (a stream's); `reference`: the round's calibration
-        reference (None: no check); `path`: where the fleet's model has been (`FleetPath`); `backs`: the steps back
-        taken so far, which learns these (a stream's)."""
+        reference (None: no check); `path`: where the fleet's model has been (`FleetPath`) and `heads` the model's
+        head layout, for the influence bounds, applied last; `influence`: a stream's (which learns from each batch),
+        else the round's own."""
         if measured is None:
             measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
         cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
@@ -287,39 +247,14 @@ class UpdateBounds:
             total = change_sum(global_weights, kept)
             directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
             kept = [u for u in directed if u is not None]
-        # last: the bounds above that refuse judge what a device sent, not what this made of it
-        return self.returned(global_weights, kept, path.way_back, counters, backs or RunningMedian())
+        # last: the bounds above that refuse judge what a device sent, not what these make of it
+        influence = influence or self.influence(global_weights, path, heads)
+        return kept if influence is None else influence.bound(kept, counters)
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str],
-               reference: ClassReference | None = None, path: FleetPath | None = None) -> BoundedStream:
-        return BoundedStream(self, global_weights, take, counters, reference, path or UNKNOWN_PATH)
-
-    def returned(self, global_weights: np.ndarray, updates: Sequence[ClientUpdate], way_back: np.ndarray | None,
-                 counters: Counter[str], backs: RunningMedian) -> list[ClientUpdate]:
-        """The updates, each stepping back toward the fleet's first global model at most as far as the median of
-        the round's steps back (`returning`), `backs` the round's so far, which learns these."""
-        if way_back is None or not self.checks_way_back:
-            return list(updates)
-        steps = [along(global_weights, u.weights, way_back) for u in updates]
-        for update, step in zip(updates, steps):
-            if update.num_samples > 0:
-                backs.add(step)
-        return [self.returning(global_weights, u, step, backs.value(), way_back, counters)
-                for u, step in zip(updates, steps)]
-
-    def returning(self, global_weights: np.ndarray, update: ClientUpdate, back: float, most: float | None,
-                  way_back: np.ndarray, counters: Counter[str]) -> ClientUpdate:
-        """The update, its step back toward the fleet's first global model (`back`, its change's component along
-        the unit `way_back`) at most `most`, the round's median step back: what lies beyond is taken off that one
-        direction (`pulled-back`; a new array), what the update does across it stays. A device that claims no
-        samples counts for nothing and is not changed."""
-        if most is None or back <= most or update.num_samples <= 0:
-            return update
-        counters["pulled-back"] += 1
-        log.debug("update of %s pulled back: it stepped %.3g back toward the first global model, the round's median "
-                  "is %.3g", update.device, back, most)
-        weights = (update.weights.astype(np.float64) + (most - back) * way_back).astype(np.float32)
-        return dataclasses.replace(update, weights=weights)
+               reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
+               heads: HeadLayout | None = None) -> BoundedStream:
+        return BoundedStream(self, global_weights, take, counters, reference, path, heads)
 
     def progressing(self, global_weights: np.ndarray, update: ClientUpdate, last_step: np.ndarray | None,
                     counters: Counter[str]) -> ClientUpdate | None:
@@ -507,15 +442,6 @@ def add_change(total: np.ndarray, global_weights: np.ndarray, weights: np.ndarra
         total[block] += part
 
 
-def along(global_weights: np.ndarray, weights: np.ndarray, unit: np.ndarray) -> float:
-    """<w - g, unit> in float64, a block at a time (einsum: see `distance`)."""
-    total = 0.0
-    for block, part in float64_blocks(weights.size):
-        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
-        total += float(np.einsum("i,i->", part, unit[block]))
-    return total
-
-
 def alignment(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray, leave_out: bool) -> float | None:
     """cos(w - g, total - (w - g) if leave_out else total), a block at a time; None when either is zero."""
     dot = own = others = 0.0
@@ -555,16 +481,16 @@ class BoundedStream:
 
     def __init__(self, bounds: UpdateBounds, global_weights: np.ndarray, take: Callable[[ClientUpdate], None],
                  counters: Counter[str], reference: ClassReference | None = None,
-                 path: FleetPath | None = None) -> None:
+                 path: FleetPath = UNKNOWN_PATH, heads: HeadLayout | None = None) -> None:
         self.bounds = bounds
         self.reference = reference
-        self.path = path or UNKNOWN_PATH
+        self.path = path
+        self.influence = bounds.influence(global_weights, path, heads)
         self.global_weights = global_weights
         self.take = take
         self.counters = counters
         self.counts = RunningTypical()
         self.distances = RunningTypical()
-        self.backs = RunningMedian()  # the steps back toward the first global model so far (`way_back`)
         self.held: list[tuple[ClientUpdate, float]] | None = []  # and their distances; None once they went on
         # the direction check's reference: the changes of the updates taken so far
         self.total = np.zeros(global_weights.size, np.float64) if bounds.checks_direction else None
@@ -594,8 +520,7 @@ class BoundedStream:
             bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, False,
                                            self.distances.value())
         if bounded is not None:
-            self._take(self.bounds.returned(self.global_weights, [bounded], self.path.way_back, self.counters,
-                                            self.backs)[0])
+            self._take(bounded if self.influence is None else self.influence.bound([bounded], self.counters)[0])
 
     def close(self) -> None:
         """The round is over: the held updates (a round of fewer than `hold`) go on, bounded together."""
@@ -613,5 +538,5 @@ class BoundedStream:
         held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
-                                        self.selection, self.reference, self.path, self.backs):
+                                        self.selection, self.reference, self.path, influence=self.influence):
             self._take(update)

@@ -55,9 +55,9 @@ from coordinator.checkpoint import Checkpoints, RunSchedule, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
-from coordinator.guard import FleetPath
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
+from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
 from coordinator.reference import ClassReference, calibration_by_part
@@ -103,6 +103,7 @@ class Coordinator:
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
         # g0: the run's first global model (`way_back`), kept only where the guard asks for it
         self._first_weights = checkpoint_weights(config.artifacts) if config.guard.checks_way_back else None
+        self._heads = HeadLayout.of(self.manifest.parameters) if config.guard.row_factor else None  # its row bound
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")
@@ -204,7 +205,7 @@ class Coordinator:
         self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
             self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx,
-            self.reference(ctx), self.path())
+            self.reference(ctx), self.path(), self._heads)
         try:
             host = self.data.host_train(task)
             if host is not None:

@@ -1,0 +1,171 @@
+"""What an update that passed every bound that refuses (coordinator/guard.py) may still do, bounded instead of
+refused: how far it steps back toward the fleet's first global model, and how long it makes a class's head row.
+
+Both are attacks that a rule comparing updates as wholes cannot see, because they move a sliver of the model or one
+direction of it, in an honest update's company (issue 56, docs/results.md):
+
+- **The way back** (`way_back = "clip"`; off by default): each update's step back toward the first global model g0,
+  its change's component along u = (g0 - g) / |g0 - g|, is cut to the round's median step back (over the updates
+  that claim samples); what it does across u stays. `drift` (firmware_sim/adversary.py: an honest update plus its
+  own length along u) passed every other bound and took 8.7 points from the class-incremental digits fleet at 1 of
+  4; it keeps its honest part. Honest updates step back too (a new task's training forgets some of the old ones)
+  and differ in how far: the one direction's median is what the round's majority did along it, as coordinate-wise
+  median (Yin et al. 2018) takes it for every coordinate. One-sided: a step further from the start is bounded by the
+  distance bound, and is what learning does.
+- **Head rows** (`row_factor`; 0, off, by default): each update's head row of class c (head.weight's row and
+  head.bias's entry, models.manifest.class_head_positions) is at most `row_factor` times the lower median of the
+  lengths of the round's rows of c from the updates that claim c (their `trained_counts`, else `label_counts`):
+  longer, it is scaled back onto that length, whoever sent it. A row sets how strongly the model answers its
+  class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's answers over from
+  every other class while it moves the model a sliver and makes its own classes' calibration loss lower; SDD's
+  CSWA has this bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the devices
+  that trained on the class only, and only where at least two did: a class that one device brings has no bound
+  (novelty stays free, and a device alone with a class can scale it: what no comparison with peers can see). The
+  lower median, because with two claimants the upper one may be the scaled one.
+
+Each bound changes the update it acts on (a new array) and counts it (`pulled-back`, `row-clipped`); neither refuses.
+They act last, after the bounds that refuse, which judge what a device sent. A round's updates held together are
+bounded by the medians over all of them; in a stream each later one by the medians over those so far, itself
+included (`RoundInfluence` learns as they come). A device that claims no samples counts for nothing: it is neither
+measured nor changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.compute import float64_blocks
+from coordinator.medians import RunningMedian
+from coordinator.strategies.base import ClientUpdate
+from models.manifest import HEAD_WEIGHT, ParameterInfo, class_head_positions
+
+log = logging.getLogger("edgefil.coordinator")
+
+
+@dataclass(frozen=True)
+class FleetPath:
+    """Where the fleet's global model g has been, for the bounds that read it, in float64: the last global step
+    g - g' (the guard's `min_progress`; g' the global model before g) and the unit way back to the first global
+    model g0, (g0 - g) / |g0 - g| (`way_back`). None where it is not known or not asked for."""
+
+    last_step: np.ndarray | None = None
+    way_back: np.ndarray | None = None
+
+
+UNKNOWN_PATH = FleetPath()
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where each class's head row (its row of head.weight, then its entry of head.bias) lies in the flat weights."""
+
+    rows: tuple[np.ndarray, ...]  # by class
+
+    @classmethod
+    def of(cls, parameters: Sequence[ParameterInfo]) -> HeadLayout | None:
+        """The model's layout; None for a model without head.weight and head.bias."""
+        num_classes = next((p.shape[0] for p in parameters if p.name == HEAD_WEIGHT), None)
+        if num_classes is None:
+            return None
+        try:
+            return cls(tuple(class_head_positions(parameters, [c]) for c in range(num_classes)))
+        except ValueError:
+            return None
+
+
+def claimed_classes(update: ClientUpdate) -> set[int]:
+    """The classes the update says it trained on: its `trained_counts` with samples, else (an older device) the
+    classes it has seen (`label_counts`)."""
+    trained = {c for _, c, n in update.trained_counts if n > 0}
+    return trained or {c for c, n in enumerate(update.label_counts) if n > 0}
+
+
+def along(global_weights: np.ndarray, weights: np.ndarray, unit: np.ndarray) -> float:
+    """<w - g, unit> in float64, a block at a time (einsum, not BLAS: coordinator/guard.py `distance` says why)."""
+    total = 0.0
+    for block, part in float64_blocks(weights.size):
+        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
+        total += float(np.einsum("i,i->", part, unit[block]))
+    return total
+
+
+class RoundInfluence:
+    """One round's influence bounds (module docstring): `bound` the updates, a stream's one at a time; the medians
+    learn from each batch before any of it is bounded."""
+
+    def __init__(self, global_weights: np.ndarray, way_back: np.ndarray | None, heads: HeadLayout | None,
+                 row_factor: float) -> None:
+        """`way_back`: the unit way back to the first global model (None: not bounded); `heads`: the model's head
+        layout and `row_factor` its bound (None or 0: not bounded)."""
+        self.global_weights = global_weights
+        self.way_back = way_back
+        self.heads = heads if row_factor > 0 else None
+        self.row_factor = row_factor
+        self.backs = RunningMedian()  # the steps back so far
+        self.rows: dict[int, RunningMedian] = {}  # class -> the lengths of its rows from updates that claim it
+
+    def bound(self, updates: Sequence[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
+        for update in updates:
+            self._learn_rows(update)
+        rowed = [self._rows_bounded(u, counters) for u in updates]
+        steps = [self._learn_step(u) for u in rowed]
+        return [self._stepped_back(u, step, counters) for u, step in zip(rowed, steps)]
+
+    def _learn_rows(self, update: ClientUpdate) -> None:
+        if self.heads is None or update.num_samples <= 0:
+            return
+        for c in claimed_classes(update):
+            if c < len(self.heads.rows):
+                self.rows.setdefault(c, RunningMedian()).add(_length(update.weights[self.heads.rows[c]]))
+
+    def _rows_bounded(self, update: ClientUpdate, counters: Counter[str]) -> ClientUpdate:
+        """The update with each class row at most `row_factor` x the lower median of its claimants' (a class at
+        least two claim); a new array where one was longer (`row-clipped`)."""
+        if self.heads is None or update.num_samples <= 0:
+            return update
+        weights: np.ndarray | None = None
+        for c, lengths in self.rows.items():
+            if len(lengths.values) < 2:
+                continue
+            limit = self.row_factor * (lengths.lower() or 0.0)
+            positions = self.heads.rows[c]
+            length = _length(update.weights[positions])
+            if length <= limit:
+                continue
+            if weights is None:
+                weights = np.array(update.weights, dtype=np.float32)
+            weights[positions] *= np.float32(limit / length)
+            log.debug("update of %s: its head row of class %d (%.3g) clipped to %.3g", update.device, c, length, limit)
+        if weights is None:
+            return update
+        counters["row-clipped"] += 1
+        return dataclasses.replace(update, weights=weights)
+
+    def _learn_step(self, update: ClientUpdate) -> float:
+        if self.way_back is None or update.num_samples <= 0:
+            return 0.0
+        step = along(self.global_weights, update.weights, self.way_back)
+        self.backs.add(step)
+        return step
+
+    def _stepped_back(self, update: ClientUpdate, back: float, counters: Counter[str]) -> ClientUpdate:
+        """The update, its step back toward the first global model (`back`) at most the round's median step back:
+        what lies beyond is taken off that one direction (`pulled-back`; a new array)."""
+        most = self.backs.value()
+        if self.way_back is None or most is None or back <= most or update.num_samples <= 0:
+            return update
+        counters["pulled-back"] += 1
+        log.debug("update of %s pulled back: it stepped %.3g back toward the first global model, the round's median "
+                  "is %.3g", update.device, back, most)
+        weights = (update.weights.astype(np.float64) + (most - back) * self.way_back).astype(np.float32)
+        return dataclasses.replace(update, weights=weights)
+
+
+def _length(values: np.ndarray) -> float:
+    return math.sqrt(float(np.einsum("i,i->", values, values, dtype=np.float64)))
