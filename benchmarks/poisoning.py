@@ -170,6 +170,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # ... and no class's head row longer than the lower median of its claimants' (`row_factor`; x1.5: SDD's own)
     "reference-rows": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
                                                  "min_alignment": -0.9, "way_back": "clip", "row_factor": 1.0}}},
+    "reference-rows-1.25": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.25}}},
     "reference-rows-1.5": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.5}}},

@@ -19,9 +19,11 @@ direction of it, in an honest update's company (issue 56, docs/results.md):
   class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's answers over from
   every other class while it moves the model a sliver and makes its own classes' calibration loss lower; SDD's
   CSWA has this bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the devices
-  that trained on the class only, and only where at least two did: a class that one device brings has no bound
-  (novelty stays free, and a device alone with a class can scale it: what no comparison with peers can see). The
-  lower median, because with two claimants the upper one may be the scaled one.
+  that trained on the class only: a class that one device brings is bounded by its own row, which it is within
+  (novelty stays free, and a device alone with a class can scale it: what no comparison with peers can see), and
+  a device that did not train on a class cannot make its row longer than the one that did. The lower median,
+  because with two claimants the upper one may be the scaled one. A class no update claims (one the fleet has not
+  met) has no bound.
 
 Each bound changes the update it acts on (a new array) and counts it (`pulled-back`, `row-clipped`); neither refuses.
 They act last, after the bounds that refuse, which judge what a device sent. A round's updates held together are
@@ -125,14 +127,13 @@ class RoundInfluence:
                 self.rows.setdefault(c, RunningMedian()).add(_length(update.weights[self.heads.rows[c]]))
 
     def _rows_bounded(self, update: ClientUpdate, counters: Counter[str]) -> ClientUpdate:
-        """The update with each class row at most `row_factor` x the lower median of its claimants' (a class at
-        least two claim); a new array where one was longer (`row-clipped`)."""
+        """The update with each class row at most `row_factor` x the lower median of its claimants' (a class one
+        device claims: its own row's length, which it is within); a new array where one was longer
+        (`row-clipped`)."""
         if self.heads is None or update.num_samples <= 0:
             return update
         weights: np.ndarray | None = None
         for c, lengths in self.rows.items():
-            if len(lengths.values) < 2:
-                continue
             limit = self.row_factor * (lengths.lower() or 0.0)
             positions = self.heads.rows[c]
             length = _length(update.weights[positions])

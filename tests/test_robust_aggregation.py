@@ -237,57 +237,6 @@ def test_an_update_that_undoes_the_fleets_last_step_is_refused_held_or_streamed(
         UpdateBounds(min_progress=1.0)
 
 
-def test_no_update_steps_back_toward_the_first_model_further_than_the_rounds_median_held_or_streamed():
-    """`way_back = "clip"`: an update's component along the way back to the first global model, (g0 - g) / |g0 - g|,
-    is cut to the round's median (of the updates that claim samples), what it does across that direction stays, an
-    update at or under the median is passed as it is; drift (an honest update plus |d| along the way back) keeps
-    its honest part. Off by default; no way back known or a claim of no samples: nothing changed."""
-    rng = np.random.default_rng(6)
-    first = rng.standard_normal(300).astype(np.float32)
-    current = (first + rng.standard_normal(300) * 0.1).astype(np.float32)
-    back = (first.astype(np.float64) - current) / np.linalg.norm(first.astype(np.float64) - current)
-    changes = [rng.standard_normal(300) * 0.01 + k * 0.002 * back for k in range(4)]
-    changes.append(changes[0] + np.linalg.norm(changes[0]) * back)  # drift
-    weights = [current + c for c in changes]
-    steps = [float(np.dot(c, back)) for c in changes]
-    median = float(np.median(steps))
-    path = FleetPath(way_back=back)
-    bounds = UpdateBounds(way_back="clip", krum_share=0.0, free_rider_factor=0.0, norm_bound="off")
-    counters: Counter[str] = Counter()
-    updates = updates_of(weights)
-    out = bounds.apply(current, updates, counters, path=path)
-    assert counters == {"pulled-back": 2}  # the two above the median of five
-    for update, sent, step, change in zip(out, updates, steps, changes):
-        moved = update.weights.astype(np.float64) - current
-        if step <= median:
-            assert update is sent
-            continue
-        assert float(np.dot(moved, back)) == pytest.approx(median, abs=1e-5)
-        across = change - np.dot(change, back) * back
-        np.testing.assert_allclose(moved - np.dot(moved, back) * back, across, atol=1e-5)
-    assert np.linalg.norm(out[4].weights - current - changes[0]) < 0.2 * np.linalg.norm(changes[0])  # drift: honest
-    assert all(u is s for u, s in zip(UpdateBounds(krum_share=0.0, free_rider_factor=0.0, norm_bound="off").apply(
-        current, updates, Counter(), path=path), updates))  # off by default
-    assert all(u is s for u, s in zip(bounds.apply(current, updates, Counter()), updates))  # no way back known
-    nothing = updates_of(weights, [10, 10, 10, 10, 0])  # the drift claims nothing: not counted, not changed
-    counters = Counter()
-    assert bounds.apply(current, nothing, counters, path=path)[4] is nothing[4]
-    assert counters == {"pulled-back": 2}  # median of four: the two above it
-    taken: list[ClientUpdate] = []
-    counters = Counter()
-    stream = dataclasses.replace(bounds, hold=2).stream(current, taken.append, counters, path=path)
-    for update in updates:
-        stream.add(update)
-    stream.close()
-    running = [float(np.median(steps[:max(k + 1, 2)])) for k in range(5)]  # the first two held together
-    for update, step, most in zip(taken, steps, running):
-        assert float(np.dot(update.weights.astype(np.float64) - current, back)) == pytest.approx(min(step, most),
-                                                                                              abs=1e-5)
-    assert counters["pulled-back"] == sum(step > most for step, most in zip(steps, running))
-    with pytest.raises(ValueError, match="way_back"):
-        UpdateBounds(way_back="reject")
-
-
 def test_an_update_pointing_against_the_others_is_turned_not_refused_when_projected():
     """`direction_bound = "project"`: a reversed update keeps its part orthogonal to the others' (where an update on
     classes they do not hold lies) and loses what pointed against them, until its cosine is `min_alignment`; an
