@@ -81,10 +81,15 @@ exactly as a held one, and a larger one holds `hold` updates at most. The bound 
 bounded by the majority of those before it, so hostile updates move it only where they are the majority of a
 round's first arrivals; `hold` sets how many arrivals that takes.
 
+Last, what every bound above passed is bounded in its influence, not refused (coordinator/influence.py, off by
+default): how far an update steps back toward the first global model (`way_back`) and how long it makes a class's
+head row (`row_factor`), each against the median of the round's.
+
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
-`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `worse-on-own-classes`) in the run's counters and
-logged. The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them and with every
-other rule.
+`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `worse-on-own-classes`; `pulled-back` and `row-clipped` for
+the influence bounds) in the run's counters and logged (the influence bounds, which change half a round's updates by
+design, at debug level). The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them
+and with every other rule.
 """
 from __future__ import annotations
 

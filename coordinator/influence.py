@@ -12,18 +12,19 @@ direction of it, in an honest update's company (issue 56, docs/results.md):
   and differ in how far: the one direction's median is what the round's majority did along it, as coordinate-wise
   median (Yin et al. 2018) takes it for every coordinate. One-sided: a step further from the start is bounded by the
   distance bound, and is what learning does.
-- **Head rows** (`row_factor`; 0, off, by default): each update's head row of class c (head.weight's row and
-  head.bias's entry, models.manifest.class_head_positions) is at most `row_factor` times the lower median of the
-  lengths of the round's rows of c from the updates that claim c (their `trained_counts`, else `label_counts`):
-  longer, it is scaled back onto that length, whoever sent it. A row sets how strongly the model answers its
-  class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's answers over from
-  every other class while it moves the model a sliver and makes its own classes' calibration loss lower; SDD's
-  CSWA has this bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the devices
-  that trained on the class only: a class that one device brings is bounded by its own row, which it is within
-  (novelty stays free, and a device alone with a class can scale it: what no comparison with peers can see), and
-  a device that did not train on a class cannot make its row longer than the one that did. The lower median,
-  because with two claimants the upper one may be the scaled one. A class no update claims (one the fleet has not
-  met) has no bound.
+- **Head rows** (`row_factor`; 0, off, by default): each update's head row of class c (head.weight's row and head.bias's
+  entry, models.manifest.class_head_positions) is at most `row_factor` times the lower median of the lengths of the
+  round's rows of c from the updates that claim c (their `trained_counts`, else `label_counts`), or the global model's
+  row of c where that is longer: longer, it is scaled back onto that length, whoever sent it. Never under the global
+  model's row, because the rows of a class the round trains little on (an old class, kept by replay) shrink in every
+  honest update, and cutting them to the shortest forgets the class faster. A row sets how strongly the model answers
+  its class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's answers over from every
+  other class while it moves the model a sliver and makes its own classes' calibration loss lower; SDD's CSWA has this
+  bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the devices that trained on the
+  class only: a class that one device brings is bounded by its own row, which it is within (novelty stays free, and a
+  device alone with a class can scale it: what no comparison with peers can see), and a device that did not train on a
+  class cannot make its row longer than the one that did. The lower median, because with two claimants the upper one may
+  be the scaled one. A class no update claims (one the fleet has not met) has no bound.
 
 Each bound changes the update it acts on (a new array) and counts it (`pulled-back`, `row-clipped`); neither refuses.
 They act last, after the bounds that refuse, which judge what a device sent. A round's updates held together are
@@ -111,6 +112,7 @@ class RoundInfluence:
         self.row_factor = row_factor
         self.backs = RunningMedian()  # the steps back so far
         self.rows: dict[int, RunningMedian] = {}  # class -> the lengths of its rows from updates that claim it
+        self.global_lengths: dict[int, float] = {}  # class -> the length of the global model's row
 
     def bound(self, updates: Sequence[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
         for update in updates:
@@ -134,8 +136,8 @@ class RoundInfluence:
             return update
         weights: np.ndarray | None = None
         for c, lengths in self.rows.items():
-            limit = self.row_factor * (lengths.lower() or 0.0)
             positions = self.heads.rows[c]
+            limit = self.row_factor * max(lengths.lower() or 0.0, self._global_length(c))
             length = _length(update.weights[positions])
             if length <= limit:
                 continue
@@ -147,6 +149,12 @@ class RoundInfluence:
             return update
         counters["row-clipped"] += 1
         return dataclasses.replace(update, weights=weights)
+
+    def _global_length(self, c: int) -> float:
+        if c not in self.global_lengths:
+            assert self.heads is not None
+            self.global_lengths[c] = _length(self.global_weights[self.heads.rows[c]])
+        return self.global_lengths[c]
 
     def _learn_step(self, update: ClientUpdate) -> float:
         if self.way_back is None or update.num_samples <= 0:
