@@ -176,6 +176,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reference-rows-1.5": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.5}}},
+    # reference-rows-1.25 refusing nothing an honest device at Dirichlet 0.1 sends: a claim beyond 10x the median
+    # counted as that (not refused), an update beyond 3x the median distance clipped onto it (not refused); what
+    # a clipped update still does, the reference, the direction and the influence bounds see
+    "influence": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip"}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
