@@ -182,6 +182,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "influence": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip"}}},
+    # ... and an update that moved the model less than a quarter of the median distance refused as a free rider
+    # (tinynoise moved 0.1-0.2x: a tenth let it in)
+    "influence-rider": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip", "free_rider_factor": 0.25}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
