@@ -130,8 +130,6 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
     return math.sqrt(total)
 
 
-
-
 @dataclass(frozen=True)
 class UpdateBounds:
     """`[guard]`: the bounds above; the defaults are on."""
