@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS  # noqa: E402
+from firmware_sim.scenarios import scenario_from_config, shared_build  # noqa: E402
 
 FLEETS = {4: 1, 8: 2, 20: 4}  # devices: of which hostile
 
@@ -230,6 +231,15 @@ class Cell:
         """The devices there from the first task (those that join later hold no data before, and are not selected)."""
         return self.devices - self.joining * (SCENARIOS[self.scenario].tasks - 1)
 
+    def quorum(self, scenario: dict[str, Any]) -> int:
+        """The round quorum: every honest device there from the first task that holds data of it. A device with no
+        sample of the first task's classes (at 20 shares of digits one may hold none) says it has no data and is
+        not waited for; counted in the quorum, it would keep round 1 from ever closing. Devices that diverge still
+        fail the quorum (the `f` cells)."""
+        first = shared_build(scenario_from_config(scenario)).tasks[0]
+        holding = sum(len(first.client_train_indices[k]) > 0 for k in range(self.honest))
+        return max(1, min(self.honest, self.first_present, holding))
+
     def folder(self, out: Path) -> Path:
         return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"
 
@@ -237,8 +247,6 @@ class Cell:
         setting = SETTINGS[self.setting]
         split = SCENARIOS[self.scenario]
         method = split.method or {}
-        coordinator = {"rounds_per_task": 3, "min_clients": min(self.honest, self.first_present), "deadline_s": 120.0,
-                       "wait_for_devices_s": 120.0, **method.get("coordinator", {}), **setting.get("coordinator", {})}
         scenario: dict[str, Any] = {"preset": split.preset, "n_clients": self.devices, "seed": self.seed}
         if split.alpha is not None:
             scenario["alpha"] = split.alpha
@@ -246,6 +254,8 @@ class Cell:
             scenario["calibration"] = split.calibration
         if split.dynamics:  # a device of 8 joins at each task (none of 4, 2 of 20); one class of two a device
             scenario.update(dynamics="glfc", joining=self.joining)
+        coordinator = {"rounds_per_task": 3, "min_clients": self.quorum(scenario), "deadline_s": 120.0,
+                       "wait_for_devices_s": 120.0, **method.get("coordinator", {}), **setting.get("coordinator", {})}
         table: dict[str, Any] = {
             "name": "poisoning", "out": str(self.folder(out)), "devices": self.honest + self.hostile,
             "model": "lenet", "seed": self.seed, "broker": "mosquitto", "scenario": scenario,
