@@ -55,6 +55,7 @@ import torch
 from torch.nn import functional as F
 
 from coordinator.background import BackgroundJob, Deadline
+from coordinator.medians import RunningMedian
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
     PENDING_MARGIN_S,
@@ -325,8 +326,8 @@ def row_lengths_bound(lengths: torch.Tensor, weights: torch.Tensor, factor: floa
 
 
 def lower_median(values: torch.Tensor) -> float:
-    """The lower of the two middle values (the middle one of an odd count): with two, never the larger."""
-    return float(torch.sort(values).values[(len(values) - 1) // 2])
+    """`RunningMedian.lower` of a tensor's values (with two, never the larger); 0 for none."""
+    return RunningMedian(values.tolist()).lower() or 0.0
 
 
 def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per_class: int
