@@ -78,7 +78,6 @@ class Split:
     alpha: float | None = None  # the Dirichlet concentration of the label split (None: the preset's, 1)
     dynamics: bool = False  # GLFC's client dynamics: devices joining with new classes only, one class a device
     method: dict[str, Any] | None = None  # a method's fleet tables (policy, strategy, trainer, coordinator keys)
-    tasks: int = 5
     calibration: int = 0  # train samples a class the coordinator keeps (the `reference` setting's), none on devices
 
 
@@ -98,10 +97,10 @@ SCENARIOS = {
     # the splits in which honest devices look least alike: few classes a device, and devices that join late
     "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
     "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
-    "digits-domain": Split("digits-domain", (1, 8, 8), tasks=4),  # Dirichlet 0.1, every class in every task
+    "digits-domain": Split("digits-domain", (1, 8, 8)),  # Dirichlet 0.1, every class in every task
     # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds,
     # as printed (Eq. 17's sum) and normalised, each with its row bound (the default) and without it
-    **{f"digits-sdd{form}{bound}": Split("digits-fewshot", (1, 8, 8), tasks=4, method=sdd_fleet(
+    **{f"digits-sdd{form}{bound}": Split("digits-fewshot", (1, 8, 8), method=sdd_fleet(
         "cswa-normalized" if form else "cswa-literal", 0.0 if bound else None))
        for form in ("", "-normalized") for bound in ("", "-unbounded")},
 }
@@ -226,19 +225,14 @@ class Cell:
         """Devices joining at each task (client dynamics): one of 8, none of 4, 2 of 20."""
         return self.devices // 8 if SCENARIOS[self.scenario].dynamics else 0
 
-    @property
-    def first_present(self) -> int:
-        """The devices there from the first task (those that join later hold no data before, and are not selected)."""
-        return self.devices - self.joining * (SCENARIOS[self.scenario].tasks - 1)
-
     def quorum(self, scenario: dict[str, Any]) -> int:
-        """The round quorum: every honest device there from the first task that holds data of it. A device with no
-        sample of the first task's classes (at 20 shares of digits one may hold none) says it has no data and is
-        not waited for; counted in the quorum, it would keep round 1 from ever closing. Devices that diverge still
+        """The round quorum: every honest device that holds data of the first task (one that joins later holds none
+        before; at 20 shares of digits one may hold no sample of the first task's classes). Such a device says it
+        has no data and is not waited for; counted in the quorum, it would keep round 1 from ever closing. Devices that diverge still
         fail the quorum (the `f` cells)."""
-        first = shared_build(scenario_from_config(scenario)).tasks[0]
-        holding = sum(len(first.client_train_indices[k]) > 0 for k in range(self.honest))
-        return max(1, min(self.honest, self.first_present, holding))
+        data = shared_build(scenario_from_config(scenario))
+        holding = sum(data.client_first_task(k) == 0 for k in range(self.honest))
+        return max(1, holding)
 
     def folder(self, out: Path) -> Path:
         return out / self.scenario / self.setting / f"{self.honest}of{self.devices}" / self.attack / f"seed-{self.seed}"

@@ -43,6 +43,7 @@ class Status:
     round: int
     error: str = ""  # state "error": why the device cannot train (its data, its configuration)
     instance: str = ""
+    task: int | None = None  # state "no-data": the task it holds no data for (None: not said)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class Inbox:
             return Registration(parsed.device, message["backend"], message["profile"], message.get("instance", ""))
         if message["kind"] == "status":
             return Status(parsed.device, message["state"], message["round"], message.get("error", ""),
-                          message.get("instance", ""))
+                          message.get("instance", ""), message.get("task"))
         if message["kind"] == "request":
             return self._take_request(parsed.device, message)
         return self._take_chunk(parsed.device, message)

@@ -65,7 +65,8 @@ class Roster:
         self.records = {d: DeviceRecord(d) for d in devices}
         self.registered: dict[str, Registration] = {}
         self.online: set[str] = set()
-        self.without_data: set[str] = set()  # online, but holding no data to train on (status "no-data")
+        # online, but holding no data to train on (status "no-data"): device -> the task it said so in
+        self.without_data: dict[str, int] = {}
         self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
 
     def register(self, event: Registration) -> list[str] | None:
@@ -98,8 +99,9 @@ class Roster:
         newest = self.instance(event.device)
         return bool(event.instance and newest and event.instance != newest)
 
-    def take_status(self, event: Status) -> None:
-        """Record a (current) status: online or not, with data or not, and an error's reason."""
+    def take_status(self, event: Status, task: int) -> None:
+        """Record a (current) status: online or not, with data or not, and an error's reason. `task`: the task the
+        run is on, which a "no-data" that names none speaks for."""
         record = self.records[event.device]
         record.state, record.last_seen = event.state, time.time()
         if event.state == "error":
@@ -107,12 +109,12 @@ class Roster:
             record.error, record.error_round = event.error, event.round
         elif event.state == "no-data":
             self.online.add(event.device)
-            self.without_data.add(event.device)
+            self.without_data[event.device] = task if event.task is None else event.task
         elif event.state == "offline":
-            self.without_data.discard(event.device)
+            self.without_data.pop(event.device, None)
             self.online.discard(event.device)
         else:
-            self.without_data.discard(event.device)
+            self.without_data.pop(event.device, None)
             self.online.add(event.device)
 
     def take_update(self, update: Update) -> None:
@@ -130,9 +132,12 @@ class Roster:
         """Registered and online: a set operation in C, cheap enough to ask between slices of messages."""
         return self.registered.keys() & self.online
 
-    def available(self) -> set[str]:
-        """What a round selects from: connected, and holding data to train on."""
-        return self.connected() - self.without_data
+    def available(self, task: int) -> set[str]:
+        """What a round of `task` selects from: connected, and not known to hold no data for it. A device that said
+        it held none in an earlier task is selected again: one that joins at this task trains from its first round
+        on (it hears the task from the round it is sent), and one that still holds none says so again and is not
+        waited for."""
+        return self.connected() - {d for d, said in self.without_data.items() if said >= task}
 
     def errors(self) -> dict[str, dict[str, Any]]:
         """Device -> its last reported error and round (devices that reported one)."""

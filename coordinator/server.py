@@ -11,24 +11,25 @@ to the devices and held for them between rounds (`outbox.py`), the checkpoint's 
 record every reader reads (`run_record.py`) and the files written from it (`run_logs.py`: results.json,
 metrics.csv, the TensorBoard log, live.json for the dashboard).
 
-Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so the
-first selection sees every device that is coming); later rounds only wait while fewer than the quorum are online. In
-virtual time (simulated fleets) the wall clock is a safeguard only (`wall_limit_s`): the first round waits for the
-whole roster, and a round for every device it selected, however busy the host. A device that (re)registers while
-selected for the open round without having delivered gets the round's weights and message again on its own topics
-(after a broker restart, or its own restart), at most `resends_per_round` times. A device that reports it cannot
-train (status "error") is not waited for; its reason is logged, counted ("device-error") and kept per device in
-`results.json`. A device that holds no data yet (one that joins a later task: status "no-data") stays connected and
-gets every global model, but is not selected until it says it has data; selected before it could say so, it is not
+Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so the first
+selection sees every device that is coming); later rounds only wait while fewer than the quorum are online. In virtual
+time (simulated fleets) the wall clock is a safeguard only (`wall_limit_s`): the first round waits for the whole roster,
+and a round for every device it selected, however busy the host. A device that (re)registers while selected for the open
+round without having delivered gets the round's weights and message again on its own topics (after a broker restart, or
+its own restart), at most `resends_per_round` times. A device that reports it cannot train (status "error") is not
+waited for; its reason is logged, counted ("device-error") and kept per device in `results.json`. A device that holds no
+data yet (one that joins a later task: status "no-data") stays connected and gets every global model, but is not
+selected for the task it said so of (its status names it); from the next task on it is selected again, so one that joins
+there trains from the task's first round; selected where it still holds nothing, or before it could say so, it is not
 waited for ("no-data" for that round, counted). In virtual time every round names its start on the fleet's clock
 (`clock_s` = (round - 1) x deadline_s: a round lasts its deadline there), and an emulated device offline then by its
-availability answers "away": not waited for, still selectable (counted). Every device process names itself with a
-random instance id: a status from an instance other than the device's newest registered one (the late last will of a
-replaced process) is passed over, and an older instance that registers again means two processes share one device
-id: counted ("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device
-whose labels hold classes outside the tasks' so far follows another class order than the test sets: warned about
-once per device and task ("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed)
-the devices are told on `all/end`; a run in which no device's update was aggregated fails.
+availability answers "away": not waited for, still selectable (counted). Every device process names itself with a random
+instance id: a status from an instance other than the device's newest registered one (the late last will of a replaced
+process) is passed over, and an older instance that registers again means two processes share one device id: counted
+("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device whose labels hold
+classes outside the tasks' so far follows another class order than the test sets: warned about once per device and task
+("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed) the devices are told on
+`all/end`; a run in which no device's update was aggregated fails.
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -420,13 +421,13 @@ class Coordinator:
         deadline = time.monotonic() + self._wait_limit()
         said = time.monotonic()
         while time.monotonic() < deadline and (
-            len(self.roster.available()) < self.config.min_clients or len(self.roster.connected()) < roster
+            len(self._available()) < self.config.min_clients or len(self.roster.connected()) < roster
         ):
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
             if time.monotonic() - said >= WAITING_SAID_EVERY_S:  # a fleet's start can take minutes: say so
                 said = time.monotonic()
                 log.info("waiting for the fleet: %d of %d devices connected, %d can train (%.0f s left)",
-                         len(self.roster.connected()), len(self.config.devices), len(self.roster.available()),
+                         len(self.roster.connected()), len(self.config.devices), len(self._available()),
                          deadline - said)
         self._first_round = False
         available = self._available()
@@ -453,7 +454,7 @@ class Coordinator:
             self._pump_for(min(CHECK_EVERY_S, deadline - time.monotonic()))
 
     def _available(self) -> list[str]:
-        return sorted(self.roster.available())
+        return sorted(self.roster.available(self.state.task))
 
     def _pump_for(self, seconds: float) -> None:
         """Handle messages for `seconds`: a loop that waits for the whole fleet checks between such slices, since
@@ -501,7 +502,7 @@ class Coordinator:
         if self.roster.is_stale(event):
             log.debug("%s: status %s of a replaced process passed over", event.device, event.state)
             return
-        self.roster.take_status(event)
+        self.roster.take_status(event, self.state.task)
         current = self.open_round
         if event.state == "error":
             self._on_device_error(event)

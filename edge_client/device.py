@@ -276,7 +276,7 @@ class Device:
         before = self._ready_state()  # the old task first: the source is asked once per task, the newest kept
         now = self._ready_state(task)
         if now != before:
-            self._publish_status(now)
+            self._publish_status(now, task=task)
         self.task_heard = task
 
     def _take_weights(self, message: wire.Message) -> None:
@@ -554,9 +554,15 @@ class Device:
             return weights, 0
         return weights, len(self.learner.store)
 
-    def _status(self, state: str, round_: int | None = None, error: str | None = None) -> bytes:
+    def _status(self, state: str, round_: int | None = None, error: str | None = None,
+                task: int | None = None) -> bytes:
+        """`task`: the task a "no-data" is about (default: the one last heard): the coordinator selects the device
+        again when the run moves past it."""
         done = self.learner.state.round if round_ is None else round_
         extra: dict[str, Any] = {"error": error} if error else {}
+        about = self.task_heard if task is None else task
+        if state == "no-data" and about is not None:
+            extra["task"] = about
         return wire.encode("status", device=self.id, state=state, round=done, instance=self.instance, **extra)
 
     def _known_classes(self, value: object, key: str = "known_classes") -> tuple[int, ...]:
@@ -576,10 +582,11 @@ class Device:
         log.warning("%s: the round's mask_seen_classes is not true or false: ignored", self.id)
         return None
 
-    def _publish_status(self, state: str, round_: int | None = None, error: str | None = None) -> None:
+    def _publish_status(self, state: str, round_: int | None = None, error: str | None = None,
+                        task: int | None = None) -> None:
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
-        self.link.publish(topic, self._status(state, round_, error), retain=True)
+        self.link.publish(topic, self._status(state, round_, error, task), retain=True)
 
 
 def _needed(message: wire.Message) -> list[str]:

@@ -105,9 +105,10 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
 # that holds no data for it says so in its status and is not selected).
 # `instance`: a random id of the device process (register, status): a restarted process has a new one, so an old
 # one coming back means two processes share a device id. `error`: why a device cannot train (status "error").
+# `task` (status "no-data"): the task the device holds no data for (it may hold some for a later one).
 OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "register": {"instance": str},
-    "status": {"instance": str, "error": str},
+    "status": {"instance": str, "error": str, "task": int},
     "update": {"attachments": list, "label_counts": list, "trained_counts": list},
     "payload": {"attachments": list},
     "broadcast": {"attachments": list},

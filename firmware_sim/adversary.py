@@ -58,13 +58,14 @@ Against a method's own aggregation:
 
 How a compromised device knows B: in a simulated fleet every device saves the update it sends in its state folder
 before sending it (edge_client/state.py), and the fleet names the honest devices' folders to the compromised ones,
-which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits
-until every honest device has saved its update of the round's global model: for as long as that takes where the
-fleet selects every device every round (`wait_all`: fraction 1, no availability profiles, as in
+which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits until
+every honest device that holds data by the round's task has saved its update of the round's global model (one that
+holds none says "no-data" and saves none; the fleet names each peer's first task with data): for as long as that
+takes where the fleet selects every device every round (`wait_all`: fraction 1, no availability profiles, as in
 `benchmarks/poisoning.py`; so what it knows never depends on the host's speed), else at most `KNOWLEDGE_WAIT_S`,
-using those that have; with none, its own honest update is B. A stop request ends the wait. A deployed fleet's
-broker ACL gives no device another's update: these attacks are what an attacker who also holds the coordinator's
-inbox could do, the standard worst case of the robustness literature.
+using those that have; with none, its own honest update is B. A stop request ends the wait. A deployed fleet's broker
+ACL gives no device another's update: these attacks are what an attacker who also holds the coordinator's inbox could
+do, the standard worst case of the robustness literature.
 """
 from __future__ import annotations
 
@@ -291,16 +292,17 @@ class FlippedLabels:
 
 class AdversarialDevice(Device):
     """The real device daemon whose updates say what `attack` makes of them (module docstring). `peers`: the
-    honest devices' state folders, which the omniscient attacks read B from."""
+    honest devices' state folders, which the omniscient attacks read B from, each with the first task it holds data
+    of (before it a device says "no-data", is not selected and saves no update: it is not waited for)."""
 
-    def __init__(self, *args: Any, attack: str, fleet_size: int, colluders: int = 1, peers: Sequence[str] = (),
-                 wait_all: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attack: str, fleet_size: int, colluders: int = 1,
+                 peers: Sequence[tuple[str, int]] = (), wait_all: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attack_name = attack
         self.attack = ATTACKS[attack]
         self.fleet_size = fleet_size
         self.colluders = colluders
-        self.peers = [Path(p) for p in peers]
+        self.peers = [(Path(folder), int(first)) for folder, first in peers]
         self.wait_all = wait_all
         self._start: np.ndarray | None = None
         self._previous: np.ndarray | None = None  # g': the global model of the round before the current one
@@ -330,9 +332,10 @@ class AdversarialDevice(Device):
     def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
         """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""
         found: dict[Path, np.ndarray] = {}
+        peers = [folder for folder, first in self.peers if first <= self.learner.state.data_task]
         deadline = math.inf if self.wait_all else time.monotonic() + KNOWLEDGE_WAIT_S
         while not self.stop_requested.is_set():
-            for peer in self.peers:
+            for peer in peers:
                 if peer not in found:
                     try:
                         saved = load_state(peer, weights=True, optimizer=False)
@@ -340,10 +343,10 @@ class AdversarialDevice(Device):
                         continue
                     if saved is not None and saved.model == model and saved.weights is not None:
                         found[peer] = saved.weights.astype(np.float64) - global_weights
-            if len(found) == len(self.peers) or time.monotonic() >= deadline:
+            if len(found) == len(peers) or time.monotonic() >= deadline:
                 break
             self.stop_requested.wait(0.05)
-        if len(found) < len(self.peers):
+        if len(found) < len(peers):
             log.warning("%s (%s): %d of %d honest updates of the round read", self.id, self.attack_name, len(found),
-                        len(self.peers))
-        return np.stack([found[p] for p in self.peers if p in found]) if found else None
+                        len(peers))
+        return np.stack([found[p] for p in peers if p in found]) if found else None

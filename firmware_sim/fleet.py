@@ -298,11 +298,13 @@ class Fleet:
         self.keepalive: int | None = None  # the clients' MQTT keepalive (None: their default), for the workers' cores
         self.heartbeat: float | None = None  # the devices' heartbeat (None: their default), for the workers' cores
         self.learner: dict[str, Any] = dict(config.learner)  # the devices' [learner], the kind's defaults in (run)
+        self.first_tasks: tuple[int | None, ...] = ()  # each device's first task with data (run; None: none has)
 
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """The whole run; `progress` gets each round's history entry as the coordinator completes it."""
         data = self.config.check(file)  # before anything starts
+        self.first_tasks = tuple(data.client_first_task(k) for k in range(self.config.devices))
         if self.config.store is None:
             self.config = dataclasses.replace(self.config, store=StoreSettings(max_samples=data.binding_budget()))
         policy, _ = split_policy(self.config.policy)
@@ -454,7 +456,8 @@ class Fleet:
         honest = range(self.config.adversary.honest(self.config.devices))
         adversary = {} if attack is None else {ADVERSARY: {
             "attack": attack, "fleet_size": self.config.devices, "colluders": self.config.adversary.devices,
-            "peers": [str(self.config.out / "devices" / self.config.device_id(k)) for k in honest],
+            "peers": [(str(self.config.out / "devices" / self.config.device_id(k)), first)
+                      for k in honest if (first := self.first_tasks[k]) is not None],
             "wait_all": self.config.coordinator_options().get("fraction", 1.0) >= 1.0 and not self.config.profiles}}
         return {
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as

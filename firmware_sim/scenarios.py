@@ -260,6 +260,12 @@ class ScenarioData:
         """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
         return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
 
+    def client_first_task(self, k: int) -> int | None:
+        """The first task that brings client k train samples (None: none does). Before it the client's device
+        holds nothing and says "no-data"; from it on it trains each round (on its store where a task brings
+        nothing)."""
+        return next((t for t, task in enumerate(self.tasks) if len(task.client_train_indices[k])), None)
+
     def calibration(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Task t's calibration samples (the scenario's `calibration` a class; empty for none)."""
         return self.tasks[t].calibration()

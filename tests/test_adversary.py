@@ -196,3 +196,37 @@ def test_an_omniscient_attacker_in_a_fleet_reads_every_honest_update_of_each_rou
     for entry in results["history"]:
         assert sorted(entry["received"]) == ["dev-000", "dev-001", "dev-002", "dev-003"]
         assert entry["metrics"]["dev-003"]["known_updates"] == 3, entry["metrics"]["dev-003"]
+
+
+def test_an_omniscient_attacker_waits_only_for_the_honest_devices_holding_data(tmp_path):
+    """At 20 shares of digits (seed 5) share 0 holds no sample of the first task: its device says "no-data", is not
+    selected and saves no update. The compromised device reads the two honest updates of the first task's round
+    and sends (it waited forever for the third before, and the round never closed), then all three once the
+    device holds data."""
+    from coordinator.broker import mosquitto_path
+    from edge_client.config import TrainerSettings
+    from firmware_sim.fleet import Fleet, FleetConfig
+    from firmware_sim.scenarios import scenario_from_config, shared_build
+
+    if mosquitto_path() is None:
+        pytest.skip("mosquitto is not installed (scripts/test installs it)")
+    scenario = {"preset": "digits-class", "n_clients": 20, "seed": 5, "calibration": 10}
+    first_tasks = [shared_build(scenario_from_config(scenario)).client_first_task(k) for k in range(4)]
+    assert first_tasks == [1, 0, 0, 0]  # the case this test is about
+    config = FleetConfig(
+        name="mimic", out=tmp_path / "run", devices=4, workers=1, model="lenet", seed=0, broker="mosquitto",
+        scenario=scenario, policy={"name": "random"},
+        trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3), client={"epochs": 1},
+        strategy={"name": "fedavg"}, adversary=AdversarySettings("mimic", 1),
+        coordinator={"rounds_per_task": 1, "min_clients": 3, "deadline_s": 120.0, "wait_for_devices_s": 120.0,
+                     "guard": {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0,
+                               "krum_share": 0.0}},
+    )
+    results = Fleet(config).run()
+    assert results["rounds_completed"] == 5
+    first, *later = results["history"]
+    assert sorted(first["received"]) == ["dev-001", "dev-002", "dev-003"]
+    assert first["metrics"]["dev-003"]["known_updates"] == 2, first["metrics"]["dev-003"]
+    for entry in later:
+        assert sorted(entry["received"]) == ["dev-000", "dev-001", "dev-002", "dev-003"]
+        assert entry["metrics"]["dev-003"]["known_updates"] == 3, entry["metrics"]["dev-003"]

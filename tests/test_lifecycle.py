@@ -23,7 +23,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 def test_a_device_error_is_shown_per_device_and_a_duplicate_id_by_both_sides(tmp_path, export_artifacts):
     """dev-1's task 0 file is damaged (it cannot train: "error"), and it has no file of a later task (it holds no
-    data: "no-data", not selected); dev-0 gets a twin process."""
+    data: "no-data", not selected in that task); dev-0 gets a twin process."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     broken = tmp_path / "broken-data"
     broken.mkdir()
@@ -52,9 +52,11 @@ def test_a_device_error_is_shown_per_device_and_a_duplicate_id_by_both_sides(tmp
         assert len(final["duplicate_devices"]["dev-0"]) == 2  # the two instances
         error = final["device_errors"]["dev-1"]  # its last error: task 0's damaged file, in a round of task 0
         assert error["round"] <= 4 and "task-0.npz is not a task file" in error["error"], error
-        # from task 1 on it has no file and nothing stored: it says it holds no data, and is not selected again
-        assert "dev-1" in final["without_data"] and final["counters"]["no-data"] == 1
-        assert all("dev-1" not in r["selected"] for r in final["history"][5:])
+        # from task 1 on it has no file and nothing stored: it says it holds no data for the task, and is selected
+        # again at most in a later task's first round (where it may have data; it says it has none, counted)
+        assert "dev-1" in final["without_data"] and 1 <= final["counters"]["no-data"] <= 4
+        first_rounds = {min(r["round"] for r in final["history"] if r["task"] == t) for t in range(1, 5)}
+        assert all("dev-1" not in r["selected"] for r in final["history"][4:] if r["round"] not in first_rounds)
         log = (tmp_path / "coordinator.log").read_text()
         assert "dev-1 cannot train round 1: ValueError: " + str(broken / "task-0.npz") + " is not a task file" in log
         assert final["counters"]["device-error"] >= 1

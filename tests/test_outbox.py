@@ -36,7 +36,7 @@ def wired(tmp_path):
         device.subscribe(topic)
     roster = Roster(["d1"])
     roster.register(Registration("d1", "ort", "pc", "i1"))
-    roster.take_status(Status("d1", "idle", 0, instance="i1"))
+    roster.take_status(Status("d1", "idle", 0, instance="i1"), 0)
     counters: Counter[str] = Counter()
     yield Outbox(link, FLEET, roster, ResendBudget(1), counters), device, counters
     device.close()

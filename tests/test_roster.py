@@ -12,30 +12,45 @@ def update(device: str, round_: int, **metrics: float) -> Update:
 
 def test_a_device_is_selectable_once_registered_online_and_holding_data():
     roster = Roster(["a", "b", "c"])
-    assert roster.available() == set() and [r["state"] for r in roster.table()] == ["unseen"] * 3
+    assert roster.available(0) == set() and [r["state"] for r in roster.table()] == ["unseen"] * 3
     roster.register(Registration("a", "ort", "raspberry-pi-4-4gb", "i1"))
-    assert roster.available() == set()  # registered, but no status says it is online yet
-    roster.take_status(Status("a", "idle", 0, instance="i1"))
+    assert roster.available(0) == set()  # registered, but no status says it is online yet
+    roster.take_status(Status("a", "idle", 0, instance="i1"), 0)
     roster.register(Registration("b", "portable", "jetson-nano", "j1"))
-    roster.take_status(Status("b", "no-data", 0, instance="j1"))
-    roster.take_status(Status("c", "idle", 0))  # online, but never registered
-    assert roster.connected() == {"a", "b"} and roster.available() == {"a"}
-    roster.take_status(Status("b", "idle", 0, instance="j1"))
-    roster.take_status(Status("a", "offline", 0, instance="i1"))
-    assert roster.available() == {"b"}
+    roster.take_status(Status("b", "no-data", 0, instance="j1"), 0)
+    roster.take_status(Status("c", "idle", 0), 0)  # online, but never registered
+    assert roster.connected() == {"a", "b"} and roster.available(0) == {"a"}
+    roster.take_status(Status("b", "idle", 0, instance="j1"), 0)
+    roster.take_status(Status("a", "offline", 0, instance="i1"), 0)
+    assert roster.available(0) == {"b"}
     table = {row["device"]: row for row in roster.table()}
     assert (table["a"]["profile"], table["a"]["backend"], table["a"]["online"]) == ("raspberry-pi-4-4gb", "ort", False)
     assert (table["b"]["profile"], table["b"]["online"], table["b"]["state"]) == ("jetson-nano", True, "idle")
+
+
+def test_a_device_without_data_for_a_task_is_selected_again_in_a_later_one():
+    """"no-data" speaks for a task (the one it names, else the run's): a device that joins at task 2 is selected
+    from that task's first round on, not only once a status of its own says it has data."""
+    roster = Roster(["a", "b"])
+    for device in ("a", "b"):
+        roster.register(Registration(device, "ort", "pc", device))
+        roster.take_status(Status(device, "idle", 0, instance=device), 0)
+    roster.take_status(Status("b", "no-data", 0, instance="b", task=1), 0)  # it heard task 1 first
+    assert roster.available(0) == roster.available(1) == {"a"}
+    assert roster.available(2) == {"a", "b"}
+    roster.take_status(Status("b", "no-data", 3, instance="b"), 2)  # names no task: the run's
+    assert roster.available(2) == {"a"} and roster.available(3) == {"a", "b"}
+    assert list(roster.without_data) == ["b"]
 
 
 def test_an_error_is_kept_with_its_round_until_the_device_reports_another():
     roster = Roster(["a"])
     roster.register(Registration("a", "ort", "pc", "i1"))
     roster.take_status(Status("a", "error", 3, error="data of shape (5,) do not fit the model's (1, 8, 8)",
-                              instance="i1"))
+                              instance="i1"), 0)
     assert roster.errors() == {"a": {"round": 3, "error": "data of shape (5,) do not fit the model's (1, 8, 8)"}}
     assert roster.connected() == {"a"}  # it answers, it cannot train
-    roster.take_status(Status("a", "error", 4, error="disk full", instance="i1"))
+    roster.take_status(Status("a", "error", 4, error="disk full", instance="i1"), 0)
     assert roster.errors() == {"a": {"round": 4, "error": "disk full"}}
 
 

@@ -87,7 +87,7 @@ def test_the_eta_is_the_recent_round_time_times_the_rounds_left():
 def test_results_say_what_was_run_and_the_devices_state():
     record, _, _ = make_record()
     record.roster.register(Registration("a", "ort", "jetson-nano", "i"))
-    record.roster.take_status(Status("a", "error", 1, error="no room", instance="i"))
+    record.roster.take_status(Status("a", "error", 1, error="no room", instance="i"), 0)
     close_round(record, 1, 0, [0.8], ended_at=1.0, task_done=True)
     close_round(record, 2, 1, [0.6, 0.9], ended_at=2.0, task_done=True)
     results = record.results()
