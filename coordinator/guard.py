@@ -62,8 +62,9 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   what it trained on (its `trained_counts`, by task and class, on samples the coordinator keeps apart from every
   device and test set) by more than `reference_tolerance` nats above the global model's is refused
   (`worse-on-own-classes`; coordinator/reference.py). It compares a device with the model, not with the other devices,
-  so an update on classes no other device holds passes it. Without calibration samples it is off (the coordinator
-  says so once).
+  so an update on classes no other device holds passes it. A claim of a class none of the run's tasks so far brings
+  cannot be compared and no honest device makes one: refused (`unreached-classes`). Without calibration samples it
+  is off (the coordinator says so once).
 
 The medians are taken over the updates that carry something: counts above 0, distances above 0. A device with
 nothing to train on this round (an empty share, a task that brought it no data) sends the global model back with
@@ -86,9 +87,9 @@ default): how far an update steps back toward the first global model (`way_back`
 head row (`row_factor`), each against the median of the round's.
 
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
-`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `worse-on-own-classes`; `pulled-back` and `row-clipped` for
-the influence bounds) in the run's counters and logged (the influence bounds, which change half a round's updates by
-design, at debug level). The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them
+`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `unreached-classes`, `worse-on-own-classes`; `pulled-back`
+and `row-clipped` for the influence bounds) in the run's counters and logged (the influence bounds, which change half
+a round's updates by design, at debug level). The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them
 and with every other rule.
 """
 from __future__ import annotations
@@ -276,11 +277,18 @@ class UpdateBounds:
 
     def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str]
                    ) -> ClientUpdate | None:
-        """The update, unless it makes its own classes worse on the coordinator's calibration samples by more than
-        `reference_tolerance` (refused: `worse-on-own-classes`). A device that claims no samples is not compared:
-        it counts for nothing."""
+        """The update, unless it claims samples of a class the run has not reached (refused: `unreached-classes`),
+        or makes its own classes worse on the coordinator's calibration samples by more than `reference_tolerance`
+        (refused: `worse-on-own-classes`). A device that claims no samples is not compared: it counts for nothing."""
         if reference is None or self.reference == "off" or update.num_samples <= 0:
             return update
+        unreached = reference.unreached(update)
+        if unreached:
+            counters["unreached-classes"] += 1
+            log.warning("update of %s dropped: it claims samples of classes the run has not reached (%s; tasks 0..%d "
+                        "bring %s)", update.device, ", ".join(map(str, unreached[:10])), reference.ctx.task,
+                        ", ".join(map(str, reference.ctx.seen_classes)))
+            return None
         change = reference.loss_change(update)
         if change <= self.reference_tolerance:
             return update

@@ -111,6 +111,26 @@ def test_the_guard_refuses_what_makes_its_own_mix_worse_and_keeps_novelty(which,
     assert len(UpdateBounds(**only).apply(global_weights, updates, Counter(), reference=reference)) == len(updates)
 
 
+def test_a_claim_of_a_class_the_run_has_not_reached_is_refused(round_one, digits, manifest):
+    """Label flipping onto classes no task so far brings (as y -> 9 - y does in some tasks of class-incremental
+    digits): there is nothing to compare it on, and no honest device holds such a class. Refused as that, whatever
+    its loss on the task's classes; the joiner, which brings a class no other device holds, is kept."""
+    global_weights, updates, reference = round_one
+    x1, y1 = digits.tasks[1].train()
+    first = digits.task_classes(1)[0]
+    unseen = [c for c in range(10) if c not in reference.ctx.seen_classes][:2]
+    flipped = np.where(y1[:80] == first, unseen[0], unseen[1])
+    update = _update("label-flip", _trained(manifest, global_weights, x1[:80], flipped, tuple(range(10))), flipped, 1)
+    assert reference.unreached(update) == unseen
+    counters: Counter[str] = Counter()
+    bounds = UpdateBounds(krum_share=0.0, reference="classes")
+    assert bounds.referenced(update, reference, counters) is None
+    assert counters == Counter({"unreached-classes": 1})
+    assert bounds.referenced(updates[0], reference, counters) is updates[0] and reference.unreached(updates[0]) == []
+    unnamed = ClassReference(reference.evaluator, reference.calibration, global_weights, RoundContext(round=4, task=1))
+    assert unnamed.unreached(update) == []  # a round that names no classes: nothing to say a class is beyond them
+
+
 def test_a_device_that_claims_nothing_is_not_compared(round_one):
     global_weights, updates, reference = round_one
     nothing = ClientUpdate("empty", updates[2].weights, 0)
@@ -203,7 +223,7 @@ def test_hostile_counts_and_weights_get_a_decision_never_an_exception(round_one,
     update = ClientUpdate("hostile", weights, samples, label_counts=label_counts, trained_counts=trained)
     counters: Counter[str] = Counter()
     kept = UpdateBounds(krum_share=0.0, reference="classes").referenced(update, reference, counters)
-    assert (kept is update) != (counters["worse-on-own-classes"] == 1)
+    assert (kept is update) != (counters["worse-on-own-classes"] + counters["unreached-classes"] == 1)
 
 
 def test_a_domain_incremental_store_is_compared_on_each_domain_it_holds(manifest):
