@@ -89,8 +89,8 @@ head row (`row_factor`), each against the median of the round's.
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
 `krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `unreached-classes`, `worse-on-own-classes`; `pulled-back`
 and `row-clipped` for the influence bounds) in the run's counters and logged (the influence bounds, which change half
-a round's updates by design, at debug level). The robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them
-and with every other rule.
+a round's updates by design, at debug level). The robust rules (coordinator/strategies/robust.py) go further; the
+bounds compose with them and with every other rule.
 """
 from __future__ import annotations
 
