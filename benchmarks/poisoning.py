@@ -187,6 +187,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "influence-rider": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip", "free_rider_factor": 0.25}}},
+    # reference-rows-1.25 with each update's samples counted by how much it lowered its mix's calibration loss
+    # (`trust_margin`, nats): all from 0.05 on (honest updates: a median of 0.46; `tinynoise` raised it by a
+    # median of 0.003, lowered it by 0.03 at most)
+    "trusted": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.25, "trust_margin": 0.05}}},
+    # ... refusing nothing for its size (claims capped, distances clipped: `influence`), which the trust weight
+    # is to make safe: noise claiming 10^9 samples weighs what it learnt
+    "influence-trusted": {"coordinator": {"guard": {
+        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
+        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip", "trust_margin": 0.05}}},
     # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
     "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
     # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x

@@ -39,8 +39,9 @@
                 way_back = "off" | "clip" (no step back toward the first global model beyond the round's median),
                 row_factor = 0.0 (off; a class's head row at most this x its claimants' lower median: influence.py),
                 direction_bound = "reject" | "project", reference = "off" | "classes" (each update on its classes'
-                calibration samples, coordinator/reference.py), reference_tolerance = 1.0, hold = 8 (the first
-                updates of a round, bounded together)
+                calibration samples, coordinator/reference.py), reference_tolerance = 1.0, trust_margin = 0.0
+                (off; an update that lowers its mix's calibration loss by less than this many nats counts that share
+                of its samples), hold = 8 (the first updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
