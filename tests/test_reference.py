@@ -131,6 +131,33 @@ def test_a_claim_of_a_class_the_run_has_not_reached_is_refused(round_one, digits
     assert unnamed.unreached(update) == []  # a round that names no classes: nothing to say a class is beyond them
 
 
+def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_one):
+    """`trust_margin`: an update that lowers its mix's calibration loss by the margin or more counts all its
+    samples (the joiner); the global model sent back with a little noise (`tinynoise`: 0.3x a step), claiming the
+    joiner's mix and 100 samples, lowers it by nothing and counts none, without being refused; one that lowers it
+    by half the margin counts half its samples. Off (0), nothing is weighed."""
+    global_weights, updates, reference = round_one
+    joiner = updates[0]
+    step = joiner.weights.astype(np.float64) - global_weights
+    direction = np.random.default_rng(0).standard_normal(step.size)
+    noise = global_weights + 0.3 * np.linalg.norm(step) * direction / np.linalg.norm(direction)
+    tiny = ClientUpdate("tinynoise", noise.astype(np.float32), 100, label_counts=joiner.label_counts,
+                        trained_counts=joiner.trained_counts)
+    margin = 0.05
+    bounds = UpdateBounds(krum_share=0.0, reference="classes", trust_margin=margin)
+    counters: Counter[str] = Counter()
+    assert reference.loss_change(joiner) < -margin
+    assert bounds.referenced(joiner, reference, counters) is joiner
+    assert abs(reference.loss_change(tiny)) < margin / 2  # it learnt nothing of the mix it claims
+    weighed = bounds.referenced(tiny, reference, counters)
+    assert weighed is not None and weighed.num_samples < 50 and counters == Counter({"weighed-down": 1})
+    half = UpdateBounds(krum_share=0.0, reference="classes", trust_margin=-2 * reference.loss_change(joiner))
+    assert half.referenced(joiner, reference, Counter()).num_samples == joiner.num_samples // 2
+    assert UpdateBounds(krum_share=0.0, reference="classes").referenced(tiny, reference, Counter()) is tiny
+    with pytest.raises(ValueError, match="trust_margin"):
+        UpdateBounds(trust_margin=-0.1)
+
+
 def test_a_device_that_claims_nothing_is_not_compared(round_one):
     global_weights, updates, reference = round_one
     nothing = ClientUpdate("empty", updates[2].weights, 0)
