@@ -244,13 +244,14 @@ class UpdateBounds:
         else the round's own."""
         if measured is None:
             measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
-        cap = self.sample_cap(RunningTypical([u.num_samples for u in updates]))
+        counts = RunningTypical([u.num_samples for u in updates])
+        cap = self.sample_cap(counts)
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
         within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
         progressing = (self.progressing(global_weights, u, path.last_step, counters) for u in within if u is not None)
-        checked = [c for c in (self.referenced(u, reference, counters) for u in progressing if u is not None)
-                   if c is not None]
+        checked = [c for c in (self.referenced(u, reference, counters, counts.value()) for u in progressing
+                               if u is not None) if c is not None]
         kept = (selection or KrumSelection(self.krum_share, self.hold, self.krum_radius)).select(checked, counters)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(global_weights, kept)
@@ -280,13 +281,13 @@ class UpdateBounds:
                     "undoes it", update.device, cosine, self.min_progress)
         return None
 
-    def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str]
-                   ) -> ClientUpdate | None:
+    def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str],
+                   typical_count: float | None = None) -> ClientUpdate | None:
         """The update, unless it claims samples of a class the run has not reached (refused: `unreached-classes`),
         or makes its own classes worse on the coordinator's calibration samples by more than `reference_tolerance`
-        (refused: `worse-on-own-classes`); with `trust_margin`, one that lowers that loss by less than the margin
-        counts that share of its samples (`weighed-down`; none where it does not lower it). A device that claims no
-        samples is not compared: it counts for nothing."""
+        (refused: `worse-on-own-classes`); with `trust_margin`, its samples are counted by how much it lowers that
+        loss (`trusted`; `typical_count`: the round's typical claim). A device that claims no samples is not
+        compared: it counts for nothing."""
         if reference is None or self.reference == "off" or update.num_samples <= 0:
             return update
         unreached = reference.unreached(update)
@@ -298,7 +299,7 @@ class UpdateBounds:
             return None
         change = reference.loss_change(update)
         if change <= self.reference_tolerance:
-            return self.trusted(update, change, counters)
+            return self.trusted(update, change, counters, typical_count)
         counters["worse-on-own-classes"] += 1
         parts, weights = reference.compared_on(update)
         log.warning("update of %s dropped: it raises the calibration loss of what it trained on (%s) by %.3g nats, "
@@ -307,20 +308,28 @@ class UpdateBounds:
                     change, self.reference_tolerance)
         return None
 
-    def trusted(self, update: ClientUpdate, change: float, counters: Counter[str]) -> ClientUpdate:
-        """The update, its samples counted by how much it lowered its mix's calibration loss (`change`, nats):
-        all of them at `trust_margin` or more, that share of them below, none where it did not lower it. FLTrust's
-        trust score (Cao et al., NDSS 2021) on the loss rather than a direction: what weighs in FedAvg is what a
-        device shows it learnt, so an update that learnt nothing of its data (noise, the global model sent back
-        with a little noise: `tinynoise`, `samples`) weighs nothing, whatever it claims, without being refused;
-        an honest update that learnt little weighs little (issue 56: 90 % of honest updates on digits lowered
-        their mix's loss, by a median of 0.46 nats). A bound on influence: nothing is refused here."""
-        if self.trust_margin <= 0 or change <= -self.trust_margin:
+    def trusted(self, update: ClientUpdate, change: float, counters: Counter[str],
+                typical_count: float | None = None) -> ClientUpdate:
+        """The update, its samples counted by how much it lowered its mix's calibration loss (`change`, nats): all
+        of them where it lowered it by `trust_margin` x its claim in the round's typical claims (`typical_count`;
+        at least 1), that share of them below, none where it did not lower it. FLTrust's trust score (Cao et al.,
+        NDSS 2021) on the loss rather than a direction: what weighs in FedAvg is what a device shows it learnt, so
+        an update that learnt nothing of its data (noise, the global model sent back with a little noise:
+        `tinynoise`) weighs nothing, whatever it claims, without being refused, and an honest one that learnt
+        little weighs little (issue 56: 90 % of honest updates on digits lowered their mix's loss, by a median of
+        0.46 nats). The more it claims, the more it must show: under the margin alone, noise whose claim of 10^9
+        samples was capped at 10x the typical count, and which lowered its loss a little, still cost 11.8 points
+        at 1 of 4 (`samples`). A bound on influence: nothing is refused here."""
+        if self.trust_margin <= 0:
             return update
-        counted = int(update.num_samples * max(0.0, -change) / self.trust_margin)
+        claimed = update.num_samples / typical_count if typical_count else 1.0
+        required = self.trust_margin * max(1.0, claimed)
+        if change <= -required:
+            return update
+        counted = int(update.num_samples * max(0.0, -change) / required)
         counters["weighed-down"] += 1
         log.debug("%s lowered its mix's calibration loss by %.3g nats, under %.3g: %d of its %d samples counted",
-                  update.device, -change, self.trust_margin, counted, update.num_samples)
+                  update.device, -change, required, counted, update.num_samples)
         return dataclasses.replace(update, num_samples=counted)
 
     def bounded(self, global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float, lower: float,
@@ -547,7 +556,7 @@ class BoundedStream:
         if bounded is not None:
             bounded = self.bounds.progressing(self.global_weights, bounded, self.path.last_step, self.counters)
         if bounded is not None:
-            bounded = self.bounds.referenced(bounded, self.reference, self.counters)
+            bounded = self.bounds.referenced(bounded, self.reference, self.counters, self.counts.value())
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:

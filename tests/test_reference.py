@@ -135,7 +135,8 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     """`trust_margin`: an update that lowers its mix's calibration loss by the margin or more counts all its
     samples (the joiner); the global model sent back with a little noise (`tinynoise`: 0.3x a step), claiming the
     joiner's mix and 100 samples, lowers it by nothing and counts none, without being refused; one that lowers it
-    by half the margin counts half its samples. Off (0), nothing is weighed."""
+    by half the margin counts half its samples, and an eighth at 4x the round's typical claim. Off (0), nothing is
+    weighed."""
     global_weights, updates, reference = round_one
     joiner = updates[0]
     step = joiner.weights.astype(np.float64) - global_weights
@@ -153,6 +154,9 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     assert weighed is not None and weighed.num_samples < 50 and counters == Counter({"weighed-down": 1})
     half = UpdateBounds(krum_share=0.0, reference="classes", trust_margin=-2 * reference.loss_change(joiner))
     assert half.referenced(joiner, reference, Counter()).num_samples == joiner.num_samples // 2
+    # the more it claims, the more it must show: at 4x the round's typical claim, 4x the margin
+    assert half.referenced(joiner, reference, Counter(), joiner.num_samples / 4).num_samples == joiner.num_samples // 8
+    assert half.referenced(joiner, reference, Counter(), joiner.num_samples * 4).num_samples == joiner.num_samples // 2
     assert UpdateBounds(krum_share=0.0, reference="classes").referenced(tiny, reference, Counter()) is tiny
     with pytest.raises(ValueError, match="trust_margin"):
         UpdateBounds(trust_margin=-0.1)
