@@ -210,7 +210,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",
-            "worse-on-own-classes", "unreached-classes", "undoes-last-step")  # the guard's counters
+            "worse-on-own-classes", "unreached-classes", "misplaced-classes", "undoes-last-step")  # the guard's counters
 CELL_FILE = "cell.json"
 MARK = 3.0  # points: a cell this far from its clean run is marked
 

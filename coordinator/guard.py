@@ -63,7 +63,8 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   device and test set) by more than `reference_tolerance` nats above the global model's is refused
   (`worse-on-own-classes`; coordinator/reference.py). It compares a device with the model, not with the other devices,
   so an update on classes no other device holds passes it. A claim of a class none of the run's tasks so far brings
-  cannot be compared and no honest device makes one: refused (`unreached-classes`). Without calibration samples it
+  cannot be compared and no honest device makes one: refused (`unreached-classes`), and so is a claim of samples of
+  the round's task of a class the task does not bring (`misplaced-classes`). Without calibration samples it
   is off (the coordinator says so once). With `trust_margin` (nats; off by default) an update that lowers that loss
   by less than the margin counts that share of its samples, none where it does not lower it (`weighed-down`): a
   bound on influence, not a refusal.
@@ -89,10 +90,10 @@ default): how far an update steps back toward the first global model (`way_back`
 head row (`row_factor`), each against the median of the round's.
 
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
-`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `unreached-classes`, `worse-on-own-classes`; `weighed-down`,
-`pulled-back` and `row-clipped` for the bounds on influence) in the run's counters and logged (the bounds on influence,
-which change a share of a round's updates by design, at debug level). The robust rules
-(coordinator/strategies/robust.py) go further; the bounds compose with them and with every other rule.
+`krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `unreached-classes`, `misplaced-classes`,
+`worse-on-own-classes`; `weighed-down`, `pulled-back` and `row-clipped` for the bounds on influence) in the run's
+counters and logged (the bounds on influence, which change a share of a round's updates by design, at debug level). The
+robust rules (coordinator/strategies/robust.py) go further; the bounds compose with them and with every other rule.
 """
 from __future__ import annotations
 
@@ -283,11 +284,12 @@ class UpdateBounds:
 
     def referenced(self, update: ClientUpdate, reference: ClassReference | None, counters: Counter[str],
                    typical_count: float | None = None) -> ClientUpdate | None:
-        """The update, unless it claims samples of a class the run has not reached (refused: `unreached-classes`),
-        or makes its own classes worse on the coordinator's calibration samples by more than `reference_tolerance`
-        (refused: `worse-on-own-classes`); with `trust_margin`, its samples are counted by how much it lowers that
-        loss (`trusted`; `typical_count`: the round's typical claim). A device that claims no samples is not
-        compared: it counts for nothing."""
+        """The update, unless it claims samples of a class the run has not reached (refused: `unreached-classes`) or
+        samples of the round's task of a class the task does not bring (`misplaced-classes`), or makes its own classes
+        worse on the coordinator's calibration samples by more than `reference_tolerance` (refused:
+        `worse-on-own-classes`); with `trust_margin`, its samples are counted by how much it lowers that loss
+        (`trusted`; `typical_count`: the round's typical claim). A device that claims no samples is not compared: it
+        counts for nothing."""
         if reference is None or self.reference == "off" or update.num_samples <= 0:
             return update
         unreached = reference.unreached(update)
@@ -296,6 +298,13 @@ class UpdateBounds:
             log.warning("update of %s dropped: it claims samples of classes the run has not reached (%s; tasks 0..%d "
                         "bring %s)", update.device, ", ".join(map(str, unreached[:10])), reference.ctx.task,
                         ", ".join(map(str, reference.ctx.seen_classes)))
+            return None
+        misplaced = reference.misplaced(update)
+        if misplaced:
+            counters["misplaced-classes"] += 1
+            log.warning("update of %s dropped: it claims samples of task %d of classes %s, which the task does not "
+                        "bring (%s)", update.device, reference.ctx.task, ", ".join(map(str, misplaced[:10])),
+                        ", ".join(map(str, reference.ctx.task_classes)))
             return None
         change = reference.loss_change(update)
         if change <= self.reference_tolerance:

@@ -162,6 +162,24 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
         UpdateBounds(trust_margin=-0.1)
 
 
+def test_a_claim_of_the_rounds_task_of_a_class_it_does_not_bring_is_refused(round_one, digits, manifest):
+    """Label flipping onto an earlier task's class in task 1: the flipped samples are recorded under task 1, whose
+    classes do not include it. No honest device holds such a sample; the joiner (task 1's own class) and the
+    store-only device (task 0's classes, recorded under task 0) are kept."""
+    global_weights, updates, reference = round_one
+    x1, y1 = digits.tasks[1].train()
+    old = digits.task_classes(0)
+    flipped = np.where(y1[:80] == digits.task_classes(1)[0], old[0], old[1])
+    update = _update("label-flip", _trained(manifest, global_weights, x1[:80], flipped, reference.ctx.seen_classes),
+                     flipped, 1)
+    assert reference.unreached(update) == [] and reference.misplaced(update) == sorted(old)
+    counters: Counter[str] = Counter()
+    bounds = UpdateBounds(krum_share=0.0, reference="classes")
+    assert bounds.referenced(update, reference, counters) is None and counters == Counter({"misplaced-classes": 1})
+    for honest in updates[:2]:
+        assert reference.misplaced(honest) == [] and bounds.referenced(honest, reference, counters) is honest
+
+
 def test_a_device_that_claims_nothing_is_not_compared(round_one):
     global_weights, updates, reference = round_one
     nothing = ClientUpdate("empty", updates[2].weights, 0)
@@ -254,7 +272,8 @@ def test_hostile_counts_and_weights_get_a_decision_never_an_exception(round_one,
     update = ClientUpdate("hostile", weights, samples, label_counts=label_counts, trained_counts=trained)
     counters: Counter[str] = Counter()
     kept = UpdateBounds(krum_share=0.0, reference="classes").referenced(update, reference, counters)
-    assert (kept is update) != (counters["worse-on-own-classes"] + counters["unreached-classes"] == 1)
+    assert (kept is update) != (sum(counters.values()) == 1)
+    assert set(counters) <= {"worse-on-own-classes", "unreached-classes", "misplaced-classes"}
 
 
 def test_a_domain_incremental_store_is_compared_on_each_domain_it_holds(manifest):
