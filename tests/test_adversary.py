@@ -173,9 +173,8 @@ def test_label_flip_trains_on_labels_flipped_all_to_all():
     assert y.tolist() == [9, 8, 7, 0] and y.dtype == np.int64 and x.shape == (4, 1)
 
 
-def test_an_omniscient_attacker_in_a_fleet_reads_every_honest_update_of_each_round(tmp_path):
-    """`mimic` in a real fleet (mosquitto, workers): the compromised device, in a worker of its own, reads the 3
-    honest devices' updates of every round before it sends (its update's `known_updates`)."""
+def _mimic_fleet(out, scenario: dict, rounds_per_task: int, min_clients: int) -> dict:
+    """A real fleet of 4 (mosquitto, workers) whose last device runs `mimic` under plain FedAvg: its results."""
     from coordinator.broker import mosquitto_path
     from edge_client.config import TrainerSettings
     from firmware_sim.fleet import Fleet, FleetConfig
@@ -183,15 +182,22 @@ def test_an_omniscient_attacker_in_a_fleet_reads_every_honest_update_of_each_rou
     if mosquitto_path() is None:
         pytest.skip("mosquitto is not installed (scripts/test installs it)")
     config = FleetConfig(
-        name="mimic", out=tmp_path / "run", devices=4, workers=1, model="lenet", seed=0, broker="mosquitto",
-        scenario={"preset": "digits-class", "n_tasks": 2}, policy={"name": "random"},
+        name="mimic", out=out, devices=4, workers=1, model="lenet", seed=0, broker="mosquitto",
+        scenario=scenario, policy={"name": "random"},
         trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3), client={"epochs": 1},
         strategy={"name": "fedavg"}, adversary=AdversarySettings("mimic", 1),
-        coordinator={"rounds_per_task": 2, "min_clients": 4, "deadline_s": 120.0, "wait_for_devices_s": 120.0,
+        coordinator={"rounds_per_task": rounds_per_task, "min_clients": min_clients, "deadline_s": 120.0,
+                     "wait_for_devices_s": 120.0,
                      "guard": {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0,
                                "krum_share": 0.0}},
     )
-    results = Fleet(config).run()
+    return Fleet(config).run()
+
+
+def test_an_omniscient_attacker_in_a_fleet_reads_every_honest_update_of_each_round(tmp_path):
+    """`mimic` in a real fleet (mosquitto, workers): the compromised device, in a worker of its own, reads the 3
+    honest devices' updates of every round before it sends (its update's `known_updates`)."""
+    results = _mimic_fleet(tmp_path / "run", {"preset": "digits-class", "n_tasks": 2}, 2, 4)
     assert results["rounds_completed"] == 4
     for entry in results["history"]:
         assert sorted(entry["received"]) == ["dev-000", "dev-001", "dev-002", "dev-003"]
@@ -203,26 +209,12 @@ def test_an_omniscient_attacker_waits_only_for_the_honest_devices_holding_data(t
     selected and saves no update. The compromised device reads the two honest updates of the first task's round
     and sends (it waited forever for the third before, and the round never closed), then all three once the
     device holds data."""
-    from coordinator.broker import mosquitto_path
-    from edge_client.config import TrainerSettings
-    from firmware_sim.fleet import Fleet, FleetConfig
     from firmware_sim.scenarios import scenario_from_config, shared_build
 
-    if mosquitto_path() is None:
-        pytest.skip("mosquitto is not installed (scripts/test installs it)")
     scenario = {"preset": "digits-class", "n_clients": 20, "seed": 5, "calibration": 10}
     first_tasks = [shared_build(scenario_from_config(scenario)).client_first_task(k) for k in range(4)]
     assert first_tasks == [1, 0, 0, 0]  # the case this test is about
-    config = FleetConfig(
-        name="mimic", out=tmp_path / "run", devices=4, workers=1, model="lenet", seed=0, broker="mosquitto",
-        scenario=scenario, policy={"name": "random"},
-        trainer=TrainerSettings(backend="torch", optimizer="adamw", lr=3e-3), client={"epochs": 1},
-        strategy={"name": "fedavg"}, adversary=AdversarySettings("mimic", 1),
-        coordinator={"rounds_per_task": 1, "min_clients": 3, "deadline_s": 120.0, "wait_for_devices_s": 120.0,
-                     "guard": {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0,
-                               "krum_share": 0.0}},
-    )
-    results = Fleet(config).run()
+    results = _mimic_fleet(tmp_path / "run", scenario, 1, 3)
     assert results["rounds_completed"] == 5
     first, *later = results["history"]
     assert sorted(first["received"]) == ["dev-001", "dev-002", "dev-003"]
