@@ -194,7 +194,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.25, "trust_margin": 0.05}}},
     # ... with a margin of 0.01: fewer honest updates weigh less (each one that does lends the attackers that keep
-    # full weight a larger share of the round: drift, ALIE, head scaling did more harm under 0.05)
+    # full weight a larger share of the round: drift, ALIE, head scaling seemed to do more harm under 0.05 over 5
+    # seeds; 10 did not confirm it for head scaling and drift)
     "trusted-0.01": {"coordinator": {"guard": {
         "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
         "row_factor": 1.25, "trust_margin": 0.01}}},
@@ -214,8 +215,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "checkpoint": {"collapse_drop": 0.0}}},
 }
 NO_ATTACK = ("clean", "all-honest")
-REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",
-            "worse-on-own-classes", "unreached-classes", "misplaced-classes", "undoes-last-step")  # the guard's counters
+REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",  # the guard's counters
+            "worse-on-own-classes", "unreached-classes", "misplaced-classes", "undoes-last-step")
 CELL_FILE = "cell.json"
 MARK = 3.0  # points: a cell this far from its clean run is marked
 
@@ -244,8 +245,8 @@ class Cell:
     def quorum(self, scenario: dict[str, Any]) -> int:
         """The round quorum: every honest device that holds data of the first task (one that joins later holds none
         before; at 20 shares of digits one may hold no sample of the first task's classes). Such a device says it
-        has no data and is not waited for; counted in the quorum, it would keep round 1 from ever closing. Devices that diverge still
-        fail the quorum (the `f` cells)."""
+        has no data and is not waited for; counted in the quorum, it would keep round 1 from ever closing. Devices
+        that diverge still fail the quorum (the `f` cells)."""
         data = shared_build(scenario_from_config(scenario))
         holding = sum(data.client_first_task(k) == 0 for k in range(self.honest))
         return max(1, holding)

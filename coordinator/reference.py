@@ -95,9 +95,7 @@ class ClassReference:
         so far brings (module docstring); none when the round names no classes."""
         if not self.ctx.seen_classes:
             return []
-        claimed = {c for c, n in enumerate(update.label_counts) if n > 0}
-        claimed |= {c for _, c, n in update.trained_counts if n > 0}
-        return sorted(claimed.difference(self.ctx.seen_classes))
+        return sorted(held_classes(update).difference(self.ctx.seen_classes))
 
     def misplaced(self, update: ClientUpdate) -> list[int]:
         """The classes the update claims samples of under the round's task (`trained_counts`) that the task does not
@@ -115,9 +113,7 @@ class ClassReference:
         fleet's others, and under the fleet's classes its model looked 17 nats worse on its own class (issue 56)."""
         if not self.device_masks:
             return self.fleet_mask
-        own = {c for c, n in enumerate(update.label_counts) if n > 0}
-        own |= {c for _, c, n in update.trained_counts if n > 0}
-        own = {c for c in own if c < self.evaluator.data.num_classes}
+        own = {c for c in held_classes(update) if c < self.evaluator.data.num_classes}
         return tuple(sorted(own)) if len(own) >= 2 else self.fleet_mask
 
     def _baseline(self, mask: tuple[int, ...]) -> dict[Part, float]:
@@ -177,6 +173,12 @@ class ClassReference:
             start += len(self.calibration[p][1])
             out[p] = mean if math.isfinite(mean) else math.inf
         return out
+
+
+def held_classes(update: ClientUpdate) -> set[int]:
+    """The classes the update's device says it has held samples of: those it has seen (`label_counts`) and those
+    it trained on (`trained_counts`)."""
+    return {c for c, n in enumerate(update.label_counts) if n > 0} | {c for _, c, n in update.trained_counts if n > 0}
 
 
 def calibration_by_part(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[Part, tuple[np.ndarray, np.ndarray]]:
