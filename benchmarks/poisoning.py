@@ -12,11 +12,13 @@ label-flip). So the difference between an attacked run and the clean run of the 
 and nothing else: the runs are deterministic, and an attack the settings remove entirely leaves the clean run's
 trajectory exactly as it was.
 
-Settings (`--settings`): `default` (a coordinator file without [guard] or [strategy]: FedAvg after the guard's
-bounds and Krum selection, which together are Multi-Krum), `fedavg` (plain FedAvg: every bound and check off),
-`no-krum` (the default bounds without Krum selection), and the robust rules after the default bounds (`median`,
-`trimmed-mean`, `centered-clip`), and the candidates for a default of issue 56 (`SETTINGS`, each with why: bounded
-influence, the direction projection, the calibration reference). Printed per setting and fleet: the clean final accuracy (mean ±
+Settings (`--settings`): `default` (a coordinator file without [guard] or [strategy]: with calibration samples, as
+in the `-cal` splits, FedAvg after the calibration reference with its trust weight and the size, direction and
+influence bounds; without them, Krum selection in their place: coordinator/guard.py), `fedavg` (plain FedAvg: every
+bound and check off), `multi-krum` (the default before issue 56: Krum selection and the size bounds), the robust
+rules after the default bounds (`median`, `trimmed-mean`, `centered-clip`), and two variants of the default
+(`default-krum`: Krum selection beside the reference; `influence`: claims capped and distances clipped instead of
+refused). Printed per setting and fleet: the clean final accuracy (mean ±
 std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
 (attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
 devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
@@ -61,6 +63,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from coordinator.guard import OFF  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS  # noqa: E402
 from firmware_sim.scenarios import scenario_from_config, shared_build  # noqa: E402
@@ -107,112 +110,25 @@ SCENARIOS = {
 CALIBRATION = 10  # a class's calibration samples in the "-cal" splits (digits: about 7 % of a class's train images)
 SCENARIOS.update({f"{name}-cal": dataclasses.replace(SCENARIOS[name], calibration=CALIBRATION)
                   for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics", "digits-domain")})
-PLAIN_GUARD = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0}
-BOUNDED_GUARD = {"norm_bound": "clip", "sample_bound": "cap", "free_rider_factor": 0.0, "krum_share": 0.0}
-TURN_GUARD = {"krum_share": 0.0, "min_alignment": 0.0, "direction_bound": "project"}
+# the guard before issue 56's default: Krum selection in every round and the size bounds, nothing compared with the
+# calibration samples, no direction or influence bound
+MULTI_KRUM = {"krum_when": "always", "reference": "off", "trust_margin": 0.0, "min_alignment": -1.0,
+              "min_progress": -1.0, "way_back": "off", "row_factor": 0.0}
 SETTINGS: dict[str, dict[str, Any]] = {
-    "default": {},  # a coordinator file without [guard] or [strategy]
+    # a coordinator file without [guard] or [strategy]: with calibration samples (the "-cal" splits), the reference
+    # and its trust weight, the size, direction and influence bounds, FedAvg; without them, Krum selection instead
+    "default": {},
     "fedavg": {"strategy": {"name": "fedavg"},  # plain FedAvg: every bound and check off
-               "coordinator": {"guard": PLAIN_GUARD, "checkpoint": {"explode_factor": 0.0, "collapse_drop": 0.0}}},
-    "no-krum": {"coordinator": {"guard": {"krum_share": 0.0}}},  # the default bounds without Krum selection
+               "coordinator": {"guard": OFF, "checkpoint": {"explode_factor": 0.0, "collapse_drop": 0.0}}},
+    "multi-krum": {"coordinator": {"guard": MULTI_KRUM}},  # the default before issue 56
     "median": {"strategy": {"name": "median"}},  # each robust rule after the default bounds
     "trimmed-mean": {"strategy": {"name": "trimmed-mean"}},
     "centered-clip": {"strategy": {"name": "centered-clip"}},
-    # candidates for a default that bounds each update's influence instead of refusing it (issue 56): no Krum,
-    # no free-rider refusal, claims capped and distances clipped at the guard's factors; then FedAvg or centered
-    # clipping
-    "bounded": {"coordinator": {"guard": BOUNDED_GUARD}},
-    "bounded-cc": {"coordinator": {"guard": BOUNDED_GUARD}, "strategy": {"name": "centered-clip"}},
-    # the default bounds without Krum, and what points against the round's others taken out of an update (what is
-    # new to them kept) instead
-    "turn": {"coordinator": {"guard": TURN_GUARD}},
-    # the default bounds without Krum, and each update compared on its own classes' calibration samples (needs
-    # --calibration)
-    "reference": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes"}}},
-    # ... with nothing refused for what skewed honest devices do: no free-rider check (a device with little data for
-    # the task moves the model little), claims capped at the (f+1)-th largest of the round instead of refused beyond
-    # 10x the median
-    "reference-open": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_factor": 0.0,
-        "sample_rank": 0.25, "sample_bound": "cap"}}},
-    # ... with claims beyond 10x the median capped there (not refused), which leaves a round of claims within that
-    # range as FedAvg weighs it (the rank cap acts in every round)
-    "reference-capped": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap"}}},
-    # ... and what points against the round's others taken out (`turn`): the reference sees an update that makes its
-    # own data worse, the direction one that pulls the others' progress back (drift, the reversed step)
-    "reference-turn": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "free_rider_factor": 0.0, "sample_bound": "cap",
-        "min_alignment": 0.0, "direction_bound": "project"}}},
-    # ... with a tolerance of 0.2 nats instead of 1: honest updates raised their mix's loss by more in 8 of 1,767
-    # (the all-honest digits fleets of 4 and 8, four -cal splits, 3 seeds), the crafted attacks that keep near the
-    # honest centre (Min-Max, Min-Sum, the reversed step) by a median of 0.1-0.2
-    "reference-tight": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
-                                                  "reference_tolerance": 0.2}}},
-    # ... and an update that points back along the fleet's last global step refused (`min_progress`): the reversed
-    # step points -1 against it; honest updates down to -0.83 (3 of 6 in one round at Dirichlet 0.1: at -0.8 they
-    # were refused)
-    "reference-progress": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
-                                                     "reference_tolerance": 0.2, "min_progress": -0.95}}},
-    # ... and one that points against the round's others refused: honest updates pointed at least -0.76 (cosine)
-    # against them, Min-Max and Min-Sum -1 in most rounds (their crafted update is the honest mean reversed)
-    "reference-aligned": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
-                                                    "reference_tolerance": 0.2, "min_progress": -0.95,
-                                                    "min_alignment": -0.9}}},
-    # the two direction bounds with the reference at its 1 nat: the tolerance of 0.2 refused 15 honest updates of
-    # 3,456 (1.7 % of a fleet of 4 at Dirichlet 0.1 and under client dynamics), the direction bounds none
-    "reference-directed": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes",
-                                                     "min_progress": -0.95, "min_alignment": -0.9}}},
-    # ... and no update stepping back toward the first global model further than the round's median step back
-    # (`way_back`): drift's pull back to the start is one direction, along which honest updates differ little
-    "reference-path": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
-                                                 "min_alignment": -0.9, "way_back": "clip"}}},
-    # ... and no class's head row longer than the lower median of its claimants' (`row_factor`; x1.5: SDD's own)
-    "reference-rows": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "min_progress": -0.95,
-                                                 "min_alignment": -0.9, "way_back": "clip", "row_factor": 1.0}}},
-    "reference-rows-1.25": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25}}},
-    "reference-rows-1.5": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.5}}},
-    # reference-rows-1.25 refusing nothing an honest device at Dirichlet 0.1 sends: a claim beyond 10x the median
-    # counted as that (not refused), an update beyond 3x the median distance clipped onto it (not refused); what
-    # a clipped update still does, the reference, the direction and the influence bounds see
-    "influence": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip"}}},
-    # ... and an update that moved the model less than a quarter of the median distance refused as a free rider
-    # (tinynoise moved 0.1-0.2x: a tenth let it in)
-    "influence-rider": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip", "free_rider_factor": 0.25}}},
-    # reference-rows-1.25 with each update's samples counted by how much it lowered its mix's calibration loss
-    # (`trust_margin`, nats): all from 0.05 on (honest updates: a median of 0.46; `tinynoise` raised it by a
-    # median of 0.003, lowered it by 0.03 at most)
-    "trusted": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25, "trust_margin": 0.05}}},
-    # ... with a margin of 0.01: fewer honest updates weigh less (each one that does lends the attackers that keep
-    # full weight a larger share of the round: drift, ALIE, head scaling seemed to do more harm under 0.05 over 5
-    # seeds; 10 did not confirm it for head scaling and drift)
-    "trusted-0.01": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25, "trust_margin": 0.01}}},
-    # trusted refusing nothing for its size (claims capped, distances clipped: `influence`), which the trust weight
-    # is to make safe: noise claiming 10^9 samples weighs what it learnt
-    "influence-trusted": {"coordinator": {"guard": {
-        "krum_share": 0.0, "reference": "classes", "min_progress": -0.95, "min_alignment": -0.9, "way_back": "clip",
-        "row_factor": 1.25, "sample_bound": "cap", "norm_bound": "clip", "trust_margin": 0.05}}},
-    # ... with claims beyond 10x the median capped there instead of refused, the free-rider check on
-    "reference-trained": {"coordinator": {"guard": {"krum_share": 0.0, "reference": "classes", "sample_bound": "cap"}}},
-    # no free-rider refusal, claims capped by their rank (at the largest honest claim) rather than refused beyond 10x
-    # the median (skewed honest claims lie beyond it), and no rollback on a collapse of the task's accuracy (skewed
-    # honest rounds swing by half)
-    "turn-rank": {"coordinator": {
-        "guard": {**TURN_GUARD, "free_rider_factor": 0.0, "sample_factor": 0.0, "sample_rank": 0.25,
-                  "sample_bound": "cap"},
-        "checkpoint": {"collapse_drop": 0.0}}},
+    # the default with Krum selection in the rounds that have a reference too
+    "default-krum": {"coordinator": {"guard": {"krum_when": "always"}}},
+    # the default refusing nothing for its size (claims capped, distances clipped), which the trust weight was to
+    # make safe: two colluders' scaled updates, clipped, took 16 points (issue 56)
+    "influence": {"coordinator": {"guard": {"sample_bound": "cap", "norm_bound": "clip"}}},
 }
 NO_ATTACK = ("clean", "all-honest")
 REFUSALS = ("samples-rejected", "norm-rejected", "free-rider", "krum-outlier", "misaligned",  # the guard's counters

@@ -4,27 +4,28 @@ refused: how far it steps back toward the fleet's first global model, and how lo
 Both are attacks that a rule comparing updates as wholes cannot see, because they move a sliver of the model or one
 direction of it, in an honest update's company (issue 56, docs/results.md):
 
-- **The way back** (`way_back = "clip"`; off by default): each update's step back toward the first global model g0,
-  its change's component along u = (g0 - g) / |g0 - g|, is cut to the round's median step back (over the updates
-  that claim samples); what it does across u stays. `drift` (firmware_sim/adversary.py: an honest update plus its
-  own length along u) passed every other bound and took 8.7 points from the class-incremental digits fleet at 1 of
-  4; it keeps its honest part. Honest updates step back too (a new task's training forgets some of the old ones)
-  and differ in how far: the one direction's median is what the round's majority did along it, as coordinate-wise
-  median (Yin et al. 2018) takes it for every coordinate. One-sided: a step further from the start is bounded by the
-  distance bound, and is what learning does.
-- **Head rows** (`row_factor`; 0, off, by default): each update's head row of class c (head.weight's row and head.bias's
-  entry, models.manifest.class_head_positions) is at most `row_factor` times the lower median of the lengths of the
-  round's rows of c from the updates that claim c (their `trained_counts`, else `label_counts`), or the global model's
-  row of c where that is longer: longer, it is scaled back onto that length, whoever sent it. Never under the global
-  model's row, because the rows of a class the round trains little on (an old class, kept by replay) shrink in every
-  honest update, and cutting them to the shortest forgets the class faster. A row sets how strongly the model answers
-  its class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's answers over from every
-  other class while it moves the model a sliver and makes its own classes' calibration loss lower; SDD's CSWA has this
-  bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the devices that trained on the
-  class only: a class that one device brings is bounded by its own row, which it is within (novelty stays free, and a
-  device alone with a class can scale it: what no comparison with peers can see), and a device that did not train on a
-  class cannot make its row longer than the one that did. The lower median, because with two claimants the upper one may
-  be the scaled one. A class no update claims (one the fleet has not met) has no bound.
+- **The way back** (`way_back = "clip"`, the default; "off"): each update's step back toward the first global model
+  g0, its change's component along u = (g0 - g) / |g0 - g|, is cut to the round's median step back (over the updates
+  that claim samples); what it does across u stays. `drift` (firmware_sim/adversary.py: an honest update plus its own
+  length along u) passed every other bound and took 8.7 points from the class-incremental digits fleet at 1 of 4; it
+  keeps its honest part. Honest updates step back too (a new task's training forgets some of the old ones) and differ
+  in how far: the one direction's median is what the round's majority did along it, as coordinate-wise median (Yin et
+  al. 2018) takes it for every coordinate. One-sided: a step further from the start is bounded by the distance bound,
+  and is what learning does.
+- **Head rows** (`row_factor`; 1.25 by default, 0: off): each update's head row of class c (head.weight's row and
+  head.bias's entry, models.manifest.class_head_positions) is at most `row_factor` times the lower median of the
+  lengths of the round's rows of c from the updates that claim c (their `trained_counts`, else `label_counts`), or the
+  global model's row of c where that is longer: longer, it is scaled back onto that length, whoever sent it. Never
+  under the global model's row, because the rows of a class the round trains little on (an old class, kept by replay)
+  shrink in every honest update, and cutting them to the shortest forgets the class faster. A row sets how strongly
+  the model answers its class, so a device that scales its own classes' rows (`head-scale`: x2) takes the model's
+  answers over from every other class while it moves the model a sliver and makes its own classes' calibration loss
+  lower; SDD's CSWA has this bound of its own (coordinator/strategies/sdd.py `row_lengths_bound`). Compared among the
+  devices that trained on the class only: a class that one device brings is bounded by its own row, which it is within
+  (novelty stays free, and a device alone with a class can scale it: what no comparison with peers can see), and a
+  device that did not train on a class cannot make its row longer than the one that did. The lower median, because
+  with two claimants the upper one may be the scaled one. A class no update claims (one the fleet has not met) has no
+  bound.
 
 Each bound changes the update it acts on (a new array) and counts it (`pulled-back`, `row-clipped`); neither refuses.
 They act last, after the bounds that refuse, which judge what a device sent. A round's updates held together are

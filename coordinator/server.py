@@ -168,8 +168,9 @@ class Coordinator:
                 else:
                     self.run_round()
             if self.record.total_rounds and not self._a_device_trained():
-                raise QuorumError("no device trained in any round: every device reported it cannot train or sent "
-                                  "nothing (their reasons: device_errors in results.json)")
+                raise QuorumError("no device trained in any round: every device reported it cannot train, sent "
+                                  "nothing, or had every update refused (the reasons: device_errors and counters in "
+                                  "results.json, the log's lines above)")
             self.record.outcome = "complete"
         except KeyboardInterrupt:
             self.record.outcome = "stopped"
@@ -240,8 +241,12 @@ class Coordinator:
         calibration = calibration_by_part([self.data.calibration(t) for t in range(ctx.task + 1)])
         if not calibration:
             if not self._said_no_calibration:
-                log.warning("[guard] reference = %r, but the test data hold no calibration samples: updates are not "
-                            "compared with it", self.config.guard.reference)
+                instead = ("updates are compared with each other instead (Krum selection), which refuses honest "
+                           "devices that bring classes no other holds" if self.config.guard.krum_share > 0 else
+                           "updates are not compared with it")
+                log.warning("[guard] reference = %r, but the test data hold no calibration samples (calibration-<t>"
+                            ".npz, `edgefil data split --calibration N`; a scenario's `calibration`): %s",
+                            self.config.guard.reference, instead)
                 self._said_no_calibration = True
             return None
         # a device masks the classes it has not seen unless the round names the fleet's or says not to mask

@@ -13,7 +13,8 @@ writes, into the folder (`lab/`):
                             `edgefil watch`
 
 and prints the commands that come next: `edgefil data split` (the devices' task files and the test sets, in the
-preset's class order), `edgefil export` (the model), the broker, the coordinator and one client per device. Every
+preset's class order, and the calibration samples the coordinator's guard compares updates on: 10 a class,
+`ScenarioKind.calibration`), `edgefil export` (the model), the broker, the coordinator and one client per device. Every
 relative path in the files is relative to the file's own folder, so the folder can move whole. Writing into a
 folder that holds any of these files is refused: nothing is overwritten.
 """
@@ -96,14 +97,15 @@ folder = "../data/devices/{device}"   # task-<t>.npz (x float32, y int64) from e
 
 
 def fleet_file(fleet: str, preset_name: str, devices: list[str], budget: int, policy: str, rounds_per_task: int,
-               epochs: int, model: str) -> str:
+               epochs: int, model: str, calibration: int) -> str:
     return f"""# The same federation as a simulated fleet on this machine (every key: firmware_sim/fleet.py):
 #   edgefil fleet run fleet.toml --dashboard 8765
 name = "{fleet}-rehearsal"
 out = "rehearsal"
 devices = {len(devices)}
 model = "{model}"
-scenario = {{preset = "{preset_name}"}}
+scenario = {{preset = "{preset_name}", calibration = {calibration}}}   # calibration: samples a class the
+                                   # coordinator keeps for its guard's trust reference (none on a device)
 
 [policy]
 name = "{policy}"
@@ -142,16 +144,23 @@ def write_starter(folder: Path, fleet: str, preset_name: str, devices: list[str]
         account = load_toml(folder / "broker" / "devices" / f"{device}.toml")["broker"]
         write_private(folder / "devices" / f"{device}.toml", device_file(fleet, device, account, budget, policy))
     (folder / "fleet.toml").write_text(fleet_file(fleet, preset_name, devices, budget, policy, rounds_per_task,
-                                                  epochs, model_for(data)))
+                                                  epochs, model_for(data), calibration_of(data)))
     return targets
+
+
+def calibration_of(data: ScenarioData) -> int:
+    """The calibration samples a class the first federation keeps (`ScenarioKind.calibration`)."""
+    return data.scenario.kind_class().calibration(data.scenario)
 
 
 def next_steps(folder: Path, preset_name: str, devices: list[str]) -> str:
     data = preset(preset_name, n_clients=len(devices)).build()
     shape = ",".join(map(str, data.input_shape))
     clients = "\n".join(f"  edgefil client --config {folder}/devices/{d}.toml" for d in devices)
+    calibration = calibration_of(data)
+    kept = f" --calibration {calibration}" if calibration else ""
     return (f"next:\n"
-            f"  edgefil data split --preset {preset_name} --devices {','.join(devices)} --out {folder}/data\n"
+            f"  edgefil data split --preset {preset_name} --devices {','.join(devices)}{kept} --out {folder}/data\n"
             f"  edgefil export --model {model_for(data)} --classes {data.num_classes} --input-shape {shape} "
             f"--out {folder}/artifacts\n"
             f"  mosquitto -c {folder}/broker/mosquitto.conf -d\n"

@@ -1,7 +1,8 @@
 """The README's first federation, run as it stands: init, data split, export, mosquitto, the coordinator and two
 clients, against a real mosquitto; the accuracy matrix means something, the report is written, every process
 exits. Then the same federation with the devices fed the digits in their natural class order (the mistake the
-README once made itself): the coordinator says so in one line per device."""
+README once made itself): the coordinator says so in one line per device, and its guard refuses their updates
+(claims of classes it cannot compare on its calibration samples)."""
 from __future__ import annotations
 
 import json
@@ -121,7 +122,9 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
                    for d in ("pi-1", "pi-2")]
         processes = [coordinator, *clients]
         log, _ = coordinator.communicate(timeout=300)
-        assert coordinator.returncode == 0, log[-3000:]
+        # the guard cannot compare a claim of classes the run has not reached with its calibration samples, so it
+        # refuses every update: the run ends saying no device trained, and why each update was refused
+        assert coordinator.returncode == 2 and "had every update refused" in log, log[-3000:]
         assert [c.wait(timeout=60) for c in clients] == [0, 0]  # they exit when the run ends
     finally:
         for process in processes:  # whatever failed above: nothing of this run stays behind
@@ -135,3 +138,6 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     assert (lab / "natural" / "summary.md").is_file()  # the coordinator writes the report at a run's end
     natural = json.loads((lab / "natural" / "results.json").read_text())
     assert natural["counters"]["class-mismatch"] == len(warnings) <= 2 * 5  # one per device and task at most
+    refused = sum(natural["counters"].get(k, 0) for k in ("unreached-classes", "misplaced-classes",
+                                                          "worse-on-own-classes"))
+    assert refused == sum(len(entry["received"]) for entry in natural["history"]) > 0, natural["counters"]

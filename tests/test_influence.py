@@ -12,8 +12,8 @@ from coordinator.influence import FleetPath, HeadLayout
 from coordinator.strategies.base import ClientUpdate
 from models.manifest import ParameterInfo
 
-# every bound that refuses off: what is left is the influence bounds
-OPEN = UpdateBounds(krum_share=0.0, free_rider_factor=0.0, norm_bound="off", sample_factor=0.0)
+# every bound off: what a test turns on is what acts
+OPEN = UpdateBounds.only()
 CLASSES, WIDTH, BODY = 4, 5, 30
 PARAMETERS = (ParameterInfo("body.weight", (BODY,)), ParameterInfo("head.weight", (CLASSES, WIDTH)),
               ParameterInfo("head.bias", (CLASSES,)))
@@ -33,7 +33,7 @@ def test_no_update_steps_back_toward_the_first_model_further_than_the_rounds_med
     """`way_back = "clip"`: an update's component along the way back to the first global model, (g0 - g) / |g0 - g|,
     is cut to the round's median (of the updates that claim samples), what it does across that direction stays, an
     update at or under the median is passed as it is; drift (an honest update plus |d| along the way back) keeps
-    its honest part. Off by default; no way back known or a claim of no samples: nothing changed."""
+    its honest part. Off: nothing changed; no way back known or a claim of no samples: nothing changed."""
     rng = np.random.default_rng(6)
     first = rng.standard_normal(300).astype(np.float32)
     current = (first + rng.standard_normal(300) * 0.1).astype(np.float32)
@@ -59,7 +59,7 @@ def test_no_update_steps_back_toward_the_first_model_further_than_the_rounds_med
         np.testing.assert_allclose(moved - np.dot(moved, back) * back, across, atol=1e-5)
     assert np.linalg.norm(out[4].weights - current - changes[0]) < 0.2 * np.linalg.norm(changes[0])  # drift: honest
     assert all(u is s for u, s in zip(OPEN.apply(
-        current, updates, Counter(), path=path), updates))  # off by default
+        current, updates, Counter(), path=path), updates))  # off
     assert all(u is s for u, s in zip(bounds.apply(current, updates, Counter()), updates))  # no way back known
     nothing = updates_of(weights, [10, 10, 10, 10, 0])  # the drift claims nothing: not counted, not changed
     counters = Counter()

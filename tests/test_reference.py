@@ -103,12 +103,11 @@ def test_honest_updates_lower_the_loss_of_what_they_trained_on_and_attacks_raise
 @pytest.mark.parametrize("which, kept", [("round_one", ["joiner", "store-only"]), ("round_two", ["honest"])])
 def test_the_guard_refuses_what_makes_its_own_mix_worse_and_keeps_novelty(which, kept, request):
     global_weights, updates, reference = request.getfixturevalue(which)
-    only = {"krum_share": 0.0, "free_rider_factor": 0.0, "norm_bound": "off"}  # the reference alone
     counters: Counter[str] = Counter()
-    kept_by = UpdateBounds(**only, reference="classes").apply(global_weights, updates, counters, reference=reference)
-    assert [u.device for u in kept_by] == kept
+    kept_by = UpdateBounds.only(reference="classes").apply(global_weights, updates, counters, reference=reference)
+    assert [u.device for u in kept_by] == kept  # the reference alone
     assert counters["worse-on-own-classes"] == len(updates) - len(kept)
-    assert len(UpdateBounds(**only).apply(global_weights, updates, Counter(), reference=reference)) == len(updates)
+    assert len(UpdateBounds.only().apply(global_weights, updates, Counter(), reference=reference)) == len(updates)
 
 
 def test_a_claim_of_a_class_the_run_has_not_reached_is_refused(round_one, digits, manifest):
@@ -123,7 +122,7 @@ def test_a_claim_of_a_class_the_run_has_not_reached_is_refused(round_one, digits
     update = _update("label-flip", _trained(manifest, global_weights, x1[:80], flipped, tuple(range(10))), flipped, 1)
     assert reference.unreached(update) == unseen
     counters: Counter[str] = Counter()
-    bounds = UpdateBounds(krum_share=0.0, reference="classes")
+    bounds = UpdateBounds.only(reference="classes")
     assert bounds.referenced(update, reference, counters) is None
     assert counters == Counter({"unreached-classes": 1})
     assert bounds.referenced(updates[0], reference, counters) is updates[0] and reference.unreached(updates[0]) == []
@@ -145,19 +144,19 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     tiny = ClientUpdate("tinynoise", noise.astype(np.float32), 100, label_counts=joiner.label_counts,
                         trained_counts=joiner.trained_counts)
     margin = 0.05
-    bounds = UpdateBounds(krum_share=0.0, reference="classes", trust_margin=margin)
+    bounds = UpdateBounds.only(reference="classes", trust_margin=margin)
     counters: Counter[str] = Counter()
     assert reference.loss_change(joiner) < -margin
     assert bounds.referenced(joiner, reference, counters) is joiner
     assert abs(reference.loss_change(tiny)) < margin / 2  # it learnt nothing of the mix it claims
     weighed = bounds.referenced(tiny, reference, counters)
     assert weighed is not None and weighed.num_samples < 50 and counters == Counter({"weighed-down": 1})
-    half = UpdateBounds(krum_share=0.0, reference="classes", trust_margin=-2 * reference.loss_change(joiner))
+    half = UpdateBounds.only(reference="classes", trust_margin=-2 * reference.loss_change(joiner))
     assert half.referenced(joiner, reference, Counter()).num_samples == joiner.num_samples // 2
     # the more it claims, the more it must show: at 4x the round's typical claim, 4x the margin
     assert half.referenced(joiner, reference, Counter(), joiner.num_samples / 4).num_samples == joiner.num_samples // 8
     assert half.referenced(joiner, reference, Counter(), joiner.num_samples * 4).num_samples == joiner.num_samples // 2
-    assert UpdateBounds(krum_share=0.0, reference="classes").referenced(tiny, reference, Counter()) is tiny
+    assert UpdateBounds.only(reference="classes").referenced(tiny, reference, Counter()) is tiny
     with pytest.raises(ValueError, match="trust_margin"):
         UpdateBounds(trust_margin=-0.1)
 
@@ -174,7 +173,7 @@ def test_a_claim_of_the_rounds_task_of_a_class_it_does_not_bring_is_refused(roun
                      flipped, 1)
     assert reference.unreached(update) == [] and reference.misplaced(update) == sorted(old)
     counters: Counter[str] = Counter()
-    bounds = UpdateBounds(krum_share=0.0, reference="classes")
+    bounds = UpdateBounds.only(reference="classes")
     assert bounds.referenced(update, reference, counters) is None and counters == Counter({"misplaced-classes": 1})
     for honest in updates[:2]:
         assert reference.misplaced(honest) == [] and bounds.referenced(honest, reference, counters) is honest
@@ -183,7 +182,7 @@ def test_a_claim_of_the_rounds_task_of_a_class_it_does_not_bring_is_refused(roun
 def test_a_device_that_claims_nothing_is_not_compared(round_one):
     global_weights, updates, reference = round_one
     nothing = ClientUpdate("empty", updates[2].weights, 0)
-    assert UpdateBounds(krum_share=0.0, reference="classes").referenced(nothing, reference, Counter()) is nothing
+    assert UpdateBounds.only(reference="classes").referenced(nothing, reference, Counter()) is nothing
 
 
 def test_without_trained_counts_an_update_is_compared_on_the_task_classes_it_has_seen(round_one, digits):
@@ -251,7 +250,7 @@ def test_a_folding_rules_later_updates_are_compared_as_they_arrive(round_one):
     global_weights, updates, reference = round_one
     taken: list[str] = []
     counters: Counter[str] = Counter()
-    bounds = UpdateBounds(krum_share=0.0, free_rider_factor=0.0, norm_bound="off", reference="classes", hold=1)
+    bounds = UpdateBounds.only(reference="classes", hold=1)
     stream = bounds.stream(global_weights, lambda u: taken.append(u.device), counters, reference)
     for update in updates:  # the joiner is held and released; the others stream
         stream.add(update)
@@ -271,7 +270,7 @@ def test_hostile_counts_and_weights_get_a_decision_never_an_exception(round_one,
     weights = (global_weights + np.float32(scale) * np.sign(updates[0].weights - global_weights)).astype(np.float32)
     update = ClientUpdate("hostile", weights, samples, label_counts=label_counts, trained_counts=trained)
     counters: Counter[str] = Counter()
-    kept = UpdateBounds(krum_share=0.0, reference="classes").referenced(update, reference, counters)
+    kept = UpdateBounds.only(reference="classes").referenced(update, reference, counters)
     assert (kept is update) != (sum(counters.values()) == 1)
     assert set(counters) <= {"worse-on-own-classes", "unreached-classes", "misplaced-classes"}
 
@@ -299,3 +298,16 @@ def test_a_domain_incremental_store_is_compared_on_each_domain_it_holds(manifest
     latest_only = ClientUpdate("store", weights, len(y), trained_counts=[(1, c, n) for _, c, n in parts])
     assert reference.compared_on(by_domain) == ([(0, 7), (0, 6), (0, 2), (1, 7)], [float(n) for _, _, n in parts])
     assert reference.loss_change(by_domain) < 0 < reference.loss_change(latest_only)
+
+
+def test_krum_selection_is_off_in_rounds_that_have_a_calibration_reference(round_one):
+    """Krum compares updates with each other and reads a device that brings new classes as an outlier; where the
+    round has a calibration reference, the defaults leave it out (`krum_when`), and keep it where it has none."""
+    _, _, reference = round_one
+    defaults = UpdateBounds()
+    assert defaults.krum_share > 0 and defaults.selection(reference).share == 0.0
+    assert defaults.selection(None).share == defaults.krum_share
+    assert UpdateBounds(krum_when="always").selection(reference).share == defaults.krum_share
+    assert UpdateBounds(reference="off").selection(reference).share == defaults.krum_share
+    with pytest.raises(ValueError, match="krum_when"):
+        UpdateBounds(krum_when="never")

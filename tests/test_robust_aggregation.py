@@ -188,7 +188,7 @@ def test_an_update_pointing_against_the_others_is_refused_held_or_streamed():
     counters: Counter[str] = Counter()
     out = bounds.apply(np.zeros(200, np.float32), updates_of(deltas), counters)
     assert [u.device for u in out] == [f"d{k}" for k in range(5)] and counters == {"misaligned": 1}
-    off = UpdateBounds(krum_share=0.0)
+    off = UpdateBounds.only()
     assert len(off.apply(np.zeros(200, np.float32), updates_of(deltas), Counter())) == 6
     taken: list[str] = []
     counters = Counter()
@@ -214,13 +214,12 @@ def test_an_update_that_undoes_the_fleets_last_step_is_refused_held_or_streamed(
         step, step) * step]
     weights = [current + c for c in changes] + [previous]  # the last one sends g' back
     path = FleetPath(last_step=current.astype(np.float64) - previous)
-    bounds = UpdateBounds(min_progress=-0.8, krum_share=0.0, free_rider_factor=0.0)
+    bounds = UpdateBounds.only(min_progress=-0.8)
     counters: Counter[str] = Counter()
     out = bounds.apply(current, updates_of(weights), counters, path=path)
     assert [u.device for u in out] == [f"d{k}" for k in range(4)] and counters == {"undoes-last-step": 1}
     assert len(bounds.apply(current, updates_of(weights), Counter())) == 5  # no step known
-    assert len(UpdateBounds(krum_share=0.0, free_rider_factor=0.0).apply(
-        current, updates_of(weights), Counter(), path=path)) == 5  # off by default
+    assert len(UpdateBounds.only().apply(current, updates_of(weights), Counter(), path=path)) == 5  # off
     nothing = updates_of(weights, [10, 10, 10, 10, 0])
     assert len(bounds.apply(current, nothing, Counter(), path=path)) == 5
     halfway = updates_of([*weights[:4], (current + previous) / 2])  # part of the way back is the same direction
@@ -299,7 +298,7 @@ def test_krum_selection_refuses_the_quarter_farthest_from_their_neighbours_and_f
     got = make_strategy("fedavg", device="cpu").aggregate(torch.zeros(40), kept).global_weights.numpy()
     np.testing.assert_allclose(got, np.average(deltas[:6], axis=0, weights=samples[:6]), rtol=1e-5, atol=1e-6)
     assert len(UpdateBounds().apply(np.zeros(40, np.float32), updates_of(deltas[:3]), Counter())) == 3
-    assert len(UpdateBounds(krum_share=0.0).apply(np.zeros(40, np.float32), updates_of(deltas), Counter())) == 8
+    assert len(UpdateBounds.only().apply(np.zeros(40, np.float32), updates_of(deltas), Counter())) == 8
 
 
 def test_past_the_first_hold_updates_one_farther_than_any_kept_one_is_refused_streamed_or_held():

@@ -93,6 +93,9 @@ class Task:
 KINDS: Registry[ScenarioKind] = Registry("scenario kind")
 
 
+CALIBRATION_SAMPLES = 10  # a class's calibration samples in a first federation (`ScenarioKind.calibration`)
+
+
 class ScenarioKind(ABC):
     """One kind of scenario. `takes`: the optional Scenario fields it reads (a field set for a kind that does not
     take it is refused); `per_client`: every client has test data of its own, and per-client accuracy is
@@ -112,6 +115,12 @@ class ScenarioKind(ABC):
         `mask_seen_classes` where a fleet file leaves it out). Chosen per kind by measurement (docs/results.md, "The
         class mask"); on by default."""
         return True
+
+    def calibration(self, scenario: Scenario) -> int:
+        """The calibration samples a class a first federation keeps for its coordinator (`edgefil init`'s data split
+        and rehearsal): the guard's trust reference, without which it falls back to comparing devices with each
+        other (coordinator/guard.py). 10 a class: what the attack suite was measured with (docs/security.md)."""
+        return CALIBRATION_SAMPLES
 
     def defaults(self, scenario: Scenario) -> dict[str, Any]:
         """Fields to fill in where the scenario leaves them unset, so a saved scenario states them."""

@@ -46,6 +46,10 @@ class FewShot(ScenarioKind):
     name = "few-shot"
     takes = ("base_classes", "classes_per_task", "shots", "base_training")
 
+    def calibration(self, scenario: Scenario) -> int:
+        """None: a session's classes come with `shots` samples a device, none to spare for the coordinator."""
+        return 0
+
     def defaults(self, scenario: Scenario) -> dict[str, Any]:
         return {"base_training": "central" if scenario.base_training is None else scenario.base_training}
 
