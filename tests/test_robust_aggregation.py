@@ -355,3 +355,34 @@ def test_centered_clipping_moves_at_most_tau_over_n_a_step_for_any_one_update(de
     step = got.global_weights.cpu().numpy() - start
     honest_part = sum((u - start) * min(1.0, tau / np.linalg.norm(u - start)) for u in honest) / 6
     assert np.linalg.norm(step - honest_part) <= tau / 6 * (1 + 1e-4)  # the far update's share: tau / n at most
+
+
+def test_copies_of_one_update_share_its_weight_held_or_streamed():
+    """`copy_factor`: updates within 0.01 typical distances of each other are one update sent k times, and each
+    counts 1/k of its samples (the `mimic` attack: two devices sending an honest device's update as theirs made its
+    data count three times); distinct updates and updates that claim nothing are left as they are. Streamed, a later
+    copy of a held update counts none of its samples."""
+    rng = np.random.default_rng(8)
+    deltas = rng.standard_normal((6, 50)) * 0.01
+    copied = np.concatenate([deltas, deltas[[2, 2]] + 1e-9])  # d6, d7: d2's update (float32 rounds the 1e-9 away)
+    counters: Counter[str] = Counter()
+    bounds = UpdateBounds.only(copy_factor=0.01)
+    out = bounds.apply(np.zeros(50, np.float32), updates_of(copied, [30, 30, 30, 30, 30, 30, 60, 90]), counters)
+    assert [u.num_samples for u in out] == [30, 30, 10, 30, 30, 30, 20, 30] and counters == {"copies": 3}
+    untouched = updates_of(deltas)
+    assert bounds.apply(np.zeros(50, np.float32), untouched, Counter()) == untouched  # distinct: as they came
+    nothing = updates_of(np.zeros((3, 50)), [0, 0, 0])  # the global model sent back, claiming nothing
+    counters = Counter()
+    assert [u.num_samples for u in bounds.apply(np.zeros(50, np.float32), nothing, counters)] == [0, 0, 0]
+    assert not counters
+    assert [u.num_samples for u in UpdateBounds.only().apply(  # off
+        np.zeros(50, np.float32), updates_of(copied, [30] * 8), Counter())] == [30] * 8
+    taken: list[ClientUpdate] = []
+    counters = Counter()
+    stream = dataclasses.replace(bounds, hold=4).stream(np.zeros(50, np.float32), taken.append, counters)
+    for update in updates_of(copied, [30] * 8):
+        stream.add(update)
+    stream.close()
+    assert [u.num_samples for u in taken] == [30, 30, 30, 30, 30, 30, 0, 0] and counters == {"copies": 2}
+    with pytest.raises(ValueError, match="copy_factor"):
+        UpdateBounds(copy_factor=1.0)
