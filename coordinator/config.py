@@ -43,7 +43,7 @@
                 off; the least cosine with the fleet's last global step), way_back = "clip" | "off" (no step back
                 toward the first global model beyond the round's median), row_factor = 1.25 (a class's head row at
                 most this x its claimants' lower median; 0: off: influence.py), copy_factor = 0.01 (updates this
-                near each other, in typical distances, share one update's weight; 0: off), hold = 8 (the first
+                near each other, in their changes' lengths, share one update's weight; 0: off), hold = 8 (the first
                 updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3

@@ -69,8 +69,8 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   (the coordinator says so once). With `trust_margin` (nats; 0.05 by default, 0: off) an update that lowers that loss
   by less than the margin counts that share of its samples, none where it does not lower it (`weighed-down`): a bound
   on influence, not a refusal.
-- **Copies** (`copy_factor`, 0.01 by default; 0: off): updates within `copy_factor` times the round's typical
-  distance of each other are one update sent k times, and each counts 1/k of its samples (`copies`; a bound on
+- **Copies** (`copy_factor`, 0.01 by default; 0: off): updates within `copy_factor` times the shorter of their
+  changes of each other are one update sent k times, and each counts 1/k of its samples (`copies`; a bound on
   influence, nothing refused): devices that send an honest device's update as theirs (`mimic`) make its data count k
   times, and pass every other bound. Among a round's held updates; a later one that copies a held one counts none.
 
@@ -286,7 +286,7 @@ class UpdateBounds:
         progressing = (self.progressing(global_weights, u, path.last_step, counters) for u in within if u is not None)
         checked = [c for c in (self.referenced(u, reference, counters, counts.value()) for u in progressing
                                if u is not None) if c is not None]
-        checked = self.counted_once(checked, typical_distance, counters)
+        checked = self.counted_once(global_weights, checked, counters)
         kept = (selection or self.selection(reference)).select(checked, counters)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(global_weights, kept)
@@ -375,24 +375,22 @@ class UpdateBounds:
                   update.device, -change, required, counted, update.num_samples)
         return dataclasses.replace(update, num_samples=counted)
 
-    def copy_radius(self, typical_distance: float | None) -> float:
-        """How near two updates are copies of each other: `copy_factor` x the round's typical distance (0: none)."""
-        return self.copy_factor * typical_distance if typical_distance else 0.0
-
-    def counted_once(self, updates: list[ClientUpdate], typical_distance: float | None,
+    def counted_once(self, global_weights: np.ndarray, updates: list[ClientUpdate],
                      counters: Counter[str]) -> list[ClientUpdate]:
-        """The updates, those that are copies of each other (within `copy_radius` of one another, chained) sharing
-        one update's weight: each of k copies counts 1/k of its samples (`copies`). Honest devices train on data of
-        their own and never send the same model; devices that send one honest update as theirs (`mimic`,
-        Karimireddy et al. 2022) make its data count k times, which took 3.0 ± 5.3 points at 2 of 8 (11-13 in two of
-        10 seeds) while passing every other bound: the copy is as good as the honest update it is (issue 56). Which
-        of them is the original cannot be told, so none is refused and all share. Updates claiming no samples
-        (the global model sent back by devices with nothing to train on) are alike by right and not counted."""
-        radius = self.copy_radius(typical_distance)
+        """The updates, those that are copies of each other sharing one update's weight: two updates are copies
+        where they lie within `copy_factor` times the shorter of their changes of each other (chained), and each of
+        k copies counts 1/k of its samples (`copies`). Honest devices train on data of their own and never send the
+        same model; devices that send one honest update as theirs (`mimic`, Karimireddy et al. 2022) make its data
+        count k times, which took 3.0 ± 5.3 points at 2 of 8 (11-13 in two of 10 seeds) while passing every other
+        bound: the copy is as good as the honest update it is (issue 56). Which of them is the original cannot be
+        told, so none is refused and all share. Relative to the changes, not to the round's typical distance: two
+        updates that both barely moved lie near each other without being one. Updates claiming no samples (the
+        global model sent back by devices with nothing to train on) are alike by right and not counted."""
         claiming = [k for k, u in enumerate(updates) if u.num_samples > 0]
-        if not radius or len(claiming) < 2:
+        if not self.copy_factor or len(claiming) < 2:
             return updates
-        group = {k: k for k in claiming}  # union-find over the pairs within the radius
+        moved = {k: distance(global_weights, updates[k].weights) for k in claiming}
+        group = {k: k for k in claiming}  # union-find over the pairs that are copies
 
         def root(k: int) -> int:
             while group[k] != k:
@@ -401,7 +399,8 @@ class UpdateBounds:
 
         for a, i in enumerate(claiming):
             for j in claiming[a + 1:]:
-                if root(i) != root(j) and distance(updates[i].weights, updates[j].weights) <= radius:
+                if root(i) != root(j) and distance(updates[i].weights, updates[j].weights) <= \
+                        self.copy_factor * min(moved[i], moved[j]):
                     group[root(j)] = root(i)
         sizes = Counter(root(k) for k in claiming)
         shared = list(updates)
@@ -414,13 +413,14 @@ class UpdateBounds:
                 shared[k] = dataclasses.replace(updates[k], num_samples=updates[k].num_samples // copies)
         return shared
 
-    def copied(self, update: ClientUpdate, taken: Sequence[ClientUpdate], typical_distance: float | None,
+    def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
                counters: Counter[str]) -> ClientUpdate:
-        """A later update of a stream, counting none of its samples where it is a copy of one taken before it (its
-        samples count there already: `counted_once` for the held ones)."""
-        radius = self.copy_radius(typical_distance)
-        if not radius or update.num_samples <= 0 or not any(
-                u.num_samples > 0 and distance(u.weights, update.weights) <= radius for u in taken):
+        """A later update of a stream (`moved`: its change's length), counting none of its samples where it is a
+        copy of one taken before it (`taken`: those and their changes' lengths), whose samples count already
+        (`counted_once` for the held ones)."""
+        if not self.copy_factor or update.num_samples <= 0 or not any(
+                u.num_samples > 0 and distance(u.weights, update.weights) <= self.copy_factor * min(moved, length)
+                for u, length in taken):
             return update
         counters["copies"] += 1
         log.warning("update of %s counts none of its samples: it is a copy of one the round took before it",
@@ -634,7 +634,7 @@ class BoundedStream:
         self.total = np.zeros(global_weights.size, np.float64) if bounds.checks_direction else None
         # past the held updates, for the later ones
         self.selection = bounds.selection(reference)
-        self.sent: list[ClientUpdate] = []  # the held updates as sent: a later copy of one counts none of its samples
+        self.sent: list[tuple[ClientUpdate, float]] = []  # the held updates as sent, and their distances
 
     def add(self, update: ClientUpdate) -> None:
         moved = distance(self.global_weights, update.weights) if self.bounds.measures_distance else 0.0
@@ -654,7 +654,7 @@ class BoundedStream:
         if bounded is not None:
             bounded = self.bounds.referenced(bounded, self.reference, self.counters, self.counts.value())
         if bounded is not None:
-            bounded = self.bounds.copied(bounded, self.sent, self.distances.value(), self.counters)
+            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters)
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:
@@ -678,7 +678,8 @@ class BoundedStream:
         device order the same round is bounded and folded alike on any host)."""
         held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
-        self.sent = updates
+        if self.bounds.copy_factor:  # a later copy of one of them counts none of its samples: kept for the round
+            self.sent = held
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection, self.reference, self.path, influence=self.influence):
             self._take(update)

@@ -98,8 +98,8 @@ def test_a_round_the_rule_fails_on_gives_no_result_and_one_updates_failure_is_th
     rule = Failing(device="cpu")
 
     def close(*updates: ClientUpdate) -> AggregateResult | None:
-        aggregate = RoundAggregate(ContainedStrategy(rule, counters), UpdateBounds(), np.zeros(SIZE, np.float32),
-                                   counters, 1 << 30)
+        aggregate = RoundAggregate(ContainedStrategy(rule, counters), UpdateBounds.only(), np.zeros(SIZE, np.float32),
+                                   counters, 1 << 30)  # the rule alone: every bound off (these updates are copies)
         for u in updates:
             aggregate.add(u)
         return aggregate.close()
@@ -116,7 +116,7 @@ def test_a_round_the_rule_fails_on_gives_no_result_and_one_updates_failure_is_th
 def test_a_fold_that_refuses_an_update_folds_the_rest():
     counters: Counter[str] = Counter()
     aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
-                               UpdateBounds(norm_bound="off"), np.zeros(SIZE, np.float32), counters, 1 << 30)
+                               UpdateBounds.only(), np.zeros(SIZE, np.float32), counters, 1 << 30)
     for u in (update("d0"), update("d0"), update("d1")):  # d0 twice: the fold refuses the second
         aggregate.add(u)
     result = aggregate.close()

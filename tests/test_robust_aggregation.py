@@ -92,7 +92,7 @@ def test_norms_are_clipped_exactly_to_the_bound_beyond_the_median():
     (0, 10.0, [10, 20, 30, 250]), (25, 0.0, [10, 20, 25, 25]), (0, 0.0, [10, 20, 30, 10**9])])
 def test_sample_counts_are_capped_by_the_fleet_maximum_and_the_median(max_samples, factor, expected):
     bounds = UpdateBounds(norm_bound="off", max_samples=max_samples, sample_factor=factor, sample_bound="cap",
-                          krum_share=0.0)
+                          krum_share=0.0, copy_factor=0.0)  # the same model four times: copies, but for the cap
     out = bounds.apply(np.zeros(1, np.float32), updates_of(np.zeros((4, 1)), [10, 20, 30, 10**9]), Counter())
     assert [u.num_samples for u in out] == expected
 
@@ -358,10 +358,10 @@ def test_centered_clipping_moves_at_most_tau_over_n_a_step_for_any_one_update(de
 
 
 def test_copies_of_one_update_share_its_weight_held_or_streamed():
-    """`copy_factor`: updates within 0.01 typical distances of each other are one update sent k times, and each
-    counts 1/k of its samples (the `mimic` attack: two devices sending an honest device's update as theirs made its
-    data count three times); distinct updates and updates that claim nothing are left as they are. Streamed, a later
-    copy of a held update counts none of its samples."""
+    """`copy_factor`: updates within 0.01 times the shorter of their changes of each other are one update sent k
+    times, and each counts 1/k of its samples (the `mimic` attack: two devices sending an honest device's update as
+    theirs made its data count three times); distinct updates, updates that both barely moved, and updates that claim
+    nothing are left as they are. Streamed, a later copy of a held update counts none of its samples."""
     rng = np.random.default_rng(8)
     deltas = rng.standard_normal((6, 50)) * 0.01
     copied = np.concatenate([deltas, deltas[[2, 2]] + 1e-9])  # d6, d7: d2's update (float32 rounds the 1e-9 away)
@@ -371,6 +371,8 @@ def test_copies_of_one_update_share_its_weight_held_or_streamed():
     assert [u.num_samples for u in out] == [30, 30, 10, 30, 30, 30, 20, 30] and counters == {"copies": 3}
     untouched = updates_of(deltas)
     assert bounds.apply(np.zeros(50, np.float32), untouched, Counter()) == untouched  # distinct: as they came
+    small = updates_of(np.concatenate([deltas, deltas[:2] * 1e-4]))  # two that barely moved, each its own way
+    assert bounds.apply(np.zeros(50, np.float32), small, Counter()) == small
     nothing = updates_of(np.zeros((3, 50)), [0, 0, 0])  # the global model sent back, claiming nothing
     counters = Counter()
     assert [u.num_samples for u in bounds.apply(np.zeros(50, np.float32), nothing, counters)] == [0, 0, 0]

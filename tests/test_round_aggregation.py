@@ -60,7 +60,8 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in():
 
 def test_a_folding_rule_lets_each_update_go_once_the_guard_has_its_first_ones():
     """FedAvg keeps no update: past the guard's `hold` first ones, an update's buffer is free once it is added."""
-    bounds = UpdateBounds(hold=4, krum_share=0.0)  # Krum selection keeps the held ones it kept for the round
+    # Krum selection keeps the held ones it kept for the round, and the copy bound the held ones (at most `hold`)
+    bounds = UpdateBounds(hold=4, krum_share=0.0, copy_factor=0.0)
     aggregate = RoundAggregate(contained(make_strategy("fedavg", device="cpu")), bounds, np.zeros(SIZE, np.float32),
                                Counter(), 1 << 30)
     assert aggregate.folds
