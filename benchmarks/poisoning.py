@@ -64,7 +64,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.guard import OFF  # noqa: E402
+from coordinator.guard import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS  # noqa: E402
 from firmware_sim.scenarios import scenario_from_config, shared_build  # noqa: E402
@@ -113,8 +113,7 @@ SCENARIOS.update({f"{name}-cal": dataclasses.replace(SCENARIOS[name], calibratio
                   for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics", "digits-domain")})
 # the guard before issue 56's default: Krum selection in every round and the size bounds, nothing compared with the
 # calibration samples, no direction or influence bound
-MULTI_KRUM = {"krum_when": "always", "reference": "off", "trust_margin": 0.0, "min_alignment": -1.0,
-              "min_progress": -1.0, "way_back": "off", "row_factor": 0.0}
+MULTI_KRUM = {**{key: value for key, value in SIZE_BOUNDS_ONLY.items() if key != "krum_share"}, "krum_when": "always"}
 SETTINGS: dict[str, dict[str, Any]] = {
     # a coordinator file without [guard] or [strategy]: with calibration samples (the "-cal" splits), the reference
     # and its trust weight, the size, direction and influence bounds, FedAvg; without them, Krum selection instead

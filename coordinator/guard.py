@@ -145,6 +145,10 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
 OFF: dict[str, float | str] = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0,
                                "min_alignment": -1.0, "min_progress": -1.0, "reference": "off", "trust_margin": 0.0,
                                "way_back": "off", "row_factor": 0.0, "copy_factor": 0.0}
+# ... and those that leave the bounds on an update's size on (its distance, its claim, the free-rider check) at their
+# defaults: a method comparison's guard, and with Krum selection in every round the default before issue 56
+SIZE_BOUNDS_ONLY = {key: value for key, value in OFF.items()
+                    if key not in ("norm_bound", "sample_factor", "free_rider_factor")}
 
 
 @dataclass(frozen=True)
@@ -385,11 +389,14 @@ class UpdateBounds:
         bound: the copy is as good as the honest update it is (issue 56). Which of them is the original cannot be
         told, so none is refused and all share. Relative to the changes, not to the round's typical distance: two
         updates that both barely moved lie near each other without being one. Updates claiming no samples (the
-        global model sent back by devices with nothing to train on) are alike by right and not counted."""
-        claiming = [k for k, u in enumerate(updates) if u.num_samples > 0]
-        if not self.copy_factor or len(claiming) < 2:
+        global model sent back by devices with nothing to train on) are alike by right and not counted. The first
+        `hold` updates are compared pairwise; each later one (a holding rule's whole round) with those, and counts
+        none of its samples where it copies one: a round costs `hold` distances an update, not N, as Krum's does."""
+        if not self.copy_factor:
             return updates
-        moved = {k: distance(global_weights, updates[k].weights) for k in claiming}
+        first = updates[: self.hold]  # compared pairwise; each later one with these (as a stream's: `copied`)
+        claiming = [k for k, u in enumerate(first) if u.num_samples > 0]
+        moved = {k: distance(global_weights, first[k].weights) for k in claiming}
         group = {k: k for k in claiming}  # union-find over the pairs that are copies
 
         def root(k: int) -> int:
@@ -399,19 +406,21 @@ class UpdateBounds:
 
         for a, i in enumerate(claiming):
             for j in claiming[a + 1:]:
-                if root(i) != root(j) and distance(updates[i].weights, updates[j].weights) <= \
+                if root(i) != root(j) and distance(first[i].weights, first[j].weights) <= \
                         self.copy_factor * min(moved[i], moved[j]):
                     group[root(j)] = root(i)
         sizes = Counter(root(k) for k in claiming)
-        shared = list(updates)
+        shared = list(first)
         for k in claiming:
             copies = sizes[root(k)]
             if copies > 1:
                 counters["copies"] += 1
                 log.warning("update of %s counts 1/%d of its samples: it is a copy of %d other update(s) of the round",
-                            updates[k].device, copies, copies - 1)
-                shared[k] = dataclasses.replace(updates[k], num_samples=updates[k].num_samples // copies)
-        return shared
+                            first[k].device, copies, copies - 1)
+                shared[k] = dataclasses.replace(first[k], num_samples=first[k].num_samples // copies)
+        taken = [(first[k], moved[k]) for k in claiming]
+        return shared + [self.copied(u, distance(global_weights, u.weights), taken, counters)
+                         for u in updates[self.hold:]]
 
     def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
                counters: Counter[str]) -> ClientUpdate:

@@ -386,5 +386,8 @@ def test_copies_of_one_update_share_its_weight_held_or_streamed():
         stream.add(update)
     stream.close()
     assert [u.num_samples for u in taken] == [30, 30, 30, 30, 30, 30, 0, 0] and counters == {"copies": 2}
+    counters = Counter()  # a holding rule's whole round: past `hold`, each update is compared with the first ones
+    held = dataclasses.replace(bounds, hold=4).apply(np.zeros(50, np.float32), updates_of(copied, [30] * 8), counters)
+    assert [u.num_samples for u in held] == [30, 30, 30, 30, 30, 30, 0, 0] and counters == {"copies": 2}
     with pytest.raises(ValueError, match="copy_factor"):
         UpdateBounds(copy_factor=1.0)
