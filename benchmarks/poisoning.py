@@ -95,6 +95,9 @@ def sdd_fleet(aggregation: str, row_bound: float | None) -> dict[str, Any]:
             "coordinator": {"rounds_per_task": 1, "host": {"epochs": 20}}}
 
 
+# GLFC's fleet (docs/methods/glfc.md): its device policy, and its rule with the proxy (unweighted FedAvg after the
+# bounds); Gamma the default, the authors' sigmoid LeNet
+GLFC_FLEET: dict[str, Any] = {"policy": {"name": "glfc"}, "strategy": {"name": "glfc", "input_range": [0.0, 1.0]}}
 SCENARIOS = {
     "digits-class": Split("digits-class", (1, 8, 8)),
     "fashion-class": Split("fashion-class", (1, 28, 28)),
@@ -102,6 +105,7 @@ SCENARIOS = {
     "digits-skewed": Split("digits-class", (1, 8, 8), alpha=0.1),
     "digits-dynamics": Split("digits-class", (1, 8, 8), dynamics=True),
     "digits-domain": Split("digits-domain", (1, 8, 8)),  # Dirichlet 0.1, every class in every task
+    "digits-glfc": Split("digits-class", (1, 8, 8), method=GLFC_FLEET),
     # a method's own aggregation: SDD's few-shot sessions (docs/methods/sdd.md's fleet), its rule after the bounds,
     # as printed (Eq. 17's sum) and normalised, each with its row bound (the default) and without it
     **{f"digits-sdd{form}{bound}": Split("digits-fewshot", (1, 8, 8), method=sdd_fleet(
@@ -110,7 +114,8 @@ SCENARIOS = {
 }
 CALIBRATION = 10  # a class's calibration samples in the "-cal" splits (digits: about 7 % of a class's train images)
 SCENARIOS.update({f"{name}-cal": dataclasses.replace(SCENARIOS[name], calibration=CALIBRATION)
-                  for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics", "digits-domain")})
+                  for name in ("digits-class", "fashion-class", "digits-skewed", "digits-dynamics", "digits-domain",
+                               "digits-glfc")})
 # the guard before issue 56's default: Krum selection in every round and the size bounds, nothing compared with the
 # calibration samples, no direction or influence bound
 MULTI_KRUM = {**{key: value for key, value in SIZE_BOUNDS_ONLY.items() if key != "krum_share"}, "krum_when": "always"}

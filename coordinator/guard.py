@@ -69,6 +69,13 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   (the coordinator says so once). With `trust_margin` (nats; 0.05 by default, 0: off) an update that lowers that loss
   by less than the margin counts that share of its samples, none where it does not lower it (`weighed-down`): a bound
   on influence, not a refusal.
+- **Vouched for** (`reference_vouches`, on by default): with a calibration reference, an update that a size bound
+  above would refuse (its claim, its distance, a free rider's short step) is kept at the bound where the reference
+  vouches for it: it lowers the calibration loss of what it trained on by what the trust weight asks of its claim
+  (`vouched`). Its claim is then capped at the cap and its change clipped onto the distance bound: no more than an
+  update within the bounds may do. The size bounds compare a device with the round's median, and in fleets of 3 or 4
+  at Dirichlet 0.1 or under client dynamics 1-2 % of honest updates fell outside them (issue 56); noise, the global
+  model sent back and an update scaled past what it learnt do not lower that loss.
 - **Copies** (`copy_factor`, 0.01 by default; 0: off): updates within `copy_factor` times the shorter of their
   changes of each other are one update sent k times, and each counts 1/k of its samples (`copies`; a bound on
   influence, nothing refused): devices that send an honest device's update as theirs (`mimic`) make its data count k
@@ -96,9 +103,10 @@ head row (`row_factor`), each against the median of the round's.
 
 Every bound that acts is counted (`samples-rejected`, `samples-capped`, `norm-rejected`, `clipped`, `free-rider`,
 `krum-outlier`, `misaligned`, `turned`, `undoes-last-step`, `unreached-classes`, `misplaced-classes`,
-`worse-on-own-classes`; `weighed-down`, `copies`, `pulled-back` and `row-clipped` for the bounds on influence) in the
-run's counters and logged (`weighed-down`, `pulled-back` and `row-clipped`, which change a share of a round's honest
-updates by design, at debug level; `copies`, which no honest device sends, as a warning). The robust rules
+`worse-on-own-classes`; `vouched`, `weighed-down`, `copies`, `pulled-back` and `row-clipped` for the bounds on
+influence) in the run's counters and logged (`weighed-down`, `pulled-back` and `row-clipped`, which change a share
+of a round's honest updates by design, at debug level; `vouched` at info; `copies`, which no honest device sends, as
+a warning). The robust rules
 (coordinator/strategies/robust.py) go further; the bounds compose with them and with every other rule.
 """
 from __future__ import annotations
@@ -144,7 +152,8 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
 # the keys that turn every bound and check off (plain aggregation: a rule's own test, the baseline of a benchmark)
 OFF: dict[str, float | str] = {"norm_bound": "off", "sample_factor": 0.0, "free_rider_factor": 0.0, "krum_share": 0.0,
                                "min_alignment": -1.0, "min_progress": -1.0, "reference": "off", "trust_margin": 0.0,
-                               "way_back": "off", "row_factor": 0.0, "copy_factor": 0.0}
+                               "way_back": "off", "row_factor": 0.0, "copy_factor": 0.0,
+                               "reference_vouches": False}
 # ... and those that leave the bounds on an update's size on (its distance, its claim, the free-rider check) at their
 # defaults: a method comparison's guard, and with Krum selection in every round the default before issue 56
 SIZE_BOUNDS_ONLY = {key: value for key, value in OFF.items()
@@ -172,8 +181,10 @@ class UpdateBounds:
     trust_margin: float = 0.05  # nats it must lower that loss by to count all its samples (0: off)
     min_progress: float = -0.95  # the least cosine of an update with the fleet's last global step (-1: off)
     way_back: str = "clip"  # no update steps back toward the first global model further than the round's median
+    way_back_slack: float = 0.25  # ... plus this x the round's median change length
     row_factor: float = 1.25  # a class's head row at most this times the lower median of its claimants' (0: off)
     copy_factor: float = 0.01  # updates this near each other (x the typical distance) are copies (0: off)
+    reference_vouches: bool = True  # an update beyond a size bound that the reference vouches for is kept at it
     hold: int = 8  # a folding rule's first updates of a round, bounded together before any is folded
 
     def __post_init__(self) -> None:
@@ -186,6 +197,8 @@ class UpdateBounds:
             raise ValueError(f"row_factor must be 0 (off) or >= 1, got {self.row_factor}")
         if self.way_back not in WAY_BACK_BOUNDS:
             raise ValueError(f"way_back must be one of {', '.join(WAY_BACK_BOUNDS)}, got {self.way_back!r}")
+        if not self.way_back_slack >= 0:
+            raise ValueError(f"way_back_slack must be >= 0, got {self.way_back_slack}")
         if self.krum_when not in KRUM_ROUNDS:
             raise ValueError(f"krum_when must be one of {', '.join(KRUM_ROUNDS)}, got {self.krum_when!r}")
         if self.reference not in REFERENCES:
@@ -246,7 +259,7 @@ class UpdateBounds:
         way_back = path.way_back if self.checks_way_back else None
         if way_back is None and (heads is None or not self.row_factor):
             return None
-        return RoundInfluence(global_weights, way_back, heads, self.row_factor)
+        return RoundInfluence(global_weights, way_back, self.way_back_slack, heads, self.row_factor)
 
     def sample_cap(self, counts: RunningTypical) -> float:
         """The most samples an update may count for, given the round's claims so far: max_samples (0: none),
@@ -286,7 +299,8 @@ class UpdateBounds:
         cap = self.sample_cap(counts)
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
-        within = (self.bounded(global_weights, u, d, cap, lower, upper, counters) for u, d in zip(updates, measured))
+        within = (self.bounded(global_weights, u, d, cap, lower, upper, counters, reference, counts.value())
+                  for u, d in zip(updates, measured))
         progressing = (self.progressing(global_weights, u, path.last_step, counters) for u in within if u is not None)
         checked = [c for c in (self.referenced(u, reference, counters, counts.value()) for u in progressing
                                if u is not None) if c is not None]
@@ -369,8 +383,7 @@ class UpdateBounds:
         at 1 of 4 (`samples`). A bound on influence: nothing is refused here."""
         if self.trust_margin <= 0:
             return update
-        claimed = update.num_samples / typical_count if typical_count else 1.0
-        required = self.trust_margin * max(1.0, claimed)
+        required = self.required(update, typical_count)
         if change <= -required:
             return update
         counted = int(update.num_samples * max(0.0, -change) / required)
@@ -437,34 +450,77 @@ class UpdateBounds:
         return dataclasses.replace(update, num_samples=0)
 
     def bounded(self, global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float, lower: float,
-                upper: float, counters: Counter[str]) -> ClientUpdate | None:
+                upper: float, counters: Counter[str], reference: ClassReference | None = None,
+                typical_count: float | None = None) -> ClientUpdate | None:
         """One update within a sample cap and distance bounds (`moved`: its distance from the global model); None
-        when it is rejected."""
+        when it is rejected. Where the round's calibration reference vouches for it (`vouched`), an update a size
+        bound would reject is kept at that bound instead: its claim capped, its change clipped onto the bound, a
+        short step kept as it is (`vouched`)."""
+        over = update.num_samples > cap and self.sample_bound == "reject"
+        short = update.num_samples > 0 and moved < lower
+        far = moved > upper and self.norm_bound == "reject"
+        if (over or short or far) and self.vouched(update, reference, typical_count):
+            counters["vouched"] += 1
+            log.info("update of %s kept at the bounds: it claims %d samples (cap %d) and moved the model %.3g "
+                     "(bounds %.3g to %.3g), and lowers the calibration loss of what it trained on",
+                     update.device, update.num_samples, int(min(cap, 2**62)), moved, lower, upper)
+            return self._within(global_weights, update, moved, cap, upper)
+        if over:
+            counters["samples-rejected"] += 1
+            log.warning("update of %s dropped: it claims %d samples, more than %d", update.device,
+                        update.num_samples, int(cap))
+            return None
         if update.num_samples > cap:
-            if self.sample_bound == "reject":
-                counters["samples-rejected"] += 1
-                log.warning("update of %s dropped: it claims %d samples, more than %d", update.device,
-                            update.num_samples, int(cap))
-                return None
             counters["samples-capped"] += 1
             log.warning("%s claimed %d samples: counted as %d", update.device, update.num_samples, int(cap))
-            update = dataclasses.replace(update, num_samples=int(cap))
-        if update.num_samples > 0 and moved < lower:
+        if short:
             counters["free-rider"] += 1
             log.warning("update of %s dropped: it claims %d samples but moved the model %.3g, under %.3g (a free "
                         "rider)", update.device, update.num_samples, moved, lower)
             return None
-        if moved <= upper:
-            return update
-        if self.norm_bound == "reject":
+        if far:
             counters["norm-rejected"] += 1
             log.warning("update of %s dropped: %.3g from the global model, the bound is %.3g", update.device, moved,
                         upper)
             return None
-        counters["clipped"] += 1
-        log.warning("update of %s clipped: %.3g from the global model, the bound is %.3g", update.device, moved, upper)
+        if moved > upper:
+            counters["clipped"] += 1
+            log.warning("update of %s clipped: %.3g from the global model, the bound is %.3g", update.device, moved,
+                        upper)
+        return self._within(global_weights, update, moved, cap, upper)
+
+    @staticmethod
+    def _within(global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float,
+                upper: float) -> ClientUpdate:
+        """The update, its claim at most `cap` and its change at most `upper` long (scaled back onto it)."""
+        if update.num_samples > cap:
+            update = dataclasses.replace(update, num_samples=int(cap))
+        if moved <= upper:
+            return update
         change = (update.weights.astype(np.float64) - global_weights) * (upper / moved)
         return dataclasses.replace(update, weights=(global_weights + change).astype(np.float32))
+
+    def vouched(self, update: ClientUpdate, reference: ClassReference | None,
+                typical_count: float | None = None) -> bool:
+        """Whether the calibration reference vouches for an update a size bound would reject (`reference_vouches`):
+        it lowers the calibration loss of what it trained on, as sent, by at least what `trusted` asks of its
+        claim to count it all (`trust_margin` x its claim in typical claims, at least `trust_margin`). The size
+        bounds compare a device with the round's median, and in small fleets of skewed data honest devices fall
+        outside them (issue 56: a device with ten times the data of the median one, one that moved three times as
+        far on classes no other holds, one with little data that moved little); the reference tells those from an
+        update that learnt nothing (noise, the global model sent back) or one scaled past what it learnt (which
+        raises the loss). Kept at the bound, such an update does no more than one an attacker may send within
+        the bounds."""
+        if (not self.reference_vouches or reference is None or self.reference == "off" or update.num_samples <= 0
+                or reference.unreached(update) or reference.misplaced(update)):
+            return False
+        return reference.loss_change(update) <= -self.required(update, typical_count)
+
+    def required(self, update: ClientUpdate, typical_count: float | None) -> float:
+        """The nats an update must lower its mix's calibration loss by to count all its samples: `trust_margin`
+        times its claim in the round's typical claims, at least `trust_margin`."""
+        claimed = update.num_samples / typical_count if typical_count else 1.0
+        return self.trust_margin * max(1.0, claimed)
 
     def directed(self, global_weights: np.ndarray, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
                  leave_out: bool, typical_distance: float | None = None) -> ClientUpdate | None:
@@ -656,7 +712,8 @@ class BoundedStream:
             return
         bounded = self.bounds.bounded(
             self.global_weights, update, moved, self.bounds.sample_cap(self.counts),
-            *self.bounds.distance_bounds(self.distances.value()), self.counters,
+            *self.bounds.distance_bounds(self.distances.value()), self.counters, self.reference,
+            self.counts.value(),
         )
         if bounded is not None:
             bounded = self.bounds.progressing(self.global_weights, bounded, self.path.last_step, self.counters)

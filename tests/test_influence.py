@@ -29,55 +29,64 @@ def updates_of(weights: list[np.ndarray], samples: list[int] | None = None,
             for i, (w, n, claimed) in enumerate(zip(weights, samples, claims))]
 
 
-def test_no_update_steps_back_toward_the_first_model_further_than_the_rounds_median_held_or_streamed():
+@pytest.mark.parametrize("slack", [0.0, 0.25])
+def test_no_update_steps_back_toward_the_first_model_further_than_the_rounds_median_held_or_streamed(slack):
     """`way_back = "clip"`: an update's component along the way back to the first global model, (g0 - g) / |g0 - g|,
-    is cut to the round's median (of the updates that claim samples), what it does across that direction stays, an
-    update at or under the median is passed as it is; drift (an honest update plus |d| along the way back) keeps
-    its honest part. Off: nothing changed; no way back known or a claim of no samples: nothing changed."""
+    is cut to the round's median (of the updates that claim samples) plus `way_back_slack` times the round's median
+    change length, what it does across that direction stays, an update within is passed as it is; drift (an honest
+    update plus |d| along the way back) keeps its honest part. Off: nothing changed; no way back known or a claim of
+    no samples: nothing changed."""
     rng = np.random.default_rng(6)
     first = rng.standard_normal(300).astype(np.float32)
     current = (first + rng.standard_normal(300) * 0.1).astype(np.float32)
     back = (first.astype(np.float64) - current) / np.linalg.norm(first.astype(np.float64) - current)
-    changes = [rng.standard_normal(300) * 0.01 + k * 0.002 * back for k in range(4)]
+    changes = [rng.standard_normal(300) * 0.01 + k * 0.02 * back for k in range(4)]
     changes.append(changes[0] + np.linalg.norm(changes[0]) * back)  # drift
     weights = [current + c for c in changes]
     steps = [float(np.dot(c, back)) for c in changes]
-    median = float(np.median(steps))
+    lengths = [float(np.linalg.norm(c)) for c in changes]
+    most = float(np.median(steps)) + slack * float(np.median(lengths))
     path = FleetPath(way_back=back)
-    bounds = dataclasses.replace(OPEN, way_back="clip")
+    bounds = dataclasses.replace(OPEN, way_back="clip", way_back_slack=slack)
     counters: Counter[str] = Counter()
     updates = updates_of(weights)
     out = bounds.apply(current, updates, counters, path=path)
-    assert counters == {"pulled-back": 2}  # the two above the median of five
+    assert counters == {"pulled-back": 2 if slack == 0 else 1}  # the two above the median of five; drift alone
     for update, sent, step, change in zip(out, updates, steps, changes):
         moved = update.weights.astype(np.float64) - current
-        if step <= median:
+        if step <= most:
             assert update is sent
             continue
-        assert float(np.dot(moved, back)) == pytest.approx(median, abs=1e-5)
+        assert float(np.dot(moved, back)) == pytest.approx(most, abs=1e-5)
         across = change - np.dot(change, back) * back
         np.testing.assert_allclose(moved - np.dot(moved, back) * back, across, atol=1e-5)
-    assert np.linalg.norm(out[4].weights - current - changes[0]) < 0.2 * np.linalg.norm(changes[0])  # drift: honest
+    # drift keeps its honest part and steps back no further than the bound
+    assert np.linalg.norm(out[4].weights - current - changes[0]) == pytest.approx(most - steps[0], abs=1e-5)
+    assert most - steps[0] < (0.3 + slack) * lengths[0] < lengths[0]
     assert all(u is s for u, s in zip(OPEN.apply(
         current, updates, Counter(), path=path), updates))  # off
     assert all(u is s for u, s in zip(bounds.apply(current, updates, Counter()), updates))  # no way back known
     nothing = updates_of(weights, [10, 10, 10, 10, 0])  # the drift claims nothing: not counted, not changed
     counters = Counter()
     assert bounds.apply(current, nothing, counters, path=path)[4] is nothing[4]
-    assert counters == {"pulled-back": 2}  # median of four: the two above it
+    most_of_four = float(np.median(steps[:4])) + slack * float(np.median(lengths[:4]))
+    assert counters["pulled-back"] == sum(step > most_of_four for step in steps[:4])
     taken: list[ClientUpdate] = []
     counters = Counter()
     stream = dataclasses.replace(bounds, hold=2).stream(current, taken.append, counters, path=path)
     for update in updates:
         stream.add(update)
     stream.close()
-    running = [float(np.median(steps[:max(k + 1, 2)])) for k in range(5)]  # the first two held together
-    for update, step, most in zip(taken, steps, running):
-        assert float(np.dot(update.weights.astype(np.float64) - current, back)) == pytest.approx(min(step, most),
+    running = [float(np.median(steps[:max(k + 1, 2)])) + slack * float(np.median(lengths[:max(k + 1, 2)]))
+               for k in range(5)]  # the first two held together
+    for update, step, bound in zip(taken, steps, running):
+        assert float(np.dot(update.weights.astype(np.float64) - current, back)) == pytest.approx(min(step, bound),
                                                                                               abs=1e-5)
-    assert counters["pulled-back"] == sum(step > most for step, most in zip(steps, running))
+    assert counters["pulled-back"] == sum(step > bound for step, bound in zip(steps, running))
     with pytest.raises(ValueError, match="way_back"):
         UpdateBounds(way_back="reject")
+    with pytest.raises(ValueError, match="way_back_slack"):
+        UpdateBounds(way_back_slack=-0.1)
 
 
 def row(weights: np.ndarray, c: int) -> np.ndarray:

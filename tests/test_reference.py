@@ -3,6 +3,7 @@ coordinator's calibration samples of what it trained on. Honest updates on class
 store with no data of the task, pass; reversed ones and ones trained on swapped labels are refused."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -159,6 +160,48 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     assert UpdateBounds.only(reference="classes").referenced(tiny, reference, Counter()) is tiny
     with pytest.raises(ValueError, match="trust_margin"):
         UpdateBounds(trust_margin=-0.1)
+
+
+def test_a_size_bound_keeps_at_the_bound_what_the_reference_vouches_for(round_one):
+    """`reference_vouches`: an update beyond a size bound that lowers its mix's calibration loss by the trust margin
+    (the joiner) is kept at the bound: beyond the distance bound clipped onto it, beyond the sample cap counted as
+    the cap, short of the free-rider bound kept as it is. What does not lower it (the reversed update, the global
+    model sent back with a little noise), or claims more than it shows (100x the typical claim: 100x the margin),
+    is refused as before, and so is everything without a reference or with the option off."""
+    global_weights, updates, reference = round_one
+    joiner, _, reversed_update = updates
+    step = joiner.weights.astype(np.float64) - global_weights
+    moved = float(np.linalg.norm(step))
+    noise = np.random.default_rng(0).standard_normal(step.size)
+    tiny = ClientUpdate("tinynoise", (global_weights + 0.05 * moved * noise / np.linalg.norm(noise)).astype(np.float32),
+                        100, label_counts=joiner.label_counts, trained_counts=joiner.trained_counts)
+    bounds = UpdateBounds.only(reference="classes", trust_margin=0.05, norm_bound="reject", reference_vouches=True)
+    typical = float(joiner.num_samples)
+    counters: Counter[str] = Counter()
+
+    far = bounds.bounded(global_weights, joiner, moved, math.inf, 0.0, moved / 2, counters, reference, typical)
+    assert far is not None and np.linalg.norm(far.weights - global_weights) == pytest.approx(moved / 2, rel=1e-4)
+    assert far.num_samples == joiner.num_samples
+    over = bounds.bounded(global_weights, joiner, moved, typical / 4, 0.0, math.inf, counters, reference, typical)
+    assert over is not None and over.num_samples == int(typical / 4) and over.weights is joiner.weights
+    short = bounds.bounded(global_weights, joiner, moved, math.inf, 2 * moved, math.inf, counters, reference, typical)
+    assert short is joiner
+    assert counters == Counter({"vouched": 3})
+
+    counters.clear()
+    reversed_moved = float(np.linalg.norm(reversed_update.weights.astype(np.float64) - global_weights))
+    assert bounds.bounded(global_weights, reversed_update, reversed_moved, math.inf, 0.0, moved / 2, counters,
+                          reference, typical) is None
+    assert bounds.bounded(global_weights, tiny, 0.05 * moved, math.inf, 0.1 * moved, math.inf, counters,
+                          reference, typical) is None
+    assert bounds.bounded(global_weights, joiner, moved, typical / 200, 0.0, math.inf, counters, reference,
+                          typical / 100) is None
+    assert counters == Counter({"norm-rejected": 1, "free-rider": 1, "samples-rejected": 1})
+    off = UpdateBounds.only(reference="classes", trust_margin=0.05, norm_bound="reject")
+    for which, vouching in ((off, reference), (bounds, None)):
+        assert which.bounded(global_weights, joiner, moved, math.inf, 0.0, moved / 2, Counter(), vouching,
+                             typical) is None
+    assert UpdateBounds().reference_vouches
 
 
 def test_a_claim_of_the_rounds_task_of_a_class_it_does_not_bring_is_refused(round_one, digits, manifest):
