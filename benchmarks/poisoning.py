@@ -7,10 +7,11 @@ task, every device in every round, E = 10 local epochs of AdamW, random caching 
 are split into 4 (8, 20) shares; the honest devices hold the first 3 (6, 16). The clean run is the honest devices
 alone; an attacked run adds the compromised devices, which hold the last shares, train honestly on them, and send
 what their attack makes of it (firmware_sim/adversary.py: scaled, sign-flip, huge, nan, samples, boosted, drift,
-lazy, tinynoise, reversed-step, and the literature's alie, ipm, min-max, min-sum, fang, mimic, gaussian,
-label-flip). So the difference between an attacked run and the clean run of the same seed is what the attack does,
-and nothing else: the runs are deterministic, and an attack the settings remove entirely leaves the clean run's
-trajectory exactly as it was.
+lazy, tinynoise, reversed-step, and the literature's alie, ipm, min-max, min-sum, fang, mimic, gaussian, label-flip,
+head-scale; and against a method's payloads, in its scenarios, GLFC's prototype-flood, prototype-lie and
+prototype-extreme and SDD's statistics-extreme: firmware_sim/payload_attacks/). So the difference between an
+attacked run and the clean run of the same seed is what the attack does, and nothing else: the runs are
+deterministic, and an attack the settings remove entirely leaves the clean run's trajectory exactly as it was.
 
 Settings (`--settings`): `default` (a coordinator file without [guard] or [strategy]: with calibration samples, as
 in the `-cal` splits, FedAvg after the calibration reference with its trust weight and the size, direction and
@@ -66,7 +67,8 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.guard import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
-from firmware_sim.adversary import ATTACKS  # noqa: E402
+from firmware_sim.adversary import ATTACKS, attack_names  # noqa: E402
+from firmware_sim.payload_attacks import PAYLOAD_ATTACKS  # noqa: E402
 from firmware_sim.scenarios import scenario_from_config, shared_build  # noqa: E402
 
 FLEETS = {4: 1, 8: 2, 20: 4}  # devices: of which hostile
@@ -206,6 +208,13 @@ class Cell:
         if self.hostile:
             table["adversary"] = {"attack": self.attack, "devices": self.hostile}
         return table
+
+
+def applying(attacks: list[str], scenario: str) -> list[str]:
+    """Those of `attacks` that apply to `scenario`: every attack on weights, and an attack on a method's payloads
+    where the scenario's devices run that method."""
+    policy = (SCENARIOS[scenario].method or {}).get("policy", {"name": "random"})["name"]
+    return [a for a in attacks if a in ATTACKS or a in NO_ATTACK or PAYLOAD_ATTACKS.get(a).method == policy]
 
 
 def run_cell(cell: Cell, out: Path, artifacts: Path) -> dict[str, Any]:
@@ -360,7 +369,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", default=",".join(attack_names()),
+                        help="each scenario runs those of them that apply to it (`applies`)")
     parser.add_argument("--fleets", default=",".join(map(str, FLEETS)))
     parser.add_argument("--scenarios", default="digits-class,fashion-class", help=f"of {', '.join(SCENARIOS)}")
     parser.add_argument("--out", default="runs/poisoning")
@@ -375,10 +385,14 @@ def main() -> None:
         ruled = [s for s in settings if SCENARIOS[scenario].method and "strategy" in SETTINGS[s] and s != "fedavg"]
         if ruled:
             parser.error(f"{scenario} runs its method's own rule: {', '.join(ruled)} would replace it")
+    unknown = [a for a in attacks if a not in (*attack_names(), "all-honest")]
+    if unknown:
+        parser.error(f"unknown attacks {', '.join(unknown)}; choose of {', '.join(attack_names())}")
     out = Path(args.out).resolve()
     cells = [Cell(scenario, setting, devices, attack, seed) for scenario in scenarios
              for setting in dict.fromkeys(["fedavg", *settings])
-             for devices in fleets for attack in [*NO_ATTACK, *(attacks if setting in settings else [])]
+             for devices in fleets
+             for attack in [*NO_ATTACK, *(applying(attacks, scenario) if setting in settings else [])]
              for seed in seeds]
     results = {}
     started = time.monotonic()
@@ -391,10 +405,11 @@ def main() -> None:
         print(f"\npoisoning: {scenario}, E = 10, seeds {args.seeds}; final accuracy of the clean "
               f"run (%) and each attack's change from it (points, mean ± std over seeds, paired), honest updates "
               f"refused in brackets\n")
-        print(table(results, scenario, settings, attacks, seeds, fleets))
+        print(table(results, scenario, settings, applying(attacks, scenario), seeds, fleets))
         print()
         for devices in fleets if args.by_attack else []:
-            print(f"{FLEETS[devices]} of {devices}, by attack:\n{by_attack(results, scenario, settings, attacks, seeds, devices)}\n")
+            print(f"{FLEETS[devices]} of {devices}, by attack:\n"
+                  f"{by_attack(results, scenario, settings, applying(attacks, scenario), seeds, devices)}\n")
         for setting in settings:
             if setting != "fedavg":
                 print(paired(results, scenario, setting, seeds, fleets))

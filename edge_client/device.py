@@ -433,7 +433,7 @@ class Device:
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return
-        attachments = self.learner.policy.attachments(self.learner.view())  # encoded once: timed here, sent below
+        attachments = self._attachments()  # encoded once: timed here, sent below
         upload_bytes = blob_bytes + sum(len(a) for a in attachments.values())
         device_seconds += self.environment.transfer(upload_bytes, wire.chunk_count(upload_bytes), upload=True)
         self.learner.state.round = round_
@@ -540,6 +540,11 @@ class Device:
         for frame in frames:  # over `data`, which is the update's alone (a copy the trainer or the state gave)
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), frame)
         self._publish_status("idle", round_)
+
+    def _attachments(self) -> dict[str, bytes]:
+        """What the update carries beside its weights: the policy's attachments (a compromised device of a
+        simulated fleet sends others: firmware_sim/adversary.py)."""
+        return self.learner.policy.attachments(self.learner.view())
 
     def _claims(self, model: str, weights: np.ndarray) -> tuple[np.ndarray, int]:
         """What this device's update for global model `model` says: its trained weights, and the samples they

@@ -56,6 +56,11 @@ Against a method's own aggregation:
   `HEAD_SCALE` (2), n: a sliver of the model, so within every distance bound, that class-wise aggregation (SDD's
   CSWA sums a device's new-class rows) takes as it comes (issue 56: 0.693 to 0.406 under SDD as printed).
 
+Against a method's own payloads (firmware_sim/payload_attacks/, a file per method): the device sends its honest
+weights and claim, and what the attack makes of its policy's attachments instead of them: GLFC's `prototype-flood`,
+`prototype-lie` and `prototype-extreme`, SDD's `statistics-extreme`. A fleet whose devices run another policy is
+refused (`AdversarySettings.check_policy`).
+
 How a compromised device knows B: in a simulated fleet every device saves the update it sends in its state folder
 before sending it (edge_client/state.py), and the fleet names the honest devices' folders to the compromised ones,
 which run in a worker process of their own (`Fleet`), so that waiting costs no honest device a turn. Each waits until
@@ -83,6 +88,7 @@ import numpy as np
 from edge_client.device import Device
 from edge_client.sources import TaskSource
 from edge_client.state import StateError, load_state
+from firmware_sim.payload_attacks import PAYLOAD_ATTACKS, PayloadAttack, PayloadContext
 from models.manifest import class_head_positions
 
 SCALE = 20.0  # `scaled`: times the honest update
@@ -256,6 +262,15 @@ ATTACKS: dict[str, Callable[[Honest], tuple[np.ndarray, int]]] = {
 OMNISCIENT = frozenset({"alie", "ipm", "min-max", "min-sum", "fang", "mimic"})  # they read the honest updates
 
 
+def attack_names() -> list[str]:
+    """Every attack a compromised device may run: on weights (ATTACKS), then on a method's payloads."""
+    return [*ATTACKS, *PAYLOAD_ATTACKS.names()]
+
+
+def _honest(honest: Honest) -> tuple[np.ndarray, int]:
+    return honest.weights, honest.num_samples
+
+
 @dataclass(frozen=True)
 class AdversarySettings:
     """`[adversary]` of a fleet file: the last `devices` devices run `attack` (none by default)."""
@@ -264,10 +279,18 @@ class AdversarySettings:
     devices: int = 0
 
     def __post_init__(self) -> None:
-        if self.attack not in ("none", *ATTACKS):
-            raise ValueError(f"unknown attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
+        if self.attack not in ("none", *attack_names()):
+            raise ValueError(f"unknown attack {self.attack!r}; choose one of {', '.join(attack_names())}")
         if self.devices < 0 or (self.devices > 0) != (self.attack != "none"):
             raise ValueError("devices must be > 0 with an attack, and 0 without one")
+
+    def check_policy(self, policy: str) -> None:
+        """ValueError where the attack changes a method's payloads and the devices run another policy (their
+        updates carry nothing it could change)."""
+        if self.attack in PAYLOAD_ATTACKS.names() and PAYLOAD_ATTACKS.get(self.attack).method != policy:
+            method = PAYLOAD_ATTACKS.get(self.attack).method
+            raise ValueError(f"{self.attack} changes the {method} policy's payloads, and the devices run "
+                             f"{policy!r}")
 
     def honest(self, fleet_size: int) -> int:
         """How many devices of the fleet are honest: the first ones."""
@@ -299,7 +322,9 @@ class AdversarialDevice(Device):
                  peers: Sequence[tuple[str, int]] = (), wait_all: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attack_name = attack
-        self.attack = ATTACKS[attack]
+        self.attack = ATTACKS.get(attack, _honest)  # a payload attack sends honest weights
+        self.payload_attack: PayloadAttack | None = (PAYLOAD_ATTACKS.get(attack)() if attack not in ATTACKS
+                                                     else None)
         self.fleet_size = fleet_size
         self.colluders = colluders
         self.peers = [(Path(folder), int(first)) for folder, first in peers]
@@ -323,6 +348,14 @@ class AdversarialDevice(Device):
         previous = self._previous
         return self.attack(Honest(global_weights, honest_weights, samples, self.learner.state.round,
                                   self.fleet_size, self._start, benign, previous, self.colluders, self._task_rows()))
+
+    def _attachments(self) -> dict[str, bytes]:
+        honest = super()._attachments()
+        if self.payload_attack is None:
+            return honest
+        classes = np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
+        return self.payload_attack.craft(honest, PayloadContext(self.learner.policy, self.trainer.manifest,
+                                                                Path(self.config.artifacts), classes))
 
     def _task_rows(self) -> np.ndarray:
         """The head's positions of the classes of the device's current task (what `head-scale` scales)."""

@@ -188,6 +188,10 @@ class FleetConfig:
             except RuntimeError as err:
                 raise where.error("backend", str(err)) from None
         check_policy(self.policy, where.inner("policy"))
+        try:
+            self.adversary.check_policy(str(self.policy["name"]))
+        except ValueError as err:
+            raise where.inner("adversary").error("attack", str(err)) from None
         check_strategy(self.strategy, where.inner("strategy"))
         build(RoundSettings, self.client, where.inner("client"))
         build(LearnerSettings, self.learner, where.inner("learner"))

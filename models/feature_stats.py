@@ -47,6 +47,12 @@ def statistics_of(x: np.ndarray, features: np.ndarray) -> tuple[LayerStatistics,
             LayerStatistics("features", feats.mean(0).astype(np.float32), feats.var(0).astype(np.float32), len(x)))
 
 
+def layer_sizes(input_shape: Sequence[int], feature_dim: int) -> dict[str, int]:
+    """Each layer's count of values of a model with this input shape (C, ...) and feature dimension: what
+    `decode_statistics` checks an attachment against."""
+    return {"input": int(input_shape[0]), "features": int(feature_dim)}
+
+
 def encode_statistics(layers: Sequence[LayerStatistics]) -> bytes:
     return msgpack.packb({"layers": [{"name": s.name, "mean": np.ascontiguousarray(s.mean, "<f4").tobytes(),
                                       "var": np.ascontiguousarray(s.var, "<f4").tobytes(), "count": int(s.count)}

@@ -93,6 +93,10 @@ def test_the_fleets_table_names_the_last_devices_and_refuses_nonsense():
         AdversarySettings("bribe", 1)
     with pytest.raises(ValueError, match="devices"):
         AdversarySettings("lazy", 0)
+    AdversarySettings("prototype-flood", 1).check_policy("glfc")  # a method's payload attack, on its method
+    with pytest.raises(ValueError, match="changes the glfc policy's payloads, and the devices run 'random'"):
+        AdversarySettings("prototype-flood", 1).check_policy("random")
+    AdversarySettings("drift", 1).check_policy("random")  # an attack on weights: any policy
 
 
 def omniscient(seed: int = 0, honest_devices: int = 6, colluders: int = 2, size: int = 300) -> Honest:

@@ -136,6 +136,8 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
     ("fleet", 'name = "lab"', 'name = "lab+1"', "name must match [A-Za-z0-9_-]{1,64}, got 'lab+1'"),
     ("fleet", "[client]", "[adversary]\nattack = 'bribe'\ndevices = 1\n[client]", "unknown attack 'bribe'"),
     ("fleet", "[client]", "[adversary]\nattack = 'lazy'\ndevices = 4\n[client]", "at least one honest device"),
+    ("fleet", "[client]", "[adversary]\nattack = 'prototype-flood'\ndevices = 1\n[client]",
+     "[adversary] attack: prototype-flood changes the glfc policy's payloads, and the devices run 'refed'"),
     ("fleet", 'preset = "digits-class"', 'preset = "digits-class", n_clients = 3',
      "[scenario] n_clients: 3 shares for 4 devices"),
 ])

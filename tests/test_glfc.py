@@ -33,9 +33,17 @@ from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edge_client.trainers.pytorch import TorchTrainer
 from firmware_sim.datasets import load_dataset
-from models.glfc import decode_gradient, decode_old_model, encode_gradient, infer_label, prototype_name
+from firmware_sim.payload_attacks import PAYLOAD_ATTACKS, PayloadContext
+from models.glfc import (
+    MAX_PROTOTYPES,
+    decode_gradient,
+    decode_old_model,
+    encode_gradient,
+    infer_label,
+    prototype_name,
+)
 from models.loss import training_loss
-from models.manifest import ParameterInfo, load_manifest
+from models.manifest import ParameterInfo, class_head_positions, load_manifest
 from models.zoo import build_model
 
 OPTIONS = {"gamma": "glfc_mlp"}
@@ -218,6 +226,37 @@ def test_the_device_uploads_one_gamma_gradient_per_new_class_that_names_its_clas
     learner.train()
     learner.finish_round()  # the second round of the task uploads nothing
     assert learner.policy.attachments(learner.view()) == {}
+    learner.store.close()
+
+
+def test_the_payload_attacks_send_what_they_say_of_the_devices_own_prototype_gradients(artifacts, tmp_path):
+    """firmware_sim/payload_attacks/glfc.py on a real device's upload: the flood is 256 scaled copies of its
+    gradients, the lie names the other class of its task and changes nothing but the two classes' head values, the
+    extreme gradient is the honest one x 1e10 and finite."""
+    learner = _learner(artifacts, tmp_path)
+    learner.start_task(0, *_digits([3, 7], 60))
+    learner.train()
+    learner.finish_round()
+    honest = learner.policy.attachments(learner.view())
+    parameters = load_manifest(POLICIES.get("glfc").gamma_folder(OPTIONS, artifacts)).parameters
+    sent = [decode_gradient(honest[prototype_name(k)], parameters) for k in range(2)]
+    context = PayloadContext(learner.policy, learner.trainer.manifest, artifacts, np.array([3, 7]))
+
+    def crafted(name):
+        attached = PAYLOAD_ATTACKS.get(name)().craft(honest, context)
+        return [decode_gradient(attached[prototype_name(k)], parameters) for k in range(len(attached))]
+
+    flood = crafted("prototype-flood")
+    assert len(flood) == MAX_PROTOTYPES and {infer_label(g, parameters) for g in flood} == {3, 7}
+    np.testing.assert_allclose(flood[3], sent[1] * np.float32(1.03), rtol=1e-6)
+    lies = crafted("prototype-lie")
+    assert [infer_label(g, parameters) for g in lies] == [7 if infer_label(g, parameters) == 3 else 3 for g in sent]
+    head = class_head_positions(parameters, [3, 7])
+    rest = np.setdiff1d(np.arange(sent[0].size), head)
+    assert np.array_equal(lies[0][rest], sent[0][rest]) and not np.array_equal(lies[0][head], sent[0][head])
+    extreme = crafted("prototype-extreme")
+    assert all(np.isfinite(g).all() for g in extreme)
+    np.testing.assert_allclose(extreme[0], sent[0] * np.float32(1e10), rtol=1e-6)
     learner.store.close()
 
 

@@ -427,21 +427,26 @@ def test_only_statistics_an_honest_device_could_send_reach_the_generator(toy):
 
 
 def test_the_sdd_rule_trains_its_generator_on_the_honest_devices_statistics_only(export_artifacts):
-    """One device of three sends statistics of 3e38: the rule leaves them out (counted), and its generator steps."""
-    from models.feature_stats import STATISTICS, encode_statistics
+    """One device of three sends statistics of 3e38 (the fleet's `statistics-extreme`, firmware_sim/payload_attacks/
+    sdd.py, made of an honest device's): the rule leaves them out (counted), and its generator steps."""
+    from firmware_sim.payload_attacks import PAYLOAD_ATTACKS, PayloadContext
+    from models.feature_stats import STATISTICS, decode_statistics, encode_statistics, layer_sizes
 
-    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    artifacts = export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",))
+    manifest = load_manifest(artifacts)
     rule = SddCoordinator(generator_epochs=2, generator_iterations=2, warmup_epochs=1, generator_batch_size=8,
                           device="cpu", manifest=manifest)
     start = np.random.default_rng(0).normal(0, 0.1, manifest.num_parameters).astype(np.float32)
     honest = [LayerStatistics("input", np.array([0.3], np.float32), np.array([0.05], np.float32), 10),
               LayerStatistics("features", np.full(manifest.feature_dim, 0.5, np.float32),
                               np.full(manifest.feature_dim, 0.1, np.float32), 10)]
-    hostile = [LayerStatistics("input", np.array([3e38], np.float32), np.array([3e38], np.float32), 10),
-               LayerStatistics("features", np.full(manifest.feature_dim, 3e38, np.float32),
-                               np.full(manifest.feature_dim, 3e38, np.float32), 10)]
-    updates = [ClientUpdate(name, start.copy(), 10, attachments={STATISTICS: encode_statistics(layers)})
-               for name, layers in (("a", honest), ("b", honest), ("c", hostile))]
+    sent = {STATISTICS: encode_statistics(honest)}
+    hostile = PAYLOAD_ATTACKS.get("statistics-extreme")().craft(sent, PayloadContext(None, manifest, artifacts,
+                                                                                     np.array([3])))
+    extreme = decode_statistics(hostile[STATISTICS], layer_sizes(manifest.input_shape, manifest.feature_dim))
+    assert all((s.mean == np.float32(3e38)).all() and (s.var == np.float32(3e38)).all() for s in extreme.values())
+    updates = [ClientUpdate(name, start.copy(), 10, attachments=attachments)
+               for name, attachments in (("a", sent), ("b", sent), ("c", hostile))]
     for update in updates:
         rule.inspect(update)  # each decodes: the plausibility is the rule's, over the round
     ctx = RoundContext(round=2, task=1, task_classes=(3,), seen_classes=(0, 1, 2, 3))

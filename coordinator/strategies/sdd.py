@@ -69,7 +69,7 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.fedavg import WeightedFold
 from edgefil.durable import npz_bytes, read_npz, write_atomically
-from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
+from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics, layer_sizes
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest, class_head_positions
 from models.sdd import REPLAY, encode_replay
@@ -400,7 +400,7 @@ class SddCoordinator(Strategy):
         self.manifest: Manifest = manifest
         self.aggregation, self.replay_per_class, self.timeout_s = aggregation, replay_per_class, generator_timeout_s
         self.input_range, self.seed = (low, high), seed
-        self.sizes = {"input": int(manifest.input_shape[0]), "features": int(manifest.feature_dim)}
+        self.sizes = layer_sizes(manifest.input_shape, manifest.feature_dim)
         self.replay: tuple[np.ndarray, np.ndarray] | None = None
         self.session: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, X~_t, its labels)
         self.job: BackgroundJob[AggregateResult] = BackgroundJob("sdd-generator")
