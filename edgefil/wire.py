@@ -43,6 +43,7 @@ SCHEMA_VERSION = 3
 # clustered brokers such as EMQX (the topic and MQTT header fit in the difference).
 MAX_MESSAGE_BYTES = 1_000_000
 CHUNK_HEADER_ROOM = 4_096  # what a chunk's fields other than its data may take
+CHUNK_FIELDS_ROOM = 512  # of it, what a chunk's own fields take (blob id, offsets, CRC); the rest is the blob's
 CHUNK_BYTES = MAX_MESSAGE_BYTES - CHUNK_HEADER_ROOM
 MIN_CHUNK_BYTES = 1024  # every chunk but a blob's last carries at least this much (bounds the chunk count)
 WEIGHTS_DTYPE = "<f4"
@@ -355,6 +356,10 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}")
     view = memoryview(data).cast("B")
+    # every chunk repeats the blob's fields: where they take more than the header room leaves them (up to
+    # MAX_ATTACHMENTS names in an attachments layout), the chunks carry that much less data
+    repeated = len(msgpack.packb(fields, use_bin_type=True))
+    chunk_bytes = min(chunk_bytes, CHUNK_BYTES - max(0, repeated - (CHUNK_HEADER_ROOM - CHUNK_FIELDS_ROOM)))
     pieces = _pieces(view, chunk_bytes)
     blob = blob_id(view)
     frames = [

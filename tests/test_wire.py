@@ -43,6 +43,22 @@ def test_weights_travel_as_raw_little_endian_float32_in_chunks_under_the_limit()
     assert all(c[:1] == b"\xc1" and c.endswith(bytes(d["data"])) for c, d in zip(chunks, decoded))
 
 
+def test_an_update_with_as_many_attachments_as_the_schema_allows_travels_under_the_limit():
+    """Every chunk repeats the attachments' layout: with MAX_ATTACHMENTS names of MAX_NAME_CHARS it takes more than
+    the header room, and the chunks carry less data to stay under the limit (a flood of 256 of GLFC's prototype
+    gradients was refused by its own sender, issue 56)."""
+    named = {f"{k:03d}".ljust(wire.MAX_NAME_CHARS, "x"): os.urandom(4_000) for k in range(wire.MAX_ATTACHMENTS)}
+    w = weights(300_000)
+    data, layout = wire.pack_attachments(wire.weights_bytes(w), named)
+    encoded = wire.encode_blob("update", data, attachments=layout, **HEADER)
+    assert len(encoded.chunks) > 2 and all(len(c) <= wire.MAX_MESSAGE_BYTES for c in encoded.chunks)
+    reassembler = wire.Reassembler(max_blob_bytes=len(data))
+    delivered = [b for c in encoded.chunks if (b := reassembler.add("dev-0", wire.decode(c))) is not None]
+    weights_back, attachments = delivered[0].split(w.size)
+    np.testing.assert_array_equal(weights_back, w)
+    assert {name: bytes(value) for name, value in attachments.items()} == named
+
+
 @settings(max_examples=40, deadline=None)
 @given(order=st.lists(st.integers(0, 5), min_size=6, max_size=30), n=st.integers(1, 3000))
 def test_reassembly_is_idempotent_under_duplicates_and_reordering(order, n):
