@@ -37,7 +37,8 @@
                 samples, coordinator/reference.py; none without calibration samples), reference_tolerance = 1.0,
                 trust_margin = 0.05 (an update that lowers its mix's calibration loss by less than this many nats
                 counts that share of its samples; 0: off), reference_vouches = true (an update beyond a size bound
-                that lowers that loss by the margin is kept at the bound, not refused), krum_share = 0.25 (Krum
+                that lowers that loss by the margin, beyond what random steps as long do, is kept at the bound, not
+                refused), krum_share = 0.25 (Krum
                 selection; 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a
                 calibration reference too), krum_radius = 2.0 (a refused update this near the kept ones is taken
                 back; 0: none),

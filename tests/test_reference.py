@@ -3,6 +3,7 @@ coordinator's calibration samples of what it trained on. Honest updates on class
 store with no data of the task, pass; reversed ones and ones trained on swapped labels are refused."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -197,6 +198,15 @@ def test_a_size_bound_keeps_at_the_bound_what_the_reference_vouches_for(round_on
     assert bounds.bounded(global_weights, joiner, moved, typical / 200, 0.0, math.inf, counters, reference,
                           typical / 100) is None
     assert counters == Counter({"norm-rejected": 1, "free-rider": 1, "samples-rejected": 1})
+    # noise 4x the joiner's length (`boosted`) lowers the new class's loss too, where the global model is confidently
+    # wrong; a random step as long lowers it as much, so it is not vouched for
+    direction = np.random.default_rng(1).standard_normal(step.size)
+    boosted = dataclasses.replace(joiner, weights=(global_weights + 4 * moved * direction
+                                                   / np.linalg.norm(direction)).astype(np.float32))
+    assert reference.loss_change(boosted) < -bounds.trust_margin
+    assert bounds.bounded(global_weights, boosted, 4 * moved, math.inf, 0.0, moved / 2, counters, reference,
+                          typical) is None
+    assert counters["norm-rejected"] == 2
     off = UpdateBounds.only(reference="classes", trust_margin=0.05, norm_bound="reject")
     for which, vouching in ((off, reference), (bounds, None)):
         assert which.bounded(global_weights, joiner, moved, math.inf, 0.0, moved / 2, Counter(), vouching,
