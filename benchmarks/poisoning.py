@@ -370,7 +370,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--attacks", default=",".join(attack_names()),
-                        help="each scenario runs those of them that apply to it (`applies`)")
+                        help="each scenario runs those of them that apply to it (`applying`)")
     parser.add_argument("--fleets", default=",".join(map(str, FLEETS)))
     parser.add_argument("--scenarios", default="digits-class,fashion-class", help=f"of {', '.join(SCENARIOS)}")
     parser.add_argument("--out", default="runs/poisoning")

@@ -31,24 +31,21 @@
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean" | "centered-clip", and its
                 options
     [guard]     bounds on one update (coordinator/guard.py; the defaults, measured in docs/security.md):
-                norm_bound = "reject" | "clip" | "off", norm_factor = 3.0, max_samples = 0 (none),
-                sample_factor = 10.0, sample_rank = 0.0 (none), sample_bound = "reject" | "cap",
-                free_rider_factor = 0.1, reference = "classes" | "off" (each update on its classes' calibration
-                samples, coordinator/reference.py; none without calibration samples), reference_tolerance = 1.0,
-                trust_margin = 0.05 (an update that lowers its mix's calibration loss by less than this many nats
-                counts that share of its samples; 0: off), reference_vouches = true (an update beyond a size bound
-                that lowers that loss by the margin, beyond what random steps as long do, is kept at the bound, not
-                refused), krum_share = 0.25 (Krum
-                selection; 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a
-                calibration reference too), krum_radius = 2.0 (a refused update this near the kept ones is taken
-                back; 0: none),
+                norm_bound = "reject" | "clip" | "off", norm_factor = 3.0, max_samples = 0 (none), sample_factor =
+                10.0, sample_rank = 0.0 (none), sample_bound = "reject" | "cap", free_rider_factor = 0.1, reference =
+                "classes" | "off" (each update on its classes' calibration samples, coordinator/reference.py; none
+                without calibration samples), reference_tolerance = 1.0, trust_margin = 0.05 (an update that lowers
+                its mix's calibration loss by less than this many nats counts that share of its samples; 0: off),
+                reference_vouches = true (an update beyond a size bound that lowers that loss by the margin, beyond
+                what random steps as long do, is kept at the bound, not refused), krum_share = 0.25 (Krum selection;
+                0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a calibration reference
+                too), krum_radius = 2.0 (a refused update this near the kept ones is taken back; 0: none),
                 min_alignment = -0.9 (-1: off), direction_bound = "reject" | "project", min_progress = -0.95 (-1:
                 off; the least cosine with the fleet's last global step), way_back = "clip" | "off" (no step back
-                toward the first global model beyond the round's median plus way_back_slack = 0.25 times its
-                median change length), row_factor = 1.25 (a class's head row at
-                most this x its claimants' lower median; 0: off: influence.py), copy_factor = 0.01 (updates this
-                near each other, in their changes' lengths, share one update's weight; 0: off), hold = 8 (the first
-                updates of a round, bounded together)
+                toward the first global model beyond the round's median plus way_back_slack = 0.25 times its median
+                change length), row_factor = 1.25 (a class's head row at most this x its claimants' lower median; 0:
+                off: influence.py), copy_factor = 0.01 (updates this near each other, in their changes' lengths,
+                share one update's weight; 0: off), hold = 8 (the first updates of a round, bounded together)
     [limits]    per-device rates (coordinator/limits.py): registrations_per_minute = 6.0,
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,

@@ -287,8 +287,8 @@ class AdversarySettings:
     def check_policy(self, policy: str) -> None:
         """ValueError where the attack changes a method's payloads and the devices run another policy (their
         updates carry nothing it could change)."""
-        if self.attack in PAYLOAD_ATTACKS.names() and PAYLOAD_ATTACKS.get(self.attack).method != policy:
-            method = PAYLOAD_ATTACKS.get(self.attack).method
+        method = PAYLOAD_ATTACKS.get(self.attack).method if self.attack in PAYLOAD_ATTACKS.names() else policy
+        if method != policy:
             raise ValueError(f"{self.attack} changes the {method} policy's payloads, and the devices run "
                              f"{policy!r}")
 
@@ -353,14 +353,16 @@ class AdversarialDevice(Device):
         honest = super()._attachments()
         if self.payload_attack is None:
             return honest
-        classes = np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
         return self.payload_attack.craft(honest, PayloadContext(self.learner.policy, self.trainer.manifest,
-                                                                Path(self.config.artifacts), classes))
+                                                                Path(self.config.artifacts), self._task_classes()))
+
+    def _task_classes(self) -> np.ndarray:
+        """The classes of the device's current task that it holds samples of."""
+        return np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
 
     def _task_rows(self) -> np.ndarray:
         """The head's positions of the classes of the device's current task (what `head-scale` scales)."""
-        classes = np.flatnonzero(np.asarray(self.learner.state.task_counts, dtype=np.int64))
-        return class_head_positions(self.trainer.manifest.parameters, classes)
+        return class_head_positions(self.trainer.manifest.parameters, self._task_classes())
 
     def _benign(self, model: str, global_weights: np.ndarray) -> np.ndarray | None:
         """B: the updates the honest devices saved for global model `model`, waiting for them (module docstring)."""
