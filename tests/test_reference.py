@@ -163,6 +163,43 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
         UpdateBounds(trust_margin=-0.1)
 
 
+def _tinynoise(global_weights: np.ndarray, like: ClientUpdate, seed: int) -> ClientUpdate:
+    """The global model sent back with noise 0.3x `like`'s step, claiming its mix and 100 samples (`tinynoise`)."""
+    step = like.weights.astype(np.float64) - global_weights
+    direction = np.random.default_rng(seed).standard_normal(step.size)
+    noise = global_weights + 0.3 * np.linalg.norm(step) * direction / np.linalg.norm(direction)
+    return ClientUpdate(f"tinynoise-{seed}", noise.astype(np.float32), 100, label_counts=like.label_counts,
+                        trained_counts=like.trained_counts)
+
+
+@pytest.mark.parametrize("hold", [8, 1])
+def test_the_trust_weight_acts_only_in_rounds_whose_typical_update_lowers_its_loss(round_one, hold):
+    """A round whose typical update (the median loss change of those the reference passes) does not lower its mix's
+    calibration loss by the margin weighs none down: there, learning little is what the round's updates do (on
+    Fashion-MNIST, honest updates of a task's later rounds raised their mix's loss), and weighing all but one down
+    made that one the round's whole model. Where the typical update lowers it, an update that learnt nothing counts
+    none of its samples. Held together (`apply`) and bounded as they arrive (a stream past its first update)."""
+    global_weights, updates, reference = round_one
+    joiner = updates[0]
+    twin = dataclasses.replace(joiner, device="joiner-2")
+    bounds = UpdateBounds.only(reference="classes", trust_margin=0.05, hold=hold)
+
+    def counted(round_: list[ClientUpdate]) -> tuple[dict[str, int], Counter[str]]:
+        counters: Counter[str] = Counter()
+        taken: list[ClientUpdate] = []
+        stream = bounds.stream(global_weights, taken.append, counters, reference)
+        for update in round_:
+            stream.add(update)
+        stream.close()
+        return {u.device: u.num_samples for u in taken}, counters
+
+    learning, counters = counted([joiner, twin, _tinynoise(global_weights, joiner, 0)])
+    assert learning["joiner"] == learning["joiner-2"] == joiner.num_samples and learning["tinynoise-0"] < 10
+    assert counters == Counter({"weighed-down": 1})
+    idle, counters = counted([_tinynoise(global_weights, joiner, 0), _tinynoise(global_weights, joiner, 1), joiner])
+    assert idle == {"tinynoise-0": 100, "tinynoise-1": 100, "joiner": joiner.num_samples} and not counters
+
+
 def test_a_size_bound_keeps_at_the_bound_what_the_reference_vouches_for(round_one):
     """`reference_vouches`: an update beyond a size bound that lowers its mix's calibration loss by the trust margin
     (the joiner) is kept at the bound: beyond the distance bound clipped onto it, beyond the sample cap counted as
