@@ -378,14 +378,14 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     settings = args.settings.split(",")
-    attacks = [a for a in args.attacks.split(",") if a and a != "clean"]  # the clean run is always run
+    attacks = [a for a in args.attacks.split(",") if a and a not in NO_ATTACK]  # the runs without attack always run
     fleets = [int(d) for d in args.fleets.split(",")]
     scenarios = args.scenarios.split(",")
     for scenario in scenarios:
         ruled = [s for s in settings if SCENARIOS[scenario].method and "strategy" in SETTINGS[s] and s != "fedavg"]
         if ruled:
             parser.error(f"{scenario} runs its method's own rule: {', '.join(ruled)} would replace it")
-    unknown = [a for a in attacks if a not in (*attack_names(), "all-honest")]
+    unknown = [a for a in attacks if a not in attack_names()]
     if unknown:
         parser.error(f"unknown attacks {', '.join(unknown)}; choose of {', '.join(attack_names())}")
     out = Path(args.out).resolve()
