@@ -35,7 +35,8 @@
                 10.0, sample_rank = 0.0 (none), sample_bound = "reject" | "cap", free_rider_factor = 0.1, reference =
                 "classes" | "off" (each update on its classes' calibration samples, coordinator/reference.py; none
                 without calibration samples), reference_tolerance = 1.0, trust_margin = 0.05 (an update that lowers
-                its mix's calibration loss by less than this many nats counts that share of its samples; 0: off),
+                its mix's calibration loss by less than this many nats counts that share of its samples, in rounds
+                whose typical update lowers it by as much; 0: off),
                 reference_vouches = true (an update beyond a size bound that lowers that loss by the margin, beyond
                 what random steps as long do, is kept at the bound, not refused), krum_share = 0.25 (Krum selection;
                 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a calibration reference

@@ -51,6 +51,15 @@ def _update(device: str, weights: np.ndarray, y: np.ndarray, task: int) -> Clien
                         trained_counts=[(task, c, int(n)) for c, n in enumerate(counts) if n])
 
 
+def _tinynoise(global_weights: np.ndarray, like: ClientUpdate, seed: int) -> ClientUpdate:
+    """The global model sent back with noise 0.3x `like`'s step, claiming its mix and 100 samples (`tinynoise`)."""
+    step = like.weights.astype(np.float64) - global_weights
+    direction = np.random.default_rng(seed).standard_normal(step.size)
+    noise = global_weights + 0.3 * np.linalg.norm(step) * direction / np.linalg.norm(direction)
+    return ClientUpdate(f"tinynoise-{seed}", noise.astype(np.float32), 100, label_counts=like.label_counts,
+                        trained_counts=like.trained_counts)
+
+
 def _round(digits, manifest, global_weights: np.ndarray) -> ClassReference:
     seen = tuple(sorted((*digits.task_classes(0), *digits.task_classes(1))))
     ctx = RoundContext(round=4, task=1, task_classes=digits.task_classes(1), seen_classes=seen)
@@ -140,11 +149,7 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     weighed."""
     global_weights, updates, reference = round_one
     joiner = updates[0]
-    step = joiner.weights.astype(np.float64) - global_weights
-    direction = np.random.default_rng(0).standard_normal(step.size)
-    noise = global_weights + 0.3 * np.linalg.norm(step) * direction / np.linalg.norm(direction)
-    tiny = ClientUpdate("tinynoise", noise.astype(np.float32), 100, label_counts=joiner.label_counts,
-                        trained_counts=joiner.trained_counts)
+    tiny = _tinynoise(global_weights, joiner, 0)
     margin = 0.05
     bounds = UpdateBounds.only(reference="classes", trust_margin=margin)
     counters: Counter[str] = Counter()
@@ -161,15 +166,6 @@ def test_an_update_weighs_what_it_learnt_of_its_mix_with_a_trust_margin(round_on
     assert UpdateBounds.only(reference="classes").referenced(tiny, reference, Counter()) is tiny
     with pytest.raises(ValueError, match="trust_margin"):
         UpdateBounds(trust_margin=-0.1)
-
-
-def _tinynoise(global_weights: np.ndarray, like: ClientUpdate, seed: int) -> ClientUpdate:
-    """The global model sent back with noise 0.3x `like`'s step, claiming its mix and 100 samples (`tinynoise`)."""
-    step = like.weights.astype(np.float64) - global_weights
-    direction = np.random.default_rng(seed).standard_normal(step.size)
-    noise = global_weights + 0.3 * np.linalg.norm(step) * direction / np.linalg.norm(direction)
-    return ClientUpdate(f"tinynoise-{seed}", noise.astype(np.float32), 100, label_counts=like.label_counts,
-                        trained_counts=like.trained_counts)
 
 
 @pytest.mark.parametrize("hold", [8, 1])
