@@ -346,7 +346,7 @@ class UpdateBounds:
     def compared(self, update: ClientUpdate, reference: ClassReference | None) -> float | None:
         """How much the update raises its mix's calibration loss (`ClassReference.loss_change`), None where the
         reference does not compare it: none, off, an update that claims no samples, or one refused for its claim
-        (`referenced`)."""
+        (`referenced`). The one place that says which updates the reference compares (`referenced`, `vouched`)."""
         if reference is None or self.reference == "off" or update.num_samples <= 0 or reference.unreached(update) \
                 or reference.misplaced(update):
             return None
@@ -554,12 +554,9 @@ class UpdateBounds:
         passes with chance 1 / (VOUCH_NOISE_STEPS + 1). A change in the direction of the fleet's would not tell them
         apart (the honest device that joins with a new class points away from one that replays the old ones: cosine
         -0.64). Kept at the bound, such an update does no more than one an attacker may send within the bounds."""
-        if (not self.reference_vouches or reference is None or self.reference == "off" or update.num_samples <= 0
-                or reference.unreached(update) or reference.misplaced(update)):
-            return False
+        change = self.compared(update, reference) if self.reference_vouches else None
         required = self.required(update, typical_count)
-        change = reference.loss_change(update)
-        if change > -required:
+        if reference is None or change is None or change > -required:  # compared: None without a reference
             return False
         return all(change <= min(reference.loss_change(dataclasses.replace(update, weights=noise)), 0.0) - required
                    for noise in noise_steps(global_weights, update.weights, VOUCH_NOISE_STEPS))
