@@ -40,7 +40,15 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   farthest from the centre); 0 none. What the radius lets in is what lies near the honest updates' centre: a drifting
   update, and a reversed one in rounds where honest updates disagree. The scores are exact among a round's first
   `hold` updates; each later one is scored against those kept, and refused when worse than the worst of them and
-  beyond the radius (`KrumSelection`): a round's cost stays `hold` distances an update, not N.
+  beyond the radius (`KrumSelection`): a round's cost stays `hold` distances an update, not N. Two updates are
+  compared on the classes both or neither trained on (`krum_compare = "classes"`, the default; "whole": as they
+  are): where one claims a class (its `trained_counts`) and the other does not, that class's head row is left out of
+  their distance, and of an update's distance from the kept ones' centre the rows of the classes that not every one of
+  them claims. A device alone with a class differs from the others by that class's row, which is novelty: in SDD's
+  few-shot sessions (2 new classes over 4 devices, a few samples each) whole updates compared, Krum refused 14 % of
+  the honest updates (issue 56). The body and the shared rows are still compared, which is where an update that
+  undoes what the round learns differs; what a device does to a class only it brings, no comparison with peers sees
+  (the row bound below limits its length).
 - **Direction** (`min_alignment`, -0.9 by default; -1: off): an update whose change points against the round's
   others (its cosine with the sum of the others' changes below `min_alignment`) is refused (`direction_bound =
   "reject"`), or turned (`"project"`): its component along the others' direction is raised until its cosine is
@@ -124,7 +132,7 @@ import numpy as np
 import torch
 
 from coordinator.compute import float64_blocks
-from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence
+from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence, claimed_classes
 from coordinator.medians import RunningMedian, RunningTypical, typical
 from coordinator.reference import ClassReference
 from coordinator.strategies.base import ClientUpdate
@@ -137,6 +145,7 @@ DIRECTION_BOUNDS = ("reject", "project")
 SAMPLE_BOUNDS = ("cap", "reject")
 REFERENCES = ("off", "classes")
 KRUM_ROUNDS = ("without-reference", "always")
+KRUM_COMPARISONS = ("classes", "whole")
 WAY_BACK_BOUNDS = ("off", "clip")
 
 
@@ -176,6 +185,7 @@ class UpdateBounds:
     krum_share: float = 0.25
     krum_radius: float = 2.0
     krum_when: str = "without-reference"  # "always": Krum selection in rounds that have a calibration reference too
+    krum_compare: str = "classes"  # two updates compared without the head rows of a class one of them alone claims
     min_alignment: float = -0.9
     direction_bound: str = "reject"
     reference: str = "classes"  # each update compared on its classes' calibration samples (reference.py); "off"
@@ -203,6 +213,8 @@ class UpdateBounds:
             raise ValueError(f"way_back_slack must be >= 0, got {self.way_back_slack}")
         if self.krum_when not in KRUM_ROUNDS:
             raise ValueError(f"krum_when must be one of {', '.join(KRUM_ROUNDS)}, got {self.krum_when!r}")
+        if self.krum_compare not in KRUM_COMPARISONS:
+            raise ValueError(f"krum_compare must be one of {', '.join(KRUM_COMPARISONS)}, got {self.krum_compare!r}")
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
         if not self.reference_tolerance >= 0:
@@ -246,14 +258,15 @@ class UpdateBounds:
     def checks_way_back(self) -> bool:
         return self.way_back != "off"
 
-    def selection(self, reference: ClassReference | None) -> KrumSelection:
+    def selection(self, reference: ClassReference | None, heads: HeadLayout | None = None) -> KrumSelection:
         """The round's Krum selection: none (a share of 0) in a round that has a calibration reference, unless
         `krum_when = "always"`. Krum compares updates with each other, so it reads a device that brings classes no
         other holds as an outlier (issue 56: the same honest device refused in 10 of 10 rounds); the reference
         compares each update with the model on what it trained on, and with it the attacks Krum is there for are
         bounded without it (docs/security.md). A round without a reference has only the comparison with the others."""
         compared = reference is not None and self.reference != "off" and self.krum_when != "always"
-        return KrumSelection(0.0 if compared else self.krum_share, self.hold, self.krum_radius)
+        return KrumSelection(0.0 if compared else self.krum_share, self.hold, self.krum_radius,
+                             heads if self.krum_compare == "classes" else None)
 
     def influence(self, global_weights: np.ndarray, path: FleetPath, heads: HeadLayout | None
                   ) -> RoundInfluence | None:
@@ -314,7 +327,7 @@ class UpdateBounds:
         checked = [c for c in (self.referenced(u, reference, counters, counts.value(), changes.value(), change)
                                for u, change in zip(progressing, compared)) if c is not None]
         checked = self.counted_once(global_weights, checked, counters)
-        kept = (selection or self.selection(reference)).select(checked, counters)
+        kept = (selection or self.selection(reference, heads)).select(checked, counters)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(global_weights, kept)
             directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
@@ -591,37 +604,80 @@ class UpdateBounds:
 
 
 def krum_scores(updates: Sequence[np.ndarray], neighbours: int,
-                 others: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                others: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """Each update's Krum score: the sum of its squared distances to its `neighbours` nearest others (among
     `others`, when given, else among the updates themselves)."""
     if others is None:
-        return np.sort(squared_distances(updates, CPU).numpy(), axis=1)[:, 1:neighbours + 1].sum(1)
+        return scored(squared_distances(updates, CPU).numpy(), neighbours, among_themselves=True)
     distances = squared_distances([*updates, *others], CPU).numpy()[: len(updates), len(updates):]
-    return np.sort(distances, axis=1)[:, :neighbours].sum(1)
+    return scored(distances, neighbours, among_themselves=False)
 
 
-def krum_outliers(updates: Sequence[np.ndarray], share: float) -> set[int]:
-    """The positions of the f = share x n (rounded down) worst Krum-scored updates, scored against their
-    max(1, n - f - 2) nearest others; none with f = 0 or n <= 2."""
-    n = len(updates)
+def scored(distances: np.ndarray, neighbours: int, among_themselves: bool) -> np.ndarray:
+    """Krum scores from squared distances (a row an update): the sum of each row's `neighbours` smallest, past its
+    own 0 where the columns are the updates themselves."""
+    skip = 1 if among_themselves else 0
+    return np.sort(distances, axis=1)[:, skip:neighbours + skip].sum(1)
+
+
+def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None,
+                       others: Sequence[ClientUpdate] | None = None) -> np.ndarray:
+    """Squared distances between updates (a row an update, a column one of `others`, else of the updates
+    themselves), each pair compared on what both trained on or neither did (`krum_compare = "classes"`): where one
+    of the two claims a class (`claimed_classes`) and the other does not, that class's head row is left out. A
+    device that brings a class no other holds differs from the others by that class's row, which is novelty, not
+    attack (issue 56: Krum refused an honest device alone with its classes in 10 of 10 rounds); the body and the
+    rows of the classes both hold or neither holds are still compared, which is where an update that undoes what
+    the round learns differs. `heads` None: the whole updates (`"whole"`)."""
+    columns = list(updates if others is None else others)
+    rows = len(updates)
+    every = list(updates) + ([] if others is None else columns)
+    full = squared_distances([u.weights for u in every], CPU).numpy()
+    distances = full[:rows, :rows] if others is None else full[:rows, rows:]
+    if heads is None:
+        return distances
+    distances = distances.copy()
+    row_claims = [claimed_classes(u) for u in updates]
+    column_claims = [claimed_classes(u) for u in columns]
+    for c in set().union(*row_claims, *column_claims):
+        if c >= len(heads.rows):
+            continue
+        left_out = np.array([[(c in a) != (c in b) for b in column_claims] for a in row_claims])
+        if not left_out.any():
+            continue
+        mine = np.stack([u.weights[heads.rows[c]] for u in updates]).astype(np.float64)
+        theirs = np.stack([u.weights[heads.rows[c]] for u in columns]).astype(np.float64)
+        apart = ((mine[:, None, :] - theirs[None, :, :]) ** 2).sum(-1)
+        distances -= np.where(left_out, apart, 0.0)
+    return np.maximum(distances, 0.0)
+
+
+def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
+    """The positions of the f = share x n (rounded down) worst Krum-scored of n updates (`distances`: their squared
+    distances among themselves), scored against their max(1, n - f - 2) nearest others; none with f = 0 or n <= 2."""
+    n = len(distances)
     f = int(share * n)
     if n <= 2 or f == 0:
         return set()
-    scores = krum_scores(updates, max(1, n - f - 2))
+    scores = scored(distances, max(1, n - f - 2), among_themselves=True)
     return set(np.argsort(scores, kind="stable")[n - f:].tolist())
 
 
 class KrumSelection:
     """A round's Krum selection (module docstring): the f worst-scored of its first `hold` updates are refused, and
-    each later update is refused when its score against the kept ones is worse than the worst of theirs."""
+    each later update is refused when its score against the kept ones is worse than the worst of theirs. With a
+    head layout, updates are compared on the classes both or neither claim (`compared_distances`)."""
 
-    def __init__(self, share: float, hold: int, radius: float = 0.0) -> None:
+    def __init__(self, share: float, hold: int, radius: float = 0.0, heads: HeadLayout | None = None) -> None:
         self.share = share
         self.hold = hold
         self.radius = radius  # `krum_radius`: 0 takes none back
-        self.neighbours: list[np.ndarray] = []  # the first updates that were kept, for the round
+        self.heads = heads  # None: whole updates compared (`krum_compare = "whole"`)
+        self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
+        self.claimed_by_any: set[int] = set()  # the classes any of them claims
+        self.claimed_by_all: set[int] = set()  # ... and every one of them
         self.reach = 0.0  # how far from it an update is taken back
 
     def select(self, updates: list[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
@@ -630,16 +686,16 @@ class KrumSelection:
         if not self.share:
             return updates
         first = updates[: self.hold]
-        outliers = krum_outliers([u.weights for u in first], self.share)
+        outliers = krum_outliers(compared_distances(first, self.heads), self.share) if len(first) > 2 else set()
         if self.radius and len(first) - len(outliers) >= 2:
-            self._place([u.weights for k, u in enumerate(first) if k not in outliers])
+            self._place([u for k, u in enumerate(first) if k not in outliers])
             outliers = {k for k in outliers if not self._within_reach(first[k])}
         kept = [u for k, u in enumerate(first) if k not in outliers]
         for k in sorted(outliers):
             self._refused(first[k], counters)
         if len(kept) >= 2:
-            self.neighbours = [u.weights for u in kept]
-            self.worst = float(krum_scores(self.neighbours, self._nearest()).max())
+            self.neighbours = kept
+            self.worst = float(scored(compared_distances(kept, self.heads), self._nearest(), True).max())
         return kept + [u for u in updates[self.hold:] if self.takes(u, counters)]
 
     def takes(self, update: ClientUpdate, counters: Counter[str]) -> bool:
@@ -647,24 +703,42 @@ class KrumSelection:
         lies beyond reach of them."""
         if not self.neighbours:
             return True
-        if float(krum_scores([update.weights], self._nearest(), others=self.neighbours)[0]) <= self.worst:
+        distances = compared_distances([update], self.heads, others=self.neighbours)
+        if float(scored(distances, self._nearest(), among_themselves=False)[0]) <= self.worst:
             return True
         if self._within_reach(update):
             return True
         self._refused(update, counters)
         return False
 
-    def _place(self, kept: Sequence[np.ndarray]) -> None:
+    def _place(self, kept: Sequence[ClientUpdate]) -> None:
         """The kept updates' mean, and the reach: `radius` x the farthest of them from it."""
-        centre = np.zeros(kept[0].size, np.float64)
-        for weights in kept:
-            centre += weights
+        centre = np.zeros(kept[0].weights.size, np.float64)
+        for update in kept:
+            centre += update.weights
         centre /= len(kept)
         self.centre = centre
-        self.reach = self.radius * max(distance(centre, weights) for weights in kept)
+        claims = [claimed_classes(u) for u in kept] if self.heads is not None else [set()]
+        self.claimed_by_any, self.claimed_by_all = set().union(*claims), set.intersection(*claims)
+        self.reach = self.radius * max(self._from_centre(u) for u in kept)
+
+    def _from_centre(self, update: ClientUpdate) -> float:
+        """The update's distance from the centre, compared on the classes it and every kept update claim, or none
+        of them does: without the rows of a class that some of them claim and some do not (the centre's row of a
+        class one kept update brings is a fifth of it, in a round of five)."""
+        assert self.centre is not None
+        squared = distance(self.centre, update.weights) ** 2
+        if self.heads is not None:
+            claims = claimed_classes(update)
+            for c in (claims | self.claimed_by_any) - (claims & self.claimed_by_all):
+                if c < len(self.heads.rows):
+                    positions = self.heads.rows[c]
+                    apart = update.weights[positions].astype(np.float64) - self.centre[positions]
+                    squared -= float(np.einsum("i,i->", apart, apart))
+        return math.sqrt(max(squared, 0.0))
 
     def _within_reach(self, update: ClientUpdate) -> bool:
-        return self.centre is not None and distance(self.centre, update.weights) <= self.reach
+        return self.centre is not None and self._from_centre(update) <= self.reach
 
     def _nearest(self) -> int:
         return max(1, len(self.neighbours) - 2)
@@ -759,7 +833,7 @@ class BoundedStream:
         # the direction check's reference: the changes of the updates taken so far
         self.total = np.zeros(global_weights.size, np.float64) if bounds.checks_direction else None
         # past the held updates, for the later ones
-        self.selection = bounds.selection(reference)
+        self.selection = bounds.selection(reference, heads)
         self.sent: list[tuple[ClientUpdate, float]] = []  # the held updates as sent, and their distances
 
     def add(self, update: ClientUpdate) -> None:

@@ -104,7 +104,7 @@ class Coordinator:
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
         # g0: the run's first global model (`way_back`), kept only where the guard asks for it
         self._first_weights = checkpoint_weights(config.artifacts) if config.guard.checks_way_back else None
-        self._heads = HeadLayout.of(self.manifest.parameters) if config.guard.row_factor else None  # its row bound
+        self._heads = HeadLayout.of(self.manifest.parameters)  # the row bound's, and Krum's class-aware comparison
         self.flowing = self.data.per_client
         if self.flowing and config.rounds_per_task != 1:
             raise ValueError("a flowing-data scenario brings a new task every round: set rounds_per_task = 1")

@@ -10,7 +10,7 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
-from coordinator.influence import FleetPath
+from coordinator.influence import FleetPath, HeadLayout
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import sorted_mean, squared_distances
@@ -342,6 +342,40 @@ def test_an_honest_update_krum_names_is_taken_back_within_the_radius_and_a_rever
     assert taken == [f"d{k}" for k in range(6)] and streamed == {"krum-outlier": 1}
     with pytest.raises(ValueError, match="krum_radius"):
         UpdateBounds(krum_radius=-1.0)
+
+
+def test_krum_compares_two_updates_without_the_rows_of_a_class_only_one_of_them_brings():
+    """`krum_compare = "classes"` (the default): a device that alone brings class 2 differs from the others by its
+    row of class 2; whole updates compared, Krum refuses it, compared on the classes both or neither claim, it is
+    kept. An update that undoes the round's step is refused either way, also when it claims a class no other device
+    brings: its body still points back."""
+    rng = np.random.default_rng(11)
+    heads = HeadLayout(tuple(np.arange(30 + 2 * c, 32 + 2 * c) for c in range(5)))  # 30 body values, 5 rows of 2
+    step = np.zeros(40)
+    step[:30], step[30:34] = 0.1, 0.5  # the body, and the rows of classes 0 and 1
+    deltas = [step + rng.normal(0.0, 0.03, 40) for _ in range(4)]
+    novel = step.copy()
+    novel[30:34], novel[34:36] = 0.0, 1.5  # classes 0 and 1 untouched, class 2 learnt
+    deltas.append(novel + rng.normal(0.0, 0.03, 40))
+
+    def round_of(changes: list[np.ndarray], claims: list[set[int]]) -> list[ClientUpdate]:
+        return [ClientUpdate(f"d{k}", change.astype(np.float32), 10, trained_counts=[(0, c, 5) for c in claim])
+                for k, (change, claim) in enumerate(zip(changes, claims))]
+
+    g = np.zeros(40, np.float32)
+    honest = [{0, 1}] * 4 + [{2}]
+    for compare, refused in (("whole", 1), ("classes", 0)):
+        counters: Counter[str] = Counter()
+        kept = UpdateBounds(krum_compare=compare).apply(g, round_of(deltas, honest), counters, heads=heads)
+        assert counters["krum-outlier"] == refused and len(kept) == 5 - refused
+        assert refused == 0 or "d4" not in [u.device for u in kept]
+    for claim in ({0, 1}, {3}):
+        counters = Counter()
+        attacked = round_of([*deltas, -step], [*honest, claim])
+        kept = UpdateBounds(min_alignment=-1.0).apply(g, attacked, counters, heads=heads)
+        assert [u.device for u in kept] == [f"d{k}" for k in range(5)] and counters == {"krum-outlier": 1}
+    with pytest.raises(ValueError, match="krum_compare"):
+        UpdateBounds(krum_compare="rows")
 
 
 @pytest.mark.parametrize("device", devices)
