@@ -69,7 +69,7 @@ from coordinator.guard import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS, attack_names  # noqa: E402
 from firmware_sim.payload_attacks import PAYLOAD_ATTACKS  # noqa: E402
-from firmware_sim.scenarios import scenario_from_config, shared_build  # noqa: E402
+from firmware_sim.scenarios import PRESETS, scenario_from_config, shared_build  # noqa: E402
 
 FLEETS = {4: 1, 8: 2, 20: 4}  # devices: of which hostile
 
@@ -192,6 +192,11 @@ class Cell:
             scenario["calibration"] = split.calibration
         if split.dynamics:  # a device of 8 joins at each task (none of 4, 2 of 20); one class of two a device
             scenario.update(dynamics="glfc", joining=self.joining)
+        preset = PRESETS[split.preset]
+        if preset.kind == "few-shot" and (preset.classes_per_task or 0) * (preset.shots or 0) < self.devices:
+            # a session's N K samples are one a device at least (the kind refuses fewer): at 20 devices digits'
+            # 2-way 5-shot sessions become 2-way 10-shot
+            scenario["shots"] = -(-self.devices // (preset.classes_per_task or 1))
         coordinator = {"rounds_per_task": 3, "min_clients": self.quorum(scenario), "deadline_s": 120.0,
                        "wait_for_devices_s": 120.0, **method.get("coordinator", {}), **setting.get("coordinator", {})}
         table: dict[str, Any] = {
