@@ -31,3 +31,13 @@ def test_the_round_quorum_leaves_out_honest_devices_with_no_data_of_the_first_ta
         assert fleet["coordinator"]["min_clients"] == holding
         short += holding < cell.honest
     assert short  # the case arises in these cells: the test is not vacuous
+
+
+def test_a_few_shot_fleet_holds_a_session_sample_a_device_at_every_size():
+    """A few-shot session's N K samples must cover the fleet (the kind refuses fewer): digits' 2-way 5-shot sessions
+    hold 10, so the fleet of 20 runs 2-way 10-shot sessions, and the smaller fleets the preset's."""
+    poisoning = load_benchmark()
+    for devices, shots in ((4, None), (8, None), (20, 10)):
+        scenario = poisoning.Cell("digits-sdd", "default", devices, "all-honest", 0).fleet(Path("."))["scenario"]
+        assert scenario.get("shots") == shots
+        assert all(len(ClientSource(scenario, k).task_data(1)[1]) > 0 for k in range(devices))
