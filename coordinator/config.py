@@ -40,8 +40,8 @@
                 reference_vouches = true (an update beyond a size bound that lowers that loss by the margin, beyond
                 what random steps as long do, is kept at the bound, not refused), krum_share = 0.25 (Krum selection;
                 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a calibration reference
-                too), krum_compare = "classes" | "whole" (two updates compared without the head rows of a class
-                one of them alone claims), krum_radius = 2.0 (a refused update this near the kept ones is taken
+                too), krum_compare = "classes" | "whole" (two updates compared without the head rows of the classes
+                either claims), krum_radius = 2.0 (a refused update this near the kept ones is taken
                 back; 0: none),
                 min_alignment = -0.9 (-1: off), direction_bound = "reject" | "project", min_progress = -0.95 (-1:
                 off; the least cosine with the fleet's last global step), way_back = "clip" | "off" (no step back

@@ -41,14 +41,15 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   update, and a reversed one in rounds where honest updates disagree. The scores are exact among a round's first
   `hold` updates; each later one is scored against those kept, and refused when worse than the worst of them and
   beyond the radius (`KrumSelection`): a round's cost stays `hold` distances an update, not N. Two updates are
-  compared on the classes both or neither trained on (`krum_compare = "classes"`, the default; "whole": as they
-  are): where one claims a class (its `trained_counts`) and the other does not, that class's head row is left out of
-  their distance, and of an update's distance from the kept ones' centre the rows of the classes that not every one of
-  them claims. A device alone with a class differs from the others by that class's row, which is novelty: in SDD's
-  few-shot sessions (2 new classes over 4 devices, a few samples each) whole updates compared, Krum refused 14 % of
-  the honest updates (issue 56). The body and the shared rows are still compared, which is where an update that
-  undoes what the round learns differs; what a device does to a class only it brings, no comparison with peers sees
-  (the row bound below limits its length).
+  compared on what neither's classes own (`krum_compare = "classes"`, the default; "whole": as they are): the head
+  rows of the classes either claims (its `trained_counts`) are left out of their distance, and of an update's
+  distance from the kept ones' centre those of the classes it or any kept one claims. A class's row is what its
+  holders' data make of it: a device alone with a class differs from the others by that row, and so does one that
+  holds one of a session's two classes. In SDD's few-shot sessions (2 new classes over 4 devices, a few samples each)
+  Krum refused 14 % of the honest updates with whole updates compared, and 1 of 36 with the rows of the classes both
+  held still compared (issue 56). The body is still compared, which is where an update that undoes what the round
+  learns differs; what a device does to its own classes' rows, no comparison with peers sees (the row bound below
+  limits their length).
 - **Direction** (`min_alignment`, -0.9 by default; -1: off): an update whose change points against the round's
   others (its cosine with the sum of the others' changes below `min_alignment`) is refused (`direction_bound =
   "reject"`), or turned (`"project"`): its component along the others' direction is raised until its cosine is
@@ -623,12 +624,15 @@ def scored(distances: np.ndarray, neighbours: int, among_themselves: bool) -> np
 def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None,
                        others: Sequence[ClientUpdate] | None = None) -> np.ndarray:
     """Squared distances between updates (a row an update, a column one of `others`, else of the updates
-    themselves), each pair compared on what both trained on or neither did (`krum_compare = "classes"`): where one
-    of the two claims a class (`claimed_classes`) and the other does not, that class's head row is left out. A
-    device that brings a class no other holds differs from the others by that class's row, which is novelty, not
-    attack (issue 56: Krum refused an honest device alone with its classes in 10 of 10 rounds); the body and the
-    rows of the classes both hold or neither holds are still compared, which is where an update that undoes what
-    the round learns differs. `heads` None: the whole updates (`"whole"`)."""
+    themselves), each pair compared on what neither's classes own (`krum_compare = "classes"`): the head row of a
+    class either of the two claims (`claimed_classes`) is left out, and the body and the rows of the classes neither
+    trained on are compared. A class's row is what its holders' data make of it: a device that brings a class no
+    other holds differs from the others by that row (issue 56: Krum refused an honest device alone with its classes
+    in 10 of 10 rounds), and one that holds one of a session's two classes learns that class's row against the old
+    classes only, not against the other (SDD's few-shot sessions: compared on the rows of the classes both held,
+    such a device was still refused). What an update that undoes the round's learning changes is the body, which
+    every pair compares; the rows are bounded by the row bound (coordinator/influence.py). `heads` None: the whole
+    updates (`"whole"`)."""
     columns = list(updates if others is None else others)
     rows = len(updates)
     every = list(updates) + ([] if others is None else columns)
@@ -642,7 +646,7 @@ def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None
     for c in set().union(*row_claims, *column_claims):
         if c >= len(heads.rows):
             continue
-        left_out = np.array([[(c in a) != (c in b) for b in column_claims] for a in row_claims])
+        left_out = np.array([[c in a or c in b for b in column_claims] for a in row_claims])
         if not left_out.any():
             continue
         mine = np.stack([u.weights[heads.rows[c]] for u in updates]).astype(np.float64)
@@ -666,7 +670,7 @@ def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
 class KrumSelection:
     """A round's Krum selection (module docstring): the f worst-scored of its first `hold` updates are refused, and
     each later update is refused when its score against the kept ones is worse than the worst of theirs. With a
-    head layout, updates are compared on the classes both or neither claim (`compared_distances`)."""
+    head layout, updates are compared on what neither one's classes own (`compared_distances`)."""
 
     def __init__(self, share: float, hold: int, radius: float = 0.0, heads: HeadLayout | None = None) -> None:
         self.share = share
@@ -676,8 +680,7 @@ class KrumSelection:
         self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
-        self.claimed_by_any: set[int] = set()  # the classes any of them claims
-        self.claimed_by_all: set[int] = set()  # ... and every one of them
+        self.claimed: set[int] = set()  # the classes any of them claims
         self.reach = 0.0  # how far from it an update is taken back
 
     def select(self, updates: list[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
@@ -718,19 +721,16 @@ class KrumSelection:
             centre += update.weights
         centre /= len(kept)
         self.centre = centre
-        claims = [claimed_classes(u) for u in kept] if self.heads is not None else [set()]
-        self.claimed_by_any, self.claimed_by_all = set().union(*claims), set.intersection(*claims)
+        self.claimed = set().union(*(claimed_classes(u) for u in kept)) if self.heads is not None else set()
         self.reach = self.radius * max(self._from_centre(u) for u in kept)
 
     def _from_centre(self, update: ClientUpdate) -> float:
-        """The update's distance from the centre, compared on the classes it and every kept update claim, or none
-        of them does: without the rows of a class that some of them claim and some do not (the centre's row of a
-        class one kept update brings is a fifth of it, in a round of five)."""
+        """The update's distance from the centre, compared as `compared_distances` compares two updates: without
+        the rows of the classes it or any kept update claims."""
         assert self.centre is not None
         squared = distance(self.centre, update.weights) ** 2
         if self.heads is not None:
-            claims = claimed_classes(update)
-            for c in (claims | self.claimed_by_any) - (claims & self.claimed_by_all):
+            for c in claimed_classes(update) | self.claimed:
                 if c < len(self.heads.rows):
                     positions = self.heads.rows[c]
                     apart = update.weights[positions].astype(np.float64) - self.centre[positions]

@@ -344,36 +344,39 @@ def test_an_honest_update_krum_names_is_taken_back_within_the_radius_and_a_rever
         UpdateBounds(krum_radius=-1.0)
 
 
-def test_krum_compares_two_updates_without_the_rows_of_a_class_only_one_of_them_brings():
+def test_krum_compares_two_updates_without_the_rows_of_the_classes_they_trained_on():
     """`krum_compare = "classes"` (the default): a device that alone brings class 2 differs from the others by its
-    row of class 2; whole updates compared, Krum refuses it, compared on the classes both or neither claim, it is
-    kept. An update that undoes the round's step is refused either way, also when it claims a class no other device
-    brings: its body still points back."""
+    row of class 2, and one that holds class 0 alone by how it learnt class 0's row (against the old classes only,
+    not against class 1); whole updates compared, Krum refuses both, compared on what neither's classes own,
+    neither. An update that undoes the round's step is refused either way, also when it claims a class no other
+    device brings: its body still points back."""
     rng = np.random.default_rng(11)
     heads = HeadLayout(tuple(np.arange(30 + 2 * c, 32 + 2 * c) for c in range(5)))  # 30 body values, 5 rows of 2
     step = np.zeros(40)
     step[:30], step[30:34] = 0.1, 0.5  # the body, and the rows of classes 0 and 1
-    deltas = [step + rng.normal(0.0, 0.03, 40) for _ in range(4)]
+    deltas = [step + rng.normal(0.0, 0.03, 40) for _ in range(6)]
     novel = step.copy()
     novel[30:34], novel[34:36] = 0.0, 1.5  # classes 0 and 1 untouched, class 2 learnt
     deltas.append(novel + rng.normal(0.0, 0.03, 40))
+    alone = step.copy()
+    alone[30:32], alone[32:34] = 1.2, -0.3  # class 0's row learnt against the old classes, class 1 pushed down
+    deltas.append(alone + rng.normal(0.0, 0.03, 40))
 
     def round_of(changes: list[np.ndarray], claims: list[set[int]]) -> list[ClientUpdate]:
         return [ClientUpdate(f"d{k}", change.astype(np.float32), 10, trained_counts=[(0, c, 5) for c in claim])
                 for k, (change, claim) in enumerate(zip(changes, claims))]
 
     g = np.zeros(40, np.float32)
-    honest = [{0, 1}] * 4 + [{2}]
-    for compare, refused in (("whole", 1), ("classes", 0)):
+    honest = [{0, 1}] * 6 + [{2}, {0}]
+    for compare, refused in (("whole", 2), ("classes", 0)):
         counters: Counter[str] = Counter()
         kept = UpdateBounds(krum_compare=compare).apply(g, round_of(deltas, honest), counters, heads=heads)
-        assert counters["krum-outlier"] == refused and len(kept) == 5 - refused
-        assert refused == 0 or "d4" not in [u.device for u in kept]
+        assert counters["krum-outlier"] == refused and len(kept) == 8 - refused
     for claim in ({0, 1}, {3}):
         counters = Counter()
         attacked = round_of([*deltas, -step], [*honest, claim])
         kept = UpdateBounds(min_alignment=-1.0).apply(g, attacked, counters, heads=heads)
-        assert [u.device for u in kept] == [f"d{k}" for k in range(5)] and counters == {"krum-outlier": 1}
+        assert [u.device for u in kept] == [f"d{k}" for k in range(8)] and counters["krum-outlier"] == 1
     with pytest.raises(ValueError, match="krum_compare"):
         UpdateBounds(krum_compare="rows")
 
