@@ -42,7 +42,7 @@
                 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a calibration reference
                 too), krum_compare = "classes" | "whole" (two updates compared without the head rows of the classes
                 either claims), krum_radius = 2.0 (a refused update this near the kept ones is taken
-                back; 0: none),
+                back; 0: none), krum_floor = 0.05 (... or this near, in the round's median distances),
                 min_alignment = -0.9 (-1: off), direction_bound = "reject" | "project", min_progress = -0.95 (-1:
                 off; the least cosine with the fleet's last global step), way_back = "clip" | "off" (no step back
                 toward the first global model beyond the round's median plus way_back_slack = 0.25 times its median

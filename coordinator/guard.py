@@ -49,7 +49,11 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   Krum refused 14 % of the honest updates with whole updates compared, and 1 of 36 with the rows of the classes both
   held still compared (issue 56). The body is still compared, which is where an update that undoes what the round
   learns differs; what a device does to its own classes' rows, no comparison with peers sees (the row bound below
-  limits their length).
+  limits their length). There the body, trained at a thousandth of the head's rate, is nearly all that is compared,
+  and honest bodies differ by about a hundredth of an update's length: a device whose one sample pointed its body
+  elsewhere lay just beyond the radius. So a named update is also taken back within `krum_floor` (0.05) times the
+  round's median distance from the global model of the centre: a twentieth of a typical update is no harm worth a
+  refusal.
 - **Direction** (`min_alignment`, -0.9 by default; -1: off): an update whose change points against the round's
   others (its cosine with the sum of the others' changes below `min_alignment`) is refused (`direction_bound =
   "reject"`), or turned (`"project"`): its component along the others' direction is raised until its cosine is
@@ -186,7 +190,8 @@ class UpdateBounds:
     krum_share: float = 0.25
     krum_radius: float = 2.0
     krum_when: str = "without-reference"  # "always": Krum selection in rounds that have a calibration reference too
-    krum_compare: str = "classes"  # two updates compared without the head rows of a class one of them alone claims
+    krum_compare: str = "classes"  # two updates compared without the head rows of the classes either claims
+    krum_floor: float = 0.05  # a named update this near the kept ones' centre (x the round's median distance) stays
     min_alignment: float = -0.9
     direction_bound: str = "reject"
     reference: str = "classes"  # each update compared on its classes' calibration samples (reference.py); "off"
@@ -227,9 +232,9 @@ class UpdateBounds:
         if self.sample_bound not in SAMPLE_BOUNDS:
             raise ValueError(f"sample_bound must be one of {', '.join(SAMPLE_BOUNDS)}, got {self.sample_bound!r}")
         if not self.norm_factor >= 1 or self.max_samples < 0 or not self.sample_factor >= 0 or self.hold < 1 \
-                or not self.krum_radius >= 0:
-            raise ValueError("norm_factor must be >= 1, max_samples >= 0, sample_factor >= 0, hold >= 1 and "
-                             "krum_radius >= 0")
+                or not self.krum_radius >= 0 or not self.krum_floor >= 0:
+            raise ValueError("norm_factor must be >= 1, max_samples >= 0, sample_factor >= 0, hold >= 1, "
+                             "krum_radius >= 0 and krum_floor >= 0")
         if not 0 <= self.sample_rank < 0.5:
             raise ValueError(f"sample_rank must be in [0, 0.5), got {self.sample_rank}")
         if not 0 <= self.free_rider_factor < 1 or not 0 <= self.krum_share < 0.5 or not -1 <= self.min_alignment < 1:
@@ -267,7 +272,7 @@ class UpdateBounds:
         bounded without it (docs/security.md). A round without a reference has only the comparison with the others."""
         compared = reference is not None and self.reference != "off" and self.krum_when != "always"
         return KrumSelection(0.0 if compared else self.krum_share, self.hold, self.krum_radius,
-                             heads if self.krum_compare == "classes" else None)
+                             heads if self.krum_compare == "classes" else None, self.krum_floor)
 
     def influence(self, global_weights: np.ndarray, path: FleetPath, heads: HeadLayout | None
                   ) -> RoundInfluence | None:
@@ -328,7 +333,7 @@ class UpdateBounds:
         checked = [c for c in (self.referenced(u, reference, counters, counts.value(), changes.value(), change)
                                for u, change in zip(progressing, compared)) if c is not None]
         checked = self.counted_once(global_weights, checked, counters)
-        kept = (selection or self.selection(reference, heads)).select(checked, counters)
+        kept = (selection or self.selection(reference, heads)).select(checked, counters, typical_distance)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(global_weights, kept)
             directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
@@ -672,25 +677,30 @@ class KrumSelection:
     each later update is refused when its score against the kept ones is worse than the worst of theirs. With a
     head layout, updates are compared on what neither one's classes own (`compared_distances`)."""
 
-    def __init__(self, share: float, hold: int, radius: float = 0.0, heads: HeadLayout | None = None) -> None:
+    def __init__(self, share: float, hold: int, radius: float = 0.0, heads: HeadLayout | None = None,
+                 floor: float = 0.0) -> None:
         self.share = share
         self.hold = hold
         self.radius = radius  # `krum_radius`: 0 takes none back
+        self.floor = floor  # `krum_floor`, in the round's median distances from the global model
         self.heads = heads  # None: whole updates compared (`krum_compare = "whole"`)
         self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
         self.claimed: set[int] = set()  # the classes any of them claims
-        self.reach = 0.0  # how far from it an update is taken back
+        self.reach = 0.0  # how far from it an update is taken back: `radius` x the farthest kept one, or the floor
 
-    def select(self, updates: list[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
+    def select(self, updates: list[ClientUpdate], counters: Counter[str],
+               typical_distance: float | None = None) -> list[ClientUpdate]:
         """The updates a round keeps, in order: the first `hold` less their outliers (those within reach of the
-        kept ones taken back), then each later one kept."""
+        kept ones taken back), then each later one kept. `typical_distance`: the round's median distance from the
+        global model, for `krum_floor` (None: no floor)."""
         if not self.share:
             return updates
         first = updates[: self.hold]
+        self.reach = self.floor * (typical_distance or 0.0)
         outliers = krum_outliers(compared_distances(first, self.heads), self.share) if len(first) > 2 else set()
-        if self.radius and len(first) - len(outliers) >= 2:
+        if (self.radius or self.floor) and len(first) - len(outliers) >= 2:
             self._place([u for k, u in enumerate(first) if k not in outliers])
             outliers = {k for k in outliers if not self._within_reach(first[k])}
         kept = [u for k, u in enumerate(first) if k not in outliers]
@@ -715,14 +725,14 @@ class KrumSelection:
         return False
 
     def _place(self, kept: Sequence[ClientUpdate]) -> None:
-        """The kept updates' mean, and the reach: `radius` x the farthest of them from it."""
+        """The kept updates' mean, and the reach: `radius` x the farthest of them from it, at least the floor."""
         centre = np.zeros(kept[0].weights.size, np.float64)
         for update in kept:
             centre += update.weights
         centre /= len(kept)
         self.centre = centre
         self.claimed = set().union(*(claimed_classes(u) for u in kept)) if self.heads is not None else set()
-        self.reach = self.radius * max(self._from_centre(u) for u in kept)
+        self.reach = max(self.reach, self.radius * max(self._from_centre(u) for u in kept))
 
     def _from_centre(self, update: ClientUpdate) -> float:
         """The update's distance from the centre, compared as `compared_distances` compares two updates: without

@@ -381,6 +381,37 @@ def test_krum_compares_two_updates_without_the_rows_of_the_classes_they_trained_
         UpdateBounds(krum_compare="rows")
 
 
+def test_a_named_update_within_the_floor_of_the_kept_ones_centre_stays():
+    """`krum_floor` (0.05 of the round's median distance from the global model): in SDD's few-shot sessions what
+    Krum compares (the body, trained at a thousandth of the head's rate) differs between honest devices by about a
+    hundredth of their length, so a device whose one sample points its body elsewhere was named and lay just beyond
+    the radius (1 honest update of 36 refused). Within the floor it stays; an update whose body moves a tenth of a
+    typical update's length against the others' is refused."""
+    rng = np.random.default_rng(12)
+    heads = HeadLayout(tuple(np.arange(30 + 2 * c, 32 + 2 * c) for c in range(5)))
+    changes = []
+    for k in range(4):
+        change = np.zeros(40)
+        change[:30] = rng.normal(0.0, 1e-3 * (4.0 if k == 3 else 1.0), 30)  # the last device: one sample's direction
+        change[30 + 2 * k:32 + 2 * k] = 1.0  # its own class's row, the update's length
+        changes.append(change)
+    updates = [ClientUpdate(f"d{k}", c.astype(np.float32), 3, trained_counts=[(1, k, 3)])
+               for k, c in enumerate(changes)]
+    g = np.zeros(40, np.float32)
+    for floor, refused in ((0.0, 1), (0.05, 0)):
+        counters: Counter[str] = Counter()
+        UpdateBounds(krum_floor=floor).apply(g, updates, counters, heads=heads)
+        assert counters["krum-outlier"] == refused
+    pulling = changes[0].copy()
+    pulling[:30] = -0.1 * np.sqrt(2.0) / np.sqrt(30.0)  # the body moved a tenth of the update's length
+    counters = Counter()
+    attacked = [*updates, ClientUpdate("d4", pulling.astype(np.float32), 3, trained_counts=[(1, 0, 3)])]
+    kept = UpdateBounds(min_alignment=-1.0).apply(g, attacked, counters, heads=heads)
+    assert [u.device for u in kept] == [f"d{k}" for k in range(4)] and counters["krum-outlier"] == 1
+    with pytest.raises(ValueError, match="krum_floor"):
+        UpdateBounds(krum_floor=-0.1)
+
+
 @pytest.mark.parametrize("device", devices)
 def test_centered_clipping_moves_at_most_tau_over_n_a_step_for_any_one_update(device):
     rng = np.random.default_rng(5)
