@@ -133,6 +133,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "centered-clip": {"strategy": {"name": "centered-clip"}},
     # the default with Krum selection in the rounds that have a reference too
     "default-krum": {"coordinator": {"guard": {"krum_when": "always"}}},
+    # the default's Krum selection (rounds without calibration samples) comparing whole updates, without the floor:
+    # the default before it compared what neither update's classes own (issue 56)
+    "whole-krum": {"coordinator": {"guard": {"krum_compare": "whole", "krum_floor": 0.0}}},
     # the default's parts, each left out: what it costs an honest fleet and what it holds
     "no-trust": {"coordinator": {"guard": {"trust_margin": 0.0}}},
     "no-influence": {"coordinator": {"guard": {"way_back": "off", "row_factor": 0.0}}},
