@@ -6,6 +6,7 @@ double the memory traffic of a rule that is memory-bound. Aggregation only ever 
 """
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -55,6 +56,17 @@ def float64_blocks(size: int) -> Iterator[tuple[slice, np.ndarray]]:
     for start in range(0, size, BLOCK):
         stop = min(start + BLOCK, size)
         yield slice(start, stop), buffer[: stop - start]
+
+
+def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
+    """||w - g|| in float64 (finite for any finite float32 weights), a block at a time (`float64_blocks`): no
+    model-sized copy. The sum of squares is einsum's, on this thread: np.dot hands it to BLAS, whose threads wait
+    for busy cores (measured beside a running test suite: 22 ms per million values, against 1 ms)."""
+    total = 0.0
+    for block, part in float64_blocks(weights.size):
+        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
+        total += float(np.einsum("i,i->", part, part))
+    return math.sqrt(total)
 
 
 class RunningSum:

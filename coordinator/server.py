@@ -229,7 +229,7 @@ class Coordinator:
         way_back = None
         if self._first_weights is not None:
             way_back = self._first_weights.astype(np.float64) - weights
-            length = math.sqrt(float(np.einsum("i,i->", way_back, way_back)))  # einsum: guard.distance says why
+            length = math.sqrt(float(np.einsum("i,i->", way_back, way_back)))  # einsum: compute.distance says why
             way_back = way_back / length if length > 0 else None
         return FleetPath(last_step, way_back)
 

@@ -212,7 +212,7 @@ def _min_sum(honest: Honest) -> tuple[np.ndarray, int]:
 def krum_pick(vectors: np.ndarray, byzantine: int) -> int:
     """Krum's choice (Blanchard et al. 2017): the row with the least sum of squared distances to its n - f - 2
     nearest others (at least one), scored as the coordinator's guard scores them."""
-    from coordinator.guard import krum_scores  # torch: only where an attack needs it, not at a worker's start
+    from coordinator.krum import krum_scores  # torch: only where an attack needs it, not at a worker's start
 
     rows = [np.ascontiguousarray(v, dtype=np.float32) for v in vectors]
     return int(np.argmin(krum_scores(rows, max(len(vectors) - byzantine - 2, 1))))
