@@ -65,11 +65,17 @@ def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None
         left_out = np.array([[c in a or c in b for b in column_claims] for a in row_claims])
         if not left_out.any():
             continue
-        mine = np.stack([u.weights[heads.rows[c]] for u in updates]).astype(np.float64)
-        theirs = np.stack([u.weights[heads.rows[c]] for u in columns]).astype(np.float64)
-        apart = ((mine[:, None, :] - theirs[None, :, :]) ** 2).sum(-1)
+        apart = rows_apart(heads, c, [u.weights for u in updates], [u.weights for u in columns])
         distances -= np.where(left_out, apart, 0.0)
     return np.maximum(distances, 0.0)
+
+
+def rows_apart(heads: HeadLayout, c: int, mine: Sequence[np.ndarray], theirs: Sequence[np.ndarray]) -> np.ndarray:
+    """(len(mine), len(theirs)) squared distances between class c's head rows, in float64: what
+    `compared_distances` leaves out of two updates' distance."""
+    a = np.stack([w[heads.rows[c]] for w in mine]).astype(np.float64)
+    b = np.stack([w[heads.rows[c]] for w in theirs]).astype(np.float64)
+    return ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
 
 
 def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
@@ -110,16 +116,19 @@ class KrumSelection:
             return updates
         first = updates[: self.hold]
         self.reach = self.floor * (typical_distance or 0.0)
-        outliers = krum_outliers(compared_distances(first, self.heads), self.share) if len(first) > 2 else set()
+        among = compared_distances(first, self.heads) if len(first) > 2 else None
+        outliers = krum_outliers(among, self.share) if among is not None else set()
         if (self.radius or self.floor) and len(first) - len(outliers) >= 2:
             self._place([u for k, u in enumerate(first) if k not in outliers])
             outliers = {k for k in outliers if not self._within_reach(first[k])}
-        kept = [u for k, u in enumerate(first) if k not in outliers]
+        kept_at = [k for k in range(len(first)) if k not in outliers]
+        kept = [first[k] for k in kept_at]
         for k in sorted(outliers):
             self._refused(first[k], counters)
         if len(kept) >= 2:
             self.neighbours = kept
-            self.worst = float(scored(compared_distances(kept, self.heads), self._nearest(), True).max())
+            distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
+            self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
         return kept + [u for u in updates[self.hold:] if self.takes(u, counters)]
 
     def takes(self, update: ClientUpdate, counters: Counter[str]) -> bool:
@@ -153,9 +162,7 @@ class KrumSelection:
         if self.heads is not None:
             for c in claimed_classes(update) | self.claimed:
                 if c < len(self.heads.rows):
-                    positions = self.heads.rows[c]
-                    apart = update.weights[positions].astype(np.float64) - self.centre[positions]
-                    squared -= float(np.einsum("i,i->", apart, apart))
+                    squared -= float(rows_apart(self.heads, c, [update.weights], [self.centre])[0, 0])
         return math.sqrt(max(squared, 0.0))
 
     def _within_reach(self, update: ClientUpdate) -> bool:
