@@ -36,7 +36,8 @@
                 "classes" | "off" (each update on its classes' calibration samples, coordinator/reference.py; none
                 without calibration samples), reference_tolerance = 1.0, trust_margin = 0.05 (an update that lowers
                 its mix's calibration loss by less than this many nats counts that share of its samples, in rounds
-                whose typical update lowers it by as much; 0: off),
+                whose typical update lowers it by as much; 0: off), trust_on = "gained" | "net" (that loss counted
+                on the parts of the mix it lowered, or on the whole mix),
                 reference_vouches = true (an update beyond a size bound that lowers that loss by the margin, beyond
                 what random steps as long do, is kept at the bound, not refused), krum_share = 0.25 (Krum selection;
                 0: off), krum_when = "without-reference" | "always" (Krum in rounds that have a calibration reference

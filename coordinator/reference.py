@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -56,6 +57,19 @@ from coordinator.evaluation import Evaluator
 from coordinator.strategies.base import ClientUpdate, RoundContext
 
 Part = tuple[int, int]  # (task, class): the calibration samples of a class in one task (its domain there)
+
+
+@dataclass(frozen=True)
+class LossChange:
+    """An update's calibration loss on its mix against the global model's, in nats, each part weighted by the update's
+    samples of it: `net`, the whole change (negative: it lowers it; what the reference refuses on), and `gained`, the
+    parts it lowered alone (at most 0; what the trust weight counts, `[guard] trust_on`)."""
+
+    net: float
+    gained: float
+
+
+NO_CHANGE = LossChange(0.0, 0.0)  # an update compared on nothing
 
 
 class ClassReference:
@@ -77,18 +91,20 @@ class ClassReference:
         self.baseline = {part: loss for part, loss in self.losses(global_weights, sorted(calibration)).items()
                          if math.isfinite(loss)}  # a part the global model gives no finite answer on is not compared
 
-    def loss_change(self, update: ClientUpdate) -> float:
+    def loss_change(self, update: ClientUpdate) -> LossChange:
         """How much the update raises the calibration loss of its mix above the global model's (negative: it lowers
-        it), in nats, weighted by its samples of each part; inf when its model gives no finite answer."""
+        it), in nats, weighted by its samples of each part, and how much of it the parts it lowered make; inf when
+        its model gives no finite answer."""
         parts, weights = self.compared_on(update)
         if not parts:
-            return 0.0
+            return NO_CHANGE
         mask = self.mask_of(update)
         baseline = self._baseline(mask)
         if not all(math.isfinite(baseline.get(p, math.nan)) for p in parts):  # compared beyond what it has seen
             mask, baseline = self.fleet_mask, self.baseline
         losses = self.losses(update.weights, parts, mask)
-        return sum(w * (losses[p] - baseline[p]) for p, w in zip(parts, weights)) / sum(weights)
+        changes = [w * (losses[p] - baseline[p]) for p, w in zip(parts, weights)]
+        return LossChange(sum(changes) / sum(weights), sum(min(c, 0.0) for c in changes) / sum(weights))
 
     def unreached(self, update: ClientUpdate) -> list[int]:
         """The classes the update claims samples of (`label_counts`, `trained_counts`) that none of the run's tasks
