@@ -20,8 +20,9 @@ bound and check off), `multi-krum` (the default before issue 56: Krum selection 
 rules after the default bounds (`median`, `trimmed-mean`, `centered-clip`), and two variants of the default
 (`default-krum`: Krum selection beside the reference; `influence`: claims capped and distances clipped instead of
 refused), and the default with a part left out (`no-trust`: the trust weight; `no-influence`: the way back and the
-head-row bound; `no-way-back`: the way back alone). Printed per setting and fleet: the clean final accuracy (mean ±
-std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
+head-row bound; `no-way-back`: the way back alone), and the default before two of its changes (`whole-krum`: Krum
+comparing whole updates; `trust-net`: the trust weight on an update's net loss change). Printed per setting and
+fleet: the clean final accuracy (mean ± std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
 (attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
 devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
 one where a run failed (every device diverged, so no round could reach its quorum) `f`, counted with its last
@@ -138,6 +139,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "whole-krum": {"coordinator": {"guard": {"krum_compare": "whole", "krum_floor": 0.0}}},
     # the default's parts, each left out: what it costs an honest fleet and what it holds
     "no-trust": {"coordinator": {"guard": {"trust_margin": 0.0}}},
+    # the trust weight on an update's net loss change over its whole mix: the default before it counted what the
+    # update lowered (issue 56)
+    "trust-net": {"coordinator": {"guard": {"trust_on": "net"}}},
     "no-influence": {"coordinator": {"guard": {"way_back": "off", "row_factor": 0.0}}},
     "no-way-back": {"coordinator": {"guard": {"way_back": "off"}}},
     # the default refusing nothing for its size (claims capped, distances clipped), which the trust weight was to
