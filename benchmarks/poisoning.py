@@ -29,7 +29,9 @@ one where a run failed (every device diverged, so no round could reach its quoru
 completed round's model. The clean column's brackets are the clean runs' own honest refusals. "All honest" is the
 fleet with every device honest (the compromised devices' shares held by honest devices: what the issue's "clean
 4-device run" is, and where a rule that reads novelty as attack refuses honest updates), against plain FedAvg's same
-run, with its honest refusals; below the table, why they were refused.
+run, with its honest refusals; below the table, why they were refused, and the runs without attack against plain
+FedAvg's, paired by seed, on the final accuracy and on the average incremental accuracy (steadier: one round's
+weights swing the final accuracy by several points in these fleets).
 
 Scenarios (`--scenarios`): `digits-class` and `fashion-class` (the presets: Dirichlet 1 label split), and the
 splits where honest devices look least alike: `digits-skewed` (Dirichlet 0.1) and `digits-dynamics` (GLFC's client
@@ -67,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.guard import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
+from edgefil.metrics import accuracy_matrix, average_incremental_accuracy  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS, attack_names  # noqa: E402
 from firmware_sim.payload_attacks import PAYLOAD_ATTACKS  # noqa: E402
@@ -339,10 +342,19 @@ def by_attack(results: dict[Cell, dict[str, Any]], scenario: str, settings: list
     return "\n".join(lines)
 
 
-def against_fedavg(results: dict[Cell, dict[str, Any]], cell: Cell, seeds: list[int]) -> list[float]:
-    """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed."""
-    return [results[dataclasses.replace(cell, seed=s)]["final_accuracy"]
-            - results[dataclasses.replace(cell, setting="fedavg", seed=s)]["final_accuracy"] for s in seeds]
+def against_fedavg(results: dict[Cell, dict[str, Any]], cell: Cell, seeds: list[int],
+                   measure: str = "final_accuracy") -> list[float]:
+    """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed, on `measure`:
+    "final_accuracy" or "average_incremental" (`average_incremental`)."""
+    read = average_incremental if measure == "average_incremental" else (lambda record: record[measure])
+    return [read(results[dataclasses.replace(cell, seed=s)])
+            - read(results[dataclasses.replace(cell, setting="fedavg", seed=s)]) for s in seeds]
+
+
+def average_incremental(record: dict[str, Any]) -> float:
+    """A cell's average incremental accuracy (edgefil.metrics), from its accuracy matrix: steadier than the final
+    accuracy, which one round's weights swing by several points in these fleets (docs/results.md, issue 56)."""
+    return average_incremental_accuracy(accuracy_matrix(record["accuracy_matrix"]))
 
 
 def marked(diff: list[float], cells: list[dict[str, Any]]) -> str:
@@ -367,14 +379,20 @@ def refusal_causes(results: dict[Cell, dict[str, Any]], scenario: str, setting: 
 
 def paired(results: dict[Cell, dict[str, Any]], scenario: str, setting: str, seeds: list[int],
            fleets: list[int]) -> str:
-    """The runs without attack of `setting` (clean and all honest) against plain FedAvg's, paired by seed."""
-    diffs = [d for devices in fleets for kind in NO_ATTACK
-             for d in against_fedavg(results, Cell(scenario, setting, devices, kind, 0), seeds)]
-    if np.allclose(diffs, 0):
-        return f"{setting}: runs without attack identical to plain FedAvg's in every pair ({len(diffs)})"
-    test = stats.ttest_1samp(diffs, 0.0)
-    return (f"{setting}: without attack - plain FedAvg {points(diffs)} points over {len(diffs)} pairs, paired t-test "
-            f"p {test.pvalue:.2f}")
+    """The runs without attack of `setting` (clean and all honest) against plain FedAvg's, paired by seed: on the
+    final accuracy and on the average incremental accuracy."""
+    final, average = ([d for devices in fleets for kind in NO_ATTACK
+                       for d in against_fedavg(results, Cell(scenario, setting, devices, kind, 0), seeds, measure)]
+                      for measure in ("final_accuracy", "average_incremental"))
+    if np.allclose(final, 0) and np.allclose(average, 0):
+        return f"{setting}: runs without attack identical to plain FedAvg's in every pair ({len(final)})"
+    return (f"{setting}: without attack - plain FedAvg {points(final)} points over {len(final)} pairs, paired t-test "
+            f"p {p_value(final)}; average incremental accuracy {points(average)}, p {p_value(average)}")
+
+
+def p_value(diffs: list[float]) -> str:
+    """The paired t-test's p of `diffs` against 0 ("-" where every pair is equal)."""
+    return "-" if np.allclose(diffs, 0) else f"{stats.ttest_1samp(diffs, 0.0).pvalue:.2f}"
 
 
 def main() -> None:

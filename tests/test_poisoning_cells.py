@@ -41,3 +41,20 @@ def test_a_few_shot_fleet_holds_a_session_sample_a_device_at_every_size():
         scenario = poisoning.Cell("digits-sdd", "default", devices, "all-honest", 0).fleet(Path("."))["scenario"]
         assert scenario.get("shots") == shots
         assert all(len(ClientSource(scenario, k).task_data(1)[1]) > 0 for k in range(devices))
+
+
+def test_the_runs_without_attack_are_compared_with_fedavg_on_final_and_average_incremental_accuracy():
+    """The clean-vs-FedAvg line reads both: the final accuracy, which one round's weights swing by several points in
+    these fleets, and the average incremental accuracy (the mean over tasks of the accuracy on the tasks seen so far,
+    edgefil.metrics), which is steadier. Here the setting's final accuracy is FedAvg's and its first task was learnt
+    worse: only the second reads the difference."""
+    poisoning = load_benchmark()
+    results = {}
+    for seed in (0, 1):
+        for kind in ("clean", "all-honest"):
+            for setting, first in (("default", 0.5), ("fedavg", 0.9)):
+                results[poisoning.Cell("digits-class-cal", setting, 4, kind, seed)] = {
+                    "final_accuracy": 0.8, "accuracy_matrix": [[first], [0.7, 0.9]]}
+    line = poisoning.paired(results, "digits-class-cal", "default", [0, 1], [4])
+    assert "plain FedAvg  +0.0 ± 0.0 points over 4 pairs" in line, line
+    assert "average incremental accuracy -20.0 ± 0.0" in line, line  # (0.5 + 0.8) / 2 against (0.9 + 0.8) / 2
