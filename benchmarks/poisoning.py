@@ -22,8 +22,8 @@ rules after the default bounds (`median`, `trimmed-mean`, `centered-clip`), and 
 refused), and the default with a part left out (`no-trust`: the trust weight; `no-influence`: the way back and the
 head-row bound; `no-way-back`: the way back alone), and the default before two of its changes (`whole-krum`: Krum
 comparing whole updates; `trust-net`: the trust weight on an update's net loss change). Printed per setting and
-fleet: the clean final accuracy (mean ± std over seeds, %), its difference from plain FedAvg's clean run, and per attack the mean ± std over seeds of
-(attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
+fleet: the clean final accuracy (mean ± std over seeds, %), its difference from plain FedAvg's clean run, and per
+attack the mean ± std over seeds of (attacked - clean) in points, paired by seed, and in brackets the share of honest updates refused (the honest
 devices' updates received but not aggregated, over the seeds' rounds); a cell 3 points or more away is marked `!`,
 one where a run failed (every device diverged, so no round could reach its quorum) `f`, counted with its last
 completed round's model. The clean column's brackets are the clean runs' own honest refusals. "All honest" is the
@@ -58,6 +58,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,12 +344,16 @@ def by_attack(results: dict[Cell, dict[str, Any]], scenario: str, settings: list
 
 
 def against_fedavg(results: dict[Cell, dict[str, Any]], cell: Cell, seeds: list[int],
-                   measure: str = "final_accuracy") -> list[float]:
-    """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed, on `measure`:
-    "final_accuracy" or "average_incremental" (`average_incremental`)."""
-    read = average_incremental if measure == "average_incremental" else (lambda record: record[measure])
+                   measure: Callable[[dict[str, Any]], float] | None = None) -> list[float]:
+    """A run without attack (`cell`'s, any seed) against plain FedAvg's same run, per seed, on `measure` (a cell's
+    record to a number; its final accuracy by default)."""
+    read = measure or final_accuracy
     return [read(results[dataclasses.replace(cell, seed=s)])
             - read(results[dataclasses.replace(cell, setting="fedavg", seed=s)]) for s in seeds]
+
+
+def final_accuracy(record: dict[str, Any]) -> float:
+    return float(record["final_accuracy"])
 
 
 def average_incremental(record: dict[str, Any]) -> float:
@@ -383,7 +388,7 @@ def paired(results: dict[Cell, dict[str, Any]], scenario: str, setting: str, see
     final accuracy and on the average incremental accuracy."""
     final, average = ([d for devices in fleets for kind in NO_ATTACK
                        for d in against_fedavg(results, Cell(scenario, setting, devices, kind, 0), seeds, measure)]
-                      for measure in ("final_accuracy", "average_incremental"))
+                      for measure in (final_accuracy, average_incremental))
     if np.allclose(final, 0) and np.allclose(average, 0):
         return f"{setting}: runs without attack identical to plain FedAvg's in every pair ({len(final)})"
     return (f"{setting}: without attack - plain FedAvg {points(final)} points over {len(final)} pairs, paired t-test "

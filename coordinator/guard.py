@@ -412,9 +412,9 @@ class UpdateBounds:
     def trusted(self, update: ClientUpdate, change: float, counters: Counter[str],
                 typical_count: float | None = None, typical_change: float | None = None) -> ClientUpdate:
         """The update, its samples counted by how much it lowered its mix's calibration loss (`change`, nats: what
-        `trust_on` reads of its `LossChange`, the parts of the mix it lowered by default): all
-        of them where it lowered it by `trust_margin` x its claim in the round's typical claims (`typical_count`;
-        at least 1), that share of them below, none where it did not lower it. FLTrust's trust score (Cao et al.,
+        `trust_on` reads of its `LossChange`, the parts of the mix it lowered by default): all of them where it
+        lowered it by `trust_margin` x its claim in the round's typical claims (`typical_count`; at least 1), that
+        share of them below, none where it did not lower it. FLTrust's trust score (Cao et al.,
         NDSS 2021) on the loss rather than a direction: what weighs in FedAvg is what a device shows it learnt, so
         an update that learnt nothing of its data (noise, the global model sent back with a little noise:
         `tinynoise`) weighs nothing, whatever it claims, without being refused, and an honest one that learnt
