@@ -58,3 +58,24 @@ def test_the_runs_without_attack_are_compared_with_fedavg_on_final_and_average_i
     line = poisoning.paired(results, "digits-class-cal", "default", [0, 1], [4])
     assert "plain FedAvg  +0.0 ± 0.0 points over 4 pairs" in line, line
     assert "average incremental accuracy -20.0 ± 0.0" in line, line  # (0.5 + 0.8) / 2 against (0.9 + 0.8) / 2
+
+
+def test_an_attack_is_read_against_the_clean_fleet_and_against_the_all_honest_fleet():
+    """Against the clean run an attack's change counts what the compromised devices' own data add; against the
+    all-honest run, what the attack itself does (the comparison for a payload attack with honest weights). Here the
+    attack run ends where the all-honest run does, 10 points above the clean run."""
+    poisoning = load_benchmark()
+    results = {}
+    for seed in (0, 1):
+        for kind, accuracy in (("clean", 0.6), ("all-honest", 0.7), ("prototype-flood", 0.7)):
+            for setting in ("default", "fedavg"):
+                results[poisoning.Cell("digits-glfc-cal", setting, 20, kind, seed)] = {"final_accuracy": accuracy}
+    against_clean = poisoning.by_attack(results, "digits-glfc-cal", ["default"], ["prototype-flood"], [0, 1], 20)
+    against_everyone = poisoning.by_attack(results, "digits-glfc-cal", ["default"], ["prototype-flood"], [0, 1], 20,
+                                           "all-honest")
+    flood = next(line for line in against_clean.splitlines() if line.startswith("prototype-flood"))
+    assert "+10.0 ± 0.0" in flood and "!" in flood, against_clean
+    assert "all-honest" in against_clean  # its first row: the all-honest fleet against plain FedAvg
+    flood = next(line for line in against_everyone.splitlines() if line.startswith("prototype-flood"))
+    assert "+0.0 ± 0.0" in flood and "!" not in flood, against_everyone
+    assert [row.split()[0] for row in against_everyone.splitlines()[1:]] == ["prototype-flood"]
