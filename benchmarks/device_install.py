@@ -1,6 +1,6 @@
 """How big the device install is: a fresh virtual environment with `pip install .` from this checkout (the base
-dependencies only: numpy, msgpack, paho-mqtt, google-crc32c, blake3 and onnxruntime, training build or plain),
-against the host install (.venv, with the host, dev and ray extras) measured in the same run.
+dependencies only: numpy, msgpack, paho-mqtt, google-crc32c, blake3 and current onnxruntime), against the host
+install (.venv, with the host, dev, ray and ort-training extras) measured in the same run.
 
     .venv/bin/python benchmarks/device_install.py [--python python3.12 ...]
 
@@ -56,7 +56,7 @@ def main() -> None:
             print(f"| device (`pip install .`) | {version} | {measured / 2**20:.0f} MiB | {ratio} | {parts} |")
     if host_size:
         parts = ", ".join(f"{name} {s / 2**20:.0f} MiB" for name, s in biggest(host))
-        print(f"| host (`.[host,dev,ray]`, .venv) | {sys.version.split()[0]} | {host_size / 2**20:.0f} MiB | 1.00x | "
+        print(f"| host (`.[host,dev,ray,ort-training]`, .venv) | {sys.version.split()[0]} | {host_size / 2**20:.0f} MiB | 1.00x | "
               f"{parts} |")
 
 

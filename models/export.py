@@ -38,6 +38,7 @@ from models.manifest import (
     GRAPH_OUTPUTS,
     MANIFEST_NAME,
     MAX_IR_VERSION,
+    MAX_OPSET,
     OPTIMIZER_MODELS,
     OPTIONAL_GRAPHS,
     PORTABLE_MODELS,
@@ -79,17 +80,19 @@ def export_model(
     optional = _checked_graphs(graphs)
     num_classes = model.head.out_features
     model = model.cpu().eval()
-    ir_version = 0
+    ir_version, opset = 0, 0  # the newest of the set's graphs (the manifest's, which a device checks)
     parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
     if "ort" in backends:
         with _step(f"exporting {name} for the ort backend (ORT training artifacts)"):
             parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
+        opset = OPSET
     if "portable" in backends:
-        from models.portable_export import export_portable
+        from models.portable_export import PORTABLE_OPSET, export_portable
 
         with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)"):
             made = export_portable(model, parameters, input_shape, out_dir, optional)
         ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in made))
+        opset = max(opset, PORTABLE_OPSET)
     files = [f for backend in backends for f in BACKEND_FILES[backend]]
     if "portable" in backends:
         files += [PORTABLE_MODELS[graph] for graph in sorted(optional)]
@@ -102,7 +105,7 @@ def export_model(
         num_classes=num_classes,
         feature_dim=model.head.in_features,
         parameters=parameters,
-        opset=OPSET,
+        opset=opset or OPSET,
         ir_version=ir_version,
         nominal_checkpoint=nominal,
         edgefil_version=software_version(),
@@ -164,12 +167,7 @@ def _export_ort(
 
     with tempfile.TemporaryDirectory(prefix="edgefil-export-") as tmp:
         tmp_dir = Path(tmp)
-        onnx_model = _to_onnx(model, input_shape, num_classes, tmp_dir / "base.onnx")
-        if onnx_model.ir_version > MAX_IR_VERSION:
-            raise ManifestError(
-                f"onnx {onnx.__version__} wrote IR version {onnx_model.ir_version}; onnxruntime-training 1.19 "
-                f"reads at most {MAX_IR_VERSION}: install onnx==1.17.0"
-            )
+        onnx_model = readable_by_devices(_to_onnx(model, input_shape, num_classes, tmp_dir / "base.onnx"))
         trainable = [p.name for p in onnx_model.graph.initializer if p.name in dict(model.named_parameters())]
         for optimizer, optim_file in OPTIMIZER_MODELS.items():
             gen_dir = tmp_dir / optimizer
@@ -177,7 +175,7 @@ def _export_ort(
             _quiet_generate(onnx_model, trainable, optimizer, gen_dir)
             optim_model = onnx.load(str(gen_dir / "optimizer_model.onnx"))
             use_torch_adamw(optim_model)
-            onnx.save(optim_model, str(out_dir / optim_file))
+            onnx.save(readable_by_devices(optim_model), str(out_dir / optim_file))
         generated = tmp_dir / "sgd"
         parameters = ort_flat_order(model, generated)
         shutil.move(generated / TRAINING_MODEL, out_dir / TRAINING_MODEL)
@@ -302,6 +300,20 @@ def ort_flat_order(model: torch.nn.Module, directory: Path) -> tuple[ParameterIn
     if expected != size:
         raise ManifestError(f"ORT holds {size} trainable values, the torch model {expected}")
     return order
+
+
+def readable_by_devices(model: Any) -> Any:
+    """`model` (an onnx ModelProto), stamped with an IR version the devices' ONNX Runtime reads (MAX_IR_VERSION).
+    onnx stamps a graph it builds with its own newest IR version (14 for onnx 1.23: ORT's artifact builder makes the
+    optimizer graphs so), which ONNX Runtime 1.19 refuses; what these graphs hold (float and int64 tensors, opset
+    <= 18 and ORT's own training ops) was all in IR 10 already, so the stamp is lowered rather than the host's onnx
+    pinned. A default-domain opset newer than the devices read is refused."""
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset > MAX_OPSET:
+        raise ManifestError(f"the graph {model.graph.name!r} uses ONNX opset {opset}; the devices' ONNX Runtime reads "
+                            f"at most {MAX_OPSET}")
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model
 
 
 def use_torch_adamw(optimizer_model: Any) -> None:

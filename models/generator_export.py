@@ -38,7 +38,7 @@ from onnxruntime.training.onnxblock import _graph_utils
 from torch import nn
 from torch.nn import functional as F
 
-from models.export import OPSET, native_stderr_captured, ort_flat_order, use_torch_adamw
+from models.export import OPSET, native_stderr_captured, ort_flat_order, readable_by_devices, use_torch_adamw
 from models.generator_artifacts import GENERATOR_JSON, SAMPLER_MODEL, GeneratorArtifacts, OrtSegment
 from models.generator_kinds import VAE_KINDS
 from models.generators import (
@@ -53,7 +53,6 @@ from models.generators import (
 from models.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
-    MAX_IR_VERSION,
     OPTIMIZER_MODELS,
     TRAINING_MODEL,
     ManifestError,
@@ -132,9 +131,9 @@ def _export(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, input
         do_constant_folding=False, export_params=True, dynamo=False,
     )
     model = onnx.load(str(path))
-    if model.ir_version > MAX_IR_VERSION:
-        raise ManifestError(f"onnx {onnx.__version__} wrote IR version {model.ir_version}; onnxruntime-training "
-                            f"1.19 reads at most {MAX_IR_VERSION}: install onnx==1.17.0")
+    stamped = model.ir_version
+    if readable_by_devices(model).ir_version != stamped:  # the file is what a device loads
+        onnx.save(model, str(path))
     return model
 
 
@@ -177,7 +176,7 @@ def _export_vae_training(spec: GeneratorSpec, graph: VaeGraph, out_dir: Path) ->
             )
         optimizer = onnx.load(str(tmp_dir / "optimizer_model.onnx"))
         use_torch_adamw(optimizer)
-        onnx.save(optimizer, str(out_dir / ADAMW_MODEL))
+        onnx.save(readable_by_devices(optimizer), str(out_dir / ADAMW_MODEL))
         order = ort_flat_order(graph, tmp_dir)
         for name in (TRAINING_MODEL, EVAL_MODEL, CHECKPOINT):
             shutil.move(tmp_dir / name, out_dir / name)

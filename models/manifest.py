@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from math import prod
@@ -20,8 +21,12 @@ MANIFEST_NAME = "manifest.json"
 # 2: the training and eval graphs take the loss inputs below (listed in `inputs`); 3: `backends` says which
 # trainer backends the set serves, and the initial weights are a flat file (`weights.bin`)
 MANIFEST_FORMAT = 3
-# onnxruntime-training 1.19 loads models up to IR version 10 ("max supported IR version: 10").
+# The newest ONNX IR version and default-domain opset that every device runtime edgefil installs reads: the base
+# install's onnxruntime (>= 1.19) and `edgefil[ort-training]`'s onnxruntime-training 1.19.2 read IR 10 ("max
+# supported IR version: 10") and opset 21. The export writes no newer (models/export.py `readable_by_devices`),
+# whatever onnx the host has; a device refuses artifacts that claim newer.
 MAX_IR_VERSION = 10
+MAX_OPSET = 21
 TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
 CHECKPOINT = "checkpoint"
@@ -95,20 +100,43 @@ def class_head_positions(parameters: Sequence[ParameterInfo], classes: Sequence[
 
 
 def runnable_backends() -> tuple[str, ...]:
-    """The trainer backends this Python can run, found without importing anything: "ort" where an
-    onnxruntime-training build is installed (its package holds `training/`), "portable" where any onnxruntime
-    is, "torch" where torch is."""
+    """The trainer backends this Python can run, found without importing anything: "ort" where the onnxruntime
+    package in place is a training build (`training_build`), "portable" where any onnxruntime is, "torch" where
+    torch is."""
     import importlib.util
 
     found = []
     spec = importlib.util.find_spec("onnxruntime")
     if spec is not None and spec.origin is not None:
-        if (Path(spec.origin).parent / "training").is_dir():
+        if training_build(Path(spec.origin).parent):
             found.append("ort")
         found.append("portable")
     if importlib.util.find_spec("torch") is not None:
         found.append("torch")
     return tuple(found)
+
+
+TRAINING_DISTRIBUTIONS = ("onnxruntime-training-cpu", "onnxruntime-training")
+
+
+def training_build(package: Path) -> bool:
+    """Whether the `onnxruntime` package at `package` is ONNX Runtime Training's build: it holds `training/`, and its
+    version (its `__init__.py` says) is that of an installed training distribution. Both builds install this one
+    package; the base install's onnxruntime put in over a training build leaves `training/` behind, with a runtime
+    that has no training in it."""
+    from importlib import metadata
+
+    init = package / "__init__.py"
+    if not (package / "training").is_dir() or not init.is_file():
+        return False
+    stated = re.search(r'^__version__ = "([^"]+)"', init.read_text(errors="replace"), re.MULTILINE)
+    for distribution in TRAINING_DISTRIBUTIONS:
+        try:
+            if stated is not None and metadata.version(distribution) == stated.group(1):
+                return True
+        except metadata.PackageNotFoundError:
+            continue
+    return False
 
 
 @dataclass(frozen=True)
@@ -313,17 +341,18 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
         raise ManifestError(f"the artifacts in {directory} take the graph inputs "
                             f"{', '.join(value.name for value in manifest.inputs)}; this edgefil feeds "
                             f"{', '.join(name for name, *_ in GRAPH_INPUTS)}: export them again")
-    if manifest.ir_version > MAX_IR_VERSION:
+    if manifest.ir_version > MAX_IR_VERSION or manifest.opset > MAX_OPSET:
         raise ManifestError(
-            f"artifacts use ONNX IR version {manifest.ir_version}; onnxruntime-training 1.19 reads at most "
-            f"{MAX_IR_VERSION} (export with onnx==1.17.0)"
+            f"artifacts use ONNX IR version {manifest.ir_version} and opset {manifest.opset}; the devices' ONNX "
+            f"Runtime reads at most IR {MAX_IR_VERSION} and opset {MAX_OPSET}: export them again with this edgefil"
         )
     return manifest
 
 
 def verify_files(directory: Path, files: dict[str, str], listing: str, check_hashes: bool = True) -> None:
     """Every file a listing (manifest.json, generator.json) names is present, matches its sha256, and, for an
-    ONNX model, has an IR version ORT 1.19 reads, as its own protobuf header says; ManifestError otherwise."""
+    ONNX model, has an IR version the devices' ONNX Runtime reads, as its own protobuf header says; ManifestError
+    otherwise."""
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():
@@ -331,5 +360,5 @@ def verify_files(directory: Path, files: dict[str, str], listing: str, check_has
         if check_hashes and sha256_file(path) != expected:
             raise ManifestError(f"artifact file {path} does not match its sha256 in {listing}")
         if name.endswith(".onnx") and (ir_version := read_ir_version(path)) > MAX_IR_VERSION:
-            raise ManifestError(f"{path} has ONNX IR version {ir_version}; onnxruntime-training 1.19 reads at most "
-                                f"{MAX_IR_VERSION} (export with onnx==1.17.0)")
+            raise ManifestError(f"{path} has ONNX IR version {ir_version}; the devices' ONNX Runtime reads at most "
+                                f"{MAX_IR_VERSION}: export it again with this edgefil")

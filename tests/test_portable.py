@@ -237,9 +237,13 @@ def test_nominal_portable_set_needs_weights_first(export_artifacts):
     assert not np.array_equal(trainer.get_weights(), full.get_weights())
 
 
-def test_auto_takes_ort_then_portable_and_named_backends_must_be_served(export_artifacts):
+def test_auto_takes_portable_then_ort_and_named_backends_must_be_served(export_artifacts):
+    """The portable graphs first, on any onnxruntime; ONNX Runtime Training (no longer maintained upstream) where
+    the artifacts serve no portable graphs, or where a device names it."""
     both = export_artifacts("lenet", backends=ALL)
-    assert make_trainer(TrainerSettings(backend="auto"), both).backend == "ort"
+    assert make_trainer(TrainerSettings(backend="auto"), both).backend == "portable"
+    assert make_trainer(TrainerSettings(backend="ort"), both).backend == "ort"
+    assert resolve_backend("auto", ("ort", "torch")) == "ort"
     assert resolve_backend("auto", ("portable", "torch")) == "portable"
     assert resolve_backend("auto", ("torch",)) == "torch"
     with pytest.raises(ManifestError, match="serve the ort, torch backends, not 'portable'"):

@@ -1,11 +1,11 @@
 """Which trainer backend a device runs, and building it: the one place that knows every backend.
 
-`backend = "auto"` takes the first of AUTO_ORDER that this Python can run and the artifact set serves.
-The order comes from benchmarks/train_throughput.py (docs/platforms.md has the table): ORT Training trains fastest
-where it exists (x86_64, CPython <= 3.11; the portable graphs reach 0.65-0.98x of it), so it comes first; the
-portable graphs next, the only ONNX backend elsewhere, 1.5-2.8x torch on the small models (0.65-0.83x on
-small_cnn and ResNet-18) in a process and an install a fraction of torch's; torch last (the biggest install, and
-the only backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused with one line when it
+`backend = "auto"` takes the first of AUTO_ORDER that this Python can run and the artifact set serves. The portable
+graphs come first: they run on current onnxruntime on every platform and Python (the base install), while ONNX
+Runtime Training had its last release in 2024 (1.19.2: CPython <= 3.11 on x86_64 Linux only, an optional extra,
+`edgefil[ort-training]`), where it trains up to 1.4x faster on some models (benchmarks/train_throughput.py;
+docs/platforms.md has the table): a device that wants it names it. torch last (the biggest install, and the only
+backend for the pFedGRP generators' GAN). A named backend is taken as named, and refused with one line when it
 cannot run here or the artifacts do not serve it.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from edge_client.config import TrainerSettings
 from edge_client.trainers.base import Trainer
 from models.manifest import ManifestError, load_manifest, require_served, runnable_backends
 
-AUTO_ORDER = ("ort", "portable", "torch")
+AUTO_ORDER = ("portable", "ort", "torch")
 INSTALL_HINT = {
-    "ort": "onnxruntime-training-cpu (CPython <= 3.11, x86_64 Linux)",
+    "ort": "pip install 'edgefil[ort-training]' (CPython <= 3.11, x86_64 Linux)",
     "portable": "onnxruntime",
     "torch": "torch (pip install 'edgefil[torch-device]')",
 }
