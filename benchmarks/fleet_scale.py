@@ -349,22 +349,27 @@ def scenario(n: int, per_device: int) -> dict:
             "dataset_options": {"num_samples": samples}}
 
 
-def holding_data(n: int, per_device: int) -> int:
-    """How many of the N devices the scenario gives training data (the digits task past ~270 devices, or a device
-    the Dirichlet split leaves empty, gives some none: they say so and are not selected, so they cannot count
-    toward a round's quorum)."""
+def holding_data(work: dict) -> list[int]:
+    """The devices the scenario `work` gives training data (the digits task past ~270 devices, or a device the
+    Dirichlet split leaves empty, gives some none: they say so and are not selected, so they cannot count toward a
+    round's quorum)."""
     from edgefil.settings import Where
     from firmware_sim.scenarios import check_scenario
 
-    data = check_scenario(scenario(n, per_device), Where("fleet_scale")).build()
-    return sum(len(data.tasks[0].client_train(client)[1]) > 0 for client in range(n))
+    data = check_scenario(work, Where("fleet_scale")).build()
+    return [k for k in range(work["n_clients"]) if len(data.tasks[0].client_train(k)[1]) > 0]
 
 
-def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str) -> dict:
+def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str,
+              work: dict | None = None, client: dict | None = None, guard: dict | None = None) -> dict:
+    """A fleet of `n` devices on `work` (default: this benchmark's scenario), with `client` added to what every
+    round tells the devices, and `guard` for the coordinator's [guard] (default: the defaults without Krum
+    selection)."""
     import firmware_sim.fleet as fleet_module
     from edge_client.config import StoreSettings
     from firmware_sim.fleet import FleetConfig
 
+    work = work or scenario(n, args.per_device)
     probe = Probe(devices=n, idle_s=args.idle_s)
     MeasuredFleet, TimedCoordinator = instrumented_classes(probe)
     if out.exists():
@@ -376,13 +381,13 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         name=f"scale{n}", out=out, devices=n, workers=args.workers, broker=broker, seed=0,
         model="cnn1d" if args.per_device > 0 else "lenet",
         trainer=dataclasses.replace(FleetConfig.trainer, backend=args.backend),
-        scenario=scenario(n, args.per_device),
+        scenario=work,
         policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
-        client={"epochs": 1},
+        client={"epochs": 1, **(client or {})},
         coordinator={
-            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": holding_data(n, args.per_device),
+            "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": len(holding_data(work)),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
-            "guard": {"krum_share": 0.0},  # FedAvg over every update, the work Flower's side does (vs_flower.py)
+            "guard": {"krum_share": 0.0} if guard is None else guard,
         },
     )
     original = fleet_module.Coordinator
@@ -424,6 +429,7 @@ def summarize(run: dict) -> dict:
             "upload": (r.last_update - max(trained)) if trained else float("nan"),
             "dev_sum": sum(device_cpu), "dev_max": max(device_cpu, default=0.0), "floor": floor,
             "overhead": wall - floor, "received": len(h["received"]), "attempts": r.attempts, "selected": r.selected,
+            "samples": h.get("samples", 0),  # the samples the round's aggregate counts
             # busy CPU of the host's other processes (other users of the machine) during the round
             "other": r.cpu["host"] - r.cpu["coordinator"] - r.cpu["broker"] - r.cpu["workers"],
             **{f"cpu_{k}": v for k, v in r.cpu.items()},

@@ -1,14 +1,17 @@
 """edgefil's fleet against Flower's simulation (Ray backend): the same work, side by side, alternated and repeated.
 
-The work of one run, on both sides: N clients, each with its share of the embedded digits class-incremental
-scenario cut to one task (the ~360 training samples of two classes split over the N clients: the total data is the
-same at every N), `--rounds` rounds of one local epoch of LeNet (models/zoo.py, the same initial weights, AdamW lr
-3e-3, eps 1e-6, no weight decay, batches of 32) on every client, FedAvg over all N, the global model evaluated on
-the task's test set after each round. Two differences are left, in what is learnt, not in the work: edgefil's devices
-keep their AdamW moments from round to round (docs/architecture.md), Flower's clients start each round afresh; and
-edgefil trains and evaluates under the mask of the classes seen (the task's 2 of the 10 logits), Flower's side over
-all 10, so its accuracy after a few short rounds is lower (near 0.5: it has not yet pushed the 8 unseen classes
-below the 2) without its work being any different.
+The work of one run, on both sides (`WORK`): the embedded digits' training split, all ten classes in one task (the
+same data at every N), split over N clients by the preset's Dirichlet 1 split; `--rounds` rounds of one local epoch
+of LeNet (models/zoo.py, the same initial weights, AdamW lr 3e-3, eps 1e-6, no weight decay, batches of 32) on every
+client that holds data, with the same loss (cross-entropy over all ten classes: edgefil's rounds tell its devices not
+to mask the classes they have not seen, `[client] mask_seen_classes = false`), plain FedAvg over all of them (the
+guard's bounds off: `coordinator.guard.OFF`), the global
+model evaluated on the task's test set after each round. At 1000 and 3000 clients the split leaves some clients no
+sample: edgefil's devices say so and are not selected, and Flower's side simulates only the clients that hold data,
+the very shards edgefil's selected devices train on, so both train and aggregate the same clients (the table prints
+them, with the samples each side's rounds aggregate and the accuracy each reaches). One difference is left, in what
+is learnt, not in the work: edgefil's devices keep their AdamW moments from round to round (docs/architecture.md),
+Flower's clients start each round afresh.
 
 - edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, the workers it
   sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
@@ -20,7 +23,8 @@ below the 2) without its work being any different.
   before its run too, so both sides start with their data made and only the export is cold. Flower builds its
   torch model in-process.
 - Flower 1.40: `flwr.simulation.run_simulation` with the message API's FedAvg (`fraction_train = 1`, no
-  client-side evaluation, the central evaluation as `evaluate_fn`), one client per core at a time
+  client-side evaluation, the central evaluation as `evaluate_fn`, the samples of each round's replies counted by
+  `train_metrics_aggr_fn`), one client per core at a time
   (`client_resources = {num_cpus = 1}`), torch at one thread in each. Its clients train on the very shards
   edgefil's devices train on (written to .npz files here). Flower pins protobuf 6 and more, which the project's
   environment must not take, so it runs in its own (`--flower-venv`, made on first use: flwr[simulation], torch
@@ -61,14 +65,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleet_scale import SCENARIO, memory_of  # its top level imports the standard library only
+from fleet_scale import holding_data, memory_of  # its top level imports the standard library only
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_PACKAGES = ["flwr[simulation]==1.40.0", "torch==2.14.1", "numpy"]
 MODEL, SEED = "lenet", 0
 LR, BATCH, EPOCHS = 3e-3, 32, 1
 ADAMW_EPS, WEIGHT_DECAY = 1e-6, 0.0  # the devices' AdamW (edge_client/trainers): torch's defaults are 1e-8 and 0.01
-REPLAY_M = 400  # more than any share: every device trains on all of its data, as Flower's clients do
+REPLAY_M = 1400  # more than any share: every device trains on all of its data, as Flower's clients do
+WORK = {"preset": "digits-class", "n_tasks": 1, "classes_per_task": 10}  # with "n_clients": N (module docstring)
 RESULT = "VS_FLOWER_RESULT "
 
 
@@ -140,21 +145,25 @@ def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: 
 
 # --- the shared data (project environment) --------------------------------------------------------
 
-def write_shards(n: int, folder: Path) -> None:
-    """Client k's training data as edgefil's device k gets it, and the task's test set, as .npz files."""
+def write_shards(n: int, folder: Path) -> int:
+    """The training data of each of the N clients that holds any, as edgefil's device gets it (Flower's client i is
+    the i-th of them), and the task's test set, as .npz files; returns how many clients hold data."""
     import numpy as np
 
     from edgefil.settings import Where
     from firmware_sim.scenarios import ClientSource, check_scenario
 
-    scenario = {**SCENARIO, "n_clients": n}
+    scenario = {**WORK, "n_clients": n}
     data = check_scenario(scenario, Where("vs_flower")).build()
     folder.mkdir(parents=True, exist_ok=True)
-    for k in range(n):
+    holding = holding_data(scenario)
+    for i, k in enumerate(holding):
         x, y = ClientSource(scenario, k).task_data(0)
-        np.savez(folder / f"client-{k}.npz", x=x, y=y)
+        np.savez(folder / f"client-{i}.npz", x=x, y=y)
     x, y = data.task_test(0)
-    np.savez(folder / "test.npz", x=x, y=y, num_classes=data.num_classes, shape=np.array(data.input_shape))
+    np.savez(folder / "test.npz", x=x, y=y, num_classes=data.num_classes, shape=np.array(data.input_shape),
+             clients=len(holding))
+    return len(holding)
 
 
 # --- edgefil's side (project environment) ---------------------------------------------------------
@@ -170,12 +179,18 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
     # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
                                  idle_s=0.0, rounds=rounds, per_device=0)
-    run = run_fleet(n, options, folder / "edgefil", None, "mosquitto")  # the fleet exports, through the cache
+    from coordinator.guard import OFF
+
+    # the fleet exports, through the cache; every device trains over all ten classes, and the round is plain FedAvg
+    # over every update (every bound of the guard off), as on Flower's side
+    run = run_fleet(n, options, folder / "edgefil", None, "mosquitto", work={**WORK, "n_clients": n},
+                    client={"mask_seen_classes": False}, guard=OFF)
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
     return {"first_round_done_s": first.closed - t0, "round_s": summary["rounds"]["walls"],
             "registered_s": summary["startup"], "accuracy": summary["accuracy"],
-            "completed": summary["completed"]}
+            "completed": summary["completed"], "trained": median([row["received"] for row in summary["rows"]]),
+            "samples": [row["samples"] for row in summary["rows"]]}
 
 
 def fill_cache(cache: Path, folder: Path) -> None:
@@ -186,7 +201,7 @@ def fill_cache(cache: Path, folder: Path) -> None:
     from firmware_sim.scenarios import check_scenario
     from models.export import export_registered
 
-    data = check_scenario({**SCENARIO, "n_clients": 1}, Where("vs_flower")).build()
+    data = check_scenario({**WORK, "n_clients": 1}, Where("vs_flower")).build()
     # the set the fleet exports: the optional graphs its policy (fleet_scale's random replay) runs, no others
     export_registered(MODEL, data.num_classes, folder, data.input_shape, seed=SEED, backends=("portable", "torch"),
                       cache=True, graphs=make_policy("random").trainer_graphs())
@@ -218,6 +233,7 @@ def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> di
 
     test = np.load(folder / "test.npz")
     classes, shape = int(test["num_classes"]), tuple(int(s) for s in test["shape"])
+    clients = int(test["clients"])  # those that hold data: client-0 .. client-(clients - 1)
     x_test, y_test = torch.from_numpy(test["x"]).float(), torch.from_numpy(test["y"]).long()
 
     def model() -> torch.nn.Module:
@@ -244,6 +260,11 @@ def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> di
         return Message(content=reply, reply_to=msg)
 
     evaluated: list[tuple[float, float]] = []  # (time, accuracy) at each central evaluation, round 0 first
+    aggregated: list[int] = []  # the samples of each round's replies, which FedAvg weighs the round by
+
+    def counted(records: list[RecordDict], weighted_by: str) -> MetricRecord:
+        aggregated.append(sum(int(record["metrics"][weighted_by]) for record in records))
+        return MetricRecord({weighted_by: aggregated[-1]})
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         net = model()
@@ -258,17 +279,18 @@ def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> di
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n)
+        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients,
+                          min_available_nodes=clients, train_metrics_aggr_fn=counted)
         strategy.start(grid=grid, initial_arrays=ArrayRecord(model().state_dict()), num_rounds=rounds,
                        evaluate_fn=evaluate)
 
     cores = len(os.sched_getaffinity(0))
-    run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config={
+    run_simulation(server_app=server, client_app=client, num_supernodes=clients, backend_config={
         "client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": cores},
     })
     times = [t for t, _ in evaluated]
     return {"first_round_done_s": times[1] - t0, "round_s": [b - a for a, b in zip(times, times[1:])],
-            "accuracy": evaluated[-1][1], "completed": len(times) - 1}
+            "accuracy": evaluated[-1][1], "completed": len(times) - 1, "trained": clients, "samples": aggregated}
 
 
 def ensure_flower_venv(path: Path) -> Path:
@@ -335,7 +357,8 @@ def main() -> None:
                     runs.append(run)
                     print(f"N={n} {side:12s} start {run['first_round_done_s']:6.1f} s  rounds "
                           f"{' '.join(f'{r:.2f}' for r in run['round_s'])} s  peak {run['peak_pss'] / 2**20:7.0f} MB"
-                          f"  accuracy {run['accuracy']:.3f}", flush=True)
+                          f"  accuracy {run['accuracy']:.3f}  clients training {run['trained']:.0f}  samples a round "
+                          f"{' '.join(map(str, run['samples']))}", flush=True)
         finished = True
     finally:
         if finished:
@@ -355,11 +378,16 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
             return median([median(r["round_s"][1:]) for r in mine])
         if figure == "start":
             return median([r["first_round_done_s"] for r in mine])
+        if figure == "samples":  # aggregated a round (the first included: every round aggregates the same)
+            return median([s for r in mine for s in r["samples"]])
+        if figure in ("trained", "accuracy"):
+            return median([r[figure] for r in mine])
         return median([r["peak_pss"] / 2**20 for r in mine])  # MB
 
     print("\nround s: the median round after the first; start s: until round 1 is done (edgefil: export from the "
           "cache, and cold); MB: peak PSS of the side's processes; marginal: MB one more device costs (from the N "
-          "before); ratio: Flower / edgefil")
+          "before); ratio: Flower / edgefil; the work: clients training a round, samples aggregated a round, and the "
+          "accuracy after the last round, each side")
     print("\n|    N | round s edgefil | Flower | ratio | start s edgefil cached | cold | Flower | ratio (cached) "
           "| ratio (cold) | MB/device edgefil | Flower | ratio | marginal MB/device edgefil | Flower | ratio |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -378,6 +406,13 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
               f"| {f_start:.1f} | {f_start / e_start:.2f} | {f_start / cold:.2f} | {e_peak / n:.2f} | {f_peak / n:.2f} | {f_peak / e_peak:.2f} "
               f"| {marginal} |")
         before = n
+    print("\n|    N | clients training edgefil | Flower | samples a round edgefil | Flower | accuracy edgefil | Flower |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        work = {side: [of(n, side, f) for f in ("trained", "samples", "accuracy")] for side in ("edgefil", "flower")}
+        (e_trained, e_samples, e_accuracy), (f_trained, f_samples, f_accuracy) = work["edgefil"], work["flower"]
+        print(f"| {n:4d} | {e_trained:.0f} | {f_trained:.0f} | {e_samples:.0f} | {f_samples:.0f} | {e_accuracy:.3f} "
+              f"| {f_accuracy:.3f} |")
 
 
 def print_parts(runs: list[dict[str, Any]], sizes: list[int]) -> None:
