@@ -552,8 +552,10 @@ class Device:
         claim no samples: a device whose store holds one class, and which masks the classes it has not seen, has a
         loss of 0 and no gradient. Counting its samples would weigh the global model back into the round (its
         update says it has nothing, rather than riding free: at Dirichlet 0.1, 13 % of honest updates were such,
-        and the guard refused them as free riders; issue 56). A compromised device of a simulated fleet says
-        otherwise (firmware_sim/adversary.py)."""
+        and the guard refused them as free riders; issue 56). Measured against FedAvg's way (its samples counted) and
+        against a mask under which its step is not empty, claiming nothing learns as well or better (docs/results.md,
+        "A device that holds one class"). A compromised device of a simulated fleet says otherwise
+        (firmware_sim/adversary.py)."""
         start = self.models.get(model)
         if start is not None and np.array_equal(start, weights):
             return weights, 0
