@@ -17,7 +17,13 @@ Python around the runs. Then the peak RSS, then each backend's install size (the
 installed files of its packages and their dependencies; portable measured in a fresh CPython 3.12 virtual
 environment with the device install's packages).
 
+The portable backend runs where a device runs it (`--portable-python`): by default in a fresh virtual environment of
+the device install (`pip install .` from this checkout: current onnxruntime), while ORT Training, torch and the loop
+run in this environment; `here` runs it in this one too (on whatever onnxruntime build is installed here, the
+training build in the test environment). The header names the onnxruntime each ran on.
+
     .venv/bin/python benchmarks/train_throughput.py [--batch 32] [--repeats 3] [--threads 1 2] [--no-install-size]
+        [--portable-python device | here | PYTHON]
 """
 from __future__ import annotations
 
@@ -132,6 +138,10 @@ def worker(backend: str, directory: str, threads: int, samples: int, batch: int,
         trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
         best = min(best, time.perf_counter() - start)
     result = {"rate": samples / best, "rss_mb": peak_rss_mb()}
+    if backend in ("portable", "ort"):
+        import onnxruntime
+
+        result["runtime"] = onnxruntime.__version__
     if backend == "portable":
         result["split_us"] = portable_step_split(trainer, x, y, batch, rng)
     print(json.dumps(result))
@@ -174,13 +184,25 @@ def what_stops(split: dict[str, float], best_step_us: float, best: str) -> str:
             f"{best}'s whole step): {numbers}")
 
 
-def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int) -> dict:
+def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int,
+            python: str = sys.executable) -> dict:
+    """One backend's run in a fresh process of `python`."""
     done = subprocess.run(
-        [sys.executable, __file__, "--worker", backend, str(directory), str(threads), str(samples), str(batch),
+        [python, __file__, "--worker", backend, str(directory), str(threads), str(samples), str(batch),
          str(repeats)], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "OMP_NUM_THREADS": str(threads)},
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def device_python(folder: Path) -> str:
+    """A fresh virtual environment in `folder` with the device install from this checkout (`pip install .`: its
+    base dependencies, current onnxruntime among them); returns its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = str(folder / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "--quiet", str(Path(__file__).resolve().parents[1])], check=True,
+                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    return python
 
 
 def install_mb(python: str, roots: list[str]) -> float:
@@ -227,6 +249,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--models", nargs="+", default=[c[0] for c in CASES])
     parser.add_argument("--no-install-size", action="store_true")
+    parser.add_argument("--portable-python", default="device",
+                        help="where the portable backend runs: device (a fresh device install), here, or an interpreter")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -242,6 +266,13 @@ def main() -> None:
 
     print(f"batch {args.batch}, best of {args.repeats} epochs, SGD lr 0.01; each backend in its own process; "
           "best = the fastest of ort, torch and loop; ceiling = matmul FLOP/s / training FLOPs per sample")
+    venvs = tempfile.TemporaryDirectory()
+    pythons = dict.fromkeys(BACKENDS + (LOOP,), sys.executable)
+    if args.portable_python == "device":
+        pythons["portable"] = device_python(Path(venvs.name) / "device")
+    elif args.portable_python != "here":
+        pythons["portable"] = args.portable_python
+    runtimes: dict[str, str] = {}
     timed = (*BACKENDS, LOOP)
     print(f"{'model':15s} {'params':>10s} {'MFLOP/smp':>9s} {'thr':>3s} " + " ".join(f"{b + ' s/s':>13s}" for b in timed)
           + f" {'portable/best':>13s} {'ceiling s/s':>11s} " + " ".join(f"{b + '/ceil':>9s}" for b in timed))
@@ -254,7 +285,9 @@ def main() -> None:
             directory = Path(tmp) / name
             manifest = export_registered(name, 10, directory, input_shape=shape, seed=0, backends=BACKENDS)
             for threads in args.threads:
-                result = {b: measure(b, directory, threads, samples, args.batch, args.repeats) for b in timed}
+                result = {b: measure(b, directory, threads, samples, args.batch, args.repeats, pythons[b])
+                          for b in timed}
+                runtimes.update((b, r["runtime"]) for b, r in result.items() if "runtime" in r)
                 reference = measure("reference", directory, threads, samples, args.batch, args.repeats)
                 ceiling = reference["matmul_flops"] / reference["flops_per_sample"]
                 rate = {b: r["rate"] for b, r in result.items()}
@@ -270,6 +303,8 @@ def main() -> None:
                     stops.append(f"{name} at {threads} thread{'s' if threads > 1 else ''}: " + what_stops(
                         result["portable"]["split_us"], 1e6 * args.batch / best, fastest))
             shutil.rmtree(directory)
+    venvs.cleanup()
+    print("\nonnxruntime: " + ", ".join(f"{b} on {version}" for b, version in sorted(runtimes.items())))
     if stops:
         print("\nwhat stops the portable backend where it is below the best (its step split, measured in one more "
               "epoch with each session run clocked; the best's step = batch / its samples/s)")
