@@ -39,7 +39,14 @@ PORTABLE_MODELS = {
     "input_gradient": "portable_input_gradient.onnx",
     "sgd": "portable_sgd.onnx",
     "adamw": "portable_adamw.onnx",
+    "sgd_plain": "portable_sgd_plain.onnx",
+    "adamw_plain": "portable_adamw_plain.onnx",
 }
+# Each optimiser's update without the terms a plain step leaves at their neutral values (momentum 0 for SGD, no
+# proximal pull, every parameter at the learning rate): 2 of SGD's 9 elementwise passes over the weights and 14 of
+# AdamW's 24, the same floats. A trainer takes it where a step is plain and the set holds it (sets exported before
+# it do not: they step with the whole update, so it is not required).
+PLAIN_UPDATES = {"sgd": "sgd_plain", "adamw": "adamw_plain"}
 # The portable graphs only some methods run (each method says which: `ReplayPolicy.trainer_graphs`): an export may
 # leave them out (`export_model(graphs=...)`), and a trainer runs those its set holds (`Trainer.graphs`).
 OPTIONAL_GRAPHS: frozenset[str] = frozenset({"sample_grad_norms", "input_gradient"})
@@ -49,7 +56,8 @@ WEIGHTS = "weights.bin"
 # plain onnxruntime, "torch" rebuilds the architecture from the model zoo and needs only the manifest.
 BACKEND_FILES: dict[str, tuple[str, ...]] = {
     "ort": (TRAINING_MODEL, EVAL_MODEL, CHECKPOINT, *OPTIMIZER_MODELS.values()),
-    "portable": tuple(file for graph, file in PORTABLE_MODELS.items() if graph not in OPTIONAL_GRAPHS),
+    "portable": tuple(file for graph, file in PORTABLE_MODELS.items()
+                      if graph not in OPTIONAL_GRAPHS and graph not in PLAIN_UPDATES.values()),
     "torch": (),
 }
 

@@ -162,6 +162,28 @@ class AdamWGraph(torch.nn.Module):
         return stepped - rate * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
 
 
+class SgdPlainGraph(torch.nn.Module):
+    """SgdGraph where momentum is 0, no proximal pull and every rate lr (models/manifest.py PLAIN_UPDATES): the same
+    floats (the whole graph's other terms add exactly 0 then), in 2 passes over the weights instead of 9."""
+
+    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        return weights - lr * gradient
+
+
+class AdamWPlainGraph(torch.nn.Module):
+    """AdamWGraph without the proximal pull and with every rate lr: the same floats, 14 passes instead of 24."""
+
+    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
+                eps: torch.Tensor, weight_decay: torch.Tensor, step_size: torch.Tensor,
+                bias_correction2_sqrt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        decayed = weights * (1.0 - lr * weight_decay)
+        exp_avg = exp_avg + (gradient - exp_avg) * (1.0 - beta1)
+        exp_avg_sq = exp_avg_sq * beta2 + gradient * gradient * (1.0 - beta2)
+        denom = torch.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        return decayed - step_size * (exp_avg / denom), exp_avg, exp_avg_sq
+
+
 GraphSpec = tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]
 
 
@@ -241,6 +263,10 @@ def _graph_specs(model: ClassifierModel, parameters: Sequence[ParameterInfo], in
                  ("logits", "features"), (1,), False),
         "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(2)), SGD_INPUTS,
                 ("new_weights", "new_velocity"), (), False),
+        "adamw_plain": (AdamWPlainGraph(), (*flat(4), *scalars(7)), ADAMW_INPUTS[:11],
+                        ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
+        "sgd_plain": (SgdPlainGraph(), (*flat(2), *scalars(1)), ("weights", "gradient", "lr"), ("new_weights",), (),
+                      False),
     }
 
 

@@ -12,6 +12,9 @@ against ORT Training's < 1e-3 on the same cases; the source of the larger drift 
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -21,7 +24,7 @@ from edge_client.trainers.choice import make_trainer, resolve_backend
 from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edge_client.trainers.pytorch import TorchTrainer
-from models.manifest import ManifestError, load_manifest
+from models.manifest import PORTABLE_MODELS, ManifestError, load_manifest
 
 ALL = ("ort", "portable", "torch")
 MODELS = [
@@ -167,6 +170,44 @@ def test_steps_reuse_the_process_spares_and_a_trainer_keeps_only_its_weights_and
         assert _spares.held(size) == held
     assert len(trainer._state) == 2
     assert len(seen) <= 3 + held  # the buffers rotate among the trainer's and the pool's, nothing new
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_plain_step_takes_the_plain_update_and_ends_at_the_same_floats_as_the_whole_update(export_artifacts,
+                                                                                              optimizer, tmp_path):
+    """Without momentum, proximal pull or rate scale a step runs the optimiser's plain update (2 passes over the
+    weights for SGD, 14 for AdamW, where the whole update takes 9 and 24); a rate scale of ones takes the whole
+    update, and both end at the same weights and optimiser state. A set exported before the plain updates existed
+    steps with the whole update."""
+    artifacts = export_artifacts("lenet", backends=ALL)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((96, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 96)
+    plain, whole = PortableTrainer(artifacts, optimizer, LR), PortableTrainer(artifacts, optimizer, LR)
+    plain.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
+    with whole.scaled_rates(np.ones(whole.manifest.num_parameters, np.float32)):
+        whole.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
+    assert f"{optimizer}_plain" in plain._sessions and optimizer not in plain._sessions
+    assert optimizer in whole._sessions and f"{optimizer}_plain" not in whole._sessions
+    np.testing.assert_array_equal(plain.get_weights(), whole.get_weights())
+    state = plain.optimizer_state()
+    assert state is None or all(np.array_equal(a, b) for a, b in zip(state.buffers.values(),
+                                                                      whole.optimizer_state().buffers.values()))
+
+    momentum = PortableTrainer(artifacts, "sgd", LR, momentum=0.9)  # keeps a velocity: the whole update
+    momentum.fit(x, y, epochs=1, batch_size=32)
+    assert "sgd" in momentum._sessions and "sgd_plain" not in momentum._sessions
+
+    older = tmp_path / "older"  # the same set as an export before the plain updates wrote it
+    shutil.copytree(artifacts, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    for graph in ("sgd_plain", "adamw_plain"):
+        (older / PORTABLE_MODELS[graph]).unlink()
+        del manifest["files"][PORTABLE_MODELS[graph]]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    before = PortableTrainer(older, optimizer, LR)
+    before.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
+    assert optimizer in before._sessions
+    np.testing.assert_array_equal(before.get_weights(), plain.get_weights())
 
 
 def test_untrained_trainers_read_shared_weights_in_place_and_a_step_writes_a_buffer_of_their_own(export_artifacts):

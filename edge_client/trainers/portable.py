@@ -37,7 +37,7 @@ from edge_client.trainers.base import (
     loss_arrays,
 )
 from edge_client.trainers.ort_capi import ORT
-from models.manifest import GRAPH_INPUTS, OPTIONAL_GRAPHS, PORTABLE_MODELS, WEIGHTS, load_manifest
+from models.manifest import GRAPH_INPUTS, OPTIONAL_GRAPHS, PLAIN_UPDATES, PORTABLE_MODELS, WEIGHTS, load_manifest
 
 ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
 OPTIMIZERS = ("sgd", "adamw")
@@ -205,8 +205,10 @@ class PortableTrainer(Trainer):
                             ("weight_decay", weight_decay)):
             self._scalars[name].update_inplace(np.array(value, dtype=np.float32))
         self.set_learning_rate(lr)
-        # The optimizer graph's scalar inputs, looked up once rather than on every step.
-        self._update_scalars = [i.name for i in self._session(optimizer).get_inputs() if i.name in self._scalars]
+        # The update a plain step takes (models/manifest.py PLAIN_UPDATES), where the set holds it
+        plain = PLAIN_UPDATES[optimizer]
+        self._plain_update = plain if PORTABLE_MODELS[plain] in self.manifest.files else None
+        self._update_inputs: dict[str, list[str]] = {}  # each update graph's inputs, looked up once
         self._has_weights = not self.manifest.nominal_checkpoint
         if self._has_weights:
             self._weights = ORT.OrtValue.ortvalue_from_numpy(shared_initial_weights(directory / WEIGHTS))
@@ -335,25 +337,26 @@ class PortableTrainer(Trainer):
         try:
             value = self._run_gradient(x, y, class_mask, loss, gradient)
             self._set_proximal(proximal)
-            update = self._session(self._optimizer_name)
-            binding = update.io_binding()
-            binding.bind_ortvalue_input("weights", self._weights)
-            binding.bind_ortvalue_input("gradient", gradient)
-            binding.bind_ortvalue_input("reference", self._reference)
-            binding.bind_ortvalue_input("lr_scale", lr_scale)
-            for name in ("weights", *self._graph_state):
-                binding.bind_ortvalue_output(f"new_{name}", written[name])
+            graph = self._update_graph(proximal, lr_scale)
+            update = self._session(graph)
+            if graph not in self._update_inputs:
+                self._update_inputs[graph] = [i.name for i in update.get_inputs()]
             zeros = shared_filled(size, 0.0)  # the state before the first step, and always what is not kept
-            for name in self._graph_state:
-                binding.bind_ortvalue_input(name, self._state.get(name, zeros))
+            values = {"weights": self._weights, "gradient": gradient, "reference": self._reference,
+                      "lr_scale": lr_scale, **self._scalars,
+                      **{name: self._state.get(name, zeros) for name in self._graph_state}}
+            binding = update.io_binding()
+            for name in self._update_inputs[graph]:
+                binding.bind_ortvalue_input(name, values[name])
+            # a plain SGD step writes no velocity (none is kept): its spare goes back unwritten
+            for name in ("weights", *self._graph_state) if graph != "sgd_plain" else ("weights",):
+                binding.bind_ortvalue_output(f"new_{name}", written[name])
             if self._optimizer_name == "adamw":
                 beta1, beta2 = self._betas
                 step_size = self.learning_rate / (1.0 - beta1**(self._steps + 1))
                 self._scalars["step_size"].update_inplace(np.array(step_size, dtype=np.float32))
                 self._scalars["bias_correction2_sqrt"].update_inplace(
                     np.array(math.sqrt(1.0 - beta2**(self._steps + 1)), dtype=np.float32))
-            for name in self._update_scalars:
-                binding.bind_ortvalue_input(name, self._scalars[name])
             update.run_with_iobinding(binding)
         except BaseException:
             _spares.give(gradient, *written.values())
@@ -367,6 +370,15 @@ class PortableTrainer(Trainer):
         self._steps += 1
         _spares.give(gradient, *left)
         return value
+
+    def _update_graph(self, proximal: Proximal | None, lr_scale: Any) -> str:
+        """The optimiser's plain update where this step is plain (no momentum kept, no proximal pull, every rate
+        lr) and the set holds it, else its whole update: the same floats either way (models/manifest.py
+        PLAIN_UPDATES)."""
+        plain = (self._plain_update is not None and (proximal is None or proximal.mu == 0.0)
+                 and lr_scale is shared_filled(self.manifest.num_parameters, 1.0)
+                 and (self._optimizer_name != "sgd" or not self._state_names))
+        return self._plain_update if plain and self._plain_update is not None else self._optimizer_name
 
     def _gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
