@@ -194,8 +194,8 @@ class Manifest:
     outputs: tuple[GraphValue, ...] = graph_values(GRAPH_OUTPUTS)
     format: int = MANIFEST_FORMAT
 
-    @property
-    def num_parameters(self) -> int:
+    @functools.cached_property
+    def num_parameters(self) -> int:  # read on every training step: summed once
         return sum(p.size for p in self.parameters)
 
     @property

@@ -188,7 +188,8 @@ class PortableTrainer(Trainer):
         # reference of its own (most policies never do).
         self._reference = shared_filled(size, 0.0)
         self._reference_of: Proximal | None = None
-        self._lr_scale = shared_filled(size, 1.0)  # each parameter's rate as a multiple of lr (scaled_rates)
+        self._ones = shared_filled(size, 1.0)  # every rate lr: what a plain step is scaled by
+        self._lr_scale = self._ones  # each parameter's rate as a multiple of lr (scaled_rates)
         self._graph_state = OPTIMIZER_BUFFERS[optimizer]  # the optimiser graph's state inputs and outputs
         # What is kept from step to step (saved, parked, restored): SGD without momentum carries nothing (its graph's
         # velocity output is the step's gradient, which the next step multiplies by zero), as torch's SGD keeps no
@@ -306,7 +307,7 @@ class PortableTrainer(Trainer):
     def _step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
     ) -> float:
-        return self._update(x, y, class_mask, loss, None, shared_filled(self.manifest.num_parameters, 1.0))
+        return self._update(x, y, class_mask, loss, None, self._ones)
 
     def _fit_step(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
@@ -320,7 +321,7 @@ class PortableTrainer(Trainer):
         super()._set_rate_scale(scale)
         size = self.manifest.num_parameters
         if scale is None:
-            self._lr_scale = shared_filled(size, 1.0)
+            self._lr_scale = self._ones
         else:
             self._lr_scale = ORT.OrtValue.ortvalue_from_shape_and_type([size], np.float32)
             self._lr_scale.update_inplace(scale)
@@ -376,7 +377,7 @@ class PortableTrainer(Trainer):
         lr) and the set holds it, else its whole update: the same floats either way (models/manifest.py
         PLAIN_UPDATES)."""
         plain = (self._plain_update is not None and (proximal is None or proximal.mu == 0.0)
-                 and lr_scale is shared_filled(self.manifest.num_parameters, 1.0)
+                 and lr_scale is self._ones
                  and (self._optimizer_name != "sgd" or not self._state_names))
         return self._plain_update if plain and self._plain_update is not None else self._optimizer_name
 
