@@ -145,9 +145,9 @@ def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: 
 
 # --- the shared data (project environment) --------------------------------------------------------
 
-def write_shards(n: int, folder: Path) -> int:
+def write_shards(n: int, folder: Path) -> None:
     """The training data of each of the N clients that holds any, as edgefil's device gets it (Flower's client i is
-    the i-th of them), and the task's test set, as .npz files; returns how many clients hold data."""
+    the i-th of them), and the task's test set with how many clients hold data, as .npz files."""
     import numpy as np
 
     from edgefil.settings import Where
@@ -163,7 +163,6 @@ def write_shards(n: int, folder: Path) -> int:
     x, y = data.task_test(0)
     np.savez(folder / "test.npz", x=x, y=y, num_classes=data.num_classes, shape=np.array(data.input_shape),
              clients=len(holding))
-    return len(holding)
 
 
 # --- edgefil's side (project environment) ---------------------------------------------------------

@@ -127,11 +127,13 @@ def runnable_backends() -> tuple[str, ...]:
 TRAINING_DISTRIBUTIONS = ("onnxruntime-training-cpu", "onnxruntime-training")
 
 
+@functools.cache
 def training_build(package: Path) -> bool:
     """Whether the `onnxruntime` package at `package` is ONNX Runtime Training's build: it holds `training/`, and its
     version (its `__init__.py` says) is that of an installed training distribution. Both builds install this one
     package; the base install's onnxruntime put in over a training build leaves `training/` behind, with a runtime
-    that has no training in it."""
+    that has no training in it. Asked once a process (half a millisecond: every trainer a fleet worker builds asks
+    `runnable_backends`), as what is installed does not change under a running process."""
     from importlib import metadata
 
     init = package / "__init__.py"

@@ -209,7 +209,8 @@ class PortableTrainer(Trainer):
         # The update a plain step takes (models/manifest.py PLAIN_UPDATES), where the set holds it
         plain = PLAIN_UPDATES[optimizer]
         self._plain_update = plain if PORTABLE_MODELS[plain] in self.manifest.files else None
-        self._update_inputs: dict[str, list[str]] = {}  # each update graph's inputs, looked up once
+        # each update graph's inputs, and the buffers it writes (a plain SGD step writes no velocity), looked up once
+        self._update_io: dict[str, tuple[list[str], list[str]]] = {}
         self._has_weights = not self.manifest.nominal_checkpoint
         if self._has_weights:
             self._weights = ORT.OrtValue.ortvalue_from_numpy(shared_initial_weights(directory / WEIGHTS))
@@ -340,17 +341,19 @@ class PortableTrainer(Trainer):
             self._set_proximal(proximal)
             graph = self._update_graph(proximal, lr_scale)
             update = self._session(graph)
-            if graph not in self._update_inputs:
-                self._update_inputs[graph] = [i.name for i in update.get_inputs()]
+            if graph not in self._update_io:
+                outputs = {o.name for o in update.get_outputs()}
+                written_by = [name for name in ("weights", *self._graph_state) if f"new_{name}" in outputs]
+                self._update_io[graph] = ([i.name for i in update.get_inputs()], written_by)
+            inputs, writes = self._update_io[graph]
             zeros = shared_filled(size, 0.0)  # the state before the first step, and always what is not kept
             values = {"weights": self._weights, "gradient": gradient, "reference": self._reference,
                       "lr_scale": lr_scale, **self._scalars,
                       **{name: self._state.get(name, zeros) for name in self._graph_state}}
             binding = update.io_binding()
-            for name in self._update_inputs[graph]:
+            for name in inputs:
                 binding.bind_ortvalue_input(name, values[name])
-            # a plain SGD step writes no velocity (none is kept): its spare goes back unwritten
-            for name in ("weights", *self._graph_state) if graph != "sgd_plain" else ("weights",):
+            for name in writes:  # a spare the graph does not write goes back unwritten
                 binding.bind_ortvalue_output(f"new_{name}", written[name])
             if self._optimizer_name == "adamw":
                 beta1, beta2 = self._betas
@@ -376,10 +379,10 @@ class PortableTrainer(Trainer):
         """The optimiser's plain update where this step is plain (no momentum kept, no proximal pull, every rate
         lr) and the set holds it, else its whole update: the same floats either way (models/manifest.py
         PLAIN_UPDATES)."""
-        plain = (self._plain_update is not None and (proximal is None or proximal.mu == 0.0)
-                 and lr_scale is self._ones
-                 and (self._optimizer_name != "sgd" or not self._state_names))
-        return self._plain_update if plain and self._plain_update is not None else self._optimizer_name
+        if (self._plain_update is not None and (proximal is None or proximal.mu == 0.0) and lr_scale is self._ones
+                and (self._optimizer_name != "sgd" or not self._state_names)):
+            return self._plain_update
+        return self._optimizer_name
 
     def _gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
