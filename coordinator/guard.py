@@ -478,8 +478,7 @@ class UpdateBounds:
 
         for a, i in enumerate(claiming):
             for j in claiming[a + 1:]:
-                if root(i) != root(j) and distance(first[i].weights, first[j].weights) <= \
-                        self.copy_factor * min(moved[i], moved[j]):
+                if root(i) != root(j) and self.copies(first[i], first[j], moved[i], moved[j]):
                     group[root(j)] = root(i)
         sizes = Counter(root(k) for k in claiming)
         shared = list(first)
@@ -494,14 +493,24 @@ class UpdateBounds:
         return shared + [self.copied(u, distance(global_weights, u.weights), taken, counters)
                          for u in updates[self.hold:]]
 
+    def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float) -> bool:
+        """Whether `a` and `b` (their changes `moved_a`, `moved_b` long) lie within `copy_factor` times the shorter
+        change of each other. Two changes' lengths differ by at most the distance between the updates (the triangle
+        inequality), so a pair whose lengths differ by more than that bound is no copy, and is not measured: most
+        pairs, so a round's copies cost a few distances, not `hold` an update (the margin covers float64's
+        rounding of the lengths, about 1e-15 of them)."""
+        bound = self.copy_factor * min(moved_a, moved_b)
+        if abs(moved_a - moved_b) > bound * (1 + COPY_MARGIN):
+            return False
+        return distance(a.weights, b.weights) <= bound
+
     def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
                counters: Counter[str]) -> ClientUpdate:
         """A later update of a stream (`moved`: its change's length), counting none of its samples where it is a
         copy of one taken before it (`taken`: those and their changes' lengths), whose samples count already
         (`counted_once` for the held ones)."""
         if not self.copy_factor or update.num_samples <= 0 or not any(
-                u.num_samples > 0 and distance(u.weights, update.weights) <= self.copy_factor * min(moved, length)
-                for u, length in taken):
+                u.num_samples > 0 and self.copies(u, update, length, moved) for u, length in taken):
             return update
         counters["copies"] += 1
         log.warning("update of %s counts none of its samples: it is a copy of one the round took before it",
@@ -626,6 +635,7 @@ def add_change(total: np.ndarray, global_weights: np.ndarray, weights: np.ndarra
         total[block] += part
 
 
+COPY_MARGIN = 1e-9  # `UpdateBounds.copies` measures a pair whose lengths differ by at most (1 + this) x its bound
 VOUCH_NOISE_SEED = 56  # the random steps `vouched` compares an update with: the same for every update and round
 VOUCH_NOISE_STEPS = 19  # as many: an update that is itself noise beats them all about once in 20
 

@@ -100,8 +100,10 @@ class RunLogs:
         self._live_cost = 0.0
 
     def round_done(self) -> None:
-        """After a round is checkpointed: every file anew."""
-        write_atomically(self.out / RESULTS_FILE, json.dumps(self.record.results(), indent=1).encode())
+        """After a round is checkpointed: every file anew. results.json without indentation: json's C encoder
+        takes no indent, and its Python one took ten times as long, on a record that grows with every round and
+        device (summary.md and metrics.csv are the files to read)."""
+        write_atomically(self.out / RESULTS_FILE, json.dumps(self.record.results()).encode())
         self._write_tables()
         self.write_live()
 

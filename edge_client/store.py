@@ -11,9 +11,11 @@ CRC-32 over task, label and x, so `get()` and `check()` also catch bit rot that 
 delete that is being carried out in steps (see Deletes).
 
 Durability. Rollback journal in TRUNCATE mode with synchronous=FULL: a transaction commits when its journal is
-truncated and synced, so a process killed at any instant leaves the old or the new state, and the next open
-rolls a hot journal back. TRUNCATE rather than DELETE because its commit point is synced at FULL (DELETE's
-unlink is synced only at EXTRA); the journal stays as an empty file. Not WAL: a WAL holds every page a
+truncated and synced, so a process killed at any instant (or a machine that loses power) leaves the old or the new
+state, and the next open rolls a hot journal back. In a process whose writes need survive only its own crash (a
+simulated fleet's worker: edgefil.durable `power_loss_safe`), synchronous=OFF: the same commits without the syncs.
+TRUNCATE rather than DELETE because its commit point is synced at FULL (DELETE's unlink is synced only at EXTRA);
+the journal stays as an empty file. Not WAL: a WAL holds every page a
 transaction writes, so an insert would sit on disk twice (in the WAL, then in the database at checkpoint),
 and the -shm file is one more file to budget. auto_vacuum=INCREMENTAL with an incremental vacuum inside each
 write transaction returns freed pages to the file system at commit, without VACUUM's full temporary copy.
@@ -76,6 +78,7 @@ from typing import NamedTuple
 import numpy as np
 
 from edge_client.budget import Budget, BudgetShare, DeviceBudget, charged_bytes, directory_bytes, file_bytes
+from edgefil.durable import power_loss_safe
 
 DB_NAME = "replay.sqlite"
 STORE_HOLDER = "store"  # the store's name among the holders of a DeviceBudget
@@ -266,7 +269,10 @@ class ReplayStore:
         # Roll back a hot journal left by a crash before locking exclusively: in exclusive mode SQLite leaves
         # the rolled-back journal at full size until the next write; in the default mode it deletes it.
         conn.execute("PRAGMA schema_version").fetchone()
-        for pragma in ("locking_mode = EXCLUSIVE", "synchronous = FULL", "secure_delete = FAST",
+        # synchronous = OFF where the process's writes need survive only its own crash (edgefil.durable
+        # `power_loss_safe`): a commit is then whole for any process once SQLite's write calls returned
+        synchronous = "FULL" if power_loss_safe() else "OFF"
+        for pragma in ("locking_mode = EXCLUSIVE", f"synchronous = {synchronous}", "secure_delete = FAST",
                        "cache_spill = OFF", "temp_store = MEMORY"):
             conn.execute(f"PRAGMA {pragma}")
         mode = conn.execute("PRAGMA journal_mode = TRUNCATE").fetchone()[0]

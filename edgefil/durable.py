@@ -27,15 +27,38 @@ class StateError(ValueError):
 
 TEMP_SUFFIX = ".tmp"  # `write_atomically` writes `<name>.tmp` first: a crash may leave one behind
 
+# Whether this process's writes survive a power cut of its machine, or only its own crash. A rename is atomic for
+# every process, and what a killed process wrote stays in the page cache: without fsync a killed process still
+# leaves the old file or the new one, whole. Only a machine that loses power needs the data on the disk before the
+# rename (fsync), and the rename there before the write counts as done (fsync of the directory). A device's own
+# process keeps both (the default). A simulated fleet's worker turns them off unless the fleet asks for them
+# (`FleetConfig.power_loss_safe`): its hundreds of virtual devices write to folders of one host, whose power cut
+# the simulation does not emulate, and their fsyncs cost the host: they double the CPU of a device's state save,
+# which it makes every round (docs/results.md, "A fleet device's round"). The replay store's SQLite follows.
+_power_loss_safe = True
+
+
+def set_power_loss_safe(safe: bool) -> None:
+    """Make this process's later writes survive a power cut (True, the default) or only a crash of the process."""
+    global _power_loss_safe
+    _power_loss_safe = safe
+
+
+def power_loss_safe() -> bool:
+    """Whether this process's writes survive a power cut of its machine (`set_power_loss_safe`)."""
+    return _power_loss_safe
+
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file, fsync it, rename it over `path`, then fsync the directory entry."""
+    """Write to a temporary file, fsync it, rename it over `path`, then fsync the directory entry (the fsyncs
+    where this process's writes are to survive a power cut: `power_loss_safe`)."""
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     try:
         with open(tmp, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if _power_loss_safe:
+                handle.flush()
+                os.fsync(handle.fileno())
     except OSError:  # e.g. ENOSPC: leave no partial file behind
         tmp.unlink(missing_ok=True)
         raise
@@ -86,7 +109,10 @@ def read_npy(path: str | Path) -> np.ndarray:
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make a rename or unlink in `directory` durable."""
+    """Make a rename or unlink in `directory` durable (where this process's writes are to survive a power cut:
+    `power_loss_safe`; a crash of the process alone cannot undo them)."""
+    if not _power_loss_safe:
+        return
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -146,6 +146,9 @@ class FleetConfig:
     backend: str = "processes"  # where the workers run: processes here, or Ray actors over a cluster
     ray: RaySettings = RaySettings()
     adversary: AdversarySettings = AdversarySettings()
+    # Whether the devices' writes (their state every round, their replay stores) survive a power cut of the host,
+    # or only a killed worker (false: edgefil.durable `power_loss_safe`; a device of its own keeps them)
+    power_loss_safe: bool = False
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
@@ -329,7 +332,8 @@ class Fleet:
         try:
             # mosquitto inherits the limit: a connection per device
             ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
-            self.workers = RayWorkers(self.config.ray) if self.config.backend == "ray" else ProcessWorkers()
+            safe = self.config.power_loss_safe
+            self.workers = RayWorkers(self.config.ray, safe) if self.config.backend == "ray" else ProcessWorkers(safe)
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
             self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
             self.broker = self._start_broker(self.workers.broker_host)
@@ -509,7 +513,9 @@ class ProcessWorkers:
 
     broker_host = LOOPBACK
 
-    def __init__(self) -> None:
+    def __init__(self, power_loss_safe: bool = False) -> None:
+        """`power_loss_safe`: whether the devices' writes survive a power cut of this machine (`serve_devices`)."""
+        self.power_loss_safe = power_loss_safe
         self._stop = mp.get_context("spawn").Event()
         self.processes: list[mp.process.BaseProcess] = []
         self._mounted: list[Path] = []
@@ -522,8 +528,8 @@ class ProcessWorkers:
         self._mounted = mount_disks([raw for share in shares for raw in share])
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):
-            worker = context.Process(target=host_devices, args=(share, self._stop, str(logs / f"worker-{k}.log")),
-                                     daemon=True)
+            worker = context.Process(target=host_devices, daemon=True, args=(
+                share, self._stop, str(logs / f"worker-{k}.log"), self.power_loss_safe))
             worker.start()
             self.processes.append(worker)
 

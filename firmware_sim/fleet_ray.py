@@ -63,7 +63,8 @@ class DeviceHost:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str) -> str:
+    def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str,
+             power_loss_safe: bool) -> str:
         """Until `stop`: measure this node for the emulated devices, write the artifacts where this node lacks
         them, mount the emulated disks, serve the devices; the node's id at the end."""
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,7 @@ class DeviceHost:
                 write_atomically(path, data)
         mounted = mount_disks(configs)
         try:
-            serve_devices(configs, self._stop.wait)
+            serve_devices(configs, self._stop.wait, power_loss_safe)
         finally:
             from firmware_sim import disk
 
@@ -125,8 +126,10 @@ def refuse_unreachable(address: str | None, timeout_s: float = 10.0) -> None:
 class RayWorkers:
     """The fleet's workers on a Ray cluster: joined (or Ray started here) when made, left by `stop`."""
 
-    def __init__(self, settings: RaySettings) -> None:
+    def __init__(self, settings: RaySettings, power_loss_safe: bool = False) -> None:
+        """`power_loss_safe`: whether the devices' writes survive a power cut of their node (`serve_devices`)."""
         self.settings = settings
+        self.power_loss_safe = power_loss_safe
         self._ray = ray = ray_module()
         self._joined = not ray.is_initialized()
         if self._joined:
@@ -160,7 +163,8 @@ class RayWorkers:
         for k, share in enumerate(shares):
             host = actor.remote()
             self._actors.append(host)
-            self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log")))
+            self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log"),
+                                                  self.power_loss_safe))
 
     def placement(self, timeout: float = 60.0) -> list[str]:
         """The node id each worker runs on now, in worker order (waiting for the ones not placed yet)."""

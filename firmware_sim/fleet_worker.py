@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edgefil.durable import set_power_loss_safe
 from edgefil.lifetime import die_with_parent
 
 PARENT_POLL_S = 1.0
@@ -131,13 +132,13 @@ def _wait_for_stop(stop: Any) -> None:
             return
 
 
-def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str) -> None:
+def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str, power_loss_safe: bool) -> None:
     """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone.
     Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
-    serve_devices(configs, lambda: _wait_for_stop(stop))
+    serve_devices(configs, lambda: _wait_for_stop(stop), power_loss_safe)
 
 
 def limit_torch_threads() -> None:
@@ -161,10 +162,14 @@ def limit_torch_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object]) -> None:
+def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object], power_loss_safe: bool
+                  ) -> None:
     """Run the devices of `configs` (device config tables) until `wait_for_stop()` returns, then stop them: one
     thread per virtual device and one network thread that carries all their MQTT connections (edgefil.netloop). A
-    worker process and a Ray actor (firmware_sim/fleet_ray.py) both host their devices with this."""
+    worker process and a Ray actor (firmware_sim/fleet_ray.py) both host their devices with this. Their writes
+    survive a power cut of the host only where `power_loss_safe` (`FleetConfig.power_loss_safe`; otherwise a
+    killed worker: edgefil.durable)."""
+    set_power_loss_safe(power_loss_safe)
     limit_torch_threads()
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     unmap_large_buffers()

@@ -1,6 +1,8 @@
 """Crash-test writer: runs replay-store operations until it is killed, reporting each one on stdout.
 
-    python tests/store_writer.py DIRECTORY SEED MAX_BYTES MAX_SAMPLES
+    python tests/store_writer.py DIRECTORY SEED MAX_BYTES MAX_SAMPLES [crash-only]
+
+`crash-only`: its writes need survive only its own crash (edgefil.durable `power_loss_safe` off: no syncs).
 
 It waits for a line on stdin before opening the store (so the parent can start it ahead, while numpy loads),
 prints `ready` once the store is open, then for every operation `begin <op> <args>` before the call and `done
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge_client.budget import Budget  # noqa: E402
 from edge_client.store import ReplayStore  # noqa: E402
+from edgefil.durable import set_power_loss_safe  # noqa: E402
 
 SHAPE = (3, 32, 32)
 
@@ -40,6 +43,7 @@ def report(line: str) -> None:
 
 def main() -> None:
     directory, seed, max_bytes, max_samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    set_power_loss_safe(sys.argv[5:] != ["crash-only"])
     rng = np.random.default_rng(seed)
     sys.stdin.readline()
     store = ReplayStore(directory, Budget(max_samples=max_samples, max_bytes=max_bytes), SHAPE)

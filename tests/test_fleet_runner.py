@@ -436,3 +436,26 @@ def test_a_method_whose_files_can_never_fit_m_is_refused_in_one_line_before_any_
     last = process.stderr.strip().splitlines()[-1]
     assert "a device cannot start with these tables: policy fedcil: replacing its ACGAN" in last, process.stderr
     assert not (tmp_path / "run" / "results.json").exists() and not list((tmp_path / "run" / "logs").glob("worker-*"))
+
+
+def test_a_fleet_worker_s_devices_write_for_a_power_cut_only_where_the_fleet_file_asks(monkeypatch, tmp_path):
+    """Left out of the fleet file, `power_loss_safe` is false: a worker's devices write without syncs (a killed
+    worker loses nothing they committed; the host's power cut is not emulated); `power_loss_safe = true` keeps
+    them. The workers are given the fleet's choice, and a worker applies it before its devices start."""
+    from edgefil import durable
+    from firmware_sim import fleet_worker
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="auto"))
+    assert fleet_module.FleetConfig.load(path).power_loss_safe is False
+    path.write_text("power_loss_safe = true\n" + FLEET.format(broker="auto"))
+    assert fleet_module.FleetConfig.load(path).power_loss_safe is True
+    assert fleet_module.ProcessWorkers(True).power_loss_safe and not fleet_module.ProcessWorkers().power_loss_safe
+    monkeypatch.setattr(durable, "_power_loss_safe", True)  # restored after the test, as are the process-wide
+    monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # settings a worker makes
+    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
+    seen = []
+    for safe in (False, True):
+        fleet_worker.serve_devices([], lambda: seen.append(durable.power_loss_safe()), safe)
+    assert seen == [False, True]

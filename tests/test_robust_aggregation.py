@@ -459,3 +459,30 @@ def test_copies_of_one_update_share_its_weight_held_or_streamed():
     assert [u.num_samples for u in held] == [30, 30, 30, 30, 30, 30, 0, 0] and counters == {"copies": 2}
     with pytest.raises(ValueError, match="copy_factor"):
         UpdateBounds(copy_factor=1.0)
+
+
+def test_a_copy_check_measures_only_the_pairs_whose_lengths_allow_a_copy_and_decides_as_measuring_every_pair(
+        monkeypatch):
+    """Two changes' lengths differ by at most the distance between the updates: `copies` measures a pair only where
+    its lengths differ by less than its bound, and decides every pair as measuring it would, copies near the bound
+    on either side, updates that did not move and changes of the same length in other directions included."""
+    from coordinator import guard
+    from coordinator.compute import distance
+
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal(300).astype(np.float32)
+    base = rng.standard_normal((12, 300))
+    changes = [base[k] / np.linalg.norm(base[k]) * length for k, length in enumerate(rng.uniform(0.5, 2.0, 12))]
+    changes += [changes[0] * (1 + f) + 0.004 * np.linalg.norm(changes[0]) * base[1] / np.linalg.norm(base[1])
+                for f in (0.0, 0.004, 0.006, 0.02)]  # near copies of the first, inside and outside the bound
+    changes += [base[5] / np.linalg.norm(base[5]) * np.linalg.norm(changes[0]), np.zeros(300), np.zeros(300)]
+    updates = updates_of(np.array([g + c for c in changes], np.float32))
+    moved = [distance(g, u.weights) for u in updates]
+    bounds = UpdateBounds.only(copy_factor=0.01)
+    measured = []
+    monkeypatch.setattr(guard, "distance", lambda a, b: measured.append(1) or distance(a, b))
+    pairs = [(i, j) for i in range(len(updates)) for j in range(i + 1, len(updates))]
+    decided = [bounds.copies(updates[i], updates[j], moved[i], moved[j]) for i, j in pairs]
+    expected = [distance(updates[i].weights, updates[j].weights) <= 0.01 * min(moved[i], moved[j]) for i, j in pairs]
+    assert decided == expected and 3 <= sum(decided) < len(pairs)
+    assert len(measured) < len(pairs) / 4

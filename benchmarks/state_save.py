@@ -1,0 +1,74 @@
+"""A device's state save, as every device of a fleet makes it each round, with and without power-loss safety.
+
+A fleet device saves its state after each round it trains (`Learner.save`: the record, its weights and, with
+`between_rounds = "disk"`, the fleet's default, its optimiser state; `edgefil/durable.py`). A device's own process
+makes each save survive a power cut of its machine (fsync of each file and of the folder); a fleet's worker makes
+it survive a killed worker only (`edgefil.durable.set_power_loss_safe(False)`, `FleetConfig.power_loss_safe`).
+This saves the state of `--devices` devices (each its own folder, as a fleet's) `--rounds` times each way, the two
+ways alternated in one process, and prints CPU and wall time per save (best of the repeats) and their ratio.
+
+    .venv/bin/python benchmarks/state_save.py [--model cnn1d] [--devices 200] [--rounds 3] [--repeats 3]
+        [--dir DIR] (default: the system temp directory; on a tmpfs there is nothing to sync)
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.state import ClientState, save_state
+from edgefil import durable
+from models.zoo import REGISTRY, build_model
+
+
+def saves(root: Path, devices: int, rounds: int, state: ClientState) -> tuple[float, float]:
+    """CPU and wall seconds per save of `devices` x `rounds` saves under `root`, each round's weights new."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for r in range(rounds):
+        for d in range(devices):
+            assert state.weights is not None and state.optimizer is not None
+            state.weights[0] = state.optimizer[0] = r * devices + d  # another file each time, as a round's save is
+            save_state(root / f"device-{d}", state)
+    count = devices * rounds
+    return (time.process_time() - cpu) / count, (time.perf_counter() - wall) / count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="cnn1d", choices=sorted(REGISTRY))
+    parser.add_argument("--devices", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    size = sum(p.numel() for p in build_model(args.model, 10).parameters())  # its default input, 10 classes
+    rng = np.random.default_rng(0)
+    state = ClientState(task=0, round=1, seen_classes=list(range(10)), label_counts=[3] * 10, model="m" * 16,
+                        metrics={f"metric_{k}": 0.5 for k in range(12)},
+                        weights=rng.standard_normal(size).astype(np.float32),
+                        optimizer=rng.standard_normal(2 * size).astype(np.float32), optimizer_buffers=["m", "v"])
+    best: dict[bool, tuple[float, float]] = {}
+    for _ in range(args.repeats):
+        for safe in (True, False):  # alternated: the host's load falls on both alike
+            root = Path(tempfile.mkdtemp(prefix="state-save-", dir=args.dir))
+            try:
+                durable.set_power_loss_safe(safe)
+                cpu, wall = saves(root, args.devices, args.rounds, state)
+            finally:
+                shutil.rmtree(root)
+            old = best.get(safe, (cpu, wall))
+            best[safe] = (min(cpu, old[0]), min(wall, old[1]))
+    print(f"state save of a {args.model} device ({size} parameters, weights and AdamW state: "
+          f"{3 * size * 4 / 1024:.0f} KiB), {args.devices} devices x {args.rounds} rounds, best of {args.repeats}")
+    print(f"{'writes survive':>22s} {'CPU ms a save':>13s} {'wall ms a save':>14s}")
+    for safe, label in ((True, "a power cut (device)"), (False, "a killed process")):
+        print(f"{label:>22s} {best[safe][0] * 1e3:13.3f} {best[safe][1] * 1e3:14.3f}")
+    print(f"{'ratio':>22s} {best[True][0] / best[False][0]:13.2f}x {best[True][1] / best[False][1]:13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
