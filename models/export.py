@@ -41,7 +41,7 @@ from models.manifest import (
     MAX_OPSET,
     OPTIMIZER_MODELS,
     OPTIONAL_GRAPHS,
-    PLAIN_UPDATES,
+    PLAIN_GRAPHS,
     PORTABLE_MODELS,
     TRAINING_MODEL,
     WEIGHTS,
@@ -96,7 +96,7 @@ def export_model(
         opset = max(opset, PORTABLE_OPSET)
     files = [f for backend in backends for f in BACKEND_FILES[backend]]
     if "portable" in backends:
-        files += [PORTABLE_MODELS[graph] for graph in (*sorted(optional), *PLAIN_UPDATES.values())]
+        files += [PORTABLE_MODELS[graph] for graph in (*sorted(optional), *PLAIN_GRAPHS)]
     if not nominal:
         _write_weights(model, parameters, out_dir)
         files.append(WEIGHTS)

@@ -71,6 +71,15 @@ def training_loss(
     return (sample_weights * (task + teacher_weights * distance) + soft_weights * soft + cost).mean()
 
 
+def plain_training_loss(raw: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
+                        sample_weights: torch.Tensor) -> torch.Tensor:
+    """`training_loss` where every other term is at its neutral value (no teacher, no soft targets, no class
+    costs, the softmax head): the weighted mean softmax cross-entropy over the visible classes, with the same floats
+    (the terms left out add exact zeros) from half the graph (models/manifest.py PLAIN_GRADIENT)."""
+    log_p = F.log_softmax(raw + (class_mask - 1.0) * MASK_FILL, dim=1)
+    return (sample_weights * -(targets * log_p).sum(1)).mean()
+
+
 class TrainingGraph(torch.nn.Module):
     """The classifier and its loss as one module: what the ORT training and eval graphs are exported from.
     forward(input, class_mask, *LOSS_INPUTS) -> (loss, masked logits, features). It holds the classifier's own

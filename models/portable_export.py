@@ -9,6 +9,9 @@ graph input, one flat float32 buffer in manifest order, so a device keeps one bu
     portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
                              teacher_weights, soft_targets, soft_weights, class_costs, bce) -> (loss, gradient):
                              models/loss.py's loss and its gradient
+    portable_gradient_plain.onnx
+                            (weights, input, class_mask, targets, sample_weights) -> (loss, gradient): the
+                             same for a step with the plain loss (models/manifest.py PLAIN_GRADIENT)
     portable_sgd.onnx       (weights, gradient, velocity, lr, momentum, proximal_mu, reference, lr_scale)
                              -> (weights, velocity): torch.optim.SGD (momentum, no dampening), then the pull
     portable_adamw.onnx     (weights, gradient, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
@@ -47,7 +50,7 @@ import torch
 from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
-from models.loss import training_loss
+from models.loss import plain_training_loss, training_loss
 from models.manifest import (
     GRAPH_INPUTS,
     MAX_IR_VERSION,
@@ -64,6 +67,7 @@ log = logging.getLogger("edgefil.export")
 SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
 
 GRADIENT_INPUTS = ("weights", *(name for name, *_ in GRAPH_INPUTS))
+PLAIN_GRADIENT_INPUTS = GRADIENT_INPUTS[:5]  # weights, input, class_mask, targets, sample_weights
 SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference", "lr_scale")
 ADAMW_INPUTS = ("weights", "gradient", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps", "weight_decay",
                 "step_size", "bias_correction2_sqrt", "proximal_mu", "reference", "lr_scale")
@@ -105,6 +109,24 @@ class GradientGraph(torch.nn.Module):
         if self.wrt == "input":
             gradient, value = grad_and_value(loss, argnums=1)(self.unflatten(weights), x)
             return value, gradient
+        by_name, value = grad_and_value(loss)(self.unflatten(weights), x)
+        return value, self.unflatten.flatten(by_name)
+
+
+class PlainGradientGraph(torch.nn.Module):
+    """GradientGraph's gradient w.r.t. the flat weights for a step with the plain loss (models/loss.py
+    `plain_training_loss`; models/manifest.py PLAIN_GRADIENT): only the inputs that loss reads."""
+
+    def __init__(self, model: ClassifierModel, parameters: Sequence[ParameterInfo]) -> None:
+        super().__init__()
+        self.model, self.unflatten = model, _Unflatten(parameters)
+
+    def forward(self, weights: torch.Tensor, x: torch.Tensor, class_mask: torch.Tensor, targets: torch.Tensor,
+                sample_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def loss(params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+            raw, _ = functional_call(self.model, params, (inputs,))
+            return plain_training_loss(raw, class_mask, targets, sample_weights)
+
         by_name, value = grad_and_value(loss)(self.unflatten(weights), x)
         return value, self.unflatten.flatten(by_name)
 
@@ -250,6 +272,8 @@ def _graph_specs(model: ClassifierModel, parameters: Sequence[ParameterInfo], in
     return {
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
                      (1, 3, 4, 5, 6, 7, 8, 9), True),
+        "gradient_plain": (PlainGradientGraph(model, parameters), (weights, *batch[:4]), PLAIN_GRADIENT_INPUTS,
+                           ("loss", "gradient"), (1, 3, 4), True),
         "input_gradient": (GradientGraph(model, parameters, wrt="input"), (weights, *batch), GRADIENT_INPUTS,
                            ("loss", "input_gradient"), (1, 3, 4, 5, 6, 7, 8, 9), True),
         "sample_grad_norms": (

@@ -210,6 +210,35 @@ def test_a_plain_step_takes_the_plain_update_and_ends_at_the_same_floats_as_the_
     np.testing.assert_array_equal(before.get_weights(), plain.get_weights())
 
 
+def test_a_plain_loss_step_takes_the_plain_gradient_and_ends_at_the_same_floats_as_the_whole_gradient(
+        export_artifacts, tmp_path):
+    """A step whose loss only targets and sample weights shape runs the plain gradient graph (half the nodes) and
+    ends at the same floats as the whole gradient graph, which a set without the plain one runs (an export before
+    it); a step with a teacher term runs the whole graph."""
+    artifacts = export_artifacts("lenet", backends=ALL)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((96, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 96)
+    mask = (np.arange(10) < 7).astype(np.float32)
+    older = tmp_path / "older"
+    shutil.copytree(artifacts, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    (older / PORTABLE_MODELS["gradient_plain"]).unlink()
+    del manifest["files"][PORTABLE_MODELS["gradient_plain"]]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    for loss in (None, LossInputs(sample_weights=rng.random(96, dtype=np.float32),
+                                  targets=rng.dirichlet(np.ones(10), 96).astype(np.float32))):
+        plain, whole = PortableTrainer(artifacts, "adamw", LR), PortableTrainer(older, "adamw", LR)
+        for trainer in (plain, whole):
+            trainer.fit(x, y, epochs=2, batch_size=32, class_mask=mask, rng=np.random.default_rng(1), loss=loss)
+        assert "gradient_plain" in plain._sessions and "gradient" not in plain._sessions
+        assert "gradient" in whole._sessions
+        np.testing.assert_array_equal(plain.get_weights(), whole.get_weights())
+    teacher = LossInputs(teacher_logits=rng.random((96, 10), dtype=np.float32), teacher_weights=np.ones(96, np.float32))
+    distilled = PortableTrainer(artifacts, "adamw", LR)
+    distilled.fit(x, y, epochs=1, batch_size=32, loss=teacher)
+    assert "gradient" in distilled._sessions and "gradient_plain" not in distilled._sessions
+
+
 def test_untrained_trainers_read_shared_weights_in_place_and_a_step_writes_a_buffer_of_their_own(export_artifacts):
     """Two trainers on one artifact set read one copy of the initial weights, and two given the same read-only
     global model read that array itself; a step writes weights of the trainer's own and leaves the shared array as

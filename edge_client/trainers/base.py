@@ -79,6 +79,13 @@ class LossInputs:
     soft_weights: np.ndarray | None = None
     class_costs: np.ndarray | None = None
 
+    @property
+    def plain(self) -> bool:
+        """Whether only targets and sample weights shape this loss (the softmax head, every other term neutral):
+        the plain loss (models/loss.py `plain_training_loss`)."""
+        return (self.head == LOSS_HEADS[0] and self.teacher_weights is None and self.soft_weights is None
+                and self.class_costs is None)
+
     def batch(self, idx: np.ndarray) -> LossInputs:
         def rows(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[idx]
@@ -104,11 +111,11 @@ def reverse_ce_costs(labels: np.ndarray, classes: np.ndarray, num_classes: int, 
 
 
 def loss_arrays(
-    y: np.ndarray, num_classes: int, loss: LossInputs | None
+    y: np.ndarray, num_classes: int, loss: LossInputs | None, plain: bool = False
 ) -> tuple[np.ndarray, ...]:
     """The graph's loss inputs for one batch (models.manifest.LOSS_INPUT_NAMES: targets, sample_weights,
     teacher_logits, teacher_weights, soft_targets, soft_weights, class_costs, bce), each float32 and
-    C-contiguous, neutral where `loss` leaves a field out."""
+    C-contiguous, neutral where `loss` leaves a field out; `plain`: the first two, all the plain loss reads."""
     loss = loss or LossInputs()
     n = len(y)
     if loss.targets is not None:
@@ -117,6 +124,8 @@ def loss_arrays(
         targets = np.zeros((n, num_classes), dtype=np.float32)
         targets[np.arange(n), y] = 1.0
     weights = loss.sample_weights if loss.sample_weights is not None else np.ones(n, dtype=np.float32)
+    if plain:
+        return tuple(np.ascontiguousarray(a, dtype=np.float32) for a in (targets, weights))
     teacher = loss.teacher_logits if loss.teacher_logits is not None else np.zeros((n, num_classes), np.float32)
     teacher_weights = loss.teacher_weights if loss.teacher_weights is not None else np.zeros(n, dtype=np.float32)
     soft = loss.soft_targets if loss.soft_targets is not None else np.zeros((n, num_classes), np.float32)

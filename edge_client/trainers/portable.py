@@ -37,7 +37,15 @@ from edge_client.trainers.base import (
     loss_arrays,
 )
 from edge_client.trainers.ort_capi import ORT
-from models.manifest import GRAPH_INPUTS, OPTIONAL_GRAPHS, PLAIN_UPDATES, PORTABLE_MODELS, WEIGHTS, load_manifest
+from models.manifest import (
+    GRAPH_INPUTS,
+    OPTIONAL_GRAPHS,
+    PLAIN_GRADIENT,
+    PLAIN_UPDATES,
+    PORTABLE_MODELS,
+    WEIGHTS,
+    load_manifest,
+)
 
 ORT_ERROR = 3  # session log severity: the exporter's graphs draw harmless shape-merge warnings from ORT 1.19
 OPTIMIZERS = ("sgd", "adamw")
@@ -209,6 +217,7 @@ class PortableTrainer(Trainer):
         # The update a plain step takes (models/manifest.py PLAIN_UPDATES), where the set holds it
         plain = PLAIN_UPDATES[optimizer]
         self._plain_update = plain if PORTABLE_MODELS[plain] in self.manifest.files else None
+        self._plain_gradient = PORTABLE_MODELS[PLAIN_GRADIENT] in self.manifest.files  # (PLAIN_GRADIENT), likewise
         # each update graph's inputs, and the buffers it writes (a plain SGD step writes no velocity), looked up once
         self._update_io: dict[str, tuple[list[str], list[str]]] = {}
         self._has_weights = not self.manifest.nominal_checkpoint
@@ -397,11 +406,15 @@ class PortableTrainer(Trainer):
 
     def _run_gradient(self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
                       gradient: Any) -> float:
-        """Run the gradient graph into `gradient` (an OrtValue of the parameters' size); returns the batch loss."""
-        session = self._session("gradient")
+        """Run the gradient graph into `gradient` (an OrtValue of the parameters' size); returns the batch loss. A
+        step with the plain loss runs the plain gradient graph where the set holds it (models/manifest.py
+        PLAIN_GRADIENT: the same floats), which reads the inputs before the loss terms it leaves out."""
+        plain = self._plain_gradient and (loss is None or loss.plain)
+        session = self._session(PLAIN_GRADIENT if plain else "gradient")
         binding = session.io_binding()
         binding.bind_ortvalue_input("weights", self._weights)
-        for name, array in zip(GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss))):
+        for name, array in zip(GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss,
+                                                                                plain))):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.float32))
         binding.bind_ortvalue_output("loss", self._loss)
         binding.bind_ortvalue_output("gradient", gradient)
