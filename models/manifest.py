@@ -42,6 +42,8 @@ PORTABLE_MODELS = {
     "sgd_plain": "portable_sgd_plain.onnx",
     "adamw_plain": "portable_adamw_plain.onnx",
     "gradient_plain": "portable_gradient_plain.onnx",
+    "step_sgd_plain": "portable_step_sgd_plain.onnx",
+    "step_adamw_plain": "portable_step_adamw_plain.onnx",
 }
 # Each optimiser's update without the terms a plain step leaves at their neutral values (momentum 0 for SGD, no
 # proximal pull, every parameter at the learning rate): 2 of SGD's 9 elementwise passes over the weights and 14 of
@@ -52,7 +54,11 @@ PLAIN_UPDATES = {"sgd": "sgd_plain", "adamw": "adamw_plain"}
 # nothing but targets and sample weights, as most steps are), without the terms it leaves at zero: the same floats
 # from half the gradient graph's nodes (75 of 150 on mlp, 1.4x faster a step there). Taken as the plain updates are.
 PLAIN_GRADIENT = "gradient_plain"
-PLAIN_GRAPHS = (PLAIN_GRADIENT, *PLAIN_UPDATES.values())  # exported with every portable set, required by none
+# The plain gradient and each optimiser's plain update as one graph (composed at export, models/portable_export.py
+# `fused_step`): a plain step in one session run, its gradient never leaving the graph. Taken likewise.
+PLAIN_STEPS = {"sgd": "step_sgd_plain", "adamw": "step_adamw_plain"}
+PLAIN_GRAPHS = (PLAIN_GRADIENT, *PLAIN_UPDATES.values(), *PLAIN_STEPS.values())  # exported with every portable
+# set, required by none
 # The portable graphs only some methods run (each method says which: `ReplayPolicy.trainer_graphs`): an export may
 # leave them out (`export_model(graphs=...)`), and a trainer runs those its set holds (`Trainer.graphs`).
 OPTIONAL_GRAPHS: frozenset[str] = frozenset({"sample_grad_norms", "input_gradient"})

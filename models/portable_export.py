@@ -55,6 +55,9 @@ from models.manifest import (
     GRAPH_INPUTS,
     MAX_IR_VERSION,
     OPTIONAL_GRAPHS,
+    PLAIN_GRADIENT,
+    PLAIN_STEPS,
+    PLAIN_UPDATES,
     PORTABLE_MODELS,
     ManifestError,
     ParameterInfo,
@@ -233,7 +236,39 @@ def export_portable(
     for graph in graphs:
         if graph not in made:  # a helper's that it did not make
             _export_one(graph, model, parameters, input_shape, out_dir)
-    return [PORTABLE_MODELS[graph] for graph in graphs]
+    for optimizer, step in PLAIN_STEPS.items():
+        fused_step(out_dir / PORTABLE_MODELS[PLAIN_GRADIENT], out_dir / PORTABLE_MODELS[PLAIN_UPDATES[optimizer]],
+                   out_dir / PORTABLE_MODELS[step])
+    return [PORTABLE_MODELS[graph] for graph in (*graphs, *PLAIN_STEPS.values())]
+
+
+def fused_step(gradient_path: Path, update_path: Path, path: Path) -> None:
+    """The plain gradient graph and a plain update graph as one (models/manifest.py PLAIN_STEPS): the update's
+    nodes after the gradient's, its `weights` the gradient graph's input and its `gradient` that graph's output,
+    which stays inside; every other input and output keeps its name, and the update's inner values take a prefix.
+    The same nodes as the two graphs run one after the other, so the same floats, in one session run."""
+    import onnx
+    from onnx import compose
+
+    gradient, update = onnx.load(str(gradient_path)), onnx.load(str(update_path))
+    prefix = "update/"
+    inner = compose.add_prefix(update, prefix)
+    names = {f"{prefix}{value.name}": value.name for value in (*update.graph.input, *update.graph.output)}
+    for node in inner.graph.node:
+        node.input[:] = [names.get(name, name) for name in node.input]
+        node.output[:] = [names.get(name, name) for name in node.output]
+    graph = onnx.helper.make_graph(
+        [*gradient.graph.node, *inner.graph.node], f"{gradient.graph.name}+{update.graph.name}",
+        [*gradient.graph.input, *(value for value in update.graph.input if value.name not in ("weights", "gradient"))],
+        [next(value for value in gradient.graph.output if value.name == "loss"), *update.graph.output],
+        [*gradient.graph.initializer, *inner.graph.initializer],
+    )
+    opsets = {o.domain: o.version for o in (*update.opset_import, *gradient.opset_import)}
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+                                   ir_version=min(gradient.ir_version, MAX_IR_VERSION),
+                                   functions=[*gradient.functions, *update.functions])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
 
 
 def export_helpers() -> int:

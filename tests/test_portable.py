@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,71 +173,64 @@ def test_steps_reuse_the_process_spares_and_a_trainer_keeps_only_its_weights_and
     assert len(seen) <= 3 + held  # the buffers rotate among the trainer's and the pool's, nothing new
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_a_plain_step_takes_the_plain_update_and_ends_at_the_same_floats_as_the_whole_update(export_artifacts,
-                                                                                              optimizer, tmp_path):
-    """Without momentum, proximal pull or rate scale a step runs the optimiser's plain update (2 passes over the
-    weights for SGD, 14 for AdamW, where the whole update takes 9 and 24); a rate scale of ones takes the whole
-    update, and both end at the same weights and optimiser state. A set exported before the plain updates existed
-    steps with the whole update."""
-    artifacts = export_artifacts("lenet", backends=ALL)
-    rng = np.random.default_rng(0)
-    x, y = rng.random((96, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 96)
-    plain, whole = PortableTrainer(artifacts, optimizer, LR), PortableTrainer(artifacts, optimizer, LR)
-    plain.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
-    with whole.scaled_rates(np.ones(whole.manifest.num_parameters, np.float32)):
-        whole.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
-    assert f"{optimizer}_plain" in plain._sessions and optimizer not in plain._sessions
-    assert optimizer in whole._sessions and f"{optimizer}_plain" not in whole._sessions
-    np.testing.assert_array_equal(plain.get_weights(), whole.get_weights())
-    state = plain.optimizer_state()
-    assert state is None or all(np.array_equal(a, b) for a, b in zip(state.buffers.values(),
-                                                                      whole.optimizer_state().buffers.values()))
-
-    momentum = PortableTrainer(artifacts, "sgd", LR, momentum=0.9)  # keeps a velocity: the whole update
-    momentum.fit(x, y, epochs=1, batch_size=32)
-    assert "sgd" in momentum._sessions and "sgd_plain" not in momentum._sessions
-
-    older = tmp_path / "older"  # the same set as an export before the plain updates wrote it
-    shutil.copytree(artifacts, older)
-    manifest = json.loads((older / "manifest.json").read_text())
-    for graph in ("sgd_plain", "adamw_plain"):
-        (older / PORTABLE_MODELS[graph]).unlink()
+def _without(artifacts: Path, graphs: tuple[str, ...], folder: Path) -> Path:
+    """A copy of the set without `graphs`, as an export from before them wrote it."""
+    shutil.copytree(artifacts, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for graph in graphs:
+        (folder / PORTABLE_MODELS[graph]).unlink()
         del manifest["files"][PORTABLE_MODELS[graph]]
-    (older / "manifest.json").write_text(json.dumps(manifest))
-    before = PortableTrainer(older, optimizer, LR)
-    before.fit(x, y, epochs=2, batch_size=32, rng=np.random.default_rng(1))
-    assert optimizer in before._sessions
-    np.testing.assert_array_equal(before.get_weights(), plain.get_weights())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
 
 
-def test_a_plain_loss_step_takes_the_plain_gradient_and_ends_at_the_same_floats_as_the_whole_gradient(
-        export_artifacts, tmp_path):
-    """A step whose loss only targets and sample weights shape runs the plain gradient graph (half the nodes) and
-    ends at the same floats as the whole gradient graph, which a set without the plain one runs (an export before
-    it); a step with a teacher term runs the whole graph."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_plain_step_runs_the_plain_graphs_its_set_holds_and_ends_at_the_same_floats_as_the_whole_graphs(
+        export_artifacts, optimizer, tmp_path):
+    """A plain step (its loss shaped by targets and sample weights alone; no momentum kept, no proximal pull, every
+    rate lr) runs the fused plain step (one session run); a set without it the plain gradient, then the plain update
+    (2 passes over the weights for SGD, 14 for AdamW, where the whole update takes 9 and 24); a set without those
+    (an export before them) the whole graphs. Every way ends at the same weights and optimiser state. A teacher
+    term takes the whole gradient graph, a rate scale the whole update."""
     artifacts = export_artifacts("lenet", backends=ALL)
     rng = np.random.default_rng(0)
     x, y = rng.random((96, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 96)
     mask = (np.arange(10) < 7).astype(np.float32)
-    older = tmp_path / "older"
-    shutil.copytree(artifacts, older)
-    manifest = json.loads((older / "manifest.json").read_text())
-    (older / PORTABLE_MODELS["gradient_plain"]).unlink()
-    del manifest["files"][PORTABLE_MODELS["gradient_plain"]]
-    (older / "manifest.json").write_text(json.dumps(manifest))
+    step, update = f"step_{optimizer}_plain", f"{optimizer}_plain"
+    steps = ("step_sgd_plain", "step_adamw_plain")
+    sets = {  # the graphs a plain step runs on each set
+        (step,): artifacts,
+        ("gradient_plain", update): _without(artifacts, steps, tmp_path / "no-step"),
+        ("gradient", update): _without(artifacts, (*steps, "gradient_plain"), tmp_path / "no-plain-gradient"),
+        ("gradient_plain", optimizer): _without(artifacts, (*steps, "sgd_plain", "adamw_plain"), tmp_path / "no-plain-update"),
+        ("gradient", optimizer): _without(artifacts, (*steps, "gradient_plain", "sgd_plain", "adamw_plain"),
+                                          tmp_path / "older"),
+    }
     for loss in (None, LossInputs(sample_weights=rng.random(96, dtype=np.float32),
                                   targets=rng.dirichlet(np.ones(10), 96).astype(np.float32))):
-        plain, whole = PortableTrainer(artifacts, "adamw", LR), PortableTrainer(older, "adamw", LR)
-        for trainer in (plain, whole):
+        ends = []
+        for graphs, folder in sets.items():
+            trainer = PortableTrainer(folder, optimizer, LR)
             trainer.fit(x, y, epochs=2, batch_size=32, class_mask=mask, rng=np.random.default_rng(1), loss=loss)
-        assert "gradient_plain" in plain._sessions and "gradient" not in plain._sessions
-        assert "gradient" in whole._sessions
-        np.testing.assert_array_equal(plain.get_weights(), whole.get_weights())
-    teacher = LossInputs(teacher_logits=rng.random((96, 10), dtype=np.float32), teacher_weights=np.ones(96, np.float32))
-    distilled = PortableTrainer(artifacts, "adamw", LR)
-    distilled.fit(x, y, epochs=1, batch_size=32, loss=teacher)
-    assert "gradient" in distilled._sessions and "gradient_plain" not in distilled._sessions
+            assert set(trainer._sessions) == set(graphs), folder.name
+            state = trainer.optimizer_state()
+            ends.append((trainer.get_weights(), [] if state is None else list(state.buffers.values())))
+        for weights, buffers in ends[1:]:
+            np.testing.assert_array_equal(weights, ends[0][0])
+            assert all(np.array_equal(a, b) for a, b in zip(buffers, ends[0][1]))
+
+    teacher = PortableTrainer(artifacts, optimizer, LR)
+    teacher.fit(x, y, epochs=1, batch_size=32,
+                loss=LossInputs(teacher_logits=rng.random((96, 10), dtype=np.float32),
+                                teacher_weights=np.ones(96, np.float32)))
+    assert set(teacher._sessions) == {"gradient", update}
+    scaled = PortableTrainer(artifacts, optimizer, LR)
+    with scaled.scaled_rates(np.ones(scaled.manifest.num_parameters, np.float32)):
+        scaled.fit(x, y, epochs=1, batch_size=32)
+    assert set(scaled._sessions) == {"gradient_plain", optimizer}
+    momentum = PortableTrainer(artifacts, "sgd", LR, momentum=0.9)  # keeps a velocity: the whole update
+    momentum.fit(x, y, epochs=1, batch_size=32)
+    assert set(momentum._sessions) == {"gradient_plain", "sgd"}
 
 
 def test_untrained_trainers_read_shared_weights_in_place_and_a_step_writes_a_buffer_of_their_own(export_artifacts):

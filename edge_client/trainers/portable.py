@@ -22,7 +22,7 @@ import math
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from models.manifest import (
     GRAPH_INPUTS,
     OPTIONAL_GRAPHS,
     PLAIN_GRADIENT,
+    PLAIN_STEPS,
     PLAIN_UPDATES,
     PORTABLE_MODELS,
     WEIGHTS,
@@ -218,6 +219,8 @@ class PortableTrainer(Trainer):
         plain = PLAIN_UPDATES[optimizer]
         self._plain_update = plain if PORTABLE_MODELS[plain] in self.manifest.files else None
         self._plain_gradient = PORTABLE_MODELS[PLAIN_GRADIENT] in self.manifest.files  # (PLAIN_GRADIENT), likewise
+        step = PLAIN_STEPS[optimizer]  # both in one run (PLAIN_STEPS), likewise
+        self._plain_step = step if PORTABLE_MODELS[step] in self.manifest.files and self._plain_gradient else None
         # each update graph's inputs, and the buffers it writes (a plain SGD step writes no velocity), looked up once
         self._update_io: dict[str, tuple[list[str], list[str]]] = {}
         self._has_weights = not self.manifest.nominal_checkpoint
@@ -340,15 +343,21 @@ class PortableTrainer(Trainer):
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None,
         proximal: Proximal | None, lr_scale: Any,
     ) -> float:
+        """One step: the gradient graph, then the update graph; or, where the step is plain in its loss and its
+        update and the set holds the fused step (models/manifest.py PLAIN_STEPS), both in one run: the same floats."""
         self._require_weights()
         self._unpark(state=True)
         size = self.manifest.num_parameters
-        gradient = _spares.take(size)
+        self._set_proximal(proximal)
+        graph = self._update_graph(proximal, lr_scale)
+        fused = graph == self._plain_update and self._plain_step is not None and self._plain_loss(loss)
+        gradient = None if fused else _spares.take(size)
         written = {name: _spares.take(size) for name in ("weights", *self._graph_state)}
         try:
-            value = self._run_gradient(x, y, class_mask, loss, gradient)
-            self._set_proximal(proximal)
-            graph = self._update_graph(proximal, lr_scale)
+            if gradient is not None:
+                value = self._run_gradient(x, y, class_mask, loss, gradient)
+            else:
+                graph = cast(str, self._plain_step)
             update = self._session(graph)
             if graph not in self._update_io:
                 outputs = {o.name for o in update.get_outputs()}
@@ -359,11 +368,18 @@ class PortableTrainer(Trainer):
             values = {"weights": self._weights, "gradient": gradient, "reference": self._reference,
                       "lr_scale": lr_scale, **self._scalars,
                       **{name: self._state.get(name, zeros) for name in self._graph_state}}
+            batch = {} if gradient is not None else dict(zip(
+                GRAPH_INPUT_NAMES, (x, class_mask, *loss_arrays(y, self.manifest.num_classes, loss, plain=True))))
             binding = update.io_binding()
             for name in inputs:
-                binding.bind_ortvalue_input(name, values[name])
+                if name in batch:
+                    binding.bind_cpu_input(name, np.ascontiguousarray(batch[name], dtype=np.float32))
+                else:
+                    binding.bind_ortvalue_input(name, values[name])
             for name in writes:  # a spare the graph does not write goes back unwritten
                 binding.bind_ortvalue_output(f"new_{name}", written[name])
+            if gradient is None:
+                binding.bind_ortvalue_output("loss", self._loss)
             if self._optimizer_name == "adamw":
                 beta1, beta2 = self._betas
                 step_size = self.learning_rate / (1.0 - beta1**(self._steps + 1))
@@ -371,8 +387,10 @@ class PortableTrainer(Trainer):
                 self._scalars["bias_correction2_sqrt"].update_inplace(
                     np.array(math.sqrt(1.0 - beta2**(self._steps + 1)), dtype=np.float32))
             update.run_with_iobinding(binding)
+            if gradient is None:
+                value = float(self._loss.numpy())
         except BaseException:
-            _spares.give(gradient, *written.values())
+            _spares.give(*([] if gradient is None else [gradient]), *written.values())
             raise
         left = [*self._state.values()]
         if self._own_weights:
@@ -381,8 +399,13 @@ class PortableTrainer(Trainer):
         left += [written.pop(name) for name in self._graph_state if name not in self._state_names]
         self._state = written
         self._steps += 1
-        _spares.give(gradient, *left)
+        _spares.give(*([] if gradient is None else [gradient]), *left)
         return value
+
+    def _plain_loss(self, loss: LossInputs | None) -> bool:
+        """Whether this step's loss is the plain loss and the set holds its gradient (models/manifest.py
+        PLAIN_GRADIENT)."""
+        return self._plain_gradient and (loss is None or loss.plain)
 
     def _update_graph(self, proximal: Proximal | None, lr_scale: Any) -> str:
         """The optimiser's plain update where this step is plain (no momentum kept, no proximal pull, every rate
@@ -409,7 +432,7 @@ class PortableTrainer(Trainer):
         """Run the gradient graph into `gradient` (an OrtValue of the parameters' size); returns the batch loss. A
         step with the plain loss runs the plain gradient graph where the set holds it (models/manifest.py
         PLAIN_GRADIENT: the same floats), which reads the inputs before the loss terms it leaves out."""
-        plain = self._plain_gradient and (loss is None or loss.plain)
+        plain = self._plain_loss(loss)
         session = self._session(PLAIN_GRADIENT if plain else "gradient")
         binding = session.io_binding()
         binding.bind_ortvalue_input("weights", self._weights)
