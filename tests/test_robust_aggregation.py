@@ -344,6 +344,22 @@ def test_an_honest_update_krum_names_is_taken_back_within_the_radius_and_a_rever
         UpdateBounds(krum_radius=-1.0)
 
 
+def test_a_head_s_row_lengths_in_one_pass_are_the_floats_of_one_row_at_a_time():
+    """`HeadLayout.lengths` measures every class's head row at once (a round bounds each update's rows), with the
+    same float64 lengths as each row alone, on LeNet's real layout and at any scale of the weights."""
+    from coordinator.influence import _length
+    from models.manifest import ParameterInfo
+
+    parameters = [ParameterInfo("trunk.weight", (120, 84)), ParameterInfo("head.weight", (10, 84)),
+                  ParameterInfo("head.bias", (10,))]
+    heads = HeadLayout.of(parameters)
+    assert heads is not None and heads.table.shape == (10, 85)
+    rng = np.random.default_rng(3)
+    for scale in (1e-6, 1.0, 1e6):
+        weights = (rng.standard_normal(120 * 84 + 850) * scale).astype(np.float32)
+        assert heads.lengths(weights) == [_length(weights[row]) for row in heads.rows]
+
+
 def test_krum_compares_two_updates_without_the_rows_of_the_classes_they_trained_on():
     """`krum_compare = "classes"` (the default): a device that alone brings class 2 differs from the others by its
     row of class 2, and one that holds class 0 alone by how it learnt class 0's row (against the old classes only,
