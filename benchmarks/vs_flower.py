@@ -42,7 +42,8 @@ medians over `--repeats` (the two sides alternate which goes first):
   MB/device    the peak PSS of the side's process tree over N (fixed costs included: it falls with N)
   marginal     what one more device costs: (peak PSS at N - peak PSS at the N before) / (N - the N before), the first
                N against a fleet of `--base` devices (one per core: below that, either side starts fewer
-               processes, and the first N's marginal would count a process, not a device)
+               processes, and the first N's marginal would count a process, not a device); none for a first N
+               at or below the base fleet
   ratio        Flower / edgefil (above 1: edgefil is faster or smaller)
 
     .venv/bin/python benchmarks/vs_flower.py [--devices 10,200,1000,3000] [--rounds 3] [--repeats 2] [--base CORES]
@@ -339,12 +340,13 @@ def main() -> None:
     finished = False
     try:
         fill_cache(warm, base / "artifacts")
-        for n in ([args.base] if args.base else []) + sizes:
+        # the base fleet runs first for the first N's marginal, unless it is one of the N (then once, as that N)
+        for n in ([args.base] if args.base and args.base not in sizes else []) + sizes:
             folder = base / f"n{n}"
             write_shards(n, folder)
             for repeat in range(args.repeats):
                 order = ["edgefil", "flower"] if repeat % 2 == 0 else ["flower", "edgefil"]
-                if repeat == 0 and n != args.base:
+                if repeat == 0 and n in sizes:  # a cold start at every N
                     order.append("edgefil-cold")
                 for side in order:
                     shutil.rmtree(folder / "edgefil", ignore_errors=True)
@@ -390,7 +392,7 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
     print("\n|    N | round s edgefil | Flower | ratio | start s edgefil cached | cold | Flower | ratio (cached) "
           "| ratio (cold) | MB/device edgefil | Flower | ratio | marginal MB/device edgefil | Flower | ratio |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    before = base if base else None
+    before = base if base and base < sizes[0] else None  # no marginal for an N at or below the base fleet
     for n in sizes:
         row = {side: (of(n, side, "round"), of(n, side, "start"), of(n, side, "peak")) for side in ("edgefil", "flower")}
         cold = of(n, "edgefil-cold", "start")
