@@ -136,28 +136,34 @@ class RoundInfluence:
         self.global_lengths: dict[int, float] = {}  # class -> the length of the global model's row
 
     def bound(self, updates: Sequence[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
-        for update in updates:
-            self._learn_rows(update)
-        rowed = [self._rows_bounded(u, counters) for u in updates]
+        # each update's head-row lengths, measured once: the medians learn from them, then each update is bounded
+        lengths = [self._row_lengths(u) for u in updates]
+        for update, rows in zip(updates, lengths):
+            self._learn_rows(update, rows)
+        rowed = [self._rows_bounded(u, rows, counters) for u, rows in zip(updates, lengths)]
         steps = [self._learn_step(u) for u in rowed]
         return [self._stepped_back(u, step, counters) for u, step in zip(rowed, steps)]
 
-    def _learn_rows(self, update: ClientUpdate) -> None:
+    def _row_lengths(self, update: ClientUpdate) -> list[float]:
+        """The update's head-row lengths by class; none where its rows are not bounded."""
         if self.heads is None or update.num_samples <= 0:
+            return []
+        return self.heads.lengths(update.weights)
+
+    def _learn_rows(self, update: ClientUpdate, lengths: list[float]) -> None:
+        if not lengths:
             return
-        lengths = self.heads.lengths(update.weights)
         for c in claimed_classes(update):
             if c < len(lengths):
                 self.rows.setdefault(c, RunningMedian()).add(lengths[c])
 
-    def _rows_bounded(self, update: ClientUpdate, counters: Counter[str]) -> ClientUpdate:
+    def _rows_bounded(self, update: ClientUpdate, lengths: list[float], counters: Counter[str]) -> ClientUpdate:
         """The update with each class row at most `row_factor` x the lower median of its claimants' (a class one
         device claims: its own row's length, which it is within); a new array where one was longer
         (`row-clipped`)."""
-        if self.heads is None or update.num_samples <= 0:
+        if self.heads is None or not lengths:
             return update
         weights: np.ndarray | None = None
-        lengths = self.heads.lengths(update.weights)
         for c, claimants in self.rows.items():
             positions = self.heads.rows[c]
             limit = self.row_factor * max(claimants.lower() or 0.0, self._global_length(c))
