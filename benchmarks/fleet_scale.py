@@ -37,11 +37,18 @@ procs" is the host's busy CPU outside the fleet during the round (/proc/stat): o
 above zero slowed the round. An idle window (`--idle-s`, after all devices registered, before round 1) measures
 what an idle fleet costs: heartbeats, keepalives, MQTT threads.
 Startup: from the first worker process start until the N-th registration reached the coordinator.
+Profile (`--profile TOP`, needs yappi): every worker process and the coordinator's run yappi's CPU-clock profiler
+over all their threads from round 2's open (round 1 also stores the task's data; round 1 where it is the only one)
+to the last round's close (a worker starts and stops on a signal the
+benchmark sends it); printed per side, the TOP functions by their own CPU time and the project's TOP functions by
+their time with what they called, as microseconds per device-round, with calls per device-round. The profiler slows what it measures (several times
+over, most where calls are many and short), so the timing and CPU tables of a profiled run do not stand for an
+unprofiled one: profile in a run of its own.
 
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
         fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
         [--broker mosquitto,embedded] [--replay-m 50] [--per-device 0] [--idle-s 10] [--out DIR] [--keep]
-        [--json FILE]
+        [--json FILE] [--profile TOP]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -72,6 +79,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 TRAINING_SHARE = 0.6
 FLAT_WITHIN = 1.2
 MB = 1024 * 1024
+PROFILE_ENV = "FLEET_SCALE_PROFILE"  # a folder: the spawned workers profile their rounds into it (`--profile`)
 
 
 # --- /proc probes ---------------------------------------------------------------------------------
@@ -182,6 +190,96 @@ class ForeignLogCounter(logging.Handler):
 FOREIGN = ForeignLogCounter()
 
 
+# --- the profile (`--profile`) ------------------------------------------------------------------------
+
+def profile_on_signals(folder: Path) -> None:
+    """In a worker: start yappi (CPU clock, every thread) on SIGUSR1, and on SIGUSR2 stop it and save what it
+    measured to `folder`/worker-<pid>.pstat. The handlers run on the worker's main thread, which only waits."""
+    import signal
+
+    import yappi
+
+    def start(*_: object) -> None:
+        yappi.set_clock_type("cpu")
+        yappi.start(builtins=True, profile_threads=True)
+
+    def stop(*_: object) -> None:
+        yappi.stop()
+        yappi.get_func_stats().save(str(folder / f"worker-{os.getpid()}.pstat"), type="pstat")
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+
+
+@dataclass
+class Profiler:
+    """The rounds' profile of one fleet run: this process (the coordinator) and every worker, from the first profiled
+    round's open to the last round's close."""
+
+    folder: Path
+    first_round: int  # the second, where there are two or more: round 1 also stores the task's data
+    last_round: int
+    workers: list[int] = field(default_factory=list)
+    running: bool = False
+
+    def start(self, workers: list[int]) -> None:
+        import signal
+
+        import yappi
+
+        self.workers, self.running = list(workers), True
+        for pid in self.workers:
+            os.kill(pid, signal.SIGUSR1)
+        yappi.set_clock_type("cpu")
+        yappi.start(builtins=True, profile_threads=True)
+
+    def stop(self) -> None:
+        import signal
+
+        import yappi
+
+        if not self.running:
+            return
+        self.running = False
+        yappi.stop()
+        yappi.get_func_stats().save(str(self.folder / "coordinator.pstat"), type="pstat")
+        yappi.clear_stats()
+        for pid in self.workers:
+            os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 120
+        while (len(list(self.folder.glob("worker-*.pstat"))) < len(self.workers)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+
+
+def print_profile(folder: Path, device_rounds: int, top: int) -> None:
+    """Per side (the workers summed, the coordinator), the `top` functions by own CPU time, per device-round."""
+    import pstats
+
+    for side, pattern in (("workers", "worker-*.pstat"), ("coordinator", "coordinator.pstat")):
+        files = sorted(folder.glob(pattern))
+        if not files:
+            print(f"\nprofile, {side}: none saved")
+            continue
+        stats = pstats.Stats(str(files[0]))
+        for file in files[1:]:
+            stats.add(str(file))
+        rows = stats.stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, calls, own, cumulative, callers)}
+        total = sum(own for _, _, own, _, _ in rows.values())
+        print(f"\nprofile, {side} ({len(files)} process{'es' if len(files) > 1 else ''}): {total:.1f} CPU-s "
+              f"profiled over {device_rounds} device-rounds, {total / device_rounds * 1e6:.0f} us a device-round; "
+              f"the top {top}, in us a device-round")
+        ours = {key: row for key, row in rows.items() if key[0].startswith(str(ROOT) + "/")}
+        for title, chosen, column in (("by own time", rows, 2), ("the project's own functions, by time with calls",
+                                                                   ours, 3)):
+            print(f"{title}:\n{'own':>8}{'with calls':>12}{'calls':>8}  function")
+            for (file, line, name), (_, calls, own, cumulative, _) in sorted(
+                    chosen.items(), key=lambda item: -item[1][column])[:top]:
+                where = re.sub(r"^.*/(site-packages|lib/python3\.\d+)/", "", file).replace(str(ROOT) + "/", "")
+                print(f"{own / device_rounds * 1e6:8.1f}{cumulative / device_rounds * 1e6:12.1f}"
+                      f"{calls / device_rounds:8.2f}  {name} ({where}:{line})")
+
+
 # --- one fleet run ----------------------------------------------------------------------------------
 
 @dataclass
@@ -213,6 +311,7 @@ class Probe:
     rounds: dict[int, Round] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    profiler: Profiler | None = None
 
     def snapshot(self, moment: str) -> None:
         self.memory[moment] = memory_sum(self.worker_pids)
@@ -289,6 +388,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             return available
 
         def _open(self, number: int, task: int, selected: list[str], earlier):  # noqa: ANN001, ANN202
+            if probe.profiler is not None and not probe.profiler.running and number == probe.profiler.first_round:
+                probe.profiler.start(probe.worker_pids)
             previous = probe.rounds.get(number)
             current = probe.rounds[number] = Round(number, len(selected), opened=time.time(), cpu=probe.cpu())
             if previous is not None:
@@ -308,6 +409,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             super()._close(collected, aggregate)
             current.closed = time.time()
             current.cpu = {k: v - current.cpu[k] for k, v in probe.cpu().items()}
+            if probe.profiler is not None and collected.number == probe.profiler.last_round:
+                probe.profiler.stop()
 
     return MeasuredFleet, TimedCoordinator
 
@@ -376,10 +479,15 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
 
     work = work or scenario(n, args.per_device)
     probe = Probe(devices=n, idle_s=args.idle_s)
+    if args.profile:
+        probe.profiler = Profiler(out / "profile", min(2, args.rounds), args.rounds)
     MeasuredFleet, TimedCoordinator = instrumented_classes(probe)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    if probe.profiler is not None:
+        probe.profiler.folder.mkdir()
+        os.environ[PROFILE_ENV] = str(probe.profiler.folder)  # the workers, spawned from here, take it
     if artifacts is not None:  # the model does not depend on N: export once, copy
         shutil.copytree(artifacts, out / "artifacts")
     config = FleetConfig(
@@ -402,6 +510,9 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         results = MeasuredFleet(config).run()
     finally:
         fleet_module.Coordinator = original
+        os.environ.pop(PROFILE_ENV, None)
+        if probe.profiler is not None:
+            probe.profiler.stop()  # a run that ended before its last round: what was measured
     trained = trained_times(out / "logs")
     return {"n": n, "broker": broker, "probe": probe, "results": results, "trained": trained,
             "problems": log_problems(out / "logs"), "foreign": FOREIGN.take(), "cores": os.cpu_count() or 1}
@@ -613,7 +724,14 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run folders (default: a temporary folder, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     parser.add_argument("--json", default=None, help="also write the summaries to this file")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="profile the rounds (yappi) and print the TOP functions of each side; slows the run")
     args = parser.parse_args()
+    if args.profile:
+        try:
+            import yappi  # noqa: F401
+        except ImportError:
+            parser.error("--profile needs yappi: .venv/bin/pip install yappi")
     sizes = sorted(int(n) for n in args.devices.split(","))
     brokers = [b.strip() for b in args.broker.split(",")]
 
@@ -650,6 +768,11 @@ def main() -> None:
                 print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
                       f"(all registered after {summary['startup']:.1f} s, "
                       f"final accuracy {summary['accuracy']:.3f})", flush=True)
+                if args.profile:
+                    device_rounds = sum(len(h["received"]) for h in run["results"]["history"]
+                                        if h["round"] >= min(2, args.rounds))
+                    print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled run's)")
+                    print_profile(out / "profile", max(device_rounds, 1), args.profile)
         print_tables(summaries, idle, args)
         print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
         if args.json:
@@ -661,6 +784,9 @@ def main() -> None:
         elif args.keep or args.out:
             print(f"run folders kept in {base}")
 
+
+if __name__ == "__mp_main__" and os.environ.get(PROFILE_ENV):  # this module, imported again in a spawned worker
+    profile_on_signals(Path(os.environ[PROFILE_ENV]))
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The performance tables of docs/results.md that need a quiet host, in one run: the trainer backends' throughput
 # (train_throughput.py), a device's state save (state_save.py), the fleet at 1000, 3000 and 10,000 devices
-# (fleet_scale.py, every device training ~3 samples), and the same work against Flower's simulation at 2 to 3000
-# clients (vs_flower.py: round time, cold start, memory).
+# (fleet_scale.py, every device training ~3 samples) and the profile of a 10,000-device round (fleet_scale.py
+# --profile), and the same work against Flower's simulation at 2 to 3000 clients (vs_flower.py: round time, cold
+# start, memory).
 #
-# Why one script: these ratios move with whatever else the machine runs (a loaded 2-core host put the portable
-# backend anywhere from 0.3x to 1.1x of ORT Training), so they are measured together, on an idle machine, one
-# after another, each benchmark alone. Before each one the script waits up to `--settle-s` for the host's
-# 1-minute load to fall below 0.5, and writes the load it started at beside the output, so that a table made on a
-# busy host says so.
+# Why one script: these ratios move with whatever else the machine runs (the round times and CPU shares of a fleet
+# on a 2-core host, and which trainer backend is fastest), so they are measured together, on an idle machine, one
+# after another, each benchmark alone. Before each one the script waits up to SETTLE_S seconds (default 300) for
+# the host's 1-minute load to fall below 0.5, and writes the load it started at at the head of the output, so that
+# a table made on a busy host says so.
 #
-#     benchmarks/performance_tables.sh [OUT]    (default: runs/performance-<commit>; about 1.5 hours on 2 cores)
+#     benchmarks/performance_tables.sh [OUT]    (default: runs/performance-<commit>; about 2 hours on 2 cores)
 #
 # Each benchmark's output goes to OUT/<name>.txt (and fleet_scale's and vs_flower's figures to OUT/<name>.json);
 # a benchmark that fails is reported and the next one runs. vs_flower.py makes Flower's environment
@@ -44,5 +45,8 @@ run train_throughput "$python" benchmarks/train_throughput.py
 run state_save "$python" benchmarks/state_save.py
 run fleet_scale "$python" benchmarks/fleet_scale.py --devices 1000,3000,10000 --per-device 3 --broker mosquitto \
     --json "$out/fleet_scale.json"
+# the profile of a 10,000-device round (yappi, in a run of its own: it slows what it measures)
+run fleet_profile "$python" benchmarks/fleet_scale.py --devices 10000 --per-device 3 --rounds 2 --broker mosquitto \
+    --profile 30
 run vs_flower "$python" benchmarks/vs_flower.py --devices 2,10,200,1000,3000 --repeats 2 --json "$out/vs_flower.json"
 echo "done: $out"
