@@ -15,8 +15,11 @@ writes, into the folder (`lab/`):
 and prints the commands that come next: `edgefil data split` (the devices' task files and the test sets, in the
 preset's class order, and the calibration samples the coordinator's guard compares updates on: 10 a class,
 `ScenarioKind.calibration`), `edgefil export` (the model), the broker, the coordinator and one client per device. Every
-relative path in the files is relative to the file's own folder, so the folder can move whole. Writing into a
-folder that holds any of these files is refused: nothing is overwritten.
+relative path in edgefil's files is relative to the file's own folder, so they move with the folder. mosquitto reads
+a relative path from the directory it was started in, so `broker/mosquitto.conf` names its files (passwords, ACL,
+certificates, pid and log) by absolute path: after moving the folder, put its new path in that file (`sed -i
+"s#/old/lab#/new/lab#g" lab/broker/mosquitto.conf`). Writing into a folder that holds any of these files is refused:
+nothing is overwritten.
 """
 from __future__ import annotations
 
