@@ -28,10 +28,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from edge_client.budget import Budget
 from edge_client.policies import check_policy
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
+from models.manifest import MANIFEST_NAME
 
 Backend = Literal["auto", "ort", "portable", "torch"]
 
@@ -66,6 +68,9 @@ class LearnerSettings:
 class StoreSettings:
     max_samples: int | None = None
     max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        Budget(self.max_samples, self.max_bytes)  # the budget's own rules (edge_client.budget), at load
 
 
 @dataclass(frozen=True)
@@ -141,3 +146,16 @@ class DeviceConfig:
     def load(cls, path: str | Path) -> DeviceConfig:
         path = Path(path)
         return cls.from_dict(load_toml(path), base=path.parent, file=str(path))
+
+    def check_paths(self, file: str = "device config") -> None:
+        """What the file points at, before the daemon starts: the artifacts folder holds a model (`edgefil export`
+        writes its manifest.json) and a data folder exists. A ConfigError naming the key and the path, rather than
+        a traceback at start-up or at the first round. Not part of `load`: a file is checked on one machine (a
+        unit installed, a fleet rehearsed) before its model and data are copied to the device."""
+        where = Where(file)
+        if not (self.artifacts / MANIFEST_NAME).is_file():
+            raise where.error("artifacts", f"{self.artifacts} holds no model ({MANIFEST_NAME}): copy the exported "
+                                           "artifacts there, or export them (edgefil export)")
+        if self.data is not None and self.data.folder is not None and not self.data.folder.is_dir():
+            raise where.inner("data").error("folder", f"{self.data.folder} is not a folder: copy the device's data "
+                                                      "there (edgefil data split writes it)")

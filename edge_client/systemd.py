@@ -11,7 +11,10 @@ directory; mode 0600: it holds the device's broker password) and `<root>/etc/sys
   default (600 s) must exceed the longest round a device trains: a Raspberry Pi Zero on a large model can take
   minutes (`docs/deploy.md`);
 - `Restart=always`: whatever ends the process (a crash, the watchdog, an out-of-memory kill) starts it again; its
-  replay store and state survive in `StateDirectory=edgefil/<device>` (/var/lib/edgefil/<device>);
+  replay store and state survive in `StateDirectory=edgefil/<device>` (/var/lib/edgefil/<device>). But not a
+  configuration error (`RestartPreventExitStatus=2`: the file, a model or data folder it names that is not there, a
+  broker that refuses the account): the daemon says what in one line and exits with status 2, and starting it again
+  every few seconds would change nothing;
 - the installed file says `on_end = "wait"`: a daemon that exited when a run ends would be started again by
   systemd and see the same end;
 - it runs as `--user` (a system user the install's next steps create) in a sandbox that `systemd-analyze security`
@@ -76,6 +79,9 @@ NotifyAccess=main
 ExecStart={executable} client --config {config}
 Restart=always
 RestartSec=5
+# a configuration error (edgefil's exit status 2: the file, what it points at, the broker refusing the account) is
+# not started again every 5 s: the journal holds its one line; fix it, then systemctl restart
+RestartPreventExitStatus=2
 WatchdogSec={watchdog_s}
 TimeoutStopSec=30
 User={user}

@@ -81,6 +81,7 @@ def _client(args: argparse.Namespace) -> int:
     if args.action == "install":
         return _client_install(args)
     config = DeviceConfig.load(args.config)
+    config.check_paths(args.config)
     device: Device
     if config.simulated:  # a virtual device: the simulator builds its surroundings
         from firmware_sim.virtual_device import virtual_device

@@ -140,6 +140,8 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
      "[adversary] attack: prototype-flood changes the glfc policy's payloads, and the devices run 'refed'"),
     ("fleet", 'preset = "digits-class"', 'preset = "digits-class", n_clients = 3',
      "[scenario] n_clients: 3 shares for 4 devices"),
+    ("device", "max_samples = 200", "max_samples = 0", "[store] max_samples (the budget M) must be a positive int"),
+    ("fleet", "max_samples = 100", "max_samples = 0", "[store] max_samples (the budget M) must be a positive int"),
 ])
 def test_unknown_names_wrong_types_and_refused_values_are_one_line(kind, line, replacement, expected, tmp_path):
     with pytest.raises(ConfigError) as refused:
@@ -161,6 +163,28 @@ def test_the_command_line_prints_one_line_and_starts_nothing(kind, command, tmp_
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"edgefil {command[0]}: {path}"), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no run folder, state or broker files
+
+
+@pytest.mark.parametrize("missing", ["artifacts", "data folder"])
+def test_a_device_whose_model_or_data_folder_is_not_there_is_refused_in_one_line_before_it_starts(missing, tmp_path):
+    """What the file points at is checked when the daemon starts: one line naming the key and the path, exit 2
+    (which the systemd unit does not restart), rather than a traceback at start-up or at round 1."""
+    (tmp_path / "artifacts" / "lenet").mkdir(parents=True)
+    (tmp_path / "incoming").mkdir()
+    if missing == "artifacts":
+        expected = f"artifacts: {tmp_path / 'artifacts' / 'lenet'} holds no model (manifest.json)"
+    else:
+        (tmp_path / "artifacts" / "lenet" / "manifest.json").write_text("{}")
+        (tmp_path / "incoming").rmdir()
+        expected = f"[data] folder: {tmp_path / 'incoming'} is not a folder"
+    path = tmp_path / "device.toml"
+    path.write_text(DEVICE)
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "client", "--config", str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edgefil client: {path}: {expected}"), done.stderr
+    assert not (tmp_path / "state").exists()  # nothing started
 
 
 def _toml_examples() -> list[tuple[str, int, str]]:

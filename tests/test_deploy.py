@@ -51,7 +51,7 @@ def test_client_install_writes_a_unit_systemd_accepts_and_a_private_absolute_con
     installed = root / "etc/edgefil/pi-1.toml"
     assert "systemctl daemon-reload && systemctl enable --now edgefil-pi-1.service" in done.stdout
     text = unit.read_text()
-    for line in ("Type=notify", "Restart=always", "WatchdogSec=900", "StateDirectory=edgefil/pi-1", "User=edgefil",
+    for line in ("Type=notify", "Restart=always", "RestartPreventExitStatus=2", "WatchdogSec=900", "StateDirectory=edgefil/pi-1", "User=edgefil",
                  "ExecStart=", " client --config /etc/edgefil/pi-1.toml", "NoNewPrivileges=yes"):
         assert line in text, line
     executable = re.search(r"ExecStart=(\S+)", text).group(1)
