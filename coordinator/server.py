@@ -69,7 +69,7 @@ from coordinator.run_record import RunRecord
 from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics
 from edgefil.lifetime import uninterrupted
-from edgefil.link import CONNECTED, Link
+from edgefil.link import CONNECTED, ConnectionRefused, Link
 from models.checkpoint import checkpoint_weights
 from models.manifest import load_manifest, manifest_digest
 
@@ -149,17 +149,37 @@ class Coordinator:
         )
         self.logs = RunLogs(config.out, self.record, self.data.n_tasks)
 
+    def _connect(self, timeout: float, wait: bool) -> None:
+        broker = f"{self.config.broker.host}:{self.config.broker.port}"
+
+        def waiting() -> None:
+            log.warning("waiting for the MQTT broker at %s (no answer yet; %s)", broker,
+                        "still trying, Ctrl-C stops" if wait else f"trying for up to {timeout:.0f} s")
+
+        while True:
+            try:
+                self.link.start(timeout=timeout, waiting=waiting)
+                return
+            except ConnectionRefused:  # it answered and said no: waiting changes nothing
+                raise
+            except ConnectionError as err:
+                if not wait:
+                    raise
+                log.warning("%s; still trying (Ctrl-C stops)", err)
+
     @property
     def outcome(self) -> str:
         return self.record.outcome
 
     # --- the run ----------------------------------------------------------------------------------
 
-    def run(self, connect_timeout: float = 60.0) -> dict[str, Any]:
+    def run(self, connect_timeout: float = 60.0, wait_for_broker: bool = False) -> dict[str, Any]:
         """Every remaining round; results.json is written at the end however the run ends (its `outcome` says how:
-        complete, stopped, or failed with the reason), with the counters up to the end."""
+        complete, stopped, or failed with the reason), with the counters up to the end. A broker that does not
+        answer is said within seconds; `wait_for_broker`: then waited for however long (a coordinator started
+        before its broker, as a device waits), else ConnectionError after `connect_timeout`."""
         self.config.out.mkdir(parents=True, exist_ok=True)
-        self.link.start(timeout=connect_timeout)
+        self._connect(connect_timeout, wait_for_broker)
         self.outbox.run_started()
         try:
             while self.state.task < self.data.n_tasks:
@@ -609,4 +629,4 @@ def run_coordinator(
     test sets when the file names a scenario)."""
     if device is not None:
         config = dataclasses.replace(config, device=device)
-    return Coordinator(config, resume=resume, test_sets=test_sets).run()
+    return Coordinator(config, resume=resume, test_sets=test_sets).run(wait_for_broker=True)

@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -153,8 +154,10 @@ class Device:
 
     # --- the loop ---------------------------------------------------------------------------------
 
-    def run(self, connect_timeout: float = 60.0) -> None:
-        self.link.start(timeout=connect_timeout)
+    def run(self, connect_timeout: float = 60.0, waiting: Callable[[], None] | None = None) -> None:
+        """Connect (`waiting`: called when the broker keeps the device waiting, `Link.start`), then handle messages
+        until asked to stop or the run ends."""
+        self.link.start(timeout=connect_timeout, waiting=waiting)
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
         notify("READY=1")  # under systemd (edge_client/systemd.py): started
         try:
@@ -619,9 +622,15 @@ def run_device(device: Device, connect_timeout: float = 60.0) -> None:
     outlives its restart); one that refuses the device (its password, its certificate) is not: ConnectionRefused."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: device.stop_requested.set())
+    broker = f"{device.config.broker.host}:{device.config.broker.port}"
+
+    def waiting() -> None:  # said within seconds, not after the whole timeout
+        log.warning("%s: waiting for the MQTT broker at %s (no answer yet; still trying, Ctrl-C stops)", device.id,
+                    broker)
+
     while not device.stop_requested.is_set():
         try:
-            device.run(connect_timeout)
+            device.run(connect_timeout, waiting)
             return
         except ConnectionRefused:
             raise

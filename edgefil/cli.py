@@ -136,6 +136,7 @@ def stop_signals() -> Iterator[None]:
 def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.server import QuorumError, run_coordinator
+    from edgefil.link import ConnectionRefused
 
     config = CoordinatorConfig.load(args.config)
     test_sets = None
@@ -152,7 +153,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     try:
         with stop_signals():
             results = run_coordinator(config, resume=args.resume, device=args.device, test_sets=test_sets)
-    except (QuorumError, FileExistsError) as err:
+    except (QuorumError, FileExistsError, ConnectionRefused) as err:  # the broker refused its account, its TLS
         print(f"edgefil coordinator: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -35,6 +35,7 @@ QOS = 1
 CONNECTED = "$connected"  # inbox marker: the link has (re)connected; re-announce yourself
 _WAKE = "$wake"  # inbox marker: `wake` was called; `get` returns None for it, as for a timeout
 SHARED_PAYLOAD_BYTES = 64 * 1024  # the smallest payload the links of a shared loop hold once (SharedPayloads)
+BROKER_NOTICE_S = 5.0  # a broker that has not answered a start by then: its owner says it is waiting (`start`)
 
 
 class SharedPayloads:
@@ -214,10 +215,12 @@ class Link:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, waiting: Callable[[], None] | None = None) -> None:
         """Connect (the loop retries with jittered backoff until `timeout` while the broker is unreachable or does
         not answer); ConnectionRefused if it says no,
-        TlsFailure (naming the cause) if the TLS handshake cannot succeed. A stopped link may be started again."""
+        TlsFailure (naming the cause) if the TLS handshake cannot succeed. A stopped link may be started again.
+        `waiting` is called once when the broker has not answered within BROKER_NOTICE_S, and the wait goes on: an
+        owner that waits for a broker says so early, not after the whole timeout."""
         if self.settings.cafile and not self._tls_set:  # probed once: a restart after an offline stay is not
             problem = tls_problem(self.settings)
             if problem is not None:
@@ -229,7 +232,10 @@ class Link:
         self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive)
         self._network = self._shared if self._shared is not None else NetworkLoop(name=f"mqtt-{self.client_id}")
         self._network.open(self._client, self.client_id)
-        if not self._decided.wait(timeout):
+        started = time.monotonic()
+        if waiting is not None and timeout > BROKER_NOTICE_S and not self._decided.wait(BROKER_NOTICE_S):
+            waiting()
+        if not self._decided.wait(max(0.0, timeout - (time.monotonic() - started))):
             self.stop()
             problem = tls_problem(self.settings) if self.settings.cafile else None
             if problem is not None:  # the broker came up meanwhile, and TLS is what fails

@@ -233,3 +233,33 @@ def test_a_selected_device_that_goes_offline_does_not_hold_the_round_but_may_sti
     assert current.complete and current.missing() == ["d2"]
     assert current.offer(update("d2"), counts) is None  # back in time after all
     assert current.delivered == {"d1", "d2"} and not current.gone
+
+
+def test_a_coordinator_started_before_its_broker_says_it_waits_and_keeps_waiting(tmp_path, export_artifacts):
+    """`edgefil coordinator` with no broker at its address: a warning naming the address within seconds (not a
+    minute of silence and a traceback), and it keeps trying, as a device does, until it is stopped."""
+    import queue
+    import signal
+    import threading
+
+    from coordinator.broker import free_port
+
+    port = free_port()
+    file = tmp_path / "coordinator.toml"
+    file.write_text(dump_toml({"fleet": FLEET, "out": "run", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+                               "devices": ["d1"], "scenario": {"preset": "digits-class", "n_clients": 1},
+                               "broker": {"host": "127.0.0.1", "port": port}}))
+    process = subprocess.Popen([sys.executable, "-m", "edgefil.cli", "coordinator", "--config", str(file)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    try:
+        said = ""
+        while f"waiting for the MQTT broker at 127.0.0.1:{port}" not in said:
+            said = lines.get(timeout=300)  # a ceiling (its imports on a busy host), not an expectation
+            assert "Traceback" not in said, said
+        assert process.poll() is None  # said, and still waiting
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    assert process.returncode == 130

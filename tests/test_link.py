@@ -53,6 +53,39 @@ def test_refused_credentials_and_a_missing_broker_raise(broker):
         Link(BrokerSettings(port=free_port()), "y").start(timeout=1.5)
 
 
+def test_a_link_kept_waiting_by_its_broker_says_so_early_and_connects_when_it_comes(tmp_path):
+    """Started before its broker (a coordinator or a device that boots first), a link's owner hears within
+    BROKER_NOTICE_S that it is waiting, the start goes on trying, and it connects once the broker is up."""
+    import threading
+
+    from edgefil.link import BROKER_NOTICE_S
+
+    port = free_port()
+    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"), port=port)
+    link = Link(BrokerSettings("127.0.0.1", port, "dev-a", "pw-a"), "waiting")
+    said = threading.Event()
+    outcome: list[object] = []
+
+    def start() -> None:
+        try:
+            link.start(timeout=600, waiting=said.set)
+            outcome.append("connected")
+        except Exception as err:  # noqa: BLE001 (the assertion below names it)
+            outcome.append(err)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    assert said.wait(BROKER_NOTICE_S + 60), "the owner was never told it waits"
+    assert not outcome  # told, and still trying
+    broker.start()
+    try:
+        thread.join(120)
+        assert outcome == ["connected"] and link.connected
+    finally:
+        link.stop()
+        broker.stop()
+
+
 def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broker):
     coordinator = Link(settings(broker, "coordinator", "pw-c"), "c", subscriptions=["edgefil/lab/#"])
     device = Link(settings(broker, "dev-a", "pw-a"), "d")
