@@ -461,7 +461,8 @@ def _check_embedded_bind(host: str, allow_remote: bool) -> None:
 class EmbeddedBroker:
     """Pure-Python broker (amqtt) for machines without mosquitto: anonymous, no ACL. Any client that reaches the
     port may read and write every topic, so it binds a loopback address unless `allow_remote` says otherwise,
-    and says so at WARNING when it starts."""
+    and says so when it starts: at WARNING where it listens beyond loopback, at INFO on loopback (a clean demo
+    prints no warning for its own broker)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False) -> None:
         _check_embedded_bind(host, allow_remote)
@@ -506,7 +507,10 @@ class EmbeddedBroker:
             error = self._error
             self.stop()
             raise RuntimeError(f"amqtt did not start on {self.host}:{self.port}: {error!r}") from error
-        log.warning(NO_AUTH_WARNING.format(host=self.host, port=self.port))
+        # beyond loopback (allow_remote) anyone on the network reaches it: a warning. On loopback only this host's
+        # processes do (the demo's own broker, a fleet's that the file asked for): said, not warned
+        log.log(logging.INFO if is_loopback(self.host) else logging.WARNING,
+                NO_AUTH_WARNING.format(host=self.host, port=self.port))
 
     def stop(self) -> None:
         """Shut amqtt down (its clients are disconnected) and join its thread; idempotent."""

@@ -77,6 +77,7 @@ log = logging.getLogger("edgefil.coordinator")
 CHECKPOINT_DIR = "checkpoint"
 WAITING_SAID_EVERY_S = 5.0  # while it waits for the fleet, the coordinator says how far it is this often
 CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online) checks between messages
+END_GRACE_S = 30.0  # the longest the end of a run waits for the devices' answers to it (`_hear_goodbyes`)
 
 
 class QuorumError(RuntimeError):
@@ -201,12 +202,25 @@ class Coordinator:
         finally:
             if self.record.outcome != "stopped":  # a stopped run resumes: its devices stay
                 self.outbox.run_ended(self.record.outcome, self.state.round)
+                self._hear_goodbyes(END_GRACE_S)
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
             self.logs.run_ended()
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
+
+    def _hear_goodbyes(self, grace_s: float) -> None:
+        """After the end: every connected device answers it (offline as it exits, or its state as it stays for the
+        next run, `on_end = "wait"`). Those answers are taken in, for at most `grace_s`, so that the results and
+        the dashboard show who left, not who was training when the last round closed."""
+        ended, deadline = time.time(), time.monotonic() + grace_s
+        try:
+            while (left := deadline - time.monotonic()) > 0 and any(
+                    (self.roster.records[d].last_seen or 0.0) < ended for d in self.roster.connected()):
+                self._pump_for(min(left, 0.5))  # checked between slices: O(devices) a check
+        except Exception as err:  # the run's own outcome stands; its record keeps the states it had
+            log.warning("the devices' answers to the run's end were not all taken in: %s", err)
 
     def _a_device_trained(self) -> bool:
         """Whether some round aggregated an update a device trained (not the host's)."""

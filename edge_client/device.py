@@ -345,6 +345,7 @@ class Device:
         else:
             log.info("%s: the run is over (%s): waiting for the next one (on_end = \"wait\")", self.id,
                      self.run_ended)
+            self._publish_status(self._ready_state())  # its answer to the end: still here (an exit's is offline)
 
     def _take_notice(self, message: wire.Message) -> None:
         """What the coordinator wants this device's operator to know; a notice about other processes is not

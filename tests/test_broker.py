@@ -397,13 +397,19 @@ def test_last_will_on_its_own_status_is_delivered_and_a_forged_will_dropped(brok
     assert forged not in coordinator.topics() + late.topics()
 
 
-def test_the_embedded_broker_stays_on_loopback_unless_told_and_warns(caplog):
+def test_the_embedded_broker_stays_on_loopback_unless_told_and_warns_beyond_it(caplog):
     for host in ("0.0.0.0", "192.0.2.1", "::"):
         with pytest.raises(ValueError, match="loopback only"):
             EmbeddedBroker(host)
     done = subprocess.run([sys.executable, "-m", "edgefil.cli", "broker", "--host", "0.0.0.0"],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert done.returncode == 2 and "--allow-remote" in done.stderr, done.stderr
-    with caplog.at_level("WARNING"), EmbeddedBroker():
+    with caplog.at_level("INFO"), EmbeddedBroker():  # on loopback: said, not warned (a clean demo's own broker)
         pass
-    assert any("NO authentication" in r.getMessage() for r in caplog.records)
+    said = [r for r in caplog.records if "NO authentication" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"], said
+    caplog.clear()
+    with caplog.at_level("INFO"), EmbeddedBroker("0.0.0.0", allow_remote=True):  # reachable from the network
+        pass
+    said = [r for r in caplog.records if "NO authentication" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], said

@@ -77,6 +77,8 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     assert min(diagonal) > 0.5, diagonal  # each task learnt: chance is 0.5 within a task, 0.1 over ten classes
     assert results["final_accuracy"] > 0.3, matrix
     assert [d["profile"] for d in results["devices"]] == ["generic", "generic"]
+    # the devices exited at the run's end, and the record says so (not "training", as when the last round closed)
+    assert [(d["state"], d["online"]) for d in results["devices"]] == [("offline", False)] * 2, results["devices"]
     for written in ("summary.md", "accuracy_matrix.png", "metrics.csv", "live.json"):
         assert (lab / "run" / written).is_file(), written
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
