@@ -174,10 +174,16 @@ class FleetConfig:
     def load(cls, path: str | Path) -> FleetConfig:
         """The file's keys and types checked (ConfigError); `check()` checks what the keys name."""
         path = Path(path)
-        raw = load_toml(path)
+        return cls.from_dict(load_toml(path), base=path.parent, file=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path("."), file: str = "fleet config") -> FleetConfig:
+        """A fleet file's tables as a dict, checked as `load` checks a file (relative paths from `base`); without
+        `out`, the run goes to runs/<name>."""
+        raw = dict(raw)
         if isinstance(raw.get("name"), str) and "out" not in raw:
             raw["out"] = f"runs/{raw['name']}"
-        return build(cls, raw, Where(str(path)), base=path.parent)
+        return build(cls, raw, Where(file), base=base)
 
     def check(self, file: str = "fleet config") -> ScenarioData:
         """Everything the tables name, before a broker or a worker starts: the policy, the strategy, the round
