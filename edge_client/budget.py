@@ -83,9 +83,8 @@ class Budget:
     def __post_init__(self) -> None:
         for name in ("max_samples", "max_bytes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} (the budget M) must be a positive int, or left out for no limit of that "
-                                 f"kind, not {value!r}: a store of 0 keeps nothing to train on")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int or None, not {value!r}")
 
 
 class DeviceBudget:

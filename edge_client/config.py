@@ -71,6 +71,10 @@ class StoreSettings:
 
     def __post_init__(self) -> None:
         Budget(self.max_samples, self.max_bytes)  # the budget's own rules (edge_client.budget), at load
+        for name in ("max_samples", "max_bytes"):  # and a device's: a store that may keep nothing (a store's M can
+            if getattr(self, name) == 0:           # be 0) leaves the device nothing to train on at its first round
+                raise ValueError(f"{name} (the budget M) must be at least 1, or left out for no limit of that kind, "
+                                 "not 0: a device whose store keeps nothing has nothing to train on")
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,8 @@ def test_a_typo_in_any_table_names_the_file_the_table_and_the_key(kind, line, re
      "[adversary] attack: prototype-flood changes the glfc policy's payloads, and the devices run 'refed'"),
     ("fleet", 'preset = "digits-class"', 'preset = "digits-class", n_clients = 3',
      "[scenario] n_clients: 3 shares for 4 devices"),
-    ("device", "max_samples = 200", "max_samples = 0", "[store] max_samples (the budget M) must be a positive int"),
-    ("fleet", "max_samples = 100", "max_samples = 0", "[store] max_samples (the budget M) must be a positive int"),
+    ("device", "max_samples = 200", "max_samples = 0", "[store] max_samples (the budget M) must be at least 1"),
+    ("fleet", "max_samples = 100", "max_samples = 0", "[store] max_samples (the budget M) must be at least 1"),
 ])
 def test_unknown_names_wrong_types_and_refused_values_are_one_line(kind, line, replacement, expected, tmp_path):
     with pytest.raises(ConfigError) as refused:
