@@ -53,6 +53,8 @@ class OpenRound:
     too_slow: set[str] = field(default_factory=set)  # answered, but past the deadline in device time
     gone: set[str] = field(default_factory=set)  # went offline before delivering: the round does not wait
     failed: dict[str, str] = field(default_factory=dict)  # said it cannot train this round, and why
+    # of those, the ones that sit the round out as expected (away on their schedule, no data yet): not a problem
+    sitting_out: set[str] = field(default_factory=set)
     waiting: set[str] = field(init=False)  # selected, and none of the above: what the round waits for
 
     def __post_init__(self) -> None:
@@ -97,10 +99,14 @@ class OpenRound:
             self.waiting.add(device)
         return True
 
-    def failed_with(self, device: str, error: str) -> None:
+    def failed_with(self, device: str, error: str, expected: bool = False) -> None:
+        """The round does not wait for `device`, which said why; `expected`: it sits the round out as its
+        surroundings say it will (away on its schedule, no data for the task yet), which is no fault."""
         if self.awaits(device):
             self.failed[device] = error
             self.waiting.discard(device)
+            if expected:
+                self.sitting_out.add(device)
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()

@@ -309,9 +309,11 @@ class Coordinator:
             missing = [d for d in collected.missing() if d not in collected.failed]
             self.open_round, self._last_attempt = None, collected
             self.inbox.drop_partial_updates(before_round=number + 1)
-            if collected.failed:
-                log.warning("round %d closed without %s (cannot train, away, or refused)", number,
-                            ", ".join(f"{d}: {why}" for d, why in sorted(collected.failed.items())))
+            for expected, said in ((True, "sitting it out"), (False, "cannot train, or refused")):
+                which = {d: why for d, why in collected.failed.items() if (d in collected.sitting_out) == expected}
+                if which:  # a device away on its schedule is the fleet as it is, not a fault: said, not warned
+                    log.log(logging.INFO if expected else logging.WARNING, "round %d closed without %s (%s)", number,
+                            ", ".join(f"{d}: {why}" for d, why in sorted(which.items())), said)
             if missing:
                 log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
                 self.counters["missed-deadline"] += len(missing)
@@ -569,7 +571,7 @@ class Coordinator:
         current = self.open_round
         if current is not None and current.number == event.round and current.awaits(event.device):
             self.counters["no-data"] += 1
-            current.failed_with(event.device, "it holds no data yet")
+            current.failed_with(event.device, "it holds no data yet", expected=True)
 
     def _on_away(self, event: Status) -> None:
         """A device offline at the round's start on the fleet's clock (virtual time): it stays connected and
@@ -577,7 +579,7 @@ class Coordinator:
         current = self.open_round
         if current is not None and current.number == event.round and current.awaits(event.device):
             self.counters["away"] += 1
-            current.failed_with(event.device, "away: offline at the round's start on the fleet's clock")
+            current.failed_with(event.device, "away: offline at the round's start on the fleet's clock", expected=True)
 
     def _on_update(self, update: Update) -> None:
         reason = self.strategy.inspect(_for_strategy(update))

@@ -2,6 +2,7 @@
 (virtual time), and a device without enough RAM for training drops out of the fleet."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -215,10 +216,12 @@ def test_in_virtual_time_a_busy_host_drops_no_device(tmp_path, export_artifacts,
 
 @needs_mosquitto
 def test_on_the_fleets_clock_a_device_sits_out_the_rounds_it_is_away_for_and_stays_connected(tmp_path,
-                                                                                           export_artifacts):
+                                                                                           export_artifacts, caplog):
     """Virtual time: round r starts at (r - 1) x deadline_s = 0, 50, 100, ... on the fleet's clock, whatever the
     host's speed. The wanderer's trace has it away on [100, 200): it answers rounds 3 and 4 "away" (the round does
-    not wait for it, and it is counted), takes part in every other, and never disconnects."""
+    not wait for it, and it is counted), takes part in every other, and never disconnects. Being away on its schedule
+    is the fleet as it is: the coordinator says so at INFO, and warns of nothing (a clean demo's console)."""
+    caplog.set_level("INFO", logger="edgefil.coordinator")
     (tmp_path / "trace.csv").write_text("0,100\n200,inf\n")
     away = f'[availability]\nmode = "trace"\ntrace = "{tmp_path / "trace.csv"}"'
     wanderer = EmulatedEnvironment(load_profile(profile_file(tmp_path, "wanderer", HOST_GFLOPS, availability=away)),
@@ -237,3 +240,6 @@ def test_on_the_fleets_clock_a_device_sits_out_the_rounds_it_is_away_for_and_sta
     assert all("dev-1" in h["selected"] for h in results["history"])  # away, not offline: still selected
     assert results["counters"]["away"] == 2 and "missed-deadline" not in results["counters"]
     assert all(connected)
+    said = [r for r in caplog.records if r.name == "edgefil.coordinator" and "closed without dev-1" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO", "INFO"], [(r.levelname, r.getMessage()) for r in said]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "dev-1" in r.getMessage()]
