@@ -476,7 +476,9 @@ class Fleet:
         return {
             **emulation, **adversary, **({} if profile is None else {"profile": profile}),  # what it registers as
             "device_id": device, "fleet": self.config.name, "artifacts": str(artifacts),
-            "on_end": "wait",  # the fleet stops its workers itself
+            # each device exits when the run ends, saying so (offline), which the run's record then shows; the fleet
+            # stops its workers after that
+            "on_end": "exit",
             **({} if self.heartbeat is None else {"heartbeat_s": self.heartbeat}),
             "state_dir": str(self.config.out / "devices" / device),
             "broker": self._settings(device, self.passwords[device]),

@@ -174,6 +174,8 @@ def test_a_fleet_runs_over_tls(tmp_path):
     final = json.loads((tmp_path / "run" / "results.json").read_text())
     assert final["outcome"] == "complete" and final["rounds_completed"] == 2
     assert all(len(r["received"]) == 4 for r in final["history"])
+    # the devices exit at the run's end and say so before the record is written: not "idle" or "training" there
+    assert {(d["state"], d["online"]) for d in final["devices"]} == {("offline", False)}, final["devices"]
     conf = (tmp_path / "run" / "broker" / "mosquitto.conf").read_text()
     assert "certfile" in conf and "tls_version" in conf  # the only listener is the TLS one
 
