@@ -30,8 +30,6 @@ from edgefil.settings import ConfigError, load_toml
 if TYPE_CHECKING:
     from firmware_sim.fleet import FleetConfig
 
-RESULTS_FILE = "results.json"
-
 
 @dataclass(frozen=True)
 class Run:
@@ -74,6 +72,14 @@ def fleet(source: Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | N
     """The fleet of `source` (a fleet file's tables as a dict, or the file's path) with `changes` applied (a key by
     its table's path: {"client.epochs": 5}) and its runs in `out`; checked whole (`FleetConfig.check`), so a mistake
     is a ConfigError here, before anything runs."""
+    config = _built(source, changes, out)
+    config.check(str(source) if not isinstance(source, Mapping) else "fleet")
+    return config
+
+
+def _built(source: Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | None,
+           out: str | Path | None) -> FleetConfig:
+    """`fleet`'s FleetConfig, its keys and types checked but not what they name (`Fleet.run` checks that first)."""
     from firmware_sim.fleet import FleetConfig
 
     if isinstance(source, Mapping):
@@ -84,9 +90,7 @@ def fleet(source: Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | N
         _set(raw, key, value, file)
     if out is not None:
         raw["out"] = str(Path(out).resolve())
-    config = FleetConfig.from_dict(raw, base=base, file=file)
-    config.check(file)
-    return config
+    return FleetConfig.from_dict(raw, base=base, file=file)
 
 
 def run(source: FleetConfig | Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | None = None,
@@ -100,13 +104,15 @@ def run(source: FleetConfig | Mapping[str, Any] | str | Path, changes: Mapping[s
             raise TypeError("changes and out apply to a fleet's tables or its file, not to a built FleetConfig")
         config = source
     else:
-        config = fleet(source, changes, out)
-    Fleet(config).run(resume=resume)
+        config = _built(source, changes, out)  # Fleet.run checks it whole before anything starts
+    Fleet(config).run(resume=resume, file="fleet" if isinstance(source, (Mapping, FleetConfig)) else str(source))
     return load(config.out)
 
 
 def load(folder: str | Path) -> Run:
     """A finished run's folder (a fleet's `out`, the coordinator's `out`): its results.json read back."""
+    from coordinator.run_logs import RESULTS_FILE
+
     path = Path(folder) / RESULTS_FILE
     try:
         return Run(Path(folder), json.loads(path.read_text()))
