@@ -2,6 +2,7 @@
 (not the coordinator, which pulls in torch: about 285 MB of memory and 2 s of start-up per worker)."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import multiprocessing as mp
@@ -12,13 +13,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from edgefil.durable import set_power_loss_safe
 from edgefil.lifetime import die_with_parent
 
 PARENT_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
+# How long a worker may take to be gone once it starts to stop: its devices' grace, its network thread's (5 s) and
+# the interpreter's own exit, with room to spare (ExitDeadline).
+EXIT_DEADLINE_S = STOP_GRACE_S + 30.0
+ALARM_AFTER_S = 10  # the kernel's SIGALRM ends the process this long after faulthandler should have
 # Open files a worker needs per device: its MQTT socket, its replay store's SQLite database and journal, a state
 # file being replaced (measured: 3.0 per device in a worker hosting 500, benchmarks/fleet_scale.py); the broker
 # needs one per connection (mosquitto held 1008 at 1000 devices); a process needs BASE_DESCRIPTORS besides
@@ -111,34 +116,72 @@ def ensure_descriptors(devices: int, who: str, per_device: int = DESCRIPTORS_PER
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def _wait_for_stop(stop: Any) -> None:
+class ExitDeadline:
+    """A stopping worker's last resort: from `arm()` on, the process has `seconds` to be gone. Past them
+    faulthandler writes every thread's stack to the worker's log and ends the process, and where even that cannot
+    run (late in the interpreter's exit, where faulthandler is already shut down) SIGALRM's default action ends it
+    ALARM_AFTER_S later. The orderly stop is bounded at every step it takes itself, but not in what it waits on
+    below Python: in CI a worker once outlived its SIGKILLed fleet by 15 minutes, stuck where 36 repeats here did
+    not show."""
+
+    def __init__(self, seconds: float, log_file: str) -> None:
+        self.seconds = seconds
+        self._log_file = log_file
+        self._log: IO[str] | None = None  # open from arm() to the end: faulthandler writes to its descriptor
+
+    def arm(self) -> None:
+        """Start the count (once; later calls keep the first). Call from the main thread: SIGALRM's action is
+        set there (host_devices)."""
+        if self._log is not None:
+            return
+        self._log = open(self._log_file, "a")  # noqa: SIM115 (held until the process ends)
+        faulthandler.dump_traceback_later(self.seconds, exit=True, file=self._log)
+        if hasattr(signal, "alarm"):  # not on Windows, whose processes faulthandler alone ends
+            signal.alarm(math.ceil(self.seconds) + ALARM_AFTER_S)
+
+
+def _wait_for_stop(stop: Any, stopping: Callable[[], None] = lambda: None) -> None:
     """Until the fleet says stop, SIGTERM arrives (from the fleet, or from the kernel when the fleet process dies:
     PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent is seen to have changed (every
-    platform). A worker never outlives its fleet. The signal handler only sets a thread event: setting the fleet's
-    multiprocessing Event from a handler that interrupted this thread's own wait on it deadlocks."""
+    platform). A worker never outlives its fleet: `stopping()` is called as soon as any of these is seen, the
+    signal included, so that an `ExitDeadline` counts from there even if this thread never gets out of its wait.
+    The signal handler only sets a thread event (and calls `stopping`): setting the fleet's multiprocessing Event
+    from a handler that interrupted this thread's own wait on it deadlocks."""
     # The fleet's pid as the spawn recorded it, not os.getppid() now: a fleet that died while this worker was still
     # starting (imports take seconds on a busy host) has already handed it to init, and a worker comparing against
     # that would wait forever (seen: two workers idle for 70 minutes after their fleet was killed at start-up).
     origin = mp.parent_process()
     parent = origin.pid if origin is not None and origin.pid is not None else os.getppid()
     signalled = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: signalled.set())
+
+    def on_sigterm(*_: object) -> None:
+        signalled.set()
+        stopping()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     die_with_parent()
-    while not signalled.is_set():
-        if os.getppid() != parent:
-            logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
-            return
-        if stop.wait(PARENT_POLL_S):
-            return
+    try:
+        while not signalled.is_set():
+            if os.getppid() != parent:
+                logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
+                return
+            if stop.wait(PARENT_POLL_S):
+                return
+    finally:
+        stopping()
 
 
 def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str, power_loss_safe: bool) -> None:
-    """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone.
-    Ctrl-C is the parent's to handle."""
+    """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone,
+    and then gone within EXIT_DEADLINE_S, whatever it is stuck on (ExitDeadline). Ctrl-C is the parent's to
+    handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
+    if hasattr(signal, "SIGALRM"):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ExitDeadline's floor: the default action ends the process
     logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
-    serve_devices(configs, lambda: _wait_for_stop(stop), power_loss_safe)
+    deadline = ExitDeadline(EXIT_DEADLINE_S, log_file)
+    serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe)
 
 
 def limit_torch_threads() -> None:

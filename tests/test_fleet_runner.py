@@ -71,11 +71,27 @@ def children_of(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def alive(pid: int) -> bool:
+def born(pids: list[int]) -> dict[int, int | None]:
+    """Each of `pids` with when it started: the two name one process, which a pid alone does not once the kernel
+    has given the number to another (pid_max is 32768 on some hosts, and a suite starts thousands)."""
+    return {pid: start_ticks(pid) for pid in pids}
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd field); None once it is gone."""
     try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def alive(pid: int, started: int | None) -> bool:
+    """Whether the process that was `pid` when it started at `started` (`born`) still runs (a zombie does not)."""
+    try:
+        running = "zombie" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+    return running and start_ticks(pid) == started
 
 
 def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
@@ -88,14 +104,14 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     while rounds_done(out) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()[-3000:]
         time.sleep(0.1)
-    workers = children_of(proc.pid)
+    workers = born(children_of(proc.pid))
     assert len(workers) >= 2  # the worker processes
     proc.send_signal(signal.SIGINT)
     assert proc.wait(CEILING_S) == 130
     deadline = time.monotonic() + CEILING_S  # no worker left behind (multiprocessing's helper exits just after)
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(alive(*worker) for worker in workers.items()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(pid) for pid in workers)
+    assert not any(alive(*worker) for worker in workers.items())
     kept = json.loads((out / "results.json").read_text())
 
     assert fleet(path, "--resume").wait(CEILING_S) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
@@ -121,6 +137,24 @@ def wait_rounds(proc: subprocess.Popen, out: Path, rounds: int, log: Path) -> No
         time.sleep(0.1)
 
 
+def survivors(spawned: dict[int, int | None]) -> list[str]:
+    """What each process of `spawned` (`born`) still alive runs: a failure's message."""
+    left = []
+    for pid, started in spawned.items():
+        try:
+            if alive(pid, started):
+                left.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200])
+        except FileNotFoundError:
+            pass
+    return left
+
+
+def worker_logs(out: Path, lines: int = 30) -> str:
+    """The last `lines` of each worker's log: a failure's message."""
+    return "\n".join(f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+                     for p in sorted((out / "logs").glob("worker-*.log")))
+
+
 def descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
@@ -142,15 +176,15 @@ def test_sigterm_sighup_and_sigkill_leave_no_process_or_mount_and_the_run_resume
         resumed = rounds_done(out)
         proc = fleet(path, *(["--resume"] if resumed else []))
         wait_rounds(proc, out, resumed + 2, log)  # new rounds: its workers and broker are up
-        spawned = descendants(proc.pid)  # workers, the broker, multiprocessing's helper
+        spawned = born(descendants(proc.pid))  # workers, the broker, multiprocessing's helper
         assert len(spawned) >= 3
         mounted = [os.path.ismount(d) for d in disks]
         proc.send_signal(sig)
         assert proc.wait(CEILING_S) == (-signal.SIGKILL if sig == signal.SIGKILL else 130), log.read_text()[-3000:]
         deadline = time.monotonic() + CEILING_S  # a worker notices its parent is gone within a second
-        while any(alive(pid) for pid in spawned) and time.monotonic() < deadline:
+        while any(alive(*child) for child in spawned.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(alive(pid) for pid in spawned), (sig, [p for p in spawned if alive(p)])
+        assert not any(alive(*child) for child in spawned.items()), (sig, survivors(spawned), worker_logs(out))
         if sig == signal.SIGKILL:
             assert [os.path.ismount(d) for d in disks] == mounted  # left mounted: the next run takes them back
         else:
@@ -233,6 +267,25 @@ def test_a_worker_whose_fleet_died_while_it_started_stops(monkeypatch):
     finally:
         backstop.cancel()
         signals.signal(signals.SIGTERM, handler)
+
+
+def test_a_stopping_worker_stuck_past_its_deadline_writes_its_stacks_and_ends(tmp_path):
+    """ExitDeadline: a worker that cannot finish its stop (here: its main thread waits on something that never
+    comes) is ended once the deadline passes, with every thread's stack in its log to show where it was stuck."""
+    log = tmp_path / "worker.log"
+    script = f"""
+import threading
+from firmware_sim.fleet_worker import ExitDeadline
+def stuck_in_the_stop():
+    threading.Event().wait()
+ExitDeadline(1.0, {str(log)!r}).arm()
+stuck_in_the_stop()
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=CEILING_S)
+    assert done.returncode == 1, done.stderr
+    text = log.read_text()
+    assert text.startswith("Timeout (0:00:01)!") and "stuck_in_the_stop" in text
 
 
 def test_a_worker_raises_its_open_files_limit_or_refuses_in_one_line():
