@@ -2,6 +2,7 @@
 
     edgefil data split --preset digits-class --devices pi-1,pi-2 --out lab/data
     edgefil data split --from my-data.npz --classes-per-task 2 --tasks 5 --devices pi-1,pi-2 --out lab/data
+    edgefil data split --from my-images/ --classes-per-task 2 --tasks 2 --devices pi-1,pi-2 --out lab/data
 
 writes, into `--out`:
 
@@ -10,14 +11,15 @@ writes, into `--out`:
     test/calibration-<t>.npz    with `--calibration N`: N train samples of each of task t's classes that no device
                                 gets, for the coordinator's guard (`[guard] reference`, coordinator/reference.py)
     classes.json                the class order (task t -> its classes), the input format (shape, dtype, range),
-                                the number of classes, the scenario that made it, and each device's label counts
+                                the number of classes and their names where the data name them (an image
+                                folder's), the scenario that made it, and each device's label counts
 
 The split is the scenario's (firmware_sim/scenarios.py), as a simulated fleet of these devices would run it: its
 seeded class order, its Dirichlet split of each task's samples over the devices. A user's own data (`--from`: an
-.npz, or a folder of .npy files, with `x` and `y` and optionally `x_test`, `y_test`) is a class-incremental
-scenario of the `arrays` dataset (firmware_sim/datasets.py `load_arrays`). The class order matters: the coordinator
-evaluates task t on test-<t>.npz, so devices fed another order learn the right classes under the wrong tasks, and
-the coordinator warns when a device's labels are not among the tasks' so far.
+.npz, or a folder of .npy files, with `x` and `y` and optionally `x_test`, `y_test`; or a folder of images with a
+subfolder per class) is a class-incremental scenario of the `arrays` dataset (firmware_sim/own_data.py). The
+class order matters: the coordinator evaluates task t on test-<t>.npz, so devices fed another order learn the right
+classes under the wrong tasks, and the coordinator warns when a device's labels are not among the tasks' so far.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import numpy as np
 from edgefil.durable import npz_bytes, write_atomically
 from edgefil.settings import ConfigError
 from edgefil.topics import check_name
-from firmware_sim.datasets import ARRAYS
+from firmware_sim.own_data import own_scenario
 from firmware_sim.scenarios import PRESETS, ScenarioData, preset
 
 CLASSES_FILE = "classes.json"
@@ -59,9 +61,11 @@ def split_scenario(data: ScenarioData, devices: list[str], out: Path) -> dict[st
                              npz_bytes({"x": x.astype(np.float32), "y": y.astype(np.int64)}))
             counts.setdefault(device, {})[f"task-{t}"] = np.bincount(y, minlength=data.num_classes).tolist()
     x_test = data.task_test(0)[0]
+    names = data.tasks[0].data.class_names
     record = {
         "tasks": [{"task": t, "classes": list(data.task_classes(t))} for t in range(data.n_tasks)],
         "num_classes": data.num_classes,
+        **({"class_names": list(names)} if names else {}),
         "input_shape": list(data.input_shape),
         "x": {"dtype": "float32", "min": float(x_test.min()), "max": float(x_test.max()),
               "layout": "one sample per row, channels first"},
@@ -75,15 +79,10 @@ def split_scenario(data: ScenarioData, devices: list[str], out: Path) -> dict[st
 
 def _scenario(args: argparse.Namespace, devices: list[str]) -> ScenarioData:
     overrides: dict[str, Any] = {"n_clients": len(devices), "seed": args.seed, "calibration": args.calibration}
+    if args.source is not None:
+        return own_scenario(args.source, args.tasks, args.classes_per_task, **overrides).build()
     if args.tasks is not None:
         overrides["n_tasks"] = args.tasks
-    if args.source is not None:
-        if args.classes_per_task is None or args.tasks is None:
-            raise ValueError("--from needs --tasks and --classes-per-task (how to cut your classes into tasks)")
-        from firmware_sim.scenarios import Scenario
-
-        return Scenario(dataset=ARRAYS, data_root=str(Path(args.source).resolve()), kind="class",
-                        classes_per_task=args.classes_per_task, **overrides).build()
     if args.classes_per_task is not None:
         overrides["classes_per_task"] = args.classes_per_task
     return preset(args.preset, **overrides).build()
@@ -107,7 +106,9 @@ def _run_split(args: argparse.Namespace) -> int:
     for task in record["tasks"]:
         t = task["task"]
         sizes = ", ".join(f"{d} {sum(record['devices'][d]['label_counts'][f'task-{t}'])}" for d in devices)
-        print(f"  task {t}: classes {', '.join(map(str, task['classes']))}  ({sizes} samples)")
+        names = record.get("class_names")
+        classes = ", ".join(f"{c} ({names[c]})" if names else str(c) for c in task["classes"])
+        print(f"  task {t}: classes {classes}  ({sizes} samples)")
     print(f"  devices: [data] folder = \"{out / 'devices' / '<id>'}\"; coordinator: test_data = \"{out / 'test'}\"; "
           f"the class order: {out / CLASSES_FILE}")
     return 0
@@ -121,7 +122,8 @@ def add_data_parser(commands: argparse._SubParsersAction) -> None:
     split.add_argument("--preset", default="digits-class", choices=sorted(PRESETS),
                        help="the scenario (embedded data) to split (default digits-class)")
     split.add_argument("--from", dest="source", metavar="PATH",
-                       help="your own data instead: an .npz (or a folder of .npy files) with x and y")
+                       help="your own data instead: an .npz (or a folder of .npy files) with x and y, or a "
+                            "folder of images with a subfolder per class (firmware_sim/own_data.py)")
     split.add_argument("--devices", required=True, help="comma-separated device ids, one share each")
     split.add_argument("--out", required=True, help="folder to write (devices/, test/, classes.json)")
     split.add_argument("--tasks", type=int, help="number of tasks (default: the preset's)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefil.durable import read_npy, read_npz
+from edgefil.durable import read_npz
 from models.cache import cache_dir
 
 log = logging.getLogger("edgefil.datasets")
@@ -38,6 +38,7 @@ class ArrayDataset:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    class_names: tuple[str, ...] | None = None  # class id -> name, where the data name them (an image folder's)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -63,7 +64,7 @@ def known_num_classes(name: str) -> int | None:
     return 10 if name in _TEN_CLASS_DATASETS else None
 
 
-def _stratified_split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> ArrayDataset:
+def stratified_split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> ArrayDataset:
     """Seeded train/test split keeping every class's share equal in both halves."""
     from sklearn.model_selection import train_test_split
 
@@ -98,7 +99,7 @@ def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> ArrayData
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
 
     def split() -> dict[str, np.ndarray]:
-        data = _stratified_split("digits", *_digits_arrays(), test_fraction, seed)
+        data = stratified_split("digits", *_digits_arrays(), test_fraction, seed)
         return {"x": data.x_train, "y": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
 
     arrays = _cached_arrays("digits", {"test_fraction": float(test_fraction), "seed": int(seed),
@@ -168,7 +169,7 @@ def load_digits_domains(test_fraction: float = 0.25, seed: int = 0, disjoint: bo
     domains = []
     for d, (name, idx) in enumerate(zip(names, subsets)):
         x_d = transforms[name](x[idx], np.random.default_rng([seed, d]))
-        domains.append(_stratified_split(name, x_d.astype(np.float32), y[idx], test_fraction, seed))
+        domains.append(stratified_split(name, x_d.astype(np.float32), y[idx], test_fraction, seed))
     return domains
 
 
@@ -376,37 +377,7 @@ _PACKAGED_LOADERS: dict[str, Callable[..., ArrayDataset | list[ArrayDataset]]] =
 assert tuple(_PACKAGED_LOADERS) == PACKAGED_DATASETS
 
 
-ARRAYS = "arrays"  # a user's own arrays (load_arrays)
-
-
-def load_arrays(root: str, test_fraction: float = 0.25, seed: int = 0) -> ArrayDataset:
-    """A user's own dataset as arrays: `root` is an .npz file or a folder of .npy files, holding `x` (N samples of
-    any shape, channels first for images, float) and `y` (N int labels 0..K-1), and optionally `x_test` and
-    `y_test`; without them a stratified `test_fraction` of the samples is the test set. ValueError in one line for
-    anything else."""
-    path = Path(root)
-    arrays: dict[str, np.ndarray]
-    if path.is_dir():
-        files = {p.stem: p for p in path.glob("*.npy")}
-        arrays = {k: read_npy(files[k]) for k in ("x", "y", "x_test", "y_test") if k in files}
-    elif path.is_file():
-        arrays = {k: v for k, v in read_npz(path).items() if k in ("x", "y", "x_test", "y_test")}
-    else:
-        raise ValueError(f"{path}: no such file or folder (an .npz with x and y, or a folder with x.npy and y.npy)")
-    if "x" not in arrays or "y" not in arrays:
-        raise ValueError(f"{path}: needs arrays x and y (found {', '.join(sorted(arrays)) or 'none'})")
-    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in arrays and "y_test" in arrays else [])
-    for xs, ys in pairs:
-        if arrays[xs].ndim < 2 or arrays[ys].ndim != 1 or len(arrays[xs]) != len(arrays[ys]):
-            raise ValueError(f"{path}: {xs} must be (N, ...) with one label per sample in {ys}, got "
-                             f"{arrays[xs].shape} and {arrays[ys].shape}")
-        if not np.issubdtype(arrays[ys].dtype, np.integer) or arrays[ys].min() < 0:
-            raise ValueError(f"{path}: {ys} must hold integer class ids 0..K-1")
-    x, y = arrays["x"].astype(np.float32), arrays["y"].astype(np.int64)
-    if len(pairs) == 1:
-        return _stratified_split(path.stem, x, y, test_fraction, seed)
-    x_test, y_test = arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int64)
-    return ArrayDataset(path.stem, x, y, x_test, y_test, num_classes=int(max(y.max(), y_test.max())) + 1)
+ARRAYS = "arrays"  # a user's own data: arrays or a folder of images (firmware_sim/own_data.py)
 
 
 def load_dataset(name: str, root: str | None = None, **options: Any) -> ArrayDataset | list[ArrayDataset]:
@@ -416,16 +387,18 @@ def load_dataset(name: str, root: str | None = None, **options: Any) -> ArrayDat
     `fashion_mnist_domains`) is read from `root` when given, else from where Debian's package puts it. Folder datasets
     (firmware_sim.folders.FOLDER_DATASETS) and `digit10` are read from `root`; `digit10` takes
     `shape=(C, H, W)` (default (1, 28, 28): MNIST's, greyscale, the cheaper input for a device). `arrays` is a
-    user's own arrays at `root` (load_arrays).
+    user's own data at `root` (firmware_sim/own_data.py).
     """
     if name in _EMBEDDED_LOADERS:
         return _EMBEDDED_LOADERS[name](**options)
     if name in _PACKAGED_LOADERS:
         return _PACKAGED_LOADERS[name](root, **options)
     if name == ARRAYS:
+        from . import own_data
+
         if root is None:
-            raise ValueError("dataset \"arrays\" is read from data_root: an .npz with x and y, or a folder of them")
-        return load_arrays(root, **options)
+            raise ValueError(f"dataset \"arrays\" is read from data_root: {own_data.LAYOUTS}")
+        return own_data.load_arrays(root, **options)
     from . import folders
 
     if name not in (*folders.FOLDER_DATASETS, "digit10"):

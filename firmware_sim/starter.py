@@ -1,6 +1,7 @@
 """`edgefil init`: the files of a first federation, commented, for a chosen preset.
 
     edgefil init lab --preset digits-class --devices pi-1,pi-2 [--host 127.0.0.1] [--port 8883]
+    edgefil init lab --from my-images/ --tasks 2 --classes-per-task 2 --devices pi-1,pi-2
 
 writes, into the folder (`lab/`):
 
@@ -13,25 +14,59 @@ writes, into the folder (`lab/`):
                             `edgefil watch`
 
 and prints the commands that come next: `edgefil data split` (the devices' task files and the test sets, in the
-preset's class order, and the calibration samples the coordinator's guard compares updates on: 10 a class,
-`ScenarioKind.calibration`), `edgefil export` (the model), the broker, the coordinator and one client per device. Every
-relative path in edgefil's files is relative to the file's own folder, so they move with the folder. mosquitto reads
-a relative path from the directory it was started in, so `broker/mosquitto.conf` names its files (passwords, ACL,
-certificates, pid and log) by absolute path: after moving the folder, put its new path in that file (`sed -i
-"s#/old/lab#/new/lab#g" lab/broker/mosquitto.conf`). Writing into a folder that holds any of these files is refused:
-nothing is overwritten.
+preset's class order, or in the user's own data's with `--from`: firmware_sim/own_data.py; and the calibration
+samples the coordinator's guard compares updates on: 10 a class, `ScenarioKind.calibration`), `edgefil export` (the
+model), the broker, the coordinator and one client per device. Every relative path in edgefil's files is relative to
+the file's own folder, so they move with the folder. mosquitto reads a relative path from the directory it was
+started in, so `broker/mosquitto.conf` names its files (passwords, ACL, certificates, pid and log) by absolute path:
+after moving the folder, put its new path in that file (`sed -i "s#/old/lab#/new/lab#g" lab/broker/mosquitto.conf`).
+Writing into a folder that holds any of these files is refused: nothing is overwritten.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.pki import write_fleet_credentials
 from edgefil.durable import write_private
 from edgefil.settings import load_toml
 from edgefil.topics import check_name
-from firmware_sim.scenarios import PRESETS, ScenarioData, preset
+from firmware_sim.own_data import own_scenario
+from firmware_sim.scenarios import PRESETS, Scenario, ScenarioData, preset
+
+
+@dataclass(frozen=True)
+class StarterData:
+    """Where a first federation's data come from: a preset's embedded data, or the user's own (`source`, cut into
+    `tasks` of `classes_per_task` classes). One object, so that the files `edgefil init` writes and the `edgefil
+    data split` it prints name the same data."""
+
+    preset: str = "digits-class"
+    source: str | None = None
+    tasks: int | None = None
+    classes_per_task: int | None = None
+
+    def scenario(self, n_clients: int) -> Scenario:
+        if self.source is not None:
+            return own_scenario(self.source, self.tasks, self.classes_per_task, n_clients=n_clients)
+        return preset(self.preset, n_clients=n_clients)
+
+    def split_options(self) -> str:
+        """`edgefil data split`'s options for these data."""
+        if self.source is None:
+            return f"--preset {self.preset}"
+        return f"--from {self.source} --tasks {self.tasks} --classes-per-task {self.classes_per_task}"
+
+    def fleet_scenario(self, calibration: int) -> str:
+        """The fleet file's `scenario` table for these data (a rehearsal runs them as the devices will)."""
+        if self.source is None:
+            return f'{{preset = "{self.preset}", calibration = {calibration}}}'
+        root = json.dumps(str(Path(self.source).resolve()))  # a TOML basic string, whatever the path holds
+        return (f'{{dataset = "arrays", data_root = {root}, kind = "class", n_tasks = {self.tasks}, '
+                f'classes_per_task = {self.classes_per_task}, calibration = {calibration}}}')
 
 
 def model_for(data: ScenarioData) -> str:
@@ -92,14 +127,14 @@ name = "{policy}"                      # refed, random, reservoir, herding, ... 
 # new_share = "stream"               # the newest task's share of M (left out: all it brings; or a number <= 1)
 
 [learner]
-mask_seen_classes = true             # softmax over the classes this device has seen (measured: docs/results.md)
+mask_seen_classes = true             # softmax over the classes this device has seen (docs/results-history.md)
 
 [data]
 folder = "../data/devices/{device}"   # task-<t>.npz (x float32, y int64) from edgefil data split
 """
 
 
-def fleet_file(fleet: str, preset_name: str, devices: list[str], budget: int, policy: str, rounds_per_task: int,
+def fleet_file(fleet: str, data: StarterData, devices: list[str], budget: int, policy: str, rounds_per_task: int,
                epochs: int, model: str, calibration: int) -> str:
     return f"""# The same federation as a simulated fleet on this machine (every key: firmware_sim/fleet.py):
 #   edgefil fleet run fleet.toml --dashboard 8765
@@ -107,8 +142,8 @@ name = "{fleet}-rehearsal"
 out = "rehearsal"
 devices = {len(devices)}
 model = "{model}"
-scenario = {{preset = "{preset_name}", calibration = {calibration}}}   # calibration: samples a class the
-                                   # coordinator keeps for its guard's trust reference (none on a device)
+scenario = {data.fleet_scenario(calibration)}
+# calibration: samples a class the coordinator keeps for its guard's trust reference (none on a device)
 
 [policy]
 name = "{policy}"
@@ -125,13 +160,13 @@ min_clients = {len(devices)}
 """
 
 
-def write_starter(folder: Path, fleet: str, preset_name: str, devices: list[str], host: str, port: int,
+def write_starter(folder: Path, fleet: str, source: StarterData, devices: list[str], host: str, port: int,
                   policy: str = "refed", rounds_per_task: int = 3, epochs: int = 10) -> list[Path]:
     """Write the files the module docstring lists; returns them. FileExistsError when one is there already."""
     check_name(fleet, "fleet")
     for device in devices:
         check_name(device, "device id")
-    data = preset(preset_name, n_clients=len(devices)).build()
+    data = source.scenario(len(devices)).build()
     budget = data.binding_budget()
     targets = [folder / "coordinator.toml", folder / "fleet.toml", *(folder / "devices" / f"{d}.toml"
                                                                      for d in devices)]
@@ -146,7 +181,7 @@ def write_starter(folder: Path, fleet: str, preset_name: str, devices: list[str]
     for device in devices:
         account = load_toml(folder / "broker" / "devices" / f"{device}.toml")["broker"]
         write_private(folder / "devices" / f"{device}.toml", device_file(fleet, device, account, budget, policy))
-    (folder / "fleet.toml").write_text(fleet_file(fleet, preset_name, devices, budget, policy, rounds_per_task,
+    (folder / "fleet.toml").write_text(fleet_file(fleet, source, devices, budget, policy, rounds_per_task,
                                                   epochs, model_for(data), calibration_of(data)))
     return targets
 
@@ -156,14 +191,14 @@ def calibration_of(data: ScenarioData) -> int:
     return data.scenario.kind_class().calibration(data.scenario)
 
 
-def next_steps(folder: Path, preset_name: str, devices: list[str]) -> str:
-    data = preset(preset_name, n_clients=len(devices)).build()
+def next_steps(folder: Path, source: StarterData, devices: list[str]) -> str:
+    data = source.scenario(len(devices)).build()
     shape = ",".join(map(str, data.input_shape))
     clients = "\n".join(f"  edgefil client --config {folder}/devices/{d}.toml" for d in devices)
     calibration = calibration_of(data)
     kept = f" --calibration {calibration}" if calibration else ""
     return (f"next:\n"
-            f"  edgefil data split --preset {preset_name} --devices {','.join(devices)}{kept} --out {folder}/data\n"
+            f"  edgefil data split {source.split_options()} --devices {','.join(devices)}{kept} --out {folder}/data\n"
             f"  edgefil export --model {model_for(data)} --classes {data.num_classes} --input-shape {shape} "
             f"--out {folder}/artifacts\n"
             f"  mosquitto -c {folder}/broker/mosquitto.conf -d\n"
@@ -178,13 +213,14 @@ def _run_init(args: argparse.Namespace) -> int:
     try:
         if not devices or len(set(devices)) != len(devices):
             raise ValueError("--devices: give each device once (comma-separated ids)")
-        written = write_starter(folder, args.fleet or folder.resolve().name, args.preset, devices, args.host,
+        source = StarterData(args.preset, args.source, args.tasks, args.classes_per_task)
+        written = write_starter(folder, args.fleet or folder.resolve().name, source, devices, args.host,
                                 args.port, args.policy)
     except (ValueError, FileExistsError) as err:
         print(f"edgefil init: {err}", file=sys.stderr)
         return 2
     print(f"wrote {', '.join(str(p) for p in written)} and the broker's files in {folder / 'broker'}")
-    print(next_steps(folder, args.preset, devices))
+    print(next_steps(folder, source, devices))
     return 0
 
 
@@ -195,6 +231,11 @@ def add_init_parser(commands: argparse._SubParsersAction) -> None:
     init.add_argument("--devices", required=True, help="comma-separated device ids")
     init.add_argument("--preset", default="digits-class", choices=sorted(PRESETS),
                       help="the scenario whose data the devices get (edgefil data split)")
+    init.add_argument("--from", dest="source", metavar="PATH",
+                      help="your own data instead (as edgefil data split --from: arrays, or a folder of images "
+                           "with a subfolder per class); needs --tasks and --classes-per-task")
+    init.add_argument("--tasks", type=int, help="with --from: number of tasks")
+    init.add_argument("--classes-per-task", type=int, help="with --from: classes per task")
     init.add_argument("--fleet", help="the fleet's name (default: the folder's)")
     init.add_argument("--host", default="127.0.0.1", help="the broker's address, as the devices reach it")
     init.add_argument("--port", type=int, default=8883, help="the broker's TLS port")

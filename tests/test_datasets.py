@@ -74,7 +74,7 @@ def test_digits_split_is_kept_and_read_back_without_scikit_learn(monkeypatch, tm
     def fail(*args):
         raise AssertionError("split again")
 
-    monkeypatch.setattr(datasets, "_stratified_split", fail)
+    monkeypatch.setattr(datasets, "stratified_split", fail)
     kept = datasets.load_digits_dataset(seed=3)
     for name in ("x_train", "y_train", "x_test", "y_test"):
         np.testing.assert_array_equal(getattr(made, name), getattr(kept, name))
