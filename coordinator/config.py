@@ -172,5 +172,5 @@ class RoundSettings:
     # devices' seen-class masks then show beside their own (a task the host learnt left them none of its samples)
     known_classes: bool | None = None
     # true or false: every device masks (or does not mask) the classes it has not seen, whatever its own [learner]
-    # says; left out, each device's own setting (docs/results.md, "The class mask", says where the mask helps)
+    # says; left out, each device's own setting (docs/results-history.md, "The class mask", says where the mask helps)
     mask_seen_classes: bool | None = None

@@ -20,7 +20,7 @@ Choices (documented, configurable where it matters):
   by default the papers' budget rule (the newest task keeps everything it brings, the old data get M - N_new);
   "stream" gives the newest task its share of everything seen, as uniform sampling of the stream does; a number s
   at most s M. The newest task's samples beyond its quota are dropped uniformly (a later chunk fills what its quota
-  leaves). The papers have only the default: the split is ours (docs/results.md, "The budget split").
+  leaves). The papers have only the default: the split is ours (docs/results-history.md, "The budget split").
 - Every hook sees the device through one frozen `RoundView` (`view()`), never the learner itself.
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
   what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.

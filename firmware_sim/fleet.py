@@ -240,7 +240,7 @@ class FleetConfig:
 
     def learner_options(self, data: ScenarioData) -> dict[str, Any]:
         """The devices' [learner] as set; where it leaves `mask_seen_classes` out, the scenario kind's default
-        (`ScenarioKind.masks`: measured per kind, docs/results.md "The class mask"); where it leaves
+        (`ScenarioKind.masks`: measured per kind, docs/results-history.md "The class mask"); where it leaves
         `between_rounds` out, "disk": a worker hosts thousands of devices, and a device that keeps its weights and
         optimiser state in memory between rounds costs ~0.36 MB more (LeNet; benchmarks/device_memory.py)."""
         return {"mask_seen_classes": data.scenario.kind_class().masks(data.scenario), "between_rounds": "disk",

@@ -186,7 +186,7 @@ PRESETS: Mapping[str, Scenario] = MappingProxyType({
                                 shots=5, n_clients=5, alpha=1.0, dataset_options=FASHION_SCALE),
     # GLFC's client dynamics (old-data-only clients, 2 clients joining at each task, 60 % of a task's classes each)
     # on 2 tasks of 5 classes, 3 a client: at 2 classes a task the 60 % rule leaves a client one class, and sigmoid
-    # heads trained one class a client never separate a task's two (docs/results.md, "Under GLFC's own client
+    # heads trained one class a client never separate a task's two (docs/results-history.md, "Under GLFC's own client
     # dynamics")
     "fashion-glfc": Scenario("fashion_mnist", kind="class", n_tasks=2, classes_per_task=5, dynamics="glfc", joining=2,
                              dataset_options=FASHION_SCALE),

@@ -79,7 +79,7 @@ class GeneratorReplay(ReplayPolicy):
     kind: str = "vae"  # "vae", "conv-vae" or "wgan-gp" (models/generators.py)
     # how the bank stores generators: float32, float16 or int8. int8 by default: a generator sampled from its int8
     # weights is recognised as often as from its float32 ones (within 0.2 points), and at equal bytes the int8
-    # bank without encoders holds every class where float16 with them holds 3-4 (docs/results.md, "Generators at
+    # bank without encoders holds every class where float16 with them holds 3-4 (docs/results-history.md, "Generators at
     # equal bytes")
     precision: str = "int8"
     backend: str = "auto"  # generator training: "torch", "ort" (VAE only: ORT Training artifacts), or "auto": the

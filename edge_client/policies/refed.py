@@ -32,7 +32,7 @@ Choices the paper leaves open (all configurable):
   a head of its own on the task model's shared layers, started from the target head, so only the last layer moves
   (v's shared layers stay the global model's) and the importance is taken through it. The paper does not say more
   (whether the auxiliary head is trained in the rounds too); "one" (the default) moves the whole PIM, as Eq. 3
-  reads. Measured side by side in docs/results.md ("Re-Fed's PIM").
+  reads. Measured side by side in docs/results-history.md ("Re-Fed's PIM").
 """
 from __future__ import annotations
 

@@ -112,8 +112,8 @@ class ScenarioKind(ABC):
 
     def masks(self, scenario: Scenario) -> bool:
         """Whether a fleet's devices on this scenario mask the classes they have not seen (the [learner]'s
-        `mask_seen_classes` where a fleet file leaves it out). Chosen per kind by measurement (docs/results.md, "The
-        class mask"); on by default."""
+        `mask_seen_classes` where a fleet file leaves it out). Chosen per kind by measurement
+        (docs/results-history.md, "The class mask"); on by default."""
         return True
 
     def calibration(self, scenario: Scenario) -> int:
