@@ -60,11 +60,11 @@ def loop_worker(directory: str, threads: int, samples: int, batch: int, repeats:
     import torch
 
     from models.manifest import WEIGHTS, load_manifest
-    from models.zoo import build_model
+    from models.zoo import build_for
 
     torch.set_num_threads(threads)
     manifest = load_manifest(Path(directory))
-    net = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape), seed=0)
+    net = build_for(manifest, seed=0)
     flat = torch.from_numpy(np.fromfile(Path(directory) / WEIGHTS, dtype="<f4").copy())
     torch.nn.utils.vector_to_parameters(flat, net.parameters())
     net.train()
@@ -94,11 +94,11 @@ def reference_worker(directory: str, threads: int, batch: int) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from models.manifest import load_manifest
-    from models.zoo import build_model
+    from models.zoo import build_for
 
     torch.set_num_threads(threads)
     manifest = load_manifest(Path(directory))
-    net = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape), seed=0)
+    net = build_for(manifest, seed=0)
     x = torch.rand((batch, *manifest.input_shape))
     y = torch.randint(0, manifest.num_classes, (batch,))
     counter = FlopCounterMode(display=False)

@@ -24,7 +24,7 @@ from edgefil.durable import read_npz
 from edgefil.metrics import instant_average_accuracy
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest
-from models.zoo import build_model
+from models.zoo import build_for
 
 EVAL_BATCH = 512
 
@@ -141,7 +141,7 @@ class Evaluator:
         self.data = data
         self.manifest = manifest
         self.device = torch.device(device)
-        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device).eval()
+        self.model = build_for(manifest).to(self.device).eval()
 
     def accuracies(self, weights: np.ndarray, task: int) -> list[float]:
         """Accuracy on the test set of each task 0..task, with the classes seen up to `task` unmasked."""

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from models.flat_weights import flatten_weights, load_flat_weights
 from models.manifest import Manifest
-from models.zoo import build_model
+from models.zoo import build_for
 
 HOST = "host"  # the update's device name in the round's history
 
@@ -44,7 +44,7 @@ class HostTraining:
     def train(self, manifest: Manifest, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
               classes: tuple[int, ...], device: torch.device | Any) -> np.ndarray:
         """The global model trained on (x, y) with the classes seen so far visible; flat float32 weights."""
-        model = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape))
+        model = build_for(manifest)
         load_flat_weights(model, manifest, np.asarray(weights, dtype=np.float32))
         model = model.to(device).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)

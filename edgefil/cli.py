@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
@@ -26,6 +28,17 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected a comma-separated shape such as 1,8,8, got {text!r}") from err
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"width\": 32}}', got {text!r}: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object (keyword arguments), got {text!r}")
+    return value
+
+
 def _export(args: argparse.Namespace) -> int:
     from models.export import export_registered
     from models.zoo import REGISTRY
@@ -38,10 +51,14 @@ def _export(args: argparse.Namespace) -> int:
         return _export_generator(args)
     if not args.model or not args.classes or not args.out:
         raise SystemExit("edgefil export: --model, --classes and --out are required (or --list)")
-    manifest = export_registered(
-        args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal,
-        backends=args.backends, cache=not args.no_cache,
-    )
+    try:
+        manifest = export_registered(
+            args.model, args.classes, args.out, input_shape=args.input_shape, seed=args.seed, nominal=args.nominal,
+            backends=args.backends, cache=not args.no_cache, model_args=args.model_args,
+        )
+    except ValueError as err:  # a model that cannot be built or exported: what is missing, in one line
+        print(f"edgefil export: {err}", file=sys.stderr)
+        return 2
     print(
         f"exported {manifest.model} ({manifest.num_parameters:,} parameters, input {manifest.input_shape}, "
         f"{manifest.num_classes} classes, IR {manifest.ir_version}) for the {', '.join(manifest.backends)} "
@@ -206,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a registered model for the devices' trainer backends")
-    export.add_argument("--model", help="registered model name (see --list)")
+    export.add_argument("--model", help="a zoo model's name (see --list), or your own as package.module:Name (an "
+                                        "nn.Module mapping inputs to one feature vector each; models/zoo.py)")
+    export.add_argument("--model-args", type=_json_object, default={}, metavar="JSON",
+                        help="your own model's constructor arguments, a JSON object such as '{\"width\": 32}'")
     export.add_argument("--classes", type=int, help="total number of classes of the scenario (head size)")
     export.add_argument("--out", help="artifact directory to write")
     export.add_argument("--input-shape", type=_shape, help="input shape without batch, e.g. 1,28,28")

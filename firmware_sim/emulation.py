@@ -62,7 +62,7 @@ class EmulatedEnvironment(TakesTurns):
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         peak = training_peak_bytes(
             manifest.model, manifest.num_classes, tuple(manifest.input_shape), batch_size, optimizer,
-            manifest.num_parameters,
+            manifest.num_parameters, manifest.model_args,
         )
         check_memory(self.profile, peak)
 

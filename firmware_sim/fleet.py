@@ -14,7 +14,8 @@ and a device disk still mounted by a killed run is taken back by the next one (f
     devices = 10
     workers = 2                    # processes hosting the virtual devices; left out: one per core (a worker is
                                    # one Python process, about one core of device work; more only add memory)
-    model = "lenet"
+    model = "lenet"                # a zoo model (edgefil export --list), or your own: "package.module:Name"
+    model_args = {}                # your own model's constructor arguments (models/zoo.py says what it is)
     seed = 0
     broker = "auto"                # auto | mosquitto | embedded (no authentication: auto falls back to it, at
                                    # WARNING, only where mosquitto is missing)
@@ -127,6 +128,7 @@ class FleetConfig:
     scenario: Mapping[str, Any]
     workers: int | None = None  # None: one per core the fleet may use (a cluster's cores with backend = "ray")
     model: str = "lenet"
+    model_args: Mapping[str, Any] = field(default_factory=dict)  # a user's model's constructor arguments
     seed: int = 0
     broker: str = "auto"
     tls: bool = False
@@ -216,7 +218,7 @@ class FleetConfig:
                                                              "each device needs a share of its own")
         try:
             data = scenario.build()
-            model_fits(self.model, data.num_classes, data.input_shape)
+            model_fits(self.model, data.num_classes, data.input_shape, self.model_args)
         except (ValueError, OSError, RuntimeError) as err:
             raise where.error("model", f"{self.model!r} on scenario {scenario.dataset!r}: {err}") from None
         return data
@@ -230,7 +232,8 @@ class FleetConfig:
         """What the devices and the coordinator of this fleet run, as JSON types: written to the run folder's
         `fleet.json`, where reports read each run's policy, budget M and rule."""
         return {
-            "name": self.name, "devices": self.devices, "model": self.model, "seed": self.seed,
+            "name": self.name, "devices": self.devices, "model": self.model, "model_args": dict(self.model_args),
+            "seed": self.seed,
             "scenario": dict(self.scenario), "policy": dict(self.policy),
             "store": self.store_options(),
             "trainer": vars(self.trainer), "learner": dict(self.learner),
@@ -389,7 +392,7 @@ class Fleet:
             backend = resolve_backend(self.config.trainer.backend, exportable_backends())
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
                               seed=self.config.seed, backends=(backend, "torch"), cache=True,
-                              graphs=policy.trainer_graphs())
+                              graphs=policy.trainer_graphs(), model_args=self.config.model_args)
         options = dict(self.config.policy)
         POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
         return artifacts

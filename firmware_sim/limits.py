@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -254,18 +257,21 @@ def training_peak_bytes(
     batch_size: int,
     optimizer: str,
     num_parameters: int | None = None,
+    model_args: Mapping[str, Any] | None = None,
 ) -> int:
     """Peak RAM of one training step, estimated: float32 weights and gradients, the optimizer's state
     (sgd: none, adamw: two moments), every module's output for the batch twice (the activation and its gradient),
     the input batch with labels and class mask, and RUNTIME_OVERHEAD_BYTES.
 
-    `num_parameters` is the manifest's total where known; it defaults to the zoo model's count.
+    `num_parameters` is the manifest's total where known; it defaults to the model's count (`model_args`: a
+    user's model's constructor arguments, models/zoo.py).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    counted, activations_per_sample = _model_footprint(model, num_classes, tuple(input_shape))
+    args = json.dumps(dict(model_args or {}), sort_keys=True)  # hashable, for the cache of footprints
+    counted, activations_per_sample = _model_footprint(model, num_classes, tuple(input_shape), args)
     parameters = counted if num_parameters is None else num_parameters
     parameter_bytes = FLOAT32_BYTES * parameters * (2 + OPTIMIZER_STATES[optimizer])
     sample_bytes = 2 * activations_per_sample + FLOAT32_BYTES * prod(input_shape) + LABEL_BYTES
@@ -273,7 +279,7 @@ def training_peak_bytes(
 
 
 @functools.cache
-def _model_footprint(model: str, num_classes: int, input_shape: tuple[int, ...]) -> tuple[int, int]:
+def _model_footprint(model: str, num_classes: int, input_shape: tuple[int, ...], args: str) -> tuple[int, int]:
     """(parameter count, bytes of all module outputs for one sample), measured with forward hooks on the zoo
     model. Outputs of leaf modules only (a container's output is its last child's); an in-place output that
     aliases its input (ReLU(inplace=True)) is not counted again. Activations grow linearly with the batch."""
@@ -281,7 +287,7 @@ def _model_footprint(model: str, num_classes: int, input_shape: tuple[int, ...])
 
     from models.zoo import build_model
 
-    net = build_model(model, num_classes, input_shape, seed=0)
+    net = build_model(model, num_classes, input_shape, seed=0, args=json.loads(args))
     total = 0
 
     def count(module: torch.nn.Module, inputs: tuple, output: object) -> None:

@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from models.manifest import (
     sha256_file,
     software_version,
 )
-from models.zoo import ClassifierModel, build_model
+from models.zoo import ClassifierModel, build_model, is_import_path, model_source_digest
 
 log = logging.getLogger("edgefil.export")  # a name of the command line's own (edgefil/cli.py)
 
@@ -71,10 +71,12 @@ def export_model(
     nominal: bool = False,
     backends: Sequence[str] | None = None,
     graphs: Collection[str] | None = None,
+    model_args: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Write the artifact set of `model` (its current weights) for `backends` (default: every backend this host
     can export, `exportable_backends()`) to `out_dir` and return its manifest. `graphs`: the optional portable
-    graphs to export (`OPTIONAL_GRAPHS`; default all; a run exports those its method needs)."""
+    graphs to export (`OPTIONAL_GRAPHS`; default all; a run exports those its method needs); `model_args`: what
+    built `model` besides its name (a user's model's constructor arguments), recorded for the coordinator."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backends = _checked_backends(backends)
@@ -91,7 +93,11 @@ def export_model(
         from models.portable_export import PORTABLE_OPSET, export_portable
 
         with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)"):
-            made = export_portable(model, parameters, input_shape, out_dir, optional)
+            try:
+                made = export_portable(model, parameters, input_shape, out_dir, optional)
+            except (NotImplementedError, torch.onnx.OnnxExporterError) as err:
+                raise ValueError(f"model {name!r} cannot be exported for the portable backend: {_root_cause(err)} "
+                                 f"(export for --backends ort,torch, or choose other layers)") from None
         ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in made))
         opset = max(opset, PORTABLE_OPSET)
     files = [f for backend in backends for f in BACKEND_FILES[backend]]
@@ -111,6 +117,7 @@ def export_model(
         nominal_checkpoint=nominal,
         edgefil_version=software_version(),
         backends=backends,
+        model_args=dict(model_args or {}),
     )
     manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
@@ -196,16 +203,23 @@ def export_registered(
     backends: Sequence[str] | None = None,
     cache: bool = False,
     graphs: Collection[str] | None = None,
+    model_args: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """Build a registry model with seeded initial weights and export it (`graphs`: as `export_model`'s); `cache`:
-    copy the same export made before, and keep this one for the next (models/cache.py)."""
+    """Build a zoo model, or a user's (`package.module:Name` with its constructor's `model_args`: models/zoo.py),
+    with seeded initial weights and export it (`graphs`: as `export_model`'s); `cache`: copy the same export made
+    before, and keep this one for the next (models/cache.py)."""
+    if input_shape is None and is_import_path(name):
+        raise ValueError(f"model {name!r}: a model of your own needs its input shape (--input-shape)")
     shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
     chosen = _checked_backends(backends)
     optional = _checked_graphs(graphs)
+    args = dict(model_args or {})
+    build_model(name, num_classes, shape, seed=seed, args=args)  # refused in one line before any export starts
 
     def export(folder: Path) -> Manifest:
-        model = build_model(name, num_classes, input_shape, seed=seed)
-        return export_model(model, name, shape, folder, nominal=nominal, backends=chosen, graphs=optional)
+        model = build_model(name, num_classes, shape, seed=seed, args=args)
+        return export_model(model, name, shape, folder, nominal=nominal, backends=chosen, graphs=optional,
+                            model_args=args)
 
     if not cache:
         return export(Path(out_dir))
@@ -215,16 +229,32 @@ def export_registered(
     # (or with a nominal one) a set kept for one seed differs from another seed's only in its initial weights.
     seeded = "ort" in chosen and not nominal
     key = export_key(model=name, classes=num_classes, shape=shape, seed=seed if seeded else None, nominal=nominal,
-                     backends=chosen, graphs=sorted(optional))
+                     backends=chosen, graphs=sorted(optional), **_own_model_key(name, args))
     cached_export(key, Path(out_dir), export, chosen)
     manifest = load_manifest(out_dir)
     if seeded or nominal:
         return manifest
-    model = build_model(name, num_classes, input_shape, seed=seed)
+    model = build_model(name, num_classes, shape, seed=seed, args=args)
     _write_weights(model, manifest.parameters, Path(out_dir))
     manifest = replace(manifest, files={**manifest.files, WEIGHTS: sha256_file(Path(out_dir) / WEIGHTS)})
     (Path(out_dir) / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error of `err`'s chain, in one line: torch's exporter wraps the op it has no translation for
+    (a NotImplementedError of models/onnx_backward.py, or its own) in pages of advice."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _own_model_key(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a user's model adds to its export's cache key: its arguments and its source file's digest, so that a
+    model edited since, or built otherwise, is exported anew. Nothing for the zoo's (older keys stay valid)."""
+    if not is_import_path(name):
+        return {}
+    return {"model_args": args, "model_source": model_source_digest(name)}
 
 
 def _write_weights(model: torch.nn.Module, parameters: Sequence[ParameterInfo], out_dir: Path) -> None:

@@ -204,6 +204,7 @@ class Manifest:
     edgefil_version: str
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     backends: tuple[str, ...] = ("torch",)  # the trainer backends this set serves (BACKEND_FILES)
+    model_args: dict[str, Any] = field(default_factory=dict)  # a user's model's constructor arguments (models/zoo.py)
     inputs: tuple[GraphValue, ...] = graph_values(GRAPH_INPUTS)
     outputs: tuple[GraphValue, ...] = graph_values(GRAPH_OUTPUTS)
     format: int = MANIFEST_FORMAT
@@ -247,6 +248,7 @@ class Manifest:
                 edgefil_version=str(data["edgefil_version"]),
                 files={str(k): str(v) for k, v in data["files"].items()},
                 backends=tuple(str(b) for b in data["backends"]),
+                model_args=dict(data.get("model_args", {})),
                 inputs=tuple(_graph_value(v) for v in data["inputs"]),
                 outputs=tuple(_graph_value(v) for v in data["outputs"]),
                 format=int(data["format"]),

@@ -1,15 +1,28 @@
-"""Named architectures. Every model splits into a feature trunk and a linear classifier head.
+"""Named architectures, and a user's own. Every model splits into a feature trunk and a linear classifier head.
 
 The head is sized to the scenario's total number of classes, so the graph never changes across tasks
 (class-incremental learning on a fixed ONNX graph). `forward(x, class_mask)` returns `(logits, features)`:
 the features feed importance scoring (Re-Fed's last-layer gradient norm) and the mask hides classes a device
 has not seen yet. A mask of ones changes nothing, bit for bit.
+
+A user's own model is named by its import path, `package.module:Name` (`edgefil export --model`, a fleet file's
+`model`), with its constructor's keyword arguments (`--model-args`, `model_args`). `Name` is an `nn.Module` class (or
+any callable returning one) that maps a batch of inputs to one feature vector per sample, (N, *input_shape) ->
+(N, F): the trunk. It gets `input_shape` too where its signature names that parameter. edgefil puts the linear head
+over the run's classes on it, as on every zoo model: class-incremental learning keeps one graph with a head over
+every class from the start, and the methods read the features (Re-Fed's importance, GLFC's prototypes, SDD's
+statistics). A module that is already a classifier is used by leaving its last layer out.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -183,9 +196,18 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 
-def model_fits(name: str, num_classes: int, input_shape: tuple[int, ...]) -> None:
-    """ValueError unless the registered model builds for these classes and runs on inputs of this shape."""
-    model = build_model(name, num_classes, input_shape, seed=0)
+IMPORT_PATH = ":"  # what separates a user's module from the model's name in it: "package.module:Name"
+
+
+def is_import_path(name: str) -> bool:
+    """Whether `name` names a user's model (`package.module:Name`) rather than one of the zoo's."""
+    return IMPORT_PATH in name
+
+
+def model_fits(name: str, num_classes: int, input_shape: tuple[int, ...], args: Mapping[str, Any] | None = None
+               ) -> None:
+    """ValueError unless the model builds for these classes and runs on inputs of this shape."""
+    model = build_model(name, num_classes, input_shape, seed=0, args=args)
     try:
         with torch.no_grad():
             model(torch.zeros(2, *input_shape))
@@ -195,13 +217,28 @@ def model_fits(name: str, num_classes: int, input_shape: tuple[int, ...]) -> Non
 
 
 def build_model(
-    name: str, num_classes: int, input_shape: tuple[int, ...] | None = None, seed: int | None = None
+    name: str, num_classes: int, input_shape: tuple[int, ...] | None = None, seed: int | None = None,
+    args: Mapping[str, Any] | None = None,
 ) -> ClassifierModel:
-    """Build a registered model; `seed` makes the initial weights reproducible."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(REGISTRY))}")
+    """Build a zoo model, or a user's (`package.module:Name` with its constructor's keyword `args`); `seed` makes
+    the initial weights reproducible. ValueError in one line for what cannot be built."""
     if num_classes < 2:
         raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+    if is_import_path(name):
+        if input_shape is None:
+            raise ValueError(f"model {name!r}: a model of your own needs its input shape (--input-shape)")
+        shape = tuple(input_shape)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            trunk, feature_dim = _user_trunk(name, shape, dict(args or {}))
+            return ClassifierModel(trunk, feature_dim, num_classes)
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(REGISTRY))}, or one of your own "
+                         f"as package.module:Name")
+    if args:
+        raise ValueError(f"model {name!r} takes no arguments (got {', '.join(sorted(args))}): the zoo's models are "
+                         f"built for their input shape alone")
     spec = REGISTRY[name]
     shape = tuple(input_shape) if input_shape is not None else spec.default_input_shape
     if spec.input_rank and len(shape) != spec.input_rank:
@@ -214,3 +251,67 @@ def build_model(
             torch.manual_seed(seed)
         trunk, feature_dim = spec.build_trunk(shape)
         return ClassifierModel(trunk, feature_dim, num_classes)
+
+
+def build_for(manifest: Any, seed: int | None = None) -> ClassifierModel:
+    """The torch model of an artifact set (a `models.manifest.Manifest`): its model, classes, input shape and
+    model arguments."""
+    return build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape), seed=seed,
+                       args=manifest.model_args)
+
+
+def model_source_digest(name: str) -> str | None:
+    """The sha256 of the file that defines a user's model (None for the zoo's): an export cache key includes it,
+    so that a model edited since is exported anew."""
+    if not is_import_path(name):
+        return None
+    source = inspect.getsourcefile(_user_factory(name))
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else None
+
+
+def _user_factory(name: str) -> Callable[..., Any]:
+    """What `package.module:Name` names, imported; ValueError in one line for a path that names nothing."""
+    module_name, _, attribute = name.partition(IMPORT_PATH)
+    if not module_name or not attribute:
+        raise ValueError(f"model {name!r}: name your own model as package.module:Name")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 (the user's module may raise anything while importing)
+        raise ValueError(f"model {name!r}: cannot import {module_name} ({type(err).__name__}: {err}); is its "
+                         f"folder on PYTHONPATH?") from None
+    factory: Any = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"model {name!r}: {module_name} has no {attribute}")
+    if not callable(factory):
+        raise ValueError(f"model {name!r}: {attribute} is not a class or a function that makes an nn.Module")
+    return factory
+
+
+def _user_trunk(name: str, shape: tuple[int, ...], args: dict[str, Any]) -> tuple[nn.Module, int]:
+    """A user's trunk and its feature size, checked on a batch of zeros of `shape`."""
+    factory = _user_factory(name)
+    try:
+        wants_shape = "input_shape" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        wants_shape = False
+    if wants_shape and "input_shape" not in args:
+        args = {**args, "input_shape": shape}
+    try:
+        trunk = factory(**args)
+    except TypeError as err:
+        raise ValueError(f"model {name!r}: its constructor refused the arguments {sorted(args)}: {err}") from None
+    if not isinstance(trunk, nn.Module):
+        raise ValueError(f"model {name!r}: made a {type(trunk).__name__}, not a torch nn.Module")
+    try:
+        with torch.no_grad():
+            out = trunk(torch.zeros(2, *shape))
+    except Exception as err:  # noqa: BLE001 (the user's forward may raise anything)
+        raise ValueError(f"model {name!r} does not take inputs of shape {shape}: "
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"model {name!r} returned {got} for a batch of 2: it must return one feature vector per "
+                         f"sample, (N, F) (end it with nn.Flatten(); edgefil adds the classifier head)")
+    return trunk, int(out.shape[1])

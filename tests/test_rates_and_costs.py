@@ -16,7 +16,7 @@ from edge_client.trainers.pytorch import TorchTrainer
 from models.flat_weights import flatten_weights, load_flat_weights
 from models.loss import training_loss
 from models.manifest import class_head_positions, load_manifest
-from models.zoo import build_model
+from models.zoo import build_for
 
 ALL = ("ort", "portable", "torch")
 SHAPE = (1, 8, 8)
@@ -85,7 +85,7 @@ def test_class_costs_are_checked():
 
 def _torch_groups_reference(manifest, start, optimizer, x, y, mask, low, high, steps):
     """torch.optim itself with two parameter groups: the head at lr * high, the rest at lr * low."""
-    model = build_model(manifest.model, manifest.num_classes, manifest.input_shape)
+    model = build_for(manifest)
     load_flat_weights(model, manifest, start)
     head = [p for name, p in model.named_parameters() if name.startswith("head.")]
     rest = [p for name, p in model.named_parameters() if not name.startswith("head.")]

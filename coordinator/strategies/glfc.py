@@ -76,7 +76,7 @@ from edgefil.durable import npz_bytes, read_npz, write_atomically
 from models.flat_weights import load_flat_weights
 from models.glfc import MAX_PROTOTYPES, decode_gradient, encode_old_model, infer_label, is_prototype
 from models.manifest import Manifest, ParameterInfo
-from models.zoo import build_model
+from models.zoo import build_for, build_model
 
 log = logging.getLogger("edgefil.coordinator")
 STATE_FILE = "glfc.npz"
@@ -126,7 +126,7 @@ class GlfcProxy(Strategy):
         self.num_classes = manifest.num_classes
         self.gamma = build_model(gamma, manifest.num_classes, self.shape, seed=gamma_seed).to(self.device).eval()
         self.gamma_parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in self.gamma.named_parameters())
-        self.model = build_model(manifest.model, manifest.num_classes, self.shape).to(self.device).eval()
+        self.model = build_for(manifest).to(self.device).eval()
         self.job: BackgroundJob[tuple[int, np.ndarray, np.ndarray]] = BackgroundJob("glfc-proxy")
         self.choice: BackgroundJob[AggregateResult] = BackgroundJob("glfc-proxy-choice")
         self.waiting: tuple[int, list[np.ndarray]] | None = None  # (task, gradients) pooled, not yet started

@@ -76,7 +76,7 @@ from models.generator_record import (
 )
 from models.generators import GeneratorSpec, build_sampler, exported_layouts, load_module
 from models.manifest import Manifest
-from models.zoo import MASK_FILL, build_model
+from models.zoo import MASK_FILL, build_for
 
 GLOBAL_MODELS = ("mean-local", "mean-personalized")
 STATE_FILE = "pfedgrp.msgpack"
@@ -133,7 +133,7 @@ class PFedGRP(Strategy):
         self.serve_share = serve_share
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.layouts = exported_layouts(manifest.input_shape)  # the generators a device of this fleet may send
-        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape).to(self.device)
+        self.model = build_for(manifest).to(self.device)
         self.generators: dict[str, dict[int, GeneratorRecord]] = {}  # device -> class -> its latest generator
         self.label_counts: dict[str, list[int]] = {}
         self.served: dict[int, tuple[str, GeneratorRecord]] = {}  # class -> (device, generator) answering requests

@@ -82,7 +82,7 @@ from models.sdd_generator import (
     information_entropy,
     statistics_distance,
 )
-from models.zoo import ClassifierModel, build_model
+from models.zoo import ClassifierModel, build_for, build_model
 
 log = logging.getLogger("edgefil.coordinator")
 AGGREGATIONS = ("cswa-literal", "cswa-normalized", "fedavg")
@@ -149,7 +149,7 @@ def train_generator(teachers: Sequence[ClassifierModel], statistics: Sequence[di
         torch.manual_seed(seed)
         generator = ConditionalGenerator(input_shape, num_classes, settings.nz, settings.ngf, input_range).to(device)
         if student is None:
-            student = build_model(manifest.model, num_classes, input_shape)
+            student = build_model(manifest.model, num_classes, input_shape, args=manifest.model_args)
     student = student.to(device).requires_grad_(True)
     for teacher in teachers:
         teacher.eval().requires_grad_(False)
@@ -254,7 +254,7 @@ def plausible_statistics(statistics: Sequence[dict[str, LayerStatistics] | None]
 
 def model_for(manifest: Manifest, weights: np.ndarray, device: torch.device) -> ClassifierModel:
     """The classifier with these weights, frozen, on `device`."""
-    model = build_model(manifest.model, manifest.num_classes, tuple(manifest.input_shape))
+    model = build_for(manifest)
     load_flat_weights(model, manifest, np.asarray(weights, dtype=np.float32))
     return model.to(device).eval().requires_grad_(False)
 

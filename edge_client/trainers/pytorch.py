@@ -17,7 +17,7 @@ from edge_client.trainers.base import LossInputs, Trainer, iterate_batches, loss
 from models.flat_weights import flatten_weights, load_flat_weights
 from models.loss import training_loss
 from models.manifest import Manifest
-from models.zoo import build_model
+from models.zoo import build_for
 
 
 class TorchTrainer(Trainer):
@@ -39,7 +39,7 @@ class TorchTrainer(Trainer):
             torch.set_num_threads(threads)  # per process: a device daemon is one; a fleet worker's devices share it
         self.manifest = manifest
         self.device = torch.device(device)
-        self.model = build_model(manifest.model, manifest.num_classes, manifest.input_shape, seed=seed).to(
+        self.model = build_for(manifest, seed=seed).to(
             self.device
         )
         params = self.model.parameters()
