@@ -1,0 +1,70 @@
+"""`scripts/setup` says how far it is: pip's own line for each package, and at least every 10 s how long the step
+has taken and how large .venv has grown, so that a first run's minutes of downloading are never silent. Run for
+real on a project of its own whose build takes 25 s (its in-tree build backend sleeps, then writes the wheel by
+hand), offline: nothing is fetched."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fleet_harness import CEILING_S
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_S = 25
+TICK_S = 10  # what the script promises
+# A PEP 517 backend that needs nothing installed: it sleeps, then zips the wheel's three metadata files.
+SLOW_BACKEND = """
+import base64, hashlib, os, time, zipfile
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    time.sleep({seconds})
+    dist = "slowpkg-1.0.dist-info"
+    files = {{dist + "/METADATA": "Metadata-Version: 2.1\\nName: slowpkg\\nVersion: 1.0\\nProvides-Extra: host\\n",
+             dist + "/WHEEL": "Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n"}}
+    name = "slowpkg-1.0-py3-none-any.whl"
+    record = []
+    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as wheel:
+        for path, text in files.items():
+            data = text.encode()
+            wheel.writestr(path, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{{path}},sha256={{digest}},{{len(data)}}")
+        wheel.writestr(dist + "/RECORD", "\\n".join([*record, dist + "/RECORD,,"]) + "\\n")
+    return name
+
+build_editable = build_wheel
+"""
+
+
+@pytest.mark.skipif(shutil.which("python3.11") is None and sys.version_info[:2] != (3, 11),
+                    reason="the setup script's default interpreter, python3.11, is not here")
+def test_setup_prints_how_far_it_is_while_a_long_install_runs(tmp_path):
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    shutil.copy2(ROOT / "scripts" / "setup", project / "scripts" / "setup")
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = []\nbuild-backend = "slow_backend"\nbackend-path = ["."]\n\n'
+        '[project]\nname = "slowpkg"\nversion = "1.0"\n\n[project.optional-dependencies]\nhost = []\n')
+    (project / "slow_backend.py").write_text(SLOW_BACKEND.format(seconds=BUILD_S))
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": shutil.which("python3.11") or sys.executable}
+    env.pop("EDGEFIL_TORCH_INDEX", None)
+    proc = subprocess.Popen(["bash", "scripts/setup", "host"], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append((time.monotonic(), line.rstrip()))
+    assert proc.wait(CEILING_S) == 0, "\n".join(text for _, text in lines)
+    text = "\n".join(line for _, line in lines)
+    assert "scripts/setup: pip install -e .[host]" in text and "Successfully installed slowpkg" in text
+    ticks = [line for _, line in lines if re.match(r"scripts/setup: \.\.\. \d+ s, \.venv now \d+ MB", line)]
+    assert len(ticks) >= BUILD_S // TICK_S, text  # the build alone outlasts two ticks
+    assert re.search(r"scripts/setup: done in \d+ s, \.venv \d+ MB", text)
+    if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidiactl"):
+        assert "no NVIDIA GPU here, but torch from the package index comes with its CUDA libraries" in text
