@@ -82,6 +82,7 @@ from coordinator.broker import (
 from coordinator.config import CoordinatorConfig, RoundSettings
 from coordinator.dashboard import start_dashboard
 from coordinator.pki import OBSERVER, make_ca, make_server_cert
+from coordinator.preparation import Preparation
 from coordinator.server import Coordinator
 from coordinator.strategies import check_strategy
 from edge_client.config import DeviceConfig, LearnerSettings, StoreSettings, TrainerSettings
@@ -319,6 +320,8 @@ class Fleet:
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """The whole run; `progress` gets each round's history entry as the coordinator completes it."""
+        preparing = Preparation(self.config.out)  # what the dashboard shows until the first round
+        preparing.step("checking the fleet file and building the scenario")
         data = self.config.check(file)  # before anything starts
         self.first_tasks = tuple(data.client_first_task(k) for k in range(self.config.devices))
         if self.config.store is None:
@@ -333,10 +336,13 @@ class Fleet:
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
         write_atomically(out / FLEET_FILE, json.dumps(self.config.describe(), indent=1).encode())
-        artifacts = self._export(data)
+        preparing.step("exporting the model")
+        artifacts = self._export(data, preparing)
         self.learner = self.config.learner_options(data)
         log.info("starting %d devices on %s, then the coordinator", self.config.devices,
                  "a Ray cluster" if self.config.backend == "ray" else "worker processes")
+        if self.config.profiles:
+            preparing.step("measuring this host's speed for the devices' profiles")
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
             # mosquitto inherits the limit: a connection per device
@@ -345,8 +351,10 @@ class Fleet:
             self.workers = RayWorkers(self.config.ray, safe) if self.config.backend == "ray" else ProcessWorkers(safe)
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
             self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
+            preparing.step("starting the broker")
             self.broker = self._start_broker(self.workers.broker_host)
             self._write_observer_file(self.broker)
+            preparing.step("starting a first device, then the workers and the coordinator")
             self._check_a_device_starts(artifacts, file)
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
@@ -379,8 +387,9 @@ class Fleet:
 
     # --- parts ------------------------------------------------------------------------------------
 
-    def _export(self, data: ScenarioData) -> Path:
-        """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`)."""
+    def _export(self, data: ScenarioData, preparing: Preparation) -> Path:
+        """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`); the
+        exporter's steps are `preparing`'s."""
         from models.export import export_registered, exportable_backends  # host only
 
         artifacts = self.config.out / "artifacts"
@@ -392,7 +401,8 @@ class Fleet:
             backend = resolve_backend(self.config.trainer.backend, exportable_backends())
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
                               seed=self.config.seed, backends=(backend, "torch"), cache=True,
-                              graphs=policy.trainer_graphs(), model_args=self.config.model_args)
+                              graphs=policy.trainer_graphs(), model_args=self.config.model_args,
+                              progress=preparing.step)
         options = dict(self.config.policy)
         POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
         return artifacts

@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -72,11 +72,13 @@ def export_model(
     backends: Sequence[str] | None = None,
     graphs: Collection[str] | None = None,
     model_args: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write the artifact set of `model` (its current weights) for `backends` (default: every backend this host
     can export, `exportable_backends()`) to `out_dir` and return its manifest. `graphs`: the optional portable
     graphs to export (`OPTIONAL_GRAPHS`; default all; a run exports those its method needs); `model_args`: what
-    built `model` besides its name (a user's model's constructor arguments), recorded for the coordinator."""
+    built `model` besides its name (a user's model's constructor arguments), recorded for the coordinator;
+    `progress`: called with each long step as it starts (a fleet's dashboard shows it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backends = _checked_backends(backends)
@@ -86,13 +88,14 @@ def export_model(
     ir_version, opset = 0, 0  # the newest of the set's graphs (the manifest's, which a device checks)
     parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
     if "ort" in backends:
-        with _step(f"exporting {name} for the ort backend (ORT training artifacts)"):
+        with _step(f"exporting {name} for the ort backend (ORT training artifacts)", progress):
             parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
         opset = OPSET
     if "portable" in backends:
         from models.portable_export import PORTABLE_OPSET, export_portable
 
-        with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)"):
+        with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)",
+                   progress):
             try:
                 made = export_portable(model, parameters, input_shape, out_dir, optional)
             except (NotImplementedError, torch.onnx.OnnxExporterError) as err:
@@ -125,9 +128,12 @@ def export_model(
 
 
 @contextlib.contextmanager
-def _step(what: str) -> Iterator[None]:
-    """A long step, said before it starts and when it is done (the command line shows edgefil's INFO lines)."""
+def _step(what: str, progress: Callable[[str], None] | None = None) -> Iterator[None]:
+    """A long step, said before it starts and when it is done (the command line shows edgefil's INFO lines), and
+    told to `progress` as it starts."""
     log.info("%s ...", what)
+    if progress is not None:
+        progress(what)
     started = time.perf_counter()
     yield
     log.info("%s: done in %.1f s", what, time.perf_counter() - started)
@@ -204,10 +210,11 @@ def export_registered(
     cache: bool = False,
     graphs: Collection[str] | None = None,
     model_args: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Build a zoo model, or a user's (`package.module:Name` with its constructor's `model_args`: models/zoo.py),
     with seeded initial weights and export it (`graphs`: as `export_model`'s); `cache`: copy the same export made
-    before, and keep this one for the next (models/cache.py)."""
+    before, and keep this one for the next (models/cache.py); `progress`: as `export_model`'s."""
     if input_shape is None and is_import_path(name):
         raise ValueError(f"model {name!r}: a model of your own needs its input shape (--input-shape)")
     shape = tuple(input_shape) if input_shape is not None else _default_shape(name)
@@ -219,7 +226,7 @@ def export_registered(
     def export(folder: Path) -> Manifest:
         model = build_model(name, num_classes, shape, seed=seed, args=args)
         return export_model(model, name, shape, folder, nominal=nominal, backends=chosen, graphs=optional,
-                            model_args=args)
+                            model_args=args, progress=progress)
 
     if not cache:
         return export(Path(out_dir))

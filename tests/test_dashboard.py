@@ -18,8 +18,10 @@ import pytest
 from fleet_harness import default_signals
 
 from coordinator.broker import mosquitto_path
-from coordinator.dashboard import Dashboard
+from coordinator.dashboard import Dashboard, run_view
+from coordinator.preparation import Preparation
 from edgefil.cli import OWN_PACKAGES
+from models.export import export_registered
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = ROOT / "runs" / "test-screenshots"
@@ -75,6 +77,40 @@ def test_a_dashboard_serves_the_run_folders_newest_record_and_nothing_else(tmp_p
         for path in ("static/../../results.json", "static/fleet.json", "etc/passwd", "static/"):
             assert get(base + path)[0] == 404, path
     finally:
+        dashboard.stop()
+
+
+def test_before_the_first_round_the_page_gets_the_preparations_step(tmp_path):
+    """A fleet's preparation (coordinator/preparation.py): each step as it starts, the exporter's own among them;
+    the page gets the step under way until the run has a record of its own."""
+    preparing = Preparation(tmp_path)
+    preparing.step("building the scenario")
+    export_registered("mlp", 3, tmp_path / "artifacts", (1, 4, 4), backends=("torch",), progress=preparing.step)
+    assert run_view(tmp_path)["preparing"]["step"] == "building the scenario"  # a torch set has no long step
+    export_registered("mlp", 3, tmp_path / "artifacts", (1, 4, 4), backends=("portable",), graphs=(),
+                      progress=preparing.step)
+    view = run_view(tmp_path)
+    assert view["run"] is None and view["preparing"]["step"].startswith("exporting mlp for the portable backend")
+    assert [d["step"] for d in view["preparing"]["done"]] == ["building the scenario"]
+    (tmp_path / "live.json").write_text(json.dumps({"fleet": "f", "outcome": "running"}))
+    assert run_view(tmp_path)["preparing"] is None
+
+
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
+def test_the_browser_shows_the_step_a_fleet_prepares_before_its_first_round(tmp_path):
+    Preparation(tmp_path).step("exporting lenet for the portable backend")
+    dashboard = Dashboard(tmp_path, "127.0.0.1", 0).start()
+    driver = None
+    try:
+        driver = browser(tmp_path)
+        driver.get(dashboard.url + "?refresh=200")
+        shown = wait_for(lambda: (t := driver.find_element("id", "outcome").text).startswith("preparing") and t, 60,
+                         "the preparation's step")
+        assert shown.startswith("preparing: exporting lenet for the portable backend (")
+    finally:
+        if driver is not None:
+            driver.quit()
         dashboard.stop()
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from coordinator.preparation import PREPARING_FILE
+
 log = logging.getLogger("edgefil.dashboard")
 LIVE_FILE = "live.json"  # coordinator.run_logs writes these; the dashboard only reads them
 RESULTS_FILE = "results.json"
@@ -93,7 +95,8 @@ def _finite(value: Any) -> Any:
 
 
 def run_view(folder: Path) -> dict[str, Any]:
-    """What the page shows of a run folder: the newer of live.json and results.json, and the fleet's settings."""
+    """What the page shows of a run folder: the newer of live.json and results.json, the fleet's settings, and
+    until the run has either its preparation's step under way."""
     live, results = folder / LIVE_FILE, folder / RESULTS_FILE
 
     def mtime(path: Path) -> float:
@@ -104,7 +107,9 @@ def run_view(folder: Path) -> dict[str, Any]:
 
     newest = live if mtime(live) >= mtime(results) else results
     run = _read_json(newest) or _read_json(results if newest == live else live)
-    return _finite({"folder": folder.name, "run": run, "fleet": _read_json(folder / FLEET_FILE)})
+    preparing = _read_json(folder / PREPARING_FILE) if run is None else None
+    return _finite({"folder": folder.name, "run": run, "fleet": _read_json(folder / FLEET_FILE),
+                    "preparing": preparing})
 
 
 class BoundedServer(ThreadingHTTPServer):

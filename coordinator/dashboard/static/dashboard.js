@@ -45,6 +45,10 @@ function drawHeader(view, run) {
   const now = Date.now() / 1000;
   let state = run ? run.outcome : "waiting for the run";
   let cls = run ? state.split(":")[0] : "";
+  if (!run && view.preparing) {  // before the first round: the fleet's preparation (coordinator/preparation.py)
+    state = "preparing: " + view.preparing.step + " (" + duration(now - view.preparing.since) + ")";
+    cls = "preparing";
+  }
   if (run && state === "running" && run.updated_at && now - run.updated_at > STALE_S) {
     state = "running, not updated for " + duration(now - run.updated_at);
     cls = "stopped";
