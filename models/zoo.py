@@ -8,7 +8,8 @@ has not seen yet. A mask of ones changes nothing, bit for bit.
 A user's own model is named by its import path, `package.module:Name` (`edgefil export --model`, a fleet file's
 `model`), with its constructor's keyword arguments (`--model-args`, `model_args`). `Name` is an `nn.Module` class (or
 any callable returning one) that maps a batch of inputs to one feature vector per sample, (N, *input_shape) ->
-(N, F): the trunk. It gets `input_shape` too where its signature names that parameter. edgefil puts the linear head
+(N, F): the trunk, with parameters and no other state (no BatchNorm running statistics: rounds aggregate
+parameters only). It gets `input_shape` too where its signature names that parameter. edgefil puts the linear head
 over the run's classes on it, as on every zoo model: class-incremental learning keeps one graph with a head over
 every class from the start, and the methods read the features (Re-Fed's importance, GLFC's prototypes, SDD's
 statistics). A module that is already a classifier is used by leaving its last layer out.
@@ -304,6 +305,11 @@ def _user_trunk(name: str, shape: tuple[int, ...], args: dict[str, Any]) -> tupl
         raise ValueError(f"model {name!r}: its constructor refused the arguments {sorted(args)}: {err}") from None
     if not isinstance(trunk, nn.Module):
         raise ValueError(f"model {name!r}: made a {type(trunk).__name__}, not a torch nn.Module")
+    buffers = [n for n, _ in trunk.named_buffers()]
+    if buffers:  # a device trains and sends its parameters only: state beside them would never be aggregated
+        raise ValueError(f"model {name!r} keeps state that is not a parameter ({', '.join(buffers[:3])}"
+                         f"{', ...' if len(buffers) > 3 else ''}: BatchNorm's running statistics?), which federated "
+                         f"rounds neither train nor aggregate: use GroupNorm or LayerNorm")
     try:
         with torch.no_grad():
             out = trunk(torch.zeros(2, *shape))

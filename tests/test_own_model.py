@@ -40,6 +40,15 @@ class Grid(nn.Module):  # no flattening: an image per sample, not a feature vect
 
 def not_a_module(input_shape):
     return 3
+
+
+class Batched(nn.Module):  # BatchNorm's running statistics: state the rounds never aggregate
+    def __init__(self, input_shape):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+
+    def forward(self, x):
+        return self.body(x)
 '''
 
 
@@ -90,6 +99,8 @@ def test_the_export_records_the_models_arguments(tmp_path, monkeypatch, capsys):
     ("bad_models:", "{}", "name your own model as package.module:Name"),
     ("bad_models", "{}", "unknown model 'bad_models'; known models: cnn1d"),
     ("lenet", '{"width": 2}', "model 'lenet' takes no arguments (got width)"),
+    ("bad_models:Batched", "{}", "keeps state that is not a parameter (body.1.running_mean, body.1.running_var, "
+                                 "body.1.num_batches_tracked: BatchNorm's running statistics?)"),
     ("bad_models:Upsampler", "{}", "cannot be exported for the portable backend: NotImplementedError: "
                                    "convolution_backward of a transposed convolution has no translation"),
 ])
