@@ -196,11 +196,17 @@ def _toml_examples() -> list[tuple[str, int, str]]:
 
 
 @pytest.mark.parametrize("doc, line, text", _toml_examples(), ids=lambda v: str(v)[:20])
-def test_every_toml_example_in_the_docs_loads_and_checks(doc, line, text, tmp_path):
-    """Each example is a whole file of one kind (by its keys), or a scenario table; it must pass every check."""
+def test_every_toml_example_in_the_docs_loads_and_checks(doc, line, text, tmp_path, monkeypatch):
+    """Each example is a whole file of one kind (by its keys), or a scenario table; it must pass every check. An
+    example naming a model of one's own (package.module:Name) finds that module in its page's Python block."""
     import tomllib
 
     raw = tomllib.loads(text)
+    if ":" in str(raw.get("model", "")):
+        page = next(p for p in (ROOT / "README.md", *(ROOT / "docs").rglob("*.md")) if p.name == doc).read_text()
+        module = raw["model"].split(":")[0]
+        (tmp_path / f"{module}.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+        monkeypatch.syspath_prepend(str(tmp_path))
     if "device_id" in raw:
         load("device", text, tmp_path)
     elif isinstance(raw.get("devices"), list):
