@@ -160,13 +160,13 @@ min_clients = {len(devices)}
 """
 
 
-def write_starter(folder: Path, fleet: str, source: StarterData, devices: list[str], host: str, port: int,
-                  policy: str = "refed", rounds_per_task: int = 3, epochs: int = 10) -> list[Path]:
-    """Write the files the module docstring lists; returns them. FileExistsError when one is there already."""
+def write_starter(folder: Path, fleet: str, source: StarterData, data: ScenarioData, devices: list[str], host: str,
+                  port: int, policy: str = "refed", rounds_per_task: int = 3, epochs: int = 10) -> list[Path]:
+    """Write the files the module docstring lists for `source`'s data, built (`data`); returns them.
+    FileExistsError when one is there already."""
     check_name(fleet, "fleet")
     for device in devices:
         check_name(device, "device id")
-    data = source.scenario(len(devices)).build()
     budget = data.binding_budget()
     targets = [folder / "coordinator.toml", folder / "fleet.toml", *(folder / "devices" / f"{d}.toml"
                                                                      for d in devices)]
@@ -191,8 +191,7 @@ def calibration_of(data: ScenarioData) -> int:
     return data.scenario.kind_class().calibration(data.scenario)
 
 
-def next_steps(folder: Path, source: StarterData, devices: list[str]) -> str:
-    data = source.scenario(len(devices)).build()
+def next_steps(folder: Path, source: StarterData, data: ScenarioData, devices: list[str]) -> str:
     shape = ",".join(map(str, data.input_shape))
     clients = "\n".join(f"  edgefil client --config {folder}/devices/{d}.toml" for d in devices)
     calibration = calibration_of(data)
@@ -214,13 +213,14 @@ def _run_init(args: argparse.Namespace) -> int:
         if not devices or len(set(devices)) != len(devices):
             raise ValueError("--devices: give each device once (comma-separated ids)")
         source = StarterData(args.preset, args.source, args.tasks, args.classes_per_task)
-        written = write_starter(folder, args.fleet or folder.resolve().name, source, devices, args.host,
+        data = source.scenario(len(devices)).build()  # once: a folder of images is read whole
+        written = write_starter(folder, args.fleet or folder.resolve().name, source, data, devices, args.host,
                                 args.port, args.policy)
     except (ValueError, FileExistsError) as err:
         print(f"edgefil init: {err}", file=sys.stderr)
         return 2
     print(f"wrote {', '.join(str(p) for p in written)} and the broker's files in {folder / 'broker'}")
-    print(next_steps(folder, source, devices))
+    print(next_steps(folder, source, data, devices))
     return 0
 
 

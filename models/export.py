@@ -225,10 +225,11 @@ def export_registered(
     chosen = _checked_backends(backends)
     optional = _checked_graphs(graphs)
     args = dict(model_args or {})
-    build_model(name, num_classes, shape, seed=seed, args=args)  # refused in one line before any export starts
+    # built once, before any export starts (a model of one's own that cannot be built is refused in one line): the
+    # export traces it and the weights written beside a cached set are its seeded initial ones
+    model = build_model(name, num_classes, shape, seed=seed, args=args)
 
     def export(folder: Path) -> Manifest:
-        model = build_model(name, num_classes, shape, seed=seed, args=args)
         return export_model(model, name, shape, folder, nominal=nominal, backends=chosen, graphs=optional,
                             model_args=args, progress=progress)
 
@@ -245,7 +246,6 @@ def export_registered(
     manifest = load_manifest(out_dir)
     if seeded or nominal:
         return manifest
-    model = build_model(name, num_classes, shape, seed=seed, args=args)
     _write_weights(model, manifest.parameters, Path(out_dir))
     manifest = replace(manifest, files={**manifest.files, WEIGHTS: sha256_file(Path(out_dir) / WEIGHTS)})
     (Path(out_dir) / MANIFEST_NAME).write_text(manifest.to_json())
