@@ -16,6 +16,7 @@ statistics). A module that is already a classifier is used by leaving its last l
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -126,7 +127,8 @@ def _resnet18_cifar(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
     """
     from torchvision.models import resnet18
 
-    net = resnet18(num_classes=10, norm_layer=lambda c: GroupNorm(2, c))
+    # a partial, not a lambda: the export's helper processes take the model pickled (models/portable_export.py)
+    net = resnet18(num_classes=10, norm_layer=functools.partial(GroupNorm, 2))
     net.conv1 = nn.Conv2d(input_shape[0], 64, 3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     feature_dim = net.fc.in_features
