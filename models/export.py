@@ -41,7 +41,6 @@ from models.manifest import (
     MAX_OPSET,
     OPTIMIZER_MODELS,
     OPTIONAL_GRAPHS,
-    PLAIN_GRAPHS,
     PORTABLE_MODELS,
     TRAINING_MODEL,
     WEIGHTS,
@@ -51,6 +50,7 @@ from models.manifest import (
     load_manifest,
     read_ir_version,
     runnable_backends,
+    set_files,
     sha256_file,
     software_version,
 )
@@ -85,49 +85,65 @@ def export_model(
     optional = _checked_graphs(graphs)
     num_classes = model.head.out_features
     model = model.cpu().eval()
-    ir_version, opset = 0, 0  # the newest of the set's graphs (the manifest's, which a device checks)
+    ort_ir_version = 0
     parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
     if "ort" in backends:
         with _step(f"exporting {name} for the ort backend (ORT training artifacts)", progress):
-            parameters, ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
-        opset = OPSET
+            parameters, ort_ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
     if "portable" in backends:
-        from models.portable_export import PORTABLE_OPSET, export_portable
-
-        with _step(f"exporting {name} for the portable backend (standard-op training graphs; the longest step)",
-                   progress):
-            try:
-                made = export_portable(model, parameters, input_shape, out_dir, optional)
-            except Exception as err:
-                # a user's model: whatever torch's exporter stumbles on, in one line (the zoo's own errors stay
-                # whole: they are edgefil's to fix); an op without a gradient graph, for any model
-                if not (is_import_path(name) or isinstance(err, (NotImplementedError, torch.onnx.OnnxExporterError))):
-                    raise
-                raise ValueError(f"model {name!r} cannot be exported for the portable backend: {_root_cause(err)} "
-                                 f"(export for --backends ort,torch, or choose other layers)") from None
-        ir_version = max(ir_version, *(read_ir_version(out_dir / f) for f in made))
-        opset = max(opset, PORTABLE_OPSET)
-    files = [f for backend in backends for f in BACKEND_FILES[backend]]
-    if "portable" in backends:
-        files += [PORTABLE_MODELS[graph] for graph in (*sorted(optional), *PLAIN_GRAPHS)]
+        _export_portable_graphs(model, name, parameters, input_shape, out_dir, optional, progress=progress)
     if not nominal:
         _write_weights(model, parameters, out_dir)
-        files.append(WEIGHTS)
-    manifest = Manifest(
-        model=name,
-        input_shape=tuple(input_shape),
-        num_classes=num_classes,
-        feature_dim=model.head.in_features,
-        parameters=parameters,
-        opset=opset or OPSET,
-        ir_version=ir_version,
-        nominal_checkpoint=nominal,
-        edgefil_version=software_version(),
-        backends=backends,
-        model_args=dict(model_args or {}),
-    )
-    manifest = replace(manifest, files={f: sha256_file(out_dir / f) for f in files})
-    (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
+    template = _template(model, name, input_shape, parameters, nominal, model_args)
+    return assemble_manifest(template, out_dir, backends, optional, ort_ir_version)
+
+
+def _template(model: ClassifierModel, name: str, input_shape: tuple[int, ...], parameters: tuple[ParameterInfo, ...],
+              nominal: bool, model_args: Mapping[str, Any] | None) -> Manifest:
+    """What a set's manifest says of its model, whatever part of the set it lists (`assemble_manifest`)."""
+    return Manifest(model=name, input_shape=tuple(input_shape), num_classes=model.head.out_features,
+                    feature_dim=model.head.in_features, parameters=parameters, opset=OPSET, ir_version=0,
+                    nominal_checkpoint=nominal, edgefil_version=software_version(), model_args=dict(model_args or {}))
+
+
+def _export_portable_graphs(model: ClassifierModel, name: str, parameters: tuple[ParameterInfo, ...],
+                            input_shape: tuple[int, ...], folder: Path, graphs: Collection[str], base: bool = True,
+                            progress: Callable[[str], None] | None = None) -> None:
+    """The portable graphs (`export_portable`'s; `base=False`: only the optional `graphs`), a failure said in one
+    line where it is the model's, not edgefil's."""
+    from models.portable_export import export_portable
+
+    what = "the portable backend (standard-op training graphs; the longest step)" if base else \
+        f"the portable backend's {', '.join(sorted(graphs))} graphs"
+    with _step(f"exporting {name} for {what}", progress):
+        try:
+            export_portable(model, parameters, input_shape, folder, graphs, base=base)
+        except Exception as err:
+            # a user's model: whatever torch's exporter stumbles on, in one line (the zoo's own errors stay
+            # whole: they are edgefil's to fix); an op without a gradient graph, for any model
+            if not (is_import_path(name) or isinstance(err, (NotImplementedError, torch.onnx.OnnxExporterError))):
+                raise
+            raise ValueError(f"model {name!r} cannot be exported for the portable backend: {_root_cause(err)} "
+                             f"(export for --backends ort,torch, or choose other layers)") from None
+
+
+def assemble_manifest(template: Manifest, folder: Path, backends: tuple[str, ...], graphs: Collection[str],
+                      ort_ir_version: int = 0) -> Manifest:
+    """The manifest of the set in `folder` that serves `backends` (the portable backend with the optional `graphs`),
+    written there: its files (`set_files`) and their hashes, the newest ONNX IR version of its graphs (ORT's as
+    its export reported it, the portable graphs' read off their files) and the newest opset they use: the one
+    rule for a set exported whole (`export_model`) and for a part of a kept set (`export_registered`'s cache)."""
+    files = set_files(backends, graphs if "portable" in backends else (), template.nominal_checkpoint)
+    portable = set(PORTABLE_MODELS.values())
+    ir_version = max([ort_ir_version, *(read_ir_version(folder / f) for f in files if f in portable)])
+    opsets = [OPSET] if "ort" in backends else []
+    if "portable" in backends:
+        from models.portable_export import PORTABLE_OPSET
+
+        opsets.append(PORTABLE_OPSET)
+    manifest = replace(template, backends=tuple(backends), ir_version=ir_version, opset=max(opsets, default=OPSET),
+                       files={f: sha256_file(folder / f) for f in files})
+    (folder / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 
 
@@ -235,21 +251,67 @@ def export_registered(
 
     if not cache:
         return export(Path(out_dir))
-    from models.cache import cached_export, export_key
+    from models.cache import cached_export, copy_files, export_key
 
-    # Every graph takes the weights as an input, except ORT Training's checkpoint, which holds them: without it
-    # (or with a nominal one) a set kept for one seed differs from another seed's only in its initial weights.
-    seeded = "ort" in chosen and not nominal
-    key = export_key(model=name, classes=num_classes, shape=shape, seed=seed if seeded else None, nominal=nominal,
-                     backends=chosen, graphs=sorted(optional), **_own_model_key(name, args))
-    cached_export(key, Path(out_dir), export, chosen)
-    manifest = load_manifest(out_dir)
-    if seeded or nominal:
-        return manifest
-    _write_weights(model, manifest.parameters, Path(out_dir))
-    manifest = replace(manifest, files={**manifest.files, WEIGHTS: sha256_file(Path(out_dir) / WEIGHTS)})
-    (Path(out_dir) / MANIFEST_NAME).write_text(manifest.to_json())
-    return manifest
+    own = _own_model_key(name, args)
+    if "ort" in chosen:
+        # ORT Training's artifacts impose their own order of the flat weights, which every graph of the set then
+        # follows, and its full checkpoint holds the initial weights: such a set is kept whole, for its seed
+        key = export_key(model=name, classes=num_classes, shape=shape, seed=None if nominal else seed,
+                         nominal=nominal, backends=chosen, graphs=sorted(optional), **own)
+        cached_export(key, Path(out_dir), export, chosen)
+        return load_manifest(out_dir)
+    # Without them every graph takes the weights as an input: one set kept for every seed, backend and optional
+    # graph, which each export asks for a part of and adds what it lacks to
+    key = export_key(model=name, classes=num_classes, shape=shape, nominal=nominal, layout="torch", **own)
+    part = _kept_part(key, model, name, shape, nominal, chosen, optional, args, progress)
+    if part is None:  # no cache to keep it in, or one changed while it was read
+        return export(Path(out_dir))
+    kept, template = part
+    out = Path(out_dir)
+    try:
+        copy_files(kept, out, set_files(chosen, optional, nominal=True))
+    except OSError:  # the kept set replaced meanwhile by a larger one: made here instead
+        return export(out)
+    if not nominal:
+        _write_weights(model, template.parameters, out)
+    return assemble_manifest(template, out, chosen, optional)
+
+
+def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ...], nominal: bool,
+               backends: tuple[str, ...], graphs: frozenset[str], args: Mapping[str, Any],
+               progress: Callable[[str], None] | None) -> tuple[Path, Manifest] | None:
+    """The folder of the set kept under `key` once it holds `backends` and `graphs`, and its manifest: what it
+    lacks is exported into a copy of it, which then replaces it (so the demo's set, a fleet's and `edgefil export`'s
+    are one, each exported once); None where the cache cannot be written."""
+    from models.cache import copy_files, keep_set, kept_set, staging_folder
+
+    found = kept_set(key)
+    have_backends, have_graphs = (found[1].backends, found[1].optional_graphs) if found else ((), frozenset())
+    union = tuple(dict.fromkeys((*have_backends, *backends)))
+    union_graphs = have_graphs | graphs if "portable" in union else frozenset()
+    if found is not None and set(union) == set(have_backends) and union_graphs == have_graphs:
+        return found
+    staging = staging_folder(key)
+    if staging is None:
+        return None
+    try:
+        template = found[1] if found else _template(model, name, shape, tuple(
+            ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters()), nominal, args)
+        if found is not None:
+            copy_files(found[0], staging, list(found[1].files))
+        if "portable" in union and "portable" not in have_backends:
+            _export_portable_graphs(model, name, template.parameters, shape, staging, union_graphs, progress=progress)
+        elif union_graphs - have_graphs:
+            _export_portable_graphs(model, name, template.parameters, shape, staging, union_graphs - have_graphs,
+                                    base=False, progress=progress)
+        if not nominal:
+            _write_weights(model, template.parameters, staging)
+        manifest = assemble_manifest(template, staging, union, union_graphs)
+        return keep_set(key, staging), manifest
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _root_cause(err: BaseException) -> str:

@@ -9,7 +9,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
@@ -72,6 +72,17 @@ BACKEND_FILES: dict[str, tuple[str, ...]] = {
                       if graph not in OPTIONAL_GRAPHS and graph not in PLAIN_GRAPHS),
     "torch": (),
 }
+
+
+def set_files(backends: Collection[str], graphs: Collection[str], nominal: bool) -> list[str]:
+    """The files of a set that serves `backends`, the portable ones with the optional `graphs` (and the plain ones
+    every portable set holds), and, unless nominal, the initial weights: what its manifest lists."""
+    files = [file for backend in backends for file in BACKEND_FILES[backend]]
+    if "portable" in backends:
+        files += [PORTABLE_MODELS[graph] for graph in (*sorted(graphs), *PLAIN_GRAPHS)]
+    if not nominal:
+        files.append(WEIGHTS)
+    return files
 
 
 # The inputs of the training and eval graphs, in order: (name, dtype, shape, meaning). "N" is the batch size,

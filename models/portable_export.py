@@ -214,10 +214,11 @@ GraphSpec = tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence
 
 def export_portable(
     model: ClassifierModel, parameters: Sequence[ParameterInfo], input_shape: tuple[int, ...], out_dir: Path,
-    optional: Collection[str] = OPTIONAL_GRAPHS, helpers: int | None = None,
+    optional: Collection[str] = OPTIONAL_GRAPHS, helpers: int | None = None, base: bool = True,
 ) -> list[str]:
     """Write the portable graphs of `model` to `out_dir`, of the optional ones (`OPTIONAL_GRAPHS`) those in
-    `optional`; returns their file names.
+    `optional`; returns their file names. `base=False`: only those optional ones (added to a set that has the
+    others: models/export.py, the export cache).
 
     The graphs are independent, and each export is single-threaded Python (tracing and translating), so
     `helpers` processes (default `export_helpers()`: one per other core) export some of them while this one
@@ -225,7 +226,9 @@ def export_portable(
     dies or fails leaves its graphs to this process, which exports them itself (and raises what it raises)."""
     model = model.cpu().eval()
     graphs = [graph for graph in _graph_specs(model, parameters, input_shape)
-              if graph not in OPTIONAL_GRAPHS or graph in optional]
+              if (graph in optional if graph in OPTIONAL_GRAPHS else base)]
+    if not graphs:
+        return []
     helpers = export_helpers() if helpers is None else helpers
     with _Helpers(min(helpers, len(graphs) - 1), (model, parameters, input_shape, out_dir, graphs)) as pool:
         made: set[str] = set()
@@ -236,6 +239,8 @@ def export_portable(
     for graph in graphs:
         if graph not in made:  # a helper's that it did not make
             _export_one(graph, model, parameters, input_shape, out_dir)
+    if not base:
+        return [PORTABLE_MODELS[graph] for graph in graphs]
     for optimizer, step in PLAIN_STEPS.items():
         fused_step(out_dir / PORTABLE_MODELS[PLAIN_GRADIENT], out_dir / PORTABLE_MODELS[PLAIN_UPDATES[optimizer]],
                    out_dir / PORTABLE_MODELS[step])

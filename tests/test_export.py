@@ -373,27 +373,50 @@ def test_a_process_builds_the_exporter_s_registry_once_and_each_export_gets_a_fr
         (n.op_type, list(n.attribute)) for n in graphs[1].node]
 
 
-def test_a_cached_set_without_weights_in_its_graphs_serves_every_seed(tmp_path, monkeypatch):
-    """A set whose graphs take the weights as an input is exported once for all seeds: another seed's set is the
-    same files with that seed's initial weights (and their hash); a set holding ORT Training's full checkpoint is
-    exported per seed."""
+def test_one_kept_set_serves_every_seed_backend_and_graph_and_grows_by_what_it_lacks(tmp_path, monkeypatch):
+    """models/cache.py: without ORT Training's artifacts every graph takes the weights as an input, so one set is
+    kept for a model. A fleet's part (the portable graphs its method runs) is exported; `edgefil export`'s (every
+    optional graph) exports only the optional graphs and adds them; any seed's, backend's or graph's part after that
+    is copied without an export. Each part is, byte for byte, the set a direct export of the same arguments writes,
+    its seed's initial weights included. A damaged kept set is exported anew; a set holding ORT Training's
+    artifacts is kept whole per seed."""
+    import models.export as export_module
+    import models.portable_export as portable_module
+    from models.cache import ARTIFACTS, cache_dir
     from models.export import export_registered
 
     monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "cache"))
-    calls = []
-    import models.export as export_module
-
-    real = export_module.export_model
-    monkeypatch.setattr(export_module, "export_model", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    sets = {seed: export_registered("lenet", 10, tmp_path / str(seed), (1, 8, 8), seed=seed, backends=("torch",),
-                                    cache=True) for seed in (0, 1, 0)}
-    assert calls == ["lenet"]
-    for seed in (0, 1):
-        model = build_model("lenet", 10, (1, 8, 8), seed=seed)
-        expected = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
-        assert np.array_equal(np.fromfile(tmp_path / str(seed) / WEIGHTS, dtype="<f4"), expected)
-        assert load_manifest(tmp_path / str(seed)) == sets[seed]  # the weights' new hash, verified
-    assert sets[0].files[WEIGHTS] != sets[1].files[WEIGHTS]
-    export_registered("lenet", 10, tmp_path / "ort-0", (1, 8, 8), seed=0, backends=("ort", "torch"), cache=True)
-    export_registered("lenet", 10, tmp_path / "ort-1", (1, 8, 8), seed=1, backends=("ort", "torch"), cache=True)
-    assert calls == ["lenet"] * 3
+    exported, whole = [], []
+    real_portable, real_model = portable_module.export_portable, export_module.export_model
+    monkeypatch.setattr(portable_module, "export_portable", lambda *a, **k: exported.append(
+        (tuple(sorted(a[4])), k.get("base", True))) or real_portable(*a, **k))
+    monkeypatch.setattr(export_module, "export_model", lambda *a, **k: whole.append(a[1]) or real_model(*a, **k))
+    asked = {  # folder: (seed, backends, graphs)
+        "fleet": (0, ("portable", "torch"), ()),
+        "export": (0, ("portable", "torch"), None),  # `edgefil export`'s default: every optional graph
+        "torch-1": (1, ("torch",), None),
+        "norms-2": (2, ("torch", "portable"), ("sample_grad_norms",)),
+    }
+    parts = {folder: export_registered("mlp", 10, tmp_path / folder, (1, 8, 8), seed=seed, backends=backends,
+                                       graphs=graphs, cache=True) for folder, (seed, backends, graphs) in asked.items()}
+    assert exported == [((), True), (("input_gradient", "sample_grad_norms"), False)] and whole == []
+    assert len(list((cache_dir() / ARTIFACTS).iterdir())) == 1
+    for folder, (seed, backends, graphs) in asked.items():
+        direct = export_registered("mlp", 10, tmp_path / f"direct-{folder}", (1, 8, 8), seed=seed,
+                                   backends=backends, graphs=graphs)
+        assert load_manifest(tmp_path / folder) == parts[folder] == direct
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == sorted(
+            p.name for p in (tmp_path / f"direct-{folder}").iterdir())
+    assert parts["fleet"].files[WEIGHTS] != parts["torch-1"].files[WEIGHTS]
+    kept = next((cache_dir() / ARTIFACTS).iterdir())
+    damaged = kept / "portable_eval.onnx"
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    exported.clear()
+    assert export_registered("mlp", 10, tmp_path / "again", (1, 8, 8), backends=("portable", "torch"), graphs=(),
+                             cache=True) == parts["fleet"]
+    assert exported == [((), True)]  # the damaged set was not read
+    whole.clear()
+    for seed in (0, 1, 0):
+        export_registered("mlp", 10, tmp_path / f"ort-{seed}", (1, 8, 8), seed=seed, backends=("ort", "torch"),
+                          cache=True)
+    assert whole == ["mlp"] * 2
