@@ -140,7 +140,7 @@ def whole_device(artifacts: Path, folder: Path, trained: bool, between_rounds: s
     from edge_client.environment import Turns
     from edge_client.stream import Chunk
     from edgefil.netloop import NetworkLoop
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
     from firmware_sim.virtual_device import virtual_device
 
     loop = NetworkLoop()

@@ -71,7 +71,8 @@ def run_one(scenario: str, method: str, alpha: float, seed: int, out: Path) -> d
     """One fleet; its results, with what the table needs, written to out/fewshot.json."""
     from edge_client.config import StoreSettings, TrainerSettings
     from firmware_sim.datasets import load_dataset
-    from firmware_sim.fleet import Fleet, FleetConfig
+    from firmware_sim.fleet import Fleet
+    from firmware_sim.fleet_config import FleetConfig
     from firmware_sim.scenarios import PRESETS, preset
 
     spec = METHODS[method]

@@ -475,7 +475,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
     selection)."""
     import firmware_sim.fleet as fleet_module
     from edge_client.config import StoreSettings
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
 
     work = work or scenario(n, args.per_device)
     probe = Probe(devices=n, idle_s=args.idle_s)
@@ -744,7 +744,8 @@ def main() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
-    from firmware_sim.fleet import FleetConfig, usable_cores
+    from firmware_sim.fleet import usable_cores
+    from firmware_sim.fleet_config import FleetConfig
     from firmware_sim.fleet_worker import worker_count
 
     counts = [worker_count(args.workers, n, usable_cores()) for n in sizes]  # None: the fleet's own sizing

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.config import StoreSettings, TrainerSettings
-from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet import Fleet
+from firmware_sim.fleet_config import FleetConfig
 
 # scenario preset prefix, model, budget M in bytes per device, local epochs. M: the generator method's bank (at most
 # half of M) holds ten int8 VAE generators, and the other half one round's real data with the store's overhead.

@@ -77,7 +77,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.guard import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
+from coordinator.guard_settings import OFF, SIZE_BOUNDS_ONLY  # noqa: E402
 from edgefil.metrics import accuracy_matrix, average_incremental_accuracy  # noqa: E402
 from edgefil.settings import dump_toml  # noqa: E402
 from firmware_sim.adversary import ATTACKS, attack_names  # noqa: E402

@@ -178,8 +178,8 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
-                                 idle_s=0.0, rounds=rounds, per_device=0)
-    from coordinator.guard import OFF
+                                 idle_s=0.0, rounds=rounds, per_device=0, profile=0)
+    from coordinator.guard_settings import OFF
 
     # the fleet exports, through the cache; every device trains over all ten classes, and the round is plain FedAvg
     # over every update (every bound of the guard off), as on Flower's side

@@ -30,6 +30,7 @@ import torch
 from coordinator.compute import as_tensor
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
+from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
 from coordinator.reference import ClassReference
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
@@ -54,7 +55,7 @@ def _update_bytes(update: ClientUpdate) -> int:
 class RoundAggregate:
     """One round's updates on their way into the rule: `add` each accepted update, `close` once for the result."""
 
-    def __init__(self, strategy: ContainedStrategy, bounds: UpdateBounds, global_weights: np.ndarray,
+    def __init__(self, strategy: ContainedStrategy, bounds: GuardSettings, global_weights: np.ndarray,
                  counters: Counter[str], max_held_bytes: int, ctx: RoundContext = OUTSIDE_A_RUN,
                  reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
                  heads: HeadLayout | None = None) -> None:
@@ -62,7 +63,7 @@ class RoundAggregate:
         `path`: where the fleet's global model has been, as far as the guard's bounds ask; `heads`: the model's
         head layout, for the guard's row bound (None: none)."""
         self.strategy = strategy
-        self.bounds = bounds
+        self.bounds = UpdateBounds.of(bounds)
         self.global_weights = global_weights
         self.counters = counters
         self.max_held_bytes = max_held_bytes
@@ -75,7 +76,7 @@ class RoundAggregate:
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
         self._sound = True  # False once a fold raised while changing its running aggregate
-        self._stream = None if fold is None else bounds.stream(
+        self._stream = None if fold is None else self.bounds.stream(
             global_weights, self._folding_into(fold), counters, reference, path, heads)
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0

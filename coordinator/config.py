@@ -60,7 +60,9 @@
                 momentum = 0.9, batch_size = 32, seed = 0
 
 Relative paths are taken relative to the file's folder. Checked by the one config checker (`edgefil.settings`):
-an unknown key, a missing one or a wrong type is a one-line error naming file, table and key.
+an unknown key, a missing one or a wrong type is a one-line error naming file, table and key. Everything but the
+rule's own options is checked before torch is imported (this module and the settings it reads import none): a
+typo in a key is refused in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -71,10 +73,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpoint import CheckpointPolicy
-from coordinator.guard import UpdateBounds
+from coordinator.guard_settings import GuardSettings
 from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
-from coordinator.strategies import check_strategy
 from edgefil.link import BrokerSettings
 from edgefil.metrics import LAST_ROUNDS
 from edgefil.settings import Where, build, load_toml
@@ -105,7 +106,7 @@ class CoordinatorConfig:
     max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
     last_rounds: int = LAST_ROUNDS  # results.json's last-rounds mean covers the last task's last rounds, this many
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
-    guard: UpdateBounds = UpdateBounds()
+    guard: GuardSettings = GuardSettings()
     limits: RateLimits = RateLimits()
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     client: Mapping[str, Any] = field(default_factory=dict)
@@ -151,8 +152,12 @@ class CoordinatorConfig:
         if isinstance(raw.get("broker", {}), Mapping):
             raw["broker"] = {"username": "coordinator", **raw.get("broker", {})}
         config = build(cls, raw, where, base)
-        check_strategy(config.strategy, where.inner("strategy"))
         client = build(RoundSettings, config.client, where.inner("client"))
+        # the rule's options last: they are its constructor's, and the rules need torch (every check above runs
+        # without it, so a typo elsewhere is refused at once)
+        from coordinator.strategies import check_strategy
+
+        check_strategy(config.strategy, where.inner("strategy"))
         return dataclasses.replace(config, client={k: v for k, v in vars(client).items() if v is not None})
 
     @classmethod

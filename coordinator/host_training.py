@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch.nn import functional as F
 
-from models.flat_weights import flatten_weights, load_flat_weights
 from models.manifest import Manifest
-from models.zoo import build_for
+
+if TYPE_CHECKING:
+    import torch
 
 HOST = "host"  # the update's device name in the round's history
 
@@ -43,7 +42,14 @@ class HostTraining:
 
     def train(self, manifest: Manifest, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
               classes: tuple[int, ...], device: torch.device | Any) -> np.ndarray:
-        """The global model trained on (x, y) with the classes seen so far visible; flat float32 weights."""
+        """The global model trained on (x, y) with the classes seen so far visible; flat float32 weights. torch is
+        imported here, not with the module: the coordinator file's `[host]` is checked before heavy imports."""
+        import torch
+        from torch.nn import functional as F
+
+        from models.flat_weights import flatten_weights, load_flat_weights
+        from models.zoo import build_for
+
         model = build_for(manifest)
         load_flat_weights(model, manifest, np.asarray(weights, dtype=np.float32))
         model = model.to(device).train()

@@ -28,7 +28,7 @@ from edgefil.metrics import accuracy_matrix, average_incremental_accuracy
 from edgefil.settings import ConfigError, load_toml
 
 if TYPE_CHECKING:
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def fleet(source: Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | N
 def _built(source: Mapping[str, Any] | str | Path, changes: Mapping[str, Any] | None,
            out: str | Path | None) -> FleetConfig:
     """`fleet`'s FleetConfig, its keys and types checked but not what they name (`Fleet.run` checks that first)."""
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
 
     if isinstance(source, Mapping):
         raw, base, file = _copy(source), Path("."), "fleet"
@@ -97,7 +97,8 @@ def run(source: FleetConfig | Mapping[str, Any] | str | Path, changes: Mapping[s
         out: str | Path | None = None, resume: bool = False) -> Run:
     """Run the fleet (`fleet`'s arguments, or a FleetConfig) to its end and return what it wrote; `resume` goes on
     from the run's last checkpoint in its folder, as `edgefil fleet run --resume` does."""
-    from firmware_sim.fleet import Fleet, FleetConfig
+    from firmware_sim.fleet import Fleet
+    from firmware_sim.fleet_config import FleetConfig
 
     if isinstance(source, FleetConfig):
         if changes or out is not None:

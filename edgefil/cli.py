@@ -152,10 +152,12 @@ def stop_signals() -> Iterator[None]:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
+
+    config = CoordinatorConfig.load(args.config)  # before the heavy imports: a typo is refused at once
+
     from coordinator.server import QuorumError, run_coordinator
     from edgefil.link import ConnectionRefused
 
-    config = CoordinatorConfig.load(args.config)
     test_sets = None
     if config.scenario:  # simulation: the scenario's test sets (built by the simulator)
         from edgefil.settings import Where
@@ -196,6 +198,10 @@ def _write_report(out: Path) -> None:
 
 
 def _fleet_run(args: argparse.Namespace) -> int:
+    from firmware_sim.fleet_config import FleetConfig
+
+    FleetConfig.load(args.fleet_file).check_tables(str(args.fleet_file))  # before the heavy imports: a typo at once
+
     from firmware_sim.fleet import run_fleet_file
 
     try:

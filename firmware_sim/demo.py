@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.guard import SIZE_BOUNDS_ONLY, UpdateBounds
+from coordinator.guard_settings import SIZE_BOUNDS_ONLY, GuardSettings
 from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.settings import Where
-from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet import Fleet
+from firmware_sim.fleet_config import FleetConfig
 from firmware_sim.report import compare_runs
 from firmware_sim.scenarios import OLD_DATA_CACHED, check_scenario
 
@@ -152,7 +153,7 @@ def held(settings: DemoSettings) -> int:
     """The guard's `hold` for these fleets: every update of a round (at least the guard's default). Held updates
     are bounded together in device order, so which updates a round takes does not depend on the order the network
     brought them in: the same seed makes the same run on a quiet and on a busy host (with virtual time)."""
-    return max(UpdateBounds().hold, math.ceil(settings.devices * settings.fraction))
+    return max(GuardSettings().hold, math.ceil(settings.devices * settings.fraction))
 
 
 def run_methods(out: Path, settings: DemoSettings,

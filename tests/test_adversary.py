@@ -181,7 +181,8 @@ def _mimic_fleet(out, scenario: dict, rounds_per_task: int, min_clients: int) ->
     """A real fleet of 4 (mosquitto, workers) whose last device runs `mimic` under plain FedAvg: its results."""
     from coordinator.broker import mosquitto_path
     from edge_client.config import TrainerSettings
-    from firmware_sim.fleet import Fleet, FleetConfig
+    from firmware_sim.fleet import Fleet
+    from firmware_sim.fleet_config import FleetConfig
 
     if mosquitto_path() is None:
         pytest.skip("mosquitto is not installed (scripts/test installs it)")

@@ -16,7 +16,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from edge_client.config import DeviceConfig
 from edgefil.settings import ConfigError, Where
-from firmware_sim.fleet import FleetConfig
+from firmware_sim.fleet_config import FleetConfig
 from firmware_sim.scenarios import check_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +165,35 @@ def test_the_command_line_prints_one_line_and_starts_nothing(kind, command, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no run folder, state or broker files
 
 
+@pytest.mark.parametrize("kind, line, replacement, key", [
+    ("coordinator", "devices = [", "devics = [", "devics"), ("coordinator", "port = 1883", "prt = 1883", "[broker] prt"),
+    ("coordinator", "epochs = 2", "epoch = 2", "[client] epoch"),
+    ("coordinator", "[client]", "[guard]\nnorm_bond = 'clip'\n[client]", "[guard] norm_bond"),
+    ("coordinator", "[client]", "[host]\nepoch = 3\n[client]", "[host] epoch"),
+    ("fleet", "devices = 4", "devices = 4\nworkrs = 2", "workrs"), ("fleet", "pim_epochs = 2", "pim_epoch = 2",
+                                                                    "[policy] pim_epoch"),
+    ("fleet", "[client]\nepochs = 2", "[client]\nepoch = 2", "[client] epoch"),
+    ("fleet", "rounds_per_task = 2", "rounds_per_task = 2\n[coordinator.guard]\nnorm_bond = 'clip'",
+     "[coordinator.guard] norm_bond"),
+    ("fleet", 'scenario = {preset = "digits-class"}', 'scenario = {preset = "digits-class", n_task = 3}',
+     "[scenario] n_task"),
+])
+def test_a_typo_is_refused_before_torch_or_the_rules_are_imported(kind, line, replacement, key, tmp_path):
+    """A coordinator's or a fleet's file is checked before the heavy imports (issue 58: a typo took seconds to be
+    refused, the time torch takes to import): every table but the rule's own options, whose names are its
+    constructor's. benchmarks/config_refusal.py measures how long a refusal takes."""
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(TEXT[kind].replace(line, replacement, 1))
+    command = ["coordinator", "--config"] if kind == "coordinator" else ["fleet", "run"]
+    heavy = ("torch", "onnx", "onnxruntime", "sklearn", "coordinator.strategies", "coordinator.guard")
+    done = subprocess.run([sys.executable, "-c", "import sys; from edgefil.cli import main\n"
+                           f"code = main({[*command, str(path)]!r})\n"
+                           f"print(code, [m for m in {heavy!r} if m in sys.modules])"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
+    assert f"{key}: unknown key" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 @pytest.mark.parametrize("missing", ["artifacts", "data folder"])
 def test_a_device_whose_model_or_data_folder_is_not_there_is_refused_in_one_line_before_it_starts(missing, tmp_path):
     """What the file points at is checked when the daemon starts: one line naming the key and the path, exit 2
@@ -226,9 +255,9 @@ def test_every_doc_with_a_toml_example_is_covered():
 def test_a_fleets_coordinator_tables_reach_the_coordinator_as_their_settings(tmp_path):
     """[coordinator.guard] in a fleet file is the coordinator's [guard] (it reached the coordinator as a plain
     table, before), and [adversary] names the devices it makes compromised: the last ones."""
-    from coordinator.guard import UpdateBounds
+    from coordinator.guard_settings import GuardSettings
 
     text = FLEET + "[coordinator.guard]\nnorm_bound = 'clip'\n[adversary]\nattack = 'lazy'\ndevices = 1\n"
     config = load("fleet", text, tmp_path)
-    assert config.coordinator_options()["guard"] == UpdateBounds(norm_bound="clip")
+    assert config.coordinator_options()["guard"] == GuardSettings(norm_bound="clip")
     assert [config.adversary.of(k, config.devices) for k in range(4)] == [None, None, None, "lazy"]

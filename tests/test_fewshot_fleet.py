@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from edge_client.config import StoreSettings, TrainerSettings
-from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet import Fleet
+from firmware_sim.fleet_config import FleetConfig
 
 GENERATOR = {"generator_epochs": 2, "generator_iterations": 5, "warmup_epochs": 1, "generator_batch_size": 16,
              "replay_per_class": 10}

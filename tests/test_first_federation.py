@@ -93,7 +93,7 @@ def test_the_readmes_first_federation_runs_as_written_and_a_wrong_class_order_is
     assert not running(str(lab)), "a process of the federation is still running"
     for private in ("coordinator.toml", "devices/pi-1.toml", "broker/observer.toml"):  # each holds a password
         assert (lab / private).stat().st_mode & 0o077 == 0, private
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
 
     rehearsal = FleetConfig.load(lab / "fleet.toml")  # init's simulated twin of the federation checks whole
     assert rehearsal.devices == 2 and rehearsal.check(str(lab / "fleet.toml")).n_tasks == 5

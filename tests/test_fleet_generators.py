@@ -10,7 +10,8 @@ from coordinator.server import CHECKPOINT_DIR
 from coordinator.strategies.pfedgrp import STATE_FILE
 from edge_client.config import StoreSettings, TrainerSettings
 from edgefil.metrics import average_of_iaa, iaa_forgetting
-from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet import Fleet
+from firmware_sim.fleet_config import FleetConfig
 
 BUDGET = 512 * 1024
 ROUNDS = 6

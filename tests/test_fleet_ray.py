@@ -14,7 +14,8 @@ import pytest
 
 from coordinator.broker import mosquitto_path
 from edge_client.config import StoreSettings, TrainerSettings
-from firmware_sim.fleet import Fleet, FleetConfig
+from firmware_sim.fleet import Fleet
+from firmware_sim.fleet_config import FleetConfig
 from firmware_sim.fleet_ray import RaySettings, RayWorkers
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (scripts/test installs it)")

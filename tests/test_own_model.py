@@ -134,7 +134,7 @@ def test_a_fleet_file_naming_a_model_that_does_not_fit_is_refused_naming_the_key
     (tmp_path / "bad_models.py").write_text(BAD_MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))
     from edgefil.settings import ConfigError
-    from firmware_sim.fleet import FleetConfig
+    from firmware_sim.fleet_config import FleetConfig
 
     config = FleetConfig.from_dict({"name": "x", "devices": 2, "scenario": {"preset": "digits-class"},
                                     "model": "bad_models:Grid"}, base=tmp_path)

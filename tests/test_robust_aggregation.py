@@ -10,6 +10,7 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
+from coordinator.guard_settings import GuardSettings
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
@@ -130,9 +131,9 @@ def test_guard_refuses_or_caps_an_inflated_sample_claim_and_the_config_checks_th
                                                  counters)
     assert [u.num_samples for u in out] == [10, 12, 120] and counters["samples-capped"] == 1
     base = {"fleet": "f", "out": "o", "artifacts": "a", "devices": ["d0"], "scenario": {"preset": "digits-class"}}
-    assert CoordinatorConfig.from_dict(base).guard == UpdateBounds()
+    assert CoordinatorConfig.from_dict(base).guard == GuardSettings()
     config = CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "reject", "max_samples": 500}})
-    assert config.guard == UpdateBounds(norm_bound="reject", max_samples=500)
+    assert config.guard == GuardSettings(norm_bound="reject", max_samples=500)
     with pytest.raises(ConfigError, match="norm_bound"):
         CoordinatorConfig.from_dict({**base, "guard": {"norm_bound": "clamp"}})
     with pytest.raises(ConfigError, match="norm_fator"):
