@@ -11,6 +11,8 @@ The fresh exports, the portable and torch backends (what a fleet exports by defa
                    next graph as each is free (what `edgefil export` does)
   fleet's set      the graphs a fleet of a method that runs no optional graph exports (random replay, FedAvg:
                    `graphs=()`, no per-sample norms or input gradient), with the helpers
+  added graphs     `edgefil export`'s set (every optional graph) asked of a cache that holds the fleet's set: the
+                   kept set's part is copied and only the optional graphs are exported and added (models/cache.py)
 Prints seconds per export (median of the repeats), each against "one process", and the cached copy."""
 from __future__ import annotations
 
@@ -26,30 +28,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"lenet": (1, 8, 8), "cnn1d": (1, 40), "small_cnn": (1, 8, 8)}
-WAYS = {  # name: (EDGEFIL_EXPORT_HELPERS or None for the default, the optional graphs or None for all)
-    "one process": ("0", None),
-    "helpers": (None, None),
-    "fleet's set": (None, ()),
+WAYS = {  # name: (EDGEFIL_EXPORT_HELPERS or None for the default, the optional graphs or None for all, whether
+    # the cache first holds the fleet's set)
+    "one process": ("0", None, False),
+    "helpers": (None, None, False),
+    "fleet's set": (None, (), False),
+    "added graphs": (None, None, True),
 }
 CHILD = """
 import json, sys, time
 from pathlib import Path
 from models.export import export_registered
-name, shape, out, graphs = json.loads(sys.argv[1])
+name, shape, out, graphs, cached = json.loads(sys.argv[1])
+if cached:  # the fleet's set kept first (untimed)
+    export_registered(name, 10, Path(out + "-fleet"), tuple(shape), backends=("portable", "torch"), graphs=(),
+                      cache=True)
 start = time.perf_counter()
-export_registered(name, 10, Path(out), tuple(shape), backends=("portable", "torch"), graphs=graphs)
+export_registered(name, 10, Path(out), tuple(shape), backends=("portable", "torch"), graphs=graphs, cache=cached)
 print(time.perf_counter() - start)
 """
 
 
 def fresh_export(name: str, out: Path, way: str) -> float:
-    """Seconds of one export in a fresh process (after its imports)."""
-    helpers, graphs = WAYS[way]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    """Seconds of one export in a fresh process (after its imports); a way that starts from a kept fleet's set
+    has a cache of its own."""
+    helpers, graphs, cached = WAYS[way]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGEFIL_CACHE": str(out) + "-cache"}
     env.pop("EDGEFIL_EXPORT_HELPERS", None)
     if helpers is not None:
         env["EDGEFIL_EXPORT_HELPERS"] = helpers
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([name, SHAPES[name], str(out), graphs])],
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([name, SHAPES[name], str(out), graphs, cached])],
                           env=env, check=True, capture_output=True, text=True)
     return float(done.stdout.strip().splitlines()[-1])
 

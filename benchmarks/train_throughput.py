@@ -10,10 +10,10 @@ thread count, the ratio of portable to the best of ORT Training, the torch train
 reference: the model's training FLOPs per sample (forward and backward, counted by torch's FlopCounterMode on a
 batch) against the FLOP/s a 512x512 float32 matrix multiply reaches on the same cores and threads, as the samples/s
 that ceiling allows and each backend's share of it. Where the portable backend is below the best, what stops it, per
-model and thread count, from its step split measured in one more epoch (the gradient graph's session run, the
-optimiser graph's, and the Python, binding and batching around them) against the best's whole step: when the
-gradient graph alone takes longer, ORT's kernels for the standard-op graph; otherwise the second session run and the
-Python around the runs. Then the peak RSS, then each backend's install size (the
+model and thread count, from its step split measured in one more epoch (the fused plain step's session run, which a
+plain step takes, the gradient and optimiser graphs' where a step is not plain, and the Python, binding and batching
+around them) against the best's whole step: when the gradient alone takes longer, ORT's kernels for the standard-op
+graphs; otherwise the session runs and the Python around them. Then the peak RSS, then each backend's install size (the
 installed files of its packages and their dependencies; portable measured in a fresh CPython 3.12 virtual
 environment with the device install's packages).
 
@@ -148,40 +148,48 @@ def worker(backend: str, directory: str, threads: int, samples: int, batch: int,
 
 
 def portable_step_split(trainer, x, y, batch: int, rng) -> dict[str, float]:
-    """Where a portable step's time goes, in us a step over one more (untimed) epoch: the gradient graph's session
-    run, the optimiser graph's, and the rest (Python, binding, batching). Each session's `run_with_iobinding` is
-    wrapped with a clock on the trainer's own session objects (`_sessions`, a benchmark's look inside)."""
-    spent = {"gradient": 0.0, trainer._optimizer_name: 0.0}
-    for graph in spent:
+    """Where a portable step's time goes, in us a step over one more (untimed) epoch: the gradient graphs' session
+    runs (the whole and the plain gradient), the update graphs' (the optimiser's whole and plain update), the fused
+    plain step's (gradient and update in one run: models/manifest.py PLAIN_STEPS, what a plain step runs), and the
+    rest (Python, binding, batching). Each session's `run_with_iobinding` is wrapped with a clock on the trainer's
+    own session objects (`_session`, a benchmark's look inside)."""
+    from models.manifest import PLAIN_GRADIENT, PLAIN_STEPS, PLAIN_UPDATES, PORTABLE_MODELS
+
+    optimizer = trainer._optimizer_name
+    kinds = {"gradient": "gradient", PLAIN_GRADIENT: "gradient", optimizer: "optimiser",
+             PLAIN_UPDATES[optimizer]: "optimiser", PLAIN_STEPS[optimizer]: "fused"}
+    spent = dict.fromkeys(("gradient", "optimiser", "fused"), 0.0)
+    for graph, kind in kinds.items():
+        if PORTABLE_MODELS[graph] not in trainer.manifest.files:
+            continue
         session = trainer._session(graph)
         run = session.run_with_iobinding
 
-        def timed(binding, *args, _run=run, _graph=graph, **kwargs):
+        def timed(binding, *args, _run=run, _kind=kind, **kwargs):
             start = time.perf_counter()
             try:
                 return _run(binding, *args, **kwargs)
             finally:
-                spent[_graph] += time.perf_counter() - start
+                spent[_kind] += time.perf_counter() - start
 
         session.run_with_iobinding = timed
     steps = -(-len(x) // batch)
     start = time.perf_counter()
     trainer.fit(x, y, epochs=1, batch_size=batch, rng=rng)
     whole = time.perf_counter() - start
-    gradient, optimiser = spent["gradient"], spent[trainer._optimizer_name]
-    return {"step": 1e6 * whole / steps, "gradient": 1e6 * gradient / steps, "optimiser": 1e6 * optimiser / steps,
-            "rest": 1e6 * (whole - gradient - optimiser) / steps}
+    split = {kind: 1e6 * seconds / steps for kind, seconds in spent.items()}
+    return {"step": 1e6 * whole / steps, **split, "rest": 1e6 * whole / steps - sum(split.values())}
 
 
 def what_stops(split: dict[str, float], best_step_us: float, best: str) -> str:
     """The measured reason the portable step is slower than the best backend's (named `best`), in words."""
-    numbers = (f"portable {split['step']:,.0f} us a step = gradient graph {split['gradient']:,.0f} + optimiser "
-               f"graph {split['optimiser']:,.0f} + Python/binding/batching {split['rest']:,.0f}; {best} "
-               f"{best_step_us:,.0f} us")
-    if split["gradient"] >= best_step_us:
-        return f"the gradient graph's ORT kernels (alone slower than {best}'s whole step): {numbers}"
-    return (f"the second session run and the Python around the runs (the gradient graph alone is faster than "
-            f"{best}'s whole step): {numbers}")
+    numbers = (f"portable {split['step']:,.0f} us a step = fused step {split['fused']:,.0f} + gradient graph "
+               f"{split['gradient']:,.0f} + optimiser graph {split['optimiser']:,.0f} + Python/binding/batching "
+               f"{split['rest']:,.0f}; {best} {best_step_us:,.0f} us")
+    if split["gradient"] + split["fused"] >= best_step_us:
+        return f"the graphs' ORT kernels (the gradient alone slower than {best}'s whole step): {numbers}"
+    return (f"the session runs and the Python around them (the gradient alone is faster than {best}'s whole "
+            f"step): {numbers}")
 
 
 def measure(backend: str, directory: Path, threads: int, samples: int, batch: int, repeats: int,
