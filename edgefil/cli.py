@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -98,6 +99,8 @@ def _client(args: argparse.Namespace) -> int:
     if args.action == "install":
         return _client_install(args)
     config = DeviceConfig.load(args.config)
+    if args.state_dir is not None:  # a container's writable volume, where the file's folder is mounted read-only
+        config = dataclasses.replace(config, state_dir=Path(args.state_dir))
     config.check_paths(args.config)
     device: Device
     if config.simulated:  # a virtual device: the simulator builds its surroundings
@@ -266,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("action", nargs="?", choices=("run", "install"), default="run",
                         help="run the device (default), or install it as a systemd service")
     client.add_argument("--config", required=True, help="device config file (TOML, see edge_client/config.py)")
+    client.add_argument("--state-dir", default=None,
+                        help="run: keep the device's state and replay store here, not in the file's state_dir (a "
+                             "container's writable volume: docs/deploy.md)")
     client.add_argument("--root", default="/", help="install: write under this root (default /)")
     client.add_argument("--user", default="edgefil", help="install: the system user the service runs as")
     client.add_argument("--watchdog-s", type=int, default=600,

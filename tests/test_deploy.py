@@ -5,6 +5,7 @@ answers."""
 from __future__ import annotations
 
 import ctypes.util
+import json
 import os
 import re
 import shutil
@@ -186,6 +187,13 @@ def test_every_container_file_copies_what_exists_and_installs_the_right_extra():
         assert "USER edgefil" in text and 'ENTRYPOINT ["edgefil"]' in text
 
 
+BASE = "localhost/edgefil-base:bookworm"
+# Where a host's kernel lets a container raise no limit (no CAP_SYS_RESOURCE, as in this project's sandboxed
+# machines) and crun refuses its cgroups (v1 with a v2 hierarchy beside it), podman runs containers with runc and
+# limits no higher than the host's: tried only when a plain run fails.
+CONSTRAINED = ["--runtime", "runc", "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+
 def _container_engine() -> str | None:
     for tool in ("docker", "podman"):
         if shutil.which(tool) and subprocess.run([tool, "info"], capture_output=True, timeout=30).returncode == 0:
@@ -193,10 +201,82 @@ def _container_engine() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_container_engine() is None,
-                    reason="no container engine answers here (tried docker info and podman info)")
-def test_the_device_container_builds():
+def _engine_flags(tool: str) -> list[str] | None:
+    """What `tool run` and `tool build` need on this host to start a container of the local base: none, the
+    constrained flags, or None when neither starts one."""
+    if subprocess.run([tool, "image", "exists", BASE] if tool == "podman" else [tool, "image", "inspect", BASE],
+                      capture_output=True).returncode != 0:
+        subprocess.run([str(ROOT / "deploy" / "base-image"), tool], check=True, capture_output=True, timeout=900)
+    for flags in ([], CONSTRAINED if tool == "podman" else None):
+        if flags is not None and subprocess.run([tool, "run", "--rm", *flags, BASE, "true"],
+                                                capture_output=True, timeout=120).returncode == 0:
+            return flags
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_container_engine() is None or shutil.which("mmdebstrap") is None or mosquitto_path() is None,
+                    reason="no container engine answers here (tried docker info and podman info), or no mmdebstrap "
+                           "to make the base image without a registry, or no mosquitto")
+def test_the_images_build_on_a_local_base_and_a_device_container_trains_against_a_coordinator_container(tmp_path):
+    """deploy/base-image makes the base from Debian's packages (no registry pull), the device and coordinator images
+    build on it, and the README's first federation runs with both in containers as docs/deploy.md runs them: the
+    operator's own uid (the files `edgefil init` writes are 0600, the operator's), the lab read-only for the device,
+    its state on a writable volume (`--state-dir`); where the tests run as root, the lab is handed to a user who is
+    not. Behind a proxy with its own CA (as here) the builds take the host's CA certificates."""
     tool = _container_engine()
-    done = subprocess.run([tool, "build", "-f", "deploy/device.Containerfile", "-t", "edgefil-device-test", "."],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert tool is not None
+    flags = _engine_flags(tool)
+    if flags is None:
+        pytest.skip(f"{tool} cannot start a container of {BASE} on this host")
+    certificates = ["-v", "/etc/ssl/certs:/etc/ssl/certs:ro"] if Path("/etc/ssl/certs").is_dir() else []
+    for name in ("device", "coordinator"):
+        built = subprocess.run([tool, "build", "-q", *flags, "--network", "host", *certificates, "--build-arg",
+                                f"BASE={BASE}", "-f", f"deploy/{name}.Containerfile", "-t", f"edgefil-{name}-test", "."],
+                               cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]
+    user = subprocess.run([tool, "run", "--rm", *flags, "--entrypoint", "id", "edgefil-device-test", "-u"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert user != "0"  # the image's own user is not root
+
+    port = free_port("127.0.0.1")
+    lab = tmp_path / "lab"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{Path(mosquitto_path()).parent}:{os.environ['PATH']}"}
+    for step in (["edgefil", "init", str(lab), "--devices", "pi-1", "--port", str(port)],
+                 ["edgefil", "data", "split", "--preset", "digits-class", "--devices", "pi-1", "--calibration", "10",
+                  "--out", str(lab / "data")],
+                 ["edgefil", "export", "--model", "lenet", "--classes", "10", "--input-shape", "1,8,8", "--out",
+                  str(lab / "artifacts"), "--backends", "portable,torch"]):
+        subprocess.run(step, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
+    config = lab / "coordinator.toml"
+    config.write_text(config.read_text().replace("rounds_per_task = 3", "rounds_per_task = 1"))
+    (tmp_path / "state").mkdir()
+    # the operator: this user, or one who is not root where the tests run as root (root reads any file)
+    uid, gid = (os.getuid(), os.getgid()) if os.getuid() != 0 else (4242, 4242)
+    for folder in (lab, tmp_path / "state"):
+        for path in (folder, *folder.rglob("*")):
+            os.chown(path, uid, gid, follow_symlinks=False)
+    me = f"{uid}:{gid}"
+    subprocess.run(["mosquitto", "-c", str(lab / "broker" / "mosquitto.conf"), "-d"], check=True, env=env)
+    names = [f"edgefil-test-coordinator-{port}", f"edgefil-test-pi-1-{port}"]
+    try:
+        coordinator = subprocess.Popen(
+            [tool, "run", "--rm", "--name", names[0], *flags, "--network", "host", "--user", me, "-v", f"{lab}:{lab}",
+             "edgefil-coordinator-test", "coordinator", "--config", str(config), "--device", "cpu"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        device = subprocess.run(
+            [tool, "run", "--rm", "--name", names[1], *flags, "--network", "host", "--user", me, "-v", f"{lab}:/lab:ro",
+             "-v", f"{tmp_path / 'state'}:/var/lib/edgefil", "edgefil-device-test", "client", "--config",
+             "/lab/devices/pi-1.toml", "--state-dir", "/var/lib/edgefil"],
+            capture_output=True, text=True, timeout=900)
+        log, _ = coordinator.communicate(timeout=300)
+    finally:
+        subprocess.run([tool, "rm", "-f", *names], capture_output=True)
+        subprocess.run(["kill", (lab / "broker" / "mosquitto.pid").read_text().strip()], check=False)
+    assert coordinator.returncode == 0, log[-3000:]
+    assert device.returncode == 0, device.stdout[-2000:] + device.stderr[-2000:]
+    results = json.loads((lab / "run" / "results.json").read_text())
+    assert results["outcome"] == "complete" and results["rounds_completed"] == 5, results.get("outcome")
+    assert [len(row) for row in results["accuracy_matrix"]] == [1, 2, 3, 4, 5]
+    assert any((tmp_path / "state").iterdir())  # the device kept its state on the volume
+    assert not (lab / "state").exists()  # nothing written into the read-only lab
