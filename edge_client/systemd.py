@@ -32,10 +32,12 @@ daemon runs in a terminal, a container or a fleet worker unchanged.
 """
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
 import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,38 @@ def _absolute(value: Any, base: Path) -> Any:
     return str((base / value).resolve()) if isinstance(value, str) else value
 
 
+def unreadable(path: Path, user: str) -> str | None:
+    """Why `user` could not read `path` (a folder: list it; a file: read it; every folder above it: enter it), or
+    None. A user that does not exist yet (the install's next steps make it) is taken as a new system user: owner of
+    nothing, in no group. A Raspberry Pi's home folder is 0700: a lab copied there is out of the service's reach, and
+    its daemon would say only that the folder holds no model. File modes only: an ACL that lets it in is not read."""
+    try:
+        entry = pwd.getpwnam(user)
+        uid: int | None = entry.pw_uid
+        groups = {entry.pw_gid, *(g.gr_gid for g in grp.getgrall() if user in g.gr_mem)}
+    except KeyError:
+        uid, groups = None, set()
+    if uid == 0:
+        return None
+
+    def refused(at: Path, bits: int) -> str | None:
+        status = at.stat()
+        shift = 6 if status.st_uid == uid else 3 if status.st_gid in groups else 0
+        if (status.st_mode >> shift) & bits == bits:
+            return None
+        try:
+            owner = pwd.getpwuid(status.st_uid).pw_name
+        except KeyError:
+            owner = str(status.st_uid)
+        return f"{at} is {stat.filemode(status.st_mode)}, {owner}'s"
+
+    path = path.resolve()
+    for folder in reversed(path.parents):  # from / down: each must let it in
+        if (why := refused(folder, 1)) is not None:
+            return why
+    return refused(path, 5 if path.is_dir() else 4)
+
+
 def installed_config(raw: dict[str, Any], base: Path, device: str) -> dict[str, Any]:
     """The device's file for its unit: every path absolute (the unit runs from /), state_dir in its state
     directory."""
@@ -140,13 +174,26 @@ def installed_config(raw: dict[str, Any], base: Path, device: str) -> dict[str, 
 
 
 def install(config_path: Path, root: Path, user: str = "edgefil", watchdog_s: int = 600) -> list[Path]:
-    """Write the unit and the device's file under `root` (see the module docstring); returns both paths."""
+    """Write the unit and the device's file under `root` (see the module docstring); returns both paths. What the
+    file names that the service user could not read is refused first (`unreadable`)."""
     from edge_client.config import DeviceConfig
 
     config = DeviceConfig.load(config_path)  # checked whole first: a broken file is refused before anything
     check_name(user, "user")
     if watchdog_s < 10:
         raise ValueError(f"--watchdog-s must be at least 10, got {watchdog_s}")
+    named = [("artifacts", config.artifacts)]
+    if config.artifacts.is_dir():
+        named += [("artifacts", path) for path in sorted(config.artifacts.iterdir())]
+    if config.data is not None and config.data.folder is not None:
+        named.append(("[data] folder", config.data.folder))
+    named += [(f"[broker] {key}", path) for key in ("cafile", "certfile", "keyfile")
+              if (path := getattr(config.broker, key)) is not None]
+    for key, path in named:
+        why = unreadable(Path(path), user) if Path(path).exists() else None  # copied later: not checked
+        if why is not None:
+            raise ValueError(f"{key}: the service user {user} cannot read {path}: {why}; put the files where it "
+                             "can, e.g. /srv/edgefil (docs/deploy.md, step 3)")
     raw = load_toml(config_path)
     etc = root / "etc" / "edgefil"
     units = root / "etc" / "systemd" / "system"
@@ -154,9 +201,9 @@ def install(config_path: Path, root: Path, user: str = "edgefil", watchdog_s: in
     units.mkdir(parents=True, exist_ok=True)
     installed = etc / f"{config.device_id}.toml"
     write_private(installed, dump_toml(installed_config(raw, config_path.resolve().parent, config.device_id)))
-    try:
-        pwd.getpwnam(user)
-        shutil.chown(installed, user, user)  # the daemon reads it as its user
+    try:  # the daemon reads it as its user, in that user's own group, whatever its name (nobody's is nogroup)
+        entry = pwd.getpwnam(user)
+        os.chown(installed, entry.pw_uid, entry.pw_gid)
     except (KeyError, PermissionError):  # the user does not exist yet (the next steps make it), or not root
         pass
     executable = shutil.which("edgefil") or str(Path(sys.executable).parent / "edgefil")

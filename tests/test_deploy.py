@@ -7,11 +7,13 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import pwd
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -70,6 +72,38 @@ def test_client_install_writes_a_unit_systemd_accepts_and_a_private_absolute_con
     problems = [line for line in (verified.stdout + verified.stderr).splitlines()
                 if "edgefil-pi-1.service" in line]
     assert verified.returncode == 0 and problems == [], verified.stdout + verified.stderr
+
+
+@pytest.mark.skipif("nobody" not in {entry.pw_name for entry in pwd.getpwall()}, reason="no user 'nobody' here")
+def test_install_refuses_a_lab_its_service_user_cannot_read_and_installs_it_where_it_can(tmp_path):
+    """A Raspberry Pi's home folder is 0700: a lab copied there is out of the service user's reach, and its daemon
+    would say only that the folder holds no model. The install says why in one line, naming the folder; the lab
+    copied where the user can read it (docs/deploy.md, step 3) installs."""
+    lab = tmp_path / "home" / "lab"
+    for folder in ("devices", "artifacts", "broker", "data/devices/pi-1"):
+        (lab / folder).mkdir(parents=True)
+    (lab / "devices" / "pi-1.toml").write_text(DEVICE)
+    (lab / "artifacts" / "manifest.json").write_text("{}")
+    (lab / "broker" / "ca.crt").write_text("a certificate")
+    (tmp_path / "home").chmod(0o700)
+
+    def install(config: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "edgefil.cli", "client", "install", "--config", str(config),
+                               "--root", str(tmp_path / "root"), "--user", "nobody"],
+                              capture_output=True, text=True, timeout=60)
+
+    refused = install(lab / "devices" / "pi-1.toml")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"artifacts: the service user nobody cannot read {lab / 'artifacts'}: " in refused.stderr
+    assert "is drwx------" in refused.stderr and "docs/deploy.md" in refused.stderr
+    srv = Path(tempfile.mkdtemp(prefix="edgefil-srv-", dir="/tmp"))  # outside any private folder, as /srv is
+    try:
+        srv.chmod(0o755)
+        shutil.copytree(lab, srv / "lab")
+        done = install(srv / "lab" / "devices" / "pi-1.toml")
+        assert done.returncode == 0, done.stderr
+    finally:
+        shutil.rmtree(srv)
 
 
 def sandbox_unit(tmp_path: Path) -> Path:
