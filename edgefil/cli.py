@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import signal
@@ -153,9 +154,18 @@ def stop_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _installed(*modules: str) -> None:
+    """ModuleNotFoundError for the first of `modules` this install lacks, found without importing any: a host
+    command checks its file before its heavy imports, but on a device install the extra it lacks is said first."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
 
+    _installed("torch")
     config = CoordinatorConfig.load(args.config)  # before the heavy imports: a typo is refused at once
 
     from coordinator.server import QuorumError, run_coordinator
@@ -201,6 +211,7 @@ def _write_report(out: Path) -> None:
 
 
 def _fleet_run(args: argparse.Namespace) -> int:
+    _installed("torch")
     from firmware_sim.fleet_config import FleetConfig
 
     FleetConfig.load(args.fleet_file).check_tables(str(args.fleet_file))  # before the heavy imports: a typo at once

@@ -401,7 +401,8 @@ def test_one_kept_set_serves_every_seed_backend_and_graph_and_grows_by_what_it_l
                                        graphs=graphs, cache=True) for folder, (seed, backends, graphs) in asked.items()}
     assert exported == [((), True), (("input_gradient", "sample_grad_norms"), False)] and whole == []
     assert len(list((cache_dir() / ARTIFACTS).iterdir())) == 1
-    for folder, (seed, backends, graphs) in asked.items():
+    for folder in ("torch-1", "norms-2"):  # no graph; the base graphs and an optional one exported apart from them
+        seed, backends, graphs = asked[folder]
         direct = export_registered("mlp", 10, tmp_path / f"direct-{folder}", (1, 8, 8), seed=seed,
                                    backends=backends, graphs=graphs)
         assert load_manifest(tmp_path / folder) == parts[folder] == direct
@@ -411,10 +412,9 @@ def test_one_kept_set_serves_every_seed_backend_and_graph_and_grows_by_what_it_l
     kept = next((cache_dir() / ARTIFACTS).iterdir())
     damaged = kept / "portable_eval.onnx"
     damaged.write_bytes(b"\0" * damaged.stat().st_size)
-    exported.clear()
-    assert export_registered("mlp", 10, tmp_path / "again", (1, 8, 8), backends=("portable", "torch"), graphs=(),
-                             cache=True) == parts["fleet"]
-    assert exported == [((), True)]  # the damaged set was not read
+    assert export_registered("mlp", 10, tmp_path / "again", (1, 8, 8), seed=1, backends=("torch",),
+                             cache=True) == parts["torch-1"]
+    assert load_manifest(kept).backends == ("torch",)  # the damaged set was dropped, not read: kept anew
     whole.clear()
     for seed in (0, 1, 0):
         export_registered("mlp", 10, tmp_path / f"ort-{seed}", (1, 8, 8), seed=seed, backends=("ort", "torch"),
