@@ -112,11 +112,13 @@ def keep_set(key: str, staging: Path) -> Path:
     kept, old = root / key, Path(tempfile.mkdtemp(prefix=f".{key}-old-", dir=root))
     try:
         os.rename(kept, old / key)
-    except FileNotFoundError:
-        pass
-    try:
         os.rename(staging, kept)
-    except OSError:
+    except FileNotFoundError:  # none kept before (or another process moved it aside first)
+        try:
+            os.rename(staging, kept)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError:  # the place was taken again meanwhile
         shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return kept

@@ -309,6 +309,9 @@ def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ..
             _write_weights(model, template.parameters, staging)
         manifest = assemble_manifest(template, staging, union, union_graphs)
         return keep_set(key, staging), manifest
+    except OSError:  # the cache could not be written (full, read-only, changed meanwhile): exported without it
+        shutil.rmtree(staging, ignore_errors=True)
+        return None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

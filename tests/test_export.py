@@ -228,6 +228,18 @@ def test_a_cached_export_is_the_same_set_copied_and_a_damaged_one_is_made_anew(t
     assert (tmp_path / "d" / "checkpoint").read_bytes() == (tmp_path / "a" / "checkpoint").read_bytes()
 
 
+def test_a_cache_that_cannot_be_written_costs_only_the_keeping(tmp_path, monkeypatch):
+    """A home folder the cache cannot be made in (here a file where its folder would be, which even root cannot
+    write into): the export is made without it, the same set."""
+    from models.export import export_registered
+
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("EDGEFIL_CACHE", str(tmp_path / "not-a-folder"))
+    made = export_registered("mlp", 10, tmp_path / "made", (1, 8, 8), seed=3, backends=("torch",), cache=True)
+    assert made == export_registered("mlp", 10, tmp_path / "direct", (1, 8, 8), seed=3, backends=("torch",))
+    assert load_manifest(tmp_path / "made") == made
+
+
 def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_leave_the_optional_ones_out(
         tmp_path, monkeypatch):
     """The portable graphs exported by this process alone and with a helper process beside it (taking graphs as it
