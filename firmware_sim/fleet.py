@@ -1,5 +1,14 @@
 """A fleet of virtual devices on one machine: the broker, the coordinator and N device daemons.
 
+`edgefil fleet run FLEET.toml` exports the model, starts a broker (mosquitto with a password per device and the
+ACL when it is installed, else the embedded one), starts worker processes that each host many virtual devices
+(every device is the real `edge_client.device.Device`, on its own thread, with its own MQTT connection, state
+folder and replay store), and runs the coordinator in this process; at the end it writes the run's report
+(summary.md and plots, firmware_sim/report.py). Ctrl-C, SIGTERM (systemd, `timeout`, `kill`) and SIGHUP (a closed
+terminal) stop everything the same way; the coordinator's checkpoint and every device's state stay, so `--resume`
+continues the run. Workers never outlive the fleet, even one killed by SIGKILL (firmware_sim/fleet_worker.py),
+and a device disk still mounted by a killed run is taken back by the next one (firmware_sim/disk.py).
+
 The fleet file, its keys and how it is checked: firmware_sim/fleet_config.py.
 """
 from __future__ import annotations

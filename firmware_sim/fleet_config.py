@@ -1,15 +1,6 @@
 """The fleet file (TOML), read into typed settings and checked: what `edgefil fleet run` runs
 (firmware_sim/fleet.py). It imports nothing heavy (no torch, no dataset), so a typo is refused at once.
 
-`edgefil fleet run FLEET.toml` exports the model, starts a broker (mosquitto with a password per device and the
-ACL when it is installed, else the embedded one), starts worker processes that each host many virtual devices
-(every device is the real `edge_client.device.Device`, on its own thread, with its own MQTT connection, state
-folder and replay store), and runs the coordinator in this process; at the end it writes the run's report
-(summary.md and plots, firmware_sim/report.py). Ctrl-C, SIGTERM (systemd, `timeout`, `kill`) and SIGHUP (a closed
-terminal) stop everything the same way; the coordinator's checkpoint and every device's state stay, so `--resume`
-continues the run. Workers never outlive the fleet, even one killed by SIGKILL (firmware_sim/fleet_worker.py),
-and a device disk still mounted by a killed run is taken back by the next one (firmware_sim/disk.py).
-
     name = "demo"                  # fleet (topic prefix) name
     out = "runs/demo"              # artifacts/, devices/<id>/, logs/, checkpoint/, results.json
     devices = 10
@@ -54,8 +45,10 @@ and a device disk still mounted by a killed run is taken back by the next one (f
                    to see what the coordinator's settings withstand (none by default)
 
 Every table is checked by the one config checker (`edgefil.settings`) before anything starts: the file's own keys
-when it is read, then (`FleetConfig.check`) the policy, the strategy, the coordinator's keys, the scenario, the
-profiles and whether the model takes the scenario's inputs. Errors are one line naming file, table and key.
+when it is read; then, without heavy imports (`FleetConfig.check_tables`), the policy, the attack, the round and
+learner settings, the coordinator's keys, the profiles and the scenario's table; then (`FleetConfig.check`) the
+strategy's options and whether the model takes the scenario's inputs. Errors are one line naming file, table and
+key.
 """
 from __future__ import annotations
 
