@@ -14,7 +14,6 @@ from models.manifest import load_manifest, manifest_digest
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 HONEST = 4
-ROUNDS_PER_TASK = 2  # 5 tasks: 10 rounds, each of the 3 attacks sent 3-4 times
 DEFAULTS: dict = {}
 UNGUARDED = {"strategy": {"name": "fedavg"}, "guard": {"norm_bound": "off", "sample_factor": 0.0,
                                                         "free_rider_factor": 0.0, "krum_share": 0.0},
@@ -27,8 +26,7 @@ def run(tmp_path, artifacts, options: dict, attacker: bool) -> tuple[int, dict, 
     attacker as a 5th when asked. Every selected device is waited for (min_clients = all)."""
     n = HONEST + attacker
     fleet = Fleet(tmp_path, artifacts, n_devices=n,
-                  coordinator_options={"min_clients": n, "rounds_per_task": ROUNDS_PER_TASK, "client": {"epochs": 5},
-                                       **options})
+                  coordinator_options={"min_clients": n, "rounds_per_task": 3, "client": {"epochs": 5}, **options})
     fleet.scenario["n_clients"] = HONEST + 1  # the same data split with and without the attacker
     hostile = None
     try:
@@ -57,7 +55,7 @@ def test_a_poisoning_device_is_contained_by_the_default_settings(tmp_path, expor
     assert code == 0
     code, poisoned, sent = run(tmp_path / "poisoned", artifacts, DEFAULTS, attacker=True)
     assert code == 0
-    assert set(sent.values()) == set(ATTACKS) and len(sent) == poisoned["rounds_completed"] == 5 * ROUNDS_PER_TASK
+    assert set(sent.values()) == set(ATTACKS) and len(sent) == poisoned["rounds_completed"] == 15
     assert not any("dev-4" in entry["metrics"] for entry in poisoned["history"])  # never aggregated
     counters = poisoned["counters"]
     # each attack refused by a bound (an honest update beyond 3x the median distance is refused too, rarely)
