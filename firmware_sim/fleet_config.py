@@ -65,7 +65,7 @@ from edgefil.topics import check_name
 from firmware_sim.adversary import AdversarySettings
 from firmware_sim.fleet_ray import RaySettings, ray_module
 from firmware_sim.profiles import load_profile
-from firmware_sim.scenarios import ScenarioData, check_scenario
+from firmware_sim.scenarios import Scenario, ScenarioData, check_scenario
 
 # CoordinatorConfig keys the fleet sets itself; its [coordinator] table may give the others
 FLEET_SETS = ("fleet", "out", "artifacts", "devices", "scenario", "test_data", "broker", "seed", "strategy",
@@ -139,11 +139,11 @@ class FleetConfig:
             raw["out"] = f"runs/{raw['name']}"
         return build(cls, raw, Where(file), base=base)
 
-    def check_tables(self, file: str = "fleet config") -> None:
+    def check_tables(self, file: str = "fleet config") -> Scenario:
         """What the tables name, as far as it is known without the heavy imports (torch, the datasets): the
         policy, the attack, the round and learner settings, the coordinator's keys, the profiles and the scenario's
         table; ConfigError (one line: file, table, key) at the first problem. The command line runs it before it
-        imports the fleet, so that a typo is refused at once."""
+        imports the fleet, so that a typo is refused at once. Returns the checked scenario, not yet built."""
         where = Where(file)
         if self.backend == "ray":
             try:
@@ -167,6 +167,7 @@ class FleetConfig:
         if scenario.n_clients < self.devices:
             raise where.inner("scenario").error("n_clients", f"{scenario.n_clients} shares for {self.devices} devices: "
                                                              "each device needs a share of its own")
+        return scenario
 
     def check(self, file: str = "fleet config") -> ScenarioData:
         """Everything the tables name, before a broker or a worker starts: `check_tables`, then the strategy's
@@ -177,9 +178,8 @@ class FleetConfig:
         from models.zoo import model_fits
 
         where = Where(file)
-        self.check_tables(file)
+        scenario = self.check_tables(file)
         check_strategy(self.strategy, where.inner("strategy"))
-        scenario = check_scenario(self.scenario_table(), where.inner("scenario"))
         try:
             data = scenario.build()
             model_fits(self.model, data.num_classes, data.input_shape, self.model_args)

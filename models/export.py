@@ -86,7 +86,7 @@ def export_model(
     num_classes = model.head.out_features
     model = model.cpu().eval()
     ort_ir_version = 0
-    parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
+    parameters = _torch_order(model)
     if "ort" in backends:
         with _step(f"exporting {name} for the ort backend (ORT training artifacts)", progress):
             parameters, ort_ir_version = _export_ort(model, input_shape, num_classes, out_dir, nominal)
@@ -96,6 +96,11 @@ def export_model(
         _write_weights(model, parameters, out_dir)
     template = _template(model, name, input_shape, parameters, nominal, model_args)
     return assemble_manifest(template, out_dir, backends, optional, ort_ir_version)
+
+
+def _torch_order(model: torch.nn.Module) -> tuple[ParameterInfo, ...]:
+    """The flat-buffer order of a set without ORT Training's artifacts (which impose their own): torch's."""
+    return tuple(ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters())
 
 
 def _template(model: ClassifierModel, name: str, input_shape: tuple[int, ...], parameters: tuple[ParameterInfo, ...],
@@ -128,11 +133,12 @@ def _export_portable_graphs(model: ClassifierModel, name: str, parameters: tuple
 
 
 def assemble_manifest(template: Manifest, folder: Path, backends: tuple[str, ...], graphs: Collection[str],
-                      ort_ir_version: int = 0) -> Manifest:
+                      ort_ir_version: int = 0, known: Mapping[str, str] | None = None) -> Manifest:
     """The manifest of the set in `folder` that serves `backends` (the portable backend with the optional `graphs`),
     written there: its files (`set_files`) and their hashes, the newest ONNX IR version of its graphs (ORT's as
     its export reported it, the portable graphs' read off their files) and the newest opset they use: the one
-    rule for a set exported whole (`export_model`) and for a part of a kept set (`export_registered`'s cache)."""
+    rule for a set exported whole (`export_model`) and for a part of a kept set (`export_registered`'s cache).
+    `known`: the hashes of files copied from a verified set, not read again (a ResNet-18 set is hundreds of MB)."""
     files = set_files(backends, graphs if "portable" in backends else (), template.nominal_checkpoint)
     portable = set(PORTABLE_MODELS.values())
     ir_version = max([ort_ir_version, *(read_ir_version(folder / f) for f in files if f in portable)])
@@ -142,7 +148,7 @@ def assemble_manifest(template: Manifest, folder: Path, backends: tuple[str, ...
 
         opsets.append(PORTABLE_OPSET)
     manifest = replace(template, backends=tuple(backends), ir_version=ir_version, opset=max(opsets, default=OPSET),
-                       files={f: sha256_file(folder / f) for f in files})
+                       files={f: (known or {}).get(f) or sha256_file(folder / f) for f in files})
     (folder / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 
@@ -275,7 +281,7 @@ def export_registered(
         return export(out)
     if not nominal:
         _write_weights(model, template.parameters, out)
-    return assemble_manifest(template, out, chosen, optional)
+    return assemble_manifest(template, out, chosen, optional, known=_copied(template))
 
 
 def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ...], nominal: bool,
@@ -296,8 +302,7 @@ def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ..
     if staging is None:
         return None
     try:
-        template = found[1] if found else _template(model, name, shape, tuple(
-            ParameterInfo(n, tuple(p.shape)) for n, p in model.named_parameters()), nominal, args)
+        template = found[1] if found else _template(model, name, shape, _torch_order(model), nominal, args)
         if found is not None:
             copy_files(found[0], staging, list(found[1].files))
         if "portable" in union and "portable" not in have_backends:
@@ -307,7 +312,7 @@ def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ..
                                     base=False, progress=progress)
         if not nominal:
             _write_weights(model, template.parameters, staging)
-        manifest = assemble_manifest(template, staging, union, union_graphs)
+        manifest = assemble_manifest(template, staging, union, union_graphs, known=_copied(found[1]) if found else None)
         return keep_set(key, staging), manifest
     except OSError:  # the cache could not be written (full, read-only, changed meanwhile): exported without it
         shutil.rmtree(staging, ignore_errors=True)
@@ -315,6 +320,12 @@ def _kept_part(key: str, model: ClassifierModel, name: str, shape: tuple[int, ..
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _copied(kept: Manifest) -> dict[str, str]:
+    """The hashes of a verified kept set's files that a copy of it holds as they are: all but the initial weights,
+    which each copy writes for its seed."""
+    return {name: digest for name, digest in kept.files.items() if name != WEIGHTS}
 
 
 def _root_cause(err: BaseException) -> str:

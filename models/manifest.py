@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
+import os
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -313,8 +315,16 @@ def sha256_file(path: Path) -> str:
 
 
 def read_ir_version(path: Path) -> int:
-    """The `ir_version` field (number 1) of an ONNX ModelProto, parsed from the protobuf wire format."""
-    data = Path(path).read_bytes()
+    """The `ir_version` field (number 1) of an ONNX ModelProto, parsed from the protobuf wire format. The file is
+    mapped, not read: the field comes first, and a graph's weights (tens of MB for ResNet-18) are skipped unread."""
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            raise ManifestError(f"{path} is not an ONNX model (empty)")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _ir_version(data, path)
+
+
+def _ir_version(data: Any, path: Path) -> int:
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
