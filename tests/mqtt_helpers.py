@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
-from coordinator.broker import BrokerAddress, TlsFiles
+from coordinator.broker import BrokerAddress, Credentials, TlsFiles
 from coordinator.pki import make_ca
 from coordinator.pki import make_server_cert as pki_server_cert
+from edgefil import topics, wire
 
 WAIT_S = 30.0  # every wait below is a ceiling for an event that comes in milliseconds on a quiet machine
 _RUNNING: set[Peer] = set()  # peers whose network thread runs: closed after each test (conftest), so none outlives
@@ -113,6 +115,29 @@ class Peer:
         self.client.disconnect()
         self.client.loop_stop()
         _RUNNING.discard(self)
+
+
+def wait_online(address: BrokerAddress, watcher: Credentials, fleet: str, devices: list[str], timeout: float,
+                failed: Callable[[], str | None] = lambda: None) -> None:
+    """Until each of `devices` has said it is online (its retained status, read with `watcher`, an account that may
+    read them), or `failed` names why it never will."""
+    peer = Peer(address, watcher.username, watcher.password)
+    assert not peer.connect().is_failure
+    try:
+        for device in devices:
+            peer.subscribe(topics.from_device(fleet, device, "status"))
+        deadline = time.monotonic() + timeout
+        while True:
+            said = {topic: wire.decode(payload)["state"] for topic, payload in peer.received()}  # the latest each
+            offline = [d for d in devices if said.get(topics.from_device(fleet, d, "status"), "offline") == "offline"]
+            if not offline:
+                return
+            why = failed()
+            assert why is None, why
+            assert time.monotonic() < deadline, f"{', '.join(offline)} not online after {timeout} s"
+            time.sleep(0.05)
+    finally:
+        peer.close()
 
 
 def make_server_cert(folder: Path) -> TlsFiles:

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from fleet_harness import CEILING_S, Fleet
+from fleet_harness import CEILING_S, SPARE_WAIT_S, Fleet
 from mqtt_helpers import Peer
 
 from coordinator.broker import mosquitto_path
@@ -34,7 +34,7 @@ def test_a_registration_status_and_request_flood_is_rate_limited(tmp_path, expor
     # ceiling only): so every flood message is handled while the round still awaits the rogue, however slowly.
     fleet = Fleet(tmp_path, artifacts, n_devices=2, spares=(ROGUE,),
                   coordinator_options={"rounds_per_task": 1, "min_clients": 2, "deadline_s": 900.0,
-                                       "wait_for_devices_s": 20.0})
+                                       "wait_for_devices_s": SPARE_WAIT_S})
     weights_bytes = 4 * load_manifest(artifacts).num_parameters
     limits = RateLimits()
     register = wire.encode("register", device=ROGUE, profile="attacker", backend="portable",
@@ -43,6 +43,7 @@ def test_a_registration_status_and_request_flood_is_rate_limited(tmp_path, expor
     own = {kind: topics.from_device(fleet.fleet, ROGUE, kind) for kind in topics.DEVICE_SENDS}
     try:
         fleet.start()
+        fleet.wait_online()
         fleet.start_coordinator()
         fleet.wait_rounds(1, timeout=CEILING_S)
         rogue = Peer(fleet.broker.address, ROGUE, fleet.passwords[ROGUE])
@@ -92,9 +93,10 @@ def test_a_device_cannot_take_over_the_coordinators_session(tmp_path, export_art
     """Without `use_username_as_clientid`, this login disconnected the coordinator and the run stalled."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=2, spares=(ROGUE,),
-                  coordinator_options={"rounds_per_task": 1, "min_clients": 2, "wait_for_devices_s": 20.0})
+                  coordinator_options={"rounds_per_task": 1, "min_clients": 2, "wait_for_devices_s": SPARE_WAIT_S})
     try:
         fleet.start()
+        fleet.wait_online()
         fleet.start_coordinator()
         fleet.wait_rounds(1, timeout=CEILING_S)
         takeovers = []

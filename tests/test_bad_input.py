@@ -8,7 +8,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from fleet_harness import CEILING_S, Fleet
+from fleet_harness import CEILING_S, SPARE_WAIT_S, Fleet
 from mqtt_helpers import Peer
 from wire_frames import pack
 
@@ -62,10 +62,11 @@ def malformed_messages(n_params: int, rng: np.random.Generator) -> dict[str, lis
 def test_every_malformed_message_is_rejected_counted_and_the_run_completes(tmp_path, export_artifacts):
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=3, outsiders=("intruder",), spares=(ROGUE,),
-                  coordinator_options={"rounds_per_task": 3, "min_clients": 3, "wait_for_devices_s": 20.0,
+                  coordinator_options={"rounds_per_task": 3, "min_clients": 3, "wait_for_devices_s": SPARE_WAIT_S,
                                        "strategy": {"name": "fedprox", "mu": 0.01}})
     try:
         fleet.start()
+        fleet.wait_online()
         fleet.start_coordinator()
         n_params = load_manifest(artifacts).num_parameters
         fleet.wait_rounds(1, timeout=CEILING_S)
@@ -166,11 +167,12 @@ def test_a_flood_of_claimed_blobs_costs_the_bytes_that_arrived(tmp_path, export_
     of the bytes it actually sent, and the run goes on."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=2, spares=(ROGUE,),
-                  coordinator_options={"rounds_per_task": 2, "min_clients": 2, "wait_for_devices_s": 20.0})
+                  coordinator_options={"rounds_per_task": 2, "min_clients": 2, "wait_for_devices_s": SPARE_WAIT_S})
     n_params = load_manifest(artifacts).num_parameters
     claimed = 4 * n_params + inbox.MAX_ATTACHMENT_BYTES
     try:
         fleet.start()
+        fleet.wait_online()
         fleet.start_coordinator()
         fleet.wait_rounds(1, timeout=CEILING_S)
         pid = fleet.processes["coordinator"].pid

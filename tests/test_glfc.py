@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from fleet_harness import SPARE_WAIT_S
 from thread_fleet import ThreadFederation
 from torch.nn import functional as F
 
@@ -461,7 +462,8 @@ def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_jo
     with ThreadFederation(tmp_path, artifacts, device, tasks=2, spares=("dev-2",)) as federation:
         for running in federation.devices:
             assert running.link.wait_subscribed(60)
-        coordinator = federation.coordinator(strategy, rounds_per_task=2, min_clients=2, wait_for_devices_s=10.0,
+        federation.wait_online()
+        coordinator = federation.coordinator(strategy, rounds_per_task=2, min_clients=2, wait_for_devices_s=SPARE_WAIT_S,
                                              client={"epochs": 2})
 
         def progress(entry: dict) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fleet_harness import SPARE_WAIT_S
 from thread_fleet import ThreadFederation, run_federation
 
 from coordinator.background import BackgroundJob, Deadline
@@ -193,8 +194,9 @@ def test_a_broadcast_payload_is_sent_once_to_every_device_and_kept_by_version(tm
     with ThreadFederation(tmp_path, artifacts, device, tasks=3, spares=("dev-2",)) as federation:
         for running in federation.devices:
             assert running.link.wait_subscribed(60)
+        federation.wait_online()
         coordinator = federation.coordinator({"name": "toy-broadcast"}, rounds_per_task=2, min_clients=2,
-                                             wait_for_devices_s=10.0,  # then on without the spare
+                                             wait_for_devices_s=SPARE_WAIT_S,  # then on without the spare
                                              checkpoint=CheckpointPolicy(collapse_drop=0.0))  # every round's model
 
         def progress(entry: dict) -> None:

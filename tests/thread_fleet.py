@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+from mqtt_helpers import wait_online
 
 from coordinator.broker import BrokerAddress, Credentials, MosquittoBroker
 from coordinator.config import CoordinatorConfig
@@ -54,7 +55,9 @@ class ThreadFederation:
         self.samples = samples
         self.roster = (*self.names, *spares)
         self.passwords = {d: f"pw-{d}" for d in self.roster}
-        self.broker = MosquittoBroker(root / "broker", FLEET, self.passwords, Credentials("coordinator", "pw-c"))
+        self.watcher = Credentials("observer", "pw-o")  # reads, writes nothing: `wait_online`'s
+        self.broker = MosquittoBroker(root / "broker", FLEET, self.passwords, Credentials("coordinator", "pw-c"),
+                                      observers={self.watcher.username: self.watcher.password})
         self.devices: list[Device] = []
         self._threads: list[threading.Thread] = []
         self.tests = root / "tests"
@@ -77,6 +80,11 @@ class ThreadFederation:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def wait_online(self, timeout: float = 60.0) -> None:
+        """Until every device started has said it is online: a coordinator run after this meets them at its first
+        subscription, so its first round's wait for the roster waits for the spares alone (SPARE_WAIT_S)."""
+        wait_online(self.address, self.watcher, FLEET, [d.id for d in self.devices], timeout)
 
     def join(self, name: str) -> None:
         """Start a device of the roster that has none behind it yet (a spare): a device joining mid-run."""
