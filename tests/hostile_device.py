@@ -1,6 +1,7 @@
 """A poisoning device for tests: one device's valid credentials, speaking the protocol as a real device does
 (retained registration and status, global weights reassembled from their chunks, an update for every round it is
-selected for), with the update chosen by an attacker. Attacks rotate by round:
+selected for, its status again when the run ends, as a device that stays for the next run answers the end: else the
+coordinator's end waits its whole grace for it), with the update chosen by an attacker. Attacks rotate by round:
 
 - "huge": every weight 1e30 (finite);
 - "samples": a garbage model (the global model plus noise) claiming 10^9 samples;
@@ -104,6 +105,8 @@ class PoisoningDevice:
                         self.models[blob.id] = blob.weights(self.num_parameters).copy()
                 elif message["kind"] == "round":
                     waiting.append(message)
+                elif message["kind"] == "end":
+                    self._status("idle", max(self.sent, default=0))
             for message in [m for m in waiting if m["model"] in self.models]:
                 waiting.remove(message)
                 self._attack(message, self.models[message["model"]])
