@@ -1,8 +1,9 @@
-"""`scripts/setup` says how far it is: pip's own line for each package, and at least every 10 s how long the step
-has taken and how large .venv has grown, so that a first run's minutes of downloading are never silent. Run for
-real on a project of its own whose build lasts until the script has said how far it is (its in-tree build backend
-waits for the test's word, given when the first progress line comes, then writes the wheel by hand), offline:
-nothing is fetched. No clock decides the outcome: a busy host only makes the wait longer."""
+"""`scripts/setup` says how far it is: pip's own line for each package, and at least every 10 s (here 1 s,
+EDGEFIL_SETUP_TICK_S) how long the step has taken and how large .venv has grown, so that a first run's minutes of
+downloading are never silent. Run for real on a project of its own whose build lasts until the script has said how
+far it is (its in-tree build backend waits for the test's word, given when the first progress line comes, then
+writes the wheel by hand), offline: nothing is fetched. No clock decides the outcome: a busy host only makes the
+wait longer."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import pytest
 from fleet_harness import CEILING_S
 
 ROOT = Path(__file__).resolve().parents[1]
-TICK = re.compile(r"scripts/setup: \.\.\. \d+ s, \.venv now \d+ MB")  # the line the script prints every 10 s
+TICK = re.compile(r"scripts/setup: \.\.\. \d+ s, \.venv now \d+ MB")  # the line the script prints every tick
 # A PEP 517 backend that needs nothing installed: it waits for the file `release` (at most `ceiling` s), then zips
 # the wheel's three metadata files.
 SLOW_BACKEND = """
@@ -55,7 +56,8 @@ def test_setup_prints_how_far_it_is_while_a_long_install_runs(tmp_path):
         '[project]\nname = "slowpkg"\nversion = "1.0"\n\n[project.optional-dependencies]\nhost = []\n')
     release = tmp_path / "release"
     (project / "slow_backend.py").write_text(SLOW_BACKEND.format(ceiling=CEILING_S, release=str(release)))
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": shutil.which("python3.11") or sys.executable}
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": shutil.which("python3.11") or sys.executable,
+           "EDGEFIL_SETUP_TICK_S": "1"}
     env.pop("EDGEFIL_TORCH_INDEX", None)
     proc = subprocess.Popen(["bash", "scripts/setup", "host"], cwd=project, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
