@@ -32,7 +32,8 @@ over N at each N, with the wall each added device adds, whether the first is fla
 across the sizes, and the least-squares line wall = fixed + per device x N over the sizes.
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty); the
-devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target). "other
+devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target), and that share's
+ceiling, were the devices' work besides training none at all (what the coordinator's and broker's work leave). "other
 procs" is the host's busy CPU outside the fleet during the round (/proc/stat): on a shared machine, anything
 above zero slowed the round. An idle window (`--idle-s`, after all devices registered, before round 1) measures
 what an idle fleet costs: heartbeats, keepalives, MQTT threads.
@@ -628,10 +629,13 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
     print("\nCPU seconds per round (median), by process: the coordinator process, the broker, all workers (of "
           "which kernel); dev train = the devices' training threads; workers-dev = the devices' other work; "
           "per device = (coordinator + broker + workers-dev) / N; train share = dev train / (coordinator + broker "
-          f"+ workers), the target at least {TRAINING_SHARE:.0%}; other procs = the host's busy CPU outside this "
-          "fleet (other users of the machine: it slows the rounds)")
+          f"+ workers), the target at least {TRAINING_SHARE:.0%}; ceiling = the share were the devices' other work none "
+          "at all, dev train / (coordinator + broker + dev train): what the coordinator's and the broker's work "
+          "per update leave reachable; other procs = the host's busy CPU outside this fleet (other users of the "
+          "machine: it slows the rounds)")
     print(f"{'broker':>9s} {'N':>4s} {'coordinator':>11s} {'broker':>7s} {'workers':>7s} {'w. sys':>6s} "
-          f"{'dev train':>9s} {'workers-dev':>11s} {'per device ms':>13s} {'train share':>11s} {'other procs':>11s}  "
+          f"{'dev train':>9s} {'workers-dev':>11s} {'per device ms':>13s} {'train share':>11s} {'ceiling':>7s} "
+          f"{'other procs':>11s}  "
           f"{'walls s':s}")
     for s in summaries:
         r = s["rounds"]
@@ -640,10 +644,12 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
         other = r["cpu_workers"] - r["dev_sum"]
         fleet = r["cpu_coordinator"] + r["cpu_broker"] + r["cpu_workers"]
         share = r["dev_sum"] / fleet if fleet > 0 else float("nan")
+        served = r["cpu_coordinator"] + r["cpu_broker"] + r["dev_sum"]
+        ceiling = r["dev_sum"] / served if served > 0 else float("nan")
         print(f"{s['broker']:>9s} {s['n']:4d} {r['cpu_coordinator']:11.2f} {r['cpu_broker']:7.2f} "
               f"{r['cpu_workers']:7.2f} {r['cpu_workers_sys']:6.2f} {r['dev_sum']:9.2f} {other:11.2f} "
               f"{(r['cpu_coordinator'] + r['cpu_broker'] + other) / s['n'] * 1e3:13.1f} {share:11.1%} "
-              f"{r['other']:11.2f}  "
+              f"{ceiling:7.1%} {r['other']:11.2f}  "
               f"{' '.join(f'{w:.2f}' for w in r['walls'])}")
     idle = [s for s in summaries if s["idle_cpu"]]
     if idle:
