@@ -2,7 +2,8 @@
 
 `MosquittoBroker` runs mosquitto with a config generated from the fleet: one loopback listener (optionally
 TLS), a hashed password per device and an ACL that confines each device to its own topics of the protocol's
-kinds (edgefil.topics), plus optional read-only observer accounts (a dashboard, a test's watcher):
+kinds (edgefil.topics), plus optional read-only observer accounts (a dashboard, a test's watcher) that read
+the protocol's metadata and, where the operator says so, what carries learning:
 
     device -> coordinator   edgefil/<fleet>/dev/<device_id>/<kind>   device writes its own, coordinator reads
     coordinator -> device   edgefil/<fleet>/to/<device_id>/<kind>    device reads its own, coordinator writes
@@ -140,6 +141,7 @@ class MosquittoBroker:
         max_packet_bytes: int = 2 * 1024 * 1024,
         persistence: bool = False,
         observers: Mapping[str, str] | None = None,
+        observers_read_learning: bool = False,
         require_certificate: bool = False,
         queued_per_device: int = QUEUED_PER_DEVICE,
     ) -> None:
@@ -159,6 +161,7 @@ class MosquittoBroker:
             if name in self._devices:
                 raise ValueError(f"{name!r} is both a device and an observer")
             self._observers[name] = password
+        self.observers_read_learning = observers_read_learning
         if max_packet_bytes < 1024:
             raise ValueError("max_packet_bytes below 1 KiB leaves no room for a CONNECT")
         self.host = host
@@ -204,7 +207,11 @@ class MosquittoBroker:
 
     def _acl(self) -> str:
         """Exactly the protocol's topics (edgefil.topics): a device writes its own four kinds and reads its own
-        and the broadcast ones, nothing under the fleet's prefix besides; observers read everything."""
+        and the broadcast ones, nothing under the fleet's prefix besides. Observers read the protocol's metadata
+        (every kind but `topics.CARRY_LEARNING`: registrations, statuses, round messages, requests, notices, the
+        end); what carries learning (updates, models, method payloads) only where `observers_read_learning` is
+        set, an operator's explicit choice: whoever holds an observer's password then reads every device's
+        updates, from which training samples can be reconstructed (docs/security.md, "Who reads what")."""
         p = self.prefix
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
         for device_id in sorted(self._devices):
@@ -213,8 +220,17 @@ class MosquittoBroker:
             lines += [f"topic read {p}/{topics.TO_DEVICE}/{device_id}/{kind}" for kind in topics.DEVICE_RECEIVES]
             lines += [f"topic read {p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS]
             blocks.append("\n".join(lines) + "\n")
+        if self.observers_read_learning:
+            readable = [f"{p}/#"]
+        else:
+            readable = [f"{p}/{topics.FROM_DEVICE}/+/{kind}" for kind in topics.DEVICE_SENDS
+                        if kind not in topics.CARRY_LEARNING]
+            readable += [f"{p}/{topics.TO_DEVICE}/+/{kind}" for kind in topics.DEVICE_RECEIVES
+                         if kind not in topics.CARRY_LEARNING]
+            readable += [f"{p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS
+                         if kind not in topics.CARRY_LEARNING]
         for observer in sorted(self._observers):
-            blocks.append(f"user {observer}\ntopic read {p}/#\n")
+            blocks.append("\n".join([f"user {observer}", *(f"topic read {t}" for t in readable)]) + "\n")
         return "\n".join(blocks)
 
     def _write_passwords(self, path: Path) -> None:

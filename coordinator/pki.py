@@ -1,6 +1,7 @@
 """TLS material for a fleet's broker, and `edgefil credentials`: everything a deployment needs in one folder.
 
     edgefil credentials --fleet lab --devices dev-0,dev-1 --host broker.lan --out secrets/lab [--client-certs]
+        [--observer-reads-learning]
 
 writes, into `--out` (private files 0600):
 
@@ -10,8 +11,10 @@ writes, into `--out` (private files 0600):
                                     (coordinator/broker.py writes them, as for a simulated fleet)
     coordinator.toml                the coordinator's [broker] table (username, password, cafile; with
                                     --client-certs its certificate, devices/coordinator.crt and .key)
-    observer.toml                   a read-only account on the fleet's topics, with `fleet`: for `edgefil watch
-                                    --config observer.toml` (with --client-certs its certificate too)
+    observer.toml                   a read-only account on the fleet's protocol metadata (registrations, statuses,
+                                    rounds, requests; with --observer-reads-learning the updates, models and
+                                    method payloads too), with `fleet`: for `edgefil watch --config
+                                    observer.toml` (with --client-certs its certificate too)
     devices/<id>.toml               each device's [broker] table; with --client-certs also devices/<id>.crt, .key
     devices/ca.crt                  a copy of the CA's certificate: devices/ holds all a device needs
 
@@ -126,10 +129,11 @@ def _broker_table(path: Path, host: str, port: int, username: str, password: str
 
 
 def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts: Sequence[str], port: int = 8883,
-                            bind: str = "0.0.0.0", client_certs: bool = False, days: int = DEFAULT_DAYS
-                            ) -> MosquittoBroker:
+                            bind: str = "0.0.0.0", client_certs: bool = False, days: int = DEFAULT_DAYS,
+                            observer_reads_learning: bool = False) -> MosquittoBroker:
     """Everything the module docstring lists; the broker object whose files were written (its `start()` runs
-    mosquitto with them)."""
+    mosquitto with them). `observer_reads_learning`: the observer reads updates, models and method payloads too,
+    not only the protocol's metadata (`MosquittoBroker`)."""
     topics.check_name(fleet, "fleet")
     if OBSERVER in devices:
         raise ValueError(f"{OBSERVER!r} is the observer's account: choose another device id")
@@ -142,7 +146,8 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
     coordinator = Credentials("coordinator", _password_in(out / "coordinator.toml") or generate_password())
     observer = Credentials(OBSERVER, _password_in(out / "observer.toml") or generate_password())
     broker = MosquittoBroker(out, fleet, passwords, coordinator, host=bind, port=port, tls=tls,
-                             require_certificate=client_certs, observers={observer.username: observer.password})
+                             require_certificate=client_certs, observers={observer.username: observer.password},
+                             observers_read_learning=observer_reads_learning)
     broker.write_config()
     coordinator_cert = None
     if client_certs:
@@ -169,7 +174,7 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
 def _run(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     broker = write_fleet_credentials(Path(args.out), args.fleet, devices, args.host, args.port, args.bind,
-                                     args.client_certs, args.days)
+                                     args.client_certs, args.days, args.observer_reads_learning)
     print(f"wrote TLS material, mosquitto's files and {len(devices)} device tables to {broker.workdir}\n"
           f"  broker:      mosquitto -c {broker.conf_path}\n"
           f"  coordinator: copy the [broker] table of coordinator.toml into its config (with ca.crt beside it)\n"
@@ -191,4 +196,9 @@ def add_credentials_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--bind", default="0.0.0.0", help="the address mosquitto listens on")
     parser.add_argument("--client-certs", action="store_true", help="also require a client certificate per device")
     parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help="how long certificates are valid")
+    parser.add_argument("--observer-reads-learning", action="store_true",
+                        help="let observer.toml's account read the devices' updates, the models and the methods' "
+                             "payloads too (by default it reads the protocol's metadata only: whoever holds it could "
+                             "otherwise reconstruct training samples from the updates); each run writes the ACL "
+                             "anew, so the flag holds for the run that gives it")
     parser.set_defaults(run=_run)

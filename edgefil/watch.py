@@ -2,8 +2,10 @@
 
 For people used to `mosquitto_sub`: the payloads are msgpack and the weights come in chunks, so this subscribes to
 the fleet's topics (an observer account: read-only on the fleet, `edgefil credentials` and a simulated fleet write
-its `observer.toml`) and prints who sent what: registrations, statuses, round messages, updates and blobs (once per
-blob, at its first chunk, with its size and chunk count), requests, answers, notices. A message the protocol's gate
+its `observer.toml`) and prints who sent what: registrations, statuses, round messages, requests, notices, and, where
+the account may read them (`--observer-reads-learning`; by default the observer reads the protocol's metadata only,
+docs/security.md "Who reads what"), updates and blobs (once per blob, at its first chunk, with its size and chunk
+count) and answers. A message the protocol's gate
 would refuse (not msgpack, a field of the wrong type, a bad chunk checksum) is printed as refused with the gate's
 one reason. Retained messages (the registrations and statuses the broker holds) are marked as such.
 

@@ -231,7 +231,8 @@ class Fleet:
         broker: MosquittoBroker | EmbeddedBroker = (
             MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
                             Credentials("coordinator", self.coordinator_password), tls=tls, host=host,
-                            observers={OBSERVER: self.observer_password})
+                            observers={OBSERVER: self.observer_password},
+                            observers_read_learning=self.config.observer_reads_learning)
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()

@@ -13,6 +13,9 @@
                                    # WARNING, only where mosquitto is missing)
     tls = false                    # the broker's listener uses TLS (a CA and certificate made in out/broker/tls;
                                    # mosquitto only)
+    observer_reads_learning = false  # broker/observer.toml's account (edgefil watch) reads updates, models and
+                                   # method payloads too, not only the protocol's metadata (docs/security.md,
+                                   # "Who reads what"; the embedded broker has no accounts: anyone reads all)
     scenario = {preset = "digits-class"}     # n_clients: the shares the data are split into (left out: `devices`);
                                    # device k holds share k, so more shares than devices leave some unused
     profiles = {raspberry-pi-4-4gb = 6, jetson-nano = 4}   # emulated devices by profile (counts sum to
@@ -84,6 +87,7 @@ class FleetConfig:
     seed: int = 0
     broker: str = "auto"
     tls: bool = False
+    observer_reads_learning: bool = False
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     store: StoreSettings | None = None  # None: M binds (the scenario's `binding_budget`: a quarter of old data)
     # portable: a worker's devices share each graph's session (edge_client/trainers/portable.py), so a device

@@ -22,7 +22,7 @@ from coordinator.broker import (
     generate_password,
     mosquitto_path,
 )
-from edgefil.topics import DEVICE_SENDS, device_subscriptions
+from edgefil.topics import BROADCASTS, CARRY_LEARNING, DEVICE_RECEIVES, DEVICE_SENDS, device_subscriptions
 from edgefil.topics import prefix as topic_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -413,3 +413,36 @@ def test_the_embedded_broker_stays_on_loopback_unless_told_and_warns_beyond_it(c
         pass
     said = [r for r in caplog.records if "NO authentication" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING"], said
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("reads_learning", [False, True])
+def test_an_observer_reads_the_protocols_metadata_and_what_carries_learning_only_when_let(
+        tmp_path, passwords, peers, reads_learning):
+    """By default the observer account (`edgefil watch`) reads registrations, statuses, requests, rounds, notices
+    and the end, and none of the updates, models and method payloads (`topics.CARRY_LEARNING`), not even
+    subscribed to by name; with `observers_read_learning` it reads them all."""
+    observer = Credentials("observer", generate_password())
+    with make_broker(tmp_path / "broker", passwords, observers={observer.username: observer.password},
+                     observers_read_learning=reads_learning) as broker:
+        watcher = Peer(broker.address, observer.username, observer.password)
+        assert not watcher.connect().is_failure
+        try:
+            watcher.subscribe(f"{P}/#")
+            watcher.subscribe(f"{P}/dev/dev-a/update")
+            coordinator = peers(broker.address, "coordinator")
+            device = peers(broker.address, "dev-a")
+            sent = [f"{P}/dev/dev-a/{kind}" for kind in DEVICE_SENDS]
+            for topic in sent:
+                device.publish(topic, b"from a")
+            sent += [f"{P}/to/dev-a/{kind}" for kind in DEVICE_RECEIVES]
+            sent += [f"{P}/all/{kind}" for kind in BROADCASTS]
+            for topic in sent[len(DEVICE_SENDS):]:
+                coordinator.publish(topic, b"from the coordinator")
+            assert watcher.expect(f"{P}/all/end")  # the last one: the others would have come first
+            time.sleep(QUIET)
+        finally:
+            watcher.close()
+    metadata = [t for t in sent if t.rsplit("/", 1)[1] not in CARRY_LEARNING]
+    assert set(metadata) >= {f"{P}/dev/dev-a/register", f"{P}/dev/dev-a/status", f"{P}/to/dev-a/round"}
+    assert sorted(set(watcher.topics())) == sorted(sent if reads_learning else metadata)

@@ -229,6 +229,21 @@ def test_without_mosquitto_the_fleet_falls_back_to_the_embedded_broker_and_says_
         tls._start_broker()
 
 
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+@pytest.mark.parametrize("reads_learning", [False, True])
+def test_the_fleet_files_observer_reads_what_carries_learning_only_when_it_says_so(tmp_path, reads_learning):
+    config = fleet_module.FleetConfig(name="mini", out=tmp_path, devices=2, scenario={"preset": "digits-class"},
+                                      broker="mosquitto", observer_reads_learning=reads_learning)
+    broker = fleet_module.Fleet(config)._start_broker()
+    try:
+        acl = (tmp_path / "broker" / "acl").read_text()
+    finally:
+        broker.stop()
+    observer = acl.split("user observer\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert ("topic read edgefil/mini/#" in observer) == reads_learning
+    assert "topic read edgefil/mini/dev/+/status" in observer or reads_learning
+
+
 def test_the_coordinator_takes_the_cores_the_workers_leave(monkeypatch):
     """OpenMP threads spin-wait on an oversubscribed host, so a fleet's coordinator runs on the cores its worker
     processes leave (at least one), and torch's own setting comes back afterwards."""

@@ -151,15 +151,23 @@ def test_a_tls_failure_names_its_cause_at_once(tmp_path):
 def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists(tmp_path):
     out, port = tmp_path / "secrets", free_port()
 
-    def credentials(devices: str) -> None:
+    def credentials(devices: str, *more: str) -> None:
         subprocess.run([sys.executable, "-m", "edgefil.cli", "credentials", "--fleet", "lab", "--devices", devices,
                         "--host", "127.0.0.1", "--host", "localhost", "--bind", "127.0.0.1", "--port", str(port),
-                        "--out", str(out), "--client-certs"], check=True, capture_output=True, cwd=ROOT)
+                        "--out", str(out), "--client-certs", *more], check=True, capture_output=True, cwd=ROOT)
+
+    def observer_reads() -> list[str]:
+        block = (out / "acl").read_text().split("user observer\n", 1)[1].split("\n\n", 1)[0]
+        return [line.removeprefix("topic read ") for line in block.splitlines()]
 
     def table(path: Path) -> BrokerSettings:
         return build(BrokerSettings, tomllib.loads(path.read_text())["broker"], Where(str(path)), base=path.parent)
 
     credentials("dev-0,dev-1")
+    assert observer_reads() == ["edgefil/lab/dev/+/register", "edgefil/lab/dev/+/status", "edgefil/lab/dev/+/request",
+                                "edgefil/lab/to/+/round", "edgefil/lab/to/+/notice", "edgefil/lab/all/end"]
+    credentials("dev-0,dev-1", "--observer-reads-learning")  # the operator's explicit choice
+    assert observer_reads() == ["edgefil/lab/#"]
     first = {p.name: p.read_bytes() for p in [out / "ca.crt", out / "server.crt", out / "devices" / "dev-0.toml"]}
     credentials("dev-0,dev-1,dev-2")  # one more device later: what exists stays
     assert {p: (out / ("devices/" if p.endswith("toml") else "") / p).read_bytes() for p in first} == first
