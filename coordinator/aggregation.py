@@ -8,6 +8,10 @@ aggregates them. It holds at most `max_held_mib` (the coordinator file) of updat
 that is refused, counted as `held-limit` and logged, rather than let the coordinator's memory grow with the fleet
 (the first update of a round is always taken).
 
+Under central differential privacy (coordinator/privacy.py) each update's change is clipped as it comes, before
+the guard and the rule, and weighs the same as every other; the rule's result is then released with noise over the
+round's selected count.
+
 Updates that arrive in the later attempt of a round that missed its quorum go into the same aggregation: they
 answer the same global model.
 
@@ -22,7 +26,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
+from coordinator.privacy import CentralPrivacy
 from coordinator.reference import ClassReference
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
 from coordinator.strategies.base import OUTSIDE_A_RUN
@@ -58,10 +63,11 @@ class RoundAggregate:
     def __init__(self, strategy: ContainedStrategy, bounds: GuardSettings, global_weights: np.ndarray,
                  counters: Counter[str], max_held_bytes: int, ctx: RoundContext = OUTSIDE_A_RUN,
                  reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
-                 heads: HeadLayout | None = None) -> None:
+                 heads: HeadLayout | None = None, privacy: CentralPrivacy | None = None) -> None:
         """`ctx`: the round, as the rule sees it; `reference`: the guard's calibration reference (None: none);
         `path`: where the fleet's global model has been, as far as the guard's bounds ask; `heads`: the model's
-        head layout, for the guard's row bound (None: none)."""
+        head layout, for the guard's row bound (None: none); `privacy`: central DP's clip and release (None:
+        off)."""
         self.strategy = strategy
         self.bounds = UpdateBounds.of(bounds)
         self.global_weights = global_weights
@@ -71,6 +77,9 @@ class RoundAggregate:
         self.reference = reference
         self.path = path
         self.heads = heads
+        self.privacy = privacy
+        self.privacy_spent: dict[str, float] = {}  # what the round's history entry keeps of a DP release
+        self._from_devices = 0  # updates `add` took (a round the host trained alone releases nothing of devices')
         self.number = ctx.round
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
@@ -89,6 +98,10 @@ class RoundAggregate:
     def add(self, update: ClientUpdate) -> None:
         started = time.perf_counter()
         try:
+            self._from_devices += 1
+            if self.privacy is not None:  # clipped first: the guard and the rule see what the noise covers
+                update = replace(update, weights=self.privacy.clip(update.weights, self.global_weights),
+                                 num_samples=1)
             if self._stream is not None:
                 self._stream.add(update)
             else:
@@ -106,13 +119,20 @@ class RoundAggregate:
         else:
             self._trusted.append(update)
 
-    def close(self, wait: Callable[[float], None] | None = None) -> AggregateResult | None:
+    def close(self, wait: Callable[[float], None] | None = None, selected: int = 0, eligible: int = 0
+              ) -> AggregateResult | None:
         """The rule's result for the round; None when it failed on it or used no update (counted and logged). A rule
         that finishes its round off the loop (`Pending`) is waited for with `wait(seconds)`, the coordinator's
-        message pump."""
+        message pump. Under central DP the result is the released model: `selected` devices of `eligible` were
+        asked for an update this round."""
         started = time.perf_counter()
         try:
             result = self._result(wait)
+            if result is not None and self.privacy is not None and self._from_devices:
+                weights, self.privacy_spent = self.privacy.release(
+                    self.global_weights, result.global_weights.detach().cpu().numpy(), len(self.used), selected,
+                    selected / eligible)
+                result.global_weights = torch.from_numpy(weights)
         finally:
             self.seconds += time.perf_counter() - started
         if result is not None:

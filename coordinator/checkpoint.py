@@ -50,6 +50,7 @@ class RoundEntry(TypedDict, total=False):
     bytes_sent: int  # the coordinator's traffic up to the round's end
     bytes_received: int
     refusals: dict[str, int]  # what the gate and the round refused during the round, by reason
+    privacy: dict[str, float]  # central DP: the round's sampling rate and the run's epsilon after it (privacy.py)
 
 
 @dataclass

@@ -56,6 +56,9 @@
                 collapse_drop = 0.5
     [client]    sent to devices in every round: epochs, lr, answer_wait_s, known_classes, mask_seen_classes
                 (each optional)
+    [privacy]   central differential privacy (coordinator/privacy.py): mode = "off" | "central", clip_norm = 1.0,
+                noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none; else the run ends before a
+                round that would pass it), accountant = "rdp" | "pld"
     [host]      a task the host learns itself (coordinator/host_training.py): epochs = 20, lr = 0.05,
                 momentum = 0.9, batch_size = 32, seed = 0
 
@@ -76,6 +79,7 @@ from coordinator.checkpoint import CheckpointPolicy
 from coordinator.guard_settings import GuardSettings
 from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
+from coordinator.privacy import PrivacySettings
 from edgefil.link import BrokerSettings
 from edgefil.metrics import LAST_ROUNDS
 from edgefil.settings import Where, build, load_toml
@@ -111,6 +115,7 @@ class CoordinatorConfig:
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     client: Mapping[str, Any] = field(default_factory=dict)
     host: HostTraining = HostTraining()
+    privacy: PrivacySettings = PrivacySettings()
 
     def __post_init__(self) -> None:
         check_name(self.fleet, "fleet")
@@ -141,6 +146,7 @@ class CoordinatorConfig:
             "deadline_s": self.deadline_s, "train_tasks": self.train_tasks, "devices": len(self.devices),
             "last_rounds": self.last_rounds,
             "client": dict(self.client), "guard": dataclasses.asdict(self.guard),
+            "privacy": dataclasses.asdict(self.privacy),
         }
 
     @classmethod
@@ -157,7 +163,7 @@ class CoordinatorConfig:
         # without it, so a typo elsewhere is refused at once)
         from coordinator.strategies import check_strategy
 
-        check_strategy(config.strategy, where.inner("strategy"))
+        check_strategy(config.strategy, where.inner("strategy"), config.privacy)
         return dataclasses.replace(config, client={k: v for k, v in vars(client).items() if v is not None})
 
     @classmethod

@@ -130,6 +130,9 @@ class RunRecord:
             "forgetting": forgetting(square) if square is not None else 0.0,
             "backward_transfer": backward_transfer(square) if square is not None else 0.0,
             **self._iaa_summary(),
+            # central DP: epsilon at the settings' delta after the last round released (None: no DP release yet)
+            "epsilon": next((entry["privacy"]["epsilon"] for entry in reversed(state.history) if "privacy" in entry),
+                            None),
             "counters": dict(self.counters),
             "device_errors": self.roster.errors(),
             "without_data": sorted(self.roster.without_data),  # online devices that said they hold no data yet

@@ -61,12 +61,13 @@ from coordinator.inbox import Inbox, Registration, Request, Status, Update, Upda
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
+from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, rule_refused
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
-from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext, make_strategy
+from coordinator.strategies import STRATEGIES, AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, ConnectionRefused, Link
@@ -92,6 +93,10 @@ class Coordinator:
         (round, task, accuracy, ...) once the round is checkpointed."""
         self.config = config
         self.progress = progress
+        rule = config.strategy["name"]
+        refused = rule_refused(config.privacy, rule, STRATEGIES.get(rule).mean_of_updates)
+        if refused is not None:  # a program's settings (a file's were refused as it was read)
+            raise ValueError(f"[privacy] {refused}")
         self.manifest = load_manifest(config.artifacts)
         if test_sets is None:
             if config.test_data is None:
@@ -122,6 +127,8 @@ class Coordinator:
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
+        self.privacy = CentralPrivacy(config.privacy, self.state.history) if config.privacy.central else None
+        self._eligible = 0  # the devices the round's selection drew from (central DP's sampling rate)
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
         self.roster = Roster(config.devices)
@@ -196,6 +203,9 @@ class Coordinator:
         except KeyboardInterrupt:
             self.record.outcome = "stopped"
             raise
+        except PrivacyBudgetSpent as err:  # what it was told: not a failure
+            self.record.outcome = f"privacy-budget: {err}"
+            log.warning("the run ends at its privacy budget: %s", err)
         except Exception as err:
             self.record.outcome = f"failed: {type(err).__name__}: {err}"
             raise
@@ -241,7 +251,7 @@ class Coordinator:
         self._context = ctx = self.round_context()
         self._aggregate = aggregate = RoundAggregate(
             self.strategy, self.config.guard, self.state.weights, self.counters, self.config.max_held_mib << 20, ctx,
-            self.reference(ctx), self.path(), self._heads)
+            self.reference(ctx), self.path(), self._heads, self.privacy)
         try:
             host = self.data.host_train(task)
             if host is not None:
@@ -302,7 +312,11 @@ class Coordinator:
 
     def _run_attempts(self, number: int, task: int, aggregate: RoundAggregate) -> None:
         for attempt in range(1, self.config.max_attempts + 1):
-            selected = select(self._wait_for_devices(), self.config.fraction, self.config.min_clients, self.rng)
+            available = self._wait_for_devices()
+            selected = select(available, self.config.fraction, self.config.min_clients, self.rng)
+            self._eligible = len(available)
+            if self.privacy is not None:  # before anything is sent: a round past the budget is not run
+                self.privacy.check_budget(len(selected) / len(available))
             collected = self._open(number, task, selected, self._last_attempt)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())
@@ -380,7 +394,7 @@ class Coordinator:
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
-        result = aggregate.close(wait=self._pump)
+        result = aggregate.close(wait=self._pump, selected=len(collected.selected), eligible=self._eligible)
         weights, refused, accuracies = self._judge(result, collected.task)
         used = aggregate.used
         state = self.state
@@ -403,6 +417,7 @@ class Coordinator:
                 metrics={u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
                 **({"rule_metrics": result.metrics} if result is not None and result.metrics else {}),
                 **({"refused": refused} if refused else {}),
+                **({"privacy": aggregate.privacy_spent} if aggregate.privacy_spent else {}),
                 **self._client_evaluation(collected.task),
             ))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)

@@ -42,7 +42,7 @@
                                                                          unless it is given)
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
-                   train_tasks, device                                   (the coordinator file's keys)
+                   train_tasks, device, [coordinator.privacy]            (the coordinator file's keys)
     [ray]          address (a running cluster; left out: Ray on this machine), max_restarts (5)
     [adversary]    attack = "sign-flip" (firmware_sim/adversary.py), devices = 1: the last devices are compromised,
                    to see what the coordinator's settings withstand (none by default)
@@ -183,7 +183,7 @@ class FleetConfig:
 
         where = Where(file)
         scenario = self.check_tables(file)
-        check_strategy(self.strategy, where.inner("strategy"))
+        check_strategy(self.strategy, where.inner("strategy"), self.coordinator_options(file).get("privacy"))
         try:
             data = scenario.build()
             model_fits(self.model, data.num_classes, data.input_shape, self.model_args)

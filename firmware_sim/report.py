@@ -216,6 +216,18 @@ def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
     return kind.setting(recorded), lambda t: kind.task_label(recorded, t)
 
 
+def _privacy_rows(results: Mapping[str, Any]) -> list[list[Any]]:
+    """Central DP's spend (coordinator/privacy.py): epsilon at the run's delta, and its budget; none without DP."""
+    privacy = results.get("settings", {}).get("privacy", {})
+    if privacy.get("mode") != "central":
+        return []
+    epsilon = results.get("epsilon")
+    budget = privacy.get("epsilon_budget") or "none"
+    return [["privacy (central DP)", f"epsilon {'—' if epsilon is None else f'{epsilon:.3f}'} at delta "
+             f"{privacy.get('delta')}; budget {budget}; clip {privacy.get('clip_norm')}, noise multiplier "
+             f"{privacy.get('noise_multiplier')}"]]
+
+
 def _devices_markdown(s: Mapping[str, Any]) -> str:
     """One row per device: its profile and state at the end (the roster's, where the run has one), its peak store
     against its budget, its traffic, and the last reason it gave for not training."""
@@ -293,6 +305,7 @@ def _summary_markdown(label: str, results: Mapping[str, Any], s: Mapping[str, An
         ["coordinator traffic (sent / received)",
          f"{_bytes(results.get('bytes_sent'))} / {_bytes(results.get('bytes_received'))}"],
         ["reconnects", results.get("reconnects", "—")],
+        *_privacy_rows(results),
     ])
     acc = s["accuracy_matrix"]
     names = _described(sc)[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser import CHROMEDRIVER, CHROMIUM, browser, wait_for
 from fleet_harness import default_signals
 
 from coordinator.broker import mosquitto_path
@@ -25,7 +25,6 @@ from models.export import export_registered
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = ROOT / "runs" / "test-screenshots"
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 
 FLEET = """
@@ -213,31 +212,6 @@ def test_a_dashboard_that_cannot_listen_leaves_the_run_alone(tmp_path, caplog):
         assert "the run goes on without it" in caplog.text
     finally:
         first.server.server_close()
-
-
-def browser(tmp_path: Path):  # noqa: ANN201 (selenium's driver)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1400,1500", f"--user-data-dir={tmp_path / 'chromium'}"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
-def wait_for(condition, timeout: float, what: str):  # noqa: ANN001, ANN201
-    """Poll `condition` until it returns something true (its value); fail naming `what` after `timeout`, which is a
-    ceiling for a stuck run, not a measure of speed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"the dashboard never showed {what} within {timeout:.0f} s")
 
 
 @pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from coordinator.privacy import PrivacySettings, rule_refused
 from coordinator.strategies.base import (
     STRATEGIES,
     AggregateResult,
@@ -29,13 +30,17 @@ def strategy_names() -> list[str]:
     return STRATEGIES.names()
 
 
-def check_strategy(raw: Mapping[str, Any], where: Where) -> dict[str, Any]:
-    """A `[strategy]` table checked: `name` (a registered rule) and its options against the rule's constructor."""
+def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySettings | None = None) -> dict[str, Any]:
+    """A `[strategy]` table checked: `name` (a registered rule), its options against the rule's constructor, and
+    whether `privacy` (the coordinator's [privacy]) can run with it."""
     name = raw.get("name")
     if not isinstance(name, str) or name not in strategy_names():
         problem = "missing (required)" if name is None else f"unknown strategy {name!r}"
         raise where.error("name", f"{problem}; choose one of {', '.join(strategy_names())}")
     options = check_options(STRATEGIES.get(name), raw, where, skip=("device", "manifest"), also=("name",))
+    refused = None if privacy is None else rule_refused(privacy, name, STRATEGIES.get(name).mean_of_updates)
+    if refused is not None:
+        raise where.error("name", f"[privacy] {refused}")
     return {"name": name, **options}
 
 

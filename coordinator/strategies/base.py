@@ -158,6 +158,10 @@ class Strategy(ABC):
     (the model's, for rules that run models; `make_strategy` always passes it)."""
 
     name: ClassVar[str]
+    # Whether the global model is the (weighted) mean of the updates' weights and nothing else of them is used or
+    # sent on (no attachment, no personalized model, no payload): what central DP's noise is calibrated to
+    # (coordinator/privacy.py), which refuses every other rule.
+    mean_of_updates: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         self.manifest = manifest

@@ -61,6 +61,7 @@ class WeightedFold(Fold):
 
 class FedAvg(Strategy):
     name = "fedavg"
+    mean_of_updates = True  # a subclass that reads attachments or aggregates otherwise says False
 
     def __init__(
         self, weighted: bool = True, device: torch.device | str = "auto", manifest: Manifest | None = None

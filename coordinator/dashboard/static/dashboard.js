@@ -65,6 +65,11 @@ function drawProgress(run) {
   const text = document.getElementById("progress-text");
   let line = "round " + run.rounds_completed + " done · step " + done + " of " + total;
   if (run.eta_s !== null && run.eta_s !== undefined && run.outcome === "running") line += " · ETA " + duration(run.eta_s);
+  const privacy = (run.settings || {}).privacy;
+  if (run.epsilon !== null && run.epsilon !== undefined && privacy) {  // central DP (coordinator/privacy.py)
+    line += " · ε " + run.epsilon.toFixed(2) + " at δ " + privacy.delta;
+    if (privacy.epsilon_budget) line += " of a budget of " + privacy.epsilon_budget.toFixed(2);
+  }
   text.textContent = line;
   text.dataset.done = done;
   text.dataset.total = total;

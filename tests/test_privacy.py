@@ -1,0 +1,168 @@
+"""Central differential privacy (coordinator/privacy.py): the accountant against the Gaussian mechanism's exact
+epsilon, clipping and noise where and in the order the docs say (by hand on a toy round), the run that ends at its
+budget (its report, and its dashboard in a real browser, saying what it spent), and a rule the noise would not cover refused in
+one line."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from browser import CHROMEDRIVER, CHROMIUM, browser, wait_for
+from scipy.optimize import brentq
+from scipy.stats import norm
+from thread_fleet import ThreadFederation
+
+from coordinator.aggregation import RoundAggregate
+from coordinator.broker import mosquitto_path
+from coordinator.containment import ContainedStrategy
+from coordinator.dashboard import Dashboard
+from coordinator.guard import UpdateBounds
+from coordinator.privacy import Accountant, CentralPrivacy, PrivacySettings
+from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext
+from coordinator.strategies.fedavg import FedAvg
+from edgefil.settings import ConfigError
+from firmware_sim.fleet_config import FleetConfig
+from firmware_sim.report import write_report
+
+
+def exact_gaussian_epsilon(mu: float, delta: float) -> float:
+    """The Gaussian mechanism of sensitivity 1 and noise sd 1 / mu is exactly (epsilon, delta)-DP for the epsilon
+    that solves delta = Phi(mu/2 - epsilon/mu) - e^epsilon Phi(-mu/2 - epsilon/mu) (Balle and Wang 2018, Thm 8);
+    T rounds of noise multiplier sigma without sampling compose to mu = sqrt(T) / sigma (Dong, Roth, Su 2019)."""
+    def gap(epsilon: float) -> float:
+        return norm.cdf(mu / 2 - epsilon / mu) - math.exp(epsilon) * norm.cdf(-mu / 2 - epsilon / mu) - delta
+    return brentq(gap, 0.0, 100.0)
+
+
+@pytest.mark.parametrize(("sigma", "rounds"), [(1.0, 10), (4.0, 100)])
+def test_the_accountants_epsilon_for_the_gaussian_mechanism_is_its_exact_one_or_just_above(sigma, rounds):
+    exact = exact_gaussian_epsilon(math.sqrt(rounds) / sigma, 1e-5)
+    by = {}
+    for kind in ("pld", "rdp"):
+        accountant = Accountant(PrivacySettings(mode="central", noise_multiplier=sigma, accountant=kind))
+        accountant.add(1.0, rounds)
+        by[kind] = accountant.epsilon()
+    print(f"\nsigma {sigma}, {rounds} rounds: exact {exact:.4f}, PLD {by['pld']:.4f}, RDP {by['rdp']:.4f}")
+    assert by["pld"] == pytest.approx(exact, rel=0.01)  # PLD is tight
+    assert exact <= by["rdp"] <= 1.35 * exact  # RDP is an upper bound, and not a loose one
+
+
+def test_sampling_spends_less_and_the_rounds_add_up():
+    settings = PrivacySettings(mode="central", noise_multiplier=1.0)
+    whole, sampled = Accountant(settings), Accountant(settings)
+    whole.add(1.0, 20)
+    sampled.add(0.1, 20)
+    assert sampled.epsilon() < whole.epsilon()
+    assert sampled.epsilon(extra_rate=0.1) > sampled.epsilon()  # one more round costs
+    one_by_one = Accountant(settings)
+    for _ in range(20):
+        one_by_one.add(0.1)
+    assert one_by_one.epsilon() == pytest.approx(sampled.epsilon())
+
+
+class Seeing(FedAvg):
+    """FedAvg that holds the round and keeps what it was given (the guard's output, the noise's input)."""
+
+    name = "test-seeing"
+    seen: list[ClientUpdate] = []
+
+    def fold(self, global_weights: torch.Tensor) -> None:
+        return None
+
+    def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
+                  ctx: RoundContext = RoundContext()) -> AggregateResult:
+        type(self).seen = list(updates)
+        return super().aggregate(global_weights, updates, ctx)
+
+
+@pytest.mark.parametrize("rule", [FedAvg, Seeing])
+def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_comes_after(rule):
+    """Two of four selected devices deliver: one far (change [3, 4, 0, 0], norm 5, 100 samples), one near
+    ([0, 0, 0.3, 0.4], 1 sample). Clipped to 1 and weighed alike, their mean change is [0.3, 0.4, 0.15, 0.2]; over
+    the 4 selected it is half that; then noise of sd sigma x C / 4, drawn here from the same generator."""
+    g = np.full(4, 0.5, np.float32)
+    settings = PrivacySettings(mode="central", clip_norm=1.0, noise_multiplier=0.8)
+    privacy = CentralPrivacy(settings)
+    privacy.rng = np.random.default_rng(7)
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(rule(device="cpu"), counters), UpdateBounds.only(), g, counters,
+                               1 << 30, privacy=privacy)
+    aggregate.add(ClientUpdate("far", g + np.array([3, 4, 0, 0], np.float32), 100))
+    aggregate.add(ClientUpdate("near", g + np.array([0, 0, 0.3, 0.4], np.float32), 1))
+    result = aggregate.close(selected=4, eligible=8)
+    assert result is not None
+    noise = np.random.default_rng(7).normal(0.0, 0.8 * 1.0 / 4, size=4)
+    expected = g + np.array([0.3, 0.4, 0.15, 0.2]) / 2 + noise
+    np.testing.assert_allclose(result.global_weights.numpy(), expected, atol=1e-6)
+    if rule is Seeing:  # what the rule was given: clipped, weighed alike
+        seen = {u.device: u for u in Seeing.seen}
+        np.testing.assert_allclose(seen["far"].weights - g, [0.6, 0.8, 0, 0], atol=1e-6)
+        np.testing.assert_allclose(seen["near"].weights - g, [0, 0, 0.3, 0.4], atol=1e-6)
+        assert {u.num_samples for u in seen.values()} == {1}
+    assert aggregate.privacy_spent["sampling_rate"] == 0.5
+    assert aggregate.privacy_spent["epsilon"] == pytest.approx(privacy.accountant.epsilon())
+    assert aggregate.privacy_spent["epsilon"] > 0
+
+
+def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line(tmp_path, export_artifacts):
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+
+    base = {"fleet": "lab", "out": str(tmp_path / "run"), "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+            "devices": ["dev-0"], "scenario": {"preset": "digits-class"}}
+    with pytest.raises(ConfigError, match="privacy.*mode must be one of off, central"):
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "centrl"}})
+    refused_as = "needs a rule whose global model is the mean of the updates"
+    with pytest.raises(ConfigError, match=f"strategy.*name.*privacy.*{refused_as}.*median is not") as refused:
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": "median"}})
+    assert "\n" not in str(refused.value)
+    fleet = FleetConfig(name="lab", out=tmp_path / "fleet", devices=2, scenario={"preset": "digits-class"},
+                        strategy={"name": "median"}, coordinator={"privacy": {"mode": "central"}})
+    with pytest.raises(ConfigError, match=f"fleet config: \\[strategy\\] name: .*{refused_as}"):  # a fleet file's
+        fleet.check()
+    built = CoordinatorConfig.from_dict(base)  # and where a program builds the settings itself
+    with pytest.raises(ValueError, match=refused_as):
+        Coordinator(dataclasses.replace(built, strategy={"name": "median"},
+                                        privacy=PrivacySettings(mode="central")))
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_run_ends_at_its_privacy_budget_and_says_what_it_spent(tmp_path, export_artifacts):
+    """Every device in every round (rate 1), sigma 2: the budget lies between the epsilon of 2 rounds and of 3, so
+    the run releases 2 rounds, then ends with outcome privacy-budget, epsilon in each round and in results.json."""
+    settings = PrivacySettings(mode="central", clip_norm=1.0, noise_multiplier=2.0)
+    spent = []
+    for rounds in (2, 3):
+        accountant = Accountant(settings)
+        accountant.add(1.0, rounds)
+        spent.append(accountant.epsilon())
+    budget = sum(spent) / 2
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2) as federation:
+        results = federation.coordinator({"name": "fedavg"}, rounds_per_task=2, privacy=PrivacySettings(
+            mode="central", clip_norm=1.0, noise_multiplier=2.0, epsilon_budget=budget)).run()
+    assert results["outcome"].startswith("privacy-budget: another round would take epsilon to"), results["outcome"]
+    assert results["rounds_completed"] == 2
+    assert [entry["privacy"]["sampling_rate"] for entry in results["history"]] == [1.0, 1.0]
+    assert results["history"][0]["privacy"]["epsilon"] < results["history"][1]["privacy"]["epsilon"]
+    assert results["epsilon"] == pytest.approx(spent[0]) and results["epsilon"] <= budget
+    assert results["settings"]["privacy"]["epsilon_budget"] == budget
+    summary = write_report(federation.root / "run")[0].read_text()  # the report says it too
+    assert f"| privacy (central DP) | epsilon {results['epsilon']:.3f} at delta 1e-05; budget {budget}" in summary
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
+    dashboard = Dashboard(federation.root / "run", "127.0.0.1", 0).start()
+    driver = browser(tmp_path)
+    try:  # the page says what the run spent
+        driver.get(dashboard.url + "?refresh=200")
+        shown = wait_for(lambda: "ε" in (t := driver.find_element("id", "progress-text").text) and t, 60, "epsilon")
+        assert f"ε {results['epsilon']:.2f} at δ 0.00001 of a budget of {budget:.2f}" in shown, shown
+    finally:
+        driver.quit()
+        dashboard.stop()
