@@ -65,6 +65,16 @@ def test_sampling_spends_less_and_the_rounds_add_up():
     assert one_by_one.epsilon() == pytest.approx(sampled.epsilon())
 
 
+def test_a_resumed_run_counts_the_rounds_its_history_released():
+    settings = PrivacySettings(mode="central", noise_multiplier=1.5)
+    history = [{"round": 1, "privacy": {"sampling_rate": 0.5, "epsilon": 0.1}}, {"round": 2},  # 2: a host round
+               {"round": 3, "privacy": {"sampling_rate": 1.0, "epsilon": 0.4}}]
+    expected = Accountant(settings)
+    expected.add(0.5)
+    expected.add(1.0)
+    assert CentralPrivacy(settings, history).accountant.epsilon() == pytest.approx(expected.epsilon())
+
+
 class Seeing(FedAvg):
     """FedAvg that holds the round and keeps what it was given (the guard's output, the noise's input)."""
 
