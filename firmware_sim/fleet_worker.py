@@ -145,23 +145,27 @@ def _wait_for_stop(stop: Any, stopping: Callable[[], None] = lambda: None) -> No
     PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent is seen to have changed (every
     platform). A worker never outlives its fleet: `stopping()` is called as soon as any of these is seen, the
     signal included, so that an `ExitDeadline` counts from there even if this thread never gets out of its wait.
-    The signal handler only sets a thread event (and calls `stopping`): setting the fleet's multiprocessing Event
-    from a handler that interrupted this thread's own wait on it deadlocks."""
+    The signal handler takes no lock: it sets a plain flag, which the wait below reads every PARENT_POLL_S, and
+    calls `stopping`. Setting the fleet's multiprocessing Event from a handler that interrupted this thread's own
+    wait on it deadlocks; so did a thread Event: SIGTERM comes twice when the fleet is killed (its own, and the
+    kernel's), and the second handler, run inside the first's `Event.set`, waited for the lock the first held (a
+    worker hung, its exit deadline never armed, 12 minutes in the test of a killed fleet)."""
     # The fleet's pid as the spawn recorded it, not os.getppid() now: a fleet that died while this worker was still
     # starting (imports take seconds on a busy host) has already handed it to init, and a worker comparing against
     # that would wait forever (seen: two workers idle for 70 minutes after their fleet was killed at start-up).
     origin = mp.parent_process()
     parent = origin.pid if origin is not None and origin.pid is not None else os.getppid()
-    signalled = threading.Event()
+    signalled = False
 
     def on_sigterm(*_: object) -> None:
-        signalled.set()
-        stopping()
+        nonlocal signalled
+        signalled = True
+        stopping()  # ExitDeadline.arm: once; a handler run inside another's arms nothing twice
 
     signal.signal(signal.SIGTERM, on_sigterm)
     die_with_parent()
     try:
-        while not signalled.is_set():
+        while not signalled:
             if os.getppid() != parent:
                 logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
                 return

@@ -284,6 +284,50 @@ def test_a_worker_whose_fleet_died_while_it_started_stops(monkeypatch):
         signals.signal(signals.SIGTERM, handler)
 
 
+def test_a_sigterm_inside_the_handler_of_another_does_not_hang_the_worker():
+    """A killed fleet sends its workers SIGTERM twice (its own, and the kernel's for a dead parent). A second
+    handler, run inside the first's `threading.Event.set`, waited for the lock the first held: a worker hung for
+    12 minutes in the killed-fleet test. Here a SIGTERM lands at every line the first handler runs (a tracer sends
+    them), and the wait returns, having called `stopping`."""
+    script = """
+import multiprocessing as mp, os, signal, sys, threading
+from firmware_sim import fleet_worker
+
+def handlers_in(frame):
+    n = 0
+    while frame is not None:
+        n += frame.f_code.co_name == "on_sigterm"
+        frame = frame.f_back
+    return n
+
+def tracer(frame, event, arg):
+    def local(frame, event, arg):
+        if event == "line" and handlers_in(frame) == 1:  # inside the first handler, at each of its lines
+            os.kill(os.getpid(), signal.SIGTERM)
+        return local
+    return local
+
+def first_signal():
+    while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        threading.Event().wait(0.001)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+calls = []
+threading.Thread(target=first_signal, daemon=True).start()
+sys.settrace(tracer)
+fleet_worker._wait_for_stop(mp.get_context("spawn").Event(), lambda: calls.append(1))
+sys.settrace(None)
+print("stopping called", len(calls), "times")
+"""
+    try:  # a hung worker ignores the SIGTERM of an ordinary timeout: run's is a SIGKILL
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                              timeout=CEILING_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the worker hung in its SIGTERM handler") from None
+    assert done.returncode == 0 and "stopping called" in done.stdout, done.stderr[-2000:]
+    assert int(done.stdout.split()[-2]) >= 2  # the nested handlers ran too
+
+
 def test_a_stopping_worker_stuck_past_its_deadline_writes_its_stacks_and_ends(tmp_path):
     """ExitDeadline: a worker that cannot finish its stop (here: its main thread waits on something that never
     comes) is ended once the deadline passes, with every thread's stack in its log to show where it was stuck."""
