@@ -18,7 +18,7 @@ whatever the guard kept.
 What it protects: one device's data, all its rounds together (user-level DP), in the global models the run
 releases, at (epsilon, delta) as the accountant says. What it does not: a device's update on its way to the
 coordinator (the coordinator and the broker see it whole; secure aggregation is what hides it), and anything a
-method sends besides the weights (prototype gradients, feature statistics, generators): a rule whose global model
+method sends besides the weights (its attachments, built from the device's data): a rule whose global model
 is not the mean of its updates, or that uses their attachments, is refused under central DP
 (`Strategy.mean_of_updates`).
 
