@@ -243,6 +243,7 @@ class Job:
                    "last_rounds_n": last["rounds"],
                    "detection": dataclasses.asdict(task_detection(results["history"])),
                    "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
+                   "epsilon": results.get("epsilon"),  # central DP's spend (None without it: privacy.py)
                    "seconds": round(time.monotonic() - started, 1)}
         self.result_file.write_text(json.dumps(summary))
         return summary
