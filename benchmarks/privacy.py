@@ -38,7 +38,7 @@ def methods(sigmas: list[float], clip: float) -> dict[str, dict[str, Any]]:
                 "coordinator": {"privacy": {"mode": "central", "clip_norm": clip, "noise_multiplier": sigma}}}
 
     return {BASELINE: {"policy": RANDOM, "strategy": STRATEGY}, "clip-only": central(CLIP_ONLY_SIGMA),
-            **{f"dp-sigma-{sigma:g}": central(sigma) for sigma in sigmas}}
+            **{f"dp-sigma-{sigma:g}".replace(".", "_"): central(sigma) for sigma in sigmas}}  # names a fleet: no dot
 
 
 def main() -> None:
