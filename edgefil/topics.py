@@ -21,9 +21,9 @@ DEVICE_RECEIVES = ("round", "weights", "payload", "broadcast", "answer", "notice
 BROADCASTS = ("weights", "broadcast", "end")  # on all/<kind>
 RETAINED = frozenset({"register", "status"})
 # The kinds whose messages carry what was learned from devices' data: an update's weights and attachments (what a
-# method sends besides the weights), the global and personalised models, and the method payloads built from them. The rest is the protocol's metadata: who is there, in which state, which round
-# asks whom, what a device requests. A read-only observer reads the metadata only, unless its operator lets it read
-# these too (coordinator/broker.py).
+# method sends besides the weights), the global and personalised models, and the method payloads built from them.
+# The rest is the protocol's metadata: who is there, in which state, which round asks whom, what a device requests.
+# A read-only observer reads the metadata only, unless its operator lets it read these too (coordinator/broker.py).
 CARRY_LEARNING = frozenset({"update", "weights", "payload", "broadcast", "answer"})
 
 
