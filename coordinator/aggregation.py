@@ -124,7 +124,7 @@ class RoundAggregate:
         """The rule's result for the round; None when it failed on it or used no update (counted and logged). A rule
         that finishes its round off the loop (`Pending`) is waited for with `wait(seconds)`, the coordinator's
         message pump. Under central DP the result is the released model: `selected` devices of `eligible` were
-        asked for an update this round."""
+        asked for an update this round (by all its attempts: they feed this one aggregate)."""
         started = time.perf_counter()
         try:
             result = self._result(wait)

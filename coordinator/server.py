@@ -128,7 +128,10 @@ class Coordinator:
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
         self.privacy = CentralPrivacy(config.privacy, self.state.history) if config.privacy.central else None
-        self._eligible = 0  # the devices the round's selection drew from (central DP's sampling rate)
+        # central DP's count of the round: the devices its attempts asked (each feeds the round's one aggregate), and
+        # how many its selection drew them from
+        self._asked: set[str] = set()
+        self._eligible = 0
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
         self.roster = Roster(config.devices)
@@ -311,12 +314,14 @@ class Coordinator:
         self._close(collected, aggregate)
 
     def _run_attempts(self, number: int, task: int, aggregate: RoundAggregate) -> None:
+        self._asked, self._eligible = set(), 0
         for attempt in range(1, self.config.max_attempts + 1):
             available = self._wait_for_devices()
             selected = select(available, self.config.fraction, self.config.min_clients, self.rng)
-            self._eligible = len(available)
+            self._asked.update(selected)
+            self._eligible = max(self._eligible, len(available))
             if self.privacy is not None:  # before anything is sent: a round past the budget is not run
-                self.privacy.check_budget(len(selected) / len(available))
+                self.privacy.check_budget(min(len(self._asked) / self._eligible, 1.0))
             collected = self._open(number, task, selected, self._last_attempt)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())
@@ -394,7 +399,7 @@ class Coordinator:
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
-        result = aggregate.close(wait=self._pump, selected=len(collected.selected), eligible=self._eligible)
+        result = aggregate.close(wait=self._pump, selected=len(self._asked), eligible=self._eligible)
         weights, refused, accuracies = self._judge(result, collected.task)
         used = aggregate.used
         state = self.state
