@@ -9,7 +9,8 @@ selected devices released with Gaussian noise of sd sigma x clip / selected) at 
 meaningless). Printed per scenario: each column's final accuracy (mean ± std over the seeds, the last round and the
 last task's last rounds), epsilon at delta 1e-5 after the run (RDP, as the runs account it), and each DP column
 paired against the one without DP (paired t-test over the seeds). Every run is a fleet of its own
-(`table1.run_jobs`), a finished one read back.
+(`table1.run_jobs`), a finished one read back; a DP run draws its noise from its seed (`noise_seed`), so one seed
+gives one table on any host.
 
 The noise added to the mean has an L2 norm of about sigma x clip / selected x sqrt(parameters), against a mean
 change no longer than the clip: DP-FedAvg needs many devices a round to learn at a useful epsilon, and a small fleet
@@ -21,11 +22,12 @@ shows it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from table1 import RANDOM, STRATEGY, finals_of, plan, print_paired, print_table, run_jobs
+from table1 import RANDOM, STRATEGY, Job, finals_of, plan, print_paired, print_table, run_jobs
 
 BASELINE = "no-dp"
 CLIP_ONLY_SIGMA = 1e-4  # noise this small changes nothing measurable: the clip's own cost
@@ -39,6 +41,15 @@ def methods(sigmas: list[float], clip: float) -> dict[str, dict[str, Any]]:
 
     return {BASELINE: {"policy": RANDOM, "strategy": STRATEGY}, "clip-only": central(CLIP_ONLY_SIGMA),
             **{f"dp-sigma-{sigma:g}".replace(".", "_"): central(sigma) for sigma in sigmas}}  # names a fleet: no dot
+
+
+def seeded_noise(job: Job) -> Job:
+    """A DP column's noise drawn from the run's seed (`noise_seed`, experiments only): one seed, one table."""
+    privacy = job.options.get("coordinator", {}).get("privacy")
+    if privacy is None:
+        return job
+    coordinator = {**job.options["coordinator"], "privacy": {**privacy, "noise_seed": job.seed}}
+    return dataclasses.replace(job, options={**job.options, "coordinator": coordinator})
 
 
 def main() -> None:
@@ -61,7 +72,7 @@ def main() -> None:
     print(f"central DP: {args.devices} devices, fraction {args.fraction}, {args.rounds_per_task} rounds a task, "
           f"clip {args.clip}, seeds {seeds}")
     for scenario in args.scenarios.split(","):
-        jobs = plan(scenario, seeds, columns, Path(args.out) / scenario, args)
+        jobs = [seeded_noise(job) for job in plan(scenario, seeds, columns, Path(args.out) / scenario, args)]
         results = run_jobs(jobs, args.parallel)
         finals = print_table(f"{scenario}: final accuracy (%), mean ± std over seeds", jobs, results)
         print("  epsilon at delta 1e-5 after the run (RDP; the same for every seed):")

@@ -131,7 +131,7 @@ class RoundAggregate:
             if result is not None and self.privacy is not None and self._from_devices:
                 weights, self.privacy_spent = self.privacy.release(
                     self.global_weights, result.global_weights.detach().cpu().numpy(), len(self.used), selected,
-                    selected / eligible)
+                    selected / eligible, self.number)
                 result.global_weights = torch.from_numpy(weights)
         finally:
             self.seconds += time.perf_counter() - started

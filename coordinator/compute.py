@@ -69,6 +69,18 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
     return math.sqrt(total)
 
 
+def within_length(global_weights: np.ndarray, weights: np.ndarray, longest: float, moved: float | None = None
+                  ) -> np.ndarray:
+    """`weights` with its change from `global_weights` at most `longest` long (L2): scaled back onto it in float64
+    when longer (a new float32 array), else `weights` itself. `moved`: the change's length where the caller has it
+    (`distance`). What the guard's size bound clips to and central DP's clip (coordinator/privacy.py) both are."""
+    moved = distance(global_weights, weights) if moved is None else moved
+    if moved <= longest:
+        return weights
+    change = (weights.astype(np.float64) - global_weights) * (longest / moved)
+    return (global_weights + change).astype(np.float32)
+
+
 class RunningSum:
     """sum_k c_k w_k over float32 updates, in one float64 total on `device`: the arithmetic of a rule that folds.
 

@@ -136,7 +136,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from coordinator.compute import distance, float64_blocks
+from coordinator.compute import distance, float64_blocks, within_length
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence
 from coordinator.krum import KrumSelection
@@ -463,8 +463,7 @@ class UpdateBounds(GuardSettings):
             update = dataclasses.replace(update, num_samples=int(cap))
         if moved <= upper:
             return update
-        change = (update.weights.astype(np.float64) - global_weights) * (upper / moved)
-        return dataclasses.replace(update, weights=(global_weights + change).astype(np.float32))
+        return dataclasses.replace(update, weights=within_length(global_weights, update.weights, upper, moved))
 
     def vouched(self, global_weights: np.ndarray, update: ClientUpdate, reference: ClassReference | None,
                 typical_count: float | None = None) -> bool:

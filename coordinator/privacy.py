@@ -59,6 +59,9 @@ class PrivacySettings:
     delta: float = 1e-5  # epsilon is reported at this delta
     epsilon_budget: float = 0.0  # the run stops before a round that would pass it; 0: no budget
     accountant: str = "rdp"  # rdp | pld (dp-accounting's)
+    # Experiments only: the noise drawn from this seed, so that one seed gives one table on any host. Whoever knows
+    # it can draw the noise again and take it back out: never in a deployment (None: the OS's entropy).
+    noise_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +74,8 @@ class PrivacySettings:
             raise ValueError(f"noise_multiplier must be a positive number; got {self.noise_multiplier}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1); got {self.delta}")
+        if self.noise_seed is not None and self.noise_seed < 0:
+            raise ValueError(f"noise_seed must be >= 0 (or left out); got {self.noise_seed}")
         if not (self.epsilon_budget >= 0 and math.isfinite(self.epsilon_budget)):
             raise ValueError(f"epsilon_budget must be >= 0 (0: none); got {self.epsilon_budget}")
 
@@ -89,13 +94,6 @@ def rule_refused(settings: PrivacySettings, rule: str, mean_of_updates: bool) ->
 
 class PrivacyBudgetSpent(RuntimeError):
     """The next round would take the run past its epsilon budget: it ends here."""
-
-
-def clipped(change: np.ndarray, clip_norm: float) -> np.ndarray:
-    """`change` scaled to an L2 norm of at most `clip_norm` (a new float32 array; float64 for the norm)."""
-    norm = float(np.linalg.norm(change.astype(np.float64, copy=False)))
-    scale = 1.0 if norm <= clip_norm else clip_norm / norm
-    return (change * np.float32(scale)).astype(np.float32, copy=False)
 
 
 def released(global_weights: np.ndarray, mean_of_used: np.ndarray, used: int, selected: int, clip_norm: float,
@@ -159,6 +157,8 @@ class CentralPrivacy:
                 self.accountant.add(rate)
         # Not the run's seed: whoever knows it could take the noise back out.
         self.rng = np.random.default_rng(secrets.randbits(128))
+        if settings.noise_seed is not None:
+            log.warning("central DP: the noise comes from noise_seed (experiments only: it can be taken back out)")
 
     def check_budget(self, rate: float) -> None:
         """PrivacyBudgetSpent where a round at sampling rate `rate` would take epsilon past the budget."""
@@ -173,14 +173,19 @@ class CentralPrivacy:
 
     def clip(self, weights: np.ndarray, global_weights: np.ndarray) -> np.ndarray:
         """An update's weights with its change to the global model clipped to `clip_norm`."""
-        return global_weights + clipped(weights - global_weights, self.settings.clip_norm)
+        # here, not at the top: the config reads this module's settings before torch (which compute imports) loads
+        from coordinator.compute import within_length
+
+        return within_length(global_weights, weights, self.settings.clip_norm)
 
     def release(self, global_weights: np.ndarray, mean_of_used: np.ndarray, used: int, selected: int,
-                rate: float) -> tuple[np.ndarray, dict[str, float]]:
-        """The round's released model, and what its history entry keeps of the privacy spent."""
+                rate: float, number: int) -> tuple[np.ndarray, dict[str, float]]:
+        """Round `number`'s released model, and what its history entry keeps of the privacy spent."""
         settings = self.settings
+        # with noise_seed, each round's own stream: a resumed run draws what the whole run would have
+        rng = self.rng if settings.noise_seed is None else np.random.default_rng((settings.noise_seed, number))
         weights = released(global_weights, mean_of_used, used, selected, settings.clip_norm,
-                           settings.noise_multiplier, self.rng)
+                           settings.noise_multiplier, rng)
         self.accountant.add(rate)
         epsilon = self.accountant.epsilon()
         log.info("central DP: round released with noise sd %.3g (%d of %d selected used); epsilon %.3f at delta %g",

@@ -119,6 +119,21 @@ def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_come
     assert aggregate.privacy_spent["epsilon"] > 0
 
 
+def test_a_noise_seed_gives_each_round_its_own_noise_again_in_any_process():
+    """`noise_seed` (experiments): the same round's release is the same from a fresh accountant (a resumed run, a
+    rerun of the table), another round's is not; without it two releases of one round differ."""
+    g, mean = np.zeros(50, np.float32), np.full(50, 0.01, np.float32)
+
+    def release(settings: PrivacySettings, number: int) -> np.ndarray:
+        return CentralPrivacy(settings).release(g, mean, 3, 4, 0.5, number)[0]
+
+    seeded = PrivacySettings(mode="central", noise_seed=3)
+    np.testing.assert_array_equal(release(seeded, 5), release(seeded, 5))
+    assert not np.array_equal(release(seeded, 5), release(seeded, 6))
+    unseeded = PrivacySettings(mode="central")
+    assert not np.array_equal(release(unseeded, 5), release(unseeded, 5))
+
+
 def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line(tmp_path, export_artifacts):
     from coordinator.config import CoordinatorConfig
     from coordinator.server import Coordinator
