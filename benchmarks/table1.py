@@ -244,6 +244,8 @@ class Job:
                    "detection": dataclasses.asdict(task_detection(results["history"])),
                    "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
                    "epsilon": results.get("epsilon"),  # central DP's spend (None without it: privacy.py)
+                   # ... and its last round's release (its clip, calibration, noise)
+                   "privacy": next((e["privacy"] for e in reversed(results["history"]) if "privacy" in e), None),
                    "seconds": round(time.monotonic() - started, 1)}
         self.result_file.write_text(json.dumps(summary))
         return summary

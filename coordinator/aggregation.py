@@ -9,8 +9,8 @@ that is refused, counted as `held-limit` and logged, rather than let the coordin
 (the first update of a round is always taken).
 
 Under central differential privacy (coordinator/privacy.py) each update's change is clipped as it comes, before
-the guard and the rule, and weighs the same as every other; the rule's result is then released with noise over the
-round's selected count.
+the guard and the rule, and weighs the same as every other; the rule's result is then released with noise, as that
+module says.
 
 Updates that arrive in the later attempt of a round that missed its quorum go into the same aggregation: they
 answer the same global model.
@@ -36,7 +36,7 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
-from coordinator.privacy import CentralPrivacy
+from coordinator.privacy import CentralPrivacy, RoundCount
 from coordinator.reference import ClassReference
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
 from coordinator.strategies.base import OUTSIDE_A_RUN
@@ -78,8 +78,9 @@ class RoundAggregate:
         self.path = path
         self.heads = heads
         self.privacy = privacy
-        self.privacy_spent: dict[str, float] = {}  # what the round's history entry keeps of a DP release
+        self.privacy_spent: dict[str, float | str] = {}  # what the round's history entry keeps of a DP release
         self._from_devices = 0  # updates `add` took (a round the host trained alone releases nothing of devices')
+        self._within_clip = 0  # of those, the ones central DP's clip left whole (adaptive clipping counts them)
         self.number = ctx.round
         self.used: list[Used] = []
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
@@ -100,8 +101,9 @@ class RoundAggregate:
         try:
             self._from_devices += 1
             if self.privacy is not None:  # clipped first: the guard and the rule see what the noise covers
-                update = replace(update, weights=self.privacy.clip(update.weights, self.global_weights),
-                                 num_samples=1)
+                clipped, within = self.privacy.clip(update.weights, self.global_weights)
+                self._within_clip += within
+                update = replace(update, weights=clipped, num_samples=1)
             if self._stream is not None:
                 self._stream.add(update)
             else:
@@ -130,8 +132,8 @@ class RoundAggregate:
             result = self._result(wait)
             if result is not None and self.privacy is not None and self._from_devices:
                 weights, self.privacy_spent = self.privacy.release(
-                    self.global_weights, result.global_weights.detach().cpu().numpy(), len(self.used), selected,
-                    selected / eligible, self.number)
+                    self.global_weights, result.global_weights.detach().cpu().numpy(), len(self.used),
+                    RoundCount(selected, eligible, self._from_devices, self._within_clip), self.number)
                 result.global_weights = torch.from_numpy(weights)
         finally:
             self.seconds += time.perf_counter() - started

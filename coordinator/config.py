@@ -58,8 +58,10 @@
                 (each optional)
     [privacy]   central differential privacy (coordinator/privacy.py): mode = "off" | "central", clip_norm = 1.0,
                 noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none; else the run ends before a
-                round that would pass it), accountant = "rdp" | "pld", noise_seed (experiments only: the noise
-                drawn from it, reproducible, and as easily taken back out)
+                round that would pass it), accountant = "rdp" | "pld", clipping = "fixed" | "adaptive"
+                (clip_norm its start; target_quantile = 0.5, clip_learning_rate = 0.2, clipped_count_stddev =
+                0.0: selected / 20), noise_seed (experiments only: the noise drawn from it, reproducible, and as
+                easily taken back out)
     [host]      a task the host learns itself (coordinator/host_training.py): epochs = 20, lr = 0.05,
                 momentum = 0.9, batch_size = 32, seed = 0
 

@@ -119,3 +119,15 @@ class GuardSettings:
     @property
     def checks_way_back(self) -> bool:
         return self.way_back != "off"
+
+    @property
+    def comparing(self) -> tuple[str, ...]:
+        """The keys of the bounds that judge an update against the round's others (a median, a sum, a selection),
+        so that one device's update can change what is kept of the others': central DP's noise must then cover the
+        whole released change, not one update's share of a sum (coordinator/privacy.py). Not the sample bounds:
+        under central DP every update claims one sample."""
+        on = {"norm_bound": self.norm_bound != "off", "free_rider_factor": self.free_rider_factor > 0,
+              "krum_share": self.krum_share > 0, "min_alignment": self.checks_direction,
+              "way_back": self.checks_way_back, "row_factor": self.row_factor > 0, "copy_factor": self.copy_factor > 0,
+              "trust_margin": self.reference != "off" and self.trust_margin > 0}
+        return tuple(key for key, comparing in on.items() if comparing)

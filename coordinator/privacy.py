@@ -2,37 +2,57 @@
 accounted, with a budget the run stops at.
 
 What a round releases under `[privacy] mode = "central"` (DP-FedAvg, McMahan et al. 2018; Flower's server-side
-fixed clipping does the same):
+fixed and adaptive clipping do the same):
 
-1. clip: each device's change to the global model, w_i - g, is scaled to at most `clip_norm` (L2), and weighs the
-   same as every other (its claimed sample count would let one device outweigh the clip);
+1. clip: each device's change to the global model, w_i - g, is scaled to at most the clip norm C (L2), and weighs
+   the same as every other (its claimed sample count would let one device outweigh the clip);
 2. the guard's bounds and the rule run on the clipped updates, as without DP;
-3. noise: the rule's mean change is taken over the round's selected devices, m (a device that did not deliver, or
-   whose update was refused, adds zero: the sum's denominator does not depend on the data), and Gaussian noise of
-   standard deviation `noise_multiplier` x `clip_norm` / m is added to every weight.
+3. noise: Gaussian, on every weight of the rule's result, with a standard deviation of `noise_multiplier` times
+   what one device can change of that result (its sensitivity), which depends on how the result is built:
+   - "sum": the rule's global model is the mean of the updates (`BuiltFrom.MEAN`: FedAvg, FedProx) and no bound
+     of the guard judges an update by the others (`GuardSettings.comparing` is empty): the change released is the
+     kept updates' summed changes over the round's selected count m (a device that did not deliver, or whose
+     update was refused, adds zero: the denominator does not depend on the data), which one device moves by at
+     most C / m;
+   - "ball": any other rule that is built from the updates' weights alone (`BuiltFrom.WEIGHTS`: median, trimmed
+     mean, centered clipping), or the mean behind a guard that compares updates (one device's update can change
+     which of the others are kept): the rule's change is clipped to C too, so that whatever the rule, any two
+     results lie within 2C of each other, and the noise is sd `noise_multiplier` x 2C. That is 2m times the sum's
+     noise: a robust rule's privacy costs its round's size in noise.
+   A rule that uses more than the weights (`BuiltFrom.MORE`: attachments, per-device models or payloads) is
+   refused: nothing here covers what it sends on.
 
 Order: clip, then the guard and the rule, then noise (`RoundAggregate` calls `clip` on each update as it comes and
-`release` on the rule's result). So the guard sees updates no longer than `clip_norm`, and the noise covers
-whatever the guard kept.
+`release` on the rule's result). So the guard sees updates no longer than C, and the noise covers whatever the
+guard kept.
+
+Clipping is `"fixed"` (C = `clip_norm`) or `"adaptive"` (Andrew, Thakkar, McMahan and Ramaswamy 2021, as
+TensorFlow Federated's and Flower's adaptive clipping): C starts at `clip_norm` and after each round moves
+geometrically toward the `target_quantile` of the updates' change lengths: C <- C exp(-`clip_learning_rate` (b -
+target)), b the share of the round's selected devices whose change was within C, released with Gaussian noise of sd
+`clipped_count_stddev` / m (0: m / 20, the paper's choice, but at least `noise_multiplier`). The count is a second
+Gaussian mechanism in the same round; the updates' noise multiplier is raised to (z^-2 - (2 sigma_b)^-2)^-1/2 so that
+the two together cost what one mechanism of multiplier z = `noise_multiplier` costs (the paper's Theorem 1), and the
+accountant counts z.
 
 What it protects: one device's data, all its rounds together (user-level DP), in the global models the run
 releases, at (epsilon, delta) as the accountant says. What it does not: a device's update on its way to the
 coordinator (the coordinator and the broker see it whole; secure aggregation is what hides it), and anything a
-method sends besides the weights (its attachments, built from the device's data): a rule whose global model
-is not the mean of its updates, or that uses their attachments, is refused under central DP
-(`Strategy.mean_of_updates`).
+method sends besides the weights (refused, above).
 
 Accounting: each round is a sampled Gaussian mechanism, composed over the rounds with Google's `dp-accounting`
 (RDP by default; `accountant = "pld"` is tighter and slower). Its sampling rate is the round's selected count over
 the devices it was drawn from; the selection draws a fixed number without replacement, which the accountant
 approximates as Poisson sampling at that rate, as TensorFlow Federated and Flower account it (with fraction = 1
-the rate is 1 and there is nothing to approximate). The rounds are read back from the run's history, so a resumed
-run counts what it spent before. A round whose release would take epsilon past `epsilon_budget` is not run: the
-run ends with outcome "privacy-budget" (`PrivacyBudgetSpent`).
+the rate is 1 and there is nothing to approximate). The rounds, and an adaptive clip's last value, are read back
+from the run's history, so a resumed run counts what it spent before and clips where it stopped. A round whose
+release would take epsilon past `epsilon_budget` is not run: the run ends with outcome "privacy-budget"
+(`PrivacyBudgetSpent`).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import secrets
@@ -47,6 +67,16 @@ log = logging.getLogger("edgefil.coordinator")
 
 MODES = ("off", "central")
 ACCOUNTANTS = ("rdp", "pld")
+CLIPPINGS = ("fixed", "adaptive")
+SUM, BALL = "sum", "ball"  # how the noise is calibrated (the module's docstring)
+
+
+class BuiltFrom(enum.Enum):
+    """What a rule's global model is built from (`Strategy.built_from`): what central DP's noise must cover."""
+
+    MEAN = "the mean of the updates' weights"
+    WEIGHTS = "the updates' weights alone"
+    MORE = "more than the updates' weights"
 
 
 @dataclass(frozen=True)
@@ -54,11 +84,15 @@ class PrivacySettings:
     """The coordinator file's [privacy] table."""
 
     mode: str = "off"
-    clip_norm: float = 1.0  # C: the longest change to the global model one update may make (L2)
-    noise_multiplier: float = 1.0  # sigma: the noise's standard deviation over the clipped sum's sensitivity, C
+    clip_norm: float = 1.0  # C: the longest change to the global model one update may make (L2); adaptive: its start
+    noise_multiplier: float = 1.0  # z: the noise's standard deviation over the released change's sensitivity
     delta: float = 1e-5  # epsilon is reported at this delta
     epsilon_budget: float = 0.0  # the run stops before a round that would pass it; 0: no budget
     accountant: str = "rdp"  # rdp | pld (dp-accounting's)
+    clipping: str = "fixed"  # fixed | adaptive (C follows a quantile of the updates' lengths)
+    target_quantile: float = 0.5  # adaptive: the share of updates C should leave whole
+    clip_learning_rate: float = 0.2  # adaptive: the geometric step of C a round
+    clipped_count_stddev: float = 0.0  # adaptive: the noise on the count within C (0: selected / 20, >= z)
     # Experiments only: the noise drawn from this seed, so that one seed gives one table on any host. Whoever knows
     # it can draw the noise again and take it back out: never in a deployment (None: the OS's entropy).
     noise_seed: int | None = None
@@ -68,12 +102,22 @@ class PrivacySettings:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}; got {self.accountant!r}")
+        if self.clipping not in CLIPPINGS:
+            raise ValueError(f"clipping must be one of {', '.join(CLIPPINGS)}; got {self.clipping!r}")
         if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ValueError(f"clip_norm must be a positive number; got {self.clip_norm}")
         if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a positive number; got {self.noise_multiplier}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1); got {self.delta}")
+        if not 0 < self.target_quantile < 1:
+            raise ValueError(f"target_quantile must be in (0, 1); got {self.target_quantile}")
+        if not (self.clip_learning_rate > 0 and math.isfinite(self.clip_learning_rate)):
+            raise ValueError(f"clip_learning_rate must be a positive number; got {self.clip_learning_rate}")
+        if self.clipped_count_stddev and not 2 * self.clipped_count_stddev > self.noise_multiplier:
+            raise ValueError(f"clipped_count_stddev must be 0 (selected / 20) or more than noise_multiplier / 2 "
+                             f"({self.noise_multiplier / 2:g}), or the count alone spends the round's privacy; got "
+                             f"{self.clipped_count_stddev}")
         if self.noise_seed is not None and self.noise_seed < 0:
             raise ValueError(f"noise_seed must be >= 0 (or left out); got {self.noise_seed}")
         if not (self.epsilon_budget >= 0 and math.isfinite(self.epsilon_budget)):
@@ -83,26 +127,52 @@ class PrivacySettings:
     def central(self) -> bool:
         return self.mode == "central"
 
+    @property
+    def adaptive(self) -> bool:
+        return self.clipping == "adaptive"
 
-def rule_refused(settings: PrivacySettings, rule: str, mean_of_updates: bool) -> str | None:
-    """Why central DP cannot run with this rule (one line), or None: its noise covers a mean of clipped updates."""
-    if not settings.central or mean_of_updates:
+    def count_stddev(self, selected: int) -> float:
+        """sigma_b: the noise on an adaptive round's count of updates within C."""
+        return self.clipped_count_stddev or max(selected / 20, self.noise_multiplier)
+
+    def update_multiplier(self, selected: int) -> float:
+        """The updates' noise multiplier in a round of `selected` devices: z; adaptive, z raised so that the updates
+        and the count together cost z (Andrew et al. 2021, Theorem 1)."""
+        z = self.noise_multiplier
+        return z if not self.adaptive else (z ** -2 - (2 * self.count_stddev(selected)) ** -2) ** -0.5
+
+
+def rule_refused(settings: PrivacySettings, rule: str, built_from: BuiltFrom) -> str | None:
+    """Why central DP cannot run with this rule (one line), or None: its noise covers what the rule releases."""
+    if not settings.central or built_from is not BuiltFrom.MORE:
         return None
-    return (f"mode = \"central\" needs a rule whose global model is the mean of the updates and that uses nothing "
-            f"else of them (fedavg, fedprox): {rule} is not, so the noise would not cover what it releases")
+    return (f"mode = \"central\" needs a rule built from the updates' weights alone (fedavg, fedprox, median, "
+            f"trimmed-mean, centered-clip): {rule} uses more of them, which the noise would not cover")
+
+
+def calibration(built_from: BuiltFrom, comparing: Iterable[str]) -> str:
+    """SUM where one device moves the released change by its own clipped change over the round's count, else BALL
+    (the module's docstring)."""
+    return SUM if built_from is BuiltFrom.MEAN and not tuple(comparing) else BALL
 
 
 class PrivacyBudgetSpent(RuntimeError):
     """The next round would take the run past its epsilon budget: it ends here."""
 
 
-def released(global_weights: np.ndarray, mean_of_used: np.ndarray, used: int, selected: int, clip_norm: float,
-             noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
-    """The global model a round releases: g plus the used updates' summed clipped changes over the `selected`
-    count (the rule gave their mean over `used`), plus Gaussian noise of sd noise_multiplier x clip_norm /
-    selected."""
-    change = (mean_of_used.astype(np.float64) - global_weights) * (used / selected)
-    noise = rng.normal(0.0, noise_multiplier * clip_norm / selected, size=global_weights.shape)
+def released(global_weights: np.ndarray, result: np.ndarray, kept: int, selected: int, clip_norm: float,
+             sd: float, how: str, rng: np.random.Generator) -> np.ndarray:
+    """The global model a round releases: g plus the rule's change, plus Gaussian noise of sd `sd` on every weight.
+    SUM: the rule gave the mean of `kept` clipped updates, released as their sum over the `selected` count; BALL:
+    the rule's change clipped to `clip_norm`."""
+    change = result.astype(np.float64) - global_weights
+    if how == SUM:
+        change *= kept / selected
+    else:
+        length = float(np.linalg.norm(change))
+        if length > clip_norm:
+            change *= clip_norm / length
+    noise = rng.normal(0.0, sd, size=global_weights.shape)
     return (global_weights + change + noise).astype(np.float32)
 
 
@@ -147,14 +217,30 @@ class Accountant:
 class CentralPrivacy:
     """One run's central DP: `clip` each update as it comes, `release` the round's model, and account for it."""
 
-    def __init__(self, settings: PrivacySettings, history: Iterable[Mapping[str, Any]] = ()) -> None:
-        """`history`: the run's rounds so far (a resumed run): those released under DP count again."""
+    def __init__(self, settings: PrivacySettings, history: Iterable[Mapping[str, Any]] = (),
+                 built_from: BuiltFrom = BuiltFrom.MEAN, comparing: Iterable[str] = ()) -> None:
+        """`history`: the run's rounds so far (a resumed run): those released under DP count again, and an adaptive
+        clip goes on from where they left it; `built_from`: the rule's (`Strategy.built_from`); `comparing`: the
+        guard's bounds that judge an update by the round's others (`GuardSettings.comparing`)."""
+        refused = rule_refused(settings, "the rule", built_from)
+        if refused is not None:
+            raise ValueError(refused)
         self.settings = settings
+        self.how = calibration(built_from, comparing)
+        self.clip_norm = settings.clip_norm  # C of the next round
         self.accountant = Accountant(settings)
         for entry in history:
-            rate = entry.get("privacy", {}).get("sampling_rate")
-            if rate is not None:
-                self.accountant.add(rate)
+            spent = entry.get("privacy", {})
+            if "sampling_rate" in spent:
+                self.accountant.add(spent["sampling_rate"])
+            if settings.adaptive and "next_clip_norm" in spent:
+                self.clip_norm = float(spent["next_clip_norm"])
+        comparing = tuple(comparing)
+        if comparing:
+            log.warning("central DP: the guard's %s judge an update by the round's others, so one device can change "
+                        "what is kept of theirs: the noise covers the whole released change (sd %g x 2C, not %g x "
+                        "C / selected); set them off for the mean's noise", ", ".join(comparing),
+                        settings.noise_multiplier, settings.noise_multiplier)
         # Not the run's seed: whoever knows it could take the noise back out.
         self.rng = np.random.default_rng(secrets.randbits(128))
         if settings.noise_seed is not None:
@@ -171,23 +257,54 @@ class CentralPrivacy:
                                      f"{self.settings.delta:g}, past the budget of {budget:g} (spent: "
                                      f"{self.accountant.epsilon():.3f})")
 
-    def clip(self, weights: np.ndarray, global_weights: np.ndarray) -> np.ndarray:
-        """An update's weights with its change to the global model clipped to `clip_norm`."""
+    def clip(self, weights: np.ndarray, global_weights: np.ndarray) -> tuple[np.ndarray, bool]:
+        """An update's weights with its change to the global model clipped to this round's C, and whether it was
+        within C already (what adaptive clipping counts)."""
         # here, not at the top: the config reads this module's settings before torch (which compute imports) loads
-        from coordinator.compute import within_length
+        from coordinator.compute import distance, within_length
 
-        return within_length(global_weights, weights, self.settings.clip_norm)
+        moved = distance(global_weights, weights)
+        return within_length(global_weights, weights, self.clip_norm, moved), moved <= self.clip_norm
 
-    def release(self, global_weights: np.ndarray, mean_of_used: np.ndarray, used: int, selected: int,
-                rate: float, number: int) -> tuple[np.ndarray, dict[str, float]]:
-        """Round `number`'s released model, and what its history entry keeps of the privacy spent."""
-        settings = self.settings
+    def release(self, global_weights: np.ndarray, result: np.ndarray, kept: int, round_: RoundCount, number: int
+                ) -> tuple[np.ndarray, dict[str, float | str]]:
+        """Round `number`'s released model from the rule's `result` (of `kept` updates), and what its history entry
+        keeps of the privacy spent."""
+        settings, selected = self.settings, round_.selected
         # with noise_seed, each round's own stream: a resumed run draws what the whole run would have
         rng = self.rng if settings.noise_seed is None else np.random.default_rng((settings.noise_seed, number))
-        weights = released(global_weights, mean_of_used, used, selected, settings.clip_norm,
-                           settings.noise_multiplier, rng)
-        self.accountant.add(rate)
-        epsilon = self.accountant.epsilon()
-        log.info("central DP: round released with noise sd %.3g (%d of %d selected used); epsilon %.3f at delta %g",
-                 settings.noise_multiplier * settings.clip_norm / selected, used, selected, epsilon, settings.delta)
-        return weights, {"sampling_rate": rate, "epsilon": epsilon}
+        sensitivity = self.clip_norm / selected if self.how == SUM else 2 * self.clip_norm
+        sd = settings.update_multiplier(selected) * sensitivity
+        weights = released(global_weights, result, kept, selected, self.clip_norm, sd, self.how, rng)
+        spent: dict[str, float | str] = {"sampling_rate": round_.rate, "calibration": self.how,
+                                         "clip_norm": self.clip_norm, "noise_sd": sd}
+        if settings.adaptive:
+            self.clip_norm = spent["next_clip_norm"] = self._adapted(round_, rng)
+        self.accountant.add(round_.rate)
+        spent["epsilon"] = epsilon = self.accountant.epsilon()
+        log.info("central DP: round released with noise sd %.3g (%s; %d of %d selected kept, C %.3g); epsilon %.3f at "
+                 "delta %g", sd, self.how, kept, selected, spent["clip_norm"], epsilon, settings.delta)
+        return weights, spent
+
+    def _adapted(self, round_: RoundCount, rng: np.random.Generator) -> float:
+        """Next round's C: the share of the selected devices whose change was within C, with noise (each counts
+        +-1/2 about the middle, so one device moves the sum by 1/2), stepped geometrically toward the target."""
+        settings, selected = self.settings, round_.selected
+        noisy = round_.within - round_.delivered / 2 + rng.normal(0.0, settings.count_stddev(selected))
+        share = noisy / selected + 0.5
+        return self.clip_norm * math.exp(-settings.clip_learning_rate * (share - settings.target_quantile))
+
+
+@dataclass(frozen=True)
+class RoundCount:
+    """What a release needs to know of its round's devices: `selected` were asked (by all its attempts), drawn from
+    `eligible`; `delivered` updates were clipped, `within` of them already within C."""
+
+    selected: int
+    eligible: int
+    delivered: int = 0
+    within: int = 0
+
+    @property
+    def rate(self) -> float:
+        return min(self.selected / self.eligible, 1.0)

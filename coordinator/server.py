@@ -61,7 +61,7 @@ from coordinator.inbox import Inbox, Registration, Request, Status, Update, Upda
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
-from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, rule_refused
+from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, RoundCount, rule_refused
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
@@ -94,7 +94,7 @@ class Coordinator:
         self.config = config
         self.progress = progress
         rule = config.strategy["name"]
-        refused = rule_refused(config.privacy, rule, STRATEGIES.get(rule).mean_of_updates)
+        refused = rule_refused(config.privacy, rule, STRATEGIES.get(rule).built_from)
         if refused is not None:  # a program's settings (a file's were refused as it was read)
             raise ValueError(f"[privacy] {refused}")
         self.manifest = load_manifest(config.artifacts)
@@ -127,7 +127,8 @@ class Coordinator:
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
-        self.privacy = CentralPrivacy(config.privacy, self.state.history) if config.privacy.central else None
+        self.privacy = CentralPrivacy(config.privacy, self.state.history, type(strategy).built_from,
+                                      config.guard.comparing) if config.privacy.central else None
         # central DP's count of the round: the devices its attempts asked (each feeds the round's one aggregate), and
         # how many its selection drew them from
         self._asked: set[str] = set()
@@ -321,7 +322,7 @@ class Coordinator:
             self._asked.update(selected)
             self._eligible = max(self._eligible, len(available))
             if self.privacy is not None:  # before anything is sent: a round past the budget is not run
-                self.privacy.check_budget(min(len(self._asked) / self._eligible, 1.0))
+                self.privacy.check_budget(RoundCount(len(self._asked), self._eligible).rate)
             collected = self._open(number, task, selected, self._last_attempt)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())

@@ -22,9 +22,11 @@ from coordinator.broker import mosquitto_path
 from coordinator.containment import ContainedStrategy
 from coordinator.dashboard import Dashboard
 from coordinator.guard import UpdateBounds
-from coordinator.privacy import Accountant, CentralPrivacy, PrivacySettings
+from coordinator.guard_settings import GuardSettings
+from coordinator.privacy import BALL, SUM, Accountant, BuiltFrom, CentralPrivacy, PrivacySettings, RoundCount
 from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext
 from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.robust import Median
 from edgefil.settings import ConfigError
 from firmware_sim.fleet_config import FleetConfig
 from firmware_sim.report import write_report
@@ -119,13 +121,101 @@ def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_come
     assert aggregate.privacy_spent["epsilon"] > 0
 
 
+def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_the_noise():
+    """Median under central DP: clip, the rule, noise. Three devices' changes, each within C = 1 but one sent 10x
+    too long: [.55, .55, .55, 0] x 10, [.55, .55, 0, .55], [.55, 0, .55, .55]. Clipped, the first is [.577, .577,
+    .577, 0]; the coordinate-wise median is [.55] x 4, 1.1 long, clipped to 1: [.5] x 4; then noise of sd z x 2C
+    (any two of the rule's clipped changes lie within 2C), not z x C / selected."""
+    g = np.full(4, 0.5, np.float32)
+    settings = PrivacySettings(mode="central", clip_norm=1.0, noise_multiplier=0.8)
+    privacy = CentralPrivacy(settings, built_from=Median.built_from)
+    assert privacy.how == BALL
+    privacy.rng = np.random.default_rng(7)
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(Median(device="cpu"), counters), UpdateBounds.only(), g, counters,
+                               1 << 30, privacy=privacy)
+    for device, change in (("far", [5.5, 5.5, 5.5, 0]), ("b", [.55, .55, 0, .55]), ("c", [.55, 0, .55, .55])):
+        aggregate.add(ClientUpdate(device, g + np.array(change, np.float32), 10))
+    result = aggregate.close(selected=4, eligible=4)
+    assert result is not None
+    noise = np.random.default_rng(7).normal(0.0, 0.8 * 2 * 1.0, size=4)
+    np.testing.assert_allclose(result.global_weights.numpy(), g + 0.5 + noise, atol=1e-5)
+    assert aggregate.privacy_spent["calibration"] == BALL
+    assert aggregate.privacy_spent["noise_sd"] == pytest.approx(1.6)
+
+
+def test_the_mean_behind_a_guard_that_compares_updates_is_noised_as_a_whole():
+    """The sum's noise (z x C / selected) holds only where one device's update changes nothing of the others': a
+    guard bound that judges an update by the round's (a median distance, Krum, a direction) can refuse others
+    because of it. The default guard has such bounds; with them off (the reference's per-update check may stay),
+    the mean is noised as a sum."""
+    assert GuardSettings().comparing  # the defaults compare
+    assert CentralPrivacy(PrivacySettings(mode="central"), comparing=GuardSettings().comparing).how == BALL
+    per_update = GuardSettings.only(reference="classes", min_progress=-0.95)
+    assert per_update.comparing == ()
+    assert CentralPrivacy(PrivacySettings(mode="central"), comparing=per_update.comparing).how == SUM
+    for key, on in (("norm_bound", "reject"), ("free_rider_factor", 0.1), ("krum_share", 0.25),
+                    ("min_alignment", -0.9), ("way_back", "clip"), ("row_factor", 1.25), ("copy_factor", 0.01)):
+        assert GuardSettings.only(**{key: on}).comparing == (key,)
+    assert GuardSettings.only(reference="classes", trust_margin=0.05).comparing == ("trust_margin",)
+    with pytest.raises(ValueError, match="needs a rule built from the updates' weights alone"):
+        CentralPrivacy(PrivacySettings(mode="central"), built_from=BuiltFrom.MORE)
+
+
+def lengths_round(privacy: CentralPrivacy, lengths: np.ndarray, number: int, rng: np.random.Generator) -> None:
+    """One round of updates whose changes are `lengths` long (random directions, 10 weights), released."""
+    g = np.zeros(10, np.float32)
+    within = 0
+    for length in lengths:
+        direction = rng.normal(size=10)
+        _, whole = privacy.clip((direction / np.linalg.norm(direction) * length).astype(np.float32), g)
+        within += whole
+    privacy.release(g, g, len(lengths), RoundCount(len(lengths), len(lengths), len(lengths), within), number)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.9])
+def test_an_adaptive_clip_follows_the_quantile_of_the_update_lengths_it_is_set_to(quantile):
+    """Andrew et al.'s geometric update from C = 0.1: after 60 rounds of 100 updates whose lengths are lognormal
+    about 2, C is within 15 % of their `quantile` (the count it follows is noised: sd 100 / 20 = 5 updates)."""
+    settings = PrivacySettings(mode="central", clipping="adaptive", clip_norm=0.1, target_quantile=quantile,
+                               noise_seed=1)
+    privacy, rng = CentralPrivacy(settings), np.random.default_rng(0)
+    for number in range(1, 61):
+        lengths_round(privacy, rng.lognormal(np.log(2.0), 0.5, size=100), number, rng)
+    target = float(np.exp(np.log(2.0) + 0.5 * norm.ppf(quantile)))
+    print(f"\nquantile {quantile}: C {privacy.clip_norm:.3f}, the lengths' quantile {target:.3f}")
+    assert privacy.clip_norm == pytest.approx(target, rel=0.15)
+
+
+def test_adaptive_clipping_raises_the_updates_noise_so_that_both_mechanisms_cost_z_and_resumes_its_clip():
+    """sigma_b = selected / 20 (at least z): z_updates = (z^-2 - (2 sigma_b)^-2)^-1/2, so that the updates' and the
+    count's Gaussian mechanisms compose to one of multiplier z (Andrew et al. 2021, Theorem 1); a resumed run's C
+    is the one its history left."""
+    settings = PrivacySettings(mode="central", clipping="adaptive", noise_multiplier=1.2)
+    for selected, sigma_b in ((10, 1.2), (100, 5.0)):
+        assert settings.count_stddev(selected) == sigma_b
+        z_updates = settings.update_multiplier(selected)
+        assert z_updates > 1.2
+        assert (z_updates ** -2 + (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(1.2)
+    privacy = CentralPrivacy(settings)
+    g = np.zeros(5, np.float32)
+    _, spent = privacy.release(g, g, 3, RoundCount(10, 20, 3, 2), 1)
+    assert spent["noise_sd"] == pytest.approx(settings.update_multiplier(10) * 1.0 / 10)
+    assert spent["clip_norm"] == 1.0 and spent["next_clip_norm"] == privacy.clip_norm != 1.0
+    history = [{"round": 1, "privacy": spent}, {"round": 2}]
+    resumed = CentralPrivacy(settings, history)
+    assert resumed.clip_norm == spent["next_clip_norm"]
+    assert resumed.accountant.epsilon() == pytest.approx(privacy.accountant.epsilon())
+    assert CentralPrivacy(PrivacySettings(mode="central"), history).clip_norm == 1.0  # fixed: the setting's
+
+
 def test_a_noise_seed_gives_each_round_its_own_noise_again_in_any_process():
     """`noise_seed` (experiments): the same round's release is the same from a fresh accountant (a resumed run, a
     rerun of the table), another round's is not; without it two releases of one round differ."""
     g, mean = np.zeros(50, np.float32), np.full(50, 0.01, np.float32)
 
     def release(settings: PrivacySettings, number: int) -> np.ndarray:
-        return CentralPrivacy(settings).release(g, mean, 3, 4, 0.5, number)[0]
+        return CentralPrivacy(settings).release(g, mean, 3, RoundCount(4, 8), number)[0]
 
     seeded = PrivacySettings(mode="central", noise_seed=3)
     np.testing.assert_array_equal(release(seeded, 5), release(seeded, 5))
@@ -134,7 +224,7 @@ def test_a_noise_seed_gives_each_round_its_own_noise_again_in_any_process():
     assert not np.array_equal(release(unseeded, 5), release(unseeded, 5))
 
 
-def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line(tmp_path, export_artifacts):
+def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line_and_robust_rules_are_not(tmp_path, export_artifacts):
     from coordinator.config import CoordinatorConfig
     from coordinator.server import Coordinator
 
@@ -142,17 +232,22 @@ def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line(tmp
             "devices": ["dev-0"], "scenario": {"preset": "digits-class"}}
     with pytest.raises(ConfigError, match="privacy.*mode must be one of off, central"):
         CoordinatorConfig.from_dict({**base, "privacy": {"mode": "centrl"}})
-    refused_as = "needs a rule whose global model is the mean of the updates"
-    with pytest.raises(ConfigError, match=f"strategy.*name.*privacy.*{refused_as}.*median is not") as refused:
-        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": "median"}})
+    with pytest.raises(ConfigError, match="privacy.*clipped_count_stddev must be 0 .* or more than noise_multiplier"):
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central", "clipping": "adaptive",
+                                                         "noise_multiplier": 2.0, "clipped_count_stddev": 0.5}})
+    refused_as = "needs a rule built from the updates' weights alone"
+    with pytest.raises(ConfigError, match=f"strategy.*name.*privacy.*{refused_as}.*glfc uses more") as refused:
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": "glfc"}})
     assert "\n" not in str(refused.value)
+    for robust in ("median", "trimmed-mean", "centered-clip"):  # built from the weights alone: the noise covers them
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": robust}})
     fleet = FleetConfig(name="lab", out=tmp_path / "fleet", devices=2, scenario={"preset": "digits-class"},
-                        strategy={"name": "median"}, coordinator={"privacy": {"mode": "central"}})
+                        strategy={"name": "sdd"}, coordinator={"privacy": {"mode": "central"}})
     with pytest.raises(ConfigError, match=f"fleet config: \\[strategy\\] name: .*{refused_as}"):  # a fleet file's
         fleet.check()
     built = CoordinatorConfig.from_dict(base)  # and where a program builds the settings itself
     with pytest.raises(ValueError, match=refused_as):
-        Coordinator(dataclasses.replace(built, strategy={"name": "median"},
+        Coordinator(dataclasses.replace(built, strategy={"name": "pfedgrp"},
                                         privacy=PrivacySettings(mode="central")))
 
 

@@ -38,7 +38,7 @@ def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySetting
         problem = "missing (required)" if name is None else f"unknown strategy {name!r}"
         raise where.error("name", f"{problem}; choose one of {', '.join(strategy_names())}")
     options = check_options(STRATEGIES.get(name), raw, where, skip=("device", "manifest"), also=("name",))
-    refused = None if privacy is None else rule_refused(privacy, name, STRATEGIES.get(name).mean_of_updates)
+    refused = None if privacy is None else rule_refused(privacy, name, STRATEGIES.get(name).built_from)
     if refused is not None:
         raise where.error("name", f"[privacy] {refused}")
     return {"name": name, **options}

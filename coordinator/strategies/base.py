@@ -47,6 +47,7 @@ import torch
 
 from coordinator.background import BackgroundJob, Deadline
 from coordinator.compute import resolve_device
+from coordinator.privacy import BuiltFrom
 from edgefil.registry import Registry
 from models.manifest import Manifest
 
@@ -158,10 +159,11 @@ class Strategy(ABC):
     (the model's, for rules that run models; `make_strategy` always passes it)."""
 
     name: ClassVar[str]
-    # Whether the global model is the (weighted) mean of the updates' weights and nothing else of them is used or
-    # sent on (no attachment, no personalized model, no payload): what central DP's noise is calibrated to
-    # (coordinator/privacy.py), which refuses every other rule.
-    mean_of_updates: ClassVar[bool] = False
+    # What the global model is built from, which is what central DP's noise must cover (coordinator/privacy.py): the
+    # (weighted) mean of the updates' weights (MEAN), their weights alone in any other way (WEIGHTS: a robust rule),
+    # or more of them (MORE, the default: an attachment, a personalized model or a payload sent on), which central
+    # DP refuses.
+    built_from: ClassVar[BuiltFrom] = BuiltFrom.MORE
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         self.manifest = manifest

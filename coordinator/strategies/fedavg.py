@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from coordinator.compute import RunningSum
+from coordinator.privacy import BuiltFrom
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
     AggregateResult,
@@ -61,7 +62,7 @@ class WeightedFold(Fold):
 
 class FedAvg(Strategy):
     name = "fedavg"
-    mean_of_updates = True  # a subclass that reads attachments or aggregates otherwise says False
+    built_from = BuiltFrom.MEAN  # a subclass that reads attachments or aggregates otherwise says so
 
     def __init__(
         self, weighted: bool = True, device: torch.device | str = "auto", manifest: Manifest | None = None

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from coordinator.compute import as_tensor
+from coordinator.privacy import BuiltFrom
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
     AggregateResult,
@@ -74,6 +75,7 @@ def _stacked_columns(updates: Sequence[np.ndarray], device: torch.device,
 
 class Median(Strategy):
     name = "median"
+    built_from = BuiltFrom.WEIGHTS
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         super().__init__(device, manifest)
@@ -87,6 +89,7 @@ class Median(Strategy):
 
 class TrimmedMean(Strategy):
     name = "trimmed-mean"
+    built_from = BuiltFrom.WEIGHTS
 
     def __init__(self, beta: float = 0.2, device: torch.device | str = "auto", manifest: Manifest | None = None
                  ) -> None:
@@ -124,6 +127,7 @@ def squared_distances(updates: Sequence[np.ndarray], device: torch.device) -> to
 
 class CenteredClipping(Strategy):
     name = "centered-clip"
+    built_from = BuiltFrom.WEIGHTS
 
     def __init__(self, radius: float = 1.0, iterations: int = 3, device: torch.device | str = "auto",
                  manifest: Manifest | None = None) -> None:
