@@ -7,13 +7,17 @@ gradient compensation, the old model's forward pass over the round's samples, an
 ranking, the old model's file and the prototype gradients; the bytes each round uploads and downloads (the model,
 the prototype gradients, the broadcast old model once per task) and what the device stores under M, per holder.
 
-Exposure (`--part privacy`): what an honest-but-curious coordinator learns from one prototype gradient. For each
-class, the sample a device would upload (nearest its class mean in the input space here: no trained model
-needed) goes through Gamma; the proxy's reconstruction (`GlfcProxy.reconstruct`, L-BFGS, the strategy's
-defaults) is scored by a classifier trained on the real training data (scikit-learn's logistic regression:
-the share of reconstructions it labels as their class, beside its score on the uploaded prototypes themselves), by its distance to the nearest real training sample of its
-class against a real test sample's distance to its nearest training neighbour (a reconstruction much nearer than
-that is a copy of a training sample), and by its distance to the uploaded prototype itself.
+Exposure (`--part privacy`): what an honest-but-curious coordinator learns from one prototype gradient, with the
+prototype as it is, perturbed as the paper defines it (the policy's defaults: Eqs. 10-11, CE with noise on the
+features) and as the authors' code perturbs it (`PERTURBATIONS`). A device's local model (LeNet, or the 1-D CNN,
+`LOCAL_EPOCHS` of AdamW on every training sample) gives each class's prototype, the training sample nearest the
+class's mean feature, as the policy picks it, and is what the perturbation descends through. The sample sent goes
+through Gamma; the proxy's reconstruction (`GlfcProxy.reconstruct`, L-BFGS, the strategy's defaults) is scored by a
+classifier trained on the real training data (scikit-learn's logistic regression: the share of reconstructions it
+labels as their class, beside its score on the raw prototypes themselves), by its distance to the nearest real
+training sample of its class against a real test sample's distance to its nearest training neighbour (a
+reconstruction much nearer than that is a copy of a training sample), and by its distance to the raw prototype,
+the device's real sample (`moved`: how far the perturbation took the sample sent from it).
 
 Compensation (`--part compensation`): why the class-aware gradient compensation costs GLFC accuracy on MNIST-1D
 and not on digits (docs/results.md). One device's learner, no federation, so only the loss differs: two tasks of
@@ -64,7 +68,8 @@ def device_cost(repeats: int) -> None:
     data = load_dataset("digits")
     with tempfile.TemporaryDirectory() as root:
         artifacts = Path(root) / "lenet"
-        export_registered("lenet", 10, artifacts, input_shape=(1, 8, 8), seed=0, backends=("ort", "torch"))
+        # the portable graphs too: GLFC's prototype perturbation runs the input gradient, which ort takes from them
+        export_registered("lenet", 10, artifacts, input_shape=(1, 8, 8), seed=0, backends=("ort", "torch", "portable"))
         options = {"gamma": "glfc_mlp"}
         POLICIES.get("glfc").export_artifacts(options, artifacts)
         model_bytes = 4 * load_manifest(artifacts).num_parameters
@@ -112,6 +117,14 @@ def device_cost(repeats: int) -> None:
             print(f"  {name:22s} " + ", ".join(f"{k} {v}" for k, v in held.items()))
 
 
+# The prototype a device uploads: as it is, perturbed as the paper defines it (the policy's defaults), and as the
+# authors' code does (BCE, no feature noise, lr 0.2)
+PERTURBATIONS: dict[str, dict[str, float | str]] = {
+    "none": {"refine_steps": 0}, "paper": {},
+    "code": {"refine_loss": "bce", "refine_noise": 0.0, "refine_lr": 0.2}}
+LOCAL_EPOCHS = 10  # the local model the perturbation descends through: AdamW 3e-3 on every training sample
+
+
 def exposure() -> None:
     import torch
     from sklearn.linear_model import LogisticRegression
@@ -119,11 +132,13 @@ def exposure() -> None:
 
     from coordinator.background import Deadline
     from coordinator.strategies import make_strategy
+    from edge_client.policies.base import RoundView
+    from edge_client.trainers.portable import PortableTrainer
     from models.zoo import build_model
 
-    print("Reconstructions from one prototype gradient (honest-but-curious coordinator)")
-    print(f"  {'data':8s} {'gamma':11s} {'recognised':>10s} {'(prototypes)':>12s} {'to nearest train':>16s} "
-          f"{'test to nearest':>15s} {'to prototype':>12s} {'label right':>11s}")
+    print("Reconstructions from one prototype gradient (honest-but-curious coordinator), per perturbation")
+    print(f"  {'data':8s} {'gamma':11s} {'perturbed':9s} {'moved':>6s} {'recognised':>10s} {'(prototypes)':>12s} "
+          f"{'to nearest train':>16s} {'test to nearest':>15s} {'to prototype':>12s} {'label right':>11s}")
     for dataset, gammas in GAMMAS.items():
         data = load_dataset(dataset)
         shape = tuple(data.x_train.shape[1:])
@@ -132,32 +147,45 @@ def exposure() -> None:
         test_nearest = np.mean([np.linalg.norm(flat_train[data.y_train == c] - t.reshape(-1), axis=1).min()
                                 for t, c in zip(data.x_test[:200], data.y_test[:200])])
         classes = np.unique(data.y_train)
-        prototypes = []
-        for c in classes:
-            members = data.x_train[data.y_train == c].reshape(-1, flat_train.shape[1])
-            prototypes.append(members[np.linalg.norm(members - members.mean(0), axis=1).argmin()].reshape(shape))
-        for gamma_name in gammas:
-            with tempfile.TemporaryDirectory() as root:
-                artifacts = Path(root) / "model"
-                export_registered("lenet" if len(shape) == 3 else "cnn1d", len(classes), artifacts,
-                                  input_shape=shape, seed=0, backends=("torch",))
-                proxy = make_strategy("glfc", device="auto", manifest=load_manifest(artifacts), gamma=gamma_name,
-                                      input_range=(float(data.x_train.min()), float(data.x_train.max())))
-            gamma = build_model(gamma_name, len(classes), shape, seed=2021)
-            gradients = []
-            for x, c in zip(prototypes, classes):
-                logits, _ = gamma(torch.from_numpy(x[None]))
-                grads = torch.autograd.grad(F.cross_entropy(logits, torch.tensor([int(c)])), list(gamma.parameters()))
-                gradients.append(torch.cat([g.reshape(-1) for g in grads]).numpy())
-            made, labels = proxy.reconstruct(gradients, Deadline(600))
-            flat = made.reshape(len(made), -1)
-            recognised = float((classifier.predict(flat) == classes).mean())
-            reference = float((classifier.predict(np.stack(prototypes).reshape(len(classes), -1)) == classes).mean())
-            nearest = np.mean([np.linalg.norm(flat_train[data.y_train == c] - m, axis=1).min()
-                               for m, c in zip(flat, classes)])
-            to_prototype = np.mean(np.linalg.norm(flat - np.stack(prototypes).reshape(len(classes), -1), axis=1))
-            print(f"  {dataset:8s} {gamma_name:11s} {recognised:10.2f} {reference:12.2f} {nearest:16.3f} {test_nearest:15.3f} "
-                  f"{to_prototype:12.3f} {float((labels == classes).mean()):11.2f}")
+        with tempfile.TemporaryDirectory() as root:
+            artifacts = Path(root) / "model"
+            export_registered("lenet" if len(shape) == 3 else "cnn1d", len(classes), artifacts, input_shape=shape,
+                              seed=0, backends=("torch", "portable"))
+            local = PortableTrainer(artifacts, optimizer="adamw", lr=3e-3)  # the device's trained model
+            local.fit(data.x_train, data.y_train, epochs=LOCAL_EPOCHS, batch_size=32)
+            _, features = local.outputs(data.x_train, data.y_train)
+            raw, spreads = [], []
+            for c in classes:  # the policy's prototype: the member nearest its class's mean feature
+                members = np.flatnonzero(data.y_train == c)
+                centre = features[members].mean(axis=0)
+                raw.append(data.x_train[members[np.linalg.norm(features[members] - centre, axis=1).argmin()]])
+                spreads.append(features[members].std(axis=0))
+            for perturbation, options in PERTURBATIONS.items():
+                policy = make_policy("glfc", **options)
+                view = RoundView.of_samples(local, None, None, np.random.default_rng(0))
+                sent = np.stack([policy._refined(view, x[None], int(c), spread)[0]  # type: ignore[attr-defined]
+                                 for x, c, spread in zip(raw, classes, spreads)])
+                moved = float(np.mean(np.linalg.norm((sent - np.stack(raw)).reshape(len(classes), -1), axis=1)))
+                for gamma_name in gammas:
+                    proxy = make_strategy("glfc", device="auto", manifest=load_manifest(artifacts), gamma=gamma_name,
+                                          input_range=(float(data.x_train.min()), float(data.x_train.max())))
+                    gamma = build_model(gamma_name, len(classes), shape, seed=2021)
+                    gradients = []
+                    for x, c in zip(sent, classes):
+                        logits, _ = gamma(torch.from_numpy(x[None]))
+                        grads = torch.autograd.grad(F.cross_entropy(logits, torch.tensor([int(c)])),
+                                                    list(gamma.parameters()))
+                        gradients.append(torch.cat([g.reshape(-1) for g in grads]).numpy())
+                    made, labels = proxy.reconstruct(gradients, Deadline(600))
+                    flat = made.reshape(len(made), -1)
+                    recognised = float((classifier.predict(flat) == classes).mean())
+                    reference = float((classifier.predict(np.stack(raw).reshape(len(classes), -1)) == classes).mean())
+                    nearest = np.mean([np.linalg.norm(flat_train[data.y_train == c] - m, axis=1).min()
+                                       for m, c in zip(flat, classes)])
+                    to_prototype = np.mean(np.linalg.norm(flat - np.stack(raw).reshape(len(classes), -1), axis=1))
+                    print(f"  {dataset:8s} {gamma_name:11s} {perturbation:9s} {moved:6.3f} {recognised:10.2f} "
+                          f"{reference:12.2f} {nearest:16.3f} {test_nearest:15.3f} {to_prototype:12.3f} "
+                          f"{float((labels == classes).mean()):11.2f}", flush=True)
 
 
 COMPENSATION_MODELS = {"digits": ("lenet", (1, 8, 8)), "mnist1d": ("cnn1d", (1, 40))}
@@ -177,7 +205,8 @@ def compensation_study(seeds: list[int], samples: int) -> None:
         with tempfile.TemporaryDirectory() as root:
             for seed in seeds:
                 artifacts = Path(root) / f"{model}-{seed}"
-                export_registered(model, 10, artifacts, input_shape=shape, seed=seed, backends=("ort", "torch"))
+                export_registered(model, 10, artifacts, input_shape=shape, seed=seed,
+                                  backends=("ort", "torch", "portable"))
                 POLICIES.get("glfc").export_artifacts({"gamma": "glfc_mlp"}, artifacts)
                 for variant in acc:
                     relation, compensation = variant.split(", ")

@@ -137,9 +137,14 @@ GLFC_METHODS: dict[str, dict[str, Any]] = {
 # of where the compensation costs accuracy (docs/results.md); `--table glfc --methods glfc,glfc-cgc-later,...`.
 # The relation term summed over the classes (Eq. 5 as printed, the default before issue 55) and the proxy scoring old
 # classes' reconstructions too (`monitor = "seen"`, not the paper's): `--methods glfc,glfc-rd-sum,glfc-monitor-seen`.
+# What the prototype's perturbation costs (issue 59; GLFC perturbs as its paper defines it by default): GLFC with
+# the sample sent as it is, and perturbed as the authors' code does: `--methods glfc,glfc-unperturbed,glfc-code-perturbed`.
 GLFC_STUDIES = {"glfc-cgc-later": {"policy": {**GLFC, "compensate_first_task": False}, "strategy": GLFC_PROXY},
                 "glfc-rd-sum": {"policy": {**GLFC, "relation_scale": "sum"}, "strategy": GLFC_PROXY},
-                "glfc-monitor-seen": {"policy": GLFC, "strategy": {**GLFC_PROXY, "monitor": "seen"}}}
+                "glfc-monitor-seen": {"policy": GLFC, "strategy": {**GLFC_PROXY, "monitor": "seen"}},
+                "glfc-unperturbed": {"policy": {**GLFC, "refine_steps": 0}, "strategy": GLFC_PROXY},
+                "glfc-code-perturbed": {"policy": {**GLFC, "refine_loss": "bce", "refine_noise": 0.0, "refine_lr": 0.2},
+                                        "strategy": GLFC_PROXY}}
 # The class mask (`--table mask`): the same runs with the devices' seen-class mask on and off.
 MASK = {f"{method}-{'mask' if on else 'nomask'}": {**METHODS[method], "learner": {"mask_seen_classes": on}}
         for method in ("fedavg", "refed") for on in (True, False)}
@@ -462,7 +467,8 @@ def main() -> None:
                            [("glfc", "glfc-no-prs"), ("glfc-no-prs", "icarl"), ("icarl", "fedavg"),
                             ("glfc", "glfc-no-cgc"), ("glfc", "glfc-no-crd"), ("glfc", "glfc-no-rd"),
                             ("glfc", "refed"), ("glfc-rd-sum", "glfc"), ("glfc-monitor-seen", "glfc"),
-                            ("glfc-cgc-later", "glfc"), ("glfc-cgc-later", "glfc-no-cgc")]))
+                            ("glfc-cgc-later", "glfc"), ("glfc-cgc-later", "glfc-no-cgc"),
+                            ("glfc", "glfc-unperturbed"), ("glfc-code-perturbed", "glfc-unperturbed")]))
         elif args.table == "mask":
             tables.append((f"The class mask, {scenario}{regime(scenario)}: {where}",
                            plan(scenario, seeds, pick(MASK, args.methods), out, args),

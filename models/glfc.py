@@ -14,13 +14,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from models.manifest import ParameterInfo
+from models.manifest import HEAD_WEIGHT, ParameterInfo, named_parameter
 
 PROTOTYPE_PREFIX = "glfc/prototype/"
 OLD_MODEL = "glfc/old-model"
 OLD_TASK = "glfc/old-task"
 MAX_PROTOTYPES = 256  # per update: a device uploads one per new class of its task
-HEAD_WEIGHT = "head.weight"  # the last layer whose gradient names the label
 _NAME = re.compile(r"glfc/prototype/(\d{1,3})")
 
 
@@ -49,12 +48,7 @@ def decode_gradient(data: bytes, parameters: Sequence[ParameterInfo]) -> np.ndar
 
 def head_gradient(gradient: np.ndarray, parameters: Sequence[ParameterInfo]) -> np.ndarray:
     """The gradient of the last layer's weight (classes x features) inside a flat gradient."""
-    offset = 0
-    for p in parameters:
-        if p.name == HEAD_WEIGHT:
-            return gradient[offset : offset + p.size].reshape(p.shape)
-        offset += p.size
-    raise ValueError(f"the encoding network has no {HEAD_WEIGHT}")
+    return named_parameter(gradient, parameters, HEAD_WEIGHT)
 
 
 def infer_label(gradient: np.ndarray, parameters: Sequence[ParameterInfo]) -> int:

@@ -113,6 +113,17 @@ GRAPH_OUTPUTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 HEAD_WEIGHT, HEAD_BIAS = "head.weight", "head.bias"  # every zoo model's last layer: one row and one bias per class
 
 
+def named_parameter(flat: np.ndarray, parameters: Sequence[ParameterInfo], name: str) -> np.ndarray:
+    """One parameter (or its gradient) inside a flat buffer in manifest order, in its shape (a view);
+    ValueError where the model has none of that name."""
+    offset = 0
+    for p in parameters:
+        if p.name == name:
+            return flat[offset : offset + p.size].reshape(p.shape)
+        offset += p.size
+    raise ValueError(f"the model has no {name}")
+
+
 def class_head_positions(parameters: Sequence[ParameterInfo], classes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Positions in the flat buffer (manifest order) of the head's values of `classes`: their rows of
     head.weight (classes x features) and their entries of head.bias, class by class (each row, then its bias).

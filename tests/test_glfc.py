@@ -26,6 +26,7 @@ from edge_client.policies.glfc import (
     glfc_loss,
     mean_entropy,
     relation_targets,
+    shifted_logits_loss,
 )
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
@@ -44,7 +45,7 @@ from models.glfc import (
     prototype_name,
 )
 from models.loss import training_loss
-from models.manifest import ParameterInfo, class_head_positions, load_manifest
+from models.manifest import HEAD_WEIGHT, ParameterInfo, class_head_positions, load_manifest, named_parameter
 from models.zoo import build_model
 
 OPTIONS = {"gamma": "glfc_mlp"}
@@ -540,21 +541,57 @@ def test_the_coordinator_keeps_running_rounds_while_the_proxy_reconstructs(tmp_p
     assert results["history"][2]["rule_metrics"]["proxy"]["reconstructions"] == 4
 
 
-def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(artifacts, tmp_path,
-                                                                                export_artifacts):
-    """Eqs. 10-11: the refined prototype has a lower BCE of its label under the trained model than the raw one,
-    and its Gamma gradient still names its class; the ort backend without the portable graphs refuses it."""
+@pytest.mark.parametrize("head", ["softmax-ce", "sigmoid-bce"])
+def test_noise_on_the_features_reaches_every_backends_input_gradient_exactly(artifacts, head):
+    """Eqs. 10-11's gradient, d/dx loss(head(phi(x) + n), y), from torch's autograd on the model itself, against
+    each backend's own input gradient of `shifted_logits_loss` (the logits moved by W n), the classes 0-4 visible."""
+    torch_trainer = TorchTrainer(load_manifest(artifacts), optimizer="adamw", lr=3e-3)
+    weights = PortableTrainer(artifacts).get_weights()
+    torch_trainer.set_weights(weights)
+    x, y = _digits([3], 1)
+    mask = np.zeros(10, np.float32)
+    mask[:5] = 1
+    noise = np.random.default_rng(0).normal(0.0, 0.5, 84)
+    model = torch_trainer.model
+    inputs = torch.from_numpy(x).requires_grad_(True)
+    logits = model.head(model.trunk(inputs) + torch.from_numpy(noise).float())
+    logits = logits + (torch.from_numpy(mask) - 1.0) * 1e9
+    if head == "softmax-ce":
+        value = F.cross_entropy(logits, torch.from_numpy(y))
+    else:
+        visible = torch.from_numpy(mask).bool()
+        value = F.binary_cross_entropy_with_logits(logits[0, visible], F.one_hot(torch.from_numpy(y), 10)[0, visible]
+                                                   .float(), reduction="sum") / 5
+    (expected,) = torch.autograd.grad(value, [inputs])
+    shift = named_parameter(weights, torch_trainer.manifest.parameters, HEAD_WEIGHT).astype(np.float64) @ noise
+    for trainer in (torch_trainer, PortableTrainer(artifacts, optimizer="adamw", lr=3e-3),
+                    OrtTrainer(artifacts, optimizer="adamw", lr=3e-3)):
+        trainer.set_weights(weights)
+        raw, _ = trainer.outputs(x, y, mask)
+        _, gradient = trainer.input_gradient(x, y, mask, shifted_logits_loss(raw[0], mask, shift, head))
+        np.testing.assert_allclose(gradient, expected.numpy(), rtol=1e-3, atol=1e-6, err_msg=trainer.backend)
+
+
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_the_prototype_perturbation_descends_its_labels_loss_on_the_onnx_backends(artifacts, tmp_path,
+                                                                                  export_artifacts, loss):
+    """Eqs. 10-11 (the paper's CE with noise on the features, and the authors' code's BCE without): the perturbed
+    prototype has a lower loss of its label under the trained model than the raw one, and its Gamma gradient still
+    names its class; the ort backend without the portable graphs refuses the policy."""
     from edge_client.trainers.base import LossInputs
 
+    options = {"refine_steps": 10, "refine_loss": loss, **({"refine_noise": 0.0, "refine_lr": 0.2} if loss == "bce"
+                                                            else {})}
     learner = _learner(artifacts, tmp_path, trainer=PortableTrainer(artifacts, optimizer="adamw", lr=3e-3),
-                       refine_steps=10)
+                       **options)
     learner.start_task(0, *_digits([3, 7], 60))
     learner.train()
     x, y = _digits([3], 1)
-    bce = LossInputs(head="sigmoid-bce")
-    refined = learner.policy._refined(learner.view(), x, 3)
-    before = learner.trainer.input_gradient(x, y, learner.class_mask(), bce)[0]
-    after = learner.trainer.input_gradient(refined, y, learner.class_mask(), bce)[0]
+    plain = LossInputs(head="softmax-ce" if loss == "ce" else "sigmoid-bce")
+    _, features = learner.trainer.outputs(*_digits([3], 60), learner.class_mask())
+    refined = learner.policy._refined(learner.view(), x, 3, features.std(axis=0))
+    before = learner.trainer.input_gradient(x, y, learner.class_mask(), plain)[0]
+    after = learner.trainer.input_gradient(refined, y, learner.class_mask(), plain)[0]
     assert after < before and not np.array_equal(refined, x)
     learner.finish_round()
     assert len(learner.policy.attachments(learner.view())) == 2
@@ -562,7 +599,7 @@ def test_the_prototype_refinement_descends_its_labels_loss_on_the_onnx_backends(
     ort_only = export_artifacts("lenet", 10, (1, 8, 8))
     POLICIES.get("glfc").export_artifacts(OPTIONS, ort_only)
     with pytest.raises(ValueError, match="policy glfc needs the optional trainer graphs input_gradient"):
-        _learner(ort_only, tmp_path / "ort", trainer=OrtTrainer(ort_only), refine_steps=10)
+        _learner(ort_only, tmp_path / f"ort-{loss}", trainer=OrtTrainer(ort_only))  # on by default
 
 
 def test_the_proxy_scores_every_model_of_the_task_on_its_reconstructions_at_the_tasks_end(artifacts):

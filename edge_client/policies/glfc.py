@@ -37,13 +37,20 @@ A round on a device:
    switch (the "w/o PRS" ablation's old model: the paper does not say which it used). After the first round's
    training of a task, for each of the task's new classes the sample nearest the class-mean feature (the
    prototype) goes through the fixed encoding network Gamma, and the gradient of its cross-entropy w.r.t. Gamma's
-   parameters is attached to the update (`glfc/prototype/<k>`), for the proxy. The paper's optional refinement
-   (Eqs. 10-11) takes `refine_steps` gradient steps of `refine_lr` on the prototype, descending the BCE of its
-   label through the locally trained model (the input gradient: `Trainer.input_gradient`, a graph of its own on
-   the ONNX backends), as the authors' code does (50 steps of 0.2, weight decay 1e-5, no feature noise: the
-   paper's noise on the features needs the features as a graph input). Off by default (`refine_steps = 0`): it
-   costs refine_steps forward and backward passes per new class, and the ort backend needs the portable graphs
-   beside its own for it (the device refuses the option in one line otherwise).
+   parameters is attached to the update (`glfc/prototype/<k>`), for the proxy. Before that the prototype is
+   perturbed as the paper defines it (Eqs. 10-11): `refine_steps` SGD steps of `refine_lr` (0.1, the paper's) on
+   the sample, each down the cross-entropy of its label through the locally trained model at the sample's features
+   plus Gaussian noise, gamma N(0, sigma^2) (`refine_noise` = gamma = 0.1, sigma^2 the class's feature variance
+   over the device's samples of it, per feature, drawn anew each step from the learner's rng). The paper gives no
+   step count: 50, the authors' code's, which also decays the sample's weights by 1e-5 (kept) but descends the
+   BCE, at 0.2, without the noise (`refine_loss = "bce"`, `refine_lr = 0.2`, `refine_noise = 0`: the code's
+   variant; `refine_steps = 0`: no perturbation, the sample itself goes up). The noise reaches the gradient
+   without a graph of its own: the head is linear, so noise n on the features moves the logits by W n, and a
+   loss whose gradient at the logits z is the head's loss's at z + W n (`shifted_logits_loss`) runs through
+   every backend's input gradient (`Trainer.input_gradient`; the ort backend needs the portable graphs beside
+   its own for it, and the device refuses the policy in one line without them). It costs two forward passes and
+   one backward pass per step and new class, once per task. What it buys against the proxy's inversion is
+   measured in docs/methods/glfc.md (issue 59).
 6. Task detection (Eq. 7), for streams that do not announce tasks (`task_boundary`): the mean softmax entropy of a
    chunk under the latest global model against that of the data before it: the task's training data at the start
    of the device's last round (the paper's H^{r-1,t}, computed in `training_set`: a round costs one more forward
@@ -89,7 +96,7 @@ from edge_client.policies.herding import herding_order
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
 from edgefil.durable import npz_bytes, read_npz
 from models.glfc import decode_old_model, encode_gradient, prototype_name
-from models.manifest import WEIGHTS
+from models.manifest import HEAD_WEIGHT, WEIGHTS, named_parameter
 
 if TYPE_CHECKING:
     from edge_client.config import Backend
@@ -191,6 +198,37 @@ def fingerprint(x: np.ndarray) -> np.ndarray:
                      for r in rows], dtype=np.int64)
 
 
+
+REFINE_LOSSES = ("ce", "bce")
+REFINE_HEADS = {"ce": "softmax-ce", "bce": "sigmoid-bce"}
+
+
+def shifted_logits_loss(logits: np.ndarray, mask: np.ndarray, shift: np.ndarray, head: str) -> LossInputs:
+    """The loss whose gradient at one sample's `logits` is `head`'s loss's gradient at logits + `shift` (noise on
+    the features through the linear head): the head's own term, plus a teacher term whose gradient is exactly the
+    difference v. The teacher term, a squared distance to teacher logits T over the visible classes over their
+    count V, has gradient 2 (z - T) / V: T = z - v V / 2 gives v. The softmax CE's gradient is p - y, so v =
+    softmax(z + shift) - softmax(z); the BCE's is (sigmoid(z) - y) / V, so v = (sigmoid(z + shift) - sigmoid(z)) / V.
+    Hidden classes (mask 0) take no part."""
+    visible = mask > 0
+    count = max(float(mask.sum()), 1.0)
+    z = logits.astype(np.float64)[visible]
+    moved = z + np.asarray(shift, dtype=np.float64)[visible]
+    if head == "softmax-ce":
+        v = softmax(moved[None])[0] - softmax(z[None])[0]
+    else:
+        v = (sigmoid(moved) - sigmoid(z)) / count
+    teacher = np.zeros(mask.shape, dtype=np.float64)
+    teacher[visible] = z - v * count / 2
+    return LossInputs(head=head, teacher_logits=teacher[None].astype(np.float32),
+                      teacher_weights=np.ones(1, dtype=np.float32))
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """The logistic function in float64, without overflow at masked logits (about -1e9: exactly 0)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * z.astype(np.float64)))
+
+
 @dataclass
 class Glfc(ReplayPolicy):
     name = "glfc"
@@ -209,8 +247,13 @@ class Glfc(ReplayPolicy):
     lambda_rd: float = 0.5  # lambda_2
     entropy_ratio: float = ENTROPY_RATIO  # task detection: r_h = entropy_ratio * ln(visible classes)
     prototypes: bool = True  # upload prototype gradients at a new task (the proxy's input)
-    refine_steps: int = 0  # the prototype's optional refinement (Eqs. 10-11): gradient steps on the sample
-    refine_lr: float = 0.2
+    # the prototype's perturbation (Eqs. 10-11; module docstring, 5): SGD steps on the sample (0: none), their
+    # rate, the features' noise (gamma x N(0, the class's feature variance)) and the loss ("ce", the paper's; "bce",
+    # the authors' code's)
+    refine_steps: int = 50
+    refine_lr: float = 0.1
+    refine_noise: float = 0.1
+    refine_loss: str = "ce"
     gamma: str = "glfc_lenet"  # the encoding network: a registered model
     gamma_seed: int = 2021  # its weights: the fleet's shared secret, the proxy's too
     old_model_share: float = 0.5  # the most of M's bytes the old model may take
@@ -235,8 +278,11 @@ class Glfc(ReplayPolicy):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.refine_steps < 0 or not (math.isfinite(self.refine_lr) and self.refine_lr > 0):
-            raise ValueError("refine_steps must be >= 0 and refine_lr a positive number")
+        if self.refine_steps < 0 or not (math.isfinite(self.refine_lr) and self.refine_lr > 0) \
+                or not (math.isfinite(self.refine_noise) and self.refine_noise >= 0):
+            raise ValueError("refine_steps must be >= 0, refine_lr a positive number and refine_noise >= 0")
+        if self.refine_loss not in REFINE_LOSSES:
+            raise ValueError(f"refine_loss must be one of {', '.join(REFINE_LOSSES)}, got {self.refine_loss!r}")
         if not 0.0 < self.old_model_share <= 1.0:
             raise ValueError(f"old_model_share must lie in (0, 1], got {self.old_model_share}")
         from models.zoo import REGISTRY
@@ -388,7 +434,7 @@ class Glfc(ReplayPolicy):
         old_weights = None if first or self.relation == "none" else self._old_model()
         old_probs = None
         if old_weights is not None:
-            old_probs = 1.0 / (1.0 + np.exp(-trainer.teacher_logits(old_weights, x).astype(np.float64)))
+            old_probs = sigmoid(trainer.teacher_logits(old_weights, x).astype(np.float64))
         forwards = last = 0.0
         spread = WeightSpread()
         for _ in range(epochs):
@@ -398,7 +444,7 @@ class Glfc(ReplayPolicy):
                 if self.compensation and (self.compensate_first_task or not first):
                     _, logits, _ = trainer.forward(x[idx], y[idx], mask)
                     forwards += 1
-                    p_true = 1.0 / (1.0 + np.exp(-logits[np.arange(len(idx)), y[idx]].astype(np.float64)))
+                    p_true = sigmoid(logits[np.arange(len(idx)), y[idx]].astype(np.float64))
                     weights = compensation_weights(p_true, is_old[idx])
                     spread.add(weights, p_true)
                 relation = None if old_probs is None else relation_targets(y[idx], k, old_probs[idx], old_classes)
@@ -426,17 +472,28 @@ class Glfc(ReplayPolicy):
             members = np.flatnonzero(y == c)
             centre = features[members].mean(axis=0)
             nearest = members[int(np.linalg.norm(features[members] - centre, axis=1).argmin())]
-            prototype = self._refined(view, x[nearest : nearest + 1], c)
+            prototype = self._refined(view, x[nearest : nearest + 1], c, features[members].std(axis=0))
             _, gradient = gamma.gradient(prototype, np.array([c], dtype=np.int64))
             self._pending[prototype_name(k)] = encode_gradient(gradient)
         self._round["prototypes"] = float(len(self._pending))
 
-    def _refined(self, view: RoundView, prototype: np.ndarray, label: int) -> np.ndarray:
-        """Eqs. 10-11 as the authors' code: SGD on the sample, down the BCE of its label (weight decay 1e-5)."""
+    def _refined(self, view: RoundView, prototype: np.ndarray, label: int, spread: np.ndarray) -> np.ndarray:
+        """Eqs. 10-11 (module docstring, 5): SGD on the sample down its label's loss at its features plus noise of
+        sd `refine_noise` x `spread` (the class's features' sd), weight decay 1e-5."""
+        trainer = view.trainer
         target = np.array([label], dtype=np.int64)
-        loss = LossInputs(head="sigmoid-bce")
+        mask = trainer.mask(view.class_mask)
+        head = REFINE_HEADS[self.refine_loss]
+        weights = named_parameter(trainer.get_weights(), trainer.manifest.parameters, HEAD_WEIGHT)
         for _ in range(self.refine_steps):
-            _, gradient = view.trainer.input_gradient(prototype, target, view.class_mask, loss)
+            if self.refine_noise:
+                logits, _ = trainer.outputs(prototype, target, view.class_mask)
+                shift = weights.astype(np.float64) @ (self.refine_noise * view.rng.normal(0.0, 1.0, spread.shape)
+                                                      * spread)
+                loss = shifted_logits_loss(logits[0], mask, shift, head)
+            else:
+                loss = LossInputs(head=head)
+            _, gradient = trainer.input_gradient(prototype, target, view.class_mask, loss)
             prototype = (prototype - np.float32(self.refine_lr) * (gradient + np.float32(1e-5) * prototype))
         return prototype.astype(np.float32)
 
