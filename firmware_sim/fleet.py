@@ -41,7 +41,7 @@ from coordinator.server import Coordinator
 from edge_client.config import DeviceConfig, StoreSettings
 from edge_client.policies import POLICIES, split_policy
 from edge_client.trainers.base import OPTIMIZER_BUFFERS
-from edge_client.trainers.choice import resolve_backend
+from edge_client.trainers.choice import artifact_backends, resolve_backend
 from edgefil.durable import write_atomically, write_private
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, dump_toml
@@ -188,9 +188,10 @@ class Fleet:
             # Only what the devices run: the portable graphs take seconds each to export, the others a fraction;
             # of the optional graphs, those the policy runs with its options.
             backend = resolve_backend(self.config.trainer.backend, exportable_backends())
+            graphs = policy.trainer_graphs()
             export_registered(self.config.model, data.num_classes, artifacts, data.input_shape,
-                              seed=self.config.seed, backends=(backend, "torch"), cache=True,
-                              graphs=policy.trainer_graphs(), model_args=self.config.model_args,
+                              seed=self.config.seed, backends=(*artifact_backends(backend, graphs), "torch"),
+                              cache=True, graphs=graphs, model_args=self.config.model_args,
                               progress=preparing.step)
         options = dict(self.config.policy)
         POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)

@@ -602,6 +602,30 @@ def test_the_prototype_perturbation_descends_its_labels_loss_on_the_onnx_backend
         _learner(ort_only, tmp_path / f"ort-{loss}", trainer=OrtTrainer(ort_only))  # on by default
 
 
+def test_a_fleet_on_the_ort_backend_exports_the_graph_glfcs_perturbation_borrows_and_a_device_starts(tmp_path):
+    """ORT Training's artifacts have no input gradient: a fleet of GLFC devices on the ort backend exports the
+    portable set's graph beside them (`artifact_backends`), and a device opens on them, where before it was
+    refused."""
+    from types import SimpleNamespace
+
+    from edge_client.config import StoreSettings, TrainerSettings
+    from edge_client.trainers.choice import artifact_backends
+    from firmware_sim.fleet import Fleet
+    from firmware_sim.fleet_config import FleetConfig
+
+    assert artifact_backends("ort", {"input_gradient", "sample_grad_norms"}) == ("ort", "portable")
+    assert artifact_backends("ort", set()) == ("ort",)
+    assert artifact_backends("portable", {"input_gradient"}) == ("portable",)
+    config = FleetConfig(name="g", out=tmp_path / "fleet", devices=1, scenario={"preset": "digits-class"},
+                         policy={"name": "glfc", **OPTIONS}, trainer=TrainerSettings(backend="ort"),
+                         store=StoreSettings(max_samples=60))
+    fleet = Fleet(config)
+    artifacts = fleet._export(SimpleNamespace(num_classes=10, input_shape=(1, 8, 8)),
+                              SimpleNamespace(step=lambda what: None))
+    assert "input_gradient" in OrtTrainer(artifacts).graphs
+    _learner(artifacts, tmp_path / "device", trainer=OrtTrainer(artifacts)).store.close()  # opens: no refusal
+
+
 def test_the_proxy_scores_every_model_of_the_task_on_its_reconstructions_at_the_tasks_end(artifacts):
     """Round 1's model predicts class 1, round 2's class 0; the reconstructions (all of class 1) are there at the
     task's end: round 1's model is the task's best, and the old model broadcast at the task's end."""

@@ -10,6 +10,7 @@ cannot run here or the artifacts do not serve it.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from edge_client.config import TrainerSettings
@@ -22,6 +23,18 @@ INSTALL_HINT = {
     "portable": "onnxruntime",
     "torch": "torch (pip install 'edgefil[torch-device]')",
 }
+
+
+# The optional graphs a backend runs from another's artifacts: ORT Training's give no input gradient, the portable
+# set's graph does (OrtTrainer's input_gradient runs it in an inference session)
+LENT_GRAPHS: dict[str, dict[str, str]] = {"ort": {"input_gradient": "portable"}}
+
+
+def artifact_backends(backend: str, graphs: Collection[str]) -> tuple[str, ...]:
+    """The backends whose artifacts a device on `backend` needs to run the optional `graphs` (its policy's
+    `trainer_graphs`): its own, and those that lend it a graph it lacks."""
+    lent = LENT_GRAPHS.get(backend, {})
+    return tuple(dict.fromkeys([backend, *(lent[graph] for graph in sorted(graphs) if graph in lent)]))
 
 
 def resolve_backend(requested: str, served: tuple[str, ...]) -> str:
