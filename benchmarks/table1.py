@@ -249,6 +249,7 @@ class Job:
                    "detection": dataclasses.asdict(task_detection(results["history"])),
                    "budget": settings.budget, "max_bytes": options.get("store", {}).get("max_bytes"),
                    "epsilon": results.get("epsilon"),  # central DP's spend (None without it: privacy.py)
+                   "local_epsilon": results.get("local_epsilon"),  # local DP's: the largest a device spent
                    # ... and its last round's release (its clip, calibration, noise)
                    "privacy": next((e["privacy"] for e in reversed(results["history"]) if "privacy" in e), None),
                    "seconds": round(time.monotonic() - started, 1)}

@@ -133,6 +133,10 @@ class RunRecord:
             # central DP: epsilon at the settings' delta after the last round released (None: no DP release yet)
             "epsilon": next((entry["privacy"]["epsilon"] for entry in reversed(state.history) if "privacy" in entry),
                             None),
+            # local DP (edge_client/privacy.py): the largest epsilon a device said its updates spent (None: none did)
+            "local_epsilon": max((metrics["local_epsilon"] for entry in state.history
+                                  for metrics in entry.get("metrics", {}).values() if "local_epsilon" in metrics),
+                                 default=None),
             "counters": dict(self.counters),
             "device_errors": self.roster.errors(),
             "without_data": sorted(self.roster.without_data),  # online devices that said they hold no data yet

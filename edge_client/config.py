@@ -17,6 +17,8 @@
                the newest task and the old ones; left out: Re-Fed's rule), and the policy's own options (e.g. lam)
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
     [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time, time_scale
+    [privacy]  local differential privacy (edge_client/privacy.py): mode = "off" | "local", clip_norm = 1.0,
+               noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none)
 
 Relative paths are taken relative to the file's folder. The same tables ([policy], [store], [trainer], [learner])
 mean the same in a fleet file.
@@ -30,6 +32,7 @@ from typing import Any, Literal
 
 from edge_client.budget import Budget
 from edge_client.policies import check_policy
+from edge_client.privacy import LocalPrivacySettings
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
@@ -121,6 +124,7 @@ class DeviceConfig:
     policy: Mapping[str, Any] = field(default_factory=lambda: {"name": "refed"})
     data: DataSettings | None = None
     emulation: EmulationSettings | None = None  # virtual devices only
+    privacy: LocalPrivacySettings = LocalPrivacySettings()
     on_end: str = "exit"  # when the coordinator says the run is over: "exit", or "wait" for the next run
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ from edge_client.config import DeviceConfig
 from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, split_policy
+from edge_client.privacy import LocalPrivacy
 from edge_client.sources import TaskSource, check_task_data, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
@@ -122,6 +123,7 @@ class Device:
         )
         self.learner.restore(config.state_dir)
         self.learner.open_policy(config.state_dir, config.artifacts)
+        self.privacy = local_privacy(config, self.learner.policy)
         self.learner.idle()  # until its first round
         self.source = source if source is not None else open_source(config.data.folder if config.data else None)
         self.environment = environment if environment is not None else RealEnvironment()
@@ -375,6 +377,11 @@ class Device:
             log.info("%s is away at round %d's start (the fleet's clock): round passed over", self.id, round_)
             self._publish_status("away", round_)
             return
+        refusal = None if self.privacy is None else self.privacy.refusal()
+        if refusal is not None:  # its data is not spent past what it allows: the round waits for no update of it
+            log.warning("%s: %s; round %d not trained", self.id, refusal, round_)
+            self._publish_status("error", round_, refusal)
+            return
         blob_bytes = 4 * self.num_parameters
         messages = wire.chunk_count(blob_bytes)
         device_seconds = self.environment.transfer(blob_bytes, messages, upload=False)
@@ -442,8 +449,11 @@ class Device:
         device_seconds += self.environment.transfer(upload_bytes, wire.chunk_count(upload_bytes), upload=True)
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
+        if self.privacy is not None:  # what is saved (and resent) is the release: one release a round
+            self.trainer.set_weights(self.privacy.release(self.trainer.get_weights(), global_weights))
         self.learner.state.metrics = {
             **self.learner.policy.metrics(),
+            **({} if self.privacy is None else {"local_epsilon": self.privacy.epsilon()}),
             "loss": loss, "device_seconds": device_seconds, "disk_full": float(disk_full),
             # where the device's own tasks start (with detect_new_tasks, its detectors decide: benchmarks count them)
             "device_task": float(self.learner.state.task), "task_started": float(started_task),
@@ -598,6 +608,17 @@ class Device:
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
         self.link.publish(topic, self._status(state, round_, error, task), retain=True)
+
+
+def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | None:
+    """The device's local DP (edge_client/privacy.py), None when off; ValueError (one line) for a policy whose
+    attachments its noise would not cover."""
+    if not config.privacy.local:
+        return None
+    if policy.attaches():
+        raise ValueError(f"[privacy] mode = \"local\" noises the weights only: policy {policy.name} attaches more to "
+                         f"its updates (built from the device's data), which would leave unprotected")
+    return LocalPrivacy(config.privacy, config.state_dir)
 
 
 def _needed(message: wire.Message) -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from coordinator.guard_settings import SIZE_BOUNDS_ONLY, GuardSettings
 from edge_client.config import StoreSettings, TrainerSettings
+from edge_client.privacy import LocalPrivacySettings
 from edgefil.settings import Where
 from firmware_sim.fleet import Fleet
 from firmware_sim.fleet_config import FleetConfig
@@ -130,7 +131,8 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
                  options: Mapping[str, Any] | None = None) -> FleetConfig:
     """The fleet of one run: `options` (METHODS[method] by default) give its policy, and may give its strategy,
     its coordinator options, its trainer backend (a method that trains with torch only), its devices' [learner]
-    (`learner`: {"mask_seen_classes": ...}) and a byte limit beside M (`store`: {"max_bytes": ...})."""
+    (`learner`: {"mask_seen_classes": ...}), a byte limit beside M (`store`: {"max_bytes": ...}) and its devices'
+    local DP (`privacy`: edge_client/privacy.py)."""
     options = METHODS[method] if options is None else options
     return FleetConfig(
         name=f"demo-{method}", out=out / method, devices=settings.devices, workers=2, model=settings.model,
@@ -138,6 +140,7 @@ def fleet_config(method: str, settings: DemoSettings, out: Path, budget: int,
         profiles=demo_profiles(settings.devices) if settings.emulated else {},
         policy=options["policy"], store=StoreSettings(max_samples=budget, **options.get("store", {})),
         trainer=TrainerSettings(backend=options.get("backend", "ort"), optimizer="adamw", lr=settings.lr),
+        privacy=LocalPrivacySettings(**options.get("privacy", {})),
         client={"epochs": settings.epochs}, learner=options.get("learner", {}),
         strategy=options.get("strategy", STRATEGY),
         coordinator={

@@ -288,6 +288,7 @@ class Fleet:
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,
             "policy": dict(self.config.policy),
+            **({"privacy": vars(self.config.privacy)} if self.config.privacy.local else {}),
             "data": {"scenario": self.scenario, "client": index},
         }
 

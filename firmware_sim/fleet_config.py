@@ -32,6 +32,8 @@
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
+    [privacy]      mode = "local", clip_norm, noise_multiplier, delta,   (the device file's [privacy]: local DP on
+                   epsilon_budget                                        every device, edge_client/privacy.py)
     [learner]      batch_size, mask_seen_classes, detect_new_tasks       (the device file's [learner]; left out,
                                                                          mask_seen_classes is the scenario kind's
                                                                          measured default, `ScenarioKind.masks`)
@@ -63,6 +65,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig, RoundSettings
 from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
 from edge_client.policies import check_policy
+from edge_client.privacy import LocalPrivacySettings
 from edgefil.settings import Where, build, check_options, load_toml
 from edgefil.topics import check_name
 from firmware_sim.adversary import AdversarySettings
@@ -94,6 +97,7 @@ class FleetConfig:
     # costs half the memory of an ORT Training one (1.4 against 2.7 MB at 1000 devices) and a worker builds one
     # session, not one per device; it also runs on any Python a fleet host has (benchmarks/fleet_scale.py)
     trainer: TrainerSettings = TrainerSettings(backend="portable", optimizer="adamw", lr=3e-3)
+    privacy: LocalPrivacySettings = LocalPrivacySettings()  # the devices' local DP (off)
     client: Mapping[str, Any] = field(default_factory=lambda: {"epochs": 10})  # E: each task learnt in its rounds
     learner: Mapping[str, Any] = field(default_factory=dict)  # the devices' [learner]; see `learner_options`
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
@@ -204,7 +208,7 @@ class FleetConfig:
             "seed": self.seed,
             "scenario": dict(self.scenario), "policy": dict(self.policy),
             "store": self.store_options(),
-            "trainer": vars(self.trainer), "learner": dict(self.learner),
+            "trainer": vars(self.trainer), "privacy": vars(self.privacy), "learner": dict(self.learner),
             "client": dict(self.client), "strategy": dict(self.strategy), "coordinator": dict(self.coordinator),
             "profiles": dict(self.profiles), "adversary": vars(self.adversary),
         }

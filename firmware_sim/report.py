@@ -217,15 +217,20 @@ def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
 
 
 def _privacy_rows(results: Mapping[str, Any]) -> list[list[Any]]:
-    """Central DP's spend (coordinator/privacy.py): epsilon at the run's delta, and its budget; none without DP."""
+    """Central DP's spend (coordinator/privacy.py): epsilon at the run's delta, and its budget; local DP's
+    (edge_client/privacy.py): the largest epsilon a device reported; none without DP."""
+    rows = []
     privacy = results.get("settings", {}).get("privacy", {})
-    if privacy.get("mode") != "central":
-        return []
-    epsilon = results.get("epsilon")
-    budget = privacy.get("epsilon_budget") or "none"
-    return [["privacy (central DP)", f"epsilon {'—' if epsilon is None else f'{epsilon:.3f}'} at delta "
-             f"{privacy.get('delta')}; budget {budget}; clip {privacy.get('clip_norm')}, noise multiplier "
-             f"{privacy.get('noise_multiplier')}"]]
+    if privacy.get("mode") == "central":
+        epsilon = results.get("epsilon")
+        budget = privacy.get("epsilon_budget") or "none"
+        rows.append(["privacy (central DP)", f"epsilon {'—' if epsilon is None else f'{epsilon:.3f}'} at delta "
+                     f"{privacy.get('delta')}; budget {budget}; clip {privacy.get('clip_norm')}, noise multiplier "
+                     f"{privacy.get('noise_multiplier')}"])
+    if results.get("local_epsilon") is not None:
+        rows.append(["privacy (local DP)", f"epsilon {results['local_epsilon']:.3f} at the devices' delta: the "
+                     f"largest a device reported"])
+    return rows
 
 
 def _devices_markdown(s: Mapping[str, Any]) -> str:

@@ -244,6 +244,11 @@ class ReplayPolicy(ABC):
         """Named byte strings the round's update carries besides the model."""
         return {}
 
+    def attaches(self) -> bool:
+        """Whether its updates may carry attachments (with its options): what local DP's noise does not cover
+        (edge_client/privacy.py refuses such a policy). A policy that overrides `attachments` says True."""
+        return False
+
     def metrics(self) -> dict[str, float]:
         """The last round's numbers worth reporting."""
         return {}

@@ -215,6 +215,9 @@ class GeneratorReplay(ReplayPolicy):
                            generators_from_own=float(own_starts), generators_from_coordinator=float(offered_starts),
                            generator_bytes=float(bank.bytes_on_disk()))
 
+    def attaches(self) -> bool:
+        return True
+
     def attachments(self, view: RoundView) -> dict[str, bytes]:
         """What the update carries besides the model: this task's generators, as stored (pFedGRP's upload)."""
         from models.generator_record import encode_record

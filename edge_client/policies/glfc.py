@@ -500,6 +500,9 @@ class Glfc(ReplayPolicy):
     def attachments(self, view: RoundView) -> dict[str, bytes]:
         return dict(self._pending)
 
+    def attaches(self) -> bool:
+        return self.prototypes
+
     def release_bytes(self, view: RoundView) -> bool:
         """The old model goes first when a new task's real samples do not fit beside it (real data first)."""
         return self._files[OLD_MODEL_HOLDER].remove() if OLD_MODEL_HOLDER in self._files else False

@@ -186,6 +186,9 @@ class Sdd(ReplayPolicy):
     def attachments(self, view: RoundView) -> dict[str, bytes]:
         return {} if self._statistics is None else {STATISTICS: self._statistics}
 
+    def attaches(self) -> bool:
+        return self.send_statistics
+
     def release_bytes(self, view: RoundView) -> bool:
         """The synthetic samples go when a new session's real samples do not fit beside them (real data first)."""
         if self._file is None or not self._file.remove():

@@ -70,6 +70,9 @@ function drawProgress(run) {
     line += " · ε " + run.epsilon.toFixed(2) + " at δ " + privacy.delta;
     if (privacy.epsilon_budget) line += " of a budget of " + privacy.epsilon_budget.toFixed(2);
   }
+  if (run.local_epsilon !== null && run.local_epsilon !== undefined) {  // local DP (edge_client/privacy.py)
+    line += " · local ε ≤ " + run.local_epsilon.toFixed(2) + " (the largest a device reported)";
+  }
   text.textContent = line;
   text.dataset.done = done;
   text.dataset.total = total;

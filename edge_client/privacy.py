@@ -1,0 +1,124 @@
+"""Local differential privacy: a device clips and noises its own update before it leaves, and counts what that
+has spent, trusting nobody else (not the coordinator, not the broker, not whoever reads the traffic).
+
+Under `[privacy] mode = "local"` in the device file (a fleet file's `[device_privacy]`), the device's change to the
+global model it trained from, w - g, is scaled to at most `clip_norm` C (L2) and Gaussian noise of standard
+deviation `noise_multiplier` x 2C is added to every weight, before the update is saved and sent (a resend sends
+the same release, never a second one). Whatever the device's data, its clipped change lies within C of g, so two
+releases' means lie within 2C of each other: each round the device takes part in is a Gaussian mechanism of noise
+multiplier z = `noise_multiplier` over everything it holds (device-level DP, as central DP's, but without trusting
+the aggregator). k rounds compose to one Gaussian mechanism of mu = sqrt(k) / z (Dong, Roth and Su 2019), whose
+epsilon at `delta` is exact and closed-form (Balle and Wang 2018, Theorem 8): the device computes it with the normal
+CDF alone, so the device install carries no accounting library. No sampling amplification is counted: the device
+knows it was selected, and so does whoever watches it.
+
+The rounds released are counted in the state folder (`privacy.json`), written before the update leaves, so a
+restart never counts less than was sent. With `epsilon_budget`, a round that would take epsilon past it is not
+trained: the device answers it with an error status saying so, and sends nothing.
+
+What it does not cover: what a policy attaches to its updates (GLFC's prototype gradients, SDD's feature
+statistics, pFedGRP's generators: a policy that attaches anything is refused under local DP, `refusal`), and the
+metadata every update carries (its sample count, the classes it holds and has trained on, its metrics).
+What it costs: the mean of m devices' updates carries noise of sd 2 z C / sqrt(m) a weight, 2 sqrt(m) times what
+central DP adds to it at the same z (z C / m): 20 times at 100 devices (docs/results.md measures it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgefil.durable import write_atomically
+
+MODES = ("off", "local")
+COUNT_FILE = "privacy.json"
+
+
+@dataclass(frozen=True)
+class LocalPrivacySettings:
+    """The device file's [privacy] table."""
+
+    mode: str = "off"
+    clip_norm: float = 1.0  # C: the longest change to the global model the device sends (L2)
+    noise_multiplier: float = 1.0  # z: the noise's sd over 2C, what the device's data can change of its update
+    delta: float = 1e-5  # epsilon is reported at this delta
+    epsilon_budget: float = 0.0  # the device trains no round that would pass it; 0: no budget
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
+            raise ValueError(f"clip_norm must be a positive number; got {self.clip_norm}")
+        if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be a positive number; got {self.noise_multiplier}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1); got {self.delta}")
+        if not (self.epsilon_budget >= 0 and math.isfinite(self.epsilon_budget)):
+            raise ValueError(f"epsilon_budget must be >= 0 (0: none); got {self.epsilon_budget}")
+
+    @property
+    def local(self) -> bool:
+        return self.mode == "local"
+
+
+def gaussian_epsilon(rounds: int, noise_multiplier: float, delta: float) -> float:
+    """Epsilon at `delta` of `rounds` Gaussian mechanisms of multiplier `noise_multiplier`, exactly: mu = sqrt(rounds)
+    / z, and epsilon solves delta = Phi(mu/2 - epsilon/mu) - e^epsilon Phi(-mu/2 - epsilon/mu) (bisection to 1e-9)."""
+    if rounds <= 0:
+        return 0.0
+    mu = math.sqrt(rounds) / noise_multiplier
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+    def delta_at(epsilon: float) -> float:  # decreasing in epsilon
+        return phi(mu / 2 - epsilon / mu) - math.exp(epsilon) * phi(-mu / 2 - epsilon / mu)
+
+    low, high = 0.0, 1.0
+    while delta_at(high) > delta:
+        low, high = high, 2 * high
+    while high - low > 1e-9 * max(1.0, high):
+        middle = (low + high) / 2
+        low, high = (middle, high) if delta_at(middle) > delta else (low, middle)
+    return high
+
+
+class LocalPrivacy:
+    """One device's local DP: `release` each round's update, count it, and say what is spent."""
+
+    def __init__(self, settings: LocalPrivacySettings, state_dir: Path) -> None:
+        self.settings = settings
+        self.path = Path(state_dir) / COUNT_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rounds = int(json.loads(self.path.read_text())["rounds"]) if self.path.is_file() else 0
+        self.rng = np.random.default_rng(secrets.randbits(128))  # nobody's seed: the noise cannot be drawn again
+
+    def epsilon(self, rounds: int | None = None) -> float:
+        """Epsilon at delta after `rounds` releases (default: those made)."""
+        settings = self.settings
+        return gaussian_epsilon(self.rounds if rounds is None else rounds, settings.noise_multiplier, settings.delta)
+
+    def refusal(self) -> str | None:
+        """Why the next round must not be trained (one line), or None."""
+        budget = self.settings.epsilon_budget
+        if budget and self.epsilon(self.rounds + 1) > budget:
+            return (f"local DP: another round would take epsilon to {self.epsilon(self.rounds + 1):.3f} at delta "
+                    f"{self.settings.delta:g}, past the device's budget of {budget:g} (spent: {self.epsilon():.3f})")
+        return None
+
+    def release(self, weights: np.ndarray, global_weights: np.ndarray) -> np.ndarray:
+        """The update to send for `weights` trained from `global_weights`: the change clipped to C, plus noise of sd
+        z 2C; counted (on disk) first."""
+        self.rounds += 1
+        write_atomically(self.path, json.dumps({"rounds": self.rounds}).encode())
+        change = weights.astype(np.float64) - global_weights
+        length = float(np.linalg.norm(change))
+        clip = self.settings.clip_norm
+        if length > clip:
+            change *= clip / length
+        noise = self.rng.normal(0.0, self.settings.noise_multiplier * 2 * clip, size=change.shape)
+        return (global_weights + change + noise).astype(np.float32)

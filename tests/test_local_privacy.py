@@ -1,0 +1,109 @@
+"""Local differential privacy (edge_client/privacy.py): the device's epsilon against the mechanism's exact one and
+dp-accounting's, its clip and noise by hand on a toy update, the count that survives a restart, the budget a device
+stops at (through a real broker: the update that leaves is the release, and the run reports what was spent), and a
+policy whose attachments the noise would not cover refused in one line."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.optimize import brentq
+from scipy.stats import norm
+from thread_fleet import ThreadFederation
+
+from coordinator.broker import mosquitto_path
+from coordinator.checkpoint import CheckpointPolicy
+from coordinator.privacy import Accountant, PrivacySettings
+from coordinator.server import QuorumError
+from edge_client.config import DeviceConfig
+from edge_client.device import local_privacy
+from edge_client.policies import make_policy
+from edge_client.privacy import LocalPrivacy, LocalPrivacySettings, gaussian_epsilon
+from edgefil.settings import ConfigError
+from firmware_sim.report import write_report
+
+
+@pytest.mark.parametrize(("sigma", "rounds"), [(1.0, 1), (1.0, 10), (4.0, 100), (0.5, 3)])
+def test_a_devices_epsilon_is_the_gaussian_mechanisms_exact_one(sigma, rounds):
+    """k Gaussian rounds of multiplier z are one Gaussian of mu = sqrt(k) / z; its exact epsilon (Balle and Wang
+    2018), solved here by scipy, and dp-accounting's PLD (tight) agree with the device's closed form."""
+    mu = math.sqrt(rounds) / sigma
+    exact = brentq(lambda e: norm.cdf(mu / 2 - e / mu) - math.exp(e) * norm.cdf(-mu / 2 - e / mu) - 1e-5, 0, 200)
+    device = gaussian_epsilon(rounds, sigma, 1e-5)
+    accountant = Accountant(PrivacySettings(mode="central", noise_multiplier=sigma, accountant="pld"))
+    accountant.add(1.0, rounds)
+    assert device == pytest.approx(exact, rel=1e-6)
+    assert device == pytest.approx(accountant.epsilon(), rel=0.01)
+    assert gaussian_epsilon(0, sigma, 1e-5) == 0.0
+
+
+def test_the_release_clips_the_change_then_adds_noise_of_twice_the_clip_and_is_counted_first(tmp_path):
+    """Change [3, 4, 0, 0] (5 long) clipped to C = 1: [0.6, 0.8, 0, 0]; then noise of sd z x 2C; the count is on
+    disk before the release is returned, and a device restarted later counts on from it."""
+    g = np.full(4, 0.5, np.float32)
+    settings = LocalPrivacySettings(mode="local", clip_norm=1.0, noise_multiplier=0.7)
+    privacy = LocalPrivacy(settings, tmp_path)
+    privacy.rng = np.random.default_rng(3)
+    sent = privacy.release(g + np.array([3, 4, 0, 0], np.float32), g)
+    noise = np.random.default_rng(3).normal(0.0, 0.7 * 2 * 1.0, size=4)
+    np.testing.assert_allclose(sent, g + np.array([0.6, 0.8, 0, 0]) + noise, atol=1e-6)
+    near = np.array([0.1, 0, 0, 0], np.float32)  # within C: not scaled
+    privacy.rng = np.random.default_rng(4)
+    np.testing.assert_allclose(privacy.release(g + near, g), g + near + np.random.default_rng(4).normal(
+        0.0, 1.4, size=4), atol=1e-6)
+    again = LocalPrivacy(settings, tmp_path)
+    assert again.rounds == 2 and again.epsilon() == pytest.approx(gaussian_epsilon(2, 0.7, 1e-5))
+    assert not np.array_equal(LocalPrivacy(settings, tmp_path / "a").release(g, g),
+                              LocalPrivacy(settings, tmp_path / "b").release(g, g))  # the OS's entropy, not a seed
+
+
+def test_a_budget_stops_the_round_past_it_and_a_typo_or_an_attaching_policy_is_refused_in_one_line(tmp_path):
+    budget = (gaussian_epsilon(2, 1.0, 1e-5) + gaussian_epsilon(3, 1.0, 1e-5)) / 2
+    privacy = LocalPrivacy(LocalPrivacySettings(mode="local", epsilon_budget=budget), tmp_path)
+    g = np.zeros(3, np.float32)
+    for _ in range(2):
+        assert privacy.refusal() is None
+        privacy.release(g, g)
+    assert privacy.refusal().startswith("local DP: another round would take epsilon to")
+    base = {"device_id": "dev-0", "fleet": "lab", "artifacts": "a", "state_dir": str(tmp_path / "s")}
+    with pytest.raises(ConfigError, match="privacy.*mode must be one of off, local"):
+        DeviceConfig.from_dict({**base, "privacy": {"mode": "locl"}})
+    config = DeviceConfig.from_dict({**base, "privacy": {"mode": "local"}})
+    for name, options in (("glfc", {"gamma": "glfc_mlp"}), ("sdd", {})):
+        with pytest.raises(ValueError, match=f"noises the weights only: policy {name} attaches more") as refused:
+            local_privacy(config, make_policy(name, **options))
+        assert "\n" not in str(refused.value)
+    assert local_privacy(config, make_policy("glfc", gamma="glfc_mlp", prototypes=False)) is not None
+    assert local_privacy(config, make_policy("random")) is not None
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_devices_release_noised_updates_and_stop_at_their_budget_through_a_real_broker(tmp_path, export_artifacts):
+    """Two devices, z = 1, C = 1, a budget between one round's epsilon and two's: round 1's global model is the mean
+    of two releases, so it moved from the first by noise of sd 2 z C / sqrt(2) a weight (the clipped changes add at
+    most 1 / sqrt(30,986) in rms); in round 2 both refuse, saying why; the run reports the epsilon they spent."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    budget = (gaussian_epsilon(1, 1.0, 1e-5) + gaussian_epsilon(2, 1.0, 1e-5)) / 2
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100},
+              "privacy": {"mode": "local", "clip_norm": 1.0, "noise_multiplier": 1.0, "epsilon_budget": budget}}
+    # the noise is far longer than the model (its norm about 250 against LeNet's weights'): the coordinator's check
+    # of exploded models would refuse it, as it does any model that long (docs/security.md says to raise it)
+    never_exploded = CheckpointPolicy(explode_factor=1e6)
+    with ThreadFederation(tmp_path, artifacts, device, tasks=1) as federation:
+        coordinator = federation.coordinator({"name": "fedavg", "weighted": False}, rounds_per_task=2,
+                                             max_attempts=1, checkpoint=never_exploded)
+        first = coordinator.state.weights.copy()
+        moved = []
+        coordinator.progress = lambda entry: moved.append(coordinator.state.weights - first)
+        with pytest.raises(QuorumError, match="round 2 missed its quorum"):  # every device is past its budget
+            coordinator.run()
+    results = json.loads((federation.root / "run" / "results.json").read_text())
+    step = moved[0].astype(np.float64)
+    assert np.std(step) == pytest.approx(2 / math.sqrt(2), rel=0.05), np.std(step)
+    assert results["local_epsilon"] == pytest.approx(gaussian_epsilon(1, 1.0, 1e-5))
+    reasons = [error["error"] for error in results["device_errors"].values()]
+    assert len(reasons) == 2 and all("past the device's budget" in r for r in reasons), results["device_errors"]
+    summary = write_report(federation.root / "run")[0].read_text()
+    assert f"| privacy (local DP) | epsilon {results['local_epsilon']:.3f}" in summary
