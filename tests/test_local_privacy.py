@@ -1,7 +1,7 @@
 """Local differential privacy (edge_client/privacy.py): the device's epsilon against the mechanism's exact one and
 dp-accounting's, its clip and noise by hand on a toy update, the count that survives a restart, the budget a device
-stops at (through a real broker: the update that leaves is the release, and the run reports what was spent), and a
-policy whose attachments the noise would not cover refused in one line."""
+stops at (through a real broker: the update that leaves is the release, and the run reports what was spent, its
+dashboard in a real browser too), and a policy whose attachments the noise would not cover refused in one line."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,14 @@ import math
 
 import numpy as np
 import pytest
+from browser import CHROMEDRIVER, CHROMIUM, browser, wait_for
 from scipy.optimize import brentq
 from scipy.stats import norm
 from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import CheckpointPolicy
+from coordinator.dashboard import Dashboard
 from coordinator.privacy import Accountant, PrivacySettings
 from coordinator.server import QuorumError
 from edge_client.config import DeviceConfig
@@ -107,3 +109,15 @@ def test_devices_release_noised_updates_and_stop_at_their_budget_through_a_real_
     assert len(reasons) == 2 and all("past the device's budget" in r for r in reasons), results["device_errors"]
     summary = write_report(federation.root / "run")[0].read_text()
     assert f"| privacy (local DP) | epsilon {results['local_epsilon']:.3f}" in summary
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
+    dashboard = Dashboard(federation.root / "run", "127.0.0.1", 0).start()
+    driver = browser(tmp_path)
+    try:  # the page says what the devices spent
+        driver.get(dashboard.url + "?refresh=200")
+        shown = wait_for(lambda: "local ε" in (t := driver.find_element("id", "progress-text").text) and t, 60,
+                         "local epsilon")
+        assert f"local ε ≤ {results['local_epsilon']:.2f} (the largest a device reported)" in shown, shown
+    finally:
+        driver.quit()
+        dashboard.stop()

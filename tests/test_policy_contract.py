@@ -209,3 +209,12 @@ def test_every_policy_declares_only_optional_graphs_and_a_learner_refuses_what_i
         else:
             learner.open_policy(tmp_path, artifacts)
         store.close()
+
+
+def test_a_policy_that_overrides_its_attachments_says_it_attaches():
+    """Local DP refuses a policy that attaches (`ReplayPolicy.attaches`): every built-in policy that overrides
+    `attachments` says it attaches at its defaults, and one that does not override it says it does not."""
+    for name in BUILT_IN:
+        policy = make_policy(name, **OPTIONS.get(name, {}))
+        overrides = type(policy).attachments is not ReplayPolicy.attachments
+        assert policy.attaches() == overrides, name
