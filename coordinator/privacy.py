@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from edgefil.dp import check_gaussian
+
 log = logging.getLogger("edgefil.coordinator")
 
 MODES = ("off", "central")
@@ -104,12 +106,7 @@ class PrivacySettings:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}; got {self.accountant!r}")
         if self.clipping not in CLIPPINGS:
             raise ValueError(f"clipping must be one of {', '.join(CLIPPINGS)}; got {self.clipping!r}")
-        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
-            raise ValueError(f"clip_norm must be a positive number; got {self.clip_norm}")
-        if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a positive number; got {self.noise_multiplier}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1); got {self.delta}")
+        check_gaussian(self.clip_norm, self.noise_multiplier, self.delta, self.epsilon_budget)
         if not 0 < self.target_quantile < 1:
             raise ValueError(f"target_quantile must be in (0, 1); got {self.target_quantile}")
         if not (self.clip_learning_rate > 0 and math.isfinite(self.clip_learning_rate)):
@@ -120,8 +117,6 @@ class PrivacySettings:
                              f"{self.clipped_count_stddev}")
         if self.noise_seed is not None and self.noise_seed < 0:
             raise ValueError(f"noise_seed must be >= 0 (or left out); got {self.noise_seed}")
-        if not (self.epsilon_budget >= 0 and math.isfinite(self.epsilon_budget)):
-            raise ValueError(f"epsilon_budget must be >= 0 (0: none); got {self.epsilon_budget}")
 
     @property
     def central(self) -> bool:

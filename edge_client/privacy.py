@@ -25,13 +25,13 @@ central DP adds to it at the same z (z C / m): 20 times at 100 devices (docs/res
 from __future__ import annotations
 
 import json
-import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from edgefil.dp import check_gaussian, gaussian_epsilon
 from edgefil.durable import write_atomically
 
 MODES = ("off", "local")
@@ -51,40 +51,11 @@ class LocalPrivacySettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
-        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
-            raise ValueError(f"clip_norm must be a positive number; got {self.clip_norm}")
-        if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a positive number; got {self.noise_multiplier}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1); got {self.delta}")
-        if not (self.epsilon_budget >= 0 and math.isfinite(self.epsilon_budget)):
-            raise ValueError(f"epsilon_budget must be >= 0 (0: none); got {self.epsilon_budget}")
+        check_gaussian(self.clip_norm, self.noise_multiplier, self.delta, self.epsilon_budget)
 
     @property
     def local(self) -> bool:
         return self.mode == "local"
-
-
-def gaussian_epsilon(rounds: int, noise_multiplier: float, delta: float) -> float:
-    """Epsilon at `delta` of `rounds` Gaussian mechanisms of multiplier `noise_multiplier`, exactly: mu = sqrt(rounds)
-    / z, and epsilon solves delta = Phi(mu/2 - epsilon/mu) - e^epsilon Phi(-mu/2 - epsilon/mu) (bisection to 1e-9)."""
-    if rounds <= 0:
-        return 0.0
-    mu = math.sqrt(rounds) / noise_multiplier
-
-    def phi(x: float) -> float:
-        return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-    def delta_at(epsilon: float) -> float:  # decreasing in epsilon
-        return phi(mu / 2 - epsilon / mu) - math.exp(epsilon) * phi(-mu / 2 - epsilon / mu)
-
-    low, high = 0.0, 1.0
-    while delta_at(high) > delta:
-        low, high = high, 2 * high
-    while high - low > 1e-9 * max(1.0, high):
-        middle = (low + high) / 2
-        low, high = (middle, high) if delta_at(middle) > delta else (low, middle)
-    return high
 
 
 class LocalPrivacy:

@@ -32,3 +32,18 @@ def wait_for(condition, timeout: float, what: str):  # noqa: ANN001, ANN201
             return value
         time.sleep(0.05)
     raise AssertionError(f"the dashboard never showed {what} within {timeout:.0f} s")
+
+
+def progress_line(run: Path, tmp_path: Path, marker: str) -> str:
+    """The dashboard's progress line for the run folder `run`, as a real browser shows it, once it holds `marker`
+    (the caller skips where chromium is missing)."""
+    from coordinator.dashboard import Dashboard
+
+    dashboard = Dashboard(run, "127.0.0.1", 0).start()
+    driver = browser(tmp_path)
+    try:
+        driver.get(dashboard.url + "?refresh=200")
+        return wait_for(lambda: marker in (t := driver.find_element("id", "progress-text").text) and t, 60, marker)
+    finally:
+        driver.quit()
+        dashboard.stop()

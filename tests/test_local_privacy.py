@@ -9,20 +9,20 @@ import math
 
 import numpy as np
 import pytest
-from browser import CHROMEDRIVER, CHROMIUM, browser, wait_for
+from browser import CHROMEDRIVER, CHROMIUM, progress_line
 from scipy.optimize import brentq
 from scipy.stats import norm
 from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import CheckpointPolicy
-from coordinator.dashboard import Dashboard
 from coordinator.privacy import Accountant, PrivacySettings
 from coordinator.server import QuorumError
 from edge_client.config import DeviceConfig
 from edge_client.device import local_privacy
 from edge_client.policies import make_policy
-from edge_client.privacy import LocalPrivacy, LocalPrivacySettings, gaussian_epsilon
+from edge_client.privacy import LocalPrivacy, LocalPrivacySettings
+from edgefil.dp import gaussian_epsilon
 from edgefil.settings import ConfigError
 from firmware_sim.report import write_report
 
@@ -111,13 +111,5 @@ def test_devices_release_noised_updates_and_stop_at_their_budget_through_a_real_
     assert f"| privacy (local DP) | epsilon {results['local_epsilon']:.3f}" in summary
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
-    dashboard = Dashboard(federation.root / "run", "127.0.0.1", 0).start()
-    driver = browser(tmp_path)
-    try:  # the page says what the devices spent
-        driver.get(dashboard.url + "?refresh=200")
-        shown = wait_for(lambda: "local ε" in (t := driver.find_element("id", "progress-text").text) and t, 60,
-                         "local epsilon")
-        assert f"local ε ≤ {results['local_epsilon']:.2f} (the largest a device reported)" in shown, shown
-    finally:
-        driver.quit()
-        dashboard.stop()
+    shown = progress_line(federation.root / "run", tmp_path, "local ε")  # the page says what the devices spent
+    assert f"local ε ≤ {results['local_epsilon']:.2f} (the largest a device reported)" in shown, shown

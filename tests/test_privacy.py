@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from browser import CHROMEDRIVER, CHROMIUM, browser, wait_for
+from browser import CHROMEDRIVER, CHROMIUM, progress_line
 from scipy.optimize import brentq
 from scipy.stats import norm
 from thread_fleet import ThreadFederation
@@ -20,7 +20,6 @@ from thread_fleet import ThreadFederation
 from coordinator.aggregation import RoundAggregate
 from coordinator.broker import mosquitto_path
 from coordinator.containment import ContainedStrategy
-from coordinator.dashboard import Dashboard
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BALL, SUM, Accountant, BuiltFrom, CentralPrivacy, PrivacySettings, RoundCount
@@ -277,12 +276,5 @@ def test_a_run_ends_at_its_privacy_budget_and_says_what_it_spent(tmp_path, expor
     assert f"| privacy (central DP) | epsilon {results['epsilon']:.3f} at delta 1e-05; budget {budget}" in summary
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
-    dashboard = Dashboard(federation.root / "run", "127.0.0.1", 0).start()
-    driver = browser(tmp_path)
-    try:  # the page says what the run spent
-        driver.get(dashboard.url + "?refresh=200")
-        shown = wait_for(lambda: "ε" in (t := driver.find_element("id", "progress-text").text) and t, 60, "epsilon")
-        assert f"ε {results['epsilon']:.2f} at δ 0.00001 of a budget of {budget:.2f}" in shown, shown
-    finally:
-        driver.quit()
-        dashboard.stop()
+    shown = progress_line(federation.root / "run", tmp_path, "ε")  # the page says what the run spent
+    assert f"ε {results['epsilon']:.2f} at δ 0.00001 of a budget of {budget:.2f}" in shown, shown
