@@ -25,7 +25,7 @@ INSTANCES_KEPT = 4  # a device's most recent process instances remembered (a dup
 @dataclass
 class DeviceRecord:
     """One device as the coordinator knows it; `state` is "unseen" until it registers, then its last status
-    (online states, "offline", "error", "no-data")."""
+    (online states, "offline", "error", "no-data", "spent")."""
 
     device: str
     profile: str = ""
@@ -67,6 +67,9 @@ class Roster:
         self.online: set[str] = set()
         # online, but holding no data to train on (status "no-data"): device -> the task it said so in
         self.without_data: dict[str, int] = {}
+        # online, past the local privacy budget it set itself (status "spent", edge_client/privacy.py): device -> its
+        # reason. For the run: a device does not get its budget back.
+        self.spent: dict[str, str] = {}
         self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
 
     def register(self, event: Registration) -> list[str] | None:
@@ -110,6 +113,9 @@ class Roster:
         elif event.state == "no-data":
             self.online.add(event.device)
             self.without_data[event.device] = task if event.task is None else event.task
+        elif event.state == "spent":
+            self.online.add(event.device)
+            self.spent[event.device] = event.error or "its local privacy budget is spent"
         elif event.state == "offline":
             self.without_data.pop(event.device, None)
             self.online.discard(event.device)
@@ -133,11 +139,12 @@ class Roster:
         return self.registered.keys() & self.online
 
     def available(self, task: int) -> set[str]:
-        """What a round of `task` selects from: connected, and not known to hold no data for it. A device that said
+        """What a round of `task` selects from: connected, not past its privacy budget, and not known to hold no
+        data for it. A device that said
         it held none in an earlier task is selected again: one that joins at this task trains from its first round
         on (it hears the task from the round it is sent), and one that still holds none says so again and is not
         waited for."""
-        return self.connected() - {d for d, said in self.without_data.items() if said >= task}
+        return self.connected() - {d for d, said in self.without_data.items() if said >= task} - self.spent.keys()
 
     def errors(self) -> dict[str, dict[str, Any]]:
         """Device -> its last reported error and round (devices that reported one)."""

@@ -140,6 +140,7 @@ class RunRecord:
             "counters": dict(self.counters),
             "device_errors": self.roster.errors(),
             "without_data": sorted(self.roster.without_data),  # online devices that said they hold no data yet
+            "privacy_spent": dict(self.roster.spent),  # devices past their local privacy budget, and why
             "duplicate_devices": self.roster.duplicates,
             "devices": self.roster.table(),
             "bytes_sent": self.traffic.bytes_sent,

@@ -348,6 +348,7 @@ class Coordinator:
                         "%s to come back", number, attempt, len(collected.delivered), self.config.min_clients,
                         backoff, ", ".join(missing) or "devices")
             self._await_return(missing, backoff)
+        self._check_spent()
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
                           f"{self.config.max_attempts} times")
 
@@ -494,6 +495,7 @@ class Coordinator:
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:
+            self._check_spent()
             without = self.roster.without_data
             waiting = f" ({len(without)} more hold no data yet)" if without else ""
             raise QuorumError(f"{len(available)} devices online after {self._wait_limit():.0f} s"
@@ -572,6 +574,8 @@ class Coordinator:
             self._on_no_data(event)
         elif event.state == "away":
             self._on_away(event)
+        elif event.state == "spent":
+            self._on_spent(event)
         elif event.state != "offline":
             if current is not None and current.came_back(event.device):  # back (or the offline was stale)
                 self._send_round(event.device, with_weights=True)
@@ -601,6 +605,22 @@ class Coordinator:
         if current is not None and current.number == event.round and current.awaits(event.device):
             self.counters["away"] += 1
             current.failed_with(event.device, "away: offline at the round's start on the fleet's clock", expected=True)
+
+    def _on_spent(self, event: Status) -> None:
+        """A device past the local privacy budget it set itself (edge_client/privacy.py): not selected again, and
+        the open round does not wait for it."""
+        current = self.open_round
+        if current is not None and current.number == event.round and current.awaits(event.device):
+            self.counters["privacy-spent"] += 1
+            current.failed_with(event.device, event.error or "its local privacy budget is spent", expected=True)
+
+    def _check_spent(self) -> None:
+        """PrivacyBudgetSpent where the quorum is out of reach because devices spent their local privacy budgets
+        (the run ends at them, as at central DP's), not for want of devices."""
+        available, spent = len(self._available()), len(self.roster.spent.keys() & self.roster.connected())
+        if spent and available < self.config.min_clients <= available + spent:
+            raise PrivacyBudgetSpent(f"{spent} devices have spent their local privacy budget; {available} can "
+                                     f"still train, the quorum is {self.config.min_clients}")
 
     def _on_update(self, update: Update) -> None:
         reason = self.strategy.inspect(_for_strategy(update))

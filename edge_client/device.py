@@ -378,9 +378,9 @@ class Device:
             self._publish_status("away", round_)
             return
         refusal = None if self.privacy is None else self.privacy.refusal()
-        if refusal is not None:  # its data is not spent past what it allows: the round waits for no update of it
+        if refusal is not None:  # its data is not spent past what it allows: the run selects it no more
             log.warning("%s: %s; round %d not trained", self.id, refusal, round_)
-            self._publish_status("error", round_, refusal)
+            self._publish_status("spent", round_, refusal)
             return
         blob_bytes = 4 * self.num_parameters
         messages = wire.chunk_count(blob_bytes)
