@@ -14,10 +14,12 @@ from mqtt_helpers import Peer
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
+from edge_client.privacy import LocalPrivacySettings
 from edge_client.sources import FolderSource
 from edge_client.state import load_state
 from edge_client.trainers.ort import OrtTrainer
 from edgefil import topics, wire
+from edgefil.dp import gaussian_epsilon
 from firmware_sim.datasets import load_dataset
 from models.manifest import manifest_digest
 
@@ -134,6 +136,36 @@ def test_device_trains_its_round_and_answers_repeats_with_the_same_update(setup)
     assert (free.header["round"], pulled.header["round"]) == (2, 3)
     distance = lambda blob: np.linalg.norm(blob.weights(n) - initial)  # noqa: E731
     assert distance(pulled) < 0.5 * distance(free)
+    restarted.stop_requested.set()
+    thread.join(15)
+
+
+def test_under_local_dp_a_device_sends_one_release_a_round_however_often_asked(setup):
+    """edge_client/privacy.py: what leaves is the trained weights' change clipped to C = 1 plus noise of sd 2 z C =
+    2 a weight (the clipped change adds at most 1 / sqrt(30,986) in rms), with its epsilon; asked again, and after
+    a restart, the device sends that same release (one noise draw, one round counted), never a second one."""
+    config, coordinator, initial = setup
+    config = dataclasses.replace(config, privacy=LocalPrivacySettings(mode="local", clip_norm=1.0,
+                                                                      noise_multiplier=1.0))
+    n = len(initial)
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 1)
+    first = updates(coordinator, n)[0]
+    assert np.std(first.weights(n) - initial) == pytest.approx(2.0, rel=0.05)
+    assert first.header["metrics"]["local_epsilon"] == pytest.approx(gaussian_epsilon(1, 1.0, 1e-5))
+    send_round(coordinator, initial)  # the same round again: the same release
+    wait_for(lambda: len(updates(coordinator, n)) == 2)
+    assert updates(coordinator, n)[1].id == first.id
+    device.stop_requested.set()
+    thread.join(15)
+    restarted, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30, index=1)
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, n)) == 3)
+    assert updates(coordinator, n)[2].id == first.id
+    assert restarted.privacy is not None and restarted.privacy.rounds == 1
     restarted.stop_requested.set()
     thread.join(15)
 
