@@ -88,8 +88,9 @@ def membership_attack(run: Path) -> tuple[float, float, float]:
     every task's training samples (the devices' data, all of it handed out); non-members: the tasks' test samples,
     never trained on. Returns the attack's ROC AUC over every task's samples, over the last task's (the classes the
     model still holds: the old tasks' are mostly forgotten, and forgetting hides membership as well as any noise),
-    and its advantage there (the largest true-positive minus false-positive rate of a threshold, which (epsilon,
-    delta)-DP bounds by e^epsilon - 1 + delta... and which means something only at small epsilon)."""
+    and its advantage there (the largest true-positive minus false-positive rate of a threshold: (epsilon,
+    delta)-DP bounds it by (e^epsilon - 1 + 2 delta) / (e^epsilon + 1), a bound that says something only at small
+    epsilon)."""
     import json
 
     from sklearn.metrics import roc_auc_score, roc_curve
