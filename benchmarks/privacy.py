@@ -159,8 +159,9 @@ def update_attack(run: Path, epochs: int = 10, lr: float = 3e-3) -> float:
         trainer.fit(x, y, epochs=epochs, batch_size=32)
         if local.local:  # what leaves the device is its release, made as the device makes it
             with tempfile.TemporaryDirectory() as folder:
-                trainer.set_weights(LocalPrivacy(local, Path(folder)).release(trainer.get_weights(),
-                                                                              found[0].weights))
+                release = LocalPrivacy(local, Path(folder))
+                release.rng = np.random.default_rng((fleet["seed"], k))  # one seed, one table (a device: the OS's)
+                trainer.set_weights(release.release(trainer.get_weights(), found[0].weights))
         inside, outside = sample_losses(trainer, x, y), sample_losses(trainer, outside_x, outside_y)
         aucs.append(roc_auc_score(np.r_[np.ones(len(inside)), np.zeros(len(outside))], -np.r_[inside, outside]))
     return float(np.mean(aucs))
