@@ -74,12 +74,30 @@ def methods(sigmas: list[float], adaptive: list[float], median: list[float], loc
 
 
 def seeded_noise(job: Job) -> Job:
-    """A DP column's noise drawn from the run's seed (`noise_seed`, experiments only): one seed, one table."""
-    privacy = job.options.get("coordinator", {}).get("privacy")
-    if privacy is None:
-        return job
-    coordinator = {**job.options["coordinator"], "privacy": {**privacy, "noise_seed": job.seed}}
-    return dataclasses.replace(job, options={**job.options, "coordinator": coordinator})
+    """A DP column's noise drawn from the run's seed (`noise_seed`, experiments only: the coordinator's central DP,
+    the devices' local DP): one seed, one table."""
+    options = dict(job.options)
+    central = options.get("coordinator", {}).get("privacy")
+    if central is not None:
+        options["coordinator"] = {**options["coordinator"], "privacy": {**central, "noise_seed": job.seed}}
+    if "privacy" in options:
+        options["privacy"] = {**options["privacy"], "noise_seed": job.seed}
+    return dataclasses.replace(job, options=options)
+
+
+def finished_run(run: Path) -> tuple[dict[str, Any], Any, np.ndarray]:
+    """A finished fleet run's file (fleet.json), its scenario (built again from it: the same seed, the same data)
+    and its last global model."""
+    import json
+
+    from coordinator.checkpoint import load_latest
+    from edgefil.settings import Where
+    from firmware_sim.scenarios import check_scenario
+
+    fleet = json.loads((run / "fleet.json").read_text())
+    found = load_latest(run / "checkpoint")
+    assert found is not None, f"{run}: no checkpoint"
+    return fleet, check_scenario(fleet["scenario"], Where(str(run))).build(), found[0].weights
 
 
 def membership_attack(run: Path) -> tuple[float, float, float]:
@@ -91,21 +109,14 @@ def membership_attack(run: Path) -> tuple[float, float, float]:
     and its advantage there (the largest true-positive minus false-positive rate of a threshold: (epsilon,
     delta)-DP bounds it by (e^epsilon - 1 + 2 delta) / (e^epsilon + 1), a bound that says something only at small
     epsilon)."""
-    import json
-
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    from coordinator.checkpoint import load_latest
     from edge_client.trainers.pytorch import TorchTrainer
-    from edgefil.settings import Where
-    from firmware_sim.scenarios import check_scenario
     from models.manifest import load_manifest
 
-    scenario = check_scenario(json.loads((run / "fleet.json").read_text())["scenario"], Where(str(run))).build()
-    found = load_latest(run / "checkpoint")
-    assert found is not None, f"{run}: no checkpoint"
+    _, scenario, weights = finished_run(run)
     trainer = TorchTrainer(load_manifest(run / "artifacts"))
-    trainer.set_weights(found[0].weights)
+    trainer.set_weights(weights)
 
     scored = [(sample_losses(trainer, *task.train()), sample_losses(trainer, *task.test())) for task in scenario.tasks]
 
@@ -131,22 +142,14 @@ def update_attack(run: Path, epochs: int = 10, lr: float = 3e-3) -> float:
     whether it was the device's. Members: the device's samples; non-members: the task's test samples. Central DP
     noises what is released, not what a device sends: only local DP (its columns) changes what this attack reads.
     Returns the mean AUC."""
-    import json
-
     from sklearn.metrics import roc_auc_score
 
-    from coordinator.checkpoint import load_latest
     from edge_client.privacy import LocalPrivacy, LocalPrivacySettings
     from edge_client.trainers.pytorch import TorchTrainer
-    from edgefil.settings import Where
-    from firmware_sim.scenarios import check_scenario
     from models.manifest import load_manifest
 
-    fleet = json.loads((run / "fleet.json").read_text())
-    scenario = check_scenario(fleet["scenario"], Where(str(run))).build()
+    fleet, scenario, weights = finished_run(run)
     local = LocalPrivacySettings(**fleet.get("privacy", {}))
-    found = load_latest(run / "checkpoint")
-    assert found is not None, f"{run}: no checkpoint"
     task = scenario.tasks[-1]
     outside_x, outside_y = task.test()
     aucs = []
@@ -155,13 +158,12 @@ def update_attack(run: Path, epochs: int = 10, lr: float = 3e-3) -> float:
         if not len(y):
             continue
         trainer = TorchTrainer(load_manifest(run / "artifacts"), optimizer="adamw", lr=lr, seed=k)
-        trainer.set_weights(found[0].weights)
+        trainer.set_weights(weights)
         trainer.fit(x, y, epochs=epochs, batch_size=32)
         if local.local:  # what leaves the device is its release, made as the device makes it
             with tempfile.TemporaryDirectory() as folder:
-                release = LocalPrivacy(local, Path(folder))
-                release.rng = np.random.default_rng((fleet["seed"], k))  # one seed, one table (a device: the OS's)
-                trainer.set_weights(release.release(trainer.get_weights(), found[0].weights))
+                release = LocalPrivacy(local, Path(folder), stream=k)  # drawn from the run's noise_seed, if any
+                trainer.set_weights(release.release(trainer.get_weights(), weights))
         inside, outside = sample_losses(trainer, x, y), sample_losses(trainer, outside_x, outside_y)
         aucs.append(roc_auc_score(np.r_[np.ones(len(inside)), np.zeros(len(outside))], -np.r_[inside, outside]))
     return float(np.mean(aucs))

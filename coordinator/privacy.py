@@ -51,7 +51,6 @@ release would take epsilon past `epsilon_budget` is not run: the run ends with o
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
@@ -63,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefil.dp import check_gaussian
+from edgefil.dp import check_gaussian, clipped_change
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -160,13 +159,10 @@ def released(global_weights: np.ndarray, result: np.ndarray, kept: int, selected
     """The global model a round releases: g plus the rule's change, plus Gaussian noise of sd `sd` on every weight.
     SUM: the rule gave the mean of `kept` clipped updates, released as their sum over the `selected` count; BALL:
     the rule's change clipped to `clip_norm`."""
-    change = result.astype(np.float64) - global_weights
     if how == SUM:
-        change *= kept / selected
+        change = (result.astype(np.float64) - global_weights) * (kept / selected)
     else:
-        length = float(np.linalg.norm(change))
-        if length > clip_norm:
-            change *= clip_norm / length
+        change = clipped_change(result, global_weights, clip_norm)
     noise = rng.normal(0.0, sd, size=global_weights.shape)
     return (global_weights + change + noise).astype(np.float32)
 
@@ -202,11 +198,6 @@ class Accountant:
             event = gaussian if rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(rate, gaussian)
             accountant.compose(event, count)
         return float(accountant.get_epsilon(self.settings.delta))
-
-    def describe(self) -> dict[str, Any]:
-        """What results.json keeps: the settings, the rounds accounted and epsilon at delta."""
-        return {**dataclasses.asdict(self.settings), "rounds": sum(self.rounds.values()),
-                "epsilon": self.epsilon()}
 
 
 class CentralPrivacy:

@@ -140,10 +140,9 @@ class Roster:
 
     def available(self, task: int) -> set[str]:
         """What a round of `task` selects from: connected, not past its privacy budget, and not known to hold no
-        data for it. A device that said
-        it held none in an earlier task is selected again: one that joins at this task trains from its first round
-        on (it hears the task from the round it is sent), and one that still holds none says so again and is not
-        waited for."""
+        data for it. A device that said it held none in an earlier task is selected again: one that joins at this
+        task trains from its first round on (it hears the task from the round it is sent), and one that still holds
+        none says so again and is not waited for."""
         return self.connected() - {d for d, said in self.without_data.items() if said >= task} - self.spent.keys()
 
     def errors(self) -> dict[str, dict[str, Any]]:

@@ -618,7 +618,7 @@ def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | 
     if policy.attaches():
         raise ValueError(f"[privacy] mode = \"local\" noises the weights only: policy {policy.name} attaches more to "
                          f"its updates (built from the device's data), which would leave unprotected")
-    return LocalPrivacy(config.privacy, config.state_dir)
+    return LocalPrivacy(config.privacy, config.state_dir, stream=_seed_of(config.device_id))
 
 
 def _needed(message: wire.Message) -> list[str]:

@@ -25,14 +25,17 @@ central DP adds to it at the same z (z C / m): 20 times at 100 devices (docs/res
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from edgefil.dp import check_gaussian, gaussian_epsilon
+from edgefil.dp import check_gaussian, clipped_change, gaussian_epsilon
 from edgefil.durable import write_atomically
+
+log = logging.getLogger("edgefil.device")
 
 MODES = ("off", "local")
 COUNT_FILE = "privacy.json"
@@ -47,11 +50,17 @@ class LocalPrivacySettings:
     noise_multiplier: float = 1.0  # z: the noise's sd over 2C, what the device's data can change of its update
     delta: float = 1e-5  # epsilon is reported at this delta
     epsilon_budget: float = 0.0  # the device trains no round that would pass it; 0: no budget
+    # Experiments only (central DP's `noise_seed`): each release's noise drawn from this seed, the device's stream
+    # and the round's count, so that one seed gives one table. Whoever knows it can take the noise back out: never
+    # on a device of one's own (None: the OS's entropy).
+    noise_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         check_gaussian(self.clip_norm, self.noise_multiplier, self.delta, self.epsilon_budget)
+        if self.noise_seed is not None and self.noise_seed < 0:
+            raise ValueError(f"noise_seed must be >= 0 (or left out); got {self.noise_seed}")
 
     @property
     def local(self) -> bool:
@@ -61,12 +70,15 @@ class LocalPrivacySettings:
 class LocalPrivacy:
     """One device's local DP: `release` each round's update, count it, and say what is spent."""
 
-    def __init__(self, settings: LocalPrivacySettings, state_dir: Path) -> None:
-        self.settings = settings
+    def __init__(self, settings: LocalPrivacySettings, state_dir: Path, stream: int = 0) -> None:
+        """`stream`: this device's among a fleet's (its id's hash), which `noise_seed` draws from."""
+        self.settings, self.stream = settings, stream
         self.path = Path(state_dir) / COUNT_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rounds = int(json.loads(self.path.read_text())["rounds"]) if self.path.is_file() else 0
         self.rng = np.random.default_rng(secrets.randbits(128))  # nobody's seed: the noise cannot be drawn again
+        if settings.noise_seed is not None:
+            log.warning("local DP: the noise comes from noise_seed (experiments only: it can be taken back out)")
 
     def epsilon(self, rounds: int | None = None) -> float:
         """Epsilon at delta after `rounds` releases (default: those made)."""
@@ -86,10 +98,8 @@ class LocalPrivacy:
         z 2C; counted (on disk) first."""
         self.rounds += 1
         write_atomically(self.path, json.dumps({"rounds": self.rounds}).encode())
-        change = weights.astype(np.float64) - global_weights
-        length = float(np.linalg.norm(change))
+        seed = self.settings.noise_seed
+        rng = self.rng if seed is None else np.random.default_rng((seed, self.stream, self.rounds))
         clip = self.settings.clip_norm
-        if length > clip:
-            change *= clip / length
-        noise = self.rng.normal(0.0, self.settings.noise_multiplier * 2 * clip, size=change.shape)
-        return (global_weights + change + noise).astype(np.float32)
+        noise = rng.normal(0.0, self.settings.noise_multiplier * 2 * clip, size=global_weights.shape)
+        return (global_weights + clipped_change(weights, global_weights, clip) + noise).astype(np.float32)

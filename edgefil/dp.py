@@ -1,8 +1,21 @@
 """What central DP (coordinator/privacy.py) and local DP (edge_client/privacy.py) share: the check of a Gaussian
-mechanism's settings, and the exact epsilon of Gaussian mechanisms composed without sampling."""
+mechanism's settings, the clip of a change before it is noised, and the exact epsilon of Gaussian mechanisms
+composed without sampling."""
 from __future__ import annotations
 
 import math
+
+import numpy as np
+
+
+def clipped_change(weights: np.ndarray, global_weights: np.ndarray, clip_norm: float) -> np.ndarray:
+    """weights - global_weights in float64, scaled onto `clip_norm` (L2) where longer: what a release noises (a
+    device's under local DP, the rule's under central DP's "ball" calibration)."""
+    change = weights.astype(np.float64) - global_weights
+    length = float(np.linalg.norm(change))
+    if length > clip_norm:
+        change *= clip_norm / length
+    return change
 
 
 def check_gaussian(clip_norm: float, noise_multiplier: float, delta: float, epsilon_budget: float) -> None:

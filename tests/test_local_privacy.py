@@ -59,6 +59,24 @@ def test_the_release_clips_the_change_then_adds_noise_of_twice_the_clip_and_is_c
                               LocalPrivacy(settings, tmp_path / "b").release(g, g))  # the OS's entropy, not a seed
 
 
+def test_a_noise_seed_gives_each_devices_round_its_own_noise_again_after_a_restart(tmp_path):
+    """`noise_seed` (experiments): a device's k-th release draws the same noise in any process (a restarted device, a
+    rerun of the table); another device's stream, or another round, draws other noise."""
+    g = np.zeros(50, np.float32)
+    settings = LocalPrivacySettings(mode="local", noise_seed=5)
+
+    def first_release(folder: str, stream: int) -> np.ndarray:
+        return LocalPrivacy(settings, tmp_path / folder, stream=stream).release(g, g)
+
+    np.testing.assert_array_equal(first_release("a", 1), first_release("b", 1))
+    assert not np.array_equal(first_release("c", 1), first_release("d", 2))
+    again = LocalPrivacy(settings, tmp_path / "a", stream=1)  # its second round
+    assert not np.array_equal(again.release(g, g), first_release("e", 1))
+    with pytest.raises(ConfigError, match="privacy.*noise_seed must be >= 0"):
+        DeviceConfig.from_dict({"device_id": "dev-0", "fleet": "lab", "artifacts": "a", "state_dir": "s",
+                                "privacy": {"mode": "local", "noise_seed": -1}})
+
+
 def test_a_budget_stops_the_round_past_it_and_a_typo_or_an_attaching_policy_is_refused_in_one_line(tmp_path):
     budget = (gaussian_epsilon(2, 1.0, 1e-5) + gaussian_epsilon(3, 1.0, 1e-5)) / 2
     privacy = LocalPrivacy(LocalPrivacySettings(mode="local", epsilon_budget=budget), tmp_path)

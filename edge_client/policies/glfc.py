@@ -199,8 +199,8 @@ def fingerprint(x: np.ndarray) -> np.ndarray:
 
 
 
-REFINE_LOSSES = ("ce", "bce")
-REFINE_HEADS = {"ce": "softmax-ce", "bce": "sigmoid-bce"}
+REFINE_HEADS = {"ce": "softmax-ce", "bce": "sigmoid-bce"}  # the perturbation's `refine_loss` -> the loss's head
+REFINE_LOSSES = tuple(REFINE_HEADS)
 
 
 def shifted_logits_loss(logits: np.ndarray, mask: np.ndarray, shift: np.ndarray, head: str) -> LossInputs:
@@ -484,12 +484,11 @@ class Glfc(ReplayPolicy):
         target = np.array([label], dtype=np.int64)
         mask = trainer.mask(view.class_mask)
         head = REFINE_HEADS[self.refine_loss]
-        weights = named_parameter(trainer.get_weights(), trainer.manifest.parameters, HEAD_WEIGHT)
+        weights = named_parameter(trainer.get_weights(), trainer.manifest.parameters, HEAD_WEIGHT).astype(np.float64)
         for _ in range(self.refine_steps):
             if self.refine_noise:
                 logits, _ = trainer.outputs(prototype, target, view.class_mask)
-                shift = weights.astype(np.float64) @ (self.refine_noise * view.rng.normal(0.0, 1.0, spread.shape)
-                                                      * spread)
+                shift = weights @ (self.refine_noise * view.rng.normal(0.0, 1.0, spread.shape) * spread)
                 loss = shifted_logits_loss(logits[0], mask, shift, head)
             else:
                 loss = LossInputs(head=head)
