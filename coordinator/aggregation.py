@@ -12,6 +12,9 @@ Under central differential privacy (coordinator/privacy.py) each update's change
 the guard and the rule, and weighs the same as every other; the rule's result is then released with noise, as that
 module says.
 
+Under secure aggregation (coordinator/secagg.py) the round gets no update of any one device: each attempt's secure
+session adds the sum of its devices' updates, as one update the rule folds (`add_sum`).
+
 Updates that arrive in the later attempt of a round that missed its quorum go into the same aggregation: they
 answer the same global model.
 
@@ -38,6 +41,7 @@ from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
 from coordinator.privacy import CentralPrivacy, RoundCount
 from coordinator.reference import ClassReference
+from coordinator.secagg import SecureSum
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
 from coordinator.strategies.base import OUTSIDE_A_RUN
 
@@ -83,6 +87,8 @@ class RoundAggregate:
         self._within_clip = 0  # of those, the ones central DP's clip left whole (adaptive clipping counts them)
         self.number = ctx.round
         self.used: list[Used] = []
+        self._summed_samples = 0  # the samples of the secure sums folded (`add_sum`), whose devices' are not known
+        self.secure_counts: dict[str, int] = {}  # what the secure sessions' stages saw, for the round's history
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
         self._sound = True  # False once a fold raised while changing its running aggregate
@@ -120,6 +126,29 @@ class RoundAggregate:
                 self.used.append(_used(update))
         else:
             self._trusted.append(update)
+
+    def add_sum(self, summed: SecureSum, global_weights: np.ndarray, parts: Mapping[str, Mapping[str, float]],
+                counts: Mapping[str, int]) -> None:
+        """A secure session's sum: the rule folds the survivors' weighted mean, g + their mean change, as one update
+        of their summed weight in samples; no bound sees it (secure aggregation runs with none). `parts`: what each
+        survivor said of its update (its metrics), for the round's history; `counts`: the session's stages."""
+        if self._fold is None:
+            raise ValueError("a secure sum goes into a rule that folds (a mean): secure_refused keeps others out")
+        for stage, count in counts.items():
+            self.secure_counts[stage] = self.secure_counts.get(stage, 0) + count
+        samples = round(summed.samples)
+        if samples <= 0:  # every device claimed nothing: the previous model stays
+            return
+        update = ClientUpdate("secure-sum", (global_weights + summed.mean_change).astype(np.float32), samples)
+        refused, self._sound = self.strategy.add(self._fold, update)
+        if refused is None:
+            self.used.extend(Used(device, 0, dict(metrics)) for device, metrics in sorted(parts.items()))
+            self._summed_samples += samples
+
+    @property
+    def samples(self) -> int:
+        """The samples the round's result learnt from (as the updates claimed them)."""
+        return sum(u.num_samples for u in self.used) + self._summed_samples
 
     def close(self, wait: Callable[[float], None] | None = None, selected: int = 0, eligible: int = 0
               ) -> AggregateResult | None:

@@ -206,7 +206,7 @@ class MosquittoBroker:
         _check_password(device_id, password)
 
     def _acl(self) -> str:
-        """Exactly the protocol's topics (edgefil.topics): a device writes its own four kinds and reads its own
+        """Exactly the protocol's topics (edgefil.topics): a device writes its own kinds and reads its own
         and the broadcast ones, nothing under the fleet's prefix besides. Observers read the protocol's metadata
         (every kind but `topics.CARRY_LEARNING`: registrations, statuses, round messages, requests, notices, the
         end); what carries learning (updates, models, method payloads) only where `observers_read_learning` is

@@ -62,6 +62,12 @@
                 (clip_norm its start; target_quantile = 0.5, clip_learning_rate = 0.2, clipped_count_stddev =
                 0.0: selected / 20), noise_seed (experiments only: the noise drawn from it, reproducible, and as
                 easily taken back out)
+    [secure_aggregation] the coordinator learns only the sum of a round's updates (coordinator/secagg.py): mode =
+                "off" | "secagg+", degree = 0 (each device's neighbours; 0: 2 ceil(log2 n) + 2), threshold = 0.5 (the
+                share of a device's neighbours that reconstruct its secrets, above it: a majority), clip_range = 4.0
+                (each value of a device's weighted change, at most), max_weight = 10000 (the samples that weigh 1),
+                stage_s = 60.0 (each stage's longest wait). With fedavg or fedprox only, no [guard] check (left out,
+                the guard is off) and no central DP
     [host]      a task the host learns itself (coordinator/host_training.py): epochs = 20, lr = 0.05,
                 momentum = 0.9, batch_size = 32, seed = 0
 
@@ -79,10 +85,12 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpoint import CheckpointPolicy
+from coordinator.guard_settings import OFF as GUARD_OFF
 from coordinator.guard_settings import GuardSettings
 from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
 from coordinator.privacy import PrivacySettings
+from coordinator.secagg import SecureAggregationSettings
 from edgefil.link import BrokerSettings
 from edgefil.metrics import LAST_ROUNDS
 from edgefil.settings import Where, build, load_toml
@@ -119,6 +127,7 @@ class CoordinatorConfig:
     client: Mapping[str, Any] = field(default_factory=dict)
     host: HostTraining = HostTraining()
     privacy: PrivacySettings = PrivacySettings()
+    secure_aggregation: SecureAggregationSettings = SecureAggregationSettings()
 
     def __post_init__(self) -> None:
         check_name(self.fleet, "fleet")
@@ -138,6 +147,12 @@ class CoordinatorConfig:
             raise ValueError(f"last_rounds must be >= 1, got {self.last_rounds}")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
+        if self.secure_aggregation.on and (self.guard.checks or self.privacy.central):
+            why = (f"the guard's checks {', '.join(self.guard.checks)} judge each update" if self.guard.checks else
+                   "central DP clips each update")
+            raise ValueError(f"[secure_aggregation] gives the coordinator the sum of the updates alone, and {why}: "
+                             f"leave [guard] out (or turn its checks off) and use local DP on the devices instead of "
+                             f"central")
         if not self.scenario and self.test_data is None:
             raise ValueError("the coordinator needs test data: test_data = \"folder\" (test-<t>.npz files, one per "
                              "task) or, in simulation, a scenario")
@@ -150,6 +165,7 @@ class CoordinatorConfig:
             "last_rounds": self.last_rounds,
             "client": dict(self.client), "guard": dataclasses.asdict(self.guard),
             "privacy": dataclasses.asdict(self.privacy),
+            "secure_aggregation": dataclasses.asdict(self.secure_aggregation),
         }
 
     @classmethod
@@ -160,13 +176,16 @@ class CoordinatorConfig:
         raw = dict(raw)
         if isinstance(raw.get("broker", {}), Mapping):
             raw["broker"] = {"username": "coordinator", **raw.get("broker", {})}
+        secure = raw.get("secure_aggregation", {})
+        if isinstance(secure, Mapping) and secure.get("mode", "off") != "off" and "guard" not in raw:
+            raw["guard"] = dict(GUARD_OFF)  # its checks each judge one update, which the coordinator no longer sees
         config = build(cls, raw, where, base)
         client = build(RoundSettings, config.client, where.inner("client"))
         # the rule's options last: they are its constructor's, and the rules need torch (every check above runs
         # without it, so a typo elsewhere is refused at once)
         from coordinator.strategies import check_strategy
 
-        check_strategy(config.strategy, where.inner("strategy"), config.privacy)
+        check_strategy(config.strategy, where.inner("strategy"), config.privacy, config.secure_aggregation)
         return dataclasses.replace(config, client={k: v for k, v in vars(client).items() if v is not None})
 
     @classmethod

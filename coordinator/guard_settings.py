@@ -121,6 +121,15 @@ class GuardSettings:
         return self.way_back != "off"
 
     @property
+    def checks(self) -> tuple[str, ...]:
+        """The keys of every bound and check that is on: each judges one update at a time (secure aggregation, which
+        shows the coordinator none, refuses them)."""
+        on = [key for key, off in OFF.items() if key != "reference_vouches" and getattr(self, key) != off]
+        if self.reference == "off" and "trust_margin" in on:  # a margin on a reference that is off checks nothing
+            on.remove("trust_margin")
+        return (*on, *(("max_samples",) if self.max_samples else ()))
+
+    @property
     def comparing(self) -> tuple[str, ...]:
         """The keys of the bounds that judge an update against the round's others (a median, a sum, a selection),
         so that one device's update can change what is kept of the others': central DP's noise must then cover the

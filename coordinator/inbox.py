@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.limits import RateLimits, TokenBuckets
+from coordinator.secagg import Advertised, SecureMessage
 from edgefil import topics, wire
 
 log = logging.getLogger("edgefil.coordinator")
@@ -78,7 +79,7 @@ class UpdateRefused:
     reason: str
 
 
-Event = Registration | Status | Update | Request | UpdateRefused
+Event = Registration | Status | Update | Request | UpdateRefused | Advertised | SecureMessage
 # refusals of a whole update, once its chunks are all in (a chunk's own refusals say nothing of the update yet)
 WHOLE_UPDATE_REFUSALS = frozenset({"blob-hash", "weights-length", "weights-nonfinite"})
 MAX_ATTACHMENT_BYTES = 64 << 20  # what an update may carry besides the model
@@ -155,7 +156,23 @@ class Inbox:
                           message.get("instance", ""), message.get("task"))
         if message["kind"] == "request":
             return self._take_request(parsed.device, message)
+        if message["kind"] == "keys":
+            return Advertised(parsed.device, message["round"], message["task"], message["model"], message["session"],
+                              message["cipher_key"], message["mask_key"], message["commitment"],
+                              dict(message["metrics"]))
+        if message["kind"] in ("shares", "reveal"):
+            return SecureMessage(parsed.device, message["kind"], message["round"], message["session"], message)
+        if message["kind"] == "masked":
+            return self._take_masked(parsed.device, message)
         return self._take_chunk(parsed.device, message)
+
+    def _take_masked(self, device: str, message: wire.Message) -> SecureMessage | None:
+        """A secure session's masked vector, once whole: the model's parameters and the weight, as uint32 words."""
+        blob = self.reassembler.add(device, message)
+        if blob is None:
+            return None
+        return SecureMessage(device, "masked", message["round"], message["session"], blob.header,
+                             blob.words(self.num_parameters + 1))
 
     def _take_request(self, device: str, message: wire.Message) -> Request:
         if not self._requests.allow(device):

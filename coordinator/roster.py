@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.inbox import Registration, Status, Update
+from coordinator.secagg import Advertised
 
 INSTANCES_KEPT = 4  # a device's most recent process instances remembered (a duplicate is one of these again)
 
@@ -123,7 +124,7 @@ class Roster:
             self.without_data.pop(event.device, None)
             self.online.add(event.device)
 
-    def take_update(self, update: Update) -> None:
+    def take_update(self, update: Update | Advertised) -> None:
         """Record what an accepted update says of its device."""
         record = self.records[update.device]
         record.last_round = max(record.last_round, update.round)

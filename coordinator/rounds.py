@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.inbox import Update
+from coordinator.secagg import Advertised
 
 
 def select(available: list[str], fraction: float, quorum: int, rng: np.random.Generator) -> list[str]:
@@ -114,11 +115,11 @@ class OpenRound:
     def missing(self) -> list[str]:
         return [d for d in self.selected if d not in self.delivered]
 
-    def _too_slow(self, update: Update) -> bool:
+    def _too_slow(self, update: Update | Advertised) -> bool:
         limit = self.virtual_deadline_s
         return limit is not None and update.metrics.get("device_seconds", 0.0) > limit
 
-    def offer(self, update: Update, counts: Counter[str]) -> str | None:
+    def offer(self, update: Update | Advertised, counts: Counter[str]) -> str | None:
         """Accept an update for this round (the caller passes it on to the round's aggregation); otherwise return
         why not (and count it under that reason)."""
         reason = None

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -67,10 +68,12 @@ from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
+from coordinator.secagg import Advertised, SecureMessage, SecureRound, secure_refused
 from coordinator.strategies import STRATEGIES, AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, ConnectionRefused, Link
+from edgefil.secagg import SecAggError
 from models.checkpoint import checkpoint_weights
 from models.manifest import load_manifest, manifest_digest
 
@@ -97,6 +100,10 @@ class Coordinator:
         refused = rule_refused(config.privacy, rule, STRATEGIES.get(rule).built_from)
         if refused is not None:  # a program's settings (a file's were refused as it was read)
             raise ValueError(f"[privacy] {refused}")
+        refused = secure_refused(config.secure_aggregation, rule, STRATEGIES.get(rule).built_from)
+        if refused is not None:
+            raise ValueError(f"[secure_aggregation] {refused}")
+        self._secure: SecureRound | None = None  # the open round's secure session (coordinator/secagg.py)
         self.manifest = load_manifest(config.artifacts)
         if test_sets is None:
             if config.test_data is None:
@@ -328,6 +335,8 @@ class Coordinator:
                 self._pump(collected.remaining_s())
             missing = [d for d in collected.missing() if d not in collected.failed]
             self.open_round, self._last_attempt = None, collected
+            if self._secure is not None:
+                self._run_secure(self._secure, collected, aggregate)
             self.inbox.drop_partial_updates(before_round=number + 1)
             for expected, said in ((True, "sitting it out"), (False, "cannot train, or refused")):
                 which = {d: why for d, why in collected.failed.items() if (d in collected.sitting_out) == expected}
@@ -374,6 +383,9 @@ class Coordinator:
             number, task, model, selected, self.config.deadline_s, virtual=self.config.virtual_time,
             wall_limit_s=self.config.wall_limit_s,
         )
+        if self.config.secure_aggregation.on:  # a new session each attempt: fresh keys on every device
+            self._secure = SecureRound(self.config.secure_aggregation, number, secrets.token_hex(8),
+                                       self.manifest.num_parameters + 1)
         self.record.round_opened(opened)
         if earlier is not None:
             opened.carry_over(earlier.delivered)
@@ -392,6 +404,8 @@ class Coordinator:
             config["clock_s"] = (current.number - 1) * self.config.deadline_s
             # an answer to a device's request comes at once from a quiet host: from a busy one later, but it comes
             config.setdefault("answer_wait_s", self.config.wall_limit_s)
+        if self._secure is not None:
+            config["secure"] = self.config.secure_aggregation.round_config(self._secure.session)
         if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
             config["task_classes"] = list(self._context.task_classes)
@@ -419,12 +433,13 @@ class Coordinator:
             state.round_in_task += 1
             state.history.append(self.record.entry(
                 round=collected.number, task=collected.task, selected=collected.selected,
-                received=sorted(collected.delivered), samples=sum(u.num_samples for u in used),
+                received=sorted(collected.delivered), samples=aggregate.samples,
                 accuracy=accuracies, aggregate_s=aggregate.seconds,
                 metrics={u.device: dict(u.metrics) for u in sorted(used, key=lambda u: u.device)},
                 **({"rule_metrics": result.metrics} if result is not None and result.metrics else {}),
                 **({"refused": refused} if refused else {}),
                 **({"privacy": aggregate.privacy_spent} if aggregate.privacy_spent else {}),
+                **({"secure": aggregate.secure_counts} if aggregate.secure_counts else {}),
                 **self._client_evaluation(collected.task),
             ))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
@@ -549,6 +564,10 @@ class Coordinator:
             self._on_request(event)
         elif isinstance(event, UpdateRefused):
             self._on_refused(event)
+        elif isinstance(event, Advertised):
+            self._on_advertised(event)
+        elif isinstance(event, SecureMessage):
+            self._on_secure_message(event)
 
     def _on_registration(self, event: Registration) -> None:
         log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
@@ -579,8 +598,11 @@ class Coordinator:
         elif event.state != "offline":
             if current is not None and current.came_back(event.device):  # back (or the offline was stale)
                 self._send_round(event.device, with_weights=True)
-        elif current is not None:
-            current.went_offline(event.device)
+        else:
+            if current is not None:
+                current.went_offline(event.device)
+            if self._secure is not None:  # its session's stages do not wait for it either
+                self._secure.went_offline(event.device)
 
     def _on_device_error(self, event: Status) -> None:
         """A device that cannot train: shown per device (the roster keeps its reason), and the open round does not
@@ -589,6 +611,8 @@ class Coordinator:
         log.warning("%s cannot train round %d: %s", event.device, event.round, event.error or "(no reason given)")
         if self.open_round is not None and self.open_round.number == event.round:
             self.open_round.failed_with(event.device, event.error)
+        if self._secure is not None and self._secure.round == event.round:
+            self._secure.went_offline(event.device)
 
     def _on_no_data(self, event: Status) -> None:
         """A device with nothing to train on: not selected until it says otherwise; the open round it was
@@ -623,6 +647,10 @@ class Coordinator:
                                      f"still train, the quorum is {self.config.min_clients}")
 
     def _on_update(self, update: Update) -> None:
+        if self.config.secure_aggregation.on:
+            self._on_refused(UpdateRefused(update.device, update.round, "not-secure"))
+            self.inbox.reject("not-secure", f"a plain update of {update.device} in a run under secure aggregation")
+            return
         reason = self.strategy.inspect(_for_strategy(update))
         if reason is not None:
             self._on_refused(UpdateRefused(update.device, update.round, reason))
@@ -639,6 +667,63 @@ class Coordinator:
         self.roster.take_update(update)
         self._check_classes(update)
         self._aggregate.add(_for_strategy(update))
+
+    def _on_advertised(self, event: Advertised) -> None:
+        """A device's keys for the open round's secure session: its delivery, which the round judges as an update
+        (its round, its model, its deadline), and its entry into the session."""
+        current, secure = self.open_round, self._secure
+        if current is None or secure is None or event.session != secure.session:
+            self.counters["late" if event.round <= self.state.round or current is None else "wrong-round"] += 1
+            log.warning("keys of %s for round %d arrived outside its secure session: dropped", event.device,
+                        event.round)
+            return
+        reason = current.offer(event, self.counters)
+        if reason is not None:
+            log.warning("keys of %s for round %d dropped: %s", event.device, event.round, reason)
+            return
+        self.roster.take_update(event)
+        secure.advertise(event)
+
+    def _on_secure_message(self, event: SecureMessage) -> None:
+        secure = self._secure
+        try:
+            if secure is None:
+                raise SecAggError("session", f"{event.kind} of {event.device} with no session open")
+            secure.take(event)
+        except SecAggError as err:
+            self.inbox.reject(f"secure-{err.reason}", f"round {event.round}: {err}")
+
+    def _run_secure(self, secure: SecureRound, collected: OpenRound, aggregate: RoundAggregate) -> None:
+        """The secure session's stages once the round's collection closed (coordinator/secagg.py), each until every
+        device it awaits has answered or gone, at most `stage_s` (virtual time: `wall_limit_s`); then the sum goes
+        into the round's aggregation as one update, and the round's deliveries are the devices it sums (a session
+        that fails delivers none: counted, and the attempt misses its quorum)."""
+        settings = self.config.secure_aggregation
+        limit = self.config.wall_limit_s if self.config.virtual_time else settings.stage_s
+        carried = collected.delivered - secure.keys.keys()  # the round's earlier attempts' (in its aggregate)
+        stages = (("neighbours", lambda: secure.begin_sharing(self.rng)), ("relayed", secure.begin_masking),
+                  ("unmask", secure.begin_unmasking))
+        try:
+            for kind, begin in stages:
+                for device, payload in begin().items():
+                    self.link.publish(topics.to_device(self.config.fleet, device, kind), payload)
+                deadline = time.monotonic() + limit
+                while secure.awaiting and time.monotonic() < deadline:
+                    self._pump(deadline - time.monotonic())
+            summed = secure.result()
+        except SecAggError as err:
+            self.counters[f"secure-{err.reason}"] += 1
+            log.warning("round %d: the secure session failed (%s): no update from its %d devices", secure.round, err,
+                        len(secure.keys))
+            collected.delivered = carried
+            return
+        finally:
+            self._secure = None
+        collected.delivered = carried | summed.survivors
+        log.info("round %d: secure sum of %d devices (%s)", secure.round, len(summed.survivors),
+                 ", ".join(f"{k} {v}" for k, v in secure.counts.items()))
+        aggregate.add_sum(summed, self.state.weights, {d: secure.keys[d].metrics for d in summed.survivors},
+                          secure.counts)
 
     def _check_classes(self, update: Update) -> None:
         """Warn, once per device and task, when its labels hold classes that are not among the tasks' so far: its

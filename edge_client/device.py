@@ -53,6 +53,7 @@ from edge_client.environment import Environment, RealEnvironment
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, split_policy
 from edge_client.privacy import LocalPrivacy
+from edge_client.secagg import SecureRoundSettings, SecureUpload
 from edge_client.sources import TaskSource, check_task_data, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
@@ -63,6 +64,7 @@ from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, ConnectionRefused, Link, Message, Will
 from edgefil.netloop import NetworkLoop
+from edgefil.secagg import SecAggError
 from models.manifest import manifest_digest, software_version
 
 log = logging.getLogger("edgefil.device")
@@ -144,6 +146,7 @@ class Device:
         self._told_head = False  # said once that a "fleet" head got a round without the fleet's classes
         self.notices: list[str] = []  # what the coordinator reported about this device
         self.run_ended: str | None = None  # how the coordinator's run ended, once it says so
+        self.secure: SecureUpload | None = None  # this device's part in the open secure session (edge_client/secagg.py)
         self._last_status = 0.0
         self.stop_requested = threading.Event()
         fleet = config.fleet
@@ -238,6 +241,8 @@ class Device:
                 self._take_notice(message)
             elif message["kind"] == "end" and parsed.direction == topics.TO_ALL:
                 self._take_end(message)
+            elif message["kind"] in ("neighbours", "relayed", "unmask") and parsed.device == self.id:
+                self._take_secure(message)
             else:
                 raise wire.WireError("kind", f"{message['kind']} on {topic}")
         except wire.WireError as err:
@@ -327,7 +332,7 @@ class Device:
         round_, model = message["round"], message["model"]
         self.task_heard = message["task"]
         done = self.learner.state.round
-        if round_ == done and self._resend(round_, model):
+        if round_ == done and self._resend(message):
             return
         if round_ <= done and self.learner.state.task >= 0:
             log.info("%s ignored round %d: already past it (at %d)", self.id, round_, done)
@@ -377,6 +382,7 @@ class Device:
             log.info("%s is away at round %d's start (the fleet's clock): round passed over", self.id, round_)
             self._publish_status("away", round_)
             return
+        secure = self._secure_settings(config)
         refusal = None if self.privacy is None else self.privacy.refusal()
         if refusal is not None:  # its data is not spent past what it allows: the run selects it no more
             log.warning("%s: %s; round %d not trained", self.id, refusal, round_)
@@ -468,7 +474,7 @@ class Device:
             self.learner.state.metrics["disk_full"] = 1.0
         log.info("%s trained round %d (task %d): loss %.4f on %d stored samples, %.2f device seconds",
                  self.id, round_, task, loss, len(self.learner.store), device_seconds)
-        self._upload(round_, message["model"], self.learner.state.metrics, attachments)
+        self._upload(round_, message["model"], self.learner.state.metrics, attachments, secure=secure)
         self.learner.idle()  # saved and sent: what the next round needs waits on disk (between_rounds)
         notify("WATCHDOG=1")  # a round trained: alive
 
@@ -515,12 +521,22 @@ class Device:
         log.info("%s: no answer to its request arrived in %.1f s; going on without it", self.id, timeout)
         return {}
 
-    def _resend(self, round_: int, model: str) -> bool:
+    def _resend(self, message: wire.Message) -> bool:
         """Answer a repeated round message with the update already made for it, rebuilt from the saved state (the
         same path in a running process and after a restart: the update is not kept in memory, where a fleet
-        worker's hundreds of devices would each hold one); False when there is none."""
+        worker's hundreds of devices would each hold one); False when there is none. A secure round's update goes
+        into the round's new session, once the global model it answers is here."""
+        round_, model = message["round"], message["model"]
         if self.learner.state.model != model:
             return False
+        try:
+            secure = self._secure_settings(message["config"])
+        except ValueError as err:
+            self._publish_status("error", round_, error=str(err))
+            return True
+        if secure is not None and model not in self.models:
+            self.waiting = message  # the change it sends is against the global model
+            return True
         try:
             saved = load_state(self.config.state_dir)
         except StateError as err:
@@ -528,32 +544,75 @@ class Device:
             return False
         if saved is None or saved.model != model or saved.weights is None:  # its save failed: nothing to resend
             return False
-        self._upload(round_, model, saved.metrics, weights=saved.weights)
+        self._upload(round_, model, saved.metrics, weights=saved.weights, secure=secure)
         return True
 
     def _upload(self, round_: int, model: str, metrics: dict[str, float],
-                attachments: dict[str, bytes] | None = None, weights: np.ndarray | None = None) -> None:
-        """The update: `weights` (default: the trainer's), the policy's attachments (default: asked now)."""
+                attachments: dict[str, bytes] | None = None, weights: np.ndarray | None = None,
+                secure: SecureRoundSettings | None = None) -> None:
+        """The update: `weights` (default: the trainer's), the policy's attachments (default: asked now); in a
+        secure round, its keys instead, which open its part in the round's session (`_take_secure` goes on)."""
         store, policy = self.learner.store, self.learner.policy
         weights, num_samples = self._claims(model, self.trainer.get_weights() if weights is None else weights)
+        metrics = {
+            **metrics, "stored_samples": len(store), "stored_bytes": self.learner.budget.used(),
+            "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
+            "store_budget_bytes": self.learner.budget.max_bytes or 0,
+            "store_budget_samples": self.learner.budget.max_samples or 0,
+        }
+        if secure is not None:
+            self.secure = SecureUpload(self.id, round_, secure, weights.astype(np.float64) - self.models[model],
+                                       num_samples)
+            self._publish_secure("keys", self.secure.keys(self.learner.state.data_task, model, metrics))
+            self._publish_status("idle", round_)
+            return
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner.view()) if attachments is None
                                              else attachments)
         frames = wire.encode_blob(
             "update", data, device=self.id, round=round_, task=self.learner.state.data_task, model=model,
             num_samples=num_samples, attachments=layout, label_counts=self.learner.state.label_counts,
-            trained_counts=trained_parts(store),
-            metrics={
-                **metrics, "stored_samples": len(store),
-                "stored_bytes": self.learner.budget.used(),
-                "bytes_sent": self.link.bytes_sent, "bytes_received": self.link.bytes_received,
-                "store_budget_bytes": self.learner.budget.max_bytes or 0,
-                "store_budget_samples": self.learner.budget.max_samples or 0,
-            },
+            trained_counts=trained_parts(store), metrics=metrics,
         ).frames
         for frame in frames:  # over `data`, which is the update's alone (a copy the trainer or the state gave)
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), frame)
         self._publish_status("idle", round_)
+
+    def _secure_settings(self, config: dict[str, Any]) -> SecureRoundSettings | None:
+        """The round's secure aggregation (None: a plain round); ValueError (one line) when it cannot be run here."""
+        try:
+            secure = SecureRoundSettings.of(config.get("secure"))
+        except SecAggError as err:
+            raise ValueError(f"secure aggregation: {err}") from None
+        if secure is not None and self.learner.policy.attaches():
+            raise ValueError(f"secure aggregation sums the weights alone: policy {self.learner.policy.name} attaches "
+                             f"more to its updates")
+        return secure
+
+    def _take_secure(self, message: wire.Message) -> None:
+        """The coordinator's next message in this device's secure session, answered (edge_client/secagg.py). One that
+        the device refuses ends its part, said as an error status: the session does not wait for it."""
+        session = self.secure
+        if session is None or message["session"] != session.session or message["round"] != session.round:
+            log.debug("%s ignored a %s message of another secure session", self.id, message["kind"])
+            return
+        try:
+            if message["kind"] == "neighbours":
+                self._publish_secure("shares", session.on_neighbours(message))
+            elif message["kind"] == "relayed":
+                for frame in session.on_relayed(message).frames:
+                    self._publish_secure("masked", frame)
+            else:
+                self._publish_secure("reveal", session.on_unmask(message))
+                self.secure = None  # its part is done
+        except SecAggError as err:
+            self.secure = None
+            self.rejected += 1
+            log.warning("%s left secure session %s of round %d: %s", self.id, session.session, session.round, err)
+            self._publish_status("error", session.round, error=f"secure aggregation: {err}")
+
+    def _publish_secure(self, kind: str, payload: bytes | wire.Frame) -> None:
+        self.link.publish(topics.from_device(self.config.fleet, self.id, kind), payload)
 
     def _attachments(self) -> dict[str, bytes]:
         """What the update carries beside its weights: the policy's attachments (a compromised device of a

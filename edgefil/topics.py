@@ -16,15 +16,21 @@ from dataclasses import dataclass
 ROOT = "edgefil"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
-DEVICE_SENDS = ("register", "status", "update", "request")  # on dev/<device>/<kind>
-DEVICE_RECEIVES = ("round", "weights", "payload", "broadcast", "answer", "notice")  # on to/<device>/<kind>
+# on dev/<device>/<kind>; the last four: secure aggregation's (edgefil/secagg.py)
+DEVICE_SENDS = ("register", "status", "update", "request", "keys", "shares", "masked", "reveal")
+# on to/<device>/<kind>; the last three: secure aggregation's
+DEVICE_RECEIVES = ("round", "weights", "payload", "broadcast", "answer", "notice", "neighbours", "relayed", "unmask")
 BROADCASTS = ("weights", "broadcast", "end")  # on all/<kind>
 RETAINED = frozenset({"register", "status"})
 # The kinds whose messages carry what was learned from devices' data: an update's weights and attachments (what a
 # method sends besides the weights), the global and personalised models, and the method payloads built from them.
-# The rest is the protocol's metadata: who is there, in which state, which round asks whom, what a device requests.
-# A read-only observer reads the metadata only, unless its operator lets it read these too (coordinator/broker.py).
-CARRY_LEARNING = frozenset({"update", "weights", "payload", "broadcast", "answer"})
+# Secure aggregation's masked vectors, sealed shares and revealed shares are here too: whoever reads them all can
+# unmask what the coordinator unmasks (the sum), and an observer has no need to. The rest is the protocol's
+# metadata: who is there, in which state, which round asks whom, what a device requests, a secure session's public
+# keys and who survived it. A read-only observer reads the metadata only, unless its operator lets it read these too
+# (coordinator/broker.py).
+CARRY_LEARNING = frozenset({"update", "weights", "payload", "broadcast", "answer", "masked", "shares", "relayed",
+                            "reveal"})
 
 
 def check_name(name: str, what: str = "name") -> str:

@@ -71,7 +71,7 @@ _NUMBER = (int, float)
 _CHUNK_FIELDS: Mapping[str, type | tuple[type, ...]] = {
     "blob": str,  # the blob's id (blob_id): BLAKE3 (hex) of its bytes
     "size": int,  # bytes of the whole blob
-    "dtype": str,  # element type of the blob: always WEIGHTS_DTYPE in this version
+    "dtype": str,  # element type of the blob: WEIGHTS_DTYPE, or BLOB_DTYPES of its kind
     "index": int,
     "count": int,
     "offset": int,  # where this chunk's data goes in the blob
@@ -94,7 +94,24 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "answer": {**_CHUNK_FIELDS, "round": int},  # the answer to a request: attachments only
     "notice": {"reason": str, "detail": str},  # something the device's operator must know (e.g. duplicate-device)
     "end": {"outcome": str, "rounds": int},  # the run is over (retained on all/end; cleared when a run starts)
+    # secure aggregation (edgefil/secagg.py, edge_client/secagg.py, coordinator/secagg.py), one session at a time:
+    # device -> coordinator: its fresh public keys, commitment and update metadata; its shares, sealed for each
+    # neighbour; its masked vector (a blob of uint32 words); what it reveals to unmask the sum
+    "keys": {"device": str, "round": int, "session": str, "task": int, "model": str, "cipher_key": bytes,
+             "mask_key": bytes, "commitment": bytes, "metrics": dict},
+    "shares": {"device": str, "round": int, "session": str, "shares": dict},
+    "masked": {**_CHUNK_FIELDS, "device": str, "round": int, "session": str},
+    "reveal": {"device": str, "round": int, "session": str, "masks": dict, "keys": dict},
+    # coordinator -> device: its neighbours ({id: [point, cipher_key, mask_key]}) and the session's size and
+    # threshold; the shares its neighbours sealed for it; who survived the masking and who dropped
+    "neighbours": {"round": int, "session": str, "count": int, "threshold": int, "index": int, "neighbours": dict},
+    "relayed": {"round": int, "session": str, "shares": dict},
+    "unmask": {"round": int, "session": str, "survivors": list, "dropped": list},
 }
+# A blob's element type by kind (WEIGHTS_DTYPE for the rest): a masked vector is integers mod 2^32
+BLOB_DTYPES: Mapping[str, str] = {"masked": "<u4"}
+MAX_NEIGHBOURS = 1024  # a secure session's neighbourhood, at most
+MAX_SEALED_BYTES = 1024  # one sealed or revealed share
 # Optional fields, checked when present. `attachments`: [[name, length], ...] of byte strings that follow the
 # weights in a blob (update, payload, broadcast, answer), each padded to 4 bytes. `payload`: the id of the payload
 # blob a round message goes with (the device waits for it as for the weights); `broadcast`: the id of the broadcast
@@ -239,6 +256,8 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
         _check_parts(message.get("trained_counts", []), "update.trained_counts")
     if kind == "request":
         _check_names(message["names"])
+    if kind in _SECURE_CHECKS:
+        _SECURE_CHECKS[kind](message)
     declared = OPTIONAL.get(kind, {})  # a field a kind does not declare is an unknown extra one: ignored
     if "instances" in declared and "instances" in message:
         _check_names(message["instances"], f"{kind}.instances")
@@ -252,14 +271,14 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
     return "number" if expected == _NUMBER else getattr(expected, "__name__", str(expected))
 
 
-def _check_metrics(metrics: dict) -> None:
+def _check_metrics(metrics: dict, where: str = "update.metrics") -> None:
     if len(metrics) > MAX_METRICS:
-        raise WireError("field", f"update.metrics has {len(metrics)} entries, at most {MAX_METRICS}")
+        raise WireError("field", f"{where} has {len(metrics)} entries, at most {MAX_METRICS}")
     for key, value in metrics.items():
         if not isinstance(key, str) or not isinstance(value, _NUMBER) or isinstance(value, bool):
-            raise WireError("field", f"update.metrics must map names to numbers, got {key!r:.80}: {value!r:.80}")
+            raise WireError("field", f"{where} must map names to numbers, got {key!r:.80}: {value!r:.80}")
         if not math.isfinite(value):  # one NaN would make results.json invalid JSON
-            raise WireError("metrics-nonfinite", f"update.metrics[{key!r:.80}] is {value!r}")
+            raise WireError("metrics-nonfinite", f"{where}[{key!r:.80}] is {value!r}")
 
 
 def _check_ints(values: list, where: str) -> None:
@@ -280,10 +299,56 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
 
 
-def _check_names(names: list, where: str = "request.names") -> None:
-    if len(names) > MAX_REQUEST_NAMES or not all(_is_name(n) for n in names) or len(set(names)) != len(names):
-        raise WireError("field", f"{where} must be at most {MAX_REQUEST_NAMES} distinct names of 1 to "
-                                 f"{MAX_NAME_CHARS} characters")
+def _check_names(names: list, where: str = "request.names", most: int = MAX_REQUEST_NAMES) -> None:
+    if len(names) > most or not all(_is_name(n) for n in names) or len(set(names)) != len(names):
+        raise WireError("field", f"{where} must be at most {most} distinct names of 1 to {MAX_NAME_CHARS} characters")
+
+
+def _check_sealed(shares: dict, where: str) -> None:
+    """{device: bytes}: at most MAX_NEIGHBOURS entries of at most MAX_SEALED_BYTES each."""
+    if len(shares) > MAX_NEIGHBOURS or not all(
+            _is_name(k) and isinstance(v, bytes) and len(v) <= MAX_SEALED_BYTES for k, v in shares.items()):
+        raise WireError("field", f"{where} must map at most {MAX_NEIGHBOURS} names to byte strings of at most "
+                                 f"{MAX_SEALED_BYTES} bytes")
+
+
+def _check_key(value: bytes, where: str) -> None:
+    if len(value) != 32:
+        raise WireError("field", f"{where} must be 32 bytes, got {len(value)}")
+
+
+def _check_keys(message: Message) -> None:
+    _check_metrics(message["metrics"], "keys.metrics")
+    for name in ("cipher_key", "mask_key", "commitment"):
+        _check_key(message[name], f"keys.{name}")
+
+
+def _check_neighbours(message: Message) -> None:
+    named = message["neighbours"]
+    if len(named) > MAX_NEIGHBOURS or not all(
+            _is_name(k) and isinstance(v, list) and len(v) == 3 and isinstance(v[0], int) and not isinstance(v[0], bool)
+            and all(isinstance(key, bytes) and len(key) == 32 for key in v[1:]) for k, v in named.items()):
+        raise WireError("field", f"neighbours.neighbours must map at most {MAX_NEIGHBOURS} names to [point, key, key]")
+
+
+def _check_reveal(message: Message) -> None:
+    _check_sealed(message["masks"], "reveal.masks")
+    _check_sealed(message["keys"], "reveal.keys")
+
+
+def _check_unmask(message: Message) -> None:
+    _check_names(message["survivors"], "unmask.survivors", MAX_NEIGHBOURS)
+    _check_names(message["dropped"], "unmask.dropped", MAX_NEIGHBOURS)
+
+
+_SECURE_CHECKS: Mapping[str, Callable[[Message], None]] = {
+    "keys": _check_keys,
+    "shares": lambda m: _check_sealed(m["shares"], "shares.shares"),
+    "relayed": lambda m: _check_sealed(m["shares"], "relayed.shares"),
+    "reveal": _check_reveal,
+    "neighbours": _check_neighbours,
+    "unmask": _check_unmask,
+}
 
 
 def _check_attachments(attachments: list) -> None:
@@ -301,8 +366,9 @@ def _check_attachments(attachments: list) -> None:
 
 def _check_chunk_fields(message: Message, verify_crc: bool) -> None:
     size, index, count, offset, data = (message[k] for k in ("size", "index", "count", "offset", "data"))
-    if message["dtype"] != WEIGHTS_DTYPE:
-        raise WireError("dtype", f"blob dtype {message['dtype']!r}; weights travel as {WEIGHTS_DTYPE}")
+    dtype = BLOB_DTYPES.get(message["kind"], WEIGHTS_DTYPE)
+    if message["dtype"] != dtype:
+        raise WireError("dtype", f"blob dtype {message['dtype']!r}; a {message['kind']} blob travels as {dtype}")
     if size < 0 or size % 4:
         raise WireError("field", f"blob size {size} is not a whole number of float32 values")
     if not 0 <= index < count or not 0 <= offset <= offset + len(data) <= size:
@@ -364,7 +430,8 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
     blob = blob_id(view)
     frames = [
         _frame(  # the CRCs are computed just here: no need to verify them again
-            kind, False, dict(blob=blob, size=len(view), dtype=WEIGHTS_DTYPE, index=index, count=len(pieces),
+            kind, False, dict(blob=blob, size=len(view), dtype=BLOB_DTYPES.get(kind, WEIGHTS_DTYPE), index=index,
+                              count=len(pieces),
                               offset=index * chunk_bytes, chunk_crc32c=crc32c(piece), data=piece, **fields),
         )
         for index, piece in enumerate(pieces)
@@ -409,6 +476,12 @@ class Blob:
     def weights(self, expected_length: int) -> np.ndarray:
         """The blob's weights: exactly `expected_length` finite float32 values, else WireError."""
         return self.split(expected_length)[0]
+
+    def words(self, expected_length: int) -> np.ndarray:
+        """A masked blob's uint32 words: exactly `expected_length` of them, else WireError."""
+        if len(self.data) != 4 * expected_length:
+            raise WireError("weights-length", f"a blob of {len(self.data)} bytes is not {expected_length} words")
+        return np.frombuffer(self.data, dtype=BLOB_DTYPES["masked"], count=expected_length)
 
     def attachments(self) -> dict[str, bytes]:
         """The named attachments of an attachments-only blob (payload, answer), as bytes."""

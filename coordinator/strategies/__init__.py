@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from coordinator.privacy import PrivacySettings, rule_refused
+from coordinator.secagg import SecureAggregationSettings, secure_refused
 from coordinator.strategies.base import (
     STRATEGIES,
     AggregateResult,
@@ -30,9 +31,10 @@ def strategy_names() -> list[str]:
     return STRATEGIES.names()
 
 
-def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySettings | None = None) -> dict[str, Any]:
+def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySettings | None = None,
+                   secure: SecureAggregationSettings | None = None) -> dict[str, Any]:
     """A `[strategy]` table checked: `name` (a registered rule), its options against the rule's constructor, and
-    whether `privacy` (the coordinator's [privacy]) can run with it."""
+    whether `privacy` and `secure` (the coordinator's [privacy] and [secure_aggregation]) can run with it."""
     name = raw.get("name")
     if not isinstance(name, str) or name not in strategy_names():
         problem = "missing (required)" if name is None else f"unknown strategy {name!r}"
@@ -41,6 +43,9 @@ def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySetting
     refused = None if privacy is None else rule_refused(privacy, name, STRATEGIES.get(name).built_from)
     if refused is not None:
         raise where.error("name", f"[privacy] {refused}")
+    refused = None if secure is None else secure_refused(secure, name, STRATEGIES.get(name).built_from)
+    if refused is not None:
+        raise where.error("name", f"[secure_aggregation] {refused}")
     return {"name": name, **options}
 
 

@@ -1,0 +1,215 @@
+"""Secure aggregation's protocol (edgefil/secagg.py, edge_client/secagg.py, coordinator/secagg.py), its devices and
+coordinator in one process, their messages through the wire codec: the sum is exact within quantisation, with
+devices dropping out at every stage; a single masked vector looks like noise; what a device refuses to reveal; a
+wrong share fails the session rather than its sum."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+from thread_fleet import ThreadFederation
+
+from coordinator.broker import mosquitto_path
+from coordinator.guard_settings import GuardSettings
+from coordinator.privacy import BuiltFrom
+from coordinator.secagg import (
+    Advertised,
+    SecureAggregationSettings,
+    SecureMessage,
+    SecureRound,
+    neighbourhoods,
+    secure_refused,
+)
+from edge_client.secagg import SecureRoundSettings, SecureUpload
+from edge_client.state import load_state
+from edgefil import wire
+from edgefil.secagg import PRIME, Quantiser, SecAggError, combine, split
+
+SESSION = "s1"
+SETTINGS = SecureAggregationSettings(mode="secagg+", clip_range=1.0, max_weight=100.0)
+
+
+def test_shamir_threshold() -> None:
+    secret = bytes(range(32))
+    shares = split(secret, range(1, 8), threshold=4)
+    assert combine({x: shares[x] for x in (2, 3, 5, 7)}, 4) == secret
+    assert combine({x: shares[x] for x in (1, 4, 6, 7)}, 4) == secret
+    with pytest.raises(SecAggError, match="too-few-shares"):
+        combine({x: shares[x] for x in (1, 2, 3)}, 4)
+    # three shares say nothing of the secret: two secrets agree with them (the fourth point decides)
+    assert all(int.from_bytes(s, "big") < PRIME for s in shares.values())
+
+
+def test_neighbourhoods_are_regular_and_symmetric() -> None:
+    devices = [f"d{i:03d}" for i in range(100)]
+    graph = neighbourhoods(devices, SETTINGS.degree_for(100), np.random.default_rng(0))
+    assert SETTINGS.degree_for(100) == 16 and SETTINGS.degree_for(10) == 9 and SETTINGS.degree_for(1000) == 22
+    assert all(len(n) == 16 for n in graph.values())
+    assert all(d in graph[n] for d, ns in graph.items() for n in ns)
+
+
+def _devices(n: int, length: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, int]]:
+    """Each device's change (float64) and its sample count."""
+    return {f"dev-{i}": (rng.normal(0, 0.05, length), int(rng.integers(5, 60))) for i in range(n)}
+
+
+def _session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str] | None = None,
+             tamper: str | None = None) -> tuple[SecureRound, dict[str, SecureUpload], list[bytes]]:
+    """One session through the codec; `drop`: a device's stage after which it says nothing more ("keys": it
+    advertised only; "shares": it shared; "masked": it masked); `tamper`: a device whose reveal's shares are
+    altered. Returns the round, the devices' sessions and the masked vectors as the coordinator received them."""
+    drop = drop or {}
+    length = len(next(iter(devices.values()))[0]) + 1
+    secure = SecureRound(SETTINGS, 1, SESSION, length)
+    uploads = {d: SecureUpload(d, 1, SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight), change, n)
+               for d, (change, n) in devices.items()}
+    for device, upload in uploads.items():
+        m = wire.decode(upload.keys(0, "model", {"loss": 0.5}))
+        secure.advertise(Advertised(m["device"], m["round"], m["task"], m["model"], m["session"], m["cipher_key"],
+                                    m["mask_key"], m["commitment"], m["metrics"]))
+    masked = []
+
+    def answer(stage: str, messages: dict[str, bytes], step: str) -> None:
+        for device, payload in messages.items():
+            if drop.get(device, "") in ("keys", "shares", "masked")[: ("shares", "masked", "reveal").index(stage) + 1]:
+                continue
+            message = wire.decode(payload)
+            upload = uploads[device]
+            if stage == "shares":
+                reply = wire.decode(upload.on_neighbours(message))
+            elif stage == "masked":
+                blob = upload.on_relayed(message)
+                reassembled = wire.Reassembler(1 << 30)
+                for chunk in blob.chunks:
+                    done = reassembled.add("x", wire.decode(chunk))
+                words = done.words(length)
+                masked.append(bytes(done.data))
+                secure.take(SecureMessage(device, "masked", 1, SESSION, done.header, words))
+                continue
+            else:
+                reply = wire.decode(upload.on_unmask(message))
+                if device == tamper:
+                    reply["masks"] = {k: (int.from_bytes(v, "big") + 1).to_bytes(66, "big")
+                                      for k, v in reply["masks"].items()}
+            secure.take(SecureMessage(device, reply["kind"], 1, SESSION, reply))
+        assert step
+
+    answer("shares", secure.begin_sharing(np.random.default_rng(1)), "sharing")
+    answer("masked", secure.begin_masking(), "masking")
+    answer("reveal", secure.begin_unmasking(), "unmasking")
+    return secure, uploads, masked
+
+
+def _expected(devices: dict[str, tuple[np.ndarray, int]], survivors: set[str]) -> np.ndarray:
+    weights = {d: devices[d][1] / SETTINGS.max_weight for d in survivors}
+    return sum(weights[d] * devices[d][0] for d in survivors) / sum(weights.values())
+
+
+def test_the_sum_is_exact_within_quantisation() -> None:
+    devices = _devices(10, 5000, np.random.default_rng(2))
+    secure, _, _ = _session(devices)
+    result = secure.result()
+    assert result.survivors == set(devices)
+    assert result.samples == pytest.approx(sum(n for _, n in devices.values()), abs=1e-3)
+    error = np.abs(result.mean_change - _expected(devices, set(devices)))
+    # stochastic rounding: each value of each device off by less than one step, and unbiased, so that the sum's
+    # typical error grows as the root of the devices' count (0.9 steps at 10), not as their count (truncation: 5)
+    bound = len(devices) * result.quantisation_step / (result.samples / SETTINGS.max_weight)
+    assert error.max() < bound and error.mean() < bound / 5
+
+
+@pytest.mark.parametrize("stage", ["keys", "shares", "masked"])
+def test_the_sum_survives_devices_that_drop_out(stage: str) -> None:
+    """Two of ten drop after advertising, after sharing (their pairwise masks are in their neighbours' vectors:
+    taken off with their reconstructed keys), or after masking (their vectors are in, their self masks come off with
+    b's shares): the sum is the survivors' (those whose vectors came)."""
+    devices = _devices(10, 3000, np.random.default_rng(3))
+    secure, _, _ = _session(devices, drop={"dev-2": stage, "dev-7": stage})
+    result = secure.result()
+    survivors = set(devices) - ({"dev-2", "dev-7"} if stage != "masked" else set())
+    assert result.survivors == survivors
+    assert secure.counts == {"advertised": 10, "shared": 8 if stage == "keys" else 10,
+                             "masked": len(survivors), "revealed": 8}
+    error = np.abs(result.mean_change - _expected(devices, survivors))
+    assert error.max() < len(devices) * result.quantisation_step / (result.samples / SETTINGS.max_weight)
+
+
+def test_a_masked_vector_looks_like_noise() -> None:
+    """One device's masked vector, as the coordinator receives it: its words uniform over 2^32 (a chi-square test on
+    their top byte) and unrelated to the quantised contribution under the mask (no correlation)."""
+    rng = np.random.default_rng(4)
+    devices = _devices(10, 20000, rng)
+    secure, uploads, masked = _session(devices)
+    words = np.frombuffer(masked[0], dtype="<u4")
+    counts = np.bincount(words >> 24, minlength=256)
+    assert stats.chisquare(counts).pvalue > 1e-3
+    change, n = devices["dev-0"]
+    plain = Quantiser(SETTINGS.clip_range, 10).encode(change * n / SETTINGS.max_weight, n / SETTINGS.max_weight, rng)
+    assert abs(np.corrcoef(words[:-1].astype(float), plain[:-1].astype(float))[0, 1]) < 0.05
+    # while the plain contribution is far from uniform (its values sit near the middle of the range)
+    assert stats.chisquare(np.bincount(plain >> 24, minlength=256)).pvalue < 1e-10
+
+
+def test_a_wrong_share_fails_the_session_not_its_sum() -> None:
+    devices = _devices(6, 100, np.random.default_rng(5))
+    secure, _, _ = _session(devices, tamper="dev-1")
+    with pytest.raises(SecAggError, match="shares-inconsistent|too-few"):
+        secure.result()
+
+
+def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
+    devices = _devices(4, 10, np.random.default_rng(6))
+    secure, uploads, _ = _session(devices, drop={"dev-3": "masked"})
+    upload = uploads["dev-0"]
+    with pytest.raises(SecAggError, match="twice"):
+        upload.on_unmask({"survivors": ["dev-1"], "dropped": []})
+    fresh = SecureUpload("dev-9", 1, SecureRoundSettings(SESSION, 1.0, 100.0), np.zeros(3), 1)
+    fresh.held = {"dev-1": (b"", b""), "dev-2": (b"", b"")}
+    with pytest.raises(SecAggError, match="overlap"):
+        fresh.on_unmask({"survivors": ["dev-1"], "dropped": ["dev-1"]})
+    with pytest.raises(SecAggError, match="overlap"):
+        fresh.on_unmask({"survivors": ["dev-5"], "dropped": []})
+
+
+def test_too_few_survivors_are_not_unmasked() -> None:
+    devices = _devices(5, 10, np.random.default_rng(7))
+    with pytest.raises(SecAggError, match="too-few-survivors"):
+        _session(devices, drop={d: "shares" for d in ("dev-0", "dev-1", "dev-2", "dev-3")})
+
+
+def test_only_a_mean_rule_runs_under_secure_aggregation() -> None:
+    assert secure_refused(SETTINGS, "fedavg", BuiltFrom.MEAN) is None
+    assert "needs each update" in secure_refused(SETTINGS, "median", BuiltFrom.WEIGHTS)
+    assert secure_refused(SecureAggregationSettings(), "median", BuiltFrom.WEIGHTS) is None
+
+
+def test_the_wire_refuses_a_masked_blob_of_floats_and_short_keys() -> None:
+    blob = wire.encode_blob("masked", np.zeros(4, np.uint32).data.cast("B"), device="d", round=1, session="s")
+    assert wire.decode(blob.chunks[0])["dtype"] == "<u4"
+    with pytest.raises(wire.WireError, match="32 bytes"):
+        wire.encode("keys", device="d", round=1, session="s", task=0, model="m", cipher_key=b"x" * 31,
+                    mask_key=b"x" * 32, commitment=b"x" * 32, metrics={})
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_secure_round_through_a_real_broker_gives_fedavg_of_the_devices(tmp_path, export_artifacts):
+    """Three devices, one secure round, FedAvg: the coordinator's new global model is the devices' sample-weighted
+    mean (as each saved its update on its disk), within quantisation; the round's history says what each stage saw,
+    and the run took no update of any one device."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=1, n_devices=3) as federation:
+        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=1, max_attempts=1,
+                                             secure_aggregation=SecureAggregationSettings(mode="secagg+"),
+                                             guard=GuardSettings.only())
+        start = coordinator.state.weights.astype(np.float64)
+        results = coordinator.run()
+        weights = {d.id: load_state(d.config.state_dir).weights for d in federation.devices}
+    entry = results["history"][-1]  # what each device said of its update: its stored samples, its claim
+    saved = {d: (w, entry["metrics"][d]["stored_samples"]) for d, w in weights.items()}
+    assert entry["secure"] == {"advertised": 3, "shared": 3, "masked": 3, "revealed": 3}
+    assert entry["received"] == sorted(saved) and entry["samples"] == sum(n for _, n in saved.values())
+    expected = start + sum(n * (w - start) for w, n in saved.values()) / sum(n for _, n in saved.values())
+    assert np.abs(coordinator.state.weights - expected).max() < 1e-5
+    assert np.abs(coordinator.state.weights - start).max() > 100 * 1e-5  # it moved: the bound above says something
+    assert "not-secure" not in results["counters"] and not any(k.startswith("secure-") for k in results["counters"])
