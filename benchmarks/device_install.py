@@ -1,5 +1,5 @@
 """How big the device install is: a fresh virtual environment with `pip install .` from this checkout (the base
-dependencies only: numpy, msgpack, paho-mqtt, google-crc32c, blake3 and current onnxruntime), against the host
+dependencies only: numpy, msgpack, paho-mqtt, google-crc32c, blake3, cryptography and current onnxruntime), against the host
 install (.venv, with the host, dev, ray and ort-training extras) measured in the same run.
 
     .venv/bin/python benchmarks/device_install.py [--python python3.12 ...]
