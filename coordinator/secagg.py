@@ -166,6 +166,7 @@ class SecureRound:
     keys: dict[str, Advertised] = field(default_factory=dict)
     stage: str = "keys"
     awaiting: set[str] = field(default_factory=set)
+    gone: set[str] = field(default_factory=set)  # went offline or left the session: no stage waits for them
     counts: dict[str, int] = field(default_factory=dict)  # devices at each stage, for the round's history
 
     def __post_init__(self) -> None:
@@ -182,6 +183,8 @@ class SecureRound:
             self.keys[event.device] = event
 
     def went_offline(self, device: str) -> None:
+        """No stage waits for `device` any more (its process, and with it its part in the session, may be gone)."""
+        self.gone.add(device)
         self.awaiting.discard(device)
 
     # --- stages -----------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class SecureRound:
     def begin_sharing(self, rng: np.random.Generator) -> dict[str, bytes]:
         """The neighbours message of every device that advertised."""
         devices = sorted(self.keys)
-        self.stage, self.awaiting = "shares", set(devices)
+        self.stage, self.awaiting = "shares", set(devices) - self.gone
         self.counts["advertised"] = len(devices)
         if len(devices) < 2:
             return {}
@@ -206,7 +209,7 @@ class SecureRound:
     def begin_masking(self) -> dict[str, bytes]:
         """The relayed message of every device that shared: the shares its sharing neighbours sealed for it."""
         shared = set(self.sealed)
-        self.stage, self.awaiting = "masked", set(shared)
+        self.stage, self.awaiting = "masked", shared - self.gone
         self.counts["shared"] = len(shared)
         return {d: wire.encode("relayed", round=self.round, session=self.session, shares={
             sender: self.sealed[sender][d] for sender in self.neighbours[d] if sender in shared})
@@ -215,7 +218,7 @@ class SecureRound:
     def begin_unmasking(self) -> dict[str, bytes]:
         """The unmask message of every survivor; SecAggError when fewer survived than a neighbourhood's threshold
         (unmasking so few would reveal too much of each)."""
-        self.stage, self.awaiting = "reveal", set(self.survivors)
+        self.stage, self.awaiting = "reveal", self.survivors - self.gone
         self.counts["masked"] = len(self.survivors)
         if len(self.survivors) < max(2, self.threshold):
             raise SecAggError("too-few-survivors", f"{len(self.survivors)} masked vectors came, the threshold is "

@@ -707,9 +707,11 @@ class Coordinator:
             for kind, begin in stages:
                 for device, payload in begin().items():
                     self.link.publish(topics.to_device(self.config.fleet, device, kind), payload)
-                deadline = time.monotonic() + limit
+                began, deadline = time.monotonic(), time.monotonic() + limit
                 while secure.awaiting and time.monotonic() < deadline:
                     self._pump(deadline - time.monotonic())
+                log.info("round %d: secure stage %s closed after %.1f s%s", secure.round, kind, time.monotonic() - began,
+                         f" without {', '.join(sorted(secure.awaiting))}" if secure.awaiting else "")
             summed = secure.result()
         except SecAggError as err:
             self.counters[f"secure-{err.reason}"] += 1

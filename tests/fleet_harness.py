@@ -67,17 +67,19 @@ class Fleet:
     spares: tuple[str, ...] = ()  # on the roster and the broker, no process: a compromised device's account
     embedded: bool = False  # the pure-Python broker (anonymous, no ACL) instead of mosquitto
     per_device: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra config sections by device index
+    observer_reads_learning: bool = False  # the observer reads updates and models too (an operator's choice)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.devices = [f"dev-{i}" for i in range(self.n_devices)]
         self.passwords = {d: generate_password() for d in (*self.devices, *self.outsiders, *self.spares)}
         self.coordinator_credentials = Credentials("coordinator", generate_password())
-        self.observer_credentials = Credentials("observer", generate_password())  # reads all, writes nothing
+        self.observer_credentials = Credentials("observer", generate_password())  # reads, writes nothing
         self.broker = (
             EmbeddedBroker() if self.embedded
             else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials,
-                                 observers={"observer": self.observer_credentials.password})
+                                 observers={"observer": self.observer_credentials.password},
+                                 observers_read_learning=self.observer_reads_learning)
         )
         self.scenario = {**self.scenario, "n_clients": self.n_devices}
         self.processes: dict[str, subprocess.Popen] = {}

@@ -4,12 +4,17 @@ devices dropping out at every stage; a single masked vector looks like noise; wh
 wrong share fails the session rather than its sum."""
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
+from fleet_harness import CEILING_S, Fleet
+from mqtt_helpers import Peer
 from scipy import stats
 from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
+from coordinator.checkpoint import load_latest
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BuiltFrom
 from coordinator.secagg import (
@@ -22,8 +27,9 @@ from coordinator.secagg import (
 )
 from edge_client.secagg import SecureRoundSettings, SecureUpload
 from edge_client.state import load_state
-from edgefil import wire
+from edgefil import topics, wire
 from edgefil.secagg import PRIME, Quantiser, SecAggError, combine, split
+from models.checkpoint import checkpoint_weights
 
 SESSION = "s1"
 SETTINGS = SecureAggregationSettings(mode="secagg+", clip_range=1.0, max_weight=100.0)
@@ -191,6 +197,12 @@ def test_the_wire_refuses_a_masked_blob_of_floats_and_short_keys() -> None:
                     mask_key=b"x" * 32, commitment=b"x" * 32, metrics={})
 
 
+def _claim(weights: np.ndarray, start: np.ndarray, metrics: dict[str, float]) -> tuple[np.ndarray, int]:
+    """A device's update as it saved it, and the samples it claimed: its store's, or none where training left the
+    global model as it was (`Device._claims`)."""
+    return weights, 0 if np.array_equal(weights, start.astype(np.float32)) else int(metrics["stored_samples"])
+
+
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 def test_a_secure_round_through_a_real_broker_gives_fedavg_of_the_devices(tmp_path, export_artifacts):
     """Three devices, one secure round, FedAvg: the coordinator's new global model is the devices' sample-weighted
@@ -205,11 +217,53 @@ def test_a_secure_round_through_a_real_broker_gives_fedavg_of_the_devices(tmp_pa
         start = coordinator.state.weights.astype(np.float64)
         results = coordinator.run()
         weights = {d.id: load_state(d.config.state_dir).weights for d in federation.devices}
-    entry = results["history"][-1]  # what each device said of its update: its stored samples, its claim
-    saved = {d: (w, entry["metrics"][d]["stored_samples"]) for d, w in weights.items()}
+    entry = results["history"][-1]
+    saved = {d: _claim(w, start, entry["metrics"][d]) for d, w in weights.items()}
     assert entry["secure"] == {"advertised": 3, "shared": 3, "masked": 3, "revealed": 3}
     assert entry["received"] == sorted(saved) and entry["samples"] == sum(n for _, n in saved.values())
     expected = start + sum(n * (w - start) for w, n in saved.values()) / sum(n for _, n in saved.values())
     assert np.abs(coordinator.state.weights - expected).max() < 1e-5
     assert np.abs(coordinator.state.weights - start).max() > 100 * 1e-5  # it moved: the bound above says something
     assert "not-secure" not in results["counters"] and not any(k.startswith("secure-") for k in results["counters"])
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_the_sum_is_recovered_when_two_of_ten_devices_are_killed_after_masking(tmp_path, export_artifacts):
+    """Ten device processes, one secure round through mosquitto: the first two whose masked vectors reach the broker
+    are killed (SIGKILL) at once, before the coordinator can ask anyone to unmask (it waits for all ten vectors). Their
+    self masks come off with the shares the eight others reveal, and the global model is FedAvg of all ten updates
+    (each as its device saved it), within quantisation."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    fleet = Fleet(tmp_path, artifacts, n_devices=10, observer_reads_learning=True,
+                  coordinator_options={"rounds_per_task": 1, "train_tasks": 1, "min_clients": 8, "max_attempts": 1,
+                                       "secure_aggregation": {"mode": "secagg+"}},
+                  device_options={"policy": {"name": "random"}})
+    killed: list[str] = []
+
+    def kill_the_first_two(client, userdata, message) -> None:
+        device = message.topic.split("/")[3]
+        if len(killed) < 2 and device not in killed:
+            fleet.processes[device].kill()
+            killed.append(device)
+
+    try:
+        fleet.start()
+        fleet.wait_online()
+        watcher = Peer(fleet.broker.address, "observer", fleet.observer_credentials.password)
+        assert not watcher.connect().is_failure
+        watcher.client.on_message = kill_the_first_two
+        watcher.subscribe(f"{topics.prefix(fleet.fleet)}/{topics.FROM_DEVICE}/+/masked")
+        fleet.start_coordinator()
+        assert fleet.wait_coordinator(CEILING_S) == 0, fleet.log_tail("coordinator")
+        watcher.close()
+    finally:
+        fleet.stop()
+    entry = fleet.results()["history"][0]
+    assert len(killed) == 2 and all(fleet.processes[d].returncode == -signal.SIGKILL for d in killed)
+    assert entry["secure"] == {"advertised": 10, "shared": 10, "masked": 10, "revealed": 8}, entry["secure"]
+    assert entry["received"] == fleet.devices
+    start = checkpoint_weights(artifacts).astype(np.float64)
+    saved = {d: _claim(load_state(tmp_path / "devices" / d).weights, start, entry["metrics"][d]) for d in fleet.devices}
+    expected = start + sum(n * (w - start) for w, n in saved.values()) / sum(n for _, n in saved.values())
+    state, _ = load_latest(tmp_path / "run" / "checkpoint")
+    assert np.abs(state.weights - expected).max() < 1e-5
