@@ -85,12 +85,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpoint import CheckpointPolicy
-from coordinator.guard_settings import OFF as GUARD_OFF
 from coordinator.guard_settings import GuardSettings
 from coordinator.host_training import HostTraining
 from coordinator.limits import RateLimits
 from coordinator.privacy import PrivacySettings
-from coordinator.secagg import SecureAggregationSettings
+from coordinator.secagg import SecureAggregationSettings, config_refused, without_guard
 from edgefil.link import BrokerSettings
 from edgefil.metrics import LAST_ROUNDS
 from edgefil.settings import Where, build, load_toml
@@ -147,12 +146,9 @@ class CoordinatorConfig:
             raise ValueError(f"last_rounds must be >= 1, got {self.last_rounds}")
         if "name" not in self.strategy:
             raise ValueError("[strategy] needs a name")
-        if self.secure_aggregation.on and (self.guard.checks or self.privacy.central):
-            why = (f"the guard's checks {', '.join(self.guard.checks)} judge each update" if self.guard.checks else
-                   "central DP clips each update")
-            raise ValueError(f"[secure_aggregation] gives the coordinator the sum of the updates alone, and {why}: "
-                             f"leave [guard] out (or turn its checks off) and use local DP on the devices instead of "
-                             f"central")
+        refused = config_refused(self.secure_aggregation, self.guard.checks, self.privacy.central)
+        if refused is not None:
+            raise ValueError(f"[secure_aggregation] {refused}")
         if not self.scenario and self.test_data is None:
             raise ValueError("the coordinator needs test data: test_data = \"folder\" (test-<t>.npz files, one per "
                              "task) or, in simulation, a scenario")
@@ -176,9 +172,7 @@ class CoordinatorConfig:
         raw = dict(raw)
         if isinstance(raw.get("broker", {}), Mapping):
             raw["broker"] = {"username": "coordinator", **raw.get("broker", {})}
-        secure = raw.get("secure_aggregation", {})
-        if isinstance(secure, Mapping) and secure.get("mode", "off") != "off" and "guard" not in raw:
-            raw["guard"] = dict(GUARD_OFF)  # its checks each judge one update, which the coordinator no longer sees
+        raw = without_guard(raw)
         config = build(cls, raw, where, base)
         client = build(RoundSettings, config.client, where.inner("client"))
         # the rule's options last: they are its constructor's, and the rules need torch (every check above runs

@@ -31,9 +31,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from coordinator.guard_settings import OFF as GUARD_OFF
 from coordinator.privacy import BuiltFrom
 from edgefil import wire
 from edgefil.secagg import (
@@ -103,6 +105,26 @@ def secure_refused(settings: SecureAggregationSettings, rule: str, built_from: B
         return None
     return (f"mode = \"{settings.mode}\" gives the coordinator the sum of the updates alone: {rule} needs each update "
             f"(choose fedavg or fedprox)")
+
+
+def config_refused(settings: SecureAggregationSettings, guard_checks: tuple[str, ...], central_dp: bool) -> str | None:
+    """Why secure aggregation cannot run beside the guard's checks or central DP (one line), or None."""
+    if not settings.on or not (guard_checks or central_dp):
+        return None
+    why = (f"the guard's checks {', '.join(guard_checks)} judge each update" if guard_checks else
+           "central DP clips each update")
+    return (f"gives the coordinator the sum of the updates alone, and {why}: leave [guard] out (or turn its checks "
+            f"off) and use local DP on the devices instead of central")
+
+
+def without_guard(table: Mapping[str, Any]) -> dict[str, Any]:
+    """A coordinator table whose [guard] is off where it turns secure aggregation on and gives no [guard]: every
+    check of the guard judges one update, which secure aggregation hides from the coordinator."""
+    table = dict(table)
+    secure = table.get("secure_aggregation", {})
+    if isinstance(secure, Mapping) and secure.get("mode", "off") != "off" and "guard" not in table:
+        table["guard"] = dict(GUARD_OFF)
+    return table
 
 
 def neighbourhoods(devices: list[str], degree: int, rng: np.random.Generator) -> dict[str, list[str]]:

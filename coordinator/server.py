@@ -710,8 +710,9 @@ class Coordinator:
                 began, deadline = time.monotonic(), time.monotonic() + limit
                 while secure.awaiting and time.monotonic() < deadline:
                     self._pump(deadline - time.monotonic())
-                log.info("round %d: secure stage %s closed after %.1f s%s", secure.round, kind, time.monotonic() - began,
-                         f" without {', '.join(sorted(secure.awaiting))}" if secure.awaiting else "")
+                missing = f" without {', '.join(sorted(secure.awaiting))}" if secure.awaiting else ""
+                log.info("round %d: secure stage %s closed after %.1f s%s", secure.round, kind,
+                         time.monotonic() - began, missing)
             summed = secure.result()
         except SecAggError as err:
             self.counters[f"secure-{err.reason}"] += 1

@@ -561,9 +561,12 @@ class Device:
             "store_budget_samples": self.learner.budget.max_samples or 0,
         }
         if secure is not None:
-            self.secure = SecureUpload(self.id, round_, secure, weights.astype(np.float64) - self.models[model],
-                                       num_samples)
-            self._publish_secure("keys", self.secure.keys(self.learner.state.data_task, model, metrics))
+            session = self.secure
+            if session is None or (session.session, session.round) != (secure.session, round_):  # else: resent
+                session = self.secure = SecureUpload(self.id, round_, secure, weights.astype(np.float64)
+                                                     - self.models[model], num_samples,
+                                                     self.learner.state.data_task, model, metrics)
+            self._publish_secure("keys", session.advertisement)
             self._publish_status("idle", round_)
             return
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
@@ -580,14 +583,7 @@ class Device:
 
     def _secure_settings(self, config: dict[str, Any]) -> SecureRoundSettings | None:
         """The round's secure aggregation (None: a plain round); ValueError (one line) when it cannot be run here."""
-        try:
-            secure = SecureRoundSettings.of(config.get("secure"))
-        except SecAggError as err:
-            raise ValueError(f"secure aggregation: {err}") from None
-        if secure is not None and self.learner.policy.attaches():
-            raise ValueError(f"secure aggregation sums the weights alone: policy {self.learner.policy.name} attaches "
-                             f"more to its updates")
-        return secure
+        return secure_round(config, self.learner.policy)
 
     def _take_secure(self, message: wire.Message) -> None:
         """The coordinator's next message in this device's secure session, answered (edge_client/secagg.py). One that
@@ -678,6 +674,20 @@ def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | 
         raise ValueError(f"[privacy] mode = \"local\" noises the weights only: policy {policy.name} attaches more to "
                          f"its updates (built from the device's data), which would leave unprotected")
     return LocalPrivacy(config.privacy, config.state_dir, stream=_seed_of(config.device_id))
+
+
+def secure_round(config: dict[str, Any], policy: ReplayPolicy) -> SecureRoundSettings | None:
+    """A round config's secure aggregation (edge_client/secagg.py), None for a plain round; ValueError (one line)
+    when its entry is broken, or the policy attaches payloads to its updates, which a sum of weights would leave
+    out."""
+    try:
+        secure = SecureRoundSettings.of(config.get("secure"))
+    except SecAggError as err:
+        raise ValueError(f"secure aggregation: {err}") from None
+    if secure is not None and policy.attaches():
+        raise ValueError(f"secure aggregation sums the weights alone: policy {policy.name} attaches more to its "
+                         f"updates")
+    return secure
 
 
 def _needed(message: wire.Message) -> list[str]:

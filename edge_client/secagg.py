@@ -1,7 +1,7 @@
 """A device's side of secure aggregation (edgefil/secagg.py has the arithmetic; docs/security.md, "Secure
 aggregation", the whole protocol): one `SecureUpload` per session, driven by the coordinator's messages.
 
-1. `keys`: after training, the device advertises two fresh X25519 public keys (one to seal shares, one to agree
+1. `advertisement`: after training, the device advertises two fresh X25519 public keys (one to seal shares, one to agree
    masks) and a commitment to its self-mask seed b, with its update's metadata (round, model, metrics): no weights.
 2. `on_neighbours`: the coordinator names its neighbours (their keys and Shamir points), how many devices the session
    holds and the threshold. The device splits b and its masking key into shares, one per neighbour, each sealed for
@@ -76,8 +76,9 @@ class SecureUpload:
     """One device's update in one session: `keys`, then each `on_*` answers the coordinator's next message."""
 
     def __init__(self, device: str, round_: int, settings: SecureRoundSettings, change: np.ndarray,
-                 num_samples: int) -> None:
-        """`change`: the update's weights minus the global model it answers (float64, the device's own copy)."""
+                 num_samples: int, task: int, model: str, metrics: dict[str, float]) -> None:
+        """`change`: the update's weights minus the global model `model` it answers (float64, the device's own
+        copy); `task`, `metrics`: what its keys message says of the update."""
         self.device, self.round, self.settings = device, round_, settings
         self.session = settings.session
         self.weight = min(num_samples, settings.max_weight) / settings.max_weight
@@ -88,11 +89,11 @@ class SecureUpload:
         self.count = self.threshold = 0
         self.held: dict[str, tuple[bytes, bytes]] = {}  # neighbour -> its (b share, masking key share) for me
         self.revealed = False
-
-    def keys(self, task: int, model: str, metrics: dict[str, float]) -> bytes:
-        return wire.encode("keys", device=self.device, round=self.round, session=self.session, task=task,
-                           model=model, cipher_key=self.cipher_keys.public, mask_key=self.mask_keys.public,
-                           commitment=commitment(self.self_seed), metrics=metrics)
+        # step 1's message, the same however often it is sent (a round message resent after a broker restart)
+        self.advertisement = wire.encode(
+            "keys", device=device, round=round_, session=self.session, task=task, model=model,
+            cipher_key=self.cipher_keys.public, mask_key=self.mask_keys.public, commitment=commitment(self.self_seed),
+            metrics=metrics)
 
     def on_neighbours(self, message: wire.Message) -> bytes:
         """Step 2: the shares message."""

@@ -44,7 +44,9 @@
                                                                          unless it is given)
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
-                   train_tasks, device, [coordinator.privacy]            (the coordinator file's keys)
+                   train_tasks, device, [coordinator.privacy],           (the coordinator file's keys; with
+                   [coordinator.secure_aggregation]                      secure aggregation and no [guard], the
+                                                                         guard is off)
     [ray]          address (a running cluster; left out: Ray on this machine), max_restarts (5)
     [adversary]    attack = "sign-flip" (firmware_sim/adversary.py), devices = 1: the last devices are compromised,
                    to see what the coordinator's settings withstand (none by default)
@@ -63,6 +65,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig, RoundSettings
+from coordinator.guard_settings import GuardSettings
+from coordinator.privacy import PrivacySettings
+from coordinator.secagg import SecureAggregationSettings, config_refused, without_guard
 from edge_client.config import LearnerSettings, StoreSettings, TrainerSettings
 from edge_client.policies import check_policy
 from edge_client.privacy import LocalPrivacySettings
@@ -187,7 +192,9 @@ class FleetConfig:
 
         where = Where(file)
         scenario = self.check_tables(file)
-        check_strategy(self.strategy, where.inner("strategy"), self.coordinator_options(file).get("privacy"))
+        options = self.coordinator_options(file)
+        check_strategy(self.strategy, where.inner("strategy"), options.get("privacy"),
+                       options.get("secure_aggregation"))
         try:
             data = scenario.build()
             model_fits(self.model, data.num_classes, data.input_shape, self.model_args)
@@ -198,7 +205,14 @@ class FleetConfig:
     def coordinator_options(self, file: str = "fleet config") -> dict[str, Any]:
         """The [coordinator] table checked and converted (its [guard], [limits] and [checkpoint] as their settings
         classes), for the coordinator's config; ConfigError naming the key."""
-        return check_options(CoordinatorConfig, self.coordinator, Where(file).inner("coordinator"), skip=FLEET_SETS)
+        where = Where(file).inner("coordinator")
+        options = check_options(CoordinatorConfig, without_guard(self.coordinator), where, skip=FLEET_SETS)
+        secure = options.get("secure_aggregation", SecureAggregationSettings())
+        refused = config_refused(secure, options.get("guard", GuardSettings()).checks,
+                                 options.get("privacy", PrivacySettings()).central)
+        if refused is not None:
+            raise where.error("secure_aggregation", refused)
+        return options
 
     def describe(self) -> dict[str, Any]:
         """What the devices and the coordinator of this fleet run, as JSON types: written to the run folder's

@@ -15,6 +15,7 @@ from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import load_latest
+from coordinator.config import CoordinatorConfig
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BuiltFrom
 from coordinator.secagg import (
@@ -25,10 +26,14 @@ from coordinator.secagg import (
     neighbourhoods,
     secure_refused,
 )
+from edge_client.device import secure_round
+from edge_client.policies import make_policy
 from edge_client.secagg import SecureRoundSettings, SecureUpload
 from edge_client.state import load_state
 from edgefil import topics, wire
 from edgefil.secagg import PRIME, Quantiser, SecAggError, combine, split
+from edgefil.settings import ConfigError
+from firmware_sim.fleet_config import FleetConfig
 from models.checkpoint import checkpoint_weights
 
 SESSION = "s1"
@@ -67,10 +72,10 @@ def _session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str] | 
     drop = drop or {}
     length = len(next(iter(devices.values()))[0]) + 1
     secure = SecureRound(SETTINGS, 1, SESSION, length)
-    uploads = {d: SecureUpload(d, 1, SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight), change, n)
-               for d, (change, n) in devices.items()}
+    uploads = {d: SecureUpload(d, 1, SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight), change, n,
+                               0, "model", {"loss": 0.5}) for d, (change, n) in devices.items()}
     for device, upload in uploads.items():
-        m = wire.decode(upload.keys(0, "model", {"loss": 0.5}))
+        m = wire.decode(upload.advertisement)
         secure.advertise(Advertised(m["device"], m["round"], m["task"], m["model"], m["session"], m["cipher_key"],
                                     m["mask_key"], m["commitment"], m["metrics"]))
     masked = []
@@ -169,7 +174,7 @@ def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
     upload = uploads["dev-0"]
     with pytest.raises(SecAggError, match="twice"):
         upload.on_unmask({"survivors": ["dev-1"], "dropped": []})
-    fresh = SecureUpload("dev-9", 1, SecureRoundSettings(SESSION, 1.0, 100.0), np.zeros(3), 1)
+    fresh = SecureUpload("dev-9", 1, SecureRoundSettings(SESSION, 1.0, 100.0), np.zeros(3), 1, 0, "model", {})
     fresh.held = {"dev-1": (b"", b""), "dev-2": (b"", b"")}
     with pytest.raises(SecAggError, match="overlap"):
         fresh.on_unmask({"survivors": ["dev-1"], "dropped": ["dev-1"]})
@@ -267,3 +272,39 @@ def test_the_sum_is_recovered_when_two_of_ten_devices_are_killed_after_masking(t
     expected = start + sum(n * (w - start) for w, n in saved.values()) / sum(n for _, n in saved.values())
     state, _ = load_latest(tmp_path / "run" / "checkpoint")
     assert np.abs(state.weights - expected).max() < 1e-5
+
+
+def test_what_secure_aggregation_cannot_run_with_is_refused_in_one_line(tmp_path, export_artifacts):
+    """A rule that needs each update, a guard check, central DP: each refused in one line, in a coordinator file and
+    a fleet file; left out, the guard is off; a device whose policy attaches payloads refuses a secure round."""
+    base = {"fleet": "lab", "out": str(tmp_path / "run"), "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+            "devices": ["dev-0"], "scenario": {"preset": "digits-class"}, "secure_aggregation": {"mode": "secagg+"}}
+    config = CoordinatorConfig.from_dict(base)
+    assert config.guard.checks == () and config.secure_aggregation.on
+    assert GuardSettings().checks  # the default guard judges each update
+    refusals = [
+        ({"strategy": {"name": "median"}}, "strategy.*secure_aggregation.*median needs each update"),
+        ({"guard": {"norm_bound": "reject"}}, "secure_aggregation.*checks norm_bound, .* judge each update"),
+        ({"privacy": {"mode": "central"}}, "secure_aggregation.*central DP clips each update"),
+    ]
+    for extra, expected in refusals:
+        with pytest.raises(ConfigError, match=expected) as refused:
+            CoordinatorConfig.from_dict({**base, **extra})
+        assert "\n" not in str(refused.value)
+    fleet = FleetConfig(name="lab", out=tmp_path / "fleet", devices=2, scenario={"preset": "digits-class"},
+                        coordinator={"secure_aggregation": {"mode": "secagg+"}})
+    assert fleet.coordinator_options()["guard"].checks == ()
+    for extra, expected in refusals:
+        table = {"strategy": {"name": "fedavg"}, **extra}
+        fleet = FleetConfig(name="lab", out=tmp_path / "fleet", devices=2, scenario={"preset": "digits-class"},
+                            strategy=table.pop("strategy"),
+                            coordinator={"secure_aggregation": {"mode": "secagg+"}, **table})
+        with pytest.raises(ConfigError, match=f"fleet config: .*{expected.rsplit('.*', 1)[1]}"):
+            fleet.check()
+    secure = {"secure": {"session": "s", "clip_range": 4.0, "max_weight": 100.0}}
+    assert secure_round(secure, make_policy("random")) == SecureRoundSettings("s", 4.0, 100.0)
+    assert secure_round({}, make_policy("glfc", gamma="glfc_mlp")) is None
+    with pytest.raises(ValueError, match="sums the weights alone: policy glfc attaches"):
+        secure_round(secure, make_policy("glfc", gamma="glfc_mlp"))
+    with pytest.raises(ValueError, match="secure aggregation: round-config"):
+        secure_round({"secure": {"session": "s", "clip_range": -1.0, "max_weight": 100.0}}, make_policy("random"))
