@@ -64,6 +64,10 @@ class ContainedStrategy:
     def device(self) -> torch.device:
         return self.strategy.device
 
+    @property
+    def weighs_by_samples(self) -> bool:
+        return self.strategy.weighs_by_samples
+
     def _count(self, reason: str, what: str, err: BaseException) -> str:
         self.counters[reason] += 1
         log.warning("%s (%s): %s", what, reason, _described(err))

@@ -17,9 +17,13 @@ gone offline, at most `stage_s` (in virtual time `wall_limit_s`: a busy host dro
 
 The round's rule (a mean: FedAvg, FedProx) then gets one update, the survivors' weighted mean g + sum f_i (w_i - g) /
 sum f_i, weighing sum f_i x max_weight samples: FedAvg's mean over the survivors, with each device's weight capped at
-`max_weight` samples. A session that cannot finish (fewer survivors than the threshold, shares that do not
-reconstruct, a sum outside what honest devices can send) gives nothing: the round's attempt has no deliveries and is
-run again, as one that missed its quorum, with a new session.
+`max_weight` samples. Where the rule weighs every update alike (`Strategy.weighs_by_samples`: FedAvg's
+`weighted = false`), every f_i is 1 and the sum weighs as one update: a round whose two attempts each delivered a
+sum averages the two sums as equals, not their devices.
+
+A session that cannot finish (fewer survivors than the threshold, shares that do not reconstruct, a sum outside what
+honest devices can send) gives nothing: the round's attempt has no deliveries and is run again, as one that missed
+its quorum, with a new session.
 
 What it refuses, in one line when the file is read: a rule that needs individual updates (median, Krum-like rules,
 GLFC, SDD, pFedGRP: `BuiltFrom` other than MEAN), any guard check (each judges one update, which the coordinator no
@@ -94,9 +98,11 @@ class SecureAggregationSettings:
     def threshold_for(self, k: int) -> int:
         return min(k + 1, math.floor(self.threshold * k) + 1)
 
-    def round_config(self, session: str) -> dict[str, object]:
-        """What a secure round's message tells its devices (`secure` in its config)."""
-        return {"session": session, "clip_range": self.clip_range, "max_weight": self.max_weight}
+    def round_config(self, session: str, weighted: bool) -> dict[str, object]:
+        """What a secure round's message tells its devices (`secure` in its config); `weighted`: whether the rule
+        weighs each update by its samples (`Strategy.weighs_by_samples`), else alike."""
+        return {"session": session, "clip_range": self.clip_range, "max_weight": self.max_weight,
+                "weighted": weighted}
 
 
 def secure_refused(settings: SecureAggregationSettings, rule: str, built_from: BuiltFrom) -> str | None:
@@ -172,7 +178,7 @@ class SecureSum:
 
     survivors: frozenset[str]
     mean_change: np.ndarray
-    samples: float
+    samples: float  # the sum's weight: its samples where the rule weighs by them, else its devices
     quantisation_step: float  # the rounding grid of one value of one device's weighted change
 
 
@@ -185,6 +191,7 @@ class SecureRound:
     round: int
     session: str
     length: int  # words of a masked vector: the model's parameters and the weight
+    weighted: bool = True  # the devices weigh their changes by their samples (else each by 1)
     keys: dict[str, Advertised] = field(default_factory=dict)
     stage: str = "keys"
     awaiting: set[str] = field(default_factory=set)
@@ -295,8 +302,8 @@ class SecureRound:
             raise SecAggError("sum-out-of-range", "the unmasked sum is not one the survivors' honest vectors can give "
                                                   "(a device sent more than its clip range or weight)")
         mean = change / weight if weight > 0 else np.zeros_like(change)
-        return SecureSum(frozenset(self.survivors), mean, weight * self.settings.max_weight,
-                         2 * self.settings.clip_range / quantiser.levels)
+        samples = weight * self.settings.max_weight if self.weighted else weight
+        return SecureSum(frozenset(self.survivors), mean, samples, 2 * self.settings.clip_range / quantiser.levels)
 
     def _reconstruct(self, device: str, kind: str) -> bytes:
         """A secret of `device` from its neighbours' reveals: b ("masks") or its masking key ("keys")."""

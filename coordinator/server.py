@@ -385,7 +385,7 @@ class Coordinator:
         )
         if self.config.secure_aggregation.on:  # a new session each attempt: fresh keys on every device
             self._secure = SecureRound(self.config.secure_aggregation, number, secrets.token_hex(8),
-                                       self.manifest.num_parameters + 1)
+                                       self.manifest.num_parameters + 1, self.strategy.weighs_by_samples)
         self.record.round_opened(opened)
         if earlier is not None:
             opened.carry_over(earlier.delivered)
@@ -405,7 +405,8 @@ class Coordinator:
             # an answer to a device's request comes at once from a quiet host: from a busy one later, but it comes
             config.setdefault("answer_wait_s", self.config.wall_limit_s)
         if self._secure is not None:
-            config["secure"] = self.config.secure_aggregation.round_config(self._secure.session)
+            config["secure"] = self.config.secure_aggregation.round_config(self._secure.session,
+                                                                           self.strategy.weighs_by_samples)
         if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
             config["task_classes"] = list(self._context.task_classes)

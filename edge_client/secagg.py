@@ -49,12 +49,13 @@ log = logging.getLogger("edgefil.device")
 
 @dataclass(frozen=True)
 class SecureRoundSettings:
-    """What a secure round's config (`secure`) tells the device: the session's id, the contribution's clip range and
-    the weight that counts as 1."""
+    """What a secure round's config (`secure`) tells the device: the session's id, the contribution's clip range, the
+    samples that weigh 1, and whether the rule weighs by samples at all (else every device weighs 1)."""
 
     session: str
     clip_range: float
     max_weight: float
+    weighted: bool = True
 
     @classmethod
     def of(cls, value: object) -> SecureRoundSettings | None:
@@ -65,11 +66,13 @@ class SecureRoundSettings:
         if not isinstance(value, Mapping):
             raise SecAggError("round-config", "the round's `secure` entry is not a table")
         session, clip, weight = value.get("session"), value.get("clip_range"), value.get("max_weight")
+        weighted = value.get("weighted", True)
         if not (isinstance(session, str) and 0 < len(session) <= 64 and isinstance(clip, (int, float))
-                and isinstance(weight, (int, float)) and 0 < clip < math.inf and 0 < weight < math.inf):
-            raise SecAggError("round-config", "the round's `secure` entry needs a session id, and a positive "
-                                              "clip_range and max_weight")
-        return cls(session, float(clip), float(weight))
+                and isinstance(weight, (int, float)) and 0 < clip < math.inf and 0 < weight < math.inf
+                and isinstance(weighted, bool)):
+            raise SecAggError("round-config", "the round's `secure` entry needs a session id, a positive "
+                                              "clip_range and max_weight, and weighted true or false")
+        return cls(session, float(clip), float(weight), weighted)
 
 
 class SecureUpload:
@@ -81,7 +84,7 @@ class SecureUpload:
         copy); `task`, `metrics`: what its keys message says of the update."""
         self.device, self.round, self.settings = device, round_, settings
         self.session = settings.session
-        self.weight = min(num_samples, settings.max_weight) / settings.max_weight
+        self.weight = min(num_samples, settings.max_weight) / settings.max_weight if settings.weighted else 1.0
         self.change: np.ndarray | None = change * self.weight
         self.cipher_keys, self.mask_keys = KeyPair.generate(), KeyPair.generate()
         self.self_seed = secrets.token_bytes(32)

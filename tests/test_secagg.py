@@ -65,15 +65,17 @@ def _devices(n: int, length: int, rng: np.random.Generator) -> dict[str, tuple[n
 
 
 def _session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str] | None = None,
-             tamper: str | None = None) -> tuple[SecureRound, dict[str, SecureUpload], list[bytes]]:
+             tamper: str | None = None, weighted: bool = True
+             ) -> tuple[SecureRound, dict[str, SecureUpload], list[bytes]]:
     """One session through the codec; `drop`: a device's stage after which it says nothing more ("keys": it
     advertised only; "shares": it shared; "masked": it masked); `tamper`: a device whose reveal's shares are
-    altered. Returns the round, the devices' sessions and the masked vectors as the coordinator received them."""
+    altered; `weighted`: the rule weighs by samples. Returns the round, the devices' sessions and the masked vectors as the coordinator received them."""
     drop = drop or {}
     length = len(next(iter(devices.values()))[0]) + 1
-    secure = SecureRound(SETTINGS, 1, SESSION, length)
-    uploads = {d: SecureUpload(d, 1, SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight), change, n,
-                               0, "model", {"loss": 0.5}) for d, (change, n) in devices.items()}
+    secure = SecureRound(SETTINGS, 1, SESSION, length, weighted)
+    settings = SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight, weighted)
+    uploads = {d: SecureUpload(d, 1, settings, change, n, 0, "model", {"loss": 0.5})
+               for d, (change, n) in devices.items()}
     for device, upload in uploads.items():
         m = wire.decode(upload.advertisement)
         secure.advertise(Advertised(m["device"], m["round"], m["task"], m["model"], m["session"], m["cipher_key"],
@@ -301,10 +303,21 @@ def test_what_secure_aggregation_cannot_run_with_is_refused_in_one_line(tmp_path
                             coordinator={"secure_aggregation": {"mode": "secagg+"}, **table})
         with pytest.raises(ConfigError, match=f"fleet config: .*{expected.rsplit('.*', 1)[1]}"):
             fleet.check()
-    secure = {"secure": {"session": "s", "clip_range": 4.0, "max_weight": 100.0}}
-    assert secure_round(secure, make_policy("random")) == SecureRoundSettings("s", 4.0, 100.0)
+    secure = {"secure": {"session": "s", "clip_range": 4.0, "max_weight": 100.0, "weighted": False}}
+    assert secure_round(secure, make_policy("random")) == SecureRoundSettings("s", 4.0, 100.0, False)
     assert secure_round({}, make_policy("glfc", gamma="glfc_mlp")) is None
     with pytest.raises(ValueError, match="sums the weights alone: policy glfc attaches"):
         secure_round(secure, make_policy("glfc", gamma="glfc_mlp"))
     with pytest.raises(ValueError, match="secure aggregation: round-config"):
         secure_round({"secure": {"session": "s", "clip_range": -1.0, "max_weight": 100.0}}, make_policy("random"))
+
+
+def test_an_unweighted_rule_weighs_every_device_alike_under_secure_aggregation() -> None:
+    """FedAvg's `weighted = false` travels with the secure round: each device's change counts once, whatever its
+    samples, and the sum weighs as its devices."""
+    devices = _devices(5, 200, np.random.default_rng(8))
+    secure, _, _ = _session(devices, weighted=False)
+    result = secure.result()
+    plain = sum(change for change, _ in devices.values()) / len(devices)
+    assert np.abs(result.mean_change - plain).max() < 1e-6 and result.samples == pytest.approx(5)
+    assert np.abs(result.mean_change - _expected(devices, set(devices))).max() > 1e-3  # not the weighted mean

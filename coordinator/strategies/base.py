@@ -191,6 +191,13 @@ class Strategy(ABC):
         """Per-device instructions added to each round-start message (e.g. {"mu": 0.01}); default: {} for each."""
         return {device: {} for device in devices}
 
+    @property
+    def weighs_by_samples(self) -> bool:
+        """Whether a mean rule weighs an update by the samples it claims (True, the default) or weighs every update
+        alike. Under secure aggregation the devices apply the weights themselves, before masking
+        (coordinator/secagg.py), so the rule's choice travels with each secure round."""
+        return True
+
     def fold(self, global_weights: torch.Tensor) -> Fold | None:
         """A running aggregate for one round, to which updates are added as they arrive; None (the default): the
         rule needs the whole round at once, in `aggregate`."""

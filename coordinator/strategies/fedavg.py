@@ -70,6 +70,10 @@ class FedAvg(Strategy):
         super().__init__(device, manifest)
         self.weighted = weighted
 
+    @property
+    def weighs_by_samples(self) -> bool:
+        return self.weighted
+
     def fold(self, global_weights: torch.Tensor) -> WeightedFold | None:
         """The running mean; None for a subclass that overrides `aggregate` (a method built on FedAvg that reads
         the round's attachments or gives payloads): its `aggregate` must see the whole round, so it holds it."""
