@@ -470,10 +470,11 @@ def holding_data(work: dict) -> list[int]:
 
 
 def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str,
-              work: dict | None = None, client: dict | None = None, guard: dict | None = None) -> dict:
+              work: dict | None = None, client: dict | None = None, guard: dict | None = None,
+              coordinator: dict | None = None) -> dict:
     """A fleet of `n` devices on `work` (default: this benchmark's scenario), with `client` added to what every
-    round tells the devices, and `guard` for the coordinator's [guard] (default: the defaults without Krum
-    selection)."""
+    round tells the devices, `guard` for the coordinator's [guard] (default: the defaults without Krum
+    selection), and `coordinator`: more of the coordinator's tables (its [secure_aggregation])."""
     import firmware_sim.fleet as fleet_module
     from edge_client.config import StoreSettings
     from firmware_sim.fleet_config import FleetConfig
@@ -501,7 +502,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         coordinator={
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": len(holding_data(work)),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
-            "guard": {"krum_share": 0.0} if guard is None else guard,
+            "guard": {"krum_share": 0.0} if guard is None else guard, **(coordinator or {}),
         },
     )
     original = fleet_module.Coordinator
