@@ -57,6 +57,9 @@ class Used:
     metrics: Mapping[str, float]
 
 
+SECURE_SUM = "secure-sum"  # the device name of a secure session's sum, where a rule sees it as one update
+
+
 def _update_bytes(update: ClientUpdate) -> int:
     return int(update.weights.nbytes) + sum(len(data) for data in update.attachments.values())
 
@@ -132,14 +135,15 @@ class RoundAggregate:
         """A secure session's sum: the rule folds the survivors' weighted mean, g + their mean change, as one update
         of their summed weight in samples; no bound sees it (secure aggregation runs with none). `parts`: what each
         survivor said of its update (its metrics), for the round's history; `counts`: the session's stages."""
-        if self._fold is None:
-            raise ValueError("a secure sum goes into a rule that folds (a mean): secure_refused keeps others out")
         for stage, count in counts.items():
             self.secure_counts[stage] = self.secure_counts.get(stage, 0) + count
         samples = round(summed.samples)
         if samples <= 0:  # every device claimed nothing: the previous model stays
             return
-        update = ClientUpdate("secure-sum", (global_weights + summed.mean_change).astype(np.float32), samples)
+        update = ClientUpdate(SECURE_SUM, (global_weights + summed.mean_change).astype(np.float32), samples)
+        if self._fold is None:  # a mean whose fold failed to start (contained): it takes the sum at the close
+            self._trusted.append(update)
+            return
         refused, self._sound = self.strategy.add(self._fold, update)
         if refused is None:
             self.used.extend(Used(device, 0, dict(metrics)) for device, metrics in sorted(parts.items()))

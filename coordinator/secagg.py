@@ -4,7 +4,8 @@ the device's side, docs/security.md, "Secure aggregation", what it protects and 
 Under `[secure_aggregation] mode = "secagg+"` a round's selected devices train as always, then, instead of their
 updates, advertise fresh keys (`keys`: the round's delivery, which the round's deadline and quorum judge). When the
 round's collection closes, a `SecureRound` runs three more stages, each until every device it awaits has answered or
-gone offline, at most `stage_s` (in virtual time `wall_limit_s`: a busy host drops no device):
+gone offline, at most `stage_s` (in virtual time `wall_limit_s`: a busy host drops no device; the stages take no
+time on the fleet's clock, their work being a few milliseconds a device: docs/results.md, "Secure aggregation"):
 
 1. sharing: each advertised device learns its neighbours (a random k-regular graph, Harary's on a random order of the
    devices, as the paper builds it) and sends its shares, sealed for each; the coordinator cannot open them.

@@ -56,6 +56,13 @@ DESCRIBE: dict[str, Callable[[wire.Message], str]] = {
                         + "".join(f", with {k}" for k in ("payload", "broadcast") if k in m)),
     "request": lambda m: f"round {m['round']}: asks for {', '.join(map(str, m['names']))}",
     "notice": lambda m: f"{m['reason']}: {m['detail']}",
+    # secure aggregation's (what an observer reads of it: keys, neighbourhoods, who survived)
+    "keys": lambda m: f"round {m['round']} (task {m['task']}), session {m['session']}: keys advertised"
+                      + (f", {_metrics(m['metrics'])}" if m["metrics"] else ""),
+    "neighbours": lambda m: (f"round {m['round']}, session {m['session']}: {len(m['neighbours'])} neighbours of "
+                             f"{m['count']}, threshold {m['threshold']}"),
+    "unmask": lambda m: (f"round {m['round']}, session {m['session']}: {len(m['survivors'])} neighbours survived, "
+                         f"{len(m['dropped'])} dropped"),
 }
 
 

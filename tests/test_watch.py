@@ -45,6 +45,17 @@ def test_each_kind_of_message_is_one_line_and_a_blob_is_shown_once():
     weights = wire.encode_blob("weights", data, round=4, version=3).chunks[0]
     assert describe(FLEET, topics.to_all(FLEET, "weights"), weights, False).startswith(
         "coordinator -> all weights: round 4, 1.1 MiB in")
+    keys = wire.encode("keys", device="pi-1", round=4, session="s1", task=1, model="b", cipher_key=bytes(32),
+                       mask_key=bytes(32), commitment=bytes(32), metrics={"loss": 0.25})
+    assert describe(FLEET, topics.from_device(FLEET, "pi-1", "keys"), keys, False) == (
+        "pi-1 -> coordinator keys: round 4 (task 1), session s1: keys advertised, loss=0.25")
+    unmask = wire.encode("unmask", round=4, session="s1", survivors=["pi-2", "pi-3"], dropped=["pi-4"])
+    assert describe(FLEET, topics.to_device(FLEET, "pi-1", "unmask"), unmask, False) == (
+        "coordinator -> pi-1 unmask: round 4, session s1: 2 neighbours survived, 1 dropped")
+    masked = wire.encode_blob("masked", np.zeros(10, np.uint32).data.cast("B"), device="pi-1", round=4,
+                              session="s1").chunks[0]
+    assert describe(FLEET, topics.from_device(FLEET, "pi-1", "masked"), masked, False) == (
+        "pi-1 -> coordinator masked: round 4, 40 B in 1 chunk")
 
 
 def test_what_the_gate_would_refuse_is_shown_with_its_reason():
