@@ -18,7 +18,8 @@
     [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
     [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time, time_scale
     [privacy]  local differential privacy (edge_client/privacy.py): mode = "off" | "local", clip_norm = 1.0,
-               noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none)
+               noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none); require_secure_aggregation =
+               false (true: the device answers a round without secure aggregation with an error, untrained)
 
 Relative paths are taken relative to the file's folder. The same tables ([policy], [store], [trainer], [learner])
 mean the same in a fleet file.

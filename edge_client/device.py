@@ -583,7 +583,7 @@ class Device:
 
     def _secure_settings(self, config: dict[str, Any]) -> SecureRoundSettings | None:
         """The round's secure aggregation (None: a plain round); ValueError (one line) when it cannot be run here."""
-        return secure_round(config, self.learner.policy)
+        return secure_round(config, self.learner.policy, self.config.privacy.require_secure_aggregation)
 
     def _take_secure(self, message: wire.Message) -> None:
         """The coordinator's next message in this device's secure session, answered (edge_client/secagg.py). One that
@@ -676,14 +676,17 @@ def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | 
     return LocalPrivacy(config.privacy, config.state_dir, stream=_seed_of(config.device_id))
 
 
-def secure_round(config: dict[str, Any], policy: ReplayPolicy) -> SecureRoundSettings | None:
+def secure_round(config: dict[str, Any], policy: ReplayPolicy, required: bool = False) -> SecureRoundSettings | None:
     """A round config's secure aggregation (edge_client/secagg.py), None for a plain round; ValueError (one line)
-    when its entry is broken, or the policy attaches payloads to its updates, which a sum of weights would leave
-    out."""
+    when its entry is broken, the policy attaches payloads to its updates, which a sum of weights would leave out,
+    or the round is plain and the device `required` secure aggregation."""
     try:
         secure = SecureRoundSettings.of(config.get("secure"))
     except SecAggError as err:
         raise ValueError(f"secure aggregation: {err}") from None
+    if secure is None and required:
+        raise ValueError("[privacy] require_secure_aggregation: this device sends its update only masked, and the "
+                         "round is plain (the coordinator's [secure_aggregation] is off)")
     if secure is not None and policy.attaches():
         raise ValueError(f"secure aggregation sums the weights alone: policy {policy.name} attaches more to its "
                          f"updates")

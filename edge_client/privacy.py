@@ -54,6 +54,9 @@ class LocalPrivacySettings:
     # and the round's count, so that one seed gives one table. Whoever knows it can take the noise back out: never
     # on a device of one's own (None: the OS's entropy).
     noise_seed: int | None = None
+    # true: the device sends its update only masked, in a secure aggregation session (edge_client/secagg.py), and
+    # answers a plain round with an error status, untrained: its operator's say over who sees its update
+    require_secure_aggregation: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -40,6 +40,7 @@ from coordinator.preparation import Preparation
 from coordinator.server import Coordinator
 from edge_client.config import DeviceConfig, StoreSettings
 from edge_client.policies import POLICIES, split_policy
+from edge_client.privacy import LocalPrivacySettings
 from edge_client.trainers.base import OPTIMIZER_BUFFERS
 from edge_client.trainers.choice import artifact_backends, resolve_backend
 from edgefil.durable import write_atomically, write_private
@@ -288,7 +289,7 @@ class Fleet:
             "broker": self._settings(device, self.passwords[device]),
             "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,
             "policy": dict(self.config.policy),
-            **({"privacy": vars(self.config.privacy)} if self.config.privacy.local else {}),
+            **({"privacy": vars(self.config.privacy)} if self.config.privacy != LocalPrivacySettings() else {}),
             "data": {"scenario": self.scenario, "client": index},
         }
 

@@ -33,7 +33,7 @@
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
     [privacy]      mode = "local", clip_norm, noise_multiplier, delta,   (the device file's [privacy]: local DP on
-                   epsilon_budget                                        every device, edge_client/privacy.py)
+                   epsilon_budget, require_secure_aggregation            every device, edge_client/privacy.py)
     [learner]      batch_size, mask_seen_classes, detect_new_tasks       (the device file's [learner]; left out,
                                                                          mask_seen_classes is the scenario kind's
                                                                          measured default, `ScenarioKind.masks`)

@@ -278,7 +278,8 @@ def test_the_sum_is_recovered_when_two_of_ten_devices_are_killed_after_masking(t
 
 def test_what_secure_aggregation_cannot_run_with_is_refused_in_one_line(tmp_path, export_artifacts):
     """A rule that needs each update, a guard check, central DP: each refused in one line, in a coordinator file and
-    a fleet file; left out, the guard is off; a device whose policy attaches payloads refuses a secure round."""
+    a fleet file; left out, the guard is off; a device whose policy attaches payloads refuses a secure round, and one
+    that requires secure aggregation refuses a plain one."""
     base = {"fleet": "lab", "out": str(tmp_path / "run"), "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
             "devices": ["dev-0"], "scenario": {"preset": "digits-class"}, "secure_aggregation": {"mode": "secagg+"}}
     config = CoordinatorConfig.from_dict(base)
@@ -308,6 +309,9 @@ def test_what_secure_aggregation_cannot_run_with_is_refused_in_one_line(tmp_path
     assert secure_round({}, make_policy("glfc", gamma="glfc_mlp")) is None
     with pytest.raises(ValueError, match="sums the weights alone: policy glfc attaches"):
         secure_round(secure, make_policy("glfc", gamma="glfc_mlp"))
+    with pytest.raises(ValueError, match="require_secure_aggregation: this device sends its update only masked"):
+        secure_round({}, make_policy("random"), required=True)
+    assert secure_round(secure, make_policy("random"), required=True) is not None
     with pytest.raises(ValueError, match="secure aggregation: round-config"):
         secure_round({"secure": {"session": "s", "clip_range": -1.0, "max_weight": 100.0}}, make_policy("random"))
 
