@@ -220,12 +220,13 @@ class SecureRound:
     # --- stages -----------------------------------------------------------------------------------
 
     def begin_sharing(self, rng: np.random.Generator) -> dict[str, bytes]:
-        """The neighbours message of every device that advertised."""
+        """The neighbours message of every device that advertised; SecAggError for fewer than two (a sum of one is
+        that device's update)."""
         devices = sorted(self.keys)
         self.stage, self.awaiting = "shares", set(devices) - self.gone
         self.counts["advertised"] = len(devices)
         if len(devices) < 2:
-            return {}
+            raise SecAggError("too-few-devices", f"{len(devices)} device advertised keys: a sum needs two")
         degree = self.settings.degree_for(len(devices))
         self.threshold = self.settings.threshold_for(degree)
         self.neighbours = neighbourhoods(devices, degree, rng)

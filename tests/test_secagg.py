@@ -188,6 +188,8 @@ def test_too_few_survivors_are_not_unmasked() -> None:
     devices = _devices(5, 10, np.random.default_rng(7))
     with pytest.raises(SecAggError, match="too-few-survivors"):
         _session(devices, drop={d: "shares" for d in ("dev-0", "dev-1", "dev-2", "dev-3")})
+    with pytest.raises(SecAggError, match="too-few-devices"):  # a sum of one would be its update
+        _session(_devices(1, 10, np.random.default_rng(7)))
 
 
 def test_only_a_mean_rule_runs_under_secure_aggregation() -> None:
