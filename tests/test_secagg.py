@@ -11,6 +11,7 @@ import pytest
 from fleet_harness import CEILING_S, Fleet
 from mqtt_helpers import Peer
 from scipy import stats
+from secagg_session import SESSION, SETTINGS, devices_of, expected_mean, run_session
 from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
@@ -18,14 +19,7 @@ from coordinator.checkpoint import load_latest
 from coordinator.config import CoordinatorConfig
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BuiltFrom
-from coordinator.secagg import (
-    Advertised,
-    SecureAggregationSettings,
-    SecureMessage,
-    SecureRound,
-    neighbourhoods,
-    secure_refused,
-)
+from coordinator.secagg import SecureAggregationSettings, neighbourhoods, secure_refused
 from edge_client.device import secure_round
 from edge_client.policies import make_policy
 from edge_client.secagg import SecureRoundSettings, SecureUpload
@@ -35,9 +29,6 @@ from edgefil.secagg import PRIME, Quantiser, SecAggError, combine, split
 from edgefil.settings import ConfigError
 from firmware_sim.fleet_config import FleetConfig
 from models.checkpoint import checkpoint_weights
-
-SESSION = "s1"
-SETTINGS = SecureAggregationSettings(mode="secagg+", clip_range=1.0, max_weight=100.0)
 
 
 def test_shamir_threshold() -> None:
@@ -59,72 +50,13 @@ def test_neighbourhoods_are_regular_and_symmetric() -> None:
     assert all(d in graph[n] for d, ns in graph.items() for n in ns)
 
 
-def _devices(n: int, length: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, int]]:
-    """Each device's change (float64) and its sample count."""
-    return {f"dev-{i}": (rng.normal(0, 0.05, length), int(rng.integers(5, 60))) for i in range(n)}
-
-
-def _session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str] | None = None,
-             tamper: str | None = None, weighted: bool = True
-             ) -> tuple[SecureRound, dict[str, SecureUpload], list[bytes]]:
-    """One session through the codec; `drop`: a device's stage after which it says nothing more ("keys": it
-    advertised only; "shares": it shared; "masked": it masked); `tamper`: a device whose reveal's shares are
-    altered; `weighted`: the rule weighs by samples. Returns the round, the devices' sessions and the masked vectors as the coordinator received them."""
-    drop = drop or {}
-    length = len(next(iter(devices.values()))[0]) + 1
-    secure = SecureRound(SETTINGS, 1, SESSION, length, weighted)
-    settings = SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight, weighted)
-    uploads = {d: SecureUpload(d, 1, settings, change, n, 0, "model", {"loss": 0.5})
-               for d, (change, n) in devices.items()}
-    for device, upload in uploads.items():
-        m = wire.decode(upload.advertisement)
-        secure.advertise(Advertised(m["device"], m["round"], m["task"], m["model"], m["session"], m["cipher_key"],
-                                    m["mask_key"], m["commitment"], m["metrics"]))
-    masked = []
-
-    def answer(stage: str, messages: dict[str, bytes], step: str) -> None:
-        for device, payload in messages.items():
-            if drop.get(device, "") in ("keys", "shares", "masked")[: ("shares", "masked", "reveal").index(stage) + 1]:
-                continue
-            message = wire.decode(payload)
-            upload = uploads[device]
-            if stage == "shares":
-                reply = wire.decode(upload.on_neighbours(message))
-            elif stage == "masked":
-                blob = upload.on_relayed(message)
-                reassembled = wire.Reassembler(1 << 30)
-                for chunk in blob.chunks:
-                    done = reassembled.add("x", wire.decode(chunk))
-                words = done.words(length)
-                masked.append(bytes(done.data))
-                secure.take(SecureMessage(device, "masked", 1, SESSION, done.header, words))
-                continue
-            else:
-                reply = wire.decode(upload.on_unmask(message))
-                if device == tamper:
-                    reply["masks"] = {k: (int.from_bytes(v, "big") + 1).to_bytes(66, "big")
-                                      for k, v in reply["masks"].items()}
-            secure.take(SecureMessage(device, reply["kind"], 1, SESSION, reply))
-        assert step
-
-    answer("shares", secure.begin_sharing(np.random.default_rng(1)), "sharing")
-    answer("masked", secure.begin_masking(), "masking")
-    answer("reveal", secure.begin_unmasking(), "unmasking")
-    return secure, uploads, masked
-
-
-def _expected(devices: dict[str, tuple[np.ndarray, int]], survivors: set[str]) -> np.ndarray:
-    weights = {d: devices[d][1] / SETTINGS.max_weight for d in survivors}
-    return sum(weights[d] * devices[d][0] for d in survivors) / sum(weights.values())
-
-
 def test_the_sum_is_exact_within_quantisation() -> None:
-    devices = _devices(10, 5000, np.random.default_rng(2))
-    secure, _, _ = _session(devices)
+    devices = devices_of(10, 5000, np.random.default_rng(2))
+    secure, _, _ = run_session(devices)
     result = secure.result()
     assert result.survivors == set(devices)
     assert result.samples == pytest.approx(sum(n for _, n in devices.values()), abs=1e-3)
-    error = np.abs(result.mean_change - _expected(devices, set(devices)))
+    error = np.abs(result.mean_change - expected_mean(devices, set(devices)))
     # stochastic rounding: each value of each device off by less than one step, and unbiased, so that the sum's
     # typical error grows as the root of the devices' count (0.9 steps at 10), not as their count (truncation: 5)
     bound = len(devices) * result.quantisation_step / (result.samples / SETTINGS.max_weight)
@@ -136,14 +68,14 @@ def test_the_sum_survives_devices_that_drop_out(stage: str) -> None:
     """Two of ten drop after advertising, after sharing (their pairwise masks are in their neighbours' vectors:
     taken off with their reconstructed keys), or after masking (their vectors are in, their self masks come off with
     b's shares): the sum is the survivors' (those whose vectors came)."""
-    devices = _devices(10, 3000, np.random.default_rng(3))
-    secure, _, _ = _session(devices, drop={"dev-2": stage, "dev-7": stage})
+    devices = devices_of(10, 3000, np.random.default_rng(3))
+    secure, _, _ = run_session(devices, drop={"dev-2": stage, "dev-7": stage})
     result = secure.result()
     survivors = set(devices) - ({"dev-2", "dev-7"} if stage != "masked" else set())
     assert result.survivors == survivors
     assert secure.counts == {"advertised": 10, "shared": 8 if stage == "keys" else 10,
                              "masked": len(survivors), "revealed": 8}
-    error = np.abs(result.mean_change - _expected(devices, survivors))
+    error = np.abs(result.mean_change - expected_mean(devices, survivors))
     assert error.max() < len(devices) * result.quantisation_step / (result.samples / SETTINGS.max_weight)
 
 
@@ -151,8 +83,8 @@ def test_a_masked_vector_looks_like_noise() -> None:
     """One device's masked vector, as the coordinator receives it: its words uniform over 2^32 (a chi-square test on
     their top byte) and unrelated to the quantised contribution under the mask (no correlation)."""
     rng = np.random.default_rng(4)
-    devices = _devices(10, 20000, rng)
-    secure, uploads, masked = _session(devices)
+    devices = devices_of(10, 20000, rng)
+    secure, uploads, masked = run_session(devices)
     words = np.frombuffer(masked[0], dtype="<u4")
     counts = np.bincount(words >> 24, minlength=256)
     assert stats.chisquare(counts).pvalue > 1e-3
@@ -164,15 +96,15 @@ def test_a_masked_vector_looks_like_noise() -> None:
 
 
 def test_a_wrong_share_fails_the_session_not_its_sum() -> None:
-    devices = _devices(6, 100, np.random.default_rng(5))
-    secure, _, _ = _session(devices, tamper="dev-1")
+    devices = devices_of(6, 100, np.random.default_rng(5))
+    secure, _, _ = run_session(devices, tamper="dev-1")
     with pytest.raises(SecAggError, match="shares-inconsistent|too-few"):
         secure.result()
 
 
 def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
-    devices = _devices(4, 10, np.random.default_rng(6))
-    secure, uploads, _ = _session(devices, drop={"dev-3": "masked"})
+    devices = devices_of(4, 10, np.random.default_rng(6))
+    secure, uploads, _ = run_session(devices, drop={"dev-3": "masked"})
     upload = uploads["dev-0"]
     with pytest.raises(SecAggError, match="twice"):
         upload.on_unmask({"survivors": ["dev-1"], "dropped": []})
@@ -185,11 +117,11 @@ def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
 
 
 def test_too_few_survivors_are_not_unmasked() -> None:
-    devices = _devices(5, 10, np.random.default_rng(7))
+    devices = devices_of(5, 10, np.random.default_rng(7))
     with pytest.raises(SecAggError, match="too-few-survivors"):
-        _session(devices, drop={d: "shares" for d in ("dev-0", "dev-1", "dev-2", "dev-3")})
+        run_session(devices, drop={d: "shares" for d in ("dev-0", "dev-1", "dev-2", "dev-3")})
     with pytest.raises(SecAggError, match="too-few-devices"):  # a sum of one would be its update
-        _session(_devices(1, 10, np.random.default_rng(7)))
+        run_session(devices_of(1, 10, np.random.default_rng(7)))
 
 
 def test_only_a_mean_rule_runs_under_secure_aggregation() -> None:
@@ -213,7 +145,7 @@ def _claim(weights: np.ndarray, start: np.ndarray, metrics: dict[str, float]) ->
 
 
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
-def test_a_secure_round_through_a_real_broker_gives_fedavg_of_the_devices(tmp_path, export_artifacts):
+def test_a_secure_round_through_a_real_broker_gives_fedavg_of_thedevices_of(tmp_path, export_artifacts):
     """Three devices, one secure round, FedAvg: the coordinator's new global model is the devices' sample-weighted
     mean (as each saved its update on its disk), within quantisation; the round's history says what each stage saw,
     and the run took no update of any one device."""
@@ -321,9 +253,9 @@ def test_what_secure_aggregation_cannot_run_with_is_refused_in_one_line(tmp_path
 def test_an_unweighted_rule_weighs_every_device_alike_under_secure_aggregation() -> None:
     """FedAvg's `weighted = false` travels with the secure round: each device's change counts once, whatever its
     samples, and the sum weighs as its devices."""
-    devices = _devices(5, 200, np.random.default_rng(8))
-    secure, _, _ = _session(devices, weighted=False)
+    devices = devices_of(5, 200, np.random.default_rng(8))
+    secure, _, _ = run_session(devices, weighted=False)
     result = secure.result()
     plain = sum(change for change, _ in devices.values()) / len(devices)
     assert np.abs(result.mean_change - plain).max() < 1e-6 and result.samples == pytest.approx(5)
-    assert np.abs(result.mean_change - _expected(devices, set(devices))).max() > 1e-3  # not the weighted mean
+    assert np.abs(result.mean_change - expected_mean(devices, set(devices))).max() > 1e-3  # not the weighted mean
