@@ -661,13 +661,19 @@ class Coordinator:
             self.counters["late" if update.round <= self.state.round else "wrong-round"] += 1
             log.warning("update of %s for round %d arrived between rounds: dropped", update.device, update.round)
             return
-        reason = current.offer(update, self.counters)
+        if self._accepted(current, update, "update"):
+            self._check_classes(update)
+            self._aggregate.add(_for_strategy(update))
+
+    def _accepted(self, current: OpenRound, answer: Update | Advertised, what: str) -> bool:
+        """Offer a device's answer (its update, or its keys in a secure round) to the round: whether the round takes
+        it, and the roster then records what it says of its device; else why not is counted and logged."""
+        reason = current.offer(answer, self.counters)
         if reason is not None:
-            log.warning("update of %s for round %d dropped: %s", update.device, update.round, reason)
-            return
-        self.roster.take_update(update)
-        self._check_classes(update)
-        self._aggregate.add(_for_strategy(update))
+            log.warning("%s of %s for round %d dropped: %s", what, answer.device, answer.round, reason)
+            return False
+        self.roster.take_update(answer)
+        return True
 
     def _on_advertised(self, event: Advertised) -> None:
         """A device's keys for the open round's secure session: its delivery, which the round judges as an update
@@ -678,12 +684,8 @@ class Coordinator:
             log.warning("keys of %s for round %d arrived outside its secure session: dropped", event.device,
                         event.round)
             return
-        reason = current.offer(event, self.counters)
-        if reason is not None:
-            log.warning("keys of %s for round %d dropped: %s", event.device, event.round, reason)
-            return
-        self.roster.take_update(event)
-        secure.advertise(event)
+        if self._accepted(current, event, "keys"):
+            secure.advertise(event)
 
     def _on_secure_message(self, event: SecureMessage) -> None:
         secure = self._secure
