@@ -92,6 +92,7 @@ class RoundAggregate:
         self.used: list[Used] = []
         self._summed_samples = 0  # the samples of the secure sums folded (`add_sum`), whose devices' are not known
         self.secure_counts: dict[str, int] = {}  # what the secure sessions' stages saw, for the round's history
+        self.refused_sum: str | None = None  # why a secure session's sum was refused (a device lied), if one was
         self.seconds = 0.0  # spent bounding and aggregating, as updates arrive and at the close
         self._fold = fold = strategy.fold(as_tensor(global_weights, strategy.device))
         self._sound = True  # False once a fold raised while changing its running aggregate
@@ -149,6 +150,13 @@ class RoundAggregate:
             self.used.extend(Used(device, 0, dict(metrics)) for device, metrics in sorted(parts.items()))
             self._summed_samples += samples
 
+    def sum_refused(self, reason: str, counts: Mapping[str, int]) -> None:
+        """A secure session whose sum a lying device spoilt (coordinator/secagg.py, LIES): nothing of it goes to the
+        rule, and a round with no other sum keeps its previous model (`close` gives None, `refused_sum` says why)."""
+        for stage, count in counts.items():
+            self.secure_counts[stage] = self.secure_counts.get(stage, 0) + count
+        self.refused_sum = reason
+
     @property
     def samples(self) -> int:
         """The samples the round's result learnt from (as the updates claimed them)."""
@@ -175,6 +183,8 @@ class RoundAggregate:
         return result
 
     def _result(self, wait: Callable[[float], None] | None) -> AggregateResult | None:
+        if self.refused_sum is not None and not self.used and not self._trusted:
+            return None  # the round's one secure sum was refused: the rule has nothing to aggregate
         if self._stream is not None and self._fold is not None:
             self._stream.close()
             if not self._sound:

@@ -68,7 +68,7 @@ from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
-from coordinator.secagg import Advertised, SecureMessage, SecureRound, secure_refused
+from coordinator.secagg import LIES, Advertised, SecureMessage, SecureRound, secure_refused
 from coordinator.strategies import STRATEGIES, AggregateResult, ClientUpdate, RoundContext, make_strategy
 from edgefil import topics
 from edgefil.lifetime import uninterrupted
@@ -417,7 +417,7 @@ class Coordinator:
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
         result = aggregate.close(wait=self._pump, selected=len(self._asked), eligible=self._eligible)
-        weights, refused, accuracies = self._judge(result, collected.task)
+        weights, refused, accuracies = self._judge(result, collected.task, aggregate.refused_sum or RULE_FAILED)
         used = aggregate.used
         state = self.state
         with uninterrupted():  # committed whole: a stop never leaves results.json ahead of the checkpoint
@@ -448,13 +448,15 @@ class Coordinator:
                      self.record.total_rounds, len(used), collected.task, " ".join(f"{a:.3f}" for a in accuracies),
                      self.record.eta_text())
 
-    def _judge(self, result: AggregateResult | None, task: int) -> tuple[np.ndarray | None, str | None, list[float]]:
+    def _judge(self, result: AggregateResult | None, task: int, why_none: str
+               ) -> tuple[np.ndarray | None, str | None, list[float]]:
         """The round's new global model and its accuracies on the tasks so far; or None, why not, and the previous
-        model's accuracies: the rule failed on the round (`rule-failed`, counted where it was contained), or the
-        checkpoint policy refuses the model (not finite, exploded, collapsed: counted here)."""
+        model's accuracies: there is no result (`why_none`: the rule failed on the round, `rule-failed`, counted
+        where it was contained; or the round's secure sum was refused), or the checkpoint policy refuses the model
+        (not finite, exploded, collapsed: counted here)."""
         state, policy = self.state, self.config.checkpoint
         if result is None:
-            return None, RULE_FAILED, self.evaluator.accuracies(state.weights, task)
+            return None, why_none, self.evaluator.accuracies(state.weights, task)
         weights = result.global_weights.detach().cpu().numpy().astype(np.float32, copy=False)
         refused = policy.problem(weights, state.weights)
         if refused is None:
@@ -719,9 +721,15 @@ class Coordinator:
             summed = secure.result()
         except SecAggError as err:
             self.counters[f"secure-{err.reason}"] += 1
-            log.warning("round %d: the secure session failed (%s): no update from its %d devices", secure.round, err,
-                        len(secure.keys))
-            collected.delivered = carried
+            if err.reason in LIES:  # a device lied: running the round again would meet it again
+                log.warning("round %d: the secure session's sum is refused (%s): the round keeps its previous model",
+                            secure.round, err)
+                collected.delivered = carried | secure.survivors
+                aggregate.sum_refused(f"secure-{err.reason}", secure.counts)
+            else:
+                log.warning("round %d: the secure session failed (%s): no update from its %d devices", secure.round,
+                            err, len(secure.keys))
+                collected.delivered = carried
             return
         finally:
             self._secure = None

@@ -10,8 +10,14 @@ aggregation", the whole protocol): one `SecureUpload` per session, driven by the
    its weight f = min(samples, max_weight) / max_weight and then f itself, with its self mask and one pairwise mask
    per neighbour whose shares reached it (+ towards the later id, - towards the earlier), and sends it (`masked`).
 4. `on_unmask`: the coordinator names the neighbours whose masked vectors it holds (survivors) and those it does not
-   (dropped). The device gives b's share of each survivor and the masking key's share of each dropped one, once a
-   session, and refuses a request that names one device in both lists or a device whose shares it does not hold.
+   (dropped). The device gives b's share of each survivor and the masking key's share of each dropped one that it
+   holds, once a session, and refuses a request that names one device in both lists, or a device that is not its
+   neighbour, or fewer survivors than the threshold.
+
+A neighbour's share that does not open (a device that sealed garbage) is not held, and the device masks with that
+neighbour all the same: its pairwise mask needs only the neighbour's advertised key, so the coordinator's sum still
+cancels, and the neighbour's secrets come from its other neighbours' shares. One lying device cannot push its
+neighbours out of the session.
 
 Nothing is kept on disk: a device that restarts mid-session has dropped out of it (the coordinator recovers the sum
 without it), and answers the round's next attempt with a new session, from its saved update.
@@ -128,19 +134,20 @@ class SecureUpload:
         """Step 3: the masked vector, as a blob."""
         if self.change is None or not self.neighbours:
             raise SecAggError("stage", "shares relayed before neighbours, or twice")
-        for sender, sealed in message["shares"].items():
-            if sender not in self.neighbours:
-                raise SecAggError("relayed", f"a share from {sender!r:.80}, not a neighbour")
-            key = agree(self.cipher_keys, self.neighbours[sender][1], SEAL, self.session, sender, self.device)
-            plain = msgpack.unpackb(unseal(key, sealed, self._associated(sender, self.device)), raw=False)
-            if not (isinstance(plain, list) and len(plain) == 4 and plain[:2] == [sender, self.device]):
-                raise SecAggError("relayed", f"the share from {sender} names another pair")
-            self.held[sender] = (share_value(plain[2]), share_value(plain[3]))
+        senders = sorted(message["shares"])
+        if not set(senders) <= self.neighbours.keys():
+            raise SecAggError("relayed", "shares relayed from devices that are not its neighbours")
+        for sender in senders:
+            try:
+                self.held[sender] = self._opened(sender, message["shares"][sender])
+            except SecAggError as err:  # a sender that sealed garbage: its secrets are not held here, no more
+                log.warning("%s: the share %s sealed for it does not open (%s); masking with it all the same",
+                            self.device, sender, err)
         quantiser = Quantiser(self.settings.clip_range, self.count)
         vector = quantiser.encode(self.change, self.weight, np.random.default_rng(secrets.randbits(128)))
         self.change = None  # sent once a session
         add_mask(vector, self.self_seed, +1)  # b is the self mask's key: fresh, used for nothing else
-        for neighbour in sorted(self.held):
+        for neighbour in senders:  # every neighbour whose shares the coordinator relayed, as it counts on
             seed = agree(self.mask_keys, self.neighbours[neighbour][2], MASK, self.session, self.device, neighbour)
             add_mask(vector, seed, pairwise_sign(self.device, neighbour))
         return wire.encode_blob("masked", vector.data.cast("B"), device=self.device, round=self.round,
@@ -151,16 +158,29 @@ class SecureUpload:
         survivors, dropped = set(message["survivors"]), set(message["dropped"])
         if self.revealed:
             raise SecAggError("stage", "asked to unmask twice in one session")
-        if survivors & dropped or not (survivors | dropped) <= self.held.keys() | {self.device}:
-            raise SecAggError("unmask", "the survivors and the dropped overlap, or name devices whose shares this "
-                                        "device does not hold")
+        if survivors & dropped or not (survivors | dropped) <= self.neighbours.keys() | {self.device}:
+            raise SecAggError("unmask", "the survivors and the dropped overlap, or name devices that are not its "
+                                        "neighbours")
         if len(survivors | {self.device}) < self.threshold:  # unmasking so few would reveal too much of each
             raise SecAggError("too-few-survivors", f"{len(survivors | {self.device})} of its neighbourhood survived, "
                                                    f"the threshold is {self.threshold}")
         self.revealed = True
         return wire.encode("reveal", device=self.device, round=self.round, session=self.session,
-                           masks={d: self.held[d][0] for d in sorted(survivors - {self.device})},
-                           keys={d: self.held[d][1] for d in sorted(dropped)})
+                           masks={d: self.held[d][0] for d in sorted(survivors & self.held.keys())},
+                           keys={d: self.held[d][1] for d in sorted(dropped & self.held.keys())})
+
+    def _opened(self, sender: str, sealed: bytes) -> tuple[bytes, bytes]:
+        """The (b share, masking key share) `sender` sealed for this device; SecAggError when they do not open or
+        name another pair."""
+        key = agree(self.cipher_keys, self.neighbours[sender][1], SEAL, self.session, sender, self.device)
+        opened = unseal(key, sealed, self._associated(sender, self.device))
+        try:
+            plain = msgpack.unpackb(opened, raw=False)
+        except Exception:  # msgpack raises several unrelated types for bad input
+            raise SecAggError("relayed", f"the share from {sender} is not a msgpack list") from None
+        if not (isinstance(plain, list) and len(plain) == 4 and plain[:2] == [sender, self.device]):
+            raise SecAggError("relayed", f"the share from {sender} names another pair")
+        return share_value(plain[2]), share_value(plain[3])
 
     def _associated(self, sender: str, receiver: str) -> bytes:
         return f"{self.session} {self.round} {sender} {receiver}".encode()

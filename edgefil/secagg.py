@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -96,8 +97,6 @@ def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
 
 
 def unseal(key: bytes, sealed: bytes, associated: bytes) -> bytes:
-    from cryptography.exceptions import InvalidTag
-
     try:
         return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
     except (InvalidTag, ValueError):
@@ -204,7 +203,9 @@ class Quantiser:
 
     def in_range(self, change: np.ndarray, weight: float, contributors: int) -> bool:
         """Whether a decoded sum is one that `contributors` honest encodings can give (a device that sends
-        anything else shows here, in the sum, though not whose it was)."""
+        anything else shows here, in the sum, though not whose it was). The modulus leaves room outside that range
+        only for the devices that dropped: with every device of the session in the sum, any vector decodes within
+        it, and a lying device can move each value of the sum anywhere inside +-contributors x clip_range."""
         slack = contributors * 2 * self.clip_range / self.levels  # the rounding's
         bound = contributors * self.clip_range + slack
         return math.isfinite(weight) and -slack <= weight <= contributors + slack and bool(

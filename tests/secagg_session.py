@@ -22,12 +22,14 @@ STAGES = ("keys", "shares", "masked")  # what a device has sent last when it dro
 
 
 def run_session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str] | None = None,
-                tamper: str | None = None, weighted: bool = True
+                lies: dict[str, str] | None = None, weighted: bool = True
                 ) -> tuple[SecureRound, dict[str, SecureUpload], list[bytes]]:
-    """One session through the codec; `drop`: the stage (of STAGES) after which a device says nothing more;
-    `tamper`: a device whose reveal's shares are altered; `weighted`: the rule weighs by samples. Returns the
-    round, the devices' sessions and the masked vectors as the coordinator received them."""
-    drop = drop or {}
+    """One session through the codec; `drop`: the stage (of STAGES) after which a device says nothing more; `lies`:
+    what a device does wrong ("sealed": the shares it seals for its first four neighbours are random bytes;
+    "sealed-all": for all of them; "revealed": the shares it reveals are off by one; "masked": its masked vector is
+    shifted by 2^31); `weighted`: the rule weighs by samples. Returns
+    the round, the devices' sessions and the masked vectors as the coordinator received them."""
+    drop, lies = drop or {}, lies or {}
     length = len(next(iter(devices.values()))[0]) + 1
     secure = SecureRound(SETTINGS, 1, SESSION, length, weighted)
     settings = SecureRoundSettings(SESSION, SETTINGS.clip_range, SETTINGS.max_weight, weighted)
@@ -44,17 +46,26 @@ def run_session(devices: dict[str, tuple[np.ndarray, int]], drop: dict[str, str]
         for chunk in upload.on_relayed(message).chunks:
             whole = reassembler.add(upload.device, wire.decode(chunk)) or whole
         assert whole is not None
-        masked.append(bytes(whole.data))
-        return SecureMessage(upload.device, "masked", 1, SESSION, whole.header, whole.words(length))
+        words = whole.words(length) + np.uint32(2**31 if lies.get(upload.device) == "masked" else 0)
+        masked.append(words.tobytes())
+        return SecureMessage(upload.device, "masked", 1, SESSION, whole.header, words)
 
     def reveal(upload: SecureUpload, message: wire.Message) -> SecureMessage:
         reply = wire.decode(upload.on_unmask(message))
-        if upload.device == tamper:
+        if lies.get(upload.device) == "revealed":
             reply["masks"] = {k: (int.from_bytes(v, "big") + 1).to_bytes(66, "big") for k, v in reply["masks"].items()}
         return SecureMessage(upload.device, "reveal", 1, SESSION, reply)
 
     def shares(upload: SecureUpload, message: wire.Message) -> SecureMessage:
-        return SecureMessage(upload.device, "shares", 1, SESSION, wire.decode(upload.on_neighbours(message)))
+        reply = wire.decode(upload.on_neighbours(message))
+        lie = lies.get(upload.device, "")
+        if lie.startswith("sealed"):
+            spoilt = sorted(reply["shares"])[: None if lie == "sealed-all" else 4]
+            reply["shares"] = {k: bytes(rng.integers(0, 256, len(v), dtype=np.uint8)) if k in spoilt else v
+                               for k, v in reply["shares"].items()}
+        return SecureMessage(upload.device, "shares", 1, SESSION, reply)
+
+    rng = np.random.default_rng(2)
 
     for done, begin, answer in ((0, lambda: secure.begin_sharing(np.random.default_rng(1)), shares),
                                 (1, secure.begin_masking, masked_vector), (2, secure.begin_unmasking, reveal)):

@@ -5,6 +5,7 @@ wrong share fails the session rather than its sum."""
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -14,12 +15,15 @@ from scipy import stats
 from secagg_session import SESSION, SETTINGS, devices_of, expected_mean, run_session
 from thread_fleet import ThreadFederation
 
+from coordinator.aggregation import RoundAggregate
 from coordinator.broker import mosquitto_path
 from coordinator.checkpoint import load_latest
 from coordinator.config import CoordinatorConfig
+from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BuiltFrom
-from coordinator.secagg import SecureAggregationSettings, neighbourhoods, secure_refused
+from coordinator.secagg import LIES, SecureAggregationSettings, SecureSum, neighbourhoods, secure_refused
+from coordinator.strategies import make_strategy
 from edge_client.device import secure_round
 from edge_client.policies import make_policy
 from edge_client.secagg import SecureRoundSettings, SecureUpload
@@ -95,11 +99,27 @@ def test_a_masked_vector_looks_like_noise() -> None:
     assert stats.chisquare(np.bincount(plain >> 24, minlength=256)).pvalue < 1e-10
 
 
-def test_a_wrong_share_fails_the_session_not_its_sum() -> None:
-    devices = devices_of(6, 100, np.random.default_rng(5))
-    secure, _, _ = run_session(devices, tamper="dev-1")
-    with pytest.raises(SecAggError, match="shares-inconsistent|too-few"):
-        secure.result()
+def test_one_lying_neighbour_spoils_nothing_and_a_lying_masker_is_caught_in_the_sum() -> None:
+    """A device that reveals wrong shares: the coordinator finds t shares that give back what each device committed
+    to, and the sum is exact. One that seals garbage for four of its nine neighbours: they cannot open its shares but
+    mask with it all the same, the other five reconstruct its secrets, and the sum is exact. Enough wrong shares that
+    no t give back a secret, garbage sealed for every neighbour, or (where two dropped, so that the sum has room to
+    fall outside what the eight survivors can give) a masked vector shifted by half the modulus: the session refuses
+    the sum (a lie, `LIES`), rather than give a wrong one."""
+    devices = devices_of(10, 300, np.random.default_rng(5))
+    for lie in ("revealed", "sealed"):
+        secure = run_session(devices, lies={"dev-1": lie})[0]
+        result = secure.result()
+        assert result.survivors == set(devices), lie
+        bound = len(devices) * result.quantisation_step / (result.samples / SETTINGS.max_weight)
+        assert np.abs(result.mean_change - expected_mean(devices, set(devices))).max() < bound, lie
+    with pytest.raises(SecAggError, match="shares-inconsistent"):  # 5 of each device's 9 neighbours lie, t = 5
+        run_session(devices, lies={f"dev-{i}": "revealed" for i in range(5)})[0].result()
+    with pytest.raises(SecAggError, match="shares-withheld"):
+        run_session(devices, lies={"dev-1": "sealed-all"})[0].result()
+    with pytest.raises(SecAggError, match="sum-out-of-range"):
+        run_session(devices, drop={"dev-8": "shares", "dev-9": "shares"}, lies={"dev-4": "masked"})[0].result()
+    assert {"shares-inconsistent", "shares-withheld", "sum-out-of-range"} == LIES
 
 
 def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
@@ -109,7 +129,7 @@ def test_a_device_reveals_once_and_never_both_secrets_of_one_device() -> None:
     with pytest.raises(SecAggError, match="twice"):
         upload.on_unmask({"survivors": ["dev-1"], "dropped": []})
     fresh = SecureUpload("dev-9", 1, SecureRoundSettings(SESSION, 1.0, 100.0), np.zeros(3), 1, 0, "model", {})
-    fresh.held = {"dev-1": (b"", b""), "dev-2": (b"", b"")}
+    fresh.neighbours = {"dev-1": (2, b"", b""), "dev-2": (3, b"", b"")}
     with pytest.raises(SecAggError, match="overlap"):
         fresh.on_unmask({"survivors": ["dev-1"], "dropped": ["dev-1"]})
     with pytest.raises(SecAggError, match="overlap"):
@@ -259,3 +279,27 @@ def test_an_unweighted_rule_weighs_every_device_alike_under_secure_aggregation()
     plain = sum(change for change, _ in devices.values()) / len(devices)
     assert np.abs(result.mean_change - plain).max() < 1e-6 and result.samples == pytest.approx(5)
     assert np.abs(result.mean_change - expected_mean(devices, set(devices))).max() > 1e-3  # not the weighted mean
+
+
+def test_a_refused_sum_leaves_the_round_without_a_model_and_an_earlier_attempts_sum_stands() -> None:
+    """A session that caught a lie gives the rule nothing: the round's result is None, said as the lie (the
+    coordinator keeps its previous model and goes on), and no rule failure is counted; where an earlier attempt of
+    the round delivered a sum, that sum is the round's model."""
+    counters: Counter[str] = Counter()
+    start = np.zeros(4, np.float32)
+
+    def aggregate() -> RoundAggregate:
+        return RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
+                              GuardSettings.only(), start, counters, 1 << 30)
+
+    refused = aggregate()
+    refused.sum_refused("secure-sum-out-of-range", {"advertised": 3, "masked": 3})
+    assert refused.close() is None and refused.refused_sum == "secure-sum-out-of-range"
+    assert counters[RULE_FAILED] == 0 and refused.secure_counts == {"advertised": 3, "masked": 3}
+    earlier = aggregate()
+    summed = SecureSum(frozenset({"a", "b"}), np.full(4, 0.5), 30.0, 1e-9)
+    earlier.add_sum(summed, start, {"a": {"loss": 1.0}, "b": {"loss": 2.0}}, {"masked": 2})
+    earlier.sum_refused("secure-shares-withheld", {"masked": 3})
+    result = earlier.close()
+    assert result is not None and np.allclose(result.global_weights.numpy(), 0.5)
+    assert earlier.samples == 30 and [u.device for u in earlier.used] == ["a", "b"]
