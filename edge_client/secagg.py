@@ -1,14 +1,16 @@
 """A device's side of secure aggregation (edgefil/secagg.py has the arithmetic; docs/security.md, "Secure
 aggregation", the whole protocol): one `SecureUpload` per session, driven by the coordinator's messages.
 
-1. `advertisement`: after training, the device advertises two fresh X25519 public keys (one to seal shares, one to agree
-   masks) and a commitment to its self-mask seed b, with its update's metadata (round, model, metrics): no weights.
+1. `advertisement`: after training, the device advertises two fresh X25519 public keys (one to seal shares, one to
+   agree masks) and a commitment to its self-mask seed b, with its update's metadata (round, model, metrics): no
+   weights.
 2. `on_neighbours`: the coordinator names its neighbours (their keys and Shamir points), how many devices the session
    holds and the threshold. The device splits b and its masking key into shares, one per neighbour, each sealed for
    that neighbour, and sends them (`shares`) for the coordinator to relay.
 3. `on_relayed`: the shares its neighbours sent it. The device masks its quantised contribution, its change times
-   its weight f = min(samples, max_weight) / max_weight and then f itself, with its self mask and one pairwise mask
-   per neighbour whose shares reached it (+ towards the later id, - towards the earlier), and sends it (`masked`).
+   its weight f = min(samples, max_weight) / max_weight (1 where the rule weighs every device alike) and then f
+   itself, with its self mask and one pairwise mask per neighbour whose shares the coordinator relayed (+ towards
+   the later id, - towards the earlier), and sends it (`masked`).
 4. `on_unmask`: the coordinator names the neighbours whose masked vectors it holds (survivors) and those it does not
    (dropped). The device gives b's share of each survivor and the masking key's share of each dropped one that it
    holds, once a session, and refuses a request that names one device in both lists, or a device that is not its
