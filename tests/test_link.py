@@ -165,7 +165,8 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
 
     credentials("dev-0,dev-1")
     assert observer_reads() == ["edgefil/lab/dev/+/register", "edgefil/lab/dev/+/status", "edgefil/lab/dev/+/request",
-                                "edgefil/lab/to/+/round", "edgefil/lab/to/+/notice", "edgefil/lab/all/end"]
+                                "edgefil/lab/dev/+/keys", "edgefil/lab/to/+/round", "edgefil/lab/to/+/notice",
+                                "edgefil/lab/to/+/neighbours", "edgefil/lab/to/+/unmask", "edgefil/lab/all/end"]
     credentials("dev-0,dev-1", "--observer-reads-learning")  # the operator's explicit choice
     assert observer_reads() == ["edgefil/lab/#"]
     first = {p.name: p.read_bytes() for p in [out / "ca.crt", out / "server.crt", out / "devices" / "dev-0.toml"]}
