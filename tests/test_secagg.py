@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from fleet_harness import CEILING_S, Fleet
+from fleet_harness import CEILING_S, Fleet, run_fleet_file
 from mqtt_helpers import Peer
 from scipy import stats
 from secagg_session import SESSION, SETTINGS, devices_of, expected_mean, run_session
@@ -303,3 +303,42 @@ def test_a_refused_sum_leaves_the_round_without_a_model_and_an_earlier_attempts_
     result = earlier.close()
     assert result is not None and np.allclose(result.global_weights.numpy(), 0.5)
     assert earlier.samples == 30 and [u.device for u in earlier.used] == ["a", "b"]
+
+
+SECURE_FLEET = """
+name = "secure"
+out = "run"
+devices = 6
+model = "lenet"
+seed = 0
+broker = "mosquitto"
+scenario = {preset = "digits-class", n_clients = 6, seed = 0}
+[policy]
+name = "random"
+[client]
+epochs = 10
+[coordinator]
+rounds_per_task = 2
+train_tasks = 2
+min_clients = 6
+deadline_s = 900.0
+wait_for_devices_s = 900.0
+[coordinator.secure_aggregation]
+mode = "secagg+"
+"""
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_a_simulated_fleet_runs_secure_aggregation_from_its_fleet_file(tmp_path):
+    """`edgefil fleet run` of a fleet file that turns secure aggregation on (virtual devices in worker processes,
+    sharing their network loops): every round sums all six devices, with the guard off as the file leaves it, and
+    each task is learnt right after its rounds."""
+    results = run_fleet_file(tmp_path, SECURE_FLEET)
+    trained = [entry for entry in results["history"] if entry.get("trained", True)]
+    assert len(trained) == 4 and all(entry["secure"] == {"advertised": 6, "shared": 6, "masked": 6, "revealed": 6}
+                                     for entry in trained), [entry.get("secure") for entry in trained]
+    assert all(len(entry["received"]) == 6 for entry in trained)
+    settings = results["settings"]
+    assert settings["secure_aggregation"]["mode"] == "secagg+" and settings["guard"]["norm_bound"] == "off"
+    diagonal = [results["accuracy_matrix"][t][t] for t in range(2)]
+    assert min(diagonal) > 0.7, diagonal  # two classes a task: a coin gets 0.5
