@@ -218,7 +218,9 @@ def _described(scenario: Mapping[str, Any]) -> tuple[str, Callable[[int], str]]:
 
 def _privacy_rows(results: Mapping[str, Any]) -> list[list[Any]]:
     """Central DP's spend (coordinator/privacy.py): epsilon at the run's delta, and its budget; local DP's
-    (edge_client/privacy.py): the largest epsilon a device reported; none without DP."""
+    (edge_client/privacy.py): the largest epsilon a device reported; secure aggregation's sessions
+    (coordinator/secagg.py): the vectors its rounds summed, and what its sessions refused or failed on (the
+    `secure-*` counters); none without any of them."""
     rows = []
     privacy = results.get("settings", {}).get("privacy", {})
     if privacy.get("mode") == "central":
@@ -230,6 +232,12 @@ def _privacy_rows(results: Mapping[str, Any]) -> list[list[Any]]:
     if results.get("local_epsilon") is not None:
         rows.append(["privacy (local DP)", f"epsilon {results['local_epsilon']:.3f} at the devices' delta: the "
                      f"largest a device reported"])
+    if results.get("settings", {}).get("secure_aggregation", {}).get("mode", "off") != "off":
+        sessions = [entry["secure"] for entry in results.get("history", []) if "secure" in entry]
+        summed, advertised = (sum(s.get(stage, 0) for s in sessions) for stage in ("masked", "advertised"))
+        refused = [f"{k} {n}" for k, n in sorted(results.get("counters", {}).items()) if k.startswith("secure-")]
+        rows.append(["secure aggregation (SecAgg+)", f"{summed} masked vectors summed of {advertised} devices' keys, "
+                     f"in {len(sessions)} rounds; {', '.join(refused) or 'nothing refused, no session failed'}"])
     return rows
 
 
