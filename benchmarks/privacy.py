@@ -190,7 +190,7 @@ def update_attack(run: Path, epochs: int = 10, lr: float = 3e-3) -> float:
         if local.local:  # what leaves the device is its release, made as the device makes it
             with tempfile.TemporaryDirectory() as folder:
                 release = LocalPrivacy(local, Path(folder), stream=k)  # drawn from the run's noise_seed, if any
-                trainer.set_weights(release.release(trainer.get_weights(), weights))
+                trainer.set_weights(release.release(trainer.get_weights(), weights)[0])
         if fleet.get("coordinator", {}).get("secure_aggregation", {}).get("mode", "off") != "off":
             trainer.set_weights(masked_view(trainer.get_weights(), weights, len(y)))
         inside, outside = sample_losses(trainer, x, y), sample_losses(trainer, outside_x, outside_y)

@@ -456,7 +456,10 @@ class Device:
         self.learner.state.round = round_
         self.learner.state.model = message["model"]
         if self.privacy is not None:  # what is saved (and resent) is the release: one release a round
-            self.trainer.set_weights(self.privacy.release(self.trainer.get_weights(), global_weights))
+            weights, released = self.privacy.release(self.trainer.get_weights(), global_weights,
+                                                     self.learner.policy.attached_values() if attachments else None)
+            self.trainer.set_weights(weights)
+            attachments = attachments if released is None else released
         self.learner.state.metrics = {
             **self.learner.policy.metrics(),
             **({} if self.privacy is None else {"local_epsilon": self.privacy.epsilon()}),
@@ -544,7 +547,8 @@ class Device:
             return False
         if saved is None or saved.model != model or saved.weights is None:  # its save failed: nothing to resend
             return False
-        self._upload(round_, model, saved.metrics, weights=saved.weights, secure=secure)
+        # under local DP the attachments' release was not kept: the weights' release goes alone
+        self._upload(round_, model, saved.metrics, {} if self.privacy is not None else None, saved.weights, secure)
         return True
 
     def _upload(self, round_: int, model: str, metrics: dict[str, float],
@@ -670,9 +674,10 @@ def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | 
     attachments its noise would not cover."""
     if not config.privacy.local:
         return None
-    if policy.attaches():
-        raise ValueError(f"[privacy] mode = \"local\" noises the weights only: policy {policy.name} attaches more to "
-                         f"its updates (built from the device's data), which would leave unprotected")
+    if not policy.releases_values():
+        raise ValueError(f"[privacy] mode = \"local\" noises the weights and numbers a policy attaches: policy "
+                         f"{policy.name} attaches more to its updates (built from the device's data), which would "
+                         f"leave unprotected")
     return LocalPrivacy(config.privacy, config.state_dir, stream=_seed_of(config.device_id))
 
 

@@ -16,9 +16,13 @@ The rounds released are counted in the state folder (`privacy.json`), written be
 restart never counts less than was sent. With `epsilon_budget`, a round that would take epsilon past it is not
 trained: the device answers it with an error status saying so, and sends nothing.
 
-What it does not cover: what a policy attaches to its updates (GLFC's prototype gradients, SDD's feature
-statistics, pFedGRP's generators: a policy that attaches anything is refused under local DP, `refusal`), and the
-metadata every update carries (its sample count, the classes it holds and has trained on, its metrics).
+What a policy attaches to its updates goes into the same release where the policy can give it as numbers
+(`ReplayPolicy.attached_values`: GLFC's prototype gradients, SDD's feature statistics): the change and those numbers
+are one vector, clipped to C together and noised alike, so the round is still one Gaussian mechanism of multiplier z
+and its epsilon is the weights' alone. A resend carries the weights' release and no attachments (their release is
+not kept). A policy whose attachments are no such numbers (pFedGRP's generators, trained models) is refused in one
+line (`device.local_privacy`). What it does not cover: the metadata every update carries (its sample count, the
+classes it holds and has trained on, its metrics, the statistics' sample counts).
 What it costs: the mean of m devices' updates carries noise of sd 2 z C / sqrt(m) a weight, 2 sqrt(m) times what
 central DP adds to it at the same z (z C / m): 20 times at 100 devices (docs/results.md measures it).
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.policies.base import AttachedValues
 from edgefil.dp import check_gaussian, clipped_change, gaussian_epsilon
 from edgefil.durable import write_atomically
 
@@ -96,13 +101,19 @@ class LocalPrivacy:
                     f"{self.settings.delta:g}, past the device's budget of {budget:g} (spent: {self.epsilon():.3f})")
         return None
 
-    def release(self, weights: np.ndarray, global_weights: np.ndarray) -> np.ndarray:
-        """The update to send for `weights` trained from `global_weights`: the change clipped to C, plus noise of sd
-        z 2C; counted (on disk) first."""
+    def release(self, weights: np.ndarray, global_weights: np.ndarray, attached: AttachedValues | None = None
+                ) -> tuple[np.ndarray, dict[str, bytes] | None]:
+        """The update to send for `weights` trained from `global_weights`, and the attachments to send for the
+        policy's `attached` values (None: none): the change and the values, one vector, clipped to C together, plus
+        noise of sd z 2C on each number; counted (on disk) first."""
         self.rounds += 1
         write_atomically(self.path, json.dumps({"rounds": self.rounds}).encode())
         seed = self.settings.noise_seed
         rng = self.rng if seed is None else np.random.default_rng((seed, self.stream, self.rounds))
-        clip = self.settings.clip_norm
-        noise = rng.normal(0.0, self.settings.noise_multiplier * 2 * clip, size=global_weights.shape)
-        return (global_weights + clipped_change(weights, global_weights, clip) + noise).astype(np.float32)
+        clip, size = self.settings.clip_norm, global_weights.size
+        values = np.zeros(0) if attached is None else attached.values
+        # the change and the values are one vector: clipped around (g, 0), so two releases lie within 2C
+        released = clipped_change(np.r_[weights, values], np.r_[global_weights, np.zeros_like(values)], clip)
+        released += rng.normal(0.0, self.settings.noise_multiplier * 2 * clip, size=released.shape)
+        update = (global_weights + released[:size]).astype(np.float32)
+        return update, None if attached is None else attached.encode(released[size:])

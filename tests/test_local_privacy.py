@@ -19,10 +19,13 @@ from coordinator.privacy import Accountant, PrivacySettings
 from edge_client.config import DeviceConfig
 from edge_client.device import local_privacy
 from edge_client.policies import make_policy
+from edge_client.policies.base import AttachedValues
 from edge_client.privacy import LocalPrivacy, LocalPrivacySettings
 from edgefil.dp import gaussian_epsilon
 from edgefil.settings import ConfigError
 from firmware_sim.report import write_report
+from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
+from models.glfc import encode_gradient
 
 
 @pytest.mark.parametrize(("sigma", "rounds"), [(1.0, 1), (1.0, 10), (4.0, 100), (0.5, 3)])
@@ -46,17 +49,44 @@ def test_the_release_clips_the_change_then_adds_noise_of_twice_the_clip_and_is_c
     settings = LocalPrivacySettings(mode="local", clip_norm=1.0, noise_multiplier=0.7)
     privacy = LocalPrivacy(settings, tmp_path)
     privacy.rng = np.random.default_rng(3)
-    sent = privacy.release(g + np.array([3, 4, 0, 0], np.float32), g)
+    sent, attachments = privacy.release(g + np.array([3, 4, 0, 0], np.float32), g)
+    assert attachments is None
     noise = np.random.default_rng(3).normal(0.0, 0.7 * 2 * 1.0, size=4)
     np.testing.assert_allclose(sent, g + np.array([0.6, 0.8, 0, 0]) + noise, atol=1e-6)
     near = np.array([0.1, 0, 0, 0], np.float32)  # within C: not scaled
     privacy.rng = np.random.default_rng(4)
-    np.testing.assert_allclose(privacy.release(g + near, g), g + near + np.random.default_rng(4).normal(
+    np.testing.assert_allclose(privacy.release(g + near, g)[0], g + near + np.random.default_rng(4).normal(
         0.0, 1.4, size=4), atol=1e-6)
     again = LocalPrivacy(settings, tmp_path)
     assert again.rounds == 2 and again.epsilon() == pytest.approx(gaussian_epsilon(2, 0.7, 1e-5))
-    assert not np.array_equal(LocalPrivacy(settings, tmp_path / "a").release(g, g),
-                              LocalPrivacy(settings, tmp_path / "b").release(g, g))  # the OS's entropy, not a seed
+    assert not np.array_equal(LocalPrivacy(settings, tmp_path / "a").release(g, g)[0],
+                              LocalPrivacy(settings, tmp_path / "b").release(g, g)[0])  # the OS's entropy, not a seed
+
+
+def test_what_a_policy_attaches_is_released_with_the_change_as_one_vector(tmp_path):
+    """A change [3, 0] and attached values [0, 4] (a vector 5 long) are clipped to C = 1 together: [0.6, 0] and
+    [0, 0.8], then noised alike (sd z 2C each); the values go back to the policy's encoding. GLFC's gradients and SDD's
+    statistics give their numbers and take them back (a variance noised below zero is taken as 0)."""
+    g = np.zeros(2, np.float32)
+    privacy = LocalPrivacy(LocalPrivacySettings(mode="local", clip_norm=1.0, noise_multiplier=0.5), tmp_path)
+    privacy.rng = np.random.default_rng(7)
+    attached = AttachedValues(np.array([0.0, 4.0]), lambda v: {"values": v.astype("<f8").tobytes()})
+    sent, attachments = privacy.release(np.array([3.0, 0.0], np.float32), g, attached)
+    noise = np.random.default_rng(7).normal(0.0, 0.5 * 2 * 1.0, size=4)
+    np.testing.assert_allclose(sent, np.array([0.6, 0.0]) + noise[:2], atol=1e-6)
+    np.testing.assert_allclose(np.frombuffer(attachments["values"]), np.array([0.0, 0.8]) + noise[2:], atol=1e-12)
+    assert privacy.rounds == 1  # one mechanism, counted once
+    glfc = make_policy("glfc", gamma="glfc_mlp")
+    glfc._pending = {"proto/1": encode_gradient(np.arange(3.0)), "proto/0": encode_gradient(np.ones(2))}
+    values = glfc.attached_values()
+    np.testing.assert_array_equal(values.values, [1, 1, 0, 1, 2])
+    assert values.encode(values.values) == glfc._pending
+    sdd = make_policy("sdd")
+    sdd._statistics = (LayerStatistics("input", np.ones(1, np.float32), np.ones(1, np.float32), 5),)
+    values = sdd.attached_values()
+    np.testing.assert_array_equal(values.values, [1, 1])
+    released = decode_statistics(values.encode(np.array([0.3, -2.0]))[STATISTICS], {"input": 1})["input"]
+    assert released.mean[0] == pytest.approx(0.3) and released.var[0] == 0.0 and released.count == 5
 
 
 def test_a_noise_seed_gives_each_devices_round_its_own_noise_again_after_a_restart(tmp_path):
@@ -66,12 +96,12 @@ def test_a_noise_seed_gives_each_devices_round_its_own_noise_again_after_a_resta
     settings = LocalPrivacySettings(mode="local", noise_seed=5)
 
     def first_release(folder: str, stream: int) -> np.ndarray:
-        return LocalPrivacy(settings, tmp_path / folder, stream=stream).release(g, g)
+        return LocalPrivacy(settings, tmp_path / folder, stream=stream).release(g, g)[0]
 
     np.testing.assert_array_equal(first_release("a", 1), first_release("b", 1))
     assert not np.array_equal(first_release("c", 1), first_release("d", 2))
     again = LocalPrivacy(settings, tmp_path / "a", stream=1)  # its second round
-    assert not np.array_equal(again.release(g, g), first_release("e", 1))
+    assert not np.array_equal(again.release(g, g)[0], first_release("e", 1))
     with pytest.raises(ConfigError, match="privacy.*noise_seed must be >= 0"):
         DeviceConfig.from_dict({"device_id": "dev-0", "fleet": "lab", "artifacts": "a", "state_dir": "s",
                                 "privacy": {"mode": "local", "noise_seed": -1}})
@@ -89,11 +119,13 @@ def test_a_budget_stops_the_round_past_it_and_a_typo_or_an_attaching_policy_is_r
     with pytest.raises(ConfigError, match="privacy.*mode must be one of off, local"):
         DeviceConfig.from_dict({**base, "privacy": {"mode": "locl"}})
     config = DeviceConfig.from_dict({**base, "privacy": {"mode": "local"}})
-    for name, options in (("glfc", {"gamma": "glfc_mlp"}), ("sdd", {})):
-        with pytest.raises(ValueError, match=f"noises the weights only: policy {name} attaches more") as refused:
-            local_privacy(config, make_policy(name, **options))
-        assert "\n" not in str(refused.value)
-    assert local_privacy(config, make_policy("glfc", gamma="glfc_mlp", prototypes=False)) is not None
+    with pytest.raises(ValueError, match="noises the weights and numbers a policy attaches: policy generator "
+                                         "attaches more") as refused:
+        local_privacy(config, make_policy("generator"))
+    assert "\n" not in str(refused.value)
+    for name, options in (("glfc", {"gamma": "glfc_mlp"}), ("sdd", {}), ("glfc", {"gamma": "glfc_mlp",
+                                                                                 "prototypes": False})):
+        assert local_privacy(config, make_policy(name, **options)) is not None  # its numbers go into the release
     assert local_privacy(config, make_policy("random")) is not None
 
 
@@ -130,3 +162,24 @@ def test_devices_release_noised_updates_and_stop_at_their_budget_through_a_real_
         pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/test installs them)")
     shown = progress_line(federation.root / "run", tmp_path, "local ε")  # the page says what the devices spent
     assert f"local ε ≤ {results['local_epsilon']:.2f} (the largest a device reported)" in shown, shown
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_glfc_devices_under_local_dp_release_their_prototype_gradients_with_their_weights(tmp_path, export_artifacts):
+    """GLFC's devices under local DP through a real broker: their prototype gradients reach the coordinator inside
+    the release (noised with the weights, one mechanism), the proxy works on what arrived, and each device's epsilon
+    is the weights' alone, one round's per round."""
+    from edge_client.policies import POLICIES
+
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8), backends=("ort", "torch", "portable"))
+    POLICIES.get("glfc").export_artifacts({"gamma": "glfc_mlp"}, artifacts)
+    device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", "gamma": "glfc_mlp"},
+              "privacy": {"mode": "local", "clip_norm": 1.0, "noise_multiplier": 1.0}}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=1) as federation:
+        coordinator = federation.coordinator({"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 5},
+                                             rounds_per_task=2, checkpoint=CheckpointPolicy(explode_factor=1e6))
+        results = coordinator.run()
+    assert results["rounds_completed"] == 2
+    assert results["local_epsilon"] == pytest.approx(gaussian_epsilon(2, 1.0, 1e-5))
+    proxy = [entry.get("rule_metrics", {}).get("proxy", {}) for entry in results["history"]]
+    assert any(p.get("reconstructions", 0) > 0 for p in proxy), proxy  # the noised gradients arrived and were used

@@ -245,13 +245,36 @@ class ReplayPolicy(ABC):
         return {}
 
     def attaches(self) -> bool:
-        """Whether its updates may carry attachments (with its options): what local DP's noise does not cover
-        (edge_client/privacy.py refuses such a policy). A policy that overrides `attachments` says True."""
+        """Whether its updates may carry attachments (with its options). A policy that overrides `attachments` says
+        True."""
         return False
+
+    def attached_values(self) -> AttachedValues | None:
+        """The attachments it last gave (`attachments`) as numbers that local DP releases with the weights, one
+        Gaussian mechanism (edge_client/privacy.py); None while it gives none (a policy that attaches nothing gives
+        none). A policy whose attachments are not such numbers raises NotImplementedError: local DP refuses it
+        (`releases_values`)."""
+        if not self.attaches():
+            return None
+        raise NotImplementedError(f"policy {self.name} gives its attachments as no numbers local DP can release")
+
+    def releases_values(self) -> bool:
+        """Whether local DP can release its attachments (`attached_values`): every policy that attaches nothing, and
+        those that say so."""
+        return not self.attaches()
 
     def metrics(self) -> dict[str, float]:
         """The last round's numbers worth reporting."""
         return {}
+
+
+@dataclass(frozen=True)
+class AttachedValues:
+    """A policy's attachments as flat numbers (float64) and how numbers of that length become attachments again: what
+    local DP noises and sends in their place."""
+
+    values: np.ndarray
+    encode: Callable[[np.ndarray], dict[str, bytes]]
 
 
 def balanced_quotas(labels: np.ndarray, keep: int) -> dict[int, int]:

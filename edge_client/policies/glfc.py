@@ -84,6 +84,7 @@ import numpy as np
 
 from edge_client.budget import BudgetedFile
 from edge_client.policies.base import (
+    AttachedValues,
     PolicyContext,
     ReplayPolicy,
     RoundView,
@@ -501,6 +502,22 @@ class Glfc(ReplayPolicy):
 
     def attaches(self) -> bool:
         return self.prototypes
+
+    def attached_values(self) -> AttachedValues | None:
+        """The prototype gradients, one after another (each Gamma's parameters, float32)."""
+        if not self._pending:
+            return None
+        names = sorted(self._pending)
+        gradients = [np.frombuffer(self._pending[name], dtype="<f4") for name in names]
+        ends = np.cumsum([len(g) for g in gradients])
+
+        def encode(values: np.ndarray) -> dict[str, bytes]:
+            return {name: encode_gradient(part) for name, part in zip(names, np.split(values, ends[:-1]))}
+
+        return AttachedValues(np.concatenate(gradients).astype(np.float64), encode)
+
+    def releases_values(self) -> bool:
+        return True
 
     def release_bytes(self, view: RoundView) -> bool:
         """The old model goes first when a new task's real samples do not fit beside it (real data first)."""

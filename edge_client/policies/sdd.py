@@ -37,9 +37,16 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.budget import BudgetedFile
-from edge_client.policies.base import PolicyContext, ReplayPolicy, RoundView, Samples, TrainingSet
+from edge_client.policies.base import (
+    AttachedValues,
+    PolicyContext,
+    ReplayPolicy,
+    RoundView,
+    Samples,
+    TrainingSet,
+)
 from edge_client.trainers.base import LossInputs, Proximal, class_rate_scale, iterate_batches, reverse_ce_costs
-from models.feature_stats import MIN_SAMPLES, STATISTICS, encode_statistics
+from models.feature_stats import MIN_SAMPLES, STATISTICS, LayerStatistics, encode_statistics
 from models.sdd import REPLAY, decode_replay, encode_replay
 
 log = logging.getLogger(__name__)
@@ -66,7 +73,7 @@ class Sdd(ReplayPolicy):
     _file: BudgetedFile | None = field(default=None, init=False, repr=False)
     _held: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
     _labels: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)  # (task, y*)
-    _statistics: bytes | None = field(default=None, init=False, repr=False)
+    _statistics: tuple[LayerStatistics, ...] | None = field(default=None, init=False, repr=False)
     _changed: float = field(default=0.0, init=False, repr=False)  # the share of y* unlike the generated labels
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
@@ -181,13 +188,35 @@ class Sdd(ReplayPolicy):
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         self._statistics = None
         if self.send_statistics and len(x) >= MIN_SAMPLES:
-            self._statistics = encode_statistics(view.trainer.feature_statistics(x))
+            self._statistics = tuple(view.trainer.feature_statistics(x))
 
     def attachments(self, view: RoundView) -> dict[str, bytes]:
-        return {} if self._statistics is None else {STATISTICS: self._statistics}
+        return {} if self._statistics is None else {STATISTICS: encode_statistics(self._statistics)}
 
     def attaches(self) -> bool:
         return self.send_statistics
+
+    def attached_values(self) -> AttachedValues | None:
+        """The statistics' means and variances, each layer's in turn; released, a variance below zero is taken as 0
+        (the counts are not released: they travel as they are, as the update's sample count does)."""
+        if self._statistics is None:
+            return None
+        layers = self._statistics
+        sizes = [len(s.mean) for s in layers]
+
+        def encode(values: np.ndarray) -> dict[str, bytes]:
+            released, at = [], 0
+            for layer, size in zip(layers, sizes):
+                mean, var = values[at:at + size], np.maximum(values[at + size:at + 2 * size], 0.0)
+                released.append(LayerStatistics(layer.name, mean.astype(np.float32), var.astype(np.float32),
+                                                layer.count))
+                at += 2 * size
+            return {STATISTICS: encode_statistics(released)}
+
+        return AttachedValues(np.concatenate([np.r_[s.mean, s.var] for s in layers]).astype(np.float64), encode)
+
+    def releases_values(self) -> bool:
+        return True
 
     def release_bytes(self, view: RoundView) -> bool:
         """The synthetic samples go when a new session's real samples do not fit beside them (real data first)."""
