@@ -9,7 +9,8 @@ the prototype gradients, the broadcast old model once per task) and what the dev
 
 Exposure (`--part privacy`): what an honest-but-curious coordinator learns from one prototype gradient, with the
 prototype as it is, perturbed as the paper defines it (the policy's defaults: Eqs. 10-11, CE with noise on the
-features) and as the authors' code perturbs it (`PERTURBATIONS`). A device's local model (LeNet, or the 1-D CNN,
+features) and as the authors' code perturbs it (`PERTURBATIONS`), and the paper's perturbed gradients as local DP
+releases them (`LOCAL_DP_SIGMAS`). A device's local model (LeNet, or the 1-D CNN,
 `LOCAL_EPOCHS` of AdamW on every training sample) gives each class's prototype, the training sample nearest the
 class's mean feature, as the policy picks it, and is what the perturbation descends through. The sample sent goes
 through Gamma; the proxy's reconstruction (`GlfcProxy.reconstruct`, L-BFGS, the strategy's defaults) is scored by a
@@ -123,6 +124,10 @@ PERTURBATIONS: dict[str, dict[str, float | str]] = {
     "none": {"refine_steps": 0}, "paper": {},
     "code": {"refine_loss": "bce", "refine_noise": 0.0, "refine_lr": 0.2}}
 LOCAL_EPOCHS = 10  # the local model the perturbation descends through: AdamW 3e-3 on every training sample
+# The paper's perturbation, then local DP's release (edge_client/privacy.py) at these noise multipliers, clip 1: the
+# round's prototype gradients as the device sends them under `[privacy] mode = "local"`, released with its weights.
+# Here they are released alone, taking the whole clip: the attacker's best case (the weights' change takes part of it)
+LOCAL_DP_SIGMAS = (0.1, 1.0)
 
 
 def exposure() -> None:
@@ -176,16 +181,38 @@ def exposure() -> None:
                         grads = torch.autograd.grad(F.cross_entropy(logits, torch.tensor([int(c)])),
                                                     list(gamma.parameters()))
                         gradients.append(torch.cat([g.reshape(-1) for g in grads]).numpy())
-                    made, labels = proxy.reconstruct(gradients, Deadline(600))
-                    flat = made.reshape(len(made), -1)
-                    recognised = float((classifier.predict(flat) == classes).mean())
-                    reference = float((classifier.predict(np.stack(raw).reshape(len(classes), -1)) == classes).mean())
-                    nearest = np.mean([np.linalg.norm(flat_train[data.y_train == c] - m, axis=1).min()
-                                       for m, c in zip(flat, classes)])
-                    to_prototype = np.mean(np.linalg.norm(flat - np.stack(raw).reshape(len(classes), -1), axis=1))
-                    print(f"  {dataset:8s} {gamma_name:11s} {perturbation:9s} {moved:6.3f} {recognised:10.2f} "
-                          f"{reference:12.2f} {nearest:16.3f} {test_nearest:15.3f} {to_prototype:12.3f} "
-                          f"{float((labels == classes).mean()):11.2f}", flush=True)
+                    released = {perturbation: gradients}
+                    if perturbation == "paper":
+                        released.update({f"+ldp-z{z:g}": local_release(gradients, z) for z in LOCAL_DP_SIGMAS})
+                    for name, sent_gradients in released.items():
+                        made, labels = proxy.reconstruct(sent_gradients, Deadline(600))
+                        flat = made.reshape(len(made), -1)
+                        recognised = float((classifier.predict(flat) == classes).mean())
+                        reference = float((classifier.predict(np.stack(raw).reshape(len(classes), -1)) == classes)
+                                          .mean())
+                        nearest = np.mean([np.linalg.norm(flat_train[data.y_train == c] - m, axis=1).min()
+                                           for m, c in zip(flat, classes)])
+                        to_prototype = np.mean(np.linalg.norm(flat - np.stack(raw).reshape(len(classes), -1), axis=1))
+                        print(f"  {dataset:8s} {gamma_name:11s} {name:9s} {moved:6.3f} {recognised:10.2f} "
+                              f"{reference:12.2f} {nearest:16.3f} {test_nearest:15.3f} {to_prototype:12.3f} "
+                              f"{float((labels == classes).mean()):11.2f}", flush=True)
+
+
+def local_release(gradients: list[np.ndarray], sigma: float) -> list[np.ndarray]:
+    """Prototype gradients as local DP releases them (clip 1, noise multiplier `sigma`), through the device's own
+    release and GLFC's own encoding (`ReplayPolicy.attached_values`), with no weight change beside them."""
+    from edge_client.policies.base import AttachedValues
+    from edge_client.privacy import LocalPrivacy, LocalPrivacySettings
+    from models.glfc import encode_gradient
+
+    ends = np.cumsum([len(g) for g in gradients])
+    attached = AttachedValues(np.concatenate(gradients).astype(np.float64),
+                              lambda v: {str(k): encode_gradient(p) for k, p in enumerate(np.split(v, ends[:-1]))})
+    with tempfile.TemporaryDirectory() as folder:
+        privacy = LocalPrivacy(LocalPrivacySettings(mode="local", noise_multiplier=sigma, noise_seed=0), Path(folder))
+        _, out = privacy.release(np.zeros(0, np.float32), np.zeros(0, np.float32), attached)
+    assert out is not None
+    return [np.frombuffer(out[str(k)], dtype="<f4").copy() for k in range(len(gradients))]
 
 
 COMPENSATION_MODELS = {"digits": ("lenet", (1, 8, 8)), "mnist1d": ("cnn1d", (1, 40))}

@@ -211,10 +211,16 @@ def test_every_policy_declares_only_optional_graphs_and_a_learner_refuses_what_i
         store.close()
 
 
-def test_a_policy_that_overrides_its_attachments_says_it_attaches():
-    """Local DP refuses a policy that attaches (`ReplayPolicy.attaches`): every built-in policy that overrides
-    `attachments` says it attaches at its defaults, and one that does not override it says it does not."""
+def test_a_policy_that_overrides_its_attachments_says_it_attaches_and_whether_local_dp_can_release_them():
+    """Secure aggregation refuses a policy that attaches (`ReplayPolicy.attaches`), and local DP one whose attachments
+    it cannot release (`releases_values`): every built-in policy that overrides `attachments` says it attaches at
+    its defaults, and one that does not override it says it does not; one that says local DP can release them
+    overrides `attached_values`, and one that attaches nothing gives none."""
     for name in BUILT_IN:
         policy = make_policy(name, **OPTIONS.get(name, {}))
         overrides = type(policy).attachments is not ReplayPolicy.attachments
         assert policy.attaches() == overrides, name
+        if not policy.attaches():
+            assert policy.releases_values() and policy.attached_values() is None, name
+        elif policy.releases_values():
+            assert type(policy).attached_values is not ReplayPolicy.attached_values, name
