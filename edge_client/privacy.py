@@ -16,13 +16,13 @@ The rounds released are counted in the state folder (`privacy.json`), written be
 restart never counts less than was sent. With `epsilon_budget`, a round that would take epsilon past it is not
 trained: the device answers it with an error status saying so, and sends nothing.
 
-What a policy attaches to its updates goes into the same release where the policy can give it as numbers
-(`ReplayPolicy.attached_values`: GLFC's prototype gradients, SDD's feature statistics): the change and those numbers
-are one vector, clipped to C together and noised alike, so the round is still one Gaussian mechanism of multiplier z
-and its epsilon is the weights' alone. A resend carries the weights' release and no attachments (their release is
-not kept). A policy whose attachments are no such numbers (pFedGRP's generators, trained models) is refused in one
-line (`device.local_privacy`). What it does not cover: the metadata every update carries (its sample count, the
-classes it holds and has trained on, its metrics, the statistics' sample counts).
+What a policy attaches to its updates goes into the same release (`ReplayPolicy.attached_values`: GLFC's prototype
+gradients, SDD's feature statistics, pFedGRP's generators' weights): the change and those numbers are one vector,
+clipped to C together and noised alike, so the round is still one Gaussian mechanism of multiplier z and its epsilon
+is the weights' alone. A resend carries the weights' release and no attachments (their release is not kept). A
+policy whose attachments are no such numbers is refused in one line (`device.local_privacy`). What it does not
+cover: the metadata every update carries (its sample count, the classes it holds and has trained on, its metrics,
+the statistics' sample counts, a generator's header: its class, spec, samples and steps).
 What it costs: the mean of m devices' updates carries noise of sd 2 z C / sqrt(m) a weight, 2 sqrt(m) times what
 central DP adds to it at the same z (z C / m): 20 times at 100 devices (docs/results.md measures it).
 """

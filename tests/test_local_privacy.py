@@ -19,12 +19,14 @@ from coordinator.privacy import Accountant, PrivacySettings
 from edge_client.config import DeviceConfig
 from edge_client.device import local_privacy
 from edge_client.policies import make_policy
-from edge_client.policies.base import AttachedValues
+from edge_client.policies.base import AttachedValues, RoundView
+from edge_client.policies.random_cache import RandomCache
 from edge_client.privacy import LocalPrivacy, LocalPrivacySettings
 from edgefil.dp import gaussian_epsilon
 from edgefil.settings import ConfigError
 from firmware_sim.report import write_report
 from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics
+from models.generator_record import GeneratorRecord, attachment_name, decode_record
 from models.glfc import encode_gradient
 
 
@@ -66,7 +68,8 @@ def test_the_release_clips_the_change_then_adds_noise_of_twice_the_clip_and_is_c
 def test_what_a_policy_attaches_is_released_with_the_change_as_one_vector(tmp_path):
     """A change [3, 0] and attached values [0, 4] (a vector 5 long) are clipped to C = 1 together: [0.6, 0] and
     [0, 0.8], then noised alike (sd z 2C each); the values go back to the policy's encoding. GLFC's gradients and SDD's
-    statistics give their numbers and take them back (a variance noised below zero is taken as 0)."""
+    statistics and pFedGRP's generators give their numbers and take them back (a variance noised below zero is taken
+    as 0; a generator keeps its header)."""
     g = np.zeros(2, np.float32)
     privacy = LocalPrivacy(LocalPrivacySettings(mode="local", clip_norm=1.0, noise_multiplier=0.5), tmp_path)
     privacy.rng = np.random.default_rng(7)
@@ -87,6 +90,15 @@ def test_what_a_policy_attaches_is_released_with_the_change_as_one_vector(tmp_pa
     np.testing.assert_array_equal(values.values, [1, 1])
     released = decode_statistics(values.encode(np.array([0.3, -2.0]))[STATISTICS], {"input": 1})["input"]
     assert released.mean[0] == pytest.approx(0.3) and released.var[0] == 0.0 and released.count == 5
+    generator = make_policy("generator")
+    generator._attached = [GeneratorRecord(3, {"kind": "test"}, "float32", np.arange(4, dtype=np.float32),
+                                           np.ones(2, np.float32), 10, 5)]
+    values = generator.attached_values()
+    np.testing.assert_array_equal(values.values, [0, 1, 2, 3, 1, 1])
+    record = decode_record(values.encode(np.arange(6.0) / 2)[attachment_name(3)])
+    np.testing.assert_array_equal(record.sampler, [0, 0.5, 1, 1.5])
+    np.testing.assert_array_equal(record.auxiliary, [2, 2.5])
+    assert (record.label, record.spec, record.trained_samples, record.steps) == (3, {"kind": "test"}, 10, 5)
 
 
 def test_a_noise_seed_gives_each_devices_round_its_own_noise_again_after_a_restart(tmp_path):
@@ -119,12 +131,20 @@ def test_a_budget_stops_the_round_past_it_and_a_typo_or_an_attaching_policy_is_r
     with pytest.raises(ConfigError, match="privacy.*mode must be one of off, local"):
         DeviceConfig.from_dict({**base, "privacy": {"mode": "locl"}})
     config = DeviceConfig.from_dict({**base, "privacy": {"mode": "local"}})
-    with pytest.raises(ValueError, match="noises the weights and numbers a policy attaches: policy generator "
+
+    class Opaque(RandomCache):  # attaches bytes that are no numbers local DP could release
+        def attachments(self, view: RoundView) -> dict[str, bytes]:
+            return {"opaque": b"x"}
+
+        def attaches(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="noises the weights and numbers a policy attaches: policy random "
                                          "attaches more") as refused:
-        local_privacy(config, make_policy("generator"))
+        local_privacy(config, Opaque())
     assert "\n" not in str(refused.value)
-    for name, options in (("glfc", {"gamma": "glfc_mlp"}), ("sdd", {}), ("glfc", {"gamma": "glfc_mlp",
-                                                                                 "prototypes": False})):
+    for name, options in (("glfc", {"gamma": "glfc_mlp"}), ("sdd", {}), ("generator", {}),
+                          ("glfc", {"gamma": "glfc_mlp", "prototypes": False})):
         assert local_privacy(config, make_policy(name, **options)) is not None  # its numbers go into the release
     assert local_privacy(config, make_policy("random")) is not None
 

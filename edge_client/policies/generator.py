@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from edge_client.policies.base import PolicyContext, ReplayPolicy, RoundView, TrainingSet
+from edge_client.policies.base import AttachedValues, PolicyContext, ReplayPolicy, RoundView, TrainingSet
 from edge_client.policies.no_replay import NoReplay
 from edge_client.trainers.base import LossInputs
 from models.generator_record import attachment_label, attachment_name
@@ -99,6 +99,7 @@ class GeneratorReplay(ReplayPolicy):
     _round: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _teacher: np.ndarray | None = field(default=None, init=False, repr=False)  # this round's personalized model
     _offered: dict[int, GeneratorRecord] = field(default_factory=dict, init=False, repr=False)
+    _attached: list[GeneratorRecord] = field(default_factory=list, init=False, repr=False)  # what `attachments` gave
 
     rank = NoReplay.rank
 
@@ -224,8 +225,37 @@ class GeneratorReplay(ReplayPolicy):
 
         bank = self._require_bank()
         stored = set(bank.classes())
-        current = [c for c, n in enumerate(view.task_counts) if n > 0 and c in stored]
-        return {attachment_name(c): encode_record(bank.get(c)) for c in current}
+        self._attached = [bank.get(c) for c, n in enumerate(view.task_counts) if n > 0 and c in stored]
+        return {attachment_name(record.label): encode_record(record) for record in self._attached}
+
+    def attached_values(self) -> AttachedValues | None:
+        """The generators' weights (sampler, then auxiliary where kept), one record after another; released, each
+        record keeps its header (class, spec, the samples and steps it was trained with: metadata, as an update's
+        sample count) and its precision."""
+        from dataclasses import replace
+
+        from models.generator_record import encode_record
+
+        if not self._attached:
+            return None
+        records = list(self._attached)
+        parts = [[r.sampler, *([] if r.auxiliary is None else [r.auxiliary])] for r in records]
+        sizes = [len(a) for arrays in parts for a in arrays]
+
+        def encode(values: np.ndarray) -> dict[str, bytes]:
+            pieces = iter(np.split(values.astype(np.float32), np.cumsum(sizes)[:-1]))
+            released = {}
+            for record in records:
+                sampler = next(pieces)
+                auxiliary = None if record.auxiliary is None else next(pieces)
+                released[attachment_name(record.label)] = encode_record(
+                    replace(record, sampler=sampler, auxiliary=auxiliary))
+            return released
+
+        return AttachedValues(np.concatenate([a for arrays in parts for a in arrays]).astype(np.float64), encode)
+
+    def releases_values(self) -> bool:
+        return True
 
     def metrics(self) -> dict[str, float]:
         return dict(self._round)
