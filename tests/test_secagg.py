@@ -166,14 +166,16 @@ def _claim(weights: np.ndarray, start: np.ndarray, metrics: dict[str, float]) ->
 
 
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
-def test_a_secure_round_through_a_real_broker_gives_fedavg_of_thedevices_of(tmp_path, export_artifacts):
-    """Three devices, one secure round, FedAvg: the coordinator's new global model is the devices' sample-weighted
-    mean (as each saved its update on its disk), within quantisation; the round's history says what each stage saw,
-    and the run took no update of any one device."""
+@pytest.mark.parametrize("rule", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.1}])
+def test_a_secure_round_through_a_real_broker_gives_the_mean_of_the_devices(tmp_path, export_artifacts, rule):
+    """Three devices, one secure round, FedAvg or FedProx (whose devices train with its proximal term): the
+    coordinator's new global model is the devices' sample-weighted mean (as each saved its update on its disk),
+    within quantisation; the round's history says what each stage saw, and the run took no update of any one
+    device."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
     with ThreadFederation(tmp_path, artifacts, device, tasks=1, n_devices=3) as federation:
-        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=1, max_attempts=1,
+        coordinator = federation.coordinator(rule, rounds_per_task=1, max_attempts=1,
                                              secure_aggregation=SecureAggregationSettings(mode="secagg+"),
                                              guard=GuardSettings.only())
         start = coordinator.state.weights.astype(np.float64)
