@@ -7,7 +7,8 @@ nested past the recursion limit). The properties: `wire.decode` returns a messag
 `WireError`; the coordinator's gate (`Inbox.accept`) never raises and never meets an exception it has no reason
 for ("unexpected" stays 0); `decode_record` raises only `GeneratorFormatError`; every rule the coordinator ships
 (each registered strategy, found by the registry: a rule added later is fuzzed without being named here) refuses
-hostile attachments only with `RefusedUpdate`, and aggregates the updates it took into finite models.
+hostile attachments only with `RefusedUpdate`, and aggregates the updates it took into finite models; a secure
+aggregation session, on either side, meets mutated messages with `SecAggError` alone.
 
 The suite runs a bounded, derandomized number of examples per property (EDGEFIL_FUZZ_EXAMPLES, default 150);
 `scripts/fuzz-gate N` runs N random examples per property (the longer run).
@@ -29,9 +30,12 @@ from hypothesis import strategies as st
 from wire_frames import pack, unpack
 
 from coordinator.inbox import UNEXPECTED, Inbox
+from coordinator.secagg import Advertised, SecureAggregationSettings, SecureMessage, SecureRound
 from coordinator.strategies import ClientUpdate, RefusedUpdate, make_strategy, strategy_names
 from coordinator.strategies.base import STRATEGIES, settled
+from edge_client.secagg import SecureRoundSettings, SecureUpload
 from edgefil import topics, wire
+from edgefil.secagg import SecAggError
 from models.feature_stats import STATISTICS
 from models.generator_record import (
     GeneratorFormatError,
@@ -46,7 +50,7 @@ from models.generators import auxiliary_size, default_spec, exported_layouts, sa
 FLEET = "fuzz"
 MANIFEST = "m" * 64
 N_PARAMS = 300  # above MIN_CHUNK_BYTES / 4, so an update can travel in several chunks
-DEVICE_KINDS = ("register", "status", "update", "request")
+DEVICE_KINDS = topics.DEVICE_SENDS  # what a device may publish: every kind, secure aggregation's included
 FUZZ = settings(
     max_examples=int(os.environ.get("EDGEFIL_FUZZ_EXAMPLES", "150")),
     derandomize="EDGEFIL_FUZZ_EXAMPLES" not in os.environ,  # the suite is reproducible; the long run explores
@@ -106,6 +110,19 @@ def valid_payloads() -> dict[str, list[bytes]]:
         "answer": wire.encode_blob("answer", b"", round=3, attachments=[]).chunks,
         "notice": [wire.encode("notice", reason="duplicate-device", detail="two processes",
                                instances=["0123456789abcdef", "fedcba9876543210"])],
+        # secure aggregation's (edgefil/secagg.py): a session's messages each way
+        "keys": [wire.encode("keys", device="dev-0", round=3, session="s1", task=0, model=MANIFEST,
+                             cipher_key=bytes(range(32)), mask_key=bytes(32), commitment=b"c" * 32,
+                             metrics={"loss": 0.5})],
+        "shares": [wire.encode("shares", device="dev-0", round=3, session="s1", shares={"dev-1": b"s" * 170})],
+        "masked": wire.encode_blob("masked", np.arange(N_PARAMS + 1, dtype="<u4").data.cast("B"), device="dev-0",
+                                   round=3, session="s1", **chunk_fields).chunks,
+        "reveal": [wire.encode("reveal", device="dev-0", round=3, session="s1", masks={"dev-1": b"m" * 66},
+                               keys={})],
+        "neighbours": [wire.encode("neighbours", round=3, session="s1", count=2, threshold=2, index=1,
+                                   neighbours={"dev-1": [2, bytes(32), bytes(32)]})],
+        "relayed": [wire.encode("relayed", round=3, session="s1", shares={"dev-1": b"s" * 170})],
+        "unmask": [wire.encode("unmask", round=3, session="s1", survivors=["dev-1"], dropped=[])],
     }
 
 
@@ -338,8 +355,67 @@ def test_a_valid_blob_passes_the_gate():
     inbox = Gate().inbox
     events = [inbox.accept(topics.from_device(FLEET, "dev-0", "update"), c) for c in VALID["update"]]
     assert len(VALID["update"]) > 1 and events[-1] is not None and events[-1].attachments.keys() == {"generator/3"}
-    for kind in ("register", "status", "request"):
+    for kind in ("register", "status", "request", "keys", "shares", "reveal"):
         assert inbox.accept(topics.from_device(FLEET, "dev-0", kind), VALID[kind][0]) is not None, kind
+    masked = [inbox.accept(topics.from_device(FLEET, "dev-0", "masked"), c) for c in VALID["masked"]]
+    assert len(VALID["masked"]) > 1 and masked[-1] is not None and len(masked[-1].words) == N_PARAMS + 1
     assert not inbox.rejections
-    for kind in ("round", "weights", "payload", "answer"):
+    for kind in ("round", "weights", "payload", "answer", "neighbours", "relayed", "unmask"):
         assert all(decode_or_refuse(c) is not None for c in VALID[kind]), kind
+
+
+SESSION_STAGES = ("neighbours", "shares", "relayed", "unmask", "reveal")
+
+
+@FUZZ
+@given(st.sampled_from(SESSION_STAGES), st.data())
+def test_a_secure_session_meets_mutated_messages_with_a_reason_only(stage, data):
+    """Secure aggregation's session (coordinator/secagg.py, edge_client/secagg.py) among four devices, with one
+    message of dev-0's at `stage` (one it receives or one it sends) field-mutated after the codec took it: the
+    device's part and the coordinator's session raise nothing but SecAggError, and a sum they still give is finite.
+    (A message of another session or round never reaches either: the device's loop and `SecureRound.take` pass it
+    over; a device field unlike its topic is the gate's `impersonation`.)"""
+    rng = np.random.default_rng(0)
+    settings_ = SecureAggregationSettings(mode="secagg+", clip_range=1.0, max_weight=100.0)
+    secure = SecureRound(settings_, 3, "s1", 11)
+    uploads = {f"dev-{i}": SecureUpload(f"dev-{i}", 3, SecureRoundSettings("s1", 1.0, 100.0),
+                                        rng.normal(0, 0.05, 10), 20, 0, MANIFEST, {}) for i in range(4)}
+    for device, upload in uploads.items():
+        m = wire.decode(upload.advertisement)
+        secure.advertise(Advertised(device, 3, 0, MANIFEST, "s1", m["cipher_key"], m["mask_key"], m["commitment"], {}))
+
+    def hostile(payload: bytes, at: str) -> wire.Message | None:
+        """The message as decoded, dev-0's at `stage` mutated (None: the codec refuses what it became)."""
+        message = wire.decode(payload)
+        if at != stage:
+            return message
+        mutated = unpack(payload)
+        for _ in range(data.draw(st.integers(1, 2))):
+            field = data.draw(st.sampled_from(sorted(set(mutated) - {"v", "kind", "session", "round", "device"})))
+            mutated[field] = data.draw(msgpack_values)
+        return decode_or_refuse(pack(mutated))
+
+    try:
+        sent = secure.begin_sharing(np.random.default_rng(1))
+        for device, payload in sent.items():
+            received = hostile(payload, "neighbours" if device == "dev-0" else "")
+            if received is not None:
+                reply = hostile(uploads[device].on_neighbours(received), "shares" if device == "dev-0" else "")
+                if reply is not None:
+                    secure.take(SecureMessage(device, "shares", 3, "s1", reply))
+        for device, payload in secure.begin_masking().items():
+            received = hostile(payload, "relayed" if device == "dev-0" else "")
+            if received is not None:
+                blob = uploads[device].on_relayed(received)
+                words = np.frombuffer(b"".join(bytes(f.data) for f in blob.frames), dtype="<u4")
+                secure.take(SecureMessage(device, "masked", 3, "s1", {}, words))
+        for device, payload in secure.begin_unmasking().items():
+            received = hostile(payload, "unmask" if device == "dev-0" else "")
+            if received is not None:
+                reply = hostile(uploads[device].on_unmask(received), "reveal" if device == "dev-0" else "")
+                if reply is not None:
+                    secure.take(SecureMessage(device, "reveal", 3, "s1", reply))
+        summed = secure.result()
+    except SecAggError:
+        return
+    assert np.isfinite(summed.mean_change).all() and np.isfinite(summed.samples)
