@@ -5,6 +5,7 @@ wrong share fails the session rather than its sum."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections import Counter
 
 import numpy as np
@@ -194,33 +195,49 @@ def test_a_secure_round_through_a_real_broker_gives_the_mean_of_the_devices(tmp_
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 def test_the_sum_is_recovered_when_two_of_ten_devices_are_killed_after_masking(tmp_path, export_artifacts):
     """Ten device processes, one secure round through mosquitto: the first two whose masked vectors reach the broker
-    are killed (SIGKILL) at once, before the coordinator can ask anyone to unmask (it waits for all ten vectors). Their
-    self masks come off with the shares the eight others reveal, and the global model is FedAvg of all ten updates
-    (each as its device saved it), within quantisation."""
+    are killed (SIGKILL) at once. The coordinator cannot have asked anyone to unmask by then, whatever the host's
+    load: it is paused (SIGSTOP) from the first share it relays, before any device masks, until both are dead (their
+    wills then say they went offline), and it asks only once all ten vectors are in. Their self masks come off with
+    the shares the eight others reveal, and the global model is FedAvg of all ten updates (each as its device saved
+    it), within quantisation."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     fleet = Fleet(tmp_path, artifacts, n_devices=10, observer_reads_learning=True,
+                  keepalive=60,  # the paused coordinator keeps its connection
                   coordinator_options={"rounds_per_task": 1, "train_tasks": 1, "min_clients": 8, "max_attempts": 1,
+                                       "deadline_s": 900.0, "wait_for_devices_s": 900.0,  # every device waited for
                                        "secure_aggregation": {"mode": "secagg+"}},
                   device_options={"policy": {"name": "random"}})
     killed: list[str] = []
+    paused = threading.Event()
 
-    def kill_the_first_two(client, userdata, message) -> None:
+    def pause_then_kill_the_first_two(client, userdata, message) -> None:
+        coordinator = fleet.processes["coordinator"]
+        if message.topic.endswith("/relayed"):
+            if not paused.is_set():
+                coordinator.send_signal(signal.SIGSTOP)
+                paused.set()
+            return
         device = message.topic.split("/")[3]
         if len(killed) < 2 and device not in killed:
             fleet.processes[device].kill()
             killed.append(device)
+            if len(killed) == 2:
+                coordinator.send_signal(signal.SIGCONT)
 
     try:
         fleet.start()
         fleet.wait_online()
         watcher = Peer(fleet.broker.address, "observer", fleet.observer_credentials.password)
         assert not watcher.connect().is_failure
-        watcher.client.on_message = kill_the_first_two
+        watcher.client.on_message = pause_then_kill_the_first_two
+        watcher.subscribe(f"{topics.prefix(fleet.fleet)}/{topics.TO_DEVICE}/+/relayed")
         watcher.subscribe(f"{topics.prefix(fleet.fleet)}/{topics.FROM_DEVICE}/+/masked")
         fleet.start_coordinator()
         assert fleet.wait_coordinator(CEILING_S) == 0, fleet.log_tail("coordinator")
         watcher.close()
     finally:
+        if "coordinator" in fleet.processes:
+            fleet.processes["coordinator"].send_signal(signal.SIGCONT)  # never left paused, whatever failed
         fleet.stop()
     entry = fleet.results()["history"][0]
     assert len(killed) == 2 and all(fleet.processes[d].returncode == -signal.SIGKILL for d in killed)
