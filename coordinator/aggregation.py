@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
-from coordinator.privacy import CentralPrivacy, RoundCount
+from coordinator.privacy import CentralPrivacy, RoundCount, RoundPrivacy
 from coordinator.reference import ClassReference
 from coordinator.secagg import SecureSum
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
@@ -85,7 +86,9 @@ class RoundAggregate:
         self.path = path
         self.heads = heads
         self.privacy = privacy
-        self.privacy_spent: dict[str, float | str] = {}  # what the round's history entry keeps of a DP release
+        self.privacy_spent: dict[str, Any] = {}  # what the round's history entry keeps of a DP release
+        self._count = RoundCount(0, 0)  # the round's devices, as central DP counts them (set at the close)
+        self._round_privacy: RoundPrivacy | None = None
         self._from_devices = 0  # updates `add` took (a round the host trained alone releases nothing of devices')
         self._within_clip = 0  # of those, the ones central DP's clip left whole (adaptive clipping counts them)
         self.number = ctx.round
@@ -170,12 +173,15 @@ class RoundAggregate:
         asked for an update this round (by all its attempts: they feed this one aggregate)."""
         started = time.perf_counter()
         try:
+            self._count = RoundCount(selected, eligible, self._from_devices, self._within_clip)
+            self._round_privacy = None
             result = self._result(wait)
             if result is not None and self.privacy is not None and self._from_devices:
-                weights, self.privacy_spent = self.privacy.release(
-                    self.global_weights, result.global_weights.detach().cpu().numpy(), len(self.used),
-                    RoundCount(selected, eligible, self._from_devices, self._within_clip), self.number)
-                result.global_weights = torch.from_numpy(weights)
+                privacy = self._round_privacy or self._privacy_for_round()
+                if privacy.spent is None:  # the rule did not release the model itself
+                    released = privacy.release(result.global_weights.detach().cpu().numpy())
+                    result.global_weights = torch.from_numpy(released)
+                self.privacy_spent = dict(privacy.spent or {})
         finally:
             self.seconds += time.perf_counter() - started
         if result is not None:
@@ -199,7 +205,18 @@ class RoundAggregate:
                                       path=self.path, heads=self.heads)]
         self._held, self._held_bytes, self._trusted = [], 0, []
         self.used = [_used(update) for update in bounded]
-        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, self.ctx, wait)
+        ctx = self.ctx
+        if self.privacy is not None and self._from_devices:
+            ctx = replace(ctx, privacy=self._privacy_for_round())
+        return self.strategy.aggregate(as_tensor(self.global_weights, self.strategy.device), bounded, ctx, wait)
+
+    def _privacy_for_round(self) -> RoundPrivacy:
+        """Central DP's part of this round as the rule sees it (`RoundContext.privacy`), made once."""
+        assert self.privacy is not None
+        if self._round_privacy is None:
+            self._round_privacy = RoundPrivacy(self.privacy, self.global_weights, len(self.used), self._count,
+                                               self.number, self.strategy.extra_releases(self.ctx))
+        return self._round_privacy
 
     def _folding_into(self, fold: Fold) -> Callable[[ClientUpdate], None]:
         def take(update: ClientUpdate) -> None:

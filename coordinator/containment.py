@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from coordinator.privacy import Release
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RefusedUpdate, RoundContext, Strategy
 from coordinator.strategies.base import Pending
 
@@ -67,6 +68,16 @@ class ContainedStrategy:
     @property
     def weighs_by_samples(self) -> bool:
         return self.strategy.weighs_by_samples
+
+    def extra_releases(self, ctx: RoundContext) -> tuple[Release, ...]:
+        """The rule's further DP mechanisms of round `ctx`; none where it cannot say (then it may run none: an
+        undeclared one is refused, `RoundPrivacy`)."""
+        try:
+            return tuple(self.strategy.extra_releases(ctx))
+        except Exception as err:
+            self._count(RULE_FAILED, f"round {ctx.round}: the {self.name} rule could not declare its DP mechanisms",
+                        err)
+            return ()
 
     def _count(self, reason: str, what: str, err: BaseException) -> str:
         self.counters[reason] += 1

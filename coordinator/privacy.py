@@ -19,8 +19,16 @@ fixed and adaptive clipping do the same):
      which of the others are kept): the rule's change is clipped to C too, so that whatever the rule, any two
      results lie within 2C of each other, and the noise is sd `noise_multiplier` x 2C. That is 2m times the sum's
      noise: a robust rule's privacy costs its round's size in noise.
-   A rule that uses more than the weights (`BuiltFrom.MORE`: attachments, per-device models or payloads) is
-   refused: nothing here covers what it sends on.
+4. what a rule sends besides the global model (`Strategy.reads_more`: GLFC's old model, SDD's synthetic replay
+   set) is private only where the rule builds it from what this module released, or from its own Gaussian
+   mechanisms, each declared for its round (`Strategy.extra_releases`) and counted as a mechanism of multiplier z
+   at the round's sampling rate (`SAMPLED`) or at rate 1 (`WHOLE_FLEET`: it draws on every device that took part
+   so far). The rule runs them through the round's `RoundPrivacy` (`RoundContext.privacy`), which may also release
+   the model itself inside the rule (`RoundPrivacy.release`), so that what the rule builds next reads the released
+   model, not the clipped updates. A rule that says nothing of how it noises what it sends is refused
+   (`Strategy.central_dp_refused`): pFedGRP, which sends each device a mixture of the others' models and serves
+   one device's generators to the others, releases per device what one aggregate's noise cannot cover (local DP
+   on the devices does: edge_client/privacy.py).
 
 Order: clip, then the guard and the rule, then noise (`RoundAggregate` calls `clip` on each update as it comes and
 `release` on the rule's result). So the guard sees updates no longer than C, and the noise covers whatever the
@@ -37,17 +45,18 @@ accountant counts z.
 
 What it protects: one device's data, all its rounds together (user-level DP), in the global models the run
 releases, at (epsilon, delta) as the accountant says. What it does not: a device's update on its way to the
-coordinator (the coordinator and the broker see it whole; secure aggregation is what hides it), and anything a
-method sends besides the weights (refused, above).
+coordinator (the coordinator and the broker see it whole; secure aggregation is what hides it), and what the run
+keeps for its operator (its history's per-device metrics, a rule's metrics, the checkpoint: the coordinator is
+trusted under central DP).
 
 Accounting: each round is a sampled Gaussian mechanism, composed over the rounds with Google's `dp-accounting`
-(RDP by default; `accountant = "pld"` is tighter and slower). Its sampling rate is the round's selected count over
-the devices it was drawn from; the selection draws a fixed number without replacement, which the accountant
-approximates as Poisson sampling at that rate, as TensorFlow Federated and Flower account it (with fraction = 1
-the rate is 1 and there is nothing to approximate). The rounds, and an adaptive clip's last value, are read back
-from the run's history, so a resumed run counts what it spent before and clips where it stopped. A round whose
-release would take epsilon past `epsilon_budget` is not run: the run ends with outcome "privacy-budget"
-(`PrivacyBudgetSpent`).
+(RDP by default; `accountant = "pld"` is tighter and slower), a rule's further mechanisms with it. Its sampling
+rate is the round's selected count over the devices it was drawn from; the selection draws a fixed number without
+replacement, which the accountant approximates as Poisson sampling at that rate, as TensorFlow Federated and Flower
+account it (with fraction = 1 the rate is 1 and there is nothing to approximate). The rounds with their further
+mechanisms, and an adaptive clip's last value, are read back from the run's history, so a resumed run counts what
+it spent before and clips where it stopped. A round whose release (the rule's declared mechanisms with it) would
+take epsilon past `epsilon_budget` is not run: the run ends with outcome "privacy-budget" (`PrivacyBudgetSpent`).
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ import logging
 import math
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,12 +145,15 @@ class PrivacySettings:
         return z if not self.adaptive else (z ** -2 - (2 * self.count_stddev(selected)) ** -2) ** -0.5
 
 
-def rule_refused(settings: PrivacySettings, rule: str, built_from: BuiltFrom) -> str | None:
-    """Why central DP cannot run with this rule (one line), or None: its noise covers what the rule releases."""
-    if not settings.central or built_from is not BuiltFrom.MORE:
-        return None
-    return (f"mode = \"central\" needs a rule built from the updates' weights alone (fedavg, fedprox, median, "
-            f"trimmed-mean, centered-clip): {rule} uses more of them, which the noise would not cover")
+class Release(enum.Enum):
+    """A further Gaussian mechanism a rule runs in a round under central DP (`Strategy.extra_releases`), by the
+    devices whose data it draws on: what rate the accountant counts it at."""
+
+    SAMPLED = "the round's selected devices"  # the round's sampling rate
+    WHOLE_FLEET = "every device that took part so far"  # rate 1
+
+    def rate(self, round_rate: float) -> float:
+        return round_rate if self is Release.SAMPLED else 1.0
 
 
 def calibration(built_from: BuiltFrom, comparing: Iterable[str]) -> str:
@@ -177,11 +189,11 @@ class Accountant:
     def add(self, rate: float, count: int = 1) -> None:
         self.rounds[round(float(rate), 12)] += count
 
-    def epsilon(self, extra_rate: float | None = None) -> float:
-        """Epsilon so far; with `extra_rate`, after one more round at that sampling rate."""
+    def epsilon(self, more: Iterable[float] = ()) -> float:
+        """Epsilon so far; with `more`, after further mechanisms at those sampling rates."""
         rounds = Counter(self.rounds)
-        if extra_rate is not None:
-            rounds[round(float(extra_rate), 12)] += 1
+        for rate in more:
+            rounds[round(float(rate), 12)] += 1
         if not rounds:
             return 0.0
         import dp_accounting
@@ -207,10 +219,8 @@ class CentralPrivacy:
                  built_from: BuiltFrom = BuiltFrom.MEAN, comparing: Iterable[str] = ()) -> None:
         """`history`: the run's rounds so far (a resumed run): those released under DP count again, and an adaptive
         clip goes on from where they left it; `built_from`: the rule's (`Strategy.built_from`); `comparing`: the
-        guard's bounds that judge an update by the round's others (`GuardSettings.comparing`)."""
-        refused = rule_refused(settings, "the rule", built_from)
-        if refused is not None:
-            raise ValueError(refused)
+        guard's bounds that judge an update by the round's others (`GuardSettings.comparing`). Whether the rule may
+        run under central DP at all is its own to say (`Strategy.central_dp_refused`), asked before this."""
         self.settings = settings
         self.how = calibration(built_from, comparing)
         self.clip_norm = settings.clip_norm  # C of the next round
@@ -219,6 +229,8 @@ class CentralPrivacy:
             spent = entry.get("privacy", {})
             if "sampling_rate" in spent:
                 self.accountant.add(spent["sampling_rate"])
+            for rate in spent.get("further_rates", ()):
+                self.accountant.add(rate)
             if settings.adaptive and "next_clip_norm" in spent:
                 self.clip_norm = float(spent["next_clip_norm"])
         comparing = tuple(comparing)
@@ -232,12 +244,13 @@ class CentralPrivacy:
         if settings.noise_seed is not None:
             log.warning("central DP: the noise comes from noise_seed (experiments only: it can be taken back out)")
 
-    def check_budget(self, rate: float) -> None:
-        """PrivacyBudgetSpent where a round at sampling rate `rate` would take epsilon past the budget."""
+    def check_budget(self, rate: float, further: Sequence[Release] = ()) -> None:
+        """PrivacyBudgetSpent where a round at sampling rate `rate`, with the rule's `further` mechanisms, would take
+        epsilon past the budget."""
         budget = self.settings.epsilon_budget
         if not budget:
             return
-        after = self.accountant.epsilon(rate)
+        after = self.accountant.epsilon([rate, *(release.rate(rate) for release in further)])
         if after > budget:
             raise PrivacyBudgetSpent(f"another round would take epsilon to {after:.3f} at delta "
                                      f"{self.settings.delta:g}, past the budget of {budget:g} (spent: "
@@ -252,25 +265,36 @@ class CentralPrivacy:
         moved = distance(global_weights, weights)
         return within_length(global_weights, weights, self.clip_norm, moved), moved <= self.clip_norm
 
-    def release(self, global_weights: np.ndarray, result: np.ndarray, kept: int, round_: RoundCount, number: int
-                ) -> tuple[np.ndarray, dict[str, float | str]]:
+    def release(self, global_weights: np.ndarray, result: np.ndarray, kept: int, round_: RoundCount, number: int,
+                further: Sequence[Release] = ()) -> tuple[np.ndarray, dict[str, Any]]:
         """Round `number`'s released model from the rule's `result` (of `kept` updates), and what its history entry
-        keeps of the privacy spent."""
+        keeps of the privacy spent, the rule's `further` mechanisms of the round counted with it."""
         settings, selected = self.settings, round_.selected
         # with noise_seed, each round's own stream: a resumed run draws what the whole run would have
         rng = self.rng if settings.noise_seed is None else np.random.default_rng((settings.noise_seed, number))
         sensitivity = self.clip_norm / selected if self.how == SUM else 2 * self.clip_norm
         sd = settings.update_multiplier(selected) * sensitivity
         weights = released(global_weights, result, kept, selected, self.clip_norm, sd, self.how, rng)
-        spent: dict[str, float | str] = {"sampling_rate": round_.rate, "calibration": self.how,
-                                         "clip_norm": self.clip_norm, "noise_sd": sd}
+        spent: dict[str, Any] = {"sampling_rate": round_.rate, "calibration": self.how, "clip_norm": self.clip_norm,
+                                 "noise_sd": sd}
         if settings.adaptive:
             self.clip_norm = spent["next_clip_norm"] = self._adapted(round_, rng)
         self.accountant.add(round_.rate)
+        if further:
+            spent["further_rates"] = [release.rate(round_.rate) for release in further]
+            for rate in spent["further_rates"]:
+                self.accountant.add(rate)
         spent["epsilon"] = epsilon = self.accountant.epsilon()
-        log.info("central DP: round released with noise sd %.3g (%s; %d of %d selected kept, C %.3g); epsilon %.3f at "
-                 "delta %g", sd, self.how, kept, selected, spent["clip_norm"], epsilon, settings.delta)
+        log.info("central DP: round released with noise sd %.3g (%s; %d of %d selected kept, C %.3g)%s; epsilon %.3f "
+                 "at delta %g", sd, self.how, kept, selected, spent["clip_norm"],
+                 f" and {len(further)} further mechanism(s) of the rule" if further else "", epsilon, settings.delta)
         return weights, spent
+
+    def rule_rng(self, number: int) -> np.random.Generator:
+        """Where a rule's further mechanisms of round `number` draw their noise: the run's own entropy, or (with
+        noise_seed) a stream of their own for the round, apart from the model's."""
+        seed = self.settings.noise_seed
+        return self.rng if seed is None else np.random.default_rng((seed, number, 1))
 
     def _adapted(self, round_: RoundCount, rng: np.random.Generator) -> float:
         """Next round's C: the share of the selected devices whose change was within C, with noise (each counts
@@ -294,3 +318,60 @@ class RoundCount:
     @property
     def rate(self) -> float:
         return min(self.selected / self.eligible, 1.0)
+
+
+class RoundPrivacy:
+    """Central DP as a rule sees its round (`RoundContext.privacy`): the round's model release, which a rule may
+    run itself (`release`) to build what it sends on from the released model, and the further Gaussian mechanisms
+    it declared for the round (`Strategy.extra_releases`): `gaussian`, or `mean` (the mean of the round's clipped
+    updates, released as the model's sum is). The declared ones are counted whether the rule runs them or not (the
+    budget was checked for them); one it did not declare is refused."""
+
+    def __init__(self, central: CentralPrivacy, global_weights: np.ndarray, kept: int, count: RoundCount,
+                 number: int, declared: Sequence[Release] = ()) -> None:
+        self.central, self.global_weights, self.kept, self.count, self.number = central, global_weights, kept, count, \
+            number
+        self.declared = tuple(declared)
+        self._left = list(declared)
+        self.spent: dict[str, Any] | None = None  # the history's record of the release, once it ran
+        self.rng = central.rule_rng(number)
+
+    @property
+    def multiplier(self) -> float:
+        """z: every further mechanism's noise over its sensitivity."""
+        return self.central.settings.noise_multiplier
+
+    @property
+    def clip_norm(self) -> float:
+        """C of the round: the longest change one device's update makes."""
+        return self.central.clip_norm
+
+    @property
+    def selected(self) -> int:
+        return self.count.selected
+
+    def release(self, result: np.ndarray) -> np.ndarray:
+        """The round's released global model from the rule's `result` (as `CentralPrivacy.release`); once a round."""
+        if self.spent is not None:
+            raise RuntimeError(f"round {self.number}: the model is released once")
+        weights, self.spent = self.central.release(self.global_weights, result, self.kept, self.count, self.number,
+                                                   self.declared)
+        return weights
+
+    def gaussian(self, values: np.ndarray, sensitivity: float, release: Release) -> np.ndarray:
+        """`values` plus Gaussian noise of sd z x `sensitivity` (how far one device can move them, L2)."""
+        self._take(release)
+        return values + self.rng.normal(0.0, self.multiplier * sensitivity, size=np.shape(values))
+
+    def mean(self, result: np.ndarray) -> np.ndarray:
+        """The mean of the round's kept clipped updates (`result`), released as the model's sum is, with noise of
+        sd z C / selected: a SAMPLED mechanism of its own."""
+        self._take(Release.SAMPLED)
+        sd = self.multiplier * self.clip_norm / self.selected
+        return released(self.global_weights, result, self.kept, self.selected, self.clip_norm, sd, SUM, self.rng)
+
+    def _take(self, release: Release) -> None:
+        if release not in self._left:
+            raise RuntimeError(f"round {self.number}: the rule ran a further mechanism ({release.name}) it did not "
+                               f"declare (Strategy.extra_releases)")
+        self._left.remove(release)

@@ -116,9 +116,11 @@ class SecureAggregationSettings:
                 "weighted": weighted}
 
 
-def secure_refused(settings: SecureAggregationSettings, rule: str, built_from: BuiltFrom) -> str | None:
-    """Why secure aggregation cannot run with this rule (one line), or None."""
-    if not settings.on or built_from is BuiltFrom.MEAN:
+def secure_refused(settings: SecureAggregationSettings, rule: str, built_from: BuiltFrom, reads_more: bool = False
+                   ) -> str | None:
+    """Why secure aggregation cannot run with this rule (one line), or None: one built from more than the mean of
+    the updates' weights, or reading more of them (`Strategy.reads_more`: attachments)."""
+    if not settings.on or (built_from is BuiltFrom.MEAN and not reads_more):
         return None
     return (f"mode = \"{settings.mode}\" gives the coordinator the sum of the updates alone: {rule} needs each update "
             f"(choose fedavg or fedprox)")

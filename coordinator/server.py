@@ -62,14 +62,21 @@ from coordinator.inbox import Inbox, Registration, Request, Status, Update, Upda
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
-from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, RoundCount, rule_refused
+from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, RoundCount
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
-from coordinator.secagg import LIES, Advertised, SecureMessage, SecureRound, secure_refused
-from coordinator.strategies import STRATEGIES, AggregateResult, ClientUpdate, RoundContext, make_strategy
+from coordinator.secagg import LIES, Advertised, SecureMessage, SecureRound
+from coordinator.strategies import (
+    AggregateResult,
+    ClientUpdate,
+    RoundContext,
+    make_strategy,
+    privacy_refused,
+    secure_aggregation_refused,
+)
 from edgefil import topics
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, ConnectionRefused, Link
@@ -97,10 +104,11 @@ class Coordinator:
         self.config = config
         self.progress = progress
         rule = config.strategy["name"]
-        refused = rule_refused(config.privacy, rule, STRATEGIES.get(rule).built_from)
+        options = {k: v for k, v in config.strategy.items() if k != "name"}
+        refused = privacy_refused(config.privacy, rule, options)
         if refused is not None:  # a program's settings (a file's were refused as it was read)
             raise ValueError(f"[privacy] {refused}")
-        refused = secure_refused(config.secure_aggregation, rule, STRATEGIES.get(rule).built_from)
+        refused = secure_aggregation_refused(config.secure_aggregation, rule)
         if refused is not None:
             raise ValueError(f"[secure_aggregation] {refused}")
         self._secure: SecureRound | None = None  # the open round's secure session (coordinator/secagg.py)
@@ -110,7 +118,6 @@ class Coordinator:
                 raise ValueError("the coordinator needs test data: set test_data = \"folder\" (test-<t>.npz files)")
             test_sets = FolderTestSets(config.test_data, self.manifest)
         self.data = test_sets
-        options = {k: v for k, v in config.strategy.items() if k != "name"}
         strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
@@ -134,7 +141,7 @@ class Coordinator:
         self.counters: Counter[str] = self.inbox.rejections
         self.counters.update(self.state.counters)
         self.strategy = ContainedStrategy(strategy, self.counters)  # nothing a method does can stop the run
-        self.privacy = CentralPrivacy(config.privacy, self.state.history, type(strategy).built_from,
+        self.privacy = CentralPrivacy(config.privacy, self.state.history, strategy.built_from,
                                       config.guard.comparing) if config.privacy.central else None
         # central DP's count of the round: the devices its attempts asked (each feeds the round's one aggregate), and
         # how many its selection drew them from
@@ -329,7 +336,8 @@ class Coordinator:
             self._asked.update(selected)
             self._eligible = max(self._eligible, len(available))
             if self.privacy is not None:  # before anything is sent: a round past the budget is not run
-                self.privacy.check_budget(RoundCount(len(self._asked), self._eligible).rate)
+                self.privacy.check_budget(RoundCount(len(self._asked), self._eligible).rate,
+                                          self.strategy.extra_releases(self._context))
             collected = self._open(number, task, selected, self._last_attempt)
             while not collected.complete and collected.remaining_s() > 0:
                 self._pump(collected.remaining_s())

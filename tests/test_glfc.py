@@ -3,7 +3,9 @@ values, its detector on real digits, its memory, its steps on every backend, the
 reconstruction, and a fleet with the proxy through a real broker."""
 from __future__ import annotations
 
+import math
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -450,6 +452,58 @@ def test_the_proxy_makes_the_same_choice_on_a_slow_host(artifacts):
     assert fast_metrics == slow_metrics and np.array_equal(fast, slow) and np.array_equal(fast, says[1])
     assert np.array_equal(fast_monitor[1], slow_monitor[1]) and np.array_equal(fast_monitor[2], slow_monitor[2])
     assert fast_metrics["monitor_samples"] == 3.0 and fast_metrics["best_round_of_task"] == 2.0
+
+
+def test_under_central_dp_the_proxy_keeps_released_models_and_chooses_by_noisy_counts(artifacts):
+    """Central DP with the proxy, three rounds of one task, three devices each sending one prototype gradient in
+    round 1, each round's updates answering the exported model g: every round's model is released inside the rule,
+    once (g + the mean's change + noise of sd z C / 3, from the round's seeded stream), and the task's models the proxy keeps are those released ones; at the task's
+    last round the old model it broadcasts is the one whose count of monitor samples right plus noise of sd
+    z x 2 sqrt(3) (a device sends at most one gradient per class of the task's two, three models) is the largest,
+    and that choice is counted at rate 1 beside the round."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    from coordinator.aggregation import RoundAggregate
+    from coordinator.containment import ContainedStrategy
+    from coordinator.guard import UpdateBounds
+    from coordinator.privacy import CentralPrivacy, PrivacySettings
+
+    settings = PrivacySettings(mode="central", clip_norm=150.0, noise_multiplier=0.4, noise_seed=11)
+    central = CentralPrivacy(settings)
+    proxy = _proxy(artifacts, gamma="glfc_mlp", lbfgs_iterations=20)
+    base, says = _predicting(artifacts, (0, 1))
+    ones, _ = _digits([1], 2)
+    zeros, _ = _digits([0], 1)
+    gradients = [encode_gradient(_gamma_gradient("glfc_mlp", x, label)[0])
+                 for x, label in ((ones[0], 1), (ones[1], 1), (zeros[0], 0))]
+    released, counters = [], Counter()
+    for r, model in enumerate((says[0], says[1], says[0]), start=1):
+        ctx = RoundContext(round=r, task=0, task_classes=(0, 1), seen_classes=(0, 1), round_in_task=r,
+                           rounds_per_task=3)
+        aggregate = RoundAggregate(ContainedStrategy(proxy, counters), UpdateBounds.only(), base, counters, 1 << 30,
+                                   ctx=ctx, privacy=central)
+        for k, gradient in enumerate(gradients):
+            aggregate.add(ClientUpdate(f"d{k}", model.copy(), 10,
+                                       attachments={prototype_name(0): gradient} if r == 1 else {}))
+        result = aggregate.close(selected=3, eligible=3)
+        noise = np.random.default_rng((11, r)).normal(0.0, 0.4 * 150.0 / 3, size=base.shape)
+        np.testing.assert_allclose(result.global_weights.numpy(), (model + noise).astype(np.float32), atol=1e-4)
+        released.append(result.global_weights.numpy())
+    for kept, out in zip(proxy.task_models[1], released):
+        np.testing.assert_array_equal(kept, out)
+    _, x, y = proxy.monitor
+    assert len(y) == 3
+    counts = np.array([proxy.correct(m, x, y, (0, 1)) for m in released], dtype=np.float64)
+    noisy = counts + np.random.default_rng((11, 3, 1)).normal(0.0, 0.4 * 2 * math.sqrt(3), 3)
+    top = max(range(3), key=lambda i: (noisy[i], i))
+    old, task = decode_old_model(result.broadcast, proxy.manifest.num_parameters)
+    assert task == 0 and np.array_equal(old, released[top])
+    assert result.metrics["proxy"]["best_accuracy"] == pytest.approx(noisy[top] / 3)
+    assert aggregate.privacy_spent["further_rates"] == [1.0]
+    reference = RdpAccountant()
+    reference.compose(dp_accounting.GaussianDpEvent(0.4), 4)  # three rounds at rate 1, and the choice
+    assert aggregate.privacy_spent["epsilon"] == pytest.approx(reference.get_epsilon(settings.delta), rel=1e-9)
 
 
 @needs_broker

@@ -22,7 +22,18 @@ from coordinator.broker import mosquitto_path
 from coordinator.containment import ContainedStrategy
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
-from coordinator.privacy import BALL, SUM, Accountant, BuiltFrom, CentralPrivacy, PrivacySettings, RoundCount
+from coordinator.privacy import (
+    BALL,
+    SUM,
+    Accountant,
+    BuiltFrom,
+    CentralPrivacy,
+    PrivacyBudgetSpent,
+    PrivacySettings,
+    Release,
+    RoundCount,
+    RoundPrivacy,
+)
 from coordinator.strategies import AggregateResult, ClientUpdate, RoundContext
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.robust import Median
@@ -59,7 +70,7 @@ def test_sampling_spends_less_and_the_rounds_add_up():
     whole.add(1.0, 20)
     sampled.add(0.1, 20)
     assert sampled.epsilon() < whole.epsilon()
-    assert sampled.epsilon(extra_rate=0.1) > sampled.epsilon()  # one more round costs
+    assert sampled.epsilon([0.1]) > sampled.epsilon()  # one more round costs
     one_by_one = Accountant(settings)
     for _ in range(20):
         one_by_one.add(0.1)
@@ -120,6 +131,41 @@ def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_come
     assert aggregate.privacy_spent["epsilon"] > 0
 
 
+def test_a_rules_further_mechanisms_are_counted_with_its_round_checked_against_the_budget_and_read_back():
+    """A rule that declares two further mechanisms for a round (one on its selected devices, one on every device so
+    far) spends what dp-accounting gives for the three Gaussian mechanisms composed; the budget check counts them
+    before the round; a resumed run reads them back from the history; one it did not declare is refused, and a
+    declared one draws noise of sd z x its sensitivity."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    settings = PrivacySettings(mode="central", noise_multiplier=1.3, noise_seed=4)
+    privacy = CentralPrivacy(settings)
+    g = np.zeros(3, np.float32)
+    count = RoundCount(selected=5, eligible=20, delivered=5)
+    round_privacy = RoundPrivacy(privacy, g, 5, count, 7, (Release.SAMPLED, Release.WHOLE_FLEET))
+    values = round_privacy.gaussian(np.zeros(4), 2.0, Release.SAMPLED)
+    np.testing.assert_allclose(values, np.random.default_rng((4, 7, 1)).normal(0.0, 1.3 * 2.0, 4))
+    with pytest.raises(RuntimeError, match="did not declare"):
+        round_privacy.gaussian(np.zeros(4), 2.0, Release.SAMPLED)  # one was declared, and it ran
+    with pytest.raises(RuntimeError, match="did not declare"):
+        round_privacy.mean(g)  # a SAMPLED one too
+    round_privacy.release(g)  # WHOLE_FLEET's did not run: counted all the same (the budget was checked for it)
+    spent = round_privacy.spent
+    assert spent is not None and spent["further_rates"] == [0.25, 1.0]
+
+    reference = RdpAccountant()
+    reference.compose(dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.3)), 2)
+    reference.compose(dp_accounting.GaussianDpEvent(1.3))
+    assert spent["epsilon"] == pytest.approx(reference.get_epsilon(settings.delta), rel=1e-9)
+    resumed = CentralPrivacy(settings, history=[{"privacy": spent}])
+    assert resumed.accountant.epsilon() == pytest.approx(spent["epsilon"], rel=1e-9)
+    budget = dataclasses.replace(settings, epsilon_budget=resumed.accountant.epsilon([0.25]) + 1e-6)
+    CentralPrivacy(budget, history=[{"privacy": spent}]).check_budget(0.25)  # the round alone fits
+    with pytest.raises(PrivacyBudgetSpent):  # with the rule's further mechanism it would not
+        CentralPrivacy(budget, history=[{"privacy": spent}]).check_budget(0.25, (Release.SAMPLED,))
+
+
 def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_the_noise():
     """Median under central DP: clip, the rule, noise. Three devices' changes, each within C = 1 but one sent 10x
     too long: [.55, .55, .55, 0] x 10, [.55, .55, 0, .55], [.55, 0, .55, .55]. Clipped, the first is [.577, .577,
@@ -157,8 +203,8 @@ def test_the_mean_behind_a_guard_that_compares_updates_is_noised_as_a_whole():
                     ("min_alignment", -0.9), ("way_back", "clip"), ("row_factor", 1.25), ("copy_factor", 0.01)):
         assert GuardSettings.only(**{key: on}).comparing == (key,)
     assert GuardSettings.only(reference="classes", trust_margin=0.05).comparing == ("trust_margin",)
-    with pytest.raises(ValueError, match="needs a rule built from the updates' weights alone"):
-        CentralPrivacy(PrivacySettings(mode="central"), built_from=BuiltFrom.MORE)
+    # a rule built from more than the weights (CSWA's rows): whatever it computes, its clipped change is a ball
+    assert CentralPrivacy(PrivacySettings(mode="central"), built_from=BuiltFrom.MORE).how == BALL
 
 
 def lengths_round(privacy: CentralPrivacy, lengths: np.ndarray, number: int, rng: np.random.Generator) -> None:
@@ -234,15 +280,16 @@ def test_a_typo_and_a_rule_the_noise_would_not_cover_are_refused_in_one_line_and
     with pytest.raises(ConfigError, match="privacy.*clipped_count_stddev must be 0 .* or more than noise_multiplier"):
         CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central", "clipping": "adaptive",
                                                          "noise_multiplier": 2.0, "clipped_count_stddev": 0.5}})
-    refused_as = "needs a rule built from the updates' weights alone"
-    with pytest.raises(ConfigError, match=f"strategy.*name.*privacy.*{refused_as}.*glfc uses more") as refused:
-        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": "glfc"}})
+    refused_as = "pfedgrp sends more than it .*which that noise would not cover; use local DP"
+    with pytest.raises(ConfigError, match=f"strategy.*name.*privacy.*{refused_as}") as refused:
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": "pfedgrp"}})
     assert "\n" not in str(refused.value)
-    for robust in ("median", "trimmed-mean", "centered-clip"):  # built from the weights alone: the noise covers them
-        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": robust}})
+    # built from the weights alone, or noising what they send besides (GLFC's choice, SDD's generator's inputs)
+    for rule in ("median", "trimmed-mean", "centered-clip", "glfc", "sdd"):
+        CoordinatorConfig.from_dict({**base, "privacy": {"mode": "central"}, "strategy": {"name": rule}})
     fleet = FleetConfig(name="lab", out=tmp_path / "fleet", devices=2, scenario={"preset": "digits-class"},
-                        strategy={"name": "sdd"}, coordinator={"privacy": {"mode": "central"}})
-    with pytest.raises(ConfigError, match=f"fleet config: \\[strategy\\] name: .*{refused_as}"):  # a fleet file's
+                        strategy={"name": "glfc", "monitor": "seen"}, coordinator={"privacy": {"mode": "central"}})
+    with pytest.raises(ConfigError, match="fleet config: \\[strategy\\] name: .*monitor = \"seen\""):  # a fleet's
         fleet.check()
     built = CoordinatorConfig.from_dict(base)  # and where a program builds the settings itself
     with pytest.raises(ValueError, match=refused_as):

@@ -129,6 +129,75 @@ def test_the_sdd_rule_aggregates_new_rows_by_synthetic_accuracy(export_artifacts
     assert set(y.tolist()) == {3} and len(y) == 16  # one batch per epoch
 
 
+@pytest.mark.parametrize("aggregation", ["fedavg", "cswa-literal"])
+def test_under_central_dp_the_generator_learns_from_released_numbers_alone(export_artifacts, monkeypatch,
+                                                                            aggregation):
+    """Central DP, the first round of session 1, three devices sending statistics: the generator's one teacher is
+    the mean of the clipped models released with the model's noise (under FedAvg the round's model itself, released
+    once inside the rule; under CSWA a further mechanism, and the round's CSWA model is then released as a ball),
+    and its one set of statistics the devices' vectors clipped to statistics_clip_norm, summed, noised with sd
+    z x that norm and divided by the selected count; the round counts those further mechanisms at its rate."""
+    from coordinator.aggregation import RoundAggregate
+    from coordinator.containment import ContainedStrategy
+    from coordinator.guard import UpdateBounds
+    from coordinator.privacy import CentralPrivacy, PrivacySettings
+    from coordinator.strategies import sdd
+    from models.feature_stats import LAYERS, STATISTICS, encode_statistics
+
+    manifest = load_manifest(export_artifacts("mlp", 4, (1, 8, 8), backends=("torch",)))
+    rule = SddCoordinator(aggregation=aggregation, generator_epochs=2, generator_iterations=2, warmup_epochs=1,
+                          generator_batch_size=8, statistics_clip_norm=2.0, device="cpu", manifest=manifest)
+    seen = {}
+
+    def spy(teachers, statistics, *args, **kwargs):
+        seen["teachers"] = [flatten_weights(t, manifest) for t in teachers]
+        seen["statistics"] = statistics
+        return train_generator(teachers, statistics, *args, **kwargs)
+
+    monkeypatch.setattr(sdd, "train_generator", spy)
+    rng = np.random.default_rng(0)
+    g = rng.normal(0, 0.1, manifest.num_parameters).astype(np.float32)
+    models = [g + rng.normal(0, 0.02, g.size).astype(np.float32) for _ in range(3)]  # each within C = 5
+    vectors = []
+    for k in range(3):
+        layers = [LayerStatistics(layer, rng.uniform(0.1, 0.9 + k, size).astype(np.float32),
+                                  rng.uniform(0.01, 0.5, size).astype(np.float32), 20)
+                  for layer, size in (("input", 1), ("features", manifest.feature_dim))]
+        vectors.append(np.concatenate([np.r_[s.mean, s.var] for s in layers]).astype(np.float64))
+        models[k] = (models[k], {STATISTICS: encode_statistics(layers)})
+    settings = PrivacySettings(mode="central", clip_norm=5.0, noise_multiplier=0.7, noise_seed=3)
+    central = CentralPrivacy(settings, built_from=rule.built_from)
+    ctx = RoundContext(round=4, task=1, task_classes=(2, 3), seen_classes=(0, 1, 2, 3))
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(rule, counters), UpdateBounds.only(), g, counters, 1 << 30, ctx=ctx,
+                               privacy=central)
+    for k, (weights, attachments) in enumerate(models):
+        aggregate.add(ClientUpdate(f"d{k}", weights, 10, attachments=attachments))
+    result = aggregate.close(selected=3, eligible=6)
+    mean = np.mean([w for w, _ in models], axis=0, dtype=np.float64)
+    model_noise = np.random.default_rng((3, 4)).normal(0.0, 0.7 * 5.0 / 3, g.size)
+    rule_rng = np.random.default_rng((3, 4, 1))
+    if aggregation == "fedavg":  # released once, in the rule: the teacher is the round's model
+        np.testing.assert_allclose(result.global_weights.numpy(), mean + model_noise, atol=1e-5)
+        np.testing.assert_allclose(seen["teachers"][0], result.global_weights.numpy(), atol=1e-6)
+        assert aggregate.privacy_spent["further_rates"] == [0.5]  # the statistics
+        assert aggregate.privacy_spent["calibration"] == "sum"
+    else:  # the teacher: the mean with its own noise; the CSWA model released as a ball
+        np.testing.assert_allclose(seen["teachers"][0], mean + rule_rng.normal(0.0, 0.7 * 5.0 / 3, g.size), atol=1e-5)
+        assert aggregate.privacy_spent["further_rates"] == [0.5, 0.5]
+        assert aggregate.privacy_spent["calibration"] == "ball"
+    clipped = sum(v * min(1.0, 2.0 / np.linalg.norm(v)) for v in vectors)
+    assert max(np.linalg.norm(v) for v in vectors) > 2.0  # the clip bites
+    expected = (clipped + rule_rng.normal(0.0, 0.7 * 2.0, clipped.size)) / 3
+    (statistics,) = seen["statistics"]
+    got = np.concatenate([np.r_[statistics[layer].mean, statistics[layer].var] for layer in LAYERS])
+    features = manifest.feature_dim
+    np.testing.assert_allclose(got, np.r_[expected[:1], np.maximum(expected[1:2], 0), expected[2:2 + features],
+                                          np.maximum(expected[2 + features:], 0)], atol=1e-5)
+    _, labels = decode_replay(result.broadcast["sdd/replay"], manifest.input_shape, 4)  # a one-round session's
+    assert set(labels.tolist()) == {2, 3}
+
+
 # --- the generator's loss terms on a toy teacher ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

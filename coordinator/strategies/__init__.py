@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from coordinator.privacy import PrivacySettings, rule_refused
+from coordinator.privacy import BuiltFrom, PrivacySettings
 from coordinator.secagg import SecureAggregationSettings, secure_refused
 from coordinator.strategies.base import (
     STRATEGIES,
@@ -40,13 +40,28 @@ def check_strategy(raw: Mapping[str, Any], where: Where, privacy: PrivacySetting
         problem = "missing (required)" if name is None else f"unknown strategy {name!r}"
         raise where.error("name", f"{problem}; choose one of {', '.join(strategy_names())}")
     options = check_options(STRATEGIES.get(name), raw, where, skip=("device", "manifest"), also=("name",))
-    refused = None if privacy is None else rule_refused(privacy, name, STRATEGIES.get(name).built_from)
+    refused = None if privacy is None else privacy_refused(privacy, name, options)
     if refused is not None:
         raise where.error("name", f"[privacy] {refused}")
-    refused = None if secure is None else secure_refused(secure, name, STRATEGIES.get(name).built_from)
+    refused = None if secure is None else secure_aggregation_refused(secure, name)
     if refused is not None:
         raise where.error("name", f"[secure_aggregation] {refused}")
     return {"name": name, **options}
+
+
+def privacy_refused(privacy: PrivacySettings, name: str, options: Mapping[str, Any]) -> str | None:
+    """Why central DP cannot run with rule `name` and its options (one line), or None: the rule's to say."""
+    return STRATEGIES.get(name).central_dp_refused(options) if privacy.central else None
+
+
+def secure_aggregation_refused(secure: SecureAggregationSettings, name: str) -> str | None:
+    """Why secure aggregation cannot run with rule `name` (one line), or None."""
+    return secure_refused(secure, name, *_reads(name))
+
+
+def _reads(name: str) -> tuple[BuiltFrom, bool]:
+    rule = STRATEGIES.get(name)
+    return rule.built_from, rule.reads_more
 
 
 def make_strategy(

@@ -47,7 +47,7 @@ import torch
 
 from coordinator.background import BackgroundJob, Deadline
 from coordinator.compute import resolve_device
-from coordinator.privacy import BuiltFrom
+from coordinator.privacy import BuiltFrom, Release, RoundPrivacy
 from edgefil.registry import Registry
 from models.manifest import Manifest
 
@@ -79,6 +79,9 @@ class RoundContext:
     seen_classes: tuple[int, ...] = ()
     round_in_task: int = 1
     rounds_per_task: int = 1
+    # Central DP as the rule's `aggregate` sees the round (coordinator/privacy.py), None without it (and in
+    # `configure`): the model's release and the rule's further mechanisms
+    privacy: RoundPrivacy | None = field(default=None, compare=False)
 
     @property
     def starts_task(self) -> bool:
@@ -159,11 +162,16 @@ class Strategy(ABC):
     (the model's, for rules that run models; `make_strategy` always passes it)."""
 
     name: ClassVar[str]
-    # What the global model is built from, which is what central DP's noise must cover (coordinator/privacy.py): the
-    # (weighted) mean of the updates' weights (MEAN), their weights alone in any other way (WEIGHTS: a robust rule),
-    # or more of them (MORE, the default: an attachment, a personalized model or a payload sent on), which central
-    # DP refuses.
-    built_from: ClassVar[BuiltFrom] = BuiltFrom.MORE
+    # What the global model is built from, which sets how central DP's noise is calibrated (coordinator/privacy.py):
+    # the (weighted) mean of the updates' weights (MEAN), their weights alone in any other way (WEIGHTS: a robust
+    # rule), or more of them (MORE, the default: an attachment, a synthetic set). A rule whose options change it
+    # sets it on the instance.
+    built_from: BuiltFrom = BuiltFrom.MORE
+    # Whether the rule reads more of an update than its weights and sample count (attachments) or sends more than the
+    # global model (broadcasts, payloads, personalized models). Secure aggregation cannot give it what it reads;
+    # central DP's noise on the model does not cover what it sends, so such a rule runs under central DP only where
+    # it says how it noises the rest (`central_dp_refused`, `extra_releases`, `RoundContext.privacy`).
+    reads_more: ClassVar[bool] = True
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         self.manifest = manifest
@@ -173,6 +181,23 @@ class Strategy(ABC):
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
             STRATEGIES.add(cls.name, cls)
+
+    @classmethod
+    def central_dp_refused(cls, options: Mapping[str, Any]) -> str | None:
+        """Why this rule with these options cannot run under central DP (one line), or None. A rule that reads or
+        sends more than the weights (`reads_more`) is refused unless it overrides this: it then noises what it
+        sends through its round's `RoundContext.privacy`, with every further mechanism declared in
+        `extra_releases`."""
+        if not cls.reads_more:
+            return None
+        return (f"mode = \"central\" noises the global model: {cls.name} sends more than it (per-device models, "
+                f"payloads or a broadcast built from the updates), which that noise would not cover; use local DP "
+                f"on the devices (mode = \"local\" in their [privacy]), which noises everything an update carries")
+
+    def extra_releases(self, ctx: RoundContext) -> tuple[Release, ...]:
+        """The Gaussian mechanisms round `ctx` runs under central DP besides the model's release (the accountant
+        counts each, and the budget is checked for them before the round); none by default."""
+        return ()
 
     def inspect(self, update: ClientUpdate) -> None:
         """Check an arriving update's attachments; raise RefusedUpdate to drop it (default: accept any)."""

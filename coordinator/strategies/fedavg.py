@@ -63,6 +63,7 @@ class WeightedFold(Fold):
 class FedAvg(Strategy):
     name = "fedavg"
     built_from = BuiltFrom.MEAN  # a subclass that reads attachments or aggregates otherwise says so
+    reads_more = False
 
     def __init__(
         self, weighted: bool = True, device: torch.device | str = "auto", manifest: Manifest | None = None

@@ -6,9 +6,11 @@ tasks so far (edge_client/policies/glfc.py). The proxy (`proxy = true`; false is
 GLFC without it):
 
 1. pools the round's prototype gradients (`glfc/prototype/<k>` attachments, checked in `inspect`; a device
-   uploads them in its first round of a task, so they come over the task's rounds), the round's in device order,
-   then shuffled with a seeded permutation (no gradient is tied to its device once pooled, and the same updates
-   give the same pool on any host); at most `max_reconstructions` of a task (the rest are counted, not used).
+   uploads them in its first round of a task, so they come over the task's rounds), ordered by a hash of each
+   gradient keyed with the seed and the task (no gradient is tied to its device once pooled, the same updates give
+   the same pool on any host, and a device's gradients leaving the pool change which others are kept by as many
+   as it had, which central DP's bound needs); at most `max_reconstructions` of a task (the rest are counted, not
+   used).
    A device's gradients count only as far as an honest device's would, so one device cannot crowd the pool or
    outvote the others' labels: once a task (its first update that carries any), one per class of the task's
    (`task_classes`; every class where the round does not name them), each of a class its label (read as in 2)
@@ -36,6 +38,16 @@ GLFC without it):
    round (coordinator/broadcast.py): the old model the devices distil from in the next task. Without
    reconstructions for the task, the best model is the task's last global model (as without the proxy).
 
+Under central DP (coordinator/privacy.py) every round's model is released inside the rule, before the proxy
+keeps it, so the task's models it scores and the old model it broadcasts are released ones. The choice itself
+reads the devices' gradients: it is report-noisy-max, the argmax of each model's count of monitor samples right
+plus Gaussian noise of sd z x s sqrt(J), J the task's models and s = one device's most samples in the monitor set
+(one per class of the task, as `_honest_share` takes them; every class where the round names none), so that the
+noisy counts are a Gaussian mechanism of multiplier z, counted at rate 1 once a task (`extra_releases`: it reads
+the gradients of every device of the task). The argmax of released counts is post-processing. The paper's monitor
+only: "seen" lets a device's share grow with the tasks, and is refused. The reconstructions stay on the
+coordinator (trusted under central DP), as the metrics do.
+
 `reconstruction_timeout_s` is a safeguard, not a budget: a task's reconstructions not done by then (a GPU-sized
 job on a small CPU) are cut short with an error in the log, and the choice is then the machine's.
 
@@ -51,7 +63,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +72,7 @@ import torch
 from torch.nn import functional as F
 
 from coordinator.background import BackgroundJob, Deadline
+from coordinator.privacy import BuiltFrom, Release
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
     PENDING_MARGIN_S,
@@ -86,6 +99,19 @@ MONITORS = ("task", "seen")
 
 class GlfcProxy(Strategy):
     name = "glfc"
+    built_from = BuiltFrom.MEAN  # the global model is FedAvg's; the proxy's choice goes out as the broadcast
+
+    @classmethod
+    def central_dp_refused(cls, options: Mapping[str, Any]) -> str | None:
+        """Central DP runs with the proxy's paper monitor only (module docstring, "Under central DP")."""
+        if options.get("monitor", "task") == "seen":
+            return ("mode = \"central\" bounds one device's share of the proxy's monitor set by one task's classes: "
+                    "glfc's monitor = \"seen\" keeps every task's reconstructions (use monitor = \"task\")")
+        return None
+
+    def extra_releases(self, ctx: RoundContext) -> tuple[Release, ...]:
+        """The proxy's choice of the task's best model, at its last round: it reads every gradient of the task."""
+        return (Release.WHOLE_FLEET,) if self.proxy and ctx.ends_task else ()
 
     def __init__(
         self,
@@ -160,6 +186,8 @@ class GlfcProxy(Strategy):
     def aggregate(self, global_weights: torch.Tensor, updates: Sequence[ClientUpdate],
                   ctx: RoundContext = OUTSIDE_A_RUN) -> AggregateResult | Pending:
         result = aggregate_by_folding(WeightedFold(global_weights, self.weighted, self.device), updates)
+        if ctx.privacy is not None:  # the task's models, which the proxy scores and sends on, are the released ones
+            result.global_weights = torch.from_numpy(ctx.privacy.release(result.global_weights.cpu().numpy()))
         weights = result.global_weights.detach().cpu().numpy().astype(np.float32)
         self.last_metrics = {}
         task, models = self.task_models
@@ -212,7 +240,8 @@ class GlfcProxy(Strategy):
         if not pool:
             return
         earlier = self.pooled[1] if self.pooled[0] == task else 0
-        order = np.random.default_rng([self.seed, task, earlier]).permutation(len(pool))
+        key = f"{self.seed}/{task}".encode()
+        order = sorted(range(len(pool)), key=lambda i: hashlib.blake2b(pool[i].tobytes(), key=key).digest())
         room = max(self.max_reconstructions - earlier, 0)
         kept = [pool[i] for i in order[:room]]
         self.pooled = (task, earlier + len(kept))
@@ -267,24 +296,29 @@ class GlfcProxy(Strategy):
         self._take_reconstruction()
 
     def _choose(self, ctx: RoundContext) -> np.ndarray:
-        """The task's best global model on the monitor set, the latest of the best; the last model without one."""
+        """The task's best global model on the monitor set (most samples right, with noise under central DP), the
+        latest of the best; the last model without one."""
         models = self.task_models[1]
         if self.monitor is None or (self.monitor[0] != ctx.task and self.monitor_kind == "task"):
             return models[-1]
         _, x, y = self.monitor
-        scores = [self.accuracy(model, x, y, ctx.seen_classes) for model in models]
+        scores = np.array([self.correct(model, x, y, ctx.seen_classes) for model in models], dtype=np.float64)
+        if ctx.privacy is not None:  # one device moves each count by at most its share of the monitor set
+            share = len(ctx.task_classes) or self.num_classes
+            scores = ctx.privacy.gaussian(scores, share * math.sqrt(len(models)), Release.WHOLE_FLEET)
         top = max(range(len(scores)), key=lambda i: (scores[i], i))
-        self.last_metrics.update(reconstruction_accuracy=scores[-1], best_accuracy=scores[top],
+        self.last_metrics.update(reconstruction_accuracy=scores[-1] / len(y), best_accuracy=scores[top] / len(y),
                                  best_round_of_task=float(top + 1), monitor_samples=float(len(y)))
         return models[top]
 
-    def accuracy(self, weights: np.ndarray, x: np.ndarray, y: np.ndarray, classes: Sequence[int]) -> float:
+    def correct(self, weights: np.ndarray, x: np.ndarray, y: np.ndarray, classes: Sequence[int]) -> int:
+        """How many of the samples x the model predicts as y (top-1 over `classes`; every class where none)."""
         load_flat_weights(self.model, self.manifest, weights)
         mask = torch.zeros(self.num_classes, device=self.device)
         mask[list(classes) or list(range(self.num_classes))] = 1.0
         with torch.no_grad():
             logits, _ = self.model(torch.from_numpy(x).to(self.device), mask)
-        return float((logits.argmax(1).cpu().numpy() == y).mean())
+        return int((logits.argmax(1).cpu().numpy() == y).sum())
 
     # --- the proxy's reconstruction -------------------------------------------------------------
 

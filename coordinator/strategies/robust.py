@@ -76,6 +76,7 @@ def _stacked_columns(updates: Sequence[np.ndarray], device: torch.device,
 class Median(Strategy):
     name = "median"
     built_from = BuiltFrom.WEIGHTS
+    reads_more = False
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
         super().__init__(device, manifest)
@@ -90,6 +91,7 @@ class Median(Strategy):
 class TrimmedMean(Strategy):
     name = "trimmed-mean"
     built_from = BuiltFrom.WEIGHTS
+    reads_more = False
 
     def __init__(self, beta: float = 0.2, device: torch.device | str = "auto", manifest: Manifest | None = None
                  ) -> None:
@@ -128,6 +130,7 @@ def squared_distances(updates: Sequence[np.ndarray], device: torch.device) -> to
 class CenteredClipping(Strategy):
     name = "centered-clip"
     built_from = BuiltFrom.WEIGHTS
+    reads_more = False
 
     def __init__(self, radius: float = 1.0, iterations: int = 3, device: torch.device | str = "auto",
                  manifest: Manifest | None = None) -> None:

@@ -39,13 +39,27 @@ A session is a task; its first round (the paper has one round per session) does 
    trained from the global model alone (Eq. 4, t = 0) for the base classes. Samples, not the generator, travel:
    for digits' 8x8 images a class's 50 samples take 6.5 KB against the generator's 77 KB (both are metrics,
    `replay_bytes` and `generator_bytes`).
+
+Under central DP (coordinator/privacy.py) the replay set every device receives is built from released numbers
+alone, so it is post-processing: the generator's one teacher is the mean of the round's clipped models, released
+with the model's noise (where the rule is FedAvg, `aggregation = "fedavg"`, that is the round's model itself,
+released inside the rule; with CSWA, a further mechanism of the round, since CSWA's rows are what the round
+releases), and its statistics term compares with the devices' statistics' noised mean (each device's means and
+variances one vector clipped to `statistics_clip_norm`, summed with noise of sd z x that norm, over the selected
+count: another mechanism; none with `lambda_statistics = 0`), not with each device's; the plausibility filter, which
+judges a device by the round's median, gives way to the clip. Both are counted at the round's sampling rate
+(`extra_releases`). CSWA's accuracies come from that X~ and the round's local models: the rows it builds are part of
+the global model, which the noise covers as a rule built from more than the mean (calibration "ball"). What this
+changes of the paper's method: one teacher (the mean, not the ensemble of the local models) and one set of
+statistics (their mean, with noise). What stays on the coordinator (the local models, each device's statistics, the
+generator's log) is not released.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +70,7 @@ from torch.nn import functional as F
 
 from coordinator.background import BackgroundJob, Deadline
 from coordinator.medians import RunningMedian
+from coordinator.privacy import BuiltFrom, Release, RoundPrivacy
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
     PENDING_MARGIN_S,
@@ -69,7 +84,7 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.fedavg import WeightedFold
 from edgefil.durable import npz_bytes, read_npz, write_atomically
-from models.feature_stats import STATISTICS, LayerStatistics, decode_statistics, layer_sizes
+from models.feature_stats import LAYERS, STATISTICS, LayerStatistics, decode_statistics, layer_sizes
 from models.flat_weights import load_flat_weights
 from models.manifest import Manifest, class_head_positions
 from models.sdd import REPLAY, encode_replay
@@ -340,6 +355,29 @@ def merge_replay(held: tuple[np.ndarray, np.ndarray] | None, new: Synthetic, per
     return x[keep], y[keep]
 
 
+def noisy_mean_statistics(statistics: Sequence[dict[str, LayerStatistics] | None], sizes: Mapping[str, int],
+                          clip_norm: float, privacy: RoundPrivacy) -> dict[str, LayerStatistics]:
+    """Central DP's statistics (module docstring, "Under central DP"): each device's means and variances, one
+    vector, clipped to `clip_norm` (L2), summed with Gaussian noise of sd z x `clip_norm` (a SAMPLED mechanism), over
+    the round's selected count; variances below 0 read as 0."""
+    length = 2 * sum(sizes[layer] for layer in LAYERS)
+    total = np.zeros(length)
+    for entry in statistics:
+        if entry is not None:
+            vector = np.concatenate([np.r_[entry[layer].mean, entry[layer].var] for layer in LAYERS]).astype(np.float64)
+            norm = float(np.linalg.norm(vector))
+            total += vector * min(1.0, clip_norm / norm) if norm > 0 else vector
+    mean = privacy.gaussian(total, clip_norm, Release.SAMPLED) / privacy.selected
+    out, at = {}, 0
+    for layer in LAYERS:
+        size = sizes[layer]
+        out[layer] = LayerStatistics(layer, mean[at:at + size].astype(np.float32),
+                                     np.maximum(mean[at + size:at + 2 * size], 0.0).astype(np.float32),
+                                     privacy.selected)
+        at += 2 * size
+    return out
+
+
 class SddCoordinator(Strategy):
     """The coordinator half (module docstring): the rule registered as "sdd"."""
 
@@ -369,6 +407,7 @@ class SddCoordinator(Strategy):
         student_steps: int = 1,
         input_range: tuple[float, float] = (0.0, 1.0),
         statistics_factor: float = 100.0,
+        statistics_clip_norm: float = 10.0,
         seed: int = 0,
         device: torch.device | str = "auto",
         manifest: Manifest | None = None,
@@ -379,6 +418,9 @@ class SddCoordinator(Strategy):
         if not (math.isfinite(statistics_factor) and statistics_factor >= 1):
             raise ValueError(f"statistics_factor must be >= 1, got {statistics_factor}")
         self.statistics_factor = statistics_factor
+        if not (math.isfinite(statistics_clip_norm) and statistics_clip_norm > 0):
+            raise ValueError(f"statistics_clip_norm must be a positive number, got {statistics_clip_norm}")
+        self.statistics_clip_norm = statistics_clip_norm
         if not (math.isfinite(row_bound) and (row_bound == 0 or row_bound >= 1)):
             raise ValueError(f"row_bound must be 0 (off) or >= 1, got {row_bound}")
         self.row_bound = row_bound
@@ -399,11 +441,27 @@ class SddCoordinator(Strategy):
         self.settings.check()
         self.manifest: Manifest = manifest
         self.aggregation, self.replay_per_class, self.timeout_s = aggregation, replay_per_class, generator_timeout_s
+        self.built_from = BuiltFrom.MEAN if aggregation == "fedavg" else BuiltFrom.MORE  # CSWA weighs rows by X~
         self.input_range, self.seed = (low, high), seed
         self.sizes = layer_sizes(manifest.input_shape, manifest.feature_dim)
         self.replay: tuple[np.ndarray, np.ndarray] | None = None
         self.session: tuple[int, np.ndarray, np.ndarray] | None = None  # (task, X~_t, its labels)
         self.job: BackgroundJob[AggregateResult] = BackgroundJob("sdd-generator")
+
+    @classmethod
+    def central_dp_refused(cls, options: Mapping[str, Any]) -> str | None:
+        """Every option runs under central DP (module docstring, "Under central DP")."""
+        return None
+
+    def extra_releases(self, ctx: RoundContext) -> tuple[Release, ...]:
+        """Where the round trains a generator: its teacher, the noised mean of the round's models (unless that is
+        the round's model itself: `aggregation = "fedavg"`), and the noised mean of the devices' statistics (from
+        the second session on, where they count)."""
+        if not self._generates(ctx):
+            return ()
+        teacher = (Release.SAMPLED,) if self.aggregation != "fedavg" else ()
+        statistics = (Release.SAMPLED,) if ctx.task > 0 and self.settings.lambda_statistics > 0 else ()
+        return teacher + statistics
 
     def inspect(self, update: ClientUpdate) -> None:
         """Only feature statistics, of this model's layers."""
@@ -433,6 +491,9 @@ class SddCoordinator(Strategy):
         sent = [] if base else [self._statistics(u) for u in updates]
         statistics = [None] if base else plausible_statistics(sent, self.input_range, self.statistics_factor)
         refused = sum(a is not None and b is None for a, b in zip(sent, statistics))
+        if ctx.privacy is not None:  # the generator learns from released numbers alone
+            teachers, statistics, averaged = self._private_inputs(averaged, sent, ctx.privacy, ctx)
+            refused = 0
 
         def work(deadline: Deadline) -> AggregateResult:
             synthetic = train_generator(
@@ -446,6 +507,23 @@ class SddCoordinator(Strategy):
         if not self.job.start(work, self.timeout_s):
             raise RuntimeError("the previous session's generator still runs")
         return Pending(self.job, self.timeout_s + PENDING_MARGIN_S)
+
+    def _private_inputs(self, averaged: torch.Tensor, sent: list[dict[str, LayerStatistics] | None],
+                        privacy: RoundPrivacy, ctx: RoundContext
+                        ) -> tuple[list[np.ndarray], list[dict[str, LayerStatistics] | None], torch.Tensor]:
+        """Under central DP: the generator's one teacher (the released mean of the round's models: the round's model
+        itself, released here, where the rule is FedAvg), its statistics (their noised mean, or none), and the
+        FedAvg result the round goes on from."""
+        mean = averaged.detach().cpu().numpy()
+        if self.aggregation == "fedavg":
+            averaged = torch.from_numpy(privacy.release(mean)).to(averaged.device)
+            teacher = averaged.detach().cpu().numpy()
+        else:
+            teacher = privacy.mean(mean)
+        statistics: list[dict[str, LayerStatistics] | None] = [None]
+        if ctx.task > 0 and self.settings.lambda_statistics > 0:
+            statistics = [noisy_mean_statistics(sent, self.sizes, self.statistics_clip_norm, privacy)]
+        return [teacher], statistics, averaged
 
     @staticmethod
     def _generates(ctx: RoundContext) -> bool:
