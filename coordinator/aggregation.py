@@ -10,7 +10,8 @@ that is refused, counted as `held-limit` and logged, rather than let the coordin
 
 Under central differential privacy (coordinator/privacy.py) each update's change is clipped as it comes, before
 the guard and the rule, and weighs the same as every other; the rule's result is then released with noise, as that
-module says.
+module says, unless the rule released it itself through its round's `RoundPrivacy` (`RoundContext.privacy`: GLFC
+and SDD build what they send on from the released model).
 
 Under secure aggregation (coordinator/secagg.py) the round gets no update of any one device: each attempt's secure
 session adds the sum of its devices' updates, as one update the rule folds (`add_sum`).

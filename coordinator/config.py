@@ -61,7 +61,8 @@
                 round that would pass it), accountant = "rdp" | "pld", clipping = "fixed" | "adaptive"
                 (clip_norm its start; target_quantile = 0.5, clip_learning_rate = 0.2, clipped_count_stddev =
                 0.0: selected / 20), noise_seed (experiments only: the noise drawn from it, reproducible, and as
-                easily taken back out)
+                easily taken back out). Every rule but pfedgrp (glfc and sdd noise what they send besides the model:
+                docs/security.md)
     [secure_aggregation] the coordinator learns only the sum of a round's updates (coordinator/secagg.py): mode =
                 "off" | "secagg+", degree = 0 (each device's neighbours; 0: 2 ceil(log2 n) + 2), threshold = 0.5 (the
                 share of a device's neighbours that reconstruct its secrets, above it: a majority), clip_range = 4.0

@@ -3,6 +3,7 @@ values, its detector on real digits, its memory, its steps on every backend, the
 reconstruction, and a fleet with the proxy through a real broker."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import Counter
@@ -541,6 +542,33 @@ def test_a_glfc_fleet_with_the_proxy_runs_through_a_real_broker_with_a_device_jo
         assert metrics["relation_distillation"] == 1.0
     assert any("dev-2" in h["received"] for h in history[1:])
     assert devices["dev-2"].broadcasts_received >= 1
+
+
+@needs_broker
+def test_a_glfc_fleet_under_central_dp_counts_the_proxys_choice_against_its_budget(tmp_path, artifacts):
+    """Through a real broker, every device in every round (rate 1), z = 2: a round is one Gaussian mechanism and
+    the proxy's choice at a task's last round another. The budget lies between the epsilon of three mechanisms and
+    of four: round 1 (one) and round 2 (two, with the choice) run, and round 3 would make four, so the run ends
+    before it. Were the choice not counted, round 3 would fit."""
+    from coordinator.privacy import Accountant, PrivacySettings
+
+    settings = PrivacySettings(mode="central", clip_norm=1.0, noise_multiplier=2.0)
+    spent = []
+    for mechanisms in (3, 4):
+        accountant = Accountant(settings)
+        accountant.add(1.0, mechanisms)
+        spent.append(accountant.epsilon())
+    device = {"store": {"max_samples": 60}, "policy": {"name": "glfc", **OPTIONS}}
+    strategy = {"name": "glfc", "gamma": "glfc_mlp", "lbfgs_iterations": 10}
+    with ThreadFederation(tmp_path, artifacts, device, tasks=2) as federation:
+        results = federation.coordinator(strategy, rounds_per_task=2, privacy=dataclasses.replace(
+            settings, epsilon_budget=sum(spent) / 2)).run()
+    assert results["outcome"].startswith("privacy-budget"), results["outcome"]
+    assert results["rounds_completed"] == 2
+    first, last = (entry["privacy"] for entry in results["history"])
+    assert "further_rates" not in first and last["further_rates"] == [1.0]
+    assert results["epsilon"] == pytest.approx(spent[0])
+    assert results["history"][1]["rule_metrics"]["proxy"]["monitor_samples"] > 0  # the choice read reconstructions
 
 
 @needs_broker
