@@ -16,6 +16,12 @@ epochs of SGD at lr 0.1 on the portable backend, the same device budget M. Colum
 - `sdd-target`: SDD with TARGET's adversarial sign (omega = 1 where teacher and student agree);
 - `sdd-bias-cswa`: SDD with the new classes' biases scaled with their rows by CSWA (the paper's W_new is weights
   only: by default the biases are averaged with W_old);
+- `sdd-central-dp`, `sdd-fedavg-central-dp`: SDD and SDD without CSWA under central DP (`[privacy] mode =
+  "central"`, clip `DP_CLIP`, noise multiplier `DP_SIGMA`, its noise from the seed), with no guard check that
+  compares updates (the guard off: with one, the mean is noised as a whole). The generator learns from the released
+  mean and the devices' noised mean statistics (coordinator/strategies/sdd.py); CSWA's rows are noised as a whole
+  (sd 2 z C), FedAvg's mean as a sum (sd z C / 5). With 5 devices the mean's noise is z C sqrt(P) / 5 long against a
+  change no longer than C: what user-level DP costs a fleet this small;
 - `finetune-paper`: the paper's Finetune+FL: fine-tuning at SDD's two rates (the new head at lr, the rest at
   1e-3 lr), no replay, FedAvg;
 - `finetune`: plain FedAvg fine-tuning (no replay, every parameter at lr);
@@ -58,13 +64,25 @@ METHODS: dict[str, dict[str, Any]] = {
     "sdd-target": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "adversarial_sign": "target", **GENERATOR}},
     "sdd-bias-cswa": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", "new_bias": "cswa", **GENERATOR}},
     "finetune": {"policy": {"name": "none"}, "strategy": {"name": "fedavg"}},
+    "sdd-central-dp": {"policy": {"name": "sdd"}, "strategy": {"name": "sdd", **GENERATOR}, "central_dp": True},
+    "sdd-fedavg-central-dp": {"policy": {"name": "sdd"},
+                              "strategy": {"name": "sdd", "aggregation": "fedavg", **GENERATOR}, "central_dp": True},
     "finetune-paper": {"policy": {"name": "sdd", "replay": "none", "send_statistics": False},
                        "strategy": {"name": "fedavg"}},
     "refed": {"policy": {"name": "refed"}, "strategy": {"name": "fedavg"}},
 }
 DEFAULT_METHODS = ("sdd", "sdd-ce", "sdd-fedavg", "finetune-paper", "finetune", "refed")
+DP_CLIP, DP_SIGMA = 1.0, 1.0  # the central DP columns' clip and noise multiplier (privacy.py's defaults)
 BUDGET_BYTES = 256 * 1024  # M for every method: SDD's replay set takes at most half (replay_share)
 EPOCHS, LR, DEVICES = 10, 0.1, 5
+
+
+def central_dp(seed: int) -> dict[str, Any]:
+    """A central DP column's coordinator tables: DP at `DP_SIGMA`, its noise from the seed; the guard off."""
+    from coordinator.guard_settings import OFF
+
+    return {"privacy": {"mode": "central", "clip_norm": DP_CLIP, "noise_multiplier": DP_SIGMA, "noise_seed": seed},
+            "guard": dict(OFF)}
 
 
 def run_one(scenario: str, method: str, alpha: float, seed: int, out: Path) -> dict[str, Any]:
@@ -86,7 +104,8 @@ def run_one(scenario: str, method: str, alpha: float, seed: int, out: Path) -> d
         policy=spec["policy"], store=StoreSettings(max_bytes=BUDGET_BYTES),
         trainer=TrainerSettings(backend="portable", optimizer="sgd", lr=LR), client={"epochs": EPOCHS},
         strategy=strategy, coordinator={"rounds_per_task": 1, "min_clients": DEVICES, "deadline_s": 900.0,
-                                        "wait_for_devices_s": 120.0, "host": {"epochs": 20, "seed": seed}},
+                                        "wait_for_devices_s": 120.0, "host": {"epochs": 20, "seed": seed},
+                                        **(central_dp(seed) if spec.get("central_dp") else {})},
     )
     started = time.perf_counter()
     results = Fleet(config).run()
@@ -100,7 +119,7 @@ def run_one(scenario: str, method: str, alpha: float, seed: int, out: Path) -> d
         "seen_accuracy": seen, "average": float(np.mean(seen)), "wall_s": time.perf_counter() - started,
         "generator_s": [h.get("rule_metrics", {}).get("generator", {}).get("generator_s") for h in history],
         "held_bytes": max((m.get("stored_bytes", 0) for h in history for m in h["metrics"].values()), default=0),
-        "rounds": results["rounds_completed"],
+        "rounds": results["rounds_completed"], "epsilon": results.get("epsilon"),
     }
     (out / "fewshot.json").write_text(json.dumps(record, indent=1))
     return record
@@ -170,8 +189,10 @@ def report(jobs: list, methods: list[str], alphas: list[float]) -> None:
             seen = np.array([r["seen_accuracy"] for r in runs]) * 100
             avg = np.array([r["average"] for r in runs]) * 100
             cells = " ".join(f"{m:5.1f}" for m in seen.mean(0))
+            spent = [r["epsilon"] for r in runs if r.get("epsilon") is not None]
             print(f"  {method:15s} {cells} | avg {avg.mean():5.1f} ± {avg.std(ddof=1) if len(avg) > 1 else 0:4.1f}"
-                  f"  (n={len(runs)}, held ≤ {max(r['held_bytes'] for r in runs) / 1024:.0f} KiB)")
+                  f"  (n={len(runs)}, held ≤ {max(r['held_bytes'] for r in runs) / 1024:.0f} KiB"
+                  f"{f', epsilon {np.mean(spent):.3g} at delta 1e-5' if spent else ''})")
             split = np.array([old_and_new(r) for r in runs]).mean(0) * 100  # (sessions - 1, 2)
             print(f"  {'':15s} old/new classes after each session: "
                   + "  ".join(f"{o:4.1f}/{n:4.1f}" for o, n in split))

@@ -18,6 +18,10 @@ could only be noised as a whole, 2m times more). The columns:
 - `no-guard` and `secagg`: FedAvg with every check of the guard off (secure aggregation runs with none: each judges
   one update, which the coordinator no longer sees), without and with `[secure_aggregation] mode = "secagg+"`
   (coordinator/secagg.py), paired against each other: what secure aggregation costs in accuracy (its quantisation);
+- `<rule>`, `<rule>-dp-sigma-<z>` and `<rule>-adaptive-sigma-<z>` for each rule of `--rules` (`glfc`: table1's
+  GLFC, the proxy included): the method without DP and under central DP at each z of `--rule-sigmas`, fixed and
+  adaptive clipping, each paired against the method's own column (what central DP costs it: the mean's noise and,
+  for GLFC, the proxy's noisy choice of each task's old model);
 - `local-sigma-<z>`: local DP on every device (edge_client/privacy.py: its change clipped to the clip, noise of sd
   z x 2 clip added before it leaves) at each z of `--local-sigmas`, with FedAvg. Its mean carries noise of sd
   2 z clip / sqrt(selected) a weight, far longer than the model: the coordinator's check of exploded models
@@ -46,7 +50,8 @@ longer than the clip: DP-FedAvg needs many devices a round to learn at a useful 
 
     .venv/bin/python benchmarks/privacy.py [--scenarios digits-class] [--seeds 0,1,2] [--devices 100]
         [--fraction 1.0] [--rounds-per-task 3] [--sigmas 0.3,1,3] [--adaptive-sigmas 1] [--median-sigmas 1]
-        [--local-sigmas 1] [--clip 1.0] [--parallel 1] [--out runs/privacy]
+        [--local-sigmas 1] [--clip 1.0] [--rules glfc] [--rule-sigmas 1] [--columns no-dp,...] [--parallel 1]
+        [--out runs/privacy]
         [--parts accuracy,secure-cost] [--secure-sizes 10,100,1000] [--secure-rounds 3] [--secure-per-device 10]
 """
 from __future__ import annotations
@@ -60,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from table1 import METHODS as TABLE1_METHODS
 from table1 import RANDOM, STRATEGY, Job, finals_of, plan, print_paired, print_table, run_jobs
 
 from coordinator.guard_settings import OFF as GUARD_OFF
@@ -98,6 +104,25 @@ def methods(sigmas: list[float], adaptive: list[float], median: list[float], loc
             **({UNGUARDED: {"policy": RANDOM, "strategy": STRATEGY, "coordinator": {"guard": dict(GUARD_OFF)}},
                 SECURED: {"policy": RANDOM, "strategy": STRATEGY,
                           "coordinator": {"guard": dict(GUARD_OFF), **SECURE}}} if secure else {})}
+
+
+def rule_columns(rules: list[str], sigmas: list[float], clip: float) -> dict[str, dict[str, Any]]:
+    """Each rule's columns (the module's docstring): table1's method as it is, and under central DP."""
+    columns: dict[str, dict[str, Any]] = {}
+    for rule in rules:
+        spec = TABLE1_METHODS[rule]
+        columns[rule] = spec
+        for sigma in sigmas:
+            for clipping in ("fixed", "adaptive"):
+                privacy = {"mode": "central", "clip_norm": clip, "noise_multiplier": sigma, "clipping": clipping}
+                name = f"{rule}-{'dp' if clipping == 'fixed' else 'adaptive'}-sigma-{sigma:g}".replace(".", "_")
+                columns[name] = {**spec, "coordinator": {**spec.get("coordinator", {}), "privacy": privacy}}
+    return columns
+
+
+def own_baseline(column: str, rules: list[str]) -> str:
+    """What a column is paired against: its rule's column without DP, or FedAvg's."""
+    return next((rule for rule in rules if column.startswith(f"{rule}-")), BASELINE)
 
 
 def seeded_noise(job: Job) -> Job:
@@ -369,6 +394,9 @@ def main() -> None:
     parser.add_argument("--median-sigmas", default="1", help="the median's DP columns ('': none, nor the median)")
     parser.add_argument("--local-sigmas", default="1", help="local DP's columns ('': none)")
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--rules", default="", help="methods of table1 run without DP and under central DP ('glfc')")
+    parser.add_argument("--rule-sigmas", default="1", help="the rules' DP columns' noise multipliers")
+    parser.add_argument("--columns", default="", help="only these columns ('': every one)")
     parser.add_argument("--parallel", type=int, default=1, help="fleet runs at a time (each takes about 2 cores)")
     parser.add_argument("--out", default="runs/privacy")
     parser.add_argument("--parts", default="accuracy,secure-cost", help="accuracy, secure-cost, or both")
@@ -387,8 +415,12 @@ def main() -> None:
     args.backend, args.epochs, args.lr = None, None, None
     args.scenario_option, args.learner_option, args.guard_option = [], [], PER_UPDATE_GUARD
     seeds = [int(s) for s in args.seeds.split(",")]
-    columns = methods(floats(args.sigmas), floats(args.adaptive_sigmas), floats(args.median_sigmas),
-                      floats(args.local_sigmas), args.clip)
+    rules = [rule for rule in args.rules.split(",") if rule]
+    columns = {**methods(floats(args.sigmas), floats(args.adaptive_sigmas), floats(args.median_sigmas),
+                         floats(args.local_sigmas), args.clip),
+               **rule_columns(rules, floats(args.rule_sigmas), args.clip)}
+    if args.columns:
+        columns = {name: columns[name] for name in args.columns.split(",")}
     print(f"central DP: {args.devices} devices, fraction {args.fraction}, {args.rounds_per_task} rounds a task, "
           f"clip {args.clip}, seeds {seeds}")
     for scenario in args.scenarios.split(","):
@@ -403,14 +435,14 @@ def main() -> None:
             last = [r["privacy"] for r in done if r.get("privacy")]
             local = [r["local_epsilon"] for r in done if r.get("local_epsilon") is not None]
             text = (f"{np.mean(local):.3g} (local: the largest a device spent)" if local else "no DP"
-                    if method in (BASELINE, "median") else (f"{np.mean(spent):.3g}" if spent else "—"))
+                    if method in (BASELINE, "median", *rules) else (f"{np.mean(spent):.3g}" if spent else "—"))
             if last:
                 text += (f"   {last[0]['calibration']}: clip {np.mean([p['clip_norm'] for p in last]):.3g}, noise sd "
                          f"{np.mean([p['noise_sd'] for p in last]):.3g}")
             print(f"    {method:22s} {text}")
         for method in columns:
-            if method != BASELINE and finals_of(jobs, results):
-                print_paired(method, BASELINE, finals)
+            if method not in (BASELINE, *rules) and finals_of(jobs, results):
+                print_paired(method, own_baseline(method, rules), finals)
         if SECURED in columns and finals_of(jobs, results):
             print_paired(SECURED, UNGUARDED, finals)  # the same guard (none): what secure aggregation itself costs
         print("  membership inference on the last global model (loss threshold; AUC 0.5: no better than a coin), "
