@@ -223,6 +223,7 @@ class CentralPrivacy:
         run under central DP at all is its own to say (`Strategy.central_dp_refused`), asked before this."""
         self.settings = settings
         self.how = calibration(built_from, comparing)
+        self.mean_how = calibration(BuiltFrom.MEAN, comparing)  # a rule's own release of the updates' mean
         self.clip_norm = settings.clip_norm  # C of the next round
         self.accountant = Accountant(settings)
         for entry in history:
@@ -364,11 +365,13 @@ class RoundPrivacy:
         return values + self.rng.normal(0.0, self.multiplier * sensitivity, size=np.shape(values))
 
     def mean(self, result: np.ndarray) -> np.ndarray:
-        """The mean of the round's kept clipped updates (`result`), released as the model's sum is, with noise of
-        sd z C / selected: a SAMPLED mechanism of its own."""
+        """The mean of the round's kept clipped updates (`result`), released as a mean rule's model is (sd z C /
+        selected; behind a guard that compares updates, its change clipped to C and sd 2 z C): a SAMPLED mechanism
+        of its own."""
         self._take(Release.SAMPLED)
-        sd = self.multiplier * self.clip_norm / self.selected
-        return released(self.global_weights, result, self.kept, self.selected, self.clip_norm, sd, SUM, self.rng)
+        how = self.central.mean_how
+        sd = self.multiplier * (self.clip_norm / self.selected if how == SUM else 2 * self.clip_norm)
+        return released(self.global_weights, result, self.kept, self.selected, self.clip_norm, sd, how, self.rng)
 
     def _take(self, release: Release) -> None:
         if release not in self._left:

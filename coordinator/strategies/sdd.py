@@ -359,7 +359,8 @@ def noisy_mean_statistics(statistics: Sequence[dict[str, LayerStatistics] | None
                           clip_norm: float, privacy: RoundPrivacy) -> dict[str, LayerStatistics]:
     """Central DP's statistics (module docstring, "Under central DP"): each device's means and variances, one
     vector, clipped to `clip_norm` (L2), summed with Gaussian noise of sd z x `clip_norm` (a SAMPLED mechanism), over
-    the round's selected count; variances below 0 read as 0."""
+    the round's selected count (a device that sent none adds zero: whether one did is not looked at, so a fleet
+    whose devices send none should set lambda_statistics = 0); variances below 0 read as 0."""
     length = 2 * sum(sizes[layer] for layer in LAYERS)
     total = np.zeros(length)
     for entry in statistics:
