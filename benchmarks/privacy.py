@@ -18,10 +18,11 @@ could only be noised as a whole, 2m times more). The columns:
 - `no-guard` and `secagg`: FedAvg with every check of the guard off (secure aggregation runs with none: each judges
   one update, which the coordinator no longer sees), without and with `[secure_aggregation] mode = "secagg+"`
   (coordinator/secagg.py), paired against each other: what secure aggregation costs in accuracy (its quantisation);
-- `<rule>`, `<rule>-dp-sigma-<z>` and `<rule>-adaptive-sigma-<z>` for each rule of `--rules` (`glfc`: table1's
-  GLFC, the proxy included): the method without DP and under central DP at each z of `--rule-sigmas`, fixed and
-  adaptive clipping, each paired against the method's own column (what central DP costs it: the mean's noise and,
-  for GLFC, the proxy's noisy choice of each task's old model);
+- `<rule>`, `<rule>-clip-only`, `<rule>-dp-sigma-<z>` and `<rule>-adaptive-sigma-<z>` for each rule of `--rules`
+  (`glfc`: table1's GLFC, the proxy included): the method without DP, with the clip alone (as `clip-only`), and
+  under central DP at each z of `--rule-sigmas`, fixed and adaptive clipping, each paired against the method's own
+  column (what central DP costs it: the clip, the mean's noise and, for GLFC, the proxy's noisy choice of each
+  task's old model);
 - `local-sigma-<z>`: local DP on every device (edge_client/privacy.py: its change clipped to the clip, noise of sd
   z x 2 clip added before it leaves) at each z of `--local-sigmas`, with FedAvg. Its mean carries noise of sd
   2 z clip / sqrt(selected) a weight, far longer than the model: the coordinator's check of exploded models
@@ -112,6 +113,8 @@ def rule_columns(rules: list[str], sigmas: list[float], clip: float) -> dict[str
     for rule in rules:
         spec = TABLE1_METHODS[rule]
         columns[rule] = spec
+        clip_only = {"mode": "central", "clip_norm": clip, "noise_multiplier": CLIP_ONLY_SIGMA}
+        columns[f"{rule}-clip-only"] = {**spec, "coordinator": {**spec.get("coordinator", {}), "privacy": clip_only}}
         for sigma in sigmas:
             for clipping in ("fixed", "adaptive"):
                 privacy = {"mode": "central", "clip_norm": clip, "noise_multiplier": sigma, "clipping": clipping}
