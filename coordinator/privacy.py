@@ -330,22 +330,20 @@ class RoundPrivacy:
 
     def __init__(self, central: CentralPrivacy, global_weights: np.ndarray, kept: int, count: RoundCount,
                  number: int, declared: Sequence[Release] = ()) -> None:
-        self.central, self.global_weights, self.kept, self.count, self.number = central, global_weights, kept, count, \
-            number
+        self.central, self.global_weights, self.kept, self.count = central, global_weights, kept, count
+        self.number = number
         self.declared = tuple(declared)
         self._left = list(declared)
         self.spent: dict[str, Any] | None = None  # the history's record of the release, once it ran
         self.rng = central.rule_rng(number)
+        # C of the round, the longest change one device's update makes (an adaptive release moves the central one on
+        # to the next round's)
+        self.clip_norm = central.clip_norm
 
     @property
     def multiplier(self) -> float:
         """z: every further mechanism's noise over its sensitivity."""
         return self.central.settings.noise_multiplier
-
-    @property
-    def clip_norm(self) -> float:
-        """C of the round: the longest change one device's update makes."""
-        return self.central.clip_norm
 
     @property
     def selected(self) -> int:

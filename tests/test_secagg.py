@@ -24,7 +24,7 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.guard_settings import GuardSettings
 from coordinator.privacy import BuiltFrom
 from coordinator.secagg import LIES, SecureAggregationSettings, SecureSum, neighbourhoods, secure_refused
-from coordinator.strategies import make_strategy
+from coordinator.strategies import make_strategy, secure_aggregation_refused
 from edge_client.device import secure_round
 from edge_client.policies import make_policy
 from edge_client.secagg import SecureRoundSettings, SecureUpload
@@ -150,6 +150,8 @@ def test_only_a_mean_rule_runs_under_secure_aggregation() -> None:
     assert secure_refused(SETTINGS, "fedavg", BuiltFrom.MEAN) is None
     assert "needs each update" in secure_refused(SETTINGS, "median", BuiltFrom.WEIGHTS)
     assert secure_refused(SecureAggregationSettings(), "median", BuiltFrom.WEIGHTS) is None
+    for reads_attachments in ("glfc", "sdd", "pfedgrp"):  # GLFC's global model is a mean, but it reads more
+        assert "needs each update" in secure_aggregation_refused(SETTINGS, reads_attachments)
 
 
 def test_the_wire_refuses_a_masked_blob_of_floats_and_short_keys() -> None:
