@@ -8,11 +8,18 @@ wire.encode_blob as a device does) and writes their chunks into a pipe, `--concu
 interleaved, as uploads that overlap on the broker arrive; the coordinator process reads them, so its memory is
 its own. Peak is the process's peak RSS above its RSS just before the round, in MiB.
 
+Beside the memory, each cell gives the coordinator process's CPU per update (its user and system time from the
+round's first chunk to its close, over the updates used: the gate's checks and reassembly, the guard's bounds, the
+fold) and the round's close time (the bounds and the rule on what the round held, then the result): what one
+coordinator process costs as N grows, the baseline that issue 60's inbox workers are to divide. The producer's
+encoding runs in its own process and is not counted.
+
 Rules: `fedavg` (folds: the round's memory should not grow with N), `fedavg-held` (the baseline: the same rule
 made to hold the whole round without a bound, as the coordinator did before it streamed), `median` (needs every update: holds them up
 to `--max-held-mib`, refusing the rest as `held-limit`).
 
     .venv/bin/python benchmarks/coordinator_memory.py [--parameters 1000000] [--counts 100,1000] [--concurrent 8]
+        [--rules fedavg,fedavg-held,median]
 """
 from __future__ import annotations
 
@@ -94,7 +101,7 @@ def cell(rule: str, count: int, parameters: int, concurrent: int, max_held_mib: 
     producer.start()
     send.close()
     before = rss_mib()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     held = max_held_mib << 20 if rule != "fedavg-held" else 1 << 62  # the baseline: as before, no bound
     aggregate = RoundAggregate(ContainedStrategy(strategy, counters), UpdateBounds(), global_weights, counters, held)
     while message := receive.recv_bytes():
@@ -102,12 +109,15 @@ def cell(rule: str, count: int, parameters: int, concurrent: int, max_held_mib: 
         event = inbox.accept(topics.from_device(FLEET, device.decode(), "update"), chunk)
         if isinstance(event, Update):
             aggregate.add(ClientUpdate(event.device, event.weights, event.num_samples, event.metrics))
+    closing = time.perf_counter()
     aggregate.close()
-    elapsed = time.perf_counter() - started
+    closed = time.perf_counter()
+    cpu = time.process_time() - cpu_started
     producer.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"peak_mib": peak - before, "used": len(aggregate.used), "held_limit": counters["held-limit"],
-            "seconds": elapsed, "rejections": sum(inbox.rejections.values())}
+            "seconds": closed - started, "rejections": sum(inbox.rejections.values()),
+            "cpu_ms_per_update": 1000 * cpu / max(len(aggregate.used), 1), "close_s": closed - closing}
 
 
 def main() -> None:
@@ -127,10 +137,11 @@ def main() -> None:
     model_mib = args.parameters * 4 / 2**20
     print(f"model {args.parameters} parameters ({model_mib:.1f} MiB), {args.concurrent} uploads overlapping, "
           f"max_held_mib {args.max_held_mib}; peak RSS above the start of the round, MiB")
-    print(f"{'rule':12s}" + "".join(f" {'N=' + str(c):>10s} {'models':>7s} {'used':>5s} {'s':>6s}" for c in counts)
+    print(f"{'rule':12s}" + "".join(f" {'N=' + str(c):>10s} {'models':>7s} {'used':>6s} {'s':>6s}" for c in counts)
           + f" {'ratio':>7s}")
+    cpu_rows = []
     for rule in args.rules.split(","):
-        row, peaks = f"{rule:12s}", []
+        row, peaks, cpu_row = f"{rule:12s}", [], f"{rule:12s}"
         for count in counts:
             done = subprocess.run([sys.executable, __file__, "--cell", f"{rule}:{count}",
                                    "--parameters", str(args.parameters), "--concurrent", str(args.concurrent),
@@ -138,9 +149,14 @@ def main() -> None:
                                   capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.splitlines()[-1])
             peaks.append(result["peak_mib"])
-            row += (f" {result['peak_mib']:10.1f} {result['peak_mib'] / model_mib:7.1f} {result['used']:5d} "
+            row += (f" {result['peak_mib']:10.1f} {result['peak_mib'] / model_mib:7.1f} {result['used']:6d} "
                     f"{result['seconds']:6.1f}")
+            cpu_row += f" {result['cpu_ms_per_update']:13.3f} {result['close_s']:9.3f}"
         print(row + f" {peaks[-1] / peaks[0]:7.2f}", flush=True)
+        cpu_rows.append(cpu_row)
+    print("\nthe coordinator's CPU per update used (ms: the gate, the guard, the fold) and the round's close (s)")
+    print(f"{'rule':12s}" + "".join(f" {'N=' + str(c) + ' ms':>13s} {'close s':>9s}" for c in counts))
+    print("\n".join(cpu_rows))
 
 
 if __name__ == "__main__":
