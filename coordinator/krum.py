@@ -14,7 +14,7 @@ import torch
 from coordinator.compute import distance
 from coordinator.influence import HeadLayout, claimed_classes
 from coordinator.strategies.base import ClientUpdate
-from coordinator.strategies.robust import squared_distances
+from coordinator.strategies.robust import DistancesTo, squared_distances
 
 log = logging.getLogger("edgefil.coordinator")
 CPU = torch.device("cpu")
@@ -54,6 +54,13 @@ def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None
     every = list(updates) + ([] if others is None else columns)
     full = squared_distances([u.weights for u in every], CPU).numpy()
     distances = full[:rows, :rows] if others is None else full[:rows, rows:]
+    return without_claimed_rows(distances, updates, columns, heads)
+
+
+def without_claimed_rows(distances: np.ndarray, updates: Sequence[ClientUpdate], columns: Sequence[ClientUpdate],
+                         heads: HeadLayout | None) -> np.ndarray:
+    """`compared_distances`' whole squared distances (a row an update, a column one of `columns`) less what the head
+    rows of the classes either of a pair claims contribute; as they are with `heads` None."""
     if heads is None:
         return distances
     distances = distances.copy()
@@ -102,6 +109,7 @@ class KrumSelection:
         self.floor = floor  # `krum_floor`, in the round's median distances from the global model
         self.heads = heads  # None: whole updates compared (`krum_compare = "whole"`)
         self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
+        self._distances_to: DistancesTo | None = None  # a later update's distances to them (None: streamed)
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
         self.claimed: set[int] = set()  # the classes any of them claims
@@ -127,6 +135,8 @@ class KrumSelection:
             self._refused(first[k], counters)
         if len(kept) >= 2:
             self.neighbours = kept
+            size = kept[0].weights.size
+            self._distances_to = DistancesTo([u.weights for u in kept]) if DistancesTo.fits(len(kept), size) else None
             distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
             self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
         return kept + [u for u in updates[self.hold:] if self.takes(u, counters)]
@@ -136,7 +146,11 @@ class KrumSelection:
         lies beyond reach of them."""
         if not self.neighbours:
             return True
-        distances = compared_distances([update], self.heads, others=self.neighbours)
+        if self._distances_to is not None:
+            distances = without_claimed_rows(self._distances_to(update.weights)[None, :], [update], self.neighbours,
+                                             self.heads)
+        else:
+            distances = compared_distances([update], self.heads, others=self.neighbours)
         if float(scored(distances, self._nearest(), among_themselves=False)[0]) <= self.worst:
             return True
         if self._within_reach(update):

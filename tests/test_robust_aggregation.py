@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from coordinator.guard_settings import GuardSettings
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
-from coordinator.strategies.robust import sorted_mean, squared_distances
+from coordinator.strategies.robust import DistancesTo, sorted_mean, squared_distances
 from edgefil.settings import ConfigError
 
 # the bounds that clip and cap, without free-rider check or Krum selection (the defaults: the tests below)
@@ -285,6 +286,45 @@ def test_squared_distances_are_numpys(device):
     got = squared_distances(list(w), torch.device(device)).cpu().numpy()
     np.testing.assert_allclose(got, ((w[:, None, :] - w[None, :, :]).astype(np.float64) ** 2).sum(-1), rtol=1e-4,
                                atol=1e-6)
+
+
+def test_distances_to_the_kept_updates_are_squared_distances_rows():
+    rng = np.random.default_rng(7)
+    kept = list((rng.standard_normal((5, 300)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32))
+    later = (rng.standard_normal(300) * 3).astype(np.float32)
+    full = squared_distances([later, *kept], torch.device("cpu")).numpy()
+    np.testing.assert_allclose(DistancesTo(kept)(later), full[0, 1:], rtol=1e-9, atol=1e-9)
+    assert DistancesTo.fits(4, 1 << 20, limit=32 << 20) and not DistancesTo.fits(5, 1 << 20, limit=32 << 20)
+
+
+@pytest.mark.parametrize("compare", ["whole", "classes"])
+def test_a_streamed_round_selects_the_same_with_the_kept_updates_distances_cached_or_not(compare, monkeypatch):
+    """A later update is compared with the kept ones through their cached rows (`DistancesTo`) where they fit, else
+    streamed again: the same updates are taken and named either way, the heads' rows left out as with one Gram."""
+    rng = np.random.default_rng(8)
+    heads = HeadLayout(tuple(np.arange(30 + 2 * c, 32 + 2 * c) for c in range(5)))
+    spread = np.linspace(0.2, 1.0, 30)[:, None]
+    deltas = np.concatenate([rng.normal(1.0, 0.1, 40) + rng.normal(0.0, 1.0, (30, 40)) * spread,
+                             -rng.normal(1.0, 0.3, (3, 40))])[rng.permutation(33)]
+    claims = [{int(c) for c in rng.choice(5, 2, replace=False)} for _ in range(33)]
+    rounds = [[ClientUpdate(f"d{k}", d.astype(np.float32), 10, trained_counts=[(0, c, 5) for c in claim])
+               for k, (d, claim) in enumerate(zip(deltas, claims))] for _ in range(2)]
+    outcomes = []
+
+    def taken_by(taken: list[str]) -> Callable[[ClientUpdate], None]:
+        return lambda update: taken.append(update.device)
+
+    for cached, updates in zip((True, False), rounds):
+        monkeypatch.setattr(DistancesTo, "fits", staticmethod(lambda count, size, cached=cached: cached))
+        taken: list[str] = []
+        counters: Counter[str] = Counter()
+        bounds = UpdateBounds(hold=8, krum_compare=compare, krum_radius=0.0)  # no update taken back: Krum decides
+        stream = bounds.stream(np.zeros(40, np.float32), taken_by(taken), counters, heads=heads)
+        for update in updates:
+            stream.add(update)
+        stream.close()
+        outcomes.append((taken, counters))
+    assert outcomes[0] == outcomes[1] and outcomes[0][1]["krum-outlier"] > 2  # later updates named too
 
 
 def test_krum_selection_refuses_the_quarter_farthest_from_their_neighbours_and_fedavg_over_the_rest_is_multi_krum():

@@ -40,6 +40,7 @@ from coordinator.strategies.base import (
 from models.manifest import Manifest
 
 BLOCK_VALUES = 1 << 22  # 16 MiB of float32 per block: the column count is this over the number of updates
+DISTANCE_CACHE_BYTES = 1 << 28  # `DistancesTo` keeps its float64 rows up to 256 MiB (8 LeNets' 0.25 MiB each: 2 MiB)
 
 
 def sorted_mean(updates: Sequence[np.ndarray], trim: int, device: torch.device,
@@ -125,6 +126,27 @@ def squared_distances(updates: Sequence[np.ndarray], device: torch.device) -> to
         gram += wide @ wide.T
     norms = torch.diagonal(gram)
     return (norms[:, None] + norms[None, :] - 2 * gram).clamp_(min=0)
+
+
+class DistancesTo:
+    """Squared distances from any update to a fixed set of `others`, in float64, each in O(len(others) x P): their
+    float64 rows and squared norms are kept once, where a later update's (k + 1)-row Gram would cost (k + 1)^2 P and
+    convert every row again. The guard's Krum compares each later update of a round with the same first ones this
+    way. Kept only while the rows fit in `limit` bytes (`fits`); past it, `squared_distances` streams."""
+
+    def __init__(self, others: Sequence[np.ndarray]) -> None:
+        self.rows = np.stack([np.asarray(other, dtype=np.float64) for other in others])
+        self.norms = np.einsum("ij,ij->i", self.rows, self.rows)
+
+    @staticmethod
+    def fits(count: int, size: int, limit: int = DISTANCE_CACHE_BYTES) -> bool:
+        return count * size * 8 <= limit
+
+    def __call__(self, update: np.ndarray) -> np.ndarray:
+        """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form)."""
+        wide = np.asarray(update, dtype=np.float64)  # einsum, on this thread (compute.distance says why not BLAS)
+        products = np.einsum("ij,j->i", self.rows, wide)
+        return np.maximum(self.norms + float(np.einsum("i,i->", wide, wide)) - 2 * products, 0.0)
 
 
 class CenteredClipping(Strategy):
