@@ -143,6 +143,7 @@ from coordinator.krum import KrumSelection
 from coordinator.medians import RunningMedian, RunningTypical, typical
 from coordinator.reference import ClassReference, LossChange
 from coordinator.strategies.base import ClientUpdate
+from coordinator.strategies.robust import DistancesTo
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -388,32 +389,46 @@ class UpdateBounds(GuardSettings):
                             first[k].device, copies, copies - 1)
                 shared[k] = dataclasses.replace(first[k], num_samples=first[k].num_samples // copies)
         taken = [(first[k], moved[k]) for k in claiming]
-        return shared + [self.copied(u, distance(global_weights, u.weights), taken, counters)
+        rows = self.taken_rows_of(global_weights, taken) if len(updates) > self.hold else None
+        return shared + [self.copied(u, distance(global_weights, u.weights), taken, counters, rows)
                          for u in updates[self.hold:]]
 
-    def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float) -> bool:
+    def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float,
+               apart: float | None = None) -> bool:
         """Whether `a` and `b` (their changes `moved_a`, `moved_b` long) lie within `copy_factor` times the shorter
         change of each other. Two changes' lengths differ by at most the distance between the updates (the triangle
         inequality), so a pair whose lengths differ by more than that bound is no copy, and is not measured: most
         pairs, so a round's copies cost a few distances, not `hold` an update (the margin covers float64's
-        rounding of the lengths, about 1e-15 of them)."""
+        rounding of the lengths, about 1e-15 of them). `apart`: their distance, where the caller has it."""
         bound = self.copy_factor * min(moved_a, moved_b)
         if abs(moved_a - moved_b) > bound * (1 + COPY_MARGIN):
             return False
-        return distance(a.weights, b.weights) <= bound
+        return (distance(a.weights, b.weights) if apart is None else apart) <= bound
 
     def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
-               counters: Counter[str]) -> ClientUpdate:
+               counters: Counter[str], taken_rows: DistancesTo | None = None) -> ClientUpdate:
         """A later update of a stream (`moved`: its change's length), counting none of its samples where it is a
         copy of one taken before it (`taken`: those and their changes' lengths), whose samples count already
-        (`counted_once` for the held ones)."""
-        if not self.copy_factor or update.num_samples <= 0 or not any(
-                u.num_samples > 0 and self.copies(u, update, length, moved) for u, length in taken):
+        (`counted_once` for the held ones). `taken_rows`: `taken`'s cached rows (`taken_rows_of`), which measure
+        the update against all of them at the cost of one distance; None: each pair measured alone."""
+        if not self.copy_factor or update.num_samples <= 0:
+            return update
+        apart = np.sqrt(taken_rows(update.weights)) if taken_rows is not None else None
+        if not any(u.num_samples > 0 and self.copies(u, update, length, moved, None if apart is None else apart[k])
+                   for k, (u, length) in enumerate(taken)):
             return update
         counters["copies"] += 1
         log.warning("update of %s counts none of its samples: it is a copy of one the round took before it",
                     update.device)
         return dataclasses.replace(update, num_samples=0)
+
+    def taken_rows_of(self, global_weights: np.ndarray, taken: Sequence[tuple[ClientUpdate, float]]
+                      ) -> DistancesTo | None:
+        """What `copied` measures a round's later updates against: `taken`'s rows as changes from the global
+        model, where the copy check runs and they fit (`DistancesTo.fits`)."""
+        if not self.copy_factor or not taken or not DistancesTo.fits(len(taken), global_weights.size):
+            return None
+        return DistancesTo([update.weights for update, _ in taken], global_weights)
 
     def bounded(self, global_weights: np.ndarray, update: ClientUpdate, moved: float, cap: float, lower: float,
                 upper: float, counters: Counter[str], reference: ClassReference | None = None,
@@ -604,6 +619,7 @@ class BoundedStream:
         # past the held updates, for the later ones
         self.selection = bounds.selection(reference, heads)
         self.sent: list[tuple[ClientUpdate, float]] = []  # the held updates as sent, and their distances
+        self.sent_rows: DistancesTo | None = None  # their rows, which a later update is measured against at once
 
     def add(self, update: ClientUpdate) -> None:
         moved = distance(self.global_weights, update.weights) if self.bounds.measures_distance else 0.0
@@ -627,7 +643,7 @@ class BoundedStream:
             bounded = self.bounds.referenced(bounded, self.reference, self.counters, self.counts.value(),
                                              self.changes.value(), change)
         if bounded is not None:
-            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters)
+            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters, self.sent_rows)
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:
@@ -653,6 +669,7 @@ class BoundedStream:
         updates = [update for update, _ in held]
         if self.bounds.copy_factor:  # a later copy of one of them counts none of its samples: kept for the round
             self.sent = held
+            self.sent_rows = self.bounds.taken_rows_of(self.global_weights, held)
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection, self.reference, self.path, influence=self.influence,
                                         changes=self.changes):

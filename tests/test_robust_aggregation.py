@@ -543,3 +543,13 @@ def test_a_copy_check_measures_only_the_pairs_whose_lengths_allow_a_copy_and_dec
     expected = [distance(updates[i].weights, updates[j].weights) <= 0.01 * min(moved[i], moved[j]) for i, j in pairs]
     assert decided == expected and 3 <= sum(decided) < len(pairs)
     assert len(measured) < len(pairs) / 4
+    taken = list(zip(updates[:12], moved[:12]))
+    rows = bounds.taken_rows_of(g, taken)
+    assert rows is not None  # a later update measured against every taken one at once decides the same
+    for update, length in zip(updates[12:], moved[12:]):
+        once, alone = Counter[str](), Counter[str]()
+        assert (bounds.copied(update, length, taken, once, rows).num_samples
+                == bounds.copied(update, length, taken, alone).num_samples)
+        assert once == alone
+    later = [bounds.copied(u, m, taken, Counter(), rows).num_samples for u, m in zip(updates[12:], moved[12:])]
+    assert 0 < later.count(0) < len(later)  # copies near the bound on both sides among them

@@ -131,11 +131,15 @@ def squared_distances(updates: Sequence[np.ndarray], device: torch.device) -> to
 class DistancesTo:
     """Squared distances from any update to a fixed set of `others`, in float64, each in O(len(others) x P): their
     float64 rows and squared norms are kept once, where a later update's (k + 1)-row Gram would cost (k + 1)^2 P and
-    convert every row again. The guard's Krum compares each later update of a round with the same first ones this
-    way. Kept only while the rows fit in `limit` bytes (`fits`); past it, `squared_distances` streams."""
+    convert every row again, and k distances one at a time k subtractions. The guard compares each later update of a
+    round with the same first ones this way (Krum's neighbours, the copy check's). `origin`: a point the rows are
+    taken from (the global model), so that the Gram's cancellation is relative to the changes' lengths, not the
+    weights'. Kept only while the rows fit in `DISTANCE_CACHE_BYTES` (`fits`); past it, the callers measure as
+    before."""
 
-    def __init__(self, others: Sequence[np.ndarray]) -> None:
-        self.rows = np.stack([np.asarray(other, dtype=np.float64) for other in others])
+    def __init__(self, others: Sequence[np.ndarray], origin: np.ndarray | None = None) -> None:
+        self.origin = origin
+        self.rows = np.stack([self._from_origin(other) for other in others])
         self.norms = np.einsum("ij,ij->i", self.rows, self.rows)
 
     @staticmethod
@@ -144,9 +148,14 @@ class DistancesTo:
 
     def __call__(self, update: np.ndarray) -> np.ndarray:
         """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form)."""
-        wide = np.asarray(update, dtype=np.float64)  # einsum, on this thread (compute.distance says why not BLAS)
+        wide = self._from_origin(update)  # einsum, on this thread (compute.distance says why not BLAS)
         products = np.einsum("ij,j->i", self.rows, wide)
         return np.maximum(self.norms + float(np.einsum("i,i->", wide, wide)) - 2 * products, 0.0)
+
+    def _from_origin(self, weights: np.ndarray) -> np.ndarray:
+        if self.origin is None:
+            return np.asarray(weights, dtype=np.float64)
+        return np.subtract(weights, self.origin, dtype=np.float64)
 
 
 class CenteredClipping(Strategy):
