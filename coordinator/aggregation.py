@@ -45,7 +45,7 @@ from coordinator.privacy import CentralPrivacy, RoundCount, RoundPrivacy
 from coordinator.reference import ClassReference
 from coordinator.secagg import SecureSum
 from coordinator.strategies import AggregateResult, ClientUpdate, Fold, RoundContext
-from coordinator.strategies.base import OUTSIDE_A_RUN
+from coordinator.strategies.base import OUTSIDE_A_RUN, PartialFold
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -57,6 +57,20 @@ class Used:
     device: str
     num_samples: int
     metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class PartialRound:
+    """One round's aggregation of part of its updates, handed on to the round's own (`RoundAggregate.merge`): an
+    inbox worker's share (coordinator/inbox_workers.py). What its guard and rule counted travel with it."""
+
+    fold: PartialFold | None  # None: it folded no update
+    sound: bool  # False: its fold failed on an update, so the round's aggregate is in doubt
+    used: tuple[Used, ...]
+    counters: Mapping[str, int]
+    from_devices: int  # the updates it was given (central DP counts them) ...
+    within_clip: int  # ... and those central DP's clip left whole
+    seconds: float
 
 
 SECURE_SUM = "secure-sum"  # the device name of a secure session's sum, where a rule sees it as one update
@@ -160,6 +174,46 @@ class RoundAggregate:
         for stage, count in counts.items():
             self.secure_counts[stage] = self.secure_counts.get(stage, 0) + count
         self.refused_sum = reason
+
+    def partial(self) -> PartialRound:
+        """The round's updates so far, bounded and folded, to be merged into the round's own aggregate in another
+        process (`merge`); this one is spent. Only a folding rule's round has one."""
+        if self._fold is None or self._stream is None:
+            raise ValueError(f"the {self.strategy.name} rule holds its rounds: it has no partial aggregate")
+        started = time.perf_counter()
+        self._stream.close()
+        fold = self._fold.partial() if self._sound and self._fold.seen else None
+        self.seconds += time.perf_counter() - started
+        return PartialRound(fold, self._sound, tuple(self.used), dict(self.counters), self._from_devices,
+                            self._within_clip, self.seconds)
+
+    def merge(self, part: PartialRound) -> None:
+        """Another process's share of this round (`partial`), folded in as if its updates had come here; its counts
+        added to the round's. A part the fold cannot take (another model's, a device twice) is refused alone
+        (`partial-refused`); a part whose fold failed leaves the round's aggregate in doubt, as a failed update
+        does here."""
+        started = time.perf_counter()
+        try:
+            self.counters.update(part.counters)
+            self._from_devices += part.from_devices
+            self._within_clip += part.within_clip
+            if self._fold is None:
+                raise ValueError(f"the {self.strategy.name} rule holds its rounds: a partial aggregate is not its")
+            if not part.sound:
+                self._sound = False
+                return
+            if part.fold is None:
+                return
+            try:
+                self._fold.merge(part.fold)
+            except ValueError as err:
+                self.counters["partial-refused"] += 1
+                log.warning("round %d: a partial aggregate of %d updates refused: %s", self.number, len(part.used),
+                            err)
+                return
+            self.used.extend(part.used)
+        finally:
+            self.seconds += time.perf_counter() - started
 
     @property
     def samples(self) -> int:

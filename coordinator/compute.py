@@ -110,6 +110,16 @@ class RunningSum:
             np.multiply(weights[block], coefficient, out=wide, dtype=np.float64)
             np.add(out[block], wide, out=out[block])
 
+    def add_wide(self, total: np.ndarray) -> None:
+        """Another running sum's float64 `total` (`values`), added as it is."""
+        if total.shape != (self.total.numel(),) or total.dtype != np.float64:
+            raise ValueError(f"need {self.total.numel()} flat float64 values, got {total.dtype} {total.shape}")
+        self.total.add_(torch.from_numpy(total).to(self.total.device))
+
+    def values(self) -> np.ndarray:
+        """The float64 total so far, on the host (a copy where it lives on a GPU)."""
+        return self.total.cpu().numpy()
+
     def clear(self) -> None:
         self.total.zero_()
 

@@ -235,8 +235,25 @@ class Strategy(ABC):
         validate_updates first. A `Pending` finishes the round off the coordinator's loop."""
 
 
+@dataclass(frozen=True)
+class PartialFold:
+    """What a fold of part of a round's updates hands on, to be merged into another fold of the same round and
+    rule (`Fold.merge`): an inbox worker's share of the updates, a site's devices. `state` is the rule's own
+    (numpy arrays and numbers: it pickles and crosses a process or the network); `devices` are the updates it
+    took, so that no device counts twice."""
+
+    rule: str
+    size: int
+    devices: frozenset[str]
+    state: Mapping[str, Any]
+
+
 class Fold(ABC):
-    """One round of a rule that aggregates as updates arrive: `add` each update (it is not kept), then `result`."""
+    """One round of a rule that aggregates as updates arrive: `add` each update (it is not kept), then `result`.
+    A fold can also be split: folds of disjoint parts of a round, each handed on as a `partial` and `merge`d into
+    one, give that one's result as if every update had been added to it (to float64 rounding of the sum's order).
+    Every folding rule implements both (`_partial`, `_merge`): it is what lets a round's updates be folded in more
+    than one process (coordinator/inbox_workers.py)."""
 
     def __init__(self, global_weights: torch.Tensor) -> None:
         check_global(global_weights)
@@ -254,11 +271,33 @@ class Fold(ABC):
             raise ValueError("no updates to aggregate")
         return self._result()
 
+    def partial(self) -> PartialFold:
+        """This fold's updates so far, to be merged into another fold of the round (this one is spent)."""
+        return PartialFold(type(self).__name__, self.size, frozenset(self.seen), self._partial())
+
+    def merge(self, part: PartialFold) -> None:
+        """Take another fold's updates of the same round and rule in, as if each had been added here; refused
+        (ValueError) for another rule's or model's part, or one that shares a device with this fold."""
+        if part.rule != type(self).__name__ or part.size != self.size:
+            raise ValueError(f"a {part.rule} part of {part.size} values cannot be merged into a {type(self).__name__} "
+                             f"of {self.size}")
+        twice = self.seen & part.devices
+        if twice:
+            raise ValueError(f"devices folded twice in one round: {sorted(twice)[:5]}")
+        self._merge(part.state)
+        self.seen |= part.devices
+
     @abstractmethod
     def _add(self, update: ClientUpdate) -> None: ...
 
     @abstractmethod
     def _result(self) -> AggregateResult: ...
+
+    @abstractmethod
+    def _partial(self) -> Mapping[str, Any]: ...
+
+    @abstractmethod
+    def _merge(self, state: Mapping[str, Any]) -> None: ...
 
 
 def check_global(global_weights: torch.Tensor) -> None:

@@ -8,8 +8,10 @@ round of 1000 devices costs the memory of one model, not of 1000.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from coordinator.compute import RunningSum
@@ -58,6 +60,20 @@ class WeightedFold(Fold):
 
     def _result(self) -> AggregateResult:
         return AggregateResult(self.sum.divided(self.coefficients))
+
+    def _partial(self) -> dict[str, Any]:
+        return {"sum": self.sum.values(), "coefficients": self.coefficients, "by_samples": self.by_samples}
+
+    def _merge(self, state: Mapping[str, Any]) -> None:
+        """Another fold's sum, under `_add`'s rule: a sample-weighted part replaces a plain mean of sample-less
+        updates here, and a plain part adds nothing to a sample-weighted sum."""
+        if state["by_samples"] and not self.by_samples:
+            self.sum.clear()
+            self.coefficients, self.by_samples = 0.0, True
+        elif self.by_samples and not state["by_samples"]:
+            return
+        self.sum.add_wide(np.asarray(state["sum"], dtype=np.float64))
+        self.coefficients += float(state["coefficients"])
 
 
 class FedAvg(Strategy):
