@@ -125,6 +125,13 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+def inbox_worker_account(coordinator: Credentials, index: int) -> Credentials:
+    """The account of the coordinator's inbox worker `index`: its own name (the broker's client id), the
+    coordinator's password."""
+    return Credentials(topics.check_name(f"{coordinator.username}-inbox-{index}", "inbox worker"),
+                       coordinator.password)
+
+
 class MosquittoBroker:
     """A mosquitto process with a generated config: loopback listener, a password per device, per-device ACL,
     optional TLS."""
@@ -144,6 +151,7 @@ class MosquittoBroker:
         observers_read_learning: bool = False,
         require_certificate: bool = False,
         queued_per_device: int = QUEUED_PER_DEVICE,
+        inbox_workers: int = 0,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
@@ -175,6 +183,14 @@ class MosquittoBroker:
         if queued_per_device < 1:
             raise ValueError("queued_per_device must be at least 1")
         self.queued_per_device = queued_per_device
+        if inbox_workers < 0:
+            raise ValueError("inbox_workers must be at least 0")
+        # the coordinator's inbox workers (coordinator/inbox_workers.py): an account each, since the broker makes a
+        # client's id its username and two connections of one account push each other off; the coordinator's password
+        self._workers = [inbox_worker_account(self.coordinator, k) for k in range(inbox_workers)]
+        for worker in self._workers:
+            if worker.username in self._devices or worker.username in self._observers:
+                raise ValueError(f"{worker.username!r} is an inbox worker's account, not a device's or observer's")
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
 
@@ -214,6 +230,9 @@ class MosquittoBroker:
         updates, from which training samples can be reconstructed (docs/security.md, "Who reads what")."""
         p = self.prefix
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
+        for worker in self._workers:  # the devices' updates, and the chunks the workers pass each other
+            blocks.append(f"user {worker.username}\ntopic read {p}/{topics.FROM_DEVICE}/+/update\n"
+                          f"topic readwrite {p}/{topics.INBOX}/#\n")
         for device_id in sorted(self._devices):
             lines = [f"user {device_id}"]
             lines += [f"topic write {p}/{topics.FROM_DEVICE}/{device_id}/{kind}" for kind in topics.DEVICE_SENDS]
@@ -235,7 +254,8 @@ class MosquittoBroker:
 
     def _write_passwords(self, path: Path) -> None:
         """Hash with `mosquitto_passwd -U` in a private temporary file, so only the hashed file is ever at `path`."""
-        users = {self.coordinator.username: self.coordinator.password, **self._devices, **self._observers}
+        users = {self.coordinator.username: self.coordinator.password, **self._devices, **self._observers,
+                 **{worker.username: worker.password for worker in self._workers}}
         plain = path.with_name(path.name + ".plain")
         fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

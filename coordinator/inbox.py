@@ -24,6 +24,7 @@ import numpy as np
 
 from coordinator.limits import RateLimits, TokenBuckets
 from coordinator.secagg import Advertised, SecureMessage
+from coordinator.strategies.base import ClientUpdate
 from edgefil import topics, wire
 
 log = logging.getLogger("edgefil.coordinator")
@@ -59,6 +60,11 @@ class Update:
     label_counts: tuple[int, ...] = ()
     attachments: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # named, as the device sent them
     trained_counts: tuple[tuple[int, int, int], ...] = ()
+
+    def for_strategy(self) -> ClientUpdate:
+        """What a rule and the guard see of the update (the round's bookkeeping is the coordinator's)."""
+        return ClientUpdate(self.device, self.weights, self.num_samples, dict(self.metrics), self.label_counts,
+                            self.attachments, self.trained_counts)
 
 
 @dataclass(frozen=True)

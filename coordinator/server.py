@@ -662,7 +662,7 @@ class Coordinator:
             self._on_refused(UpdateRefused(update.device, update.round, "not-secure"))
             self.inbox.reject("not-secure", f"a plain update of {update.device} in a run under secure aggregation")
             return
-        reason = self.strategy.inspect(_for_strategy(update))
+        reason = self.strategy.inspect(update.for_strategy())
         if reason is not None:
             self._on_refused(UpdateRefused(update.device, update.round, reason))
             return
@@ -673,7 +673,7 @@ class Coordinator:
             return
         if self._accepted(current, update, "update"):
             self._check_classes(update)
-            self._aggregate.add(_for_strategy(update))
+            self._aggregate.add(update.for_strategy())
 
     def _accepted(self, current: OpenRound, answer: Update | Advertised, what: str) -> bool:
         """Offer a device's answer (its update, or its keys in a secure round) to the round: whether the round takes
@@ -778,12 +778,6 @@ class Coordinator:
 
     def results(self) -> dict[str, Any]:
         return self.record.results()
-
-
-def _for_strategy(update: Update) -> ClientUpdate:
-    """What a strategy sees of an update from the gate (round bookkeeping is the coordinator's)."""
-    return ClientUpdate(update.device, update.weights, update.num_samples, dict(update.metrics),
-                        update.label_counts, update.attachments, update.trained_counts)
 
 
 def run_coordinator(

@@ -3,6 +3,7 @@
     edgefil/<fleet>/dev/<device>/<kind>   device -> coordinator   (register, status, update, request)
     edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, broadcast, answer)
     edgefil/<fleet>/all/<kind>            coordinator -> every device (weights, broadcast)
+    edgefil/<fleet>/inbox/<k>/<device>    coordinator -> coordinator (an inbox worker passes on a chunk)
 
 The kinds below are the whole protocol: the broker's ACL grants exactly these topics and nothing else, and only
 the `RETAINED` kinds are meant to be retained (a device's registration and status, so a coordinator that
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 ROOT = "edgefil"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
+INBOX = "inbox"  # inbox/<worker>/<device>: coordinator -> coordinator (its inbox workers pass chunks on)
 # on dev/<device>/<kind>; the last four: secure aggregation's (edgefil/secagg.py)
 DEVICE_SENDS = ("register", "status", "update", "request", "keys", "shares", "masked", "reveal")
 # on to/<device>/<kind>; the last three: secure aggregation's
@@ -54,6 +56,19 @@ def to_device(fleet: str, device: str, kind: str) -> str:
 
 def to_all(fleet: str, kind: str) -> str:
     return f"{prefix(fleet)}/{TO_ALL}/{kind}"
+
+
+def shared_updates(fleet: str) -> str:
+    """The devices' updates as a group of coordinator processes reads them (MQTT's shared subscription: the broker
+    hands each message to one of the group), coordinator/inbox_workers.py."""
+    return f"$share/{check_name(fleet, 'fleet')}-inbox/{prefix(fleet)}/{FROM_DEVICE}/+/update"
+
+
+def to_inbox_worker(fleet: str, worker: int, device: str) -> str:
+    """Where an inbox worker passes on a chunk of `device`'s update to the worker that gathers that device's blobs:
+    under the fleet's prefix, which only the coordinator's account writes and reads (and an observer allowed to
+    read what carries learning)."""
+    return f"{prefix(fleet)}/{INBOX}/{worker}/{check_name(device, 'device id')}"
 
 
 def device_subscriptions(fleet: str, device: str) -> list[str]:

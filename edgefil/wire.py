@@ -222,6 +222,21 @@ def decode(payload: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE
     return message
 
 
+def chunks_of_blob(payload: bytes | bytearray | memoryview) -> int:
+    """The `count` of a framed chunk's blob, read from its fields without the schema's checks (`decode` makes
+    those): 1 for anything that is not such a chunk, which whoever decodes it then refuses. What tells a reader
+    sharing a topic with others whether a blob's chunks must be brought together (coordinator/inbox_workers.py)."""
+    view = memoryview(payload)
+    if view[:1] != FRAMED or len(view) < _FRAME_HEAD:
+        return 1
+    length = int.from_bytes(view[1:_FRAME_HEAD], "little")
+    try:
+        count = _unpack_map(view[_FRAME_HEAD:_FRAME_HEAD + length], MAX_MESSAGE_BYTES).get("count", 1)
+    except WireError:
+        return 1
+    return count if isinstance(count, int) and count > 1 else 1
+
+
 def _unpack_map(view: memoryview, max_bytes: int) -> Message:
     try:
         message = msgpack.unpackb(

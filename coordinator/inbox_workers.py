@@ -1,0 +1,338 @@
+"""Inbox workers: the coordinator's per-update work (the gate, the round's checks, the guard's bounds, the fold)
+spread over processes, each folding a partial sum that the round merges at its close (issue 60).
+
+One coordinator process spends about 2 ms of CPU on each update (docs/results.md, "Beyond one coordinator
+process"): at 100,000 devices, minutes of one core a round. Here each worker is a process with an MQTT connection
+of its own (the coordinator's account, a client id of its own) in one shared subscription to the devices' updates
+(`topics.shared_updates`, MQTT 5's `$share`, which mosquitto 2 serves to 3.1.1 clients too): the broker hands each
+message to one worker of the group, in turn. A blob of more than one chunk has to meet its other chunks in one
+process, and the broker splits a device's chunks over the workers like any other messages; so a worker that gets a
+chunk of such a blob passes it on to the device's own worker (`owner`: the CRC32 of its id modulo the workers) on
+that worker's topic (`topics.to_inbox_worker`), unless it is that worker. Updates of one chunk (any model under
+about 1 MB: LeNet's 124 KB) are taken where they land and cost no second trip.
+
+A round, from the coordinator's side (`InboxWorkers`): `open` hands every worker the round (its number, task,
+global model and selection); each worker runs its own gate (`Inbox`: the wire's checks and chunk reassembly), the
+round's checks (`OpenRound.offer`: the right round and model, a selected device, once) and the round's aggregation
+(`RoundAggregate`: the guard's per-update bounds, then the rule's fold) on what it receives, and says of each update
+whether it took it (`Heard`), which is what the coordinator counts a round's deliveries by; `close` then asks each
+for its share (`PartialRound`), which the round's own aggregate merges (`RoundAggregate.merge`) as if every update
+had come to it.
+
+What a second worker changes, and what it does not:
+- Only rules that fold (FedAvg, FedProx) spread: a rule that needs the whole round at once has nothing to merge
+  (refused in one line).
+- Bounds that judge one update alone (its length against the fleet's path, its claims, its rows, copies of it
+  within a worker) are the same. Bounds that compare updates with the round's (the running medians of distances
+  and sample counts, Krum's first `hold` updates and those scored against them) compare each update with its
+  worker's share, a part of the round that the broker's turns draw without regard to the devices: the same
+  distribution, fewer updates. A copy sent to two workers is not seen as one; a free rider or a far update still
+  is, against its worker's median.
+- The guard's calibration reference (a mix of held-out samples the coordinator scores updates on) is not run in
+  the workers: it needs the model and the samples there, which is the next step; a worker's round has none.
+- The sum is float64 in every worker and merged in float64: the model equals one process's to float64 rounding of
+  the sum's order, which float32's rounding of the result hides (tested).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import multiprocessing
+import queue
+import threading
+import zlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordinator.aggregation import PartialRound, RoundAggregate
+from coordinator.broker import Credentials, inbox_worker_account
+from coordinator.containment import ContainedStrategy
+from coordinator.guard_settings import GuardSettings
+from coordinator.inbox import Inbox, Update, UpdateRefused
+from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
+from coordinator.rounds import OpenRound
+from coordinator.strategies import RoundContext, make_strategy
+from edgefil import topics, wire
+from edgefil.link import CONNECTED, BrokerSettings, Link
+
+log = logging.getLogger("edgefil.coordinator")
+READY_S = 60.0  # how long a worker may take to start (spawn, imports) and subscribe
+
+
+def owner(device: str, workers: int) -> int:
+    """The worker that gathers `device`'s blobs of more than one chunk: the same in every worker and every run."""
+    return zlib.crc32(device.encode()) % workers
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What every worker of a coordinator is made with (it crosses into the worker's process)."""
+
+    broker: BrokerSettings  # the coordinator's account: each worker connects as its own (`inbox_worker_account`)
+    fleet: str
+    roster: frozenset[str]
+    manifest: str  # the artifacts' digest devices register with (`Inbox`)
+    num_parameters: int
+    rule: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    guard: GuardSettings = GuardSettings()
+    heads: HeadLayout | None = None  # the model's head rows, for the guard's row bound and Krum's comparison
+    max_held_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class RoundOpening:
+    """One round as the workers take it."""
+
+    number: int
+    task: int
+    model: str  # the global model's blob id, which the devices' updates answer
+    selected: tuple[str, ...]
+    global_weights: np.ndarray
+    ctx: RoundContext = RoundContext()
+    path: FleetPath = UNKNOWN_PATH
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A worker's word on one update of the open round: taken into its share (`reason` None), or why not."""
+
+    worker: int
+    device: str
+    round: int
+    reason: str | None
+    num_samples: int = 0
+
+
+def folds(rule: str, options: Mapping[str, Any]) -> bool:
+    """Whether `rule` with `options` folds its rounds, which is what lets its updates be spread over workers."""
+    return make_strategy(rule, device="cpu", **options).fold(torch.zeros(1)) is not None
+
+
+class InboxWorkers:
+    """`count` worker processes sharing the fleet's updates (module docstring): `start`, then per round `open`,
+    `heard` as updates come, `close`; `stop` at the end."""
+
+    def __init__(self, plan: WorkerPlan, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"inbox workers: at least 1, got {count}")
+        if not folds(plan.rule, plan.options):
+            raise ValueError(f"inbox workers: the {plan.rule} rule needs a round's updates all at once; only rules "
+                             f"that fold (fedavg, fedprox) spread them over workers")
+        self.plan = plan
+        self.count = count
+        self._connections: list[Connection] = []
+        self._processes: list[Any] = []
+        self._replies: list[queue.Queue[Any]] = []  # what each worker answered besides its `Heard`s
+        self._heard: queue.Queue[Heard] = queue.Queue()
+        self._readers: list[threading.Thread] = []
+        self.opened: int | None = None
+
+    def start(self, timeout: float = READY_S) -> None:
+        """Start the workers and wait until each is subscribed (the broker then shares the updates among them)."""
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads (paho's, torch's)
+        for index in range(self.count):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=serve, args=(self.plan, index, self.count, theirs),
+                                      name=f"inbox-worker-{index}", daemon=True)
+            process.start()
+            theirs.close()
+            self._connections.append(ours)
+            self._processes.append(process)
+            self._replies.append(queue.Queue())
+        for index, connection in enumerate(self._connections):
+            reader = threading.Thread(target=self._read, args=(index, connection), daemon=True,
+                                      name=f"inbox-worker-{index}-reader")
+            reader.start()
+            self._readers.append(reader)
+        for index in range(self.count):
+            self._reply(index, "ready", timeout)
+
+    def open(self, opening: RoundOpening) -> None:
+        for connection in self._connections:
+            connection.send(("open", opening))
+        self.opened = opening.number
+
+    def heard(self, timeout: float | None = None) -> Heard | None:
+        """The next word of a worker on an update of the open round, or None after `timeout`."""
+        try:
+            return self._heard.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self, timeout: float = READY_S) -> list[PartialRound]:
+        """Each worker's share of the open round (its partial aggregate and counts), in worker order."""
+        for connection in self._connections:
+            connection.send(("close", self.opened))
+        self.opened = None
+        return [self._reply(index, "partial", timeout) for index in range(self.count)]
+
+    def stop(self) -> None:
+        for connection in self._connections:
+            try:
+                connection.send(("stop", None))
+            except OSError:
+                pass
+        for process in self._processes:
+            process.join(10.0)
+            if process.is_alive():
+                process.kill()
+        for connection in self._connections:
+            connection.close()
+        self._connections, self._processes = [], []
+
+    def _read(self, index: int, connection: Connection) -> None:
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                self._replies[index].put(("gone", None))
+                return
+            if isinstance(message, Heard):
+                self._heard.put(message)
+            else:
+                self._replies[index].put(message)
+
+    def _reply(self, index: int, kind: str, timeout: float) -> Any:
+        try:
+            got, value = self._replies[index].get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"inbox worker {index} did not answer {kind} within {timeout:.0f} s") from None
+        if got != kind:
+            raise RuntimeError(f"inbox worker {index}: {value if got == 'failed' else got} (waiting for {kind})")
+        return value
+
+
+class _Worker:
+    """One worker's state: its gate, and the open round's checks and aggregation."""
+
+    def __init__(self, plan: WorkerPlan, index: int, count: int, connection: Connection) -> None:
+        self.plan = plan
+        self.index = index
+        self.count = count
+        self.connection = connection
+        self.inbox = Inbox(plan.fleet, set(plan.roster), plan.manifest, plan.num_parameters)
+        self.passed_on = topics.to_inbox_worker(plan.fleet, index, "x")[:-1]  # this worker's topic, less the device
+        account = inbox_worker_account(Credentials(plan.broker.username or "", plan.broker.password or ""), index)
+        settings = dataclasses.replace(plan.broker, username=account.username, password=account.password)
+        self.link = Link(settings, account.username,
+                         [topics.shared_updates(plan.fleet), self.passed_on + "+"], max_queued=0)
+        self.round: OpenRound | None = None
+        self.aggregate: RoundAggregate | None = None
+        self.counters: Counter[str] = Counter()
+
+    def open(self, opening: RoundOpening) -> None:
+        self.inbox.drop_partial_updates(before_round=opening.number)
+        self.round = OpenRound(opening.number, opening.task, opening.model, list(opening.selected), math.inf)
+        self.counters = Counter()
+        rule = ContainedStrategy(make_strategy(self.plan.rule, device="cpu", **self.plan.options), self.counters)
+        self.aggregate = RoundAggregate(rule, self.plan.guard, opening.global_weights, self.counters,
+                                        self.plan.max_held_bytes, opening.ctx, path=opening.path,
+                                        heads=self.plan.heads)
+
+    def close(self, number: int | None) -> PartialRound | None:
+        aggregate, self.aggregate, self.round = self.aggregate, None, None
+        if aggregate is None or aggregate.number != number:
+            return None
+        self.counters.update(self.inbox.rejections)
+        self.inbox.rejections.clear()
+        return aggregate.partial()
+
+    def take(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
+        """One message of the shared subscription or passed on to this worker."""
+        if topic.startswith(self.passed_on):
+            topic = topics.from_device(self.plan.fleet, topic[len(self.passed_on):], "update")
+        else:
+            parsed = topics.parse(self.plan.fleet, topic)
+            if parsed is not None and parsed.device is not None and wire.chunks_of_blob(payload) > 1:
+                gatherer = owner(parsed.device, self.count)
+                if gatherer != self.index:
+                    self.link.publish(topics.to_inbox_worker(self.plan.fleet, gatherer, parsed.device),
+                                      bytes(payload))
+                    return
+        event = self.inbox.accept(topic, payload)
+        if isinstance(event, UpdateRefused):
+            self._say(event.device, event.round, event.reason)
+        elif isinstance(event, Update):
+            self._offer(event)
+
+    def _offer(self, update: Update) -> None:
+        if self.round is None or self.aggregate is None:
+            self.counters["late"] += 1
+            self._say(update.device, update.round, "between-rounds")
+            return
+        reason = self.aggregate.strategy.inspect(update.for_strategy()) or self.round.offer(update, self.counters)
+        if reason is None:
+            self.aggregate.add(update.for_strategy())
+        self._say(update.device, update.round, reason, update.num_samples)
+
+    def _say(self, device: str, number: int, reason: str | None, samples: int = 0) -> None:
+        self.connection.send(Heard(self.index, device, number, reason, samples))
+
+
+def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> None:
+    """A worker process's life: connect and subscribe, then take messages and the coordinator's word (a thread
+    reads the pipe and wakes the loop) until told to stop."""
+    torch.set_num_threads(1)  # one core a worker: the workers are the parallelism
+    worker = _Worker(plan, index, count, connection)
+    commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+    def read_commands() -> None:
+        while True:
+            try:
+                command = connection.recv()
+            except (EOFError, OSError):
+                command = ("stop", None)
+            commands.put(command)
+            worker.link.wake()
+            if command[0] == "stop":
+                return
+
+    try:
+        worker.link.start()
+        if not worker.link.wait_subscribed(READY_S):
+            raise TimeoutError("the broker did not acknowledge the subscriptions")
+    except Exception as err:  # the coordinator's start says why, in one line
+        connection.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    threading.Thread(target=read_commands, daemon=True, name="commands").start()
+    connection.send(("ready", None))
+    try:
+        while True:
+            item = worker.link.get(timeout=None)
+            while not commands.empty():
+                kind, value = commands.get()
+                if kind == "stop":
+                    return
+                if kind == "open":
+                    worker.open(value)
+                elif kind == "close":
+                    _drain(worker)
+                    connection.send(("partial", worker.close(value)))
+            if item is not None and item.topic != CONNECTED:
+                worker.take(item.topic, item.payload)
+    finally:
+        worker.link.stop()
+
+
+def _drain(worker: _Worker) -> None:
+    """Take what has already arrived before a round's close is answered."""
+    while (item := worker.link.get(timeout=0)) is not None:
+        if item.topic != CONNECTED:
+            worker.take(item.topic, item.payload)
+
+
+def merged_into(aggregate: RoundAggregate, parts: Sequence[PartialRound | None]) -> RoundAggregate:
+    """The round's own aggregate with every worker's share folded in."""
+    for part in parts:
+        if part is not None:
+            aggregate.merge(part)
+    return aggregate
+
