@@ -155,6 +155,11 @@ class InboxWorkers:
         for index in range(self.count):
             self._reply(index, "ready", timeout)
 
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (what a benchmark reads their CPU time by)."""
+        return [process.pid for process in self._processes]
+
     def open(self, opening: RoundOpening) -> None:
         for connection in self._connections:
             connection.send(("open", opening))

@@ -1,0 +1,149 @@
+"""The coordinator's CPU per update and its round's close, with its per-update work in 1, 2 or 4 inbox workers
+(coordinator/inbox_workers.py), against N updates through a real mosquitto.
+
+Each cell starts a mosquitto (the coordinator's account and one per worker), the workers, and a producer process
+that publishes N updates of one model (LeNet's 30,986 values by default: one chunk each), 8 devices' chunks
+interleaved as overlapping uploads arrive, as the coordinator's account (the broker's ACL would let each device
+publish its own; one connection keeps the producer's cost out of the way). The workers take them through their
+shared subscription, gate, bound (the default guard) and fold them; the coordinator's process counts each
+update's word (`Heard`) and, once all N are heard, closes the round: it asks every worker for its share and merges
+them. Printed per cell: the coordinator process's CPU per update (what is left of its per-update work: one word a
+worker sends), the workers' CPU per update (the gate, the guard, the fold, summed over the workers: the work that
+was the coordinator's), the round's close (asking for the shares, merging them, the result) and the wall time from
+the first publish to the last word. `benchmarks/coordinator_memory.py` gives the same work in the coordinator's own
+process, the one-process baseline (docs/results.md).
+
+On a host with fewer cores than workers plus the producer and the broker, the workers share cores and the wall
+time does not fall with them: read the CPU columns, which say what each process spent, not how fast it went.
+
+    .venv/bin/python benchmarks/inbox_workers.py [--parameters 30986] [--counts 1000,10000] [--workers 1,2,4]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import tempfile
+import time
+from collections import Counter
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.aggregation import RoundAggregate
+from coordinator.broker import Credentials, MosquittoBroker
+from coordinator.containment import ContainedStrategy
+from coordinator.guard_settings import GuardSettings
+from coordinator.inbox_workers import InboxWorkers, RoundOpening, WorkerPlan, merged_into
+from coordinator.strategies import make_strategy
+from edgefil import topics, wire
+from edgefil.link import BrokerSettings, Link
+
+FLEET = "bench"
+MODEL = "ab" * 32
+MANIFEST = "m" * 64
+COORDINATOR = Credentials("coordinator", "bench-password")
+HEARD_S = 120.0  # a ceiling for the next word while updates flow
+
+
+def produce(settings: BrokerSettings, count: int, parameters: int, concurrent: int, go: Connection) -> None:
+    """Publish every device's update as chunks, `concurrent` devices' interleaved, once told to start."""
+    link = Link(settings, "producer")
+    link.start()
+    rng = np.random.default_rng(0)
+    step = rng.normal(0.0, 0.01, parameters).astype(np.float32)
+    go.recv()
+    for first in range(0, count, concurrent):
+        group = []
+        for k in range(first, min(first + concurrent, count)):
+            weights = step + rng.standard_normal(parameters, dtype=np.float32) * np.float32(0.002)
+            group.append((f"d{k}", wire.encode_blob(
+                "update", wire.weights_bytes(weights), device=f"d{k}", round=1, task=0, model=MODEL,
+                num_samples=int(rng.integers(10, 100)), attachments=[], label_counts=[], metrics={}).chunks))
+        for index in range(max(len(chunks) for _, chunks in group)):
+            for device, chunks in group:
+                if index < len(chunks):
+                    while True:
+                        try:
+                            link.publish(topics.from_device(FLEET, device, "update"), chunks[index])
+                            break
+                        except BufferError:
+                            time.sleep(0.01)
+    link.wait_idle(600)
+    link.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str, float]:
+    devices = frozenset(f"d{k}" for k in range(count))
+    with tempfile.TemporaryDirectory() as folder:
+        broker = MosquittoBroker(folder, FLEET, {}, COORDINATOR, inbox_workers=workers,
+                                 max_packet_bytes=2 * 1024 * 1024, queued_per_device=1)
+        broker.start()
+        try:
+            settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
+                                      keepalive=60)
+            plan = WorkerPlan(settings, FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings())
+            pool = InboxWorkers(plan, workers)
+            pool.start()
+            go, told = multiprocessing.get_context("spawn").Pipe()
+            producer = multiprocessing.get_context("spawn").Process(
+                target=produce, args=(settings, count, parameters, concurrent, told))
+            producer.start()
+            try:
+                weights = np.zeros(parameters, np.float32)
+                pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(devices)), weights))
+                workers_before = sum(cpu_seconds(pid) for pid in pool.pids)
+                cpu_before, started = time.process_time(), time.perf_counter()
+                go.send("go")
+                heard: Counter[str] = Counter()
+                while sum(heard.values()) < count:
+                    word = pool.heard(timeout=HEARD_S)
+                    if word is None:
+                        raise TimeoutError(f"{count - sum(heard.values())} updates unheard after {HEARD_S} s")
+                    heard[word.reason or "taken"] += 1
+                flowed = time.perf_counter()
+                closing = time.process_time()
+                counters: Counter[str] = Counter()
+                aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
+                                           GuardSettings(), weights, counters, 1 << 30)
+                merged = merged_into(aggregate, pool.close())
+                merged.close()
+                closed = time.perf_counter()
+                coordinator_cpu = time.process_time() - cpu_before
+                workers_cpu = sum(cpu_seconds(pid) for pid in pool.pids) - workers_before
+            finally:
+                producer.join(60)
+                pool.stop()
+        finally:
+            broker.stop()
+    return {"taken": heard["taken"], "refused": count - heard["taken"], "used": len(merged.used),
+            "coordinator_ms": 1000 * coordinator_cpu / count, "workers_ms": 1000 * workers_cpu / count,
+            "close_s": closed - flowed, "close_cpu_s": time.process_time() - closing, "wall_s": flowed - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parameters", type=int, default=30_986)
+    parser.add_argument("--counts", default="1000,10000")
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--concurrent", type=int, default=8, help="devices whose uploads overlap")
+    args = parser.parse_args()
+    print(f"inbox workers: {args.parameters} parameters an update, FedAvg behind the default guard, "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f} at the start")
+    print(f"{'N':>7} {'workers':>7} {'used':>7} {'refused':>7} {'coord ms/upd':>12} {'workers ms/upd':>14} "
+          f"{'close s':>8} {'wall s':>8}")
+    for count in [int(c) for c in args.counts.split(",")]:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            got = cell(count, workers, args.parameters, args.concurrent)
+            print(f"{count:>7} {workers:>7} {got['used']:>7} {got['refused']:>7} {got['coordinator_ms']:>12.3f} "
+                  f"{got['workers_ms']:>14.3f} {got['close_s']:>8.3f} {got['wall_s']:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
