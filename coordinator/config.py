@@ -23,6 +23,9 @@
     train_tasks = 0                     # train only the first N tasks (1: the Fixed baseline); 0: every task
     max_held_mib = 4096                 # rules that need a whole round at once (median, trimmed-mean, pfedgrp):
                                         # the most update bytes a round holds (coordinator/aggregation.py)
+    inbox_workers = 0                   # processes that take the devices' updates (a shared subscription),
+                                        # bound and fold them apart, merged at each round's close
+                                        # (coordinator/inbox_workers.py); 0: this process does it
     last_rounds = 10                    # the final accuracy is also reported as the mean over the last task's
                                         # last rounds, as the papers report it (Re-Fed: 10)
 
@@ -119,6 +122,7 @@ class CoordinatorConfig:
     wall_limit_s: float = 3600.0  # virtual time: a round's (and the first wait's) wall-clock safeguard
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
+    inbox_workers: int = 0  # processes that share the per-update work (coordinator/inbox_workers.py); 0: none
     last_rounds: int = LAST_ROUNDS  # results.json's last-rounds mean covers the last task's last rounds, this many
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: GuardSettings = GuardSettings()
@@ -143,6 +147,8 @@ class CoordinatorConfig:
             raise ValueError("rounds_per_task and max_attempts must be >= 1, deadline_s > 0 and retry_backoff_s >= 0")
         if self.max_held_mib < 1:
             raise ValueError(f"max_held_mib must be >= 1, got {self.max_held_mib}")
+        if self.inbox_workers < 0:
+            raise ValueError(f"inbox_workers must be >= 0, got {self.inbox_workers}")
         if self.last_rounds < 1:
             raise ValueError(f"last_rounds must be >= 1, got {self.last_rounds}")
         if "name" not in self.strategy:

@@ -43,7 +43,7 @@ import queue
 import threading
 import zlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -98,17 +98,18 @@ class RoundOpening:
     global_weights: np.ndarray
     ctx: RoundContext = RoundContext()
     path: FleetPath = UNKNOWN_PATH
+    virtual_deadline_s: float | None = None  # virtual time: an update of more device seconds is late
 
 
 @dataclass(frozen=True)
 class Heard:
-    """A worker's word on one update of the open round: taken into its share (`reason` None), or why not."""
+    """A worker's word on one update: taken into its share of the open round (`reason` None), or why not."""
 
     worker: int
     device: str
     round: int
     reason: str | None
-    num_samples: int = 0
+    update: Update | None = None  # what the round's bookkeeping reads of it: its weights and attachments left out
 
 
 def folds(rule: str, options: Mapping[str, Any]) -> bool:
@@ -116,18 +117,35 @@ def folds(rule: str, options: Mapping[str, Any]) -> bool:
     return make_strategy(rule, device="cpu", **options).fold(torch.zeros(1)) is not None
 
 
+def workers_refused(rule: str, options: Mapping[str, Any], guard: GuardSettings, secure: bool, central_dp: bool
+                    ) -> str | None:
+    """Why a coordinator with inbox workers cannot run this way (one line), or None."""
+    if secure:
+        return "secure aggregation sums the devices' masked vectors in the coordinator: set inbox_workers = 0"
+    if central_dp:
+        return "central DP clips and counts every update in the coordinator: set inbox_workers = 0"
+    if guard.reference != "off":
+        return ("the guard's calibration reference is not run in the inbox workers: set [guard] reference = \"off\" "
+                "to spread the updates without it, or inbox_workers = 0")
+    if not folds(rule, options):
+        return f"the {rule} rule needs a round's updates all at once; only rules that fold spread over workers"
+    return None
+
+
 class InboxWorkers:
     """`count` worker processes sharing the fleet's updates (module docstring): `start`, then per round `open`,
     `heard` as updates come, `close`; `stop` at the end."""
 
-    def __init__(self, plan: WorkerPlan, count: int) -> None:
+    def __init__(self, plan: WorkerPlan, count: int, on_heard: Callable[[], None] | None = None) -> None:
+        """`on_heard`: called (from a reader thread) as each word comes, to wake whoever waits for it elsewhere."""
         if count < 1:
             raise ValueError(f"inbox workers: at least 1, got {count}")
         if not folds(plan.rule, plan.options):
             raise ValueError(f"inbox workers: the {plan.rule} rule needs a round's updates all at once; only rules "
-                             f"that fold (fedavg, fedprox) spread them over workers")
+                             f"that fold spread over workers")
         self.plan = plan
         self.count = count
+        self.on_heard = on_heard
         self._connections: list[Connection] = []
         self._processes: list[Any] = []
         self._replies: list[queue.Queue[Any]] = []  # what each worker answered besides its `Heard`s
@@ -161,6 +179,7 @@ class InboxWorkers:
         return [process.pid for process in self._processes]
 
     def open(self, opening: RoundOpening) -> None:
+        """The round (or its next attempt: the same number, whose shares so far stay) to every worker."""
         for connection in self._connections:
             connection.send(("open", opening))
         self.opened = opening.number
@@ -202,6 +221,8 @@ class InboxWorkers:
                 return
             if isinstance(message, Heard):
                 self._heard.put(message)
+                if self.on_heard is not None:
+                    self.on_heard()
             else:
                 self._replies[index].put(message)
 
@@ -234,8 +255,14 @@ class _Worker:
         self.counters: Counter[str] = Counter()
 
     def open(self, opening: RoundOpening) -> None:
+        """A round, or a later attempt of the open one: its share so far stays, its deliveries count."""
+        delivered = self.round.delivered if self.round is not None else set()
+        self.round = OpenRound(opening.number, opening.task, opening.model, list(opening.selected), math.inf,
+                               opening.virtual_deadline_s)
+        if self.aggregate is not None and self.aggregate.number == opening.number:
+            self.round.carry_over(delivered)
+            return
         self.inbox.drop_partial_updates(before_round=opening.number)
-        self.round = OpenRound(opening.number, opening.task, opening.model, list(opening.selected), math.inf)
         self.counters = Counter()
         rule = ContainedStrategy(make_strategy(self.plan.rule, device="cpu", **self.plan.options), self.counters)
         self.aggregate = RoundAggregate(rule, self.plan.guard, opening.global_weights, self.counters,
@@ -264,22 +291,21 @@ class _Worker:
                     return
         event = self.inbox.accept(topic, payload)
         if isinstance(event, UpdateRefused):
-            self._say(event.device, event.round, event.reason)
+            self.connection.send(Heard(self.index, event.device, event.round, event.reason))
         elif isinstance(event, Update):
             self._offer(event)
 
     def _offer(self, update: Update) -> None:
+        """The round's checks and the rule's inspection, then the round's aggregation (the guard, the fold)."""
         if self.round is None or self.aggregate is None:
             self.counters["late"] += 1
-            self._say(update.device, update.round, "between-rounds")
-            return
-        reason = self.aggregate.strategy.inspect(update.for_strategy()) or self.round.offer(update, self.counters)
-        if reason is None:
+            reason: str | None = "between-rounds"
+        else:
+            reason = self.aggregate.strategy.inspect(update.for_strategy()) or self.round.offer(update, self.counters)
+        if reason is None and self.aggregate is not None:
             self.aggregate.add(update.for_strategy())
-        self._say(update.device, update.round, reason, update.num_samples)
-
-    def _say(self, device: str, number: int, reason: str | None, samples: int = 0) -> None:
-        self.connection.send(Heard(self.index, device, number, reason, samples))
+        said = dataclasses.replace(update, weights=np.empty(0, np.float32), attachments={})
+        self.connection.send(Heard(self.index, update.device, update.round, reason, said))
 
 
 def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> None:

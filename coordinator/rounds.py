@@ -27,6 +27,10 @@ import numpy as np
 from coordinator.inbox import Update
 from coordinator.secagg import Advertised
 
+# why `OpenRound.offer` refuses an update: the round's own reasons, none of them a fault of the update's content
+# ("between-rounds": none was open, which only an inbox worker says)
+ROUND_REFUSALS = frozenset({"late", "wrong-round", "not-selected", "duplicate", "wrong-task", "between-rounds"})
+
 
 def select(available: list[str], fraction: float, quorum: int, rng: np.random.Generator) -> list[str]:
     """ceil(fraction * |available|) devices, at least `quorum` (when that many are available), sorted."""

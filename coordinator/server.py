@@ -59,13 +59,14 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
+from coordinator.inbox_workers import Heard, InboxWorkers, RoundOpening, WorkerPlan, merged_into, workers_refused
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
 from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, RoundCount
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
-from coordinator.rounds import OpenRound, select
+from coordinator.rounds import ROUND_REFUSALS, OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
 from coordinator.secagg import LIES, Advertised, SecureMessage, SecureRound
@@ -111,6 +112,10 @@ class Coordinator:
         refused = secure_aggregation_refused(config.secure_aggregation, rule)
         if refused is not None:
             raise ValueError(f"[secure_aggregation] {refused}")
+        refused = workers_refused(rule, options, config.guard, config.secure_aggregation.on,
+                                  config.privacy.central) if config.inbox_workers else None
+        if refused is not None:
+            raise ValueError(f"inbox_workers: {refused}")
         self._secure: SecureRound | None = None  # the open round's secure session (coordinator/secagg.py)
         self.manifest = load_manifest(config.artifacts)
         if test_sets is None:
@@ -158,10 +163,16 @@ class Coordinator:
         self._context = RoundContext()  # the round being run, as its rule sees it
         self._first_round = True
         self._class_warned: set[tuple[str, int]] = set()  # (device, task) already warned about its classes
+        # with inbox workers, the updates are theirs (coordinator/inbox_workers.py): this process hears the rest
+        kinds = [kind for kind in topics.DEVICE_SENDS if kind != "update"] if config.inbox_workers else ["+"]
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
-            subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/+"],
+            subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/{kind}" for kind in kinds],
         )
+        self.workers = InboxWorkers(WorkerPlan(
+            config.broker, config.fleet, frozenset(config.devices), manifest_digest(config.artifacts),
+            self.manifest.num_parameters, rule, options, config.guard, self._heads, config.max_held_mib << 20,
+        ), config.inbox_workers, on_heard=self.link.wake) if config.inbox_workers else None
         self.outbox = Outbox(self.link, config.fleet, self.roster, ResendBudget(config.limits.resends_per_round),
                              self.counters)
         if resumed_from is not None:
@@ -206,6 +217,8 @@ class Coordinator:
         before its broker, as a device waits), else ConnectionError after `connect_timeout`."""
         self.config.out.mkdir(parents=True, exist_ok=True)
         self._connect(connect_timeout, wait_for_broker)
+        if self.workers is not None:
+            self.workers.start()
         self.outbox.run_started()
         try:
             while self.state.task < self.data.n_tasks:
@@ -233,6 +246,8 @@ class Coordinator:
                 self._hear_goodbyes(END_GRACE_S)
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
+            if self.workers is not None:
+                self.workers.stop()
             self.logs.run_ended()
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
@@ -397,6 +412,9 @@ class Coordinator:
         self.record.round_opened(opened)
         if earlier is not None:
             opened.carry_over(earlier.delivered)
+        if self.workers is not None and self._aggregate is not None:
+            self.workers.open(RoundOpening(number, task, model, tuple(selected), self.state.weights, self._context,
+                                           self._aggregate.path, opened.virtual_deadline_s))
         for device in opened.missing():
             self._send_round(device)
         return opened
@@ -424,6 +442,8 @@ class Coordinator:
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
+        if self.workers is not None:  # their shares of the round, bounded and folded where they were taken
+            merged_into(aggregate, self.workers.close())
         result = aggregate.close(wait=self._pump, selected=len(self._asked), eligible=self._eligible)
         weights, refused, accuracies = self._judge(result, collected.task, aggregate.refused_sum or RULE_FAILED)
         used = aggregate.used
@@ -560,6 +580,8 @@ class Coordinator:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
         item = self.link.get(timeout=max(timeout, 0.0))
         self.logs.maybe_write_live()
+        while self.workers is not None and (heard := self.workers.heard(timeout=0)) is not None:
+            self._on_heard(heard)
         if item is None or item.topic == CONNECTED:
             return
         event = self.inbox.accept(item.topic, item.payload, item.retained)
@@ -674,6 +696,17 @@ class Coordinator:
         if self._accepted(current, update, "update"):
             self._check_classes(update)
             self._aggregate.add(update.for_strategy())
+
+    def _on_heard(self, heard: Heard) -> None:
+        """An inbox worker's word on an update: one it took counts as delivered, as one `_on_update` takes does
+        (its weights are in the worker's share); one it refused whole, or its rule refused, ends the round's wait
+        for its device; a round's own refusals (late, not selected, ...) the worker counted."""
+        if heard.reason is None and heard.update is not None:
+            current = self.open_round or self._last_attempt
+            if current is not None and self._accepted(current, heard.update, "update"):
+                self._check_classes(heard.update)
+        elif heard.reason is not None and heard.reason not in ROUND_REFUSALS:
+            self._on_refused(UpdateRefused(heard.device, heard.round, heard.reason))
 
     def _accepted(self, current: OpenRound, answer: Update | Advertised, what: str) -> bool:
         """Offer a device's answer (its update, or its keys in a secure round) to the round: whether the round takes

@@ -234,7 +234,8 @@ class Fleet:
             MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
                             Credentials("coordinator", self.coordinator_password), tls=tls, host=host,
                             observers={OBSERVER: self.observer_password},
-                            observers_read_learning=self.config.observer_reads_learning)
+                            observers_read_learning=self.config.observer_reads_learning,
+                            inbox_workers=self.config.coordinator_options().get("inbox_workers", 0))
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()

@@ -79,7 +79,8 @@ class Fleet:
             EmbeddedBroker() if self.embedded
             else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials,
                                  observers={"observer": self.observer_credentials.password},
-                                 observers_read_learning=self.observer_reads_learning)
+                                 observers_read_learning=self.observer_reads_learning,
+                                 inbox_workers=int(self.coordinator_options.get("inbox_workers", 0)))
         )
         self.scenario = {**self.scenario, "n_clients": self.n_devices}
         self.processes: dict[str, subprocess.Popen] = {}

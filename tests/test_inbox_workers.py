@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mqtt_helpers import Peer
 
+from coordinator import guard_settings
 from coordinator.aggregation import RoundAggregate
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
 from coordinator.containment import ContainedStrategy
@@ -108,3 +109,52 @@ def test_two_inbox_workers_aggregate_the_model_of_one(broker, parameters):
     if parameters > 250_000:  # every device's blob was gathered by its owner
         owners = Counter(owner(device, 2) for device in updates)
         assert owners == Counter({int(k): n for k, n in shares.items()})
+
+
+UNBOUNDED = dict(guard_settings.OFF)  # no bound changes an update: the model is the updates' mean, to compare
+
+
+def test_a_coordinator_with_one_or_two_inbox_workers_aggregates_the_updates_it_received(tmp_path, export_artifacts):
+    """A fleet (4 device processes) whose coordinator's updates go to one inbox worker, then to two: every round
+    takes every device's update in both, and the last round's global model is FedAvg of the updates the devices
+    sent in it (read off the broker by an observer allowed to read them), computed here in one process: what the
+    workers' shares merge into is the one process's model, to float32 rounding. (Two fleets' devices do not train
+    to the same bits, so the two runs' models are each compared with their own updates.) The coordinator's other
+    messages (registrations, statuses) its own process hears as before."""
+    from fleet_harness import CEILING_S, Fleet
+
+    from coordinator.checkpoint import load_latest
+
+    for workers in (1, 2):
+        fleet = Fleet(tmp_path / f"workers-{workers}", export_artifacts("lenet", 10, (1, 8, 8)), n_devices=4,
+                      coordinator_options={"inbox_workers": workers, "rounds_per_task": 2, "min_clients": 4,
+                                           "train_tasks": 2, "guard": UNBOUNDED},
+                      device_options={"policy": {"name": "random"}}, observer_reads_learning=True)
+        try:
+            fleet.start()
+            observer = Peer(fleet.broker.address, "observer", fleet.observer_credentials.password)
+            assert not observer.connect().is_failure
+            observer.subscribe(f"{topics.prefix(fleet.fleet)}/{topics.FROM_DEVICE}/+/update")
+            fleet.start_coordinator()
+            assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
+            results = fleet.results()
+            state, _ = load_latest(fleet.root / "run" / "checkpoint")
+            sent = observer.received()
+            observer.close()
+        finally:
+            fleet.stop()
+        trained = [entry for entry in results["history"] if entry.get("trained", True)]
+        assert len(trained) == 4 and all(sorted(entry["received"]) == fleet.devices for entry in trained)
+        assert all(sorted(entry["metrics"]) == fleet.devices for entry in trained)  # every update in the model
+        last = trained[-1]["round"]
+        reassembler = wire.Reassembler(max_blob_bytes=1 << 24)
+        updates = {}
+        for topic, payload in sent:
+            blob = reassembler.add(topic, wire.decode(payload))
+            if blob is not None and blob.header["round"] == last:
+                updates[blob.header["device"]] = (blob.weights(state.weights.size).astype(np.float64),
+                                                  blob.header["num_samples"])
+        assert sorted(updates) == fleet.devices
+        total = sum(samples for _, samples in updates.values())
+        expected = sum(weights * samples for weights, samples in updates.values()) / total
+        np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
