@@ -59,8 +59,8 @@ def to_all(fleet: str, kind: str) -> str:
 
 
 def shared_updates(fleet: str) -> str:
-    """The devices' updates as a group of coordinator processes reads them (MQTT's shared subscription: the broker
-    hands each message to one of the group), coordinator/inbox_workers.py."""
+    """The devices' updates as several coordinator processes read them together (an MQTT `$share` subscription:
+    the broker hands each message to one of them), coordinator/inbox_workers.py."""
     return f"$share/{check_name(fleet, 'fleet')}-inbox/{prefix(fleet)}/{FROM_DEVICE}/+/update"
 
 
