@@ -10,17 +10,20 @@ update's word (`Heard`) and, once all N are heard, closes the round: it asks eve
 them. Printed per cell: the coordinator process's CPU per update (what is left of its per-update work: one word a
 worker sends), the workers' CPU per update (the gate, the guard, the fold, summed over the workers: the work that
 was the coordinator's), the round's close (asking for the shares, merging them, the result) and the wall time from
-the first publish to the last word. `benchmarks/coordinator_memory.py` gives the same work in the coordinator's own
-process, the one-process baseline (docs/results.md).
+the first publish to the last word. 0 workers is the baseline, measured in the same run: the coordinator's own
+process subscribed to the updates and doing all of it, as it does without workers (`benchmarks/coordinator_memory.py`
+gives the same work fed through a pipe, without the MQTT client's share).
 
 On a host with fewer cores than workers plus the producer and the broker, the workers share cores and the wall
 time does not fall with them: read the CPU columns, which say what each process spent, not how fast it went.
 
-    .venv/bin/python benchmarks/inbox_workers.py [--parameters 30986] [--counts 1000,10000] [--workers 1,2,4]
+    .venv/bin/python benchmarks/inbox_workers.py [--parameters 30986] [--counts 1000,10000] [--workers 0,1,2,4]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import multiprocessing
 import os
 import tempfile
@@ -32,13 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
-from coordinator.broker import Credentials, MosquittoBroker
+from coordinator.broker import Credentials, MosquittoBroker, inbox_worker_account
 from coordinator.containment import ContainedStrategy
 from coordinator.guard_settings import GuardSettings
+from coordinator.inbox import Inbox, Update, UpdateRefused
 from coordinator.inbox_workers import InboxWorkers, RoundOpening, WorkerPlan, merged_into
+from coordinator.rounds import OpenRound
 from coordinator.strategies import make_strategy
 from edgefil import topics, wire
-from edgefil.link import BrokerSettings, Link
+from edgefil.link import CONNECTED, BrokerSettings, Link
 
 FLEET = "bench"
 MODEL = "ab" * 32
@@ -79,7 +84,53 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def in_this_process(settings: BrokerSettings, devices: frozenset[str], parameters: int, go: Connection
+                    ) -> tuple[float, float, float, int, RoundAggregate]:
+    """0 workers: the coordinator's own process subscribes to the updates and runs the gate, the round's checks, the
+    guard and the fold on each, as `Coordinator` does without workers: (its CPU s, the wall s of the flow, the
+    close's wall s, the updates refused, the round's aggregate)."""
+    count = len(devices)
+    reader = inbox_worker_account(COORDINATOR, 0)  # an account of its own: the producer publishes as the coordinator
+    link = Link(dataclasses.replace(settings, username=reader.username, password=reader.password), reader.username,
+                [f"{topics.prefix(FLEET)}/{topics.FROM_DEVICE}/+/update"])
+    link.start()
+    link.wait_subscribed(60)
+    counters: Counter[str] = Counter()
+    weights = np.zeros(parameters, np.float32)
+    inbox = Inbox(FLEET, set(devices), MANIFEST, parameters)
+    opened = OpenRound(1, 0, MODEL, sorted(devices), math.inf)
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), GuardSettings(),
+                               weights, counters, 1 << 30)
+    cpu_before, started = time.process_time(), time.perf_counter()
+    go.send("go")
+    heard = refused = 0
+    try:
+        while heard < count:
+            item = link.get(timeout=HEARD_S)
+            if item is None:
+                raise TimeoutError(f"{count - heard} updates unheard after {HEARD_S} s")
+            if item.topic == CONNECTED:
+                continue
+            event = inbox.accept(item.topic, item.payload)
+            if isinstance(event, UpdateRefused):
+                heard, refused = heard + 1, refused + 1
+            elif isinstance(event, Update):
+                heard += 1
+                if opened.offer(event, counters) is None:
+                    aggregate.add(event.for_strategy())
+                else:
+                    refused += 1
+        flowed = time.perf_counter()
+        aggregate.close()
+        closed = time.perf_counter()
+    finally:
+        link.stop()
+    return time.process_time() - cpu_before, flowed - started, closed - flowed, refused, aggregate
+
+
 def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str, float]:
+    if workers == 0:
+        return alone(count, parameters, concurrent)
     devices = frozenset(f"d{k}" for k in range(count))
     with tempfile.TemporaryDirectory() as folder:
         broker = MosquittoBroker(folder, FLEET, {}, COORDINATOR, inbox_workers=workers,
@@ -127,11 +178,34 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
             "close_s": closed - flowed, "close_cpu_s": time.process_time() - closing, "wall_s": flowed - started}
 
 
+def alone(count: int, parameters: int, concurrent: int) -> dict[str, float]:
+    devices = frozenset(f"d{k}" for k in range(count))
+    with tempfile.TemporaryDirectory() as folder:
+        broker = MosquittoBroker(folder, FLEET, {}, COORDINATOR, max_packet_bytes=2 * 1024 * 1024,
+                                 queued_per_device=1, inbox_workers=1)
+        broker.start()
+        try:
+            settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
+                                      keepalive=60)
+            go, told = multiprocessing.get_context("spawn").Pipe()
+            producer = multiprocessing.get_context("spawn").Process(
+                target=produce, args=(settings, count, parameters, concurrent, told))
+            producer.start()
+            try:
+                cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go)
+            finally:
+                producer.join(60)
+        finally:
+            broker.stop()
+    return {"taken": count - refused, "refused": refused, "used": len(aggregate.used),
+            "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "close_s": close, "wall_s": wall}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parameters", type=int, default=30_986)
     parser.add_argument("--counts", default="1000,10000")
-    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--workers", default="0,1,2,4", help="0: the coordinator's own process, as without workers")
     parser.add_argument("--concurrent", type=int, default=8, help="devices whose uploads overlap")
     args = parser.parse_args()
     print(f"inbox workers: {args.parameters} parameters an update, FedAvg behind the default guard, "
