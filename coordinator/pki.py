@@ -130,10 +130,11 @@ def _broker_table(path: Path, host: str, port: int, username: str, password: str
 
 def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts: Sequence[str], port: int = 8883,
                             bind: str = "0.0.0.0", client_certs: bool = False, days: int = DEFAULT_DAYS,
-                            observer_reads_learning: bool = False) -> MosquittoBroker:
+                            observer_reads_learning: bool = False, inbox_workers: int = 0) -> MosquittoBroker:
     """Everything the module docstring lists; the broker object whose files were written (its `start()` runs
     mosquitto with them). `observer_reads_learning`: the observer reads updates, models and method payloads too,
-    not only the protocol's metadata (`MosquittoBroker`)."""
+    not only the protocol's metadata (`MosquittoBroker`). `inbox_workers`: the accounts of as many coordinator
+    inbox workers (coordinator/inbox_workers.py), which connect with the coordinator's password and certificate."""
     topics.check_name(fleet, "fleet")
     if OBSERVER in devices:
         raise ValueError(f"{OBSERVER!r} is the observer's account: choose another device id")
@@ -147,7 +148,7 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
     observer = Credentials(OBSERVER, _password_in(out / "observer.toml") or generate_password())
     broker = MosquittoBroker(out, fleet, passwords, coordinator, host=bind, port=port, tls=tls,
                              require_certificate=client_certs, observers={observer.username: observer.password},
-                             observers_read_learning=observer_reads_learning)
+                             observers_read_learning=observer_reads_learning, inbox_workers=inbox_workers)
     broker.write_config()
     coordinator_cert = None
     if client_certs:
@@ -174,7 +175,7 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
 def _run(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     broker = write_fleet_credentials(Path(args.out), args.fleet, devices, args.host, args.port, args.bind,
-                                     args.client_certs, args.days, args.observer_reads_learning)
+                                     args.client_certs, args.days, args.observer_reads_learning, args.inbox_workers)
     print(f"wrote TLS material, mosquitto's files and {len(devices)} device tables to {broker.workdir}\n"
           f"  broker:      mosquitto -c {broker.conf_path}\n"
           f"  coordinator: copy the [broker] table of coordinator.toml into its config (with ca.crt beside it)\n"
@@ -201,4 +202,7 @@ def add_credentials_parser(commands: argparse._SubParsersAction) -> None:
                              "payloads too (by default it reads the protocol's metadata only: whoever holds it could "
                              "otherwise reconstruct training samples from the updates); each run writes the ACL "
                              "anew, so the flag holds for the run that gives it")
+    parser.add_argument("--inbox-workers", type=int, default=0,
+                        help="broker accounts for as many coordinator inbox workers (the coordinator's inbox_workers): "
+                             "they connect with the coordinator's password and certificate")
     parser.set_defaults(run=_run)

@@ -2,6 +2,7 @@
 re-subscribe, QoS 1 messages published while the broker is down go out after it comes back, TLS works."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import tomllib
 from mqtt_helpers import make_server_cert
 
-from coordinator.broker import Credentials, MosquittoBroker, free_port, mosquitto_path
+from coordinator.broker import Credentials, MosquittoBroker, free_port, inbox_worker_account, mosquitto_path
 from coordinator.pki import make_ca, make_client_cert
 from edgefil import topics
 from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link, TlsFailure
@@ -170,7 +171,7 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
     credentials("dev-0,dev-1", "--observer-reads-learning")  # the operator's explicit choice
     assert observer_reads() == ["edgefil/lab/#"]
     first = {p.name: p.read_bytes() for p in [out / "ca.crt", out / "server.crt", out / "devices" / "dev-0.toml"]}
-    credentials("dev-0,dev-1,dev-2")  # one more device later: what exists stays
+    credentials("dev-0,dev-1,dev-2", "--inbox-workers", "1")  # one more device later: what exists stays
     assert {p: (out / ("devices/" if p.endswith("toml") else "") / p).read_bytes() for p in first} == first
     assert oct((out / "ca.key").stat().st_mode & 0o777) == "0o600" and (out / "devices" / "dev-2.key").exists()
 
@@ -185,6 +186,16 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
         assert coordinator.wait_subscribed(LISTENING_S)
         device.publish(topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
         assert next_message(coordinator) == (topics.from_device("lab", "dev-2", "status"), b"over mutual TLS")
+        # the coordinator's inbox worker: its own account, the coordinator's password and certificate
+        account = inbox_worker_account(Credentials("coordinator", table(out / "coordinator.toml").password or ""), 0)
+        worker = Link(dataclasses.replace(table(out / "coordinator.toml"), username=account.username,
+                                          password=account.password), account.username,
+                      subscriptions=[topics.shared_updates("lab")])
+        worker.start(timeout=20)
+        assert worker.wait_subscribed(LISTENING_S)
+        device.publish(topics.from_device("lab", "dev-2", "update"), b"an update's chunk")
+        assert next_message(worker) == (topics.from_device("lab", "dev-2", "update"), b"an update's chunk")
+        worker.stop()
         device.stop()
         coordinator.stop()
     finally:
