@@ -117,14 +117,15 @@ def folds(rule: str, options: Mapping[str, Any]) -> bool:
     return make_strategy(rule, device="cpu", **options).fold(torch.zeros(1)) is not None
 
 
-def workers_refused(rule: str, options: Mapping[str, Any], guard: GuardSettings, secure: bool, central_dp: bool
+def workers_refused(rule: str, options: Mapping[str, Any], secure: bool, central_dp: bool, reference_runs: bool
                     ) -> str | None:
-    """Why a coordinator with inbox workers cannot run this way (one line), or None."""
+    """Why a coordinator with inbox workers cannot run this way (one line), or None. `reference_runs`: the guard's
+    calibration reference is on and the test data hold calibration samples for it."""
     if secure:
         return "secure aggregation sums the devices' masked vectors in the coordinator: set inbox_workers = 0"
     if central_dp:
         return "central DP clips and counts every update in the coordinator: set inbox_workers = 0"
-    if guard.reference != "off":
+    if reference_runs:
         return ("the guard's calibration reference is not run in the inbox workers: set [guard] reference = \"off\" "
                 "to spread the updates without it, or inbox_workers = 0")
     if not folds(rule, options):

@@ -112,10 +112,6 @@ class Coordinator:
         refused = secure_aggregation_refused(config.secure_aggregation, rule)
         if refused is not None:
             raise ValueError(f"[secure_aggregation] {refused}")
-        refused = workers_refused(rule, options, config.guard, config.secure_aggregation.on,
-                                  config.privacy.central) if config.inbox_workers else None
-        if refused is not None:
-            raise ValueError(f"inbox_workers: {refused}")
         self._secure: SecureRound | None = None  # the open round's secure session (coordinator/secagg.py)
         self.manifest = load_manifest(config.artifacts)
         if test_sets is None:
@@ -123,6 +119,12 @@ class Coordinator:
                 raise ValueError("the coordinator needs test data: set test_data = \"folder\" (test-<t>.npz files)")
             test_sets = FolderTestSets(config.test_data, self.manifest)
         self.data = test_sets
+        reference_runs = config.guard.reference != "off" and any(
+            len(test_sets.calibration(t)[1]) for t in range(test_sets.n_tasks))
+        refused = workers_refused(rule, options, config.secure_aggregation.on, config.privacy.central,
+                                  reference_runs) if config.inbox_workers else None
+        if refused is not None:
+            raise ValueError(f"inbox_workers: {refused}")
         strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False

@@ -3,6 +3,7 @@ processes by the broker, gathered, bounded and folded apart, merged at the close
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from coordinator.strategies import make_strategy
 from edgefil import topics, wire
 from edgefil.link import BrokerSettings
 
-pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+needs_mosquitto = pytest.mark.skipif(mosquitto_path() is None,
+                                     reason="mosquitto is not installed (scripts/test installs it)")
 FLEET = "lab"
 MODEL = "ab" * 32
 MANIFEST = "m" * 64
@@ -91,6 +93,7 @@ def broker(tmp_path):
     broker.stop()
 
 
+@needs_mosquitto
 @pytest.mark.parametrize("parameters", [20_000, 300_000], ids=["one-chunk", "two-chunks"])
 def test_two_inbox_workers_aggregate_the_model_of_one(broker, parameters):
     """12 devices' updates through the shared subscription: with one worker and with two, every update is taken
@@ -114,6 +117,7 @@ def test_two_inbox_workers_aggregate_the_model_of_one(broker, parameters):
 UNBOUNDED = dict(guard_settings.OFF)  # no bound changes an update: the model is the updates' mean, to compare
 
 
+@needs_mosquitto
 def test_a_coordinator_with_one_or_two_inbox_workers_aggregates_the_updates_it_received(tmp_path, export_artifacts):
     """A fleet (4 device processes) whose coordinator's updates go to one inbox worker, then to two: every round
     takes every device's update in both, and the last round's global model is FedAvg of the updates the devices
@@ -158,3 +162,19 @@ def test_a_coordinator_with_one_or_two_inbox_workers_aggregates_the_updates_it_r
         total = sum(samples for _, samples in updates.values())
         expected = sum(weights * samples for weights, samples in updates.values()) / total
         np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_what_the_workers_cannot_run_is_refused_in_one_line_each():
+    """Inbox workers spread a folding rule's per-update work; what needs every update in one process is refused,
+    each for its reason, and a rule that folds with nothing else in the way is not."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.inbox_workers import workers_refused
+
+    assert workers_refused("fedavg", {}, False, False, False) is None
+    assert workers_refused("fedprox", {"mu": 0.1}, False, False, False) is None
+    reasons = [workers_refused("fedavg", {}, True, False, False), workers_refused("fedavg", {}, False, True, False),
+               workers_refused("fedavg", {}, False, False, True), workers_refused("median", {}, False, False, False)]
+    assert all(r is not None and "\n" not in r for r in reasons)
+    assert [w in r for w, r in zip(("secure aggregation", "central DP", "reference", "median"), reasons)] == [True] * 4
+    with pytest.raises(ValueError, match="inbox_workers"):
+        CoordinatorConfig("lab", Path("out"), Path("art"), ("d0",), test_data=Path("t"), inbox_workers=-1)
