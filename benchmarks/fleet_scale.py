@@ -72,6 +72,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -313,6 +314,7 @@ class Probe:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     profiler: Profiler | None = None
+    inbox: Any = None  # the coordinator's InboxWorkers, where it runs some (`--inbox-workers`)
 
     def snapshot(self, moment: str) -> None:
         self.memory[moment] = memory_sum(self.worker_pids)
@@ -322,8 +324,10 @@ class Probe:
 
     def cpu(self) -> dict[str, float]:
         workers = [cpu_of(pid) for pid in self.worker_pids]
+        inbox = sum(sum(cpu_of(pid)) for pid in (self.inbox.pids if self.inbox is not None else []))
         return {
-            "coordinator": time.process_time(),  # this process: the coordinator and its MQTT thread
+            # this process (the coordinator and its MQTT thread) and its inbox workers' processes, if it runs some
+            "coordinator": time.process_time() + inbox,
             "broker": sum(cpu_of(self.broker_pid)) if self.broker_pid else 0.0,
             "workers": sum(u + s for u, s in workers),
             "workers_sys": sum(s for _, s in workers),
@@ -367,6 +371,7 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
                 return result
 
             self.evaluator.accuracies = timed
+            probe.inbox = self.workers
 
         def _on_registration(self, event) -> None:  # noqa: ANN001
             super()._on_registration(event)
@@ -401,6 +406,11 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
 
         def _on_update(self, update) -> None:  # noqa: ANN001
             super()._on_update(update)
+            if self.open_round is not None and self.open_round.complete:
+                probe.rounds[self.open_round.number].last_update = time.time()
+
+        def _on_heard(self, heard) -> None:  # noqa: ANN001
+            super()._on_heard(heard)
             if self.open_round is not None and self.open_round.complete:
                 probe.rounds[self.open_round.number].last_update = time.time()
 
@@ -503,6 +513,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": len(holding_data(work)),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
             "guard": {"krum_share": 0.0} if guard is None else guard, **(coordinator or {}),
+            **({"inbox_workers": args.inbox_workers} if getattr(args, "inbox_workers", 0) else {}),
         },
     )
     original = fleet_module.Coordinator
@@ -714,6 +725,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
+    parser.add_argument("--inbox-workers", type=int, default=0,
+                        help="the coordinator's inbox workers (its per-update work in that many processes, counted "
+                             "in its CPU column); 0: none")
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes hosting the devices (default: the fleet's: one per core, more where "
                              "the devices need them)")

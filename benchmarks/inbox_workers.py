@@ -52,6 +52,19 @@ COORDINATOR = Credentials("coordinator", "bench-password")
 HEARD_S = 120.0  # a ceiling for the next word while updates flow
 
 
+class Broker(MosquittoBroker):
+    """A broker whose queue for a slow subscriber holds a whole round of `updates`: the coordinator's account
+    publishes for devices it has no accounts for here, so the roster that sizes a fleet's queue is not known to it."""
+
+    def __init__(self, folder: str, updates: int, workers: int) -> None:
+        super().__init__(folder, FLEET, {}, COORDINATOR, max_packet_bytes=2 * 1024 * 1024, inbox_workers=workers)
+        self.updates = updates
+
+    @property
+    def max_queued_messages(self) -> int:
+        return max(super().max_queued_messages, 2 * self.updates)
+
+
 def produce(settings: BrokerSettings, count: int, parameters: int, concurrent: int, go: Connection) -> None:
     """Publish every device's update as chunks, `concurrent` devices' interleaved, once told to start."""
     link = Link(settings, "producer")
@@ -133,8 +146,7 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
         return alone(count, parameters, concurrent)
     devices = frozenset(f"d{k}" for k in range(count))
     with tempfile.TemporaryDirectory() as folder:
-        broker = MosquittoBroker(folder, FLEET, {}, COORDINATOR, inbox_workers=workers,
-                                 max_packet_bytes=2 * 1024 * 1024, queued_per_device=1)
+        broker = Broker(folder, count, workers)
         broker.start()
         try:
             settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
@@ -181,8 +193,7 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
 def alone(count: int, parameters: int, concurrent: int) -> dict[str, float]:
     devices = frozenset(f"d{k}" for k in range(count))
     with tempfile.TemporaryDirectory() as folder:
-        broker = MosquittoBroker(folder, FLEET, {}, COORDINATOR, max_packet_bytes=2 * 1024 * 1024,
-                                 queued_per_device=1, inbox_workers=1)
+        broker = Broker(folder, count, 1)
         broker.start()
         try:
             settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
