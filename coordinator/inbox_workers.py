@@ -30,6 +30,8 @@ What a second worker changes, and what it does not:
   is, against its worker's median.
 - The guard's calibration reference (a mix of held-out samples the coordinator scores updates on) is not run in
   the workers: it needs the model and the samples there, which is the next step; a worker's round has none.
+- Each worker folds on the CPU, on one thread (the workers are the parallelism); the merge runs where the rule
+  runs (`device`), a GPU included.
 - The sum is float64 in every worker and merged in float64: the model equals one process's to float64 rounding of
   the sum's order, which float32's rounding of the result hides (tested).
 """
@@ -58,7 +60,7 @@ from coordinator.guard_settings import GuardSettings
 from coordinator.inbox import Inbox, Update, UpdateRefused
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
 from coordinator.rounds import OpenRound
-from coordinator.strategies import RoundContext, make_strategy
+from coordinator.strategies import RoundContext, Strategy, make_strategy
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, BrokerSettings, Link
 
@@ -112,13 +114,12 @@ class Heard:
     update: Update | None = None  # what the round's bookkeeping reads of it: its weights and attachments left out
 
 
-def folds(rule: str, options: Mapping[str, Any]) -> bool:
-    """Whether `rule` with `options` folds its rounds, which is what lets its updates be spread over workers."""
-    return make_strategy(rule, device="cpu", **options).fold(torch.zeros(1)) is not None
+def folds(strategy: Strategy) -> bool:
+    """Whether the rule folds its rounds, which is what lets its updates be spread over workers."""
+    return strategy.fold(torch.zeros(1)) is not None
 
 
-def workers_refused(rule: str, options: Mapping[str, Any], secure: bool, central_dp: bool, reference_runs: bool
-                    ) -> str | None:
+def workers_refused(strategy: Strategy, secure: bool, central_dp: bool, reference_runs: bool) -> str | None:
     """Why a coordinator with inbox workers cannot run this way (one line), or None. `reference_runs`: the guard's
     calibration reference is on and the test data hold calibration samples for it."""
     if secure:
@@ -128,8 +129,9 @@ def workers_refused(rule: str, options: Mapping[str, Any], secure: bool, central
     if reference_runs:
         return ("the guard's calibration reference is not run in the inbox workers: set [guard] reference = \"off\" "
                 "to spread the updates without it, or inbox_workers = 0")
-    if not folds(rule, options):
-        return f"the {rule} rule needs a round's updates all at once; only rules that fold spread over workers"
+    if not folds(strategy):
+        return (f"the {strategy.name} rule needs a round's updates all at once; only rules that fold spread over "
+                f"workers")
     return None
 
 
@@ -141,7 +143,7 @@ class InboxWorkers:
         """`on_heard`: called (from a reader thread) as each word comes, to wake whoever waits for it elsewhere."""
         if count < 1:
             raise ValueError(f"inbox workers: at least 1, got {count}")
-        if not folds(plan.rule, plan.options):
+        if not folds(make_strategy(plan.rule, device="cpu", **plan.options)):
             raise ValueError(f"inbox workers: the {plan.rule} rule needs a round's updates all at once; only rules "
                              f"that fold spread over workers")
         self.plan = plan
@@ -173,6 +175,8 @@ class InboxWorkers:
             self._readers.append(reader)
         for index in range(self.count):
             self._reply(index, "ready", timeout)
+        log.info("%d inbox workers take the devices' updates (processes %s)", self.count,
+                 ", ".join(map(str, self.pids)))
 
     @property
     def pids(self) -> list[int]:

@@ -121,11 +121,11 @@ class Coordinator:
         self.data = test_sets
         reference_runs = config.guard.reference != "off" and any(
             len(test_sets.calibration(t)[1]) for t in range(test_sets.n_tasks))
-        refused = workers_refused(rule, options, config.secure_aggregation.on, config.privacy.central,
+        strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
+        refused = workers_refused(strategy, config.secure_aggregation.on, config.privacy.central,
                                   reference_runs) if config.inbox_workers else None
         if refused is not None:
             raise ValueError(f"inbox_workers: {refused}")
-        strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)

@@ -170,10 +170,12 @@ def test_what_the_workers_cannot_run_is_refused_in_one_line_each():
     from coordinator.config import CoordinatorConfig
     from coordinator.inbox_workers import workers_refused
 
-    assert workers_refused("fedavg", {}, False, False, False) is None
-    assert workers_refused("fedprox", {"mu": 0.1}, False, False, False) is None
-    reasons = [workers_refused("fedavg", {}, True, False, False), workers_refused("fedavg", {}, False, True, False),
-               workers_refused("fedavg", {}, False, False, True), workers_refused("median", {}, False, False, False)]
+    fedavg = make_strategy("fedavg", device="cpu")
+    assert workers_refused(fedavg, False, False, False) is None
+    assert workers_refused(make_strategy("fedprox", device="cpu", mu=0.1), False, False, False) is None
+    reasons = [workers_refused(fedavg, True, False, False), workers_refused(fedavg, False, True, False),
+               workers_refused(fedavg, False, False, True),
+               workers_refused(make_strategy("median", device="cpu"), False, False, False)]
     assert all(r is not None and "\n" not in r for r in reasons)
     assert [w in r for w, r in zip(("secure aggregation", "central DP", "reference", "median"), reasons)] == [True] * 4
     with pytest.raises(ValueError, match="inbox_workers"):
