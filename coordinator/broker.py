@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -81,6 +81,42 @@ class BrokerAddress:
     host: str
     port: int
     cafile: str | None = None  # set when the listener uses TLS
+
+
+@dataclass(frozen=True)
+class Site:
+    """A site (issue 60's site aggregators): a broker of its own next to some of the fleet's devices, bridged to
+    the central broker. On the central broker the site's bridge connects as `account`, which may speak for exactly
+    `devices`: write their registrations, statuses and requests, read what the coordinator sends them and every
+    device, and read and write the site's own topics (`edgefil/<fleet>/site/<name>/...`)."""
+
+    name: str
+    account: Credentials
+    devices: tuple[str, ...]
+
+
+# what a site's bridge carries: its devices' protocol messages out (their updates stay at the site, where its
+# aggregator folds them), the coordinator's messages to them and to every device in, the site's own topics both ways
+BRIDGED_OUT = ("register", "status", "request")
+
+
+def bridge_topics(fleet: str, site: str) -> list[tuple[str, str]]:
+    """(topic filter, direction) of a site's bridge, as mosquitto's `topic` lines take them."""
+    p = topics.prefix(fleet)
+    return ([(f"{p}/{topics.FROM_DEVICE}/+/{kind}", "out") for kind in BRIDGED_OUT]
+            + [(f"{p}/{topics.TO_DEVICE}/+/+", "in"), (f"{p}/{topics.TO_ALL}/+", "in"),
+               (f"{p}/{topics.SITE}/{topics.check_name(site, 'site')}/#", "both")])
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """A site broker's connection to the central one: where it is and the site's account there."""
+
+    site: str
+    host: str
+    port: int
+    account: Credentials
+    cafile: str | None = None  # the central broker's CA, where it listens with TLS
 
 
 def mosquitto_path() -> str | None:
@@ -152,7 +188,11 @@ class MosquittoBroker:
         require_certificate: bool = False,
         queued_per_device: int = QUEUED_PER_DEVICE,
         inbox_workers: int = 0,
+        sites: Sequence[Site] = (),
+        bridge: Bridge | None = None,
     ) -> None:
+        """`sites`: the sites bridged to this broker (their accounts); `bridge`: this broker is a site's, bridged to
+        the central one."""
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
         self.coordinator = Credentials(
@@ -191,6 +231,16 @@ class MosquittoBroker:
         for worker in self._workers:
             if worker.username in self._devices or worker.username in self._observers:
                 raise ValueError(f"{worker.username!r} is an inbox worker's account, not a device's or observer's")
+        self.sites = tuple(sites)
+        for site in self.sites:
+            topics.check_name(site.name, "site")
+            self._check_device(site.account.username, site.account.password)
+            if site.account.username in self._devices or site.account.username in self._observers:
+                raise ValueError(f"{site.account.username!r} is a site's account, not a device's or observer's")
+            strangers = set(site.devices) - set(self._devices)
+            if strangers:
+                raise ValueError(f"site {site.name}: {sorted(strangers)[:3]} are not the fleet's devices")
+        self.bridge = bridge
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
 
@@ -230,6 +280,14 @@ class MosquittoBroker:
         updates, from which training samples can be reconstructed (docs/security.md, "Who reads what")."""
         p = self.prefix
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
+        for site in self.sites:  # its bridge speaks for its devices, and for nobody else
+            lines = [f"user {site.account.username}"]
+            lines += [f"topic write {p}/{topics.FROM_DEVICE}/{d}/{kind}" for d in site.devices for kind in BRIDGED_OUT]
+            lines += [f"topic read {p}/{topics.TO_DEVICE}/{d}/{kind}" for d in site.devices
+                      for kind in topics.DEVICE_RECEIVES]
+            lines += [f"topic read {p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS]
+            lines.append(f"topic readwrite {p}/{topics.SITE}/{site.name}/#")
+            blocks.append("\n".join(lines) + "\n")
         for worker in self._workers:  # the devices' updates, and the chunks the workers pass each other
             blocks.append(f"user {worker.username}\ntopic read {p}/{topics.FROM_DEVICE}/+/update\n"
                           f"topic readwrite {p}/{topics.INBOX}/#\n")
@@ -255,7 +313,8 @@ class MosquittoBroker:
     def _write_passwords(self, path: Path) -> None:
         """Hash with `mosquitto_passwd -U` in a private temporary file, so only the hashed file is ever at `path`."""
         users = {self.coordinator.username: self.coordinator.password, **self._devices, **self._observers,
-                 **{worker.username: worker.password for worker in self._workers}}
+                 **{worker.username: worker.password for worker in self._workers},
+                 **{site.account.username: site.account.password for site in self.sites}}
         plain = path.with_name(path.name + ".plain")
         fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -299,7 +358,30 @@ class MosquittoBroker:
             ]
             if self.require_certificate:  # a client certificate signed by the CA, and the password as well
                 lines.append("require_certificate true")
+        if self.bridge is not None:
+            lines += self._bridge_lines(self.bridge)
         return "\n".join(lines) + "\n"
+
+    def _bridge_lines(self, bridge: Bridge) -> list[str]:
+        """mosquitto's bridge to the central broker (`bridge_topics` says what crosses): clean sessions, the site's
+        account, QoS 1 both ways, no notification topics (the central ACL grants none)."""
+        fleet = self.prefix.split("/", 1)[1]
+        lines = [
+            f"connection {bridge.account.username}",
+            f"address {bridge.host}:{bridge.port}",
+            f"remote_clientid {bridge.account.username}",
+            f"remote_username {bridge.account.username}",
+            f"remote_password {bridge.account.password}",
+            "bridge_protocol_version mqttv311",
+            "cleansession true",
+            "notifications false",
+            "try_private true",
+            "restart_timeout 1 10",
+        ]
+        if bridge.cafile:
+            lines.append(f"bridge_cafile {Path(bridge.cafile).resolve()}")
+        lines += [f"topic {pattern} {direction} 1" for pattern, direction in bridge_topics(fleet, bridge.site)]
+        return lines
 
     def write_config(self) -> Path:
         """Write mosquitto.conf, the hashed passwd and the acl into the workdir; return the config's path."""

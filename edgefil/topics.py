@@ -4,6 +4,7 @@
     edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, broadcast, answer)
     edgefil/<fleet>/all/<kind>            coordinator -> every device (weights, broadcast)
     edgefil/<fleet>/inbox/<k>/<device>    coordinator -> coordinator (an inbox worker passes on a chunk)
+    edgefil/<fleet>/site/<site>/...       a site's aggregator <-> coordinator, over the site's bridge
 
 The kinds below are the whole protocol: the broker's ACL grants exactly these topics and nothing else, and only
 the `RETAINED` kinds are meant to be retained (a device's registration and status, so a coordinator that
@@ -18,6 +19,7 @@ ROOT = "edgefil"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FROM_DEVICE, TO_DEVICE, TO_ALL = "dev", "to", "all"
 INBOX = "inbox"  # inbox/<worker>/<device>: coordinator -> coordinator (its inbox workers pass chunks on)
+SITE = "site"  # site/<site>/...: a site's aggregator and the coordinator (coordinator/broker.py's Site)
 # on dev/<device>/<kind>; the last four: secure aggregation's (edgefil/secagg.py)
 DEVICE_SENDS = ("register", "status", "update", "request", "keys", "shares", "masked", "reveal")
 # on to/<device>/<kind>; the last three: secure aggregation's
