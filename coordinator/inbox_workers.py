@@ -359,9 +359,10 @@ def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> N
 
 
 def _drain(worker: _Worker) -> None:
-    """Take what has already arrived before a round's close is answered."""
-    while (item := worker.link.get(timeout=0)) is not None:
-        if item.topic != CONNECTED:
+    """Take what has already arrived before a round's close is answered (a wake-up among it is passed over)."""
+    for _ in range(worker.link.inbox.qsize()):
+        item = worker.link.get(timeout=0)
+        if item is not None and item.topic != CONNECTED:
             worker.take(item.topic, item.payload)
 
 

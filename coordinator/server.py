@@ -219,10 +219,10 @@ class Coordinator:
         before its broker, as a device waits), else ConnectionError after `connect_timeout`."""
         self.config.out.mkdir(parents=True, exist_ok=True)
         self._connect(connect_timeout, wait_for_broker)
-        if self.workers is not None:
-            self.workers.start()
         self.outbox.run_started()
         try:
+            if self.workers is not None:
+                self.workers.start()
             while self.state.task < self.data.n_tasks:
                 if self.config.train_tasks and self.state.task >= self.config.train_tasks:
                     self.evaluate_only()
