@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,14 +66,22 @@ class Broker(MosquittoBroker):
         return max(super().max_queued_messages, 2 * self.updates)
 
 
-def produce(settings: BrokerSettings, count: int, parameters: int, concurrent: int, go: Connection) -> None:
-    """Publish every device's update as chunks, `concurrent` devices' interleaved, once told to start."""
+AHEAD = 2000  # the updates the producer may publish beyond those the coordinator has heard of
+
+
+def produce(settings: BrokerSettings, count: int, parameters: int, concurrent: int, go: Connection,
+            heard: Any) -> None:
+    """Publish every device's update as chunks, `concurrent` devices' interleaved, once told to start, at most
+    `AHEAD` updates beyond `heard` (what the coordinator has heard of so far): devices upload as they finish, and a
+    round's 12 GB published at once would only measure the memory of the queues that hold them."""
     link = Link(settings, "producer")
     link.start()
     rng = np.random.default_rng(0)
     step = rng.normal(0.0, 0.01, parameters).astype(np.float32)
     go.recv()
     for first in range(0, count, concurrent):
+        while first - heard.value > AHEAD:
+            time.sleep(0.005)
         group = []
         for k in range(first, min(first + concurrent, count)):
             weights = step + rng.standard_normal(parameters, dtype=np.float32) * np.float32(0.002)
@@ -97,8 +106,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def in_this_process(settings: BrokerSettings, devices: frozenset[str], parameters: int, go: Connection
-                    ) -> tuple[float, float, float, int, RoundAggregate]:
+def in_this_process(settings: BrokerSettings, devices: frozenset[str], parameters: int, go: Connection,
+                    counted: Any) -> tuple[float, float, float, int, RoundAggregate]:
     """0 workers: the coordinator's own process subscribes to the updates and runs the gate, the round's checks, the
     guard and the fold on each, as `Coordinator` does without workers: (its CPU s, the wall s of the flow, the
     close's wall s, the updates refused, the round's aggregate)."""
@@ -127,8 +136,10 @@ def in_this_process(settings: BrokerSettings, devices: frozenset[str], parameter
             event = inbox.accept(item.topic, item.payload)
             if isinstance(event, UpdateRefused):
                 heard, refused = heard + 1, refused + 1
+                counted.value = heard
             elif isinstance(event, Update):
                 heard += 1
+                counted.value = heard
                 if opened.offer(event, counters) is None:
                     aggregate.add(event.for_strategy())
                 else:
@@ -155,8 +166,9 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
             pool = InboxWorkers(plan, workers)
             pool.start()
             go, told = multiprocessing.get_context("spawn").Pipe()
+            counted = multiprocessing.get_context("spawn").Value("q", 0, lock=False)
             producer = multiprocessing.get_context("spawn").Process(
-                target=produce, args=(settings, count, parameters, concurrent, told))
+                target=produce, args=(settings, count, parameters, concurrent, told, counted))
             producer.start()
             try:
                 weights = np.zeros(parameters, np.float32)
@@ -170,6 +182,7 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
                     if word is None:
                         raise TimeoutError(f"{count - sum(heard.values())} updates unheard after {HEARD_S} s")
                     heard[word.reason or "taken"] += 1
+                    counted.value += 1
                 flowed = time.perf_counter()
                 closing = time.process_time()
                 counters: Counter[str] = Counter()
@@ -199,11 +212,12 @@ def alone(count: int, parameters: int, concurrent: int) -> dict[str, float]:
             settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
                                       keepalive=60)
             go, told = multiprocessing.get_context("spawn").Pipe()
+            counted = multiprocessing.get_context("spawn").Value("q", 0, lock=False)
             producer = multiprocessing.get_context("spawn").Process(
-                target=produce, args=(settings, count, parameters, concurrent, told))
+                target=produce, args=(settings, count, parameters, concurrent, told, counted))
             producer.start()
             try:
-                cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go)
+                cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go, counted)
             finally:
                 producer.join(60)
         finally:

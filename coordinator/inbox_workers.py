@@ -135,6 +135,10 @@ def workers_refused(strategy: Strategy, secure: bool, central_dp: bool, referenc
     return None
 
 
+class WorkerLost(RuntimeError):
+    """A worker's process ended while the coordinator waited for its answer."""
+
+
 class InboxWorkers:
     """`count` worker processes sharing the fleet's updates (module docstring): `start`, then per round `open`,
     `heard` as updates come, `close`; `stop` at the end."""
@@ -153,26 +157,12 @@ class InboxWorkers:
         self._processes: list[Any] = []
         self._replies: list[queue.Queue[Any]] = []  # what each worker answered besides its `Heard`s
         self._heard: queue.Queue[Heard] = queue.Queue()
-        self._readers: list[threading.Thread] = []
         self.opened: int | None = None
 
     def start(self, timeout: float = READY_S) -> None:
         """Start the workers and wait until each is subscribed (the broker then shares the updates among them)."""
-        context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads (paho's, torch's)
         for index in range(self.count):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=serve, args=(self.plan, index, self.count, theirs),
-                                      name=f"inbox-worker-{index}", daemon=True)
-            process.start()
-            theirs.close()
-            self._connections.append(ours)
-            self._processes.append(process)
-            self._replies.append(queue.Queue())
-        for index, connection in enumerate(self._connections):
-            reader = threading.Thread(target=self._read, args=(index, connection), daemon=True,
-                                      name=f"inbox-worker-{index}-reader")
-            reader.start()
-            self._readers.append(reader)
+            self._spawn(index)
         for index in range(self.count):
             self._reply(index, "ready", timeout)
         log.info("%d inbox workers take the devices' updates (processes %s)", self.count,
@@ -186,7 +176,10 @@ class InboxWorkers:
     def open(self, opening: RoundOpening) -> None:
         """The round (or its next attempt: the same number, whose shares so far stay) to every worker."""
         for connection in self._connections:
-            connection.send(("open", opening))
+            try:
+                connection.send(("open", opening))
+            except OSError:  # a worker that is gone: its close says so, and starts it anew
+                pass
         self.opened = opening.number
 
     def heard(self, timeout: float | None = None) -> Heard | None:
@@ -196,12 +189,50 @@ class InboxWorkers:
         except queue.Empty:
             return None
 
-    def close(self, timeout: float = READY_S) -> list[PartialRound]:
-        """Each worker's share of the open round (its partial aggregate and counts), in worker order."""
+    def close(self, counters: Counter[str] | None = None, timeout: float = READY_S) -> list[PartialRound | None]:
+        """Each worker's share of the open round (its partial aggregate and counts), in worker order. A worker that
+        is gone, or does not answer within `timeout`, has its share lost (None, counted as `inbox-worker-lost` in
+        `counters`: the updates it took are not in the round's model) and is started anew for the next round."""
         for connection in self._connections:
-            connection.send(("close", self.opened))
+            try:
+                connection.send(("close", self.opened))
+            except OSError:
+                pass
         self.opened = None
-        return [self._reply(index, "partial", timeout) for index in range(self.count)]
+        parts: list[PartialRound | None] = []
+        for index in range(self.count):
+            try:
+                parts.append(self._reply(index, "partial", timeout))
+            except (WorkerLost, TimeoutError) as err:
+                log.warning("inbox worker %d is lost (%s): the updates it took this round are not in its model; "
+                            "it starts anew", index, err)
+                if counters is not None:
+                    counters["inbox-worker-lost"] += 1
+                parts.append(None)
+                self._processes[index].kill()
+                self._spawn(index)
+                self._reply(index, "ready", timeout)
+        return parts
+
+    def _spawn(self, index: int) -> None:
+        """Worker `index`'s process, its pipe and the thread that reads it (anew, where one was lost)."""
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads (paho's, torch's)
+        ours, theirs = context.Pipe()
+        process = context.Process(target=serve, args=(self.plan, index, self.count, theirs),
+                                  name=f"inbox-worker-{index}", daemon=True)
+        process.start()
+        theirs.close()
+        replies: queue.Queue[Any] = queue.Queue()
+        reader = threading.Thread(target=self._read, args=(replies, ours), daemon=True,
+                                  name=f"inbox-worker-{index}-reader")
+        reader.start()
+        if index < len(self._processes):
+            self._connections[index].close()
+            self._connections[index], self._processes[index], self._replies[index] = ours, process, replies
+        else:
+            self._connections.append(ours)
+            self._processes.append(process)
+            self._replies.append(replies)
 
     def stop(self) -> None:
         for connection in self._connections:
@@ -217,25 +248,27 @@ class InboxWorkers:
             connection.close()
         self._connections, self._processes = [], []
 
-    def _read(self, index: int, connection: Connection) -> None:
+    def _read(self, replies: queue.Queue[Any], connection: Connection) -> None:
         while True:
             try:
                 message = connection.recv()
             except (EOFError, OSError):
-                self._replies[index].put(("gone", None))
+                replies.put(("gone", None))
                 return
             if isinstance(message, Heard):
                 self._heard.put(message)
                 if self.on_heard is not None:
                     self.on_heard()
             else:
-                self._replies[index].put(message)
+                replies.put(message)
 
     def _reply(self, index: int, kind: str, timeout: float) -> Any:
         try:
             got, value = self._replies[index].get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"inbox worker {index} did not answer {kind} within {timeout:.0f} s") from None
+        if got == "gone":
+            raise WorkerLost(f"its process ended (waiting for {kind})")
         if got != kind:
             raise RuntimeError(f"inbox worker {index}: {value if got == 'failed' else got} (waiting for {kind})")
         return value
@@ -270,9 +303,9 @@ class _Worker:
         self.inbox.drop_partial_updates(before_round=opening.number)
         self.counters = Counter()
         rule = ContainedStrategy(make_strategy(self.plan.rule, device="cpu", **self.plan.options), self.counters)
+        ctx = dataclasses.replace(opening.ctx, round=opening.number)  # the round the aggregate closes as
         self.aggregate = RoundAggregate(rule, self.plan.guard, opening.global_weights, self.counters,
-                                        self.plan.max_held_bytes, opening.ctx, path=opening.path,
-                                        heads=self.plan.heads)
+                                        self.plan.max_held_bytes, ctx, path=opening.path, heads=self.plan.heads)
 
     def close(self, number: int | None) -> PartialRound | None:
         aggregate, self.aggregate, self.round = self.aggregate, None, None

@@ -445,7 +445,7 @@ class Coordinator:
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
         if self.workers is not None:  # their shares of the round, bounded and folded where they were taken
-            merged_into(aggregate, self.workers.close())
+            merged_into(aggregate, self.workers.close(self.counters))
         result = aggregate.close(wait=self._pump, selected=len(self._asked), eligible=self._eligible)
         weights, refused, accuracies = self._judge(result, collected.task, aggregate.refused_sum or RULE_FAILED)
         used = aggregate.used

@@ -84,6 +84,28 @@ def run_round(broker: MosquittoBroker, workers: int, updates: dict[str, tuple[np
         {str(k): n for k, n in enumerate(taken)})
 
 
+def publish_round(address, updates: dict[str, tuple[np.ndarray, int]], number: int) -> None:
+    sender = Peer(address, "coordinator", "pw-c")
+    sender.connect()
+    sender.publish_all([(topics.from_device(FLEET, device, "update"), bytes(frame))
+                        for device, (weights, samples) in updates.items()
+                        for frame in wire.encode_blob("update", wire.weights_bytes(weights), device=device,
+                                                      round=number, task=0, model=MODEL, num_samples=samples,
+                                                      attachments=[], label_counts=[], metrics={}).chunks])
+    sender.close()
+
+
+def words_on(pool: InboxWorkers, devices: set[str]) -> dict[str, int]:
+    """Which worker took each device's update (every one taken)."""
+    taken = {}
+    while len(taken) < len(devices):
+        word = pool.heard(timeout=HEARD_S)
+        assert word is not None, f"no word on {sorted(devices - set(taken))}"
+        assert word.reason is None, word
+        taken[word.device] = word.worker
+    return taken
+
+
 @pytest.fixture
 def broker(tmp_path):
     devices = {f"d{k}": f"pw-{k}" for k in range(12)}
@@ -180,3 +202,43 @@ def test_what_the_workers_cannot_run_is_refused_in_one_line_each():
     assert [w in r for w, r in zip(("secure aggregation", "central DP", "reference", "median"), reasons)] == [True] * 4
     with pytest.raises(ValueError, match="inbox_workers"):
         CoordinatorConfig("lab", Path("out"), Path("art"), ("d0",), test_data=Path("t"), inbox_workers=-1)
+
+
+@needs_mosquitto
+def test_a_lost_worker_loses_its_share_of_the_round_alone_and_is_started_anew(broker):
+    """A worker killed after it took its share: the round's close counts it lost, merges the other worker's share
+    (FedAvg of exactly the updates that worker took), and the next round's updates are shared by both again."""
+    parameters = 20_000
+    address = broker.address
+    updates = round_updates(parameters, 12)
+    plan = WorkerPlan(BrokerSettings(address.host, address.port, "coordinator", "pw-c"), FLEET, frozenset(updates),
+                      MANIFEST, parameters, "fedavg", guard=GuardSettings(**guard_settings.OFF))
+    pool = InboxWorkers(plan, 2)
+    pool.start()
+    try:
+        pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(updates)), np.zeros(parameters, np.float32)))
+        publish_round(address, updates, 1)
+        taken = words_on(pool, set(updates))
+        assert set(taken.values()) == {0, 1}
+        pool._processes[1].kill()
+        counters: Counter[str] = Counter()
+        parts = pool.close(counters)
+        assert parts[1] is None and parts[0] is not None and counters == {"inbox-worker-lost": 1}
+        kept = {d: updates[d] for d, worker in taken.items() if worker == 0}
+        np.testing.assert_allclose(merged(parts, parameters), one_process(kept, parameters, plan.guard), rtol=1e-6,
+                                   atol=1e-9)
+        again = round_updates(parameters, 12, seed=1)
+        pool.open(RoundOpening(2, 0, MODEL, tuple(sorted(again)), np.zeros(parameters, np.float32)))
+        publish_round(address, again, 2)
+        assert set(words_on(pool, set(again)).values()) == {0, 1}
+        assert all(part is not None for part in pool.close())
+    finally:
+        pool.stop()
+
+
+def merged(parts, parameters: int) -> np.ndarray:
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
+                               GuardSettings(**guard_settings.OFF), np.zeros(parameters, np.float32), counters,
+                               1 << 30)
+    return merged_into(aggregate, parts).close().global_weights.numpy()
