@@ -22,6 +22,7 @@ time does not fall with them: read the CPU columns, which say what each process 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import multiprocessing
@@ -29,6 +30,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -152,78 +154,69 @@ def in_this_process(settings: BrokerSettings, devices: frozenset[str], parameter
     return time.process_time() - cpu_before, flowed - started, closed - flowed, refused, aggregate
 
 
+@contextlib.contextmanager
+def round_of(count: int, workers: int, parameters: int, concurrent: int
+             ) -> Iterator[tuple[BrokerSettings, frozenset[str], Connection, Any]]:
+    """A broker with accounts for `workers` workers (at least one: the in-process reader takes the first) and a
+    producer of `count` updates waiting to be told to go: (the coordinator's settings, the devices, the pipe that
+    says go, the count of updates heard that paces the producer)."""
+    devices = frozenset(f"d{k}" for k in range(count))
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        broker = Broker(folder, count, max(workers, 1))
+        broker.start()
+        try:
+            settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
+                                      keepalive=60)
+            go, told = context.Pipe()
+            counted = context.Value("q", 0, lock=False)
+            producer = context.Process(target=produce, args=(settings, count, parameters, concurrent, told, counted))
+            producer.start()
+            try:
+                yield settings, devices, go, counted
+            finally:
+                producer.join(60)
+        finally:
+            broker.stop()
+
+
 def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str, float]:
     if workers == 0:
-        return alone(count, parameters, concurrent)
-    devices = frozenset(f"d{k}" for k in range(count))
-    with tempfile.TemporaryDirectory() as folder:
-        broker = Broker(folder, count, workers)
-        broker.start()
+        with round_of(count, workers, parameters, concurrent) as (settings, devices, go, counted):
+            cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go, counted)
+        return {"taken": count - refused, "refused": refused, "used": len(aggregate.used),
+                "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "close_s": close, "wall_s": wall}
+    with round_of(count, workers, parameters, concurrent) as (settings, devices, go, counted):
+        plan = WorkerPlan(settings, FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings())
+        pool = InboxWorkers(plan, workers)
+        pool.start()
         try:
-            settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
-                                      keepalive=60)
-            plan = WorkerPlan(settings, FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings())
-            pool = InboxWorkers(plan, workers)
-            pool.start()
-            go, told = multiprocessing.get_context("spawn").Pipe()
-            counted = multiprocessing.get_context("spawn").Value("q", 0, lock=False)
-            producer = multiprocessing.get_context("spawn").Process(
-                target=produce, args=(settings, count, parameters, concurrent, told, counted))
-            producer.start()
-            try:
-                weights = np.zeros(parameters, np.float32)
-                pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(devices)), weights))
-                workers_before = sum(cpu_seconds(pid) for pid in pool.pids)
-                cpu_before, started = time.process_time(), time.perf_counter()
-                go.send("go")
-                heard: Counter[str] = Counter()
-                while sum(heard.values()) < count:
-                    word = pool.heard(timeout=HEARD_S)
-                    if word is None:
-                        raise TimeoutError(f"{count - sum(heard.values())} updates unheard after {HEARD_S} s")
-                    heard[word.reason or "taken"] += 1
-                    counted.value += 1
-                flowed = time.perf_counter()
-                closing = time.process_time()
-                counters: Counter[str] = Counter()
-                aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
-                                           GuardSettings(), weights, counters, 1 << 30)
-                merged = merged_into(aggregate, pool.close())
-                merged.close()
-                closed = time.perf_counter()
-                coordinator_cpu = time.process_time() - cpu_before
-                workers_cpu = sum(cpu_seconds(pid) for pid in pool.pids) - workers_before
-            finally:
-                producer.join(60)
-                pool.stop()
+            weights = np.zeros(parameters, np.float32)
+            pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(devices)), weights))
+            workers_before = sum(cpu_seconds(pid) for pid in pool.pids)
+            cpu_before, started = time.process_time(), time.perf_counter()
+            go.send("go")
+            heard: Counter[str] = Counter()
+            while sum(heard.values()) < count:
+                word = pool.heard(timeout=HEARD_S)
+                if word is None:
+                    raise TimeoutError(f"{count - sum(heard.values())} updates unheard after {HEARD_S} s")
+                heard[word.reason or "taken"] += 1
+                counted.value += 1
+            flowed = time.perf_counter()
+            counters: Counter[str] = Counter()
+            aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
+                                       GuardSettings(), weights, counters, 1 << 30)
+            merged = merged_into(aggregate, pool.close())
+            merged.close()
+            closed = time.perf_counter()
+            coordinator_cpu = time.process_time() - cpu_before
+            workers_cpu = sum(cpu_seconds(pid) for pid in pool.pids) - workers_before
         finally:
-            broker.stop()
+            pool.stop()
     return {"taken": heard["taken"], "refused": count - heard["taken"], "used": len(merged.used),
             "coordinator_ms": 1000 * coordinator_cpu / count, "workers_ms": 1000 * workers_cpu / count,
-            "close_s": closed - flowed, "close_cpu_s": time.process_time() - closing, "wall_s": flowed - started}
-
-
-def alone(count: int, parameters: int, concurrent: int) -> dict[str, float]:
-    devices = frozenset(f"d{k}" for k in range(count))
-    with tempfile.TemporaryDirectory() as folder:
-        broker = Broker(folder, count, 1)
-        broker.start()
-        try:
-            settings = BrokerSettings(broker.host, broker.port, COORDINATOR.username, COORDINATOR.password,
-                                      keepalive=60)
-            go, told = multiprocessing.get_context("spawn").Pipe()
-            counted = multiprocessing.get_context("spawn").Value("q", 0, lock=False)
-            producer = multiprocessing.get_context("spawn").Process(
-                target=produce, args=(settings, count, parameters, concurrent, told, counted))
-            producer.start()
-            try:
-                cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go, counted)
-            finally:
-                producer.join(60)
-        finally:
-            broker.stop()
-    return {"taken": count - refused, "refused": refused, "used": len(aggregate.used),
-            "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "close_s": close, "wall_s": wall}
+            "close_s": closed - flowed, "wall_s": flowed - started}
 
 
 def main() -> None:
