@@ -131,7 +131,7 @@ class OpenRound:
             reason = "late"
         elif update.round > self.number or update.model != self.model:
             reason = "wrong-round"
-        elif update.device not in self.selected:
+        elif update.device not in self._chosen:  # a set: a list made a round of N updates cost O(N^2)
             reason = "not-selected"
         elif update.device in self.delivered:
             reason = "duplicate"
