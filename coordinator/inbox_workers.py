@@ -318,8 +318,12 @@ class _Worker:
     def take(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
         """One message of the shared subscription or passed on to this worker."""
         if topic.startswith(self.passed_on):
-            topic = topics.from_device(self.plan.fleet, topic[len(self.passed_on):], "update")
-        else:
+            device = topic[len(self.passed_on):]
+            if topics.NAME.fullmatch(device) is None:  # the gate would refuse its topic: refused here, alike
+                self.inbox.reject("topic", f"{topic}: not a device's name")
+                return
+            topic = topics.from_device(self.plan.fleet, device, "update")
+        elif self.count > 1:  # a lone worker gathers every blob itself: no chunk's header read twice
             parsed = topics.parse(self.plan.fleet, topic)
             if parsed is not None and parsed.device is not None and wire.chunks_of_blob(payload) > 1:
                 gatherer = owner(parsed.device, self.count)

@@ -242,3 +242,20 @@ def merged(parts, parameters: int) -> np.ndarray:
                                GuardSettings(**guard_settings.OFF), np.zeros(parameters, np.float32), counters,
                                1 << 30)
     return merged_into(aggregate, parts).close().global_weights.numpy()
+
+
+def test_a_chunk_passed_on_under_a_name_no_device_has_is_refused_not_raised():
+    """The workers' own topic (inbox/<k>/<device>) is the coordinator's accounts' alone; a message there whose
+    device level is no device's name is refused as the gate refuses a bad topic, and the worker goes on."""
+    import multiprocessing
+
+    from coordinator.inbox_workers import _Worker
+
+    ours, theirs = multiprocessing.Pipe()
+    plan = WorkerPlan(BrokerSettings(username="coordinator", password="pw-c"), FLEET, frozenset({"d0"}), MANIFEST,
+                      100, "fedavg")
+    worker = _Worker(plan, 0, 1, theirs)
+    worker.take(worker.passed_on + "d\u00e9vice", b"anything")
+    assert worker.inbox.rejections == {"topic": 1}
+    ours.close()
+    theirs.close()
