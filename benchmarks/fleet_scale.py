@@ -72,7 +72,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -314,7 +313,7 @@ class Probe:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     profiler: Profiler | None = None
-    inbox: Any = None  # the coordinator's InboxWorkers, where it runs some (`--inbox-workers`)
+    inbox: list[int] = field(default_factory=list)  # the coordinator's inbox workers' pids (`--inbox-workers`)
 
     def snapshot(self, moment: str) -> None:
         self.memory[moment] = memory_sum(self.worker_pids)
@@ -324,7 +323,7 @@ class Probe:
 
     def cpu(self) -> dict[str, float]:
         workers = [cpu_of(pid) for pid in self.worker_pids]
-        inbox = sum(sum(cpu_of(pid)) for pid in (self.inbox.pids if self.inbox is not None else []))
+        inbox = sum(sum(cpu_of(pid)) for pid in self.inbox)
         return {
             # this process (the coordinator and its MQTT thread) and its inbox workers' processes, if it runs some
             "coordinator": time.process_time() + inbox,
@@ -371,7 +370,7 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
                 return result
 
             self.evaluator.accuracies = timed
-            probe.inbox = self.workers
+            probe.inbox = [pid for shares in self.shares for pid in shares.pids]
 
         def _on_registration(self, event) -> None:  # noqa: ANN001
             super()._on_registration(event)

@@ -42,7 +42,8 @@ from coordinator.broker import Credentials, MosquittoBroker, inbox_worker_accoun
 from coordinator.containment import ContainedStrategy
 from coordinator.guard_settings import GuardSettings
 from coordinator.inbox import Inbox, Update, UpdateRefused
-from coordinator.inbox_workers import InboxWorkers, RoundOpening, WorkerPlan, merged_into
+from coordinator.inbox_workers import InboxWorkers, WorkerPlan, merged_into
+from coordinator.round_share import RoundOpening, SharePlan
 from coordinator.rounds import OpenRound
 from coordinator.strategies import make_strategy
 from edgefil import topics, wire
@@ -187,7 +188,7 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
         return {"taken": count - refused, "refused": refused, "used": len(aggregate.used),
                 "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "close_s": close, "wall_s": wall}
     with round_of(count, workers, parameters, concurrent) as (settings, devices, go, counted):
-        plan = WorkerPlan(settings, FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings())
+        plan = WorkerPlan(settings, SharePlan(FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings()))
         pool = InboxWorkers(plan, workers)
         pool.start()
         try:

@@ -117,6 +117,8 @@ class Bridge:
     port: int
     account: Credentials
     cafile: str | None = None  # the central broker's CA, where it listens with TLS
+    certfile: str | None = None  # the site's client certificate and key, where the central broker requires one
+    keyfile: str | None = None
 
 
 def mosquitto_path() -> str | None:
@@ -380,6 +382,9 @@ class MosquittoBroker:
         ]
         if bridge.cafile:
             lines.append(f"bridge_cafile {Path(bridge.cafile).resolve()}")
+        if bridge.certfile and bridge.keyfile:
+            lines += [f"bridge_certfile {Path(bridge.certfile).resolve()}",
+                      f"bridge_keyfile {Path(bridge.keyfile).resolve()}"]
         lines += [f"topic {pattern} {direction} 1" for pattern, direction in bridge_topics(fleet, bridge.site)]
         return lines
 

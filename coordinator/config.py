@@ -26,10 +26,14 @@
     inbox_workers = 0                   # processes that take the devices' updates (a shared subscription),
                                         # bound and fold them apart, merged at each round's close
                                         # (coordinator/inbox_workers.py); 0: this process does it
+    site_close_s = 60.0                 # the longest a round's close waits for a site's share
     last_rounds = 10                    # the final accuracy is also reported as the mean over the last task's
                                         # last rounds, as the papers report it (Re-Fed: 10)
 
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
+    [[sites]]   name = "a", devices = ["dev-0", ...]: devices at a site, served by its broker (bridged to the
+                central one) and its aggregator (`edgefil site`), which takes their updates and hands each round
+                one share (coordinator/sites.py)
     [scenario]  preset = "digits-class" and overrides, or every Scenario field: tasks and test sets
     [strategy]  name = "fedavg" | "fedprox" | "pfedgrp" | "median" | "trimmed-mean" | "centered-clip", and its
                 options
@@ -123,6 +127,8 @@ class CoordinatorConfig:
     train_tasks: int = 0  # train only the first N tasks, then evaluate the unchanged model (Fixed); 0: all
     max_held_mib: int = 4096  # a holding rule's update bytes per round, at most
     inbox_workers: int = 0  # processes that share the per-update work (coordinator/inbox_workers.py); 0: none
+    sites: tuple[SiteDevices, ...] = ()  # devices served by a site's broker and aggregator (coordinator/sites.py)
+    site_close_s: float = 60.0  # the longest a round's close waits for a site's share (virtual time: wall_limit_s)
     last_rounds: int = LAST_ROUNDS  # results.json's last-rounds mean covers the last task's last rounds, this many
     strategy: Mapping[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     guard: GuardSettings = GuardSettings()
@@ -149,6 +155,14 @@ class CoordinatorConfig:
             raise ValueError(f"max_held_mib must be >= 1, got {self.max_held_mib}")
         if self.inbox_workers < 0:
             raise ValueError(f"inbox_workers must be >= 0, got {self.inbox_workers}")
+        at_sites = [device for site in self.sites for device in site.devices]
+        strangers = set(at_sites) - set(self.devices)
+        if strangers:
+            raise ValueError(f"sites: {', '.join(sorted(strangers)[:3])} not on the roster (devices)")
+        if len(set(at_sites)) != len(at_sites) or len({site.name for site in self.sites}) != len(self.sites):
+            raise ValueError("sites: a device at two sites, or two sites of one name")
+        if self.site_close_s <= 0:
+            raise ValueError(f"site_close_s must be > 0, got {self.site_close_s}")
         if self.last_rounds < 1:
             raise ValueError(f"last_rounds must be >= 1, got {self.last_rounds}")
         if "name" not in self.strategy:
@@ -208,3 +222,42 @@ class RoundSettings:
     # true or false: every device masks (or does not mask) the classes it has not seen, whatever its own [learner]
     # says; left out, each device's own setting (docs/results-history.md, "The class mask", says where the mask helps)
     mask_seen_classes: bool | None = None
+
+
+@dataclass(frozen=True)
+class SiteDevices:
+    """`[[sites]]` of the coordinator file: a site's name and the devices that connect to its broker."""
+
+    name: str
+    devices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "site name")
+        if not self.devices:
+            raise ValueError(f"site {self.name}: no devices")
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """A site aggregator's file (coordinator/site_aggregator.py): the fleet, the site's name in the coordinator's
+    `[[sites]]`, the fleet's model, and the site's broker with its coordinator account."""
+
+    fleet: str
+    site: str
+    artifacts: Path
+    broker: BrokerSettings = BrokerSettings(username="coordinator")
+
+    def __post_init__(self) -> None:
+        check_name(self.fleet, "fleet")
+        check_name(self.site, "site")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], base: Path = Path("."), file: str = "site config") -> SiteConfig:
+        raw = dict(raw)
+        raw["broker"] = {"username": "coordinator", **raw.get("broker", {})}
+        return build(cls, raw, Where(file), base)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SiteConfig:
+        path = Path(path)
+        return cls.from_dict(load_toml(path), base=path.parent, file=str(path))

@@ -11,56 +11,36 @@ chunk of such a blob passes it on to the device's own worker (`owner`: the CRC32
 that worker's topic (`topics.to_inbox_worker`), unless it is that worker. Updates of one chunk (any model under
 about 1 MB: LeNet's 124 KB) are taken where they land and cost no second trip.
 
-A round, from the coordinator's side (`InboxWorkers`): `open` hands every worker the round (its number, task,
-global model and selection); each worker runs its own gate (`Inbox`: the wire's checks and chunk reassembly), the
-round's checks (`OpenRound.offer`: the right round and model, a selected device, once) and the round's aggregation
-(`RoundAggregate`: the guard's per-update bounds, then the rule's fold) on what it receives, and says of each update
-whether it took it (`Heard`), which is what the coordinator counts a round's deliveries by; `close` then asks each
-for its share (`PartialRound`), which the round's own aggregate merges (`RoundAggregate.merge`) as if every update
-had come to it.
-
-What a second worker changes, and what it does not:
-- Only rules that fold (FedAvg, FedProx) spread: a rule that needs the whole round at once has nothing to merge
-  (refused in one line).
-- Bounds that judge one update alone (its length against the fleet's path, its claims, its rows, copies of it
-  within a worker) are the same. Bounds that compare updates with the round's (the running medians of distances
-  and sample counts, Krum's first `hold` updates and those scored against them) compare each update with its
-  worker's share, a part of the round that the broker's turns draw without regard to the devices: the same
-  distribution, fewer updates. A copy sent to two workers is not seen as one; a free rider or a far update still
-  is, against its worker's median.
+A round, from the coordinator's side (`InboxWorkers`): `open` hands every worker the round; each worker holds a
+`RoundShare` (coordinator/round_share.py: the gate, the round's checks, the guard's per-update bounds and the rule's
+fold) of what it receives and says of each update whether it took it (`Heard`); `close` asks each for its share
+(`PartialRound`), which the round's own aggregate merges. What a share changes against one process, that module
+says; here besides:
 - The guard's calibration reference (a mix of held-out samples the coordinator scores updates on) is not run in
   the workers: it needs the model and the samples there, which is the next step; a worker's round has none.
-- Each worker folds on the CPU, on one thread (the workers are the parallelism); the merge runs where the rule
-  runs (`device`), a GPU included.
-- The sum is float64 in every worker and merged in float64: the model equals one process's to float64 rounding of
-  the sum's order, which float32's rounding of the result hides (tested).
+- A copy sent to two workers is not seen as one; a free rider or a far update still is, against its worker's
+  median.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import multiprocessing
 import queue
 import threading
 import zlib
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 
 from coordinator.aggregation import PartialRound, RoundAggregate
 from coordinator.broker import Credentials, inbox_worker_account
-from coordinator.containment import ContainedStrategy
-from coordinator.guard_settings import GuardSettings
-from coordinator.inbox import Inbox, Update, UpdateRefused
-from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout
-from coordinator.rounds import OpenRound
-from coordinator.strategies import RoundContext, Strategy, make_strategy
+from coordinator.round_share import Heard, RoundOpening, RoundShare, SharePlan, folds
+from coordinator.strategies import make_strategy
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, BrokerSettings, Link
 
@@ -78,61 +58,7 @@ class WorkerPlan:
     """What every worker of a coordinator is made with (it crosses into the worker's process)."""
 
     broker: BrokerSettings  # the coordinator's account: each worker connects as its own (`inbox_worker_account`)
-    fleet: str
-    roster: frozenset[str]
-    manifest: str  # the artifacts' digest devices register with (`Inbox`)
-    num_parameters: int
-    rule: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    guard: GuardSettings = GuardSettings()
-    heads: HeadLayout | None = None  # the model's head rows, for the guard's row bound and Krum's comparison
-    max_held_bytes: int = 1 << 30
-
-
-@dataclass(frozen=True)
-class RoundOpening:
-    """One round as the workers take it."""
-
-    number: int
-    task: int
-    model: str  # the global model's blob id, which the devices' updates answer
-    selected: tuple[str, ...]
-    global_weights: np.ndarray
-    ctx: RoundContext = RoundContext()
-    path: FleetPath = UNKNOWN_PATH
-    virtual_deadline_s: float | None = None  # virtual time: an update of more device seconds is late
-
-
-@dataclass(frozen=True)
-class Heard:
-    """A worker's word on one update: taken into its share of the open round (`reason` None), or why not."""
-
-    worker: int
-    device: str
-    round: int
-    reason: str | None
-    update: Update | None = None  # what the round's bookkeeping reads of it: its weights and attachments left out
-
-
-def folds(strategy: Strategy) -> bool:
-    """Whether the rule folds its rounds, which is what lets its updates be spread over workers."""
-    return strategy.fold(torch.zeros(1)) is not None
-
-
-def workers_refused(strategy: Strategy, secure: bool, central_dp: bool, reference_runs: bool) -> str | None:
-    """Why a coordinator with inbox workers cannot run this way (one line), or None. `reference_runs`: the guard's
-    calibration reference is on and the test data hold calibration samples for it."""
-    if secure:
-        return "secure aggregation sums the devices' masked vectors in the coordinator: set inbox_workers = 0"
-    if central_dp:
-        return "central DP clips and counts every update in the coordinator: set inbox_workers = 0"
-    if reference_runs:
-        return ("the guard's calibration reference is not run in the inbox workers: set [guard] reference = \"off\" "
-                "to spread the updates without it, or inbox_workers = 0")
-    if not folds(strategy):
-        return (f"the {strategy.name} rule needs a round's updates all at once; only rules that fold spread over "
-                f"workers")
-    return None
+    share: SharePlan
 
 
 class WorkerLost(RuntimeError):
@@ -147,9 +73,9 @@ class InboxWorkers:
         """`on_heard`: called (from a reader thread) as each word comes, to wake whoever waits for it elsewhere."""
         if count < 1:
             raise ValueError(f"inbox workers: at least 1, got {count}")
-        if not folds(make_strategy(plan.rule, device="cpu", **plan.options)):
-            raise ValueError(f"inbox workers: the {plan.rule} rule needs a round's updates all at once; only rules "
-                             f"that fold spread over workers")
+        if not folds(make_strategy(plan.share.rule, device="cpu", **plan.share.options)):
+            raise ValueError(f"inbox workers: the {plan.share.rule} rule needs a round's updates all at once; only "
+                             f"rules that fold spread over workers")
         self.plan = plan
         self.count = count
         self.on_heard = on_heard
@@ -275,79 +201,40 @@ class InboxWorkers:
 
 
 class _Worker:
-    """One worker's state: its gate, and the open round's checks and aggregation."""
+    """One worker: its round share, its MQTT connection, and the chunks it passes on to their device's worker."""
 
     def __init__(self, plan: WorkerPlan, index: int, count: int, connection: Connection) -> None:
         self.plan = plan
         self.index = index
         self.count = count
         self.connection = connection
-        self.inbox = Inbox(plan.fleet, set(plan.roster), plan.manifest, plan.num_parameters)
-        self.passed_on = topics.to_inbox_worker(plan.fleet, index, "x")[:-1]  # this worker's topic, less the device
+        self.share = RoundShare(plan.share, str(index))
+        fleet = plan.share.fleet
+        self.passed_on = topics.to_inbox_worker(fleet, index, "x")[:-1]  # this worker's topic, less the device
         account = inbox_worker_account(Credentials(plan.broker.username or "", plan.broker.password or ""), index)
         settings = dataclasses.replace(plan.broker, username=account.username, password=account.password)
-        self.link = Link(settings, account.username,
-                         [topics.shared_updates(plan.fleet), self.passed_on + "+"], max_queued=0)
-        self.round: OpenRound | None = None
-        self.aggregate: RoundAggregate | None = None
-        self.counters: Counter[str] = Counter()
-
-    def open(self, opening: RoundOpening) -> None:
-        """A round, or a later attempt of the open one: its share so far stays, its deliveries count."""
-        delivered = self.round.delivered if self.round is not None else set()
-        self.round = OpenRound(opening.number, opening.task, opening.model, list(opening.selected), math.inf,
-                               opening.virtual_deadline_s)
-        if self.aggregate is not None and self.aggregate.number == opening.number:
-            self.round.carry_over(delivered)
-            return
-        self.inbox.drop_partial_updates(before_round=opening.number)
-        self.counters = Counter()
-        rule = ContainedStrategy(make_strategy(self.plan.rule, device="cpu", **self.plan.options), self.counters)
-        ctx = dataclasses.replace(opening.ctx, round=opening.number)  # the round the aggregate closes as
-        self.aggregate = RoundAggregate(rule, self.plan.guard, opening.global_weights, self.counters,
-                                        self.plan.max_held_bytes, ctx, path=opening.path, heads=self.plan.heads)
-
-    def close(self, number: int | None) -> PartialRound | None:
-        aggregate, self.aggregate, self.round = self.aggregate, None, None
-        if aggregate is None or aggregate.number != number:
-            return None
-        self.counters.update(self.inbox.rejections)
-        self.inbox.rejections.clear()
-        return aggregate.partial()
+        self.link = Link(settings, account.username, [topics.shared_updates(fleet), self.passed_on + "+"],
+                         max_queued=0)
 
     def take(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
         """One message of the shared subscription or passed on to this worker."""
+        fleet = self.plan.share.fleet
         if topic.startswith(self.passed_on):
             device = topic[len(self.passed_on):]
             if topics.NAME.fullmatch(device) is None:  # the gate would refuse its topic: refused here, alike
-                self.inbox.reject("topic", f"{topic}: not a device's name")
+                self.share.inbox.reject("topic", f"{topic}: not a device's name")
                 return
-            topic = topics.from_device(self.plan.fleet, device, "update")
+            topic = topics.from_device(fleet, device, "update")
         elif self.count > 1:  # a lone worker gathers every blob itself: no chunk's header read twice
-            parsed = topics.parse(self.plan.fleet, topic)
+            parsed = topics.parse(fleet, topic)
             if parsed is not None and parsed.device is not None and wire.chunks_of_blob(payload) > 1:
                 gatherer = owner(parsed.device, self.count)
                 if gatherer != self.index:
-                    self.link.publish(topics.to_inbox_worker(self.plan.fleet, gatherer, parsed.device),
-                                      bytes(payload))
+                    self.link.publish(topics.to_inbox_worker(fleet, gatherer, parsed.device), bytes(payload))
                     return
-        event = self.inbox.accept(topic, payload)
-        if isinstance(event, UpdateRefused):
-            self.connection.send(Heard(self.index, event.device, event.round, event.reason))
-        elif isinstance(event, Update):
-            self._offer(event)
-
-    def _offer(self, update: Update) -> None:
-        """The round's checks and the rule's inspection, then the round's aggregation (the guard, the fold)."""
-        if self.round is None or self.aggregate is None:
-            self.counters["late"] += 1
-            reason: str | None = "between-rounds"
-        else:
-            reason = self.aggregate.strategy.inspect(update.for_strategy()) or self.round.offer(update, self.counters)
-        if reason is None and self.aggregate is not None:
-            self.aggregate.add(update.for_strategy())
-        said = dataclasses.replace(update, weights=np.empty(0, np.float32), attachments={})
-        self.connection.send(Heard(self.index, update.device, update.round, reason, said))
+        heard = self.share.take(topic, payload)
+        if heard is not None:
+            self.connection.send(heard)
 
 
 def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> None:
@@ -385,10 +272,10 @@ def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> N
                 if kind == "stop":
                     return
                 if kind == "open":
-                    worker.open(value)
+                    worker.share.open(value)
                 elif kind == "close":
                     _drain(worker)
-                    connection.send(("partial", worker.close(value)))
+                    connection.send(("partial", worker.share.close(value)))
             if item is not None and item.topic != CONNECTED:
                 worker.take(item.topic, item.payload)
     finally:

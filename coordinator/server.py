@@ -59,17 +59,19 @@ from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
-from coordinator.inbox_workers import Heard, InboxWorkers, RoundOpening, WorkerPlan, merged_into, workers_refused
+from coordinator.inbox_workers import InboxWorkers, WorkerPlan, merged_into
 from coordinator.influence import FleetPath, HeadLayout
 from coordinator.limits import ResendBudget
 from coordinator.outbox import Outbox
 from coordinator.privacy import CentralPrivacy, PrivacyBudgetSpent, RoundCount
 from coordinator.reference import ClassReference, calibration_by_part
 from coordinator.roster import Roster
+from coordinator.round_share import Heard, RoundOpening, RoundShares, SharePlan, shares_refused
 from coordinator.rounds import ROUND_REFUSALS, OpenRound, select
 from coordinator.run_logs import RunLogs
 from coordinator.run_record import RunRecord
 from coordinator.secagg import LIES, Advertised, SecureMessage, SecureRound
+from coordinator.sites import Sites, site_subscriptions
 from coordinator.strategies import (
     AggregateResult,
     ClientUpdate,
@@ -122,10 +124,12 @@ class Coordinator:
         reference_runs = config.guard.reference != "off" and any(
             len(test_sets.calibration(t)[1]) for t in range(test_sets.n_tasks))
         strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
-        refused = workers_refused(strategy, config.secure_aggregation.on, config.privacy.central,
-                                  reference_runs) if config.inbox_workers else None
-        if refused is not None:
-            raise ValueError(f"inbox_workers: {refused}")
+        for setting, off, used in (("inbox_workers", "inbox_workers = 0", config.inbox_workers),
+                                   ("sites", "no [[sites]]", config.sites)):
+            refused = shares_refused(strategy, config.secure_aggregation.on, config.privacy.central, reference_runs,
+                                     off) if used else None
+            if refused is not None:
+                raise ValueError(f"{setting}: {refused}")
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
@@ -165,16 +169,27 @@ class Coordinator:
         self._context = RoundContext()  # the round being run, as its rule sees it
         self._first_round = True
         self._class_warned: set[tuple[str, int]] = set()  # (device, task) already warned about its classes
+        self._site_topics = f"{topics.prefix(config.fleet)}/{topics.SITE}/"
         # with inbox workers, the updates are theirs (coordinator/inbox_workers.py): this process hears the rest
         kinds = [kind for kind in topics.DEVICE_SENDS if kind != "update"] if config.inbox_workers else ["+"]
         self.link = Link(
             config.broker, client_id=f"coordinator-{config.fleet}",
-            subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/{kind}" for kind in kinds],
+            subscriptions=[f"{topics.prefix(config.fleet)}/{topics.FROM_DEVICE}/+/{kind}" for kind in kinds]
+            + site_subscriptions(config.fleet, [site.name for site in config.sites]),
         )
-        self.workers = InboxWorkers(WorkerPlan(
-            config.broker, config.fleet, frozenset(config.devices), manifest_digest(config.artifacts),
-            self.manifest.num_parameters, rule, options, config.guard, self._heads, config.max_held_mib << 20,
-        ), config.inbox_workers, on_heard=self.link.wake) if config.inbox_workers else None
+        # who takes a round's updates besides this process (coordinator/round_share.py): inbox workers, sites
+        share = SharePlan(config.fleet, frozenset(config.devices), manifest_digest(config.artifacts),
+                          self.manifest.num_parameters, rule, options, config.guard, self._heads,
+                          config.max_held_mib << 20)
+        self.shares: list[RoundShares] = []
+        if config.inbox_workers:
+            self.shares.append(InboxWorkers(WorkerPlan(config.broker, share), config.inbox_workers,
+                                            on_heard=self.link.wake))
+        self.sites = Sites(self.link, share, {site.name: frozenset(site.devices) for site in config.sites},
+                           config.wall_limit_s if config.virtual_time else config.site_close_s,
+                           self._pump) if config.sites else None
+        if self.sites is not None:
+            self.shares.append(self.sites)
         self.outbox = Outbox(self.link, config.fleet, self.roster, ResendBudget(config.limits.resends_per_round),
                              self.counters)
         if resumed_from is not None:
@@ -221,8 +236,8 @@ class Coordinator:
         self._connect(connect_timeout, wait_for_broker)
         self.outbox.run_started()
         try:
-            if self.workers is not None:
-                self.workers.start()
+            for shares in self.shares:
+                shares.start()
             while self.state.task < self.data.n_tasks:
                 if self.config.train_tasks and self.state.task >= self.config.train_tasks:
                     self.evaluate_only()
@@ -248,8 +263,8 @@ class Coordinator:
                 self._hear_goodbyes(END_GRACE_S)
             self.link.wait_idle(timeout=5.0)
             self.link.stop()
-            if self.workers is not None:
-                self.workers.stop()
+            for shares in self.shares:
+                shares.stop()
             self.logs.run_ended()
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
@@ -414,9 +429,10 @@ class Coordinator:
         self.record.round_opened(opened)
         if earlier is not None:
             opened.carry_over(earlier.delivered)
-        if self.workers is not None and self._aggregate is not None:
-            self.workers.open(RoundOpening(number, task, model, tuple(selected), self.state.weights, self._context,
-                                           self._aggregate.path, opened.virtual_deadline_s))
+        if self._aggregate is not None:
+            for shares in self.shares:
+                shares.open(RoundOpening(number, task, model, tuple(selected), self.state.weights, self._context,
+                                         self._aggregate.path, opened.virtual_deadline_s))
         for device in opened.missing():
             self._send_round(device)
         return opened
@@ -444,8 +460,8 @@ class Coordinator:
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
-        if self.workers is not None:  # their shares of the round, bounded and folded where they were taken
-            merged_into(aggregate, self.workers.close(self.counters))
+        for shares in self.shares:  # the round's shares, bounded and folded where they were taken
+            merged_into(aggregate, shares.close(self.counters))
         result = aggregate.close(wait=self._pump, selected=len(self._asked), eligible=self._eligible)
         weights, refused, accuracies = self._judge(result, collected.task, aggregate.refused_sum or RULE_FAILED)
         used = aggregate.used
@@ -582,9 +598,13 @@ class Coordinator:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
         item = self.link.get(timeout=max(timeout, 0.0))
         self.logs.maybe_write_live()
-        while self.workers is not None and (heard := self.workers.heard(timeout=0)) is not None:
-            self._on_heard(heard)
+        for shares in self.shares:
+            while (heard := shares.heard(timeout=0)) is not None:
+                self._on_heard(heard)
         if item is None or item.topic == CONNECTED:
+            return
+        if self.sites is not None and item.topic.startswith(self._site_topics):
+            self.sites.take(item.topic, item.payload)
             return
         event = self.inbox.accept(item.topic, item.payload, item.retained)
         while self.inbox.to_clear:  # refused retained messages: delete them from the broker's store

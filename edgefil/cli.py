@@ -197,6 +197,24 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _site(args: argparse.Namespace) -> int:
+    from coordinator.site_aggregator import SiteConfig
+
+    _installed("torch")
+    config = SiteConfig.load(args.config)  # before the heavy imports: a typo is refused at once
+
+    from coordinator.site_aggregator import SiteAggregator
+    from edgefil.link import ConnectionRefused
+
+    try:
+        with stop_signals():
+            SiteAggregator(config).run()
+    except ConnectionRefused as err:
+        print(f"edgefil site: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _write_report(out: Path) -> None:
     """The run's report beside its results, however the run ended (a fleet writes its own); one that cannot be
     written is said in one line and changes nothing else."""
@@ -297,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--dashboard", metavar="[HOST:]PORT",
                              help="serve the run's live dashboard there (edgefil dashboard RUN_DIR does it apart)")
     coordinator.set_defaults(run=_coordinator)
+
+    site = commands.add_parser("site", help="run a site's aggregator: its devices' updates taken at the site, one "
+                                            "share a round to the coordinator (coordinator/site_aggregator.py)")
+    site.add_argument("--config", required=True, help="site config file (TOML): fleet, site, artifacts, [broker]")
+    site.set_defaults(run=_site)
 
     fleet = commands.add_parser("fleet", help="virtual devices, a broker and the coordinator on this machine")
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True)

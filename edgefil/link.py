@@ -169,9 +169,12 @@ class Link:
         will: Will | None = None,
         max_queued: int = 0,
         network: NetworkLoop | None = None,
+        persistent: bool = False,
     ) -> None:
         """`network`: the loop to run on (a fleet worker's, shared by its devices); None: a loop of the link's own,
-        started and ended with it."""
+        started and ended with it. `persistent`: the broker keeps this client id's session while the link is away
+        (its subscriptions, and the QoS 1 messages that come meanwhile, up to the broker's queue limit), so a
+        restarted process gets them: a site's aggregator (coordinator/site_aggregator.py). Clean otherwise."""
         self.settings = settings
         self.client_id = client_id
         self.subscriptions = list(subscriptions)
@@ -189,7 +192,8 @@ class Link:
         self._decided = threading.Event()
         paho_buffers.install()  # idempotent: received payloads are views of paho's packets from here on
         client = paho_buffers.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent,
+            protocol=mqtt.MQTTv311
         )
         if settings.username is not None:
             client.username_pw_set(settings.username, settings.password)

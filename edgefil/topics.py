@@ -73,6 +73,15 @@ def to_inbox_worker(fleet: str, worker: int, device: str) -> str:
     return f"{prefix(fleet)}/{INBOX}/{worker}/{check_name(device, 'device id')}"
 
 
+SITE_SENDS = ("state", "heard", "partial")  # on site/<site>/<kind>: a site's aggregator -> the coordinator
+SITE_RECEIVES = ("open", "close")  # the coordinator -> a site's aggregator
+
+
+def site(fleet: str, name: str, kind: str) -> str:
+    """A site's aggregator and the coordinator speak here (coordinator/sites.py), across the site's bridge."""
+    return f"{prefix(fleet)}/{SITE}/{check_name(name, 'site')}/{kind}"
+
+
 def device_subscriptions(fleet: str, device: str) -> list[str]:
     """What a device subscribes to: exactly the topics the ACL lets it read (no wildcards the ACL would refuse)."""
     return [to_device(fleet, device, kind) for kind in DEVICE_RECEIVES] + [to_all(fleet, kind) for kind in BROADCASTS]

@@ -107,6 +107,17 @@ SCHEMAS: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "neighbours": {"round": int, "session": str, "count": int, "threshold": int, "index": int, "neighbours": dict},
     "relayed": {"round": int, "session": str, "shares": dict},
     "unmask": {"round": int, "session": str, "survivors": list, "dropped": list},
+    # a site's aggregator (coordinator/site_aggregator.py) and the coordinator (coordinator/sites.py), on
+    # site/<site>/<kind> over the site's bridge. coordinator -> site: the round (a blob: the global model, then the
+    # attachments `plan`, `selected` and the fleet's path), and its close; site -> coordinator: whether its process is
+    # up (retained; its will says "gone"), its word on each update it took or refused (the update's fields less its
+    # weights), and its share of the round at the close (an attachments-only blob: `partial`, and the rule's arrays)
+    "site-open": {**_CHUNK_FIELDS, "round": int, "task": int, "model": str, "manifest": str},
+    "site-close": {"round": int},
+    "site-state": {"site": str, "instance": str, "state": str},
+    "site-heard": {"site": str, "instance": str, "device": str, "round": int, "task": int, "model": str,
+                   "num_samples": int, "metrics": dict},
+    "site-partial": {**_CHUNK_FIELDS, "site": str, "instance": str, "round": int},
 }
 # A blob's element type by kind (WEIGHTS_DTYPE for the rest): a masked vector is integers mod 2^32
 BLOB_DTYPES: Mapping[str, str] = {"masked": "<u4"}
@@ -134,6 +145,9 @@ OPTIONAL: Mapping[str, Mapping[str, type | tuple[type, ...]]] = {
     "round": {"payload": str, "broadcast": str},
     "weights": {"task": int},
     "notice": {"instances": list},  # the device processes the notice is about (others ignore it)
+    "site-open": {"attachments": list},
+    "site-heard": {"reason": str, "label_counts": list},  # `reason`: why the site did not take the update
+    "site-partial": {"attachments": list},
 }
 _PER_CHUNK = frozenset({"index", "count", "offset", "chunk_crc32c", "data"})
 BLOB_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "data" in schema)
@@ -265,9 +279,9 @@ def _check_fields(message: Message, verify_chunk: bool = True) -> None:
     for name in _TEXT_FIELDS:
         if isinstance(message.get(name), str) and len(message[name]) > MAX_TEXT_CHARS:
             raise WireError("field", f"{kind}.{name} is longer than {MAX_TEXT_CHARS} characters")
-    if kind == "update":
-        _check_metrics(message["metrics"])
-        _check_ints(message.get("label_counts", []), "update.label_counts")
+    if kind in ("update", "site-heard"):
+        _check_metrics(message["metrics"], f"{kind}.metrics")
+        _check_ints(message.get("label_counts", []), f"{kind}.label_counts")
         _check_parts(message.get("trained_counts", []), "update.trained_counts")
     if kind == "request":
         _check_names(message["names"])

@@ -14,7 +14,7 @@ from typing import Any
 
 from mqtt_helpers import wait_online
 
-from coordinator.broker import Credentials, EmbeddedBroker, MosquittoBroker, generate_password
+from coordinator.broker import Bridge, Credentials, EmbeddedBroker, MosquittoBroker, Site, generate_password
 from edgefil.lifetime import stop_processes
 from edgefil.settings import dump_toml, load_toml
 
@@ -68,6 +68,9 @@ class Fleet:
     embedded: bool = False  # the pure-Python broker (anonymous, no ACL) instead of mosquitto
     per_device: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra config sections by device index
     observer_reads_learning: bool = False  # the observer reads updates and models too (an operator's choice)
+    # sites (coordinator/sites.py): name -> the indices of the devices at it, each site a mosquitto of its own
+    # bridged to the central one and an aggregator process (`edgefil site`); the rest connect to the central broker
+    sites: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -75,20 +78,31 @@ class Fleet:
         self.passwords = {d: generate_password() for d in (*self.devices, *self.outsiders, *self.spares)}
         self.coordinator_credentials = Credentials("coordinator", generate_password())
         self.observer_credentials = Credentials("observer", generate_password())  # reads, writes nothing
+        self.site_accounts = {name: Credentials(f"site-{name}", generate_password()) for name in self.sites}
+        self.aggregator_credentials = {name: Credentials("coordinator", generate_password()) for name in self.sites}
         self.broker = (
             EmbeddedBroker() if self.embedded
             else MosquittoBroker(self.root / "broker", self.fleet, self.passwords, self.coordinator_credentials,
                                  observers={"observer": self.observer_credentials.password},
                                  observers_read_learning=self.observer_reads_learning,
-                                 inbox_workers=int(self.coordinator_options.get("inbox_workers", 0)))
+                                 inbox_workers=int(self.coordinator_options.get("inbox_workers", 0)),
+                                 sites=[Site(name, self.site_accounts[name], self.at_site(name))
+                                        for name in self.sites])
         )
+        self.site_brokers: dict[str, MosquittoBroker] = {}
         self.scenario = {**self.scenario, "n_clients": self.n_devices}
         self.processes: dict[str, subprocess.Popen] = {}
 
+    def at_site(self, name: str) -> tuple[str, ...]:
+        return tuple(self.devices[k] for k in self.sites[name])
+
+    def site_of(self, device: str) -> str | None:
+        return next((name for name in self.sites if device in self.at_site(name)), None)
+
     # --- configs ----------------------------------------------------------------------------------
 
-    def broker_section(self, username: str, password: str) -> dict[str, Any]:
-        address = self.broker.address
+    def broker_section(self, username: str, password: str, site: str | None = None) -> dict[str, Any]:
+        address = (self.broker if site is None else self.site_brokers[site]).address
         return {"host": address.host, "port": address.port, "username": username, "password": password,
                 "keepalive": self.keepalive}
 
@@ -99,6 +113,8 @@ class Fleet:
             "wait_for_devices_s": 60.0, "scenario": self.scenario,
             "broker": self.broker_section("coordinator", self.coordinator_credentials.password),
             "strategy": {"name": "fedavg"}, "client": {"epochs": 2},
+            **({"sites": [{"name": name, "devices": list(self.at_site(name))} for name in self.sites]}
+               if self.sites else {}),
         }
         for key, value in self.coordinator_options.items():
             config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
@@ -110,7 +126,7 @@ class Fleet:
             "device_id": device, "fleet": self.fleet, "artifacts": str(self.artifacts),
             "state_dir": str(self.root / "devices" / device), "heartbeat_s": 1.0,
             "on_end": "wait",  # the tests check the devices outlive what they put them through
-            "broker": self.broker_section(device, self.passwords[device]),
+            "broker": self.broker_section(device, self.passwords[device], self.site_of(device)),
             "trainer": {"backend": "ort", "optimizer": "adamw", "lr": 3e-3},
             "learner": {"epochs": 2, "batch_size": 32},
             "store": {"max_samples": 200},
@@ -135,10 +151,29 @@ class Fleet:
         self.processes[name] = proc
         return proc
 
+    def site_config(self, name: str) -> Path:
+        account = self.aggregator_credentials[name]
+        return write_toml(self.root / f"site-{name}.toml", {
+            "fleet": self.fleet, "site": name, "artifacts": str(self.artifacts),
+            "broker": self.broker_section(account.username, account.password, name)})
+
     def start(self) -> None:
         self.broker.start()
+        central = self.broker.address
+        for name in self.sites:
+            broker = self.site_brokers[name] = MosquittoBroker(
+                self.root / f"broker-{name}", self.fleet, {d: self.passwords[d] for d in self.at_site(name)},
+                self.aggregator_credentials[name], observers={"observer": self.observer_credentials.password},
+                observers_read_learning=self.observer_reads_learning,
+                bridge=Bridge(name, central.host, central.port, self.site_accounts[name]))
+            broker.start()
+            self.start_site(name)
         for i in range(self.n_devices):
             self.start_device(i)
+
+    def start_site(self, name: str) -> subprocess.Popen:
+        """A site's aggregator process (its broker runs from `start` to `stop`)."""
+        return self._spawn(f"site-{name}", ["site", "--config", str(self.site_config(name))])
 
     def start_device(self, index: int) -> subprocess.Popen:
         return self._spawn(self.devices[index], ["client", "--config", str(self.device_config(index))])
@@ -172,6 +207,8 @@ class Fleet:
 
     def stop(self) -> None:
         stop_processes(self.processes.values(), grace_s=10)
+        for broker in self.site_brokers.values():
+            broker.stop()
         self.broker.stop()
 
     # --- results ----------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from coordinator.aggregation import RoundAggregate
 from coordinator.broker import Credentials, MosquittoBroker, mosquitto_path
 from coordinator.containment import ContainedStrategy
 from coordinator.guard_settings import GuardSettings
-from coordinator.inbox_workers import InboxWorkers, RoundOpening, WorkerPlan, merged_into, owner
+from coordinator.inbox_workers import InboxWorkers, WorkerPlan, merged_into, owner
+from coordinator.round_share import RoundOpening, SharePlan
 from coordinator.strategies import make_strategy
 from edgefil import topics, wire
 from edgefil.link import BrokerSettings
@@ -49,8 +50,8 @@ def one_process(updates: dict[str, tuple[np.ndarray, int]], parameters: int, gua
 def run_round(broker: MosquittoBroker, workers: int, updates: dict[str, tuple[np.ndarray, int]], parameters: int,
               guard: GuardSettings) -> tuple[np.ndarray, list[str], Counter[str]]:
     address = broker.address
-    plan = WorkerPlan(BrokerSettings(address.host, address.port, "coordinator", "pw-c"), FLEET,
-                      frozenset(updates), MANIFEST, parameters, "fedavg", guard=guard)
+    plan = WorkerPlan(BrokerSettings(address.host, address.port, "coordinator", "pw-c"),
+                      SharePlan(FLEET, frozenset(updates), MANIFEST, parameters, "fedavg", guard=guard))
     pool = InboxWorkers(plan, workers)
     pool.start()
     try:
@@ -102,7 +103,7 @@ def words_on(pool: InboxWorkers, devices: set[str]) -> dict[str, int]:
         word = pool.heard(timeout=HEARD_S)
         assert word is not None, f"no word on {sorted(devices - set(taken))}"
         assert word.reason is None, word
-        taken[word.device] = word.worker
+        taken[word.device] = int(word.source)
     return taken
 
 
@@ -190,7 +191,10 @@ def test_what_the_workers_cannot_run_is_refused_in_one_line_each():
     """Inbox workers spread a folding rule's per-update work; what needs every update in one process is refused,
     each for its reason, and a rule that folds with nothing else in the way is not."""
     from coordinator.config import CoordinatorConfig
-    from coordinator.inbox_workers import workers_refused
+    from coordinator.round_share import shares_refused
+
+    def workers_refused(*args):
+        return shares_refused(*args, "inbox_workers = 0")
 
     fedavg = make_strategy("fedavg", device="cpu")
     assert workers_refused(fedavg, False, False, False) is None
@@ -211,8 +215,9 @@ def test_a_lost_worker_loses_its_share_of_the_round_alone_and_is_started_anew(br
     parameters = 20_000
     address = broker.address
     updates = round_updates(parameters, 12)
-    plan = WorkerPlan(BrokerSettings(address.host, address.port, "coordinator", "pw-c"), FLEET, frozenset(updates),
-                      MANIFEST, parameters, "fedavg", guard=GuardSettings(**guard_settings.OFF))
+    plan = WorkerPlan(BrokerSettings(address.host, address.port, "coordinator", "pw-c"),
+                      SharePlan(FLEET, frozenset(updates), MANIFEST, parameters, "fedavg",
+                                guard=GuardSettings(**guard_settings.OFF)))
     pool = InboxWorkers(plan, 2)
     pool.start()
     try:
@@ -225,7 +230,7 @@ def test_a_lost_worker_loses_its_share_of_the_round_alone_and_is_started_anew(br
         parts = pool.close(counters)
         assert parts[1] is None and parts[0] is not None and counters == {"inbox-worker-lost": 1}
         kept = {d: updates[d] for d, worker in taken.items() if worker == 0}
-        np.testing.assert_allclose(merged(parts, parameters), one_process(kept, parameters, plan.guard), rtol=1e-6,
+        np.testing.assert_allclose(merged(parts, parameters), one_process(kept, parameters, plan.share.guard), rtol=1e-6,
                                    atol=1e-9)
         again = round_updates(parameters, 12, seed=1)
         pool.open(RoundOpening(2, 0, MODEL, tuple(sorted(again)), np.zeros(parameters, np.float32)))
@@ -252,10 +257,10 @@ def test_a_chunk_passed_on_under_a_name_no_device_has_is_refused_not_raised():
     from coordinator.inbox_workers import _Worker
 
     ours, theirs = multiprocessing.Pipe()
-    plan = WorkerPlan(BrokerSettings(username="coordinator", password="pw-c"), FLEET, frozenset({"d0"}), MANIFEST,
-                      100, "fedavg")
+    plan = WorkerPlan(BrokerSettings(username="coordinator", password="pw-c"),
+                      SharePlan(FLEET, frozenset({"d0"}), MANIFEST, 100, "fedavg"))
     worker = _Worker(plan, 0, 1, theirs)
     worker.take(worker.passed_on + "d\u00e9vice", b"anything")
-    assert worker.inbox.rejections == {"topic": 1}
+    assert worker.share.inbox.rejections == {"topic": 1}
     ours.close()
     theirs.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,59 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_the_credentials_command_makes_a_sites_broker_bridged_over_mutual_tls(tmp_path):
+    """`edgefil credentials --site a=dev-1@127.0.0.1:PORT --client-certs`: dev-1's table names the site's broker;
+    the site's files start a mosquitto bridged to the central one over mutual TLS (as `site-a`); dev-1's status,
+    sent to its site, reaches the coordinator at the central broker, its update reaches the site's aggregator
+    (site.toml's account) and not the coordinator, and the coordinator's word to the site reaches the aggregator."""
+    out, port, site_port = tmp_path / "secrets", free_port(), free_port()
+    subprocess.run([sys.executable, "-m", "edgefil.cli", "credentials", "--fleet", "lab", "--devices", "dev-0,dev-1",
+                    "--host", "127.0.0.1", "--bind", "127.0.0.1", "--port", str(port), "--out", str(out),
+                    "--client-certs", "--site", f"a=dev-1@127.0.0.1:{site_port}"], check=True, capture_output=True,
+                   cwd=ROOT)
+
+    def table(path: Path) -> BrokerSettings:
+        return build(BrokerSettings, tomllib.loads(path.read_text())["broker"], Where(str(path)), base=path.parent)
+
+    assert table(out / "devices" / "dev-1.toml").port == site_port and table(out / "devices" / "dev-0.toml").port == port
+    assert tomllib.loads((out / "sites" / "a" / "site.toml").read_text())["site"] == "a"
+    brokers = [subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT) for conf in (out / "mosquitto.conf",
+                                                                       out / "sites" / "a" / "mosquitto.conf")]
+    links: list[Link] = []
+
+    def link(path: Path, name: str, *subscriptions: str) -> Link:
+        made = Link(table(path), name, subscriptions=list(subscriptions))
+        made.start(timeout=20)
+        assert made.wait_subscribed(LISTENING_S)
+        links.append(made)
+        return made
+
+    try:
+        coordinator = link(out / "coordinator.toml", "c", f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/+")
+        aggregator = link(out / "sites" / "a" / "site.toml", "agg",
+                          f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/update", topics.site("lab", "a", "open"))
+        device = link(out / "devices" / "dev-1.toml", "d")
+        # the bridge connects on its own schedule: the status is sent until the coordinator has it
+        status = topics.from_device("lab", "dev-1", "status")
+        deadline = time.monotonic() + LISTENING_S
+        while ((got := coordinator.get(0.5)) is None or got.topic != status) and time.monotonic() < deadline:
+            device.publish(status, b"from the site")
+        assert got is not None and bytes(got.payload) == b"from the site", "the bridge did not connect"
+        device.publish(topics.from_device("lab", "dev-1", "update"), b"an update")
+        assert next_message(aggregator) == (topics.from_device("lab", "dev-1", "update"), b"an update")
+        coordinator.publish(topics.site("lab", "a", "open"), b"a round")
+        assert next_message(aggregator) == (topics.site("lab", "a", "open"), b"a round")
+        device.publish(status, b"after the update")  # the same path as the update, after it
+        while (got := coordinator.get(30)) is not None and bytes(got.payload) == b"from the site":
+            pass
+        assert got is not None and (got.topic, bytes(got.payload)) == (status, b"after the update")
+    finally:
+        for made in links:
+            made.stop()
+        for proc in brokers:
+            proc.terminate()
+            proc.wait(10)

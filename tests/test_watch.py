@@ -71,7 +71,7 @@ def test_what_the_gate_would_refuse_is_shown_with_its_reason():
 @pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
 def test_the_observer_account_follows_a_fleet_live_and_cannot_publish(tmp_path):
     out = tmp_path / "secrets"
-    written = write_fleet_credentials(out, FLEET, ["pi-1"], ["127.0.0.1"], port=free_port(), bind="127.0.0.1")
+    written, = write_fleet_credentials(out, FLEET, ["pi-1"], ["127.0.0.1"], port=free_port(), bind="127.0.0.1")
     fleet, settings = load_watch_config(out / "observer.toml", None)
     assert fleet == FLEET and settings.username == "observer" and (out / "observer.toml").stat().st_mode & 0o077 == 0
     passwords = {"pi-1": load_watch_config(out / "devices" / "pi-1.toml", FLEET)[1].password}

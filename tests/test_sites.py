@@ -1,0 +1,334 @@
+"""Sites (coordinator/sites.py, coordinator/site_aggregator.py) through real mosquitto processes: a central broker,
+a broker per site bridged to it, and a site aggregator process at each; a round's updates folded at their sites and
+merged at the coordinator into the model one process folds from the same updates; a site's aggregator killed and
+restarted."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fleet_harness import CEILING_S, ROOT, Fleet, write_toml
+from mqtt_helpers import Peer
+from test_inbox_workers import UNBOUNDED
+
+from coordinator import guard_settings
+from coordinator.aggregation import RoundAggregate
+from coordinator.broker import Bridge, Credentials, MosquittoBroker, Site, mosquitto_path
+from coordinator.containment import ContainedStrategy
+from coordinator.guard_settings import GuardSettings
+from coordinator.inbox_workers import merged_into
+from coordinator.round_share import RoundOpening, SharePlan
+from coordinator.sites import Sites, partial_blob, read_partial, site_subscriptions
+from coordinator.strategies import ClientUpdate, make_strategy
+from edgefil import topics, wire
+from edgefil.link import CONNECTED, BrokerSettings, Link
+from models.manifest import load_manifest, manifest_digest
+
+needs_mosquitto = pytest.mark.skipif(mosquitto_path() is None,
+                                     reason="mosquitto is not installed (scripts/test installs it)")
+FLEET = "lab"
+MODEL = "cd" * 32
+HEARD_S = 120.0  # a ceiling for each update's word across a bridge: it comes in milliseconds on a quiet host
+OFF = GuardSettings(**guard_settings.OFF)
+SITES = {"a": ("d0", "d1", "d2"), "b": ("d3", "d4")}
+
+
+def fedavg(updates: dict[str, tuple[np.ndarray, int]], parameters: int) -> np.ndarray:
+    """What one process folds from `updates` (FedAvg, the guard off)."""
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), OFF,
+                               np.zeros(parameters, np.float32), counters, 1 << 30)
+    for device, (weights, samples) in sorted(updates.items()):
+        aggregate.add(ClientUpdate(device, weights, samples))
+    return aggregate.close().global_weights.numpy()
+
+
+def merged(parts, parameters: int) -> np.ndarray:
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), OFF,
+                               np.zeros(parameters, np.float32), counters, 1 << 30)
+    return merged_into(aggregate, parts).close().global_weights.numpy()
+
+
+class SiteTier:
+    """A central mosquitto, a bridged one per site and an aggregator process at each (`edgefil site`)."""
+
+    def __init__(self, root: Path, artifacts: Path) -> None:
+        self.root, self.artifacts = root, artifacts
+        devices = [d for members in SITES.values() for d in members]
+        self.accounts = {name: Credentials(f"site-{name}", f"pw-site-{name}") for name in SITES}
+        self.central = MosquittoBroker(root / "central", FLEET, {d: f"pw-{d}" for d in devices},
+                                       Credentials("coordinator", "pw-c"),
+                                       sites=[Site(name, self.accounts[name], members)
+                                              for name, members in SITES.items()])
+        self.brokers: dict[str, MosquittoBroker] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        self.central.start()
+        address = self.central.address
+        for name, members in SITES.items():
+            broker = self.brokers[name] = MosquittoBroker(
+                self.root / f"site-{name}", FLEET, {d: f"pw-{d}" for d in members},
+                Credentials("coordinator", f"pw-agg-{name}"),
+                bridge=Bridge(name, address.host, address.port, self.accounts[name]))
+            broker.start()
+            self.start_site(name)
+
+    def start_site(self, name: str) -> None:
+        address = self.brokers[name].address
+        config = write_toml(self.root / f"site-{name}.toml", {
+            "fleet": FLEET, "site": name, "artifacts": str(self.artifacts),
+            "broker": {"host": address.host, "port": address.port, "password": f"pw-agg-{name}"}})
+        log = open(self.root / f"site-{name}.log", "ab")
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "edgefil.cli", "site", "--config", str(config)],
+                                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def kill(self, name: str) -> None:
+        self.processes[name].kill()
+        self.processes[name].wait()
+
+    def publish(self, updates: dict[str, tuple[np.ndarray, int]], number: int) -> None:
+        """Each update on its site's broker, as its device sends it."""
+        for name, members in SITES.items():
+            for device in members:
+                weights, samples = updates[device]
+                sender = Peer(self.brokers[name].address, device, f"pw-{device}")
+                sender.connect()
+                sender.publish_all([(topics.from_device(FLEET, device, "update"), bytes(frame))
+                                    for frame in wire.encode_blob(
+                                        "update", wire.weights_bytes(weights), device=device, round=number, task=0,
+                                        model=MODEL, num_samples=samples, attachments=[], label_counts=[],
+                                        metrics={}).frames])
+                sender.close()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for broker in self.brokers.values():
+            broker.stop()
+        self.central.stop()
+
+    def log_tail(self, name: str) -> str:
+        return "\n".join((self.root / f"site-{name}.log").read_text(errors="replace").splitlines()[-30:])
+
+
+def updates_of(parameters: int, seed: int) -> dict[str, tuple[np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    step = rng.normal(0.0, 0.01, parameters)
+    return {d: ((step + rng.normal(0.0, 0.002, parameters)).astype(np.float32), int(rng.integers(5, 50)))
+            for members in SITES.values() for d in members}
+
+
+class Coordinator:
+    """The coordinator's side of the sites, as its round loop drives them: its connection, and its message pump
+    handing the sites' messages on."""
+
+    def __init__(self, address, plan: SharePlan) -> None:
+        self.link = Link(BrokerSettings(address.host, address.port, "coordinator", "pw-c"), "coordinator",
+                         site_subscriptions(FLEET, list(SITES)))
+        self.sites = Sites(self.link, plan, {name: frozenset(members) for name, members in SITES.items()},
+                           HEARD_S, self.pump)
+
+    def pump(self, timeout: float) -> None:
+        item = self.link.get(timeout=max(timeout, 0.0))
+        if item is not None and item.topic != CONNECTED:
+            self.sites.take(item.topic, item.payload)
+
+    def words(self, devices: set[str]) -> dict[str, str]:
+        """Which site took each device's update (every one taken)."""
+        taken: dict[str, str] = {}
+        deadline = time.monotonic() + HEARD_S
+        while len(taken) < len(devices) and time.monotonic() < deadline:
+            self.pump(0.1)
+            while (word := self.sites.heard()) is not None:
+                assert word.reason is None, word
+                taken[word.device] = word.source
+        assert len(taken) == len(devices), f"no word on {sorted(devices - set(taken))}"
+        return taken
+
+    def until_up(self, name: str, instance: str | None) -> str:
+        """Until site `name`'s aggregator has said it is up, as another process than `instance`: the one that did."""
+        deadline = time.monotonic() + HEARD_S
+        while time.monotonic() < deadline:
+            self.pump(0.1)
+            up = self.sites.up(name)
+            if up is not None and up != instance:
+                return up
+        raise AssertionError(f"site {name}'s aggregator did not come up")
+
+
+@needs_mosquitto
+def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_its_share_alone(tmp_path,
+                                                                                              export_artifacts):
+    """Five devices' updates sent to their sites' brokers (three at one, two at the other): each site's
+    aggregator takes its own, the coordinator hears a word on each across the bridge, and the two shares merge
+    into the model one process folds from the same updates (to float32 rounding). Then a site's aggregator is killed
+    after it took its round's updates: that round's close counts its share lost and merges the other's (the model
+    of the other site's updates alone); restarted, it takes the next round's updates, some sent while it was down
+    (its session at its broker kept them)."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    parameters = load_manifest(artifacts).num_parameters
+    tier = SiteTier(tmp_path, artifacts)
+    tier.start()
+    plan = SharePlan(FLEET, frozenset(d for members in SITES.values() for d in members), manifest_digest(artifacts),
+                     parameters, "fedavg", guard=OFF)
+    coordinator = Coordinator(tier.central.address, plan)
+    sites = coordinator.sites
+    try:
+        coordinator.link.start()
+        up = {name: coordinator.until_up(name, None) for name in SITES}
+        everyone = tuple(sorted(plan.roster))
+        updates = updates_of(parameters, 0)
+        sites.open(RoundOpening(1, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        tier.publish(updates, 1)
+        taken = coordinator.words(set(updates))
+        assert taken == {d: name for name, members in SITES.items() for d in members}
+        counters: Counter[str] = Counter()
+        parts = sites.close(counters)
+        assert all(part is not None for part in parts) and not counters, (counters, tier.log_tail("a"))
+        np.testing.assert_allclose(merged(parts, parameters), fedavg(updates, parameters), rtol=1e-6, atol=1e-9)
+
+        updates = updates_of(parameters, 1)
+        sites.open(RoundOpening(2, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        tier.publish(updates, 2)
+        coordinator.words(set(updates))
+        tier.kill("a")
+        parts = sites.close(counters)
+        assert parts[0] is None and parts[1] is not None
+        assert counters == {"site-lost": 1, "site-share-lost": len(SITES["a"])}
+        np.testing.assert_allclose(merged(parts, parameters),
+                                   fedavg({d: updates[d] for d in SITES["b"]}, parameters), rtol=1e-6, atol=1e-9)
+
+        updates = updates_of(parameters, 2)
+        sites.open(RoundOpening(3, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        tier.publish(updates, 3)  # site a's wait at its broker for its aggregator
+        tier.start_site("a")
+        coordinator.until_up("a", up["a"])
+        coordinator.words(set(updates))
+        counters.clear()
+        parts = sites.close(counters)
+        assert all(part is not None for part in parts) and not counters, counters
+        np.testing.assert_allclose(merged(parts, parameters), fedavg(updates, parameters), rtol=1e-6, atol=1e-9)
+    finally:
+        coordinator.link.stop()
+        tier.stop()
+
+
+def test_a_share_that_names_another_sites_device_or_is_not_finite_is_refused():
+    """A site speaks for its own devices: a share that names another's, or whose sum is not finite or of another
+    model's size, is refused with the wire's one reason; a well-formed one reads back as it was sent."""
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), OFF,
+                               np.zeros(4, np.float32), counters, 1 << 30)
+    aggregate.add(ClientUpdate("d0", np.ones(4, np.float32), 3))
+    part = aggregate.partial()
+
+    def sent(part_) -> wire.Blob:
+        reassembler = wire.Reassembler(1 << 20)  # a fresh one: a blob it has delivered once it passes over
+        blob = partial_blob("a", "i", 1, part_)
+        return next(b for frame in blob.chunks if (b := reassembler.add("a", wire.decode(frame))) is not None)
+
+    back = read_partial(sent(part), frozenset({"d0"}), 4)
+    assert back.fold is not None and back.fold.devices == {"d0"} and [u.device for u in back.used] == ["d0"]
+    np.testing.assert_array_equal(back.fold.state["sum"], part.fold.state["sum"])
+    with pytest.raises(wire.WireError, match="not at its site"):
+        read_partial(sent(part), frozenset({"d1"}), 4)
+    with pytest.raises(wire.WireError, match="site-partial"):
+        read_partial(sent(part), frozenset({"d0"}), 5)
+    state = dict(part.fold.state, sum=np.full(4, np.nan))
+    with pytest.raises(wire.WireError, match="not finite"):
+        read_partial(sent(replace(part, fold=replace(part.fold, state=state))), frozenset({"d0"}), 4)
+
+
+@needs_mosquitto
+def test_a_fleet_with_two_sites_aggregates_what_its_devices_sent_and_survives_a_sites_restart(tmp_path,
+                                                                                             export_artifacts):
+    """Five device processes: two at site a, two at site b (each connected to its site's broker, bridged to the
+    central one), one at the central broker. A site's aggregator is killed after the first round and started again;
+    the run completes, the rounds after the restart take every device's update, and the last round's global model
+    is FedAvg of the updates the devices sent in it (read off the three brokers by observers allowed to read them),
+    computed here in one process: what the sites' shares and the coordinator's own fold merge into is the flat
+    fleet's model, to float32 rounding."""
+    from coordinator.checkpoint import load_latest
+
+    fleet = Fleet(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), n_devices=5, sites={"a": (0, 1), "b": (2, 3)},
+                  coordinator_options={"rounds_per_task": 2, "min_clients": 3, "train_tasks": 2, "guard": UNBOUNDED},
+                  device_options={"policy": {"name": "random"}}, observer_reads_learning=True)
+    observers: list[Peer] = []
+    try:
+        fleet.start()
+        fleet.wait_online()  # (its observer first: an observer's own id is its name, so one at a time)
+        for broker in (fleet.broker, *fleet.site_brokers.values()):
+            observer = Peer(broker.address, "observer", fleet.observer_credentials.password)
+            assert not observer.connect().is_failure
+            observer.subscribe(f"{topics.prefix(fleet.fleet)}/{topics.FROM_DEVICE}/+/update")
+            observers.append(observer)
+        fleet.start_coordinator()
+        fleet.wait_rounds(1, CEILING_S)
+        fleet.kill("site-a")
+        fleet.start_site("a")
+        assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
+        results = fleet.results()
+        state, _ = load_latest(fleet.root / "run" / "checkpoint")
+        sent = [message for observer in observers for message in observer.received()]
+    finally:
+        for observer in observers:
+            observer.close()
+        fleet.stop()
+    trained = [entry for entry in results["history"] if entry.get("trained", True)]
+    assert len(trained) == 4
+    assert all(set(entry["metrics"]) <= set(entry["received"]) for entry in trained)
+    for entry in trained[2:]:  # after the restart
+        assert sorted(entry["received"]) == fleet.devices and sorted(entry["metrics"]) == fleet.devices, entry
+    assert "site a's aggregator is up" in fleet.log_tail("coordinator", lines=10_000)
+    last = trained[-1]["round"]
+    reassembler = wire.Reassembler(max_blob_bytes=1 << 24)
+    updates = {}
+    for topic, payload in sent:
+        blob = reassembler.add(topic, wire.decode(payload))
+        if blob is not None and blob.header["round"] == last:
+            updates[blob.header["device"]] = (blob.weights(state.weights.size).astype(np.float64),
+                                              blob.header["num_samples"])
+    assert sorted(updates) == fleet.devices
+    total = sum(samples for _, samples in updates.values())
+    expected = sum(weights * samples for weights, samples in updates.values()) / total
+    np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_what_sites_cannot_run_and_a_bad_sites_table_are_refused_in_one_line(tmp_path):
+    """A device at two sites, or at a site and not on the roster, is refused where the file is read; so is a site
+    aggregator's file with a typo; a rule that needs a round's updates all at once is refused with sites as with
+    inbox workers (`shares_refused`, naming the setting that keeps the round in one process)."""
+    from coordinator.config import CoordinatorConfig, SiteConfig, SiteDevices
+    from coordinator.round_share import shares_refused
+    from edgefil.settings import ConfigError
+
+    def config(*sites: SiteDevices) -> CoordinatorConfig:
+        return CoordinatorConfig("lab", Path("out"), Path("art"), ("d0", "d1"), test_data=Path("t"), sites=sites)
+
+    assert config(SiteDevices("a", ("d0",)), SiteDevices("b", ("d1",))).sites[1].devices == ("d1",)
+    with pytest.raises(ValueError, match="two sites"):
+        config(SiteDevices("a", ("d0",)), SiteDevices("b", ("d0",)))
+    with pytest.raises(ValueError, match="not on the roster"):
+        config(SiteDevices("a", ("d9",)))
+    with pytest.raises(ValueError, match="site name"):
+        SiteDevices("a/b", ("d0",))
+    (tmp_path / "site.toml").write_text('fleet = "lab"\nsite = "a"\nartifacts = "art"\nbrokr = {}\n')
+    with pytest.raises(ConfigError, match="brokr") as refused:
+        SiteConfig.load(tmp_path / "site.toml")
+    assert "\n" not in str(refused.value)
+    reason = shares_refused(make_strategy("median", device="cpu"), False, False, False, "no [[sites]]")
+    assert reason is not None and "median" in reason and "no [[sites]]" in reason and "\n" not in reason
