@@ -62,7 +62,10 @@ class Used:
 @dataclass(frozen=True)
 class PartialRound:
     """One round's aggregation of part of its updates, handed on to the round's own (`RoundAggregate.merge`): an
-    inbox worker's share (coordinator/inbox_workers.py). What its guard and rule counted travel with it."""
+    inbox worker's or a site's share (coordinator/round_share.py). What its guard and rule counted travel with it.
+    A folding rule's share is its partial fold, which merges as if its updates had come to the round; a holding
+    rule's share (a site's, where the rule runs per site: coordinator/sites.py) is the rule's result over its
+    updates, which the round's rule then takes as one more update (`result`)."""
 
     fold: PartialFold | None  # None: it folded no update
     sound: bool  # False: its fold failed on an update, so the round's aggregate is in doubt
@@ -71,6 +74,7 @@ class PartialRound:
     from_devices: int  # the updates it was given (central DP counts them) ...
     within_clip: int  # ... and those central DP's clip left whole
     seconds: float
+    result: ClientUpdate | None = None  # a holding rule's result over the share (its samples: theirs), or None
 
 
 SECURE_SUM = "secure-sum"  # the device name of a secure session's sum, where a rule sees it as one update
@@ -119,6 +123,8 @@ class RoundAggregate:
         self._held: list[ClientUpdate] = []
         self._held_bytes = 0
         self._trusted: list[ClientUpdate] = []  # the coordinator's own (a host-trained round): not bounded
+        self._share_results: list[ClientUpdate] = []  # holding rules' results over shares (`merge`): not bounded
+        self._merged_used: list[Used] = []  # ... and what they were made from
 
     @property
     def folds(self) -> bool:
@@ -175,11 +181,20 @@ class RoundAggregate:
             self.secure_counts[stage] = self.secure_counts.get(stage, 0) + count
         self.refused_sum = reason
 
-    def partial(self) -> PartialRound:
+    def partial(self, name: str = "share") -> PartialRound:
         """The round's updates so far, bounded and folded, to be merged into the round's own aggregate in another
-        process (`merge`); this one is spent. Only a folding rule's round has one."""
+        process (`merge`); this one is spent. A holding rule's share is its result over them, as one update named
+        `name` of their summed samples (None where the rule used none)."""
         if self._fold is None or self._stream is None:
-            raise ValueError(f"the {self.strategy.name} rule holds its rounds: it has no partial aggregate")
+            started = time.perf_counter()
+            outcome = self._result(None) if self._held else None  # a share of no update has no result
+            self.seconds += time.perf_counter() - started
+            if outcome is not None and not isinstance(outcome, AggregateResult):
+                raise ValueError(f"the {self.strategy.name} rule finishes its rounds off the loop: no share of it")
+            result = None if outcome is None or not self.used else ClientUpdate(
+                name, outcome.global_weights.detach().cpu().numpy().astype(np.float32), self.samples)
+            return PartialRound(None, True, tuple(self.used), dict(self.counters), self._from_devices,
+                                self._within_clip, self.seconds, result)
         started = time.perf_counter()
         self._stream.close()
         fold = self._fold.partial() if self._sound and self._fold.seen else None
@@ -197,6 +212,12 @@ class RoundAggregate:
             self.counters.update(part.counters)
             self._from_devices += part.from_devices
             self._within_clip += part.within_clip
+            if part.result is not None:  # a holding rule's result over the share: one more update for the rule
+                if self._fold is not None:
+                    raise ValueError(f"the {self.strategy.name} rule folds: a share's result is not its")
+                self._share_results.append(part.result)
+                self._merged_used.extend(part.used)
+                return
             if self._fold is None:
                 raise ValueError(f"the {self.strategy.name} rule holds its rounds: a partial aggregate is not its")
             if not part.sound:
@@ -258,8 +279,9 @@ class RoundAggregate:
         bounded = [*self._trusted,
                    *self.bounds.apply(self.global_weights, held, self.counters, reference=self.reference,
                                       path=self.path, heads=self.heads)]
-        self._held, self._held_bytes, self._trusted = [], 0, []
-        self.used = [_used(update) for update in bounded]
+        self.used = [*self._merged_used, *(_used(update) for update in bounded)]
+        bounded = [*self._share_results, *bounded]
+        self._held, self._held_bytes, self._trusted, self._share_results = [], 0, [], []
         ctx = self.ctx
         if self.privacy is not None and self._from_devices:
             ctx = replace(ctx, privacy=self._privacy_for_round())

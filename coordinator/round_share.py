@@ -10,7 +10,10 @@ round's close hands on its share (`close`: a `PartialRound`), which the round's 
 travel: a pipe, or MQTT over a bridge.
 
 What a share changes against one process, and what it does not:
-- Only rules that fold (FedAvg, FedProx) split: a rule that needs the whole round at once has nothing to merge.
+- Rules that fold (FedAvg, FedProx) split exactly: the shares' folds merge into the round's. A rule that needs the
+  whole round at once has nothing to merge; where its shares are meaningful groups (a site's devices) and the rule
+  reads the weights only (the robust rules: `runs_per_share`), it runs on each share and again over the shares'
+  results (`PartialRound.result`): a median of the sites' medians, which is not the fleet's median (sites only).
 - Bounds that judge one update alone (its length against the fleet's path, its claims, its rows) are the same.
   Bounds that compare updates with the round's (the running medians of distances and sample counts, Krum's first
   `hold` updates and those scored against them, copies) compare each update with its share's: fewer updates, and
@@ -70,10 +73,18 @@ def folds(strategy: Strategy) -> bool:
     return strategy.fold(torch.zeros(1)) is not None
 
 
-def shares_refused(strategy: Strategy, secure: bool, central_dp: bool, reference_runs: bool, off: str) -> str | None:
+def runs_per_share(strategy: Strategy) -> bool:
+    """Whether a rule that holds its rounds can run on each share and again over the shares' results: it reads an
+    update's weights and samples only and sends the global model only (the robust rules)."""
+    return not strategy.reads_more
+
+
+def shares_refused(strategy: Strategy, secure: bool, central_dp: bool, reference_runs: bool, off: str,
+                   per_share: bool = False) -> str | None:
     """Why a round cannot be split into shares this way (one line), or None; `off` is the setting that keeps the
     round in one process (e.g. "inbox_workers = 0"). `reference_runs`: the guard's calibration reference is on and
-    the test data hold calibration samples for it."""
+    the test data hold calibration samples for it. `per_share`: a holding rule may run per share (`runs_per_share`:
+    sites, whose shares are their devices; an inbox worker's share is whatever the broker's turns give it)."""
     if secure:
         return f"secure aggregation sums the devices' masked vectors in the coordinator: set {off}"
     if central_dp:
@@ -81,8 +92,9 @@ def shares_refused(strategy: Strategy, secure: bool, central_dp: bool, reference
     if reference_runs:
         return (f"the guard's calibration reference is not run in a round's shares: set [guard] reference = \"off\" "
                 f"to split the round without it, or {off}")
-    if not folds(strategy):
-        return f"the {strategy.name} rule needs a round's updates all at once; only rules that fold split: set {off}"
+    if not folds(strategy) and not (per_share and runs_per_share(strategy)):
+        return (f"the {strategy.name} rule needs a round's updates all at once; only rules that fold split"
+                f"{', or robust rules per site' if per_share else ''}: set {off}")
     return None
 
 
@@ -136,7 +148,7 @@ class RoundShare:
             return None
         self.counters.update(self.inbox.rejections)
         self.inbox.rejections.clear()
-        return aggregate.partial()
+        return aggregate.partial(name=f"share:{self.source}")
 
     def take(self, topic: str, payload: bytes | bytearray | memoryview) -> Heard | None:
         """One message on a device's update topic: the word to say of the update it completes (None: a chunk of

@@ -127,7 +127,7 @@ class Coordinator:
         for setting, off, used in (("inbox_workers", "inbox_workers = 0", config.inbox_workers),
                                    ("sites", "no [[sites]]", config.sites)):
             refused = shares_refused(strategy, config.secure_aggregation.on, config.privacy.central, reference_runs,
-                                     off) if used else None
+                                     off, per_share=setting == "sites") if used else None
             if refused is not None:
                 raise ValueError(f"{setting}: {refused}")
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))

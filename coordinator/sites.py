@@ -22,7 +22,8 @@ The protocol, on `site/<site>/<kind>` (edgefil/topics.py; the wire's `site-*` ki
 - `heard` (site -> coordinator): per update, taken or refused (the reason).
 - `partial` (site -> coordinator, an attachments-only blob): `partial` (msgpack: the counts, what the round's
   history keeps of each update used, the fold's rule, size, devices and numbers) and one attachment per array of
-  the fold's state (`state/<key>`, float64).
+  the fold's state (`state/<key>`, float64); under a robust rule, its result over the site's updates (`result`,
+  float32) instead of a fold.
 
 A site whose aggregator is killed loses the share it held: at the close the coordinator counts the updates it had
 taken and that are not in its share (`site-share-lost`), as an inbox worker's lost share is, and the round goes on
@@ -30,11 +31,14 @@ without them. The aggregator's session at its broker is persistent, so what its 
 there; restarted, it says it is up, gets the open round again, and takes them. A site that is gone at the close is
 not waited for (`site-lost`); one that does not answer is waited for `site_close_s` at most.
 
-What sites cannot run is refused in one line (`round_share.shares_refused`): secure aggregation, central DP, the
-guard's calibration reference, and rules that do not fold (the median, trimmed mean, Krum as a rule, pFedGRP,
-GLFC, SDD): those would run per site, a robust rule over the site's devices and the sites' results then combined,
-which is not the same rule (not built). The guard's bounds that compare an update with the round's compare it
-with its site's devices (round_share.py).
+The robust rules that need a round's updates at once (the median, the trimmed mean, centered clipping) run per
+site: each site's aggregator runs the rule over its devices' updates and sends its result with their summed
+samples; the coordinator runs the rule again over the sites' results and the updates of the devices at no site
+(a median of the sites' medians: not the fleet's median; a site whose devices all lie is one input of the
+coordinator's rule). What sites cannot run is refused in one line (`round_share.shares_refused`): secure aggregation,
+central DP, the guard's calibration reference, and the rules that read or send more than the weights (pFedGRP,
+GLFC, SDD). The guard's bounds that compare an update with the round's compare it with its site's devices
+(round_share.py).
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ from coordinator.guard_settings import GuardSettings
 from coordinator.inbox import Update
 from coordinator.influence import FleetPath
 from coordinator.round_share import Heard, RoundOpening, SharePlan
-from coordinator.strategies import RoundContext
+from coordinator.strategies import ClientUpdate, RoundContext
 from coordinator.strategies.base import PartialFold
 from edgefil import topics, wire
 from edgefil.link import Link
@@ -63,6 +67,7 @@ from edgefil.link import Link
 log = logging.getLogger("edgefil.coordinator")
 UP, GONE = "up", "gone"
 STATE_KEY = "state/"  # attachments of a partial that hold the fold's arrays
+RESULT = "result"  # the attachment of a partial that holds a holding rule's result (float32 weights)
 MAX_PARTIAL_EXTRA_BYTES = 256 << 20  # a partial's bytes beyond its arrays (its history of the updates it used)
 MAX_COUNTERS = 256
 
@@ -153,6 +158,9 @@ def partial_blob(site: str, instance: str, number: int, part: PartialRound | Non
                     numbers[key] = value
             about["fold"] = {"rule": part.fold.rule, "size": part.fold.size, "devices": sorted(part.fold.devices),
                              "numbers": numbers}
+        if part.result is not None:  # a holding rule's result over the site's updates
+            about["result"] = {"device": part.result.device, "num_samples": part.result.num_samples}
+            attachments[RESULT] = np.ascontiguousarray(part.result.weights, "<f4").tobytes()
     data, layout = wire.pack_attachments(b"", {"partial": msgpack.packb(about, use_bin_type=True), **attachments})
     return wire.encode_blob("site-partial", data, site=site, instance=instance, round=number, attachments=layout)
 
@@ -177,8 +185,14 @@ def read_partial(blob: wire.Blob, roster: frozenset[str], size: int) -> PartialR
                         raise ValueError(f"{name}: {array.size} values, or not finite, for a model of {size}")
                     state[name[len(STATE_KEY):]] = array
             fold = PartialFold(str(spec["rule"]), int(spec["size"]), frozenset(map(str, spec["devices"])), state)
+        result = None
+        if about.get("result") is not None:
+            weights = np.frombuffer(attachments[RESULT], "<f4").copy()
+            if weights.size != size or not np.isfinite(weights).all():
+                raise ValueError(f"a result of {weights.size} values, or not finite, for a model of {size}")
+            result = ClientUpdate(str(about["result"]["device"]), weights, int(about["result"]["num_samples"]))
         part = PartialRound(fold, bool(about["sound"]), used, counters, int(about["from_devices"]),
-                            int(about["within_clip"]), float(about["seconds"]))
+                            int(about["within_clip"]), float(about["seconds"]), result)
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as err:
         raise wire.WireError("site-partial", f"a site's share it cannot read: {type(err).__name__}: {err}") from None
     strangers = {u.device for u in used} - roster | (fold.devices - roster if fold is not None else set())

@@ -227,6 +227,43 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
         tier.stop()
 
 
+@needs_mosquitto
+def test_a_robust_rule_runs_at_each_site_and_again_over_the_sites_results(tmp_path, export_artifacts):
+    """The median with sites: each site's aggregator takes the median of its devices' updates (three at one site,
+    two at the other), and the round's model is the median of those two results (here their mean), with every
+    device's update in the round's record: what one process computes from the same updates, per site then over the
+    sites."""
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    parameters = load_manifest(artifacts).num_parameters
+    tier = SiteTier(tmp_path, artifacts)
+    tier.start()
+    plan = SharePlan(FLEET, frozenset(d for members in SITES.values() for d in members), manifest_digest(artifacts),
+                     parameters, "median", guard=OFF)
+    coordinator = Coordinator(tier.central.address, plan)
+    try:
+        coordinator.link.start()
+        for name in SITES:
+            coordinator.until_up(name, None)
+        updates = updates_of(parameters, 3)
+        coordinator.sites.open(RoundOpening(1, 0, MODEL, tuple(sorted(plan.roster)), np.zeros(parameters, np.float32)))
+        tier.publish(updates, 1)
+        coordinator.words(set(updates))
+        parts = coordinator.sites.close()
+    finally:
+        coordinator.link.stop()
+        tier.stop()
+    counters: Counter[str] = Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("median", device="cpu"), counters), OFF,
+                               np.zeros(parameters, np.float32), counters, 1 << 30)
+    merged = merged_into(aggregate, parts)
+    model = merged.close().global_weights.numpy()
+    assert sorted(u.device for u in merged.used) == sorted(updates)
+    per_site = [np.median(np.stack([updates[d][0] for d in members]), axis=0) for members in SITES.values()]
+    np.testing.assert_allclose(model, np.mean(per_site, axis=0), rtol=1e-6, atol=1e-8)
+    assert [part.result.num_samples for part in parts] == [sum(updates[d][1] for d in members)
+                                                           for members in SITES.values()]
+
+
 def test_a_share_that_names_another_sites_device_or_is_not_finite_is_refused():
     """A site speaks for its own devices: a share that names another's, or whose sum is not finite or of another
     model's size, is refused with the wire's one reason; a well-formed one reads back as it was sent."""
@@ -308,10 +345,11 @@ def test_a_fleet_with_two_sites_aggregates_what_its_devices_sent_and_survives_a_
     np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 
-def test_what_sites_cannot_run_and_a_bad_sites_table_are_refused_in_one_line(tmp_path):
+def test_what_sites_cannot_run_and_a_bad_sites_table_are_refused_in_one_line(tmp_path, export_artifacts):
     """A device at two sites, or at a site and not on the roster, is refused where the file is read; so is a site
-    aggregator's file with a typo; a rule that needs a round's updates all at once is refused with sites as with
-    inbox workers (`shares_refused`, naming the setting that keeps the round in one process)."""
+    aggregator's file with a typo; a robust rule that needs a round's updates all at once runs per site but is
+    refused with inbox workers, and a rule that reads more than the weights (pFedGRP) is refused with sites too
+    (`shares_refused`, naming the setting that keeps the round in one process)."""
     from coordinator.config import CoordinatorConfig, SiteConfig, SiteDevices
     from coordinator.round_share import shares_refused
     from edgefil.settings import ConfigError
@@ -330,5 +368,11 @@ def test_what_sites_cannot_run_and_a_bad_sites_table_are_refused_in_one_line(tmp
     with pytest.raises(ConfigError, match="brokr") as refused:
         SiteConfig.load(tmp_path / "site.toml")
     assert "\n" not in str(refused.value)
-    reason = shares_refused(make_strategy("median", device="cpu"), False, False, False, "no [[sites]]")
-    assert reason is not None and "median" in reason and "no [[sites]]" in reason and "\n" not in reason
+    median = make_strategy("median", device="cpu")
+    assert shares_refused(median, False, False, False, "no [[sites]]", per_share=True) is None  # runs per site
+    reason = shares_refused(median, False, False, False, "inbox_workers = 0")
+    assert reason is not None and "median" in reason and "inbox_workers = 0" in reason and "\n" not in reason
+    manifest = load_manifest(export_artifacts("lenet", 10, (1, 8, 8)))
+    pfedgrp = make_strategy("pfedgrp", device="cpu", manifest=manifest)  # per-device models: not per site
+    reason = shares_refused(pfedgrp, False, False, False, "no [[sites]]", per_share=True)
+    assert reason is not None and "pfedgrp" in reason and "\n" not in reason
