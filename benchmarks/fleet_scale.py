@@ -314,6 +314,8 @@ class Probe:
     broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     profiler: Profiler | None = None
     inbox: list[int] = field(default_factory=list)  # the coordinator's inbox workers' pids (`--inbox-workers`)
+    aggregators: list[int] = field(default_factory=list)  # the sites' aggregators' pids (`--sites`) ...
+    site_brokers: list[int] = field(default_factory=list)  # ... and their brokers'
 
     def snapshot(self, moment: str) -> None:
         self.memory[moment] = memory_sum(self.worker_pids)
@@ -323,11 +325,14 @@ class Probe:
 
     def cpu(self) -> dict[str, float]:
         workers = [cpu_of(pid) for pid in self.worker_pids]
-        inbox = sum(sum(cpu_of(pid)) for pid in self.inbox)
+        inbox = sum(sum(cpu_of(pid)) for pid in [*self.inbox, *self.aggregators])
         return {
-            # this process (the coordinator and its MQTT thread) and its inbox workers' processes, if it runs some
+            # this process (the coordinator and its MQTT thread) and what takes its per-update work where the fleet
+            # has them: its inbox workers' processes, the sites' aggregators
             "coordinator": time.process_time() + inbox,
-            "broker": sum(cpu_of(self.broker_pid)) if self.broker_pid else 0.0,
+            # the fleet's broker, and the sites' brokers where it has sites
+            "broker": sum(sum(cpu_of(pid)) for pid in [*([self.broker_pid] if self.broker_pid else []),
+                                                       *self.site_brokers]),
             "workers": sum(u + s for u, s in workers),
             "workers_sys": sum(s for _, s in workers),
             "host": host_busy(),
@@ -351,6 +356,10 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
                 probe.heartbeat_s = self.heartbeat
             super()._start_workers(artifacts)
             probe.worker_pids = [w.pid for w in self.workers.processes]
+            if self.sites is not None:
+                probe.aggregators = [process.pid for process in self.sites.processes.values()]
+                probe.site_brokers = [broker._proc.pid for broker in self.sites.brokers.values()
+                                      if broker._proc is not None]
 
         def stop(self) -> None:
             if probe.worker_pids and "after" not in probe.memory:
@@ -514,6 +523,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
             "guard": {"krum_share": 0.0} if guard is None else guard, **(coordinator or {}),
             **({"inbox_workers": args.inbox_workers} if getattr(args, "inbox_workers", 0) else {}),
         },
+        sites=getattr(args, "sites", 0),
     )
     original = fleet_module.Coordinator
     fleet_module.Coordinator = TimedCoordinator
@@ -724,6 +734,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
+    parser.add_argument("--sites", type=int, default=0,
+                        help="the devices split over this many sites (their brokers bridged to the fleet's, an "
+                             "aggregator each: coordinator/sites.py); the aggregators' CPU is counted with the "
+                             "coordinator's, the sites' brokers' with the broker's")
     parser.add_argument("--inbox-workers", type=int, default=0,
                         help="the coordinator's inbox workers (its per-update work in that many processes, counted "
                              "in its CPU column); 0: none")

@@ -186,8 +186,9 @@ class Coordinator:
             self.shares.append(InboxWorkers(WorkerPlan(config.broker, share), config.inbox_workers,
                                             on_heard=self.link.wake))
         self.sites = Sites(self.link, share, {site.name: frozenset(site.devices) for site in config.sites},
-                           config.wall_limit_s if config.virtual_time else config.site_close_s,
-                           self._pump) if config.sites else None
+                           config.wall_limit_s if config.virtual_time else config.site_close_s, self._pump,
+                           config.wall_limit_s if config.virtual_time else config.wait_for_devices_s,
+                           ) if config.sites else None
         if self.sites is not None:
             self.shares.append(self.sites)
         self.outbox = Outbox(self.link, config.fleet, self.roster, ResendBudget(config.limits.resends_per_round),

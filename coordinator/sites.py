@@ -25,7 +25,9 @@ The protocol, on `site/<site>/<kind>` (edgefil/topics.py; the wire's `site-*` ki
   the fold's state (`state/<key>`, float64); under a robust rule, its result over the site's updates (`result`,
   float32) instead of a fold.
 
-A site whose aggregator is killed loses the share it held: at the close the coordinator counts the updates it had
+Before its first round the coordinator waits for every site's aggregator to be up (`wait_for_devices_s`; virtual
+time: `wall_limit_s`): the updates of a round opened before an aggregator's first connection would find no session
+at its broker to keep them. A site whose aggregator is killed loses the share it held: at the close the coordinator counts the updates it had
 taken and that are not in its share (`site-share-lost`), as an inbox worker's lost share is, and the round goes on
 without them. The aggregator's session at its broker is persistent, so what its devices send while it is down waits
 there; restarted, it says it is up, gets the open round again, and takes them. A site that is gone at the close is
@@ -70,6 +72,7 @@ STATE_KEY = "state/"  # attachments of a partial that hold the fold's arrays
 RESULT = "result"  # the attachment of a partial that holds a holding rule's result (float32 weights)
 MAX_PARTIAL_EXTRA_BYTES = 256 << 20  # a partial's bytes beyond its arrays (its history of the updates it used)
 MAX_COUNTERS = 256
+WAITING_SAID_EVERY_S = 5.0
 
 
 # --- the messages ---------------------------------------------------------------------------------
@@ -234,10 +237,12 @@ class Sites:
     messages (`take`, on `site_subscriptions`) and whose message pump it runs while a close waits for the shares."""
 
     def __init__(self, link: Link, plan: SharePlan, sites: Mapping[str, frozenset[str]], close_s: float,
-                 pump: Callable[[float], None]) -> None:
+                 pump: Callable[[float], None], wait_s: float = 0.0) -> None:
+        """`wait_s`: how long `start` waits for every site's aggregator to be up."""
         self.link = link
         self.plan = plan
         self.close_s = close_s
+        self.wait_s = wait_s
         self.pump = pump
         self._sites = {name: _SiteState(frozenset(devices)) for name, devices in sites.items()}
         self._head = f"{topics.prefix(plan.fleet)}/{topics.SITE}/"
@@ -252,7 +257,21 @@ class Sites:
         return []  # the sites' processes run at the sites
 
     def start(self) -> None:
-        """Nothing to start: the coordinator's connection carries the sites' messages."""
+        """Wait (running the coordinator's pump) until every site's aggregator has said it is up, at most `wait_s`:
+        the updates of a round opened before an aggregator first connected would find no session at its broker to
+        keep them. A site still down then is warned about; its devices' updates wait at its broker from the
+        aggregator's first connection on."""
+        deadline = time.monotonic() + self.wait_s
+        said = time.monotonic()
+        while (down := sorted(name for name, site in self._sites.items() if not site.up)) and (
+                left := deadline - time.monotonic()) > 0:
+            if time.monotonic() - said > WAITING_SAID_EVERY_S:
+                log.info("waiting for the aggregators of sites %s (%.0f s left)", ", ".join(down), left)
+                said = time.monotonic()
+            self.pump(min(left, 0.5))
+        if down:
+            log.warning("the aggregators of sites %s are not up: their devices' updates are not taken until they "
+                        "are", ", ".join(down))
 
     def stop(self) -> None:
         """Nothing to stop (as `start`)."""

@@ -65,6 +65,7 @@ from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
 from firmware_sim.report import FLEET_FILE, write_report
 from firmware_sim.scenarios import ScenarioData
+from firmware_sim.sites import SimulatedSites
 from models.manifest import load_manifest
 
 log = logging.getLogger("edgefil.fleet")
@@ -106,6 +107,13 @@ class Fleet:
         self.heartbeat: float | None = None  # the devices' heartbeat (None: their default), for the workers' cores
         self.learner: dict[str, Any] = dict(config.learner)  # the devices' [learner], the kind's defaults in (run)
         self.first_tasks: tuple[int | None, ...] = ()  # each device's first task with data (run; None: none has)
+        members: dict[str, list[str]] = {}
+        for index, device in enumerate(config.device_ids):
+            site = config.site_of(index)
+            if site is not None:
+                members.setdefault(site, []).append(device)
+        self.sites = SimulatedSites(config.out, config.name, {name: tuple(d) for name, d in members.items()},
+                                    self.passwords) if members else None
 
     def run(self, resume: bool = False, file: str = "fleet config",
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -144,6 +152,9 @@ class Fleet:
             preparing.step("starting the broker")
             self.broker = self._start_broker(self.workers.broker_host)
             self._write_observer_file(self.broker)
+            if self.sites is not None and isinstance(self.broker, MosquittoBroker):
+                preparing.step("starting the sites' brokers and aggregators")
+                self.sites.start(self.broker, artifacts, out / "logs", self.keepalive)
             preparing.step("starting a first device, then the workers and the coordinator")
             self._check_a_device_starts(artifacts, file)
             self._start_workers(artifacts)
@@ -160,6 +171,8 @@ class Fleet:
     def stop(self) -> None:
         if self.workers is not None:
             self.workers.stop()
+        if self.sites is not None:
+            self.sites.stop()
         if self.broker is not None:
             self.broker.stop()
 
@@ -235,7 +248,8 @@ class Fleet:
                             Credentials("coordinator", self.coordinator_password), tls=tls, host=host,
                             observers={OBSERVER: self.observer_password},
                             observers_read_learning=self.config.observer_reads_learning,
-                            inbox_workers=self.config.coordinator_options().get("inbox_workers", 0))
+                            inbox_workers=self.config.coordinator_options().get("inbox_workers", 0),
+                            sites=self.sites.sites() if self.sites is not None else ())
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()
@@ -287,7 +301,9 @@ class Fleet:
             "on_end": "exit",
             **({} if self.heartbeat is None else {"heartbeat_s": self.heartbeat}),
             "state_dir": str(self.config.out / "devices" / device),
-            "broker": self._settings(device, self.passwords[device]),
+            "broker": self._settings(device, self.passwords[device]) if self.sites is None or device not in
+            self.sites.site_of else self.sites.settings(self.sites.site_of[device], device, self.passwords[device],
+                                                        self.keepalive),
             "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,
             "policy": dict(self.config.policy),
             **({"privacy": vars(self.config.privacy)} if self.config.privacy != LocalPrivacySettings() else {}),
@@ -318,6 +334,7 @@ class Fleet:
             broker=build(BrokerSettings, self._settings("coordinator", self.coordinator_password), Where("fleet")),
             seed=self.config.seed, strategy=dict(self.config.strategy), client=dict(self.config.client),
             virtual_time=not self.config.real_time,
+            sites=self.sites.for_coordinator() if self.sites is not None else (),
             **self.config.coordinator_options(),
         )
 

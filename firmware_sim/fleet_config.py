@@ -29,6 +29,9 @@
                                    # time, on the wall clock)
     backend = "processes"          # processes (workers on this machine) | ray (Ray actors over a cluster's
                                    # nodes, firmware_sim/fleet_ray.py; `--address` sets it with [ray] address)
+    sites = 0                      # the devices split over this many sites (device k at site-<k mod sites>),
+                                   # each a mosquitto of its own bridged to the fleet's and an aggregator process
+                                   # (`edgefil site`, coordinator/sites.py); 0: every device at the fleet's broker
     [policy]       name = "refed", group_by, and the policy's options   (the device file's [policy])
     [store]        max_samples (M; left out: caching ~25 % of old data), max_bytes   (the device file's [store])
     [trainer]      backend ("portable"), optimizer, lr, threads           (the device file's [trainer])
@@ -80,7 +83,7 @@ from firmware_sim.scenarios import Scenario, ScenarioData, check_scenario
 
 # CoordinatorConfig keys the fleet sets itself; its [coordinator] table may give the others
 FLEET_SETS = ("fleet", "out", "artifacts", "devices", "scenario", "test_data", "broker", "seed", "strategy",
-              "client", "virtual_time")
+              "client", "virtual_time", "sites")  # [coordinator] sites: the fleet file's `sites` sets them
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class FleetConfig:
     # Whether the devices' writes (their state every round, their replay stores) survive a power cut of the host,
     # or only a killed worker (false: edgefil.durable `power_loss_safe`; a device of its own keeps them)
     power_loss_safe: bool = False
+    sites: int = 0  # the devices split over this many sites (coordinator/sites.py); 0: none
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")  # it names the fleet's topics: refused here, before anything starts
@@ -133,9 +137,17 @@ class FleetConfig:
         if self.adversary.devices >= self.devices:
             raise ValueError(f"[adversary] devices = {self.adversary.devices}: a fleet of {self.devices} needs "
                              "at least one honest device")
+        if not 0 <= self.sites <= self.devices:
+            raise ValueError(f"sites must be in [0, devices = {self.devices}], got {self.sites}")
+        if self.sites and (self.broker == "embedded" or self.backend == "ray"):
+            raise ValueError("sites need mosquitto (their brokers bridge to the fleet's) and backend = \"processes\"")
         if self.backend == "ray" and self.ray.address is not None and self.broker == "embedded":
             raise ValueError("backend = \"ray\" on a cluster needs mosquitto: the embedded broker has no "
                              "authentication, and remote devices reach it over the network")
+
+    def site_of(self, index: int) -> str | None:
+        """The site device `index` is at (None: the fleet's broker)."""
+        return f"site-{index % self.sites}" if self.sites else None
 
     @classmethod
     def load(cls, path: str | Path) -> FleetConfig:

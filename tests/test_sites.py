@@ -376,3 +376,30 @@ def test_what_sites_cannot_run_and_a_bad_sites_table_are_refused_in_one_line(tmp
     pfedgrp = make_strategy("pfedgrp", device="cpu", manifest=manifest)  # per-device models: not per site
     reason = shares_refused(pfedgrp, False, False, False, "no [[sites]]", per_share=True)
     assert reason is not None and "pfedgrp" in reason and "\n" not in reason
+
+
+SITES_FLEET = {  # the guard off: every update the sites took is in the model, which the test checks
+    "name": "sites", "out": "run", "devices": 4, "sites": 2, "model": "lenet", "seed": 0, "broker": "mosquitto",
+    "scenario": {"preset": "digits-class", "n_clients": 4, "seed": 0}, "policy": {"name": "random"},
+    "client": {"epochs": 2},
+    "coordinator": {"rounds_per_task": 2, "min_clients": 4, "train_tasks": 2, "guard": dict(guard_settings.OFF)},
+}
+
+
+@needs_mosquitto
+def test_a_simulated_fleet_runs_its_devices_at_sites(tmp_path):
+    """`sites = 2` in a fleet file: each site a mosquitto bridged to the fleet's and an aggregator process, the
+    devices split over them; every round takes every device's update through its site, and the sites' logs say
+    they sent their shares."""
+    from fleet_harness import run_fleet_file
+
+    from edgefil.settings import dump_toml
+
+    results = run_fleet_file(tmp_path, dump_toml(SITES_FLEET))
+    trained = [entry for entry in results["history"] if entry.get("trained", True)]
+    devices = sorted(f"dev-{k:03d}" for k in range(4))
+    assert len(trained) == 4
+    assert all(sorted(entry["received"]) == devices and sorted(entry["metrics"]) == devices for entry in trained)
+    assert not {"site-lost", "site-share-lost"} & set(results["counters"])
+    for site in ("site-0", "site-1"):
+        assert "share sent (2 updates)" in (tmp_path / "run" / "logs" / f"{site}.log").read_text()
