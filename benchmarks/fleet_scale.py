@@ -336,6 +336,9 @@ class Probe:
             "workers": sum(u + s for u, s in workers),
             "workers_sys": sum(s for _, s in workers),
             "host": host_busy(),
+            # of the coordinator's and the broker's columns, the sites' share (counted in them above)
+            "aggregators": sum(sum(cpu_of(pid)) for pid in self.aggregators),
+            "site_brokers": sum(sum(cpu_of(pid)) for pid in self.site_brokers),
         }
 
 
@@ -672,6 +675,16 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
               f"{(r['cpu_coordinator'] + r['cpu_broker'] + other) / s['n'] * 1e3:13.1f} {share:11.1%} "
               f"{ceiling:7.1%} {r['other']:11.2f}  "
               f"{' '.join(f'{w:.2f}' for w in r['walls'])}")
+    at_sites = [s for s in summaries if s["rounds"].get("cpu_aggregators", 0.0) > 0]
+    if at_sites:
+        print("\nof which the sites (median CPU s a round): their aggregators (in the coordinator column) and their "
+              "brokers (in the broker column); what is left for the coordinator's process and the fleet's broker")
+        print(f"{'broker':>9s} {'N':>4s} {'aggregators':>11s} {'site brokers':>12s} {'coordinator':>11s} "
+              f"{'fleet broker':>12s}")
+        for s in at_sites:
+            r = s["rounds"]
+            print(f"{s['broker']:>9s} {s['n']:4d} {r['cpu_aggregators']:11.2f} {r['cpu_site_brokers']:12.2f} "
+                  f"{r['cpu_coordinator'] - r['cpu_aggregators']:11.2f} {r['cpu_broker'] - r['cpu_site_brokers']:12.2f}")
     idle = [s for s in summaries if s["idle_cpu"]]
     if idle:
         print(f"\nidle fleet (all registered, no round open, {args.idle_s:.0f} s; heartbeat s: every device's, as "

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from mqtt_helpers import wait_online
 
 from coordinator.broker import Bridge, Credentials, EmbeddedBroker, MosquittoBroker, Site, generate_password
+from edgefil import wire
 from edgefil.lifetime import stop_processes
 from edgefil.settings import dump_toml, load_toml
 
@@ -230,3 +232,17 @@ class Fleet:
     def log_tail(self, name: str, lines: int = 40) -> str:
         path = self.root / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+def fedavg_of_sent(sent: list[tuple[str, bytes]], number: int, size: int) -> tuple[list[str], np.ndarray]:
+    """The devices whose updates of round `number` are among `sent` (messages an observer read off the brokers),
+    and FedAvg of those updates computed here in one process, in float64 (what the round's model must be, to
+    float32 rounding, where no bound changed an update)."""
+    reassembler = wire.Reassembler(max_blob_bytes=1 << 24)
+    updates = {}
+    for topic, payload in sent:
+        blob = reassembler.add(topic, wire.decode(payload))
+        if blob is not None and blob.header["round"] == number:
+            updates[blob.header["device"]] = (blob.weights(size).astype(np.float64), blob.header["num_samples"])
+    total = sum(samples for _, samples in updates.values())
+    return sorted(updates), sum(weights * samples for weights, samples in updates.values()) / total

@@ -148,7 +148,7 @@ def test_a_coordinator_with_one_or_two_inbox_workers_aggregates_the_updates_it_r
     workers' shares merge into is the one process's model, to float32 rounding. (Two fleets' devices do not train
     to the same bits, so the two runs' models are each compared with their own updates.) The coordinator's other
     messages (registrations, statuses) its own process hears as before."""
-    from fleet_harness import CEILING_S, Fleet
+    from fleet_harness import CEILING_S, Fleet, fedavg_of_sent
 
     from coordinator.checkpoint import load_latest
 
@@ -173,17 +173,8 @@ def test_a_coordinator_with_one_or_two_inbox_workers_aggregates_the_updates_it_r
         trained = [entry for entry in results["history"] if entry.get("trained", True)]
         assert len(trained) == 4 and all(sorted(entry["received"]) == fleet.devices for entry in trained)
         assert all(sorted(entry["metrics"]) == fleet.devices for entry in trained)  # every update in the model
-        last = trained[-1]["round"]
-        reassembler = wire.Reassembler(max_blob_bytes=1 << 24)
-        updates = {}
-        for topic, payload in sent:
-            blob = reassembler.add(topic, wire.decode(payload))
-            if blob is not None and blob.header["round"] == last:
-                updates[blob.header["device"]] = (blob.weights(state.weights.size).astype(np.float64),
-                                                  blob.header["num_samples"])
-        assert sorted(updates) == fleet.devices
-        total = sum(samples for _, samples in updates.values())
-        expected = sum(weights * samples for weights, samples in updates.values()) / total
+        devices, expected = fedavg_of_sent(sent, trained[-1]["round"], state.weights.size)
+        assert devices == fleet.devices
         np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 

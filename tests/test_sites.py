@@ -4,18 +4,20 @@ merged at the coordinator into the model one process folds from the same updates
 restarted."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fleet_harness import CEILING_S, ROOT, Fleet, write_toml
+from fleet_harness import CEILING_S, ROOT, Fleet, fedavg_of_sent, write_toml
 from mqtt_helpers import Peer
-from test_inbox_workers import UNBOUNDED
+from test_inbox_workers import UNBOUNDED, merged, one_process
 
 from coordinator import guard_settings
 from coordinator.aggregation import RoundAggregate
@@ -41,19 +43,7 @@ SITES = {"a": ("d0", "d1", "d2"), "b": ("d3", "d4")}
 
 def fedavg(updates: dict[str, tuple[np.ndarray, int]], parameters: int) -> np.ndarray:
     """What one process folds from `updates` (FedAvg, the guard off)."""
-    counters: Counter[str] = Counter()
-    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), OFF,
-                               np.zeros(parameters, np.float32), counters, 1 << 30)
-    for device, (weights, samples) in sorted(updates.items()):
-        aggregate.add(ClientUpdate(device, weights, samples))
-    return aggregate.close().global_weights.numpy()
-
-
-def merged(parts, parameters: int) -> np.ndarray:
-    counters: Counter[str] = Counter()
-    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters), OFF,
-                               np.zeros(parameters, np.float32), counters, 1 << 30)
-    return merged_into(aggregate, parts).close().global_weights.numpy()
+    return one_process(updates, parameters, OFF)
 
 
 class SiteTier:
@@ -125,6 +115,23 @@ class SiteTier:
         return "\n".join((self.root / f"site-{name}.log").read_text(errors="replace").splitlines()[-30:])
 
 
+@contextlib.contextmanager
+def site_tier(root: Path, artifacts: Path, rule: str) -> Iterator[tuple[SiteTier, Coordinator]]:
+    """The site tier started, and the coordinator's side of it connected once every site's aggregator is up."""
+    tier = SiteTier(root, artifacts)
+    tier.start()
+    plan = SharePlan(FLEET, frozenset(d for members in SITES.values() for d in members), manifest_digest(artifacts),
+                     load_manifest(artifacts).num_parameters, rule, guard=OFF)
+    coordinator = Coordinator(tier.central.address, plan)
+    try:
+        coordinator.link.start()
+        coordinator.up = {name: coordinator.until_up(name, None) for name in SITES}
+        yield tier, coordinator
+    finally:
+        coordinator.link.stop()
+        tier.stop()
+
+
 def updates_of(parameters: int, seed: int) -> dict[str, tuple[np.ndarray, int]]:
     rng = np.random.default_rng(seed)
     step = rng.normal(0.0, 0.01, parameters)
@@ -141,6 +148,7 @@ class Coordinator:
                          site_subscriptions(FLEET, list(SITES)))
         self.sites = Sites(self.link, plan, {name: frozenset(members) for name, members in SITES.items()},
                            HEARD_S, self.pump)
+        self.up: dict[str, str] = {}  # each site's aggregator's instance, once up
 
     def pump(self, timeout: float) -> None:
         item = self.link.get(timeout=max(timeout, 0.0))
@@ -181,16 +189,9 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
     (its session at its broker kept them)."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     parameters = load_manifest(artifacts).num_parameters
-    tier = SiteTier(tmp_path, artifacts)
-    tier.start()
-    plan = SharePlan(FLEET, frozenset(d for members in SITES.values() for d in members), manifest_digest(artifacts),
-                     parameters, "fedavg", guard=OFF)
-    coordinator = Coordinator(tier.central.address, plan)
-    sites = coordinator.sites
-    try:
-        coordinator.link.start()
-        up = {name: coordinator.until_up(name, None) for name in SITES}
-        everyone = tuple(sorted(plan.roster))
+    with site_tier(tmp_path, artifacts, "fedavg") as (tier, coordinator):
+        sites = coordinator.sites
+        everyone = tuple(sorted(coordinator.sites.plan.roster))
         updates = updates_of(parameters, 0)
         sites.open(RoundOpening(1, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
         tier.publish(updates, 1)
@@ -216,15 +217,12 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
         sites.open(RoundOpening(3, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
         tier.publish(updates, 3)  # site a's wait at its broker for its aggregator
         tier.start_site("a")
-        coordinator.until_up("a", up["a"])
+        coordinator.until_up("a", coordinator.up["a"])
         coordinator.words(set(updates))
         counters.clear()
         parts = sites.close(counters)
         assert all(part is not None for part in parts) and not counters, counters
         np.testing.assert_allclose(merged(parts, parameters), fedavg(updates, parameters), rtol=1e-6, atol=1e-9)
-    finally:
-        coordinator.link.stop()
-        tier.stop()
 
 
 @needs_mosquitto
@@ -235,23 +233,12 @@ def test_a_robust_rule_runs_at_each_site_and_again_over_the_sites_results(tmp_pa
     sites."""
     artifacts = export_artifacts("lenet", 10, (1, 8, 8))
     parameters = load_manifest(artifacts).num_parameters
-    tier = SiteTier(tmp_path, artifacts)
-    tier.start()
-    plan = SharePlan(FLEET, frozenset(d for members in SITES.values() for d in members), manifest_digest(artifacts),
-                     parameters, "median", guard=OFF)
-    coordinator = Coordinator(tier.central.address, plan)
-    try:
-        coordinator.link.start()
-        for name in SITES:
-            coordinator.until_up(name, None)
-        updates = updates_of(parameters, 3)
-        coordinator.sites.open(RoundOpening(1, 0, MODEL, tuple(sorted(plan.roster)), np.zeros(parameters, np.float32)))
+    updates = updates_of(parameters, 3)
+    with site_tier(tmp_path, artifacts, "median") as (tier, coordinator):
+        coordinator.sites.open(RoundOpening(1, 0, MODEL, tuple(sorted(updates)), np.zeros(parameters, np.float32)))
         tier.publish(updates, 1)
         coordinator.words(set(updates))
         parts = coordinator.sites.close()
-    finally:
-        coordinator.link.stop()
-        tier.stop()
     counters: Counter[str] = Counter()
     aggregate = RoundAggregate(ContainedStrategy(make_strategy("median", device="cpu"), counters), OFF,
                                np.zeros(parameters, np.float32), counters, 1 << 30)
@@ -331,17 +318,8 @@ def test_a_fleet_with_two_sites_aggregates_what_its_devices_sent_and_survives_a_
     for entry in trained[2:]:  # after the restart
         assert sorted(entry["received"]) == fleet.devices and sorted(entry["metrics"]) == fleet.devices, entry
     assert "site a's aggregator is up" in fleet.log_tail("coordinator", lines=10_000)
-    last = trained[-1]["round"]
-    reassembler = wire.Reassembler(max_blob_bytes=1 << 24)
-    updates = {}
-    for topic, payload in sent:
-        blob = reassembler.add(topic, wire.decode(payload))
-        if blob is not None and blob.header["round"] == last:
-            updates[blob.header["device"]] = (blob.weights(state.weights.size).astype(np.float64),
-                                              blob.header["num_samples"])
-    assert sorted(updates) == fleet.devices
-    total = sum(samples for _, samples in updates.values())
-    expected = sum(weights * samples for weights, samples in updates.values()) / total
+    devices, expected = fedavg_of_sent(sent, trained[-1]["round"], state.weights.size)
+    assert devices == fleet.devices
     np.testing.assert_allclose(state.weights, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 
