@@ -27,11 +27,12 @@ The protocol, on `site/<site>/<kind>` (edgefil/topics.py; the wire's `site-*` ki
 
 Before its first round the coordinator waits for every site's aggregator to be up (`wait_for_devices_s`; virtual
 time: `wall_limit_s`): the updates of a round opened before an aggregator's first connection would find no session
-at its broker to keep them. A site whose aggregator is killed loses the share it held: at the close the coordinator counts the updates it had
-taken and that are not in its share (`site-share-lost`), as an inbox worker's lost share is, and the round goes on
-without them. The aggregator's session at its broker is persistent, so what its devices send while it is down waits
-there; restarted, it says it is up, gets the open round again, and takes them. A site that is gone at the close is
-not waited for (`site-lost`); one that does not answer is waited for `site_close_s` at most.
+at its broker to keep them. A site whose aggregator is killed loses the share it held: at the close the coordinator
+counts the updates it had taken and that are not in its share (`site-share-lost`), as an inbox worker's lost share
+is, and the round goes on without them. The aggregator's session at its broker is persistent, so what its devices
+send while it is down waits there; restarted, it says it is up, gets the open round again, and takes them. A site
+that is gone at the close is not waited for (`site-lost`); one that does not answer is waited for `site_close_s` at
+most.
 
 The robust rules that need a round's updates at once (the median, the trimmed mean, centered clipping) run per
 site: each site's aggregator runs the rule over its devices' updates and sends its result with their summed
