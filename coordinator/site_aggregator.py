@@ -38,8 +38,9 @@ class SiteAggregator:
         self.config = config
         manifest = load_manifest(config.artifacts)
         self.manifest = manifest_digest(config.artifacts)
-        self.num_parameters = manifest.num_parameters
-        self.heads = HeadLayout.of(manifest.parameters)
+        # what the site knows itself; a round's open brings the rest (the rule, the guard, the roster)
+        self.site = SharePlan(config.fleet, frozenset(), self.manifest, manifest.num_parameters, "fedavg",
+                              heads=HeadLayout.of(manifest.parameters))
         self.instance = secrets.token_hex(8)
         fleet, site = config.fleet, config.site
         self._state_topic = topics.site(fleet, site, "state")
@@ -48,10 +49,10 @@ class SiteAggregator:
                                         *(topics.site(fleet, site, kind) for kind in topics.SITE_RECEIVES)],
                          will=Will(self._state_topic, self._state(GONE)), persistent=True)
         self.share: RoundShare | None = None
-        self._openings = wire.Reassembler(max_blob_bytes=28 * self.num_parameters + (64 << 20))
+        # an open: the model (float32) and the fleet's path (two float64 arrays), and its plan and selection
+        self._openings = wire.Reassembler(max_blob_bytes=20 * manifest.num_parameters + (64 << 20))
         self._early: list[tuple[str, bytes]] = []  # updates before any round (module docstring)
         self._early_bytes = 0
-        self.refused: dict[str, int] = {}  # the coordinator's messages this site could not use, by reason
         self._stopping = False
 
     def _state(self, state: str) -> bytes:
@@ -85,6 +86,8 @@ class SiteAggregator:
             self.link.stop()
 
     def take(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
+        """One message: the coordinator's word to the site (a round's open or close; what cannot be used is said
+        in one line and passed over), or a device's update."""
         kind = topic.rsplit("/", 1)[-1]
         if topic.startswith(f"{topics.prefix(self.config.fleet)}/{topics.SITE}/"):
             try:
@@ -98,8 +101,10 @@ class SiteAggregator:
                 else:
                     raise wire.WireError("site-topic", f"a {message['kind']} on {topic}")
             except wire.WireError as err:
-                self.refused[err.reason] = self.refused.get(err.reason, 0) + 1
                 log.warning("site %s: the coordinator's %s refused: %s", self.config.site, kind, err)
+            except (ValueError, TypeError, KeyError) as err:  # a rule or guard this site's software cannot run
+                log.error("site %s cannot run the coordinator's round: %s: %s (is its edgefil the coordinator's "
+                          "version?)", self.config.site, type(err).__name__, err)
             return
         if self.share is None:
             if self._early_bytes + len(payload) <= MAX_HELD_BEFORE_A_ROUND:
@@ -117,12 +122,10 @@ class SiteAggregator:
         if blob.header["manifest"] != self.manifest:
             raise wire.WireError("manifest", f"the coordinator's model {blob.header['manifest'][:12]} is not this "
                                              f"site's artifacts' {self.manifest[:12]}")
-        opening, about = read_opening(blob, self.num_parameters)
-        plan = SharePlan(self.config.fleet, about["roster"], self.manifest, self.num_parameters, about["rule"],
-                         about["options"], about["guard"], self.heads, about["max_held_bytes"])
-        if self.share is None or self.share.plan != plan:
-            self.share = RoundShare(plan, self.config.site)
-        self.share.open(opening)
+        opening, plan = read_opening(blob, self.site)
+        share = self.share if self.share is not None and self.share.plan == plan else RoundShare(plan, self.config.site)
+        share.open(opening)  # (one this site cannot open leaves it as it was)
+        self.share = share
         early, self._early, self._early_bytes = self._early, [], 0
         for topic, payload in early:
             self._say(self.share.take(topic, payload))

@@ -98,8 +98,10 @@ def opening_blob(opening: RoundOpening, plan: SharePlan, roster: frozenset[str])
                             manifest=plan.manifest, attachments=layout)
 
 
-def read_opening(blob: wire.Blob, num_parameters: int) -> tuple[RoundOpening, dict[str, Any]]:
-    """A site's `open` as its aggregator reads it: the round, and the plan's fields (WireError if malformed)."""
+def read_opening(blob: wire.Blob, site: SharePlan) -> tuple[RoundOpening, SharePlan]:
+    """A site's `open` as its aggregator reads it (WireError if malformed): the round, and `site` (what the site
+    knows itself: its fleet and model) with the round's plan (its rule, guard and roster)."""
+    num_parameters = site.num_parameters
     weights, attachments = blob.split(num_parameters)
     try:
         about = msgpack.unpackb(bytes(attachments["plan"]), raw=False)
@@ -113,9 +115,9 @@ def read_opening(blob: wire.Blob, num_parameters: int) -> tuple[RoundOpening, di
         opening = RoundOpening(blob.header["round"], blob.header["task"], blob.header["model"],
                                tuple(map(str, selected)), weights.copy(), ctx, path,
                                None if deadline is None else float(deadline))
-        plan = {"rule": str(about["rule"]), "options": dict(about["options"]),
-                "guard": GuardSettings(**about["guard"]), "max_held_bytes": int(about["max_held_bytes"]),
-                "roster": frozenset(map(str, about["roster"]))}
+        plan = dataclasses.replace(site, rule=str(about["rule"]), options=dict(about["options"]),
+                                   guard=GuardSettings(**about["guard"]), max_held_bytes=int(about["max_held_bytes"]),
+                                   roster=frozenset(map(str, about["roster"])))
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as err:
         raise wire.WireError("site-open", f"a round's open the site cannot read: {type(err).__name__}: {err}"
                              ) from None

@@ -26,7 +26,7 @@ from coordinator.containment import ContainedStrategy
 from coordinator.guard_settings import GuardSettings
 from coordinator.inbox_workers import merged_into
 from coordinator.round_share import RoundOpening, SharePlan
-from coordinator.sites import Sites, partial_blob, read_partial, site_subscriptions
+from coordinator.sites import Sites, opening_blob, partial_blob, read_partial, site_subscriptions
 from coordinator.strategies import ClientUpdate, make_strategy
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, BrokerSettings, Link
@@ -381,3 +381,38 @@ def test_a_simulated_fleet_runs_its_devices_at_sites(tmp_path):
     assert not {"site-lost", "site-share-lost"} & set(results["counters"])
     for site in ("site-0", "site-1"):
         assert "share sent (2 updates)" in (tmp_path / "run" / "logs" / f"{site}.log").read_text()
+
+
+def test_a_sites_aggregator_holds_updates_until_a_round_and_passes_over_what_it_cannot_run(tmp_path, export_artifacts,
+                                                                                           caplog):
+    """Without a broker: an update that comes before any round (a restarted site's backlog) is held and taken once
+    the round opens; an open that is not a message, or names a rule this site's software does not have, is said in
+    one line and passed over (the site goes on, its share of that round empty)."""
+    from coordinator.config import SiteConfig
+    from coordinator.site_aggregator import SiteAggregator
+
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    parameters = load_manifest(artifacts).num_parameters
+    site = SiteAggregator(SiteConfig(FLEET, "a", artifacts))
+    said = []
+    site._say = said.append  # the words it would publish
+    weights, samples = updates_of(parameters, 4)["d0"]
+    update = wire.encode_blob("update", wire.weights_bytes(weights), device="d0", round=1, task=0, model=MODEL,
+                              num_samples=samples, attachments=[], label_counts=[], metrics={}).chunks[0]
+    site.take(topics.from_device(FLEET, "d0", "update"), update)
+    assert site.share is None and said == []
+
+    def opening(rule: str) -> bytes:
+        plan = SharePlan(FLEET, frozenset(SITES["a"]), manifest_digest(artifacts), parameters, rule, guard=OFF)
+        blob = opening_blob(RoundOpening(1, 0, MODEL, SITES["a"], np.zeros(parameters, np.float32)), plan,
+                            frozenset(SITES["a"]))
+        return blob.chunks[0]
+
+    site.take(topics.site(FLEET, "a", "open"), b"\x00 not a message")
+    site.take(topics.site(FLEET, "a", "open"), opening("no-such-rule"))
+    assert site.share is None and "cannot run the coordinator's round" in caplog.text
+    site.take(topics.site(FLEET, "a", "open"), opening("fedavg"))
+    assert [(word.device, word.reason) for word in said] == [("d0", None)]
+    part = site.share.close(1)
+    assert [u.device for u in part.used] == ["d0"]
+    site.link.stop()
