@@ -9,7 +9,9 @@ on every task seen so far, the run state is checkpointed atomically, then the ru
 What the loop leans on, each in its own module: who is in the fleet and in what state (`roster.py`), what is sent
 to the devices and held for them between rounds (`outbox.py`), the checkpoint's generations (`checkpoint.py`), the
 record every reader reads (`run_record.py`) and the files written from it (`run_logs.py`: results.json,
-metrics.csv, the TensorBoard log, live.json for the dashboard).
+metrics.csv, the TensorBoard log, live.json for the dashboard), and whoever takes a round's updates besides this
+process (`round_share.py`: inbox workers, `inbox_workers.py`; sites, `sites.py`), whose words on each update count
+its deliveries and whose shares the close merges.
 
 Choices: the first round after a start or a resume waits up to `wait_for_devices_s` for the whole roster (so the first
 selection sees every device that is coming); later rounds only wait while fewer than the quorum are online. In virtual
