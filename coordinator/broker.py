@@ -58,6 +58,7 @@ _DROPPING = re.compile(rb"Outgoing messages are being dropped for client (\S+?)\
 # fit, so an overrun loses updates that every device believes delivered. The bound therefore grows with the roster:
 # a round of one device's messages each (an update of up to ~120 MB in 1 MB chunks, and its control messages).
 QUEUED_PER_DEVICE = 128
+START_S, START_S_PER_DEVICE = 30.0, 0.01  # the ceiling of a wait for mosquitto to listen (`MosquittoBroker.start`)
 MIN_QUEUED = 1000  # mosquitto's own default, for a roster of a few devices
 
 
@@ -428,10 +429,14 @@ class MosquittoBroker:
         the coordinator, updates and statuses the devices were told were delivered are lost."""
         return [name.decode(errors="replace") for name in _DROPPING.findall(self._log_since(0))]
 
-    def start(self, timeout: float = 10.0) -> None:
-        """Spawn mosquitto and return once it logged that it runs and its port accepts TCP."""
+    def start(self, timeout: float | None = None) -> None:
+        """Spawn mosquitto and return once it logged that it runs and its port accepts TCP. `timeout`: a ceiling for
+        an answer that never comes (None: START_S and START_S_PER_DEVICE a device: mosquitto reads its password
+        and ACL files before it listens, which took over 10 s for 10,000 devices on a slow 2-core host)."""
         if self.running:
             raise RuntimeError("mosquitto is already running")
+        if timeout is None:
+            timeout = START_S + START_S_PER_DEVICE * len(self._devices)
         exe = mosquitto_path()
         if exe is None:
             raise RuntimeError("mosquitto not found (Debian/Ubuntu: apt-get install mosquitto)")
