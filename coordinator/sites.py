@@ -118,7 +118,7 @@ def read_opening(blob: wire.Blob, site: SharePlan) -> tuple[RoundOpening, ShareP
         plan = dataclasses.replace(site, rule=str(about["rule"]), options=dict(about["options"]),
                                    guard=GuardSettings(**about["guard"]), max_held_bytes=int(about["max_held_bytes"]),
                                    roster=frozenset(map(str, about["roster"])))
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as err:
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as err:
         raise wire.WireError("site-open", f"a round's open the site cannot read: {type(err).__name__}: {err}"
                              ) from None
     return opening, plan
@@ -199,7 +199,7 @@ def read_partial(blob: wire.Blob, roster: frozenset[str], size: int) -> PartialR
             result = ClientUpdate(str(about["result"]["device"]), weights, int(about["result"]["num_samples"]))
         part = PartialRound(fold, bool(about["sound"]), used, counters, int(about["from_devices"]),
                             int(about["within_clip"]), float(about["seconds"]), result)
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as err:
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as err:
         raise wire.WireError("site-partial", f"a site's share it cannot read: {type(err).__name__}: {err}") from None
     strangers = {u.device for u in used} - roster | (fold.devices - roster if fold is not None else set())
     if strangers or len(counters) > MAX_COUNTERS or any(n < 0 for n in counters.values()):

@@ -419,3 +419,57 @@ def test_a_secure_session_meets_mutated_messages_with_a_reason_only(stage, data)
     except SecAggError:
         return
     assert np.isfinite(summed.mean_change).all() and np.isfinite(summed.samples)
+
+
+def site_sides():
+    """The coordinator's side of a site `a` of dev-0 and dev-1, closing round 3 with the aggregator `i1` up, and
+    that site's valid messages by topic kind: its state, a word on an update, and its share (one chunk)."""
+    from coordinator.aggregation import RoundAggregate
+    from coordinator.containment import ContainedStrategy
+    from coordinator.guard_settings import OFF, GuardSettings
+    from coordinator.round_share import Heard, SharePlan
+    from coordinator.sites import Sites, heard_message, partial_blob
+    from edgefil.link import BrokerSettings, Link
+
+    plan = SharePlan(FLEET, frozenset({"dev-0", "dev-1"}), MANIFEST, N_PARAMS, "fedavg")
+    sites = Sites(Link(BrokerSettings(), "fuzz"), plan, {"a": plan.roster}, 1.0, lambda _: None)
+    sites.take(topics.site(FLEET, "a", "state"), wire.encode("site-state", site="a", instance="i1", state="up"))
+    sites._closing = 3  # (as `close` sets it; nothing is published to a link that never connected)
+    counters: Any = __import__("collections").Counter()
+    aggregate = RoundAggregate(ContainedStrategy(make_strategy("fedavg", device="cpu"), counters),
+                               GuardSettings(**OFF), np.zeros(N_PARAMS, np.float32), counters, 1 << 30)
+    aggregate.add(ClientUpdate("dev-0", np.ones(N_PARAMS, np.float32), 3, {"loss": 0.5}))
+    update = Inbox(FLEET, {"dev-0"}, MANIFEST, N_PARAMS).accept(
+        topics.from_device(FLEET, "dev-0", "update"), VALID["update"][0])
+    valid = {"state": [wire.encode("site-state", site="a", instance="i1", state="up")],
+             "heard": [heard_message("a", "i1", Heard("a", "dev-0", 3, None, update))],
+             "partial": partial_blob("a", "i1", 3, aggregate.partial()).chunks}
+    return sites, valid
+
+
+@FUZZ
+@given(st.sampled_from(["state", "heard", "partial"]), st.booleans(), st.data())
+def test_a_sites_mutated_messages_are_refused_with_a_reason_only(kind, inner, data):
+    """What a site sends the coordinator (coordinator/sites.py), its fields mutated, or the fields of the share's
+    own map inside its blob: `Sites.take` counts and logs what it cannot use and raises nothing."""
+    sites, valid = site_sides()
+    message = unpack(valid[kind][0])
+    if inner and kind == "partial":  # the share's map inside the blob: the sums' spec, the used records, the counts
+        attachments = dict(wire.Blob("x", memoryview(bytes(message["data"])), message).split(0)[1])
+        about = msgpack.unpackb(bytes(attachments["partial"]), raw=False)
+        for _ in range(data.draw(st.integers(1, 3))):
+            about[data.draw(st.sampled_from([*about, "extra"]))] = data.draw(msgpack_values)
+        attachments = {name: bytes(value) for name, value in attachments.items()}
+        attachments["partial"] = msgpack.packb(about, use_bin_type=True)
+        blob, layout = wire.pack_attachments(b"", attachments)
+        payload = wire.encode_blob("site-partial", blob, site="a", instance="i1", round=3,
+                                   attachments=layout).chunks[0]
+    else:
+        for _ in range(data.draw(st.integers(1, 3))):
+            field = data.draw(st.sampled_from([*message, "extra"]))
+            if data.draw(st.booleans()) and field in message:
+                del message[field]
+            else:
+                message[field] = data.draw(msgpack_values)
+        payload = pack(message)
+    sites.take(topics.site(FLEET, "a", kind), payload)
