@@ -51,6 +51,8 @@ class RoundEntry(TypedDict, total=False):
     bytes_received: int
     refusals: dict[str, int]  # what the gate and the round refused during the round, by reason
     privacy: dict[str, float]  # central DP: the round's sampling rate and the run's epsilon after it (privacy.py)
+    clock_s: float  # virtual time: the round's end on the fleet's clock (an asynchronous round's: its last update's)
+    staleness: float  # an asynchronous round's mean staleness of the updates it took (coordinator/buffered.py)
 
 
 @dataclass

@@ -30,6 +30,11 @@
     last_rounds = 10                    # the final accuracy is also reported as the mean over the last task's
                                         # last rounds, as the papers report it (Re-Fed: 10)
 
+    [asynchronous] rounds that do not wait for the slowest device (FedBuff, coordinator/buffered.py): mode = "off" |
+                "buffered", buffer = 10 (K: the updates that move the model), max_staleness = 4, staleness_exponent
+                = 0.5, concurrency = 0 (devices training at once, at most; 0: all), away_retry_s = 60.0 (virtual
+                time). With rules that read an update's weights only; no secure aggregation, central DP, inbox
+                workers or sites
     [broker]    host, port, username (default "coordinator"), password, cafile, keepalive
     [[sites]]   name = "a", devices = ["dev-0", ...]: devices at a site, served by its broker (bridged to the
                 central one) and its aggregator (`edgefil site`), which takes their updates and hands each round
@@ -92,6 +97,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.buffered import AsynchronousSettings
 from coordinator.checkpoint import CheckpointPolicy
 from coordinator.guard_settings import GuardSettings
 from coordinator.host_training import HostTraining
@@ -138,6 +144,7 @@ class CoordinatorConfig:
     host: HostTraining = HostTraining()
     privacy: PrivacySettings = PrivacySettings()
     secure_aggregation: SecureAggregationSettings = SecureAggregationSettings()
+    asynchronous: AsynchronousSettings = AsynchronousSettings()
 
     def __post_init__(self) -> None:
         check_name(self.fleet, "fleet")
@@ -170,6 +177,9 @@ class CoordinatorConfig:
         refused = config_refused(self.secure_aggregation, self.guard.checks, self.privacy.central)
         if refused is not None:
             raise ValueError(f"[secure_aggregation] {refused}")
+        if self.asynchronous.on and self.asynchronous.buffer > len(self.devices):
+            raise ValueError(f"[asynchronous] buffer = {self.asynchronous.buffer} is more updates than the "
+                             f"{len(self.devices)} devices can give one model")
         if not self.scenario and self.test_data is None:
             raise ValueError("the coordinator needs test data: test_data = \"folder\" (test-<t>.npz files, one per "
                              "task) or, in simulation, a scenario")
@@ -183,6 +193,7 @@ class CoordinatorConfig:
             "client": dict(self.client), "guard": dataclasses.asdict(self.guard),
             "privacy": dataclasses.asdict(self.privacy),
             "secure_aggregation": dataclasses.asdict(self.secure_aggregation),
+            "asynchronous": dataclasses.asdict(self.asynchronous),
         }
 
     @classmethod

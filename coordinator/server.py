@@ -55,7 +55,8 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import RoundAggregate
-from coordinator.checkpoint import Checkpoints, RunSchedule, RunState
+from coordinator.buffered import STALE, BufferedSchedule, Done, asynchronous_refused
+from coordinator.checkpoint import Checkpoints, RoundEntry, RunSchedule, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
 from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
@@ -132,6 +133,10 @@ class Coordinator:
                                      off, per_share=setting == "sites") if used else None
             if refused is not None:
                 raise ValueError(f"{setting}: {refused}")
+        refused = asynchronous_refused(strategy, config.secure_aggregation.on, config.privacy.central,
+                                       bool(config.inbox_workers or config.sites)) if config.asynchronous.on else None
+        if refused is not None:
+            raise ValueError(f"[asynchronous] {refused}")
         self.evaluator = Evaluator(self.data, self.manifest, device=str(strategy.device))
         self._said_no_calibration = False
         self._previous_weights: np.ndarray | None = None  # g': the global model before this one (`last_step`)
@@ -163,6 +168,13 @@ class Coordinator:
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = self.state.rng
         self.roster = Roster(config.devices)
+        # asynchronous rounds (coordinator/buffered.py): who trains what, and which ended work a round takes next;
+        # the fleet's clock goes on from the last round's
+        self.schedule = BufferedSchedule(
+            config.asynchronous, config.virtual_time, config.wall_limit_s,
+            _clock_at_end(self.state.history),
+        ) if config.asynchronous.on else None
+        self._rejoined: set[str] = set()  # asynchronous: devices back since their work, whose next work brings weights
         self.open_round: OpenRound | None = None
         # between two attempts of a round (one missed its quorum): the last one, which still takes the updates
         # that answer it, and the round's aggregation, which both attempts feed
@@ -309,6 +321,8 @@ class Coordinator:
             host = self.data.host_train(task)
             if host is not None:
                 self._run_on_host(number, task, aggregate, *host)
+            elif self.schedule is not None:
+                self._run_buffered(number, task, aggregate, self.schedule)
             else:
                 self._run_attempts(number, task, aggregate)
         finally:
@@ -404,6 +418,72 @@ class Coordinator:
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
                           f"{self.config.max_attempts} times")
 
+    def _run_buffered(self, number: int, task: int, aggregate: RoundAggregate, schedule: BufferedSchedule) -> None:
+        """An asynchronous round (coordinator/buffered.py): free devices are given the round's model as they come
+        free, and the round takes ended work in the schedule's order until its buffer is full, its deadline passed
+        with the quorum, or (virtual time) no device is left to train its model."""
+        settings, quorum = self.config.asynchronous, self.config.min_clients
+        self._wait_for_devices()
+        model = self.outbox.publish_weights(self.state.weights, number, self.state.round, task)
+        schedule.opened(number, self.state.weights)
+        self.open_round = OpenRound.open(number, task, model, [], self.config.deadline_s,
+                                         virtual=self.config.virtual_time, wall_limit_s=self.config.wall_limit_s)
+        given: list[str] = []
+        taken: dict[str, int] = {}  # device -> the staleness of its update in the buffer
+        ends_s = schedule.now_s() + self.config.deadline_s
+        gives_up = time.monotonic() + self.config.deadline_s * self.config.max_attempts
+        while len(taken) < settings.buffer:
+            for device in schedule.overdue():
+                self.counters["missed-deadline"] += 1
+                log.warning("%s: silent past wall_limit_s with its work of round %d: given up on", device, number)
+            for device in schedule.to_give(self._available(), number):
+                schedule.give(device, number, model)
+                given.append(device)
+                self._send_round(device, with_weights=device in self._rejoined)
+                self._rejoined.discard(device)
+            done = schedule.next_done(before_s=ends_s if len(taken) >= quorum else math.inf)
+            if done is not None:
+                self._take_buffered(done, task, aggregate, taken)
+                continue
+            if len(taken) >= quorum and schedule.now_s() >= ends_s:
+                break  # the deadline, with the quorum
+            if self.config.virtual_time and schedule.idle:
+                break  # every free device trained this model: nothing more comes for it
+            if not self.config.virtual_time and time.monotonic() > gives_up:
+                break
+            # virtual time waits for the work out (each message may end some); the wall clock, for its deadline too
+            self._pump(self.config.wall_limit_s if self.config.virtual_time and schedule.out else CHECK_EVERY_S)
+        self.open_round = None
+        if len(taken) < quorum:
+            raise QuorumError(f"asynchronous round {number} took {len(taken)} updates, quorum {quorum}: no device "
+                              f"was left to train its model")
+        collected = OpenRound(number, task, model, sorted(set(given)), 0.0, delivered=set(taken))
+        self._close(collected, aggregate, clock_s=schedule.now_s(),
+                    staleness=float(np.mean(list(taken.values()))))
+
+    def _take_buffered(self, done: Done, task: int, aggregate: RoundAggregate, taken: dict[str, int]) -> None:
+        """Ended work as the open asynchronous round takes it: its update rebased onto the round's model and weighed
+        by its staleness (one of an earlier task's round too: what its device learnt of that task), or refused
+        (too stale, a second of its device's in the buffer)."""
+        update, schedule, number = done.update, self.schedule, aggregate.number
+        assert schedule is not None
+        if update is None:  # it sat the work out: free again
+            return
+        rebased = schedule.rebased(update.weights, done.round, number)
+        reason = "wrong-task" if update.task > task else "duplicate" if update.device in taken else \
+            STALE if rebased is None else None
+        if reason is not None or rebased is None:
+            self.counters[reason or STALE] += 1
+            log.warning("update of %s (round %d) not taken into round %d: %s", update.device, done.round, number,
+                        reason)
+            return
+        weights, staleness = rebased
+        taken[update.device] = staleness
+        schedule.taken(update.device, number)
+        self._check_classes(update)
+        aggregate.add(dataclasses.replace(update.for_strategy(), weights=weights,
+                                          metrics={**update.metrics, "staleness": float(staleness)}))
+
     def evaluate_only(self) -> None:
         """A task past `train_tasks` (the Fixed baseline): no round, the unchanged model is evaluated on it."""
         state, task = self.state, self.state.task
@@ -447,7 +527,9 @@ class Coordinator:
         if current is None:
             return
         config = {**self.config.client, **self.strategy.configure(self._context, device)}
-        if self.config.virtual_time:  # the round's start on the fleet's clock: each round lasts its deadline there
+        if self.schedule is not None:  # asynchronous: the work's start on the fleet's clock
+            config["clock_s"] = self.schedule.now_s()
+        elif self.config.virtual_time:  # the round's start on the fleet's clock: each round lasts its deadline there
             config["clock_s"] = (current.number - 1) * self.config.deadline_s
             # an answer to a device's request comes at once from a quiet host: from a busy one later, but it comes
             config.setdefault("answer_wait_s", self.config.wall_limit_s)
@@ -459,7 +541,11 @@ class Coordinator:
             config["task_classes"] = list(self._context.task_classes)
         self.outbox.send_round(device, current, self.state.round, config, with_weights)
 
-    def _close(self, collected: OpenRound, aggregate: RoundAggregate) -> None:
+    def _close(self, collected: OpenRound, aggregate: RoundAggregate, **measured: float) -> None:
+        """`measured`: what the round's history entry keeps besides (an asynchronous round's clock and staleness);
+        in virtual time the entry keeps the round's end on the fleet's clock (`clock_s`) either way."""
+        if self.config.virtual_time:
+            measured.setdefault("clock_s", collected.number * self.config.deadline_s)
         # None: the rule failed on the round (counted and logged where it was contained). The loop serves the
         # devices while a rule finishes its round off it; an update that comes meanwhile is late.
         self._aggregate = None
@@ -490,7 +576,7 @@ class Coordinator:
                 **({"refused": refused} if refused else {}),
                 **({"privacy": aggregate.privacy_spent} if aggregate.privacy_spent else {}),
                 **({"secure": aggregate.secure_counts} if aggregate.secure_counts else {}),
-                **self._client_evaluation(collected.task),
+                **self._client_evaluation(collected.task), **measured,
             ))
             self._finish_round(accuracies, task_done=state.round_in_task == self.config.rounds_per_task)
             log.info("round %d/%d: %d updates aggregated; accuracy on tasks 0..%d: %s%s", collected.number,
@@ -635,6 +721,10 @@ class Coordinator:
             log.error("two processes use device id %s (instances %s): the broker lets only one connect at a time, "
                       "so they push each other off; stop one", event.device, " and ".join(both))
             self.outbox.notice_duplicate(event.device, both)
+        if self.schedule is not None:  # its work (if any) went with its old process; its next brings the model
+            self.schedule.lost(event.device)
+            self._rejoined.add(event.device)
+            return
         current = self.open_round
         if current is not None and current.awaits(event.device):
             self._send_round(event.device, with_weights=True)
@@ -644,6 +734,9 @@ class Coordinator:
             log.debug("%s: status %s of a replaced process passed over", event.device, event.state)
             return
         self.roster.take_status(event, self.state.task)
+        if self.schedule is not None:
+            self._on_buffered_status(event, self.schedule)
+            return
         current = self.open_round
         if event.state == "error":
             self._on_device_error(event)
@@ -661,6 +754,23 @@ class Coordinator:
                 current.went_offline(event.device)
             if self._secure is not None:  # its session's stages do not wait for it either
                 self._secure.went_offline(event.device)
+
+    def _on_buffered_status(self, event: Status, schedule: BufferedSchedule) -> None:
+        """Asynchronous rounds: a device that went offline loses its work (given it again when back, with the
+        model); one that cannot do its work (error, no data, its privacy spent) is free, and given work again once
+        the model moves; one away on its schedule is given the same work again `away_retry_s` later."""
+        if event.state == "offline":
+            schedule.lost(event.device)
+            self._rejoined.add(event.device)
+            return
+        counted = {"error": "device-error", "no-data": "no-data", "away": "away", "spent": "privacy-spent"}
+        if event.state not in counted:
+            return
+        again_after = self.config.asynchronous.away_retry_s if event.state == "away" else None
+        if schedule.ended(event.device, event.round, again_after_s=again_after):
+            self.counters[counted[event.state]] += 1
+            log.log(logging.WARNING if event.state == "error" else logging.INFO, "%s did not do its work of round "
+                    "%d: %s%s", event.device, event.round, event.state, f" ({event.error})" if event.error else "")
 
     def _on_device_error(self, event: Status) -> None:
         """A device that cannot train: shown per device (the roster keeps its reason), and the open round does not
@@ -713,6 +823,9 @@ class Coordinator:
         if reason is not None:
             self._on_refused(UpdateRefused(update.device, update.round, reason))
             return
+        if self.schedule is not None:
+            self._on_buffered_update(update, self.schedule)
+            return
         current = self.open_round or self._last_attempt  # between attempts, the last one still takes its answers
         if current is None or self._aggregate is None:
             self.counters["late" if update.round <= self.state.round else "wrong-round"] += 1
@@ -721,6 +834,19 @@ class Coordinator:
         if self._accepted(current, update, "update"):
             self._check_classes(update)
             self._aggregate.add(update.for_strategy())
+
+    def _on_buffered_update(self, update: Update, schedule: BufferedSchedule) -> None:
+        """Asynchronous rounds: an update ends its device's work; a round takes it in the schedule's order."""
+        work = schedule.out.get(update.device)
+        if work is None or work.round != update.round or work.model != update.model:
+            reason = "late" if work is None or update.round < work.round else "wrong-round"
+            self.counters[reason] += 1
+            log.warning("update of %s for round %d dropped: %s (no such work out)", update.device, update.round,
+                        reason)
+            return
+        seconds = float(update.metrics.get("device_seconds", 0.0))
+        schedule.ended(update.device, update.round, update, seconds if 0 <= seconds < math.inf else 0.0)
+        self.roster.take_update(update)
 
     def _on_heard(self, heard: Heard) -> None:
         """An inbox worker's word on an update: one it took counts as delivered, as one `_on_update` takes does
@@ -822,6 +948,9 @@ class Coordinator:
     def _on_refused(self, refused: UpdateRefused) -> None:
         """A selected device's update for the open round was refused (counted where it was): the round stops
         waiting for it, as for a device that said it cannot train, rather than wait for it until its deadline."""
+        if self.schedule is not None:  # asynchronous: its work ended without an update
+            self.schedule.ended(refused.device, refused.round)
+            return
         current = self.open_round
         if current is not None and current.number == refused.round:
             current.failed_with(refused.device, f"its update was refused ({refused.reason})")
@@ -836,6 +965,12 @@ class Coordinator:
 
     def results(self) -> dict[str, Any]:
         return self.record.results()
+
+
+def _clock_at_end(history: list[RoundEntry]) -> float:
+    """The fleet's clock at the end of the last round a run's history holds (0 before any, or where it holds none)."""
+    clock = history[-1].get("clock_s", 0.0) if history else 0.0
+    return float(clock) if isinstance(clock, (int, float)) and 0 <= clock < math.inf else 0.0
 
 
 def run_coordinator(

@@ -106,6 +106,9 @@ class EmulationSettings:
     # the clock availability follows: "wall" (the wall clock since the device joined: it disconnects while
     # offline), or "fleet" (the fleet's virtual clock the rounds name: it sits out the rounds it is away for)
     availability_clock: Literal["wall", "fleet"] = "wall"
+    # a round's compute time: "measured" (the host's CPU time, scaled to the profile) or "modelled" (the model's
+    # training FLOPs at the profile's speed: the same on any host; firmware_sim/emulation.py)
+    compute: Literal["measured", "modelled"] = "measured"
 
 
 @dataclass(frozen=True)

@@ -446,7 +446,8 @@ class Device:
         # The policy's own update (a generator's training) is CPU work too: in a turn, not beside the other hosted
         # devices' (their torch work in parallel threads fought over the GIL).
         self.environment.turn(self.learner.finish_round)
-        device_seconds += self.environment.compute(self.environment.cpu_time() - started)
+        passes = (epochs or self.config.learner.epochs) * len(self.learner.store)  # what modelled compute counts
+        device_seconds += self.environment.compute(self.environment.cpu_time() - started, passes)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost
             log.info("%s went offline during round %d; dropping it", self.id, round_)
             return

@@ -31,8 +31,9 @@ class Environment(Protocol):
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         """Raise MemoryError when a training step would not fit (as an out-of-memory kill would end it)."""
 
-    def compute(self, host_seconds: float) -> float:
-        """Device seconds that `host_seconds` of this host's CPU work take on the device."""
+    def compute(self, host_seconds: float, samples: int = 0) -> float:
+        """Device seconds that a round's training takes on the device: `host_seconds` of this host's CPU work, over
+        `samples` sample passes (an emulation that models compute from the model's FLOPs reads those instead)."""
 
     def transfer(self, nbytes: int, messages: int, upload: bool) -> float:
         """Device seconds to move `nbytes` in `messages` messages over the device's link."""
@@ -122,7 +123,7 @@ class RealEnvironment(TakesTurns):
     def check_training(self, manifest: Manifest, batch_size: int, optimizer: str) -> None:
         return None
 
-    def compute(self, host_seconds: float) -> float:
+    def compute(self, host_seconds: float, samples: int = 0) -> float:
         return host_seconds
 
     def transfer(self, nbytes: int, messages: int, upload: bool) -> float:

@@ -284,7 +284,7 @@ class Fleet:
         emulation = {} if profile is None else {"emulation": {
             "profile": profile, "host_gflops": self.host_gflops, "real_time": self.config.real_time,
             "time_scale": 1.0 if self.config.real_time else self.config.time_scale,
-            "availability_clock": "wall" if self.config.real_time else "fleet",
+            "availability_clock": "wall" if self.config.real_time else "fleet", "compute": self.config.compute,
         }}
         attack = self.config.adversary.of(index, self.config.devices)
         honest = range(self.config.adversary.honest(self.config.devices))

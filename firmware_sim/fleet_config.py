@@ -27,6 +27,9 @@
     time_scale = 60.0              # availability schedules: profile seconds per second of the fleet's clock (in
                                    # virtual time a round starts at (round - 1) x deadline_s on it; 1 in real
                                    # time, on the wall clock)
+    compute = "measured"           # emulation: a round's compute time measured (the host's CPU time, scaled to
+                                   # the profile) or "modelled" (the model's FLOPs at the profile's speed: the same
+                                   # run gives the same device times on any host; firmware_sim/emulation.py)
     backend = "processes"          # processes (workers on this machine) | ray (Ray actors over a cluster's
                                    # nodes, firmware_sim/fleet_ray.py; `--address` sets it with [ray] address)
     sites = 0                      # the devices split over this many sites (device k at site-<k mod sites>),
@@ -78,6 +81,7 @@ from edgefil.settings import Where, build, check_options, load_toml
 from edgefil.topics import check_name
 from firmware_sim.adversary import AdversarySettings
 from firmware_sim.fleet_ray import RaySettings, ray_module
+from firmware_sim.limits import COMPUTE_MODES
 from firmware_sim.profiles import load_profile
 from firmware_sim.scenarios import Scenario, ScenarioData, check_scenario
 
@@ -113,6 +117,7 @@ class FleetConfig:
     profiles: Mapping[str, int] = field(default_factory=dict)
     real_time: bool = False
     time_scale: float = 60.0
+    compute: str = "measured"  # emulation: "measured" | "modelled" (firmware_sim/emulation.py)
     backend: str = "processes"  # where the workers run: processes here, or Ray actors over a cluster
     ray: RaySettings = RaySettings()
     adversary: AdversarySettings = AdversarySettings()
@@ -128,6 +133,8 @@ class FleetConfig:
         if self.profiles and sum(self.profiles.values()) != self.devices:
             raise ValueError(f"profile counts {dict(self.profiles)} add up to {sum(self.profiles.values())}, "
                              f"not to devices = {self.devices}")
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"compute must be one of {', '.join(COMPUTE_MODES)}; got {self.compute!r}")
         if self.broker not in ("auto", "mosquitto", "embedded"):
             raise ValueError(f"broker must be auto, mosquitto or embedded; got {self.broker!r}")
         if self.tls and self.broker == "embedded":

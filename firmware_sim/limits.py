@@ -7,6 +7,9 @@ beyond reading a trace file, no MQTT: a fleet runner combines them per device.
 - Network: `transfer_seconds` from bytes, bandwidth and per-message latency.
 - Availability: `AvailabilitySchedule` says when a device is online (always, seeded on/off, or a trace file).
 - Memory: `training_peak_bytes` estimates a training step's peak RAM; `check_memory` fails as an OOM would.
+- Modelled compute (`compute = "modelled"`, for runs that must give the same result on any host):
+  `training_flops_per_sample` counts a model's training FLOPs, and `modelled_compute_seconds` turns the samples a
+  round trains on into device time from them and the profile's speed alone, nothing measured.
 """
 from __future__ import annotations
 
@@ -110,6 +113,59 @@ def compute_seconds(
         raise ValueError(f"threads must be at least 1, got {threads}")
     oversubscribed = max(1.0, threads / profile.threads)
     return host_seconds * host.gflops / profile.cpu_gflops * oversubscribed
+
+
+# A training step's FLOPs per forward FLOP: the forward pass, and a backward pass of about twice it (the gradients of
+# the inputs and of the weights, each about one forward's worth): the usual 3x of training-cost estimates.
+TRAINING_PER_FORWARD = 3
+COMPUTE_MODES = ("measured", "modelled")  # how an emulated device's compute time is had (firmware_sim/emulation.py)
+
+
+def modelled_compute_seconds(samples: int, flops_per_sample: float, profile: DeviceProfile) -> float:
+    """Device time of training on `samples` sample passes, modelled: their FLOPs (`training_flops_per_sample`) at
+    the profile's `cpu_gflops`. Nothing is measured, so the same round takes the same device time on any host, at
+    any load (what an asynchronous fleet's order of updates needs to be reproducible); what it leaves out (memory
+    traffic, the framework's overhead per step) makes it a lower bound of the measured time's shape."""
+    if samples < 0 or not 0 <= flops_per_sample < math.inf:
+        raise ValueError(f"samples and flops_per_sample must be non-negative and finite, got {samples}, "
+                         f"{flops_per_sample!r}")
+    return samples * flops_per_sample / (profile.cpu_gflops * 1e9)
+
+
+def training_flops_per_sample(model: str, num_classes: int, input_shape: tuple[int, ...],
+                              model_args: Mapping[str, Any] | None = None) -> float:
+    """One sample's training FLOPs on the zoo model: TRAINING_PER_FORWARD x its forward FLOPs, counted with forward
+    hooks as 2 x the multiply-adds of its convolutions and linear layers (the rest, activations and pooling, is a
+    few percent of those and left out)."""
+    return TRAINING_PER_FORWARD * _forward_flops(model, num_classes, tuple(input_shape),
+                                                 json.dumps(dict(model_args or {}), sort_keys=True))
+
+
+@functools.cache
+def _forward_flops(model: str, num_classes: int, input_shape: tuple[int, ...], args: str) -> float:
+    import torch
+
+    from models.zoo import build_model
+
+    net = build_model(model, num_classes, input_shape, seed=0, args=json.loads(args))
+    total = 0
+
+    def count(module: torch.nn.Module, inputs: tuple, output: object) -> None:
+        nonlocal total
+        if isinstance(module, torch.nn.Linear):
+            total += 2 * module.in_features * module.out_features
+        elif isinstance(module, torch.nn.modules.conv._ConvNd) and isinstance(output, torch.Tensor):
+            per_output = module.in_channels // module.groups * prod(module.kernel_size)
+            total += 2 * output.numel() * per_output
+
+    handles = [m.register_forward_hook(count) for m in net.modules()]
+    try:
+        with torch.no_grad():
+            net(torch.zeros(1, *input_shape))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return float(total)
 
 
 def transfer_seconds(nbytes: int, mbps: float, latency_ms: float, messages: int = 1) -> float:

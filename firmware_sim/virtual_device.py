@@ -41,6 +41,7 @@ def hosted_environment(config: DeviceConfig, turns: Turns | None = None) -> Envi
         load_profile(emulation.profile), HostCalibration(emulation.host_gflops), real_time=emulation.real_time,
         availability_seed=emulation.availability_seed if emulation.availability_seed is not None else seed,
         time_scale=emulation.time_scale, turns=turns, availability_clock=emulation.availability_clock,
+        compute=emulation.compute,
     )
 
 
