@@ -6,7 +6,9 @@ Raspberry Pi 4, the Jetson Nano and the Jetson Orin Nano (firmware_sim/profiles)
 model's FLOPs at each profile's speed (`compute = "modelled"`: the same run on any host, at any load), on
 `digits-class` (5 tasks of 2 classes), LeNet, E epochs, FedAvg, the default guard. Both sides aggregate the same
 number of updates a task: synchronous, 3 rounds of every device (36 updates); asynchronous, `--buffer` (K) updates a
-model move and 36 / K moves. A synchronous round waits for its slowest device, so its deadline is set per seed to
+model move and 36 / K moves; and a third side with the asynchronous one's moves and updates, synchronous: K devices
+drawn each round (`fraction` K / 12) and 36 / K rounds a task (more moves of fewer updates learn differently: this
+side tells that apart from not waiting). A synchronous round waits for its slowest device, so its deadline is set per seed to
 the longest round a device had in a first synchronous run with a deadline none reaches (x 1.05): a round on the
 fleet's clock then lasts what the real one would, at most, and the Pi Zeros' availability is read on the same clock
 on both sides (`time_scale` profile seconds a fleet second).
@@ -19,7 +21,8 @@ far reaches 90 % of the synchronous run's final accuracy (the same target for bo
 asynchronous updates' mean and largest staleness and the updates refused as too stale; the paired t-test of the
 two sides' final accuracies.
 
-    .venv/bin/python benchmarks/asynchronous.py [--seeds 0,1,2] [--buffer 4] [--epochs 5] [--out runs/async]
+    .venv/bin/python benchmarks/asynchronous.py [--seeds 0,1,2] [--buffer 4] [--concurrency 0,4] [--epochs 5]
+        [--out runs/async]
 """
 from __future__ import annotations
 
@@ -46,12 +49,20 @@ TIME_SCALE = 2000.0  # profile seconds a fleet second: a run spans a few of the 
 UNREACHED_DEADLINE_S = 3600.0
 
 
-def fleet(seed: int, epochs: int, out: Path, deadline_s: float, buffer: int | None) -> dict[str, Any]:
+def fleet(seed: int, epochs: int, out: Path, deadline_s: float, buffer: int | None, sampled: int | None = None,
+          concurrency: int = 0) -> dict[str, Any]:
+    """The fleet file of one side: synchronous (every device a round, or `sampled` devices drawn each round with as
+    many more rounds), or asynchronous with a buffer of `buffer` and at most `concurrency` devices at work (0: all)."""
     devices = sum(PROFILES.values())
     coordinator: dict[str, Any] = {"rounds_per_task": SYNC_ROUNDS, "deadline_s": deadline_s}
+    if sampled is not None:
+        # ceil(fraction x available) devices a round: just under `sampled` / devices, or float rounding draws one more
+        coordinator = {"rounds_per_task": SYNC_ROUNDS * devices // sampled, "deadline_s": deadline_s,
+                       "fraction": (sampled - 0.5) / devices, "min_clients": sampled}
     if buffer is not None:
         coordinator = {"rounds_per_task": SYNC_ROUNDS * devices // buffer, "deadline_s": deadline_s,
-                       "asynchronous": {"mode": "buffered", "buffer": buffer, "max_staleness": 12}}
+                       "asynchronous": {"mode": "buffered", "buffer": buffer, "max_staleness": 12,
+                                        "concurrency": concurrency}}
     return {"name": "timing", "out": str(out), "devices": devices, "workers": 2, "seed": seed, "broker": "mosquitto",
             "scenario": {"preset": "digits-class", "seed": seed}, "profiles": PROFILES, "compute": "modelled",
             "time_scale": TIME_SCALE, "client": {"epochs": epochs}, "coordinator": coordinator}
@@ -74,6 +85,17 @@ def slowest_round_s(results: dict[str, Any]) -> float:
     return max(m["device_seconds"] for entry in results["history"] for m in entry["metrics"].values())
 
 
+def by_profile(results: dict[str, Any]) -> dict[str, int]:
+    """Updates a run took, by the profile of their device (device k has the k-th in PROFILES' order)."""
+    kinds = [name for name, count in PROFILES.items() for _ in range(count)]
+    taken: dict[str, int] = {}
+    for entry in results["history"]:
+        for device in entry["received"]:
+            kind = kinds[int(device.split("-")[1])]
+            taken[kind] = taken.get(kind, 0) + 1
+    return taken
+
+
 def slowest_clock(results: dict[str, Any]) -> list[float]:
     """A synchronous run's rounds on a clock where each lasts as long as its slowest update took (had it closed
     at its last answer rather than at its deadline): the end of each round."""
@@ -91,17 +113,23 @@ def time_to(results: dict[str, Any], clock: list[float], target: float) -> float
     return None
 
 
-def measure(seed: int, epochs: int, buffer: int, out: Path) -> dict[str, dict[str, Any]]:
+def measure(seed: int, epochs: int, buffer: int, concurrency: list[int], out: Path) -> dict[str, dict[str, Any]]:
     base = out / f"seed-{seed}"
     probe = run(fleet(seed, epochs, Path("run"), UNREACHED_DEADLINE_S, None), base / "probe")
     deadline = round(slowest_round_s(probe) * 1.05, 4)
     sides = {"sync": run(fleet(seed, epochs, Path("run"), deadline, None), base / "sync"),
-             "async": run(fleet(seed, epochs, Path("run"), deadline, buffer), base / f"async-k{buffer}")}
+             "sync-sampled": run(fleet(seed, epochs, Path("run"), deadline, None, sampled=buffer),
+                                 base / f"sync-sampled-{buffer}"),
+             **{async_side(c): run(fleet(seed, epochs, Path("run"), deadline, buffer, concurrency=c),
+                                   base / (f"async-k{buffer}" + (f"-c{c}" if c else "")))
+                for c in concurrency}}
     target = TARGET_SHARE * sides["sync"]["final_accuracy"]
     measured: dict[str, dict[str, Any]] = {}
     clocks = {"sync": [entry["clock_s"] for entry in sides["sync"]["history"]],
               "sync, rounds as long as their slowest": slowest_clock(sides["sync"]),
-              "async": [entry["clock_s"] for entry in sides["async"]["history"]]}
+              "sync-sampled": [entry["clock_s"] for entry in sides["sync-sampled"]["history"]],
+              "sync-sampled, rounds as long as their slowest": slowest_clock(sides["sync-sampled"]),
+              **{async_side(c): [entry["clock_s"] for entry in sides[async_side(c)]["history"]] for c in concurrency}}
     for side, clock in clocks.items():
         results = sides[side.split(",")[0]]
         history = results["history"]
@@ -112,8 +140,13 @@ def measure(seed: int, epochs: int, buffer: int, out: Path) -> dict[str, dict[st
             "mean_staleness": float(np.mean(staleness)), "max_staleness": max(staleness),
             "stale_refused": results["counters"].get("stale", 0), "away": results["counters"].get("away", 0),
             "late": results["counters"].get("late", 0), "deadline_s": deadline, "target": target,
+            "by_profile": by_profile(results),
         }
     return measured
+
+
+def async_side(concurrency: int) -> str:
+    return "async" if not concurrency else f"async, {concurrency} at once"
 
 
 def report(table: dict[int, dict[str, dict[str, Any]]]) -> str:
@@ -136,16 +169,23 @@ def report(table: dict[int, dict[str, dict[str, Any]]]) -> str:
     for key, name in (("end_s", "end of the run, fleet s"), ("to_target_s", "time to target, fleet s"),
                       ("final", "final accuracy")):
         lines.append(f"- {name}: " + ", ".join(f"{side} {summary(side, key)}" for side in next(iter(table.values()))))
-    for side in ("sync", "sync, rounds as long as their slowest"):
-        for key, name in (("end_s", "end"), ("to_target_s", "time to target")):
-            ratios = [sides[side][key] / sides["async"][key] for sides in table.values()
-                      if sides[side][key] is not None and sides["async"][key]]
-            lines.append(f"- {side}: its {name} / async's: {np.mean(ratios):.2f}x ± {np.std(ratios):.2f}")
-    finals = [(sides["sync"]["final"], sides["async"]["final"]) for sides in table.values()]
-    if len(finals) > 1:
-        test = stats.ttest_rel([a for a, _ in finals], [b for _, b in finals])
-        lines.append(f"- final accuracy, async - sync: {np.mean([b - a for a, b in finals]):+.4f}, paired t-test "
-                     f"p = {test.pvalue:.3f}")
+    asynchronous = [side for side in next(iter(table.values())) if side.startswith("async")]
+    for mine in asynchronous:
+        for side in [side for side in next(iter(table.values())) if side.startswith("sync")]:
+            for key, name in (("end_s", "end"), ("to_target_s", "time to target")):
+                ratios = [sides[side][key] / sides[mine][key] for sides in table.values()
+                          if sides[side][key] is not None and sides[mine][key]]
+                if ratios:
+                    lines.append(f"- {side}: its {name} / {mine}'s: {np.mean(ratios):.2f}x ± {np.std(ratios):.2f}")
+        for side in ("sync", "sync-sampled"):
+            finals = [(sides[side]["final"], sides[mine]["final"]) for sides in table.values()]
+            if len(finals) > 1:
+                test = stats.ttest_rel([a for a, _ in finals], [b for _, b in finals])
+                lines.append(f"- final accuracy, {mine} - {side}: {np.mean([b - a for a, b in finals]):+.4f}, "
+                             f"paired t-test p = {test.pvalue:.3f}")
+        taken = [sides[mine]["by_profile"] for sides in table.values()]
+        lines.append(f"- {mine}: updates taken by profile, summed over seeds: " + ", ".join(
+            f"{p} {sum(t.get(p, 0) for t in taken)}" for p in PROFILES))
     return "\n".join(lines)
 
 
@@ -154,10 +194,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--buffer", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--concurrency", default="0,4", help="the asynchronous sides' limits on devices at work "
+                        "(0: every device)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "async")
     args = parser.parse_args()
     started = time.time()
-    table = {seed: measure(seed, args.epochs, args.buffer, args.out.resolve())
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    table = {seed: measure(seed, args.epochs, args.buffer, concurrency, args.out.resolve())
              for seed in (int(s) for s in args.seeds.split(","))}
     print(report(table))
     print(f"\n({time.time() - started:.0f} s of wall time)")

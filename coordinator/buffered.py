@@ -23,8 +23,9 @@ Choices the paper leaves open, each configurable where it is a number:
 - An update of an earlier task's round is taken as any stale one, within `max_staleness`: it carries what its device
   learnt of that task (a synchronous round drops it as late).
 - A round closes at K updates; at its deadline (`deadline_s`: wall seconds, or in virtual time fleet seconds since it
-  opened) with at least the quorum; or when no device is left to train its model (every free one trained it) with at
-  least the quorum. Fewer: QuorumError.
+  opened) with at least the quorum (`min_clients`, at most K); or when no device is left to train its model (every
+  free one trained it) with at least the quorum. Fewer (on the wall clock, after `max_attempts` deadlines):
+  QuorumError.
 
 Virtual time (simulated fleets): the devices report the device seconds of their work, and an update's time on the
 fleet's clock is when its work was given plus those. Updates are taken in that order, not as the host delivers them:
@@ -188,6 +189,16 @@ class BufferedSchedule:
         self.clock_s = max(self.clock_s, done.at_s)
         self._ending.discard(done.device)
         return done
+
+    def past(self, deadline_s: float) -> bool:
+        """Whether the fleet's clock is past `deadline_s`: on the wall clock, now; in virtual time, once no work is out
+        and the earliest ended work ends at or after it (the clock then stands at the deadline)."""
+        if not self.virtual:
+            return self.now_s() >= deadline_s
+        if self.out or (self._done and self._done[0].at_s < deadline_s):
+            return False
+        self.clock_s = max(self.clock_s, deadline_s)
+        return True
 
     def now_s(self) -> float:
         """The fleet's clock now: the last taken work's end (virtual time), or the wall seconds of the run."""

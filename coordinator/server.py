@@ -422,13 +422,16 @@ class Coordinator:
         """An asynchronous round (coordinator/buffered.py): free devices are given the round's model as they come
         free, and the round takes ended work in the schedule's order until its buffer is full, its deadline passed
         with the quorum, or (virtual time) no device is left to train its model."""
-        settings, quorum = self.config.asynchronous, self.config.min_clients
+        settings = self.config.asynchronous
+        quorum = min(self.config.min_clients, settings.buffer)  # a full buffer closes the round whatever the quorum
         self._wait_for_devices()
         model = self.outbox.publish_weights(self.state.weights, number, self.state.round, task)
         schedule.opened(number, self.state.weights)
-        self.open_round = OpenRound.open(number, task, model, [], self.config.deadline_s,
-                                         virtual=self.config.virtual_time, wall_limit_s=self.config.wall_limit_s)
-        given: list[str] = []
+        # what the dashboard shows of the round: the devices given its work, those whose updates it took
+        self.open_round = opened = OpenRound.open(number, task, model, [], self.config.deadline_s,
+                                                  virtual=self.config.virtual_time,
+                                                  wall_limit_s=self.config.wall_limit_s)
+        self.record.round_opened(opened)
         taken: dict[str, int] = {}  # device -> the staleness of its update in the buffer
         ends_s = schedule.now_s() + self.config.deadline_s
         gives_up = time.monotonic() + self.config.deadline_s * self.config.max_attempts
@@ -438,14 +441,15 @@ class Coordinator:
                 log.warning("%s: silent past wall_limit_s with its work of round %d: given up on", device, number)
             for device in schedule.to_give(self._available(), number):
                 schedule.give(device, number, model)
-                given.append(device)
+                opened.selected.append(device)
                 self._send_round(device, with_weights=device in self._rejoined)
                 self._rejoined.discard(device)
             done = schedule.next_done(before_s=ends_s if len(taken) >= quorum else math.inf)
             if done is not None:
                 self._take_buffered(done, task, aggregate, taken)
+                opened.delivered = set(taken)
                 continue
-            if len(taken) >= quorum and schedule.now_s() >= ends_s:
+            if len(taken) >= quorum and schedule.past(ends_s):
                 break  # the deadline, with the quorum
             if self.config.virtual_time and schedule.idle:
                 break  # every free device trained this model: nothing more comes for it
@@ -457,8 +461,8 @@ class Coordinator:
         if len(taken) < quorum:
             raise QuorumError(f"asynchronous round {number} took {len(taken)} updates, quorum {quorum}: no device "
                               f"was left to train its model")
-        collected = OpenRound(number, task, model, sorted(set(given)), 0.0, delivered=set(taken))
-        self._close(collected, aggregate, clock_s=schedule.now_s(),
+        opened.selected.sort()
+        self._close(opened, aggregate, clock_s=schedule.now_s(),
                     staleness=float(np.mean(list(taken.values()))))
 
     def _take_buffered(self, done: Done, task: int, aggregate: RoundAggregate, taken: dict[str, int]) -> None:

@@ -51,8 +51,9 @@
     [strategy]     name = "fedavg", options                              (the coordinator file's [strategy])
     [coordinator]  rounds_per_task, fraction, min_clients, deadline_s, wait_for_devices_s, max_attempts,
                    train_tasks, device, [coordinator.privacy],           (the coordinator file's keys; with
-                   [coordinator.secure_aggregation]                      secure aggregation and no [guard], the
-                                                                         guard is off)
+                   [coordinator.secure_aggregation],                     secure aggregation and no [guard], the
+                   [coordinator.asynchronous]                            guard is off; asynchronous rounds with
+                                                                         compute = "modelled": the same run twice)
     [ray]          address (a running cluster; left out: Ray on this machine), max_restarts (5)
     [adversary]    attack = "sign-flip" (firmware_sim/adversary.py), devices = 1: the last devices are compromised,
                    to see what the coordinator's settings withstand (none by default)

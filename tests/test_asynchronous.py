@@ -132,3 +132,89 @@ def test_an_asynchronous_fleet_of_mixed_profiles_moves_on_without_its_slowest_de
             for k in (1, 2)]
     assert last[0] == last[1]
     assert json.loads((tmp_path / "1" / "run" / "fleet.json").read_text())["coordinator"]["asynchronous"]["buffer"] == 3
+
+
+@needs_mosquitto
+def test_a_stopped_asynchronous_fleet_resumes_where_its_checkpoint_is_and_its_clock_goes_on(tmp_path):
+    """Ctrl-C after a few model moves, then `--resume`: the run completes every round once, the rounds before the
+    stop are kept as they were, and the fleet's clock goes on from the last checkpointed round's (no round ends
+    before the one before it)."""
+    import signal
+    import time
+
+    from fleet_harness import CEILING_S
+    from test_fleet_runner import fleet, rounds_done
+
+    spec = {**MIXED_FLEET, "coordinator": {**MIXED_FLEET["coordinator"], "rounds_per_task": 10}}
+    path = tmp_path / "fleet.toml"
+    path.write_text(dump_toml(spec))
+    out = tmp_path / "run"
+    proc = fleet(path)
+    deadline = time.monotonic() + CEILING_S
+    while rounds_done(out) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(CEILING_S) == 130
+    kept = json.loads((out / "results.json").read_text())["history"]
+    assert fleet(path, "--resume").wait(CEILING_S) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
+    final = json.loads((out / "results.json").read_text())
+    assert final["outcome"] == "complete"
+    assert [entry["round"] for entry in final["history"]] == list(range(1, 21))
+    assert final["history"][: len(kept)] == kept
+    clocks = [entry["clock_s"] for entry in final["history"]]
+    assert clocks == sorted(clocks) and clocks[len(kept)] > clocks[len(kept) - 1]
+
+
+class Held:
+    """A device whose every turn at the CPU waits until `released` is set: the slowest device there can be."""
+
+    def __init__(self, released) -> None:
+        from edge_client.environment import RealEnvironment
+
+        self.released, self.real = released, RealEnvironment()
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def turn(self, work):
+        self.released.wait(600)
+        return self.real.turn(work)
+
+
+@needs_mosquitto
+def test_on_the_wall_clock_rounds_move_on_with_the_updates_that_came_and_never_wait_for_a_device_still_at_work(
+        tmp_path, export_artifacts):
+    """Three devices, a buffer of 2; dev-2 cannot finish its work until the run's last round has closed (its turn
+    waits for that): every round takes dev-0's and dev-1's updates, taken in the order they arrive, and the run
+    completes with dev-2's work still out."""
+    import threading
+
+    from thread_fleet import ThreadFederation
+
+    released = threading.Event()
+    device = {"policy": {"name": "random"}, "store": {"max_samples": 100}}
+    with ThreadFederation(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), device, tasks=1, n_devices=3,
+                          environments={2: Held(released)}) as federation:
+        coordinator = federation.coordinator(
+            {"name": "fedavg"}, rounds_per_task=3, deadline_s=3600.0,  # a round that waited for dev-2 would hang
+            asynchronous=AsynchronousSettings(mode="buffered", buffer=2))
+        coordinator.progress = lambda entry: entry["round"] == 3 and released.set()
+        try:
+            results = coordinator.run()
+        finally:
+            released.set()
+    assert results["outcome"] == "complete"
+    assert [sorted(entry["received"]) for entry in results["history"]] == [["dev-0", "dev-1"]] * 3
+    assert "dev-2" in results["history"][0]["selected"]  # given work with the first model, and never done with it
+    clocks = [entry["clock_s"] for entry in results["history"]]  # on the wall clock: the run's seconds
+    assert clocks == sorted(clocks)
+
+
+def test_in_virtual_time_a_round_is_past_its_deadline_only_once_nothing_out_can_end_before_it():
+    plan = schedule()
+    plan.give("a", 1, "m1")
+    assert not plan.past(10.0)  # a's work may end before it
+    plan.ended("a", 1, "a's update", seconds=12.0)
+    assert plan.past(10.0) and plan.clock_s == 10.0  # the round closes at its deadline on the fleet's clock
+    assert plan.next_done(before_s=10.0) is None and plan.next_done().device == "a"
