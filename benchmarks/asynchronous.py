@@ -125,13 +125,12 @@ def measure(seed: int, epochs: int, buffer: int, concurrency: list[int], out: Pa
                 for c in concurrency}}
     target = TARGET_SHARE * sides["sync"]["final_accuracy"]
     measured: dict[str, dict[str, Any]] = {}
-    clocks = {"sync": [entry["clock_s"] for entry in sides["sync"]["history"]],
-              "sync, rounds as long as their slowest": slowest_clock(sides["sync"]),
-              "sync-sampled": [entry["clock_s"] for entry in sides["sync-sampled"]["history"]],
-              "sync-sampled, rounds as long as their slowest": slowest_clock(sides["sync-sampled"]),
-              **{async_side(c): [entry["clock_s"] for entry in sides[async_side(c)]["history"]] for c in concurrency}}
-    for side, clock in clocks.items():
-        results = sides[side.split(",")[0]]
+    # each row: the run it reads, and the clock its rounds end on
+    clocks = {side: (side, [entry["clock_s"] for entry in results["history"]]) for side, results in sides.items()}
+    for side in ("sync", "sync-sampled"):
+        clocks[f"{side}, rounds as long as their slowest"] = (side, slowest_clock(sides[side]))
+    for side, (run_of, clock) in clocks.items():
+        results = sides[run_of]
         history = results["history"]
         staleness = [m.get("staleness", 0.0) for entry in history for m in entry["metrics"].values()]
         measured[side] = {

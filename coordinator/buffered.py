@@ -142,7 +142,8 @@ class BufferedSchedule:
         work is oldest first, at most `concurrency` out at once."""
         free = sorted((self.last.get(d, 0), d) for d in available
                       if d not in self.out and d not in self._ending and self.last.get(d, 0) < round_)
-        room = len(free) if not self.settings.concurrency else max(self.settings.concurrency - len(self.out), 0)
+        busy = len(self.out) + len(self._ending)  # work out, and work ended but not yet taken (still at it)
+        room = len(free) if not self.settings.concurrency else max(self.settings.concurrency - busy, 0)
         return [d for _, d in free[:room]]
 
     def give(self, device: str, round_: int, model: str) -> None:

@@ -74,6 +74,9 @@ def test_at_most_concurrency_devices_train_at_once_and_the_longest_idle_goes_fir
     assert plan.to_give(["a", "b", "c", "d"], 4) == ["c"]
     plan.lost("a")  # went offline with its work: given it again when back
     assert plan.to_give(["a", "b", "c", "d"], 4) == ["a", "c"]
+    plan.give("c", 4, "m4")
+    plan.ended("c", 4, "c's update", seconds=5.0)  # reported, but at work on the fleet's clock until taken
+    assert plan.to_give(["a", "b", "c", "d"], 4) == ["a"]
 
 
 def test_what_cannot_run_asynchronously_is_refused_in_one_line(export_artifacts):
