@@ -19,7 +19,9 @@ Choices the paper leaves open, each configurable where it is a number:
 - A device trains a round's model once: one whose update went into the open round's buffer trains again once the
   model has moved (no device fills a buffer alone).
 - At most `concurrency` devices train at once (0: every available one); the free device given work first is the one
-  whose last work is oldest.
+  whose last work is oldest. Measured (docs/results.md, "Asynchronous rounds"): with every device at work the fast
+  ones fill the buffers and the slowest ones' work comes back too stale to count, so their data go unlearnt; a
+  limit near the buffer's size gave the accuracy of synchronous rounds of as many updates in half their time.
 - An update of an earlier task's round is taken as any stale one, within `max_staleness`: it carries what its device
   learnt of that task (a synchronous round drops it as late).
 - A round closes at K updates; at its deadline (`deadline_s`: wall seconds, or in virtual time fleet seconds since it
