@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fleet_scale import memory_sum  # noqa: E402  (their top levels import the standard library only)
+from vs_flower import descendants  # noqa: E402
+
 from edgefil.settings import dump_toml  # noqa: E402
 
 MNIST1D_TRAINING_SHARE = 0.8 / 1.25  # as fleet_scale.py: the share of MNIST-1D's generated samples devices train on
@@ -55,35 +58,6 @@ def fleet_file(n: int, sites: int, workers: int, fraction: float) -> dict:
     }
 
 
-def tree(pid: int) -> list[int]:
-    """`pid` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
-
-
-def pss_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        match = re.search(r"^Pss:\s+(\d+) kB", text, re.M)
-        total += int(match.group(1)) * 1024 if match else 0
-    return total
-
-
 def host_used_bytes() -> int:
     info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
@@ -97,7 +71,7 @@ class Peaks:
 
     def sample(self, pid: int, every_s: float, host_before: int) -> None:
         while not self.stop.wait(every_s):
-            self.pss = max(self.pss, pss_bytes(tree(pid)))
+            self.pss = max(self.pss, int(memory_sum(descendants(pid)).get("Pss", 0)))
             self.host = max(self.host, host_used_bytes() - host_before)
 
 

@@ -158,14 +158,21 @@ def _forward_flops(model: str, num_classes: int, input_shape: tuple[int, ...], a
             per_output = module.in_channels // module.groups * prod(module.kernel_size)
             total += 2 * output.numel() * per_output
 
-    handles = [m.register_forward_hook(count) for m in net.modules()]
+    _one_sample_through(net, list(net.modules()), count, input_shape)
+    return float(total)
+
+
+def _one_sample_through(net: Any, modules: list[Any], hook: Any, input_shape: tuple[int, ...]) -> None:
+    """One zero sample through `net`, `hook` a forward hook on each of `modules` while it goes."""
+    import torch
+
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         with torch.no_grad():
             net(torch.zeros(1, *input_shape))
     finally:
         for handle in handles:
             handle.remove()
-    return float(total)
 
 
 def transfer_seconds(nbytes: int, mbps: float, latency_ms: float, messages: int = 1) -> float:
@@ -354,14 +361,7 @@ def _model_footprint(model: str, num_classes: int, input_shape: tuple[int, ...],
             if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
                 total += tensor.numel() * tensor.element_size()
 
-    leaves = [m for m in net.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(count) for m in leaves]
-    try:
-        with torch.no_grad():
-            net(torch.zeros(1, *input_shape))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _one_sample_through(net, [m for m in net.modules() if not list(m.children())], count, input_shape)
     return sum(p.numel() for p in net.parameters()), total
 
 

@@ -143,20 +143,16 @@ def test_a_stopped_asynchronous_fleet_resumes_where_its_checkpoint_is_and_its_cl
     stop are kept as they were, and the fleet's clock goes on from the last checkpointed round's (no round ends
     before the one before it)."""
     import signal
-    import time
 
     from fleet_harness import CEILING_S
-    from test_fleet_runner import fleet, rounds_done
+    from test_fleet_runner import fleet, wait_rounds
 
     spec = {**MIXED_FLEET, "coordinator": {**MIXED_FLEET["coordinator"], "rounds_per_task": 10}}
     path = tmp_path / "fleet.toml"
     path.write_text(dump_toml(spec))
     out = tmp_path / "run"
     proc = fleet(path)
-    deadline = time.monotonic() + CEILING_S
-    while rounds_done(out) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_rounds(proc, out, 3, tmp_path / "fleet.log")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(CEILING_S) == 130
     kept = json.loads((out / "results.json").read_text())["history"]
