@@ -87,9 +87,9 @@ class BrokerAddress:
 @dataclass(frozen=True)
 class Site:
     """A site (issue 60's site aggregators): a broker of its own next to some of the fleet's devices, bridged to
-    the central broker. On the central broker the site's bridge connects as `account`, which may speak for exactly
-    `devices`: write their registrations, statuses and requests, read what the coordinator sends them and every
-    device, and read and write the site's own topics (`edgefil/<fleet>/site/<name>/...`)."""
+    the central broker. On the central broker the site's bridge connects as `account`, which reads and writes the
+    site's own topics (`edgefil/<fleet>/site/<name>/...`: its aggregator's, and its devices' relayed there,
+    `topics.via_site`) and reads what the coordinator sends every device."""
 
     name: str
     account: Credentials
@@ -101,15 +101,19 @@ class Site:
 BRIDGED_OUT = ("register", "status", "request")
 
 
-def bridge_topics(fleet: str, site: str, devices: Sequence[str]) -> list[tuple[str, str]]:
-    """(topic filter, direction) of a site's bridge, as mosquitto's `topic` lines take them. What comes in for one
-    device is subscribed per device (`to/<device>/+`): a bridge subscribed to `to/+/+` got every device's round
-    messages at every site, which the central broker checked against the site's ACL one by one and dropped (its
-    CPU 4x a flat fleet's at 1000 devices and 4 sites)."""
-    p = topics.prefix(fleet)
-    return ([(f"{p}/{topics.FROM_DEVICE}/+/{kind}", "out") for kind in BRIDGED_OUT]
-            + [(f"{p}/{topics.TO_DEVICE}/{topics.check_name(d, 'device id')}/+", "in") for d in sorted(devices)]
-            + [(f"{p}/{topics.TO_ALL}/+", "in"), (f"{p}/{topics.SITE}/{topics.check_name(site, 'site')}/#", "both")])
+def bridge_topics(fleet: str, site: str) -> list[str]:
+    """mosquitto's `topic` lines of a site's bridge (pattern, direction, QoS, local prefix, remote prefix). Its
+    devices' own topics cross under the site's prefix (`topics.via_site`): at the central broker the site's account
+    then needs one ACL line whatever its size (mosquitto checks a message against its sender's lines one by one: with
+    4 lines a device, a site of 1000 made the central broker's CPU a message grow with it), and the bridge
+    subscribes to its own devices' messages only (one subscribed to `to/+/+` got every site's)."""
+    p, name = topics.prefix(fleet), topics.check_name(site, "site")
+    here = {direction: f"{p}/{direction}/" for direction in (topics.FROM_DEVICE, topics.TO_DEVICE)}
+    there = {direction: f"{p}/{topics.SITE}/{name}/{direction}/" for direction in here}
+    return ([f"+/{kind} out 1 {here[topics.FROM_DEVICE]} {there[topics.FROM_DEVICE]}" for kind in BRIDGED_OUT]
+            + [f"+/+ in 1 {here[topics.TO_DEVICE]} {there[topics.TO_DEVICE]}", f"{p}/{topics.TO_ALL}/+ in 1"]
+            + [f"{topics.site(fleet, name, kind)} out 1" for kind in topics.SITE_SENDS]
+            + [f"{topics.site(fleet, name, kind)} in 1" for kind in topics.SITE_RECEIVES])
 
 
 @dataclass(frozen=True)
@@ -287,11 +291,10 @@ class MosquittoBroker:
         p = self.prefix
         blocks = [f"user {self.coordinator.username}\ntopic readwrite {p}/#\n"]
         for site in self.sites:  # its bridge speaks for its devices, and for nobody else
+            # mosquitto checks a message against its sender's lines one by one: the site's devices' topics are under
+            # its prefix (`bridge_topics`), so a few lines whatever its size; the coordinator checks that a device
+            # relayed there is the site's (coordinator/sites.py)
             lines = [f"user {site.account.username}"]
-            # mosquitto checks a message against its sender's lines one by one: 4 lines a device, not 12 (a site of
-            # 250 devices with a line per kind made the central broker's CPU 2x a flat fleet's a round)
-            lines += [f"topic write {p}/{topics.FROM_DEVICE}/{d}/{kind}" for d in site.devices for kind in BRIDGED_OUT]
-            lines += [f"topic read {p}/{topics.TO_DEVICE}/{d}/+" for d in site.devices]
             lines += [f"topic read {p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS]
             lines.append(f"topic readwrite {p}/{topics.SITE}/{site.name}/#")
             blocks.append("\n".join(lines) + "\n")
@@ -313,6 +316,10 @@ class MosquittoBroker:
                          if kind not in topics.CARRY_LEARNING]
             readable += [f"{p}/{topics.TO_ALL}/{kind}" for kind in topics.BROADCASTS
                          if kind not in topics.CARRY_LEARNING]
+            if self.sites:  # the same of a site's devices, relayed under its prefix (topics.via_site)
+                readable += [f"{p}/{topics.SITE}/+/{topics.FROM_DEVICE}/+/{kind}" for kind in BRIDGED_OUT]
+                readable += [f"{p}/{topics.SITE}/+/{topics.TO_DEVICE}/+/{kind}" for kind in topics.DEVICE_RECEIVES
+                             if kind not in topics.CARRY_LEARNING]
         for observer in sorted(self._observers):
             blocks.append("\n".join([f"user {observer}", *(f"topic read {t}" for t in readable)]) + "\n")
         return "\n".join(blocks)
@@ -390,8 +397,7 @@ class MosquittoBroker:
         if bridge.certfile and bridge.keyfile:
             lines += [f"bridge_certfile {Path(bridge.certfile).resolve()}",
                       f"bridge_keyfile {Path(bridge.keyfile).resolve()}"]
-        lines += [f"topic {pattern} {direction} 1"
-                  for pattern, direction in bridge_topics(fleet, bridge.site, sorted(self._devices))]
+        lines += [f"topic {line}" for line in bridge_topics(fleet, bridge.site)]
         return lines
 
     def write_config(self) -> Path:

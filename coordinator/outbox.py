@@ -32,12 +32,22 @@ PERSONAL = "personal"  # the payload that carries a device's personalized model
 
 
 class Outbox:
-    def __init__(self, link: Link, fleet: str, roster: Roster, resends: ResendBudget, counters: Counter[str]) -> None:
+    def __init__(self, link: Link, fleet: str, roster: Roster, resends: ResendBudget, counters: Counter[str],
+                 sites: Mapping[str, str] | None = None) -> None:
+        """`sites`: device -> the site it is at (coordinator/sites.py), whose bridge relays its messages."""
         self.link, self.fleet, self.roster, self.resends, self.counters = link, fleet, roster, resends, counters
+        self.sites = dict(sites or {})
         self.personalized: dict[str, np.ndarray] = {}
         self.payloads: dict[str, dict[str, bytes]] = {}  # device -> named payloads for its next round
         self.broadcast = Broadcast()  # what the rule sends to every device, once
         self._weights: list[wire.Frame] = []  # the open round's global weights, as chunk frames
+
+    def to_device(self, device: str, kind: str) -> str:
+        """Where a message to `device` goes: its own topic, or its site's relay of it (`topics.via_site`)."""
+        site = self.sites.get(device)
+        if site is None:
+            return topics.to_device(self.fleet, device, kind)
+        return topics.via_site(self.fleet, site, topics.TO_DEVICE, device, kind)
 
     # --- between rounds ---------------------------------------------------------------------------
 
@@ -75,23 +85,23 @@ class Outbox:
             return
         if with_weights:
             for frame in self._weights:
-                self.link.publish(topics.to_device(self.fleet, device, "weights"), frame)
+                self.link.publish(self.to_device(device, "weights"), frame)
         named: dict[str, Any] = {}
         payloads = self._payloads_for(device)
         if payloads:
             data, layout = wire.pack_attachments(b"", payloads)
             encoded = wire.encode_blob("payload", data, round=current.number, attachments=layout)
             for frame in encoded.frames:
-                self.link.publish(topics.to_device(self.fleet, device, "payload"), frame)
+                self.link.publish(self.to_device(device, "payload"), frame)
             named["payload"] = encoded.id
         if self.broadcast.id is not None:
             instance = self.roster.instance(device)
             if self.broadcast.needs(device, instance):
                 for frame in self.broadcast.frames:
-                    self.link.publish(topics.to_device(self.fleet, device, "broadcast"), frame)
+                    self.link.publish(self.to_device(device, "broadcast"), frame)
                 self.broadcast.reached([(device, instance)])
             named["broadcast"] = self.broadcast.id
-        self.link.publish(topics.to_device(self.fleet, device, "round"), wire.encode(
+        self.link.publish(self.to_device(device, "round"), wire.encode(
             "round", round=current.number, task=current.task, model=current.model, version=version,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **named,
         ))
@@ -126,11 +136,11 @@ class Outbox:
         """The answer to a device's request: the named payloads the rule gave (possibly none)."""
         data, layout = wire.pack_attachments(b"", given)
         for frame in wire.encode_blob("answer", data, round=round_, attachments=layout).frames:
-            self.link.publish(topics.to_device(self.fleet, device, "answer"), frame)
+            self.link.publish(self.to_device(device, "answer"), frame)
 
     def notice_duplicate(self, device: str, instances: list[str]) -> None:
         """Tell the device's processes (a retained notice) that two of them run with its id."""
-        self.link.publish(topics.to_device(self.fleet, device, "notice"), wire.encode(
+        self.link.publish(self.to_device(device, "notice"), wire.encode(
             "notice", reason="duplicate-device", instances=instances,
             detail=f"two processes use device id {device} (instances {' and '.join(instances)}); stop one",
         ), retain=True)

@@ -206,7 +206,7 @@ class Coordinator:
         if self.sites is not None:
             self.shares.append(self.sites)
         self.outbox = Outbox(self.link, config.fleet, self.roster, ResendBudget(config.limits.resends_per_round),
-                             self.counters)
+                             self.counters, {device: site.name for site in config.sites for device in site.devices})
         if resumed_from is not None:
             self.outbox.restore(self.checkpoints.deliveries(resumed_from, self.state.round))
             self.strategy.load(resumed_from)
@@ -696,12 +696,19 @@ class Coordinator:
                 self._on_heard(heard)
         if item is None or item.topic == CONNECTED:
             return
-        if self.sites is not None and item.topic.startswith(self._site_topics):
-            self.sites.take(item.topic, item.payload)
-            return
-        event = self.inbox.accept(item.topic, item.payload, item.retained)
-        while self.inbox.to_clear:  # refused retained messages: delete them from the broker's store
-            self.link.publish(self.inbox.to_clear.pop(), b"", retain=True)
+        topic = item.topic
+        if self.sites is not None and topic.startswith(self._site_topics):
+            relayed = self.sites.relayed(topic)  # a site's device's message, under its site's prefix
+            if relayed is None:
+                self.sites.take(topic, item.payload)
+                return
+            if not relayed:  # not that site's device (counted)
+                return
+            topic = relayed
+        event = self.inbox.accept(topic, item.payload, item.retained)
+        while self.inbox.to_clear:  # refused retained messages: delete them from the broker's store (where it is)
+            cleared = self.inbox.to_clear.pop()
+            self.link.publish(item.topic if cleared == topic else cleared, b"", retain=True)
         if isinstance(event, Registration):
             self._on_registration(event)
         elif isinstance(event, Status):
@@ -907,7 +914,7 @@ class Coordinator:
         try:
             for kind, begin in stages:
                 for device, payload in begin().items():
-                    self.link.publish(topics.to_device(self.config.fleet, device, kind), payload)
+                    self.link.publish(self.outbox.to_device(device, kind), payload)
                 began, deadline = time.monotonic(), time.monotonic() + limit
                 while secure.awaiting and time.monotonic() < deadline:
                     self._pump(deadline - time.monotonic())

@@ -229,8 +229,10 @@ class _SiteState:
 
 
 def site_subscriptions(fleet: str, names: list[str]) -> list[str]:
-    """What the coordinator subscribes to for its sites."""
-    return [topics.site(fleet, name, kind) for name in names for kind in topics.SITE_SENDS]
+    """What the coordinator subscribes to for its sites: their aggregators' topics and their devices' relayed ones
+    (`topics.via_site`)."""
+    return [topics.site(fleet, name, kind) for name in names for kind in topics.SITE_SENDS] + [
+        f"{topics.prefix(fleet)}/{topics.SITE}/{name}/{topics.FROM_DEVICE}/+/+" for name in names]
 
 
 class Sites:
@@ -338,6 +340,21 @@ class Sites:
         blob = opening_blob(opening, self.plan, self._sites[name].roster)
         for frame in blob.frames:
             self.link.publish(topics.site(self.plan.fleet, name, "open"), frame)
+
+    def relayed(self, topic: str) -> str | None:
+        """The device's own topic of a message a site relayed for one of its devices (`topics.via_site`): None where
+        `topic` is no such message (a site's own, `take`), "" where the device is not that site's (counted
+        `site-stranger`: the central broker lets a site write anything under its prefix, and this is the check)."""
+        relay = topics.relayed(self.plan.fleet, topic)
+        if relay is None or relay[1].direction != topics.FROM_DEVICE:
+            return None
+        name, own = relay
+        site = self._sites.get(name)
+        if site is None or own.device is None or own.device not in site.roster:
+            self.counters["site-stranger"] += 1
+            log.warning("site %s relayed a message of %s, not one of its devices: refused", name, own.device)
+            return ""
+        return topics.from_device(self.plan.fleet, own.device, own.kind)
 
     def take(self, topic: str, payload: bytes | bytearray | memoryview) -> None:
         """One message on a site's topics (`site_subscriptions`); what cannot be used is counted and logged."""

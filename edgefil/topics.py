@@ -4,7 +4,13 @@
     edgefil/<fleet>/to/<device>/<kind>    coordinator -> device   (round, weights, payload, broadcast, answer)
     edgefil/<fleet>/all/<kind>            coordinator -> every device (weights, broadcast)
     edgefil/<fleet>/inbox/<k>/<device>    coordinator -> coordinator (an inbox worker passes on a chunk)
-    edgefil/<fleet>/site/<site>/...       a site's aggregator <-> coordinator, over the site's bridge
+    edgefil/<fleet>/site/<site>/<kind>    a site's aggregator <-> coordinator, over the site's bridge
+    edgefil/<fleet>/site/<site>/dev/<device>/<kind>   a site's device -> coordinator, relayed by the site's bridge
+    edgefil/<fleet>/site/<site>/to/<device>/<kind>    coordinator -> a site's device, relayed by the site's bridge
+
+A site's bridge maps its devices' own topics (dev/, to/ at the site's broker) to and from its site's prefix on the
+central broker, so the central broker's ACL grants a site one line (its prefix), checked in constant time a message
+whatever the site's size, and the coordinator checks that a relayed device is the site's (coordinator/sites.py).
 
 The kinds below are the whole protocol: the broker's ACL grants exactly these topics and nothing else, and only
 the `RETAINED` kinds are meant to be retained (a device's registration and status, so a coordinator that
@@ -80,6 +86,28 @@ SITE_RECEIVES = ("open", "close")  # the coordinator -> a site's aggregator
 def site(fleet: str, name: str, kind: str) -> str:
     """A site's aggregator and the coordinator speak here (coordinator/sites.py), across the site's bridge."""
     return f"{prefix(fleet)}/{SITE}/{check_name(name, 'site')}/{kind}"
+
+
+def via_site(fleet: str, site_name: str, direction: str, device: str, kind: str) -> str:
+    """A site's device's topic on the central broker: `direction` FROM_DEVICE or TO_DEVICE, under the site's prefix
+    (its bridge maps it to and from the device's own topic at the site's broker)."""
+    if direction not in (FROM_DEVICE, TO_DEVICE):
+        raise ValueError(f"direction must be {FROM_DEVICE} or {TO_DEVICE}, got {direction!r}")
+    return (f"{prefix(fleet)}/{SITE}/{check_name(site_name, 'site')}/{direction}/"
+            f"{check_name(device, 'device id')}/{kind}")
+
+
+def relayed(fleet: str, topic: str) -> tuple[str, Topic] | None:
+    """The site and the device's own topic of a message a site's bridge relays on the central broker (`via_site`),
+    or None for any other topic."""
+    head = f"{prefix(fleet)}/{SITE}/"
+    if not topic.startswith(head):
+        return None
+    parts = topic[len(head):].split("/")
+    if len(parts) == 4 and parts[1] in (FROM_DEVICE, TO_DEVICE) and NAME.fullmatch(parts[0]) \
+            and NAME.fullmatch(parts[2]) and parts[3]:
+        return parts[0], Topic(parts[1], parts[2], parts[3])
+    return None
 
 
 def device_subscriptions(fleet: str, device: str) -> list[str]:

@@ -117,6 +117,13 @@ class Peer:
         _RUNNING.discard(self)
 
 
+def device_of(fleet: str, topic: str) -> str | None:
+    """The device a protocol topic names, at its own broker or relayed by its site's bridge."""
+    relay = topics.relayed(fleet, topic)
+    parsed = relay[1] if relay is not None else topics.parse(fleet, topic)
+    return None if parsed is None else parsed.device
+
+
 def wait_online(address: BrokerAddress, watcher: Credentials, fleet: str, devices: list[str], timeout: float,
                 failed: Callable[[], str | None] = lambda: None) -> None:
     """Until each of `devices` has said it is online (its retained status, read with `watcher`, an account that may
@@ -124,12 +131,14 @@ def wait_online(address: BrokerAddress, watcher: Credentials, fleet: str, device
     peer = Peer(address, watcher.username, watcher.password)
     assert not peer.connect().is_failure
     try:
-        for device in devices:
+        for device in devices:  # at the broker itself, or relayed by a site's bridge (topics.via_site)
             peer.subscribe(topics.from_device(fleet, device, "status"))
+            peer.subscribe(f"{topics.prefix(fleet)}/{topics.SITE}/+/{topics.FROM_DEVICE}/{device}/status")
         deadline = time.monotonic() + timeout
         while True:
-            said = {topic: wire.decode(payload)["state"] for topic, payload in peer.received()}  # the latest each
-            offline = [d for d in devices if said.get(topics.from_device(fleet, d, "status"), "offline") == "offline"]
+            said = {device_of(fleet, topic): wire.decode(payload)["state"]  # the latest each
+                    for topic, payload in peer.received()}
+            offline = [d for d in devices if said.get(d, "offline") == "offline"]
             if not offline:
                 return
             why = failed()

@@ -41,7 +41,7 @@ def test_a_hosted_device_starts_its_task_trains_and_finishes_its_round_in_its_tu
         monkeypatch.setattr(device.learner, name, lambda *a, _real=real, _name=name, **k: held.append(
             (_name, threading.current_thread().name)) or _real(*a, **k))
     spent: list[float] = []
-    monkeypatch.setattr(device.environment, "compute", lambda seconds: spent.append(seconds) or seconds)
+    monkeypatch.setattr(device.environment, "compute", lambda seconds, samples=0: spent.append(seconds) or seconds)
     try:
         weights = device.trainer.get_weights()
         before = device.environment.cpu_time()

@@ -14,6 +14,7 @@ from mqtt_helpers import make_server_cert
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port, inbox_worker_account, mosquitto_path
 from coordinator.pki import make_ca, make_client_cert
+from coordinator.sites import site_subscriptions
 from edgefil import topics
 from edgefil.link import CONNECTED, BrokerSettings, ConnectionRefused, Link, TlsFailure
 from edgefil.settings import Where, build
@@ -208,8 +209,9 @@ def test_the_credentials_command_makes_a_working_tls_fleet_and_keeps_what_exists
 def test_the_credentials_command_makes_a_sites_broker_bridged_over_mutual_tls(tmp_path):
     """`edgefil credentials --site a=dev-1@127.0.0.1:PORT --client-certs`: dev-1's table names the site's broker;
     the site's files start a mosquitto bridged to the central one over mutual TLS (as `site-a`); dev-1's status,
-    sent to its site, reaches the coordinator at the central broker, its update reaches the site's aggregator
-    (site.toml's account) and not the coordinator, and the coordinator's word to the site reaches the aggregator."""
+    sent to its site, reaches the coordinator at the central broker under the site's prefix, its update reaches the
+    site's aggregator (site.toml's account) and not the coordinator, the coordinator's word to the site reaches the
+    aggregator, and its round message to dev-1, sent under the site's prefix, reaches dev-1 on its own topic."""
     out, port, site_port = tmp_path / "secrets", free_port(), free_port()
     subprocess.run([sys.executable, "-m", "edgefil.cli", "credentials", "--fleet", "lab", "--devices", "dev-0,dev-1",
                     "--host", "127.0.0.1", "--bind", "127.0.0.1", "--port", str(port), "--out", str(out),
@@ -234,21 +236,24 @@ def test_the_credentials_command_makes_a_sites_broker_bridged_over_mutual_tls(tm
         return made
 
     try:
-        coordinator = link(out / "coordinator.toml", "c", f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/+")
+        coordinator = link(out / "coordinator.toml", "c", f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/+",
+                           *site_subscriptions("lab", ["a"]))
         aggregator = link(out / "sites" / "a" / "site.toml", "agg",
                           f"{topics.prefix('lab')}/{topics.FROM_DEVICE}/+/update", topics.site("lab", "a", "open"))
-        device = link(out / "devices" / "dev-1.toml", "d")
+        device = link(out / "devices" / "dev-1.toml", "d", topics.to_device("lab", "dev-1", "round"))
         # the bridge connects on its own schedule: the status is sent until the coordinator has it
-        status = topics.from_device("lab", "dev-1", "status")
+        status = topics.via_site("lab", "a", topics.FROM_DEVICE, "dev-1", "status")
         deadline = time.monotonic() + LISTENING_S
         while ((got := coordinator.get(0.5)) is None or got.topic != status) and time.monotonic() < deadline:
-            device.publish(status, b"from the site")
+            device.publish(topics.from_device("lab", "dev-1", "status"), b"from the site")
         assert got is not None and bytes(got.payload) == b"from the site", "the bridge did not connect"
         device.publish(topics.from_device("lab", "dev-1", "update"), b"an update")
         assert next_message(aggregator) == (topics.from_device("lab", "dev-1", "update"), b"an update")
         coordinator.publish(topics.site("lab", "a", "open"), b"a round")
         assert next_message(aggregator) == (topics.site("lab", "a", "open"), b"a round")
-        device.publish(status, b"after the update")  # the same path as the update, after it
+        coordinator.publish(topics.via_site("lab", "a", topics.TO_DEVICE, "dev-1", "round"), b"train")
+        assert next_message(device) == (topics.to_device("lab", "dev-1", "round"), b"train")
+        device.publish(topics.from_device("lab", "dev-1", "status"), b"after the update")  # the update's path
         while (got := coordinator.get(30)) is not None and bytes(got.payload) == b"from the site":
             pass
         assert got is not None and (got.topic, bytes(got.payload)) == (status, b"after the update")

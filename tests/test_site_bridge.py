@@ -55,9 +55,10 @@ def wait_for(peer: Peer, topic: str, start: int = 0) -> bytes:
 
 
 def test_a_sites_devices_speak_to_the_coordinator_over_the_bridge_and_their_updates_stay_at_the_site(bridged):
-    """A device at the site registers and is heard centrally (retained, as the protocol keeps it); the
-    coordinator's round message and broadcasts reach it; its update reaches the site's aggregator and not the
-    central broker; the site's own topics cross both ways."""
+    """A device at the site registers and is heard centrally under the site's prefix (retained, as the protocol
+    keeps it); the coordinator's round message, sent under the site's prefix, and its broadcasts reach the device on
+    its own topics; its update reaches the site's aggregator and not the central broker; the site's own topics
+    cross both ways."""
     central, local, peer = bridged
     prefix = topics.prefix(FLEET)
     coordinator = peer(central, "coordinator", "pw-c", f"{prefix}/{topics.FROM_DEVICE}/+/+", f"{prefix}/site/#")
@@ -67,11 +68,13 @@ def test_a_sites_devices_speak_to_the_coordinator_over_the_bridge_and_their_upda
     while not coordinator.received() and time.monotonic() < deadline:  # the bridge connects on its own schedule
         device.publish(topics.from_device(FLEET, "d0", "register"), b"register", retain=True)
         time.sleep(0.2)
-    assert wait_for(coordinator, topics.from_device(FLEET, "d0", "register")) == b"register"
-    for topic in (topics.to_device(FLEET, "d0", "round"), topics.to_all(FLEET, "weights")):
+    assert wait_for(coordinator, relayed("d0", "register")) == b"register"
+    for sent, topic in ((topics.via_site(FLEET, "a", topics.TO_DEVICE, "d0", "round"),
+                         topics.to_device(FLEET, "d0", "round")),
+                        (topics.to_all(FLEET, "weights"), topics.to_all(FLEET, "weights"))):
         deadline = time.monotonic() + ARRIVES_S
         while not any(t == topic for t, _ in device.received()) and time.monotonic() < deadline:
-            coordinator.publish(topic, b"to the site")
+            coordinator.publish(sent, b"to the site")
             time.sleep(0.2)
         assert wait_for(device, topic) == b"to the site"
     device.publish(topics.from_device(FLEET, "d0", "update"), b"an update")
@@ -81,24 +84,29 @@ def test_a_sites_devices_speak_to_the_coordinator_over_the_bridge_and_their_upda
     coordinator.publish(f"{prefix}/site/a/close", b"close")
     assert wait_for(aggregator, f"{prefix}/site/a/close") == b"close"
     device.publish(topics.from_device(FLEET, "d0", "status"), b"after the update")  # the same path, after it
-    assert wait_for(coordinator, topics.from_device(FLEET, "d0", "status")) == b"after the update"
+    assert wait_for(coordinator, relayed("d0", "status")) == b"after the update"
     time.sleep(QUIET_S)
-    assert topics.from_device(FLEET, "d0", "update") not in coordinator.topics()
+    assert not {topics.from_device(FLEET, "d0", "update"), relayed("d0", "update")} & set(coordinator.topics())
 
 
-def test_the_sites_account_speaks_for_its_own_devices_only(bridged):
-    """On the central broker the site's account writes its devices' registrations and nobody else's, nor their
-    updates, and reads neither another device's round messages nor another site's topics."""
+def relayed(device: str, kind: str) -> str:
+    return topics.via_site(FLEET, "a", topics.FROM_DEVICE, device, kind)
+
+
+def test_the_sites_account_speaks_under_its_own_prefix_only(bridged):
+    """On the central broker the site's account writes under its site's prefix and nowhere else (no device's own
+    topics, no update), and reads neither a device's own round messages nor another site's topics; which devices
+    it may speak for under its prefix the coordinator checks (`Sites.relayed`, tests/test_sites.py)."""
     central, _, peer = bridged
     prefix = topics.prefix(FLEET)
-    coordinator = peer(central, "coordinator", "pw-c", f"{prefix}/{topics.FROM_DEVICE}/+/+")
+    coordinator = peer(central, "coordinator", "pw-c", f"{prefix}/{topics.FROM_DEVICE}/+/+", f"{prefix}/site/a/#")
     impostor = peer(central, "site-a", "pw-site-a", topics.to_device(FLEET, "d2", "round"), f"{prefix}/site/b/#")
-    impostor.publish(topics.from_device(FLEET, "d2", "register"), b"not its device")
+    impostor.publish(topics.from_device(FLEET, "d2", "register"), b"not its prefix")
     impostor.publish(topics.from_device(FLEET, "d0", "update"), b"not through the bridge")
     coordinator.publish(topics.to_device(FLEET, "d2", "round"), b"for d2 alone")
     coordinator.publish(f"{prefix}/site/b/close", b"another site's")
-    impostor.publish(topics.from_device(FLEET, "d1", "register"), b"its own device")
-    assert wait_for(coordinator, topics.from_device(FLEET, "d1", "register")) == b"its own device"
+    impostor.publish(relayed("d1", "register"), b"its own device")
+    assert wait_for(coordinator, relayed("d1", "register")) == b"its own device"
     time.sleep(QUIET_S)
-    assert coordinator.topics() == [topics.from_device(FLEET, "d1", "register")]
+    assert coordinator.topics() == [relayed("d1", "register")]
     assert impostor.topics() == []

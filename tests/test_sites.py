@@ -416,3 +416,19 @@ def test_a_sites_aggregator_holds_updates_until_a_round_and_passes_over_what_it_
     part = site.share.close(1)
     assert [u.device for u in part.used] == ["d0"]
     site.link.stop()
+
+
+def test_a_sites_relayed_message_is_its_devices_own_and_a_strangers_is_refused():
+    """The central broker lets a site's bridge write anything under its prefix; the coordinator takes a message
+    relayed there as its device's own only where the device is that site's (else counted `site-stranger`), and a
+    site's own topics and other topics are not relays."""
+    plan = SharePlan(FLEET, frozenset({"d0", "d1"}), MODEL, 4, "fedavg")
+    sites = Sites(Link(BrokerSettings(), "unstarted"), plan, {"a": frozenset({"d0"}), "b": frozenset({"d1"})}, 1.0,
+                  lambda _: None)
+    assert sites.relayed(topics.via_site(FLEET, "a", topics.FROM_DEVICE, "d0", "status")) == \
+        topics.from_device(FLEET, "d0", "status")
+    assert sites.relayed(topics.via_site(FLEET, "a", topics.FROM_DEVICE, "d1", "register")) == ""
+    assert sites.relayed(topics.via_site(FLEET, "c", topics.FROM_DEVICE, "d0", "status")) == ""
+    assert sites.counters["site-stranger"] == 2
+    assert sites.relayed(topics.site(FLEET, "a", "heard")) is None
+    assert sites.relayed(topics.from_device(FLEET, "d0", "status")) is None

@@ -34,6 +34,11 @@ def test_each_kind_of_message_is_one_line_and_a_blob_is_shown_once():
     round_ = wire.encode("round", round=4, task=1, model="b", version=3, deadline_s=60.0, config={"epochs": 2})
     assert describe(FLEET, topics.to_device(FLEET, "pi-1", "round"), round_, False) == (
         "coordinator -> pi-1 round: round 4 (task 1), deadline 60 s, epochs=2")
+    # a site's device's, relayed under its site's prefix on the central broker (topics.via_site)
+    assert describe(FLEET, topics.via_site(FLEET, "a", topics.TO_DEVICE, "pi-1", "round"), round_, False) == (
+        "coordinator -> pi-1 (via site a) round: round 4 (task 1), deadline 60 s, epochs=2")
+    assert describe(FLEET, topics.via_site(FLEET, "a", topics.FROM_DEVICE, "pi-1", "status"), error, False) == (
+        "pi-1 -> coordinator (via site a) status: error (round 3): x has shape (5,)")
     data = wire.weights_bytes(np.zeros(300_000, dtype=np.float32))
     chunks = wire.encode_blob("update", data, device="pi-1", round=4, task=1, model="b", num_samples=120,
                               metrics={"loss": 0.25}).chunks
