@@ -88,7 +88,7 @@ def phase(folder: Path, extra: list[str], log: Path, peaks: Peaks, every_s: floa
     started = time.monotonic()
     with log.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(folder / "fleet.toml"),
-                                 *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                 *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=interruptible)
     sampler = threading.Thread(target=peaks.sample, args=(proc.pid, every_s, host_before), daemon=True)
     sampler.start()
     while proc.poll() is None:
@@ -98,6 +98,12 @@ def phase(folder: Path, extra: list[str], log: Path, peaks: Peaks, every_s: floa
             break
         time.sleep(0.2)
     return proc, {"wall_s": time.monotonic() - started}
+
+
+def interruptible() -> None:
+    """SIGINT as a terminal's Ctrl-C sends it, in the fleet's process: a shell that starts this benchmark in the
+    background has it ignored, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def opened_at(log: Path, after: float) -> float | None:
