@@ -143,8 +143,8 @@ class Fleet:
             preparing.step("measuring this host's speed for the devices' profiles")
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
         try:
-            # mosquitto inherits the limit: a connection per device
-            ensure_descriptors(self.config.devices, "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
+            # mosquitto inherits the limit: a connection per device at the busiest broker (the fleet's, or a site's)
+            ensure_descriptors(self._busiest_broker(), "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
             safe = self.config.power_loss_safe
             self.workers = RayWorkers(self.config.ray, safe) if self.config.backend == "ray" else ProcessWorkers(safe)
             self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
@@ -255,6 +255,14 @@ class Fleet:
         broker.start()
         log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
         return broker
+
+    def _busiest_broker(self) -> int:
+        """The most devices one broker of the fleet serves: the fleet's own (the devices at no site, and each site's
+        bridge) or a site's."""
+        if self.sites is None:
+            return self.config.devices
+        at_sites = [len(devices) for devices in self.sites.members.values()]
+        return max(self.config.devices - sum(at_sites) + len(at_sites), *at_sites)
 
     def _write_observer_file(self, broker: MosquittoBroker | EmbeddedBroker) -> None:
         """broker/observer.toml: what `edgefil watch --config` needs to follow this fleet's traffic (private)."""
