@@ -194,7 +194,7 @@ def write_fleet_credentials(out: Path, fleet: str, devices: Sequence[str], hosts
     broker = MosquittoBroker(out, fleet, passwords, coordinator, host=bind, port=port, tls=tls,
                              require_certificate=client_certs, observers={observer.username: observer.password},
                              observers_read_learning=observer_reads_learning, inbox_workers=inbox_workers,
-                             sites=[Site(site.name, accounts[site.name], site.devices) for site in sites])
+                             sites=[Site(site.name, accounts[site.name]) for site in sites])
     broker.write_config()
     coordinator_cert = None
     if client_certs:

@@ -244,7 +244,7 @@ class Fleet:
             make_ca(folder, f"edgefil {self.config.name}")
             tls = make_server_cert(folder, sorted({LOOPBACK, host}))
         broker: MosquittoBroker | EmbeddedBroker = (
-            MosquittoBroker(self.config.out / "broker", self.config.name, self.passwords,
+            MosquittoBroker(self.config.out / "broker", self.config.name, self._served_here(),
                             Credentials("coordinator", self.coordinator_password), tls=tls, host=host,
                             observers={OBSERVER: self.observer_password},
                             observers_read_learning=self.config.observer_reads_learning,
@@ -255,6 +255,12 @@ class Fleet:
         broker.start()
         log.info("broker: %s on port %d", type(broker).__name__, broker.address.port)
         return broker
+
+    def _served_here(self) -> dict[str, str]:
+        """The devices' accounts the fleet's own broker serves: those at no site (a site's connect to its broker)."""
+        if self.sites is None:
+            return self.passwords
+        return {d: password for d, password in self.passwords.items() if d not in self.sites.site_of}
 
     def _busiest_broker(self) -> int:
         """The most devices one broker of the fleet serves: the fleet's own (the devices at no site, and each site's

@@ -45,7 +45,7 @@ class SimulatedSites:
 
     def sites(self) -> list[Site]:
         """The sites as the fleet's broker's ACL takes them."""
-        return [Site(name, self.accounts[name], devices) for name, devices in self.members.items()]
+        return [Site(name, self.accounts[name]) for name in self.members]
 
     def for_coordinator(self) -> tuple[SiteDevices, ...]:
         return tuple(SiteDevices(name, devices) for name, devices in self.members.items())

@@ -88,7 +88,7 @@ class Fleet:
                                  observers={"observer": self.observer_credentials.password},
                                  observers_read_learning=self.observer_reads_learning,
                                  inbox_workers=int(self.coordinator_options.get("inbox_workers", 0)),
-                                 sites=[Site(name, self.site_accounts[name], self.at_site(name))
+                                 sites=[Site(name, self.site_accounts[name])
                                         for name in self.sites])
         )
         self.site_brokers: dict[str, MosquittoBroker] = {}

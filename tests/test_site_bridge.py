@@ -19,11 +19,11 @@ QUIET_S = 1.0  # how long a message that must not arrive is given after one that
 @pytest.fixture
 def bridged(tmp_path):
     passwords = {f"d{k}": f"pw-{k}" for k in range(4)}
-    site = Site("a", Credentials("site-a", "pw-site-a"), ("d0", "d1"))
+    site = Site("a", Credentials("site-a", "pw-site-a"))  # d0 and d1 are its devices, at its broker
     central = MosquittoBroker(tmp_path / "central", FLEET, passwords, Credentials("coordinator", "pw-c"),
                               sites=[site])
     central.start()
-    local = MosquittoBroker(tmp_path / "site", FLEET, {d: passwords[d] for d in site.devices},
+    local = MosquittoBroker(tmp_path / "site", FLEET, {d: passwords[d] for d in ("d0", "d1")},
                             Credentials("aggregator", "pw-agg"),
                             bridge=Bridge("a", central.host, central.port, site.account))
     local.start()

@@ -55,7 +55,7 @@ class SiteTier:
         self.accounts = {name: Credentials(f"site-{name}", f"pw-site-{name}") for name in SITES}
         self.central = MosquittoBroker(root / "central", FLEET, {d: f"pw-{d}" for d in devices},
                                        Credentials("coordinator", "pw-c"),
-                                       sites=[Site(name, self.accounts[name], members)
+                                       sites=[Site(name, self.accounts[name])
                                               for name, members in SITES.items()])
         self.brokers: dict[str, MosquittoBroker] = {}
         self.processes: dict[str, subprocess.Popen] = {}
