@@ -288,6 +288,36 @@ def test_dirichlet_split_is_a_partition(labels, n_clients, alpha, seed):
         assert all(len(p) > 0 for p in parts)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    labels=st.lists(st.integers(0, 5), min_size=1, max_size=200),
+    n_clients=st.integers(1, 60),
+    alpha=st.floats(0.01, 2.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dirichlet_splits_repair_takes_from_the_largest_client_lowest_id_first(labels, n_clients, alpha, seed):
+    """The repair (each empty client in turn takes a random sample of the currently largest, ties to the lowest id)
+    found through a heap gives the clients the search of every client gave."""
+    labels = np.asarray(labels)
+
+    def searched(rng: np.random.Generator) -> list[list[int]]:  # the rule as written, a search for each empty client
+        parts: list[list[int]] = [[] for _ in range(n_clients)]
+        for c in np.unique(labels):
+            members = rng.permutation(np.flatnonzero(labels == c))
+            cuts = np.round(np.cumsum(rng.dirichlet(np.full(n_clients, alpha)))[:-1] * len(members)).astype(int)
+            for part, chunk in zip(parts, np.split(members, cuts)):
+                part.extend(chunk.tolist())
+        if len(labels) >= n_clients:
+            for part in parts:
+                if not part:
+                    donor = max(parts, key=len)
+                    part.append(donor.pop(int(rng.integers(len(donor)))))
+        return [sorted(p) for p in parts]
+
+    split = dirichlet_split(labels, n_clients, alpha, np.random.default_rng(seed))
+    assert [p.tolist() for p in split] == searched(np.random.default_rng(seed))
+
+
 def test_client_test_split_caps_at_available_samples():
     test_labels = np.array([0, 0, 1])
     client_labels = [np.array([0] * 10), np.array([1, 1]), np.array([2, 2]), np.array([], dtype=np.int64)]
