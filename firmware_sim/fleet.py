@@ -371,6 +371,9 @@ class ProcessWorkers:
         return usable_cores()
 
     def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
+        # what each worker checks at its start, checked here first: a worker refused there died with the line in its
+        # log, and the coordinator waited for its devices until wall_limit_s
+        ensure_descriptors(max(map(len, shares), default=0), "a fleet worker")
         self._mounted = mount_disks([raw for share in shares for raw in share])
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):

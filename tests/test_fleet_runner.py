@@ -374,6 +374,25 @@ except RuntimeError as err:
     assert f"ulimit -Hn {need}" in lines[1] and len(lines) == 2
 
 
+def test_a_fleet_whose_workers_would_pass_the_open_files_limit_is_refused_before_they_start(tmp_path):
+    """300 devices in one worker under a hard limit of 1024 open files: the fleet ends at once with the worker's
+    line naming the fix, not with a worker dead in its log and a coordinator waiting for its devices."""
+    import resource
+
+    def limited() -> None:
+        default_signals()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="mosquitto").replace("devices = 4", "devices = 300").replace(
+        "workers = 2", "workers = 1").replace("profiles = ", "# profiles = "))
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=CEILING_S, preexec_fn=limited)
+    assert done.returncode != 0
+    assert "a fleet worker needs about" in done.stderr and "ulimit -Hn" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "run" / "logs" / "worker-0.log").exists()
+
+
 def test_a_worker_spawned_after_torch_was_loaded_still_runs_torch_on_one_thread():
     """A benchmark script imports torch before it spawns a fleet (spawn re-imports its main module in every
     worker), so OMP_NUM_THREADS set in the worker comes too late: the pool is set directly, to one thread, or to
