@@ -116,12 +116,17 @@ class BufferedSchedule:
         self.last: dict[str, int] = {}  # device -> the latest round it was given work of, or its update taken in
         self._done: list[Done] = []  # ended, not yet taken (a heap by time)
         self._models: dict[int, np.ndarray] = {}  # round -> the global model its work starts from
+        # whether a device may have come free since work was last given (`to_give` reads every available device:
+        # asked after every message a round handles, that was O(devices) a message)
+        self.changed = True
+        self._look_after = math.inf  # time.monotonic() of the earliest wall deadline of the work out (`overdue`)
 
     # --- the model ---------------------------------------------------------------------------------
 
     def opened(self, round_: int, weights: np.ndarray) -> None:
         """Round `round_` opens on `weights`: kept while updates of it may still be taken."""
         self._models[round_] = weights
+        self.changed = True
         for old in [r for r in self._models if r < round_ - self.settings.max_staleness]:
             del self._models[old]
 
@@ -142,6 +147,7 @@ class BufferedSchedule:
     def to_give(self, available: Iterable[str], round_: int) -> list[str]:
         """The available devices to give round `round_`'s work now: free, and not yet given it; the ones whose last
         work is oldest first, at most `concurrency` out at once."""
+        self.changed = False
         free = sorted((self.last.get(d, 0), d) for d in available
                       if d not in self.out and d not in self._ending and self.last.get(d, 0) < round_)
         busy = len(self.out) + len(self._ending)  # work out, and work ended but not yet taken (still at it)
@@ -149,7 +155,8 @@ class BufferedSchedule:
         return [d for _, d in free[:room]]
 
     def give(self, device: str, round_: int, model: str) -> None:
-        self.out[device] = Work(round_, model, self.clock_s, time.monotonic() + self.wall_limit_s)
+        self.out[device] = work = Work(round_, model, self.clock_s, time.monotonic() + self.wall_limit_s)
+        self._look_after = min(self._look_after, work.wall_deadline)
         self.last[device] = round_
 
     def ended(self, device: str, round_: int, update: Any = None, seconds: float = 0.0,
@@ -174,13 +181,17 @@ class BufferedSchedule:
         work = self.out.pop(device, None)
         if work is not None:
             self.last[device] = work.round - 1
+        self.changed = True
 
     def overdue(self) -> list[str]:
         """Devices silent past the wall-clock safeguard with their work: given up on (`lost`) and returned."""
         now = time.monotonic()
+        if now < self._look_after:  # asked after every message: the work out is read only once one may be late
+            return []
         late = [d for d, work in self.out.items() if work.wall_deadline < now]
         for device in late:
             self.lost(device)
+        self._look_after = min((work.wall_deadline for work in self.out.values()), default=math.inf)
         return late
 
     def next_done(self, before_s: float = math.inf) -> Done | None:
@@ -191,6 +202,7 @@ class BufferedSchedule:
         done = heapq.heappop(self._done)
         self.clock_s = max(self.clock_s, done.at_s)
         self._ending.discard(done.device)
+        self.changed = True
         return done
 
     def past(self, deadline_s: float) -> bool:

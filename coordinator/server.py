@@ -439,14 +439,14 @@ class Coordinator:
             for device in schedule.overdue():
                 self.counters["missed-deadline"] += 1
                 log.warning("%s: silent past wall_limit_s with its work of round %d: given up on", device, number)
-            for device in schedule.to_give(self._available(), number):
+            for device in schedule.to_give(self._available(), number) if schedule.changed else ():
                 schedule.give(device, number, model)
                 opened.selected.append(device)
                 self._send_round(device, with_weights=device in self._rejoined)
                 self._rejoined.discard(device)
             done = schedule.next_done(before_s=ends_s if len(taken) >= quorum else math.inf)
             if done is not None:
-                self._take_buffered(done, task, aggregate, taken)
+                self._take_buffered(done, task, aggregate, schedule, taken)
                 opened.delivered = set(taken)
                 continue
             if len(taken) >= quorum and schedule.past(ends_s):
@@ -465,12 +465,12 @@ class Coordinator:
         self._close(opened, aggregate, clock_s=schedule.now_s(),
                     staleness=float(np.mean(list(taken.values()))))
 
-    def _take_buffered(self, done: Done, task: int, aggregate: RoundAggregate, taken: dict[str, int]) -> None:
+    def _take_buffered(self, done: Done, task: int, aggregate: RoundAggregate, schedule: BufferedSchedule,
+                       taken: dict[str, int]) -> None:
         """Ended work as the open asynchronous round takes it: its update rebased onto the round's model and weighed
         by its staleness (one of an earlier task's round too: what its device learnt of that task), or refused
         (too stale, a second of its device's in the buffer)."""
-        update, schedule, number = done.update, self.schedule, aggregate.number
-        assert schedule is not None
+        update, number = done.update, aggregate.number
         if update is None:  # it sat the work out: free again
             return
         rebased = schedule.rebased(update.weights, done.round, number)
@@ -746,6 +746,7 @@ class Coordinator:
             return
         self.roster.take_status(event, self.state.task)
         if self.schedule is not None:
+            self.schedule.changed = True  # who is available may have changed
             self._on_buffered_status(event, self.schedule)
             return
         current = self.open_round

@@ -272,9 +272,12 @@ def test_splits_are_seeded():
     assert any(not np.array_equal(x, y) for x, y in zip(a.client_train_indices, c.client_train_indices))
 
 
+SPLIT_LABELS = st.lists(st.integers(0, 5), min_size=1, max_size=200)  # a task's labels, as the splits take them
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    labels=st.lists(st.integers(0, 5), min_size=1, max_size=200),
+    labels=SPLIT_LABELS,
     n_clients=st.integers(1, 30),
     alpha=st.floats(0.01, 100.0),
     seed=st.integers(0, 2**32 - 1),
@@ -290,7 +293,7 @@ def test_dirichlet_split_is_a_partition(labels, n_clients, alpha, seed):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    labels=st.lists(st.integers(0, 5), min_size=1, max_size=200),
+    labels=SPLIT_LABELS,
     n_clients=st.integers(1, 60),
     alpha=st.floats(0.01, 2.0),
     seed=st.integers(0, 2**32 - 1),
