@@ -101,6 +101,11 @@ class QuorumError(RuntimeError):
     """Not enough devices to run a round, after waiting and retrying as configured."""
 
 
+class RunAborted(RuntimeError):
+    """Something the run depends on outside this process is gone (a simulated fleet's worker process, and every
+    device it hosted): its owner said so through `Coordinator.abort`."""
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, resume: bool = False, test_sets: TestSets | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -109,6 +114,7 @@ class Coordinator:
         (round, task, accuracy, ...) once the round is checkpointed."""
         self.config = config
         self.progress = progress
+        self._aborted: str | None = None  # why the run must end now (`abort`), until the pump raises it
         rule = config.strategy["name"]
         options = {k: v for k, v in config.strategy.items() if k != "name"}
         refused = privacy_refused(config.privacy, rule, options)
@@ -284,6 +290,14 @@ class Coordinator:
         results = self.results()
         log.info("run complete: final average accuracy %.4f", results["final_accuracy"])
         return results
+
+    def abort(self, reason: str) -> None:
+        """End the run as failed with `reason` at its next message or wait, from any thread (not a signal handler:
+        `Link.wake`). For an owner that watches what the coordinator cannot see (a fleet's worker processes): a
+        round would otherwise wait for devices that are gone until its deadline or `wall_limit_s`. The last
+        round's checkpoint stays, so `--resume` goes on from it."""
+        self._aborted = reason
+        self.link.wake()
 
     def _hear_goodbyes(self, grace_s: float) -> None:
         """After the end: every connected device answers it (offline as it exits, or its state as it stays for the
@@ -690,6 +704,9 @@ class Coordinator:
     def _pump(self, timeout: float) -> None:
         """Handle at most one inbox item, waiting up to `timeout` for it."""
         item = self.link.get(timeout=max(timeout, 0.0))
+        if self._aborted is not None:
+            reason, self._aborted = self._aborted, None  # raised once: the run's end still hears the devices
+            raise RunAborted(reason)
         self.logs.maybe_write_live()
         for shares in self.shares:
             while (heard := shares.heard(timeout=0)) is not None:

@@ -234,6 +234,7 @@ def _fleet_run(args: argparse.Namespace) -> int:
 
     FleetConfig.load(args.fleet_file).check_tables(str(args.fleet_file))  # before the heavy imports: a typo at once
 
+    from coordinator.server import QuorumError, RunAborted
     from firmware_sim.fleet import run_fleet_file
 
     try:
@@ -242,7 +243,7 @@ def _fleet_run(args: argparse.Namespace) -> int:
                                      dashboard=args.dashboard)
     except KeyboardInterrupt:
         return 130
-    except ConnectionError as err:  # a Ray cluster that does not answer
+    except (ConnectionError, QuorumError, RunAborted) as err:  # a Ray cluster that does not answer, a lost worker
         print(f"edgefil fleet run: {err}", file=sys.stderr)
         return 2
     print(f"final accuracy {results['final_accuracy']:.2%} after {results['rounds_completed']} rounds; "

@@ -20,9 +20,11 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait as wait_for_ready
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,9 @@ class Fleet:
             self._start_workers(artifacts)
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
+            # a worker gone (killed for memory, crashed) took its devices: the run ends saying so, rather than
+            # waiting for them up to wall_limit_s
+            self.workers.watch(coordinator.abort)
             with coordinator_threads(self.workers.here()):
                 results = coordinator.run()
         finally:
@@ -362,9 +367,13 @@ class ProcessWorkers:
     def __init__(self, power_loss_safe: bool = False) -> None:
         """`power_loss_safe`: whether the devices' writes survive a power cut of this machine (`serve_devices`)."""
         self.power_loss_safe = power_loss_safe
-        self._stop = mp.get_context("spawn").Event()
+        # the word to stop: a pipe whose writing end `stop` closes, which every worker (and `watch`) sees as its end.
+        # Not a multiprocessing Event: a worker killed while it waited on one (as the kernel kills for memory) left
+        # its Condition counting a sleeper that never wakes, and the fleet's `set` waited for it forever
+        self._stop_heard, self._stop_said = mp.get_context("spawn").Pipe(duplex=False)
         self.processes: list[mp.process.BaseProcess] = []
         self._mounted: list[Path] = []
+        self._stopping = False
 
     def cores(self) -> int:
         """The cores the workers run on: those this process may run on."""
@@ -378,7 +387,7 @@ class ProcessWorkers:
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):
             worker = context.Process(target=host_devices, daemon=True, args=(
-                share, self._stop, str(logs / f"worker-{k}.log"), self.power_loss_safe))
+                share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe))
             worker.start()
             self.processes.append(worker)
 
@@ -386,9 +395,25 @@ class ProcessWorkers:
         """How many of the workers run on this machine (beside the coordinator)."""
         return len(self.processes)
 
+    def watch(self, gone: Callable[[str], None]) -> None:
+        """Call `gone` with a line, from a thread of its own, if a worker ends before `stop`: waits on the processes'
+        sentinels and the word to stop (no polling)."""
+        sentinels = {worker.sentinel: k for k, worker in enumerate(self.processes)}
+
+        def wait() -> None:
+            ended = wait_for_ready([*sentinels, self._stop_heard])
+            if self._stopping:
+                return
+            k = next(sentinels[s] for s in ended if s in sentinels)
+            gone(f"fleet worker {k} ended (exit code {self.processes[k].exitcode}) and its devices with it: "
+                 f"its log, logs/worker-{k}.log, says why")
+
+        threading.Thread(target=wait, daemon=True, name="worker-watch").start()
+
     def stop(self) -> None:
         """Stop every worker, within STOP_GRACE_S for all of them together (then terminated)."""
-        self._stop.set()
+        self._stopping = True
+        self._stop_said.close()
         deadline = time.monotonic() + STOP_GRACE_S
         for worker in self.processes:
             worker.join(max(0.0, deadline - time.monotonic()))

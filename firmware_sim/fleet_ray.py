@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from firmware_sim.fleet_worker import (
 
 log = logging.getLogger("edgefil.fleet")
 LOOPBACK = "127.0.0.1"
+WATCH_EVERY_S = 1.0  # how often `watch` asks Ray whether a worker ended (a wait that nothing else can wake)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class RayWorkers:
                      configure_logging=False)
         self._actors: list[Any] = []
         self._hosting: list[Any] = []
+        self._stopping = threading.Event()
 
     @property
     def broker_host(self) -> str:
@@ -176,7 +179,29 @@ class RayWorkers:
                                   timeout=timeout)
         return [str(n) for n in self._ray.get(ready)].count(self._ray.get_runtime_context().get_node_id())
 
+    def watch(self, gone: Callable[[str], None]) -> None:
+        """Call `gone` with a line, from a thread of its own, if a worker ends before `stop` (its restarts spent, or
+        failing): Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""
+        hosting = list(self._hosting)
+
+        def wait() -> None:
+            ended: list[Any] = []
+            while not ended and not self._stopping.is_set():
+                ended, _ = self._ray.wait(hosting, num_returns=1, timeout=WATCH_EVERY_S)
+            if self._stopping.is_set():
+                return
+            k = hosting.index(ended[0])
+            try:
+                self._ray.get(ended[0])
+                why = "returned"
+            except Exception as err:
+                why = f"{type(err).__name__}: {err}".splitlines()[0]
+            gone(f"fleet worker {k} ended ({why}) and its devices with it: its log, logs/worker-{k}.log, says more")
+
+        threading.Thread(target=wait, daemon=True, name="worker-watch").start()
+
     def stop(self) -> None:
+        self._stopping.set()
         ray = self._ray
         for actor in self._actors:
             actor.stop.remote()

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO, Any
 
@@ -140,16 +141,17 @@ class ExitDeadline:
             signal.alarm(math.ceil(self.seconds) + ALARM_AFTER_S)
 
 
-def _wait_for_stop(stop: Any, stopping: Callable[[], None] = lambda: None) -> None:
-    """Until the fleet says stop, SIGTERM arrives (from the fleet, or from the kernel when the fleet process dies:
-    PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent is seen to have changed (every
-    platform). A worker never outlives its fleet: `stopping()` is called as soon as any of these is seen, the
-    signal included, so that an `ExitDeadline` counts from there even if this thread never gets out of its wait.
-    The signal handler takes no lock: it sets a plain flag, which the wait below reads every PARENT_POLL_S, and
-    calls `stopping`. Setting the fleet's multiprocessing Event from a handler that interrupted this thread's own
-    wait on it deadlocks; so did a thread Event: SIGTERM comes twice when the fleet is killed (its own, and the
-    kernel's), and the second handler, run inside the first's `Event.set`, waited for the lock the first held (a
-    worker hung, its exit deadline never armed, 12 minutes in the test of a killed fleet)."""
+def _wait_for_stop(stop: Connection, stopping: Callable[[], None] = lambda: None) -> None:
+    """Until the fleet says stop (closes its end of the pipe `stop`), SIGTERM arrives (from the fleet, or from the
+    kernel when the fleet process dies: PR_SET_PDEATHSIG on Linux, even when it is killed by SIGKILL), or the parent
+    is seen to have changed (every platform). A worker never outlives its fleet: `stopping()` is called as soon as
+    any of these is seen, the signal included, so that an `ExitDeadline` counts from there even if this thread never
+    gets out of its wait. The signal handler takes no lock: it sets a plain flag, which the wait below reads every
+    PARENT_POLL_S, and calls `stopping`. Setting the fleet's multiprocessing Event (its word to stop before the
+    pipe) from a handler that interrupted this thread's own wait on it deadlocks; so did a thread Event: SIGTERM
+    comes twice when the fleet is killed (its own, and the kernel's), and the second handler, run inside the
+    first's `Event.set`, waited for the lock the first held (a worker hung, its exit deadline never armed, 12
+    minutes in the test of a killed fleet)."""
     # The fleet's pid as the spawn recorded it, not os.getppid() now: a fleet that died while this worker was still
     # starting (imports take seconds on a busy host) has already handed it to init, and a worker comparing against
     # that would wait forever (seen: two workers idle for 70 minutes after their fleet was killed at start-up).
@@ -169,13 +171,13 @@ def _wait_for_stop(stop: Any, stopping: Callable[[], None] = lambda: None) -> No
             if os.getppid() != parent:
                 logging.getLogger("edgefil.fleet").warning("the fleet process is gone: stopping the devices")
                 return
-            if stop.wait(PARENT_POLL_S):
+            if stop.poll(PARENT_POLL_S):  # the fleet closed its end: told to stop
                 return
     finally:
         stopping()
 
 
-def host_devices(configs: list[dict[str, Any]], stop: Any, log_file: str, power_loss_safe: bool) -> None:
+def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str, power_loss_safe: bool) -> None:
     """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone,
     and then gone within EXIT_DEADLINE_S, whatever it is stuck on (ExitDeadline). Ctrl-C is the parent's to
     handle."""

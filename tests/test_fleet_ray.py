@@ -79,6 +79,31 @@ def test_a_fleet_on_two_ray_nodes_completes_when_a_devices_node_is_killed(tmp_pa
         assert logs.count(f"{device} connected to") == 2, device
 
 
+def test_a_worker_lost_for_good_ends_the_run_in_one_line(tmp_path, cluster, export_artifacts):
+    """With its restarts spent (here none allowed) a worker is gone with its devices: the run ends, failed with a
+    line that names it, instead of waiting for them (or going on with half the fleet)."""
+    from coordinator.server import RunAborted
+
+    shutil.copytree(export_artifacts("lenet", 10, (1, 8, 8)), tmp_path / "run" / "artifacts")  # exported once
+    config = FleetConfig(
+        name="overray", out=tmp_path / "run", devices=4, workers=2, backend="ray",
+        trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3),
+        ray=RaySettings(address=cluster.address, max_restarts=0), scenario={"preset": "digits-class", "n_tasks": 2},
+        policy={"name": "random"}, store=StoreSettings(max_samples=60), client={"epochs": 1},
+        coordinator={"rounds_per_task": ROUNDS // 2, "min_clients": 1, "deadline_s": 30.0, "wait_for_devices_s": 90.0},
+    )
+    fleet = Fleet(config)
+
+    def progress(entry: dict[str, Any]) -> None:
+        workers = fleet.workers
+        assert isinstance(workers, RayWorkers)
+        if entry["round"] == KILL_AFTER_ROUND:
+            ray.kill(workers._actors[1], no_restart=True)
+
+    with pytest.raises(RunAborted, match=r"fleet worker 1 ended \(.*Actor.*\) and its devices with it"):
+        fleet.run(progress=progress)
+
+
 def test_an_address_where_no_cluster_answers_is_refused_in_one_line():
     from coordinator.broker import free_port
     from firmware_sim.fleet_ray import refuse_unreachable

@@ -130,6 +130,31 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
 
 
+def test_a_worker_that_dies_ends_the_run_in_one_line_and_it_resumes(tmp_path):
+    """A worker killed mid-run (as the kernel kills one for memory) took its devices with it: the run ends, failed
+    with a line that names the worker, rather than going on with half the fleet (or, at min_clients, waiting for the
+    lost devices up to wall_limit_s); its checkpoint stays and --resume finishes the run."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="embedded").replace("rounds_per_task = 2", "rounds_per_task = 10")
+                    .replace("min_clients = 4", "min_clients = 1"))  # the 2 devices left could go on alone
+    out, log = tmp_path / "run", tmp_path / "fleet.log"
+    proc = fleet(path)
+    wait_rounds(proc, out, 1, log)
+    workers = [pid for pid in children_of(proc.pid)
+               if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")]
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    assert proc.wait(CEILING_S) == 2, log.read_text()[-3000:]
+    said = [line for line in log.read_text().splitlines() if line.startswith("edgefil fleet run:")]
+    assert len(said) == 1 and "fleet worker" in said[0] and "exit code -9" in said[0], log.read_text()[-3000:]
+    ended = json.loads((out / "results.json").read_text())
+    assert ended["outcome"].startswith("failed: RunAborted: fleet worker") and ended["rounds_completed"] < 30
+
+    assert fleet(path, "--resume").wait(CEILING_S) == 0, log.read_text()[-3000:]
+    final = json.loads((out / "results.json").read_text())
+    assert final["outcome"] == "complete" and final["rounds_completed"] == 30
+
+
 def wait_rounds(proc: subprocess.Popen, out: Path, rounds: int, log: Path) -> None:
     deadline = time.monotonic() + CEILING_S
     while rounds_done(out) < rounds:
@@ -273,12 +298,12 @@ def test_a_worker_whose_fleet_died_while_it_started_stops(monkeypatch):
     monkeypatch.setattr(fleet_worker.mp, "parent_process", lambda: Dead())
     monkeypatch.setattr(fleet_worker, "die_with_parent", lambda: None)
     handler = signals.getsignal(signals.SIGTERM)
-    stop = mp.get_context("spawn").Event()
-    backstop = threading.Timer(30, stop.set)  # set only if the worker missed its fleet's death and would hang
+    stop, said = mp.get_context("spawn").Pipe(duplex=False)
+    backstop = threading.Timer(30, said.close)  # closed only if the worker missed its fleet's death and would hang
     backstop.start()
     try:
         fleet_worker._wait_for_stop(stop)
-        assert not stop.is_set()  # it returned on the dead fleet, not on the backstop's stop
+        assert not said.closed  # it returned on the dead fleet, not on the backstop's stop
     finally:
         backstop.cancel()
         signals.signal(signals.SIGTERM, handler)
@@ -315,7 +340,8 @@ def first_signal():
 calls = []
 threading.Thread(target=first_signal, daemon=True).start()
 sys.settrace(tracer)
-fleet_worker._wait_for_stop(mp.get_context("spawn").Event(), lambda: calls.append(1))
+stop, said = mp.get_context("spawn").Pipe(duplex=False)
+fleet_worker._wait_for_stop(stop, lambda: calls.append(1))
 sys.settrace(None)
 print("stopping called", len(calls), "times")
 """

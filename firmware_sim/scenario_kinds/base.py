@@ -215,11 +215,14 @@ def client_test_split(
     least one test sample of each class it holds. Clients draw independently, so two clients' test
     sets may overlap; each is a subset of the task's test set.
     """
+    pools: dict[int, np.ndarray] = {}  # a class's test positions, found once: per client they took minutes at 100,000
     splits = []
     for labels in client_labels:
         picks = [np.empty(0, np.int64)]
         for c, n in zip(*np.unique(labels, return_counts=True)):
-            pool = np.flatnonzero(test_labels == c)
+            pool = pools.get(c)
+            if pool is None:
+                pool = pools[c] = np.flatnonzero(test_labels == c)
             picks.append(rng.choice(pool, size=min(len(pool), math.ceil(fraction * n)), replace=False))
         splits.append(np.sort(np.concatenate(picks)))
     return splits
