@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleet_scale import memory_sum  # noqa: E402  (their top levels import the standard library only)
+from fleet_scale import memory_of  # noqa: E402  (their top levels import the standard library only)
 from vs_flower import descendants  # noqa: E402
 
 from edgefil.settings import dump_toml  # noqa: E402
@@ -64,16 +64,38 @@ def host_used_bytes() -> int:
     return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
 
 
+# what a process of the run is, by its command line: the peaks are kept for each kind too
+KINDS = (("worker", "spawn_main"), ("site aggregator", "edgefil.cli site"), ("broker", "mosquitto"),
+         ("fleet and coordinator", "edgefil.cli fleet"))
+
+
+def kind_of(pid: int) -> str:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return "other"
+    return next((kind for kind, mark in KINDS if mark in command), "other")
+
+
 @dataclass
 class Peaks:
     pss: int = 0
     host: int = 0
+    kinds: dict[str, list[int]] = field(default_factory=dict)  # kind -> [peak PSS of all its processes, count]
     stop: threading.Event = field(default_factory=threading.Event)
 
     def sample(self, pid: int, every_s: float, host_before: int) -> None:
         while not self.stop.wait(every_s):
-            self.pss = max(self.pss, int(memory_sum(descendants(pid)).get("Pss", 0)))
+            by_kind: dict[str, list[int]] = {}
+            for child in descendants(pid):  # the fleet process first
+                entry = by_kind.setdefault(kind_of(child), [0, 0])
+                entry[0] += int(memory_of(child).get("Pss", 0))
+                entry[1] += 1
+            self.pss = max(self.pss, sum(pss for pss, _ in by_kind.values()))
             self.host = max(self.host, host_used_bytes() - host_before)
+            for kind, (pss, count) in by_kind.items():
+                if pss > self.kinds.get(kind, [0, 0])[0]:
+                    self.kinds[kind] = [pss, count]
 
 
 def rounds_done(out: Path) -> int:
@@ -142,6 +164,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "received": [len(entry["received"]) for entry in history],
         "resume_start_s": None if second_open is None else second_open - resumed,
         "resume_s": resume_timing["wall_s"], "pss_peak": peaks.pss, "host_peak": peaks.host,
+        "pss_by_kind": peaks.kinds,
     }
 
 
@@ -158,6 +181,10 @@ def report(rows: list[dict]) -> str:
             f"{'/'.join(map(str, row['selected']))} ; {'/'.join(map(str, row['received']))} | "
             f"{row['pss_peak'] / 2**30:.2f} | {row['pss_peak'] / 2**20 / row['n']:.3f} | "
             f"{row['host_peak'] / 2**30:.2f} | {row['host_peak'] / 2**20 / row['n']:.3f} |")
+    lines += ["", "Each kind of process at its own peak (PSS GiB, processes): "
+              + " ; ".join(f"N={row['n']}: " + ", ".join(
+                  f"{kind} {pss / 2**30:.2f} ({count})" for kind, (pss, count) in sorted(row["pss_by_kind"].items()))
+                  for row in rows), ""]
     base = rows[0]
     for row in rows[1:]:
         per = {key: (row[key] / row["n"]) / (base[key] / base["n"]) for key in ("pss_peak", "host_peak")}

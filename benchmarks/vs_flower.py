@@ -152,7 +152,8 @@ def write_shards(n: int, folder: Path) -> None:
     import numpy as np
 
     from edgefil.settings import Where
-    from firmware_sim.scenarios import ClientSource, check_scenario
+    from firmware_sim.client_shares import ClientSource
+    from firmware_sim.scenarios import check_scenario
 
     scenario = {**WORK, "n_clients": n}
     data = check_scenario(scenario, Where("vs_flower")).build()

@@ -15,7 +15,8 @@
     [store]    max_samples (M), max_bytes
     [policy]   name = "refed" | "random" | ..., group_by = "class", new_share = "stream" | 0.5 (M's split between
                the newest task and the old ones; left out: Re-Fed's rule), and the policy's own options (e.g. lam)
-    [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation)
+    [data]     folder = "..."  (task-<t>.npz files with x, y)  or  scenario = {...} with client = k (simulation;
+               shares = "...": every client's share, written by the device's fleet, read instead of a build)
     [emulation]  simulation only: profile = "raspberry-pi-4-4gb" (or a path), host_gflops, real_time, time_scale
     [privacy]  local differential privacy (edge_client/privacy.py): mode = "off" | "local", clip_norm = 1.0,
                noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none); require_secure_aggregation =
@@ -88,6 +89,9 @@ class DataSettings:
     folder: Path | None = None
     scenario: Mapping[str, Any] | None = None
     client: int = 0
+    # a virtual device's: every client's share of `scenario`, written by its fleet (firmware_sim/client_shares.py),
+    # read instead of building the scenario where it serves it
+    shares: Path | None = None
 
     def __post_init__(self) -> None:
         if (self.folder is None) == (self.scenario is None):

@@ -1,5 +1,6 @@
 """Where a device's data comes from, task by task: a folder of files on a real device. In simulation the fleet
-hands the device a scenario's share instead (`firmware_sim.scenarios.ClientSource`), which satisfies `TaskSource`."""
+hands the device a scenario's share instead (`firmware_sim.client_shares.ClientSource`), which satisfies
+`TaskSource`."""
 from __future__ import annotations
 
 from pathlib import Path

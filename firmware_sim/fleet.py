@@ -50,6 +50,7 @@ from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, dump_toml
 from firmware_sim import disk
 from firmware_sim.adversary import OMNISCIENT
+from firmware_sim.client_shares import SHARES_FOLDER, write_shares
 from firmware_sim.fleet_config import FleetConfig
 from firmware_sim.fleet_ray import LOOPBACK, RayWorkers
 from firmware_sim.fleet_worker import (
@@ -136,6 +137,8 @@ class Fleet:
         for folder in ("devices", "logs"):
             (out / folder).mkdir(parents=True, exist_ok=True)
         write_atomically(out / FLEET_FILE, json.dumps(self.config.describe(), indent=1).encode())
+        preparing.step("writing every client's share for the workers")
+        write_shares(data, out / SHARES_FOLDER)  # again on a resume: the data a folder holds may have changed
         preparing.step("exporting the model")
         artifacts = self._export(data, preparing)
         self.learner = self.config.learner_options(data)
@@ -326,7 +329,7 @@ class Fleet:
             "trainer": vars(self.config.trainer), "learner": self.learner, "store": store,
             "policy": dict(self.config.policy),
             **({"privacy": vars(self.config.privacy)} if self.config.privacy != LocalPrivacySettings() else {}),
-            "data": {"scenario": self.scenario, "client": index},
+            "data": {"scenario": self.scenario, "client": index, "shares": str(self.config.out / SHARES_FOLDER)},
         }
 
     def _saved_buffers(self) -> int:

@@ -25,7 +25,7 @@ from .datasets import ArrayDataset, load_dataset
 from .scenario_kinds import KINDS, ScenarioKind, Task
 from .scenario_kinds.base import client_test_split, dirichlet_split, held_out
 
-__all__ = ["OLD_DATA_CACHED", "PRESETS", "ClientSource", "Scenario", "ScenarioData", "Task", "check_scenario",
+__all__ = ["OLD_DATA_CACHED", "PRESETS", "Scenario", "ScenarioData", "Task", "check_scenario",
            "client_test_split", "dirichlet_split", "preset", "scenario_from_config", "shared_build"]
 
 
@@ -260,6 +260,10 @@ class ScenarioData:
         """n_k^t of pFedGRP's IAA (Eq. 9): the train samples client k received in tasks 0..t."""
         return sum(len(task.client_train_indices[k]) for task in self.tasks[: t + 1])
 
+    def client_train(self, t: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client k's train samples of task t: what its device receives (firmware_sim/client_shares.py)."""
+        return self.tasks[t].client_train(k)
+
     def client_first_task(self, k: int) -> int | None:
         """The first task that brings client k train samples (None: none does). Before it the client's device
         holds nothing and says "no-data"; from it on it trains each round (on its store where a task brings
@@ -310,21 +314,6 @@ def shared_build(scenario: Scenario) -> ScenarioData:
             while len(_shared) > SHARED_SCENARIOS:
                 del _shared[next(iter(_shared))]
         return data
-
-
-class ClientSource:
-    """One client's share of a scenario, task by task: the data stream of a simulated device."""
-
-    def __init__(self, scenario: Scenario | Mapping[str, Any], client: int) -> None:
-        if not isinstance(scenario, Scenario):
-            scenario = scenario_from_config(scenario)
-        if not 0 <= client < scenario.n_clients:
-            raise ValueError(f"client {client} is not one of the scenario's {scenario.n_clients} clients")
-        self.client = client
-        self.data = shared_build(scenario)
-
-    def task_data(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.data.tasks[task].client_train(self.client)
 
 
 def check_scenario(raw: Any, where: Where) -> Scenario:

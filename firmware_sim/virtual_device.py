@@ -17,17 +17,17 @@ from edge_client.environment import Environment, RealEnvironment, Turns
 from edge_client.sources import TaskSource
 from edgefil.netloop import NetworkLoop
 from firmware_sim.adversary import AdversarialDevice
+from firmware_sim.client_shares import ClientSource
 from firmware_sim.emulation import EmulatedEnvironment
 from firmware_sim.limits import HostCalibration
 from firmware_sim.profiles import load_profile
-from firmware_sim.scenarios import ClientSource
 
 
 def simulated_source(config: DeviceConfig) -> TaskSource | None:
     """The device's share of the scenario, or None when its data come from a folder."""
     if config.data is None or config.data.scenario is None:
         return None
-    return ClientSource(config.data.scenario, config.data.client)
+    return ClientSource(config.data.scenario, config.data.client, config.data.shares)
 
 
 def hosted_environment(config: DeviceConfig, turns: Turns | None = None) -> Environment:

@@ -128,6 +128,8 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
     assert {"summary.md", "accuracy_matrix.png", "accuracy_per_task.png", "storage_traffic.png"} <= {
         p.name for p in out.iterdir()}  # the run's report
     assert sorted(p.name for p in (out / "devices").iterdir()) == [f"dev-{i:03d}" for i in range(4)]
+    for log in (out / "logs").glob("worker-*.log"):  # each worker read its devices' data from the fleet's shares
+        assert "the scenario's shares in" in log.read_text() and "are not used" not in log.read_text(), log.name
 
 
 def test_a_worker_that_dies_ends_the_run_in_one_line_and_it_resumes(tmp_path):

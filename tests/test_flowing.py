@@ -9,8 +9,9 @@ import pytest
 
 from coordinator.evaluation import Evaluator
 from edge_client.trainers.pytorch import TorchTrainer
+from firmware_sim.client_shares import ClientSource
 from firmware_sim.scenario_kinds import flowing as flowing_kind
-from firmware_sim.scenarios import PRESETS, ClientSource, Scenario, preset, scenario_from_config
+from firmware_sim.scenarios import PRESETS, Scenario, preset, scenario_from_config
 from models.manifest import load_manifest
 
 FLOWING_PRESETS = [name for name, s in PRESETS.items() if s.kind == "flowing"]

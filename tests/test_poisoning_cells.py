@@ -5,7 +5,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from firmware_sim.scenarios import ClientSource
+from firmware_sim.client_shares import ClientSource
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from edgefil.durable import read_npz
 from firmware_sim import scenarios
+from firmware_sim.client_shares import ClientSource, write_shares
 from firmware_sim.data_split import add_data_parser
 from firmware_sim.datasets import ArrayDataset
 from firmware_sim.scenarios import PRESETS, Scenario, client_test_split, dirichlet_split, preset
@@ -333,19 +335,17 @@ def test_client_test_split_caps_at_available_samples():
 def test_client_sources_of_one_scenario_share_one_build(monkeypatch):
     """A fleet worker's devices build their scenario once between them (before, each device built all N clients'
     shares: start-up grew as N^2); a different scenario is built apart."""
-    from firmware_sim import scenarios
-
     calls = []
     real = scenarios.build
     monkeypatch.setattr(scenarios, "build", lambda s: calls.append(s) or real(s))
     monkeypatch.setattr(scenarios, "_shared", {})
     config = preset("digits-class", n_clients=6, seed=11).to_dict()
-    sources = [scenarios.ClientSource(config, k) for k in range(6)]
+    sources = [ClientSource(config, k) for k in range(6)]
     assert len(calls) == 1 and all(s.data is sources[0].data for s in sources)
     x0, _ = sources[0].task_data(0)
     x0[:] = -1.0  # a device's share is its own copy: writing it leaves the shared build untouched
     assert (sources[0].task_data(0)[0] >= 0).all()
-    other = scenarios.ClientSource(preset("digits-class", n_clients=6, seed=12).to_dict(), 0)
+    other = ClientSource(preset("digits-class", n_clients=6, seed=12).to_dict(), 0)
     assert len(calls) == 2 and other.data is not sources[0].data
 
 
@@ -376,3 +376,45 @@ def test_glfc_dynamics_join_clients_keep_some_on_old_data_and_share_out_each_cla
         preset("digits-class", joining=2)
     with pytest.raises(ValueError, match="leave none"):
         preset("digits-class", dynamics="glfc", joining=5, n_clients=20)
+
+
+@pytest.mark.parametrize("name", ["digits-class", "digits-domain", "digits-flowing-gradual", "digits-fewshot"])
+def test_a_client_reads_from_its_fleets_shares_what_the_built_scenario_gives_it(tmp_path, monkeypatch, name):
+    """The shares folder a fleet writes (every client's rows of every task, mapped by its workers) gives each client
+    what the built scenario gives it, task by task, for every kind (a domain stream's tasks index different
+    datasets; a few-shot base session has no client rows), with no build in the reading process."""
+
+    scenario = preset(name, n_clients=5)
+    data = scenario.build()
+    write_shares(data, tmp_path / "shares")
+    monkeypatch.setattr(scenarios, "_shared", {})
+    monkeypatch.setattr(scenarios, "build", lambda s: pytest.fail("built although the shares serve it"))
+    for k in range(5):
+        source = ClientSource(scenario.to_dict(), k, tmp_path / "shares")
+        for t in range(len(data.tasks)):
+            x, y = source.task_data(t)
+            want_x, want_y = data.client_train(t, k)
+            assert x.dtype == np.float32 and y.dtype == np.int64
+            np.testing.assert_array_equal(x, want_x)
+            np.testing.assert_array_equal(y, want_y)
+    x, _ = ClientSource(scenario, 0, tmp_path / "shares").task_data(0)
+    if len(x):
+        x[:] = -7.0  # a device's share is its own copy: the mapped rows stay as written
+        assert not (ClientSource(scenario, 0, tmp_path / "shares").task_data(0)[0] == -7.0).any()
+
+
+def test_shares_of_another_scenario_or_none_at_all_are_passed_over_and_the_scenario_is_built(tmp_path, caplog):
+    """A shares folder written for another scenario (or missing: a config moved to another machine) serves
+    nothing: said once in the log, and the client's data come from the scenario built here, the same as ever."""
+
+    write_shares(preset("digits-class", n_clients=4, seed=1).build(), tmp_path / "other")
+    scenario = preset("digits-class", n_clients=4, seed=2)
+    built = scenario.build()
+    for folder, why in ((tmp_path / "other", "another scenario's"), (tmp_path / "missing", "FileNotFoundError")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="edgefil.fleet"):
+            sources = [ClientSource(scenario, k, folder) for k in range(4)]
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and why in said[0] and "building the scenario here" in said[0], said
+        for k, source in enumerate(sources):
+            np.testing.assert_array_equal(source.task_data(1)[1], built.client_train(1, k)[1])
