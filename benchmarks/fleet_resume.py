@@ -190,8 +190,11 @@ def report(rows: list[dict]) -> str:
         per = {key: (row[key] / row["n"]) / (base[key] / base["n"]) for key in ("pss_peak", "host_peak")}
         times = {key: (row[key] / row["n"]) / (base[key] / base["n"]) for key in ("start_s", "resume_start_s")
                  if row[key] and base[key]}
+        more = {key: (row[key] - base[key]) / 2**20 / (row["n"] - base["n"]) for key in ("pss_peak", "host_peak")}
         lines.append(f"- {row['n']} against {base['n']}, a device's: PSS {per['pss_peak']:.2f}x, host memory "
-                     f"{per['host_peak']:.2f}x" + "".join(f", {key} {ratio:.2f}x" for key, ratio in times.items()))
+                     f"{per['host_peak']:.2f}x" + "".join(f", {key} {ratio:.2f}x" for key, ratio in times.items())
+                     + f"; each device more (the fixed processes cancel): PSS {more['pss_peak']:.3f} MiB, host "
+                     f"memory {more['host_peak']:.3f} MiB")
     return "\n".join(lines)
 
 
