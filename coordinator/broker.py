@@ -201,9 +201,11 @@ class MosquittoBroker:
         inbox_workers: int = 0,
         sites: Sequence[Site] = (),
         bridge: Bridge | None = None,
+        relayed_devices: int = 0,
     ) -> None:
         """`sites`: the sites bridged to this broker (their accounts); `bridge`: this broker is a site's, bridged to
-        the central one."""
+        the central one; `relayed_devices`: the devices at sites that have no account here, whose messages still
+        reach the coordinator through this broker (its queue is sized for them too)."""
         self.workdir = Path(workdir).resolve()
         self.prefix = topics.prefix(fleet)
         self.coordinator = Credentials(
@@ -249,13 +251,18 @@ class MosquittoBroker:
             if site.account.username in self._devices or site.account.username in self._observers:
                 raise ValueError(f"{site.account.username!r} is a site's account, not a device's or observer's")
         self.bridge = bridge
+        if relayed_devices < 0:
+            raise ValueError("relayed_devices must be at least 0")
+        self.relayed_devices = relayed_devices
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
 
     @property
     def max_queued_messages(self) -> int:
-        """Sized to the roster (QUEUED_PER_DEVICE); `add_device` grows it with the reload it sends."""
-        return max(MIN_QUEUED, len(self._devices) * self.queued_per_device)
+        """Sized to the roster and the devices its sites relay (QUEUED_PER_DEVICE: 10,000 devices at sites, whose
+        registrations crossed the bridges at once, overran mosquitto's default 1000 of a central broker that held
+        no device account); `add_device` grows it with the reload it sends."""
+        return max(MIN_QUEUED, (len(self._devices) + self.relayed_devices) * self.queued_per_device)
 
     @property
     def conf_path(self) -> Path:

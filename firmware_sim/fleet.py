@@ -257,7 +257,8 @@ class Fleet:
                             observers={OBSERVER: self.observer_password},
                             observers_read_learning=self.config.observer_reads_learning,
                             inbox_workers=self.config.coordinator_options().get("inbox_workers", 0),
-                            sites=self.sites.sites() if self.sites is not None else ())
+                            sites=self.sites.sites() if self.sites is not None else (),
+                            relayed_devices=len(self.sites.site_of) if self.sites is not None else 0)
             if use_mosquitto else EmbeddedBroker(host=host)
         )
         broker.start()

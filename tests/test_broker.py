@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker import (
+    MIN_QUEUED,
+    QUEUED_PER_DEVICE,
     BrokerAddress,
     Credentials,
     EmbeddedBroker,
     MosquittoBroker,
+    Site,
     free_port,
     generate_password,
     mosquitto_path,
@@ -271,6 +274,22 @@ def _received_when_quiet(peer: Peer, timeout: float = 30.0) -> int:
             break
         time.sleep(0.05)
     return seen
+
+
+def test_a_central_broker_sizes_the_coordinators_queue_for_the_devices_its_sites_relay(tmp_path):
+    """A fleet whose devices are all at sites has no device account at its central broker, yet every registration
+    and status crosses it to the coordinator: its queue is sized for the relayed devices as for its own (at 10,000
+    devices behind 10 sites, mosquitto's default 1000 dropped 961 registrations and the run waited for them)."""
+    site = Site("north", Credentials("site-north", generate_password()))
+    coordinator = Credentials("coordinator", generate_password())
+    alone = MosquittoBroker(tmp_path / "alone", FLEET, {}, coordinator, sites=[site])
+    relaying = MosquittoBroker(tmp_path / "relaying", FLEET, {}, coordinator, sites=[site], relayed_devices=10_000)
+    assert alone.max_queued_messages == MIN_QUEUED
+    assert relaying.max_queued_messages == 10_000 * QUEUED_PER_DEVICE
+    relaying.write_config()
+    assert f"max_queued_messages {10_000 * QUEUED_PER_DEVICE}\n" in (tmp_path / "relaying" / "mosquitto.conf").read_text()
+    with pytest.raises(ValueError, match="relayed_devices"):
+        MosquittoBroker(tmp_path / "bad", FLEET, {}, coordinator, relayed_devices=-1)
 
 
 @needs_mosquitto
