@@ -133,3 +133,14 @@ def parse(fleet: str, topic: str) -> Topic | None:
     if len(parts) == 2 and parts[0] == TO_ALL and parts[1]:
         return Topic(TO_ALL, None, parts[1])
     return None
+
+
+def parse_at_any_broker(fleet: str, topic: str) -> tuple[str | None, Topic] | None:
+    """A protocol topic as the device's own, whether it was read at the device's broker or relayed by its site's
+    bridge (`via_site`), with the site (None at the device's own broker); None for anything else. For readers of
+    the central broker that take both alike (`edgefil watch`, the tests' waits)."""
+    relay = relayed(fleet, topic)
+    if relay is not None:
+        return relay
+    parsed = parse(fleet, topic)
+    return None if parsed is None else (None, parsed)

@@ -83,11 +83,11 @@ def _blob(kind: str, m: wire.Message) -> str:
 
 def describe(fleet: str, topic: str, payload: bytes | bytearray | memoryview, retained: bool) -> str | None:
     """The line for one message (without the time), or None for a blob's later chunks."""
-    relay = topics.relayed(fleet, topic)  # a site's device's, across its site's bridge
-    parsed = relay[1] if relay is not None else topics.parse(fleet, topic)
-    if parsed is None:
+    found = topics.parse_at_any_broker(fleet, topic)  # a site's device's too, across its site's bridge
+    if found is None:
         return f"? {topic}: not a topic of the protocol"
-    via = "" if relay is None else f" (via site {relay[0]})"
+    site, parsed = found
+    via = "" if site is None else f" (via site {site})"
     if parsed.direction == topics.FROM_DEVICE:
         who = f"{parsed.device} -> coordinator{via}"
     elif parsed.direction == topics.TO_DEVICE:

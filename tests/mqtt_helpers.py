@@ -119,9 +119,8 @@ class Peer:
 
 def device_of(fleet: str, topic: str) -> str | None:
     """The device a protocol topic names, at its own broker or relayed by its site's bridge."""
-    relay = topics.relayed(fleet, topic)
-    parsed = relay[1] if relay is not None else topics.parse(fleet, topic)
-    return None if parsed is None else parsed.device
+    found = topics.parse_at_any_broker(fleet, topic)
+    return None if found is None else found[1].device
 
 
 def wait_online(address: BrokerAddress, watcher: Credentials, fleet: str, devices: list[str], timeout: float,
