@@ -362,6 +362,9 @@ class Fleet:
         )
 
 
+EXIT_CODE_WAIT_S = 5.0  # how long `ProcessWorkers.watch` waits for an ended worker's exit code to be there
+
+
 class ProcessWorkers:
     """The fleet's workers as processes on this machine (firmware_sim/fleet_worker.py): spawned by `start`, told
     to stop (and terminated past a grace period) by `stop`; the emulated devices' disks are mounted here first."""
@@ -409,6 +412,7 @@ class ProcessWorkers:
             if self._stopping:
                 return
             k = next(sentinels[s] for s in ended if s in sentinels)
+            self.processes[k].join(EXIT_CODE_WAIT_S)  # its sentinel may be ready a moment before its exit code
             gone(f"fleet worker {k} ended (exit code {self.processes[k].exitcode}) and its devices with it: "
                  f"its log, logs/worker-{k}.log, says why")
 

@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import numpy as np
@@ -408,13 +409,26 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
 def verify_files(directory: Path, files: dict[str, str], listing: str, check_hashes: bool = True) -> None:
     """Every file a listing (manifest.json, generator.json) names is present, matches its sha256, and, for an
     ONNX model, has an IR version the devices' ONNX Runtime reads, as its own protobuf header says; ManifestError
-    otherwise."""
+    otherwise. A file found good is not read again while it stays the same file, unchanged (its inode, size and
+    modification time): a fleet worker loads one artifact set for each of its thousands of devices, and hashing
+    every file for each was 8 ms of a device's 10-17 ms start."""
     for name, expected in files.items():
         path = directory / name
-        if not path.is_file():
+        try:
+            found = path.stat()
+        except OSError:
+            found = None
+        if found is None or not S_ISREG(found.st_mode):
             raise ManifestError(f"artifact file {path} is missing")
+        seen = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, expected, check_hashes)
+        if seen in _FOUND_GOOD:
+            continue
         if check_hashes and sha256_file(path) != expected:
             raise ManifestError(f"artifact file {path} does not match its sha256 in {listing}")
         if name.endswith(".onnx") and (ir_version := read_ir_version(path)) > MAX_IR_VERSION:
             raise ManifestError(f"{path} has ONNX IR version {ir_version}; the devices' ONNX Runtime reads at most "
                                 f"{MAX_IR_VERSION}: export it again with this edgefil")
+        _FOUND_GOOD.add(seen)
+
+
+_FOUND_GOOD: set[tuple[Any, ...]] = set()  # verify_files' files found good, by what would show a change

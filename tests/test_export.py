@@ -1,5 +1,6 @@
 """Artifact export, the manifest, and every way an artifact set is refused."""
 import json
+import os
 import shutil
 
 import numpy as np
@@ -9,6 +10,7 @@ from edge_client.trainers.ort import OrtTrainer
 from edge_client.trainers.portable import PortableTrainer
 from edgefil import __version__
 from edgefil.cli import main
+from models import manifest as manifest_module
 from models.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
@@ -111,6 +113,26 @@ def test_tampered_file_is_refused(lenet_copy):
         handle.write(b"\0")
     with pytest.raises(ManifestError, match="sha256"):
         OrtTrainer(lenet_copy)
+
+
+def test_a_file_changed_after_it_was_found_good_is_hashed_again_and_refused(lenet_copy):
+    """verify_files reads a file found good only once while it stays unchanged (a fleet worker loads one artifact
+    set for thousands of devices); writing to it, even keeping its size, is seen and refused."""
+    load_manifest(lenet_copy)
+    hashed = []
+    real = manifest_module.sha256_file
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(path) or real(path))
+        load_manifest(lenet_copy)
+        assert hashed == []  # nothing changed: nothing read again
+        path = lenet_copy / EVAL_MODEL
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))  # the same size
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))  # a coarse clock's same tick
+        with pytest.raises(ManifestError, match="sha256"):
+            load_manifest(lenet_copy)
+        assert path in hashed
 
 
 def test_missing_file_and_missing_manifest_are_refused(lenet_copy):
