@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,7 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
     """ms of CPU a device, for each batch of `batch` devices built in a row."""
     from fleet_resume import fleet_file
 
+    from coordinator.broker import BrokerAddress
     from coordinator.preparation import Preparation
     from edge_client.config import DeviceConfig
     from edge_client.environment import Turns
@@ -49,6 +51,8 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
     artifacts = fleet._export(data, Preparation(fleet.config.out))
     fleet.learner = fleet.config.learner_options(data)
     fleet.host_gflops = None
+    # no broker runs: the devices are built, not connected (`_settings` reads only its address)
+    fleet.broker = types.SimpleNamespace(address=BrokerAddress("127.0.0.1", 1))  # type: ignore[assignment]
     configs = [fleet.device_config(k, artifacts) for k in range(0, n, stride)]
     limit_torch_threads()
     unmap_large_buffers()
