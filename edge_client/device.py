@@ -718,14 +718,21 @@ def _seed_of(device_id: str) -> int:
 
 def run_device(device: Device, connect_timeout: float = 60.0) -> None:
     """`edgefil client --config FILE`: run until SIGTERM/SIGINT or the run's end, then leave cleanly (status
-    offline). A broker that does not answer is waited for, however long (a device often boots before it, or
-    outlives its restart); one that refuses the device (its password, its certificate) is not: ConnectionRefused."""
+    offline), waiting for its broker however long (`run_until_stopped`)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: device.stop_requested.set())
+    run_until_stopped(device, connect_timeout)
+
+
+def run_until_stopped(device: Device, connect_timeout: float = 60.0) -> None:
+    """Run `device` until it is asked to stop or the run ends. A broker that does not answer is waited for, however
+    long (a device often boots before it, or outlives its restart; a fleet worker's devices connect while the host
+    is busy starting thousands more); one that refuses the device (its password, its certificate) is not:
+    ConnectionRefused."""
     broker = f"{device.config.broker.host}:{device.config.broker.port}"
 
     def waiting() -> None:  # said within seconds, not after the whole timeout
-        log.warning("%s: waiting for the MQTT broker at %s (no answer yet; still trying, Ctrl-C stops)", device.id,
+        log.warning("%s: waiting for the MQTT broker at %s (no answer yet; still trying until stopped)", device.id,
                     broker)
 
     while not device.stop_requested.is_set():
@@ -735,7 +742,7 @@ def run_device(device: Device, connect_timeout: float = 60.0) -> None:
         except ConnectionRefused:
             raise
         except ConnectionError as err:
-            log.warning("%s: %s; still trying (Ctrl-C stops)", device.id, err)
+            log.warning("%s: %s; still trying until stopped", device.id, err)
             notify("WATCHDOG=1")  # waiting for a broker is not being stuck
 
 

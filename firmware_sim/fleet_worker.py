@@ -224,7 +224,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     unmap_large_buffers()
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
-    from edge_client.device import Device
+    from edge_client.device import Device, run_until_stopped
     from edge_client.environment import Turns
     from edgefil.netloop import NetworkLoop
     from firmware_sim.virtual_device import virtual_device
@@ -250,8 +250,8 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
         with lock:
             devices.append(device)
         try:
-            device.run()
-        except Exception as err:  # it could not connect by its deadline, or was refused: its own log line
+            run_until_stopped(device)  # as a device waits for its broker: a busy host's CONNACKs come late
+        except Exception as err:  # refused by the broker, or failing: its own log line
             logging.getLogger("edgefil.fleet").error("device %s stopped: %s", raw["device_id"], err)
 
     threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
