@@ -5,7 +5,8 @@ the trainer), batch by batch, for one worker's share of a fleet of N (device k o
 that the worker's one building thread (`Turns`) does alone, one device after another.
 
 `--against DIR` runs the same in another checkout first (the same arguments; its own code), so a change is
-compared in one run on one host.
+compared in one run on one host. That checkout needs `Fleet.prepare` (from commit "review: Fleet.prepare" on; the
+table of 2026-12-04 in docs/results.md was made by this file's first version, at deccbee, against d22eea1).
 
     .venv/bin/python benchmarks/device_start.py [--devices 100000] [--stride 24] [--batch 500] [--against DIR]
 """
@@ -36,7 +37,6 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
     from edge_client.environment import Turns
     from edgefil.netloop import NetworkLoop
     from edgefil.settings import dump_toml
-    from firmware_sim.client_shares import SHARES_FOLDER, write_shares
     from firmware_sim.fleet import Fleet
     from firmware_sim.fleet_config import FleetConfig
     from firmware_sim.fleet_worker import limit_torch_threads, unmap_large_buffers
@@ -44,13 +44,7 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
 
     (folder / "fleet.toml").write_text(dump_toml(fleet_file(n, 0, 1, 0.01)))
     fleet = Fleet(FleetConfig.load(folder / "fleet.toml"))
-    data = fleet.config.check(str(folder / "fleet.toml"))
-    fleet.first_tasks = tuple(data.client_first_task(k) for k in range(n))
-    (fleet.config.out / "devices").mkdir(parents=True, exist_ok=True)
-    write_shares(data, fleet.config.out / SHARES_FOLDER)
-    artifacts = fleet._export(data, Preparation(fleet.config.out))
-    fleet.learner = fleet.config.learner_options(data)
-    fleet.host_gflops = None
+    _, artifacts = fleet.prepare(str(folder / "fleet.toml"), Preparation(fleet.config.out))
     # no broker runs: the devices are built, not connected (`_settings` reads only its address)
     fleet.broker = types.SimpleNamespace(address=BrokerAddress("127.0.0.1", 1))  # type: ignore[assignment]
     configs = [fleet.device_config(k, artifacts) for k in range(0, n, stride)]

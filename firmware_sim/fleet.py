@@ -122,6 +122,41 @@ class Fleet:
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """The whole run; `progress` gets each round's history entry as the coordinator completes it."""
         preparing = Preparation(self.config.out)  # what the dashboard shows until the first round
+        data, artifacts = self.prepare(file, preparing)
+        log.info("starting %d devices on %s, then the coordinator", self.config.devices,
+                 "a Ray cluster" if self.config.backend == "ray" else "worker processes")
+        try:
+            # mosquitto inherits the limit: a connection per device at the busiest broker (the fleet's, or a site's)
+            ensure_descriptors(self._busiest_broker(), "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
+            safe = self.config.power_loss_safe
+            self.workers = RayWorkers(self.config.ray, safe) if self.config.backend == "ray" else ProcessWorkers(safe)
+            self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
+            self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
+            preparing.step("starting the broker")
+            self.broker = self._start_broker(self.workers.broker_host)
+            self._write_observer_file(self.broker)
+            if self.sites is not None and isinstance(self.broker, MosquittoBroker):
+                preparing.step("starting the sites' brokers and aggregators")
+                self.sites.start(self.broker, artifacts, self.config.out / "logs", self.keepalive)
+            preparing.step("starting a first device, then the workers and the coordinator")
+            self._check_a_device_starts(artifacts, file)
+            self._start_workers(artifacts)
+            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
+                                      progress=progress)
+            # a worker gone (killed for memory, crashed) took its devices: the run ends saying so, rather than
+            # waiting for them up to wall_limit_s
+            self.workers.watch(coordinator.abort)
+            with coordinator_threads(self.workers.here()):
+                results = coordinator.run()
+        finally:
+            self._report_dropped()
+            self.stop()
+        written = write_report(self.config.out, results)
+        return {**results, "report": str(written[0])}
+
+    def prepare(self, file: str, preparing: Preparation) -> tuple[ScenarioData, Path]:
+        """Everything before a broker or a worker starts: the fleet file checked and its scenario built, the run
+        folder, every client's share, the exported model, what each device's config needs (`device_config`)."""
         preparing.step("checking the fleet file and building the scenario")
         data = self.config.check(file)  # before anything starts
         self.first_tasks = tuple(data.client_first_task(k) for k in range(self.config.devices))
@@ -142,39 +177,10 @@ class Fleet:
         preparing.step("exporting the model")
         artifacts = self._export(data, preparing)
         self.learner = self.config.learner_options(data)
-        log.info("starting %d devices on %s, then the coordinator", self.config.devices,
-                 "a Ray cluster" if self.config.backend == "ray" else "worker processes")
         if self.config.profiles:
             preparing.step("measuring this host's speed for the devices' profiles")
         self.host_gflops = calibrate_host().gflops if self.config.profiles else None
-        try:
-            # mosquitto inherits the limit: a connection per device at the busiest broker (the fleet's, or a site's)
-            ensure_descriptors(self._busiest_broker(), "the fleet's broker", DESCRIPTORS_PER_CONNECTION)
-            safe = self.config.power_loss_safe
-            self.workers = RayWorkers(self.config.ray, safe) if self.config.backend == "ray" else ProcessWorkers(safe)
-            self.keepalive = crowded_keepalive(self.config.devices, self.workers.cores())
-            self.heartbeat = fleet_heartbeat(self.config.devices, self.workers.cores(), DeviceConfig.heartbeat_s)
-            preparing.step("starting the broker")
-            self.broker = self._start_broker(self.workers.broker_host)
-            self._write_observer_file(self.broker)
-            if self.sites is not None and isinstance(self.broker, MosquittoBroker):
-                preparing.step("starting the sites' brokers and aggregators")
-                self.sites.start(self.broker, artifacts, out / "logs", self.keepalive)
-            preparing.step("starting a first device, then the workers and the coordinator")
-            self._check_a_device_starts(artifacts, file)
-            self._start_workers(artifacts)
-            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
-                                      progress=progress)
-            # a worker gone (killed for memory, crashed) took its devices: the run ends saying so, rather than
-            # waiting for them up to wall_limit_s
-            self.workers.watch(coordinator.abort)
-            with coordinator_threads(self.workers.here()):
-                results = coordinator.run()
-        finally:
-            self._report_dropped()
-            self.stop()
-        written = write_report(out, results)
-        return {**results, "report": str(written[0])}
+        return data, artifacts
 
     def stop(self) -> None:
         if self.workers is not None:

@@ -409,9 +409,9 @@ def load_manifest(directory: str | Path, check_hashes: bool = True) -> Manifest:
 def verify_files(directory: Path, files: dict[str, str], listing: str, check_hashes: bool = True) -> None:
     """Every file a listing (manifest.json, generator.json) names is present, matches its sha256, and, for an
     ONNX model, has an IR version the devices' ONNX Runtime reads, as its own protobuf header says; ManifestError
-    otherwise. A file found good is not read again while it stays the same file, unchanged (its inode, size and
-    modification time): a fleet worker loads one artifact set for each of its thousands of devices, and hashing
-    every file for each was 8 ms of a device's 10-17 ms start."""
+    otherwise. A file found good is not read again while it stays the same file, unchanged (its inode, size,
+    modification and change times): a fleet worker loads one artifact set for each of its thousands of devices,
+    and hashing every file for each was 8 ms of a device's 10-17 ms start."""
     for name, expected in files.items():
         path = directory / name
         try:
@@ -420,7 +420,8 @@ def verify_files(directory: Path, files: dict[str, str], listing: str, check_has
             found = None
         if found is None or not S_ISREG(found.st_mode):
             raise ManifestError(f"artifact file {path} is missing")
-        seen = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, expected, check_hashes)
+        seen = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns, expected,
+                check_hashes)  # ctime: a write whose mtime was set back still shows
         if seen in _FOUND_GOOD:
             continue
         if check_hashes and sha256_file(path) != expected:
