@@ -90,7 +90,9 @@ def test_a_worker_lost_for_good_ends_the_run_in_one_line(tmp_path, cluster, expo
         trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3),
         ray=RaySettings(address=cluster.address, max_restarts=0), scenario={"preset": "digits-class", "n_tasks": 2},
         policy={"name": "random"}, store=StoreSettings(max_samples=60), client={"epochs": 1},
-        coordinator={"rounds_per_task": ROUNDS // 2, "min_clients": 1, "deadline_s": 30.0, "wait_for_devices_s": 90.0},
+        # every device a round: no round completes without the lost worker's, so the run cannot end before Ray has
+        # said the worker is gone (a quorum of 1 let the remaining rounds race that word, and win)
+        coordinator={"rounds_per_task": ROUNDS // 2, "min_clients": 4, "deadline_s": 600.0, "wait_for_devices_s": 90.0},
     )
     fleet = Fleet(config)
 
