@@ -159,11 +159,14 @@ class Device:
 
     # --- the loop ---------------------------------------------------------------------------------
 
-    def run(self, connect_timeout: float = 60.0, waiting: Callable[[], None] | None = None) -> None:
-        """Connect (`waiting`: called when the broker keeps the device waiting, `Link.start`), then handle messages
-        until asked to stop or the run ends."""
+    def run(self, connect_timeout: float = 60.0, waiting: Callable[[], None] | None = None,
+            connected: Callable[[], None] | None = None) -> None:
+        """Connect (`waiting`: called when the broker keeps the device waiting, `Link.start`; `connected`: once the
+        broker has taken the connection), then handle messages until asked to stop or the run ends."""
         self.link.start(timeout=connect_timeout, waiting=waiting)
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
+        if connected is not None:
+            connected()
         notify("READY=1")  # under systemd (edge_client/systemd.py): started
         try:
             while not self.stop_requested.is_set():
@@ -724,11 +727,12 @@ def run_device(device: Device, connect_timeout: float = 60.0) -> None:
     run_until_stopped(device, connect_timeout)
 
 
-def run_until_stopped(device: Device, connect_timeout: float = 60.0) -> None:
+def run_until_stopped(device: Device, connect_timeout: float = 60.0,
+                      connected: Callable[[], None] | None = None) -> None:
     """Run `device` until it is asked to stop or the run ends. A broker that does not answer is waited for, however
     long (a device often boots before it, or outlives its restart; a fleet worker's devices connect while the host
     is busy starting thousands more); one that refuses the device (its password, its certificate) is not:
-    ConnectionRefused."""
+    ConnectionRefused. `connected`: as `Device.run`'s."""
     broker = f"{device.config.broker.host}:{device.config.broker.port}"
 
     def waiting() -> None:  # said within seconds, not after the whole timeout
@@ -737,7 +741,7 @@ def run_until_stopped(device: Device, connect_timeout: float = 60.0) -> None:
 
     while not device.stop_requested.is_set():
         try:
-            device.run(connect_timeout, waiting)
+            device.run(connect_timeout, waiting, connected)
             return
         except ConnectionRefused:
             raise

@@ -63,6 +63,7 @@ from firmware_sim.fleet_worker import (
     host_devices,
     mount_disks,
     worker_count,
+    worker_niceness,
 )
 from firmware_sim.limits import calibrate_host
 from firmware_sim.profiles import load_profile
@@ -354,7 +355,8 @@ class Fleet:
             honest = configs[:self.config.adversary.honest(self.config.devices)]
             groups = [group for group in (honest[k::count] for k in range(count)) if group]
             groups.append(configs[len(honest):])
-        self.workers.start(groups, artifacts, self.config.out / "logs")
+        self.workers.start(groups, artifacts, self.config.out / "logs",
+                           worker_niceness(self.config.devices, self.workers.cores()))
 
     def _coordinator_config(self, artifacts: Path) -> CoordinatorConfig:
         return CoordinatorConfig(
@@ -392,7 +394,8 @@ class ProcessWorkers:
         """The cores the workers run on: those this process may run on."""
         return usable_cores()
 
-    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
+    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path, niceness: int = 0) -> None:
+        """A worker process for each share of device configs, `niceness` nicer than this one (`serve_devices`)."""
         # what each worker checks at its start, checked here first: a worker refused there died with the line in its
         # log, and the coordinator waited for its devices until wall_limit_s
         ensure_descriptors(max(map(len, shares), default=0), "a fleet worker")
@@ -400,7 +403,7 @@ class ProcessWorkers:
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):
             worker = context.Process(target=host_devices, daemon=True, args=(
-                share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe))
+                share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe, niceness))
             worker.start()
             self.processes.append(worker)
 

@@ -66,7 +66,7 @@ class DeviceHost:
         return str(ray.get_runtime_context().get_node_id())
 
     def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str,
-             power_loss_safe: bool) -> str:
+             power_loss_safe: bool, niceness: int = 0) -> str:
         """Until `stop`: measure this node for the emulated devices, write the artifacts where this node lacks
         them, mount the emulated disks, serve the devices; the node's id at the end."""
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ class DeviceHost:
                 write_atomically(path, data)
         mounted = mount_disks(configs)
         try:
-            serve_devices(configs, self._stop.wait, power_loss_safe)
+            serve_devices(configs, self._stop.wait, power_loss_safe, niceness)
         finally:
             from firmware_sim import disk
 
@@ -154,7 +154,8 @@ class RayWorkers:
         """The cores the workers run on: the cluster's."""
         return int(self._ray.cluster_resources().get("CPU", 1))
 
-    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path) -> None:
+    def start(self, shares: list[list[dict[str, Any]]], artifacts: Path, logs: Path, niceness: int = 0) -> None:
+        """An actor hosting each share of device configs, `niceness` nicer than it starts (`serve_devices`)."""
         files = {str(p.relative_to(artifacts)): p.read_bytes() for p in sorted(artifacts.rglob("*")) if p.is_file()}
         shipped = self._ray.put(files)
         # a core each; more workers than cores share them (as worker processes would), so none waits unplaced
@@ -167,7 +168,7 @@ class RayWorkers:
             host = actor.remote()
             self._actors.append(host)
             self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log"),
-                                                  self.power_loss_safe))
+                                                  self.power_loss_safe, niceness))
 
     def placement(self, timeout: float = 60.0) -> list[str]:
         """The node id each worker runs on now, in worker order (waiting for the ones not placed yet)."""

@@ -37,6 +37,20 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # clean (3000 devices on 2 workers), 1250 too (5000 on 4); at 2500 a worker (5000 on 2) the thread fell behind
 # under the GIL, keepalives lapsed and the broker dropped thousands of devices.
 DEVICES_PER_WORKER = 1500
+# A worker builds its devices one after another and each connects as soon as it is built; a build is CPU work
+# (about 8 ms) that holds the GIL, while a connection needs the worker's network thread to answer its broker. At
+# 100,000 devices on 2 cores (24 workers of 4,166) the builds ran ahead of the connections: the network threads,
+# starved, sent CONNECTs and pings late, the site brokers dropped 6,000 connections for silence and the devices
+# retried, and the count online peaked at 24,854 and fell (docs/results.md). So a worker has at most
+# CONNECTING_PER_WORKER devices built and not yet connected; the next build waits for one of them to connect.
+CONNECTING_PER_WORKER = 16
+# The fleet's shared parts (the coordinator, the brokers, the sites' aggregators) serve every device, and a
+# device's connection, registration and round wait on them; a worker is one of many processes of devices. On a
+# crowded host (`crowded`) the workers run this much nicer than the fleet, so that the kernel gives the shared
+# parts the CPU first and the devices what is left: at 100,000 devices on 2 cores the 24 workers took both cores,
+# and the coordinator heard registrations at a third of the rate the devices connected (docs/results.md). Below
+# the crowd every part keeps the fleet's niceness.
+WORKER_NICENESS = 10
 ADVERSARY = "adversary"  # a device table's key, beside the device config, for a compromised device (adversary.py)
 
 
@@ -57,8 +71,17 @@ def worker_count(workers: int | None, devices: int, cores: int) -> int:
 # alive: their workers were busy; benchmarks/vs_flower.py, 2026-11-27). Past CROWDED_DEVICES_PER_CORE the fleet
 # gives its devices and its coordinator the longer keepalive; the price is a dead device noticed after 90 s instead
 # of 15 s.
+# Past that, a keepalive is a ping a period for every connection (about 0.1 ms of the worker's CPU and as much of
+# its broker's, measured), and a long keepalive is cheap in a fleet: its connections are on loopback or a cluster's
+# network, where a worker that dies closes its sockets (the broker publishes the last wills at once, and the fleet
+# ends the run: `Coordinator.abort`), so a keepalive only ever catches a connection left half open, which a
+# fleet's network does not leave. So the pings of a crowded fleet, all of them together, keep within
+# KEEPALIVES_PER_CORE_S a second per core, as its heartbeats do: 60 s up to 6000 devices on 2 cores, 1000 s at
+# 100,000 (at 60 s, 100,000 devices pinged 1,667 times a second).
 CROWDED_DEVICES_PER_CORE = 1000
 CROWDED_KEEPALIVE_S = 60
+KEEPALIVES_PER_CORE_S = 50.0
+MQTT_MAX_KEEPALIVE_S = 65535  # the protocol's largest (a 16-bit field)
 # A device's heartbeat (a status message every `heartbeat_s`, 5 s by default) costs its worker, the broker and the
 # coordinator about 1 ms of CPU together. A fleet keeps its devices' heartbeats, all of them together, within
 # HEARTBEATS_PER_CORE_S a second per core of its host: past that, every device beats less often than its default.
@@ -87,9 +110,18 @@ def crowded(devices: int, cores: int) -> bool:
     return devices > CROWDED_DEVICES_PER_CORE * max(cores, 1)
 
 
+def worker_niceness(devices: int, cores: int) -> int:
+    """How much nicer than the fleet its workers run: WORKER_NICENESS on a crowded host, else 0."""
+    return WORKER_NICENESS if crowded(devices, cores) else 0
+
+
 def crowded_keepalive(devices: int, cores: int) -> int | None:
-    """The keepalive of a fleet's clients: None (their own default) unless the host is crowded."""
-    return CROWDED_KEEPALIVE_S if crowded(devices, cores) else None
+    """The keepalive of a fleet's clients: None (their own default) unless the host is crowded, then at least
+    CROWDED_KEEPALIVE_S and long enough that all their pings keep within KEEPALIVES_PER_CORE_S a second per core."""
+    if not crowded(devices, cores):
+        return None
+    budget = math.ceil(devices / (KEEPALIVES_PER_CORE_S * max(cores, 1)))
+    return min(max(CROWDED_KEEPALIVE_S, budget), MQTT_MAX_KEEPALIVE_S)
 
 
 def fleet_heartbeat(devices: int, cores: int, default_s: float) -> float | None:
@@ -177,7 +209,8 @@ def _wait_for_stop(stop: Connection, stopping: Callable[[], None] = lambda: None
         stopping()
 
 
-def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str, power_loss_safe: bool) -> None:
+def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str, power_loss_safe: bool,
+                 niceness: int = 0) -> None:
     """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone,
     and then gone within EXIT_DEADLINE_S, whatever it is stuck on (ExitDeadline). Ctrl-C is the parent's to
     handle."""
@@ -187,7 +220,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str,
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ExitDeadline's floor: the default action ends the process
     logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
     deadline = ExitDeadline(EXIT_DEADLINE_S, log_file)
-    serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe)
+    serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe, niceness)
 
 
 def limit_torch_threads() -> None:
@@ -211,14 +244,17 @@ def limit_torch_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object], power_loss_safe: bool
-                  ) -> None:
+def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object], power_loss_safe: bool,
+                  niceness: int = 0) -> None:
     """Run the devices of `configs` (device config tables) until `wait_for_stop()` returns, then stop them: one
     thread per virtual device and one network thread that carries all their MQTT connections (edgefil.netloop). A
     worker process and a Ray actor (firmware_sim/fleet_ray.py) both host their devices with this. Their writes
     survive a power cut of the host only where `power_loss_safe` (`FleetConfig.power_loss_safe`; otherwise a
-    killed worker: edgefil.durable)."""
+    killed worker: edgefil.durable). The process runs `niceness` nicer than it was started (`worker_niceness`), and
+    builds a device only while fewer than CONNECTING_PER_WORKER of those built are not yet connected."""
     set_power_loss_safe(power_loss_safe)
+    if niceness and hasattr(os, "nice"):
+        os.nice(niceness)  # (the kernel stops at 19)
     limit_torch_threads()
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     unmap_large_buffers()
@@ -237,22 +273,33 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     # end and starve the network thread: keepalives lapse and the broker drops the connections (seen at 500
     # devices a worker).
     turns = Turns()
+    connecting = threading.BoundedSemaphore(CONNECTING_PER_WORKER)
 
     def run(raw: dict[str, Any]) -> None:
+        connecting.acquire()
+        admitted = [True]
+
+        def connected() -> None:  # the first connection, or the device's end: the next device may be built
+            if admitted.pop() if admitted else False:
+                connecting.release()
+
         try:
             raw = dict(raw)
             adversary = raw.pop(ADVERSARY, None)
             device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary,
                                                       stop_poll_s=None))  # woken by request_stop below
         except Exception:
+            connected()
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
             return
         with lock:
             devices.append(device)
         try:
-            run_until_stopped(device)  # as a device waits for its broker: a busy host's CONNACKs come late
+            run_until_stopped(device, connected=connected)  # as a device waits for its broker, however long
         except Exception as err:  # refused by the broker, or failing: its own log line
             logging.getLogger("edgefil.fleet").error("device %s stopped: %s", raw["device_id"], err)
+        finally:
+            connected()
 
     threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
     for thread in threads:

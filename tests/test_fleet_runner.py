@@ -26,9 +26,13 @@ from firmware_sim.fleet_worker import (
     DESCRIPTORS_PER_DEVICE,
     DEVICES_PER_WORKER,
     HEARTBEATS_PER_CORE_S,
+    KEEPALIVES_PER_CORE_S,
+    MQTT_MAX_KEEPALIVE_S,
+    WORKER_NICENESS,
     crowded_keepalive,
     fleet_heartbeat,
     worker_count,
+    worker_niceness,
 )
 from firmware_sim.report import run_summary
 
@@ -472,6 +476,38 @@ def test_clients_on_a_crowded_host_get_the_longer_keepalive():
     assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == CROWDED_KEEPALIVE_S
     assert crowded_keepalive(CROWDED_DEVICES_PER_CORE * 2 + 1, 3) is None
     assert CROWDED_KEEPALIVE_S > BrokerSettings.keepalive
+
+
+def test_a_crowded_fleet_s_pings_keep_within_a_budget_per_core():
+    """Past the crowded keepalive, a larger fleet pings less often: all its connections' pings together stay at
+    KEEPALIVES_PER_CORE_S a second per core, never past what MQTT's 16-bit keepalive can say."""
+    at_floor = int(KEEPALIVES_PER_CORE_S * 2 * CROWDED_KEEPALIVE_S)  # devices on 2 cores at the budget at 60 s
+    assert crowded_keepalive(at_floor, 2) == CROWDED_KEEPALIVE_S
+    for devices in (at_floor + 100, 100_000, 1_000_000):
+        keepalive = crowded_keepalive(devices, 2)
+        assert keepalive is not None and keepalive > CROWDED_KEEPALIVE_S
+        assert devices / keepalive == pytest.approx(KEEPALIVES_PER_CORE_S * 2, rel=0.01)
+    assert crowded_keepalive(100_000, 2) > crowded_keepalive(100_000, 4)
+    assert crowded_keepalive(10**9, 2) == MQTT_MAX_KEEPALIVE_S
+
+
+def test_a_crowded_fleet_s_workers_run_nicer_than_the_fleet(tmp_path):
+    """On a crowded host the shared parts (coordinator, brokers, aggregators) get the CPU first: the workers run
+    WORKER_NICENESS nicer than the fleet; below the crowd, at its niceness."""
+    assert worker_niceness(CROWDED_DEVICES_PER_CORE * 2, 2) == 0
+    assert worker_niceness(CROWDED_DEVICES_PER_CORE * 2 + 1, 2) == WORKER_NICENESS
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for niceness in (0, 3):
+        workers = fleet_module.ProcessWorkers()
+        workers.start([[]], tmp_path, tmp_path, niceness)
+        try:
+            pid = workers.processes[0].pid
+            deadline = time.monotonic() + CEILING_S  # the worker nices itself once it has imported what it serves
+            while os.getpriority(os.PRIO_PROCESS, pid) != ours + niceness or not (tmp_path / "worker-0.log").exists():
+                assert time.monotonic() < deadline, f"the worker runs at {os.getpriority(os.PRIO_PROCESS, pid)}"
+                time.sleep(0.05)
+        finally:
+            workers.stop()
 
 
 def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):

@@ -3,12 +3,16 @@ model) and how they take turns at CPU work (starting a task, training and the po
 worker's turns, run on its one turns thread; nothing else is)."""
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from test_netloop import needs_mosquitto, wait_for
 
+from coordinator.broker import Credentials, MosquittoBroker, free_port
 from edge_client.config import DeviceConfig
 from edge_client.device import shared_model
 from edge_client.environment import RealEnvironment, Turns
@@ -139,3 +143,54 @@ def test_an_idle_device_sleeps_until_its_heartbeat_or_its_availability_changes(t
             assert zero.online_for() == 0.0 and device._idle_wait() == 0.0
     finally:
         device.learner.store.close()
+
+
+@needs_mosquitto
+def test_a_worker_builds_no_further_ahead_of_its_devices_connections_than_its_bound(tmp_path, export_artifacts,
+                                                                                     monkeypatch, caplog):
+    """While their broker does not answer, a worker builds CONNECTING_PER_WORKER devices and no more (building the
+    rest would only starve its network thread: fleet_worker.py); once the broker answers, the rest are built and
+    every device connects."""
+    from firmware_sim import fleet_worker
+    from firmware_sim import virtual_device as virtual_device_module
+
+    n = fleet_worker.CONNECTING_PER_WORKER + 4
+    ids = [f"dev-{i}" for i in range(n)]
+    port = free_port()
+    broker = MosquittoBroker(tmp_path / "broker", "lab", {d: f"pw-{d}" for d in ids},
+                             Credentials("coordinator", "pw-c"), port=port)
+    artifacts = str(export_artifacts("lenet", 10, (1, 8, 8)))
+    configs = [{"device_id": d, "fleet": "lab", "artifacts": artifacts, "state_dir": str(tmp_path / d),
+                "broker": {"port": port, "password": f"pw-{d}"}, "store": {"max_samples": 10},
+                "policy": {"name": "random"},
+                "data": {"scenario": {"preset": "digits-class", "n_tasks": 1, "n_clients": n}, "client": k}}
+               for k, d in enumerate(ids)]
+    built: list[str] = []
+    real = virtual_device_module.virtual_device
+    monkeypatch.setattr(virtual_device_module, "virtual_device",
+                        lambda config, *a, **k: built.append(config.device_id) or real(config, *a, **k))
+    monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # the process-wide settings a worker makes
+    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
+    caplog.set_level(logging.INFO)
+
+    def said(text: str) -> int:
+        return sum(text in record.getMessage() for record in caplog.records)
+
+    stop = threading.Event()
+    worker = threading.Thread(target=fleet_worker.serve_devices, args=(configs, stop.wait, False), daemon=True)
+    worker.start()
+    try:
+        bound = fleet_worker.CONNECTING_PER_WORKER
+        # the built devices have tried for BROKER_NOTICE_S and say they wait: were there no bound, the others
+        # would have been built meanwhile (a build takes milliseconds)
+        assert wait_for(lambda: said("waiting for the MQTT broker") >= bound, 60)
+        assert len(built) == bound
+        with broker:
+            assert wait_for(lambda: said("connected to 127.0.0.1") == n, 60), f"{said('connected to')} of {n}"
+            assert sorted(built) == sorted(ids)
+            stop.set()
+            worker.join(fleet_worker.STOP_GRACE_S + 10)
+            assert not worker.is_alive()
+    finally:
+        stop.set()
