@@ -1,4 +1,4 @@
-"""paho-mqtt without its copies of large messages.
+"""paho-mqtt without its copies of large messages, and without its bind before a connect.
 
 Every model of every round crosses paho on both sides in ~1 MB messages, and paho 2.x copies them more than it
 must:
@@ -24,10 +24,20 @@ as the message is kept), and lets a payload given as parts through paho's `publi
 bytes only). Consumers read payloads as `bytes | memoryview` (wire.decode does). All rely on paho internals: each
 is checked against what paho ships (tests/test_paho_buffers.py) and applied only where those internals have the
 shape they were written for; with another paho, paho runs as shipped (and a Link joins a frame itself).
+
+And one habit that is not about copies, but a fleet's: paho hands `socket.create_connection` a source address of
+("", 0) even where none was asked for, and Python then binds the socket before connecting it. A bind picks the
+local port from the ephemeral range alone (28,232 ports by default) and for every destination at once, so a host's
+clients could hold no more than that many connections whatever the brokers, and the kernel's search for a free
+port (`inet_csk_get_port`) took both cores of the host as the range filled: a 100,000-device fleet stalled at
+28,000 connections (docs/results.md). `Client` connects without a bind where no local address was asked for: the
+kernel then picks the port at connect time, for that destination (a port free for one broker's address serves
+another's too).
 """
 from __future__ import annotations
 
 import inspect
+import socket
 import ssl
 from typing import Any
 
@@ -86,6 +96,17 @@ def queue_fits() -> bool:
     """paho queues outgoing packets through `_packet_queue(command, packet, mid, qos, info)`."""
     queue = getattr(mqtt.Client, "_packet_queue", None)
     return queue is not None and list(inspect.signature(queue).parameters) == _QUEUE_PARAMETERS
+
+
+def connect_fits() -> bool:
+    """paho opens a TCP connection in `_create_socket_connection`, from `_host`, `_port`, `_connect_timeout`,
+    `_bind_address`, `_bind_port` and a proxy from `_get_proxy`."""
+    opener = getattr(mqtt.Client, "_create_socket_connection", None)
+    if opener is None or not hasattr(mqtt.Client, "_get_proxy"):
+        return False
+    source = inspect.getsource(opener)
+    return all(name in source for name in ("self._bind_address", "self._bind_port", "self._connect_timeout",
+                                              "source_address="))
 
 
 def read_fits() -> bool:
@@ -200,6 +221,14 @@ class Client(mqtt.Client):
             if qos:
                 header += mid.to_bytes(2, "big")
             return self._packet_queue(mqtt.PUBLISH, b"".join((header, *payload.parts())), mid, qos, info)
+
+    if connect_fits():
+        def _create_socket_connection(self) -> socket.socket:
+            """paho's TCP connection, bound first only where a local address or port was asked for (the module
+            docstring: an unasked bind ran a host out of ephemeral ports)."""
+            if self._bind_address or self._bind_port or self._get_proxy():
+                return super()._create_socket_connection()
+            return socket.create_connection((self._host, self._port), timeout=self._connect_timeout)
 
     if read_fits():
         def _sock_recv(self, bufsize: int) -> Any:

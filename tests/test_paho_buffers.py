@@ -40,6 +40,7 @@ def decoded(decoder, header: int, packet: bytearray):
 
 def test_this_paho_has_the_internals_the_patches_were_written_for():
     assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.read_fits()
+    assert paho_buffers.connect_fits()
     assert paho_buffers.parts_fit()
     assert paho_buffers.install() and paho_buffers.publishes_parts()
 
@@ -178,3 +179,23 @@ def test_a_packet_s_body_is_read_into_again_once_its_payload_is_dropped_never_wh
         finally:
             device.stop()
             coordinator.stop()
+
+
+def test_a_client_connects_without_binding_unless_a_local_address_is_asked_for(monkeypatch):
+    """A bind before a connect takes a local port for every destination at once, from the ephemeral range alone: a
+    host ran out at 28,000 connections (paho_buffers). The kernel picks the port at connect time instead, unless the
+    client was given a local address to bind."""
+    bound: list[object] = []
+    real_bind = socket.socket.bind
+    monkeypatch.setattr(socket.socket, "bind", lambda sock, address: bound.append(address) or real_bind(sock, address))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        for bind_address, binds in (("", []), ("127.0.0.1", [("127.0.0.1", 0)])):
+            bound.clear()
+            client = paho_buffers.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t", protocol=MQTT311)
+            assert client.connect("127.0.0.1", port, bind_address=bind_address) == mqtt.MQTT_ERR_SUCCESS
+            try:
+                assert client.socket().getpeername() == ("127.0.0.1", port)
+                assert bound == binds
+            finally:
+                client.socket().close()
