@@ -18,6 +18,12 @@ that is a fraction of a millisecond.
 
 Thread safety: paho calls the socket callbacks on whatever thread changed a socket's state (a device thread that
 publishes asks for write interest); they only post a command and wake the loop, which alone touches the selector.
+The callbacks say when to look, not what to select for: the loop selects a socket for writing exactly while paho
+has packets queued on it (`want_write`), looked at on each callback and after each write. paho's own flag
+(`_registered_write`) is checked and set without a lock, so a publish from a device thread racing the end of a
+write on this one could leave a packet queued with no write interest, its callback swallowed or followed by the
+write's "done": it then waited for the next packet of that client (a ping, up to a keepalive away). At 100,000
+devices five registrations waited so (keepalive 1000 s), and rounds at 10,000 took 30-40 s instead of 5.
 """
 from __future__ import annotations
 
@@ -68,6 +74,7 @@ class _Connection:
     attempt_at: float | None = None  # when the open attempt started, until its CONNACK
     close_by: float | None = None  # closing: the deadline for its DISCONNECT to go out
     keepalive_at: float = 0.0  # when its keepalive is next looked at (loop_misc)
+    writing: bool = False  # its socket is selected for writing
     closed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -189,6 +196,7 @@ class NetworkLoop:
                 client.loop_read()
             if events & selectors.EVENT_WRITE and conn.sock is not None:
                 client.loop_write()
+                self._select_writes(conn)
         except Exception:  # a callback's error or a broken socket: one connection's problem, not the loop's
             log.exception("MQTT client %s: network error; reconnecting", conn.name)
             self._lose_socket(conn)
@@ -216,16 +224,24 @@ class NetworkLoop:
             elif kind == "close":
                 conn.closed = arg
                 self._begin_close(conn)
-            elif kind in ("write", "read") and conn.sock is not None and conn.sock is arg:
-                mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if kind == "write" else 0)
-                try:
-                    self._selector.modify(conn.sock, mask, conn)
-                except (KeyError, ValueError, OSError):  # closed meanwhile: its "closed" follows
-                    pass
+            elif kind in ("write", "read") and conn.sock is arg:
+                self._select_writes(conn)
             elif kind == "closed" and conn.sock is not None and conn.sock is arg:
                 self._unregister(conn)
                 self._after_socket(conn)
         return True
+
+    def _select_writes(self, conn: _Connection) -> None:
+        """Select the connection's socket for writing while paho has packets queued on it, and only then (the
+        module docstring: paho's write callbacks race)."""
+        if conn.sock is None or conn.client.want_write() == conn.writing:
+            return
+        conn.writing = not conn.writing
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
+        try:
+            self._selector.modify(conn.sock, mask, conn)
+        except (KeyError, ValueError, OSError):  # closed meanwhile: its "closed" follows
+            pass
 
     def _begin_close(self, conn: _Connection) -> None:
         conn.close_by = time.monotonic() + CLOSE_GRACE_S
@@ -264,7 +280,8 @@ class NetworkLoop:
         if sock is None:  # paho closed it at once (a callback's doing): a failed attempt
             self._retry(conn)
             return
-        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.client.want_write() else 0)
+        conn.writing = conn.client.want_write()
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
         stale = self._selector.get_map().get(sock.fileno())
         if stale is not None:  # a socket closed without its "closed" applied yet held this descriptor number
             self._unregister(stale.data)

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 from coordinator.broker import Bridge, Credentials, MosquittoBroker, Site, generate_password
 from coordinator.config import SiteDevices
 from edgefil.durable import write_private
+from edgefil.lifetime import die_with_parent
 from edgefil.settings import dump_toml
 
 log = logging.getLogger("edgefil.fleet")
@@ -70,7 +72,10 @@ class SimulatedSites:
             with open(logs / f"{name}.log", "ab") as out:
                 self.processes[name] = subprocess.Popen(
                     [sys.executable, "-m", "edgefil.cli", "site", "--config", str(config)], stdout=out,
-                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    # as the brokers: gone with the fleet, even a SIGKILLed one (an aggregator outlived it, retrying
+                    # its dead broker for good); the kernel ties the child to the thread that forks it
+                    preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None)
         log.info("%d sites: their brokers bridged to the fleet's, an aggregator at each", len(self.members))
 
     def settings(self, name: str, username: str, password: str, keepalive: int | None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 jittered backoff until the broker comes; a broker restart brings every link of a shared loop back."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -208,3 +209,31 @@ def test_a_quiet_connection_keeps_alive_with_the_thinned_checks(tmp_path):
         assert drain_connects(link, 0.0) == 1  # still the first connection: no keepalive lapsed
         assert link.connected
         link.stop()
+
+
+@needs_mosquitto
+def test_a_packet_queued_as_a_write_ends_goes_out_without_waiting_for_the_next_one(tmp_path):
+    """paho checks and sets its write flag without a lock, so a device thread's publish racing the end of a write on
+    the loop's thread can find the flag still set (no callback) and the write's "done" come after it. That end state
+    made outright: the flag set, a packet queued, the "done" posted. The packet goes out now, not with its client's
+    next packet (a ping, a keepalive of 10 minutes away; at 100,000 devices five registrations waited so)."""
+    broker = MosquittoBroker(tmp_path, FLEET, {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    with broker:
+        coordinator = Link(settings(broker, "coordinator", "pw-c"), "c", subscriptions=[f"{topics.prefix(FLEET)}/#"])
+        coordinator.start()
+        network = NetworkLoop()
+        link = Link(dataclasses.replace(settings(broker, "dev-a", "pw-a"), keepalive=600), "lab-dev-a",
+                    network=network)
+        try:
+            link.start(timeout=LISTENING_S)
+            assert coordinator.wait_subscribed(LISTENING_S) and link.wait_idle(LISTENING_S)
+            client = link._client
+            client._registered_write = True  # paho believes the loop selects for writing: it says nothing
+            topic = topics.from_device(FLEET, "dev-a", "status")
+            link.publish(topic, b"queued")
+            network._done_writing(client, None, client.socket())  # the ended write's word, after the publish
+            assert next_message(coordinator) == (topic, b"queued")
+        finally:
+            link.stop()
+            network.stop()
+            coordinator.stop()

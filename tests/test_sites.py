@@ -285,12 +285,13 @@ def test_a_fleet_with_two_sites_aggregates_what_its_devices_sent_and_survives_a_
     the run completes, the rounds after the restart take every device's update, and the last round's global model
     is FedAvg of the updates the devices sent in it (read off the three brokers by observers allowed to read them),
     computed here in one process: what the sites' shares and the coordinator's own fold merge into is the flat
-    fleet's model, to float32 rounding."""
+    fleet's model, to float32 rounding. The devices beat once an hour, so a round whose last message is a site's
+    word closes on that word: none comes after it to carry it in (a round then lost the update at its deadline)."""
     from coordinator.checkpoint import load_latest
 
     fleet = Fleet(tmp_path, export_artifacts("lenet", 10, (1, 8, 8)), n_devices=5, sites={"a": (0, 1), "b": (2, 3)},
                   coordinator_options={"rounds_per_task": 2, "min_clients": 3, "train_tasks": 2, "guard": UNBOUNDED},
-                  device_options={"policy": {"name": "random"}}, observer_reads_learning=True)
+                  device_options={"policy": {"name": "random"}, "heartbeat_s": 3600.0}, observer_reads_learning=True)
     observers: list[Peer] = []
     try:
         fleet.start()
