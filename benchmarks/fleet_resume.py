@@ -14,7 +14,9 @@ resume to round 2's close (every device connecting and registering again), peak 
 and the ratios per device against the first N.
 
 A host needs a file descriptor per device in its worker (`ulimit -n` over N / workers) and a thread per device
-(`/proc/sys/kernel/pid_max` over N plus the host's own).
+(`/proc/sys/kernel/pid_max` and `threads-max` over N plus the host's own); a local port per device and broker,
+from the ephemeral range (28,232 ports by default) for each site's broker's address (clients connect without a
+bind: edgefil/paho_buffers.py), so more than about 28,000 devices want sites (or a wider range).
 
     .venv/bin/python benchmarks/fleet_resume.py [--devices 10000,100000] [--sites 10] [--workers 10]
         [--fraction 0.01] [--sample-s 5] [--out runs/fleet-resume]
@@ -208,8 +210,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "fleet-resume")
     args = parser.parse_args()
     args.out = args.out.resolve()
+    sizes = [int(v) for v in args.devices.split(",")]
+    earlier = [args.out / f"n{n}" / "run" for n in sizes if (args.out / f"n{n}" / "run").exists()]
+    if earlier:  # the fleet would refuse to start over it, and the resume would go on with the earlier run
+        sys.exit(f"fleet_resume: {earlier[0]} holds an earlier run: remove it, or choose another --out")
     rows = []
-    for n in (int(v) for v in args.devices.split(",")):
+    for n in sizes:
         rows.append(measure(n, args))
         print(json.dumps(rows[-1]), flush=True)
     print(report(rows))
