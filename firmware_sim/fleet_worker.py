@@ -277,10 +277,12 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
 
     def run(raw: dict[str, Any]) -> None:
         connecting.acquire()
-        admitted = [True]
+        released = False
 
         def connected() -> None:  # the first connection, or the device's end: the next device may be built
-            if admitted.pop() if admitted else False:
+            nonlocal released  # (called on this device's thread only)
+            if not released:
+                released = True
                 connecting.release()
 
         try:
