@@ -295,8 +295,10 @@ def test_bound_holds_and_the_watch_sees_the_journal(tmp_path):
     """Large transactions on tight budgets: inserts that fill them, deletes that need steps, appends to a
     three-level tree whose older part was thinned out (sparse interior pages).
 
-    Every transaction stays within its bound by both observations, and the watch thread really sees the journal
-    (its peak exceeds the sizes before and after) in most of them."""
+    Every transaction stays within its bound by both observations, and the watch thread is not blind: it sees the
+    journal (its peak exceeds the sizes before and after) in some of them. How many it catches depends on the host
+    (a commit's peak lasts an fsync, and a loaded host schedules the watch late: 287 of 760 on one CI run, 759 on an
+    idle one), so the count is not asserted; the reconstruction, which cannot miss, proves the bound for each."""
     log: list = []
     rng = np.random.default_rng(0)
     # CIFAR-sized rows; one row per leaf, so 600+ rows make a 3-level tree; digits, ~14 rows per leaf
@@ -321,7 +323,7 @@ def test_bound_holds_and_the_watch_sees_the_journal(tmp_path):
     assert all(t.watched <= t.bound and t.reconstructed <= t.bound for t in log)
     seen = sum(t.watched > t.reconstructed - t.journal for t in log)
     if filesystem(tmp_path) != "tmpfs":  # on tmpfs a commit's peak lasts microseconds, without fsync
-        assert seen >= 0.7 * len(log), f"the watch saw a journal in only {seen} of {len(log)} transactions"
+        assert seen > 0, f"the watch saw no journal in {len(log)} transactions"
     tombstones = sum(any("INTO doomed" in sql for sql in t.statements) for t in log)
     purges = sum(any("FROM doomed JOIN" in sql for sql in t.statements) for t in log)
     assert tombstones >= 3 and purges >= 2 * tombstones  # deletes too large for one transaction took steps
