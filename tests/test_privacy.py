@@ -15,6 +15,7 @@ import torch
 from browser import CHROMEDRIVER, CHROMIUM, progress_line
 from scipy.optimize import brentq
 from scipy.stats import norm
+from test_robust_aggregation import devices
 from thread_fleet import ThreadFederation
 
 from coordinator.aggregation import RoundAggregate
@@ -102,8 +103,9 @@ class Seeing(FedAvg):
         return super().aggregate(global_weights, updates, ctx)
 
 
+@pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("rule", [FedAvg, Seeing])
-def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_comes_after(rule):
+def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_comes_after(rule, device):
     """Two of four selected devices deliver: one far (change [3, 4, 0, 0], norm 5, 100 samples), one near
     ([0, 0, 0.3, 0.4], 1 sample). Clipped to 1 and weighed alike, their mean change is [0.3, 0.4, 0.15, 0.2]; over
     the 4 selected it is half that; then noise of sd sigma x C / 4, drawn here from the same generator."""
@@ -112,7 +114,7 @@ def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_come
     privacy = CentralPrivacy(settings)
     privacy.rng = np.random.default_rng(7)
     counters: Counter[str] = Counter()
-    aggregate = RoundAggregate(ContainedStrategy(rule(device="cpu"), counters), UpdateBounds.only(), g, counters,
+    aggregate = RoundAggregate(ContainedStrategy(rule(device=device), counters), UpdateBounds.only(), g, counters,
                                1 << 30, privacy=privacy)
     aggregate.add(ClientUpdate("far", g + np.array([3, 4, 0, 0], np.float32), 100))
     aggregate.add(ClientUpdate("near", g + np.array([0, 0, 0.3, 0.4], np.float32), 1))
@@ -120,7 +122,7 @@ def test_each_update_is_clipped_before_the_guard_and_the_rule_and_the_noise_come
     assert result is not None
     noise = np.random.default_rng(7).normal(0.0, 0.8 * 1.0 / 4, size=4)
     expected = g + np.array([0.3, 0.4, 0.15, 0.2]) / 2 + noise
-    np.testing.assert_allclose(result.global_weights.numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(result.global_weights.cpu().numpy(), expected, atol=1e-6)
     if rule is Seeing:  # what the rule was given: clipped, weighed alike
         seen = {u.device: u for u in Seeing.seen}
         np.testing.assert_allclose(seen["far"].weights - g, [0.6, 0.8, 0, 0], atol=1e-6)
@@ -166,7 +168,8 @@ def test_a_rules_further_mechanisms_are_counted_with_its_round_checked_against_t
         CentralPrivacy(budget, history=[{"privacy": spent}]).check_budget(0.25, (Release.SAMPLED,))
 
 
-def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_the_noise():
+@pytest.mark.parametrize("device", devices)
+def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_the_noise(device):
     """Median under central DP: clip, the rule, noise. Three devices' changes, each within C = 1 but one sent 10x
     too long: [.55, .55, .55, 0] x 10, [.55, .55, 0, .55], [.55, 0, .55, .55]. Clipped, the first is [.577, .577,
     .577, 0]; the coordinate-wise median is [.55] x 4, 1.1 long, clipped to 1: [.5] x 4; then noise of sd z x 2C
@@ -177,14 +180,14 @@ def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_
     assert privacy.how == BALL
     privacy.rng = np.random.default_rng(7)
     counters: Counter[str] = Counter()
-    aggregate = RoundAggregate(ContainedStrategy(Median(device="cpu"), counters), UpdateBounds.only(), g, counters,
+    aggregate = RoundAggregate(ContainedStrategy(Median(device=device), counters), UpdateBounds.only(), g, counters,
                                1 << 30, privacy=privacy)
     for device, change in (("far", [5.5, 5.5, 5.5, 0]), ("b", [.55, .55, 0, .55]), ("c", [.55, 0, .55, .55])):
         aggregate.add(ClientUpdate(device, g + np.array(change, np.float32), 10))
     result = aggregate.close(selected=4, eligible=4)
     assert result is not None
     noise = np.random.default_rng(7).normal(0.0, 0.8 * 2 * 1.0, size=4)
-    np.testing.assert_allclose(result.global_weights.numpy(), g + 0.5 + noise, atol=1e-5)
+    np.testing.assert_allclose(result.global_weights.cpu().numpy(), g + 0.5 + noise, atol=1e-5)
     assert aggregate.privacy_spent["calibration"] == BALL
     assert aggregate.privacy_spent["noise_sd"] == pytest.approx(1.6)
 

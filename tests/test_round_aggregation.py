@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from test_robust_aggregation import devices
 
 from coordinator.aggregation import RoundAggregate
 from coordinator.containment import ContainedStrategy
@@ -155,18 +156,20 @@ def test_a_rule_built_on_fedavg_that_overrides_aggregate_gets_the_whole_round():
     assert rule.heard == ["d0", "d1", "d2"]
 
 
+@pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("rule, options", [("fedavg", {}), ("fedavg", {"weighted": False}), ("fedprox", {})])
 @pytest.mark.parametrize("parts", [2, 4])
-def test_a_folding_rules_partial_folds_merge_into_what_one_fold_gives(rule, options, parts):
+def test_a_folding_rules_partial_folds_merge_into_what_one_fold_gives(rule, options, parts, device):
     """A folding rule's fold splits (`Fold.partial`, `Fold.merge`; a `Fold` that has not both cannot be made, they
     are abstract, so every rule that folds has them): disjoint shares of a round folded apart and
     merged give the one fold's model, sample-less updates among them (a plain mean that gives way) and a share of
-    only sample-less ones; a part with a device already folded, or of another size, is refused."""
+    only sample-less ones; a part with a device already folded, or of another size, is refused. The shares are
+    folded on the CPU, as inbox workers and sites fold them, and merged into the coordinator's fold on `device`."""
     rng = np.random.default_rng(3)
     updates = [ClientUpdate(f"d{k}", rng.standard_normal(SIZE).astype(np.float32), int(n))
                for k, n in enumerate([0, 0, 5, 0, 12, 1, 30, 0, 7, 0, 0, 9])]
     zeros = torch.zeros(SIZE)
-    whole = make_strategy(rule, device="cpu", **options).fold(zeros)
+    whole = make_strategy(rule, device=device, **options).fold(zeros)
     for update in updates:
         whole.add(update)
     shares = [[0, 1, 3], [2, 4, 5, 6, 7, 8, 9, 10, 11]] if parts == 2 else [[k for k in range(12) if k % 4 == j]
@@ -177,11 +180,11 @@ def test_a_folding_rules_partial_folds_merge_into_what_one_fold_gives(rule, opti
         for k in share:
             fold.add(updates[k])
         folds.append(fold)
-    merged = folds[0]
-    for fold in folds[1:]:
+    merged = make_strategy(rule, device=device, **options).fold(zeros)
+    for fold in folds:
         merged.merge(fold.partial())
-    np.testing.assert_allclose(merged.result().global_weights.numpy(), whole.result().global_weights.numpy(),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(merged.result().global_weights.cpu().numpy(),
+                               whole.result().global_weights.cpu().numpy(), rtol=1e-6, atol=1e-7)
     again = make_strategy(rule, device="cpu", **options).fold(zeros)
     again.add(updates[0])
     with pytest.raises(ValueError, match="twice"):
@@ -191,10 +194,12 @@ def test_a_folding_rules_partial_folds_merge_into_what_one_fold_gives(rule, opti
         other.merge(folds[1].partial())
 
 
-def test_a_round_split_over_aggregates_in_two_processes_gives_the_model_and_counts_of_one(tmp_path):
-    """What an inbox worker hands on (`RoundAggregate.partial`) crosses a process (pickled) and merges into the
-    round's own aggregate: the same model as one aggregate of every update, each update used once, and what the
-    workers' guards counted added to the round's (a free rider refused in one share)."""
+@pytest.mark.parametrize("device", devices)
+def test_a_round_split_over_aggregates_in_two_processes_gives_the_model_and_counts_of_one(device):
+    """What an inbox worker hands on (`RoundAggregate.partial`, folded on the CPU) crosses a process (pickled) and
+    merges into the round's own aggregate on the coordinator's `device`: the same model as one aggregate of every
+    update, each update used once, and what the workers' guards counted added to the round's (a free rider refused
+    in one share)."""
     import pickle
 
     rng = np.random.default_rng(5)
@@ -205,7 +210,7 @@ def test_a_round_split_over_aggregates_in_two_processes_gives_the_model_and_coun
     bounds = UpdateBounds(krum_share=0.0)
     one, _ = aggregated("fedavg", updates[:-1], bounds)
     counters: Counter[str] = Counter()
-    rule = contained(make_strategy("fedavg", device="cpu"), counters)
+    rule = contained(make_strategy("fedavg", device=device), counters)
     round_ = RoundAggregate(rule, bounds, np.zeros(SIZE, np.float32), counters, 1 << 30)
     for share in (updates[0::2], updates[1::2]):
         worker_counters: Counter[str] = Counter()
@@ -214,7 +219,7 @@ def test_a_round_split_over_aggregates_in_two_processes_gives_the_model_and_coun
         for update in share:
             worker.add(update)
         round_.merge(pickle.loads(pickle.dumps(worker.partial())))
-    merged = round_.close().global_weights.numpy()
+    merged = round_.close().global_weights.cpu().numpy()
     np.testing.assert_allclose(merged, one, rtol=1e-6, atol=1e-8)
     assert sorted(u.device for u in round_.used) == sorted(u.device for u in updates[:-1])
     assert counters["free-rider"] == 1 and round_.samples == sum(u.num_samples for u in updates[:-1])
