@@ -182,8 +182,8 @@ def test_a_robust_rule_runs_on_clipped_updates_and_its_change_is_clipped_before_
     counters: Counter[str] = Counter()
     aggregate = RoundAggregate(ContainedStrategy(Median(device=device), counters), UpdateBounds.only(), g, counters,
                                1 << 30, privacy=privacy)
-    for device, change in (("far", [5.5, 5.5, 5.5, 0]), ("b", [.55, .55, 0, .55]), ("c", [.55, 0, .55, .55])):
-        aggregate.add(ClientUpdate(device, g + np.array(change, np.float32), 10))
+    for sender, change in (("far", [5.5, 5.5, 5.5, 0]), ("b", [.55, .55, 0, .55]), ("c", [.55, 0, .55, .55])):
+        aggregate.add(ClientUpdate(sender, g + np.array(change, np.float32), 10))
     result = aggregate.close(selected=4, eligible=4)
     assert result is not None
     noise = np.random.default_rng(7).normal(0.0, 0.8 * 2 * 1.0, size=4)
