@@ -12,7 +12,6 @@ shared loop hold one copy of a large payload they all receive (`SharedPayloads`)
 """
 from __future__ import annotations
 
-import queue
 import socket
 import ssl
 import threading
@@ -29,6 +28,7 @@ import paho.mqtt.client as mqtt
 
 from edgefil import paho_buffers
 from edgefil.netloop import TCP_CONNECT_TIMEOUT_S, NetworkLoop
+from edgefil.wakeups import Inbox
 from edgefil.wire import Frame
 
 QOS = 1
@@ -178,7 +178,7 @@ class Link:
         self.settings = settings
         self.client_id = client_id
         self.subscriptions = list(subscriptions)
-        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.inbox: Inbox[Message] = Inbox(None if network is None else network.readers)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.connects = 0
@@ -258,6 +258,7 @@ class Link:
         if network is not self._shared:
             network.stop()
         self._connected.clear()
+        self.inbox.close()  # its reader is not reading: a place it holds at the gate goes to another (wakeups.py)
 
     @property
     def connected(self) -> bool:
@@ -284,11 +285,8 @@ class Link:
     def get(self, timeout: float | None) -> Message | None:
         """The next message from the inbox, Message(CONNECTED, b"") after a (re)connect, None on timeout or when
         `wake` was called."""
-        try:
-            item = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return None if item.topic == _WAKE else item
+        item = self.inbox.get(timeout)
+        return None if item is None or item.topic == _WAKE else item
 
     def wake(self) -> None:
         """Make a `get` that waits (or the next one) return None now: an owner that wants the reader to look at

@@ -41,6 +41,8 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
+from edgefil.wakeups import ReaderGate
+
 log = logging.getLogger("edgefil.link")
 
 BACKOFF_BASE_S = 0.5
@@ -82,7 +84,10 @@ class NetworkLoop:
     """The network thread of any number of paho clients (see the module docstring). `open` a client after its
     `connect_async` (which only records host, port and keepalive); `close` it to disconnect and stop retrying."""
 
-    def __init__(self, name: str = "edgefil-mqtt", seed: int | None = None) -> None:
+    def __init__(self, name: str = "edgefil-mqtt", seed: int | None = None, readers: ReaderGate | None = None) -> None:
+        """`readers`: the bound on how many of its links' readers a message wakes at once (edgefil/wakeups.py), for a
+        process whose links each have a thread of their own that waits for messages (a fleet worker's devices)."""
+        self.readers = readers
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

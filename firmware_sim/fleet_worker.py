@@ -263,11 +263,15 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     from edge_client.device import Device, run_until_stopped
     from edge_client.environment import Turns
     from edgefil.netloop import NetworkLoop
+    from edgefil.wakeups import READERS_AWAKE, ReaderGate
     from firmware_sim.virtual_device import virtual_device
 
     devices: list[Device] = []
     lock = threading.Lock()
-    network = NetworkLoop(name="fleet-worker-mqtt")
+    # A message to every device (a round's global weights) wakes at most READERS_AWAKE of the worker's device threads
+    # at once (edgefil/wakeups.py): all of them at once, each waiting for the GIL, kept a 100,000-device host in the
+    # kernel for a whole round.
+    network = NetworkLoop(name="fleet-worker-mqtt", readers=ReaderGate(READERS_AWAKE))
     # The devices take turns at CPU work: being built, starting a task, training, the policy's after-training
     # update, on the turns' one thread (edge_client/environment.py). Hundreds at once hold the GIL for seconds on
     # end and starve the network thread: keepalives lapse and the broker drops the connections (seen at 500

@@ -1,0 +1,131 @@
+"""A link's inbox and the bound on readers a message wakes at once (edgefil/wakeups.py): the bound holds while every
+message is read in order, a reader's own timeout is not held back, a place handed to a reader with nothing left to
+read goes on to the next, and a fleet worker's links share one gate."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from edgefil.wakeups import Inbox, ReaderGate
+
+WAIT_S = 60.0  # the most any event below is waited for; none takes that long unless the gate has lost a wake-up
+
+
+def test_a_message_to_every_reader_wakes_at_most_limit_of_them_and_every_message_is_read_in_order():
+    gate = ReaderGate(4)
+    inboxes = [Inbox[int](gate) for _ in range(120)]
+    lock = threading.Lock()
+    awake, most = 0, 0
+    read: list[list[int]] = [[] for _ in inboxes]
+    done = threading.Semaphore(0)
+
+    def reader(k: int) -> None:
+        nonlocal awake, most
+        while True:
+            item = inboxes[k].get()
+            if item is None:
+                inboxes[k].close()  # the reader goes: its place with it
+                return
+            with lock:
+                awake += 1
+                most = max(most, awake)
+            read[k].append(item)
+            threading.Event().wait(0.0005)  # hold the place a moment, as a device's handling does
+            with lock:
+                awake -= 1
+            done.release()
+
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(len(inboxes))]
+    for thread in threads:
+        thread.start()
+    for item in range(3):
+        for inbox in inboxes:
+            inbox.put(item)
+    for _ in range(3 * len(inboxes)):
+        assert done.acquire(timeout=WAIT_S)
+    assert most <= 4
+    assert read == [[0, 1, 2]] * len(inboxes)
+    for inbox in inboxes:
+        inbox.put(None)
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert gate.awake == 0
+
+
+def test_a_reader_wakes_at_its_own_timeout_with_what_came_though_the_gate_is_full():
+    gate = ReaderGate(1)
+    holder, waiter = Inbox[str](gate), Inbox[str](gate)
+    got: list[str | None] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        got.append(holder.get(WAIT_S))
+        holding.set()
+        release.wait(WAIT_S)  # awake, holding the gate's one place
+        holder.get(0.0)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    holder.put("first")
+    assert holding.wait(WAIT_S) and got == ["first"]
+    assert waiter.get(0.05) is None  # nothing came: a timeout is None
+    waiter.put("queued")  # no place for its reader: it waits for one, but only until its own timeout
+    assert waiter.get(0.2) == "queued"
+    release.set()
+    thread.join(WAIT_S)
+    assert gate.awake == 0
+
+
+def test_a_place_handed_to_a_reader_with_nothing_left_goes_on_to_the_next():
+    """The one place is held; B's message queues it; B takes the message at its own timeout; the place, freed, is
+    handed to B, which has nothing to read: B must hand it on, or C's message is never read."""
+    gate = ReaderGate(1)
+    a, b, c = Inbox[str](gate), Inbox[str](gate), Inbox[str](gate)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        a.get(WAIT_S)
+        holding.set()
+        release.wait(WAIT_S)
+        a.get(0.0)  # waits again: its place is handed to the first queued reader, B
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    a.put("a")
+    assert holding.wait(WAIT_S)
+    b.put("b")
+    assert b.get(0.05) == "b"  # at its own timeout
+    c.put("c")  # queued behind B
+    second: list[str | None] = []
+    waiter = threading.Thread(target=lambda: second.append(b.get(None)), daemon=True)
+    waiter.start()  # B waits again (or is about to) when the place comes to it
+    third: list[str | None] = []
+    reading = threading.Thread(target=lambda: third.append(c.get(None)), daemon=True)  # no timeout: only a place
+    reading.start()
+    release.set()
+    thread.join(WAIT_S)
+    reading.join(WAIT_S)
+    assert third == ["c"]
+    b.put("end")
+    waiter.join(WAIT_S)
+    assert second == ["end"]
+
+
+def test_a_gate_lets_at_least_one_reader_through():
+    with pytest.raises(ValueError, match="at least 1"):
+        ReaderGate(0)
+
+
+def test_a_fleet_workers_links_share_its_gate():
+    from edgefil.link import BrokerSettings, Link
+    from edgefil.netloop import NetworkLoop
+
+    gate = ReaderGate(2)
+    network = NetworkLoop(name="test-gate", readers=gate)
+    try:
+        links = [Link(BrokerSettings("127.0.0.1", 1), f"d{k}", network=network) for k in range(2)]
+        assert all(link.inbox._gate is gate for link in links)
+        assert Link(BrokerSettings("127.0.0.1", 1), "alone").inbox._gate is None  # a device of its own: unbounded
+    finally:
+        network.stop()
