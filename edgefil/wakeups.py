@@ -68,7 +68,7 @@ class Inbox(Generic[Item]):
         self._holds = False  # the reader holds one of the gate's places
         self._asked = False  # the gate was asked for a place for it (and has not given it yet)
         self._asleep = False  # the reader waits in get
-        self._closed = False  # the reader is away (until its next get): a place given to it goes on at once
+        self._closed = False  # the reader is away (until its next get): a place given to it then goes on at once
 
     def qsize(self) -> int:
         return len(self._items)
@@ -76,7 +76,7 @@ class Inbox(Generic[Item]):
     def put(self, item: Item) -> None:
         with self._ready:
             self._items.append(item)
-            if not self._asleep or self._closed:
+            if not self._asleep:
                 return  # the reader finds it at its next get
             if self._gate is None or self._holds:
                 self._ready.notify()
@@ -130,7 +130,7 @@ class Inbox(Generic[Item]):
         """The gate gives this reader a place: wake it (or, awake already, it keeps the place until it waits)."""
         with self._ready:
             self._asked = False
-            if not self._closed:
+            if self._asleep or not self._closed:  # (a reader asleep in get is there, whoever closed its inbox)
                 self._holds = True
                 self._ready.notify()
                 return

@@ -129,3 +129,19 @@ def test_a_fleet_workers_links_share_its_gate():
         assert Link(BrokerSettings("127.0.0.1", 1), "alone").inbox._gate is None  # a device of its own: unbounded
     finally:
         network.stop()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_reader_asleep_in_get_is_woken_though_another_thread_closed_its_inbox(gated):
+    """A link stopped from another thread while its reader waits (a coordinator's shutdown, then `wake`): the
+    reader is there, so what comes next still wakes it."""
+    inbox = Inbox[str](ReaderGate(1) if gated else None)
+    got: list[str | None] = []
+    reader = threading.Thread(target=lambda: got.append(inbox.get(None)), daemon=True)
+    reader.start()
+    while not inbox._asleep:  # (its get has begun waiting)
+        threading.Event().wait(0.001)
+    inbox.close()
+    inbox.put("wake")
+    reader.join(WAIT_S)
+    assert got == ["wake"]
