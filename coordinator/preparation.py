@@ -19,14 +19,16 @@ PREPARING_FILE = "preparing.json"
 
 
 class Preparation:
-    """The steps of one run's preparation, each written to `folder/preparing.json` as it starts. A step that cannot
-    be written (a full disk) is logged once and the run goes on: the page is a view, not the run."""
+    """The steps of one run's preparation, each written to `folder/preparing.json` as it starts (the folder made by
+    the first: a fleet's first step, checking its file, comes before the fleet makes its run folder). A step that
+    cannot be written (a full disk) is logged once and the run goes on, the next step tried again: the page is a
+    view, not the run."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / PREPARING_FILE
         self.done: list[tuple[str, float]] = []
         self._current: tuple[str, float] | None = None
-        self._failed = False
+        self._warned = False
 
     def step(self, text: str) -> None:
         """`text` is under way from now; the one before it is done."""
@@ -36,8 +38,9 @@ class Preparation:
         self._current = (text, now)
         record = {"step": text, "since": now, "done": [{"step": s, "seconds": t} for s, t in self.done]}
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.path, json.dumps(record).encode())
         except OSError as err:
-            if not self._failed:
+            if not self._warned:
                 logging.getLogger("edgefil.fleet").warning("%s not written: %s", self.path, err)
-            self._failed = True
+            self._warned = True

@@ -4,6 +4,7 @@ accuracy matrix). The browser test saves screenshots under runs/test-screenshots
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -91,6 +92,25 @@ def test_before_the_first_round_the_page_gets_the_preparations_step(tmp_path):
     assert [d["step"] for d in view["preparing"]["done"]] == ["building the scenario"]
     (tmp_path / "live.json").write_text(json.dumps({"fleet": "f", "outcome": "running"}))
     assert run_view(tmp_path)["preparing"] is None
+
+
+def test_the_preparations_first_step_makes_its_folder_and_a_failed_write_does_not_silence_the_next(tmp_path, caplog):
+    """A fleet's first step (checking its file) comes before its run folder exists; a step that cannot be written
+    (here the folder's path is taken by a file) is logged once, and the next step is written once it can be."""
+    Preparation(tmp_path / "run" / "new").step("checking the fleet file")
+    assert run_view(tmp_path / "run" / "new")["preparing"]["step"] == "checking the fleet file"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("not a folder")
+    preparing = Preparation(blocked)
+    with caplog.at_level(logging.WARNING, logger="edgefil.fleet"):
+        preparing.step("checking the fleet file")
+        preparing.step("writing every client's share")
+    assert len([r for r in caplog.records if "not written" in r.getMessage()]) == 1
+    blocked.unlink()
+    preparing.step("exporting the model")
+    view = run_view(blocked)["preparing"]
+    assert view["step"] == "exporting the model"
+    assert [d["step"] for d in view["done"]] == ["checking the fleet file", "writing every client's share"]
 
 
 @pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
