@@ -194,3 +194,45 @@ def test_a_worker_builds_no_further_ahead_of_its_devices_connections_than_its_bo
             assert not worker.is_alive()
     finally:
         stop.set()
+
+
+def test_a_worker_counts_the_devices_still_stopping_when_its_grace_ends_and_ends_without_exit_hooks(
+        tmp_path, monkeypatch):
+    """`serve_devices` returns how many devices outlived the stop's grace; a worker process with any ends as a power
+    cut would end them (`end_now`): its log says how many, and the interpreter's exit hooks, which would run beside
+    their threads, do not run."""
+    import subprocess
+
+    from fleet_harness import ROOT
+
+    from edge_client import device as device_module
+    from firmware_sim import fleet_worker
+    from firmware_sim import virtual_device as virtual_device_module
+
+    class Stopping:  # a device whose stop takes longer than any grace
+        def request_stop(self) -> None:
+            pass
+
+    release = threading.Event()
+    monkeypatch.setattr(virtual_device_module, "virtual_device", lambda *a, **k: Stopping())
+    monkeypatch.setattr(device_module, "run_until_stopped", lambda device, connected: (connected(), release.wait()))
+    monkeypatch.setattr(fleet_worker, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # the process-wide settings a worker makes
+    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
+    configs = [{"device_id": f"dev-{k}", "fleet": "lab", "artifacts": str(tmp_path), "state_dir": str(tmp_path / str(k)),
+                "broker": {"port": 1, "password": "pw"}, "store": {"max_samples": 10}, "policy": {"name": "random"}}
+               for k in range(3)]
+    try:
+        assert fleet_worker.serve_devices(configs, lambda: time.sleep(0.2), False) == 3
+    finally:
+        release.set()
+    assert fleet_worker.serve_devices([], lambda: None, False) == 0
+
+    log, hook = tmp_path / "worker.log", tmp_path / "hook-ran"
+    script = (f"import atexit, logging, pathlib; from firmware_sim import fleet_worker; "
+              f"logging.basicConfig(filename={str(log)!r}, level=logging.INFO); "
+              f"atexit.register(lambda: pathlib.Path({str(hook)!r}).touch()); fleet_worker.end_now(2, 5)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2 of 5 devices still stopping after" in log.read_text() and not hook.exists()
