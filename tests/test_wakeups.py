@@ -12,6 +12,26 @@ from edgefil.wakeups import Inbox, ReaderGate
 WAIT_S = 60.0  # the most any event below is waited for; none takes that long unless the gate has lost a wake-up
 
 
+def wait_asleep(*inboxes: Inbox) -> None:
+    """Until every inbox's reader waits in its get: only a message to a sleeping reader goes through the gate (one
+    that comes before is read at once, with no place)."""
+    deadline = threading.Event()
+    timer = threading.Timer(WAIT_S, deadline.set)
+    timer.start()
+    try:
+        while not all(inbox._asleep for inbox in inboxes):
+            assert not deadline.wait(0.001), "a reader never began to wait"
+    finally:
+        timer.cancel()
+
+
+def take_at_its_own_timeouts(inbox: Inbox[str]) -> str | None:
+    """A reader that wakes every 50 ms of its own until something came: it is never held back for a place."""
+    while (item := inbox.get(0.05)) is None:
+        pass
+    return item
+
+
 def test_a_message_to_every_reader_wakes_at_most_limit_of_them_and_every_message_is_read_in_order():
     gate = ReaderGate(4)
     inboxes = [Inbox[int](gate) for _ in range(120)]
@@ -39,6 +59,7 @@ def test_a_message_to_every_reader_wakes_at_most_limit_of_them_and_every_message
     threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(len(inboxes))]
     for thread in threads:
         thread.start()
+    wait_asleep(*inboxes)
     for item in range(3):
         for inbox in inboxes:
             inbox.put(item)
@@ -67,13 +88,20 @@ def test_a_reader_wakes_at_its_own_timeout_with_what_came_though_the_gate_is_ful
 
     thread = threading.Thread(target=hold, daemon=True)
     thread.start()
+    wait_asleep(holder)
     holder.put("first")
     assert holding.wait(WAIT_S) and got == ["first"]
     assert waiter.get(0.05) is None  # nothing came: a timeout is None
+    taken: list[str | None] = []
+    reader = threading.Thread(target=lambda: taken.append(take_at_its_own_timeouts(waiter)), daemon=True)
+    reader.start()
+    wait_asleep(waiter)
     waiter.put("queued")  # no place for its reader: it waits for one, but only until its own timeout
-    assert waiter.get(0.2) == "queued"
+    reader.join(WAIT_S)  # while the holder still holds the one place: held back, it would never return
+    assert taken == ["queued"]
     release.set()
     thread.join(WAIT_S)
+    waiter.get(0.0)  # the place the gate handed the waiter when the holder let go: it waits again, and gives it back
     assert gate.awake == 0
 
 
@@ -92,17 +120,29 @@ def test_a_place_handed_to_a_reader_with_nothing_left_goes_on_to_the_next():
 
     thread = threading.Thread(target=hold, daemon=True)
     thread.start()
+    wait_asleep(a)
     a.put("a")
     assert holding.wait(WAIT_S)
-    b.put("b")
-    assert b.get(0.05) == "b"  # at its own timeout
+    first: list[str | None] = []
+    taking = threading.Thread(target=lambda: first.append(take_at_its_own_timeouts(b)), daemon=True)
+    taking.start()
+    wait_asleep(b)
+    b.put("b")  # queues B for the place
+    taking.join(WAIT_S)
+    assert first == ["b"]  # at its own timeout
+    third: list[str | None] = []
+
+    def read_c() -> None:
+        third.append(c.get(None))  # no timeout: only a place wakes it
+        c.close()  # and it goes, its place with it (a reader that kept it would hold the gate's one place for good)
+
+    reading = threading.Thread(target=read_c, daemon=True)
+    reading.start()
+    wait_asleep(c)
     c.put("c")  # queued behind B
     second: list[str | None] = []
     waiter = threading.Thread(target=lambda: second.append(b.get(None)), daemon=True)
     waiter.start()  # B waits again (or is about to) when the place comes to it
-    third: list[str | None] = []
-    reading = threading.Thread(target=lambda: third.append(c.get(None)), daemon=True)  # no timeout: only a place
-    reading.start()
     release.set()
     thread.join(WAIT_S)
     reading.join(WAIT_S)
