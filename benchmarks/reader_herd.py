@@ -30,6 +30,11 @@ from edgefil.wakeups import READERS_AWAKE, Inbox, ReaderGate  # noqa: E402
 from firmware_sim.fleet_worker import WORKER_SWITCH_INTERVAL_S  # noqa: E402
 
 
+def asleep(inbox: Inbox | queue.Queue) -> bool:
+    """Whether `inbox`'s reader waits in its get (the plain queue's waiter list, as its condition keeps it)."""
+    return inbox._asleep if isinstance(inbox, Inbox) else len(inbox.not_empty._waiters) > 0  # type: ignore[attr-defined]
+
+
 def one_process(gated: bool, threads: int, work: int, ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     gate = ReaderGate(READERS_AWAKE)
@@ -47,6 +52,8 @@ def one_process(gated: bool, threads: int, work: int, ready: multiprocessing.Bar
 
     for inbox in inboxes:
         threading.Thread(target=reader, args=(inbox,), daemon=True).start()
+    while not all(asleep(inbox) for inbox in inboxes):  # a message to a reader not yet in its get passes no gate
+        time.sleep(0.01)
     ready.wait()  # every process's readers waiting: the message goes to all at once
     before = resource.getrusage(resource.RUSAGE_SELF)
     for inbox in inboxes:
