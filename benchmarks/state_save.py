@@ -4,8 +4,13 @@ A fleet device saves its state after each round it trains (`Learner.save`: the r
 `between_rounds = "disk"`, the fleet's default, its optimiser state; `edgefil/durable.py`). A device's own process
 makes each save survive a power cut of its machine (fsync of each file and of the folder); a fleet's worker makes
 it survive a killed worker only (`edgefil.durable.set_power_loss_safe(False)`, `FleetConfig.power_loss_safe`).
-This saves the state of `--devices` devices (each its own folder, as a fleet's) `--rounds` times each way, the two
-ways alternated in one process, and prints CPU and wall time per save (best of the repeats) and their ratio.
+The state is saved in two slots written in place (`save_state`, `durable.save_slotted`); the baseline is the form
+devices used before, each buffer a new file named by its sha256 and state.json replaced by rename, the old files
+removed (`durable.save_record`, still the coordinator's for its write-once generations).
+
+This saves the state of `--devices` devices (each its own folder, as a fleet's) `--rounds` times each of the four
+ways (the two forms, with and without power-loss safety), after two untimed saves each (a running device's
+folder holds its files), alternated in one process, and prints CPU and wall time per save (best of the repeats) and ratios.
 
     .venv/bin/python benchmarks/state_save.py [--model cnn1d] [--devices 200] [--rounds 3] [--repeats 3]
         [--dir DIR] (default: the system temp directory; on a tmpfs there is nothing to sync)
@@ -16,6 +21,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +30,22 @@ from edge_client.state import ClientState, save_state
 from edgefil import durable
 from models.zoo import REGISTRY, build_model
 
+FORMS: dict[str, Callable[[Path, ClientState], None]] = {"slots": save_state, "replace": durable.save_record}
 
-def saves(root: Path, devices: int, rounds: int, state: ClientState) -> tuple[float, float]:
-    """CPU and wall seconds per save of `devices` x `rounds` saves under `root`, each round's weights new."""
+
+def saves(root: Path, devices: int, rounds: int, state: ClientState, save: Callable[[Path, ClientState], None]
+          ) -> tuple[float, float]:
+    """CPU and wall seconds per save of `devices` x `rounds` saves under `root` (after two untimed saves per device:
+    a running device's folder, both slots made), each round's weights new."""
+    for _ in range(2):
+        for d in range(devices):
+            save(root / f"device-{d}", state)
     cpu, wall = time.process_time(), time.perf_counter()
     for r in range(rounds):
         for d in range(devices):
             assert state.weights is not None and state.optimizer is not None
-            state.weights[0] = state.optimizer[0] = r * devices + d  # another file each time, as a round's save is
-            save_state(root / f"device-{d}", state)
+            state.weights[0] = state.optimizer[0] = r * devices + d + 1  # another file each time, as a round's is
+            save(root / f"device-{d}", state)
     count = devices * rounds
     return (time.process_time() - cpu) / count, (time.perf_counter() - wall) / count
 
@@ -51,23 +64,29 @@ def main() -> None:
                         metrics={f"metric_{k}": 0.5 for k in range(12)},
                         weights=rng.standard_normal(size).astype(np.float32),
                         optimizer=rng.standard_normal(2 * size).astype(np.float32), optimizer_buffers=["m", "v"])
-    best: dict[bool, tuple[float, float]] = {}
+    best: dict[tuple[str, bool], tuple[float, float]] = {}
     for _ in range(args.repeats):
-        for safe in (True, False):  # alternated: the host's load falls on both alike
-            root = Path(tempfile.mkdtemp(prefix="state-save-", dir=args.dir))
-            try:
-                durable.set_power_loss_safe(safe)
-                cpu, wall = saves(root, args.devices, args.rounds, state)
-            finally:
-                shutil.rmtree(root)
-            old = best.get(safe, (cpu, wall))
-            best[safe] = (min(cpu, old[0]), min(wall, old[1]))
+        for form, save in FORMS.items():
+            for safe in (True, False):  # alternated: the host's load falls on every way alike
+                root = Path(tempfile.mkdtemp(prefix="state-save-", dir=args.dir))
+                try:
+                    durable.set_power_loss_safe(safe)
+                    cpu, wall = saves(root, args.devices, args.rounds, state, save)
+                finally:
+                    shutil.rmtree(root)
+                old = best.get((form, safe), (cpu, wall))
+                best[form, safe] = (min(cpu, old[0]), min(wall, old[1]))
     print(f"state save of a {args.model} device ({size} parameters, weights and AdamW state: "
           f"{3 * size * 4 / 1024:.0f} KiB), {args.devices} devices x {args.rounds} rounds, best of {args.repeats}")
-    print(f"{'writes survive':>22s} {'CPU ms a save':>13s} {'wall ms a save':>14s}")
+    print(f"{'writes survive':>22s} {'CPU ms, replace':>15s} {'slots':>6s} {'ratio':>6s} "
+          f"{'wall ms, replace':>16s} {'slots':>6s} {'ratio':>6s}")
     for safe, label in ((True, "a power cut (device)"), (False, "a killed process")):
-        print(f"{label:>22s} {best[safe][0] * 1e3:13.3f} {best[safe][1] * 1e3:14.3f}")
-    print(f"{'ratio':>22s} {best[True][0] / best[False][0]:13.2f}x {best[True][1] / best[False][1]:13.2f}x")
+        (rc, rw), (sc, sw) = best["replace", safe], best["slots", safe]
+        print(f"{label:>22s} {rc * 1e3:15.3f} {sc * 1e3:6.3f} {rc / sc:5.2f}x {rw * 1e3:16.3f} {sw * 1e3:6.3f} "
+              f"{rw / sw:5.2f}x")
+    for form in FORMS:
+        print(f"{form}: power cut / killed process: CPU {best[form, True][0] / best[form, False][0]:.2f}x, "
+              f"wall {best[form, True][1] / best[form, False][1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ that bound before it writes (the store with its transaction bound, the bank with
 holders never exceeds M. A holder that needs bytes to shrink registers that headroom too, and no other holder may
 take it: the store journals before a delete frees anything, so a method's file written into its headroom once
 refused every cache cut after it, and locked pFedGRP, GLFC and iCaRL devices out of rounds at tight budgets.
-The device daemon's own state files (weights, state.json) are not under M: a simulated device's disk leaves room
-for them (firmware_sim/fleet.py).
+The device daemon's own state files (edge_client/state.py: its records, weights and optimiser state) are not
+under M: a simulated device's disk leaves room for them (firmware_sim/fleet.py).
 
 `file_bytes` is the one file-size rule every holder uses: a write of n bytes occupies its file-system blocks plus
 the blocks that map them (see ReplayStore's docstring for the sources of the numbers). A method that keeps a whole

@@ -1,7 +1,7 @@
 """Client state that must survive a restart of the device process: task, round, seen classes, weights, and the
 optimiser's state where the device saves it (`[learner] between_rounds = "disk"`).
 
-Saved atomically with `edgefil.durable` (a crash leaves the previous or the new state, whole).
+Saved in `edgefil.durable`'s slots (a crash leaves the previous or the new state, whole).
 The replay store persists itself; it is not part of this file.
 """
 from __future__ import annotations
@@ -12,16 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.trainers.base import OptimizerState
-from edgefil.durable import (
-    STATE_FILE,
-    StateError,
-    load_buffer,
-    load_record,
-    save_record,
-    save_record_keeping_weights,
-)
+from edgefil.durable import StateError, load_buffer, load_slotted, save_slotted
 
-__all__ = ["STATE_FILE", "ClientState", "StateError", "load_state", "save_state", "save_state_keeping_weights"]
+__all__ = ["ClientState", "StateError", "load_state", "save_state", "save_state_keeping_weights"]
 
 
 @dataclass
@@ -61,18 +54,19 @@ class ClientState:
 
 
 def save_state(directory: str | Path, state: ClientState) -> None:
-    save_record(directory, state)
+    save_slotted(directory, state)
 
 
 def save_state_keeping_weights(directory: str | Path, state: ClientState) -> None:
-    """The state's record, beside the weights saved before (`state.weights` is not written): what fits a full disk."""
-    save_record_keeping_weights(directory, state)
+    """The state's record, beside the weights and optimiser state saved before (`state.weights` and
+    `state.optimizer` are not written): what fits a full disk."""
+    save_slotted(directory, state, keep_buffers=True)
 
 
 def load_state(directory: str | Path, weights: bool = True, optimizer: bool = True) -> ClientState | None:
     """The last saved state, or None when the device has never saved one; `weights`, `optimizer` False: without
     reading that buffer (None in the state)."""
-    saved = load_record(directory, weights)
+    saved = load_slotted(directory, weights)
     if saved is None:
         return None
     record, buffer = saved

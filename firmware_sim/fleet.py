@@ -442,8 +442,8 @@ class ProcessWorkers:
 
 def state_reserve_bytes(artifacts: Path, saved_buffers: int = 1) -> int:
     """Disk a device needs beside its store: two files of each of the `saved_buffers` parameter-sized buffers it
-    saves (old and new, during the atomic replace: the weights, and the optimiser's state where it saves it) plus
-    room for state.json and file-system blocks."""
+    saves (edgefil.durable's two slots: the weights, and the optimiser's state where it saves it) plus room for its
+    two records and file-system blocks."""
     return 2 * saved_buffers * 4 * load_manifest(artifacts).num_parameters + STATE_SLACK_BYTES
 
 

@@ -10,6 +10,7 @@ from fleet_harness import CEILING_S, Fleet
 from mqtt_helpers import Peer
 
 from coordinator.broker import mosquitto_path
+from edge_client.state import load_state
 from edgefil import topics, wire
 
 pytestmark = pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
@@ -62,8 +63,8 @@ def test_five_devices_learn_class_incremental_digits_with_refed(fleet_factory):
     stored = [m["stored_samples"] for r in results["history"] for m in r["metrics"].values()]
     assert len(stored) == 15 * 5 - results["counters"].get("krum-outlier", 0) and max(stored) <= 200
     for device in fleet.devices:
-        state = json.loads((fleet.root / "devices" / device / "state.json").read_text())
-        assert state["task"] == 4 and state["round"] == 15
+        state = load_state(fleet.root / "devices" / device, weights=False, optimizer=False)
+        assert state.task == 4 and state.round == 15
 
 
 def test_device_killed_mid_round_round_completes_by_deadline(fleet_factory):

@@ -1,37 +1,111 @@
-import json
+import os
 
 import numpy as np
 import pytest
 
-from edge_client.state import STATE_FILE, ClientState, StateError, load_state, save_state
+from edge_client.state import ClientState, StateError, load_state, save_state, save_state_keeping_weights
 from edgefil import durable
 
+SLOT_FILES = {"state-a.rec", "state-b.rec", "weights.a.f32", "weights.b.f32"}
 
-def test_state_round_trips_and_replaces_the_old_weights(tmp_path):
+
+def state(k: int, size: int = 5) -> ClientState:
+    return ClientState(task=k, round=k, seen_classes=list(range(k + 1)), n_seen=10 * k,
+                       weights=np.full(size, k, dtype=np.float32))
+
+
+def assert_is(loaded: ClientState, k: int) -> None:
+    assert (loaded.task, loaded.round, loaded.seen_classes, loaded.n_seen) == (k, k, list(range(k + 1)), 10 * k)
+    assert np.array_equal(loaded.weights, np.full(len(loaded.weights), k, np.float32))
+    assert loaded.weights.dtype == np.float32
+
+
+def test_state_round_trips_and_saves_again_in_the_same_two_slots(tmp_path):
     assert load_state(tmp_path) is None
-    first = ClientState(task=1, round=3, seen_classes=[0, 4], n_seen=90, weights=np.arange(5, dtype=np.float32))
-    save_state(tmp_path, first)
-    second = ClientState(task=2, round=4, seen_classes=[0, 4, 7], n_seen=120, weights=np.ones(5, dtype=np.float32))
-    save_state(tmp_path, second)
-    loaded = load_state(tmp_path)
-    assert (loaded.task, loaded.round, loaded.seen_classes, loaded.n_seen) == (2, 4, [0, 4, 7], 120)
-    assert np.array_equal(loaded.weights, second.weights) and loaded.weights.dtype == np.float32
-    assert len(list(tmp_path.glob("weights-*.f32"))) == 1
-    assert not list(tmp_path.glob("*.tmp"))
+    for k in range(2):
+        save_state(tmp_path, state(k))
+    assert_is(load_state(tmp_path), 1)
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
+    files = {name: os.stat(tmp_path / name).st_ino for name in SLOT_FILES}
+    for k in range(2, 5):  # a steady state: every file written in place, none created, renamed or removed
+        save_state(tmp_path, state(k))
+        assert_is(load_state(tmp_path), k)
+    assert {name: os.stat(tmp_path / name).st_ino for name in os.listdir(tmp_path)} == files
 
 
-def test_damaged_weights_or_state_are_refused(tmp_path):
-    save_state(tmp_path, ClientState(task=0, weights=np.zeros(8, dtype=np.float32)))
-    weights_file = next(tmp_path.glob("weights-*.f32"))
-    weights_file.write_bytes(b"\x00" * 31)
+def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(tmp_path):
+    for k in range(2):
+        save_state(tmp_path, state(k, size=8))
+    (tmp_path / "weights.b.f32").write_bytes(b"\x00" * 31)  # the newest record's (the second save's slot)
     with pytest.raises(StateError, match="sha256"):
         load_state(tmp_path)
-    (tmp_path / STATE_FILE).write_text("{broken")
+    (tmp_path / "weights.b.f32").write_bytes(np.full(8, 1, "<f4").tobytes())
+    assert_is(load_state(tmp_path), 1)
+    record = (tmp_path / "state-b.rec").read_bytes()
+    assert b'"round": 1' in record
+    (tmp_path / "state-b.rec").write_bytes(record.replace(b'"round": 1', b'"round": 7'))  # its checksum fails
+    assert_is(load_state(tmp_path), 0)
+    (tmp_path / "state-a.rec").write_bytes(b"{broken")
     with pytest.raises(StateError, match="unreadable"):
         load_state(tmp_path)
-    (tmp_path / STATE_FILE).write_text(json.dumps({"task": 0}))
-    with pytest.raises(StateError, match="unreadable"):
-        load_state(tmp_path)
+
+
+class Cut(Exception):
+    """The process's end in the middle of a write."""
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one_whole(tmp_path, monkeypatch, safe):
+    """A save ended at its k-th write (half of that write done, nothing after it) leaves the last whole state, with
+    its weights and optimiser state; the save after it is whole again."""
+    monkeypatch.setattr(durable, "_power_loss_safe", durable.power_loss_safe())  # restored after the test
+    durable.set_power_loss_safe(safe)
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: None)
+    optimizer = durable_optimizer = None
+    writes, cut_at = 0, 0
+    real_write = os.write
+
+    def counted_write(fd, data):
+        nonlocal writes
+        writes += 1
+        if writes == cut_at:
+            real_write(fd, bytes(data)[:len(data) // 2])
+            raise Cut
+        return real_write(fd, data)
+
+    monkeypatch.setattr(durable.os, "write", counted_write)
+    for cut_at in range(1, 4):  # a save writes the weights, the optimiser state and the record: 3 writes
+        folder, writes = tmp_path / str(cut_at), -100  # no cut in the saves before
+        for k in range(2):
+            optimizer = np.full(10, 10 + k, np.float32)
+            save_state(folder, state(k).with_optimizer(durable_state(optimizer)))
+        writes, durable_optimizer = 0, np.full(10, 12, np.float32)
+        with pytest.raises(Cut):
+            save_state(folder, state(2).with_optimizer(durable_state(durable_optimizer)))
+        loaded = load_state(folder)
+        assert_is(loaded, 1)
+        assert np.array_equal(loaded.optimizer_state(5).buffers["m"], optimizer[:5])
+        writes = -100  # no more cuts
+        save_state(folder, state(3))
+        assert_is(load_state(folder), 3)
+
+
+def durable_state(buffer: np.ndarray):
+    from edge_client.trainers.base import OptimizerState
+    return OptimizerState(7, {"m": buffer[:5].copy(), "v": buffer[5:].copy()})
+
+
+def test_a_state_saved_by_the_earlier_form_is_read_and_its_files_go_with_the_first_whole_save(tmp_path):
+    durable.save_record(tmp_path, state(0))  # state.json and weights-<sha256>.f32
+    (tmp_path / "state.json.tmp").write_bytes(b"a crash's leftover")
+    assert_is(load_state(tmp_path), 0)
+    save_state_keeping_weights(tmp_path, ClientState(task=1, round=1, seen_classes=[0, 1], n_seen=10))
+    kept = load_state(tmp_path)  # the record alone saved: the earlier form's weights stay, named by it
+    assert (kept.round, kept.seen_classes) == (1, [0, 1]) and np.array_equal(kept.weights, np.zeros(5, np.float32))
+    assert any(name.startswith("weights-") for name in os.listdir(tmp_path))
+    save_state(tmp_path, state(2))
+    assert_is(load_state(tmp_path), 2)
+    assert set(os.listdir(tmp_path)) == {"state-a.rec", "state-b.rec", "weights.a.f32"}
 
 
 @pytest.mark.parametrize("safe", [True, False])
@@ -48,4 +122,4 @@ def test_a_save_syncs_to_the_disk_only_where_the_process_s_writes_are_to_survive
     assert (len(synced) > 0) == safe
     loaded = load_state(tmp_path)
     assert loaded.round == 1 and np.array_equal(loaded.weights, np.ones(5, np.float32))
-    assert len(list(tmp_path.glob("weights-*.f32"))) == 1 and not list(tmp_path.glob("*.tmp"))
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
