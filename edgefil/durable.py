@@ -259,11 +259,11 @@ def _newest_slot(directory: Path) -> tuple[str, int, dict[str, Any]] | None:
             damaged.append(f"{path.name}: {err}")
             continue
         head, _, payload = data.partition(b"\n")
-        sequence, _, digest = head.removeprefix(RECORD_MAGIC).partition(b" ")
-        if not head.startswith(RECORD_MAGIC) or not sequence.isdigit():
+        number, _, digest = head.removeprefix(RECORD_MAGIC).partition(b" ")
+        if not head.startswith(RECORD_MAGIC) or not number.isdigit():
             damaged.append(f"{path.name}: not a state record")
             continue
-        candidates.append((int(sequence), slot, digest, payload))
+        candidates.append((int(number), slot, digest, payload))
     for sequence, slot, digest, payload in sorted(candidates, reverse=True):
         try:
             if digest.decode() != hashlib.sha256(payload).hexdigest():
