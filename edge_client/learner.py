@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,9 @@ class Learner:
         self.trainer = trainer
         self.store = store
         self.policy = policy
-        self._saved_in: Path | None = None  # where the last whole save is, while the trainer holds what it holds
+        # where the last whole save is, while the trainer holds what it holds, and its record where this process
+        # saved it (None after a restart: the newest record there is read)
+        self._saved_in: tuple[Path, dict[str, Any] | None] | None = None
         self.config = config
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
@@ -212,11 +215,11 @@ class Learner:
         self._saved_in = None
         try:
             state = replace(self.state, weights=self.trainer.get_weights())
-            save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)
+            record = save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)
         except OSError:
             save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
             return False
-        self._saved_in = Path(directory)
+        self._saved_in = Path(directory), record
         return True
 
     def idle(self) -> None:
@@ -225,14 +228,15 @@ class Learner:
         (`Trainer.park`) the weights and optimiser state that the last save holds, when it holds the trainer's
         current ones (no step since, and the save whole), so a device between rounds holds neither."""
         self.store.release()
-        directory = self._saved_in
-        if self.config.between_rounds == "disk" and directory is not None:
-            self.trainer.park(lambda weights, state: self._saved_training(directory, weights, state))
+        last_save = self._saved_in
+        if self.config.between_rounds == "disk" and last_save is not None:
+            self.trainer.park(lambda weights, state: self._saved_training(*last_save, weights, state))
 
-    def _saved_training(self, directory: str | Path, weights: bool, state: bool
+    def _saved_training(self, directory: Path, record: dict[str, Any] | None, weights: bool, state: bool
                         ) -> tuple[np.ndarray | None, OptimizerState | None]:
-        """The weights and (or) the optimiser state of the last whole save: what a parked trainer takes back."""
-        saved = load_state(directory, weights=weights, optimizer=state)
+        """The weights and (or) the optimiser state of the last whole save (`record`, or the newest record there
+        where None): what a parked trainer takes back."""
+        saved = load_state(directory, weights=weights, optimizer=state, saved=record)
         if saved is None or (weights and saved.weights is None):
             raise StateError(f"the state saved in {directory} lost the weights this device parked there")
         return saved.weights, saved.optimizer_state(self.trainer.manifest.num_parameters) if state else None
@@ -250,7 +254,7 @@ class Learner:
         if optimizer is not None and self.config.between_rounds == "disk":
             self.trainer.set_optimizer_state(optimizer)
         state = state.with_optimizer(None)  # the trainer holds it (a second copy here would cost what parking saves)
-        self._saved_in = Path(directory) if whole else None
+        self._saved_in = (Path(directory), None) if whole else None
         self.state = state
         self._detector = NoveltyDetector(state.seen_classes)
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,8 +54,10 @@ class ClientState:
             name: self.optimizer[i * size:(i + 1) * size] for i, name in enumerate(self.optimizer_buffers)})
 
 
-def save_state(directory: str | Path, state: ClientState) -> None:
-    save_slotted(directory, state)
+def save_state(directory: str | Path, state: ClientState) -> dict[str, Any]:
+    """Save `state`; returns the record saved, with which `load_state` reads it back without looking for the newest
+    record (where its caller knows that nothing was saved there since)."""
+    return save_slotted(directory, state)
 
 
 def save_state_keeping_weights(directory: str | Path, state: ClientState) -> None:
@@ -63,13 +66,18 @@ def save_state_keeping_weights(directory: str | Path, state: ClientState) -> Non
     save_slotted(directory, state, keep_buffers=True)
 
 
-def load_state(directory: str | Path, weights: bool = True, optimizer: bool = True) -> ClientState | None:
+def load_state(directory: str | Path, weights: bool = True, optimizer: bool = True,
+               saved: dict[str, Any] | None = None) -> ClientState | None:
     """The last saved state, or None when the device has never saved one; `weights`, `optimizer` False: without
-    reading that buffer (None in the state)."""
-    saved = load_slotted(directory, weights)
+    reading that buffer (None in the state); `saved`: the record `save_state` returned, read as it is (its buffers
+    checked against their sha256 as ever)."""
     if saved is None:
-        return None
-    record, buffer = saved
+        newest = load_slotted(directory, weights)
+        if newest is None:
+            return None
+        record, buffer = newest
+    else:
+        record, buffer = saved, load_buffer(directory, saved, "weights") if weights else None
     try:
         return ClientState(
             task=int(record["task"]),

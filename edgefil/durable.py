@@ -191,7 +191,7 @@ def load_buffer(directory: str | Path, record: dict[str, Any], name: str) -> np.
 
 # --- saved again and again in one directory: slots ----------------------------------------------------------------
 
-def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) -> None:
+def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) -> dict[str, Any]:
     """Save a dataclass as `save_record` takes it into `directory`'s slots (the module docstring): its buffers into
     the slot files the newest record does not name, then its record into the older record slot. `keep_buffers`: the
     record alone (every field but the buffers), naming the buffers the newest record names, unwritten: a few hundred
@@ -229,6 +229,7 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
     written_once = {previous.get(f"{name}_file") for name in BUFFERS} - {None, *_SLOT_FILES}
     if not keep_buffers and newest is not None and (newest[0] == "" or written_once):
         _remove_written_once(directory, record)
+    return record
 
 
 def load_slotted(directory: str | Path, weights: bool = True) -> tuple[dict[str, Any], np.ndarray | None] | None:
