@@ -11,10 +11,10 @@ Two forms, one for each way a checkpoint is kept:
   own sha256, into the other record slot. The newest record whose checksum holds is the state; a crash during a
   save leaves that slot torn or stale and the one before whole. No file is created, renamed or removed in a
   steady state: on ext4 a replace by rename (create, write, rename over the old file, unlink the old buffer) costs
-  twice the CPU and nearly three times the wall time of writing the same bytes in place (`benchmarks/state_save.py`),
-  and a device's flash sees each file rewritten instead of files created and deleted every round. What a directory holds: at most two of
-  each buffer, as the replace held during a save. A directory saved by the written-once form (an older device's
-  state.json) is read until the first slotted save, which removes it.
+  2-5 times the CPU and 3-6 times the wall time of writing the same bytes in place (`benchmarks/state_save.py`),
+  and a device's flash sees each file rewritten instead of files created and deleted every round. A directory
+  holds at most two of each buffer, as the replace held during a save. A directory saved by the written-once form
+  (an older device's state.json) is read until the first whole slotted save, which removes its files.
 """
 from __future__ import annotations
 
