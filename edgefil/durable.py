@@ -218,12 +218,13 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
                         if SLOT_BUFFER.format(name, slot) != previous.get(f"{name}_file"))
             record[f"{name}_file"], record[f"{name}_sha256"] = file, hashlib.sha256(blob).hexdigest()
             created |= _write_in_place(directory / file, blob)
+    if created:  # a new buffer file's name is on the disk before a record names it
+        fsync_directory(directory)
     sequence = 1 if newest is None else newest[1] + 1
     slot = next(s for s in SLOTS if newest is None or s != newest[0])
     payload = json.dumps(record).encode()
     head = RECORD_MAGIC + f"{sequence} {hashlib.sha256(payload).hexdigest()}\n".encode()
-    created |= _write_in_place(directory / SLOT_RECORD.format(slot), head + payload)
-    if created:
+    if _write_in_place(directory / SLOT_RECORD.format(slot), head + payload):
         fsync_directory(directory)
     # the first whole save after the written-once form's (read, or kept by a record-only save): its files go
     written_once = {previous.get(f"{name}_file") for name in BUFFERS} - {None, *_SLOT_FILES}

@@ -123,3 +123,23 @@ def test_a_save_syncs_to_the_disk_only_where_the_process_s_writes_are_to_survive
     loaded = load_state(tmp_path)
     assert loaded.round == 1 and np.array_equal(loaded.weights, np.ones(5, np.float32))
     assert set(os.listdir(tmp_path)) == SLOT_FILES
+
+
+def test_a_power_loss_safe_save_syncs_each_new_file_s_name_before_a_record_names_it(tmp_path, monkeypatch):
+    """Where writes are to survive a power cut: each file's data, then the folder where a save made a file, before
+    the record that names it is written; in a steady state the three files alone, the record last."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or
+                        real_fsync(fd))
+    monkeypatch.setattr(durable, "_power_loss_safe", durable.power_loss_safe())  # restored after the test
+    durable.set_power_loss_safe(True)
+    folder = str(tmp_path)
+    for k in range(3):
+        synced.clear()
+        save_state(tmp_path, state(k))
+        slot = "ab"[k % 2]
+        if k < 2:  # the slot's files are new
+            assert synced == [f"{folder}/weights.{slot}.f32", folder, f"{folder}/state-{slot}.rec", folder]
+        else:
+            assert synced == [f"{folder}/weights.{slot}.f32", f"{folder}/state-{slot}.rec"]
