@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from edge_client.state import ClientState, StateError, load_state, save_state, save_state_keeping_weights
+from edge_client.trainers.base import OptimizerState
 from edgefil import durable
 
 SLOT_FILES = {"state-a.rec", "state-b.rec", "weights.a.f32", "weights.b.f32"}
@@ -61,7 +62,7 @@ def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one
     monkeypatch.setattr(durable, "_power_loss_safe", durable.power_loss_safe())  # restored after the test
     durable.set_power_loss_safe(safe)
     monkeypatch.setattr(durable.os, "fsync", lambda fd: None)
-    optimizer = durable_optimizer = None
+    optimizer = None
     writes, cut_at = 0, 0
     real_write = os.write
 
@@ -77,22 +78,23 @@ def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one
     for cut_at in range(1, 4):  # a save writes the weights, the optimiser state and the record: 3 writes
         folder, writes = tmp_path / str(cut_at), -100  # no cut in the saves before
         for k in range(2):
-            optimizer = np.full(10, 10 + k, np.float32)
-            save_state(folder, state(k).with_optimizer(durable_state(optimizer)))
-        writes, durable_optimizer = 0, np.full(10, 12, np.float32)
+            optimizer = np.arange(10, dtype=np.float32) + 10 * k
+            save_state(folder, state(k).with_optimizer(adamw_state(optimizer)))
+        writes = 0
         with pytest.raises(Cut):
-            save_state(folder, state(2).with_optimizer(durable_state(durable_optimizer)))
+            save_state(folder, state(2).with_optimizer(adamw_state(np.full(10, 99, np.float32))))
         loaded = load_state(folder)
         assert_is(loaded, 1)
-        assert np.array_equal(loaded.optimizer_state(5).buffers["m"], optimizer[:5])
+        saved = loaded.optimizer_state(5)
+        assert np.array_equal(saved.buffers["m"], optimizer[:5]) and np.array_equal(saved.buffers["v"], optimizer[5:])
         writes = -100  # no more cuts
         save_state(folder, state(3))
         assert_is(load_state(folder), 3)
 
 
-def durable_state(buffer: np.ndarray):
-    from edge_client.trainers.base import OptimizerState
-    return OptimizerState(7, {"m": buffer[:5].copy(), "v": buffer[5:].copy()})
+def adamw_state(values: np.ndarray) -> OptimizerState:
+    """An AdamW state of a 5-parameter model: its two moments, the first and second half of `values`."""
+    return OptimizerState(7, {"m": values[:5].copy(), "v": values[5:].copy()})
 
 
 def test_a_state_saved_by_the_earlier_form_is_read_and_its_files_go_with_the_first_whole_save(tmp_path):
