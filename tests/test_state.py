@@ -145,3 +145,47 @@ def test_a_power_loss_safe_save_syncs_each_new_file_s_name_before_a_record_names
             assert synced == [f"{folder}/weights.{slot}.f32", folder, f"{folder}/state-{slot}.rec", folder]
         else:
             assert synced == [f"{folder}/weights.{slot}.f32", f"{folder}/state-{slot}.rec"]
+
+
+SAVING_FOREVER = """
+import itertools, sys
+import numpy as np
+from edge_client.state import ClientState, save_state
+from edge_client.trainers.base import OptimizerState
+from edgefil import durable
+durable.set_power_loss_safe(sys.argv[2] == "safe")
+for k in itertools.count():
+    values = np.full(20000, k, np.float32)
+    save_state(sys.argv[1], ClientState(task=k, round=k, weights=values).with_optimizer(
+        OptimizerState(k + 1, {"m": -values, "v": values + 0.5})))
+"""
+
+
+@pytest.mark.parametrize("safe", ["safe", "unsafe"])
+def test_a_process_killed_at_any_moment_of_its_saves_leaves_a_whole_state(tmp_path, safe):
+    """A real process saving again and again, killed (SIGKILL) at a random moment of a save, ten times: the state
+    read back is one save's whole, its record, weights and optimiser state from the same save."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(0)
+    for kill in range(10):
+        folder = tmp_path / str(kill)
+        saver = subprocess.Popen([sys.executable, "-c", SAVING_FOREVER, str(folder), safe])
+        try:
+            while not (folder / "state-b.rec").exists():  # two saves made: both slots in use
+                assert saver.poll() is None, "the saving process ended"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.05))  # any moment: every one must leave a whole state
+        finally:
+            saver.send_signal(signal.SIGKILL)
+            saver.wait()
+        loaded = load_state(folder)
+        k = loaded.round
+        assert loaded.task == k >= 1 and np.array_equal(loaded.weights, np.full(20000, k, np.float32))
+        optimizer = loaded.optimizer_state(20000)
+        assert optimizer.steps == k + 1 and np.array_equal(optimizer.buffers["m"], np.full(20000, -k, np.float32))
+        assert np.array_equal(optimizer.buffers["v"], np.full(20000, k + 0.5, np.float32))
