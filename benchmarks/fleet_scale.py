@@ -45,11 +45,14 @@ benchmark sends it); printed per side, the TOP functions by their own CPU time a
 their time with what they called, as microseconds per device-round, with calls per device-round. The profiler slows what it measures (several times
 over, most where calls are many and short), so the timing and CPU tables of a profiled run do not stand for an
 unprofiled one: profile in a run of its own.
+Host profile (`--perf TOP`, needs perf and root): `perf record -a` over the last round, open to close, read back
+per process (coordinator, broker, workers), per library and, in the kernel, per system call and function: the TOP
+of each (benchmarks/host_profile.py). perf's sampling costs the host little (199 Hz a CPU); its tables are shares.
 
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
         fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
         [--broker mosquitto,embedded] [--replay-m 50] [--per-device 0] [--idle-s 10] [--out DIR] [--keep]
-        [--json FILE] [--profile TOP]
+        [--json FILE] [--profile TOP] [--perf TOP]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -72,6 +75,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from host_profile import HostProfile  # its top level imports the standard library only
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -313,6 +318,8 @@ class Probe:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     broker_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     profiler: Profiler | None = None
+    host_profile: HostProfile | None = None  # `--perf`: the last round, recorded
+    last_round: int = 0
     inbox: list[int] = field(default_factory=list)  # the coordinator's inbox workers' pids (`--inbox-workers`)
     aggregators: list[int] = field(default_factory=list)  # the sites' aggregators' pids (`--sites`) ...
     site_brokers: list[int] = field(default_factory=list)  # ... and their brokers'
@@ -322,6 +329,12 @@ class Probe:
         self.memory[moment]["libtorch"] = float(all(maps_library(p, "libtorch_cpu") for p in self.worker_pids))
         if self.broker_pid is not None:
             self.broker_memory[moment] = memory_of(self.broker_pid)
+
+    def roles(self) -> dict[int, str]:
+        """The fleet's processes by pid, named for the host profile."""
+        return {os.getpid(): "coordinator", **{pid: "inbox/sites" for pid in [*self.inbox, *self.aggregators]},
+                **{pid: "broker" for pid in [*([self.broker_pid] if self.broker_pid else []), *self.site_brokers]},
+                **{pid: "workers" for pid in self.worker_pids}}
 
     def cpu(self) -> dict[str, float]:
         workers = [cpu_of(pid) for pid in self.worker_pids]
@@ -407,6 +420,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
         def _open(self, number: int, task: int, selected: list[str], earlier):  # noqa: ANN001, ANN202
             if probe.profiler is not None and not probe.profiler.running and number == probe.profiler.first_round:
                 probe.profiler.start(probe.worker_pids)
+            if probe.host_profile is not None and not probe.host_profile.running and number == probe.last_round:
+                probe.host_profile.start()
             previous = probe.rounds.get(number)
             current = probe.rounds[number] = Round(number, len(selected), opened=time.time(), cpu=probe.cpu())
             if previous is not None:
@@ -433,6 +448,8 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             current.cpu = {k: v - current.cpu[k] for k, v in probe.cpu().items()}
             if probe.profiler is not None and collected.number == probe.profiler.last_round:
                 probe.profiler.stop()
+            if probe.host_profile is not None and collected.number == probe.last_round:
+                probe.host_profile.stop()
 
     return MeasuredFleet, TimedCoordinator
 
@@ -501,7 +518,9 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
     from firmware_sim.fleet_config import FleetConfig
 
     work = work or scenario(n, args.per_device)
-    probe = Probe(devices=n, idle_s=args.idle_s)
+    probe = Probe(devices=n, idle_s=args.idle_s, last_round=args.rounds)
+    if getattr(args, "perf", 0):
+        probe.host_profile = HostProfile(out / "perf")
     if args.profile:
         probe.profiler = Profiler(out / "profile", min(2, args.rounds), args.rounds)
     MeasuredFleet, TimedCoordinator = instrumented_classes(probe)
@@ -538,6 +557,8 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         os.environ.pop(PROFILE_ENV, None)
         if probe.profiler is not None:
             probe.profiler.stop()  # a run that ended before its last round: what was measured
+        if probe.host_profile is not None:
+            probe.host_profile.stop()
     trained = trained_times(out / "logs")
     return {"n": n, "broker": broker, "probe": probe, "results": results, "trained": trained,
             "problems": log_problems(out / "logs"), "foreign": FOREIGN.take(), "cores": os.cpu_count() or 1}
@@ -773,7 +794,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the summaries to this file")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="profile the rounds (yappi) and print the TOP functions of each side; slows the run")
+    parser.add_argument("--perf", type=int, default=0, metavar="TOP",
+                        help="record the last round with perf (the whole host) and print the TOP processes, "
+                             "libraries, system calls and kernel functions")
     args = parser.parse_args()
+    if args.perf and (why := HostProfile.available()) is not None:
+        parser.error(f"--perf: {why}")
     if args.profile:
         try:
             import yappi  # noqa: F401
@@ -821,6 +847,9 @@ def main() -> None:
                                         if h["round"] >= min(2, args.rounds))
                     print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled run's)")
                     print_profile(out / "profile", max(device_rounds, 1), args.profile)
+                if args.perf and run["probe"].host_profile is not None:
+                    print(f"\nthe last round of {broker} N={n}, recorded with perf")
+                    run["probe"].host_profile.print_tables(run["probe"].roles(), args.perf)
         print_tables(summaries, idle, args)
         print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
         if args.json:

@@ -103,6 +103,16 @@ WORKER_SWITCH_INTERVAL_S = 0.05
 # least this large is mapped on its own and unmapped when freed.
 WORKER_MMAP_THRESHOLD_BYTES = 64 * 1024
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+# Linux (6.16 on) gives a process with threads a futex hash of its own: the table of wait queues that every futex
+# wait and wake (a lock, a condition, the GIL's hand-over) looks up, a wake walking the queue of its slot. The kernel
+# sizes it at 4 slots per thread but counts at most as many threads as online CPUs: 16 slots on a 2-core host,
+# whatever the threads. A worker's device threads each wait on futexes of their own, so at 1430 devices a worker
+# (10,000 on 2 cores) about 90 waiters shared each slot, and `futex_wake` alone took 5.6 % of the host's CPU in a
+# round (`benchmarks/fleet_scale.py --perf`; docs/results.md). A worker sizes its table for its threads instead, at
+# the kernel's 4 a thread, up to a power of two: 64 bytes a slot, 256 to 512 a device.
+FUTEX_SLOTS_PER_THREAD = 4
+THREADS_BESIDE_DEVICES = 16  # a worker's own (main, network, turns, the stop's watcher), with room
+PR_FUTEX_HASH, PR_FUTEX_HASH_SET_SLOTS = 78, 1  # linux/prctl.h
 
 
 def crowded(devices: int, cores: int) -> bool:
@@ -276,6 +286,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     limit_torch_threads()
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     unmap_large_buffers()
+    size_futex_hash(len(configs) + THREADS_BESIDE_DEVICES)
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device, run_until_stopped
@@ -351,6 +362,22 @@ def unmap_large_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES))
+
+
+def size_futex_hash(threads: int) -> int | None:
+    """Give this process a futex hash of FUTEX_SLOTS_PER_THREAD slots per thread for `threads` (a power of two, 16
+    at least); the slots, or None where the system keeps no futex hash per process (Linux before 6.16, other
+    systems), which is left as it is."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    slots = max(16, 1 << (FUTEX_SLOTS_PER_THREAD * max(threads, 1) - 1).bit_length())
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return slots if prctl(PR_FUTEX_HASH, PR_FUTEX_HASH_SET_SLOTS, slots, 0, 0) == 0 else None
 
 
 def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:

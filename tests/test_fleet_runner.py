@@ -620,6 +620,34 @@ print(fixed, start <= block < end)
     assert outputs == [["False", "True"], ["True", "False"]]
 
 
+def test_a_worker_sizes_its_futex_hash_for_its_threads_and_keeps_it_as_threads_start():
+    """`size_futex_hash` gives the process FUTEX_SLOTS_PER_THREAD slots a thread, up to a power of two, where the
+    kernel sizes the table of a process with threads by its CPUs (16 slots on 2 cores, however many threads); the
+    size holds as the devices' threads start. In a child process: the table is the process's. Skipped where the
+    kernel keeps no futex hash per process (before Linux 6.16)."""
+    script = """
+import ctypes, threading
+from firmware_sim.fleet_worker import size_futex_hash
+
+def slots():
+    return ctypes.CDLL(None).prctl(78, 2, 0, 0, 0)  # PR_FUTEX_HASH, PR_FUTEX_HASH_GET_SLOTS
+
+sized = size_futex_hash(1500)
+release = threading.Event()
+threads = [threading.Thread(target=release.wait) for _ in range(300)]
+for thread in threads:
+    thread.start()
+print(sized, slots())
+release.set()
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    sized, slots = done.stdout.split()
+    if sized == "None":
+        pytest.skip("this kernel keeps no futex hash per process (Linux before 6.16)")
+    assert int(sized) == int(slots) == 8192  # 4 x 1500 = 6000 slots, up to a power of two
+
+
 def test_a_method_whose_files_can_never_fit_m_is_refused_in_one_line_before_any_worker_starts(tmp_path):
     """FedCIL's ACGAN at width 64 (570 KB) cannot be replaced within half of a 300 KB M: the fleet builds its first
     device before the workers start and says so in one line, where a coordinator in virtual time would wait for
@@ -652,6 +680,7 @@ def test_a_fleet_worker_s_devices_write_for_a_power_cut_only_where_the_fleet_fil
     monkeypatch.setattr(durable, "_power_loss_safe", True)  # restored after the test, as are the process-wide
     monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # settings a worker makes
     monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "size_futex_hash", lambda _: None)
     monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
     seen = []
     for safe in (False, True):
