@@ -33,6 +33,25 @@ from edgefil.metrics import (
 )
 
 ETA_WINDOW = 5  # completed rounds the ETA averages over
+# A round entry's fields that hold a value per device: results.json keeps them, live.json leaves them out
+PER_DEVICE_FIELDS = ("selected", "received", "metrics", "client_accuracy")
+
+
+def live_entry(entry: RoundEntry) -> dict[str, Any]:
+    """A round's entry as live.json carries it: without its per-device fields (PER_DEVICE_FIELDS), with what the
+    dashboard plots of its devices' metrics, each metric's mean over the devices that reported it (`device_means`).
+    The dashboard reads live.json every second while the coordinator rewrites it: with every device's metrics of
+    every round it grew with rounds x devices (24 MB after 4 rounds of 10,000 devices), all of it encoded again at
+    each write."""
+    out: dict[str, Any] = {key: value for key, value in entry.items() if key not in PER_DEVICE_FIELDS}
+    sums: dict[str, float] = {}
+    counts: Counter[str] = Counter()
+    for metrics in entry.get("metrics", {}).values():
+        for name, value in metrics.items():
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] += 1
+    out["device_means"] = {name: sums[name] / counts[name] for name in sorted(sums)}
+    return out
 
 
 class Traffic(Protocol):
@@ -60,6 +79,7 @@ class RunRecord:
         self.open_round: OpenRound | None = None
         self._counted_at_open: Counter[str] = Counter()
         self._step_seconds: list[float] = []  # durations of the rounds completed in this process
+        self._live_entries: list[tuple[RoundEntry, dict[str, Any]]] = []  # each entry and its live_entry, made once
 
     # --- what the round loop tells it -------------------------------------------------------------
 
@@ -154,6 +174,7 @@ class RunRecord:
         current = self.open_round
         return {
             **self.results(),
+            "history": self._live_history(),
             "updated_at": time.time(),
             "started_at": self.started_at,
             "steps_total": self.total_steps,
@@ -165,6 +186,14 @@ class RunRecord:
                 "remaining_s": max(current.remaining_s(), 0.0),
             },
         }
+
+    def _live_history(self) -> list[dict[str, Any]]:
+        """`live_entry` of each round entry, made once for each (an entry does not change once it is history)."""
+        history, made = self.state.history, self._live_entries
+        del made[next((i for i, (entry, _) in enumerate(made) if i >= len(history) or history[i] is not entry),
+                      len(made)):]
+        made.extend((entry, live_entry(entry)) for entry in history[len(made):])
+        return [live for _, live in made]
 
     def _iaa_summary(self) -> dict[str, Any]:
         """IAA, AA and AFM over the rounds so far (per-client test data only)."""

@@ -292,8 +292,16 @@ def test_the_browser_shows_a_running_fleets_devices_and_rounds_and_the_finished_
             "return [...document.querySelectorAll('#matrix td')].map(c => c.textContent).filter(t => t);"),
             30, "the accuracy matrix")
         assert shown_matrix == expected and len(expected) == 3
-        # Re-Fed's devices report their PIM runs: the method's panel draws them
+        # Re-Fed's devices report their PIM runs: the method's panel draws each round's mean over the devices, which
+        # live.json gives as device_means, results.json (every device's metrics) holds whole
         assert driver.execute_script("return document.getElementById('method-none').hidden") is True
+        names, *series = driver.execute_script(
+            "const m = charts.method; return [m.plot.series.slice(1).map(s => s.label), ...m.plot.data.slice(1)];")
+        drift = names.index("devices' mean: pim_drift")
+        reported = [[m["pim_drift"] for m in entry["metrics"].values() if "pim_drift" in m]
+                    for entry in results["history"]]
+        assert any(reported) and series[drift] == [
+            pytest.approx(sum(r) / len(r)) if r else None for r in reported]
         driver.save_screenshot(str(SCREENSHOTS / "dashboard-finished.png"))
         assert (SCREENSHOTS / "dashboard-finished.png").stat().st_size > 10_000
         # the command's console: its own log lines only (an export logged hundreds of onnxscript INFO lines)

@@ -100,6 +100,27 @@ def test_results_say_what_was_run_and_the_devices_state():
     json.dumps(record.live())  # every reader gets JSON
 
 
+def test_live_json_carries_each_round_without_its_per_device_fields_and_with_its_devices_means():
+    """results.json keeps every device's metrics of every round; live.json, which the dashboard reads every second,
+    carries each round's mean of each metric over the devices that reported it, and no per-device field, so it does
+    not grow with the devices. A resumed history (another list) is summarised anew."""
+    record, _, _ = make_record()
+    entry = record.entry(round=1, task=0, selected=["a", "b", "c"], received=["a", "b"], samples=10, accuracy=[0.5],
+                         metrics={"a": {"loss": 1.0, "pim": 0.2}, "b": {"loss": 3.0}, "c": {}},
+                         client_accuracy={"a": 0.4, "b": 0.6}, rule_metrics={"signal": 0.5})
+    record.state.history.append(entry)
+    record.round_closed(entry)
+    live = record.live()["history"]
+    assert len(live) == 1 and live[0]["device_means"] == {"loss": 2.0, "pim": 0.2}
+    assert not {"selected", "received", "metrics", "client_accuracy"} & live[0].keys()
+    assert {k: v for k, v in live[0].items() if k != "device_means"} == {
+        k: v for k, v in entry.items() if k not in ("selected", "received", "metrics", "client_accuracy")}
+    assert record.results()["history"][0]["metrics"]["a"] == {"loss": 1.0, "pim": 0.2}  # results.json: whole
+    resumed = record.entry(round=1, task=0, accuracy=[0.7], metrics={"a": {"loss": 5.0}})
+    record.state.history = [resumed]
+    assert [(e["accuracy"], e["device_means"]) for e in record.live()["history"]] == [([0.7], {"loss": 5.0})]
+
+
 def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -183,6 +183,20 @@ function lineChart(id, title, names, xs, series, format) {
   }
 }
 
+// each metric's mean over the devices that reported it a number (as live.json's device_means)
+function deviceMeans(metrics) {
+  const sums = {};
+  const counts = {};
+  for (const m of Object.values(metrics)) {
+    for (const [k, v] of Object.entries(m)) {
+      if (typeof v !== "number") continue;
+      sums[k] = (sums[k] || 0) + v;
+      counts[k] = (counts[k] || 0) + 1;
+    }
+  }
+  return Object.fromEntries(Object.keys(sums).map((k) => [k, sums[k] / counts[k]]));
+}
+
 function drawCharts(run) {
   const history = run.history || [];
   const xs = history.map((_, i) => i + 1);
@@ -203,8 +217,10 @@ function drawCharts(run) {
   // reports beside the daemon's standard metrics (a detector's signal, a generator's progress, Re-Fed's PIM drift)
   const ruleNames = [...new Set(history.flatMap((e) => Object.entries(e.rule_metrics || {})
     .filter(([, v]) => typeof v === "number").map(([k]) => k)))].sort();
-  const deviceNames = [...new Set(history.flatMap((e) => Object.values(e.metrics || {}).flatMap((m) =>
-    Object.entries(m).filter(([k, v]) => typeof v === "number" && !STANDARD_METRICS.has(k)).map(([k]) => k))))].sort();
+  // live.json gives each round's device means (device_means); results.json, each device's metrics
+  const means = history.map((e) => e.device_means || deviceMeans(e.metrics || {}));
+  const deviceNames = [...new Set(means.flatMap((m) => Object.keys(m).filter((k) => !STANDARD_METRICS.has(k))))]
+    .sort();
   const names = [...ruleNames.map((k) => "rule: " + k), ...deviceNames.map((k) => "devices' mean: " + k)];
   document.getElementById("method-none").hidden = names.length > 0;
   if (names.length) {
@@ -212,10 +228,7 @@ function drawCharts(run) {
       const v = (e.rule_metrics || {})[k];
       return typeof v === "number" ? v : null;
     }));
-    const deviceSeries = deviceNames.map((k) => history.map((e) => {
-      const values = Object.values(e.metrics || {}).map((m) => m[k]).filter((v) => typeof v === "number");
-      return values.length ? values.reduce((a, b) => a + b, 0) / values.length : null;
-    }));
+    const deviceSeries = deviceNames.map((k) => means.map((m) => (typeof m[k] === "number" ? m[k] : null)));
     lineChart("method", "", names, xs, [...ruleSeries, ...deviceSeries],
       (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3)));
   }

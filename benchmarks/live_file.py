@@ -1,0 +1,79 @@
+"""The dashboard's live.json as a fleet grows: its bytes and the coordinator's CPU to encode it, with each round's
+every device metrics (what it carried before, and what results.json keeps) against each round's device means
+(`coordinator.run_record.live_entry`).
+
+A run record of `--devices` devices each reporting `--metrics` numbers every round (a device's update carries about
+20: its loss, device seconds, store, traffic, the method's own), after each of `--rounds` rounds; printed for
+each size: bytes, and milliseconds of CPU for `json.dumps` of the record (best of 3), both ways, and their ratios.
+The coordinator rewrites live.json at most every second and keeps that within 5 % of its time (run_logs.py), so a
+file that took longer to encode was written less often, and the dashboard reads it every second.
+
+    .venv/bin/python benchmarks/live_file.py [--devices 100,1000,10000] [--rounds 4] [--metrics 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from coordinator.checkpoint import RunState  # noqa: E402
+from coordinator.roster import Roster  # noqa: E402
+from coordinator.run_record import RunRecord  # noqa: E402
+
+
+class Traffic:
+    bytes_sent = bytes_received = 0
+    connects = 1
+
+
+def record_of(devices: int, rounds: int, metrics: int) -> RunRecord:
+    ids = [f"dev-{i:05d}" for i in range(devices)]
+    record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, RunState(np.zeros(3, np.float32)),
+                       Roster(ids), Counter(), Traffic(), total_rounds=rounds, total_steps=rounds)
+    rng = np.random.default_rng(0)
+    for number in range(1, rounds + 1):
+        entry = record.entry(round=number, task=0, selected=ids, received=ids, samples=3 * devices, accuracy=[0.5],
+                             aggregate_s=0.01, metrics={d: {f"metric_{k}": float(v) for k, v in
+                                                            enumerate(rng.random(metrics))} for d in ids})
+        record.state.history.append(entry)
+        record.round_closed(entry)
+    return record
+
+
+def encoded(make: object) -> tuple[int, float]:
+    """Bytes and best-of-3 CPU ms of json.dumps(make())."""
+    best, size = float("inf"), 0
+    for _ in range(3):
+        started = time.process_time()
+        size = len(json.dumps(make()).encode())  # type: ignore[operator]
+        best = min(best, time.process_time() - started)
+    return size, best * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="100,1000,10000")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--metrics", type=int, default=20)
+    args = parser.parse_args()
+    print(f"live.json after {args.rounds} rounds, {args.metrics} metrics a device; CPU ms to encode, best of 3")
+    print(f"{'devices':>8} {'every device MB':>15} {'ms':>8} {'device means MB':>15} {'ms':>8} {'bytes':>7} "
+          f"{'CPU':>7}")
+    for devices in (int(n) for n in args.devices.split(",")):
+        record = record_of(devices, args.rounds, args.metrics)
+        whole_bytes, whole_ms = encoded(lambda: {**record.live(), "history": record.history})
+        live_bytes, live_ms = encoded(record.live)
+        print(f"{devices:>8} {whole_bytes / 2**20:>15.2f} {whole_ms:>8.1f} {live_bytes / 2**20:>15.2f} "
+              f"{live_ms:>8.1f} {whole_bytes / live_bytes:>6.1f}x {whole_ms / live_ms:>6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
