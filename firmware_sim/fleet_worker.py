@@ -107,8 +107,8 @@ M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # wait and wake (a lock, a condition, the GIL's hand-over) looks up, a wake walking the queue of its slot. The kernel
 # sizes it at 4 slots per thread but counts at most as many threads as online CPUs: 16 slots on a 2-core host,
 # whatever the threads. A worker's device threads each wait on futexes of their own, so at 1430 devices a worker
-# (10,000 on 2 cores) about 90 waiters shared each slot, and `futex_wake` alone took 5.6 % of the host's CPU in a
-# round (`benchmarks/fleet_scale.py --perf`; docs/results.md). A worker sizes its table for its threads instead, at
+# (10,000 on 2 cores) about 90 waiters shared each slot, and `futex_wake` alone took 5.4-5.6 % of the host's CPU in
+# a round (`benchmarks/fleet_scale.py --perf`; docs/results.md). A worker sizes its table for its threads instead, at
 # the kernel's 4 a thread, up to a power of two: 64 bytes a slot, 256 to 512 a device.
 FUTEX_SLOTS_PER_THREAD = 4
 THREADS_BESIDE_DEVICES = 16  # a worker's own (main, network, turns, the stop's watcher), with room
