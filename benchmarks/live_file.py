@@ -1,10 +1,13 @@
-"""The dashboard's live.json as a fleet grows: its bytes and the coordinator's CPU to encode it, with each round's
-every device metrics (what it carried before, and what results.json keeps) against each round's device means
-(`coordinator.run_record.live_entry`).
+"""The run's files that grow with rounds x devices, as a fleet grows: the dashboard's live.json (its bytes and the
+coordinator's CPU to encode it), with each round's every device metrics (what it carried before, and what
+results.json keeps) against each round's device means (`coordinator.run_record.live_entry`); and results.json at a
+round's close, the whole record encoded again (as before) against each round's entry encoded once
+(`RunRecord.results_json`, the same text).
 
 A run record of `--devices` devices each reporting `--metrics` numbers every round (a device's update carries about
 20: its loss, device seconds, store, traffic, the method's own), after each of `--rounds` rounds; printed for
-each size: bytes, and milliseconds of CPU for `json.dumps` of the record (best of 3), both ways, and their ratios.
+each size: bytes, and milliseconds of CPU for `json.dumps` of the record (best of 3), both ways, and their ratios;
+then results.json's text at the last round's close (the rounds before it encoded at their own closes), both ways.
 The coordinator rewrites live.json at most every second and keeps that within 5 % of its time (run_logs.py), so a
 file that took longer to encode was written less often, and the dashboard reads it every second.
 
@@ -38,14 +41,34 @@ def record_of(devices: int, rounds: int, metrics: int) -> RunRecord:
     ids = [f"dev-{i:05d}" for i in range(devices)]
     record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, RunState(np.zeros(3, np.float32)),
                        Roster(ids), Counter(), Traffic(), total_rounds=rounds, total_steps=rounds)
-    rng = np.random.default_rng(0)
     for number in range(1, rounds + 1):
-        entry = record.entry(round=number, task=0, selected=ids, received=ids, samples=3 * devices, accuracy=[0.5],
-                             aggregate_s=0.01, metrics={d: {f"metric_{k}": float(v) for k, v in
-                                                            enumerate(rng.random(metrics))} for d in ids})
-        record.state.history.append(entry)
-        record.round_closed(entry)
+        close_round(record, number, ids, metrics)
     return record
+
+
+def close_round(record: RunRecord, number: int, ids: list[str], metrics: int) -> None:
+    rng = np.random.default_rng(number)
+    entry = record.entry(round=number, task=0, selected=ids, received=ids, samples=3 * len(ids), accuracy=[0.5],
+                         aggregate_s=0.01, metrics={d: {f"metric_{k}": float(v) for k, v in
+                                                        enumerate(rng.random(metrics))} for d in ids})
+    record.state.history.append(entry)
+    record.round_closed(entry)
+
+
+def at_close(devices: int, rounds: int, metrics: int, spliced: bool) -> tuple[int, float]:
+    """results.json's bytes and CPU ms at round `rounds`'s close, the rounds before it closed (and, spliced, each
+    encoded at its close); best of 3, each on a fresh record."""
+    best, size = float("inf"), 0
+    ids = [f"dev-{i:05d}" for i in range(devices)]
+    for _ in range(3):
+        record = record_of(devices, rounds - 1, metrics)
+        if spliced:
+            record.results_json()
+        close_round(record, rounds, ids, metrics)
+        started = time.process_time()
+        size = len((record.results_json() if spliced else json.dumps(record.results())).encode())
+        best = min(best, time.process_time() - started)
+    return size, best * 1000
 
 
 def encoded(make: object) -> tuple[int, float]:
@@ -73,6 +96,12 @@ def main() -> None:
         live_bytes, live_ms = encoded(record.live)
         print(f"{devices:>8} {whole_bytes / 2**20:>15.2f} {whole_ms:>8.1f} {live_bytes / 2**20:>15.2f} "
               f"{live_ms:>8.1f} {whole_bytes / live_bytes:>6.1f}x {whole_ms / live_ms:>6.1f}x")
+    print(f"\nresults.json at round {args.rounds}'s close; CPU ms, best of 3")
+    print(f"{'devices':>8} {'MB':>8} {'all rounds encoded':>18} {'each round once':>15} {'CPU':>7}")
+    for devices in (int(n) for n in args.devices.split(",")):
+        size, whole_ms = at_close(devices, args.rounds, args.metrics, spliced=False)
+        _, spliced_ms = at_close(devices, args.rounds, args.metrics, spliced=True)  # the same text: test_run_record
+        print(f"{devices:>8} {size / 2**20:>8.2f} {whole_ms:>18.1f} {spliced_ms:>15.1f} {whole_ms / spliced_ms:>6.1f}x")
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ class RunLogs:
         """After a round is checkpointed: every file anew. results.json without indentation: json's C encoder
         takes no indent, and its Python one took ten times as long, on a record that grows with every round and
         device (summary.md and metrics.csv are the files to read)."""
-        write_atomically(self.out / RESULTS_FILE, json.dumps(self.record.results()).encode())
+        write_atomically(self.out / RESULTS_FILE, self.record.results_json().encode())
         self._write_tables()
         self.write_live()
 

@@ -12,6 +12,7 @@ The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import Counter
 from typing import Any, Protocol
@@ -55,6 +56,16 @@ def live_entry(entry: RoundEntry) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Closed:
+    """A round entry of the history and what the record's readers make of it, made once: an entry does not change
+    once it is history."""
+
+    entry: RoundEntry
+    live: dict[str, Any]  # live_entry(entry)
+    text: str  # json.dumps(entry)
+
+
 class Traffic(Protocol):
     """What the record reads of the coordinator's link."""
 
@@ -80,7 +91,7 @@ class RunRecord:
         self.open_round: OpenRound | None = None
         self._counted_at_open: Counter[str] = Counter()
         self._step_seconds: list[float] = []  # durations of the rounds completed in this process
-        self._live_entries: list[tuple[RoundEntry, dict[str, Any]]] = []  # each entry and its live_entry, made once
+        self._closed: list[_Closed] = []  # the history's entries as made for live.json and results.json
 
     # --- what the round loop tells it -------------------------------------------------------------
 
@@ -175,7 +186,7 @@ class RunRecord:
         current = self.open_round
         return {
             **self.results(),
-            "history": self._live_history(),
+            "history": [closed.live for closed in self._closed_entries()],
             "updated_at": time.time(),
             "started_at": self.started_at,
             "steps_total": self.total_steps,
@@ -188,13 +199,21 @@ class RunRecord:
             },
         }
 
-    def _live_history(self) -> list[dict[str, Any]]:
-        """`live_entry` of each round entry, made once for each (an entry does not change once it is history)."""
-        history, made = self.state.history, self._live_entries
-        del made[next((i for i, (entry, _) in enumerate(made) if i >= len(history) or history[i] is not entry),
+    def results_json(self) -> str:
+        """`results.json`: the text of json.dumps(self.results()), each round entry encoded once rather than at
+        every round's close (an entry holds every device's metrics: 7 MB of JSON a round at 10,000 devices, so a
+        close re-encoding the whole history took 1.3 s at round 4 and longer each round:
+        benchmarks/live_file.py)."""
+        text = json.dumps({**self.results(), "history": []})  # "history" is the last key
+        return text[:-len("]}")] + ", ".join(closed.text for closed in self._closed_entries()) + "]}"
+
+    def _closed_entries(self) -> list[_Closed]:
+        """The history's entries, each made for its readers once (again where the history was replaced)."""
+        history, made = self.state.history, self._closed
+        del made[next((i for i, closed in enumerate(made) if i >= len(history) or history[i] is not closed.entry),
                       len(made)):]
-        made.extend((entry, live_entry(entry)) for entry in history[len(made):])
-        return [live for _, live in made]
+        made.extend(_Closed(entry, live_entry(entry), json.dumps(entry)) for entry in history[len(made):])
+        return made
 
     def _iaa_summary(self) -> dict[str, Any]:
         """IAA, AA and AFM over the rounds so far (per-client test data only)."""

@@ -121,6 +121,26 @@ def test_live_json_carries_each_round_without_its_per_device_fields_and_with_its
     assert [(e["accuracy"], e["device_means"]) for e in record.live()["history"]] == [([0.7], {"loss": 5.0})]
 
 
+def test_results_json_is_the_results_text_with_each_round_encoded_once():
+    """results.json's text is json.dumps(results()) to the byte, each closed round's entry encoded once: as rounds
+    close, after the live file was made, with a device error in the roster, and after the history was replaced."""
+    record, counters, _ = make_record()
+    assert record.results_json() == json.dumps(record.results())  # no round yet
+    for number in (1, 2, 3):
+        entry = record.entry(round=number, task=0, selected=["a", "b"], received=["a"], samples=3, accuracy=[0.5],
+                             metrics={"a": {"loss": float(number), "pim": 0.25}}, rule_metrics={"kind": "x"})
+        record.state.history.append(entry)
+        record.round_closed(entry)
+        counters["late"] += number
+        record.live()
+        assert record.results_json() == json.dumps(record.results())
+    record.roster.take_status(Status("a", "error", 3, error="no room", instance="i"), 0)
+    assert record.results_json() == json.dumps(record.results())
+    record.state.history = [record.entry(round=1, task=0, accuracy=[0.9], metrics={"b": {"loss": 2.0}})]
+    assert record.results_json() == json.dumps(record.results())
+    assert json.loads(record.results_json())["history"][0]["metrics"] == {"b": {"loss": 2.0}}
+
+
 def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
