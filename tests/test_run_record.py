@@ -190,3 +190,19 @@ def test_a_run_folder_that_cannot_be_written_does_not_stop_the_round(tmp_path):
     close_round(record, 1, 0, [0.5], ended_at=1.0)
     logs.round_done()  # logged, not raised
     assert Path(tmp_path / METRICS_FILE).exists()
+
+
+def test_local_epsilon_is_the_largest_any_device_reported_in_any_round_and_follows_a_replaced_history():
+    """results' `local_epsilon`: the largest a device reported over every round (each round's scanned once), None
+    where none did; a replaced history (a resume) is read anew."""
+    record, _, _ = make_record()
+    assert record.results()["local_epsilon"] is None
+    for number, spent in ((1, {"a": 0.5, "b": 2.0}), (2, {"a": 1.5}), (3, {})):
+        entry = record.entry(round=number, task=0, accuracy=[0.5],
+                             metrics={d: {"loss": 1.0, "local_epsilon": e} for d, e in spent.items()} | {"c": {}})
+        record.state.history.append(entry)
+        record.round_closed(entry)
+        record.live()
+    assert record.results()["local_epsilon"] == 2.0
+    record.state.history = [record.entry(round=1, task=0, accuracy=[0.5], metrics={"a": {"local_epsilon": 0.25}})]
+    assert record.results()["local_epsilon"] == 0.25
