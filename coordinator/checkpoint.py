@@ -13,6 +13,7 @@ refused: the round keeps the previous global model, and the refusal is counted.
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable, Sequence
@@ -55,6 +56,34 @@ class RoundEntry(TypedDict, total=False):
     staleness: float  # an asynchronous round's mean staleness of the updates it took (coordinator/buffered.py)
 
 
+class EncodedHistory:
+    """A run's history as JSON text, each entry encoded once. An entry does not change once it is history, and the
+    history grows with rounds x devices (each entry holds every device's metrics of its round: 7 MB of JSON a round
+    at 10,000 devices), so encoding it all again for each checkpoint took 6 s of the coordinator's CPU at round 20
+    of such a fleet, and as long again for results.json (benchmarks/live_file.py). The checkpoint and results.json
+    (coordinator/run_record.py) take their histories' text from here."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[RoundEntry, str]] = []
+
+    def texts(self, history: Sequence[RoundEntry]) -> list[str]:
+        """json.dumps of each entry of `history`: those encoded before reused while the history holds the same
+        entries (the same objects) in the same places; from the first that differs on, encoded anew (a resumed or
+        replaced history)."""
+        made = self._made
+        del made[next((i for i, (entry, _) in enumerate(made) if i >= len(history) or history[i] is not entry),
+                      len(made)):]
+        made.extend((entry, json.dumps(entry)) for entry in history[len(made):])
+        return [text for _, text in made]
+
+
+def json_with_history(fields: dict[str, Any], texts: Sequence[str]) -> str:
+    """The text of json.dumps(fields) with "history" moved last, its entries given as their texts
+    (`EncodedHistory.texts`)."""
+    text = json.dumps({**{name: value for name, value in fields.items() if name != "history"}, "history": []})
+    return text[:-len("]}")] + ", ".join(texts) + "]}"
+
+
 @dataclass
 class RunState:
     weights: np.ndarray
@@ -65,6 +94,13 @@ class RunState:
     history: list[RoundEntry] = field(default_factory=list)  # one entry per completed round
     accuracy_matrix: list[list[float]] = field(default_factory=list)  # row i: after task i, on tasks 0..i
     counters: dict[str, int] = field(default_factory=dict)  # rejections and round events by reason
+
+    def __post_init__(self) -> None:
+        self.encoded = EncodedHistory()  # not a field: not saved, made again with every state
+
+    def history_texts(self) -> list[str]:
+        """Each history entry's JSON text, each encoded once (`EncodedHistory`)."""
+        return self.encoded.texts(self.history)
 
     def best_accuracy(self, task: int) -> float | None:
         """The best accuracy on `task` of a global model kept while training it, or None before its first."""
@@ -123,7 +159,7 @@ def prune_generations(root: Path, keep: int, current: Path) -> None:
 
 
 def save_run_state(directory: str | Path, state: RunState) -> None:
-    save_record(directory, state)
+    save_record(directory, state, encode=lambda record: json_with_history(record, state.history_texts()))
 
 
 def _count(value: Any) -> bool:

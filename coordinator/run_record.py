@@ -12,14 +12,13 @@ The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import Counter
 from typing import Any, Protocol
 
 import numpy as np
 
-from coordinator.checkpoint import RoundEntry, RunState
+from coordinator.checkpoint import RoundEntry, RunState, json_with_history
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from edgefil.metrics import (
@@ -63,14 +62,13 @@ class _Closed:
 
     entry: RoundEntry
     live: dict[str, Any]  # live_entry(entry)
-    text: str  # json.dumps(entry)
     local_epsilon: float | None  # the largest local epsilon a device of the round reported (None: none did)
 
     @classmethod
     def of(cls, entry: RoundEntry) -> _Closed:
         spent = [metrics["local_epsilon"] for metrics in entry.get("metrics", {}).values()
                  if "local_epsilon" in metrics]
-        return cls(entry, live_entry(entry), json.dumps(entry), max(spent, default=None))
+        return cls(entry, live_entry(entry), max(spent, default=None))
 
 
 class Traffic(Protocol):
@@ -212,8 +210,7 @@ class RunRecord:
         every round's close (an entry holds every device's metrics: 7 MB of JSON a round at 10,000 devices, so a
         close re-encoding the whole history took 1.3 s at round 4 and longer each round:
         benchmarks/live_file.py)."""
-        text = json.dumps({**self.results(), "history": []})  # "history" is the last key
-        return text[:-len("]}")] + ", ".join(closed.text for closed in self._closed_entries()) + "]}"
+        return json_with_history(self.results(), self.state.history_texts())
 
     def _closed_entries(self) -> list[_Closed]:
         """The history's entries, each made for its readers once (again where the history was replaced)."""

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -137,9 +138,10 @@ def fsync_directory(directory: Path) -> None:
         os.close(dir_fd)
 
 
-def save_record(directory: str | Path, state: Any) -> None:
+def save_record(directory: str | Path, state: Any, encode: Callable[[dict[str, Any]], str] = json.dumps) -> None:
     """Save a dataclass whose `weights` field (and `optimizer` field, where it has one) is a flat float32 buffer
-    (or None) and whose other fields are JSON."""
+    (or None) and whose other fields are JSON; `encode`: the record's JSON text (one that reuses what it encoded
+    before, where the record is large)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = [f.name for f in fields(state)]
@@ -154,7 +156,7 @@ def save_record(directory: str | Path, state: Any) -> None:
             record[f"{name}_file"] = f"{name}-{digest[:16]}.f32"
             record[f"{name}_sha256"] = digest
             write_atomically(directory / record[f"{name}_file"], blob)
-    write_atomically(directory / STATE_FILE, json.dumps(record).encode())
+    write_atomically(directory / STATE_FILE, encode(record).encode())
     for name in buffers:
         for stale in directory.glob(f"{name}-*.f32"):
             if stale.name != record[f"{name}_file"]:

@@ -70,3 +70,29 @@ def test_a_checkpoint_outside_the_runs_schedule_is_not_resumed(tmp_path, field, 
     with pytest.raises(StateError, match=f"^no checkpoint in .* can be resumed: round-000002: .*does not fit this "
                                          f"run: {re.escape(reason)}; round-000001"):
         checkpoints.start(resume=True, fresh=state)
+
+
+def test_a_generation_holds_the_whole_history_each_entry_encoded_once(tmp_path):
+    """The run state's history grows with rounds x devices: each generation's state.json holds all of it, as
+    json.dumps would write the record (its history last), each entry's text made at the first save that holds it
+    and reused by the later ones; a history replaced (a resume) is encoded anew."""
+    checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)
+    state = RunState(weights=np.zeros(3, dtype=np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
+    for number in (1, 2, 3):
+        state.round = number
+        state.history.append({"round": number, "task": 0, "accuracy": [0.5],
+                              "metrics": {f"d{k}": {"loss": number + k / 10} for k in range(4)}})
+        checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
+        text = (tmp_path / f"round-{number:06d}" / "state.json").read_text()
+        record = json.loads(text)
+        expected = {name: record[name] for name in record if name != "history"} | {"history": state.history}
+        assert text == json.dumps(expected)
+        assert load_latest(tmp_path, 3)[0].history == state.history
+    state.history[0]["metrics"]["d0"]["loss"] = -1.0  # no code changes an entry once it is history: made visible
+    state.round = 4
+    checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
+    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == 1.0  # its text of round 1, reused
+    state.history = [dict(entry) for entry in state.history]  # the same entries, new objects: encoded again
+    state.round = 5
+    checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
+    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == -1.0
