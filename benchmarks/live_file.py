@@ -2,14 +2,15 @@
 coordinator's CPU to encode it), with each round's every device metrics (what it carried before, and what
 results.json keeps) against each round's device means (`coordinator.run_record.live_entry`); and results.json at a
 round's close, the whole record encoded again (as before) against each round's entry encoded once
-(`RunRecord.results_json`, the same text); and the checkpoint's state.json at a round's close, the same two ways
-(`coordinator.checkpoint.save_run_state`).
+(`RunRecord.results_json`, the same text); and a checkpoint generation's run state at a round's close, with the
+history encoded whole into it, encoded once into it, or appended to the checkpoint folder's history file
+(`coordinator.checkpoint.save_run_state`, `HistoryFile`).
 
 A run record of `--devices` devices each reporting `--metrics` numbers every round (a device's update carries about
 20: its loss, device seconds, store, traffic, the method's own), after each of `--rounds` rounds; printed for
 each size: bytes, and milliseconds of CPU for `json.dumps` of the record (best of 3), both ways, and their ratios;
 then results.json's text at the last round's close (the rounds before it encoded at their own closes), both ways,
-and the checkpoint's state.json (the run state with the whole history) at that close, both ways.
+and a checkpoint generation's run state at that close, the three ways.
 The coordinator rewrites live.json at most every second and keeps that within 5 % of its time (run_logs.py), so a
 file that took longer to encode was written less often, and the dashboard reads it every second.
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from coordinator.checkpoint import RunState, save_run_state  # noqa: E402
+from coordinator.checkpoint import HISTORY_FILE, HistoryFile, RunState, save_run_state  # noqa: E402
 from coordinator.roster import Roster  # noqa: E402
 from coordinator.run_record import RunRecord  # noqa: E402
 from edgefil.durable import STATE_FILE, save_record  # noqa: E402
@@ -75,26 +76,36 @@ def at_close(devices: int, rounds: int, metrics: int, spliced: bool) -> tuple[in
     return size, best * 1000
 
 
-def checkpoint_at_close(devices: int, rounds: int, metrics: int, once: bool) -> tuple[int, float]:
-    """The checkpoint's state.json (the run state, the whole history in it) at round `rounds`'s close: its bytes
-    and CPU ms to encode and write it, the rounds before it saved at their own closes (each entry encoded once,
-    `save_run_state`) or not (the record encoded whole, as each generation was); best of 3."""
-    best, size = float("inf"), 0
+CHECKPOINT_FORMS = ("whole", "once", "file")
+
+
+def checkpoint_at_close(devices: int, rounds: int, metrics: int, form: str) -> tuple[int, float, float]:
+    """A checkpoint generation's run state at round `rounds`'s close, the rounds before it saved at their own
+    closes: the bytes it writes, and the CPU and wall ms to encode and write them (synced, as the coordinator's
+    writes are), best of 3. `form`: "whole", the history in state.json, the record encoded whole (as each
+    generation was before d2d69b9); "once", the history in state.json, each entry encoded once (d2d69b9); "file",
+    the history appended to the checkpoint folder's file, the state naming its lines (`HistoryFile`)."""
+    best_cpu = best_wall = float("inf")
+    written = 0
     ids = [f"dev-{i:05d}" for i in range(devices)]
-    with tempfile.TemporaryDirectory() as folder:
-        for _ in range(3):
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as folder:
+            generation, history = Path(folder) / "round", HistoryFile(Path(folder) / HISTORY_FILE)
             record = record_of(devices, rounds - 1, metrics)
-            if once:
-                save_run_state(folder, record.state)
+            if form != "whole":
+                save_run_state(generation, record.state, history if form == "file" else None)
             close_round(record, rounds, ids, metrics)
-            started = time.process_time()
-            if once:
-                save_run_state(folder, record.state)
+            before = history.path.stat().st_size if form == "file" else 0
+            started, cpu = time.perf_counter(), time.process_time()
+            if form == "whole":
+                save_record(generation, record.state)  # json.dumps of the whole record
             else:
-                save_record(folder, record.state)  # json.dumps of the whole record
-            best = min(best, time.process_time() - started)
-            size = (Path(folder) / STATE_FILE).stat().st_size
-    return size, best * 1000
+                save_run_state(generation, record.state, history if form == "file" else None)
+            best_cpu = min(best_cpu, time.process_time() - cpu)
+            best_wall = min(best_wall, time.perf_counter() - started)
+            written = (generation / STATE_FILE).stat().st_size + (
+                history.path.stat().st_size - before if form == "file" else 0)
+    return written, best_cpu * 1000, best_wall * 1000
 
 
 def encoded(make: object) -> tuple[int, float]:
@@ -128,13 +139,14 @@ def main() -> None:
         size, whole_ms = at_close(devices, args.rounds, args.metrics, spliced=False)
         _, spliced_ms = at_close(devices, args.rounds, args.metrics, spliced=True)  # the same text: test_run_record
         print(f"{devices:>8} {size / 2**20:>8.2f} {whole_ms:>18.1f} {spliced_ms:>15.1f} {whole_ms / spliced_ms:>6.1f}x")
-    print(f"\nthe checkpoint's state.json at round {args.rounds}'s close; CPU ms to encode and write it, best of 3")
-    print(f"{'devices':>8} {'MB':>8} {'all rounds encoded':>18} {'each round once':>15} {'CPU':>7}")
+    print(f"\na checkpoint generation's run state at round {args.rounds}'s close: MB written, CPU and wall ms to "
+          "encode and write it (synced), best of 3")
+    print(f"{'devices':>8}" + "".join(f" {form + ' MB':>9} {'CPU':>7} {'wall':>7}" for form in CHECKPOINT_FORMS)
+          + f" {'whole/file CPU':>14} {'wall':>7}")
     for devices in (int(n) for n in args.devices.split(",")):
-        size, whole_ms = checkpoint_at_close(devices, args.rounds, args.metrics, once=False)
-        _, once_ms = checkpoint_at_close(devices, args.rounds, args.metrics, once=True)  # test_checkpoints
-        print(f"{devices:>8} {size / 2**20:>8.2f} {whole_ms:>18.1f} {once_ms:>15.1f} {whole_ms / once_ms:>6.1f}x")
-
+        cells = [checkpoint_at_close(devices, args.rounds, args.metrics, form) for form in CHECKPOINT_FORMS]
+        print(f"{devices:>8}" + "".join(f" {size / 2**20:>9.2f} {cpu:>7.1f} {wall:>7.1f}" for size, cpu, wall in cells)
+              + f" {cells[0][1] / cells[2][1]:>13.1f}x {cells[0][2] / cells[2][2]:>6.1f}x")
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,10 @@ task schedule, the selection generator's state, the per-round history, the accur
 Each round's checkpoint is a generation of its own, `checkpoint/round-<n>/` (the run state, the rule's state and
 the personalized models), written whole before older generations beyond `keep` are removed. `--resume` takes the
 newest generation that loads and verifies, so a damaged one (a bad disk, a hand edit) falls back to the one before.
+The history, which grows with rounds x devices (every device's metrics of every round), is not in each generation:
+it is `checkpoint/history.jsonl`, an entry a line, appended as rounds close, and a generation's state names how
+many of its lines are its history and their sha256 (`HistoryFile`). A state saved outside a checkpoint folder (and
+one of a run before the file) holds its history itself.
 
 What is checkpointed is only a model that passes `CheckpointPolicy.problem`: finite weights whose norm did not
 jump, and whose accuracy on the current task did not collapse below its best in this task. A model that fails is
@@ -13,8 +17,10 @@ refused: the round keeps the previous global model, and the refusal is counted.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,11 +30,12 @@ from typing import Any, TypedDict
 import msgpack
 import numpy as np
 
-from edgefil.durable import STATE_FILE, StateError, load_record, save_record, write_atomically
+from edgefil.durable import STATE_FILE, StateError, load_record, power_loss_safe, save_record, write_atomically
 
 log = logging.getLogger("edgefil.coordinator")
 GENERATION_PREFIX = "round-"
 PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
+HISTORY_FILE = "history.jsonl"  # in the checkpoint folder, beside the generations: the run's history (HistoryFile)
 
 
 class RoundEntry(TypedDict, total=False):
@@ -82,6 +89,82 @@ def json_with_history(fields: dict[str, Any], texts: Sequence[str]) -> str:
     (`EncodedHistory.texts`)."""
     text = json.dumps({**{name: value for name, value in fields.items() if name != "history"}, "history": []})
     return text[:-len("]}")] + ", ".join(texts) + "]}"
+
+
+class HistoryFile:
+    """The run's history as a file of the checkpoint folder, an entry's JSON text a line, appended as rounds close.
+
+    A generation's state names the count of lines that are its history and the sha256 of their bytes
+    (`history_lines`, `history_sha256`), so a generation costs its own round's entry, not every round's again: with
+    the history inside each generation's state.json, a generation wrote 133 MB at round 20 of 10,000 devices (each
+    entry holds every device's metrics), and the `keep` generations held as many copies of it.
+
+    Crash safety: the lines are appended (and synced, where writes are to survive a power cut) before the
+    generation's state is written, and a line is never changed while a generation names it; lines past the newest
+    state's count (a crash between the two writes) are cut at the next save. The first save of a process writes the
+    whole file at once (`write_atomically`): it knows nothing of the lines there (a resume from an older generation
+    leaves the newer ones' lines behind) and must not leave a half-written file if it dies. From then on it appends;
+    a history replaced in the process (none of the round loop's) is cut back to the entries it shares with the
+    file's and appended from there."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lines: list[tuple[RoundEntry, int, Any]] = []  # (entry, its line's end, sha256 through it), as written
+        self._written = False  # this process wrote the file whole: its lines are `_lines`
+
+    def hold(self, history: Sequence[RoundEntry], texts: Sequence[str]) -> tuple[int, str]:
+        """Make the file hold `history` (whose entries' texts are `texts`), a line each; returns the count of lines
+        and the sha256 of their bytes, what the generation's state names."""
+        if self._written and not self.path.is_file():  # gone (a hand): written whole again
+            self._lines, self._written = [], False
+        lines = self._lines
+        del lines[next((i for i, (entry, _, _) in enumerate(lines) if i >= len(history) or history[i] is not entry),
+                       len(lines)):]
+        digest = lines[-1][2].copy() if lines else hashlib.sha256()
+        kept = end = lines[-1][1] if lines else 0
+        added, made = [], []
+        for entry, text in zip(history[len(lines):], texts[len(lines):]):
+            line = text.encode() + b"\n"
+            added.append(line)
+            digest.update(line)
+            end += len(line)
+            made.append((entry, end, digest.copy()))
+        if not self._written:
+            write_atomically(self.path, b"".join(added))
+            self._written = True
+        elif added or self.path.stat().st_size != end:  # (a failed append's tail, cut)
+            with open(self.path, "r+b") as handle:
+                handle.truncate(kept)
+                handle.seek(kept)
+                handle.writelines(added)
+                if power_loss_safe():
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        lines.extend(made)  # written: a write that failed leaves them to the next save
+        return len(lines), digest.hexdigest()
+
+    @staticmethod
+    def read(path: Path, count: int, sha256: str) -> list[RoundEntry]:
+        """The first `count` entries of the file at `path`; StateError where it holds fewer, they do not match
+        `sha256`, or one is not JSON."""
+        try:
+            data = path.read_bytes() if count else b""
+        except OSError as err:
+            raise StateError(f"its history ({path.name}) is unreadable: {err}") from None
+        ends: list[int] = []
+        start = 0
+        while len(ends) < count and (end := data.find(b"\n", start)) >= 0:
+            ends.append(end + 1)
+            start = end + 1
+        if len(ends) < count:
+            raise StateError(f"its history ({path.name}) holds {len(ends)} whole lines, the state names {count}")
+        held = memoryview(data)[:ends[-1] if ends else 0]
+        if hashlib.sha256(held).hexdigest() != sha256:
+            raise StateError(f"its history's {count} lines ({path.name}) do not match their sha256")
+        try:
+            return [json.loads(bytes(held[begin:end])) for begin, end in zip([0, *ends], ends)]
+        except ValueError as err:
+            raise StateError(f"its history ({path.name}) holds a line that is not JSON: {err}") from None
 
 
 @dataclass
@@ -158,8 +241,17 @@ def prune_generations(root: Path, keep: int, current: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save_run_state(directory: str | Path, state: RunState) -> None:
-    save_record(directory, state, encode=lambda record: json_with_history(record, state.history_texts()))
+def save_run_state(directory: str | Path, state: RunState, history: HistoryFile | None = None) -> None:
+    """Save `state` into `directory`: its history in `history` (the checkpoint folder's file), the state naming
+    its lines; without one, in the state itself."""
+    texts = state.history_texts()
+    if history is None:
+        save_record(directory, state, encode=lambda record: json_with_history(record, texts))
+        return
+    lines, sha256 = history.hold(state.history, texts)
+    save_record(directory, state, encode=lambda record: json.dumps(
+        {**{name: value for name, value in record.items() if name != "history"},
+         "history_lines": lines, "history_sha256": sha256}))
 
 
 def _count(value: Any) -> bool:
@@ -237,6 +329,15 @@ def load_run_state(directory: str | Path, num_parameters: int | None = None,
                          f"{num_parameters}")
     record.pop("weights_file", None)
     record.pop("weights_sha256", None)
+    lines, sha256 = record.pop("history_lines", None), record.pop("history_sha256", None)
+    if "history" not in record and (lines is not None or sha256 is not None):  # in the folder's file
+        if not _count(lines) or not isinstance(sha256, str):
+            raise StateError(f"run state in {directory} is unreadable: history_lines or history_sha256 is not of "
+                             "its type")
+        try:
+            record["history"] = HistoryFile.read(Path(directory).parent / HISTORY_FILE, lines, sha256)
+        except StateError as err:
+            raise StateError(f"run state in {directory} is unreadable: {err}") from None
     unknown = sorted(set(record) - set(FIELD_CHECKS))
     wrong = [name for name, valid in FIELD_CHECKS.items() if name not in record or not valid(record[name])]
     if unknown or wrong:
@@ -292,6 +393,7 @@ class Checkpoints:
     def __init__(self, root: Path, policy: CheckpointPolicy, num_parameters: int,
                  schedule: RunSchedule | None = None) -> None:
         self.root, self.policy, self.num_parameters, self.schedule = root, policy, num_parameters, schedule
+        self.history = HistoryFile(root / HISTORY_FILE)
 
     def start(self, resume: bool, fresh: RunState) -> tuple[RunState, Path | None]:
         """The newest checkpoint that loads (and its folder) when resuming, else `fresh`; FileExistsError when the
@@ -332,6 +434,6 @@ class Checkpoints:
                 "round": state.round, "models": {d: w.tobytes() for d, w in deliveries.models.items()},
                 "payloads": deliveries.payloads, "broadcast": deliveries.broadcast,
             }, use_bin_type=True))
-        save_run_state(generation, state)
+        save_run_state(generation, state, self.history)
         prune_generations(self.root, self.policy.keep, generation)
         return generation

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from coordinator.checkpoint import (
+    HISTORY_FILE,
     CheckpointPolicy,
     Checkpoints,
     DeviceDeliveries,
     RunSchedule,
     RunState,
+    generations,
     load_latest,
+    load_run_state,
 )
 from edgefil.durable import StateError
 
@@ -36,7 +39,7 @@ def test_a_generation_keeps_the_devices_deliveries_and_a_resume_finds_them(tmp_p
         checkpoints.start(resume=False, fresh=fresh)
     state, resumed_from = checkpoints.start(resume=True, fresh=fresh)
     assert state.round == 3 and resumed_from == tmp_path / "round-000003"
-    assert len(list(tmp_path.iterdir())) == 2  # keep = 2
+    assert len(generations(tmp_path)) == 2  # keep = 2
     found = checkpoints.deliveries(resumed_from, 3)
     np.testing.assert_array_equal(found.models["a"], np.full(3, 3, dtype=np.float32))
     assert (found.payloads, found.broadcast, found.broadcast_round) == ({"a": {"old": b"xxx"}}, {"best": b"b"}, 3)
@@ -72,27 +75,52 @@ def test_a_checkpoint_outside_the_runs_schedule_is_not_resumed(tmp_path, field, 
         checkpoints.start(resume=True, fresh=state)
 
 
-def test_a_generation_holds_the_whole_history_each_entry_encoded_once(tmp_path):
-    """The run state's history grows with rounds x devices: each generation's state.json holds all of it, as
-    json.dumps would write the record (its history last), each entry's text made at the first save that holds it
-    and reused by the later ones; a history replaced (a resume) is encoded anew."""
+def test_the_history_is_a_file_of_lines_each_generation_naming_its_own(tmp_path):
+    """The history grows with rounds x devices: it is one file of the checkpoint folder, an entry a line, appended as
+    rounds close (each entry encoded once), and each generation names its own lines, which it loads; a crash between
+    the append and the state leaves a tail the next save cuts; a damaged line refuses the generations that name it,
+    and --resume falls back to one that does not; a new process writes the file whole once, then appends; a file
+    removed mid-run is written whole again."""
     checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)
     state = RunState(weights=np.zeros(3, dtype=np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
-    for number in (1, 2, 3):
+    history_file = tmp_path / HISTORY_FILE
+
+    def close(number: int) -> None:
         state.round = number
         state.history.append({"round": number, "task": 0, "accuracy": [0.5],
                               "metrics": {f"d{k}": {"loss": number + k / 10} for k in range(4)}})
         checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
-        text = (tmp_path / f"round-{number:06d}" / "state.json").read_text()
-        record = json.loads(text)
-        expected = {name: record[name] for name in record if name != "history"} | {"history": state.history}
-        assert text == json.dumps(expected)
-        assert load_latest(tmp_path, 3)[0].history == state.history
+
+    for number in (1, 2, 3):
+        close(number)
+        record = json.loads((tmp_path / f"round-{number:06d}" / "state.json").read_text())
+        assert "history" not in record and record["history_lines"] == number
+        assert history_file.read_text().splitlines() == [json.dumps(entry) for entry in state.history]
+    assert [load_run_state(tmp_path / f"round-{n:06d}").history for n in (1, 2, 3)] == [
+        state.history[:1], state.history[:2], state.history]
     state.history[0]["metrics"]["d0"]["loss"] = -1.0  # no code changes an entry once it is history: made visible
-    state.round = 4
-    checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
-    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == 1.0  # its text of round 1, reused
-    state.history = [dict(entry) for entry in state.history]  # the same entries, new objects: encoded again
-    state.round = 5
-    checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
+    close(4)  # appended: round 1's line as it was written
+    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == 1.0
+    state.history = [dict(entry) for entry in state.history]  # the same entries, new objects: written again
+    state.history.pop()
+    close(4)
     assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == -1.0
+    with history_file.open("ab") as handle:  # a crash after the next round's append, before its state
+        handle.write(b'{"round": 5, "ta')
+    assert load_latest(tmp_path, 3)[0].round == 4
+    close(5)
+    assert history_file.read_text().count("\n") == 5 and load_latest(tmp_path, 3)[0].history == state.history
+    lines = history_file.read_bytes().splitlines(keepends=True)
+    history_file.write_bytes(b"".join(lines[:4]) + lines[4].replace(b"0.5", b"0.6"))  # round 5's line damaged
+    resumed, folder = load_latest(tmp_path, 3)
+    assert folder.name == "round-000004" and resumed.history == state.history[:4]
+    with pytest.raises(StateError, match="round-000005 is unreadable: its history's 5 lines .* sha256"):
+        load_run_state(tmp_path / "round-000005")
+    again = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)  # a resumed process
+    state, _ = again.start(resume=True, fresh=state)
+    checkpoints = again
+    close(5)  # the file written whole: round 5's line anew
+    assert load_latest(tmp_path, 3)[0].history == state.history and len(state.history) == 5
+    history_file.unlink()  # removed by hand mid-run: the next save writes it whole
+    close(6)
+    assert load_latest(tmp_path, 3)[0].history == state.history and len(state.history) == 6

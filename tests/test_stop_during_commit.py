@@ -54,11 +54,11 @@ def test_ctrl_c_during_a_checkpoint_leaves_results_and_checkpoint_at_the_same_ro
     real_save = checkpoint.save_run_state
     interrupted = []
 
-    def save_interrupted(directory, state):  # Ctrl-C as the second round's checkpoint is being written
+    def save_interrupted(directory, state, history=None):  # Ctrl-C as the second round's checkpoint is being written
         if state.round == 2 and not interrupted:
             interrupted.append(state.round)
             signal.raise_signal(signal.SIGINT)
-        real_save(directory, state)
+        real_save(directory, state, history)
 
     monkeypatch.setattr(checkpoint, "save_run_state", save_interrupted)
     with pytest.raises(KeyboardInterrupt):
