@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Generic, TypedDict, TypeVar
 
 import msgpack
 import numpy as np
@@ -63,30 +63,40 @@ class RoundEntry(TypedDict, total=False):
     staleness: float  # an asynchronous round's mean staleness of the updates it took (coordinator/buffered.py)
 
 
-class EncodedHistory:
-    """A run's history as JSON text, each entry encoded once. An entry does not change once it is history, and the
-    history grows with rounds x devices (each entry holds every device's metrics of its round: 7 MB of JSON a round
-    at 10,000 devices), so encoding it all again for each checkpoint took 6 s of the coordinator's CPU at round 20
-    of such a fleet, and as long again for results.json (benchmarks/live_file.py). The checkpoint and results.json
-    (coordinator/run_record.py) take their histories' text from here."""
+def standing(entries: Sequence[RoundEntry], history: Sequence[RoundEntry]) -> int:
+    """How many of `entries` (what something made for a history's entries, in order) still stand for the first
+    entries of `history`: the same objects in the same places. An entry does not change once it is history, so
+    what was made of it stands until the history is replaced (a resume) or cut."""
+    return next((i for i, entry in enumerate(entries) if i >= len(history) or history[i] is not entry), len(entries))
 
-    def __init__(self) -> None:
-        self._made: list[tuple[RoundEntry, str]] = []
 
-    def texts(self, history: Sequence[RoundEntry]) -> list[str]:
-        """json.dumps of each entry of `history`: those encoded before reused while the history holds the same
-        entries (the same objects) in the same places; from the first that differs on, encoded anew (a resumed or
-        replaced history)."""
-        made = self._made
-        del made[next((i for i, (entry, _) in enumerate(made) if i >= len(history) or history[i] is not entry),
-                      len(made)):]
-        made.extend((entry, json.dumps(entry)) for entry in history[len(made):])
-        return [text for _, text in made]
+T = TypeVar("T")
+
+
+class PerEntry(Generic[T]):
+    """`make` of each entry of a history, made once per entry (`standing`): the history grows with rounds x devices
+    (each entry holds every device's metrics of its round: 7 MB of JSON a round at 10,000 devices), so making
+    anything of all of it again at every round's close grew with the run (encoding it for each checkpoint took 6 s
+    of the coordinator's CPU at round 20 of such a fleet, and as long again for results.json:
+    benchmarks/live_file.py). The run state's entries' JSON texts, which the checkpoint and results.json share,
+    and the run record's live forms are made so."""
+
+    def __init__(self, make: Callable[[RoundEntry], T]) -> None:
+        self._make = make
+        self._entries: list[RoundEntry] = []
+        self._made: list[T] = []
+
+    def of(self, history: Sequence[RoundEntry]) -> list[T]:
+        kept = standing(self._entries, history)
+        del self._entries[kept:], self._made[kept:]
+        self._entries.extend(history[kept:])
+        self._made.extend(self._make(entry) for entry in history[kept:])
+        return self._made
 
 
 def json_with_history(fields: dict[str, Any], texts: Sequence[str]) -> str:
     """The text of json.dumps(fields) with "history" moved last, its entries given as their texts
-    (`EncodedHistory.texts`)."""
+    (`RunState.history_texts`)."""
     text = json.dumps({**{name: value for name, value in fields.items() if name != "history"}, "history": []})
     return text[:-len("]}")] + ", ".join(texts) + "]}"
 
@@ -118,8 +128,7 @@ class HistoryFile:
         if self._written and not self.path.is_file():  # gone (a hand): written whole again
             self._lines, self._written = [], False
         lines = self._lines
-        del lines[next((i for i, (entry, _, _) in enumerate(lines) if i >= len(history) or history[i] is not entry),
-                       len(lines)):]
+        del lines[standing([entry for entry, _, _ in lines], history):]
         digest = lines[-1][2].copy() if lines else hashlib.sha256()
         kept = end = lines[-1][1] if lines else 0
         added, made = [], []
@@ -179,11 +188,11 @@ class RunState:
     counters: dict[str, int] = field(default_factory=dict)  # rejections and round events by reason
 
     def __post_init__(self) -> None:
-        self.encoded = EncodedHistory()  # not a field: not saved, made again with every state
+        self._texts: PerEntry[str] = PerEntry(json.dumps)  # not a field: not saved, made again with every state
 
     def history_texts(self) -> list[str]:
-        """Each history entry's JSON text, each encoded once (`EncodedHistory`)."""
-        return self.encoded.texts(self.history)
+        """Each history entry's JSON text, each encoded once (`PerEntry`)."""
+        return self._texts.of(self.history)
 
     def best_accuracy(self, task: int) -> float | None:
         """The best accuracy on `task` of a global model kept while training it, or None before its first."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from coordinator.checkpoint import RoundEntry, RunState, json_with_history
+from coordinator.checkpoint import PerEntry, RoundEntry, RunState, json_with_history
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from edgefil.metrics import (
@@ -57,10 +57,8 @@ def live_entry(entry: RoundEntry) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Closed:
-    """A round entry of the history and what the record's readers make of it, made once: an entry does not change
-    once it is history."""
+    """What the record's readers make of a round entry of the history, made once (`PerEntry`)."""
 
-    entry: RoundEntry
     live: dict[str, Any]  # live_entry(entry)
     local_epsilon: float | None  # the largest local epsilon a device of the round reported (None: none did)
 
@@ -68,7 +66,7 @@ class _Closed:
     def of(cls, entry: RoundEntry) -> _Closed:
         spent = [metrics["local_epsilon"] for metrics in entry.get("metrics", {}).values()
                  if "local_epsilon" in metrics]
-        return cls(entry, live_entry(entry), max(spent, default=None))
+        return cls(live_entry(entry), max(spent, default=None))
 
 
 class Traffic(Protocol):
@@ -96,7 +94,7 @@ class RunRecord:
         self.open_round: OpenRound | None = None
         self._counted_at_open: Counter[str] = Counter()
         self._step_seconds: list[float] = []  # durations of the rounds completed in this process
-        self._closed: list[_Closed] = []  # the history's entries as made for live.json and results.json
+        self._closed: PerEntry[_Closed] = PerEntry(_Closed.of)  # the entries as live.json and results() read them
 
     # --- what the round loop tells it -------------------------------------------------------------
 
@@ -214,11 +212,7 @@ class RunRecord:
 
     def _closed_entries(self) -> list[_Closed]:
         """The history's entries, each made for its readers once (again where the history was replaced)."""
-        history, made = self.state.history, self._closed
-        del made[next((i for i, closed in enumerate(made) if i >= len(history) or history[i] is not closed.entry),
-                      len(made)):]
-        made.extend(_Closed.of(entry) for entry in history[len(made):])
-        return made
+        return self._closed.of(self.state.history)
 
     def _iaa_summary(self) -> dict[str, Any]:
         """IAA, AA and AFM over the rounds so far (per-client test data only)."""
