@@ -62,7 +62,7 @@ from edge_client.systemd import notify
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
-from edgefil.link import CONNECTED, ConnectionRefused, Link, Message, Will
+from edgefil.link import CONNECTED, QOS, UNACKNOWLEDGED, ConnectionRefused, Link, Message, Will
 from edgefil.netloop import NetworkLoop
 from edgefil.secagg import SecAggError
 from models.manifest import manifest_digest, software_version
@@ -179,7 +179,7 @@ class Device:
                     if item is not None:
                         self.handle(item.topic, item.payload)
                     elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
-                        self._publish_status(self._ready_state())
+                        self._publish_status(self._ready_state(), progress=True)
                         notify("WATCHDOG=1")
                 except Exception:  # the daemon outlives any one message; what failed is in the log
                     log.exception("%s failed to handle a message; carrying on", self.id)
@@ -402,7 +402,7 @@ class Device:
             log.error("%s: %s; leaving the fleet", self.id, err)
             self.stop_requested.set()
             return
-        self._publish_status("training", round_)
+        self._publish_status("training", round_, progress=True)
         started = self.environment.cpu_time()  # CPU time, not wall: virtual devices share the host's cores
         self.trainer.set_weights(global_weights)
         if "lr" in config:
@@ -575,7 +575,7 @@ class Device:
                                                      - self.models[model], num_samples,
                                                      self.learner.state.data_task, model, metrics)
             self._publish_secure("keys", session.advertisement)
-            self._publish_status("idle", round_)
+            self._publish_status("idle", round_, progress=True)
             return
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner.view()) if attachments is None
@@ -587,7 +587,7 @@ class Device:
         ).frames
         for frame in frames:  # over `data`, which is the update's alone (a copy the trainer or the state gave)
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), frame)
-        self._publish_status("idle", round_)
+        self._publish_status("idle", round_, progress=True)
 
     def _secure_settings(self, config: dict[str, Any]) -> SecureRoundSettings | None:
         """The round's secure aggregation (None: a plain round); ValueError (one line) when it cannot be run here."""
@@ -667,10 +667,15 @@ class Device:
         return None
 
     def _publish_status(self, state: str, round_: int | None = None, error: str | None = None,
-                        task: int | None = None) -> None:
+                        task: int | None = None, progress: bool = False) -> None:
+        """`progress`: a status the coordinator does not wait on (training, a round's upload done, a heartbeat) goes
+        unacknowledged (QoS 0): a connection that drops loses it, and every (re)connect announces the device's
+        state again at QoS 1 (`_announce`). The statuses that answer a round (error, no-data, away, spent), the
+        announcement and the exit's offline stay QoS 1."""
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
-        self.link.publish(topic, self._status(state, round_, error, task), retain=True)
+        self.link.publish(topic, self._status(state, round_, error, task), retain=True,
+                          qos=UNACKNOWLEDGED if progress else QOS)
 
 
 def local_privacy(config: DeviceConfig, policy: ReplayPolicy) -> LocalPrivacy | None:

@@ -39,6 +39,7 @@ class Peer:
         self.connack: ReasonCode | None = None
         self.disconnected = threading.Event()
         self.messages: list[tuple[str, bytes]] = []
+        self.qos: list[int] = []  # each message's QoS as delivered: its publisher's, at most the subscription's
         self._changed = threading.Condition()
         self._subacks: dict[int, list[ReasonCode]] = {}
         self.client.on_connect = self._on_connect
@@ -52,6 +53,7 @@ class Peer:
     def _on_message(self, client, userdata, message) -> None:
         with self._changed:
             self.messages.append((message.topic, bytes(message.payload)))
+            self.qos.append(message.qos)
             self._changed.notify_all()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:

@@ -252,6 +252,34 @@ def test_a_round_the_device_cannot_train_is_reported_with_its_reason(setup, tmp_
     thread.join(15)
 
 
+def test_progress_statuses_go_unacknowledged_and_what_a_round_waits_on_acknowledged(setup):
+    """A device's progress (training, its round's upload done) and its heartbeats are QoS 0: no acknowledgement
+    at the device, the broker or the coordinator for what is said again anyway. Its announcement, its update, an
+    answer the round waits on (an error) and its exit's offline stay QoS 1 (the coordinator subscribes at QoS 1,
+    so each arrives at its publisher's QoS)."""
+    config, coordinator, initial = setup
+    device, thread = start(config)
+    coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
+    send_round(coordinator, initial)
+    wait_for(lambda: len(updates(coordinator, len(initial))) == 1)
+    heard = len(statuses(coordinator))
+    wait_for(lambda: len(statuses(coordinator)) > heard)  # a heartbeat (heartbeat_s = 0.5)
+    (config.data.folder / "task-1.npz").write_bytes(b"not a task file")
+    send_round(coordinator, initial, round_=2, task=1)
+    wait_for(lambda: any(m["state"] == "error" for m in statuses(coordinator)))
+    device.stop_requested.set()
+    thread.join(15)
+
+    received = list(zip(coordinator.messages, coordinator.qos))
+    said = [(wire.decode(p)["state"], qos) for (t, p), qos in received if t.endswith("/status")]
+    assert said[0] == ("idle", 1) and said[-1] == ("offline", 1), said  # the announcement, the exit
+    assert said[1:3] == [("training", 0), ("idle", 0)], said  # round 1: training, then its upload done
+    assert ("idle", 0) in said[3:], said  # a heartbeat
+    assert {qos for state, qos in said if state == "error"} == {1}, said  # round 2 cannot be trained: the answer
+    assert {qos for state, qos in said if state == "training"} == {0}, said
+    assert {qos for (t, _), qos in received if t.endswith("/update")} == {1}
+
+
 @pytest.mark.parametrize("on_end", ["exit", "wait"])
 def test_when_the_coordinator_says_the_run_is_over_the_device_exits_or_waits(setup, on_end):
     config, coordinator, _ = setup
