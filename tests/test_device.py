@@ -262,8 +262,9 @@ def test_progress_statuses_go_unacknowledged_and_what_a_round_waits_on_acknowled
     coordinator.expect(topics.from_device(FLEET, "dev-0", "register"), timeout=30)
     send_round(coordinator, initial)
     wait_for(lambda: len(updates(coordinator, len(initial))) == 1)
-    heard = len(statuses(coordinator))
-    wait_for(lambda: len(statuses(coordinator)) > heard)  # a heartbeat (heartbeat_s = 0.5)
+    # the upload's "idle" and then a heartbeat (heartbeat_s = 0.5): two idle statuses after round 1's "training"
+    states = lambda: [m["state"] for m in statuses(coordinator)]  # noqa: E731
+    wait_for(lambda: "training" in states() and states()[states().index("training"):].count("idle") >= 2)
     (config.data.folder / "task-1.npz").write_bytes(b"not a task file")
     send_round(coordinator, initial, round_=2, task=1)
     wait_for(lambda: any(m["state"] == "error" for m in statuses(coordinator)))
@@ -273,8 +274,10 @@ def test_progress_statuses_go_unacknowledged_and_what_a_round_waits_on_acknowled
     received = list(zip(coordinator.messages, coordinator.qos))
     said = [(wire.decode(p)["state"], qos) for (t, p), qos in received if t.endswith("/status")]
     assert said[0] == ("idle", 1) and said[-1] == ("offline", 1), said  # the announcement, the exit
-    assert said[1:3] == [("training", 0), ("idle", 0)], said  # round 1: training, then its upload done
-    assert ("idle", 0) in said[3:], said  # a heartbeat
+    trained = said.index(("training", 0))  # heartbeats may come before round 1 reaches the device (a busy host)
+    assert set(said[1:trained]) <= {("idle", 0)}, said
+    assert said[trained:trained + 2] == [("training", 0), ("idle", 0)], said  # round 1: training, its upload done
+    assert ("idle", 0) in said[trained + 2:], said  # a heartbeat
     assert {qos for state, qos in said if state == "error"} == {1}, said  # round 2 cannot be trained: the answer
     assert {qos for state, qos in said if state == "training"} == {0}, said
     assert {qos for (t, _), qos in received if t.endswith("/update")} == {1}
