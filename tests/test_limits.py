@@ -41,7 +41,9 @@ def trace_schedule(tmp_path: Path, text: str, **kwargs) -> AvailabilitySchedule:
 
 
 def test_calibration_is_positive_and_repeatable_within_a_broad_factor():
-    first, second = calibrate_host(0.05), calibrate_host(0.05)
+    # A quarter second each, not less: best-of needs one repeat that other processes left alone, and on a
+    # shared two-core host a 0.05 s window once held none (2.9 against 21 GFLOPS in one suite run).
+    first, second = calibrate_host(0.25), calibrate_host(0.25)
     assert first.gflops > 0 and second.gflops > 0
     assert 1 / 3 < first.gflops / second.gflops < 3
 
