@@ -51,8 +51,8 @@ of each (benchmarks/host_profile.py). perf's sampling costs the host little (199
 
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
         fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
-        [--broker mosquitto,embedded] [--replay-m 50] [--per-device 0] [--idle-s 10] [--out DIR] [--keep]
-        [--json FILE] [--profile TOP] [--perf TOP]
+        [--broker mosquitto,embedded] [--replay-m 50] [--between-rounds memory|disk (default: the fleet's)]
+        [--per-device 0] [--idle-s 10] [--out DIR] [--keep] [--json FILE] [--profile TOP] [--perf TOP]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -539,6 +539,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         scenario=work,
         policy={"name": "random"}, store=StoreSettings(max_samples=args.replay_m),
         client={"epochs": 1, **(client or {})},
+        learner={"between_rounds": args.between_rounds} if getattr(args, "between_rounds", None) else {},
         coordinator={
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": len(holding_data(work)),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
@@ -782,6 +783,8 @@ def main() -> None:
     parser.add_argument("--broker", default="mosquitto,embedded",
                         help="mosquitto, embedded, or both comma-separated (default: both)")
     parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
+    parser.add_argument("--between-rounds", choices=("memory", "disk"), default=None,
+                        help="the devices' [learner] between_rounds (default: the fleet's, disk)")
     parser.add_argument("--per-device", type=int, default=0,
                         help="0: one digits task, the same ~270 samples at every N (default); K > 0: MNIST-1D "
                              "generated for about K training samples a device, every device training")

@@ -63,9 +63,10 @@ class LearnerSettings:
     # Which of them decide with detect_new_tasks: "both" (either one starts a task), "labels" (a label never seen),
     # "policy" (the policy's own detector alone, e.g. GLFC's entropy jump)
     task_detectors: Literal["both", "labels", "policy"] = "both"
-    # Where the weights and the optimiser state are between rounds: "memory" (kept; the optimiser state is not
-    # saved), or "disk" (saved with the state every round, let go until the next: a fleet's default, for hosts of
-    # thousands of devices). The same steps either way (edge_client/learner.py).
+    # Where the weights and the optimiser state are between rounds: "memory" (kept, and the replay store's database
+    # connection with them; the optimiser state is not saved), or "disk" (saved with the state every round, let go
+    # until the next with the connection: a fleet's default, for hosts of thousands of devices). The same steps
+    # either way (edge_client/learner.py).
     between_rounds: Literal["memory", "disk"] = "memory"
 
 

@@ -24,10 +24,11 @@ Choices (documented, configurable where it matters):
 - Every hook sees the device through one frozen `RoundView` (`view()`), never the learner itself.
 - M belongs to one `DeviceBudget`: the store writes within what the policy's files leave, and the policy within
   what the store leaves (edge_client/budget.py). A streaming policy decides admission itself.
-- Between rounds (`between_rounds`) the weights and the optimiser state stay in memory ("memory", a device's
-  default: the optimiser state is not saved, and a restart starts it afresh), or are saved with the state at
-  every save and let go until the next round ("disk", a fleet's default: thousands of devices share a host's
-  memory; a restart resumes the optimiser where it was). Either way the same steps are taken.
+- Between rounds (`between_rounds`) the weights, the optimiser state and the store's database connection stay in
+  memory ("memory", a device's default: the optimiser state is not saved, and a restart starts it afresh), or
+  the first two are saved with the state at every save and all three let go until the next round ("disk", a
+  fleet's default: thousands of devices share a host's memory; a restart resumes the optimiser where it was).
+  Either way the same steps are taken.
 """
 from __future__ import annotations
 
@@ -223,13 +224,17 @@ class Learner:
         return True
 
     def idle(self) -> None:
-        """The learner's work is done until the next round (a device has saved and uploaded): the store lets its
-        database connection go (`ReplayStore.release`), and with `between_rounds = "disk"` the trainer parks
+        """The learner's work is done until the next round (a device has saved and uploaded). With `between_rounds
+        = "disk"` the store lets its database connection go (`ReplayStore.release`) and the trainer parks
         (`Trainer.park`) the weights and optimiser state that the last save holds, when it holds the trainer's
-        current ones (no step since, and the save whole), so a device between rounds holds neither."""
+        current ones (no step since, and the save whole), so a device between rounds holds none of them. With
+        "memory" all three stay: the connection costs memory held (~120 KiB), and opened again each round it costs
+        CPU (`benchmarks/learner_round.py`), which a device with that memory to spare need not pay."""
+        if self.config.between_rounds != "disk":
+            return
         self.store.release()
         last_save = self._saved_in
-        if self.config.between_rounds == "disk" and last_save is not None:
+        if last_save is not None:
             self.trainer.park(lambda weights, state: self._saved_training(*last_save, weights, state))
 
     def _saved_training(self, directory: Path, record: dict[str, Any] | None, weights: bool, state: bool

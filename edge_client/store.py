@@ -24,11 +24,12 @@ keep every byte of a transaction in this directory or in memory, and give its jo
 
 Ownership and the connection. The store holds a lock (flock) on its directory from open to close, so one store
 object owns it at a time, in any process, whether or not it has SQLite open. The SQLite connection itself is
-opened at first use and let go by `release()`: an open connection costs ~150 KiB (its lookaside and page cache)
-even when it holds nothing, which a device between rounds has no use for and a fleet worker pays once per device
-(`benchmarks/device_memory.py`). The next use opens it again (under a millisecond, no checks repeated: nothing
-else may have written meanwhile). Its count of live samples is kept between writes, so a device's heartbeat asks
-no connection.
+opened at first use and let go by `release()`: an open connection costs ~120 KiB (its lookaside and page cache)
+even when it holds nothing, which a fleet worker would pay once per device (`benchmarks/device_memory.py`), so a
+learner that keeps nothing between rounds (`between_rounds = "disk"`) lets it go. The next use opens it again (no
+checks repeated: nothing else may have written meanwhile), at a price in CPU (its settings and exclusive lock, its
+schema and pages read again: `benchmarks/learner_round.py`), so a learner that keeps its state in memory keeps
+its connection too. Its count of live samples is kept between writes, so a device's heartbeat asks no connection.
 
 Budget bound. Before a write, the store bounds the bytes the directory can hold at any instant of it:
 

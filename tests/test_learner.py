@@ -1,6 +1,7 @@
 """The learner: task switches cache M - N_new old samples by policy, detection, budgets, restart."""
 import numpy as np
 import pytest
+from open_files import open_files_under
 
 from edge_client.budget import Budget
 from edge_client.learner import Learner, LearnerConfig
@@ -232,13 +233,16 @@ def test_sgd_without_momentum_keeps_saves_and_parks_no_optimizer_state_and_train
 
 def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_resumes_its_optimizer(
         export_artifacts, tmp_path):
-    """between_rounds = "disk": idle after each save, the trainer holds neither weights nor optimiser state of its own,
-    takes them back from the saved state, and trains exactly as a learner that kept them in memory; a restarted
-    learner gets the optimiser state back too (kept in memory, it would start afresh)."""
+    """between_rounds = "disk": idle after each save, the trainer holds neither weights nor optimiser state of its own
+    and the store no database open, takes them back from the saved state, and trains exactly as a learner that kept
+    them (and its store's connection) in memory; a restarted learner gets the optimiser state back too (kept in
+    memory, it would start afresh)."""
     kept, parked, rounds = _kept_and_parked(export_artifacts, tmp_path)
     for _ in rounds(3):
         assert not parked.trainer._own_weights and parked.trainer._state == {}  # parked: nothing of its own
         assert kept.trainer._own_weights and len(kept.trainer._state) == 2
+        assert open_files_under(tmp_path / "parked" / "store") == []
+        assert open_files_under(tmp_path / "kept" / "store")  # its database, open from round to round
     np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
     saved = parked.trainer.optimizer_state()
     np.testing.assert_array_equal(saved.buffers["exp_avg"], kept.trainer.optimizer_state().buffers["exp_avg"])

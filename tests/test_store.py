@@ -37,6 +37,7 @@ from edge_client.store import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer  # noqa: E402
+from open_files import open_files_under  # noqa: E402
 
 # (8, 8) digits; CIFAR-sized; a row just fitting on its own leaf (deep trees with few rows); a row just spilling
 # into one overflow page; a tiny row (hundreds per leaf).
@@ -616,28 +617,15 @@ def test_one_owner_at_a_time(tmp_path):
         len(store)
 
 
-def _open_files_under(directory: Path) -> list[str]:
-    """The files under `directory` this process holds open (the directory's own lock descriptor aside)."""
-    names = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(f"{directory}/"):
-            names.append(target)
-    return names
-
-
 def test_a_released_store_holds_no_database_open_stays_owned_and_reopens_at_its_next_use(tmp_path):
     folder = tmp_path / "store"
     with ReplayStore(folder, Budget(max_samples=10), (8, 8)) as store:
         x, y = samples((8, 8), 4, 0)
         ids = store.insert(x, y, task=0)
-        assert _open_files_under(folder)  # in use: SQLite holds the database open
+        assert open_files_under(folder)  # in use: SQLite holds the database open
         store.release()
-        assert _open_files_under(folder) == []
-        assert len(store) == 4 and _open_files_under(folder) == []  # the count is known: no connection for it
+        assert open_files_under(folder) == []
+        assert len(store) == 4 and open_files_under(folder) == []  # the count is known: no connection for it
         with pytest.raises(StoreError, match="in use"):  # still its owner
             ReplayStore(folder, Budget())
         got, labels = store.get(ids)  # opened again
@@ -647,7 +635,7 @@ def test_a_released_store_holds_no_database_open_stays_owned_and_reopens_at_its_
         assert len(store) == 3
         store.release()
     reopened = ReplayStore(folder, Budget(max_samples=10))  # the lock went with the close
-    assert len(reopened) == 3 and _open_files_under(folder) == []  # a store is released once opened
+    assert len(reopened) == 3 and open_files_under(folder) == []  # a store is released once opened
     del reopened  # dropped without a close: its lock goes with it
     import gc
 
