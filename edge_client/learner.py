@@ -228,8 +228,9 @@ class Learner:
         = "disk"` the store lets its database connection go (`ReplayStore.release`) and the trainer parks
         (`Trainer.park`) the weights and optimiser state that the last save holds, when it holds the trainer's
         current ones (no step since, and the save whole), so a device between rounds holds none of them. With
-        "memory" all three stay: the connection costs memory held (~120 KiB), and opened again each round it costs
-        CPU (`benchmarks/learner_round.py`), which a device with that memory to spare need not pay."""
+        "memory" all three stay: the connection holds memory (70-160 KiB here, its cached pages included), and
+        opened again each round it costs CPU (`benchmarks/learner_round.py`), which a device with that memory to
+        spare need not pay."""
         if self.config.between_rounds != "disk":
             return
         self.store.release()
