@@ -41,10 +41,8 @@ from edge_client.store import ReplayStore
 from edge_client.trainers.portable import PortableTrainer
 from edgefil.durable import set_power_loss_safe
 from models.export import export_registered
-
-def pss():
-    with open("/proc/self/smaps_rollup") as rollup:
-        return next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+sys.path.insert(0, "benchmarks")
+from device_memory import pss_bytes
 
 variant, model, n, samples, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 set_power_loss_safe(False)
@@ -52,7 +50,7 @@ folder = Path(tempfile.mkdtemp())
 artifacts = folder / "artifacts"
 export_registered(model, 10, artifacts, seed=0, backends=("portable",), cache=True)
 rng = np.random.default_rng(0)
-start = pss()
+start = pss_bytes()
 learners = []
 for i in range(n):
     trainer = PortableTrainer(artifacts, optimizer="adamw", lr=3e-3)
@@ -81,7 +79,7 @@ cpu = time.process_time()
 for number in range(2, 2 + rounds):
     round_(number)
 cpu = time.process_time() - cpu
-print(json.dumps({"ms": cpu / (n * rounds) * 1e3, "kib": (pss() - start) / n}))
+print(json.dumps({"ms": cpu / (n * rounds) * 1e3, "kib": (pss_bytes() - start) / n / 1024}))
 """
 
 
