@@ -210,7 +210,7 @@ class Link:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
-        client.on_publish = self._on_publish
+        client.acknowledge_to(self._on_acknowledged)  # not paho's on_publish: nothing is built for a QoS 0 one
         client.on_subscribe = self._on_subscribe
         self._client = client
         self._tls_set = False
@@ -347,7 +347,7 @@ class Link:
             if not self._unsubscribed:
                 self._subscribed.set()
 
-    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+    def _on_acknowledged(self, mid: int) -> None:
         with self._lock:
             if mid in self._unacked:
                 self._unacked.discard(mid)

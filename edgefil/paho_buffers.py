@@ -25,6 +25,15 @@ bytes only). Consumers read payloads as `bytes | memoryview` (wire.decode does).
 is checked against what paho ships (tests/test_paho_buffers.py) and applied only where those internals have the
 shape they were written for; with another paho, paho runs as shipped (and a Link joins a frame itself).
 
+Two costs that are not copies but paho 2.2's MQTT 5 objects on MQTT 3.1.1, where they are always the same: for every
+PUBACK it decodes, a `ReasonCode` and a `Properties` (34 us here), and for every QoS 0 publish it writes, the same
+two again for an `on_publish` callback that is set (38 us). `install()` replaces paho's PUBACK decoder with one that
+returns paho's Success and empty properties as shared constants (`PUBACK_REASON`, `PUBACK_PROPERTIES`: read them,
+never change them), and `Client` calls `on_acknowledged(mid)` for the acknowledgement of a QoS 1 or 2 message
+(from paho's `_do_on_publish`) without an `on_publish` being set: paho then builds nothing and calls nothing for a
+QoS 0 publish. A Link counted each QoS 0 publish's callback as an acknowledgement that came early, and kept its
+message id until paho gave that id to a QoS 1 message 65,535 messages later (edgefil/link.py).
+
 And one habit that is not about copies, but a fleet's: paho hands `socket.create_connection` a source address of
 ("", 0) even where none was asked for, and Python then binds the socket before connecting it. A bind picks the
 local port from the ephemeral range alone (28,232 ports by default) and for every destination at once, so a host's
@@ -39,9 +48,13 @@ from __future__ import annotations
 import inspect
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from edgefil.buffers import BufferPool
 
@@ -53,6 +66,7 @@ except ImportError:  # paho < 2.2 decodes inside the client class: not patched
 _PUBLISH_FIELDS = ("dup", "qos", "retain", "topic", "mid", "properties", "payload")
 _SEND_PUBLISH_PARAMETERS = ["self", "mid", "topic", "payload", "qos", "retain", "dup", "info", "properties"]
 _QUEUE_PARAMETERS = ["self", "command", "packet", "mid", "qos", "info"]
+_ON_PUBLISH_PARAMETERS = ["self", "mid", "reason_code", "properties"]
 # paho's body loop in `_packet_read`, which the in-place read stands in for: it asks for the rest of the body and
 # appends what it got, taking only its length besides
 _BODY_LOOP = ("data = self._sock_recv(self._in_packet['to_process'])", "self._in_packet['to_process'] -= len(data)",
@@ -85,6 +99,34 @@ def decode_publish(header: int, packet: bytes | bytearray, protocol: Any) -> Any
 
 
 _original_decode_publish = getattr(_packet, "decode_publish", None)
+
+
+def decode_puback(header: int, packet: bytes | bytearray, protocol: Any) -> Any:
+    """paho's `decode_puback` for MQTT 3.1.x, whose PUBACK is a message id and nothing more: its reason and
+    properties are the shared `PUBACK_REASON` and `PUBACK_PROPERTIES` (MQTT 5 goes to paho's own)."""
+    if protocol == mqtt.MQTTv5 and _original_decode_puback is not None:
+        return _original_decode_puback(header, packet, protocol)
+    if len(packet) != 2:
+        raise mqtt.MalformedPacket("wrong size of packet")
+    return _packet.PubackPacket(mid=int.from_bytes(packet, "big"), reason=PUBACK_REASON, properties=PUBACK_PROPERTIES)
+
+
+_original_decode_puback = getattr(_packet, "decode_puback", None)
+# What every MQTT 3.1.x PUBACK says, made once: paho's ReasonCode (Success) and Properties (empty) for a PUBACK
+PUBACK_REASON = ReasonCode(PacketTypes.PUBACK)
+PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
+
+
+def puback_decoder_fits() -> bool:
+    """paho has the PUBACK decoder this replaces, with the result it builds."""
+    return (_original_decode_puback is not None
+            and getattr(_packet.PubackPacket, "_fields", ()) == ("mid", "reason", "properties"))
+
+
+def acknowledgements_fit() -> bool:
+    """paho hands the acknowledgement of a QoS 1 or 2 message to `_do_on_publish(mid, reason_code, properties)`."""
+    handler = getattr(mqtt.Client, "_do_on_publish", None)
+    return handler is not None and list(inspect.signature(handler).parameters) == _ON_PUBLISH_PARAMETERS
 
 
 def decoder_fits() -> bool:
@@ -179,10 +221,13 @@ _original_encode_payload: Any = getattr(mqtt, "_encode_payload", None)
 
 
 def install() -> bool:
-    """Use `decode_publish` for every paho client in this process, and let `Client` publish payloads given as
-    parts (idempotent); False where paho differs (then a caller joins parts itself: `publishes_parts`)."""
+    """Use `decode_publish` and `decode_puback` for every paho client in this process, and let `Client` publish
+    payloads given as parts (idempotent); False where paho's PUBLISH decoder differs (then a caller joins parts
+    itself: `publishes_parts`)."""
     if parts_fit():
         mqtt._encode_payload = _encode_payload
+    if puback_decoder_fits():
+        _packet.decode_puback = decode_puback
     if not decoder_fits():
         return False
     _packet.decode_publish = decode_publish
@@ -195,8 +240,25 @@ def publishes_parts() -> bool:
 
 
 class Client(mqtt.Client):
-    """A paho client whose queued packets are memoryviews (a partial write's retry slices a view, not a copy) and
-    whose large packets are read in place."""
+    """A paho client whose queued packets are memoryviews (a partial write's retry slices a view, not a copy),
+    whose large packets are read in place, and which tells `acknowledge_to`'s callback of each acknowledged QoS 1 or 2
+    message without paho's `on_publish`."""
+
+    _on_acknowledged: Callable[[int], None] | None = None
+
+    def acknowledge_to(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(mid)` on the network thread when the broker acknowledges a QoS 1 or 2 message. Where paho
+        differs from what `acknowledgements_fit` checks, through paho's `on_publish`, which also calls it for every
+        QoS 0 publish written."""
+        self._on_acknowledged = callback
+        if not acknowledgements_fit():
+            self.on_publish = lambda client, userdata, mid, reason_code, properties: callback(mid)
+
+    if acknowledgements_fit():
+        def _do_on_publish(self, mid: int, reason_code: Any, properties: Any) -> mqtt.MQTTErrorCode:
+            if self._on_acknowledged is not None:
+                self._on_acknowledged(mid)
+            return super()._do_on_publish(mid, reason_code, properties)
 
     if queue_fits():
         def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,

@@ -112,6 +112,26 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
         coordinator.stop()
 
 
+def test_a_link_keeps_no_message_id_of_an_unacknowledged_publish(broker):
+    """A QoS 0 message gets no PUBACK: the link waits for none and keeps none of its ids. (paho's on_publish also
+    fired for each QoS 0 publish written, which the link kept as an acknowledgement that came early, one id a
+    progress status, until paho gave that id to a QoS 1 message, whose own acknowledgement was then not waited for.)"""
+    coordinator = Link(settings(broker, "coordinator", "pw-c"), "c", subscriptions=["edgefil/lab/#"])
+    device = Link(settings(broker, "dev-a", "pw-a"), "d")
+    coordinator.start()
+    device.start()
+    try:
+        assert coordinator.wait_subscribed(LISTENING_S)
+        for k, qos in enumerate((0, 1, 0, 0, 1)):
+            device.publish(TOPIC, str(k).encode(), qos=qos)
+        assert [next_message(coordinator)[1] for _ in range(5)] == [b"0", b"1", b"2", b"3", b"4"]
+        assert device.wait_idle(LISTENING_S)
+        assert not device._unacked and not device._early_acks
+    finally:
+        device.stop()
+        coordinator.stop()
+
+
 def test_tls(tmp_path):
     tls = make_server_cert(tmp_path)
     broker = MosquittoBroker(tmp_path / "b", "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"), tls=tls)

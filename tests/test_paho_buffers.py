@@ -42,6 +42,7 @@ def test_this_paho_has_the_internals_the_patches_were_written_for():
     assert paho_buffers.decoder_fits() and paho_buffers.queue_fits() and paho_buffers.read_fits()
     assert paho_buffers.connect_fits()
     assert paho_buffers.parts_fit()
+    assert paho_buffers.puback_decoder_fits() and paho_buffers.acknowledgements_fit()
     assert paho_buffers.install() and paho_buffers.publishes_parts()
 
 
@@ -84,6 +85,21 @@ def test_the_decoder_agrees_with_paho_on_every_packet(topic, qos, mid, payload, 
         del packet[cut:]  # truncated: both must refuse it (or both read the same shorter message)
     ours = decoded(paho_buffers.decode_publish, header, bytearray(packet))
     assert ours == decoded(paho_buffers._original_decode_publish, header, bytearray(packet))
+
+
+def puback(decoder, packet: bytes, protocol: int):
+    try:
+        result = decoder(0x40, bytearray(packet), protocol)
+    except mqtt.MalformedPacket:
+        return "malformed"
+    return result.mid, result.reason.value, result.reason.getName(), result.properties.json()
+
+
+@settings(max_examples=200, deadline=None)
+@given(packet=st.binary(max_size=6), protocol=st.sampled_from([mqtt.MQTTv31, MQTT311, mqtt.MQTTv5]))
+def test_the_puback_decoder_agrees_with_paho_on_every_packet(packet, protocol):
+    assert puback(paho_buffers.decode_puback, packet, protocol) == puback(paho_buffers._original_decode_puback,
+                                                                          packet, protocol)
 
 
 def test_a_received_payload_is_a_view_of_the_packet_and_a_queued_packet_a_view():
@@ -179,6 +195,43 @@ def test_a_packet_s_body_is_read_into_again_once_its_payload_is_dropped_never_wh
         finally:
             device.stop()
             coordinator.stop()
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_only_a_qos1_message_s_acknowledgement_is_told_and_a_qos0_publish_builds_no_callback_objects(tmp_path):
+    """Through a real broker: `acknowledge_to`'s callback hears the ids of the QoS 1 messages, each once, and never
+    a QoS 0 one's (paho's on_publish heard those too, as if acknowledged: a Link kept each id); no `on_publish` is
+    set, so paho makes no ReasonCode or Properties for a QoS 0 publish written."""
+    paho_buffers.install()
+    broker = MosquittoBroker(tmp_path, "lab", {"dev-a": "pw-a"}, Credentials("coordinator", "pw-c"))
+    with broker:
+        client = paho_buffers.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="dev-a", protocol=MQTT311)
+        client.username_pw_set("dev-a", "pw-a")
+        heard: list[int] = []
+        client.acknowledge_to(heard.append)
+        assert client.on_publish is None
+        made = []
+        real_init = paho_buffers.Properties.__init__
+
+        def counted(properties, *args, **kwargs):
+            made.append(args)
+            real_init(properties, *args, **kwargs)
+
+        client.connect(broker.address.host, broker.address.port)
+        client.loop_start()
+        try:
+            paho_buffers.Properties.__init__ = counted  # type: ignore[method-assign]
+            topic = topics.from_device("lab", "dev-a", "status")
+            sent = [client.publish(topic, b"x", qos=qos) for qos in (0, 1, 0, 0, 1, 1, 0)]
+            for info in sent:
+                info.wait_for_publish(LISTENING_S)
+            assert all(info.is_published() for info in sent)
+            assert sorted(heard) == sorted(info.mid for info, qos in zip(sent, (0, 1, 0, 0, 1, 1, 0)) if qos)
+            assert made == []  # neither for the QoS 0 publishes nor for the PUBACKs (decode_puback's constants)
+        finally:
+            paho_buffers.Properties.__init__ = real_init  # type: ignore[method-assign]
+            client.loop_stop()
+            client.disconnect()
 
 
 def test_a_client_connects_without_binding_unless_a_local_address_is_asked_for(monkeypatch):
