@@ -44,6 +44,7 @@ import queue
 import warnings
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -516,7 +517,8 @@ def _registry_built_once() -> Iterator[None]:
         key = (cls, args, tuple(sorted(kwargs.items())))
         kept = _REGISTRIES.get(key)
         if kept is None:
-            kept = _REGISTRIES[key] = descriptor.__func__(cls, *args, **kwargs)
+            with _traced_sources_unparsed():
+                kept = _REGISTRIES[key] = descriptor.__func__(cls, *args, **kwargs)
         registry = copy.copy(kept)
         registry.functions = {target: list(translations) for target, translations in kept.functions.items()}
         return registry
@@ -529,6 +531,34 @@ def _registry_built_once() -> Iterator[None]:
 
 
 _REGISTRIES: dict[tuple, Any] = {}  # the exporter's registries this process built: (class, arguments) -> registry
+
+
+@contextlib.contextmanager
+def _traced_sources_unparsed() -> Iterator[None]:
+    """Build the exporter's registry without parsing the source of each traced torchlib function.
+
+    The registry asks onnxscript for its list of torchlib functions, which gives each one's domain as read from its
+    `function_ir`; for a traced function (most of torchlib's 557) that property parses the function's source and
+    translates its signature anew at every read, about 1 s of a process's first export here, for a domain the
+    registry does not use and which is the function's opset's (its `domain`) anyway. Within this context a traced
+    function's `function_ir` is a stand-in holding that domain alone; the registry built is the one a plain build
+    gives (tests/test_export.py). A private property of the pinned onnxscript (0.7.2); where it differs, the registry
+    is built as it is."""
+    try:
+        from onnxscript._internal import values
+    except ImportError:
+        yield
+        return
+    traced: Any = getattr(values, "TracedOnnxFunction", None)
+    parsed = vars(traced).get("function_ir") if traced is not None else None
+    if not isinstance(parsed, property) or not hasattr(traced, "domain"):
+        yield
+        return
+    traced.function_ir = property(lambda function: SimpleNamespace(domain=function.domain))
+    try:
+        yield
+    finally:
+        traced.function_ir = parsed
 
 
 # Python's operators on symbolic sizes (getitem of a multi-output op, a size's eq): nothing to decompose.

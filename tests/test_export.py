@@ -360,12 +360,15 @@ def test_the_exporter_decomposes_again_only_a_graph_with_an_op_it_cannot_transla
 
 
 def test_a_process_builds_the_exporter_s_registry_once_and_each_export_gets_a_fresh_copy(tmp_path, monkeypatch):
-    """The exporter's registry of translations is built once in a process: each later export gets a copy equal to a
-    fresh build, whatever an export before it inserted (its custom translations), and exports the same graph as
-    with a registry built for it."""
+    """The exporter's registry of translations is built once in a process (without parsing the traced torchlib
+    functions' sources): each later export gets a copy equal to a plain build, whatever an export before it inserted
+    (its custom translations), and exports the same graph as with a registry built for it."""
     import contextlib
+    from types import SimpleNamespace
 
     import onnx
+    from onnxscript._internal import ast_utils
+    from onnxscript._internal.values import TracedOnnxFunction
     from torch.onnx._internal.exporter import _registration
 
     from models import portable_export
@@ -382,13 +385,22 @@ def test_a_process_builds_the_exporter_s_registry_once_and_each_export_gets_a_fr
 
     monkeypatch.setattr(registry_class, "from_torchlib", classmethod(counted))
     monkeypatch.setattr(portable_export, "_REGISTRIES", {})
+    traced = next(entry.onnx_function for entries in registry_class.from_torchlib().functions.values()
+                  for entry in entries if isinstance(entry.onnx_function, TracedOnnxFunction))
+    built.clear()
+    parse = ast_utils.get_src_and_ast
+    parsed = []
+    monkeypatch.setattr(ast_utils, "get_src_and_ast", lambda f: parsed.append(f) or parse(f))
     op, translation = next(iter(TRANSLATIONS.items()))
     with portable_export._registry_built_once():
         first = registry_class.from_torchlib()
         first.register_op(op, translation)
         second = registry_class.from_torchlib()
+    assert parsed == []
     fresh = registry_class.from_torchlib()
     assert len(built) == 2  # once inside the context, once outside
+    assert len(parsed) > 100  # a plain build parses every traced function's source
+    assert not isinstance(TracedOnnxFunction.function_ir.fget(traced), SimpleNamespace)  # the stand-in is gone
     assert len(first.get_decomps(op)) == len(fresh.get_decomps(op)) + 1
     assert second.functions == fresh.functions and second.opset_version == fresh.opset_version
 
