@@ -42,6 +42,7 @@ from models.manifest import (
     OPTIMIZER_MODELS,
     OPTIONAL_GRAPHS,
     PORTABLE_MODELS,
+    PORTABLE_OPSET,
     TRAINING_MODEL,
     WEIGHTS,
     Manifest,
@@ -144,8 +145,6 @@ def assemble_manifest(template: Manifest, folder: Path, backends: tuple[str, ...
     ir_version = max([ort_ir_version, *(read_ir_version(folder / f) for f in files if f in portable)])
     opsets = [OPSET] if "ort" in backends else []
     if "portable" in backends:
-        from models.portable_export import PORTABLE_OPSET
-
         opsets.append(PORTABLE_OPSET)
     manifest = replace(template, backends=tuple(backends), ir_version=ir_version, opset=max(opsets, default=OPSET),
                        files={f: (known or {}).get(f) or sha256_file(folder / f) for f in files})

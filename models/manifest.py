@@ -30,6 +30,7 @@ MANIFEST_FORMAT = 3
 # whatever onnx the host has; a device refuses artifacts that claim newer.
 MAX_IR_VERSION = 10
 MAX_OPSET = 21
+PORTABLE_OPSET = 18  # the default-domain opset of the portable graphs (models/portable_export.py exports them)
 TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
 CHECKPOINT = "checkpoint"

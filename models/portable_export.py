@@ -60,13 +60,12 @@ from models.manifest import (
     PLAIN_STEPS,
     PLAIN_UPDATES,
     PORTABLE_MODELS,
+    PORTABLE_OPSET,
     ManifestError,
     ParameterInfo,
 )
-from models.onnx_backward import KEPT_WHOLE, TRANSLATIONS
 from models.zoo import ClassifierModel
 
-PORTABLE_OPSET = 18
 log = logging.getLogger("edgefil.export")
 SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: vmap bakes the batch in)
 
@@ -430,6 +429,10 @@ def _export_graph(module: torch.nn.Module, example: tuple, inputs: Sequence[str]
     from torch._decomp import core_aten_decompositions
     from torch.export import Dim
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    # onnxscript (2.5 s to import here) at the first graph, not with this module: `export_portable` has started its
+    # helper processes by then, which import on the other cores meanwhile (docs/results.md, the export's first use)
+    from models.onnx_backward import KEPT_WHOLE, TRANSLATIONS
 
     target: Any = module
     decompositions = {op: fn for op, fn in core_aten_decompositions().items() if op not in KEPT_WHOLE}
