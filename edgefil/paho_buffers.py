@@ -29,8 +29,8 @@ Two costs that are not copies but paho 2.2's MQTT 5 objects on MQTT 3.1.1, where
 PUBACK it decodes, a `ReasonCode` and a `Properties` (34 us here), and for every QoS 0 publish it writes, the same
 two again for an `on_publish` callback that is set (38 us). `install()` replaces paho's PUBACK decoder with one that
 returns paho's Success and empty properties as shared constants (`PUBACK_REASON`, `PUBACK_PROPERTIES`: read them,
-never change them), and `Client` calls `on_acknowledged(mid)` for the acknowledgement of a QoS 1 or 2 message
-(from paho's `_do_on_publish`) without an `on_publish` being set: paho then builds nothing and calls nothing for a
+never change them), and `Client.acknowledge_to(callback)` has the callback told the id of each acknowledged QoS 1 or
+2 message (from paho's `_do_on_publish`) with no `on_publish` set: paho then builds nothing and calls nothing for a
 QoS 0 publish. A Link counted each QoS 0 publish's callback as an acknowledgement that came early, and kept its
 message id until paho gave that id to a QoS 1 message 65,535 messages later (edgefil/link.py).
 
