@@ -541,7 +541,7 @@ def _traced_sources_unparsed() -> Iterator[None]:
     """Build the exporter's registry without parsing the source of each traced torchlib function.
 
     The registry asks onnxscript for its list of torchlib functions, which gives each one's domain as read from its
-    `function_ir`; for a traced function (most of the 557 it lists) that property parses the function's source and
+    `function_ir`; for a traced function (497 of the 557 it lists) that property parses the function's source and
     translates its signature anew at every read, about 1 s of a process's first export here, for a domain the
     registry does not use and which is the function's opset's (its `domain`) anyway. Within this context a traced
     function's `function_ir` is a stand-in holding that domain alone; the registry built is the one a plain build
