@@ -499,7 +499,8 @@ def _registry_built_once() -> Iterator[None]:
     """Build the exporter's registry of op translations once per process, not once per graph.
 
     torch's exporter builds its registry (every torchlib function, for about 2000 ops) anew for each export: 1.7 s
-    the first time in a process, 0.7-1.1 s each time after, a fifth of a small graph's export. Within this
+    the first time in a process, 0.7-1.1 s each time after, a fifth of a small graph's export (the first build is
+    0.4 s without its sources parsed: `_traced_sources_unparsed`). Within this
     context the first registry a process builds is kept, and each export gets a copy of it with lists of its own
     (the export inserts its custom translations, `models/onnx_backward.py`'s, into them), so what every export
     sees is what a fresh build gives (tests/test_export.py). The registry depends only on the opset and on the
