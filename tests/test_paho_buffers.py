@@ -6,6 +6,7 @@ TLS, sent as frames one way and as bytes the other."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -217,9 +218,12 @@ def test_only_a_qos1_message_s_acknowledgement_is_told_and_a_qos0_publish_builds
             made.append(args)
             real_init(properties, *args, **kwargs)
 
+        connected = threading.Event()
+        client.on_connect = lambda *args: connected.set()
         client.connect(broker.address.host, broker.address.port)
         client.loop_start()
         try:
+            assert connected.wait(LISTENING_S)  # the CONNACK (which makes a Properties) read before the count starts
             paho_buffers.Properties.__init__ = counted  # type: ignore[method-assign]
             topic = topics.from_device("lab", "dev-a", "status")
             sent = [client.publish(topic, b"x", qos=qos) for qos in (0, 1, 0, 0, 1, 1, 0)]
