@@ -447,8 +447,9 @@ class Device:
         if asked:
             self._give(policy, self._await_answer(round_, float(config.get("answer_wait_s", ANSWER_WAIT_S))))
         # The policy's own update (a generator's training) is CPU work too: in a turn, not beside the other hosted
-        # devices' (their torch work in parallel threads fought over the GIL).
-        self.environment.turn(self.learner.finish_round)
+        # devices' (their torch work in parallel threads fought over the GIL); a policy without one takes no turn.
+        if policy.acts_after_training():
+            self.environment.turn(self.learner.finish_round)
         passes = (epochs or self.config.learner.epochs) * len(self.learner.store)  # what modelled compute counts
         device_seconds += self.environment.compute(self.environment.cpu_time() - started, passes)
         if self.environment.offline_for() > 0:  # went away while training: the round is lost

@@ -176,13 +176,16 @@ class Learner:
         """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
         with the plain loss, trained by the trainer's `fit`); returns the last epoch's loss."""
         self._saved_in = None  # the trainer's weights and state move on from what was saved
-        x, y = self.store.get(self.store.ids())
-        batch = self.policy.training_set(self.view(), x, y)
-        return self.policy.fit(self.view(), batch, epochs or self.config.epochs, proximal)
+        x, y, _ = self.store.samples()
+        view = self.view()
+        return self.policy.fit(view, self.policy.training_set(view, x, y), epochs or self.config.epochs, proximal)
 
     def finish_round(self) -> None:
-        """After local training: the policy's own update on the current task's real samples."""
-        x, y = self.store.get(self.store.ids(self.state.task))
+        """After local training: the policy's own update on the current task's real samples, where it has one
+        (`acts_after_training`; the samples are read only then)."""
+        if not self.policy.acts_after_training():
+            return
+        x, y, _ = self.store.samples(self.state.task)
         self.policy.after_training(self.view(), x, y)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
@@ -278,9 +281,7 @@ class Learner:
         return limit if limit is not None else len(self.store) + self.store.room_for(1 << 30)
 
     def _stored(self, task: int | None) -> Samples:
-        ids = self.store.ids(task)
-        x, y = self.store.get(ids)
-        return Samples(x, y, self.store.tasks(ids))
+        return Samples(*self.store.samples(task))
 
     def _admit(self, x: np.ndarray, y: np.ndarray) -> None:
         ids = self.store.ids()

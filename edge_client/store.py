@@ -213,6 +213,7 @@ class ReplayStore:
         self._conn: sqlite3.Connection | None = None
         self._owner: int | None = None  # the directory's descriptor, flocked, from open to close
         self._length: int | None = None  # live samples, known since the last write
+        self._counts: list[tuple[int, int, int]] | None = None  # `counts`, known since the last write
         self._open(sample_shape)
 
     # ------------------------------------------------------------------ lifecycle
@@ -479,7 +480,7 @@ class ReplayStore:
 
         It ends with the freelist vacuumed, so the file shrinks at commit."""
         conn = self._connection()
-        self._length = None
+        self._length = self._counts = None
         if not self._fits(peak):
             raise BudgetExceededError(f"{self.directory}: a write could take {peak} bytes, over max_bytes "
                                       f"{self.budget.max_bytes}; nothing was written")
@@ -516,20 +517,37 @@ class ReplayStore:
         return self._column("task", ids)
 
     def counts(self) -> list[tuple[int, int, int]]:
-        """(task, label, samples) of what is stored, most samples first (one query: no column read into memory)."""
-        rows = self._query("SELECT task, label, COUNT(*) AS n FROM samples WHERE id NOT IN (SELECT id FROM doomed) "
-                           "GROUP BY task, label ORDER BY n DESC, task, label")
-        return [(int(task), int(label), int(n)) for task, label, n in rows]
+        """(task, label, samples) of what is stored, most samples first (one query: no column read into memory;
+        kept until the next write, as a device's every update names them)."""
+        if self._counts is None:
+            rows = self._query("SELECT task, label, COUNT(*) AS n FROM samples WHERE id NOT IN (SELECT id FROM doomed) "
+                               "GROUP BY task, label ORDER BY n DESC, task, label")
+            self._counts = [(int(task), int(label), int(n)) for task, label, n in rows]
+        elif self._owner is None:
+            raise StoreError(f"the store at {self.directory} is closed")
+        return list(self._counts)
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(x float32 (n, *sample_shape), y int64) in the order of ids; unknown ids raise KeyError."""
-        ids = _id_array(ids)
-        rows = self._rows("s.id, s.task, s.label, s.crc, s.x", ids)
+        x, y, _ = self._checked(self._rows("s.id, s.task, s.label, s.crc, s.x", _id_array(ids)))
+        return x, y
+
+    def samples(self, task: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x, y, task) of every stored sample (of one task), by id: `get(ids(task))` and `tasks` in one query (a
+        learner reads its store so every round)."""
+        task = None if task is None else int(task)
+        return self._checked(self._query("SELECT id, task, label, crc, x FROM samples WHERE (?1 IS NULL OR task = ?1) "
+                                         "AND id NOT IN (SELECT id FROM doomed) ORDER BY id", (task,)))
+
+    def _checked(self, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x float32 (n, *sample_shape), y int64, task int64) of rows (id, task, label, crc, x), each checked
+        against its CRC."""
         for sample_id, task, label, crc, data in rows:
             if len(data) != self._sample_bytes or _crc(task, label, data) != crc:
                 raise StoreCorruptError(f"{self._db}: sample {sample_id} does not match its checksum")
         x = np.frombuffer(bytearray().join(r[4] for r in rows), dtype="<f4").astype(np.float32, copy=False)
-        return x.reshape(len(ids), *self.sample_shape), np.array([r[2] for r in rows], dtype=np.int64)
+        return (x.reshape(len(rows), *self.sample_shape), np.array([r[2] for r in rows], dtype=np.int64),
+                np.array([r[1] for r in rows], dtype=np.int64))
 
     def __len__(self) -> int:
         if self._length is None:

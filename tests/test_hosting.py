@@ -16,7 +16,17 @@ from coordinator.broker import Credentials, MosquittoBroker, free_port
 from edge_client.config import DeviceConfig
 from edge_client.device import shared_model
 from edge_client.environment import RealEnvironment, Turns
+from edge_client.policies.random_cache import RandomCache
 from firmware_sim.virtual_device import virtual_device
+
+
+class ActsAfterTraining(RandomCache):
+    """Random replay with an update of its own after training (a no-op here): its device takes a turn for it."""
+
+    name = "test-acts-after-training"
+
+    def acts_after_training(self) -> bool:
+        return True
 
 
 def test_a_process_keeps_one_read_only_copy_of_each_global_model():
@@ -27,15 +37,17 @@ def test_a_process_keeps_one_read_only_copy_of_each_global_model():
     assert other is not first and float(other.sum()) == 6.0
 
 
+@pytest.mark.parametrize("policy", ["random", ActsAfterTraining.name])
 def test_a_hosted_device_starts_its_task_trains_and_finishes_its_round_in_its_turn_on_the_turns_thread(
-        tmp_path, export_artifacts, monkeypatch):
+        tmp_path, export_artifacts, monkeypatch, policy):
     """Its turns run on the worker's one turns thread (not the device's: what deep native work leaves on a thread's
-    stack stays there), and the round's device seconds count them."""
+    stack stays there), and the round's device seconds count them; the policy's after-training work takes a turn
+    only where the policy has such work (`acts_after_training`)."""
     turns = Turns(name="turns-under-test")
     config = DeviceConfig.from_dict({
         "device_id": "dev-0", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
         "state_dir": str(tmp_path / "state"), "broker": {"port": 1, "password": "pw"},
-        "store": {"max_samples": 30}, "policy": {"name": "random"},
+        "store": {"max_samples": 30}, "policy": {"name": policy},
         "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
     })
     device = turns.run(lambda: virtual_device(config, turns=turns))
@@ -50,8 +62,8 @@ def test_a_hosted_device_starts_its_task_trains_and_finishes_its_round_in_its_tu
         weights = device.trainer.get_weights()
         before = device.environment.cpu_time()
         device._train({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}}, weights)
-        assert held == [("observe", "turns-under-test"), ("train", "turns-under-test"),
-                        ("finish_round", "turns-under-test")]
+        finished = [("finish_round", "turns-under-test")] if policy == ActsAfterTraining.name else []
+        assert held == [("observe", "turns-under-test"), ("train", "turns-under-test"), *finished]
         assert device.learner.state.round == 1  # the round went through: trained, saved
         assert spent and spent[0] <= device.environment.cpu_time() - before
     finally:

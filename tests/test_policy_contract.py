@@ -78,8 +78,8 @@ def _two_tasks(learner: Learner) -> None:
 @pytest.mark.parametrize("group_by", [None, "class"])
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_every_policy_keeps_its_own_hooks_with_and_without_class_quotas(artifacts, tmp_path, name, group_by):
-    """The learner calls the policy's own hooks, each with a RoundView, whether or not it groups the ranking; with
-    class quotas, every old class keeps its share of the old samples the policy keeps."""
+    """The learner calls the policy's own hooks, each with a RoundView, whether or not it groups the ranking (its
+    `after_training` where it acts after training); with class quotas, every old class keeps its share of the old samples the policy keeps."""
     policy = make_policy(name, **OPTIONS.get(name, {}))
     calls: list[tuple[str, object]] = []
     _spy(policy, calls)
@@ -87,7 +87,8 @@ def test_every_policy_keeps_its_own_hooks_with_and_without_class_quotas(artifact
     assert learner.policy is policy
     _two_tasks(learner)
     called = [hook for hook, _ in calls]
-    assert called.count("fit") == 2 and called.count("training_set") == 2 and called.count("after_training") == 2
+    assert called.count("fit") == 2 and called.count("training_set") == 2
+    assert called.count("after_training") == (2 if policy.acts_after_training() else 0)
     assert called.count("on_global_model") == 2
     assert all(view is not None for _, view in calls)  # every hook got a RoundView
     old = learner.store.labels(learner.store.ids(0))
@@ -224,3 +225,31 @@ def test_a_policy_that_overrides_its_attachments_says_it_attaches_and_whether_lo
             assert policy.releases_values() and policy.attached_values() is None, name
         elif policy.releases_values():
             assert type(policy).attached_values is not ReplayPolicy.attached_values, name
+
+
+def test_a_policy_that_overrides_after_training_says_it_acts_and_the_learner_reads_its_samples_only_then(
+        artifacts, tmp_path, monkeypatch):
+    """Every built-in policy that overrides `after_training` says it acts after training at its defaults, and one
+    that does not says it does not; the learner's `finish_round` reads the task's samples and calls the hook only
+    for a policy that acts."""
+    for name in BUILT_IN:
+        policy = make_policy(name, **OPTIONS.get(name, {}))
+        overrides = type(policy).after_training is not ReplayPolicy.after_training
+        assert policy.acts_after_training() == overrides, name
+    rng = np.random.default_rng(0)
+    for acts in (False, True):
+        policy = make_policy("random")
+        called: list[int] = []
+        monkeypatch.setattr(policy, "acts_after_training", lambda _acts=acts: _acts)
+        monkeypatch.setattr(policy, "after_training", lambda view, x, y, _called=called: _called.append(len(y)))
+        learner = _learner(artifacts, tmp_path / str(acts), policy, LearnerConfig())
+        learner.observe(Chunk(rng.random((6, 1, 8, 8), dtype=np.float32), np.array([0, 1] * 3), 0))
+        learner.train()
+        reads: list[str] = []
+        for read in ("get", "samples", "ids"):
+            monkeypatch.setattr(learner.store, read, lambda *a, _read=getattr(learner.store, read), _name=read,
+                                _reads=reads: _reads.append(_name) or _read(*a))
+        learner.finish_round()
+        assert (bool(reads), called) == ((True, [6]) if acts else (False, [])), (acts, reads)
+        learner.store.close()
+

@@ -272,6 +272,12 @@ class StoreMachine(RuleBasedStateMachine):
         assert contents(store) == model  # bit-identical
         for task in {t for t, _, _ in model.values()}:
             assert store.ids(task).tolist() == [i for i in ids.tolist() if model[i][0] == task]
+        for task in (None, *{t for t, _, _ in model.values()}):  # the learner's read of all of them, in one query
+            x, y, tasks = store.samples(task)
+            chosen = store.ids(task)
+            assert (x.tobytes(), y.tolist(), tasks.tolist()) == (
+                store.get(chosen)[0].tobytes(), store.labels(chosen).tolist(), store.tasks(chosen).tolist())
+            assert x.dtype == np.float32 and x.shape == (len(chosen), *self.shape) and y.dtype == tasks.dtype == np.int64
         allocated, apparent = usage(self.directory)
         assert max(allocated, apparent) <= store.bytes_on_disk()  # M's count covers both measures
         assert os.path.getsize(self.directory / (DB_NAME + "-journal")) == 0
@@ -560,6 +566,8 @@ def test_flipped_sample_byte_is_caught_by_the_checksum(tmp_path):
             store.check()
         with pytest.raises(StoreCorruptError, match="checksum"):
             store.get(np.array([victim]))
+        with pytest.raises(StoreCorruptError, match=f"sample {victim} does not match its checksum"):
+            store.samples()
 
 
 def test_other_sqlite_file_is_not_a_store(tmp_path):

@@ -233,7 +233,14 @@ class ReplayPolicy(ABC):
             )
 
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
-        """Called after the task model's local training with the current task's real samples."""
+        """Called after the task model's local training with the current task's real samples, where the policy
+        `acts_after_training`."""
+
+    def acts_after_training(self) -> bool:
+        """Whether `after_training` is to be called: the learner reads the current task's samples for it, and a
+        fleet's device takes a turn for it, only then (a policy that does neither saves both every round). A policy
+        that overrides `after_training` says True."""
+        return False
 
     def release_bytes(self, view: RoundView) -> bool:
         """The byte budget cannot take the new task's real samples beside what the policy keeps: give up what it
