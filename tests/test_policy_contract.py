@@ -11,6 +11,7 @@ import pytest
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import POLICIES, ReplayPolicy, RoundView, Samples, group_ranking, make_policy, policy_names
+from edge_client.policies.random_cache import RandomCache
 from edge_client.store import ReplayStore
 from edge_client.stream import Chunk
 from edge_client.trainers.ort import OrtTrainer
@@ -230,12 +231,18 @@ def test_a_policy_that_overrides_its_attachments_says_it_attaches_and_whether_lo
 def test_a_policy_that_overrides_after_training_says_it_acts_and_the_learner_reads_its_samples_only_then(
         artifacts, tmp_path, monkeypatch):
     """Every built-in policy that overrides `after_training` says it acts after training at its defaults, and one
-    that does not says it does not; the learner's `finish_round` reads the task's samples and calls the hook only
-    for a policy that acts."""
+    that does not says it does not (a policy written before the question, overriding the hook, keeps it); the
+    learner's `finish_round` reads the task's samples and calls the hook only for a policy that acts."""
     for name in BUILT_IN:
         policy = make_policy(name, **OPTIONS.get(name, {}))
         overrides = type(policy).after_training is not ReplayPolicy.after_training
         assert policy.acts_after_training() == overrides, name
+
+    class OwnHook(RandomCache):  # a user's policy that overrides the hook and says nothing more
+        def after_training(self, view, x, y):
+            pass
+
+    assert OwnHook().acts_after_training()
     rng = np.random.default_rng(0)
     for acts in (False, True):
         policy = make_policy("random")

@@ -238,9 +238,10 @@ class ReplayPolicy(ABC):
 
     def acts_after_training(self) -> bool:
         """Whether `after_training` is to be called: the learner reads the current task's samples for it, and a
-        fleet's device takes a turn for it, only then (a policy that does neither saves both every round). A policy
-        that overrides `after_training` says True."""
-        return False
+        fleet's device takes a turn for it, only then (a policy that has nothing to do then saves both every round).
+        By default whether the policy's class overrides `after_training`, so that a policy written without this
+        hook keeps its own; one whose override does nothing under some options may say False for them."""
+        return type(self).after_training is not ReplayPolicy.after_training
 
     def release_bytes(self, view: RoundView) -> bool:
         """The byte budget cannot take the new task's real samples beside what the policy keeps: give up what it

@@ -149,9 +149,6 @@ class FedCil(NoReplay):
         self._round["replayed_samples"] = float(len(labels))
         return TrainingSet(np.concatenate([x, made.numpy().astype(np.float32)]), np.concatenate([y, labels]))
 
-    def acts_after_training(self) -> bool:
-        return True
-
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """`gan_steps` ACGAN steps on this task's real samples and the replay generator's earlier classes."""
         import torch

@@ -187,9 +187,6 @@ class GeneratorReplay(ReplayPolicy):
                           teacher_weights=np.float32(self.lambda_align) * applies)
         return TrainingSet(x, y, loss)
 
-    def acts_after_training(self) -> bool:
-        return True
-
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """Train and store the generators of this round's classes (the drop rule of the module docstring)."""
         from models.generator_record import GeneratorRecord, quantize

@@ -458,9 +458,6 @@ class Glfc(ReplayPolicy):
                            **spread.metrics())
         return last
 
-    def acts_after_training(self) -> bool:
-        return True
-
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         """After the first round of a task: the prototype gradients of its new classes (module docstring, 5)."""
         self._pending = {}

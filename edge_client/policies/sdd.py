@@ -185,9 +185,6 @@ class Sdd(ReplayPolicy):
             self._labels = (view.task, y_star)
         return self._labels[1]
 
-    def acts_after_training(self) -> bool:
-        return True
-
     def after_training(self, view: RoundView, x: np.ndarray, y: np.ndarray) -> None:
         self._statistics = None
         if self.send_statistics and len(x) >= MIN_SAMPLES:
