@@ -201,6 +201,10 @@ class _State(NamedTuple):
     journal: int  # bytes of the journal file: 0 but after a crash (a new journal overwrites it from the start)
 
 
+# The rows `ids` and `samples` read: those not doomed by a delete, of the task ?1 (every task where it is NULL), by id
+_LIVE_OF_TASK = "WHERE (?1 IS NULL OR task = ?1) AND id NOT IN (SELECT id FROM doomed) ORDER BY id"
+
+
 class ReplayStore:
     """Samples a device may replay, kept across restarts within a `Budget` (see the module docstring)."""
 
@@ -504,8 +508,7 @@ class ReplayStore:
     def ids(self, task: int | None = None) -> np.ndarray:
         """Ids of the stored samples (of one task), ascending."""
         task = None if task is None else int(task)
-        rows = self._query("SELECT id FROM samples WHERE (?1 IS NULL OR task = ?1) "
-                           "AND id NOT IN (SELECT id FROM doomed) ORDER BY id", (task,))
+        rows = self._query(f"SELECT id FROM samples {_LIVE_OF_TASK}", (task,))
         return np.array([r[0] for r in rows], dtype=np.int64)
 
     def labels(self, ids: np.ndarray | None = None) -> np.ndarray:
@@ -536,8 +539,7 @@ class ReplayStore:
         """(x, y, task) of every stored sample (of one task), by id: `get(ids(task))` and `tasks` in one query (a
         learner reads its store so every round)."""
         task = None if task is None else int(task)
-        return self._checked(self._query("SELECT id, task, label, crc, x FROM samples WHERE (?1 IS NULL OR task = ?1) "
-                                         "AND id NOT IN (SELECT id FROM doomed) ORDER BY id", (task,)))
+        return self._checked(self._query(f"SELECT id, task, label, crc, x FROM samples {_LIVE_OF_TASK}", (task,)))
 
     def _checked(self, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(x float32 (n, *sample_shape), y int64, task int64) of rows (id, task, label, crc, x), each checked

@@ -80,7 +80,8 @@ def _two_tasks(learner: Learner) -> None:
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_every_policy_keeps_its_own_hooks_with_and_without_class_quotas(artifacts, tmp_path, name, group_by):
     """The learner calls the policy's own hooks, each with a RoundView, whether or not it groups the ranking (its
-    `after_training` where it acts after training); with class quotas, every old class keeps its share of the old samples the policy keeps."""
+    `after_training` where it acts after training); with class quotas, every old class keeps its share of the old
+    samples the policy keeps."""
     policy = make_policy(name, **OPTIONS.get(name, {}))
     calls: list[tuple[str, object]] = []
     _spy(policy, calls)
@@ -259,4 +260,3 @@ def test_a_policy_that_overrides_after_training_says_it_acts_and_the_learner_rea
         learner.finish_round()
         assert (bool(reads), called) == ((True, [6]) if acts else (False, [])), (acts, reads)
         learner.store.close()
-

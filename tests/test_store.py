@@ -277,7 +277,8 @@ class StoreMachine(RuleBasedStateMachine):
             chosen = store.ids(task)
             assert (x.tobytes(), y.tolist(), tasks.tolist()) == (
                 store.get(chosen)[0].tobytes(), store.labels(chosen).tolist(), store.tasks(chosen).tolist())
-            assert x.dtype == np.float32 and x.shape == (len(chosen), *self.shape) and y.dtype == tasks.dtype == np.int64
+            assert x.dtype == np.float32 and x.shape == (len(chosen), *self.shape)
+            assert y.dtype == tasks.dtype == np.int64
         allocated, apparent = usage(self.directory)
         assert max(allocated, apparent) <= store.bytes_on_disk()  # M's count covers both measures
         assert os.path.getsize(self.directory / (DB_NAME + "-journal")) == 0
