@@ -70,7 +70,7 @@ def load_state(directory: str | Path, weights: bool = True, optimizer: bool = Tr
                saved: dict[str, Any] | None = None) -> ClientState | None:
     """The last saved state, or None when the device has never saved one; `weights`, `optimizer` False: without
     reading that buffer (None in the state); `saved`: the record `save_state` returned, read as it is (its buffers
-    checked against their sha256 as ever)."""
+    checked against their checksums as ever)."""
     if saved is None:
         newest = load_slotted(directory, weights)
         if newest is None:

@@ -203,21 +203,32 @@ class _State(NamedTuple):
 
 # The rows `ids` and `samples` read: those not doomed by a delete, of the task ?1 (every task where it is NULL), by id
 _LIVE_OF_TASK = "WHERE (?1 IS NULL OR task = ?1) AND id NOT IN (SELECT id FROM doomed) ORDER BY id"
+# A learner reads every stored sample each round (`samples()`), and the store changes only at its writes (a task's
+# start, a chunk of the stream): the store keeps what it read until its next write where the samples, labels and
+# tasks take at most this many bytes. Opening the database again for that read was most of what a device's round
+# cost beyond training where the learner lets its connection go between rounds (`between_rounds = "disk"`, a fleet's
+# default: 0.19 of 0.94 ms a learner-round, benchmarks/learner_round.py), and a connection kept open instead holds
+# about 70 KiB (its page cache and schema); 16 KiB is 100 samples of MNIST-1D or 5 of Fashion-MNIST.
+KEPT_SAMPLES_BYTES = 16 * 1024
 
 
 class ReplayStore:
     """Samples a device may replay, kept across restarts within a `Budget` (see the module docstring)."""
 
     def __init__(
-        self, directory: str | Path, budget: Budget | BudgetShare, sample_shape: tuple[int, ...] | None = None
+        self, directory: str | Path, budget: Budget | BudgetShare, sample_shape: tuple[int, ...] | None = None,
+        keep_samples_bytes: int = KEPT_SAMPLES_BYTES,
     ) -> None:
+        """`keep_samples_bytes`: the most that `samples()` keeps between writes (KEPT_SAMPLES_BYTES; 0: nothing)."""
         self.directory = Path(directory)
         self.budget = budget
+        self.keep_samples_bytes = keep_samples_bytes
         self._db = self.directory / DB_NAME
         self._conn: sqlite3.Connection | None = None
         self._owner: int | None = None  # the directory's descriptor, flocked, from open to close
         self._length: int | None = None  # live samples, known since the last write
         self._counts: list[tuple[int, int, int]] | None = None  # `counts`, known since the last write
+        self._kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # `samples()`, since the last write
         self._open(sample_shape)
 
     # ------------------------------------------------------------------ lifecycle
@@ -378,7 +389,8 @@ class ReplayStore:
 
     def release(self) -> None:
         """Let the SQLite connection go until the next use (the store stays open and owned): for a holder that is
-        idle for a while, as a device between rounds."""
+        idle for a while, as a device between rounds. What the store keeps until its next write (its length,
+        `counts`, small `samples`) stays: a round that does not write opens no connection."""
         if self._conn is not None:
             if self._length is None:  # counted now: a heartbeat asks len() while idle
                 len(self)
@@ -389,6 +401,7 @@ class ReplayStore:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._kept = None
         if self._owner is not None:
             self._let_go()  # closes the directory's descriptor, and with it the lock
             self._owner = None
@@ -484,7 +497,7 @@ class ReplayStore:
 
         It ends with the freelist vacuumed, so the file shrinks at commit."""
         conn = self._connection()
-        self._length = self._counts = None
+        self._length = self._counts = self._kept = None
         if not self._fits(peak):
             raise BudgetExceededError(f"{self.directory}: a write could take {peak} bytes, over max_bytes "
                                       f"{self.budget.max_bytes}; nothing was written")
@@ -537,9 +550,21 @@ class ReplayStore:
 
     def samples(self, task: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(x, y, task) of every stored sample (of one task), by id: `get(ids(task))` and `tasks` in one query (a
-        learner reads its store so every round)."""
+        learner reads its store so every round). All of them, read and checked, are kept until the next write where
+        they take at most `keep_samples_bytes` (KEPT_SAMPLES_BYTES), and a read of them or of one task's then
+        needs no query; each read returns arrays of its own."""
         task = None if task is None else int(task)
-        return self._checked(self._query(f"SELECT id, task, label, crc, x FROM samples {_LIVE_OF_TASK}", (task,)))
+        kept = self._kept
+        if kept is None:
+            read = self._checked(self._query(f"SELECT id, task, label, crc, x FROM samples {_LIVE_OF_TASK}", (task,)))
+            if task is not None or sum(a.nbytes for a in read) > self.keep_samples_bytes:
+                return read
+            self._kept = kept = read
+        x, y, tasks = kept
+        if task is None:
+            return x.copy(), y.copy(), tasks.copy()
+        chosen = tasks == task
+        return x[chosen], y[chosen], tasks[chosen]
 
     def _checked(self, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(x float32 (n, *sample_shape), y int64, task int64) of rows (id, task, label, crc, x), each checked

@@ -1,3 +1,5 @@
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -38,7 +40,7 @@ def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(
     for k in range(2):
         save_state(tmp_path, state(k, size=8))
     (tmp_path / "weights.b.f32").write_bytes(b"\x00" * 31)  # the newest record's (the second save's slot)
-    with pytest.raises(StateError, match="sha256"):
+    with pytest.raises(StateError, match="weights.b.f32 .* does not match its crc32c"):
         load_state(tmp_path)
     (tmp_path / "weights.b.f32").write_bytes(np.full(8, 1, "<f4").tobytes())
     assert_is(load_state(tmp_path), 1)
@@ -49,6 +51,34 @@ def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(
     (tmp_path / "state-a.rec").write_bytes(b"{broken")
     with pytest.raises(StateError, match="unreadable"):
         load_state(tmp_path)
+
+
+def test_a_slotted_state_whose_buffers_sha256_names_is_read_checked_and_saved_again_with_crc32c(tmp_path):
+    """A device's state saved before its buffers took CRC32C names their sha256: read and checked by it, kept by a
+    record-only save, and the next whole save names CRC32C."""
+    optimizer = np.arange(10, dtype=np.float32)
+    record = save_state(tmp_path, state(1).with_optimizer(adamw_state(optimizer)))
+    for name in ("weights", "optimizer"):  # the record as the save before CRC32C wrote it
+        blob = (tmp_path / record[f"{name}_file"]).read_bytes()
+        del record[f"{name}_crc32c"]
+        record[f"{name}_sha256"] = hashlib.sha256(blob).hexdigest()
+    payload = json.dumps(record).encode()
+    (tmp_path / "state-a.rec").write_bytes(
+        durable.RECORD_MAGIC + f"1 {hashlib.sha256(payload).hexdigest()}\n".encode() + payload)
+    loaded = load_state(tmp_path)
+    assert_is(loaded, 1)
+    assert np.array_equal(loaded.optimizer, optimizer)
+    save_state_keeping_weights(tmp_path, ClientState(task=1, round=2, seen_classes=[0, 1], n_seen=10))
+    kept = load_state(tmp_path)  # the record alone: the weights and moments the sha256 record named, still checked
+    assert kept.round == 2 and np.array_equal(kept.weights, np.ones(5, np.float32))
+    assert np.array_equal(kept.optimizer, optimizer)
+    (tmp_path / "optimizer.a.f32").write_bytes(np.zeros(10, "<f4").tobytes())  # damaged
+    with pytest.raises(StateError, match="optimizer.a.f32 .* does not match its sha256"):
+        load_state(tmp_path)
+    assert load_state(tmp_path, optimizer=False).round == 2  # the weights' sha256 holds
+    saved = save_state(tmp_path, state(3))
+    assert "weights_crc32c" in saved and "weights_sha256" not in saved
+    assert_is(load_state(tmp_path), 3)
 
 
 class Cut(Exception):

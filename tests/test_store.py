@@ -27,6 +27,7 @@ from edge_client import store as store_module
 from edge_client.budget import Budget
 from edge_client.store import (
     DB_NAME,
+    KEPT_SAMPLES_BYTES,
     PAGE,
     BudgetExceededError,
     ReplayStore,
@@ -551,6 +552,36 @@ def test_overwritten_page_is_reported_on_open_or_check(tmp_path):
     with pytest.raises(StoreCorruptError, match=DB_NAME):
         with ReplayStore(directory, Budget()) as store:
             store.check()
+
+
+def test_small_samples_are_kept_until_the_next_write_and_read_without_the_database(tmp_path, monkeypatch):
+    """A learner's round reads every sample; where they are small the store keeps them until it writes, so a round
+    after `release` opens no connection, and what each read returns is its own."""
+    connects = []
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(store_module.sqlite3, "connect", lambda *a, **k: connects.append(a) or real_connect(*a, **k))
+    with ReplayStore(tmp_path / "small", Budget(), (2,)) as store:
+        store.insert(*samples((2,), 5, 0), task=0)
+        store.insert(*samples((2,), 3, 1), task=1)
+        first = [a.copy() for a in store.samples()]
+        store.release()
+        opened = len(connects)
+        x, y, tasks = store.samples()
+        x += 1.0
+        y[:] = -1
+        assert [a.tolist() for a in store.samples()] == [a.tolist() for a in first]
+        one = store.samples(1)
+        assert [a.tolist() for a in one] == [a[first[2] == 1].tolist() for a in first] and len(one[0]) == 3
+        assert len(connects) == opened  # no connection for any of these reads
+        store.insert(*samples((2,), 2, 2), task=1)  # a write: read again
+        assert len(store.samples()[0]) == 10 and len(store.samples(1)[0]) == 5
+    for size, keep in ((2000,), KEPT_SAMPLES_BYTES), ((2,), 0):  # 8 samples over the bound, and nothing kept
+        with ReplayStore(tmp_path / f"{size}-{keep}", Budget(), size, keep_samples_bytes=keep) as store:
+            store.insert(*samples(size, 8, 0), task=0)
+            store.samples()
+            store.release()
+            opened = len(connects)
+            assert len(store.samples()[0]) == 8 and len(connects) == opened + 1
 
 
 def test_flipped_sample_byte_is_caught_by_the_checksum(tmp_path):
