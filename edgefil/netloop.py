@@ -19,7 +19,14 @@ that is a fraction of a millisecond.
 Thread safety: paho calls the socket callbacks on whatever thread changed a socket's state (a device thread that
 publishes asks for write interest); they only post a command and wake the loop, which alone touches the selector.
 The callbacks say when to look, not what to select for: the loop selects a socket for writing exactly while paho
-has packets queued on it (`want_write`), looked at on each callback and after each write. paho's own flag
+has packets queued on it (`want_write`), looked at on each callback and after each write.
+
+Writing: asked to write, the loop writes at once, and selects the socket for writing only where the socket took
+less than what was queued. A publish used to cost the loop a selection for writing, a pass through `select` to
+learn the socket could take it, and the selection undone: two `epoll_ctl` calls and a wake-up for a packet the
+socket took whole. The loop's own posts (paho's callbacks inside its reads and writes: a PUBACK queued, a write
+done) wake nobody: the loop applies its commands before it waits again. Before, each woke the loop through its
+socket pair, a `send` and a `recv` of its own. paho's own flag
 (`_registered_write`) is checked and set without a lock, so a publish from a device thread racing the end of a
 write on this one could leave a packet queued with no write interest, its callback swallowed or followed by the
 write's "done": it then waited for the next packet of that client (a ping, up to a keepalive away). At 100,000
@@ -142,6 +149,8 @@ class NetworkLoop:
 
     def _post(self, kind: str, client: mqtt.Client | None, arg: Any = None) -> None:
         self._commands.append((kind, client, arg))
+        if threading.current_thread() is self._thread:  # the loop's own: applied before it waits again (`_turn`)
+            return
         try:
             self._wake_w.send(b"\0")
         except (BlockingIOError, OSError):  # already awake (its buffer is full), or the loop has ended
@@ -169,7 +178,8 @@ class NetworkLoop:
         """One pass: wait for sockets (or the next due attempt or tick), service them, apply the posted commands,
         housekeep on a tick, make the attempts that are due. False once asked to stop."""
         due = self._due[0][0] if self._due else self._next_tick
-        for key, events in self._selector.select(max(0.0, min(self._next_tick, due) - time.monotonic())):
+        wait = 0.0 if self._commands else max(0.0, min(self._next_tick, due) - time.monotonic())
+        for key, events in self._selector.select(wait):
             if key.data is None:
                 self._drain_wake()
             else:
@@ -229,6 +239,8 @@ class NetworkLoop:
             elif kind == "close":
                 conn.closed = arg
                 self._begin_close(conn)
+            elif kind == "write" and conn.sock is arg and not conn.writing:
+                self._service(conn, selectors.EVENT_WRITE)  # written now; selected for writing only if it must wait
             elif kind in ("write", "read") and conn.sock is arg:
                 self._select_writes(conn)
             elif kind == "closed" and conn.sock is not None and conn.sock is arg:
