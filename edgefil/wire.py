@@ -53,6 +53,11 @@ MAX_NAME_CHARS = 128  # an attachment's or a requested payload's name
 MAX_REQUEST_NAMES = 64  # payloads one request may ask for
 MAX_TEXT_CHARS = 1000  # a free-text field: a status's error, a notice's detail, an instance id
 _TEXT_FIELDS = ("error", "detail", "instance", "reason")
+# The buffer msgpack packs a message into, to start with (it grows as a message needs). msgpack's own default is
+# 256 KiB: above a fleet worker's mmap threshold (firmware_sim/fleet_worker.py), so every message a worker encoded
+# was an mmap and a munmap, 4 us more than the pack itself (and a TLB shootdown across a worker's threads); a
+# message's fields take a few hundred bytes.
+PACK_BUFFER_BYTES = 4096
 
 Message = dict[str, Any]
 
@@ -164,9 +169,14 @@ def encode(kind: str, _verify_chunk: bool = True, **fields: Any) -> bytes:
         return bytes(_frame(kind, _verify_chunk, fields))
     message = {"v": SCHEMA_VERSION, "kind": kind, **fields}
     _check_fields(message)
-    payload = msgpack.packb(message, use_bin_type=True)
+    payload = _packed(message)
     _check_size(kind, len(payload))
     return payload
+
+
+def _packed(value: Any) -> bytes:
+    """msgpack's bytes of `value`, packed from a buffer of PACK_BUFFER_BYTES that grows as it must."""
+    return msgpack.packb(value, use_bin_type=True, buf_size=PACK_BUFFER_BYTES)
 
 
 class Frame:
@@ -198,7 +208,7 @@ def _frame(kind: str, verify_chunk: bool, fields: Mapping[str, Any]) -> Frame:
     message = {"v": SCHEMA_VERSION, "kind": kind, **fields}
     _check_fields(message, verify_chunk=verify_chunk)
     data = memoryview(message.pop("data")).cast("B")
-    header = msgpack.packb(message, use_bin_type=True)
+    header = _packed(message)
     frame = Frame(b"".join((FRAMED, len(header).to_bytes(4, "little"), header)), data)
     _check_size(kind, len(frame))
     return frame
@@ -453,7 +463,7 @@ def encode_blob(kind: str, data: bytes | memoryview, chunk_bytes: int = CHUNK_BY
     view = memoryview(data).cast("B")
     # every chunk repeats the blob's fields: where they take more than the header room leaves them (up to
     # MAX_ATTACHMENTS names in an attachments layout), the chunks carry that much less data
-    repeated = len(msgpack.packb(fields, use_bin_type=True))
+    repeated = len(_packed(fields))
     chunk_bytes = min(chunk_bytes, CHUNK_BYTES - max(0, repeated - (CHUNK_HEADER_ROOM - CHUNK_FIELDS_ROOM)))
     pieces = _pieces(view, chunk_bytes)
     blob = blob_id(view)
