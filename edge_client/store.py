@@ -208,7 +208,7 @@ _LIVE_OF_TASK = "WHERE (?1 IS NULL OR task = ?1) AND id NOT IN (SELECT id FROM d
 # tasks take at most this many bytes. Opening the database again for that read was most of what a device's round
 # cost beyond training where the learner lets its connection go between rounds (`between_rounds = "disk"`, a fleet's
 # default: 0.19 of 0.94 ms a learner-round, benchmarks/learner_round.py), and a connection kept open instead holds
-# about 70 KiB (its page cache and schema); 16 KiB is 100 samples of MNIST-1D or 5 of Fashion-MNIST.
+# about 70 KiB (its page cache and schema); 16 KiB is about 90 samples of MNIST-1D or 5 of Fashion-MNIST.
 KEPT_SAMPLES_BYTES = 16 * 1024
 
 
