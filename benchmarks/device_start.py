@@ -39,7 +39,7 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
     from edgefil.settings import dump_toml
     from firmware_sim.fleet import Fleet
     from firmware_sim.fleet_config import FleetConfig
-    from firmware_sim.fleet_worker import limit_torch_threads, unmap_large_buffers
+    from firmware_sim.fleet_worker import limit_torch_threads, set_worker_allocator
     from firmware_sim.virtual_device import virtual_device
 
     (folder / "fleet.toml").write_text(dump_toml(fleet_file(n, 0, 1, 0.01)))
@@ -49,7 +49,7 @@ def measure(n: int, stride: int, batch: int, folder: Path) -> list[float]:
     fleet.broker = types.SimpleNamespace(address=BrokerAddress("127.0.0.1", 1))  # type: ignore[assignment]
     configs = [fleet.device_config(k, artifacts) for k in range(0, n, stride)]
     limit_torch_threads()
-    unmap_large_buffers()
+    set_worker_allocator()
     network, turns, devices, per_batch = NetworkLoop(name="device-start"), Turns(), [], []
     last = time.process_time()
     for k, raw in enumerate(configs, 1):

@@ -96,13 +96,19 @@ HEARTBEATS_PER_CORE_S = 50.0
 # wakes every device thread of a worker at once (1500 of them at 9000 devices on 6 workers), and their wake-ups
 # then crowd out everything else on the host, the broker first. A longer interval in the workers thins them out.
 WORKER_SWITCH_INTERVAL_S = 0.05
-# glibc serves an allocation below its mmap threshold from the heap, and raises the threshold (up to 32 MiB) each
-# time a larger mapped block is freed. A worker's devices each receive every global model into a buffer of its own
-# (121 KiB for LeNet) at about the same time; freed, those buffers stayed in the heap as resident memory: 0.30 MB a
-# device at 1000 devices, 0.21 MB with the threshold fixed here (benchmarks/fleet_scale.py). Fixed, every buffer at
-# least this large is mapped on its own and unmapped when freed.
-WORKER_MMAP_THRESHOLD_BYTES = 64 * 1024
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+# glibc serves an allocation below its mmap threshold from a heap (an arena's), a larger one from memory mapped for it
+# alone, faulted in page by page as it is first written and unmapped when freed. A worker's devices allocate and free
+# model-sized buffers all round long (LeNet's 121 KiB: each received global model, the weights read back, the
+# optimiser's moments, an upload): mapped at 64 KiB (this threshold until issue 57), a 1000-device fleet on the
+# digits' LeNet took 2.7 million page faults in four rounds, 2.5-2.9 CPU s of its workers' kernel time a round; from
+# the heap, 0.6 million (benchmarks/vs_flower.py's work; docs/results.md). glibc's own settings serve them from the
+# heap too, but in an arena per thread (up to 8 a core) and with a threshold that rises as mapped blocks are freed,
+# and each arena kept its own peak of freed buffers resident: +68 MB over the fixed 64 KiB at 1000 devices. One arena
+# for the whole process (the devices' threads take turns at the GIL anyway) and the threshold fixed above a model's
+# buffers: +7 MB, every thread reusing what another freed. A buffer of this size or more is still mapped alone.
+WORKER_MMAP_THRESHOLD_BYTES = 8 << 20
+WORKER_ARENAS = 1
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt's parameter numbers (malloc.h)
 # Linux (6.16 on) gives a process with threads a futex hash of its own: the table of wait queues that every futex
 # wait and wake (a lock, a condition, the GIL's hand-over) looks up, a wake walking the queue of its slot. The kernel
 # sizes it at 4 slots per thread but counts at most as many threads as online CPUs: 16 slots on a 2-core host,
@@ -285,7 +291,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
         os.nice(niceness)  # (the kernel stops at 19)
     limit_torch_threads()
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
-    unmap_large_buffers()
+    set_worker_allocator()
     size_futex_hash(len(configs) + THREADS_BESIDE_DEVICES)
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
@@ -350,9 +356,11 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     return sum(thread.is_alive() for thread in threads)
 
 
-def unmap_large_buffers() -> bool:
-    """Fix glibc's mmap threshold at WORKER_MMAP_THRESHOLD_BYTES in this process; False where the C library is
-    not glibc (it has no mallopt, or another allocator policy), which is left as it is."""
+def set_worker_allocator() -> bool:
+    """Set glibc's allocator in this process for a worker: WORKER_ARENAS arena(s), the mmap threshold fixed at
+    WORKER_MMAP_THRESHOLD_BYTES (module comment); False where the C library is not glibc (it has no mallopt, or
+    another allocator policy), which is left as it is. Before the devices' threads start: a thread keeps the arena
+    it took at its first allocation."""
     import ctypes
     import ctypes.util
 
@@ -361,7 +369,7 @@ def unmap_large_buffers() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES))
+    return bool(mallopt(M_ARENA_MAX, WORKER_ARENAS)) and bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES))
 
 
 def size_futex_hash(threads: int) -> int | None:

@@ -592,24 +592,31 @@ def test_the_fleet_files_learner_table_reaches_the_devices_with_the_kinds_mask_d
         config({"preset": "digits-class"}, {"between_rounds": "ram"}).check()
 
 
-def test_a_worker_maps_each_large_buffer_on_its_own_so_a_freed_one_leaves_its_memory():
-    """Past `unmap_large_buffers`, a buffer of a few times WORKER_MMAP_THRESHOLD_BYTES lies outside the heap
-    (glibc maps it alone, and unmaps it when freed) even after a larger mapped block was freed, which, with glibc's
-    own settings, raises its threshold so that such buffers come from the heap and stay resident once freed. Each
-    in a child process: the threshold is the process's."""
+def test_a_worker_keeps_model_sized_buffers_in_one_heap_and_maps_only_larger_ones():
+    """Past `set_worker_allocator`, a model-sized buffer (LeNet's weights, 121 KiB) that another thread than the main
+    one allocates comes from the process's one heap, not an arena of that thread's own as with glibc's own settings
+    (where each arena kept its own peak of freed buffers); and a buffer of twice WORKER_MMAP_THRESHOLD_BYTES lies
+    outside the heap (mapped alone, unmapped when freed) even after a larger mapped block was freed, which raises
+    glibc's own threshold so that such a buffer comes from the heap. Each in a child process: the allocator's
+    settings are the process's."""
     script = """
-import ctypes, sys
-from firmware_sim.fleet_worker import WORKER_MMAP_THRESHOLD_BYTES, unmap_large_buffers
+import ctypes, sys, threading
+from firmware_sim.fleet_worker import WORKER_MMAP_THRESHOLD_BYTES, set_worker_allocator
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-fixed = sys.argv[1] == "fixed" and unmap_large_buffers()
-libc.free(libc.malloc(8 << 20))  # a mapped block freed: glibc's own threshold rises past 8 MiB
-block = libc.malloc(WORKER_MMAP_THRESHOLD_BYTES * 4)
+fixed = sys.argv[1] == "fixed" and set_worker_allocator()
+threaded = []
+thread = threading.Thread(target=lambda: threaded.append(libc.malloc(121 << 10)))
+thread.start()
+thread.join()
+libc.free(libc.malloc(30 << 20))  # a mapped block freed: glibc's own threshold rises to 30 MiB
+block = libc.malloc(WORKER_MMAP_THRESHOLD_BYTES * 2)
 heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
 start, end = (int(a, 16) for a in heap[0].split("-"))
-print(fixed, start <= block < end)
+print(fixed, start <= threaded[0] < end, start <= block < end)
 """
     outputs = []
     for mode in ("glibc", "fixed"):
@@ -617,7 +624,7 @@ print(fixed, start <= block < end)
                               timeout=60)
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout.split())
-    assert outputs == [["False", "True"], ["True", "False"]]
+    assert outputs == [["False", "False", "True"], ["True", "True", "False"]]
 
 
 def test_a_worker_sizes_its_futex_hash_for_its_threads_and_keeps_it_as_threads_start():
@@ -679,7 +686,7 @@ def test_a_fleet_worker_s_devices_write_for_a_power_cut_only_where_the_fleet_fil
     assert fleet_module.ProcessWorkers(True).power_loss_safe and not fleet_module.ProcessWorkers().power_loss_safe
     monkeypatch.setattr(durable, "_power_loss_safe", True)  # restored after the test, as are the process-wide
     monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # settings a worker makes
-    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "set_worker_allocator", lambda: True)
     monkeypatch.setattr(fleet_worker, "size_futex_hash", lambda _: None)
     monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
     seen = []

@@ -182,7 +182,7 @@ def test_a_worker_builds_no_further_ahead_of_its_devices_connections_than_its_bo
     monkeypatch.setattr(virtual_device_module, "virtual_device",
                         lambda config, *a, **k: built.append(config.device_id) or real(config, *a, **k))
     monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # the process-wide settings a worker makes
-    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "set_worker_allocator", lambda: True)
     monkeypatch.setattr(fleet_worker, "size_futex_hash", lambda _: None)
     monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
     caplog.set_level(logging.INFO)
@@ -231,7 +231,7 @@ def test_a_worker_counts_the_devices_still_stopping_when_its_grace_ends_and_ends
     monkeypatch.setattr(device_module, "run_until_stopped", lambda device, connected: (connected(), release.wait()))
     monkeypatch.setattr(fleet_worker, "STOP_GRACE_S", 0.2)
     monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)  # the process-wide settings a worker makes
-    monkeypatch.setattr(fleet_worker, "unmap_large_buffers", lambda: True)
+    monkeypatch.setattr(fleet_worker, "set_worker_allocator", lambda: True)
     monkeypatch.setattr(fleet_worker, "size_futex_hash", lambda _: None)
     monkeypatch.setattr(fleet_worker, "limit_torch_threads", lambda: None)
     configs = [{"device_id": f"dev-{k}", "fleet": "lab", "artifacts": str(tmp_path), "state_dir": str(tmp_path / str(k)),
