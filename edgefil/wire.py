@@ -607,11 +607,20 @@ class _Pending:
 
     The blob's BLAKE3 is computed as its bytes are written, in order from its start, while each chunk is still in
     the cache from its CRC check and its copy: 8 % less CPU for copy and hash than hashing the whole blob again
-    (from memory) once it is complete."""
+    (from memory) once it is complete.
+
+    A blob of one chunk (a model below CHUNK_BYTES: every model of a small fleet's every round, at every device and
+    at the coordinator) is that chunk's data, a view of the message that carried it: no buffer is taken and nothing
+    is copied. Copied, a LeNet's 121 KiB went each time into a fresh mapping, faulted in page by page and unmapped
+    again once the blob was read (issue 57). The message's memory stays referenced for as long as the blob is, so a
+    pool that lent it (edgefil/paho_buffers.py) does not lend it again before then; it is as large as the blob and
+    the chunk's few fields."""
 
     def __init__(self, header: Message, size: int, count: int, buffers: BufferPool[mmap.mmap | bytearray]) -> None:
         self.header = header
-        self.buffer = buffers.take(size)  # capacity at least `size`; only [0, filled) is ever read
+        self.buffers = buffers
+        self.buffer: mmap.mmap | bytearray | None = None  # taken at the first write: capacity at least `size`, only
+        self.whole: memoryview | None = None  # [0, filled) is ever read; or the one chunk that is the whole blob
         self.size = size
         self.hasher = blob_hasher()  # of bytes [0, filled)
         self.chunks: dict[int, tuple[int, int, int]] = {}  # index -> (offset, length, CRC32C)
@@ -625,6 +634,11 @@ class _Pending:
         """Take one chunk (the codec checked that it lies within the blob): written when it continues the written
         part, else held until it does."""
         self.chunks[index] = (offset, len(data), digest)
+        if self.count == 1 and offset == 0 and len(data) == self.size:
+            self.whole = memoryview(data)
+            self.hasher.update(self.whole)
+            self.filled, self.written = self.size, 1
+            return
         if offset != self.filled:
             if offset < self.filled or offset in self.ahead:
                 self.tiles = False  # it can never be written: the blob will not assemble
@@ -636,6 +650,8 @@ class _Pending:
             self._write(self.ahead.pop(self.filled))
 
     def _write(self, data: bytes | memoryview) -> None:
+        if self.buffer is None:
+            self.buffer = self.buffers.take(self.size)
         self.buffer[self.filled:self.filled + len(data)] = data
         self.hasher.update(data)
         self.filled += len(data)
@@ -648,7 +664,11 @@ class _Pending:
         in_order = [offset for offset, _, _ in parts] == [0, *ends[:-1]] and ends[-1] == self.size
         if not (in_order and self.tiles and self.written == self.count and self.filled == self.size):
             return None
-        return memoryview(self.buffer)[:self.size].toreadonly() if self.hasher.hexdigest() == blob else None
+        if self.hasher.hexdigest() != blob:
+            return None
+        if self.whole is not None:
+            return self.whole.toreadonly()
+        return memoryview(self.buffer if self.buffer is not None else b"")[:self.size].toreadonly()
 
 
 class Reassembler:

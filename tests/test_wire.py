@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from wire_frames import pack, unpack
 
 from edgefil import topics, wire
+from edgefil.buffers import BufferPool
 
 HEADER = dict(device="dev-0", round=3, task=1, model="ab" * 32, num_samples=40, metrics={"loss": 0.25})
 
@@ -343,6 +344,27 @@ def test_a_blob_whose_chunks_arrive_out_of_order_is_assembled_from_the_held_ones
     delivered = [b for i in order if (b := reassembler.add("dev-0", chunks[i])) is not None]
     assert len(delivered) == 1
     np.testing.assert_array_equal(delivered[0].weights(5000), w)
+
+
+def test_a_blob_of_one_chunk_is_a_view_of_the_message_it_came_in_and_a_larger_one_a_buffer_of_the_pool():
+    """A one-chunk blob (a model below CHUNK_BYTES) is delivered as a read-only view of its message, taking no
+    buffer from the pool and copying nothing; a blob of several chunks is written into a buffer the pool lends. A
+    one-chunk blob whose bytes are not its id is refused as ever."""
+    pool = BufferPool(bytearray, 1 << 20, 0)
+    w = weights(3000)
+    message = bytearray(wire.encode_blob("update", wire.weights_bytes(w), **HEADER).chunks[0])
+    blob = wire.Reassembler(max_blob_bytes=4 * 3000, buffers=pool).add("dev-0", wire.decode(message))
+    assert blob is not None and blob.data.readonly and blob.data.obj is message and pool.kept_bytes == 0
+    np.testing.assert_array_equal(blob.weights(3000), w)
+    chunks = wire.encode_blob("update", wire.weights_bytes(w), chunk_bytes=wire.MIN_CHUNK_BYTES, **HEADER).chunks
+    reassembler = wire.Reassembler(max_blob_bytes=4 * 3000, buffers=pool)
+    delivered = [b for c in chunks if (b := reassembler.add("dev-0", wire.decode(c))) is not None]
+    assert len(delivered) == 1 and delivered[0].data.obj is not None and pool.kept_bytes >= 4 * 3000
+    np.testing.assert_array_equal(delivered[0].weights(3000), w)
+    fields = wire.decode(message)
+    fields["blob"] = wire.blob_id(b"something else")
+    with pytest.raises(wire.WireError, match="does not match its id"):
+        wire.Reassembler(max_blob_bytes=4 * 3000, buffers=pool).add("dev-0", fields)
 
 
 def test_a_chunk_must_be_framed_and_nothing_else_may_be():
