@@ -609,8 +609,8 @@ class _Pending:
     the cache from its CRC check and its copy: 8 % less CPU for copy and hash than hashing the whole blob again
     (from memory) once it is complete.
 
-    A blob of one chunk (a model below CHUNK_BYTES: every model of a small fleet's every round, at every device and
-    at the coordinator) is that chunk's data, a view of the message that carried it: no buffer is taken and nothing
+    A blob of one chunk (a model below CHUNK_BYTES, as most are: its every copy at every device and at the
+    coordinator) is that chunk's data, a view of the message that carried it: no buffer is taken and nothing
     is copied. Copied, a LeNet's 121 KiB went each time into a fresh mapping, faulted in page by page and unmapped
     again once the blob was read (issue 57). The message's memory stays referenced for as long as the blob is, so a
     pool that lent it (edgefil/paho_buffers.py) does not lend it again before then; it is as large as the blob and
@@ -619,8 +619,9 @@ class _Pending:
     def __init__(self, header: Message, size: int, count: int, buffers: BufferPool[mmap.mmap | bytearray]) -> None:
         self.header = header
         self.buffers = buffers
-        self.buffer: mmap.mmap | bytearray | None = None  # taken at the first write: capacity at least `size`, only
-        self.whole: memoryview | None = None  # [0, filled) is ever read; or the one chunk that is the whole blob
+        # taken from `buffers` at the first write (capacity at least `size`; only [0, filled) is ever read)
+        self.buffer: mmap.mmap | bytearray | None = None
+        self.whole: memoryview | None = None  # or, for a blob of one chunk, that chunk's data
         self.size = size
         self.hasher = blob_hasher()  # of bytes [0, filled)
         self.chunks: dict[int, tuple[int, int, int]] = {}  # index -> (offset, length, CRC32C)
@@ -666,9 +667,8 @@ class _Pending:
             return None
         if self.hasher.hexdigest() != blob:
             return None
-        if self.whole is not None:
-            return self.whole.toreadonly()
-        return memoryview(self.buffer if self.buffer is not None else b"")[:self.size].toreadonly()
+        whole = self.whole if self.whole is not None else memoryview(self.buffer or bytearray())[:self.size]
+        return whole.toreadonly()
 
 
 class Reassembler:

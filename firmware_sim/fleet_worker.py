@@ -100,12 +100,13 @@ WORKER_SWITCH_INTERVAL_S = 0.05
 # alone, faulted in page by page as it is first written and unmapped when freed. A worker's devices allocate and free
 # model-sized buffers all round long (LeNet's 121 KiB: each received global model, the weights read back, the
 # optimiser's moments, an upload): mapped at 64 KiB (this threshold until issue 57), a 1000-device fleet on the
-# digits' LeNet took 2.7 million page faults in four rounds, 2.5-2.9 CPU s of its workers' kernel time a round; from
+# digits' LeNet took 2.7 million page faults in four rounds, 2.0-2.9 CPU s of its workers' kernel time a round; from
 # the heap, 0.6 million (benchmarks/vs_flower.py's work; docs/results.md). glibc's own settings serve them from the
 # heap too, but in an arena per thread (up to 8 a core) and with a threshold that rises as mapped blocks are freed,
 # and each arena kept its own peak of freed buffers resident: +68 MB over the fixed 64 KiB at 1000 devices. One arena
 # for the whole process (the devices' threads take turns at the GIL anyway) and the threshold fixed above a model's
-# buffers: +7 MB, every thread reusing what another freed. A buffer of this size or more is still mapped alone.
+# buffers: +7 to +28 MB, every thread reusing what another freed. A buffer of this size or more is still mapped
+# alone.
 WORKER_MMAP_THRESHOLD_BYTES = 8 << 20
 WORKER_ARENAS = 1
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt's parameter numbers (malloc.h)
