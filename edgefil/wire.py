@@ -613,8 +613,9 @@ class _Pending:
     coordinator) is that chunk's data, a view of the message that carried it: no buffer is taken and nothing
     is copied. Copied, a LeNet's 121 KiB went each time into a fresh mapping, faulted in page by page and unmapped
     again once the blob was read (issue 57). The message's memory stays referenced for as long as the blob is, so a
-    pool that lent it (edgefil/paho_buffers.py) does not lend it again before then; it is as large as the blob and
-    the chunk's few fields."""
+    pool that lent it (edgefil/paho_buffers.py) does not lend it again before then; it is the blob, the chunk's few
+    fields and, in a pooled packet body, up to a sixteenth more (`buffers.capacity_for`): what a device or a
+    strategy keeps of a model costs that much over an exact copy."""
 
     def __init__(self, header: Message, size: int, count: int, buffers: BufferPool[mmap.mmap | bytearray]) -> None:
         self.header = header

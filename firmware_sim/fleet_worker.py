@@ -360,8 +360,8 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
 def set_worker_allocator() -> bool:
     """Set glibc's allocator in this process for a worker: WORKER_ARENAS arena(s), the mmap threshold fixed at
     WORKER_MMAP_THRESHOLD_BYTES (module comment); False where the C library is not glibc (it has no mallopt, or
-    another allocator policy), which is left as it is. Before the devices' threads start: a thread keeps the arena
-    it took at its first allocation."""
+    another allocator policy), which is left as it is, or where glibc refused either setting. Before the devices'
+    threads start: a thread keeps the arena it took at its first allocation."""
     import ctypes
     import ctypes.util
 
@@ -370,7 +370,9 @@ def set_worker_allocator() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_ARENA_MAX, WORKER_ARENAS)) and bool(mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES))
+    arenas = mallopt(M_ARENA_MAX, WORKER_ARENAS)  # both asked for, whatever the other's answer
+    threshold = mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES)
+    return bool(arenas) and bool(threshold)
 
 
 def size_futex_hash(threads: int) -> int | None:
