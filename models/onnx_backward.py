@@ -7,10 +7,10 @@ translations, and tested op by op against torch's autograd (tests/test_onnx_back
 
 - `convolution_backward` (1-D and 2-D, any stride, padding, dilation and groups):
   grad_input = ConvTranspose(grad_output, weight) with the output padding that restores the input's size;
-  grad_weight = per kernel position, one MatMul of grad_output by a strided Slice of the channels-last input,
-  when groups == 1; with groups, a convolution of the input, batch and channels swapped, by
-  grad_output used as the kernel (batch as channels; stride and dilation trade places), cropped to the kernel
-  size; grad_bias = ReduceSum.
+  grad_weight = one convolution of the input, batch and channels swapped, by grad_output used as the kernel
+  (batch as channels; stride and dilation trade places), cropped to the kernel size, for a grouped layer and a
+  small one (`weight_gradient_by_convolution`: fewer nodes, each a fixed cost); else per kernel position, one
+  MatMul of grad_output by a strided Slice of the channels-last input; grad_bias = ReduceSum.
 - `max_pool2d_with_indices` is translated too, so that its indices are flat over the whole tensor (ONNX's
   convention) instead of torch's per-plane ones, and only the backward below reads them. Tiled pooling (kernel ==
   stride, no padding, no dilation: every zoo model's) takes the maximum with the fast MaxPool and finds each
@@ -28,6 +28,7 @@ but the batch) and its ATen arguments as Python values.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,11 +59,10 @@ def convolution_backward(
     rank = len(weight.shape) - 2
     stride, padding, dilation = (_per_dim(v, rank) for v in (stride, padding, dilation))
     kernel = [int(d) for d in weight.shape[2:]]
-    size_in = [int(d) for d in input.shape[2:]]
+    size_in, size_out = [int(d) for d in input.shape[2:]], [int(d) for d in grad_output.shape[2:]]
     spatial = list(range(2, rank + 2))
     grad_input = grad_weight = grad_bias = _unused()
     if output_mask[0]:
-        size_out = [int(d) for d in grad_output.shape[2:]]
         # A strided convolution maps several input sizes to one output size: pad the transposed one back.
         restored = [(size_out[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1
                     for i in range(rank)]
@@ -70,31 +70,72 @@ def convolution_backward(
             grad_output, weight, strides=stride, pads=[*padding, *padding], dilations=dilation,
             output_padding=[size_in[i] - restored[i] for i in range(rank)], group=groups,
         )
-    if output_mask[1] and groups == 1:
-        grad_weight = _weight_gradient_by_patches(grad_output, input, kernel, stride, padding, dilation)
-    elif output_mask[1]:
-        c_in, g = int(input.shape[1]), int(groups)
-        # (N, Cin, *) -> (N, G, Cin/G, *) -> (Cin/G, G, N, *) -> (Cin/G, G*N, *): channel g*N + n of group g
-        x = op.Reshape(input, op.Constant(value_ints=[-1, g, c_in // g, *size_in]))
-        x = op.Transpose(x, perm=[2, 1, 0, *range(3, rank + 3)])
-        x = op.Reshape(x, op.Constant(value_ints=[c_in // g, -1, *size_in]))
-        # (N, Cout, *) -> (Cout, N, *): output channels of group g read that group's N input channels
-        kernel_from_grad = op.Transpose(grad_output, perm=[1, 0, *spatial])
-        full = op.Conv(x, kernel_from_grad, strides=dilation, dilations=stride, pads=[*padding, *padding], group=g)
-        cropped = op.Slice(full, op.Constant(value_ints=[0] * rank), op.Constant(value_ints=kernel),
-                           op.Constant(value_ints=spatial))
-        grad_weight = op.Transpose(cropped, perm=[1, 0, *spatial])
+    if output_mask[1]:
+        c_in, c_out = int(input.shape[1]), int(grad_output.shape[1])
+        if groups == 1 and not weight_gradient_by_convolution(c_in, c_out, size_out, stride, dilation):
+            grad_weight = _weight_gradient_by_patches(grad_output, input, kernel, stride, padding, dilation)
+        else:
+            grad_weight = _weight_gradient_by_convolution(grad_output, input, kernel, stride, padding, dilation,
+                                                          groups)
     if output_mask[2]:
         grad_bias = op.ReduceSum(grad_output, op.Constant(value_ints=[0, *spatial]), keepdims=0)
     return grad_input, grad_weight, grad_bias
+
+
+# A layer's weight gradient is made as one convolution (below) where its output has at most this many positions a
+# sample and its work a sample and kernel position (c_in * c_out * output positions multiply-adds) is at most this
+# much; by matrix products per kernel position otherwise. The products cost a few nodes per kernel position (Slice,
+# Reshape, MatMul, Unsqueeze), each a few microseconds of ONNX Runtime's dispatch whatever its size; the convolution
+# costs four nodes, but ONNX Runtime runs its kernel, as large as the output, slower than those products as the
+# output and the work grow. Measured on the zoo's layers, the fused step of each way alternated in one process
+# (docs/results.md, "The weight gradient of a small convolution as one convolution"): LeNet's two layers on 8x8
+# digits (144 and 36 positions; 864 and 3,456 multiply-adds) and its second on 28x28 images (100; 9,600) step
+# faster by convolution (1.5x and 1.15x at one sample, 1.2x and 1.1x at seven, level at 32 and 64); its first on
+# 28x28 images (784 positions) is faster by convolution at one sample but 0.94x at 32; small_cnn's second (256;
+# 524,288) 0.84-0.89x at every batch. The bounds lie between what gained and what lost.
+CONVOLUTION_MAX_POSITIONS = 256
+CONVOLUTION_MAX_WORK = 16384
+
+
+def weight_gradient_by_convolution(c_in: int, c_out: int, size_out: list[int], stride: list[int],
+                                   dilation: list[int]) -> bool:
+    """Whether an ungrouped convolution's weight gradient is made as one convolution over the batch rather than by
+    patches: a small layer (CONVOLUTION_MAX_POSITIONS, CONVOLUTION_MAX_WORK) neither strided nor dilated (a strided
+    one's convolution is dilated by its stride, which ONNX Runtime runs slower: cnn1d's strided layers step
+    0.83-0.95x by it). Shapes only, never the batch (dynamic in the graph): one graph at every batch size."""
+    positions = math.prod(size_out)
+    plain = all(s == 1 for s in stride) and all(d == 1 for d in dilation)
+    return plain and positions <= CONVOLUTION_MAX_POSITIONS and c_in * c_out * positions <= CONVOLUTION_MAX_WORK
+
+
+def _weight_gradient_by_convolution(grad_output: Any, input: Any, kernel: list[int], stride: list[int],
+                                    padding: list[int], dilation: list[int], groups: int) -> Any:
+    """grad_weight as one convolution over the batch: the input with batch and channels swapped, convolved by
+    grad_output used as the kernel (batch as channels; stride and dilation trade places), cropped to the kernel size.
+    With groups, each group's output channels read that group's N input channels. Four nodes (six with groups)."""
+    rank = len(kernel)
+    spatial = list(range(2, rank + 2))
+    size_in = [int(d) for d in input.shape[2:]]
+    c_in, g = int(input.shape[1]), int(groups)
+    if g == 1:
+        x = op.Transpose(input, perm=[1, 0, *spatial])  # (N, Cin, *) -> (Cin, N, *)
+    else:  # (N, Cin, *) -> (N, G, Cin/G, *) -> (Cin/G, G, N, *) -> (Cin/G, G*N, *): channel g*N + n of group g
+        x = op.Reshape(input, op.Constant(value_ints=[-1, g, c_in // g, *size_in]))
+        x = op.Transpose(x, perm=[2, 1, 0, *range(3, rank + 3)])
+        x = op.Reshape(x, op.Constant(value_ints=[c_in // g, -1, *size_in]))
+    kernel_from_grad = op.Transpose(grad_output, perm=[1, 0, *spatial])  # (N, Cout, *) -> (Cout, N, *)
+    full = op.Conv(x, kernel_from_grad, strides=dilation, dilations=stride, pads=[*padding, *padding], group=g)
+    cropped = op.Slice(full, op.Constant(value_ints=[0] * rank), op.Constant(value_ints=kernel),
+                       op.Constant(value_ints=spatial))
+    return op.Transpose(cropped, perm=[1, 0, *spatial])
 
 
 def _weight_gradient_by_patches(grad_output: Any, input: Any, kernel: list[int], stride: list[int],
                                 padding: list[int], dilation: list[int]) -> Any:
     """grad_weight of an ungrouped convolution as matrix products, one per kernel position:
     (Cout, N*out) x (N*out, Cin), the right factor a strided Slice of the padded, channels-last input (contiguous
-    as sliced, so no patch matrix is ever assembled). The grouped formulation below needs a kernel as large as the
-    output and runs ONNX Runtime's Conv into a skinny product: ~3x slower on small_cnn."""
+    as sliced, so no patch matrix is ever assembled). A large layer's way: the convolution above needs a kernel as
+    large as the output, which ONNX Runtime runs slower as the layer grows (CONVOLUTION_MAX_WORK)."""
     rank = len(kernel)
     spatial = list(range(1, rank + 1))
     c_in, c_out = int(input.shape[1]), int(grad_output.shape[1])

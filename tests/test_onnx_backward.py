@@ -12,6 +12,7 @@ from torch.func import grad
 from torch.nn import functional as F
 
 from edge_client.trainers.ort_capi import ORT
+from models import onnx_backward
 from models.portable_export import _export_graph
 
 
@@ -73,8 +74,14 @@ CONV_CASES = [  # (input size without batch, out channels, kernel, stride, paddi
 ]
 
 
-@pytest.mark.parametrize("shape, c_out, kernel, stride, padding, dilation, groups", CONV_CASES)
-def test_convolution_backward_matches_autograd(shape, c_out, kernel, stride, padding, dilation, groups, tmp_path):
+@pytest.mark.parametrize("shape, c_out, kernel, stride, padding, dilation, groups, by_convolution", [
+    pytest.param(*case, by_convolution, id=f"{i}-{'convolution' if by_convolution else 'patches'}")
+    for i, case in enumerate(CONV_CASES) for by_convolution in (False, True) if case[-1] == 1 or by_convolution
+])
+def test_convolution_backward_matches_autograd(shape, c_out, kernel, stride, padding, dilation, groups,
+                                               by_convolution, tmp_path, monkeypatch):
+    """Each case with its weight gradient made either way the export may choose (a grouped one has one way)."""
+    monkeypatch.setattr(onnx_backward, "weight_gradient_by_convolution", lambda *shapes: by_convolution)
     module = ConvGradients(stride, padding, dilation, groups)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(c_out, shape[0] // groups, *kernel, generator=gen)
@@ -86,6 +93,17 @@ def test_convolution_backward_matches_autograd(shape, c_out, kernel, stride, pad
         return torch.randn(n, *shape, generator=g), weight, bias, torch.randn(n, *out_shape, generator=g)
 
     _run(module, inputs, ("x", "w", "b", "upstream"), ("y", "gx", "gw", "gb"), (0, 3), tmp_path / "conv.onnx")
+
+
+def test_a_small_plain_layer_s_weight_gradient_is_one_convolution_a_large_strided_or_dilated_one_by_patches():
+    """The export's choice (measured: models/onnx_backward.py), on the zoo's layers and past its bounds."""
+    by_convolution = onnx_backward.weight_gradient_by_convolution
+    assert by_convolution(1, 6, [12, 12], [1, 1], [1, 1]) and by_convolution(6, 16, [6, 6], [1, 1], [1, 1])  # LeNet
+    assert by_convolution(6, 16, [10, 10], [1, 1], [1, 1])  # LeNet's second layer on 28x28 images
+    assert not by_convolution(1, 6, [28, 28], [1, 1], [1, 1])  # its first: little work, but 784 positions
+    assert not by_convolution(32, 64, [16, 16], [1, 1], [1, 1])  # small_cnn's second layer
+    assert not by_convolution(1, 25, [20], [2], [1]) and not by_convolution(25, 25, [5], [2], [1])  # cnn1d: strided
+    assert not by_convolution(2, 3, [5, 5], [1, 1], [2, 2])  # dilated
 
 
 @pytest.mark.parametrize("size, kernel, stride, padding", [
