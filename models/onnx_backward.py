@@ -90,9 +90,9 @@ def convolution_backward(
 # output and the work grow. Measured on the zoo's layers, the fused step of each way alternated in one process
 # (docs/results.md, "The weight gradient of a small convolution as one convolution"): LeNet's two layers on 8x8
 # digits (144 and 36 positions; 864 and 3,456 multiply-adds) and its second on 28x28 images (100; 9,600) step
-# faster by convolution (1.5x and 1.15x at one sample, 1.2x and 1.1x at seven, level at 32 and 64); its first on
-# 28x28 images (784 positions) is faster by convolution at one sample but 0.94x at 32; small_cnn's second (256;
-# 524,288) 0.84-0.89x at every batch. The bounds lie between what gained and what lost.
+# faster by convolution (1.51x and 1.14x at one sample, 1.25x and 1.06x at seven, level at 32 and 64); with its
+# first on 28x28 images (784 positions) by convolution too, the step is 0.94x and 0.93x at 32 and 64 samples;
+# small_cnn's second (256; 524,288) 0.84-0.89x at 1, 7 and 32. The bounds lie between what gained and what lost.
 CONVOLUTION_MAX_POSITIONS = 256
 CONVOLUTION_MAX_WORK = 16384
 

@@ -155,6 +155,25 @@ class Coordinator:
         if item is not None and item.topic != CONNECTED:
             self.sites.take(item.topic, item.payload)
 
+    def open(self, opening: RoundOpening, tier: SiteTier) -> None:
+        """The round to every site, and until it has crossed each site's bridge: a round message sent after it has
+        reached a device at each site's broker (one bridge connection, in order), so what the test's devices then
+        send comes after the opening at the site's aggregator, as in a fleet, where a device sends its update only
+        once its round message has come. Unwaited, an update sent straight to a site's broker could overtake the
+        opening on its way over the bridge and be refused as between rounds."""
+        self.sites.open(opening)
+        for name, members in SITES.items():
+            device = members[0]
+            peer = Peer(tier.brokers[name].address, device, f"pw-{device}")
+            assert not peer.connect().is_failure
+            try:
+                peer.subscribe(topics.to_device(FLEET, device, "round"))
+                self.link.publish(topics.via_site(FLEET, name, topics.TO_DEVICE, device, "round"),
+                                  f"round {opening.number}".encode())  # read by this peer alone
+                peer.expect(topics.to_device(FLEET, device, "round"), HEARD_S)
+            finally:
+                peer.close()
+
     def words(self, devices: set[str]) -> dict[str, str]:
         """Which site took each device's update (every one taken)."""
         taken: dict[str, str] = {}
@@ -193,7 +212,7 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
         sites = coordinator.sites
         everyone = tuple(sorted(coordinator.sites.plan.roster))
         updates = updates_of(parameters, 0)
-        sites.open(RoundOpening(1, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        coordinator.open(RoundOpening(1, 0, MODEL, everyone, np.zeros(parameters, np.float32)), tier)
         tier.publish(updates, 1)
         taken = coordinator.words(set(updates))
         assert taken == {d: name for name, members in SITES.items() for d in members}
@@ -203,7 +222,7 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
         np.testing.assert_allclose(merged(parts, parameters), fedavg(updates, parameters), rtol=1e-6, atol=1e-9)
 
         updates = updates_of(parameters, 1)
-        sites.open(RoundOpening(2, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        coordinator.open(RoundOpening(2, 0, MODEL, everyone, np.zeros(parameters, np.float32)), tier)
         tier.publish(updates, 2)
         coordinator.words(set(updates))
         tier.kill("a")
@@ -214,7 +233,7 @@ def test_two_sites_merge_into_the_model_of_one_process_and_a_killed_site_loses_i
                                    fedavg({d: updates[d] for d in SITES["b"]}, parameters), rtol=1e-6, atol=1e-9)
 
         updates = updates_of(parameters, 2)
-        sites.open(RoundOpening(3, 0, MODEL, everyone, np.zeros(parameters, np.float32)))
+        coordinator.open(RoundOpening(3, 0, MODEL, everyone, np.zeros(parameters, np.float32)), tier)
         tier.publish(updates, 3)  # site a's wait at its broker for its aggregator
         tier.start_site("a")
         coordinator.until_up("a", coordinator.up["a"])
@@ -235,7 +254,7 @@ def test_a_robust_rule_runs_at_each_site_and_again_over_the_sites_results(tmp_pa
     parameters = load_manifest(artifacts).num_parameters
     updates = updates_of(parameters, 3)
     with site_tier(tmp_path, artifacts, "median") as (tier, coordinator):
-        coordinator.sites.open(RoundOpening(1, 0, MODEL, tuple(sorted(updates)), np.zeros(parameters, np.float32)))
+        coordinator.open(RoundOpening(1, 0, MODEL, tuple(sorted(updates)), np.zeros(parameters, np.float32)), tier)
         tier.publish(updates, 1)
         coordinator.words(set(updates))
         parts = coordinator.sites.close()
