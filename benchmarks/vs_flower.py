@@ -2,16 +2,15 @@
 
 The work of one run, on both sides (`WORK`): the embedded digits' training split, all ten classes in one task (the
 same data at every N), split over N clients by the preset's Dirichlet 1 split; `--rounds` rounds of one local epoch
-of LeNet (models/zoo.py, the same initial weights, AdamW lr 3e-3, eps 1e-6, no weight decay, batches of 32) on every
+of LeNet (models/zoo.py, the same initial weights, AdamW lr 3e-3, eps 1e-6, no weight decay, batches of 32, started
+afresh each round: `[client] fresh_optimizer = true` on edgefil's side, a new optimiser per round on Flower's) on every
 client that holds data, with the same loss (cross-entropy over all ten classes: edgefil's rounds tell its devices not
 to mask the classes they have not seen, `[client] mask_seen_classes = false`), plain FedAvg over all of them (the
 guard's bounds off: `coordinator.guard.OFF`), the global
 model evaluated on the task's test set after each round. At 1000 and 3000 clients the split leaves some clients no
 sample: edgefil's devices say so and are not selected, and Flower's side simulates only the clients that hold data,
 the very shards edgefil's selected devices train on, so both train and aggregate the same clients (the table prints
-them, with the samples each side's rounds aggregate and the accuracy each reaches). One difference is left, in what
-is learnt, not in the work: edgefil's devices keep their AdamW moments from round to round (docs/architecture.md),
-Flower's clients start each round afresh.
+them, with the samples each side's rounds aggregate and the accuracy each reaches).
 
 - edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, the workers it
   sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
@@ -75,6 +74,7 @@ LR, BATCH, EPOCHS = 3e-3, 32, 1
 ADAMW_EPS, WEIGHT_DECAY = 1e-6, 0.0  # the devices' AdamW (edge_client/trainers): torch's defaults are 1e-8 and 0.01
 REPLAY_M = 1400  # more than any share: every device trains on all of its data, as Flower's clients do
 WORK = {"preset": "digits-class", "n_tasks": 1, "classes_per_task": 10}  # with "n_clients": N (module docstring)
+CLIENT = {"mask_seen_classes": False, "fresh_optimizer": True}  # edgefil's rounds train as Flower's (module docstring)
 RESULT = "VS_FLOWER_RESULT "
 
 
@@ -185,7 +185,7 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
     # the fleet exports, through the cache; every device trains over all ten classes, and the round is plain FedAvg
     # over every update (every bound of the guard off), as on Flower's side
     run = run_fleet(n, options, folder / "edgefil", None, "mosquitto", work={**WORK, "n_clients": n},
-                    client={"mask_seen_classes": False}, guard=OFF)
+                    client=CLIENT, guard=OFF)
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
     return {"first_round_done_s": first.closed - t0, "round_s": summary["rounds"]["walls"],

@@ -66,7 +66,8 @@
                 requests_per_minute = 30.0, resends_per_round = 3
     [checkpoint] generations and refused models (coordinator/checkpoint.py): keep = 3, explode_factor = 10.0,
                 collapse_drop = 0.5
-    [client]    sent to devices in every round: epochs, lr, answer_wait_s, known_classes, mask_seen_classes
+    [client]    sent to devices in every round: epochs, lr, answer_wait_s, known_classes, mask_seen_classes,
+                fresh_optimizer
                 (each optional)
     [privacy]   central differential privacy (coordinator/privacy.py): mode = "off" | "central", clip_norm = 1.0,
                 noise_multiplier = 1.0, delta = 1e-5, epsilon_budget = 0.0 (none; else the run ends before a
@@ -233,6 +234,10 @@ class RoundSettings:
     # true or false: every device masks (or does not mask) the classes it has not seen, whatever its own [learner]
     # says; left out, each device's own setting (docs/results-history.md, "The class mask", says where the mask helps)
     mask_seen_classes: bool | None = None
+    # true: each round's local training starts the devices' optimiser afresh (its state zero, its step count 0),
+    # as Flower's clients and most FedAvg implementations train; left out or false: a device keeps its optimiser's
+    # state from round to round (docs/architecture.md)
+    fresh_optimizer: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ import shutil
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +53,7 @@ from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, split_policy
 from edge_client.privacy import LocalPrivacy
 from edge_client.secagg import SecureRoundSettings, SecureUpload
+from edge_client.shared_models import remember_verified, shared_model, verified_model
 from edge_client.sources import TaskSource, check_task_data, open_source
 from edge_client.state import StateError, load_state
 from edge_client.store import ReplayStore, StoreDiskFullError
@@ -78,22 +78,6 @@ STOP_POLL_S = 5.0
 MAX_PAYLOAD_BYTES = 64 << 20  # the largest payload or answer blob the device assembles
 ANSWER_WAIT_S = 10.0  # how long a device waits for the answer to its request, unless the round config says
 
-
-_shared_models: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
-_shared_models_lock = threading.Lock()
-
-
-def shared_model(blob_id: str, weights: np.ndarray) -> np.ndarray:
-    """One read-only array per global model in a process. The devices a fleet worker hosts all receive the same
-    broadcast weights and kept up to KEPT_MODELS of them each: a thousand devices held a thousand copies. The id is
-    the blob's hash list, checked chunk by chunk by the reassembler, so one id is one content. Held weakly: an
-    array goes when no device keeps it."""
-    with _shared_models_lock:
-        kept = _shared_models.get(blob_id)
-        if kept is None:
-            weights.flags.writeable = False
-            kept = _shared_models[blob_id] = weights
-        return kept
 
 
 class Device:
@@ -228,10 +212,13 @@ class Device:
             return
         if not len(payload):  # a retained message deleted (the end of an earlier run, cleared): nothing to do
             return
+        if parsed.kind == "weights" and (known := verified_model(payload)) is not None:
+            self._take_verified(*known)  # another device of the process checked this very message
+            return
         try:
             message = wire.decode(payload)
             if message["kind"] == "weights":
-                self._take_weights(message)
+                self._take_weights(message, payload)
             elif message["kind"] == "payload" and parsed.device == self.id:
                 self._take_payload(message)
             elif message["kind"] == "broadcast":
@@ -292,17 +279,29 @@ class Device:
             self._publish_status(now, task=task)
         self.task_heard = task
 
-    def _take_weights(self, message: wire.Message) -> None:
+    def _take_weights(self, message: wire.Message, payload: bytes | bytearray | memoryview) -> None:
         blob = self.reassembler.add("coordinator", message)
         if blob is None:
             return
-        weights = self.models[blob.id] = shared_model(blob.id, blob.weights(self.num_parameters))
+        weights = shared_model(blob.id, blob.weights(self.num_parameters))
+        if message["count"] == 1:  # the payload is the whole model: the process's other devices take it as checked
+            remember_verified(payload, blob.id, blob.header)
+        self._take_model(blob.id, blob.header, weights)
+
+    def _take_verified(self, blob: str, header: dict[str, Any], weights: np.ndarray) -> None:
+        """A global model whose message another device of the process verified (edge_client/shared_models.py):
+        taken as the reassembler would return it, once a round."""
+        if self.reassembler.delivered("coordinator", blob, header.get("round")):
+            self._take_model(blob, header, weights)
+
+    def _take_model(self, blob: str, header: dict[str, Any], weights: np.ndarray) -> None:
+        self.models[blob] = weights
         while len(self.models) > KEPT_MODELS:
             self.models.pop(next(iter(self.models)))
         # Not a turn: every device takes every global model, and the hook is to be cheap (ReplayPolicy).
         self.learner.global_model_arrived(weights)
-        self._hear_task(blob.header.get("task"))
-        self._arrived(blob.id)
+        self._hear_task(header.get("task"))
+        self._arrived(blob)
 
     def _take_payload(self, message: wire.Message) -> None:
         blob = self.payload_reassembler.add("coordinator", message)
@@ -413,7 +412,8 @@ class Device:
             self._told_head = True
             log.warning("%s: policy %s trains its head over the fleet's classes, and the round names none: set "
                         "[client] known_classes = true on the coordinator", self.id, self.learner.policy.name)
-        self.learner.round_mask = self._round_mask(config.get("mask_seen_classes"))
+        self.learner.round_mask = self._round_switch(config, "mask_seen_classes")
+        self.learner.fresh_optimizer = self._round_switch(config, "fresh_optimizer") is True
         disk_full, started_task = False, False
         if task != self.learner.state.data_task:
             x, y = self.source.task_data(task)
@@ -660,11 +660,13 @@ class Device:
         log.warning("%s: the round's %s are not class ids of this model: ignored", self.id, key)
         return ()
 
-    def _round_mask(self, value: object) -> bool | None:
-        """The round's `mask_seen_classes` when it is true or false; anything else is ignored (the device's own)."""
+    def _round_switch(self, config: dict[str, Any], key: str) -> bool | None:
+        """The round's `key` (mask_seen_classes, fresh_optimizer) when it is true or false; None where the round
+        leaves it out, and for anything else, which is ignored (the device's own setting holds)."""
+        value = config.get(key)
         if value is None or isinstance(value, bool):
             return value
-        log.warning("%s: the round's mask_seen_classes is not true or false: ignored", self.id)
+        log.warning("%s: the round's %s is not true or false: ignored", self.id, key)
         return None
 
     def _publish_status(self, state: str, round_: int | None = None, error: str | None = None,

@@ -28,7 +28,9 @@ Choices (documented, configurable where it matters):
   memory ("memory", a device's default: the optimiser state is not saved, and a restart starts it afresh), or
   the first two are saved with the state at every save and all three let go until the next round ("disk", a
   fleet's default: thousands of devices share a host's memory; a restart resumes the optimiser where it was).
-  Either way the same steps are taken.
+  Either way the same steps are taken. A round may start the optimiser afresh instead (`fresh_optimizer`, the
+  coordinator's `[client] fresh_optimizer`: its state zero and its step count 0 at each round's first step, as
+  Flower's clients and most FedAvg implementations train): then its state is neither saved nor held between rounds.
 """
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ class Learner:
     known_classes: tuple[int, ...] = ()  # what the coordinator's round said the fleet knows (class_mask)
     task_classes: tuple[int, ...] = ()  # ... and which of those the task being trained brings
     round_mask: bool | None = None  # the coordinator's round says whether to mask (None: `mask_seen_classes`)
+    fresh_optimizer: bool = False  # the coordinator's round starts the optimiser afresh (module docstring)
 
     def view(self, global_weights: np.ndarray | None = None) -> RoundView:
         """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest)."""
@@ -176,6 +179,8 @@ class Learner:
         """E local epochs on what the policy makes of the store's contents (by default the contents themselves,
         with the plain loss, trained by the trainer's `fit`); returns the last epoch's loss."""
         self._saved_in = None  # the trainer's weights and state move on from what was saved
+        if self.fresh_optimizer:
+            self.trainer.reset_optimizer()
         x, y, _ = self.store.samples()
         view = self.view()
         return self.policy.fit(view, self.policy.training_set(view, x, y), epochs or self.config.epochs, proximal)
@@ -214,9 +219,12 @@ class Learner:
         so no update is rebuilt from weights that are not this round's; False. OSError when not even that fits.
 
         With `between_rounds = "disk"` the optimiser state is saved too, and `idle()` may then park what the save
-        holds."""
+        holds. Where the round starts the optimiser afresh (`fresh_optimizer`), its state is let go first: the
+        next round does not use it (nor does a restart)."""
         on_disk = self.config.between_rounds == "disk"
         self._saved_in = None
+        if self.fresh_optimizer:
+            self.trainer.reset_optimizer()
         try:
             state = replace(self.state, weights=self.trainer.get_weights())
             record = save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)

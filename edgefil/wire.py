@@ -745,6 +745,18 @@ class Reassembler:
             self._done.popitem(last=False)
         return Blob(key[1], assembled, pending.header)
 
+    def delivered(self, source: str, blob: str, round_: Any) -> bool:
+        """Count a blob of `source` as delivered without its chunks passing here (the very message that carries it
+        was verified by another reassembler of the process: edge_client/shared_models.py); False where it was
+        delivered before, as `add` returns nothing for a late duplicate."""
+        key = (source, blob, round_)
+        if key in self._done:
+            return False
+        self._done[key] = None
+        while len(self._done) > self.remember:
+            self._done.popitem(last=False)
+        return True
+
     def drop(self, stale: Callable[[Message], bool]) -> int:
         """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
         keys = [key for key, pending in self._pending.items() if stale(pending.header)]

@@ -43,8 +43,8 @@
     [learner]      batch_size, mask_seen_classes, detect_new_tasks       (the device file's [learner]; left out,
                                                                          mask_seen_classes is the scenario kind's
                                                                          measured default, `ScenarioKind.masks`)
-    [client]       epochs (10), lr, answer_wait_s, known_classes         (the coordinator file's [client]; a
-                                                                         scenario whose host learns a task, or a
+    [client]       epochs (10), lr, answer_wait_s, known_classes,        (the coordinator file's [client]; a
+                   mask_seen_classes, fresh_optimizer                    scenario whose host learns a task, or a
                                                                          policy whose head covers the fleet's
                                                                          classes, sets known_classes = true
                                                                          unless it is given)

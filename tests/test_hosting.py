@@ -14,9 +14,9 @@ from test_netloop import needs_mosquitto, wait_for
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port
 from edge_client.config import DeviceConfig
-from edge_client.device import shared_model
 from edge_client.environment import RealEnvironment, Turns
 from edge_client.policies.random_cache import RandomCache
+from edge_client.shared_models import shared_model
 from firmware_sim.virtual_device import virtual_device
 
 
@@ -35,6 +35,56 @@ def test_a_process_keeps_one_read_only_copy_of_each_global_model():
     assert again is first and not first.flags.writeable
     other = shared_model("blob-b", np.ones(6, dtype=np.float32))
     assert other is not first and float(other.sum()) == 6.0
+
+
+def test_the_devices_of_a_process_check_a_one_chunk_global_model_once(tmp_path, export_artifacts, monkeypatch):
+    """A global model of one chunk that one device decoded and verified is taken as checked by the process's other
+    devices handed the very same message (edge_client/shared_models.py): no decode, the same array, the model known
+    and heard once a round (a duplicate is ignored, as the reassembler ignores one); the same bytes in another
+    object are decoded and checked again, and a damaged copy is refused."""
+    from edge_client.device import Device
+    from edgefil import topics, wire
+
+    def device(name: str) -> Device:
+        return virtual_device(DeviceConfig.from_dict({
+            "device_id": name, "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+            "state_dir": str(tmp_path / name), "broker": {"port": 1, "password": "pw"},
+            "store": {"max_samples": 30}, "policy": {"name": "random"},
+            "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
+        }))
+
+    first, second, third = devices = [device(f"dev-{i}") for i in range(3)]
+    decoded: list[object] = []
+    decode = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda payload, *a, **k: decoded.append(payload) or decode(payload, *a, **k))
+    heard: list[str] = []
+    for each in devices:
+        arrived = each.learner.global_model_arrived
+        monkeypatch.setattr(each.learner, "global_model_arrived",
+                            lambda weights, _id=each.id, _arrived=arrived: heard.append(_id) or _arrived(weights))
+    try:
+        weights = first.trainer.get_weights() + np.float32(0.5)
+        encoded = wire.encode_blob("weights", wire.weights_bytes(weights), round=1, version=0, task=0)
+        assert len(encoded.chunks) == 1
+        topic = topics.to_all("lab", "weights")
+        message = memoryview(bytearray(encoded.chunks[0]))  # what a worker's links hand each device (SharedPayloads)
+        first.handle(topic, message)
+        second.handle(topic, message)
+        second.handle(topic, message)  # the same round's model again: ignored
+        assert decoded == [message] and heard == ["dev-0", "dev-1"]
+        assert second.models[encoded.id] is first.models[encoded.id]
+        np.testing.assert_array_equal(second.models[encoded.id], weights)
+        assert second.task_heard == 0
+        copy = memoryview(bytearray(encoded.chunks[0]))
+        third.handle(topic, copy)  # the same bytes, another object: checked again
+        assert decoded == [message, copy] and third.models[encoded.id] is first.models[encoded.id]
+        damaged = bytearray(encoded.chunks[0])
+        damaged[-1] ^= 1
+        third.handle(topic, memoryview(damaged))
+        assert third.rejected == 1 and heard == ["dev-0", "dev-1", "dev-2"]
+    finally:
+        for each in devices:
+            each.learner.store.close()
 
 
 @pytest.mark.parametrize("policy", ["random", ActsAfterTraining.name])

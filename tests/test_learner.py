@@ -261,6 +261,29 @@ def test_a_learner_that_parks_between_rounds_takes_the_same_steps_and_a_restart_
     assert restarted.trainer._own_weights and len(restarted.trainer._state) == 2
 
 
+def test_a_round_that_starts_the_optimizer_afresh_saves_and_parks_none_of_it_and_trains_the_same(
+        export_artifacts, tmp_path):
+    """`fresh_optimizer` (the coordinator's [client] fresh_optimizer): each round's training starts AdamW afresh, so
+    a parking learner saves the weights alone (no optimiser file written and read back each round), holds no
+    optimiser state between rounds, kept in memory or parked, and both take the same steps; each round's steps count
+    from the first, as a new optimiser's do."""
+    from edge_client.state import load_state
+
+    kept, parked, rounds = _kept_and_parked(export_artifacts, tmp_path)
+    for learner in (kept, parked):
+        learner.fresh_optimizer = True
+    for _ in rounds(3):
+        assert load_state(tmp_path / "parked" / "state").optimizer is None
+        assert parked.trainer._state == {} and kept.trainer._state == {}
+        assert parked.trainer._steps == kept.trainer._steps == 0
+        assert not parked.trainer._own_weights  # the weights are parked all the same
+    np.testing.assert_array_equal(parked.trainer.get_weights(), kept.trainer.get_weights())
+    kept.train()
+    assert kept.trainer._steps == 2  # one round's steps (60 samples in batches of 32), not three rounds' and more
+    for learner in (kept, parked):
+        learner.store.close()
+
+
 def test_a_backend_that_keeps_its_optimizer_state_trains_on_when_asked_to_park(make_learner, tmp_path):
     """ORT Training hands out no optimiser state (the base contract's default): with between_rounds = "disk" its
     learner saves the weights alone, keeps everything in memory and trains on."""
@@ -375,6 +398,8 @@ def test_the_round_can_turn_the_class_mask_on_or_off_whatever_the_device_says(ma
         learner.round_mask = None
         assert (learner.class_mask() is not None) == own
     device = SimpleNamespace(id="d")
-    assert [Device._round_mask(device, v) for v in (True, False, None)] == [True, False, None]
+    assert [Device._round_switch(device, {"mask_seen_classes": v}, "mask_seen_classes")
+            for v in (True, False, None)] == [True, False, None]
+    assert Device._round_switch(device, {}, "mask_seen_classes") is None
     for bad in (1, "false", [True]):
-        assert Device._round_mask(device, bad) is None
+        assert Device._round_switch(device, {"mask_seen_classes": bad}, "mask_seen_classes") is None

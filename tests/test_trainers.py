@@ -157,6 +157,33 @@ def test_exact_norms_agree_between_backends_and_bound_the_last_layer(export_arti
     np.testing.assert_allclose(scores["ort"], scores["torch"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "portable"])
+def test_an_optimizer_started_afresh_takes_a_new_optimizer_s_steps(export_artifacts, backend):
+    """`reset_optimizer` (a round's `[client] fresh_optimizer`): after steps that filled AdamW's moments, the
+    trainer's next steps are those of a new trainer given the same weights; a trainer that keeps its moments takes
+    others."""
+    from edge_client.trainers.portable import PortableTrainer
+
+    def make() -> Trainer:
+        if backend == "portable":
+            return PortableTrainer(export_artifacts("lenet", backends=("portable",)), optimizer="adamw", lr=3e-3)
+        return _trainer(backend, export_artifacts("lenet"), optimizer="adamw", lr=3e-3)
+
+    reset, kept, mask = make(), make(), _mask()
+    for trainer in (reset, kept):
+        for seed in range(3):
+            trainer.train_step(*_batch((1, 8, 8), seed=seed), mask)
+    reset.reset_optimizer()
+    fresh = make()
+    for trainer in (fresh, kept):
+        trainer.set_weights(reset.get_weights())
+    for trainer in (reset, fresh, kept):
+        for seed in (3, 4):
+            trainer.train_step(*_batch((1, 8, 8), seed=seed), mask)
+    np.testing.assert_array_equal(reset.get_weights(), fresh.get_weights())
+    assert np.abs(kept.get_weights() - fresh.get_weights()).max() > 1e-4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_scoring_leaves_weights_gradients_and_optimizer_untouched(export_artifacts, backend, optimizer):

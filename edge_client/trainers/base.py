@@ -221,6 +221,12 @@ class Trainer(ABC):
     def set_optimizer_state(self, state: OptimizerState) -> None:
         """Take back a state `optimizer_state` gave (after a restart). Default: ignored, as the backend gives none."""
 
+    @abstractmethod
+    def reset_optimizer(self) -> None:
+        """Start the optimiser afresh on the weights it holds: its state (momentum, AdamW's moments) zero and its
+        step count 0, the very steps a new optimiser would take; what a round asks for where every round's local
+        training starts anew (`[client] fresh_optimizer`, edge_client/learner.py)."""
+
     def park(self, reload: Reload) -> bool:
         """Let the weights and the optimiser state go from memory until the next use, which takes them back from
         `reload(weights, state)` (the device's saved state): for an owner that has just saved them and will not

@@ -248,7 +248,7 @@ class PortableTrainer(Trainer):
 
     def set_weights(self, buffer: np.ndarray) -> None:
         """A read-only `buffer` is read in place until a step writes weights of the trainer's own: whoever made it
-        read-only promises it never changes (a device's global models: `edge_client.device.shared_model`). A
+        read-only promises it never changes (a device's global models: `edge_client.shared_models.shared_model`). A
         writable one is copied."""
         buffer = self.check_weights(buffer)
         self._weights_parked = False  # replaced: what was parked is not needed back
@@ -278,6 +278,12 @@ class PortableTrainer(Trainer):
         self._state_parked = False
         self._state = {name: self._own_copy(buffer) for name, buffer in state.buffers.items()} if state.steps else {}
         self._steps = state.steps
+
+    def reset_optimizer(self) -> None:
+        """The kept buffers go back to the spare pool (a parked state is not read back): the next step reads zeros
+        for them and counts from step 1."""
+        _spares.give(*self._state.values())
+        self._state, self._state_parked, self._steps = {}, False, 0
 
     def park(self, reload: Reload) -> bool:
         """Drop the trainer's own weights and state (not to the spare pool, which would keep them): the next read

@@ -57,6 +57,11 @@ class TorchTrainer(Trainer):
     def set_weights(self, buffer: np.ndarray) -> None:
         load_flat_weights(self.model, self.manifest, self.check_weights(buffer))
 
+    def reset_optimizer(self) -> None:
+        """torch's optimisers make a parameter's state (and AdamW's step count) at its first step when they hold
+        none: emptied, the next step is a new optimiser's."""
+        self._optimizer.state.clear()
+
     def _apply_learning_rate(self, lr: float) -> None:
         for group in self._optimizer.param_groups:
             group["lr"] = lr
