@@ -105,6 +105,7 @@ class Outbox:
             "round", round=current.number, task=current.task, model=current.model, version=version,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **named,
         ))
+        self.roster.asked_to_train(device)
 
     def publish_broadcast(self, payloads: dict[str, bytes], round_: int, rule: str) -> None:
         """The rule's payloads for every device: published once to the fleet when they change, the devices online

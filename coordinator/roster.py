@@ -26,7 +26,8 @@ INSTANCES_KEPT = 4  # a device's most recent process instances remembered (a dup
 @dataclass
 class DeviceRecord:
     """One device as the coordinator knows it; `state` is "unseen" until it registers, then its last status
-    (online states, "offline", "error", "no-data", "spent")."""
+    (online states, "offline", "error", "no-data", "spent"), or "training" from the round message it was sent to its
+    update, "idle" after it (`Roster.asked_to_train`, `Roster.take_update`)."""
 
     device: str
     profile: str = ""
@@ -124,9 +125,15 @@ class Roster:
             self.without_data.pop(event.device, None)
             self.online.add(event.device)
 
+    def asked_to_train(self, device: str) -> None:
+        """The device was sent a round's work: "training" until its update (or its word that it cannot) comes. A
+        device says nothing of a round's progress itself (edge_client/device.py `_publish_status`)."""
+        self.records[device].state = "training"
+
     def take_update(self, update: Update | Advertised) -> None:
-        """Record what an accepted update says of its device."""
+        """Record what an accepted update says of its device: its round's work is done ("idle")."""
         record = self.records[update.device]
+        record.state = "idle"
         record.last_round = max(record.last_round, update.round)
         record.last_seen = time.time()
         record.stored_samples = _count(update.metrics, "stored_samples")

@@ -401,7 +401,6 @@ class Device:
             log.error("%s: %s; leaving the fleet", self.id, err)
             self.stop_requested.set()
             return
-        self._publish_status("training", round_, progress=True)
         started = self.environment.cpu_time()  # CPU time, not wall: virtual devices share the host's cores
         self.trainer.set_weights(global_weights)
         if "lr" in config:
@@ -576,7 +575,7 @@ class Device:
                                                      - self.models[model], num_samples,
                                                      self.learner.state.data_task, model, metrics)
             self._publish_secure("keys", session.advertisement)
-            self._publish_status("idle", round_, progress=True)
+            self._last_status = time.monotonic()  # heard: the next heartbeat counts from here
             return
         data, layout = wire.pack_attachments(wire.weights_bytes(weights),
                                              policy.attachments(self.learner.view()) if attachments is None
@@ -588,7 +587,7 @@ class Device:
         ).frames
         for frame in frames:  # over `data`, which is the update's alone (a copy the trainer or the state gave)
             self.link.publish(topics.from_device(self.config.fleet, self.id, "update"), frame)
-        self._publish_status("idle", round_, progress=True)
+        self._last_status = time.monotonic()  # heard: the next heartbeat counts from here
 
     def _secure_settings(self, config: dict[str, Any]) -> SecureRoundSettings | None:
         """The round's secure aggregation (None: a plain round); ValueError (one line) when it cannot be run here."""
@@ -671,10 +670,13 @@ class Device:
 
     def _publish_status(self, state: str, round_: int | None = None, error: str | None = None,
                         task: int | None = None, progress: bool = False) -> None:
-        """`progress`: a status the coordinator does not wait on (training, a round's upload done, a heartbeat) goes
+        """`progress`: a status the coordinator does not wait on (a heartbeat) goes
         unacknowledged (QoS 0): a connection that drops loses it, and every (re)connect announces the device's
         state again at QoS 1 (`_announce`). The statuses that answer a round (error, no-data, away, spent), the
-        announcement and the exit's offline stay QoS 1."""
+        announcement and the exit's offline stay QoS 1. A round that the device trains says nothing of its
+        progress: its round message and its update tell the coordinator, which shows it training between the two
+        (coordinator/roster.py), and two statuses a device and round were a fifth of a fleet's CPU beside its
+        training (docs/results.md, "A device's round without what it repeats")."""
         self._last_status = time.monotonic()
         topic = topics.from_device(self.config.fleet, self.id, "status")
         self.link.publish(topic, self._status(state, round_, error, task), retain=True,

@@ -79,3 +79,20 @@ def test_an_update_records_the_devices_round_store_and_labels():
     roster.take_update(update("a", 5, stored_bytes=float("nan"), stored_samples=-1))  # what a gate would not pass
     row = roster.table()[0]
     assert (row["stored_samples"], row["stored_bytes"]) == (None, None)
+
+
+def test_a_device_sent_a_round_shows_training_until_its_update_or_its_word_that_it_cannot():
+    """A device says nothing of a round's progress (edge_client/device.py): the roster shows it "training" from the
+    round message it is sent to the update taken from it, "idle" after; a status that answers the round instead (an
+    error) replaces "training", and stays online."""
+    roster = Roster(["a", "b"])
+    for device in ("a", "b"):
+        roster.register(Registration(device, "portable", "pc", device))
+        roster.take_status(Status(device, "idle", 0, instance=device), 0)
+        roster.asked_to_train(device)
+    assert [r["state"] for r in roster.table()] == ["training", "training"]
+    roster.take_update(update("a", 1))
+    roster.take_status(Status("b", "error", 1, instance="b", error="its data is damaged"), 0)
+    table = {row["device"]: row for row in roster.table()}
+    assert (table["a"]["state"], table["b"]["state"]) == ("idle", "error")
+    assert roster.connected() == {"a", "b"}
