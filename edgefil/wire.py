@@ -740,9 +740,7 @@ class Reassembler:
         assembled = pending.assembled(key[1])
         if assembled is None:
             raise WireError("blob-hash", f"reassembled blob does not match its id {key[1][:12]}")
-        self._done[key] = None
-        while len(self._done) > self.remember:
-            self._done.popitem(last=False)
+        self._mark_done(key)
         return Blob(key[1], assembled, pending.header)
 
     def delivered(self, source: str, blob: str, round_: Any) -> bool:
@@ -752,10 +750,14 @@ class Reassembler:
         key = (source, blob, round_)
         if key in self._done:
             return False
+        self._mark_done(key)
+        return True
+
+    def _mark_done(self, key: tuple[str, str, Any]) -> None:
+        """Remember a delivered blob, the last `remember` of them."""
         self._done[key] = None
         while len(self._done) > self.remember:
             self._done.popitem(last=False)
-        return True
 
     def drop(self, stale: Callable[[Message], bool]) -> int:
         """Forget part-way blobs whose header `stale` accepts (e.g. updates of closed rounds); returns how many."""
