@@ -75,14 +75,15 @@ class Outbox:
         return encoded.id
 
     def send_round(self, device: str, current: OpenRound, version: int, config: dict[str, Any],
-                   with_weights: bool = False) -> None:
+                   with_weights: bool = False) -> bool:
         """The round's message (and payloads) to one device; `with_weights`: a resend after the device came back,
-        which also sends the global weights, at most `resends_per_round` times per device and round."""
+        which also sends the global weights, at most `resends_per_round` times per device and round. False where
+        that limit held it back (nothing sent)."""
         if with_weights and not self.resends.allow(device, current.number):
             self.counters["resend-limited"] += 1
             log.warning("%s asked for round %d again: over its %d resends, not sent", device, current.number,
                         self.resends.per_round)
-            return
+            return False
         if with_weights:
             for frame in self._weights:
                 self.link.publish(self.to_device(device, "weights"), frame)
@@ -105,7 +106,7 @@ class Outbox:
             "round", round=current.number, task=current.task, model=current.model, version=version,
             deadline_s=max(current.remaining_s(), 0.0), config=config, **named,
         ))
-        self.roster.asked_to_train(device)
+        return True
 
     def publish_broadcast(self, payloads: dict[str, bytes], round_: int, rule: str) -> None:
         """The rule's payloads for every device: published once to the fleet when they change, the devices online

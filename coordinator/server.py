@@ -561,7 +561,8 @@ class Coordinator:
         if config.pop("known_classes", False):  # the fleet's classes so far, and which of them the task brings
             config["known_classes"] = list(self._context.seen_classes)
             config["task_classes"] = list(self._context.task_classes)
-        self.outbox.send_round(device, current, self.state.round, config, with_weights)
+        if self.outbox.send_round(device, current, self.state.round, config, with_weights):
+            self.roster.asked_to_train(device)  # the device says nothing of its round until its update
 
     def _close(self, collected: OpenRound, aggregate: RoundAggregate, **measured: float) -> None:
         """`measured`: what the round's history entry keeps besides (an asynchronous round's clock and staleness);

@@ -55,7 +55,7 @@ def test_a_round_reaches_its_device_with_weights_payload_and_broadcast_each_once
     outbox.take({"d1": np.ones(10, np.float32)}, {"d1": {"rule/extra": b"x"}})
     outbox.publish_broadcast({"rule/old": b"old"}, 1, "toy")
     current = OpenRound.open(1, 0, model, ["d1"], 60.0)
-    outbox.send_round("d1", current, 0, {"epochs": 2})
+    assert outbox.send_round("d1", current, 0, {"epochs": 2})
     message = wire.decode(device.expect(topics.to_device(FLEET, "d1", "round"), timeout=30))
     assert (message["round"], message["model"], message["config"]) == (1, model, {"epochs": 2})
     assert message["broadcast"] == outbox.broadcast.id and "payload" in message
@@ -63,8 +63,8 @@ def test_a_round_reaches_its_device_with_weights_payload_and_broadcast_each_once
         device.expect(topics.to_device(FLEET, "d1", "payload"), timeout=30)))
     assert set(payload.attachments()) == {PERSONAL, "rule/extra"}
     assert kinds(device, topics.to_device(FLEET, "d1", "broadcast")) == []  # it reached d1's process on all/
-    outbox.send_round("d1", current, 0, {}, with_weights=True)  # d1 came back: the weights again
-    outbox.send_round("d1", current, 0, {}, with_weights=True)  # over its one resend
+    assert outbox.send_round("d1", current, 0, {}, with_weights=True)  # d1 came back: the weights again
+    assert not outbox.send_round("d1", current, 0, {}, with_weights=True)  # over its one resend: not sent
     assert counters["resend-limited"] == 1
     device.expect(topics.to_device(FLEET, "d1", "weights"), timeout=30)
     saved = outbox.deliveries()
