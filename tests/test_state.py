@@ -25,15 +25,29 @@ def assert_is(loaded: ClientState, k: int) -> None:
 
 def test_state_round_trips_and_saves_again_in_the_same_two_slots(tmp_path):
     assert load_state(tmp_path) is None
-    for k in range(2):
-        save_state(tmp_path, state(k))
-    assert_is(load_state(tmp_path), 1)
-    assert set(os.listdir(tmp_path)) == SLOT_FILES
+    save_state(tmp_path, state(0))
+    assert_is(load_state(tmp_path), 0)
+    assert set(os.listdir(tmp_path)) == SLOT_FILES  # the first save fills both slots
     files = {name: os.stat(tmp_path / name).st_ino for name in SLOT_FILES}
-    for k in range(2, 5):  # a steady state: every file written in place, none created, renamed or removed
+    for k in range(1, 5):  # from the second save on every file is written in place, none created, renamed or removed
         save_state(tmp_path, state(k))
         assert_is(load_state(tmp_path), k)
     assert {name: os.stat(tmp_path / name).st_ino for name in os.listdir(tmp_path)} == files
+
+
+def test_the_first_save_s_state_is_whole_in_either_slot(tmp_path):
+    """The older slot the first save fills holds the same state, under its own files: a damaged newer slot leaves
+    it, and the next save goes into the damaged one."""
+    save_state(tmp_path, state(0, size=8))
+    assert b'"weights_file": "weights.b.f32"' in (tmp_path / "state-b.rec").read_bytes()
+    (tmp_path / "weights.a.f32").write_bytes(b"\x01" * 32)
+    with pytest.raises(StateError, match="weights.a.f32 .* does not match its crc32c"):
+        load_state(tmp_path)
+    (tmp_path / "state-a.rec").write_bytes(b"torn")
+    assert_is(load_state(tmp_path), 0)
+    save_state(tmp_path, state(1, size=8))
+    assert (tmp_path / "state-a.rec").read_bytes().startswith(durable.RECORD_MAGIC + b"1 ")
+    assert_is(load_state(tmp_path), 1)
 
 
 def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(tmp_path):
@@ -171,8 +185,9 @@ def test_a_power_loss_safe_save_syncs_each_new_file_s_name_before_a_record_names
         synced.clear()
         save_state(tmp_path, state(k))
         slot = "ab"[k % 2]
-        if k < 2:  # the slot's files are new
-            assert synced == [f"{folder}/weights.{slot}.f32", folder, f"{folder}/state-{slot}.rec", folder]
+        if k == 0:  # the files are new: the first save fills both slots
+            assert synced == [f"{folder}/weights.a.f32", folder, f"{folder}/state-a.rec", folder,
+                              f"{folder}/weights.b.f32", f"{folder}/state-b.rec", folder]
         else:
             assert synced == [f"{folder}/weights.{slot}.f32", f"{folder}/state-{slot}.rec"]
 
