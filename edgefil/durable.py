@@ -268,13 +268,21 @@ def _fill_older_slot(directory: Path, newest: str, record: dict[str, Any], blobs
     files: every later save then writes files that exist, in place. A file created in a later save cost that save
     the most: a fleet worker's 200 devices saved LeNet's weights in 0.92 ms a device in the round that made each
     device's second slot, 0.52 in the rounds after it (docs/results.md, "Both slots at the first save"). A crash
-    while filling it leaves the newer record, written before, whole."""
+    while filling it leaves the newer record, written before, whole; a disk without room for it (OSError) leaves the
+    save whole without it, the files it made removed, and a later save makes the slot as before."""
     folder, slot = os.fspath(directory), next(s for s in SLOTS if s != newest)
-    older = dict(record)
-    for name, blob in blobs.items():
-        older[f"{name}_file"] = file = SLOT_BUFFER.format(name, slot)
-        _write_in_place(os.path.join(folder, file), blob)
-    _write_in_place(os.path.join(folder, SLOT_RECORD.format(slot)), _slot_record(0, older))
+    older, made = dict(record), []
+    try:
+        for name, blob in blobs.items():
+            older[f"{name}_file"] = file = SLOT_BUFFER.format(name, slot)
+            made.append(os.path.join(folder, file))
+            _write_in_place(made[-1], blob)
+        _write_in_place(os.path.join(folder, SLOT_RECORD.format(slot)), _slot_record(0, older))
+    except OSError:
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return
     fsync_directory(directory)
 
 

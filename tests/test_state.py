@@ -1,3 +1,4 @@
+import errno
 import hashlib
 import json
 import os
@@ -48,6 +49,30 @@ def test_the_first_save_s_state_is_whole_in_either_slot(tmp_path):
     save_state(tmp_path, state(1, size=8))
     assert (tmp_path / "state-a.rec").read_bytes().startswith(durable.RECORD_MAGIC + b"1 ")
     assert_is(load_state(tmp_path), 1)
+
+
+@pytest.mark.parametrize("full_from", [3, 4])  # the older slot's weights, or its record
+def test_a_first_save_whose_older_slot_finds_the_disk_full_is_whole_without_it(tmp_path, monkeypatch, full_from):
+    """The first save's copy in the older slot is a bonus: where the disk has no room for it (ENOSPC), the save is
+    whole without it, the files it made removed; the next save makes the slot as before."""
+    writes, full = 0, True
+    real_write = os.write
+
+    def write(fd, data):
+        nonlocal writes
+        writes += 1
+        if full and writes >= full_from:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(durable.os, "write", write)
+    save_state(tmp_path, state(0))  # writes: the weights, the record; then the older slot's weights and record
+    assert_is(load_state(tmp_path), 0)
+    assert set(os.listdir(tmp_path)) == {"state-a.rec", "weights.a.f32"}
+    full = False
+    save_state(tmp_path, state(1))
+    assert_is(load_state(tmp_path), 1)
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
 
 
 def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(tmp_path):
