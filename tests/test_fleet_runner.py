@@ -512,6 +512,26 @@ def test_a_crowded_fleet_s_workers_run_nicer_than_the_fleet(tmp_path):
             workers.stop()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
+def test_a_worker_s_threads_are_scheduled_as_batch_work(tmp_path):
+    """Every thread of a fleet worker runs under SCHED_BATCH (`batch_scheduling`): a thread it wakes does not preempt
+    the one holding its GIL; the fleet's own process keeps its scheduling."""
+    ours = os.sched_getscheduler(0)
+    workers = fleet_module.ProcessWorkers()
+    workers.start([[]], tmp_path, tmp_path, 0)
+    try:
+        pid = workers.processes[0].pid
+        deadline = time.monotonic() + CEILING_S  # set once the worker has imported what it serves
+        while os.sched_getscheduler(pid) != os.SCHED_BATCH or not (tmp_path / "worker-0.log").exists():
+            assert time.monotonic() < deadline, f"the worker runs under policy {os.sched_getscheduler(pid)}"
+            time.sleep(0.05)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        assert {os.sched_getscheduler(tid) for tid in threads} == {os.SCHED_BATCH}, threads
+    finally:
+        workers.stop()
+    assert os.sched_getscheduler(0) == ours
+
+
 def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):
     """Heartbeats cost the worker, the broker and the coordinator CPU for each device: a fleet whose devices would
     beat more than HEARTBEATS_PER_CORE_S a second per core at their default gets a longer heartbeat that keeps them
