@@ -236,6 +236,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str,
     if hasattr(signal, "SIGALRM"):
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ExitDeadline's floor: the default action ends the process
     logging.basicConfig(filename=log_file, level=logging.INFO, format=LOG_FORMAT)
+    lean_log_records()
     deadline = ExitDeadline(EXIT_DEADLINE_S, log_file)
     still_stopping = serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe, niceness)
     if still_stopping:
@@ -255,6 +256,15 @@ def end_now(still_stopping: int, devices: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)
+
+
+def lean_log_records() -> None:
+    """A worker's log records without what LOG_FORMAT never prints: the caller's file and line (a walk up the
+    stack), the thread's and the process's names and ids (the logging HOWTO's "Optimization"). Every device of a
+    worker logs a line a round; a line took a 200-device fleet's device threads 0.10 ms, 30 % more than without
+    these (alone: 14 us against 10)."""
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
 
 
 def batch_scheduling() -> None:

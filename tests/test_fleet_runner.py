@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -534,6 +535,27 @@ def test_a_worker_s_threads_are_scheduled_as_batch_work(tmp_path):
     finally:
         workers.stop()
     assert os.sched_getscheduler(0) == ours
+
+
+def test_a_worker_s_log_lines_read_as_its_format_says_without_the_fields_it_never_prints(tmp_path):
+    """A worker's records (`lean_log_records`, in a process of its own as a worker is) skip the caller's file and
+    line and the thread's and process's names, which LOG_FORMAT never prints: the line is as before."""
+    log_file = tmp_path / "worker.log"
+    script = (
+        "import logging\n"
+        "from firmware_sim.fleet_worker import LOG_FORMAT, lean_log_records\n"
+        f"logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO, format=LOG_FORMAT)\n"
+        "lean_log_records()\n"
+        "seen = []\n"
+        "logging.getLogger('edgefil.fleet').addFilter(lambda record: seen.append(record) or True)\n"
+        "logging.getLogger('edgefil.fleet').info('%s trained round %d', 'dev-7', 3)\n"
+        "print([getattr(seen[0], name) for name in ('funcName', 'threadName', 'processName', 'process')])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=CEILING_S,
+                          cwd=ROOT, check=True)
+    assert done.stdout.strip() == "['(unknown function)', None, None, None]"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} edgefil.fleet INFO dev-7 trained round 3\n",
+                        log_file.read_text())
 
 
 def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):

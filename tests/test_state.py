@@ -51,6 +51,42 @@ def test_the_first_save_s_state_is_whole_in_either_slot(tmp_path):
     assert_is(load_state(tmp_path), 1)
 
 
+def test_a_save_after_this_process_s_own_save_there_reads_no_record(tmp_path, monkeypatch):
+    """The process's last save in a folder names the newest slot: the next save there neither reads nor checks the
+    records again."""
+    save_state(tmp_path, state(0))
+
+    def unread(directory):
+        raise AssertionError(f"{directory}'s records read again")
+
+    monkeypatch.setattr(durable, "_newest_slot", unread)
+    for k in range(1, 4):
+        save_state(tmp_path, state(k))
+    monkeypatch.undo()
+    assert_is(load_state(tmp_path), 3)
+    (tmp_path / "state-b.rec").write_bytes(b"torn")  # the newest (the fourth save's): the third's is whole
+    assert_is(load_state(tmp_path), 2)
+
+
+def test_a_save_after_another_hand_changed_the_records_reads_them_again(tmp_path):
+    """Records another process wrote since this one's last save (newer ones, as another save makes, put in place by
+    rename) decide the slot: this save is still the newest, and the one before it stays whole."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for k in range(2):
+        save_state(ours, state(k))
+    theirs.mkdir()
+    for name in SLOT_FILES:
+        (theirs / name).write_bytes((ours / name).read_bytes())
+    for k in (5, 6):  # their saves: sequences 3 and 4, the newest in the slot ours wrote last
+        save_state(theirs, state(k))
+    for name in SLOT_FILES:
+        os.replace(theirs / name, ours / name)
+    save_state(ours, state(7))
+    assert_is(load_state(ours), 7)
+    (ours / "state-a.rec").write_bytes(b"torn")  # this save's record: theirs, the newest before it, stays
+    assert_is(load_state(ours), 6)
+
+
 @pytest.mark.parametrize("full_from", [3, 4])  # the older slot's weights, or its record
 def test_a_first_save_whose_older_slot_finds_the_disk_full_is_whole_without_it(tmp_path, monkeypatch, full_from):
     """The first save's copy in the older slot is a bonus: where the disk has no room for it (ENOSPC), the save is
