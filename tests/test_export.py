@@ -207,6 +207,29 @@ def test_bad_weight_buffers_are_refused_and_leave_the_weights_alone(export_artif
     assert np.array_equal(trainer.get_weights(), weights)
 
 
+def test_a_read_only_weight_buffer_is_looked_at_for_nan_once_a_process(export_artifacts, monkeypatch):
+    """Whoever makes a buffer read-only promises it never changes: found finite once, it is not looked at again (a
+    fleet worker's devices all set one global model's array); a writable one is looked at every time, and a
+    read-only one with NaN is refused every time."""
+    trainer = OrtTrainer(export_artifacts("lenet"))
+    shared = trainer.get_weights()
+    shared.flags.writeable = False
+    nan = trainer.get_weights()
+    nan[3] = np.nan
+    nan.flags.writeable = False
+    writable = trainer.get_weights()
+    looked = []
+    real_isfinite = np.isfinite
+    monkeypatch.setattr(np, "isfinite", lambda array: looked.append(len(array)) or real_isfinite(array))
+    for _ in range(3):
+        trainer.set_weights(shared)
+        trainer.set_weights(writable)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            trainer.set_weights(nan)
+    assert len(looked) == 1 + 3 + 3
+    assert np.array_equal(trainer.get_weights(), writable)
+
+
 def test_bad_batches_are_refused(export_artifacts):
     trainer = OrtTrainer(export_artifacts("lenet"))
     good_x = np.zeros((4, 1, 8, 8), dtype=np.float32)

@@ -6,6 +6,8 @@ order take the same steps and give the same scores.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +22,12 @@ GRAD_NORM_MODES: tuple[str, ...] = ("last-layer", "exact")
 # The buffers each optimiser carries from step to step (`OptimizerState`), at most: a backend may keep fewer (SGD
 # without momentum keeps none, in torch and in the portable backend).
 OPTIMIZER_BUFFERS: dict[str, tuple[str, ...]] = {"sgd": ("velocity",), "adamw": ("exp_avg", "exp_avg_sq")}
+# Read-only weight buffers found finite, by identity, held weakly: whoever makes a buffer read-only promises that it
+# never changes (the backends' `set_weights` read it in place on that promise), and a fleet worker's devices each set
+# the one read-only array of a round's global model (edge_client/shared_models.py), which a device of the process
+# has checked for NaN/Inf already; one look a process, not one a device a round (12 us for LeNet alone).
+_finite_read_only: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_finite_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -482,15 +490,20 @@ class Trainer(ABC):
         return mask
 
     def check_weights(self, buffer: np.ndarray) -> np.ndarray:
-        """Refuse a weight buffer of the wrong dtype, length, or with NaN/Inf, before it reaches the model."""
+        """Refuse a weight buffer of the wrong dtype, length, or with NaN/Inf, before it reaches the model. A
+        read-only buffer is looked at for NaN/Inf once a process (`_finite_read_only`)."""
         buffer = np.asarray(buffer)
         expected = self.manifest.num_parameters
         if buffer.dtype != np.float32 or buffer.ndim != 1 or buffer.size != expected:
             raise ValueError(
                 f"weights must be a flat float32 buffer of {expected} values, got {buffer.dtype} {buffer.shape}"
             )
-        if not np.isfinite(buffer).all():
-            raise ValueError("weights contain NaN or Inf values")
+        if buffer.flags.writeable or _finite_read_only.get(id(buffer)) is not buffer:
+            if not np.isfinite(buffer).all():
+                raise ValueError("weights contain NaN or Inf values")
+            if not buffer.flags.writeable:
+                with _finite_lock:
+                    _finite_read_only[id(buffer)] = buffer
         return np.ascontiguousarray(buffer)
 
     def _check_proximal(self, proximal: Proximal) -> Proximal:
