@@ -9,15 +9,14 @@ Two forms, one for each way a checkpoint is kept:
   slots of each file, written in place: a save writes the buffers (the weights, and the `optimizer` state where it
   saves one) into the slot files the newest record does not name, each with its CRC32C (CHECKSUMS), then the
   record, with a sequence number and its own sha256, into the other record slot. The newest record whose checksum
-  holds is the state; a crash during a save leaves that slot torn or stale and the one before whole. A process's
-  next save in a folder takes the newest slot from its last one there (`_last_saves`), unless the record file
-  changed since. The first save
+  holds is the state; a crash during a save leaves that slot torn or stale and the one before whole. The first save
   fills both slots (the older with the same state), so no file is created, renamed or removed after it: on ext4 a
   replace by rename (create, write, rename over the old file, unlink the old buffer) costs 2-5 times the CPU and 3-6
   times the wall time of writing the same bytes in place (`benchmarks/state_save.py`), and a device's flash sees
   each file rewritten instead of files created and deleted every round. A directory holds at most two of each
-  buffer, as the replace held during a save. A directory saved by the written-once form (an older device's
-  state.json) is read until the first whole slotted save, which removes its files.
+  buffer, as the replace held during a save. A process's next save in a folder takes the newest slot from its last
+  save there (`_last_saves`) where the record file is as that save left it. A directory saved by the written-once
+  form (an older device's state.json) is read until the first whole slotted save, which removes its files.
 """
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ _SLOT_FILES = {SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SL
 CHECKSUMS = ("crc32c", "sha256")
 # What this process's last whole save in a folder wrote: (slot, sequence, record) and the record file's identity
 # (inode, size, mtime) after it. The next save there takes the newest slot from it instead of reading and checking
-# both records again (in a 200-device fleet worker, 0.12 of a save's 0.57 ms); a record file that another hand
-# changed or removed since (its identity differs) is read again, and a save that fails forgets it.
+# both records again (in a 200-device fleet worker, 0.12-0.13 of a save's 0.56-0.69 ms); a record file that another
+# hand changed or removed since (its identity differs) is read again, and a save that fails forgets it.
 _last_saves: dict[str, tuple[str, int, dict[str, Any], tuple[int, int, int]]] = {}
 
 
