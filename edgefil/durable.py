@@ -15,7 +15,7 @@ Two forms, one for each way a checkpoint is kept:
   times the wall time of writing the same bytes in place (`benchmarks/state_save.py`), and a device's flash sees
   each file rewritten instead of files created and deleted every round. A directory holds at most two of each
   buffer, as the replace held during a save. A process's next save in a folder takes the newest slot from its last
-  save there (`_last_saves`) where the record file is as that save left it. A directory saved by the written-once
+  save there (`_last_saves`) where the record files are as that save left them. A directory saved by the written-once
   form (an older device's state.json) is read until the first whole slotted save, which removes its files.
 """
 from __future__ import annotations
@@ -47,11 +47,12 @@ _SLOT_FILES = {SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SL
 # and a fleet's device checks five buffers a round (its weights and two AdamW moments saved, the moments read back).
 # The written-once form, whose files sha256 names, and a slotted save made before: sha256.
 CHECKSUMS = ("crc32c", "sha256")
-# What this process's last whole save in a folder wrote: (slot, sequence, record) and the record file's identity
-# (inode, size, mtime) after it. The next save there takes the newest slot from it instead of reading and checking
-# both records again (in a 200-device fleet worker, 0.12-0.13 of a save's 0.56-0.69 ms); a record file that another
-# hand changed or removed since (its identity differs) is read again, and a save that fails forgets it.
-_last_saves: dict[str, tuple[str, int, dict[str, Any], tuple[int, int, int]]] = {}
+# What this process's last whole save in a folder wrote: (slot, sequence, record) and the identity of both record
+# files after it (`_records_identity`). The next save there takes the newest slot from it instead of reading and
+# checking both records again (in a 200-device fleet worker, 0.12-0.13 of a save's 0.56-0.69 ms); where another hand
+# changed, replaced or removed a record file since (an identity differs), the records are read again, and a save
+# that fails forgets what it knew.
+_last_saves: dict[str, tuple[str, int, dict[str, Any], tuple[tuple[int, int, int] | None, ...]]] = {}
 
 
 class StateError(ValueError):
@@ -255,32 +256,43 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
         fsync_directory(directory)
     sequence = 1 if newest is None else newest[1] + 1
     slot = next(s for s in SLOTS if newest is None or s != newest[0])
-    record_path = os.path.join(folder, SLOT_RECORD.format(slot))
-    if _write_in_place(record_path, _slot_record(sequence, record)):
+    if _write_in_place(os.path.join(folder, SLOT_RECORD.format(slot)), _slot_record(sequence, record)):
         fsync_directory(directory)
-    written = os.stat(record_path)
     if not keep_buffers and (newest is None or newest[0] == ""):  # the first slotted save here
         _fill_older_slot(directory, slot, record, blobs)
     # the first whole save after the written-once form's (read, or kept by a record-only save): its files go
     written_once = {previous.get(f"{name}_file") for name in BUFFERS} - {None, *_SLOT_FILES}
     if not keep_buffers and newest is not None and (newest[0] == "" or written_once):
         _remove_written_once(directory, record)
-    _last_saves[folder] = slot, sequence, record, (written.st_ino, written.st_size, written.st_mtime_ns)
+    _last_saves[folder] = slot, sequence, record, _records_identity(folder)
     return record
 
 
 def _last_save(folder: str) -> tuple[str, int, dict[str, Any]] | None:
     """The newest slot as this process's last save in `folder` left it (`_last_saves`), taken back (a save that
-    fails leaves nothing known); None where none is known, or its record file is not the one that save wrote."""
+    fails leaves nothing known); None where none is known, or a record file is not as that save left it."""
     known = _last_saves.pop(folder, None)
     if known is None:
         return None
     slot, sequence, record, identity = known
     try:
-        now = os.stat(os.path.join(folder, SLOT_RECORD.format(slot)))
-    except OSError:
+        return (slot, sequence, record) if _records_identity(folder) == identity else None
+    except OSError:  # read again, where the error says what it is
         return None
-    return (slot, sequence, record) if (now.st_ino, now.st_size, now.st_mtime_ns) == identity else None
+
+
+def _records_identity(folder: str) -> tuple[tuple[int, int, int] | None, ...]:
+    """Each slot record file's inode, size and mtime (None where it is missing): what a write, a replace or a
+    removal changes (all but a write of the same size within the file system's timestamp granularity, a few ms)."""
+    identity: list[tuple[int, int, int] | None] = []
+    for slot in SLOTS:
+        try:
+            found = os.stat(os.path.join(folder, SLOT_RECORD.format(slot)))
+        except FileNotFoundError:
+            identity.append(None)
+            continue
+        identity.append((found.st_ino, found.st_size, found.st_mtime_ns))
+    return tuple(identity)
 
 
 def _slot_record(sequence: int, record: dict[str, Any]) -> bytes:

@@ -2,6 +2,9 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from edge_client.state import ClientState, StateError, load_state, save_state, s
 from edge_client.trainers.base import OptimizerState
 from edgefil import durable
 
+ROOT = Path(__file__).resolve().parents[1]
 SLOT_FILES = {"state-a.rec", "state-b.rec", "weights.a.f32", "weights.b.f32"}
 
 
@@ -85,6 +89,22 @@ def test_a_save_after_another_hand_changed_the_records_reads_them_again(tmp_path
     assert_is(load_state(ours), 7)
     (ours / "state-a.rec").write_bytes(b"torn")  # this save's record: theirs, the newest before it, stays
     assert_is(load_state(ours), 6)
+
+
+def test_a_save_after_another_process_saved_in_place_reads_the_records_again(tmp_path):
+    """Another process's save in between (in place, into the slot this one's last save left older): this save goes
+    into the other slot, so the one before it, theirs, stays whole."""
+    for k in range(2):
+        save_state(tmp_path, state(k))
+    script = ("import sys; import numpy as np; from edge_client.state import ClientState, save_state\n"
+              "save_state(sys.argv[1], ClientState(task=5, round=5, seen_classes=list(range(6)), n_seen=50, "
+              "weights=np.full(5, 5, dtype=np.float32)))\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120, cwd=ROOT)
+    assert_is(load_state(tmp_path), 5)
+    save_state(tmp_path, state(7))
+    assert_is(load_state(tmp_path), 7)
+    (tmp_path / "state-b.rec").write_bytes(b"torn")  # this save's record: theirs, the newest before it, stays
+    assert_is(load_state(tmp_path), 5)
 
 
 @pytest.mark.parametrize("full_from", [3, 4])  # the older slot's weights, or its record
