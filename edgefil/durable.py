@@ -31,8 +31,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
+
+from edgefil.wire import crc32c
 
 STATE_FILE = "state.json"
 BUFFERS = ("weights", "optimizer")  # a record's fields that are flat float32 buffers, each saved in a file of its own
@@ -210,11 +211,8 @@ def load_buffer(directory: str | Path, record: dict[str, Any], name: str) -> np.
 
 
 def _checksum(kind: str, blob: bytes | memoryview) -> str:
-    """A buffer's checksum of `kind` (CHECKSUMS), as its record names it (google_crc32c reads no memoryview, but
-    reads a numpy array over the same bytes)."""
-    if kind == "crc32c":
-        return f"{google_crc32c.value(np.frombuffer(blob, dtype=np.uint8)):08x}"
-    return hashlib.sha256(blob).hexdigest()
+    """A buffer's checksum of `kind` (CHECKSUMS), as its record names it."""
+    return f"{crc32c(blob):08x}" if kind == "crc32c" else hashlib.sha256(blob).hexdigest()
 
 
 # --- saved again and again in one directory: slots ----------------------------------------------------------------
