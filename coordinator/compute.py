@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -67,6 +68,48 @@ def distance(global_weights: np.ndarray, weights: np.ndarray) -> float:
         np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
         total += float(np.einsum("i,i->", part, part))
     return math.sqrt(total)
+
+
+class UpdateChanges:
+    """The changes w - g of a round's updates from its global model g, in float64, for the bounds that measure them
+    (coordinator/guard.py, coordinator/influence.py): `of(weights)` widens an update's change once, into one buffer
+    the round keeps, however many bounds then read it. A later update of a stream is measured by six (its distance,
+    the last step's and the others' directions, the copy check, the way back, the direction check's sum), and each
+    widened it again, a block at a time: on MNIST-1D's cnn1d a stream's bounds and fold took 143-158 us an update
+    alone, 95-101 with the change widened once, most of it numpy's calls rather than arithmetic (docs/results.md,
+    issue 57). The buffer is one more model-sized
+    float64 array for the round, beside its running sum and the direction check's sum; on a large model, one
+    widening an update where there were six, each reading its float32 weights and the global model's.
+
+    The buffer holds the change of the weights asked about last: a caller reads it before asking about other
+    weights, and never writes into it. Weights are not changed in place while they are bounded: an update's are a
+    read-only view of its message, and a bound that changes an update makes a new array."""
+
+    def __init__(self, global_weights: np.ndarray) -> None:
+        self.global_weights = global_weights
+        self._buffer = np.empty(global_weights.size, dtype=np.float64)
+        # whose change the buffer holds: a weak reference, so that an update's buffer is let go once the round is
+        # done with it (tests/test_round_aggregation.py), and a new array at a dead one's address is no match
+        self._weights: weakref.ref[np.ndarray] | None = None
+        self._squared: float | None = None
+
+    def of(self, weights: np.ndarray) -> np.ndarray:
+        """w - g in float64: the round's buffer, valid until the next call with other weights."""
+        if self._weights is None or self._weights() is not weights:
+            np.subtract(weights, self.global_weights, out=self._buffer, dtype=np.float64)
+            self._weights, self._squared = weakref.ref(weights), None
+        return self._buffer
+
+    def squared(self, weights: np.ndarray) -> float:
+        """||w - g||^2 (einsum, not BLAS: `distance`)."""
+        change = self.of(weights)
+        if self._squared is None:
+            self._squared = float(np.einsum("i,i->", change, change))
+        return self._squared
+
+    def length(self, weights: np.ndarray) -> float:
+        """||w - g||, as `distance` measures it up to the summation's order."""
+        return math.sqrt(self.squared(weights))
 
 
 def within_length(global_weights: np.ndarray, weights: np.ndarray, longest: float, moved: float | None = None

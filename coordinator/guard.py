@@ -136,7 +136,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from coordinator.compute import distance, float64_blocks, within_length
+from coordinator.compute import UpdateChanges, distance, within_length
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence
 from coordinator.krum import KrumSelection
@@ -166,13 +166,14 @@ class UpdateBounds(GuardSettings):
         return KrumSelection(0.0 if compared else self.krum_share, self.hold, self.krum_radius,
                              heads if self.krum_compare == "classes" else None, self.krum_floor)
 
-    def influence(self, global_weights: np.ndarray, path: FleetPath, heads: HeadLayout | None
+    def influence(self, widened: UpdateChanges, path: FleetPath, heads: HeadLayout | None
                   ) -> RoundInfluence | None:
-        """The round's influence bounds (coordinator/influence.py), None where none is on or can act."""
+        """The round's influence bounds (coordinator/influence.py), None where none is on or can act. `widened`: the
+        round's changes from its global model (`UpdateChanges`)."""
         way_back = path.way_back if self.checks_way_back else None
         if way_back is None and (heads is None or not self.row_factor):
             return None
-        return RoundInfluence(global_weights, way_back, self.way_back_slack, heads, self.row_factor)
+        return RoundInfluence(widened, way_back, self.way_back_slack, heads, self.row_factor)
 
     def sample_cap(self, counts: RunningTypical) -> float:
         """The most samples an update may count for, given the round's claims so far: max_samples (0: none),
@@ -200,23 +201,24 @@ class UpdateBounds(GuardSettings):
               measured: Sequence[float] | None = None, selection: KrumSelection | None = None,
               reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
               heads: HeadLayout | None = None, influence: RoundInfluence | None = None,
-              changes: RunningMedian | None = None) -> list[ClientUpdate]:
+              changes: RunningMedian | None = None, widened: UpdateChanges | None = None) -> list[ClientUpdate]:
         """A whole round's updates within the bounds (clipped ones are new arrays; the others are passed as they
         are). `measured`: their distances from the global model, when known already; `selection`: the round's Krum
         selection, which keeps what it learns for later updates (a stream's); `reference`: the round's calibration
         reference (None: no check); `path`: where the fleet's model has been (`FleetPath`) and `heads` the model's
         head layout, for the influence bounds, applied last; `influence`: a stream's (which learns from each batch),
         else the round's own; `changes`: a stream's calibration loss changes so far (`add_change`), which these
-        join."""
+        join; `widened`: a stream's changes from the global model (`UpdateChanges`), else the round's own."""
+        widened = widened or UpdateChanges(global_weights)
         if measured is None:
-            measured = [distance(global_weights, u.weights) if self.measures_distance else 0.0 for u in updates]
+            measured = [widened.length(u.weights) if self.measures_distance else 0.0 for u in updates]
         counts = RunningTypical([u.num_samples for u in updates])
         cap = self.sample_cap(counts)
         typical_distance = typical(measured)
         lower, upper = self.distance_bounds(typical_distance)
         within = (self.bounded(global_weights, u, d, cap, lower, upper, counters, reference, counts.value())
                   for u, d in zip(updates, measured))
-        progressing = [p for p in (self.progressing(global_weights, u, path.last_step, counters)
+        progressing = [p for p in (self.progressing(widened, u, path.last_step, counters)
                                    for u in within if u is not None) if p is not None]
         changes = changes if changes is not None else RunningMedian()
         compared = [self.compared(u, reference) for u in progressing]
@@ -224,14 +226,14 @@ class UpdateBounds(GuardSettings):
             self.add_change(changes, change)
         checked = [c for c in (self.referenced(u, reference, counters, counts.value(), changes.value(), change)
                                for u, change in zip(progressing, compared)) if c is not None]
-        checked = self.counted_once(global_weights, checked, counters)
+        checked = self.counted_once(widened, checked, counters)
         kept = (selection or self.selection(reference, heads)).select(checked, counters, typical_distance)
         if self.checks_direction and len(kept) >= 2:
-            total = change_sum(global_weights, kept)
-            directed = (self.directed(global_weights, u, total, counters, True, typical_distance) for u in kept)
+            total = change_sum(widened, kept)
+            directed = (self.directed(widened, u, total, counters, True, typical_distance) for u in kept)
             kept = [u for u in directed if u is not None]
         # last: the bounds above that refuse judge what a device sent, not what these make of it
-        influence = influence or self.influence(global_weights, path, heads)
+        influence = influence or self.influence(widened, path, heads)
         return kept if influence is None else influence.bound(kept, counters)
 
     def stream(self, global_weights: np.ndarray, take: Callable[[ClientUpdate], None], counters: Counter[str],
@@ -239,14 +241,14 @@ class UpdateBounds(GuardSettings):
                heads: HeadLayout | None = None) -> BoundedStream:
         return BoundedStream(self, global_weights, take, counters, reference, path, heads)
 
-    def progressing(self, global_weights: np.ndarray, update: ClientUpdate, last_step: np.ndarray | None,
+    def progressing(self, widened: UpdateChanges, update: ClientUpdate, last_step: np.ndarray | None,
                     counters: Counter[str]) -> ClientUpdate | None:
         """The update, unless its change points back along the fleet's last global step (its cosine with
         `last_step` below `min_progress`: refused, `undoes-last-step`). A device that claims no samples counts for
         nothing and is not checked."""
         if last_step is None or not self.checks_progress or update.num_samples <= 0:
             return update
-        cosine = alignment(global_weights, update.weights, last_step, False)
+        cosine = alignment(widened, update.weights, last_step, False)
         if cosine is None or cosine >= self.min_progress:
             return update
         counters["undoes-last-step"] += 1
@@ -350,7 +352,7 @@ class UpdateBounds(GuardSettings):
                   update.device, -change, required, counted, update.num_samples)
         return dataclasses.replace(update, num_samples=counted)
 
-    def counted_once(self, global_weights: np.ndarray, updates: list[ClientUpdate],
+    def counted_once(self, widened: UpdateChanges, updates: list[ClientUpdate],
                      counters: Counter[str]) -> list[ClientUpdate]:
         """The updates, those that are copies of each other sharing one update's weight: two updates are copies
         where they lie within `copy_factor` times the shorter of their changes of each other (chained), and each of
@@ -367,7 +369,7 @@ class UpdateBounds(GuardSettings):
             return updates
         first = updates[: self.hold]  # compared pairwise; each later one with these (as a stream's: `copied`)
         claiming = [k for k, u in enumerate(first) if u.num_samples > 0]
-        moved = {k: distance(global_weights, first[k].weights) for k in claiming}
+        moved = {k: widened.length(first[k].weights) for k in claiming}
         group = {k: k for k in claiming}  # union-find over the pairs that are copies
 
         def root(k: int) -> int:
@@ -389,8 +391,9 @@ class UpdateBounds(GuardSettings):
                             first[k].device, copies, copies - 1)
                 shared[k] = dataclasses.replace(first[k], num_samples=first[k].num_samples // copies)
         taken = [(first[k], moved[k]) for k in claiming]
-        rows = self.taken_rows_of(global_weights, taken) if len(updates) > self.hold else None
-        return shared + [self.copied(u, distance(global_weights, u.weights), taken, counters, rows)
+        rows = self.taken_rows_of(widened.global_weights, taken) if len(updates) > self.hold else None
+        return shared + [self.copied(u, widened.length(u.weights), taken, counters, rows,
+                                     widened.of(u.weights) if rows is not None else None)
                          for u in updates[self.hold:]]
 
     def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float,
@@ -406,14 +409,16 @@ class UpdateBounds(GuardSettings):
         return (distance(a.weights, b.weights) if apart is None else apart) <= bound
 
     def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
-               counters: Counter[str], taken_rows: DistancesTo | None = None) -> ClientUpdate:
+               counters: Counter[str], taken_rows: DistancesTo | None = None,
+               change: np.ndarray | None = None) -> ClientUpdate:
         """A later update of a stream (`moved`: its change's length), counting none of its samples where it is a
         copy of one taken before it (`taken`: those and their changes' lengths), whose samples count already
         (`counted_once` for the held ones). `taken_rows`: `taken`'s cached rows (`taken_rows_of`), which measure
-        the update against all of them at the cost of one distance; None: each pair measured alone."""
+        the update against all of them at the cost of one distance; None: each pair measured alone. `change`: the
+        update's change from their origin, the global model, where the caller has it (`UpdateChanges.of`)."""
         if not self.copy_factor or update.num_samples <= 0:
             return update
-        apart = np.sqrt(taken_rows(update.weights)) if taken_rows is not None else None
+        apart = np.sqrt(taken_rows(update.weights, change)) if taken_rows is not None else None
         if not any(u.num_samples > 0 and self.copies(u, update, length, moved, None if apart is None else apart[k])
                    for k, (u, length) in enumerate(taken)):
             return update
@@ -510,7 +515,7 @@ class UpdateBounds(GuardSettings):
         claimed = update.num_samples / typical_count if typical_count else 1.0
         return self.trust_margin * max(1.0, claimed)
 
-    def directed(self, global_weights: np.ndarray, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
+    def directed(self, widened: UpdateChanges, update: ClientUpdate, total: np.ndarray, counters: Counter[str],
                  leave_out: bool, typical_distance: float | None = None) -> ClientUpdate | None:
         """The update when its change points at least `min_alignment` (cosine) the way of the others' (the sum of
         the round's changes so far, `total`, less its own when it is in it: `leave_out`). Else, by
@@ -518,7 +523,7 @@ class UpdateBounds(GuardSettings):
         (`turned`; a new array): what pointed against them is taken out, what is new to them (orthogonal) stays,
         at most as long as the round's `typical_distance` (an update that disagreed with the round gets a typical
         update's reach, not more: a reversed update 2.5x as long kept 2.5x its own direction, issue 56)."""
-        cosine = alignment(global_weights, update.weights, total, leave_out)
+        cosine = alignment(widened, update.weights, total, leave_out)
         if cosine is None or cosine >= self.min_alignment:
             return update
         if self.direction_bound == "reject":
@@ -529,22 +534,20 @@ class UpdateBounds(GuardSettings):
         counters["turned"] += 1
         log.warning("update of %s turned: it pointed %+.2f (cosine) the way of the round's others, under %+.2f",
                     update.device, cosine, self.min_alignment)
-        return dataclasses.replace(update, weights=turned(global_weights, update.weights, total, leave_out,
+        return dataclasses.replace(update, weights=turned(widened.global_weights, update.weights, total, leave_out,
                                                           self.min_alignment, typical_distance))
 
 
-def change_sum(global_weights: np.ndarray, updates: Sequence[ClientUpdate]) -> np.ndarray:
+def change_sum(widened: UpdateChanges, updates: Sequence[ClientUpdate]) -> np.ndarray:
     """sum_k (w_k - g) in float64."""
-    total = np.zeros(global_weights.size, dtype=np.float64)
+    total = np.zeros(widened.global_weights.size, dtype=np.float64)
     for update in updates:
-        add_change(total, global_weights, update.weights)
+        add_change(total, widened, update.weights)
     return total
 
 
-def add_change(total: np.ndarray, global_weights: np.ndarray, weights: np.ndarray) -> None:
-    for block, part in float64_blocks(weights.size):
-        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
-        total[block] += part
+def add_change(total: np.ndarray, widened: UpdateChanges, weights: np.ndarray) -> None:
+    np.add(total, widened.of(weights), out=total)
 
 
 COPY_MARGIN = 1e-9  # `UpdateBounds.copies` measures a pair whose lengths differ by at most (1 + this) x its bound
@@ -563,15 +566,14 @@ def noise_steps(global_weights: np.ndarray, weights: np.ndarray, count: int) -> 
         yield (global_weights + direction * (length / unit_length)).astype(np.float32)
 
 
-def alignment(global_weights: np.ndarray, weights: np.ndarray, total: np.ndarray, leave_out: bool) -> float | None:
-    """cos(w - g, total - (w - g) if leave_out else total), a block at a time; None when either is zero."""
-    dot = own = others = 0.0
-    for block, part in float64_blocks(weights.size):
-        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
-        rest = total[block] - part if leave_out else total[block]
-        dot += float(np.einsum("i,i->", part, rest))
-        own += float(np.einsum("i,i->", part, part))
-        others += float(np.einsum("i,i->", rest, rest))
+def alignment(widened: UpdateChanges, weights: np.ndarray, total: np.ndarray, leave_out: bool) -> float | None:
+    """cos(w - g, total - (w - g) if leave_out else total); None when either is zero (einsum, not BLAS: `distance`
+    in coordinator/compute.py)."""
+    own = widened.squared(weights)
+    change = widened.of(weights)
+    rest = total - change if leave_out else total
+    dot = float(np.einsum("i,i->", change, rest))
+    others = float(np.einsum("i,i->", rest, rest))
     if own == 0 or others == 0:
         return None
     return dot / math.sqrt(own * others)
@@ -606,7 +608,8 @@ class BoundedStream:
         self.bounds = bounds
         self.reference = reference
         self.path = path
-        self.influence = bounds.influence(global_weights, path, heads)
+        self.widened = UpdateChanges(global_weights)  # each update's change, widened once for every bound
+        self.influence = bounds.influence(self.widened, path, heads)
         self.global_weights = global_weights
         self.take = take
         self.counters = counters
@@ -622,7 +625,7 @@ class BoundedStream:
         self.sent_rows: DistancesTo | None = None  # their rows, which a later update is measured against at once
 
     def add(self, update: ClientUpdate) -> None:
-        moved = distance(self.global_weights, update.weights) if self.bounds.measures_distance else 0.0
+        moved = self.widened.length(update.weights) if self.bounds.measures_distance else 0.0
         self.counts.add(update.num_samples)
         self.distances.add(moved)
         if self.held is not None:
@@ -636,18 +639,19 @@ class BoundedStream:
             self.counts.value(),
         )
         if bounded is not None:
-            bounded = self.bounds.progressing(self.global_weights, bounded, self.path.last_step, self.counters)
+            bounded = self.bounds.progressing(self.widened, bounded, self.path.last_step, self.counters)
         if bounded is not None:
             change = self.bounds.compared(bounded, self.reference)
             self.bounds.add_change(self.changes, change)
             bounded = self.bounds.referenced(bounded, self.reference, self.counters, self.counts.value(),
                                              self.changes.value(), change)
         if bounded is not None:
-            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters, self.sent_rows)
+            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters, self.sent_rows,
+                                         self.widened.of(bounded.weights) if self.sent_rows is not None else None)
         if bounded is None or not self.selection.takes(bounded, self.counters):
             return
         if self.total is not None:
-            bounded = self.bounds.directed(self.global_weights, bounded, self.total, self.counters, False,
+            bounded = self.bounds.directed(self.widened, bounded, self.total, self.counters, False,
                                            self.distances.value())
         if bounded is not None:
             self._take(bounded if self.influence is None else self.influence.bound([bounded], self.counters)[0])
@@ -659,7 +663,7 @@ class BoundedStream:
 
     def _take(self, update: ClientUpdate) -> None:
         if self.total is not None:
-            add_change(self.total, self.global_weights, update.weights)
+            add_change(self.total, self.widened, update.weights)
         self.take(update)
 
     def _release(self) -> None:
@@ -672,5 +676,5 @@ class BoundedStream:
             self.sent_rows = self.bounds.taken_rows_of(self.global_weights, held)
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection, self.reference, self.path, influence=self.influence,
-                                        changes=self.changes):
+                                        changes=self.changes, widened=self.widened):
             self._take(update)

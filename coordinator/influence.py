@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.compute import float64_blocks
+from coordinator.compute import UpdateChanges
 from coordinator.medians import RunningMedian
 from coordinator.strategies.base import ClientUpdate
 from models.manifest import HEAD_WEIGHT, ParameterInfo, class_head_positions
@@ -105,27 +105,23 @@ def claimed_classes(update: ClientUpdate) -> set[int]:
     return trained or {c for c, n in enumerate(update.label_counts) if n > 0}
 
 
-def along(global_weights: np.ndarray, weights: np.ndarray, unit: np.ndarray) -> tuple[float, float]:
-    """<w - g, unit> and |w - g| in float64, a block at a time (einsum, not BLAS: coordinator/guard.py `distance`
-    says why)."""
-    total = squares = 0.0
-    for block, part in float64_blocks(weights.size):
-        np.subtract(weights[block], global_weights[block], out=part, dtype=np.float64)
-        total += float(np.einsum("i,i->", part, unit[block]))
-        squares += float(np.einsum("i,i->", part, part))
-    return total, math.sqrt(squares)
+def along(widened: UpdateChanges, weights: np.ndarray, unit: np.ndarray) -> tuple[float, float]:
+    """<w - g, unit> and |w - g| in float64 (einsum, not BLAS: coordinator/compute.py `distance` says why)."""
+    return float(np.einsum("i,i->", widened.of(weights), unit)), widened.length(weights)
 
 
 class RoundInfluence:
     """One round's influence bounds (module docstring): `bound` the updates, a stream's one at a time; the medians
     learn from each batch before any of it is bounded."""
 
-    def __init__(self, global_weights: np.ndarray, way_back: np.ndarray | None, way_back_slack: float,
+    def __init__(self, widened: UpdateChanges, way_back: np.ndarray | None, way_back_slack: float,
                  heads: HeadLayout | None, row_factor: float) -> None:
         """`way_back`: the unit way back to the first global model (None: not bounded) and `way_back_slack` how far
         beyond the median step back an update may go, in the round's median change lengths; `heads`: the model's
-        head layout and `row_factor` its bound (None or 0: not bounded)."""
-        self.global_weights = global_weights
+        head layout and `row_factor` its bound (None or 0: not bounded); `widened`: the round's changes from its
+        global model g (`UpdateChanges`)."""
+        self.widened = widened
+        self.global_weights = widened.global_weights
         self.way_back = way_back
         self.way_back_slack = way_back_slack
         self.heads = heads if row_factor > 0 else None
@@ -188,7 +184,7 @@ class RoundInfluence:
     def _learn_step(self, update: ClientUpdate) -> float:
         if self.way_back is None or update.num_samples <= 0:
             return 0.0
-        step, length = along(self.global_weights, update.weights, self.way_back)
+        step, length = along(self.widened, update.weights, self.way_back)
         self.backs.add(step)
         self.lengths.add(length)
         return step

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.compute import UpdateChanges
 from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
@@ -295,6 +296,26 @@ def test_distances_to_the_kept_updates_are_squared_distances_rows():
     full = squared_distances([later, *kept], torch.device("cpu")).numpy()
     np.testing.assert_allclose(DistancesTo(kept)(later), full[0, 1:], rtol=1e-9, atol=1e-9)
     assert DistancesTo.fits(4, 1 << 20, limit=32 << 20) and not DistancesTo.fits(5, 1 << 20, limit=32 << 20)
+
+
+def test_a_rounds_changes_are_each_weights_own_whichever_came_between():
+    """`UpdateChanges`: w - g in float64 and its length, for the weights asked about, after other weights, and for a
+    new array that took a dropped one's place; the change from the rows' origin gives `DistancesTo` its distances."""
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal(300).astype(np.float32)
+    a, b = (g + rng.standard_normal((2, 300)).astype(np.float32))
+    widened = UpdateChanges(g)
+    for weights in (a, b, a, a):
+        expected = weights.astype(np.float64) - g
+        np.testing.assert_array_equal(widened.of(weights), expected)
+        assert widened.length(weights) == pytest.approx(np.linalg.norm(expected), rel=1e-12)
+    values = b.copy()
+    widened.of(b)
+    del b  # its change is in the buffer; the next array may take its place
+    later = values + np.float32(1)
+    np.testing.assert_array_equal(widened.of(later), later.astype(np.float64) - g)
+    rows = DistancesTo([a], g)
+    np.testing.assert_allclose(rows(later, widened.of(later)), rows(later), rtol=1e-12)
 
 
 @pytest.mark.parametrize("compare", ["whole", "classes"])

@@ -146,9 +146,10 @@ class DistancesTo:
     def fits(count: int, size: int, limit: int = DISTANCE_CACHE_BYTES) -> bool:
         return count * size * 8 <= limit
 
-    def __call__(self, update: np.ndarray) -> np.ndarray:
-        """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form)."""
-        wide = self._from_origin(update)
+    def __call__(self, update: np.ndarray, change: np.ndarray | None = None) -> np.ndarray:
+        """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form).
+        `change`: update - origin in float64, where the caller has it (coordinator/compute.py `UpdateChanges`)."""
+        wide = self._from_origin(update) if change is None else change
         # BLAS's gemv, unlike its dot of `compute.distance`, stayed the fastest beside busy cores: 8 rows of 31k and
         # of 1M values, 2 cores both busy, 0.08 and 8.2 ms against einsum's 0.28 and 12.5 (0.04 and 3.7 idle)
         products = self.rows @ wide
