@@ -77,9 +77,9 @@ class UpdateChanges:
     the last step's and the others' directions, the copy check, the way back, the direction check's sum), and each
     widened it again, a block at a time: on MNIST-1D's cnn1d a stream's bounds and fold took 143-158 us an update
     alone, 95-101 with the change widened once, most of it numpy's calls rather than arithmetic (docs/results.md,
-    issue 57). The buffer is one more model-sized
-    float64 array for the round, beside its running sum and the direction check's sum; on a large model, one
-    widening an update where there were six, each reading its float32 weights and the global model's.
+    issue 57). The buffer is one more model-sized float64 array for the round, beside its running sum and the
+    direction check's sum; on a large model, one widening an update where there were six, each reading its float32
+    weights and the global model's.
 
     The buffer holds the change of the weights asked about last: a caller reads it before asking about other
     weights, and never writes into it. Weights are not changed in place while they are bounded: an update's are a
