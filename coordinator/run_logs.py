@@ -1,6 +1,12 @@
 """A run's files for people and their tools, all read from the one run record (coordinator/run_record.py):
 
 - `results.json`: the results and the history (rewritten after each round and at the end);
+
+A round's files are written once the next round has opened (`round_due`, then `write_due` between messages), not in
+its close: the fleet waits for a close, for the next round's model, and not for them (a 200-device round's close took
+17 ms, 6 of them these files; docs/results.md, issue 57). A stop writes them at once (`run_ended`); a crash between a
+close and the next round's first message leaves them a round behind the checkpoint, never ahead, and a resumed run
+writes them whole.
 - `metrics.csv`: one row per round (round, task, accuracy per task seen, their mean, samples, traffic, refusals);
 - `tensorboard/events.out.tfevents.<start>.edgefil`: the same numbers as TensorBoard scalars (coordinator/
   tensorboard.py), plus the rule's own numeric metrics;
@@ -98,11 +104,25 @@ class RunLogs:
         self._first_started = float(self.events.name.split(".")[3])
         self._live_at = 0.0
         self._live_cost = 0.0
+        self._due = False  # a round closed since the round files were written
+
+    def round_due(self) -> None:
+        """A round is checkpointed: its files are due, for the next `write_due` (the module docstring)."""
+        self._due = True
+
+    def write_due(self) -> None:
+        """Every file where a round has closed since they were written, else live.json if it is due (called between
+        messages)."""
+        if self._due:
+            self.round_done()
+        else:
+            self.maybe_write_live()
 
     def round_done(self) -> None:
-        """After a round is checkpointed: every file anew. results.json without indentation: json's C encoder
-        takes no indent, and its Python one took ten times as long, on a record that grows with every round and
-        device (summary.md and metrics.csv are the files to read)."""
+        """Every file anew. results.json without indentation: json's C encoder takes no indent, and its Python one
+        took ten times as long, on a record that grows with every round and device (summary.md and metrics.csv are
+        the files to read)."""
+        self._due = False
         write_atomically(self.out / RESULTS_FILE, self.record.results_json().encode())
         self._write_tables()
         self.write_live()

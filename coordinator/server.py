@@ -626,7 +626,8 @@ class Coordinator:
         return None, refused, self.evaluator.accuracies(state.weights, task)
 
     def _finish_round(self, accuracies: list[float], task_done: bool) -> None:
-        """Move the schedule on, then checkpoint and rewrite the run's files (atomically, in that order)."""
+        """Move the schedule on, then checkpoint; the run's files are due, written once the next round is open
+        (coordinator/run_logs.py)."""
         state = self.state
         if task_done:
             state.accuracy_matrix.append(accuracies)
@@ -636,7 +637,7 @@ class Coordinator:
         state.counters = dict(self.counters)
         self.checkpoints.save(state, self.outbox.deliveries(), self.strategy.save)
         self.record.round_closed(state.history[-1])
-        self.logs.round_done()
+        self.logs.round_due()  # written by the next `_pump`, once the next round is open
         if self.progress is not None:
             self.progress(dict(state.history[-1]))
 
@@ -713,11 +714,11 @@ class Coordinator:
         shares have for it: an inbox worker's (which wakes the wait) or a site's, which comes as an item itself.
         Drained only before the wait, a site's last word of a round waited in its queue for whatever message came
         next: rounds of 100 devices at 10,000 took 30-40 s instead of 5 (docs/results.md)."""
+        self.logs.write_due()  # before the wait: the round files the last close left, once the next round is open
         item = self.link.get(timeout=max(timeout, 0.0))
         if self._aborted is not None:
             reason, self._aborted = self._aborted, None  # raised once: the run's end still hears the devices
             raise RunAborted(reason)
-        self.logs.maybe_write_live()
         if item is not None and item.topic != CONNECTED:
             self._handle(item.topic, item.payload, item.retained)
         for shares in self.shares:

@@ -183,6 +183,28 @@ def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboar
     assert [s.step for s in events.Scalars("accuracy/average")] == [1, 2, 3]
 
 
+def test_a_rounds_files_are_written_at_the_next_write_due_not_in_its_close(tmp_path):
+    """`round_due` (a round's close) writes nothing; the next `write_due` (the coordinator's loop, once the next round
+    is open) writes every file, and one with no round closed since writes them not again; `run_ended` writes what is
+    due."""
+    record, _, _ = make_record()
+    logs = RunLogs(tmp_path, record, n_tasks=1)
+    close_round(record, 1, 0, [0.5], ended_at=1.0)
+    logs.round_due()
+    assert not (tmp_path / RESULTS_FILE).exists() and not (tmp_path / METRICS_FILE).exists()
+    logs.write_due()
+    assert json.loads((tmp_path / RESULTS_FILE).read_text())["rounds_completed"] == 1
+    assert len(list(csv.DictReader((tmp_path / METRICS_FILE).open()))) == 1
+    (tmp_path / RESULTS_FILE).unlink()
+    logs.write_due()
+    assert not (tmp_path / RESULTS_FILE).exists()
+    close_round(record, 2, 0, [0.6], ended_at=2.0)
+    logs.round_due()
+    record.outcome = "complete"
+    logs.run_ended()
+    assert json.loads((tmp_path / RESULTS_FILE).read_text())["rounds_completed"] == 2
+
+
 def test_a_run_folder_that_cannot_be_written_does_not_stop_the_round(tmp_path):
     record, _, _ = make_record()
     logs = RunLogs(tmp_path, record, n_tasks=1)
