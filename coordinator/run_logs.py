@@ -1,18 +1,18 @@
 """A run's files for people and their tools, all read from the one run record (coordinator/run_record.py):
 
 - `results.json`: the results and the history (rewritten after each round and at the end);
-
-A round's files are written once the next round has opened (`round_due`, then `write_due` between messages), not in
-its close: the fleet waits for a close, for the next round's model, and not for them (a 200-device round's close
-took 17-21 ms with them and 10-13 without, the round 3.7 % less wall time; docs/results.md, issue 57). A stop writes them at once (`run_ended`); a crash between a
-close and the next round's first message leaves them a round behind the checkpoint, never ahead, and a resumed run
-writes them whole.
 - `metrics.csv`: one row per round (round, task, accuracy per task seen, their mean, samples, traffic, refusals);
 - `tensorboard/events.out.tfevents.<start>.edgefil`: the same numbers as TensorBoard scalars (coordinator/
   tensorboard.py), plus the rule's own numeric metrics;
 - `live.json`: what the dashboard shows while the run goes (the roster, the open round, the ETA), rewritten at most
   every `LIVE_MIN_INTERVAL_S`, and less often when writing it takes long (a large fleet's roster): it never takes
   more than `LIVE_MAX_SHARE` of the coordinator's time.
+
+A round's files are written once the next round has opened (`round_due`, then `write_due` between messages), not in
+its close: the fleet waits for a close, for the next round's model, and not for them (a 200-device round's close took
+17-21 ms with them and 10-13 without, the round 3.7 % less wall time; docs/results.md, issue 57). A stop writes them
+at once (`run_ended`); a crash between a close and the next round's first message leaves them a round behind the
+checkpoint, never ahead, and a resumed run writes them whole.
 
 The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
 Writing them may fail (a full disk): the failure is logged, and the run goes on.
