@@ -1,6 +1,7 @@
 """A run's files for people and their tools, all read from the one run record (coordinator/run_record.py):
 
-- `results.json`: the results and the history (rewritten after each round and at the end);
+- `results.json`: the results and the history (rewritten after a round, as often as `ROUND_FILES_MAX_SHARE` allows,
+  and at the end);
 - `metrics.csv`: one row per round (round, task, accuracy per task seen, their mean, samples, traffic, refusals);
 - `tensorboard/events.out.tfevents.<start>.edgefil`: the same numbers as TensorBoard scalars (coordinator/
   tensorboard.py), plus the rule's own numeric metrics;
@@ -11,8 +12,16 @@
 A round's files are written once the next round has opened (`round_due`, then `write_due` between messages), not in
 its close: the fleet waits for a close, for the next round's model, and not for them (a 200-device round's close took
 17-21 ms with them and 10-13 without, the round 3.7 % less wall time; docs/results.md, issue 57). A stop writes them
-at once (`run_ended`); a crash between a close and the next round's first message leaves them a round behind the
-checkpoint, never ahead, and a resumed run writes them whole.
+at once (`run_ended`); a crash between a close and the next round's first message leaves them behind the checkpoint,
+never ahead, and a resumed run writes them whole.
+
+They are written whole, and results.json grows with rounds x devices (each round's entry holds every device's
+metrics: 7 MB a round at 10,000 devices, so the 100th round's rewrite is 700 MB): written after every round, a long
+run's coordinator spends more on them each round, without end. So they are paced as live.json is (`Paced`): after a
+round whose files are due, written once the time since their last write is at least `1 / ROUND_FILES_MAX_SHARE`
+times what that write took, so they never take more than that share of the coordinator's time; a small fleet's
+take milliseconds and are written after (nearly) every round, a large fleet's after every few. A crash may then
+leave them a few rounds behind the checkpoint (never ahead); the end of a run writes them at once.
 
 The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
 Writing them may fail (a full disk): the failure is logged, and the run goes on.
@@ -24,6 +33,7 @@ import io
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +49,7 @@ LIVE_FILE = "live.json"
 TENSORBOARD_DIR = "tensorboard"
 LIVE_MIN_INTERVAL_S = 1.0
 LIVE_MAX_SHARE = 0.05
+ROUND_FILES_MAX_SHARE = 0.05
 
 
 def csv_rows(history: list[RoundEntry], n_tasks: int) -> list[dict[str, Any]]:
@@ -92,18 +103,42 @@ def scalars(entry: RoundEntry) -> dict[str, float]:
     return values
 
 
-class RunLogs:
-    """Writes a run's files under `out` from its record."""
+class Paced:
+    """When a file that is written again and again, whole, is due: at most every `min_interval_s`, and never taking
+    more than `max_share` of the time: a write waits `1 / max_share` times what the last one took (`clock`'s
+    seconds, from the end of that write), so one that grows costs its writer a bounded share however large it gets."""
 
-    def __init__(self, out: Path, record: RunRecord, n_tasks: int) -> None:
+    def __init__(self, min_interval_s: float, max_share: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.min_interval_s, self.max_share, self._clock = min_interval_s, max_share, clock
+        self._at = float("-inf")  # when the last write ended
+        self._cost = 0.0  # what it took
+
+    def due(self) -> bool:
+        return self._clock() - self._at >= max(self.min_interval_s, self._cost / self.max_share)
+
+    def write(self, writing: Callable[[], None]) -> None:
+        """`writing` now, timed (whether or not it was due)."""
+        started = self._clock()
+        try:
+            writing()
+        finally:
+            self._at = self._clock()
+            self._cost = self._at - started
+
+
+class RunLogs:
+    """Writes a run's files under `out` from its record; `clock` times their writes (`Paced`)."""
+
+    def __init__(self, out: Path, record: RunRecord, n_tasks: int, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.out, self.record, self.n_tasks = out, record, n_tasks
         # one event file per run folder, kept across resumes (its name holds the time the run first started)
         found = sorted((out / TENSORBOARD_DIR).glob("events.out.tfevents.*.edgefil"))
         name = f"events.out.tfevents.{int(record.started_at)}.edgefil"
         self.events = found[0] if found else out / TENSORBOARD_DIR / name
         self._first_started = float(self.events.name.split(".")[3])
-        self._live_at = 0.0
-        self._live_cost = 0.0
+        self._live = Paced(LIVE_MIN_INTERVAL_S, LIVE_MAX_SHARE, clock)
+        self._round_files = Paced(0.0, ROUND_FILES_MAX_SHARE, clock)
         self._due = False  # a round closed since the round files were written
 
     def round_due(self) -> None:
@@ -111,42 +146,40 @@ class RunLogs:
         self._due = True
 
     def write_due(self) -> None:
-        """Every file where a round has closed since they were written, else live.json if it is due (called between
-        messages)."""
-        if self._due:
+        """Every file where a round has closed since they were written and their pace allows (the module
+        docstring), else live.json if it is due (called between messages)."""
+        if self._due and self._round_files.due():
             self.round_done()
-        else:
-            self.maybe_write_live()
+        elif self._live.due():
+            self.write_live()
 
     def round_done(self) -> None:
-        """Every file anew. results.json without indentation: json's C encoder takes no indent, and its Python one
-        took ten times as long, on a record that grows with every round and device (summary.md and metrics.csv are
-        the files to read)."""
+        """Every file anew, now."""
         self._due = False
-        write_atomically(self.out / RESULTS_FILE, self.record.results_json().encode())
-        self._write_tables()
+        self._round_files.write(self._write_round_files)
         self.write_live()
 
     def run_ended(self) -> None:
         """However the run ended (its outcome is in the record): every file, so each run has them all."""
         self.round_done()
 
-    def maybe_write_live(self) -> None:
-        """live.json again if it is due (called between messages)."""
-        now = time.monotonic()
-        if now - self._live_at >= max(LIVE_MIN_INTERVAL_S, self._live_cost / LIVE_MAX_SHARE):
-            self.write_live()
-
     def write_live(self) -> None:
-        started = time.monotonic()
+        self._live.write(self._write_live)
+
+    def _write_live(self) -> None:
         try:
             write_atomically(self.out / LIVE_FILE, json.dumps(self.record.live()).encode())
         except OSError as err:
             log.warning("live.json not written: %s", err)
-        self._live_at = time.monotonic()
-        self._live_cost = self._live_at - started
 
-    def _write_tables(self) -> None:
+    def _write_round_files(self) -> None:
+        """results.json (without indentation: json's C encoder takes no indent, and its Python one took ten times
+        as long on a record that grows with every round and device; summary.md and metrics.csv are the files to
+        read), metrics.csv and the TensorBoard log."""
+        try:
+            write_atomically(self.out / RESULTS_FILE, self.record.results_json().encode())
+        except OSError as err:
+            log.warning("results.json not written: %s", err)
         history = self.record.history
         try:
             write_atomically(self.out / METRICS_FILE, csv_text(history, self.n_tasks).encode())

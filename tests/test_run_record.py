@@ -15,7 +15,15 @@ from coordinator.checkpoint import RunState
 from coordinator.inbox import Registration, Status
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
-from coordinator.run_logs import LIVE_FILE, METRICS_FILE, RESULTS_FILE, TENSORBOARD_DIR, RunLogs
+from coordinator.run_logs import (
+    LIVE_FILE,
+    METRICS_FILE,
+    RESULTS_FILE,
+    ROUND_FILES_MAX_SHARE,
+    TENSORBOARD_DIR,
+    Paced,
+    RunLogs,
+)
 from coordinator.run_record import RunRecord
 
 
@@ -203,6 +211,63 @@ def test_a_rounds_files_are_written_at_the_next_write_due_not_in_its_close(tmp_p
     record.outcome = "complete"
     logs.run_ended()
     assert json.loads((tmp_path / RESULTS_FILE).read_text())["rounds_completed"] == 2
+
+
+def test_a_paced_file_waits_its_last_writes_cost_over_its_share_and_at_least_its_interval():
+    now = [100.0]
+    pace = Paced(1.0, 0.05, clock=lambda: now[0])
+    assert pace.due()
+    pace.write(lambda: now.__setitem__(0, now[0] + 2.0))  # a write that took 2 s: due 40 s after it ended
+    now[0] += 39.9
+    assert not pace.due()
+    now[0] += 0.1
+    assert pace.due()
+    pace.write(lambda: None)  # one that took nothing: the interval still holds
+    now[0] += 0.5
+    assert not pace.due()
+    now[0] += 0.5
+    assert pace.due()
+
+
+def test_round_files_that_take_long_to_write_wait_so_they_keep_to_their_share(tmp_path, monkeypatch):
+    """A large fleet's results.json (its every device's metrics of every round) takes long to write: it is not
+    written again after each round but once the time since is 1 / ROUND_FILES_MAX_SHARE times what it took, while
+    live.json goes on at its own pace, and the run's end writes it at once."""
+    now = [0.0]
+    record, _, _ = make_record(total_steps=8)
+    encode = record.results_json
+
+    def one_second_to_encode() -> str:
+        now[0] += 1.0
+        return encode()
+
+    monkeypatch.setattr(record, "results_json", one_second_to_encode)
+    logs = RunLogs(tmp_path, record, n_tasks=1, clock=lambda: now[0])
+
+    def rounds_in(name: str) -> int:
+        got: int = json.loads((tmp_path / name).read_text())["steps_done" if name == LIVE_FILE else "rounds_completed"]
+        return got
+
+    close_round(record, 1, 0, [0.5], ended_at=1.0)
+    logs.round_due()
+    logs.write_due()
+    assert rounds_in(RESULTS_FILE) == 1  # the first: nothing to wait for
+    wait = 1.0 / ROUND_FILES_MAX_SHARE
+    for number in (2, 3):
+        now[0] += wait / 3
+        close_round(record, number, 0, [0.5], ended_at=now[0])
+        logs.round_due()
+        logs.write_due()
+    assert (rounds_in(RESULTS_FILE), rounds_in(LIVE_FILE)) == (1, 3)
+    now[0] = 1.0 + wait  # the first write ended at 1.0
+    logs.write_due()
+    assert rounds_in(RESULTS_FILE) == 3
+    assert len(list(csv.DictReader((tmp_path / METRICS_FILE).open()))) == 3
+    close_round(record, 4, 0, [0.5], ended_at=now[0])
+    logs.round_due()
+    record.outcome = "complete"
+    logs.run_ended()
+    assert rounds_in(RESULTS_FILE) == 4
 
 
 def test_a_run_folder_that_cannot_be_written_does_not_stop_the_round(tmp_path):
