@@ -24,19 +24,21 @@ over the worker processes, sampled once all N devices registered and again after
   net/N      (that PSS minus the PSS of as many idle worker processes, importing the same modules) / N;
   marginal   (PSS(N) - PSS(previous N)) / (N - previous N): the cost of one more device.
 Round overhead: wall = coordinator opens the round (encodes and publishes the weights and N round messages)
-until its close (aggregate, evaluate, checkpoint, results.json) returns. floor = the devices' training CPU time
-packed onto the host's cores: max(slowest device, sum of devices / cores); overhead = wall - floor, everything
-that is not training (the coordinator, the broker, MQTT and the devices' protocol work, scheduling). ratio is
-the median wall at N over the median wall at the first N (same broker). Round time per device: the median wall
-over N at each N, with the wall each added device adds, whether the first is flat within FLAT_WITHIN (1.2x)
-across the sizes, and the least-squares line wall = fixed + per device x N over the sizes.
+until its close (aggregate, evaluate, checkpoint; the run's files are written once the next round is open)
+returns. floor = the devices' training CPU time packed onto the host's cores: max(slowest device, sum of devices /
+cores); overhead = wall - floor, everything that is not training (the coordinator, the broker, MQTT and the
+devices' protocol work, scheduling). ratio is the median wall at N over the median wall at the first N (same
+broker). Round time per device: the median wall over N at each N, with the wall each added device adds, whether
+the first is flat within FLAT_WITHIN (1.2x) across the sizes, and the least-squares line wall = fixed + per device
+x N over the sizes.
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty); the
 devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target), and that share's
 ceiling, were the devices' work besides training none at all (what the coordinator's and broker's work leave). "other
 procs" is the host's busy CPU outside the fleet during the round (/proc/stat): on a shared machine, anything
 above zero slowed the round. An idle window (`--idle-s`, after all devices registered, before round 1) measures
-what an idle fleet costs: heartbeats, keepalives, MQTT threads.
+what an idle fleet costs: heartbeats, keepalives, MQTT threads. A run of at least LONG_RUN rounds also prints the
+wall and the coordinator's CPU a round in its first and last rounds: what grows with the rounds.
 Startup: from the first worker process start until the N-th registration reached the coordinator.
 Profile (`--profile TOP`, needs yappi): every worker process and the coordinator's run yappi's CPU-clock profiler
 over all their threads from round 2's open (round 1 also stores the task's data; round 1 where it is the only one)
@@ -80,6 +82,7 @@ from host_profile import HostProfile  # its top level imports the standard libra
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
+LONG_RUN = 9  # rounds from which a run's first and last rounds are compared (`over_rounds`)
 # issue 57's targets: the devices' training at least this share of the fleet's CPU, and the round time per device
 # flat within this factor across the sizes
 TRAINING_SHARE = 0.6
@@ -653,7 +656,7 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
         previous[s["broker"]] = s
 
     print("\nround timing (seconds, median over rounds; open = encode+publish weights and N round messages, "
-          "close = aggregate+evaluate+checkpoint+results.json)")
+          "close = aggregate+evaluate+checkpoint)")
     print(f"{'broker':>9s} {'N':>4s} {'rounds':>6s} {'wall':>6s} {'ratio':>6s} {'open':>6s} {'1st trained':>11s} "
           f"{'last trained':>12s} {'upload':>6s} {'close':>6s} {'aggregate':>9s} {'evaluate':>8s} {'dev CPU sum':>11s} "
           f"{'dev max':>7s} {'floor':>6s} {'overhead':>8s} {'overhead/N ms':>13s}")
@@ -697,6 +700,7 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
               f"{(r['cpu_coordinator'] + r['cpu_broker'] + other) / s['n'] * 1e3:13.1f} {share:11.1%} "
               f"{ceiling:7.1%} {r['other']:11.2f}  "
               f"{' '.join(f'{w:.2f}' for w in r['walls'])}")
+    over_rounds(summaries)
     at_sites = [s for s in summaries if s["rounds"].get("cpu_aggregators", 0.0) > 0]
     if at_sites:
         print("\nof which the sites (median CPU s a round): their aggregators (in the coordinator column) and their "
@@ -763,6 +767,26 @@ def per_device(summaries: list[dict]) -> None:
         print(f"per device {min(each) * 1e3:.2f}-{max(each) * 1e3:.2f} ms: {spread:.2f}x "
               f"({'within' if spread <= FLAT_WITHIN else 'outside'} {FLAT_WITHIN}x); least squares over the sizes: wall = "
               f"{fixed:.2f} s + {slope * 1e3:.2f} ms x N")
+
+
+def over_rounds(summaries: list[dict]) -> None:
+    """A run of at least LONG_RUN rounds: the wall and the coordinator's CPU a round in the first and the last quarter
+    of its rounds after the first (which creates the devices' files), medians: what grows with the rounds (a
+    record rewritten whole each round does: coordinator/run_logs.py)."""
+    long = [s for s in summaries if len(s["rows"]) >= LONG_RUN]
+    if not long:
+        return
+    print("\nover the rounds (medians of the first and the last quarter of the rounds after the first; last / first)")
+    print(f"{'broker':>9s} {'N':>5s} {'rounds':>6s} {'wall first':>10s} {'last':>6s} {'ratio':>6s} "
+          f"{'coordinator CPU first':>21s} {'last':>6s} {'ratio':>6s}")
+    for s in long:
+        rows = s["rows"][1:]
+        quarter = max(1, len(rows) // 4)
+        first, last = rows[:quarter], rows[-quarter:]
+        walls = [median([row["wall"] for row in part]) for part in (first, last)]
+        cpu = [median([row["cpu_coordinator"] for row in part]) for part in (first, last)]
+        print(f"{s['broker']:>9s} {s['n']:5d} {len(s['rows']):6d} {walls[0]:10.3f} {walls[1]:6.3f} "
+              f"{walls[1] / walls[0]:6.2f} {cpu[0]:21.3f} {cpu[1]:6.3f} {cpu[1] / cpu[0]:6.2f}")
 
 
 def main() -> None:
