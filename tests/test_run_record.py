@@ -274,9 +274,10 @@ def test_a_run_folder_that_cannot_be_written_does_not_stop_the_round(tmp_path):
     record, _, _ = make_record()
     logs = RunLogs(tmp_path, record, n_tasks=1)
     (tmp_path / TENSORBOARD_DIR).write_text("a file where the folder goes")
+    (tmp_path / RESULTS_FILE).mkdir()  # a folder where results.json goes: its write fails as a full disk's would
     close_round(record, 1, 0, [0.5], ended_at=1.0)
     logs.round_done()  # logged, not raised
-    assert Path(tmp_path / METRICS_FILE).exists()
+    assert Path(tmp_path / METRICS_FILE).exists() and (tmp_path / RESULTS_FILE).is_dir()
 
 
 def test_local_epsilon_is_the_largest_any_device_reported_in_any_round_and_follows_a_replaced_history():
