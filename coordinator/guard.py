@@ -209,7 +209,7 @@ class UpdateBounds(GuardSettings):
         head layout, for the influence bounds, applied last; `influence`: a stream's (which learns from each batch),
         else the round's own; `changes`: a stream's calibration loss changes so far (`add_change`), which these
         join; `widened`: a stream's changes from the global model (`UpdateChanges`), else the round's own."""
-        widened = widened or UpdateChanges(global_weights)
+        widened = UpdateChanges(global_weights) if widened is None else widened
         if measured is None:
             measured = [widened.length(u.weights) if self.measures_distance else 0.0 for u in updates]
         counts = RunningTypical([u.num_samples for u in updates])

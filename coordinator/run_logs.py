@@ -20,7 +20,9 @@ metrics: 7 MB a round at 10,000 devices, so the 100th round's rewrite is 700 MB)
 run's coordinator spends more on them each round, without end. So they are paced as live.json is (`Paced`): after a
 round whose files are due, written once the time since their last write is at least `1 / ROUND_FILES_MAX_SHARE`
 times what that write took, so they never take more than that share of the coordinator's time; a small fleet's
-take milliseconds and are written after (nearly) every round, a large fleet's after every few. A crash may then
+take milliseconds and are written after (nearly) every round, a large fleet's after every few; the coordinator's
+wait for its next message ends when they are due (`round_files_due_in`), so a quiet fleet does not hold them back. A
+crash may then
 leave them a few rounds behind the checkpoint (never ahead); the end of a run writes them at once.
 
 The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
@@ -32,6 +34,7 @@ import csv
 import io
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,7 +117,11 @@ class Paced:
         self._cost = 0.0  # what it took
 
     def due(self) -> bool:
-        return self._clock() - self._at >= max(self.min_interval_s, self._cost / self.max_share)
+        return self.due_in() <= 0.0
+
+    def due_in(self) -> float:
+        """Seconds until the next write is due (0 or less: due now)."""
+        return self._at + max(self.min_interval_s, self._cost / self.max_share) - self._clock()
 
     def write(self, writing: Callable[[], None]) -> None:
         """`writing` now, timed (whether or not it was due)."""
@@ -152,6 +159,11 @@ class RunLogs:
             self.round_done()
         elif self._live.due():
             self.write_live()
+
+    def round_files_due_in(self) -> float:
+        """Seconds until `write_due` has a round's files to write (inf: none due): how long the coordinator may wait
+        for a message, so that a paced write is made when due and not only when a message comes."""
+        return max(self._round_files.due_in(), 0.0) if self._due else math.inf
 
     def round_done(self) -> None:
         """Every file anew, now."""

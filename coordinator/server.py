@@ -715,7 +715,7 @@ class Coordinator:
         Drained only before the wait, a site's last word of a round waited in its queue for whatever message came
         next: rounds of 100 devices at 10,000 took 30-40 s instead of 5 (docs/results.md)."""
         self.logs.write_due()  # before the wait: the round files the last close left, once the next round is open
-        item = self.link.get(timeout=max(timeout, 0.0))
+        item = self.link.get(timeout=max(min(timeout, self.logs.round_files_due_in()), 0.0))  # paced: woken when due
         if self._aborted is not None:
             reason, self._aborted = self._aborted, None  # raised once: the run's end still hears the devices
             raise RunAborted(reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,8 +249,10 @@ def test_round_files_that_take_long_to_write_wait_so_they_keep_to_their_share(tm
         got: int = json.loads((tmp_path / name).read_text())["steps_done" if name == LIVE_FILE else "rounds_completed"]
         return got
 
+    assert logs.round_files_due_in() == math.inf  # no round closed: the coordinator's wait is its own
     close_round(record, 1, 0, [0.5], ended_at=1.0)
     logs.round_due()
+    assert logs.round_files_due_in() == 0.0
     logs.write_due()
     assert rounds_in(RESULTS_FILE) == 1  # the first: nothing to wait for
     wait = 1.0 / ROUND_FILES_MAX_SHARE
@@ -259,7 +262,9 @@ def test_round_files_that_take_long_to_write_wait_so_they_keep_to_their_share(tm
         logs.round_due()
         logs.write_due()
     assert (rounds_in(RESULTS_FILE), rounds_in(LIVE_FILE)) == (1, 3)
+    assert logs.round_files_due_in() == pytest.approx(1.0 + wait - now[0])  # the wait ends when they are due
     now[0] = 1.0 + wait  # the first write ended at 1.0
+    assert logs.round_files_due_in() == 0.0
     logs.write_due()
     assert rounds_in(RESULTS_FILE) == 3
     assert len(list(csv.DictReader((tmp_path / METRICS_FILE).open()))) == 3
