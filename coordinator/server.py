@@ -84,6 +84,7 @@ from coordinator.strategies import (
     secure_aggregation_refused,
 )
 from edgefil import topics
+from edgefil.collector import long_run
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, ConnectionRefused, Link
 from edgefil.secagg import SecAggError
@@ -258,6 +259,10 @@ class Coordinator:
         answer is said within seconds; `wait_for_broker`: then waited for however long (a coordinator started
         before its broker, as a device waits), else ConnectionError after `connect_timeout`."""
         self.config.out.mkdir(parents=True, exist_ok=True)
+        with long_run():  # what it holds now: not scanned by the garbage collector (edgefil/collector.py)
+            return self._run(connect_timeout, wait_for_broker)
+
+    def _run(self, connect_timeout: float, wait_for_broker: bool) -> dict[str, Any]:
         self._connect(connect_timeout, wait_for_broker)
         self.outbox.run_started()
         try:

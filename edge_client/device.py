@@ -62,6 +62,7 @@ from edge_client.systemd import notify
 from edge_client.trainers.base import Proximal
 from edge_client.trainers.choice import make_trainer
 from edgefil import topics, wire
+from edgefil.collector import long_run
 from edgefil.link import CONNECTED, QOS, UNACKNOWLEDGED, ConnectionRefused, Link, Message, Will
 from edgefil.netloop import NetworkLoop
 from edgefil.secagg import SecAggError
@@ -145,7 +146,13 @@ class Device:
     def run(self, connect_timeout: float = 60.0, waiting: Callable[[], None] | None = None,
             connected: Callable[[], None] | None = None) -> None:
         """Connect (`waiting`: called when the broker keeps the device waiting, `Link.start`; `connected`: once the
-        broker has taken the connection), then handle messages until asked to stop or the run ends."""
+        broker has taken the connection), then handle messages until asked to stop or the run ends. What the
+        device built before is not scanned by the garbage collector while it runs (edgefil/collector.py)."""
+        with long_run():
+            self._run(connect_timeout, waiting, connected)
+
+    def _run(self, connect_timeout: float, waiting: Callable[[], None] | None,
+             connected: Callable[[], None] | None) -> None:
         self.link.start(timeout=connect_timeout, waiting=waiting)
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
         if connected is not None:

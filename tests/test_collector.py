@@ -1,0 +1,55 @@
+"""The garbage collector over a long run (edgefil/collector.py): what is alive when a run starts is not scanned while
+it runs, and is scanned again, its garbage collected rather than lost, once the process's last run ends; the
+coordinator and every device hold such a run while they run."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from thread_fleet import ThreadFederation
+
+from coordinator.broker import mosquitto_path
+from edgefil.collector import long_run, runs
+
+
+class Node:
+    def __init__(self) -> None:
+        self.self = self  # a cycle: only the collector frees it
+
+
+def test_what_a_run_starts_with_is_not_scanned_until_the_last_run_ends():
+    assert runs() == 0, "a run is going in this process: an earlier test left a device or a coordinator running"
+    cycle = Node()
+    alive = weakref.ref(cycle)
+    with long_run():
+        assert runs() == 1 and gc.get_freeze_count() > 0
+        with long_run():  # another run (a second device of the process) starts and ends
+            del cycle
+            gc.collect()
+            assert alive() is not None  # frozen with everything else when the first run started
+        assert runs() == 1 and gc.get_freeze_count() > 0
+        gc.collect()
+        assert alive() is not None
+    assert runs() == 0 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None  # the last run ended: scanned again, and collected
+
+
+@pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed (scripts/test installs it)")
+def test_the_coordinator_and_the_devices_each_hold_a_run_while_they_run(tmp_path, export_artifacts):
+    artifacts = export_artifacts("lenet", 10, (1, 8, 8))
+    seen = []
+    with ThreadFederation(tmp_path, artifacts, {"store": {"max_samples": 100}}, n_devices=2) as federation:
+        federation.wait_online()
+        coordinator = federation.coordinator({"name": "fedavg"}, rounds_per_task=1)
+        opening = coordinator.run_round
+
+        def probed() -> None:  # the coordinator's round, with what the process's collector holds then
+            seen.append((runs(), gc.get_freeze_count()))
+            opening()
+
+        coordinator.run_round = probed  # type: ignore[method-assign]
+        assert coordinator.run()["rounds_completed"] == 1
+    assert seen and seen[0][0] == 3 and seen[0][1] > 0  # the coordinator's and the two devices'
+    assert runs() == 0 and gc.get_freeze_count() == 0
