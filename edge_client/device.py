@@ -146,33 +146,30 @@ class Device:
     def run(self, connect_timeout: float = 60.0, waiting: Callable[[], None] | None = None,
             connected: Callable[[], None] | None = None) -> None:
         """Connect (`waiting`: called when the broker keeps the device waiting, `Link.start`; `connected`: once the
-        broker has taken the connection), then handle messages until asked to stop or the run ends. What the
-        device built before is not scanned by the garbage collector while it runs (edgefil/collector.py)."""
-        with long_run():
-            self._run(connect_timeout, waiting, connected)
-
-    def _run(self, connect_timeout: float, waiting: Callable[[], None] | None,
-             connected: Callable[[], None] | None) -> None:
+        broker has taken the connection), then handle messages until asked to stop or the run ends. While it
+        handles them, what the process holds is not scanned by the garbage collector (edgefil/collector.py); a
+        connection that fails freezes nothing (`run_until_stopped` tries again and again)."""
         self.link.start(timeout=connect_timeout, waiting=waiting)
         log.info("%s connected to %s:%s", self.id, self.config.broker.host, self.config.broker.port)
         if connected is not None:
             connected()
         notify("READY=1")  # under systemd (edge_client/systemd.py): started
         try:
-            while not self.stop_requested.is_set():
-                away = self.environment.offline_for()
-                if away > 0:
-                    self._stay_away(away)
-                    continue
-                item = self.backlog.popleft() if self.backlog else self.link.get(timeout=self._idle_wait())
-                try:
-                    if item is not None:
-                        self.handle(item.topic, item.payload)
-                    elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
-                        self._publish_status(self._ready_state(), progress=True)
-                        notify("WATCHDOG=1")
-                except Exception:  # the daemon outlives any one message; what failed is in the log
-                    log.exception("%s failed to handle a message; carrying on", self.id)
+            with long_run():
+                while not self.stop_requested.is_set():
+                    away = self.environment.offline_for()
+                    if away > 0:
+                        self._stay_away(away)
+                        continue
+                    item = self.backlog.popleft() if self.backlog else self.link.get(timeout=self._idle_wait())
+                    try:
+                        if item is not None:
+                            self.handle(item.topic, item.payload)
+                        elif time.monotonic() - self._last_status >= self.config.heartbeat_s:
+                            self._publish_status(self._ready_state(), progress=True)
+                            notify("WATCHDOG=1")
+                    except Exception:  # the daemon outlives any one message; what failed is in the log
+                        log.exception("%s failed to handle a message; carrying on", self.id)
         finally:
             self._publish_status("offline")
             self.link.wait_idle(timeout=5.0)

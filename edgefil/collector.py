@@ -13,8 +13,10 @@ run starts, and unfreezes (`gc.unfreeze`) when the last run of the process ends,
 after another (a test session, a notebook) scans its old objects again once no run is left: garbage that was alive
 at a freeze is collected then, not lost. Objects are still freed by their reference counts whenever they are let
 go; only cycles among frozen objects wait for the unfreeze. Runs overlap freely (a fleet worker's devices, one per
-thread, each starting as it is built and freezing what the devices built before it hold): the last to end
-unfreezes. `gc.freeze` and `gc.unfreeze` move whole lists: O(1), whatever the objects.
+thread, each starting once it is connected and freezing what the devices built before it hold): the last to
+end unfreezes. A device's run is its message loop, entered once connected: a device that retries a broker that
+is down freezes nothing until it gets through. `gc.freeze` and `gc.unfreeze` move whole lists: O(1), whatever
+the objects.
 """
 from __future__ import annotations
 
