@@ -673,7 +673,7 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
               f"{r['dev_sum']:11.3f} {r['dev_max']:7.3f} {r['floor']:6.3f} {r['overhead']:8.2f} "
               f"{r['overhead'] / s['n'] * 1e3:13.1f}")
 
-    per_device(summaries)
+    per_device(summaries, same_work=args.per_device > 0)
 
     print("\nCPU seconds per round (median), by process: the coordinator process, the broker, all workers (of "
           "which kernel); dev train = the devices' training threads; workers-dev = the devices' other work; "
@@ -738,10 +738,18 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
                 print(f"  {count:6d}  {what[:200]}")
 
 
-def per_device(summaries: list[dict]) -> None:
+def per_device(summaries: list[dict], same_work: bool = False) -> None:
     """Round time per device at each N, the round time each added device adds, and whether the first is flat
     within FLAT_WITHIN; then the least-squares line wall = fixed + per_device x N over the sizes, which separates what
-    grows with N from what does not (the selected devices' own rounds, once their number stops growing with N)."""
+    grows with N from what does not (the selected devices' own rounds, once their number stops growing with N).
+
+    With `same_work` (`--per-device`: every device trains on as many samples at every N), the devices' training CPU
+    a sample is the same work at every size, so it gauges the host's speed while each size ran: the sizes run one
+    after another, and a host shared with other machines (a virtual machine's neighbours, invisible to "other
+    procs") may slow down between them (seen: a 1000-device round 1.2 s, then 2.0 s minutes later, its training 1.4x
+    slower a sample). Printed with the round time per device in those units (wall a device over training CPU a
+    sample), whose spread is what N changes with the host's speed taken out: a reading beside the wall's, never
+    instead of it."""
     for broker in dict.fromkeys(s["broker"] for s in summaries):
         done = [s for s in summaries if s["broker"] == broker and s["rounds"].get("rounds")]
         if not done:
@@ -767,6 +775,13 @@ def per_device(summaries: list[dict]) -> None:
         print(f"per device {min(each) * 1e3:.2f}-{max(each) * 1e3:.2f} ms: {spread:.2f}x "
               f"({'within' if spread <= FLAT_WITHIN else 'outside'} {FLAT_WITHIN}x); least squares over the sizes: wall = "
               f"{fixed:.2f} s + {slope * 1e3:.2f} ms x N")
+        if same_work and all(s["rounds"]["samples"] > 0 and s["rounds"]["dev_sum"] > 0 for s in done):
+            sample = [s["rounds"]["dev_sum"] / s["rounds"]["samples"] for s in done]
+            units = [wall / cost for wall, cost in zip(each, sample)]
+            print(f"the host's speed: the devices' training CPU a sample {min(sample) * 1e6:.0f}-"
+                  f"{max(sample) * 1e6:.0f} us over the sizes ({max(sample) / min(sample):.2f}x); the round time per "
+                  f"device in those units {min(units):.2f}-{max(units):.2f} ({max(units) / min(units):.2f}x, "
+                  f"{'within' if max(units) / min(units) <= FLAT_WITHIN else 'outside'} {FLAT_WITHIN}x)")
 
 
 def over_rounds(summaries: list[dict]) -> None:
