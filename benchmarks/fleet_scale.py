@@ -30,7 +30,8 @@ cores); overhead = wall - floor, everything that is not training (the coordinato
 devices' protocol work, scheduling). ratio is the median wall at N over the median wall at the first N (same
 broker). Round time per device: the median wall over N at each N, with the wall each added device adds, whether
 the first is flat within FLAT_WITHIN (1.2x) across the sizes, and the least-squares line wall = fixed + per device
-x N over the sizes.
+x N over the sizes. With `--per-device` also the host's speed while each size ran (the devices' training CPU a
+sample: the same work at every N) and the round time per device in those units (`per_device`).
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty); the
 devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target), and that share's
