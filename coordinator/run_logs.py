@@ -22,8 +22,7 @@ round whose files are due, written once the time since their last write is at le
 times what that write took, so they never take more than that share of the coordinator's time; a small fleet's
 take milliseconds and are written after (nearly) every round, a large fleet's after every few; the coordinator's
 wait for its next message ends when they are due (`round_files_due_in`), so a quiet fleet does not hold them back. A
-crash may then
-leave them a few rounds behind the checkpoint (never ahead); the end of a run writes them at once.
+crash may then leave them a few rounds behind the checkpoint (never ahead); the end of a run writes them at once.
 
 The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
 Writing them may fail (a full disk): the failure is logged, and the run goes on.

@@ -7,6 +7,7 @@ import gc
 import weakref
 
 import pytest
+from fleet_harness import CEILING_S
 from thread_fleet import ThreadFederation
 
 from coordinator.broker import mosquitto_path
@@ -52,4 +53,5 @@ def test_the_coordinator_and_the_devices_each_hold_a_run_while_they_run(tmp_path
         coordinator.run_round = probed  # type: ignore[method-assign]
         assert coordinator.run()["rounds_completed"] == 1
     assert seen and seen[0][0] == 3 and seen[0][1] > 0  # the coordinator's and the two devices'
+    assert federation.devices_stopped(CEILING_S)  # their runs end with their threads: waited for, not timed
     assert runs() == 0 and gc.get_freeze_count() == 0

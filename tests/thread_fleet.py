@@ -4,6 +4,7 @@ split between the devices."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,14 @@ class ThreadFederation:
             broker=BrokerSettings(port=self.address.port, username="coordinator", password="pw-c"),
             strategy=dict(strategy), client=dict(client or {"epochs": 1}), **options,
         ), resume=resume, test_sets=FolderTestSets(self.tests, load_manifest(self.artifacts)))
+
+    def devices_stopped(self, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until every device's thread has ended (after the federation's exit, which
+        waits 15 s for each): whether they all have."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
