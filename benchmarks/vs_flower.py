@@ -44,6 +44,8 @@ medians over `--repeats` (the two sides alternate which goes first):
                processes, and the first N's marginal would count a process, not a device); none for a first N
                at or below the base fleet
   ratio        Flower / edgefil (above 1: edgefil is faster or smaller)
+and, for edgefil, where its round goes in CPU (`fleet_scale.py`'s probe): its coordinator's, broker's and workers'
+CPU seconds a round, the devices' training among the workers', its share, and the rest a device that trains.
 
     .venv/bin/python benchmarks/vs_flower.py [--devices 10,200,1000,3000] [--rounds 3] [--repeats 2] [--base CORES]
         [--flower-venv .venv-flower] [--json FILE]
@@ -76,6 +78,9 @@ REPLAY_M = 1400  # more than any share: every device trains on all of its data, 
 WORK = {"preset": "digits-class", "n_tasks": 1, "classes_per_task": 10}  # with "n_clients": N (module docstring)
 CLIENT = {"mask_seen_classes": False, "fresh_optimizer": True}  # edgefil's rounds train as Flower's (module docstring)
 RESULT = "VS_FLOWER_RESULT "
+# edgefil's CPU seconds a round by process (fleet_scale's probe), and the devices' training among the workers'
+CPU_PARTS = {"coordinator": "cpu_coordinator", "broker": "cpu_broker", "workers": "cpu_workers",
+             "training": "dev_sum"}
 
 
 # --- measuring a side from outside ----------------------------------------------------------------
@@ -188,10 +193,12 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
                     client=CLIENT, guard=OFF)
     summary = summarize(run)
     first = run["probe"].rounds[min(run["probe"].rounds)]
+    later = summary["rows"][1:] or summary["rows"]  # the rounds after the first (it also stores the task's data)
+    cpu = {name: median([row[key] for row in later]) for name, key in CPU_PARTS.items()}
     return {"first_round_done_s": first.closed - t0, "round_s": summary["rounds"]["walls"],
             "registered_s": summary["startup"], "accuracy": summary["accuracy"],
             "completed": summary["completed"], "trained": median([row["received"] for row in summary["rows"]]),
-            "samples": [row["samples"] for row in summary["rows"]]}
+            "samples": [row["samples"] for row in summary["rows"]], "cpu": cpu}
 
 
 def fill_cache(cache: Path, folder: Path) -> None:
@@ -415,6 +422,27 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
         (e_trained, e_samples, e_accuracy), (f_trained, f_samples, f_accuracy) = work["edgefil"], work["flower"]
         print(f"| {n:4d} | {e_trained:.0f} | {f_trained:.0f} | {e_samples:.0f} | {f_samples:.0f} | {e_accuracy:.3f} "
               f"| {f_accuracy:.3f} |")
+    print_cpu(runs, sizes)
+
+
+def print_cpu(runs: list[dict[str, Any]], sizes: list[int]) -> None:
+    """Where edgefil's round goes in CPU: its processes' CPU seconds a round (the median round after the first, the
+    median run), the devices' training among the workers', its share of the whole, and what the rest costs a device
+    that trains (the clients training a round)."""
+    print("\nedgefil's CPU s a round (cached runs; the median round after the first): training = the devices' "
+          "training threads, within the workers'; besides = (the whole - training) / the clients training, ms")
+    print("\n|    N | coordinator | broker | workers | devices' training | training share | besides ms a device |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        mine = [r["cpu"] for r in runs if r["n"] == n and r["side"] == "edgefil" and "cpu" in r]
+        if not mine:
+            continue
+        part = {name: median([cpu[name] for cpu in mine]) for name in CPU_PARTS}
+        whole = part["coordinator"] + part["broker"] + part["workers"]
+        clients = median([r["trained"] for r in runs if r["n"] == n and r["side"] == "edgefil"])
+        print(f"| {n:4d} | {part['coordinator']:.2f} | {part['broker']:.2f} | {part['workers']:.2f} "
+              f"| {part['training']:.2f} | {part['training'] / whole:.1%} "
+              f"| {(whole - part['training']) / clients * 1e3:.1f} |")
 
 
 def print_parts(runs: list[dict[str, Any]], sizes: list[int]) -> None:
