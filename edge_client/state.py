@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.trainers.base import OptimizerState
-from edgefil.durable import StateError, load_buffer, load_slotted, save_slotted
+from edgefil.durable import StateError, load_buffers, load_slotted, save_slotted
 
 __all__ = ["ClientState", "StateError", "load_state", "save_state", "save_state_keeping_weights"]
 
@@ -72,12 +72,13 @@ def load_state(directory: str | Path, weights: bool = True, optimizer: bool = Tr
     reading that buffer (None in the state); `saved`: the record `save_state` returned, read as it is (its buffers
     checked against their checksums as ever)."""
     if saved is None:
-        newest = load_slotted(directory, weights)
+        newest = load_slotted(directory, weights=False)
         if newest is None:
             return None
-        record, buffer = newest
-    else:
-        record, buffer = saved, load_buffer(directory, saved, "weights") if weights else None
+        saved = newest[0]
+    record = saved
+    buffers = load_buffers(directory, record, [name for name, wanted in (("weights", weights), ("optimizer", optimizer))
+                                               if wanted])  # both from one read of their slot
     try:
         return ClientState(
             task=int(record["task"]),
@@ -89,8 +90,8 @@ def load_state(directory: str | Path, weights: bool = True, optimizer: bool = Tr
             task_counts=[int(n) for n in record.get("task_counts", [])],
             model=str(record.get("model", "")),
             metrics={str(k): float(v) for k, v in record.get("metrics", {}).items()},
-            weights=buffer,
-            optimizer=load_buffer(directory, record, "optimizer") if optimizer else None,
+            weights=buffers.get("weights"),
+            optimizer=buffers.get("optimizer"),
             optimizer_buffers=[str(name) for name in record.get("optimizer_buffers", [])],
             optimizer_steps=int(record.get("optimizer_steps", 0)),
         )

@@ -6,17 +6,22 @@ Two forms, one for each way a checkpoint is kept:
   buffer (the record's `weights`) goes to a file named after its sha256, then `state.json` is replaced with
   rename(2); the record's presence marks the directory complete.
 - Saved again and again in one directory (`save_slotted`, `load_slotted`): a device's state, every round. Two
-  slots of each file, written in place: a save writes the buffers (the weights, and the `optimizer` state where it
-  saves one) into the slot files the newest record does not name, each with its CRC32C (CHECKSUMS), then the
-  record, with a sequence number and its own sha256, into the other record slot. The newest record whose checksum
-  holds is the state; a crash during a save leaves that slot torn or stale and the one before whole. The first save
-  fills both slots (the older with the same state), so no file is created, renamed or removed after it: on ext4 a
-  replace by rename (create, write, rename over the old file, unlink the old buffer) costs 2-5 times the CPU and 3-6
-  times the wall time of writing the same bytes in place (`benchmarks/state_save.py`), and a device's flash sees
-  each file rewritten instead of files created and deleted every round. A directory holds at most two of each
-  buffer, as the replace held during a save. A process's next save in a folder takes the newest slot from its last
-  save there (`_last_saves`) where the record files are as that save left them. A directory saved by the written-once
-  form (an older device's state.json) is read until the first whole slotted save, which removes its files.
+  slots, each one file written in place (SLOT_FILE): a header line with the save's sequence number and the CRC32C
+  of all that follows it, the record's JSON, then the buffers (the weights, and the `optimizer` state where it
+  saves one), each with its own CRC32C in the record. A save writes its slot in one system call into the file the
+  newest slot is not in. The newest slot whose CRC32C holds is the state; a crash during a save leaves that slot
+  torn (its CRC32C fails) and the other whole. The first save fills both slots (the older with the same state), so
+  no file is created, renamed or removed after it: on ext4 a replace by rename (create, write, rename over the old
+  file, unlink the old buffer) costs 2-5 times the CPU and 3-6 times the wall time of writing the same bytes in
+  place (`benchmarks/state_save.py`), and a device's flash sees each file rewritten instead of files created and
+  deleted every round. The JSON is padded to a multiple of SLOT_JSON_BYTES, so a slot keeps its size from save to
+  save (no truncation, and no new block on a full disk). A process's next save in a folder takes the newest slot
+  from its last save there (`_last_saves`) where the slot files are as that save left them.
+
+  Two earlier forms of a device's state are read until the first save in one-file slots, which removes their
+  files: the written-once form (an older device's state.json), and slots of several files each (SLOT_RECORD and
+  SLOT_BUFFER: a record file per slot and a file per buffer and slot), which a save wrote in three to six system
+  calls each opening, writing, checking and closing a file, where a slot of one file takes one of each.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -36,23 +41,28 @@ import numpy as np
 from edgefil.wire import crc32c
 
 STATE_FILE = "state.json"
-BUFFERS = ("weights", "optimizer")  # a record's fields that are flat float32 buffers, each saved in a file of its own
+BUFFERS = ("weights", "optimizer")  # a record's fields that are flat float32 buffers
 SLOTS = ("a", "b")
-SLOT_RECORD = "state-{}.rec"  # a slot's record: RECORD_MAGIC, its sequence, the sha256 of the JSON after the newline
-SLOT_BUFFER = "{}.{}.f32"  # a buffer's slot file, e.g. weights.a.f32 (the written-once form's are weights-<sha>.f32)
+SLOT_FILE = "state-{}.slot"  # a slot: SLOT_MAGIC, its sequence, the CRC32C of the rest and its JSON's length; the rest
+SLOT_MAGIC = b"edgefil-state 2 "
+# A slot's JSON is padded with spaces to a multiple of this many bytes: a record's length changes from save to save
+# by a few bytes (its counts, its metrics' digits), and the slot's file then keeps its size and its blocks.
+SLOT_JSON_BYTES = 256
+# The earlier slotted form's files (read, and removed by the first save in one-file slots): a slot's record, with
+# RECORD_MAGIC, its sequence and the sha256 of the JSON after the newline, and its buffers, e.g. weights.a.f32
+SLOT_RECORD = "state-{}.rec"
+SLOT_BUFFER = "{}.{}.f32"
 RECORD_MAGIC = b"edgefil-state 1 "
-_SLOT_FILES = {SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SLOTS}
 # How a record names its buffers' checksums (`<buffer>_<kind>`), the first the record holds counting. A slotted
 # save (a device's, every round) takes a buffer's CRC32C, which catches a damaged or torn file as sha256 did, at
 # memory speed: 1 us for cnn1d's weights (21 KB) here and 10 us for LeNet's (244 KB), against sha256's 14 and 150,
 # and a fleet's device checks five buffers a round (its weights and two AdamW moments saved, the moments read back).
 # The written-once form, whose files sha256 names, and a slotted save made before: sha256.
 CHECKSUMS = ("crc32c", "sha256")
-# What this process's last whole save in a folder wrote: (slot, sequence, record) and the identity of both record
-# files after it (`_records_identity`). The next save there takes the newest slot from it instead of reading and
-# checking both records again (in a 200-device fleet worker, 0.12-0.13 of a save's 0.56-0.69 ms); where another hand
-# changed, replaced or removed a record file since (an identity differs), the records are read again, and a save
-# that fails forgets what it knew.
+# What this process's last whole save in a folder wrote: (slot, sequence, record) and the identity of both slot
+# files after it (`_slots_identity`). The next save there takes the newest slot from it instead of reading and
+# checking both slots again; where another hand changed, replaced or removed a slot file since (an identity
+# differs), the slots are read again, and a save that fails forgets what it knew.
 _last_saves: dict[str, tuple[str, int, dict[str, Any], tuple[tuple[int, int, int] | None, ...]]] = {}
 
 
@@ -197,17 +207,47 @@ def load_record(directory: str | Path, weights: bool = True) -> tuple[dict[str, 
 def load_buffer(directory: str | Path, record: dict[str, Any], name: str) -> np.ndarray | None:
     """The buffer `name` (one of BUFFERS) that `record` names, checked against its checksum (CHECKSUMS); None when it
     names none."""
+    return load_buffers(directory, record, (name,))[name]
+
+
+def load_buffers(directory: str | Path, record: dict[str, Any], names: Sequence[str]) -> dict[str, np.ndarray | None]:
+    """The buffers `names` that `record` names, each checked as `load_buffer` checks it; a file that holds several
+    (a slot's) is read once."""
+    read: dict[str, memoryview] = {}
+    loaded: dict[str, np.ndarray | None] = {}
+    for name in names:
+        try:
+            blob = _buffer_bytes(os.fspath(directory), record, name, read)
+        except (OSError, TypeError, ValueError) as err:
+            raise StateError(f"saved state in {directory} is unreadable: {err!r}") from err
+        if blob is None:
+            loaded[name] = None
+            continue
+        kind = next((kind for kind in CHECKSUMS if f"{name}_{kind}" in record), CHECKSUMS[-1])
+        if _checksum(kind, blob) != record.get(f"{name}_{kind}"):
+            raise StateError(f"{name} in {record[f'{name}_file']} in {directory} does not match its {kind}")
+        loaded[name] = np.frombuffer(blob, dtype="<f4").astype(np.float32)
+    return loaded
+
+
+def _buffer_bytes(folder: str, record: dict[str, Any], name: str, read: dict[str, memoryview]
+                  ) -> memoryview | None:
+    """The bytes of the buffer `name` where `record` says they are, unchecked (None where it names none): in a slot
+    (`<name>_at`: their offset among the slot's buffers and their length), or a file of their own (the earlier
+    forms'). `read`: the buffers of the slots read so far, by file."""
     file = record.get(f"{name}_file")
     if file is None:
         return None
-    try:
-        blob = _read(os.path.join(directory, str(file)))
-    except (OSError, TypeError, ValueError) as err:
-        raise StateError(f"saved state in {directory} is unreadable: {err!r}") from err
-    kind = next((kind for kind in CHECKSUMS if f"{name}_{kind}" in record), CHECKSUMS[-1])
-    if _checksum(kind, blob) != record.get(f"{name}_{kind}"):
-        raise StateError(f"{file} in {directory} does not match its {kind}")
-    return np.frombuffer(blob, dtype="<f4").astype(np.float32)
+    at = record.get(f"{name}_at")
+    if at is None:
+        return memoryview(_read(os.path.join(folder, str(file))))
+    if str(file) not in read:
+        read[str(file)] = _slot_parts(_read(os.path.join(folder, str(file))))[2]
+    offset, length = (int(n) for n in at)
+    buffers = read[str(file)]
+    if not 0 <= offset <= offset + length <= len(buffers):
+        raise ValueError(f"{file} is shorter than its record says")
+    return buffers[offset:offset + length]
 
 
 def _checksum(kind: str, blob: bytes | memoryview) -> str:
@@ -218,114 +258,124 @@ def _checksum(kind: str, blob: bytes | memoryview) -> str:
 # --- saved again and again in one directory: slots ----------------------------------------------------------------
 
 def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) -> dict[str, Any]:
-    """Save a dataclass as `save_record` takes it into `directory`'s slots (the module docstring): its buffers into
-    the slot files the newest record does not name, then its record into the older record slot. `keep_buffers`: the
-    record alone (every field but the buffers), naming the buffers the newest record names, unwritten: a few hundred
-    bytes where a full disk has no room for a weight file, so what the record holds survives a restart.
+    """Save a dataclass as `save_record` takes it into `directory`'s slots (the module docstring): its record and
+    buffers into the slot the newest state is not in. `keep_buffers`: every field but the buffers, with the buffers
+    the newest record names, copied as they are (their checksums with them): what fits a full disk, whose slot
+    files are already as long.
 
-    The first whole save in a directory fills both slots (`_fill_older_slot`): no later save creates a file."""
+    The first save in a directory (or the first after an earlier form's) fills both slots (`_fill_older_slot`): no
+    later save creates a file."""
     directory = Path(directory)
     folder = os.fspath(directory)  # the files' paths joined as text: pathlib's joins took a fifth of a save's CPU
-    newest = _last_save(folder) or _newest_slot(directory)
+    known = _last_save(folder)
+    newest = known[:3] if known is not None else _newest_slot(directory)
     if newest is None:
         directory.mkdir(parents=True, exist_ok=True)
     previous = {} if newest is None else newest[2]
+    first = newest is None or newest[0] == ""  # no one-file slot here yet
+    slot = SLOTS[0] if newest is None or first else next(s for s in SLOTS if s != newest[0])
+    sequence = 1 if newest is None else newest[1] + 1
     names = [f.name for f in fields(state)]
     buffers = [name for name in BUFFERS if name in names]
     record: dict[str, Any] = {name: getattr(state, name) for name in names if name not in BUFFERS}
-    created = False
     blobs: dict[str, memoryview] = {}
+    read: dict[str, memoryview] = {}
     for name in buffers:
-        if keep_buffers:  # the newest record's files (None where it names none, or where there is no record)
-            record[f"{name}_file"] = previous.get(f"{name}_file")
+        if keep_buffers:  # the newest record's, where it names them
+            blob = _buffer_bytes(folder, previous, name, read)
             record.update({f"{name}_{kind}": previous[f"{name}_{kind}"] for kind in CHECKSUMS
                            if f"{name}_{kind}" in previous})
-            continue
-        record[f"{name}_file"] = None
-        value = getattr(state, name)
-        if value is not None:  # its bytes where they are (a copy only where not little-endian float32 already)
-            blob = np.ascontiguousarray(value, dtype="<f4").reshape(-1).data.cast("B")
-            file = next(SLOT_BUFFER.format(name, slot) for slot in SLOTS
-                        if SLOT_BUFFER.format(name, slot) != previous.get(f"{name}_file"))
-            record[f"{name}_file"], record[f"{name}_crc32c"] = file, _checksum("crc32c", blob)
-            created |= _write_in_place(os.path.join(folder, file), blob)
+        else:  # its bytes where they are (a copy only where not little-endian float32 already)
+            value = getattr(state, name)
+            blob = None if value is None else np.ascontiguousarray(value, dtype="<f4").reshape(-1).data.cast("B")
+            if blob is not None:
+                record[f"{name}_crc32c"] = _checksum("crc32c", blob)
+        if blob is not None:
             blobs[name] = blob
-    if created:  # a new buffer file's name is on the disk before a record names it
-        fsync_directory(directory)
-    sequence = 1 if newest is None else newest[1] + 1
-    slot = next(s for s in SLOTS if newest is None or s != newest[0])
-    if _write_in_place(os.path.join(folder, SLOT_RECORD.format(slot)), _slot_record(sequence, record)):
-        fsync_directory(directory)
-    if not keep_buffers and (newest is None or newest[0] == ""):  # the first slotted save here
-        _fill_older_slot(directory, slot, record, blobs)
-    # the first whole save after the written-once form's (read, or kept by a record-only save): its files go
-    written_once = {previous.get(f"{name}_file") for name in BUFFERS} - {None, *_SLOT_FILES}
-    if not keep_buffers and newest is not None and (newest[0] == "" or written_once):
-        _remove_written_once(directory, record)
-    _last_saves[folder] = slot, sequence, record, _records_identity(folder)
-    return record
+    written, found = _write_slot(folder, slot, sequence, record, buffers, blobs)
+    if first:
+        if newest is not None:  # an earlier form's files go, now that a slot holds the state
+            _remove_earlier_forms(directory)
+        _fill_older_slot(directory, slot, record, buffers, blobs)
+        identity = list(_slots_identity(folder))
+    else:  # the other slot as the check before this save found it (stated again where there was none)
+        identity = list(known[3] if known is not None else _slots_identity(folder))
+        identity[SLOTS.index(slot)] = _file_identity(found)
+    _last_saves[folder] = slot, sequence, written, tuple(identity)
+    return written
 
 
-def _last_save(folder: str) -> tuple[str, int, dict[str, Any]] | None:
-    """The newest slot as this process's last save in `folder` left it (`_last_saves`), taken back (a save that
-    fails leaves nothing known); None where none is known, or a record file is not as that save left it."""
+def _write_slot(folder: str, slot: str, sequence: int, record: dict[str, Any], buffers: Sequence[str],
+                blobs: dict[str, memoryview]) -> tuple[dict[str, Any], os.stat_result]:
+    """Write `record` (its dataclass's fields but the buffers) and `blobs` (the buffers it holds among `buffers`)
+    into `slot` as its state of `sequence`, in place; the record as written (with where each buffer is) and the
+    slot file's fstat after the write. A slot file made here is on the disk before the save returns, where this
+    process's writes are to survive a power cut."""
+    file = SLOT_FILE.format(slot)
+    written, offset = dict(record), 0
+    for name in buffers:
+        blob = blobs.get(name)
+        written[f"{name}_file"] = None if blob is None else file
+        if blob is not None:
+            written[f"{name}_at"] = [offset, len(blob)]
+            offset += len(blob)
+    payload = json.dumps(written).encode()
+    payload += b" " * (-len(payload) % SLOT_JSON_BYTES)
+    check = crc32c(payload)
+    for blob in blobs.values():
+        check = crc32c(blob, check)
+    head = SLOT_MAGIC + f"{sequence} {check:08x} {len(payload)}\n".encode()
+    path = os.path.join(folder, file)
+    created, found = _write_in_place(path, [head, payload, *(blobs[name] for name in buffers if name in blobs)])
+    if created:
+        fsync_directory(Path(folder))
+    return written, found
+
+
+def _last_save(folder: str) -> tuple[str, int, dict[str, Any], tuple[tuple[int, int, int] | None, ...]] | None:
+    """What this process's last save in `folder` left (`_last_saves`), taken back (a save that fails leaves nothing
+    known); None where none is known, or a slot file is not as that save left it."""
     known = _last_saves.pop(folder, None)
     if known is None:
         return None
-    slot, sequence, record, identity = known
     try:
-        return (slot, sequence, record) if _records_identity(folder) == identity else None
+        return known if _slots_identity(folder) == known[3] else None
     except OSError:  # read again, where the error says what it is
         return None
 
 
-def _records_identity(folder: str) -> tuple[tuple[int, int, int] | None, ...]:
-    """Each slot record file's inode, size and mtime (None where it is missing): what a write, a replace or a
-    removal changes (all but a write of the same size within the file system's timestamp granularity, a few ms)."""
+def _slots_identity(folder: str) -> tuple[tuple[int, int, int] | None, ...]:
+    """Each slot file's inode, size and mtime (None where it is missing): what a write, a replace or a removal
+    changes (all but a write of the same size within the file system's timestamp granularity, a few ms)."""
     identity: list[tuple[int, int, int] | None] = []
     for slot in SLOTS:
         try:
-            found = os.stat(os.path.join(folder, SLOT_RECORD.format(slot)))
+            identity.append(_file_identity(os.stat(os.path.join(folder, SLOT_FILE.format(slot)))))
         except FileNotFoundError:
             identity.append(None)
-            continue
-        identity.append((found.st_ino, found.st_size, found.st_mtime_ns))
     return tuple(identity)
 
 
-def _slot_record(sequence: int, record: dict[str, Any]) -> bytes:
-    """A slot record's bytes: RECORD_MAGIC, its sequence and the sha256 of the JSON that follows the newline."""
-    payload = json.dumps(record).encode()
-    return RECORD_MAGIC + f"{sequence} {hashlib.sha256(payload).hexdigest()}\n".encode() + payload
+def _file_identity(found: os.stat_result) -> tuple[int, int, int]:
+    return found.st_ino, found.st_size, found.st_mtime_ns
 
 
-def _fill_older_slot(directory: Path, newest: str, record: dict[str, Any], blobs: dict[str, memoryview]) -> None:
-    """The first whole save's state in the other slot too, as an older record (sequence 0) naming that slot's buffer
-    files: every later save then writes files that exist, in place. A file created in a later save cost that save
-    the most: a fleet worker's 200 devices saved LeNet's weights in 0.92 ms a device in the round that made each
-    device's second slot, 0.52 in the rounds after it (docs/results.md, "Both slots at the first save"). A crash
-    while filling it leaves the newer record, written before, whole; a disk without room for it (OSError) leaves the
-    save whole without it, the files it made removed, and a later save makes the slot as before."""
-    folder, slot = os.fspath(directory), next(s for s in SLOTS if s != newest)
-    older, made = dict(record), []
-    try:
-        for name, blob in blobs.items():
-            older[f"{name}_file"] = file = SLOT_BUFFER.format(name, slot)
-            made.append(os.path.join(folder, file))
-            _write_in_place(made[-1], blob)
-        _write_in_place(os.path.join(folder, SLOT_RECORD.format(slot)), _slot_record(0, older))
-    except OSError:
-        for path in made:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        return
-    fsync_directory(directory)
+def _fill_older_slot(directory: Path, newest: str, record: dict[str, Any], buffers: Sequence[str],
+                     blobs: dict[str, memoryview]) -> None:
+    """The first save's state in the other slot too, as an older one (sequence 0): every later save then writes a
+    file that exists, in place. A file created in a later save cost that save the most: a fleet worker's 200 devices
+    saved LeNet's weights in 0.92 ms a device in the round that made each device's second slot, 0.52 in the rounds
+    after it (docs/results.md, "Both slots at the first save"). A crash while filling it leaves the newer slot,
+    written before, whole; a disk without room for it (OSError) leaves the save whole without it, the file removed
+    where it made it, and a later save makes the slot as before."""
+    with contextlib.suppress(OSError):
+        _write_slot(os.fspath(directory), next(s for s in SLOTS if s != newest), 0, record, buffers, blobs)
 
 
 def load_slotted(directory: str | Path, weights: bool = True) -> tuple[dict[str, Any], np.ndarray | None] | None:
-    """The newest whole (record, weights) that `save_slotted` saved, or the written-once form's (`load_record`)
-    where no slotted save has been made; None when nothing was ever saved here; `weights` False: the record alone
-    (its weights None). StateError when records are there and none can be read, or their weights are damaged."""
+    """The newest whole (record, weights) that `save_slotted` saved, or an earlier form's where no one-file slot
+    has been saved; None when nothing was ever saved here; `weights` False: the record alone (its weights None).
+    StateError when slots are there and none can be read, or their weights are damaged."""
     directory = Path(directory)
     newest = _newest_slot(directory)
     if newest is None:
@@ -335,40 +385,79 @@ def load_slotted(directory: str | Path, weights: bool = True) -> tuple[dict[str,
 
 
 def _newest_slot(directory: Path) -> tuple[str, int, dict[str, Any]] | None:
-    """(slot, sequence, record) of the newest slot record whose checksum holds; slot "" for the written-once form's
-    state.json where no slot record exists; None when neither exists. StateError when slot records exist and none
-    is whole. The sequence is in each record's first line, so only the newest record is checked and parsed where it
-    is whole (every save but the one after a crash)."""
-    candidates, damaged = [], []
+    """(slot, sequence, record) of the newest slot whose checksum holds, one-file slots and the earlier form's
+    together; slot "" for an earlier form's (the next save's the first in one-file slots), and for the written-once
+    form's state.json where no slot exists; None when nothing does. StateError when slots exist and none is whole.
+    The sequence is in each slot's first line, so only the newest is checked and parsed where it is whole (every
+    read but the one after a crash)."""
+    candidates: list[tuple[int, bool, str, Callable[[], dict[str, Any]]]] = []
+    damaged: list[str] = []
     for slot in SLOTS:
-        name = SLOT_RECORD.format(slot)
+        for name, one_file in ((SLOT_FILE.format(slot), True), (SLOT_RECORD.format(slot), False)):
+            try:
+                data = _read(os.path.join(directory, name))
+                if one_file:
+                    sequence, whole, _ = _slot_parts(data)
+                else:
+                    sequence, whole = _earlier_record(data)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as err:
+                damaged.append(f"{name}: {err}")
+                continue
+            candidates.append((sequence, one_file, slot if one_file else "", whole))
+    for sequence, _, slot, whole in sorted(candidates, key=lambda c: c[:2], reverse=True):
         try:
-            data = _read(os.path.join(directory, name))
-        except FileNotFoundError:
-            continue
-        except OSError as err:
-            damaged.append(f"{name}: {err}")
-            continue
-        head, _, payload = data.partition(b"\n")
-        number, _, digest = head.removeprefix(RECORD_MAGIC).partition(b" ")
-        if not head.startswith(RECORD_MAGIC) or not number.isdigit():
-            damaged.append(f"{name}: not a state record")
-            continue
-        candidates.append((int(number), slot, digest, payload))
-    for sequence, slot, digest, payload in sorted(candidates, reverse=True):
-        try:
-            if digest.decode() != hashlib.sha256(payload).hexdigest():
-                raise ValueError("its sha256 does not match (a save cut short, or a damaged file)")
-            record = json.loads(payload)
-            if not isinstance(record, dict):
-                raise ValueError("not a record")
-            return slot, sequence, record
+            return slot, sequence, whole()
         except ValueError as err:
-            damaged.append(f"{SLOT_RECORD.format(slot)}: {err}")
+            damaged.append(f"{SLOT_FILE.format(slot) if slot else 'an earlier slot record'}: {err}")
     if damaged:
         raise StateError(f"saved state in {directory} is unreadable: {'; '.join(damaged)}")
     written_once = load_record(directory, weights=False)
     return None if written_once is None else ("", 0, written_once[0])
+
+
+def _slot_parts(data: bytes) -> tuple[int, Callable[[], dict[str, Any]], memoryview]:
+    """A slot file's sequence, its record (a call that checks the slot's CRC32C and parses its JSON: ValueError
+    where either fails) and its buffers' bytes, unchecked. ValueError where the header is not a slot's."""
+    head, newline, _ = data.partition(b"\n")
+    parts = head.removeprefix(SLOT_MAGIC).split(b" ")
+    if not (head.startswith(SLOT_MAGIC) and newline and len(parts) == 3 and parts[0].isdigit()
+            and parts[2].isdigit() and len(parts[1]) == 8):
+        raise ValueError("not a state slot")
+    sequence, check, length = int(parts[0]), parts[1].decode("ascii", "replace"), int(parts[2])
+    rest = memoryview(data)[len(head) + 1:]
+    if length > len(rest):
+        raise ValueError("cut short")
+
+    def record() -> dict[str, Any]:
+        if f"{crc32c(rest):08x}" != check:
+            raise ValueError("its CRC32C does not match (a save cut short, or a damaged file)")
+        parsed = json.loads(bytes(rest[:length]))
+        if not isinstance(parsed, dict):
+            raise ValueError("not a record")
+        return parsed
+
+    return sequence, record, rest[length:]
+
+
+def _earlier_record(data: bytes) -> tuple[int, Callable[[], dict[str, Any]]]:
+    """An earlier slot record's sequence and record (a call that checks its sha256 and parses it: ValueError where
+    either fails); ValueError where its first line is not a record's."""
+    head, _, payload = data.partition(b"\n")
+    number, _, digest = head.removeprefix(RECORD_MAGIC).partition(b" ")
+    if not head.startswith(RECORD_MAGIC) or not number.isdigit():
+        raise ValueError("not a state record")
+
+    def record() -> dict[str, Any]:
+        if digest.decode("ascii", "replace") != hashlib.sha256(payload).hexdigest():
+            raise ValueError("its sha256 does not match (a save cut short, or a damaged file)")
+        parsed = json.loads(payload)
+        if not isinstance(parsed, dict):
+            raise ValueError("not a record")
+        return parsed
+
+    return int(number), record
 
 
 def _read(path: str) -> bytes:
@@ -376,22 +465,30 @@ def _read(path: str) -> bytes:
         return file.readall()
 
 
-def _write_in_place(path: str, data: bytes | memoryview) -> bool:
-    """Write `data` over the file at `path` from its start (created if missing) and cut it to that length, synced
-    where this process's writes are to survive a power cut; True when it created the file. A write that fails
-    (ENOSPC) leaves the file empty, or removes it where it made it: no record names it, and its blocks are what a
-    record-only save on a full disk needs next."""
+def _write_in_place(path: str, parts: Sequence[bytes | memoryview]) -> tuple[bool, os.stat_result]:
+    """Write `parts`, one after another, over the file at `path` from its start (created if missing) in one
+    system call where the kernel takes them whole, and cut it to that length, synced where this process's writes
+    are to survive a power cut; whether it created the file, and its fstat after the write. A write that fails
+    (ENOSPC) leaves the file empty, or removes it where it made it: no slot is whole in it, and its blocks are what
+    a record-only save on a full disk needs next."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         created = False
     except FileNotFoundError:
         fd, created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644), True
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if os.fstat(fd).st_size != len(data):
-            os.ftruncate(fd, len(data))
+        views = [memoryview(part).cast("B") for part in parts]
+        length = sum(len(view) for view in views)
+        while views:
+            done = os.writev(fd, views)
+            while views and done >= len(views[0]):
+                done -= len(views.pop(0))
+            if views:
+                views[0] = views[0][done:]
+        found = os.fstat(fd)
+        if found.st_size != length:
+            os.ftruncate(fd, length)
+            found = os.fstat(fd)
         if _power_loss_safe:
             os.fsync(fd)
     except OSError:
@@ -403,15 +500,17 @@ def _write_in_place(path: str, data: bytes | memoryview) -> bool:
         raise
     finally:
         os.close(fd)
-    return created
+    return created, found
 
 
-def _remove_written_once(directory: Path, record: dict[str, Any]) -> None:
-    """After the first whole slotted save in a directory the written-once form saved: its state.json, its buffer
-    files and any temporary file it left, now that the slot record is the state."""
-    kept = {record.get(f"{name}_file") for name in BUFFERS}
+def _remove_earlier_forms(directory: Path) -> None:
+    """After the first save in one-file slots in a directory an earlier form saved: its files (the written-once
+    form's state.json, its buffer files and any temporary file it left; the earlier slots' records and buffers),
+    now that a slot holds the state."""
     doomed = [directory / STATE_FILE, *directory.glob(f"*{TEMP_SUFFIX}"),
-              *(p for name in BUFFERS for p in directory.glob(f"{name}-*.f32") if p.name not in kept)]
+              *(p for name in BUFFERS for p in directory.glob(f"{name}-*.f32")),
+              *(directory / SLOT_RECORD.format(slot) for slot in SLOTS),
+              *(directory / SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SLOTS)]
     for path in doomed:
         path.unlink(missing_ok=True)
     fsync_directory(directory)

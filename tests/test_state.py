@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,10 @@ import pytest
 from edge_client.state import ClientState, StateError, load_state, save_state, save_state_keeping_weights
 from edge_client.trainers.base import OptimizerState
 from edgefil import durable
+from edgefil.wire import crc32c
 
 ROOT = Path(__file__).resolve().parents[1]
-SLOT_FILES = {"state-a.rec", "state-b.rec", "weights.a.f32", "weights.b.f32"}
+SLOT_FILES = {"state-a.slot", "state-b.slot"}
 
 
 def state(k: int, size: int = 5) -> ClientState:
@@ -28,52 +30,99 @@ def assert_is(loaded: ClientState, k: int) -> None:
     assert loaded.weights.dtype == np.float32
 
 
+def damage_end(path: Path) -> None:
+    """Flip the last byte of a file (a slot's: its last buffer's last byte)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def earlier_slot(folder: Path, saved: ClientState, sequence: int, checksum: str = "crc32c") -> None:
+    """`saved` as the earlier slotted form wrote it (before one file per slot) into its slot a: a record file
+    (RECORD_MAGIC, the sequence, the JSON's sha256) and a file per buffer, named by their checksum's `checksum`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {f.name: getattr(saved, f.name) for f in fields(saved) if f.name not in durable.BUFFERS}
+    for name in durable.BUFFERS:
+        value, record[f"{name}_file"] = getattr(saved, name), None
+        if value is not None:
+            blob = value.astype("<f4").tobytes()
+            record[f"{name}_file"] = f"{name}.a.f32"
+            record[f"{name}_{checksum}"] = (f"{crc32c(blob):08x}" if checksum == "crc32c"
+                                            else hashlib.sha256(blob).hexdigest())
+            (folder / f"{name}.a.f32").write_bytes(blob)
+    payload = json.dumps(record).encode()
+    (folder / "state-a.rec").write_bytes(
+        durable.RECORD_MAGIC + f"{sequence} {hashlib.sha256(payload).hexdigest()}\n".encode() + payload)
+
+
 def test_state_round_trips_and_saves_again_in_the_same_two_slots(tmp_path):
     assert load_state(tmp_path) is None
     save_state(tmp_path, state(0))
     assert_is(load_state(tmp_path), 0)
     assert set(os.listdir(tmp_path)) == SLOT_FILES  # the first save fills both slots
     files = {name: os.stat(tmp_path / name).st_ino for name in SLOT_FILES}
+    sizes = set()
     for k in range(1, 5):  # from the second save on every file is written in place, none created, renamed or removed
         save_state(tmp_path, state(k))
         assert_is(load_state(tmp_path), k)
+        sizes.add(os.stat(tmp_path / f"state-{'ab'[k % 2]}.slot").st_size)
     assert {name: os.stat(tmp_path / name).st_ino for name in os.listdir(tmp_path)} == files
+    assert len(sizes) == 1  # its record grew by a few bytes a save: the padded slot kept its length
+
+
+def test_a_save_opens_and_writes_its_slot_once(tmp_path, monkeypatch):
+    """A save after the first: one file opened, written in one system call, its identity taken from it; both
+    buffers read back from it in one read."""
+    optimizer = np.arange(10, dtype=np.float32)
+    save_state(tmp_path, state(0).with_optimizer(adamw_state(optimizer)))
+    calls: list[str] = []
+    for name in ("open", "writev", "write", "stat", "fstat", "read"):
+        real = getattr(durable.os, name)
+        monkeypatch.setattr(durable.os, name, lambda *args, _real=real, _name=name: calls.append(_name) or
+                            _real(*args))
+    saved = save_state(tmp_path, state(1).with_optimizer(adamw_state(optimizer + 1)))
+    assert sorted(calls) == ["fstat", "open", "stat", "stat", "writev"]
+    monkeypatch.undo()
+    opened: list[str] = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *args, **kw: opened.append(str(path)) or
+                        real_open(path, *args, **kw))
+    loaded = load_state(tmp_path, saved=saved)
+    assert opened == [str(tmp_path / "state-b.slot")]
+    assert_is(loaded, 1) and np.array_equal(loaded.optimizer, optimizer + 1)
 
 
 def test_the_first_save_s_state_is_whole_in_either_slot(tmp_path):
-    """The older slot the first save fills holds the same state, under its own files: a damaged newer slot leaves
-    it, and the next save goes into the damaged one."""
+    """The older slot the first save fills holds the same state, in its own file: a damaged newer slot leaves it,
+    and the next save goes into the damaged one."""
     save_state(tmp_path, state(0, size=8))
-    assert b'"weights_file": "weights.b.f32"' in (tmp_path / "state-b.rec").read_bytes()
-    (tmp_path / "weights.a.f32").write_bytes(b"\x01" * 32)
-    with pytest.raises(StateError, match="weights.a.f32 .* does not match its crc32c"):
-        load_state(tmp_path)
-    (tmp_path / "state-a.rec").write_bytes(b"torn")
+    assert b'"weights_file": "state-b.slot"' in (tmp_path / "state-b.slot").read_bytes()
+    damage_end(tmp_path / "state-a.slot")  # its weights: the slot is not whole
     assert_is(load_state(tmp_path), 0)
     save_state(tmp_path, state(1, size=8))
-    assert (tmp_path / "state-a.rec").read_bytes().startswith(durable.RECORD_MAGIC + b"1 ")
+    assert (tmp_path / "state-a.slot").read_bytes().startswith(durable.SLOT_MAGIC + b"1 ")
     assert_is(load_state(tmp_path), 1)
 
 
 def test_a_save_after_this_process_s_own_save_there_reads_no_record(tmp_path, monkeypatch):
     """The process's last save in a folder names the newest slot: the next save there neither reads nor checks the
-    records again."""
+    slots again."""
     save_state(tmp_path, state(0))
 
     def unread(directory):
-        raise AssertionError(f"{directory}'s records read again")
+        raise AssertionError(f"{directory}'s slots read again")
 
     monkeypatch.setattr(durable, "_newest_slot", unread)
     for k in range(1, 4):
         save_state(tmp_path, state(k))
     monkeypatch.undo()
     assert_is(load_state(tmp_path), 3)
-    (tmp_path / "state-b.rec").write_bytes(b"torn")  # the newest (the fourth save's): the third's is whole
+    (tmp_path / "state-b.slot").write_bytes(b"torn")  # the newest (the fourth save's): the third's is whole
     assert_is(load_state(tmp_path), 2)
 
 
-def test_a_save_after_another_hand_changed_the_records_reads_them_again(tmp_path):
-    """Records another process wrote since this one's last save (newer ones, as another save makes, put in place by
+def test_a_save_after_another_hand_changed_the_slots_reads_them_again(tmp_path):
+    """Slots another process wrote since this one's last save (newer ones, as another save makes, put in place by
     rename) decide the slot: this save is still the newest, and the one before it stays whole."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     for k in range(2):
@@ -87,11 +136,11 @@ def test_a_save_after_another_hand_changed_the_records_reads_them_again(tmp_path
         os.replace(theirs / name, ours / name)
     save_state(ours, state(7))
     assert_is(load_state(ours), 7)
-    (ours / "state-a.rec").write_bytes(b"torn")  # this save's record: theirs, the newest before it, stays
+    (ours / "state-a.slot").write_bytes(b"torn")  # this save's slot: theirs, the newest before it, stays
     assert_is(load_state(ours), 6)
 
 
-def test_a_save_after_another_process_saved_in_place_reads_the_records_again(tmp_path):
+def test_a_save_after_another_process_saved_in_place_reads_the_slots_again(tmp_path):
     """Another process's save in between (in place, into the slot this one's last save left older): this save goes
     into the other slot, so the one before it, theirs, stays whole."""
     for k in range(2):
@@ -103,77 +152,120 @@ def test_a_save_after_another_process_saved_in_place_reads_the_records_again(tmp
     assert_is(load_state(tmp_path), 5)
     save_state(tmp_path, state(7))
     assert_is(load_state(tmp_path), 7)
-    (tmp_path / "state-b.rec").write_bytes(b"torn")  # this save's record: theirs, the newest before it, stays
+    (tmp_path / "state-b.slot").write_bytes(b"torn")  # this save's slot: theirs, the newest before it, stays
     assert_is(load_state(tmp_path), 5)
 
 
-@pytest.mark.parametrize("full_from", [3, 4])  # the older slot's weights, or its record
-def test_a_first_save_whose_older_slot_finds_the_disk_full_is_whole_without_it(tmp_path, monkeypatch, full_from):
+def test_a_first_save_whose_older_slot_finds_the_disk_full_is_whole_without_it(tmp_path, monkeypatch):
     """The first save's copy in the older slot is a bonus: where the disk has no room for it (ENOSPC), the save is
-    whole without it, the files it made removed; the next save makes the slot as before."""
+    whole without it, the file it made removed; the next save makes the slot as before."""
     writes, full = 0, True
-    real_write = os.write
+    real_writev = os.writev
 
-    def write(fd, data):
+    def writev(fd, parts):
         nonlocal writes
         writes += 1
-        if full and writes >= full_from:
+        if full and writes >= 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return real_writev(fd, parts)
 
-    monkeypatch.setattr(durable.os, "write", write)
-    save_state(tmp_path, state(0))  # writes: the weights, the record; then the older slot's weights and record
+    monkeypatch.setattr(durable.os, "writev", writev)
+    save_state(tmp_path, state(0))  # writes: the newer slot, then the older
     assert_is(load_state(tmp_path), 0)
-    assert set(os.listdir(tmp_path)) == {"state-a.rec", "weights.a.f32"}
+    assert set(os.listdir(tmp_path)) == {"state-a.slot"}
     full = False
     save_state(tmp_path, state(1))
     assert_is(load_state(tmp_path), 1)
     assert set(os.listdir(tmp_path)) == SLOT_FILES
 
 
-def test_damaged_weights_are_refused_and_a_damaged_record_leaves_the_one_before(tmp_path):
-    for k in range(2):
-        save_state(tmp_path, state(k, size=8))
-    (tmp_path / "weights.b.f32").write_bytes(b"\x00" * 31)  # the newest record's (the second save's slot)
-    with pytest.raises(StateError, match="weights.b.f32 .* does not match its crc32c"):
-        load_state(tmp_path)
-    (tmp_path / "weights.b.f32").write_bytes(np.full(8, 1, "<f4").tobytes())
-    assert_is(load_state(tmp_path), 1)
-    record = (tmp_path / "state-b.rec").read_bytes()
-    assert b'"round": 1' in record
-    (tmp_path / "state-b.rec").write_bytes(record.replace(b'"round": 1', b'"round": 7'))  # its checksum fails
-    assert_is(load_state(tmp_path), 0)
-    (tmp_path / "state-a.rec").write_bytes(b"{broken")
-    with pytest.raises(StateError, match="unreadable"):
-        load_state(tmp_path)
-
-
-def test_a_slotted_state_whose_buffers_sha256_names_is_read_checked_and_saved_again_with_crc32c(tmp_path):
-    """A device's state saved before its buffers took CRC32C names their sha256: read and checked by it, kept by a
-    record-only save, and the next whole save names CRC32C."""
+def test_saves_on_a_full_disk_write_within_their_slots_lengths(tmp_path, monkeypatch):
+    """A disk without a free block (a write past a file's end fails): a save of a state as large as the last, and a
+    record-only save, still fit, each in the slot file's own blocks; the record-only one keeps the weights and
+    optimiser state of the last whole save, checked."""
     optimizer = np.arange(10, dtype=np.float32)
-    record = save_state(tmp_path, state(1).with_optimizer(adamw_state(optimizer)))
-    for name in ("weights", "optimizer"):  # the record as the save before CRC32C wrote it
-        blob = (tmp_path / record[f"{name}_file"]).read_bytes()
-        del record[f"{name}_crc32c"]
-        record[f"{name}_sha256"] = hashlib.sha256(blob).hexdigest()
-    payload = json.dumps(record).encode()
-    (tmp_path / "state-a.rec").write_bytes(
-        durable.RECORD_MAGIC + f"1 {hashlib.sha256(payload).hexdigest()}\n".encode() + payload)
+    for k in range(2):
+        save_state(tmp_path, state(k).with_optimizer(adamw_state(optimizer + k)))
+    real_writev = os.writev
+
+    def full_disk(fd, parts):
+        if sum(len(memoryview(part).cast("B")) for part in parts) > os.fstat(fd).st_size:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, parts)
+
+    monkeypatch.setattr(durable.os, "writev", full_disk)
+    save_state(tmp_path, state(2).with_optimizer(adamw_state(optimizer + 2)))
+    assert_is(load_state(tmp_path), 2)
+    save_state_keeping_weights(tmp_path, ClientState(task=3, round=3, seen_classes=[0, 1, 2, 3], n_seen=30))
+    kept = load_state(tmp_path)
+    assert kept.round == 3 and np.array_equal(kept.weights, np.full(5, 2, np.float32))
+    assert np.array_equal(kept.optimizer, optimizer + 2)
+    with pytest.raises(OSError, match="No space"):  # a larger state needs blocks the disk has not
+        save_state(tmp_path, state(4, size=50))
+    assert load_state(tmp_path).round == 3
+
+
+def test_a_damaged_slot_leaves_the_one_before_and_damaged_buffers_are_refused(tmp_path):
+    records = [save_state(tmp_path, state(k, size=8)) for k in range(2)]
+    damage_end(tmp_path / "state-b.slot")  # the newest (the second save's): its CRC32C fails
+    assert_is(load_state(tmp_path), 0)
+    with pytest.raises(StateError, match="weights in state-b.slot .* does not match its crc32c"):
+        load_state(tmp_path, saved=records[1])  # read where a save said it was: the buffer's own check
+    slot = (tmp_path / "state-a.slot").read_bytes()
+    assert b'"round": 0' in slot
+    (tmp_path / "state-a.slot").write_bytes(slot.replace(b'"round": 0', b'"round": 7'))  # its CRC32C fails
+    with pytest.raises(StateError, match="unreadable.*CRC32C does not match"):
+        load_state(tmp_path)
+    (tmp_path / "state-a.slot").write_bytes(b"{broken")
+    with pytest.raises(StateError, match="unreadable.*not a state slot"):
+        load_state(tmp_path)
+
+
+def test_an_earlier_slot_whose_buffers_sha256_names_is_read_checked_and_saved_again_with_crc32c(tmp_path):
+    """A device's state saved by the earlier slotted form, before its buffers took CRC32C, names their sha256:
+    read and checked by it, carried by a record-only save (the earlier files then gone), and the next whole save
+    names CRC32C."""
+    optimizer = np.arange(10, dtype=np.float32)
+    earlier_slot(tmp_path, state(1).with_optimizer(adamw_state(optimizer)), sequence=1, checksum="sha256")
     loaded = load_state(tmp_path)
     assert_is(loaded, 1)
     assert np.array_equal(loaded.optimizer, optimizer)
+    (tmp_path / "optimizer.a.f32").write_bytes(np.zeros(10, "<f4").tobytes())  # damaged
+    with pytest.raises(StateError, match="optimizer in optimizer.a.f32 .* does not match its sha256"):
+        load_state(tmp_path)
+    assert load_state(tmp_path, optimizer=False).round == 1  # the weights' sha256 holds
+    (tmp_path / "optimizer.a.f32").write_bytes(optimizer.astype("<f4").tobytes())
     save_state_keeping_weights(tmp_path, ClientState(task=1, round=2, seen_classes=[0, 1], n_seen=10))
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
     kept = load_state(tmp_path)  # the record alone: the weights and moments the sha256 record named, still checked
     assert kept.round == 2 and np.array_equal(kept.weights, np.ones(5, np.float32))
     assert np.array_equal(kept.optimizer, optimizer)
-    (tmp_path / "optimizer.a.f32").write_bytes(np.zeros(10, "<f4").tobytes())  # damaged
-    with pytest.raises(StateError, match="optimizer.a.f32 .* does not match its sha256"):
-        load_state(tmp_path)
-    assert load_state(tmp_path, optimizer=False).round == 2  # the weights' sha256 holds
+    assert b'"weights_sha256"' in (tmp_path / "state-a.slot").read_bytes()
     saved = save_state(tmp_path, state(3))
     assert "weights_crc32c" in saved and "weights_sha256" not in saved
     assert_is(load_state(tmp_path), 3)
+
+
+def test_a_state_in_earlier_slots_is_read_and_the_first_save_carries_its_sequence_on(tmp_path, monkeypatch):
+    """The earlier slotted form's newest record is the state until the first save in one-file slots, which goes on
+    from its sequence and removes its files; that save cut short leaves the earlier state."""
+    earlier_slot(tmp_path, state(4), sequence=9)
+    assert_is(load_state(tmp_path), 4)
+    real_writev = os.writev
+
+    def cut(fd, parts):
+        real_writev(fd, [b"".join(bytes(part) for part in parts)[:20]])
+        raise Cut
+
+    monkeypatch.setattr(durable.os, "writev", cut)
+    with pytest.raises(Cut):
+        save_state(tmp_path, state(5))
+    monkeypatch.undo()
+    assert_is(load_state(tmp_path), 4)
+    save_state(tmp_path, state(5))
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
+    assert (tmp_path / "state-a.slot").read_bytes().startswith(durable.SLOT_MAGIC + b"10 ")
+    assert_is(load_state(tmp_path), 5)
 
 
 class Cut(Exception):
@@ -182,36 +274,48 @@ class Cut(Exception):
 
 @pytest.mark.parametrize("safe", [True, False])
 def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one_whole(tmp_path, monkeypatch, safe):
-    """A save ended at its k-th write (half of that write done, nothing after it) leaves the last whole state, with
-    its weights and optimiser state; the save after it is whole again."""
+    """Saves ended at their k-th write (half of that write done, nothing after it): the first save's two (its slot,
+    then the older slot's copy) and a later save's one. What is read back is the last whole state, with its weights
+    and optimiser state (nothing, where the first save's own slot was cut: StateError); the save after it is whole
+    again."""
     monkeypatch.setattr(durable, "_power_loss_safe", durable.power_loss_safe())  # restored after the test
     durable.set_power_loss_safe(safe)
     monkeypatch.setattr(durable.os, "fsync", lambda fd: None)
-    optimizer = None
     writes, cut_at = 0, 0
-    real_write = os.write
+    real_writev = os.writev
 
-    def counted_write(fd, data):
+    def counted_writev(fd, parts):
         nonlocal writes
         writes += 1
         if writes == cut_at:
-            real_write(fd, bytes(data)[:len(data) // 2])
+            data = b"".join(bytes(part) for part in parts)
+            real_writev(fd, [data[:len(data) // 2]])
             raise Cut
-        return real_write(fd, data)
+        return real_writev(fd, parts)
 
-    monkeypatch.setattr(durable.os, "write", counted_write)
-    for cut_at in range(1, 4):  # a save writes the weights, the optimiser state and the record: 3 writes
-        folder, writes = tmp_path / str(cut_at), -100  # no cut in the saves before
-        for k in range(2):
-            optimizer = np.arange(10, dtype=np.float32) + 10 * k
-            save_state(folder, state(k).with_optimizer(adamw_state(optimizer)))
-        writes = 0
-        with pytest.raises(Cut):
-            save_state(folder, state(2).with_optimizer(adamw_state(np.full(10, 99, np.float32))))
-        loaded = load_state(folder)
-        assert_is(loaded, 1)
-        saved = loaded.optimizer_state(5)
-        assert np.array_equal(saved.buffers["m"], optimizer[:5]) and np.array_equal(saved.buffers["v"], optimizer[5:])
+    monkeypatch.setattr(durable.os, "writev", counted_writev)
+    for cut_at in range(1, 5):  # the saves of states 0, 1, 2 write 2, 1, 1 times
+        folder, writes, whole = tmp_path / str(cut_at), 0, None
+        for k in range(3):
+            try:
+                save_state(folder, state(k).with_optimizer(adamw_state(np.arange(10, dtype=np.float32) + 10 * k)))
+            except Cut:
+                break
+            whole = k
+        else:
+            raise AssertionError("no save was cut")
+        if cut_at == 2:  # the first save's copy in its older slot: the save itself was whole
+            whole = 0
+        if whole is None:  # as a damaged state, which a device refuses to start from rather than start afresh
+            with pytest.raises(StateError, match="unreadable.*cut short"):
+                load_state(folder)
+            continue
+        else:
+            loaded = load_state(folder)
+            assert_is(loaded, whole)
+            saved = loaded.optimizer_state(5)
+            assert np.array_equal(saved.buffers["m"], np.arange(5) + 10 * whole)
+            assert np.array_equal(saved.buffers["v"], np.arange(5, 10) + 10 * whole)
         writes = -100  # no more cuts
         save_state(folder, state(3))
         assert_is(load_state(folder), 3)
@@ -222,17 +326,17 @@ def adamw_state(values: np.ndarray) -> OptimizerState:
     return OptimizerState(7, {"m": values[:5].copy(), "v": values[5:].copy()})
 
 
-def test_a_state_saved_by_the_earlier_form_is_read_and_its_files_go_with_the_first_whole_save(tmp_path):
+def test_a_state_saved_by_the_written_once_form_is_read_and_its_files_go_with_the_first_save(tmp_path):
     durable.save_record(tmp_path, state(0))  # state.json and weights-<sha256>.f32
     (tmp_path / "state.json.tmp").write_bytes(b"a crash's leftover")
     assert_is(load_state(tmp_path), 0)
     save_state_keeping_weights(tmp_path, ClientState(task=1, round=1, seen_classes=[0, 1], n_seen=10))
-    kept = load_state(tmp_path)  # the record alone saved: the earlier form's weights stay, named by it
+    kept = load_state(tmp_path)  # the record alone saved: the earlier form's weights copied into the slots
     assert (kept.round, kept.seen_classes) == (1, [0, 1]) and np.array_equal(kept.weights, np.zeros(5, np.float32))
-    assert any(name.startswith("weights-") for name in os.listdir(tmp_path))
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
     save_state(tmp_path, state(2))
     assert_is(load_state(tmp_path), 2)
-    assert set(os.listdir(tmp_path)) == {"state-a.rec", "state-b.rec", "weights.a.f32"}
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
 
 
 @pytest.mark.parametrize("safe", [True, False])
@@ -252,9 +356,9 @@ def test_a_save_syncs_to_the_disk_only_where_the_process_s_writes_are_to_survive
     assert set(os.listdir(tmp_path)) == SLOT_FILES
 
 
-def test_a_power_loss_safe_save_syncs_each_new_file_s_name_before_a_record_names_it(tmp_path, monkeypatch):
-    """Where writes are to survive a power cut: each file's data, then the folder where a save made a file, before
-    the record that names it is written; in a steady state the three files alone, the record last."""
+def test_a_power_loss_safe_save_syncs_each_slot_and_a_new_slot_s_name(tmp_path, monkeypatch):
+    """Where writes are to survive a power cut: each slot file's data, then the folder where a save made the file;
+    in a steady state the one slot file alone."""
     synced: list[str] = []
     real_fsync = os.fsync
     monkeypatch.setattr(durable.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or
@@ -267,10 +371,9 @@ def test_a_power_loss_safe_save_syncs_each_new_file_s_name_before_a_record_names
         save_state(tmp_path, state(k))
         slot = "ab"[k % 2]
         if k == 0:  # the files are new: the first save fills both slots
-            assert synced == [f"{folder}/weights.a.f32", folder, f"{folder}/state-a.rec", folder,
-                              f"{folder}/weights.b.f32", f"{folder}/state-b.rec", folder]
+            assert synced == [f"{folder}/state-a.slot", folder, f"{folder}/state-b.slot", folder]
         else:
-            assert synced == [f"{folder}/weights.{slot}.f32", f"{folder}/state-{slot}.rec"]
+            assert synced == [f"{folder}/state-{slot}.slot"]
 
 
 SAVING_FOREVER = """
@@ -279,6 +382,7 @@ import numpy as np
 from edge_client.state import ClientState, save_state
 from edge_client.trainers.base import OptimizerState
 from edgefil import durable
+from edgefil.wire import crc32c
 durable.set_power_loss_safe(sys.argv[2] == "safe")
 for k in itertools.count():
     values = np.full(20000, k, np.float32)
