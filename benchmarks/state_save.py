@@ -10,7 +10,9 @@ removed (`durable.save_record`, still the coordinator's for its write-once gener
 
 This saves the state of `--devices` devices (each its own folder, as a fleet's) `--rounds` times each of the four
 ways (the two forms, with and without power-loss safety), after two untimed saves each (a running device's
-folder holds its files), alternated in one process, and prints CPU and wall time per save (best of the repeats) and ratios.
+folder holds its files), alternated in one process, and prints CPU and wall time per save (best of the repeats) and ratios;
+and, for the slots, a read-back of the weights and optimiser state with the record the save returned (what a parked
+trainer takes back at the device's next round).
 
     .venv/bin/python benchmarks/state_save.py [--model cnn1d] [--devices 200] [--rounds 3] [--repeats 3]
         [--dir DIR] (default: the system temp directory; on a tmpfs there is nothing to sync)
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.state import ClientState, save_state
+from edge_client.state import ClientState, load_state, save_state
 from edgefil import durable
 from models.zoo import REGISTRY, build_model
 
@@ -48,6 +50,22 @@ def saves(root: Path, devices: int, rounds: int, state: ClientState, save: Calla
             save(root / f"device-{d}", state)
     count = devices * rounds
     return (time.process_time() - cpu) / count, (time.perf_counter() - wall) / count
+
+
+def read_backs(root: Path, devices: int, rounds: int, state: ClientState) -> tuple[float, float]:
+    """CPU and wall seconds per read-back of a slotted save's weights and optimiser state, with the record the save
+    returned (`load_state(saved=...)`: what a device's parked trainer takes back at its next round), `devices` x
+    `rounds` of them, each after an untimed save."""
+    cpu = wall = 0.0
+    for r in range(rounds):
+        for d in range(devices):
+            assert state.weights is not None
+            state.weights[0] = r * devices + d + 1
+            record = save_state(root / f"device-{d}", state)
+            cpu_at, wall_at = time.process_time(), time.perf_counter()
+            load_state(root / f"device-{d}", saved=record)
+            cpu, wall = cpu + time.process_time() - cpu_at, wall + time.perf_counter() - wall_at
+    return cpu / (devices * rounds), wall / (devices * rounds)
 
 
 def main() -> None:
@@ -72,6 +90,10 @@ def main() -> None:
                 try:
                     durable.set_power_loss_safe(safe)
                     cpu, wall = saves(root, args.devices, args.rounds, state, save)
+                    if form == "slots":
+                        read_cpu, read_wall = read_backs(root, args.devices, args.rounds, state)
+                        old = best.get(("read back", safe), (read_cpu, read_wall))
+                        best["read back", safe] = (min(read_cpu, old[0]), min(read_wall, old[1]))
                 finally:
                     shutil.rmtree(root)
                 old = best.get((form, safe), (cpu, wall))
@@ -87,6 +109,10 @@ def main() -> None:
     for form in FORMS:
         print(f"{form}: power cut / killed process: CPU {best[form, True][0] / best[form, False][0]:.2f}x, "
               f"wall {best[form, True][1] / best[form, False][1]:.2f}x")
+    for safe, label in ((True, "a power cut"), (False, "a killed process")):
+        cpu, wall = best["read back", safe]
+        print(f"slots, read back (a parked trainer's next round), writes surviving {label}: CPU {cpu * 1e3:.3f} ms, "
+              f"wall {wall * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
