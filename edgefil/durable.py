@@ -5,18 +5,18 @@ Two forms, one for each way a checkpoint is kept:
 - Written once (`save_record`, `load_record`): the coordinator's run state, a new directory per generation. Each
   buffer (the record's `weights`) goes to a file named after its sha256, then `state.json` is replaced with
   rename(2); the record's presence marks the directory complete.
-- Saved again and again in one directory (`save_slotted`, `load_slotted`): a device's state, every round. Two
-  slots, each one file written in place (SLOT_FILE): a header line with the save's sequence number and the CRC32C
-  of all that follows it, the record's JSON, then the buffers (the weights, and the `optimizer` state where it
-  saves one), each with its own CRC32C in the record. A save writes its slot in one system call into the file the
-  newest slot is not in. The newest slot whose CRC32C holds is the state; a crash during a save leaves that slot
-  torn (its CRC32C fails) and the other whole. The first save fills both slots (the older with the same state), so
-  no file is created, renamed or removed after it: on ext4 a replace by rename (create, write, rename over the old
-  file, unlink the old buffer) costs 2-5 times the CPU and 3-6 times the wall time of writing the same bytes in
-  place (`benchmarks/state_save.py`), and a device's flash sees each file rewritten instead of files created and
-  deleted every round. The JSON is padded to a multiple of SLOT_JSON_BYTES, so a slot keeps its size from save to
-  save (no truncation, and no new block on a full disk). A process's next save in a folder takes the newest slot
-  from its last save there (`_last_saves`) where the slot files are as that save left them.
+- Saved again and again in one directory (`save_slotted`, `load_slotted`): a device's state, every round. Two slots,
+  each one file written in place (SLOT_FILE): a header line with the save's sequence number and its JSON's CRC32C, the
+  record's JSON, then the buffers (the weights, and the `optimizer` state where it saves one), each with its own
+  CRC32C in the record. A save writes its slot in one system call into the file the newest slot is not in. The newest
+  whole slot (its JSON's CRC32C and every buffer's holding) is the state; a crash during a save leaves that slot torn
+  (a checksum fails) and the other whole. The first save fills both slots (the older with the same state), so no file
+  is created, renamed or removed after it: on ext4 a replace by rename (create, write, rename over the old file,
+  unlink the old buffer) costs 2-5 times the CPU and 3-6 times the wall time of writing the same bytes in place
+  (`benchmarks/state_save.py`), and a device's flash sees each file rewritten instead of files created and deleted
+  every round. The JSON is padded to a multiple of SLOT_JSON_BYTES, so a slot keeps its size from save to save (no
+  truncation, and no new block on a full disk). A process's next save in a folder takes the newest slot from its last
+  save there (`_last_saves`) where the slot files are as that save left them.
 
   Two earlier forms of a device's state are read until the first save in one-file slots, which removes their
   files: the written-once form (an older device's state.json), and slots of several files each (SLOT_RECORD and
@@ -43,7 +43,7 @@ from edgefil.wire import crc32c
 STATE_FILE = "state.json"
 BUFFERS = ("weights", "optimizer")  # a record's fields that are flat float32 buffers
 SLOTS = ("a", "b")
-SLOT_FILE = "state-{}.slot"  # a slot: SLOT_MAGIC, its sequence, the CRC32C of the rest and its JSON's length; the rest
+SLOT_FILE = "state-{}.slot"  # a slot: SLOT_MAGIC, its sequence, its JSON's CRC32C and length; the JSON, the buffers
 SLOT_MAGIC = b"edgefil-state 2 "
 # A slot's JSON is padded with spaces to a multiple of this many bytes: a record's length changes from save to save
 # by a few bytes (its counts, its metrics' digits), and the slot's file then keeps its size and its blocks.
@@ -223,11 +223,19 @@ def load_buffers(directory: str | Path, record: dict[str, Any], names: Sequence[
         if blob is None:
             loaded[name] = None
             continue
-        kind = next((kind for kind in CHECKSUMS if f"{name}_{kind}" in record), CHECKSUMS[-1])
-        if _checksum(kind, blob) != record.get(f"{name}_{kind}"):
-            raise StateError(f"{name} in {record[f'{name}_file']} in {directory} does not match its {kind}")
+        try:
+            _check_buffer(record, name, blob)
+        except ValueError as err:
+            raise StateError(f"saved state in {directory}: {err}") from None
         loaded[name] = np.frombuffer(blob, dtype="<f4").astype(np.float32)
     return loaded
+
+
+def _check_buffer(record: dict[str, Any], name: str, blob: memoryview) -> None:
+    """ValueError where the bytes of buffer `name` do not match the checksum `record` names for it (CHECKSUMS)."""
+    kind = next((kind for kind in CHECKSUMS if f"{name}_{kind}" in record), CHECKSUMS[-1])
+    if _checksum(kind, blob) != record.get(f"{name}_{kind}"):
+        raise ValueError(f"{name} in {record[f'{name}_file']} does not match its {kind}")
 
 
 def _buffer_bytes(folder: str, record: dict[str, Any], name: str, read: dict[str, memoryview]
@@ -242,11 +250,16 @@ def _buffer_bytes(folder: str, record: dict[str, Any], name: str, read: dict[str
     if at is None:
         return memoryview(_read(os.path.join(folder, str(file))))
     if str(file) not in read:
-        read[str(file)] = _slot_parts(_read(os.path.join(folder, str(file))))[2]
+        read[str(file)] = _slot_parts(_read(os.path.join(folder, str(file))), str(file))[2]
+    return _placed(read[str(file)], at, str(file))
+
+
+def _placed(buffers: memoryview, at: Any, file: str) -> memoryview:
+    """The bytes a record's `<name>_at` ([offset, length]) names among a slot's `buffers`; ValueError where they
+    are not there."""
     offset, length = (int(n) for n in at)
-    buffers = read[str(file)]
     if not 0 <= offset <= offset + length <= len(buffers):
-        raise ValueError(f"{file} is shorter than its record says")
+        raise ValueError(f"{file} ends before the buffers its record places in it (a save cut short, or damage)")
     return buffers[offset:offset + length]
 
 
@@ -321,10 +334,7 @@ def _write_slot(folder: str, slot: str, sequence: int, record: dict[str, Any], b
             offset += len(blob)
     payload = json.dumps(written).encode()
     payload += b" " * (-len(payload) % SLOT_JSON_BYTES)
-    check = crc32c(payload)
-    for blob in blobs.values():
-        check = crc32c(blob, check)
-    head = SLOT_MAGIC + f"{sequence} {check:08x} {len(payload)}\n".encode()
+    head = SLOT_MAGIC + f"{sequence} {crc32c(payload):08x} {len(payload)}\n".encode()
     path = os.path.join(folder, file)
     created, found = _write_in_place(path, [head, payload, *(blobs[name] for name in buffers if name in blobs)])
     if created:
@@ -397,7 +407,7 @@ def _newest_slot(directory: Path) -> tuple[str, int, dict[str, Any]] | None:
             try:
                 data = _read(os.path.join(directory, name))
                 if one_file:
-                    sequence, whole, _ = _slot_parts(data)
+                    sequence, whole, _ = _slot_parts(data, name)
                 else:
                     sequence, whole = _earlier_record(data)
             except FileNotFoundError:
@@ -417,9 +427,11 @@ def _newest_slot(directory: Path) -> tuple[str, int, dict[str, Any]] | None:
     return None if written_once is None else ("", 0, written_once[0])
 
 
-def _slot_parts(data: bytes) -> tuple[int, Callable[[], dict[str, Any]], memoryview]:
-    """A slot file's sequence, its record (a call that checks the slot's CRC32C and parses its JSON: ValueError
-    where either fails) and its buffers' bytes, unchecked. ValueError where the header is not a slot's."""
+def _slot_parts(data: bytes, file: str) -> tuple[int, Callable[[], dict[str, Any]], memoryview]:
+    """A slot file's sequence, its record (a call that checks that the slot is whole, its JSON's CRC32C and each
+    buffer's own checksum, and parses the JSON: ValueError where any fails) and its buffers' bytes, unchecked.
+    ValueError where the header is not a slot's. `file`: the slot file's name, which its record names for every
+    buffer it holds."""
     head, newline, _ = data.partition(b"\n")
     parts = head.removeprefix(SLOT_MAGIC).split(b" ")
     if not (head.startswith(SLOT_MAGIC) and newline and len(parts) == 3 and parts[0].isdigit()
@@ -431,11 +443,17 @@ def _slot_parts(data: bytes) -> tuple[int, Callable[[], dict[str, Any]], memoryv
         raise ValueError("cut short")
 
     def record() -> dict[str, Any]:
-        if f"{crc32c(rest):08x}" != check:
+        if f"{crc32c(rest[:length]):08x}" != check:
             raise ValueError("its CRC32C does not match (a save cut short, or a damaged file)")
         parsed = json.loads(bytes(rest[:length]))
         if not isinstance(parsed, dict):
             raise ValueError("not a record")
+        for name in BUFFERS:  # a save cut short in its buffers, or one damaged there: not whole
+            if parsed.get(f"{name}_file") is None:
+                continue
+            if parsed[f"{name}_file"] != file or f"{name}_at" not in parsed:
+                raise ValueError(f"its record places {name} outside it")
+            _check_buffer(parsed, name, _placed(rest[length:], parsed[f"{name}_at"], file))
         return parsed
 
     return sequence, record, rest[length:]

@@ -489,11 +489,10 @@ def blob_hasher(data: bytes | bytearray | memoryview = b"") -> blake3:
     return blake3(data)
 
 
-def crc32c(data: bytes | memoryview, start: int = 0) -> int:
-    """CRC32C (Castagnoli) of a chunk's data: catches damage, not forgery (the blob id does that). `start`: the
-    CRC32C of the bytes before `data`, which this one goes on from (the CRC32C of parts, one after another, is the
-    whole's). google_crc32c reads no memoryview, but reads a numpy array over the same bytes: no copy."""
-    return int(google_crc32c.extend(start, np.frombuffer(data, dtype=np.uint8)))
+def crc32c(data: bytes | memoryview) -> int:
+    """CRC32C (Castagnoli) of a chunk's data: catches damage, not forgery (the blob id does that). google_crc32c
+    reads no memoryview, but reads a numpy array over the same bytes: no copy."""
+    return int(google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
 
 
 def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:

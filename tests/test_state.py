@@ -209,7 +209,7 @@ def test_a_damaged_slot_leaves_the_one_before_and_damaged_buffers_are_refused(tm
     records = [save_state(tmp_path, state(k, size=8)) for k in range(2)]
     damage_end(tmp_path / "state-b.slot")  # the newest (the second save's): its CRC32C fails
     assert_is(load_state(tmp_path), 0)
-    with pytest.raises(StateError, match="weights in state-b.slot .* does not match its crc32c"):
+    with pytest.raises(StateError, match="weights in state-b.slot does not match its crc32c"):
         load_state(tmp_path, saved=records[1])  # read where a save said it was: the buffer's own check
     slot = (tmp_path / "state-a.slot").read_bytes()
     assert b'"round": 0' in slot
@@ -231,7 +231,7 @@ def test_an_earlier_slot_whose_buffers_sha256_names_is_read_checked_and_saved_ag
     assert_is(loaded, 1)
     assert np.array_equal(loaded.optimizer, optimizer)
     (tmp_path / "optimizer.a.f32").write_bytes(np.zeros(10, "<f4").tobytes())  # damaged
-    with pytest.raises(StateError, match="optimizer in optimizer.a.f32 .* does not match its sha256"):
+    with pytest.raises(StateError, match="optimizer in optimizer.a.f32 does not match its sha256"):
         load_state(tmp_path)
     assert load_state(tmp_path, optimizer=False).round == 1  # the weights' sha256 holds
     (tmp_path / "optimizer.a.f32").write_bytes(optimizer.astype("<f4").tobytes())
@@ -273,8 +273,10 @@ class Cut(Exception):
 
 
 @pytest.mark.parametrize("safe", [True, False])
-def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one_whole(tmp_path, monkeypatch, safe):
-    """Saves ended at their k-th write (half of that write done, nothing after it): the first save's two (its slot,
+@pytest.mark.parametrize("done", [0.5, 0.99])  # of the write: within the slot's record, within its last buffer
+def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one_whole(tmp_path, monkeypatch, safe,
+                                                                                       done):
+    """Saves ended at their k-th write (part of that write done, nothing after it): the first save's two (its slot,
     then the older slot's copy) and a later save's one. What is read back is the last whole state, with its weights
     and optimiser state (nothing, where the first save's own slot was cut: StateError); the save after it is whole
     again."""
@@ -289,7 +291,7 @@ def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one
         writes += 1
         if writes == cut_at:
             data = b"".join(bytes(part) for part in parts)
-            real_writev(fd, [data[:len(data) // 2]])
+            real_writev(fd, [data[:int(len(data) * done)]])
             raise Cut
         return real_writev(fd, parts)
 
@@ -307,7 +309,7 @@ def test_a_save_cut_short_at_any_write_leaves_the_state_before_it_or_the_new_one
         if cut_at == 2:  # the first save's copy in its older slot: the save itself was whole
             whole = 0
         if whole is None:  # as a damaged state, which a device refuses to start from rather than start afresh
-            with pytest.raises(StateError, match="unreadable.*cut short"):
+            with pytest.raises(StateError, match="unreadable.*(cut short|does not match)"):
                 load_state(folder)
             continue
         else:
@@ -382,7 +384,6 @@ import numpy as np
 from edge_client.state import ClientState, save_state
 from edge_client.trainers.base import OptimizerState
 from edgefil import durable
-from edgefil.wire import crc32c
 durable.set_power_loss_safe(sys.argv[2] == "safe")
 for k in itertools.count():
     values = np.full(20000, k, np.float32)
