@@ -306,9 +306,9 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
         if blob is not None:
             blobs[name] = blob
     written, found = _write_slot(folder, slot, sequence, record, buffers, blobs)
+    if newest is not None and (first or known is None):  # an earlier form's files go, now that a slot holds the
+        _remove_earlier_forms(directory)  # state (and any a crash left behind: the first save here since a start)
     if first:
-        if newest is not None:  # an earlier form's files go, now that a slot holds the state
-            _remove_earlier_forms(directory)
         _fill_older_slot(directory, slot, record, buffers, blobs)
         identity = list(_slots_identity(folder))
     else:  # the other slot as the check before this save found it (stated again where there was none)
@@ -356,7 +356,8 @@ def _last_save(folder: str) -> tuple[str, int, dict[str, Any], tuple[tuple[int, 
 
 def _slots_identity(folder: str) -> tuple[tuple[int, int, int] | None, ...]:
     """Each slot file's inode, size and mtime (None where it is missing): what a write, a replace or a removal
-    changes (all but a write of the same size within the file system's timestamp granularity, a few ms)."""
+    changes (all but a write within the file system's timestamp granularity, a few ms: a slot keeps its size). A
+    device's folder has one writer (its store's lock keeps a second process of the device from starting)."""
     identity: list[tuple[int, int, int] | None] = []
     for slot in SLOTS:
         try:
@@ -525,10 +526,12 @@ def _remove_earlier_forms(directory: Path) -> None:
     """After the first save in one-file slots in a directory an earlier form saved: its files (the written-once
     form's state.json, its buffer files and any temporary file it left; the earlier slots' records and buffers),
     now that a slot holds the state."""
-    doomed = [directory / STATE_FILE, *directory.glob(f"*{TEMP_SUFFIX}"),
-              *(p for name in BUFFERS for p in directory.glob(f"{name}-*.f32")),
-              *(directory / SLOT_RECORD.format(slot) for slot in SLOTS),
-              *(directory / SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SLOTS)]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    fsync_directory(directory)
+    earlier = {STATE_FILE, *(SLOT_RECORD.format(slot) for slot in SLOTS),
+               *(SLOT_BUFFER.format(name, slot) for name in BUFFERS for slot in SLOTS)}
+    doomed = [name for name in os.listdir(directory) if name in earlier or name.endswith(TEMP_SUFFIX)
+              or any(name.startswith(f"{buffer}-") and name.endswith(".f32") for buffer in BUFFERS)]
+    for name in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    if doomed:
+        fsync_directory(directory)

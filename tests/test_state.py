@@ -221,6 +221,27 @@ def test_a_damaged_slot_leaves_the_one_before_and_damaged_buffers_are_refused(tm
         load_state(tmp_path)
 
 
+def test_an_earlier_form_s_files_that_a_crash_left_beside_the_slots_go_with_the_next_start_s_first_save(
+        tmp_path, monkeypatch):
+    """A crash after the first save in one-file slots wrote its slot and before it removed the earlier form's files:
+    the slot is the state, and the first save of the next process removes them."""
+    earlier_slot(tmp_path, state(4), sequence=9)
+
+    def crash(directory):
+        raise Cut
+
+    monkeypatch.setattr(durable, "_remove_earlier_forms", crash)
+    with pytest.raises(Cut):
+        save_state(tmp_path, state(5))
+    monkeypatch.undo()
+    assert set(os.listdir(tmp_path)) == {"state-a.slot", "state-a.rec", "weights.a.f32"}
+    assert_is(load_state(tmp_path), 5)
+    monkeypatch.setattr(durable, "_last_saves", {})  # a process started again
+    save_state(tmp_path, state(6))
+    assert set(os.listdir(tmp_path)) == SLOT_FILES
+    assert_is(load_state(tmp_path), 6)
+
+
 def test_an_earlier_slot_whose_buffers_sha256_names_is_read_checked_and_saved_again_with_crc32c(tmp_path):
     """A device's state saved by the earlier slotted form, before its buffers took CRC32C, names their sha256:
     read and checked by it, carried by a record-only save (the earlier files then gone), and the next whole save
