@@ -33,10 +33,15 @@ DESCRIPTORS_PER_DEVICE = 4
 DESCRIPTORS_PER_CONNECTION = 1
 BASE_DESCRIPTORS = 256
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-# Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores): 1500 a worker ran
-# clean (3000 devices on 2 workers), 1250 too (5000 on 4); at 2500 a worker (5000 on 2) the thread fell behind
-# under the GIL, keepalives lapsed and the broker dropped thousands of devices.
-DEVICES_PER_WORKER = 1500
+# Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores). Measured at 1500
+# first: at 2500 a worker (5000 on 2) the thread fell behind under the GIL, the 10 s keepalives of the time lapsed
+# and the broker dropped thousands of devices. Since, a crowded fleet's clients take a keepalive of 60 s and more
+# (`crowded_keepalive`) and its heartbeats a budget (`fleet_heartbeat`), and a worker's devices hand the GIL over
+# less: 2500 a worker (5000 on 2), 3334 (10,000 on 3) and 4000 (8000 on 2) ran clean (2026-12-06). Fewer, larger
+# workers matter on a small host: 10,000 devices in 7 workers of 1430 on 2 cores paid for the processes' switches
+# in every part of a round, their training's CPU a sample 1.3-1.6x a 1000-device fleet's, where in 3 workers it
+# was 1.18x, and the round per device 1.20x a 1000-device fleet's where it was 1.23-1.47x (docs/results.md).
+DEVICES_PER_WORKER = 4000
 # A worker builds its devices one after another and each connects as soon as it is built; a build is CPU work
 # (about 8 ms) that holds the GIL, while a connection needs the worker's network thread to answer its broker. At
 # 100,000 devices on 2 cores (24 workers of 4,166) the builds ran ahead of the connections: the network threads,
@@ -57,9 +62,22 @@ ADVERSARY = "adversary"  # a device table's key, beside the device config, for a
 def worker_count(workers: int | None, devices: int, cores: int) -> int:
     """`workers` as set, else one per core, and more where the devices need them: a worker is one Python process
     (one GIL), so it does about one core of device work (at 1000 devices on 2 cores, 2 workers register every
-    device in ~25 s and more would only add each worker's own memory), but one worker's network thread keeps at
-    most `DEVICES_PER_WORKER` connections alive (benchmarks/fleet_scale.py). Never more than the devices."""
-    return min(workers if workers is not None else max(cores, math.ceil(devices / DEVICES_PER_WORKER)), devices)
+    device in ~25 s, and more would only add each worker's own memory and the cores' switches between them), but one
+    worker's network thread keeps at most `DEVICES_PER_WORKER` connections alive (benchmarks/fleet_scale.py), and
+    the host's limit on a process's open files may allow fewer (`devices_per_worker`). Never more than the devices."""
+    return min(workers if workers is not None else max(cores, math.ceil(devices / devices_per_worker())), devices)
+
+
+def devices_per_worker() -> int:
+    """The most devices a worker takes: DEVICES_PER_WORKER, or as many as the open files its devices need
+    (DESCRIPTORS_PER_DEVICE each, BASE_DESCRIPTORS besides) fit under this host's hard limit, which a worker raises
+    its own limit to (`ensure_descriptors`), where that is fewer."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return DEVICES_PER_WORKER
+    return max(1, min(DEVICES_PER_WORKER, (hard - BASE_DESCRIPTORS) // DESCRIPTORS_PER_DEVICE))
 
 
 # The MQTT keepalive of a fleet's clients, in seconds: the broker drops a connection it has heard nothing from for

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -469,7 +470,11 @@ def test_workers_default_to_one_per_core_and_never_outnumber_the_devices(monkeyp
     assert count(3, config.devices) == 3
     assert count(None, 4) == 4
     # and more where one worker's network thread would carry more connections than it keeps alive
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, resource.RLIM_INFINITY))
     assert count(None, 20 * DEVICES_PER_WORKER) == 20
+    # or where a worker's devices would need more open files than the host's hard limit allows one process
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, BASE_DESCRIPTORS + 1000 * DESCRIPTORS_PER_DEVICE))
+    assert count(None, 20 * DEVICES_PER_WORKER) == 20 * DEVICES_PER_WORKER // 1000
     with pytest.raises(ValueError, match="at least 1"):
         dataclasses.replace(config, workers=0)
 
