@@ -37,10 +37,10 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # first: at 2500 a worker (5000 on 2) the thread fell behind under the GIL, the 10 s keepalives of the time lapsed
 # and the broker dropped thousands of devices. Since, a crowded fleet's clients take a keepalive of 60 s and more
 # (`crowded_keepalive`) and its heartbeats a budget (`fleet_heartbeat`), and a worker's devices hand the GIL over
-# less: 2500 a worker (5000 on 2), 3334 (10,000 on 3) and 4000 (8000 on 2) ran clean (2026-12-06). Fewer, larger
-# workers matter on a small host: 10,000 devices in 7 workers of 1430 on 2 cores paid for the processes' switches
-# in every part of a round, their training's CPU a sample 1.3-1.6x a 1000-device fleet's, where in 3 workers it
-# was 1.18x, and the round per device 1.20x a 1000-device fleet's where it was 1.23-1.47x (docs/results.md).
+# less: 2500 a worker (5000 on 2), 3334 (10,000 on 3) and 4000 (8000 on 2) ran clean (2026-12-06). A worker is a
+# process of its own on the host's few cores: 1000 devices in 7 workers instead of 2 cost the devices' training
+# 1.2-1.35x its CPU and the rest of the workers' work 1.15-1.45x; 10,000 devices in 3 workers instead of 7 took 11 %
+# less memory, their rounds the same within the host's noise (docs/results.md).
 DEVICES_PER_WORKER = 4000
 # A worker builds its devices one after another and each connects as soon as it is built; a build is CPU work
 # (about 8 ms) that holds the GIL, while a connection needs the worker's network thread to answer its broker. At
