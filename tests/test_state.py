@@ -104,7 +104,7 @@ def test_the_first_save_s_state_is_whole_in_either_slot(tmp_path):
     assert_is(load_state(tmp_path), 1)
 
 
-def test_a_save_after_this_process_s_own_save_there_reads_no_record(tmp_path, monkeypatch):
+def test_a_save_after_this_process_s_own_save_there_reads_no_slot(tmp_path, monkeypatch):
     """The process's last save in a folder names the newest slot: the next save there neither reads nor checks the
     slots again."""
     save_state(tmp_path, state(0))
