@@ -20,8 +20,8 @@ Two forms, one for each way a checkpoint is kept:
 
   Two earlier forms of a device's state are read until the first save in one-file slots, which removes their
   files: the written-once form (an older device's state.json), and slots of several files each (SLOT_RECORD and
-  SLOT_BUFFER: a record file per slot and a file per buffer and slot), which a save wrote in three to six system
-  calls each opening, writing, checking and closing a file, where a slot of one file takes one of each.
+  SLOT_BUFFER: a record file per slot and a file per buffer and slot), two or three files a save, each opened,
+  written, checked and closed, where a slot of one file is opened, written, checked and closed once.
 """
 from __future__ import annotations
 
