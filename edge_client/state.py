@@ -71,12 +71,9 @@ def load_state(directory: str | Path, weights: bool = True, optimizer: bool = Tr
     """The last saved state, or None when the device has never saved one; `weights`, `optimizer` False: without
     reading that buffer (None in the state); `saved`: the record `save_state` returned, read as it is (its buffers
     checked against their checksums as ever)."""
-    if saved is None:
-        newest = load_slotted(directory, weights=False)
-        if newest is None:
-            return None
-        saved = newest[0]
-    record = saved
+    record = load_slotted(directory) if saved is None else saved
+    if record is None:
+        return None
     buffers = load_buffers(directory, record, [name for name, wanted in (("weights", weights), ("optimizer", optimizer))
                                                if wanted])  # both from one read of their slot
     try:

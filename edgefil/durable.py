@@ -383,16 +383,12 @@ def _fill_older_slot(directory: Path, newest: str, record: dict[str, Any], buffe
         _write_slot(os.fspath(directory), next(s for s in SLOTS if s != newest), 0, record, buffers, blobs)
 
 
-def load_slotted(directory: str | Path, weights: bool = True) -> tuple[dict[str, Any], np.ndarray | None] | None:
-    """The newest whole (record, weights) that `save_slotted` saved, or an earlier form's where no one-file slot
-    has been saved; None when nothing was ever saved here; `weights` False: the record alone (its weights None).
-    StateError when slots are there and none can be read, or their weights are damaged."""
-    directory = Path(directory)
-    newest = _newest_slot(directory)
-    if newest is None:
-        return None
-    record = newest[2]
-    return record, load_buffer(directory, record, "weights") if weights else None
+def load_slotted(directory: str | Path) -> dict[str, Any] | None:
+    """The newest whole record that `save_slotted` saved, or an earlier form's where no one-file slot has been
+    saved (its buffers: `load_buffers`); None when nothing was ever saved here. StateError when slots are there and
+    none can be read."""
+    newest = _newest_slot(Path(directory))
+    return None if newest is None else newest[2]
 
 
 def _newest_slot(directory: Path) -> tuple[str, int, dict[str, Any]] | None:
@@ -446,9 +442,7 @@ def _slot_parts(data: bytes, file: str) -> tuple[int, Callable[[], dict[str, Any
     def record() -> dict[str, Any]:
         if f"{crc32c(rest[:length]):08x}" != check:
             raise ValueError("its CRC32C does not match (a save cut short, or a damaged file)")
-        parsed = json.loads(bytes(rest[:length]))
-        if not isinstance(parsed, dict):
-            raise ValueError("not a record")
+        parsed = _json_record(bytes(rest[:length]))
         for name in BUFFERS:  # a save cut short in its buffers, or one damaged there: not whole
             if parsed.get(f"{name}_file") is None:
                 continue
@@ -471,12 +465,17 @@ def _earlier_record(data: bytes) -> tuple[int, Callable[[], dict[str, Any]]]:
     def record() -> dict[str, Any]:
         if digest.decode("ascii", "replace") != hashlib.sha256(payload).hexdigest():
             raise ValueError("its sha256 does not match (a save cut short, or a damaged file)")
-        parsed = json.loads(payload)
-        if not isinstance(parsed, dict):
-            raise ValueError("not a record")
-        return parsed
+        return _json_record(payload)
 
     return int(number), record
+
+
+def _json_record(payload: bytes) -> dict[str, Any]:
+    """A slot's record from its JSON; ValueError where it is not a JSON object."""
+    parsed = json.loads(payload)
+    if not isinstance(parsed, dict):
+        raise ValueError("not a record")
+    return parsed
 
 
 def _read(path: str) -> bytes:
