@@ -31,7 +31,10 @@ devices' protocol work, scheduling). ratio is the median wall at N over the medi
 broker). Round time per device: the median wall over N at each N, with the wall each added device adds, whether
 the first is flat within FLAT_WITHIN (1.2x) across the sizes, and the least-squares line wall = fixed + per device
 x N over the sizes. With `--per-device` also the host's speed while each size ran (the devices' training CPU a
-sample: the same work at every N) and the round time per device in those units (`per_device`).
+sample: the same work at every N) and the round time per device in those units (`per_device`). With `--passes K`
+the sizes run K times, ascending then descending in turn, each pass's tables printed, then each size's round time
+per device and training share in every pass and their medians, and the flatness of those medians
+(`across_passes`): a host whose speed drifts over the run weighs on every size alike.
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty); the
 devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target), and that share's
@@ -52,8 +55,8 @@ Host profile (`--perf TOP`, needs perf and root): `perf record -a` over the last
 per process (coordinator, broker, workers), per library and, in the kernel, per system call and function: the TOP
 of each (benchmarks/host_profile.py). perf's sampling costs the host little (199 Hz a CPU); its tables are shares.
 
-    .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--workers N (default: the
-        fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
+    .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--passes 1]
+        [--workers N (default: the fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
         [--broker mosquitto,embedded] [--replay-m 50] [--between-rounds memory|disk (default: the fleet's)]
         [--per-device 0] [--idle-s 10] [--out DIR] [--keep] [--json FILE] [--profile TOP] [--perf TOP]
 
@@ -785,6 +788,36 @@ def per_device(summaries: list[dict], same_work: bool = False) -> None:
                   f"{'within' if max(units) / min(units) <= FLAT_WITHIN else 'outside'} {FLAT_WITHIN}x)")
 
 
+def across_passes(summaries: list[dict]) -> None:
+    """With `--passes`: each size's round time per device and training share in every pass, their medians, and
+    whether the medians' round time per device is flat within FLAT_WITHIN. The sizes run one after another, and on
+    a shared host whose speed drifts (a virtual machine's neighbours) the one that ran in a slow spell reads slow
+    (seen: 1000 devices at 1.53 and 1.75 ms a device, 10,000 at 1.44 and 1.28, in turn minutes apart); in
+    alternating order every size meets the drift alike, and the medians compare the sizes, not the spells."""
+    print("\nacross the passes (the sizes in alternating order): round time per device (median wall / N) and the "
+          "training share of the fleet's CPU, each pass, then the median")
+    print(f"{'broker':>9s} {'N':>6s} {'ms per device, each pass':>24s} {'median':>7s} {'train share, each pass':>22s} "
+          f"{'median':>7s}")
+    for broker in dict.fromkeys(s["broker"] for s in summaries):
+        each_size = {}
+        for n in sorted({s["n"] for s in summaries if s["broker"] == broker}):
+            done = sorted((s for s in summaries if s["broker"] == broker and s["n"] == n and s["rounds"].get("rounds")),
+                          key=lambda s: s["pass"])
+            if not done:
+                continue
+            per_device_ms = [s["rounds"]["wall"] / n * 1e3 for s in done]
+            shares = [s["rounds"]["dev_sum"] / fleet if (fleet := s["rounds"]["cpu_coordinator"]
+                      + s["rounds"]["cpu_broker"] + s["rounds"]["cpu_workers"]) > 0 else float("nan") for s in done]
+            each_size[n] = median(per_device_ms)
+            print(f"{broker:>9s} {n:6d} {' '.join(f'{v:.2f}' for v in per_device_ms):>24s} {each_size[n]:7.2f} "
+                  f"{' '.join(f'{v:.1%}' for v in shares):>22s} {median(shares):7.1%}")
+        if len(each_size) > 1:
+            spread = max(each_size.values()) / min(each_size.values())
+            print(f"{broker}: per device (medians over the passes) {min(each_size.values()):.2f}-"
+                  f"{max(each_size.values()):.2f} ms: {spread:.2f}x "
+                  f"({'within' if spread <= FLAT_WITHIN else 'outside'} {FLAT_WITHIN}x)")
+
+
 def over_rounds(summaries: list[dict]) -> None:
     """A run of at least LONG_RUN rounds: the wall and the coordinator's CPU a round in the first and the last quarter
     of its rounds after the first (which creates the devices' files), medians: what grows with the rounds (a
@@ -809,6 +842,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fleet (one task)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run the sizes this many times, ascending then descending in turn, and print each "
+                             "size's median over the passes (`across_passes`)")
     parser.add_argument("--sites", type=int, default=0,
                         help="the devices split over this many sites (their brokers bridged to the fleet's, an "
                              "aggregator each: coordinator/sites.py); the aggregators' CPU is counted with the "
@@ -841,6 +877,8 @@ def main() -> None:
                         help="record the last round with perf (the whole host) and print the TOP processes, "
                              "libraries, system calls and kernel functions")
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes must be at least 1, got {args.passes}")
     if args.perf and (why := HostProfile.available()) is not None:
         parser.error(f"--perf: {why}")
     if args.profile:
@@ -870,30 +908,39 @@ def main() -> None:
     idle = {k: v / args.idle_workers for k, v in idle_workers_memory(args.idle_workers, args.backend).items()}
     summaries, artifacts = [], None
     try:
-        for broker in brokers:
-            for n in sizes:
-                t0 = time.perf_counter()
-                out = base / f"{broker}-{n}"
-                try:
-                    run = run_fleet(n, args, out, artifacts, broker)
-                except Exception as err:  # report it and go on with the other sizes
-                    print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
-                    continue
-                artifacts = artifacts or out / "artifacts"
-                summary = summarize(run)
-                summaries.append(summary)
-                print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
-                      f"(all registered after {summary['startup']:.1f} s, "
-                      f"final accuracy {summary['accuracy']:.3f})", flush=True)
-                if args.profile:
-                    device_rounds = sum(len(h["received"]) for h in run["results"]["history"]
-                                        if h["round"] >= min(2, args.rounds))
-                    print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled run's)")
-                    print_profile(out / "profile", max(device_rounds, 1), args.profile)
-                if args.perf and run["probe"].host_profile is not None:
-                    print(f"\nthe last round of {broker} N={n}, recorded with perf")
-                    run["probe"].host_profile.print_tables(run["probe"].roles(), args.perf)
-        print_tables(summaries, idle, args)
+        for number in range(1, args.passes + 1):
+            for broker in brokers:
+                for n in sizes if number % 2 else sizes[::-1]:  # alternating: a drifting host weighs on each alike
+                    t0 = time.perf_counter()
+                    out = base / (f"{broker}-{n}" if args.passes == 1 else f"{broker}-{n}-pass{number}")
+                    try:
+                        run = run_fleet(n, args, out, artifacts, broker)
+                    except Exception as err:  # report it and go on with the other sizes
+                        print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
+                        continue
+                    artifacts = artifacts or out / "artifacts"
+                    summary = summarize(run)
+                    summary["pass"] = number
+                    summaries.append(summary)
+                    print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
+                          f"(all registered after {summary['startup']:.1f} s, "
+                          f"final accuracy {summary['accuracy']:.3f})", flush=True)
+                    if args.profile:
+                        device_rounds = sum(len(h["received"]) for h in run["results"]["history"]
+                                            if h["round"] >= min(2, args.rounds))
+                        print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled "
+                              f"run's)")
+                        print_profile(out / "profile", max(device_rounds, 1), args.profile)
+                    if args.perf and run["probe"].host_profile is not None:
+                        print(f"\nthe last round of {broker} N={n}, recorded with perf")
+                        run["probe"].host_profile.print_tables(run["probe"].roles(), args.perf)
+        for number in range(1, args.passes + 1):
+            if args.passes > 1:
+                print(f"\n===== pass {number} of {args.passes} =====")
+            print_tables(sorted((s for s in summaries if s["pass"] == number),
+                                key=lambda s: (brokers.index(s["broker"]), s["n"])), idle, args)
+        if args.passes > 1:
+            across_passes(summaries)
         print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
         if args.json:
             Path(args.json).write_text(json.dumps(
