@@ -695,8 +695,7 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
         if not r.get("rounds"):
             continue
         other = r["cpu_workers"] - r["dev_sum"]
-        fleet = r["cpu_coordinator"] + r["cpu_broker"] + r["cpu_workers"]
-        share = r["dev_sum"] / fleet if fleet > 0 else float("nan")
+        share = training_share(r)
         served = r["cpu_coordinator"] + r["cpu_broker"] + r["dev_sum"]
         ceiling = r["dev_sum"] / served if served > 0 else float("nan")
         print(f"{s['broker']:>9s} {s['n']:4d} {r['cpu_coordinator']:11.2f} {r['cpu_broker']:7.2f} "
@@ -740,6 +739,12 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
                   f"(the embedded broker runs here), by kind:")
             for count, what in s["foreign"][:5]:
                 print(f"  {count:6d}  {what[:200]}")
+
+
+def training_share(r: dict) -> float:
+    """The devices' training as a share of the fleet's CPU in a round (`r`: a summary's median round)."""
+    fleet = r["cpu_coordinator"] + r["cpu_broker"] + r["cpu_workers"]
+    return r["dev_sum"] / fleet if fleet > 0 else float("nan")
 
 
 def per_device(summaries: list[dict], same_work: bool = False) -> None:
@@ -789,15 +794,17 @@ def per_device(summaries: list[dict], same_work: bool = False) -> None:
 
 
 def across_passes(summaries: list[dict]) -> None:
-    """With `--passes`: each size's round time per device and training share in every pass, their medians, and
-    whether the medians' round time per device is flat within FLAT_WITHIN. The sizes run one after another, and on
-    a shared host whose speed drifts (a virtual machine's neighbours) the one that ran in a slow spell reads slow
-    (seen: 1000 devices at 1.53 and 1.75 ms a device, 10,000 at 1.44 and 1.28, in turn minutes apart); in
-    alternating order every size meets the drift alike, and the medians compare the sizes, not the spells."""
-    print("\nacross the passes (the sizes in alternating order): round time per device (median wall / N) and the "
-          "training share of the fleet's CPU, each pass, then the median")
-    print(f"{'broker':>9s} {'N':>6s} {'ms per device, each pass':>24s} {'median':>7s} {'train share, each pass':>22s} "
-          f"{'median':>7s}")
+    """With `--passes`: each size's round time per device, the fleet's CPU per device and the training share in
+    every pass, their medians, and whether the medians' round time per device is flat within FLAT_WITHIN. The sizes
+    run one after another, and on a shared host whose speed drifts (a virtual machine's neighbours) the one that ran
+    in a slow spell reads slow (seen: 1000 devices at 1.53 and 1.75 ms a device, 10,000 at 1.44 and 1.28, in turn
+    minutes apart); in alternating order every size meets the drift alike, and the medians compare the sizes, not
+    the spells."""
+    print("\nacross the passes (the sizes in alternating order): round time per device (median wall / N), the "
+          "fleet's CPU per device (coordinator, broker and workers over N) and the training share of that CPU, each "
+          "pass, then the median")
+    print(f"{'broker':>9s} {'N':>6s} {'ms per device, each pass':>29s} {'median':>7s} "
+          f"{'CPU ms per device, each pass':>29s} {'median':>7s} {'train share, each pass':>34s} {'median':>7s}")
     for broker in dict.fromkeys(s["broker"] for s in summaries):
         each_size = {}
         for n in sorted({s["n"] for s in summaries if s["broker"] == broker}):
@@ -806,11 +813,13 @@ def across_passes(summaries: list[dict]) -> None:
             if not done:
                 continue
             per_device_ms = [s["rounds"]["wall"] / n * 1e3 for s in done]
-            shares = [s["rounds"]["dev_sum"] / fleet if (fleet := s["rounds"]["cpu_coordinator"]
-                      + s["rounds"]["cpu_broker"] + s["rounds"]["cpu_workers"]) > 0 else float("nan") for s in done]
+            cpu_ms = [(s["rounds"]["cpu_coordinator"] + s["rounds"]["cpu_broker"] + s["rounds"]["cpu_workers"]) / n
+                      * 1e3 for s in done]
+            shares = [training_share(s["rounds"]) for s in done]
             each_size[n] = median(per_device_ms)
-            print(f"{broker:>9s} {n:6d} {' '.join(f'{v:.2f}' for v in per_device_ms):>24s} {each_size[n]:7.2f} "
-                  f"{' '.join(f'{v:.1%}' for v in shares):>22s} {median(shares):7.1%}")
+            print(f"{broker:>9s} {n:6d} {' '.join(f'{v:.2f}' for v in per_device_ms):>29s} {each_size[n]:7.2f} "
+                  f"{' '.join(f'{v:.2f}' for v in cpu_ms):>29s} {median(cpu_ms):7.2f} "
+                  f"{' '.join(f'{v:.1%}' for v in shares):>34s} {median(shares):7.1%}")
         if len(each_size) > 1:
             spread = max(each_size.values()) / min(each_size.values())
             print(f"{broker}: per device (medians over the passes) {min(each_size.values()):.2f}-"
