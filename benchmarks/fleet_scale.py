@@ -33,8 +33,8 @@ the first is flat within FLAT_WITHIN (1.2x) across the sizes, and the least-squa
 x N over the sizes. With `--per-device` also the host's speed while each size ran (the devices' training CPU a
 sample: the same work at every N) and the round time per device in those units (`per_device`). With `--passes K`
 the sizes run K times, ascending then descending in turn, each pass's tables printed, then each size's round time
-per device and training share in every pass and their medians, and the flatness of those medians
-(`across_passes`): a host whose speed drifts over the run weighs on every size alike.
+per device, the fleet's CPU per device and the training share in every pass and their medians, and the flatness of
+the round time's medians (`across_passes`): a host whose speed drifts over the run weighs on every size alike.
 CPU per round, by process, from /proc/<pid>/stat: the coordinator is this process (with `--broker embedded` the
 amqtt broker runs here too, so its CPU counts as the coordinator's and its broker columns stay empty); the
 devices' training as a share of the fleet's CPU (TRAINING_SHARE, 60 %, the target), and that share's
@@ -847,6 +847,28 @@ def over_rounds(summaries: list[dict]) -> None:
               f"{walls[1] / walls[0]:6.2f} {cpu[0]:21.3f} {cpu[1]:6.3f} {cpu[1] / cpu[0]:6.2f}")
 
 
+def measure(n: int, broker: str, args: argparse.Namespace, out: Path, artifacts: Path | None) -> dict | None:
+    """A fleet of `n` devices through `broker` in the folder `out`: its summary, with its profiles printed where
+    asked; None where the fleet failed (said: the other sizes go on)."""
+    t0 = time.perf_counter()
+    try:
+        run = run_fleet(n, args, out, artifacts, broker)
+    except Exception as err:
+        print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
+        return None
+    summary = summarize(run)
+    print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
+          f"(all registered after {summary['startup']:.1f} s, final accuracy {summary['accuracy']:.3f})", flush=True)
+    if args.profile:
+        device_rounds = sum(len(h["received"]) for h in run["results"]["history"] if h["round"] >= min(2, args.rounds))
+        print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled run's)")
+        print_profile(out / "profile", max(device_rounds, 1), args.profile)
+    if args.perf and run["probe"].host_profile is not None:
+        print(f"\nthe last round of {broker} N={n}, recorded with perf")
+        run["probe"].host_profile.print_tables(run["probe"].roles(), args.perf)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="10,50,200", help="comma-separated fleet sizes (ascending)")
@@ -920,29 +942,12 @@ def main() -> None:
         for number in range(1, args.passes + 1):
             for broker in brokers:
                 for n in sizes if number % 2 else sizes[::-1]:  # alternating: a drifting host weighs on each alike
-                    t0 = time.perf_counter()
                     out = base / (f"{broker}-{n}" if args.passes == 1 else f"{broker}-{n}-pass{number}")
-                    try:
-                        run = run_fleet(n, args, out, artifacts, broker)
-                    except Exception as err:  # report it and go on with the other sizes
-                        print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
-                        continue
-                    artifacts = artifacts or out / "artifacts"
-                    summary = summarize(run)
-                    summary["pass"] = number
-                    summaries.append(summary)
-                    print(f"{broker} N={n}: {summary['completed']} rounds in {time.perf_counter() - t0:.0f} s "
-                          f"(all registered after {summary['startup']:.1f} s, "
-                          f"final accuracy {summary['accuracy']:.3f})", flush=True)
-                    if args.profile:
-                        device_rounds = sum(len(h["received"]) for h in run["results"]["history"]
-                                            if h["round"] >= min(2, args.rounds))
-                        print(f"\nprofile of {broker} N={n}'s rounds (profiled: its times are not an unprofiled "
-                              f"run's)")
-                        print_profile(out / "profile", max(device_rounds, 1), args.profile)
-                    if args.perf and run["probe"].host_profile is not None:
-                        print(f"\nthe last round of {broker} N={n}, recorded with perf")
-                        run["probe"].host_profile.print_tables(run["probe"].roles(), args.perf)
+                    summary = measure(n, broker, args, out, artifacts)
+                    if summary is not None:
+                        summary["pass"] = number
+                        summaries.append(summary)
+                        artifacts = artifacts or out / "artifacts"
         for number in range(1, args.passes + 1):
             if args.passes > 1:
                 print(f"\n===== pass {number} of {args.passes} =====")

@@ -119,7 +119,9 @@ def test_coordinator_killed_and_resumed_loses_no_completed_round(fleet_factory):
     fleet.kill("coordinator")
     kept = fleet.results()
     checkpoint = json.loads(max((fleet.root / "run" / "checkpoint").glob("round-*/state.json")).read_text())
-    assert checkpoint["round"] == kept["rounds_completed"] >= 4
+    # a round's files are written once the next round is open (coordinator/run_logs.py): a kill in between leaves
+    # them behind the checkpoint, never ahead, and the resumed run writes them whole
+    assert checkpoint["round"] >= kept["rounds_completed"] >= 4
     fleet.start_coordinator(resume=True)
     assert fleet.wait_coordinator(timeout=CEILING_S) == 0, fleet.log_tail("coordinator")
     final = fleet.results()
