@@ -414,8 +414,6 @@ except RuntimeError as err:
 def test_a_fleet_whose_workers_would_pass_the_open_files_limit_is_refused_before_they_start(tmp_path):
     """300 devices in one worker under a hard limit of 1024 open files: the fleet ends at once with the worker's
     line naming the fix, not with a worker dead in its log and a coordinator waiting for its devices."""
-    import resource
-
     def limited() -> None:
         default_signals()
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
