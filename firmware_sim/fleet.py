@@ -63,6 +63,7 @@ from firmware_sim.fleet_worker import (
     host_devices,
     mount_disks,
     worker_count,
+    worker_log_level,
     worker_niceness,
 )
 from firmware_sim.limits import calibrate_host
@@ -403,7 +404,8 @@ class ProcessWorkers:
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):
             worker = context.Process(target=host_devices, daemon=True, args=(
-                share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe, niceness))
+                share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe, niceness,
+                worker_log_level()))
             worker.start()
             self.processes.append(worker)
 

@@ -34,6 +34,7 @@ from firmware_sim.fleet_worker import (
     STOP_GRACE_S,
     mount_disks,
     serve_devices,
+    worker_log_level,
 )
 
 log = logging.getLogger("edgefil.fleet")
@@ -66,14 +67,15 @@ class DeviceHost:
         return str(ray.get_runtime_context().get_node_id())
 
     def host(self, configs: list[dict[str, Any]], artifacts: dict[str, bytes], log_file: str,
-             power_loss_safe: bool, niceness: int = 0) -> str:
+             power_loss_safe: bool, niceness: int = 0, log_level: int = logging.INFO) -> str:
         """Until `stop`: measure this node for the emulated devices, write the artifacts where this node lacks
-        them, mount the emulated disks, serve the devices; the node's id at the end."""
+        them, mount the emulated disks, serve the devices; the node's id at the end. Its log, `log_file`, at
+        `log_level` (`worker_log_level`)."""
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(log_file)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         logging.getLogger().addHandler(handler)
-        logging.getLogger().setLevel(logging.INFO)
+        logging.getLogger().setLevel(log_level)
         if any("emulation" in raw for raw in configs):  # emulated device time scales with this node's speed
             from firmware_sim.limits import calibrate_host
 
@@ -168,7 +170,7 @@ class RayWorkers:
             host = actor.remote()
             self._actors.append(host)
             self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log"),
-                                                  self.power_loss_safe, niceness))
+                                                  self.power_loss_safe, niceness, worker_log_level()))
 
     def placement(self, timeout: float = 60.0) -> list[str]:
         """The node id each worker runs on now, in worker order (waiting for the ones not placed yet)."""

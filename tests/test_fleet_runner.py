@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import resource
@@ -31,10 +32,12 @@ from firmware_sim.fleet_worker import (
     HEARTBEATS_PER_CORE_S,
     KEEPALIVES_PER_CORE_S,
     MQTT_MAX_KEEPALIVE_S,
+    RUNTIME_LOGGER,
     WORKER_NICENESS,
     crowded_keepalive,
     fleet_heartbeat,
     worker_count,
+    worker_log_level,
     worker_niceness,
 )
 from firmware_sim.report import run_summary
@@ -559,6 +562,32 @@ def test_a_worker_s_log_lines_read_as_its_format_says_without_the_fields_it_neve
     assert done.stdout.strip() == "['(unknown function)', None, None, None]"
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} edgefil.fleet INFO dev-7 trained round 3\n",
                         log_file.read_text())
+
+
+def test_a_fleet_s_workers_log_at_the_level_the_command_was_given(tmp_path):
+    """`edgefil --log-level WARNING fleet run` reaches the workers' logs: no device's INFO line (a `trained round`
+    a device and round) while the devices train; a fleet process that sets no level leaves its workers at INFO."""
+    runtime = logging.getLogger(RUNTIME_LOGGER)
+    assert runtime.level == logging.NOTSET and worker_log_level() == logging.INFO  # nothing set: INFO, as before
+    runtime.setLevel(logging.ERROR)
+    try:
+        assert worker_log_level() == logging.ERROR
+    finally:
+        runtime.setLevel(logging.NOTSET)
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="mosquitto").replace("devices = 4", "devices = 2")
+                    .replace("min_clients = 4", "min_clients = 2").replace("rounds_per_task = 2", "rounds_per_task = 1")
+                    .replace("n_tasks = 3", "n_tasks = 1").replace("profiles = ", "# profiles = "))
+    with open(tmp_path / "fleet.log", "ab") as log:
+        done = subprocess.run([sys.executable, "-m", "edgefil.cli", "--log-level", "WARNING", "fleet", "run", str(path)],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=CEILING_S)
+    assert done.returncode == 0, (tmp_path / "fleet.log").read_text()[-3000:]
+    final = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert final["rounds_completed"] == 1 and len(final["history"][0]["received"]) == 2  # both devices trained
+    logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log"))
+    assert len(logs) == 2
+    for worker_log in logs:
+        assert " INFO " not in worker_log.read_text(), worker_log.read_text()[-2000:]
 
 
 def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):
