@@ -58,7 +58,8 @@ of each (benchmarks/host_profile.py). perf's sampling costs the host little (199
     .venv/bin/python benchmarks/fleet_scale.py [--devices 10,50,200] [--rounds 3] [--passes 1]
         [--workers N (default: the fleet's, one per core)] [--backend ort|portable|torch (default: the fleet's)]
         [--broker mosquitto,embedded] [--replay-m 50] [--between-rounds memory|disk (default: the fleet's)]
-        [--per-device 0] [--idle-s 10] [--out DIR] [--keep] [--json FILE] [--profile TOP] [--perf TOP]
+        [--per-device 0] [--idle-s 10] [--worker-log-level INFO] [--out DIR] [--keep] [--json FILE] [--profile TOP]
+        [--perf TOP]
 
 Keep this module's top level free of library imports: the workers are spawned processes, and spawn imports
 the main module (this file) again in every one of them.
@@ -632,7 +633,8 @@ def print_tables(summaries: list[dict], idle: dict[str, float], args: argparse.N
     work = (f"MNIST-1D (cnn1d), 1 task of 10 classes, ~{args.per_device} training samples a device" if args.per_device > 0
             else "digits-class (LeNet) with 1 task (~270 training samples at every N)")
     print(f"\nfleet scale: {workers} worker processes, {cores} cores, {args.backend} backend, {work}, "
-          f"{args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch")
+          f"{args.rounds} rounds, fraction 1.0, random replay M={args.replay_m}, 1 local epoch, the workers' log at "
+          f"{args.worker_log_level}")
     print(f"an idle worker (its imports, no device), of {args.idle_workers} alive together: PSS "
           f"{idle.get('Pss', 0) / MB:.0f} MB, RSS {idle.get('Rss', 0) / MB:.0f} MB, anonymous "
           f"{idle.get('Anonymous', 0) / MB:.0f} MB")
@@ -895,6 +897,10 @@ def main() -> None:
     parser.add_argument("--per-device", type=int, default=0,
                         help="0: one digits task, the same ~270 samples at every N (default); K > 0: MNIST-1D "
                              "generated for about K training samples a device, every device training")
+    parser.add_argument("--worker-log-level", choices=("INFO", "WARNING", "ERROR"), default="INFO",
+                        help="the workers' log level, as `edgefil --log-level` gives it (fleet_worker.worker_log_level;"
+                             " default INFO). Above INFO the devices log no `trained round` line, and the round's "
+                             "phases after its start (first and last trained, the upload) are not measured")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="round deadline")
     parser.add_argument("--wait-s", type=float, default=600.0, help="how long round 1 waits for all devices")
     parser.add_argument("--idle-s", type=float, default=10.0,
@@ -927,6 +933,10 @@ def main() -> None:
     FOREIGN.addFilter(lambda record: not record.name.startswith("edgefil"))
     logging.basicConfig(level=logging.WARNING, handlers=[printed, FOREIGN])
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" (as the CLI does)
+    if args.worker_log_level != "INFO":  # (INFO: left unset, the workers' default; this process prints WARNING up)
+        from firmware_sim.fleet_worker import RUNTIME_LOGGER
+
+        logging.getLogger(RUNTIME_LOGGER).setLevel(args.worker_log_level)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     started = time.perf_counter()
     from firmware_sim.fleet import usable_cores
