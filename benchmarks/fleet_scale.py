@@ -899,8 +899,9 @@ def main() -> None:
                              "generated for about K training samples a device, every device training")
     parser.add_argument("--worker-log-level", choices=("INFO", "WARNING", "ERROR"), default="INFO",
                         help="the workers' log level, as `edgefil --log-level` gives it (fleet_worker.worker_log_level;"
-                             " default INFO). Above INFO the devices log no `trained round` line, and the round's "
-                             "phases after its start (first and last trained, the upload) are not measured")
+                             " default INFO), set on edgefil's logger here (which prints WARNING and up). Above INFO "
+                             "the devices log no `trained round` line, and the round's phases after its start "
+                             "(first and last trained, the upload) are not measured")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="round deadline")
     parser.add_argument("--wait-s", type=float, default=600.0, help="how long round 1 waits for all devices")
     parser.add_argument("--idle-s", type=float, default=10.0,
