@@ -252,7 +252,7 @@ def worker_log_level() -> int:
     `edgefil --log-level WARNING fleet run` (or a Python caller's `logging.getLogger("edgefil").setLevel`) reaches
     the devices' lines in the workers' logs too; INFO where nothing set it, as a worker logged before it followed
     the fleet. Every device logs an INFO line a round (`trained round`): at 10,000 devices 10,000 lines a round,
-    and about 5 % of the workers' CPU besides training (docs/results.md), which a long, large fleet may not want."""
+    and 3-4 % of the workers' CPU besides training (docs/results.md), which a long, large fleet may not want."""
     return logging.getLogger(RUNTIME_LOGGER).level or logging.INFO
 
 

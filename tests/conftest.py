@@ -1,6 +1,7 @@
 """Shared fixtures: artifact sets are exported once per test session."""
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -15,6 +16,20 @@ def _no_peer_outlives_its_test():
     helpers = sys.modules.get("mqtt_helpers")
     if helpers is not None:
         helpers.close_running_peers()
+
+
+@pytest.fixture(autouse=True)
+def _log_levels_as_they_were():
+    """The levels of edgefil's loggers (and the root's) as they were before the test: a test that runs the command
+    line in this process (`edgefil.cli.main(["--log-level", ...])`) sets them, and a fleet started in this process
+    by a later test would pass them on to its workers (`fleet_worker.worker_log_level`)."""
+    from edgefil.cli import OWN_PACKAGES
+
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in OWN_PACKAGES)]
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

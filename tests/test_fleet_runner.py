@@ -568,12 +568,14 @@ def test_a_fleet_s_workers_log_at_the_level_the_command_was_given(tmp_path):
     """`edgefil --log-level WARNING fleet run` reaches the workers' logs: no device's INFO line (a `trained round`
     a device and round) while the devices train; a fleet process that sets no level leaves its workers at INFO."""
     runtime = logging.getLogger(RUNTIME_LOGGER)
-    assert runtime.level == logging.NOTSET and worker_log_level() == logging.INFO  # nothing set: INFO, as before
-    runtime.setLevel(logging.ERROR)
+    kept = runtime.level  # (a test before may have run the CLI in this process, which sets it)
     try:
+        runtime.setLevel(logging.NOTSET)
+        assert worker_log_level() == logging.INFO  # nothing set: INFO, as before
+        runtime.setLevel(logging.ERROR)
         assert worker_log_level() == logging.ERROR
     finally:
-        runtime.setLevel(logging.NOTSET)
+        runtime.setLevel(kept)
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET.format(broker="mosquitto").replace("devices = 4", "devices = 2")
                     .replace("min_clients = 4", "min_clients = 2").replace("rounds_per_task = 2", "rounds_per_task = 1")
