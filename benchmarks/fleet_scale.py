@@ -898,7 +898,7 @@ def main() -> None:
                         help="0: one digits task, the same ~270 samples at every N (default); K > 0: MNIST-1D "
                              "generated for about K training samples a device, every device training")
     parser.add_argument("--worker-log-level", choices=("INFO", "WARNING", "ERROR"), default="INFO",
-                        help="the workers' log level, as `edgefil --log-level` gives it (fleet_worker.worker_log_level;"
+                        help="the workers' log level, as `edgefil --log-level` gives it (fleet_worker.fleet_log_level;"
                              " default INFO), set on edgefil's logger here (which prints WARNING and up). Above INFO "
                              "the devices log no `trained round` line, and the round's phases after its start "
                              "(first and last trained, the upload) are not measured")

@@ -60,10 +60,10 @@ from firmware_sim.fleet_worker import (
     crowded_keepalive,
     ensure_descriptors,
     fleet_heartbeat,
+    fleet_log_level,
     host_devices,
     mount_disks,
     worker_count,
-    worker_log_level,
     worker_niceness,
 )
 from firmware_sim.limits import calibrate_host
@@ -405,7 +405,7 @@ class ProcessWorkers:
         for k, share in enumerate(shares):
             worker = context.Process(target=host_devices, daemon=True, args=(
                 share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe, niceness,
-                worker_log_level()))
+                fleet_log_level()))
             worker.start()
             self.processes.append(worker)
 

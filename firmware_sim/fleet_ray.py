@@ -32,9 +32,9 @@ from edgefil.durable import write_atomically
 from firmware_sim.fleet_worker import (
     LOG_FORMAT,
     STOP_GRACE_S,
+    fleet_log_level,
     mount_disks,
     serve_devices,
-    worker_log_level,
 )
 
 log = logging.getLogger("edgefil.fleet")
@@ -70,7 +70,7 @@ class DeviceHost:
              power_loss_safe: bool, niceness: int = 0, log_level: int = logging.INFO) -> str:
         """Until `stop`: measure this node for the emulated devices, write the artifacts where this node lacks
         them, mount the emulated disks, serve the devices; the node's id at the end. Its log, `log_file`, at
-        `log_level` (`worker_log_level`)."""
+        `log_level` (`fleet_log_level`)."""
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(log_file)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -170,7 +170,7 @@ class RayWorkers:
             host = actor.remote()
             self._actors.append(host)
             self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log"),
-                                                  self.power_loss_safe, niceness, worker_log_level()))
+                                                  self.power_loss_safe, niceness, fleet_log_level()))
 
     def placement(self, timeout: float = 60.0) -> list[str]:
         """The node id each worker runs on now, in worker order (waiting for the ones not placed yet)."""

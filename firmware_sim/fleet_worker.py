@@ -33,8 +33,9 @@ DESCRIPTORS_PER_DEVICE = 4
 DESCRIPTORS_PER_CONNECTION = 1
 BASE_DESCRIPTORS = 256
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-# The logger whose level a fleet's workers take from the fleet's process (`worker_log_level`): edgefil's own, which
-# `edgefil --log-level` sets (edgefil/cli.py) and every device, link and fleet logger is under.
+# The logger whose level the processes a fleet starts (its workers, its sites' aggregators) take from the fleet's own
+# (`fleet_log_level`): edgefil's, which `edgefil --log-level` sets (edgefil/cli.py) and every device, link, site and
+# fleet logger is under.
 RUNTIME_LOGGER = "edgefil"
 # Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores). Measured at 1500
 # first: at 2500 a worker (5000 on 2) the thread fell behind under the GIL, the 10 s keepalives of the time lapsed
@@ -247,12 +248,13 @@ def _wait_for_stop(stop: Connection, stopping: Callable[[], None] = lambda: None
         stopping()
 
 
-def worker_log_level() -> int:
-    """The level a fleet's workers log at: the one this process (the fleet's) set on RUNTIME_LOGGER, so that
-    `edgefil --log-level WARNING fleet run` (or a Python caller's `logging.getLogger("edgefil").setLevel`) reaches
-    the devices' lines in the workers' logs too; INFO where nothing set it, as a worker logged before it followed
-    the fleet. Every device logs an INFO line a round (`trained round`): at 10,000 devices 10,000 lines a round,
-    and 3-4 % of the workers' CPU besides training (docs/results.md), which a long, large fleet may not want."""
+def fleet_log_level() -> int:
+    """The level a fleet's workers and sites' aggregators log at: the one this process (the fleet's) set on
+    RUNTIME_LOGGER, so that `edgefil --log-level WARNING fleet run` (or a Python caller's
+    `logging.getLogger("edgefil").setLevel`) reaches the devices' lines in the workers' logs too; INFO where nothing
+    set it, as they logged before they followed the fleet. Every device logs an INFO line a round (`trained
+    round`): at 10,000 devices 10,000 lines a round, and 3-4 % of the workers' CPU besides training
+    (docs/results.md), which a long, large fleet may not want."""
     return logging.getLogger(RUNTIME_LOGGER).level or logging.INFO
 
 
@@ -260,7 +262,7 @@ def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str,
                  niceness: int = 0, log_level: int = logging.INFO) -> None:
     """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone,
     and then gone within EXIT_DEADLINE_S, whatever it is stuck on (ExitDeadline). Ctrl-C is the parent's to
-    handle. Its log, `log_file`, at `log_level` (`worker_log_level`)."""
+    handle. Its log, `log_file`, at `log_level` (`fleet_log_level`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     if hasattr(signal, "SIGALRM"):

@@ -24,6 +24,7 @@ from coordinator.config import SiteDevices
 from edgefil.durable import write_private
 from edgefil.lifetime import die_with_parent
 from edgefil.settings import dump_toml
+from firmware_sim.fleet_worker import fleet_log_level
 
 log = logging.getLogger("edgefil.fleet")
 STOP_GRACE_S = 10.0  # the aggregators' time to say they are gone and exit after SIGTERM
@@ -54,8 +55,13 @@ class SimulatedSites:
         return tuple(SiteDevices(name, devices) for name, devices in self.members.items())
 
     def start(self, central: MosquittoBroker, artifacts: Path, logs: Path, keepalive: int | None) -> None:
-        """Each site's broker, bridged to `central`, and its aggregator."""
+        """Each site's broker, bridged to `central`, and its aggregator, logging at the fleet's level
+        (`fleet_log_level`, where the command line has a name for it; else at its default, INFO)."""
+        from edgefil.cli import LOG_LEVELS
+
         address = central.address
+        named = logging.getLevelName(fleet_log_level())
+        level = ["--log-level", named] if named in LOG_LEVELS else []
         for name, devices in self.members.items():
             folder = self.out / "sites" / name
             broker = MosquittoBroker(folder, self.fleet, {d: self.passwords[d] for d in devices},
@@ -71,7 +77,7 @@ class SimulatedSites:
                                                                      keepalive)}))
             with open(logs / f"{name}.log", "ab") as out:
                 self.processes[name] = subprocess.Popen(
-                    [sys.executable, "-m", "edgefil.cli", "site", "--config", str(config)], stdout=out,
+                    [sys.executable, "-m", "edgefil.cli", *level, "site", "--config", str(config)], stdout=out,
                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                     # as the brokers: gone with the fleet, even a SIGKILLed one (an aggregator outlived it, retrying
                     # its dead broker for good); the kernel ties the child to the thread that forks it

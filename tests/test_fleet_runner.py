@@ -36,8 +36,8 @@ from firmware_sim.fleet_worker import (
     WORKER_NICENESS,
     crowded_keepalive,
     fleet_heartbeat,
+    fleet_log_level,
     worker_count,
-    worker_log_level,
     worker_niceness,
 )
 from firmware_sim.report import run_summary
@@ -564,20 +564,21 @@ def test_a_worker_s_log_lines_read_as_its_format_says_without_the_fields_it_neve
                         log_file.read_text())
 
 
-def test_a_fleet_s_workers_log_at_the_level_the_command_was_given(tmp_path):
-    """`edgefil --log-level WARNING fleet run` reaches the workers' logs: no device's INFO line (a `trained round`
-    a device and round) while the devices train; a fleet process that sets no level leaves its workers at INFO."""
+def test_a_fleet_s_workers_and_sites_log_at_the_level_the_command_was_given(tmp_path):
+    """`edgefil --log-level WARNING fleet run` reaches the workers' and the sites' aggregators' logs: no device's
+    INFO line (a `trained round` a device and round), no site's, while the devices train through their sites; a
+    fleet process that sets no level leaves them at INFO."""
     runtime = logging.getLogger(RUNTIME_LOGGER)
     kept = runtime.level  # (a test before may have run the CLI in this process, which sets it)
     try:
         runtime.setLevel(logging.NOTSET)
-        assert worker_log_level() == logging.INFO  # nothing set: INFO, as before
+        assert fleet_log_level() == logging.INFO  # nothing set: INFO, as before
         runtime.setLevel(logging.ERROR)
-        assert worker_log_level() == logging.ERROR
+        assert fleet_log_level() == logging.ERROR
     finally:
         runtime.setLevel(kept)
     path = tmp_path / "fleet.toml"
-    path.write_text(FLEET.format(broker="mosquitto").replace("devices = 4", "devices = 2")
+    path.write_text(FLEET.format(broker="mosquitto").replace("devices = 4", "devices = 2\nsites = 2")
                     .replace("min_clients = 4", "min_clients = 2").replace("rounds_per_task = 2", "rounds_per_task = 1")
                     .replace("n_tasks = 3", "n_tasks = 1").replace("profiles = ", "# profiles = "))
     with open(tmp_path / "fleet.log", "ab") as log:
@@ -586,10 +587,10 @@ def test_a_fleet_s_workers_log_at_the_level_the_command_was_given(tmp_path):
     assert done.returncode == 0, (tmp_path / "fleet.log").read_text()[-3000:]
     final = json.loads((tmp_path / "run" / "results.json").read_text())
     assert final["rounds_completed"] == 1 and len(final["history"][0]["received"]) == 2  # both devices trained
-    logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log"))
-    assert len(logs) == 2
-    for worker_log in logs:
-        assert " INFO " not in worker_log.read_text(), worker_log.read_text()[-2000:]
+    logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log")) + sorted((tmp_path / "run" / "logs").glob("site-*"))
+    assert len(logs) == 4
+    for log_file in logs:
+        assert " INFO " not in log_file.read_text(), f"{log_file.name}: {log_file.read_text()[-2000:]}"
 
 
 def test_a_fleet_s_heartbeats_keep_within_a_budget_per_core(tmp_path):
