@@ -34,8 +34,8 @@ DESCRIPTORS_PER_CONNECTION = 1
 BASE_DESCRIPTORS = 256
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # The logger whose level the processes a fleet starts (its workers, its sites' aggregators) take from the fleet's own
-# (`fleet_log_level`): edgefil's, which `edgefil --log-level` sets (edgefil/cli.py) and every device, link, site and
-# fleet logger is under.
+# (`fleet_log_level`): edgefil's, which `edgefil --log-level` sets with its other packages' (edgefil/cli.py). A worker
+# sets its whole log (the root logger) at that level, so its devices' `edge_client.*` loggers follow too.
 RUNTIME_LOGGER = "edgefil"
 # Connections one worker's network thread keeps alive (benchmarks/fleet_scale.py, 2 cores). Measured at 1500
 # first: at 2500 a worker (5000 on 2) the thread fell behind under the GIL, the 10 s keepalives of the time lapsed
