@@ -388,6 +388,7 @@ class ProcessWorkers:
         # its Condition counting a sleeper that never wakes, and the fleet's `set` waited for it forever
         self._stop_heard, self._stop_said = mp.get_context("spawn").Pipe(duplex=False)
         self.processes: list[mp.process.BaseProcess] = []
+        self._devices: list[list[str]] = []  # each worker's devices, in the order of `processes`
         self._mounted: list[Path] = []
         self._stopping = False
 
@@ -408,14 +409,15 @@ class ProcessWorkers:
                 fleet_log_level()))
             worker.start()
             self.processes.append(worker)
+            self._devices.append([raw["device_id"] for raw in share])
 
     def here(self) -> int:
         """How many of the workers run on this machine (beside the coordinator)."""
         return len(self.processes)
 
-    def watch(self, gone: Callable[[str], None]) -> None:
-        """Call `gone` with a line, from a thread of its own, if a worker ends before `stop`: waits on the processes'
-        sentinels and the word to stop (no polling)."""
+    def watch(self, gone: Callable[[str, list[str]], None]) -> None:
+        """Call `gone` with a line and the worker's devices, from a thread of its own, if a worker ends before
+        `stop`: waits on the processes' sentinels and the word to stop (no polling)."""
         sentinels = {worker.sentinel: k for k, worker in enumerate(self.processes)}
 
         def wait() -> None:
@@ -425,7 +427,7 @@ class ProcessWorkers:
             k = next(sentinels[s] for s in ended if s in sentinels)
             self.processes[k].join(EXIT_CODE_WAIT_S)  # its sentinel may be ready a moment before its exit code
             gone(f"fleet worker {k} ended (exit code {self.processes[k].exitcode}) and its devices with it: "
-                 f"its log, logs/worker-{k}.log, says why")
+                 f"its log, logs/worker-{k}.log, says why", self._devices[k])
 
         threading.Thread(target=wait, daemon=True, name="worker-watch").start()
 

@@ -141,6 +141,7 @@ class RayWorkers:
             ray.init(address=settings.address, include_dashboard=False, logging_level=logging.WARNING,
                      configure_logging=False)
         self._actors: list[Any] = []
+        self._devices: list[list[str]] = []  # each worker's devices, in the order of `_actors`
         self._hosting: list[Any] = []
         self._stopping = threading.Event()
 
@@ -169,6 +170,7 @@ class RayWorkers:
         for k, share in enumerate(shares):
             host = actor.remote()
             self._actors.append(host)
+            self._devices.append([raw["device_id"] for raw in share])
             self._hosting.append(host.host.remote(share, shipped, str(logs / f"worker-{k}.log"),
                                                   self.power_loss_safe, niceness, fleet_log_level()))
 
@@ -182,9 +184,9 @@ class RayWorkers:
                                   timeout=timeout)
         return [str(n) for n in self._ray.get(ready)].count(self._ray.get_runtime_context().get_node_id())
 
-    def watch(self, gone: Callable[[str], None]) -> None:
-        """Call `gone` with a line, from a thread of its own, if a worker ends before `stop` (its restarts spent, or
-        failing): Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""
+    def watch(self, gone: Callable[[str, list[str]], None]) -> None:
+        """Call `gone` with a line and the worker's devices, from a thread of its own, if a worker ends before `stop`
+        (its restarts spent, or failing): Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""
         hosting = list(self._hosting)
 
         def wait() -> None:
@@ -199,7 +201,8 @@ class RayWorkers:
                 why = "returned"
             except Exception as err:
                 why = f"{type(err).__name__}: {err}".splitlines()[0]
-            gone(f"fleet worker {k} ended ({why}) and its devices with it: its log, logs/worker-{k}.log, says more")
+            gone(f"fleet worker {k} ended ({why}) and its devices with it: its log, logs/worker-{k}.log, says more",
+                 self._devices[k])
 
         threading.Thread(target=wait, daemon=True, name="worker-watch").start()
 

@@ -145,7 +145,8 @@ def test_ctrl_c_stops_the_fleet_cleanly_and_resume_finishes_the_run(tmp_path):
 def test_a_worker_that_dies_ends_the_run_in_one_line_and_it_resumes(tmp_path):
     """A worker killed mid-run (as the kernel kills one for memory) took its devices with it: the run ends, failed
     with a line that names the worker, rather than going on with half the fleet (or, at min_clients, waiting for the
-    lost devices up to wall_limit_s); its checkpoint stays and --resume finishes the run."""
+    lost devices up to wall_limit_s), its devices recorded offline; its checkpoint stays and --resume finishes the
+    run."""
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET.format(broker="embedded").replace("rounds_per_task = 2", "rounds_per_task = 10")
                     .replace("min_clients = 4", "min_clients = 1"))  # the 2 devices left could go on alone
@@ -161,6 +162,9 @@ def test_a_worker_that_dies_ends_the_run_in_one_line_and_it_resumes(tmp_path):
     assert len(said) == 1 and "fleet worker" in said[0] and "exit code -9" in said[0], log.read_text()[-3000:]
     ended = json.loads((out / "results.json").read_text())
     assert ended["outcome"].startswith("failed: RunAborted: fleet worker") and ended["rounds_completed"] < 30
+    # the dead worker's devices are offline in the record (the fleet told the coordinator: their last wills did
+    # not always come, and the run's end waited the whole END_GRACE_S for them), the other worker's said goodbye
+    assert {(d["state"], d["online"]) for d in ended["devices"]} == {("offline", False)}, ended["devices"]
 
     assert fleet(path, "--resume").wait(CEILING_S) == 0, log.read_text()[-3000:]
     final = json.loads((out / "results.json").read_text())
