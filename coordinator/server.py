@@ -307,8 +307,9 @@ class Coordinator:
         round would otherwise wait for devices that are gone until its deadline or `wall_limit_s`. The last
         round's checkpoint stays, so `--resume` goes on from it. `gone`: devices the owner knows are gone (a dead
         worker's), taken as offline when the run ends, as their last wills would have it: the end does not wait
-        END_GRACE_S for their answers. Their wills do not always come: with the embedded broker, 1 in 5 to 1 in 20
-        ends after a killed worker waited the whole grace for one (tests/test_fleet_runner.py)."""
+        END_GRACE_S for their answers, which may never come: the embedded broker did not always publish a killed
+        worker's wills, and such a run's end waited the whole grace (1 to 5 runs in 20-30 of the killed-worker test,
+        tests/test_fleet_runner.py; docs/results.md)."""
         self._gone_with_abort = tuple(gone)
         self._aborted = reason
         self.link.wake()
