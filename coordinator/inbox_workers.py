@@ -11,11 +11,11 @@ chunk of such a blob passes it on to the device's own worker (`owner`: the CRC32
 that worker's topic (`topics.to_inbox_worker`), unless it is that worker. Updates of one chunk (any model under
 about 1 MB: LeNet's 124 KB) are taken where they land and cost no second trip.
 
-A round, from the coordinator's side (`InboxWorkers`): `open` hands every worker the round; each worker holds a
-`RoundShare` (coordinator/round_share.py: the gate, the round's checks, the guard's per-update bounds and the rule's
-fold) of what it receives and says of each update whether it took it (`Heard`); `close` asks each for its share
-(`PartialRound`), which the round's own aggregate merges. What a share changes against one process, that module
-says; here besides:
+A round, from the coordinator's side (`InboxWorkers`): `open` hands every worker the round (and waits until each
+has it); each worker holds a `RoundShare` (coordinator/round_share.py: the gate, the round's checks, the guard's
+per-update bounds and the rule's fold) of what it receives and says of each update whether it took it (`Heard`);
+`close` asks each for its share (`PartialRound`), which the round's own aggregate merges. What a share changes
+against one process, that module says; here besides:
 - The guard's calibration reference (a mix of held-out samples the coordinator scores updates on) is not run in
   the workers: it needs the model and the samples there, which is the next step; a worker's round has none.
 - A copy sent to two workers is not seen as one; a free rider or a far update still is, against its worker's
@@ -99,14 +99,25 @@ class InboxWorkers:
         """The workers' process ids (what a benchmark reads their CPU time by)."""
         return [process.pid for process in self._processes]
 
-    def open(self, opening: RoundOpening) -> None:
-        """The round (or its next attempt: the same number, whose shares so far stay) to every worker."""
+    def open(self, opening: RoundOpening, timeout: float = READY_S) -> None:
+        """The round (or its next attempt: the same number, whose shares so far stay) to every worker, returning
+        once each has it open: the round's messages go to the devices after this, and an update that reached a
+        worker before its opening would be refused as between rounds (seen on a busy host: the worker's pipe read
+        after the broker's delivery). A worker that is gone or does not answer is left to the close, which counts
+        its share lost and starts it anew."""
         for connection in self._connections:
             try:
                 connection.send(("open", opening))
-            except OSError:  # a worker that is gone: its close says so, and starts it anew
+            except OSError:  # gone: its reader has said so (below)
                 pass
         self.opened = opening.number
+        for index in range(self.count):
+            try:
+                self._reply(index, "opened", timeout)
+            except WorkerLost:
+                self._replies[index].put(("gone", None))  # for the close to find
+            except TimeoutError as err:
+                log.warning("inbox worker %d: %s", index, err)
 
     def heard(self, timeout: float | None = None) -> Heard | None:
         """The next word of a worker on an update of the open round, or None after `timeout`."""
@@ -189,10 +200,13 @@ class InboxWorkers:
                 replies.put(message)
 
     def _reply(self, index: int, kind: str, timeout: float) -> Any:
-        try:
-            got, value = self._replies[index].get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"inbox worker {index} did not answer {kind} within {timeout:.0f} s") from None
+        while True:
+            try:
+                got, value = self._replies[index].get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"inbox worker {index} did not answer {kind} within {timeout:.0f} s") from None
+            if got != "opened" or kind == "opened":  # (an opening's answer after `open` stopped waiting: passed over)
+                break
         if got == "gone":
             raise WorkerLost(f"its process ended (waiting for {kind})")
         if got != kind:
@@ -273,6 +287,7 @@ def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> N
                     return
                 if kind == "open":
                     worker.share.open(value)
+                    connection.send(("opened", value.number))
                 elif kind == "close":
                     _drain(worker)
                     connection.send(("partial", worker.share.close(value)))

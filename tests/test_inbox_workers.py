@@ -228,6 +228,11 @@ def test_a_lost_worker_loses_its_share_of_the_round_alone_and_is_started_anew(br
         publish_round(address, again, 2)
         assert set(words_on(pool, set(again)).values()) == {0, 1}
         assert all(part is not None for part in pool.close())
+        pool._processes[0].kill()  # gone before a round's opening, which waits for every worker's answer:
+        pool._processes[0].join()
+        pool.open(RoundOpening(3, 0, MODEL, tuple(sorted(again)), np.zeros(parameters, np.float32)))
+        counters = Counter()
+        assert pool.close(counters)[0] is None and counters == {"inbox-worker-lost": 1}  # not waited for, but lost
     finally:
         pool.stop()
 
