@@ -9,7 +9,8 @@ shared subscription, gate, bound (the default guard) and fold them; the coordina
 update's word (`Heard`) and, once all N are heard, closes the round: it asks every worker for its share and merges
 them. Printed per cell: the coordinator process's CPU per update (what is left of its per-update work: one word a
 worker sends), the workers' CPU per update (the gate, the guard, the fold, summed over the workers: the work that
-was the coordinator's), the round's close (asking for the shares, merging them, the result) and the wall time from
+was the coordinator's), the round's opening (handing every worker the round and waiting for each one's answer; 0
+without workers), the round's close (asking for the shares, merging them, the result) and the wall time from
 the first publish to the last word. 0 workers is the baseline, measured in the same run: the coordinator's own
 process subscribed to the updates and doing all of it, as it does without workers (`benchmarks/coordinator_memory.py`
 gives the same work fed through a pipe, without the MQTT client's share).
@@ -186,14 +187,17 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
         with round_of(count, workers, parameters, concurrent) as (settings, devices, go, counted):
             cpu, wall, close, refused, aggregate = in_this_process(settings, devices, parameters, go, counted)
         return {"taken": count - refused, "refused": refused, "used": len(aggregate.used),
-                "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "close_s": close, "wall_s": wall}
+                "coordinator_ms": 1000 * cpu / count, "workers_ms": 0.0, "open_s": 0.0, "close_s": close,
+                "wall_s": wall}
     with round_of(count, workers, parameters, concurrent) as (settings, devices, go, counted):
         plan = WorkerPlan(settings, SharePlan(FLEET, devices, MANIFEST, parameters, "fedavg", guard=GuardSettings()))
         pool = InboxWorkers(plan, workers)
         pool.start()
         try:
             weights = np.zeros(parameters, np.float32)
-            pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(devices)), weights))
+            opening = time.perf_counter()
+            pool.open(RoundOpening(1, 0, MODEL, tuple(sorted(devices)), weights))  # until every worker has it
+            opened = time.perf_counter() - opening
             workers_before = sum(cpu_seconds(pid) for pid in pool.pids)
             cpu_before, started = time.process_time(), time.perf_counter()
             go.send("go")
@@ -217,7 +221,7 @@ def cell(count: int, workers: int, parameters: int, concurrent: int) -> dict[str
             pool.stop()
     return {"taken": heard["taken"], "refused": count - heard["taken"], "used": len(merged.used),
             "coordinator_ms": 1000 * coordinator_cpu / count, "workers_ms": 1000 * workers_cpu / count,
-            "close_s": closed - flowed, "wall_s": flowed - started}
+            "open_s": opened, "close_s": closed - flowed, "wall_s": flowed - started}
 
 
 def main() -> None:
@@ -230,12 +234,13 @@ def main() -> None:
     print(f"inbox workers: {args.parameters} parameters an update, FedAvg behind the default guard, "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f} at the start")
     print(f"{'N':>7} {'workers':>7} {'used':>7} {'refused':>7} {'coord ms/upd':>12} {'workers ms/upd':>14} "
-          f"{'close s':>8} {'wall s':>8}")
+          f"{'open s':>8} {'close s':>8} {'wall s':>8}")
     for count in [int(c) for c in args.counts.split(",")]:
         for workers in [int(w) for w in args.workers.split(",")]:
             got = cell(count, workers, args.parameters, args.concurrent)
             print(f"{count:>7} {workers:>7} {got['used']:>7} {got['refused']:>7} {got['coordinator_ms']:>12.3f} "
-                  f"{got['workers_ms']:>14.3f} {got['close_s']:>8.3f} {got['wall_s']:>8.1f}", flush=True)
+                  f"{got['workers_ms']:>14.3f} {got['open_s']:>8.3f} {got['close_s']:>8.3f} {got['wall_s']:>8.1f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
