@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 # and two primitives whose results must be the host's to the bit (a device's masks cancel the coordinator's only so)
 SESSION = """
 import json
+import numpy as np
 from secagg_session import SETTINGS, devices_of, expected_mean, run_session
 from edgefil.secagg import MASK, KeyPair, agree, mask
 devices = devices_of(4, 2000, np.random.default_rng(0))
