@@ -231,6 +231,7 @@ def test_a_lost_worker_loses_its_share_of_the_round_alone_and_is_started_anew(br
         pool._processes[0].kill()  # gone before a round's opening, which waits for every worker's answer:
         pool._processes[0].join()
         pool.open(RoundOpening(3, 0, MODEL, tuple(sorted(again)), np.zeros(parameters, np.float32)))
+        assert list(pool._replies[0].queue) == [("gone", None)]  # its end kept for the close, which else would wait
         counters = Counter()
         assert pool.close(counters)[0] is None and counters == {"inbox-worker-lost": 1}  # not waited for, but lost
     finally:
