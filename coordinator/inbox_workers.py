@@ -115,7 +115,7 @@ class InboxWorkers:
             try:
                 self._reply(index, "opened", timeout)
             except WorkerLost:
-                self._replies[index].put(("gone", None))  # for the close to find
+                pass  # the close finds it gone too
             except TimeoutError as err:
                 log.warning("inbox worker %d: %s", index, err)
 
@@ -207,7 +207,8 @@ class InboxWorkers:
                 raise TimeoutError(f"inbox worker {index} did not answer {kind} within {timeout:.0f} s") from None
             if got != "opened" or kind == "opened":  # (an opening's answer after `open` stopped waiting: passed over)
                 break
-        if got == "gone":
+        if got == "gone":  # for good: said again to whoever waits next (`open` and then the close)
+            self._replies[index].put((got, value))
             raise WorkerLost(f"its process ended (waiting for {kind})")
         if got != kind:
             raise RuntimeError(f"inbox worker {index}: {value if got == 'failed' else got} (waiting for {kind})")
