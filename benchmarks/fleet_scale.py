@@ -113,6 +113,11 @@ def memory_of(pid: int) -> dict[str, float]:
     return out
 
 
+def resident_mb() -> float:
+    """This process's resident memory, MB (/proc/self/statm: cheap enough for every round's close)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def memory_sum(pids: list[int]) -> dict[str, float]:
     total: dict[str, float] = {}
     for pid in pids:
@@ -308,6 +313,7 @@ class Round:
     evaluate_s: float = 0.0
     attempts: int = 1
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds spent during the round, by process
+    coordinator_mb: float = 0.0  # this process's resident memory once the round closed
 
 
 @dataclass
@@ -454,6 +460,7 @@ def instrumented_classes(probe: Probe):  # noqa: ANN201
             super()._close(collected, aggregate)
             current.closed = time.time()
             current.cpu = {k: v - current.cpu[k] for k, v in probe.cpu().items()}
+            current.coordinator_mb = resident_mb()
             if probe.profiler is not None and collected.number == probe.profiler.last_round:
                 probe.profiler.stop()
             if probe.host_profile is not None and collected.number == probe.last_round:
@@ -604,6 +611,7 @@ def summarize(run: dict) -> dict:
             # busy CPU of the host's other processes (other users of the machine) during the round
             "other": r.cpu["host"] - r.cpu["coordinator"] - r.cpu["broker"] - r.cpu["workers"],
             **{f"cpu_{k}": v for k, v in r.cpu.items()},
+            "coordinator_mb": r.coordinator_mb,
         })
     keys = rows[0].keys() if rows else []
     med = {k: median([row[k] for row in rows]) for k in keys}
@@ -832,21 +840,27 @@ def across_passes(summaries: list[dict]) -> None:
 def over_rounds(summaries: list[dict]) -> None:
     """A run of at least LONG_RUN rounds: the wall and the coordinator's CPU a round in the first and the last quarter
     of its rounds after the first (which creates the devices' files), medians: what grows with the rounds (a
-    record rewritten whole each round does: coordinator/run_logs.py)."""
+    record rewritten whole each round does: coordinator/run_logs.py); and the coordinator's resident memory at
+    their closes, with what a round added to it between the two quarters (a history kept whole in memory did:
+    coordinator/checkpoint.py `HistoryFile`)."""
     long = [s for s in summaries if len(s["rows"]) >= LONG_RUN]
     if not long:
         return
     print("\nover the rounds (medians of the first and the last quarter of the rounds after the first; last / first)")
     print(f"{'broker':>9s} {'N':>5s} {'rounds':>6s} {'wall first':>10s} {'last':>6s} {'ratio':>6s} "
-          f"{'coordinator CPU first':>21s} {'last':>6s} {'ratio':>6s}")
+          f"{'coordinator CPU first':>21s} {'last':>6s} {'ratio':>6s} {'coordinator MB first':>20s} {'last':>6s} "
+          f"{'MB a round':>10s}")
     for s in long:
         rows = s["rows"][1:]
         quarter = max(1, len(rows) // 4)
         first, last = rows[:quarter], rows[-quarter:]
         walls = [median([row["wall"] for row in part]) for part in (first, last)]
         cpu = [median([row["cpu_coordinator"] for row in part]) for part in (first, last)]
+        mb = [median([row["coordinator_mb"] for row in part]) for part in (first, last)]
+        apart = max(len(rows) - quarter, 1)  # rounds between the quarters' middles
         print(f"{s['broker']:>9s} {s['n']:5d} {len(s['rows']):6d} {walls[0]:10.3f} {walls[1]:6.3f} "
-              f"{walls[1] / walls[0]:6.2f} {cpu[0]:21.3f} {cpu[1]:6.3f} {cpu[1] / cpu[0]:6.2f}")
+              f"{walls[1] / walls[0]:6.2f} {cpu[0]:21.3f} {cpu[1]:6.3f} {cpu[1] / cpu[0]:6.2f} {mb[0]:20.0f} "
+              f"{mb[1]:6.0f} {(mb[1] - mb[0]) / apart:10.3f}")
 
 
 def measure(n: int, broker: str, args: argparse.Namespace, out: Path, artifacts: Path | None) -> dict | None:

@@ -1,16 +1,18 @@
 """The run's files that grow with rounds x devices, as a fleet grows: the dashboard's live.json (its bytes and the
 coordinator's CPU to encode it), with each round's every device metrics (what it carried before, and what
-results.json keeps) against each round's device means (`coordinator.run_record.live_entry`); and results.json at a
-round's close, the whole record encoded again (as before) against each round's entry encoded once
-(`RunRecord.results_json`, the same text); and a checkpoint generation's run state at a round's close, with the
-history encoded whole into it, encoded once into it, or appended to the checkpoint folder's history file
-(`coordinator.checkpoint.save_run_state`, `HistoryFile`).
+results.json keeps) against each round's device means (`coordinator.run_record.live_entry`); results.json at a
+round's close, the whole record encoded again (as before) against its rounds copied from the checkpoint's history
+file (`RunRecord.results_json`, the same text); a checkpoint generation's run state at a round's close, with the
+history encoded whole into it or appended to the checkpoint folder's history file
+(`coordinator.checkpoint.save_run_state`, `HistoryFile`); and what the coordinator keeps of the history in memory
+after the rounds, every round's entry whole (as before) against entries that let their values per device go once
+the history file holds them (`HistoryFile.hold`), measured with tracemalloc.
 
 A run record of `--devices` devices each reporting `--metrics` numbers every round (a device's update carries about
 20: its loss, device seconds, store, traffic, the method's own), after each of `--rounds` rounds; printed for
 each size: bytes, and milliseconds of CPU for `json.dumps` of the record (best of 3), both ways, and their ratios;
-then results.json's text at the last round's close (the rounds before it encoded at their own closes), both ways,
-and a checkpoint generation's run state at that close, the three ways.
+then results.json's text at the last round's close, both ways, a checkpoint generation's run state at that close,
+both ways, and the history's memory, both ways.
 The coordinator rewrites live.json at most every second and keeps that within 5 % of its time (run_logs.py), so a
 file that took longer to encode was written less often, and the dashboard reads it every second.
 
@@ -23,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -34,7 +37,7 @@ import numpy as np  # noqa: E402
 from coordinator.checkpoint import HISTORY_FILE, HistoryFile, RunState, save_run_state  # noqa: E402
 from coordinator.roster import Roster  # noqa: E402
 from coordinator.run_record import RunRecord  # noqa: E402
-from edgefil.durable import STATE_FILE, save_record  # noqa: E402
+from edgefil.durable import STATE_FILE  # noqa: E402
 
 
 class Traffic:
@@ -42,69 +45,81 @@ class Traffic:
     connects = 1
 
 
-def record_of(devices: int, rounds: int, metrics: int) -> RunRecord:
+def record_of(devices: int, rounds: int, metrics: int, folder: Path | None = None) -> RunRecord:
+    """A record of `rounds` closed rounds; with `folder`, each checkpointed there as the coordinator does (the
+    history file's, `HistoryFile`), so that the entries kept let their values per device go."""
     ids = [f"dev-{i:05d}" for i in range(devices)]
     record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, RunState(np.zeros(3, np.float32)),
-                       Roster(ids), Counter(), Traffic(), total_rounds=rounds, total_steps=rounds)
+                       Roster(ids), Counter(), Traffic(), total_rounds=rounds, total_steps=rounds,
+                       history_file=None if folder is None else HistoryFile(folder / HISTORY_FILE))
     for number in range(1, rounds + 1):
-        close_round(record, number, ids, metrics)
+        close_round(record, number, ids, metrics, folder)
     return record
 
 
-def close_round(record: RunRecord, number: int, ids: list[str], metrics: int) -> None:
+def close_round(record: RunRecord, number: int, ids: list[str], metrics: int, folder: Path | None = None) -> None:
     rng = np.random.default_rng(number)
-    entry = record.entry(round=number, task=0, selected=ids, received=ids, samples=3 * len(ids), accuracy=[0.5],
-                         aggregate_s=0.01, metrics={d: {f"metric_{k}": float(v) for k, v in
-                                                        enumerate(rng.random(metrics))} for d in ids})
+    names = [sys.intern(f"metric_{k}") for k in range(metrics)]  # one string a name, as msgpack's decoding makes
+    entry = record.entry(round=number, task=0, selected=list(ids), received=list(ids), samples=3 * len(ids),
+                         accuracy=[0.5], aggregate_s=0.01,
+                         metrics={d: dict(zip(names, rng.random(metrics).tolist())) for d in ids})
     record.state.history.append(entry)
+    if folder is not None:
+        save_run_state(folder / "round", record.state, record.history_file)
     record.round_closed(entry)
 
 
-def at_close(devices: int, rounds: int, metrics: int, spliced: bool) -> tuple[int, float]:
-    """results.json's bytes and CPU ms at round `rounds`'s close, the rounds before it closed (and, spliced, each
-    encoded at its close); best of 3, each on a fresh record."""
+def at_close(devices: int, rounds: int, metrics: int, from_file: bool) -> tuple[int, float]:
+    """results.json's bytes and CPU ms at round `rounds`'s close, the rounds before it closed: the whole record
+    encoded, or (`from_file`) its rounds copied from the history file; best of 3, each on a fresh record."""
     best, size = float("inf"), 0
-    ids = [f"dev-{i:05d}" for i in range(devices)]
     for _ in range(3):
-        record = record_of(devices, rounds - 1, metrics)
-        if spliced:
-            record.results_json()
-        close_round(record, rounds, ids, metrics)
-        started = time.process_time()
-        size = len((record.results_json() if spliced else json.dumps(record.results())).encode())
-        best = min(best, time.process_time() - started)
+        with tempfile.TemporaryDirectory() as folder:
+            record = record_of(devices, rounds, metrics, Path(folder) if from_file else None)
+            started = time.process_time()
+            size = len(b"".join(record.results_json()) if from_file else json.dumps(record.results()).encode())
+            best = min(best, time.process_time() - started)
     return size, best * 1000
 
 
-CHECKPOINT_FORMS = ("whole", "once", "file")
+def kept_mb(devices: int, rounds: int, metrics: int, from_file: bool) -> float:
+    """MB that a record of `rounds` closed rounds holds (tracemalloc: what was allocated and not freed while it was
+    made), each round's entry whole, or (`from_file`) checkpointed to the history file as the coordinator does."""
+    with tempfile.TemporaryDirectory() as folder:
+        tracemalloc.start()
+        record = record_of(devices, rounds, metrics, Path(folder) if from_file else None)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del record
+    return held / 2**20
+
+
+CHECKPOINT_FORMS = ("whole", "file")
 
 
 def checkpoint_at_close(devices: int, rounds: int, metrics: int, form: str) -> tuple[int, float, float]:
     """A checkpoint generation's run state at round `rounds`'s close, the rounds before it saved at their own
     closes: the bytes it writes, and the CPU and wall ms to encode and write them (synced, as the coordinator's
     writes are), best of 3. `form`: "whole", the history in state.json, the record encoded whole (as each
-    generation was before d2d69b9); "once", the history in state.json, each entry encoded once (d2d69b9); "file",
-    the history appended to the checkpoint folder's file, the state naming its lines (`HistoryFile`)."""
+    generation was before d2d69b9); "file", the history appended to the checkpoint folder's file, the state naming
+    its lines (`HistoryFile`). (d2d69b9's third form, each entry encoded once into state.json, kept every entry's
+    text in memory: gone.)"""
     best_cpu = best_wall = float("inf")
     written = 0
     ids = [f"dev-{i:05d}" for i in range(devices)]
     for _ in range(3):
         with tempfile.TemporaryDirectory() as folder:
-            generation, history = Path(folder) / "round", HistoryFile(Path(folder) / HISTORY_FILE)
-            record = record_of(devices, rounds - 1, metrics)
-            if form != "whole":
-                save_run_state(generation, record.state, history if form == "file" else None)
+            generation = Path(folder) / "round"
+            record = record_of(devices, rounds - 1, metrics, Path(folder) if form == "file" else None)
+            history = record.history_file
             close_round(record, rounds, ids, metrics)
-            before = history.path.stat().st_size if form == "file" else 0
+            before = history.path.stat().st_size if history is not None else 0
             started, cpu = time.perf_counter(), time.process_time()
-            if form == "whole":
-                save_record(generation, record.state)  # json.dumps of the whole record
-            else:
-                save_run_state(generation, record.state, history if form == "file" else None)
+            save_run_state(generation, record.state, history)
             best_cpu = min(best_cpu, time.process_time() - cpu)
             best_wall = min(best_wall, time.perf_counter() - started)
             written = (generation / STATE_FILE).stat().st_size + (
-                history.path.stat().st_size - before if form == "file" else 0)
+                history.path.stat().st_size - before if history is not None else 0)
     return written, best_cpu * 1000, best_wall * 1000
 
 
@@ -134,11 +149,11 @@ def main() -> None:
         print(f"{devices:>8} {whole_bytes / 2**20:>15.2f} {whole_ms:>8.1f} {live_bytes / 2**20:>15.2f} "
               f"{live_ms:>8.1f} {whole_bytes / live_bytes:>6.1f}x {whole_ms / live_ms:>6.1f}x")
     print(f"\nresults.json at round {args.rounds}'s close; CPU ms, best of 3")
-    print(f"{'devices':>8} {'MB':>8} {'all rounds encoded':>18} {'each round once':>15} {'CPU':>7}")
+    print(f"{'devices':>8} {'MB':>8} {'all rounds encoded':>18} {'copied from file':>16} {'CPU':>7}")
     for devices in (int(n) for n in args.devices.split(",")):
-        size, whole_ms = at_close(devices, args.rounds, args.metrics, spliced=False)
-        _, spliced_ms = at_close(devices, args.rounds, args.metrics, spliced=True)  # the same text: test_run_record
-        print(f"{devices:>8} {size / 2**20:>8.2f} {whole_ms:>18.1f} {spliced_ms:>15.1f} {whole_ms / spliced_ms:>6.1f}x")
+        size, whole_ms = at_close(devices, args.rounds, args.metrics, from_file=False)
+        _, copied_ms = at_close(devices, args.rounds, args.metrics, from_file=True)  # the same text: test_run_record
+        print(f"{devices:>8} {size / 2**20:>8.2f} {whole_ms:>18.1f} {copied_ms:>16.1f} {whole_ms / copied_ms:>6.1f}x")
     print(f"\na checkpoint generation's run state at round {args.rounds}'s close: MB written, CPU and wall ms to "
           "encode and write it (synced), best of 3")
     print(f"{'devices':>8}" + "".join(f" {form + ' MB':>9} {'CPU':>7} {'wall':>7}" for form in CHECKPOINT_FORMS)
@@ -146,7 +161,17 @@ def main() -> None:
     for devices in (int(n) for n in args.devices.split(",")):
         cells = [checkpoint_at_close(devices, args.rounds, args.metrics, form) for form in CHECKPOINT_FORMS]
         print(f"{devices:>8}" + "".join(f" {size / 2**20:>9.2f} {cpu:>7.1f} {wall:>7.1f}" for size, cpu, wall in cells)
-              + f" {cells[0][1] / cells[2][1]:>13.1f}x {cells[0][2] / cells[2][2]:>6.1f}x")
+              + f" {cells[0][1] / cells[1][1]:>13.1f}x {cells[0][2] / cells[1][2]:>6.1f}x")
+    print(f"\nthe history the coordinator keeps in memory after {args.rounds} rounds (MB, tracemalloc) and what each "
+          "round adds to it (MB: its growth from round 1 on, over the rounds)")
+    print(f"{'devices':>8} {'every entry whole':>17} {'a round':>8} {'values per device in the file':>29} {'a round':>8} "
+          f"{'a round':>8}")
+    for devices in (int(n) for n in args.devices.split(",")):
+        whole, filed = (kept_mb(devices, args.rounds, args.metrics, from_file) for from_file in (False, True))
+        whole_1, filed_1 = (kept_mb(devices, 1, args.metrics, from_file) for from_file in (False, True))
+        grows = [(mb - first) / max(args.rounds - 1, 1) for mb, first in ((whole, whole_1), (filed, filed_1))]
+        print(f"{devices:>8} {whole:>17.2f} {grows[0]:>8.3f} {filed:>29.2f} {grows[1]:>8.3f} "
+              f"{grows[0] / grows[1]:>7.1f}x")
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,9 @@ newest generation that loads and verifies, so a damaged one (a bad disk, a hand 
 The history, which grows with rounds x devices (every device's metrics of every round), is not in each generation:
 it is `checkpoint/history.jsonl`, an entry a line, appended as rounds close, and a generation's state names how
 many of its lines are its history and their sha256 (`HistoryFile`). A state saved outside a checkpoint folder (and
-one of a run before the file) holds its history itself.
+one of a run before the file) holds its history itself. Nor is it all in memory: once a round's entry is in the
+file and a newer round has closed, the entry the run state keeps lets its values per device go
+(`PER_DEVICE_VALUES`), and whoever needs them whole reads them from the file (`HistoryFile.texts`, `whole`).
 
 What is checkpointed is only a model that passes `CheckpointPolicy.problem`: finite weights whose norm did not
 jump, and whose accuracy on the current task did not collapse below its best in this task. A model that fails is
@@ -18,11 +20,12 @@ refused: the round keeps the previous global model, and the refusal is counted.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypedDict, TypeVar
@@ -36,6 +39,11 @@ log = logging.getLogger("edgefil.coordinator")
 GENERATION_PREFIX = "round-"
 PERSONALIZED_FILE = "personalized.msgpack"  # beside the run state: the devices' personalized models and payloads
 HISTORY_FILE = "history.jsonl"  # in the checkpoint folder, beside the generations: the run's history (HistoryFile)
+# A round entry's fields that hold a value for each device (its update's metrics, each client's accuracy): the
+# history file keeps them, the entry kept in memory lets them go once the file holds it and a newer round closed
+# (`HistoryFile.hold`). Kept, they grew the coordinator by 1.9 MB a round at 1000 devices and 19 MB at 10,000
+# (1.9 GB after 100 rounds; docs/results.md, issue 57).
+PER_DEVICE_VALUES = ("metrics", "client_accuracy")
 
 
 class RoundEntry(TypedDict, total=False):
@@ -78,8 +86,8 @@ class PerEntry(Generic[T]):
     (each entry holds every device's metrics of its round: 7 MB of JSON a round at 10,000 devices), so making
     anything of all of it again at every round's close grew with the run (encoding it for each checkpoint took 6 s
     of the coordinator's CPU at round 20 of such a fleet, and as long again for results.json:
-    benchmarks/live_file.py). The run state's entries' JSON texts, which the checkpoint and results.json share,
-    and the run record's live forms are made so."""
+    benchmarks/live_file.py). The run record's live forms are made so, each while its entry still holds its
+    values per device (`HistoryFile.hold`)."""
 
     def __init__(self, make: Callable[[RoundEntry], T]) -> None:
         self._make = make
@@ -94,11 +102,14 @@ class PerEntry(Generic[T]):
         return self._made
 
 
-def json_with_history(fields: dict[str, Any], texts: Sequence[str]) -> str:
-    """The text of json.dumps(fields) with "history" moved last, its entries given as their texts
-    (`RunState.history_texts`)."""
+def json_with_history(fields: dict[str, Any], texts: Iterable[bytes]) -> Iterator[bytes]:
+    """The bytes of json.dumps(fields) with "history" moved last, its entries given as their texts
+    (`HistoryFile.texts`), in parts: a long run's history is not made into one string."""
     text = json.dumps({**{name: value for name, value in fields.items() if name != "history"}, "history": []})
-    return text[:-len("]}")] + ", ".join(texts) + "]}"
+    yield text[:-len("]}")].encode()
+    for number, entry in enumerate(texts):
+        yield b", " + entry if number else entry
+    yield b"]}"
 
 
 class HistoryFile:
@@ -115,25 +126,34 @@ class HistoryFile:
     whole file at once (`write_atomically`): it knows nothing of the lines there (a resume from an older generation
     leaves the newer ones' lines behind) and must not leave a half-written file if it dies. From then on it appends;
     a history replaced in the process (none of the round loop's) is cut back to the entries it shares with the
-    file's and appended from there."""
+    file's and appended from there.
+
+    Memory: an entry the file holds lets its values per device go once a newer one is held (`hold`), so the run
+    keeps of each round its own numbers and who took part, not every device's metrics; `texts` and `whole` give
+    them back from the file. A file removed or cut by a hand while the run goes is written again from what the run
+    keeps: those rounds' values per device are then lost (said in the log where they are read)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lines: list[tuple[RoundEntry, int, Any]] = []  # (entry, its line's end, sha256 through it), as written
         self._written = False  # this process wrote the file whole: its lines are `_lines`
+        self._released = 0  # the first lines whose entries let their values per device go
 
-    def hold(self, history: Sequence[RoundEntry], texts: Sequence[str]) -> tuple[int, str]:
-        """Make the file hold `history` (whose entries' texts are `texts`), a line each; returns the count of lines
-        and the sha256 of their bytes, what the generation's state names."""
+    def hold(self, history: Sequence[RoundEntry]) -> tuple[int, str]:
+        """Make the file hold `history`, an entry's JSON text a line; returns the count of lines and the sha256 of
+        their bytes, what the generation's state names. Then every entry it holds but the newest lets its values
+        per device go (PER_DEVICE_VALUES): the newest keeps them for whoever reads the round just closed (a run's
+        progress, its live record)."""
         if self._written and not self.path.is_file():  # gone (a hand): written whole again
-            self._lines, self._written = [], False
+            self._lines, self._written, self._released = [], False, 0
         lines = self._lines
         del lines[standing([entry for entry, _, _ in lines], history):]
+        self._released = min(self._released, len(lines))
         digest = lines[-1][2].copy() if lines else hashlib.sha256()
         kept = end = lines[-1][1] if lines else 0
         added, made = [], []
-        for entry, text in zip(history[len(lines):], texts[len(lines):]):
-            line = text.encode() + b"\n"
+        for entry in history[len(lines):]:
+            line = json.dumps(entry).encode() + b"\n"
             added.append(line)
             digest.update(line)
             end += len(line)
@@ -150,7 +170,45 @@ class HistoryFile:
                     handle.flush()
                     os.fsync(handle.fileno())
         lines.extend(made)  # written: a write that failed leaves them to the next save
+        for entry, _, _ in lines[self._released:-1]:
+            for name in PER_DEVICE_VALUES:
+                entry.pop(name, None)  # type: ignore[misc]
+        self._released = max(self._released, len(lines) - 1)
         return len(lines), digest.hexdigest()
+
+    def texts(self, history: Sequence[RoundEntry]) -> Iterator[bytes]:
+        """Each of `history`'s entries' JSON text, in order, as the file holds it: an entry that let its values per
+        device go, its line read back (a line at a time), the others encoded."""
+        read = 0
+        for line in self._read_released(history):
+            yield line
+            read += 1
+        for entry in history[read:]:
+            yield json.dumps(entry).encode()
+
+    def whole(self, history: Sequence[RoundEntry]) -> list[RoundEntry]:
+        """`history` with its values per device: the entries that let them go read back from the file."""
+        read = [json.loads(line) for line in self._read_released(history)]
+        return [*read, *history[len(read):]]
+
+    def _read_released(self, history: Sequence[RoundEntry]) -> Iterator[bytes]:
+        """The lines of `history`'s first entries that let their values per device go, read from the file; fewer
+        where the file no longer holds them (removed or cut by a hand: said in the log), those entries are then
+        given as kept."""
+        released = standing([entry for entry, _, _ in self._lines[:self._released]], history)
+        read = 0
+        try:
+            with open(self.path, "rb") as handle:
+                for line in itertools.islice(handle, released):
+                    if not line.endswith(b"\n"):
+                        break
+                    yield line[:-1]
+                    read += 1
+        except OSError as err:
+            log.warning("the run's history file is unreadable (%s)", err)
+        if read < released:
+            log.warning("%s holds %d of the %d rounds whose values per device only it keeps: the others are given "
+                        "without them", self.path, read, released)
 
     @staticmethod
     def read(path: Path, count: int, sha256: str) -> list[RoundEntry]:
@@ -186,13 +244,6 @@ class RunState:
     history: list[RoundEntry] = field(default_factory=list)  # one entry per completed round
     accuracy_matrix: list[list[float]] = field(default_factory=list)  # row i: after task i, on tasks 0..i
     counters: dict[str, int] = field(default_factory=dict)  # rejections and round events by reason
-
-    def __post_init__(self) -> None:
-        self._texts: PerEntry[str] = PerEntry(json.dumps)  # not a field: not saved, made again with every state
-
-    def history_texts(self) -> list[str]:
-        """Each history entry's JSON text, each encoded once (`PerEntry`)."""
-        return self._texts.of(self.history)
 
     def best_accuracy(self, task: int) -> float | None:
         """The best accuracy on `task` of a global model kept while training it, or None before its first."""
@@ -252,12 +303,11 @@ def prune_generations(root: Path, keep: int, current: Path) -> None:
 
 def save_run_state(directory: str | Path, state: RunState, history: HistoryFile | None = None) -> None:
     """Save `state` into `directory`: its history in `history` (the checkpoint folder's file), the state naming
-    its lines; without one, in the state itself."""
-    texts = state.history_texts()
+    its lines; without one, in the state itself (encoded whole each time: a coordinator's runs have the file)."""
     if history is None:
-        save_record(directory, state, encode=lambda record: json_with_history(record, texts))
+        save_record(directory, state)
         return
-    lines, sha256 = history.hold(state.history, texts)
+    lines, sha256 = history.hold(state.history)
     save_record(directory, state, encode=lambda record: json.dumps(
         {**{name: value for name, value in record.items() if name != "history"},
          "history_lines": lines, "history_sha256": sha256}))

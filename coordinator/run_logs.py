@@ -16,13 +16,15 @@ at once (`run_ended`); a crash between a close and the next round's first messag
 never ahead, and a resumed run writes them whole.
 
 They are written whole, and results.json grows with rounds x devices (each round's entry holds every device's
-metrics: 7 MB a round at 10,000 devices, so the 100th round's rewrite is 700 MB): written after every round, a long
-run's coordinator spends more on them each round, without end. So they are paced as live.json is (`Paced`): after a
-round whose files are due, written once the time since their last write is at least `1 / ROUND_FILES_MAX_SHARE`
-times what that write took, so they never take more than that share of the coordinator's time; a small fleet's
-take milliseconds and are written after (nearly) every round, a large fleet's after every few; the coordinator's
-wait for its next message ends when they are due (`round_files_due_in`), so a quiet fleet does not hold them back. A
-crash may then leave them a few rounds behind the checkpoint (never ahead); the end of a run writes them at once.
+metrics: 7 MB a round at 10,000 devices, so the 100th round's rewrite is 700 MB; its rounds are copied from the
+checkpoint's history file a line at a time, not held in memory: `RunRecord.results_json`): written after every
+round, a long run's coordinator spends more on them each round, without end. So they are paced as live.json is
+(`Paced`): after a round whose files are due, written once the time since their last write is at least `1 /
+ROUND_FILES_MAX_SHARE` times what that write took, so they never take more than that share of the coordinator's
+time; a small fleet's take milliseconds and are written after (nearly) every round, a large fleet's after every few;
+the coordinator's wait for its next message ends when they are due (`round_files_due_in`), so a quiet fleet does not
+hold them back. A crash may then leave them a few rounds behind the checkpoint (never ahead); the end of a run
+writes them at once.
 
 The CSV and the event file are made whole from the history each time, so a resumed run's logs hold every round.
 Writing them may fail (a full disk): the failure is logged, and the run goes on.
@@ -188,7 +190,7 @@ class RunLogs:
         as long on a record that grows with every round and device; summary.md and metrics.csv are the files to
         read), metrics.csv and the TensorBoard log."""
         try:
-            write_atomically(self.out / RESULTS_FILE, self.record.results_json().encode())
+            write_atomically(self.out / RESULTS_FILE, self.record.results_json())
         except OSError as err:
             log.warning("results.json not written: %s", err)
         history = self.record.history

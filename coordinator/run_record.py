@@ -3,8 +3,11 @@ record: `results.json`, `metrics.csv` and the TensorBoard log (coordinator/run_l
 `live.json`) and the reports.
 
 A round's entry (`RoundEntry`) is made by the round loop when it closes the round and kept in the run state, so it
-is checkpointed with the round and a resumed run's record is whole. The record adds what only exists while the
-coordinator runs: the open round (who was selected, who delivered), the roster's table, traffic, and the ETA.
+is checkpointed with the round and a resumed run's record is whole. Its values per device (every device's metrics)
+are kept in the checkpoint's history file once a newer round closed (coordinator/checkpoint.py `HistoryFile`): the
+record makes what live.json shows of them when the round closes, and reads them back from the file for results.json
+and the run's results. The record adds what only exists while the coordinator runs: the open round (who was
+selected, who delivered), the roster's table, traffic, and the ETA.
 
 The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the rounds left (a task past
 `train_tasks` counts as one step: it is evaluated, not trained); None before a round has completed in this process.
@@ -12,13 +15,15 @@ The ETA is the mean duration of the last `ETA_WINDOW` completed rounds times the
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
-from coordinator.checkpoint import PerEntry, RoundEntry, RunState, json_with_history
+from coordinator.checkpoint import HistoryFile, PerEntry, RoundEntry, RunState, json_with_history
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from edgefil.metrics import (
@@ -82,9 +87,11 @@ class RunRecord:
 
     def __init__(self, fleet: str, scenario: dict[str, Any], strategy: dict[str, Any], settings: dict[str, Any],
                  state: RunState, roster: Roster, counters: Counter[str], traffic: Traffic, total_rounds: int,
-                 total_steps: int) -> None:
+                 total_steps: int, history_file: HistoryFile | None = None) -> None:
         """`settings`: what was run (rounds per task, quorum, the devices' round config) for the reports;
-        `total_rounds`: the rounds the run trains; `total_steps`: those and its evaluation-only tasks."""
+        `total_rounds`: the rounds the run trains; `total_steps`: those and its evaluation-only tasks;
+        `history_file`: the checkpoint's, which keeps the history's values per device (None: the state keeps
+        them all)."""
         self.fleet, self.scenario, self.strategy, self.settings = fleet, scenario, strategy, settings
         self.state, self.roster, self.counters, self.traffic = state, roster, counters, traffic
         self.total_rounds, self.total_steps = total_rounds, total_steps
@@ -95,6 +102,8 @@ class RunRecord:
         self._counted_at_open: Counter[str] = Counter()
         self._step_seconds: list[float] = []  # durations of the rounds completed in this process
         self._closed: PerEntry[_Closed] = PerEntry(_Closed.of)  # the entries as live.json and results() read them
+        self.history_file = history_file
+        self._closed_entries()  # a resumed run's, while they hold their values per device
 
     # --- what the round loop tells it -------------------------------------------------------------
 
@@ -112,7 +121,9 @@ class RunRecord:
         return entry
 
     def round_closed(self, entry: RoundEntry) -> None:
-        """The entry is in the history: the next round's refusals count from here."""
+        """The entry is in the history: the next round's refusals count from here; what live.json shows of it is
+        made now, while it holds its values per device."""
+        self._closed_entries()
         previous = self.state.history[-2]["ended_at"] if len(self.state.history) > 1 else None
         began = max(previous or 0.0, self.started_at)
         self._step_seconds.append(max(entry["ended_at"] - began, 0.0))
@@ -142,7 +153,12 @@ class RunRecord:
 
     def results(self) -> dict[str, Any]:
         """`results.json`: the run's outcome, accuracy matrix and summary numbers, counters, per-device problems,
-        traffic and the history."""
+        traffic and the history, whole (its values per device read back from the history file)."""
+        history = self.history if self.history_file is None else self.history_file.whole(self.history)
+        return {**self._summary(), "history": history}
+
+    def _summary(self) -> dict[str, Any]:
+        """The results but the history."""
         state = self.state
         done = len(state.accuracy_matrix)
         square = accuracy_matrix(state.accuracy_matrix) if done else None
@@ -182,14 +198,13 @@ class RunRecord:
             "bytes_sent": self.traffic.bytes_sent,
             "bytes_received": self.traffic.bytes_received,
             "reconnects": max(self.traffic.connects - 1, 0),
-            "history": state.history,
         }
 
     def live(self) -> dict[str, Any]:
         """`live.json`, what the dashboard shows: the results so far, the open round and the progress."""
         current = self.open_round
         return {
-            **self.results(),
+            **self._summary(),
             "history": [closed.live for closed in self._closed_entries()],
             "updated_at": time.time(),
             "started_at": self.started_at,
@@ -203,12 +218,14 @@ class RunRecord:
             },
         }
 
-    def results_json(self) -> str:
-        """`results.json`: the text of json.dumps(self.results()), each round entry encoded once rather than at
-        every round's close (an entry holds every device's metrics: 7 MB of JSON a round at 10,000 devices, so a
-        close re-encoding the whole history took 1.3 s at round 4 and longer each round:
-        benchmarks/live_file.py)."""
-        return json_with_history(self.results(), self.state.history_texts())
+    def results_json(self) -> Iterator[bytes]:
+        """`results.json`: the bytes of json.dumps(self.results()), in parts, each round's entry as the history
+        file holds it (an entry holds every device's metrics: 7 MB of JSON a round at 10,000 devices, so a close
+        re-encoding the whole history took 1.3 s at round 4 and longer each round, and holding it grew the
+        coordinator by as much: benchmarks/live_file.py)."""
+        texts = ((json.dumps(entry).encode() for entry in self.history) if self.history_file is None
+                 else self.history_file.texts(self.history))
+        return json_with_history(self._summary(), texts)
 
     def _closed_entries(self) -> list[_Closed]:
         """The history's entries, each made for its readers once (again where the history was replaced)."""

@@ -227,6 +227,7 @@ class Coordinator:
             config.fleet, self.data.describe(), dict(config.strategy), config.describe(), self.state, self.roster,
             self.counters, self.link, total_rounds=trained * config.rounds_per_task,
             total_steps=trained * config.rounds_per_task + self.data.n_tasks - trained,
+            history_file=self.checkpoints.history,
         )
         self.logs = RunLogs(config.out, self.record, self.data.n_tasks)
 

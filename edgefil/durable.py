@@ -31,7 +31,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -94,17 +94,21 @@ def power_loss_safe() -> bool:
     return _power_loss_safe
 
 
-def write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes | Iterable[bytes]) -> None:
     """Write to a temporary file, fsync it, rename it over `path`, then fsync the directory entry (the fsyncs
-    where this process's writes are to survive a power cut: `power_loss_safe`)."""
+    where this process's writes are to survive a power cut: `power_loss_safe`). `data`: the bytes, or their parts
+    as they are made (a file too large to make whole in memory first)."""
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            if isinstance(data, bytes):
+                handle.write(data)
+            else:
+                handle.writelines(data)
             if _power_loss_safe:
                 handle.flush()
                 os.fsync(handle.fileno())
-    except OSError:  # e.g. ENOSPC: leave no partial file behind
+    except BaseException:  # e.g. ENOSPC, or what made the parts failed: leave no partial file behind
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)

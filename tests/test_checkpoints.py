@@ -13,6 +13,7 @@ from coordinator.checkpoint import (
     CheckpointPolicy,
     Checkpoints,
     DeviceDeliveries,
+    RoundEntry,
     RunSchedule,
     RunState,
     generations,
@@ -80,47 +81,55 @@ def test_the_history_is_a_file_of_lines_each_generation_naming_its_own(tmp_path)
     rounds close (each entry encoded once), and each generation names its own lines, which it loads; a crash between
     the append and the state leaves a tail the next save cuts; a damaged line refuses the generations that name it,
     and --resume falls back to one that does not; a new process writes the file whole once, then appends; a file
-    removed mid-run is written whole again."""
+    removed mid-run is written whole again. The entries kept in memory let their values per device go once a newer
+    one is in the file, which gives them back (`whole`)."""
     checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)
     state = RunState(weights=np.zeros(3, dtype=np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
     history_file = tmp_path / HISTORY_FILE
+    written: list[str] = []
+
+    def whole() -> list[RoundEntry]:
+        return checkpoints.history.whole(state.history)
 
     def close(number: int) -> None:
         state.round = number
         state.history.append({"round": number, "task": 0, "accuracy": [0.5],
                               "metrics": {f"d{k}": {"loss": number + k / 10} for k in range(4)}})
+        written.append(json.dumps(state.history[-1]))
         checkpoints.save(state, DeviceDeliveries(), lambda folder: None)
 
     for number in (1, 2, 3):
         close(number)
         record = json.loads((tmp_path / f"round-{number:06d}" / "state.json").read_text())
         assert "history" not in record and record["history_lines"] == number
-        assert history_file.read_text().splitlines() == [json.dumps(entry) for entry in state.history]
+        assert history_file.read_text().splitlines() == written
+        assert ["metrics" in entry for entry in state.history] == [False] * (number - 1) + [True]
+        assert [json.dumps(entry) for entry in whole()] == written
     assert [load_run_state(tmp_path / f"round-{n:06d}").history for n in (1, 2, 3)] == [
-        state.history[:1], state.history[:2], state.history]
-    state.history[0]["metrics"]["d0"]["loss"] = -1.0  # no code changes an entry once it is history: made visible
+        whole()[:1], whole()[:2], whole()]
+    state.history[0]["accuracy"][0] = -1.0  # no code changes an entry once it is history: made visible
     close(4)  # appended: round 1's line as it was written
-    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == 1.0
+    assert load_latest(tmp_path, 3)[0].history[0]["accuracy"] == [0.5]
     state.history = [dict(entry) for entry in state.history]  # the same entries, new objects: written again
     state.history.pop()
     close(4)
-    assert load_latest(tmp_path, 3)[0].history[0]["metrics"]["d0"]["loss"] == -1.0
+    assert load_latest(tmp_path, 3)[0].history[0]["accuracy"] == [-1.0]
     with history_file.open("ab") as handle:  # a crash after the next round's append, before its state
         handle.write(b'{"round": 5, "ta')
     assert load_latest(tmp_path, 3)[0].round == 4
     close(5)
-    assert history_file.read_text().count("\n") == 5 and load_latest(tmp_path, 3)[0].history == state.history
+    assert history_file.read_text().count("\n") == 5 and load_latest(tmp_path, 3)[0].history == whole()
     lines = history_file.read_bytes().splitlines(keepends=True)
     history_file.write_bytes(b"".join(lines[:4]) + lines[4].replace(b"0.5", b"0.6"))  # round 5's line damaged
     resumed, folder = load_latest(tmp_path, 3)
-    assert folder.name == "round-000004" and resumed.history == state.history[:4]
+    assert folder.name == "round-000004" and resumed.history == whole()[:4]
     with pytest.raises(StateError, match="round-000005 is unreadable: its history's 5 lines .* sha256"):
         load_run_state(tmp_path / "round-000005")
     again = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)  # a resumed process
     state, _ = again.start(resume=True, fresh=state)
     checkpoints = again
     close(5)  # the file written whole: round 5's line anew
-    assert load_latest(tmp_path, 3)[0].history == state.history and len(state.history) == 5
+    assert load_latest(tmp_path, 3)[0].history == whole() and len(state.history) == 5
     history_file.unlink()  # removed by hand mid-run: the next save writes it whole
     close(6)
-    assert load_latest(tmp_path, 3)[0].history == state.history and len(state.history) == 6
+    assert load_latest(tmp_path, 3)[0].history == whole() and len(state.history) == 6

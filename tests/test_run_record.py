@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import RunState
+from coordinator.checkpoint import HistoryFile, RunState, load_run_state, save_run_state
 from coordinator.inbox import Registration, Status
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
@@ -130,11 +131,15 @@ def test_live_json_carries_each_round_without_its_per_device_fields_and_with_its
     assert [(e["accuracy"], e["device_means"]) for e in record.live()["history"]] == [([0.7], {"loss": 5.0})]
 
 
-def test_results_json_is_the_results_text_with_each_round_encoded_once():
-    """results.json's text is json.dumps(results()) to the byte, each closed round's entry encoded once: as rounds
-    close, after the live file was made, with a device error in the roster, and after the history was replaced."""
+def test_results_json_is_the_results_text():
+    """results.json's bytes are json.dumps(results()) to the byte: as rounds close, after the live file was made,
+    with a device error in the roster, and after the history was replaced."""
     record, counters, _ = make_record()
-    assert record.results_json() == json.dumps(record.results())  # no round yet
+
+    def text() -> str:
+        return b"".join(record.results_json()).decode()
+
+    assert text() == json.dumps(record.results())  # no round yet
     for number in (1, 2, 3):
         entry = record.entry(round=number, task=0, selected=["a", "b"], received=["a"], samples=3, accuracy=[0.5],
                              metrics={"a": {"loss": float(number), "pim": 0.25}}, rule_metrics={"kind": "x"})
@@ -142,12 +147,45 @@ def test_results_json_is_the_results_text_with_each_round_encoded_once():
         record.round_closed(entry)
         counters["late"] += number
         record.live()
-        assert record.results_json() == json.dumps(record.results())
+        assert text() == json.dumps(record.results())
     record.roster.take_status(Status("a", "error", 3, error="no room", instance="i"), 0)
-    assert record.results_json() == json.dumps(record.results())
+    assert text() == json.dumps(record.results())
     record.state.history = [record.entry(round=1, task=0, accuracy=[0.9], metrics={"b": {"loss": 2.0}})]
-    assert record.results_json() == json.dumps(record.results())
-    assert json.loads(record.results_json())["history"][0]["metrics"] == {"b": {"loss": 2.0}}
+    assert text() == json.dumps(record.results())
+    assert json.loads(text())["history"][0]["metrics"] == {"b": {"loss": 2.0}}
+
+
+def test_a_rounds_values_per_device_are_kept_in_the_history_file_not_in_memory(tmp_path, caplog):
+    """The coordinator keeps of a round checkpointed before the last one its own numbers and who took part; its
+    every device's metrics and each client's accuracy are in the checkpoint's history file, from which results()
+    and results.json read them back whole, byte for byte what they were; live.json's device means were made
+    while the round held them. A history file removed by a hand: those rounds are given without them, said."""
+    record, _, _ = make_record()
+    record.history_file = HistoryFile(tmp_path / "history.jsonl")
+    record.state.rng = dict(np.random.default_rng(0).bit_generator.state)
+    made = []
+    for number in (1, 2, 3):
+        entry = record.entry(round=number, task=0, selected=["a", "b"], received=["a", "b"], samples=3,
+                             accuracy=[0.5], metrics={"a": {"loss": float(number)}, "b": {"loss": 3.0 * number}},
+                             client_accuracy={"a": 0.25 * number})
+        made.append(json.loads(json.dumps(entry)))
+        record.state.history.append(entry)
+        save_run_state(tmp_path / f"round-{number}", record.state, record.history_file)
+        record.round_closed(entry)
+    kept = record.state.history
+    assert [("metrics" in e, "client_accuracy" in e) for e in kept] == [(False, False), (False, False), (True, True)]
+    assert [e["received"] for e in kept] == [["a", "b"]] * 3  # who took part, kept
+    assert record.results()["history"] == made
+    assert b"".join(record.results_json()) == json.dumps(record.results()).encode()
+    assert [e["device_means"] for e in record.live()["history"]] == [{"loss": 2.0 * n} for n in (1, 2, 3)]
+    loaded = load_run_state(tmp_path / "round-3")
+    assert loaded is not None and loaded.history == made  # a resume reads them whole
+
+    (tmp_path / "history.jsonl").unlink()
+    with caplog.at_level(logging.WARNING, logger="edgefil.coordinator"):
+        results = json.loads(b"".join(record.results_json()))
+    assert [("metrics" in e) for e in results["history"]] == [False, False, True]
+    assert "holds 0 of the 2 rounds" in caplog.text
 
 
 def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
