@@ -187,23 +187,33 @@ class HistoryFile:
             yield json.dumps(entry).encode()
 
     def whole(self, history: Sequence[RoundEntry]) -> list[RoundEntry]:
-        """`history` with its values per device: the entries that let them go read back from the file."""
-        read = [json.loads(line) for line in self._read_released(history)]
+        """`history` with its values per device: the entries that let them go read back from the file (one that
+        does not parse, as kept)."""
+        read: list[RoundEntry] = []
+        for line, kept in zip(self._read_released(history), history):
+            try:
+                read.append(json.loads(line))
+            except ValueError:
+                log.warning("%s: round %s's line is not JSON: given without its values per device", self.path,
+                            kept.get("round"))
+                read.append(kept)
         return [*read, *history[len(read):]]
 
     def _read_released(self, history: Sequence[RoundEntry]) -> Iterator[bytes]:
         """The lines of `history`'s first entries that let their values per device go, read from the file; fewer
-        where the file no longer holds them (removed or cut by a hand: said in the log), those entries are then
-        given as kept."""
+        where the file no longer holds them as written (removed, cut or edited by a hand: a line of another length;
+        said in the log), those entries are then given as kept."""
         released = standing([entry for entry, _, _ in self._lines[:self._released]], history)
-        read = 0
+        if not released:
+            return
+        read = start = 0
         try:
             with open(self.path, "rb") as handle:
-                for line in itertools.islice(handle, released):
-                    if not line.endswith(b"\n"):
+                for line, (_, end, _) in zip(itertools.islice(handle, released), self._lines):
+                    if len(line) != end - start or not line.endswith(b"\n"):
                         break
                     yield line[:-1]
-                    read += 1
+                    read, start = read + 1, end
         except OSError as err:
             log.warning("the run's history file is unreadable (%s)", err)
         if read < released:

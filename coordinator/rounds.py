@@ -33,11 +33,14 @@ ROUND_REFUSALS = frozenset({"late", "wrong-round", "not-selected", "duplicate", 
 
 
 def select(available: list[str], fraction: float, quorum: int, rng: np.random.Generator) -> list[str]:
-    """ceil(fraction * |available|) devices, at least `quorum` (when that many are available), sorted."""
+    """ceil(fraction * |available|) devices, at least `quorum` (when that many are available), sorted: the names
+    `available` holds, not copies (numpy's choice over the names made new strings each round, which a round's
+    history entry kept: about 40 bytes a device a round); the same draw as that choice."""
     if not available:
         return []
-    k = min(len(available), max(quorum, math.ceil(fraction * len(available))))
-    return sorted(rng.choice(sorted(available), size=k, replace=False).tolist())
+    pool = sorted(available)
+    k = min(len(pool), max(quorum, math.ceil(fraction * len(pool))))
+    return sorted(pool[i] for i in rng.choice(len(pool), size=k, replace=False))
 
 
 @dataclass
@@ -63,7 +66,9 @@ class OpenRound:
     waiting: set[str] = field(init=False)  # selected, and none of the above: what the round waits for
 
     def __post_init__(self) -> None:
-        self._chosen = frozenset(self.selected)
+        # each selected device's name as selected: what `delivered` keeps, so that a round's entry names its devices
+        # with the strings the roster holds, not with one made from each update's topic
+        self._chosen = {device: device for device in self.selected}
         self.waiting = set(self._chosen) - self.delivered - self.too_slow - self.gone - set(self.failed)
 
     @classmethod
@@ -131,7 +136,7 @@ class OpenRound:
             reason = "late"
         elif update.round > self.number or update.model != self.model:
             reason = "wrong-round"
-        elif update.device not in self._chosen:  # a set: a list made a round of N updates cost O(N^2)
+        elif update.device not in self._chosen:  # a dict: a list made a round of N updates cost O(N^2)
             reason = "not-selected"
         elif update.device in self.delivered:
             reason = "duplicate"
@@ -142,7 +147,7 @@ class OpenRound:
             self.too_slow.add(update.device)
             self.waiting.discard(update.device)
         if reason is None:
-            self.delivered.add(update.device)
+            self.delivered.add(self._chosen[update.device])
             self.gone.discard(update.device)  # it came back in time after all
             self.waiting.discard(update.device)
         else:

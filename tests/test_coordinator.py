@@ -41,6 +41,18 @@ def test_selection_takes_ceil_r_n_at_least_the_quorum(n, fraction, quorum, expec
     assert len(chosen) == expected and len(set(chosen)) == expected and set(chosen) <= set(available)
     assert chosen == sorted(chosen)
     assert chosen == select(list(reversed(available)), fraction, quorum, np.random.default_rng(0))  # seeded
+    assert all(any(name is own for own in available) for name in chosen)  # the names given, not copies
+
+
+def test_a_round_keeps_the_names_it_selected_not_those_its_updates_carry():
+    """A round's entry names its devices by the strings it selected, one per device however many rounds name it,
+    not by a string made from each update's topic (which the history kept, a round's worth at a time)."""
+    selected = ["d1", "d2"]
+    current = OpenRound.open(5, 0, MODEL, selected, deadline_s=60)
+    carried = "".join(["d", "1"])  # as a topic's parse makes it: equal, another object
+    assert carried == "d1" and carried is not selected[0]
+    assert current.offer(update(carried), Counter()) is None
+    assert next(iter(current.delivered)) is selected[0]
 
 
 def update(device="d1", round_=5, model=MODEL, task=0) -> Update:

@@ -159,7 +159,8 @@ def test_a_rounds_values_per_device_are_kept_in_the_history_file_not_in_memory(t
     """The coordinator keeps of a round checkpointed before the last one its own numbers and who took part; its
     every device's metrics and each client's accuracy are in the checkpoint's history file, from which results()
     and results.json read them back whole, byte for byte what they were; live.json's device means were made
-    while the round held them. A history file removed by a hand: those rounds are given without them, said."""
+    while the round held them. A history file edited or removed by a hand: those rounds are given without them,
+    said."""
     record, _, _ = make_record()
     record.history_file = HistoryFile(tmp_path / "history.jsonl")
     record.state.rng = dict(np.random.default_rng(0).bit_generator.state)
@@ -181,11 +182,15 @@ def test_a_rounds_values_per_device_are_kept_in_the_history_file_not_in_memory(t
     loaded = load_run_state(tmp_path / "round-3")
     assert loaded is not None and loaded.history == made  # a resume reads them whole
 
-    (tmp_path / "history.jsonl").unlink()
+    lines = (tmp_path / "history.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "history.jsonl").write_bytes(lines[0] + lines[1].replace(b"2.0", b"2.25") + lines[2])  # by a hand
     with caplog.at_level(logging.WARNING, logger="edgefil.coordinator"):
         results = json.loads(b"".join(record.results_json()))
-    assert [("metrics" in e) for e in results["history"]] == [False, False, True]
-    assert "holds 0 of the 2 rounds" in caplog.text
+        assert [("metrics" in e) for e in results["history"]] == [True, False, True]
+        assert "holds 1 of the 2 rounds" in caplog.text
+        (tmp_path / "history.jsonl").unlink()
+        assert [("metrics" in e) for e in record.results()["history"]] == [False, False, True]
+        assert "holds 0 of the 2 rounds" in caplog.text
 
 
 def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
