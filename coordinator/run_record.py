@@ -23,7 +23,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from coordinator.checkpoint import HistoryFile, PerEntry, RoundEntry, RunState, json_with_history
+from coordinator.checkpoint import (
+    PER_DEVICE_VALUES,
+    HistoryFile,
+    PerEntry,
+    RoundEntry,
+    RunState,
+    json_with_history,
+)
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from edgefil.metrics import (
@@ -38,8 +45,9 @@ from edgefil.metrics import (
 )
 
 ETA_WINDOW = 5  # completed rounds the ETA averages over
-# A round entry's fields that hold a value per device: results.json keeps them, live.json leaves them out
-PER_DEVICE_FIELDS = ("selected", "received", "metrics", "client_accuracy")
+# A round entry's fields that hold a value per device: results.json keeps them, live.json leaves them out (and the
+# coordinator's memory the values, once the history file holds them)
+PER_DEVICE_FIELDS = ("selected", "received", *PER_DEVICE_VALUES)
 
 
 def live_entry(entry: RoundEntry) -> dict[str, Any]:
