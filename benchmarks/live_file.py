@@ -165,13 +165,13 @@ def main() -> None:
     print(f"\nthe history the coordinator keeps in memory after {args.rounds} rounds (MB, tracemalloc) and what each "
           "round adds to it (MB: its growth from round 1 on, over the rounds)")
     print(f"{'devices':>8} {'every entry whole':>17} {'a round':>8} {'values per device in the file':>29} {'a round':>8} "
-          f"{'a round':>8}")
+          f"{'whole/file a round':>18}")
     for devices in (int(n) for n in args.devices.split(",")):
         whole, filed = (kept_mb(devices, args.rounds, args.metrics, from_file) for from_file in (False, True))
         whole_1, filed_1 = (kept_mb(devices, 1, args.metrics, from_file) for from_file in (False, True))
         grows = [(mb - first) / max(args.rounds - 1, 1) for mb, first in ((whole, whole_1), (filed, filed_1))]
         print(f"{devices:>8} {whole:>17.2f} {grows[0]:>8.3f} {filed:>29.2f} {grows[1]:>8.3f} "
-              f"{grows[0] / grows[1]:>7.1f}x")
+              f"{grows[0] / grows[1]:>17.1f}x")
 
 if __name__ == "__main__":
     main()
