@@ -130,8 +130,9 @@ class HistoryFile:
 
     Memory: an entry the file holds lets its values per device go once a newer one is held (`hold`), so the run
     keeps of each round its own numbers and who took part, not every device's metrics; `texts` and `whole` give
-    them back from the file. A file removed or cut by a hand while the run goes is written again from what the run
-    keeps: those rounds' values per device are then lost (said in the log where they are read)."""
+    them back from the file. A file removed by a hand while the run goes is written again from what the run keeps:
+    those rounds' values per device are then lost; from one cut or edited, only the lines as written are read back
+    (either said in the log where they are read)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -101,7 +101,7 @@ def write_atomically(path: Path, data: bytes | Iterable[bytes]) -> None:
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     try:
         with open(tmp, "wb") as handle:
-            if isinstance(data, bytes):
+            if isinstance(data, (bytes, bytearray, memoryview)):
                 handle.write(data)
             else:
                 handle.writelines(data)

@@ -20,7 +20,7 @@ from coordinator.checkpoint import (
     load_latest,
     load_run_state,
 )
-from edgefil.durable import StateError
+from edgefil.durable import StateError, write_atomically
 
 
 def test_a_generation_keeps_the_devices_deliveries_and_a_resume_finds_them(tmp_path):
@@ -133,3 +133,22 @@ def test_the_history_is_a_file_of_lines_each_generation_naming_its_own(tmp_path)
     history_file.unlink()  # removed by hand mid-run: the next save writes it whole
     close(6)
     assert load_latest(tmp_path, 3)[0].history == whole() and len(state.history) == 6
+
+
+def test_a_file_written_in_parts_replaces_the_old_one_whole_or_not_at_all(tmp_path):
+    """results.json is written in parts as they are made (a long run's is too large to make whole first): the file
+    then holds all of them; where making a part fails, the old file stays as it was and no partial one is left."""
+    path = tmp_path / "results.json"
+    write_atomically(path, b"old")
+
+    def parts(fail: bool):
+        yield b"{"
+        if fail:
+            raise ValueError("a part could not be made")
+        yield b"}"
+
+    with pytest.raises(ValueError):
+        write_atomically(path, parts(fail=True))
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    write_atomically(path, parts(fail=False))
+    assert path.read_bytes() == b"{}"
