@@ -2,6 +2,7 @@
 deliveries kept with each round, pruning to `keep`. (The run state's own round trip and refusals: test_coordinator.)"""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -13,6 +14,7 @@ from coordinator.checkpoint import (
     CheckpointPolicy,
     Checkpoints,
     DeviceDeliveries,
+    HistoryFile,
     RoundEntry,
     RunSchedule,
     RunState,
@@ -152,3 +154,26 @@ def test_a_file_written_in_parts_replaces_the_old_one_whole_or_not_at_all(tmp_pa
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
     write_atomically(path, parts(fail=False))
     assert path.read_bytes() == b"{}"
+
+
+def test_a_history_file_read_back_names_why_it_is_refused(tmp_path):
+    """A resume reads the history's first lines a line at a time: fewer whole lines than the state names, lines that
+    do not match its sha256, or one that is not JSON, each refused with its reason; lines past the count (a newer
+    generation's) are not its history."""
+    path = tmp_path / HISTORY_FILE
+    lines = [b'{"round": 1, "task": 0, "accuracy": [0.5]}\n', b'{"round": 2, "task": 0, "accuracy": [0.6]}\n']
+    path.write_bytes(b"".join(lines) + b'{"round": 3, "ta')  # a tail a crash left
+
+    def sha(*parts: bytes) -> str:
+        return hashlib.sha256(b"".join(parts)).hexdigest()
+
+    assert [e["round"] for e in HistoryFile.read(path, 2, sha(*lines))] == [1, 2]
+    assert [e["round"] for e in HistoryFile.read(path, 1, sha(lines[0]))] == [1]
+    assert HistoryFile.read(tmp_path / "none.jsonl", 0, sha()) == []
+    with pytest.raises(StateError, match="holds 2 whole lines, the state names 3"):
+        HistoryFile.read(path, 3, sha(*lines))
+    with pytest.raises(StateError, match="2 lines .* do not match their sha256"):
+        HistoryFile.read(path, 2, sha(lines[0]))
+    path.write_bytes(lines[0] + b"not json\n")
+    with pytest.raises(StateError, match="a line that is not JSON"):
+        HistoryFile.read(path, 2, sha(lines[0], b"not json\n"))
