@@ -6,7 +6,9 @@ file (`RunRecord.results_json`, the same text); a checkpoint generation's run st
 history encoded whole into it or appended to the checkpoint folder's history file
 (`coordinator.checkpoint.save_run_state`, `HistoryFile`); and what the coordinator keeps of the history in memory
 after the rounds, every round's entry whole (as before) against entries that let their values per device go once
-the history file holds them (`HistoryFile.hold`), measured with tracemalloc.
+the history file holds them (`HistoryFile.hold`), measured with tracemalloc; and a resume after the rounds: what
+the resumed coordinator holds of the history from its start through its first round's checkpoint, the peak of it,
+and what that first checkpoint writes (`Checkpoints.start`, `RunRecord`, `Checkpoints.save`).
 
 A run record of `--devices` devices each reporting `--metrics` numbers every round (a device's update carries about
 20: its loss, device seconds, store, traffic, the method's own), after each of `--rounds` rounds; printed for
@@ -34,7 +36,15 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from coordinator.checkpoint import HISTORY_FILE, HistoryFile, RunState, save_run_state  # noqa: E402
+from coordinator.checkpoint import (  # noqa: E402
+    HISTORY_FILE,
+    CheckpointPolicy,
+    Checkpoints,
+    DeviceDeliveries,
+    HistoryFile,
+    RunState,
+    save_run_state,
+)
 from coordinator.roster import Roster  # noqa: E402
 from coordinator.run_record import RunRecord  # noqa: E402
 from edgefil.durable import STATE_FILE  # noqa: E402
@@ -123,6 +133,42 @@ def checkpoint_at_close(devices: int, rounds: int, metrics: int, form: str) -> t
     return written, best_cpu * 1000, best_wall * 1000
 
 
+def resumed(devices: int, rounds: int, metrics: int) -> tuple[float, float, float, float, float]:
+    """A coordinator resumed after `rounds` rounds checkpointed as a run makes them, through its first round's
+    checkpoint: the history file's MB, the MB of Python's allocations it holds after that checkpoint and their peak
+    on the way (tracemalloc, from the start), the CPU s of it all, and the MB that checkpoint wrote."""
+    ids = [f"dev-{i:05d}" for i in range(devices)]
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder) / "checkpoint"
+        run = Checkpoints(root, CheckpointPolicy(keep=2), num_parameters=3)
+        state = RunState(np.zeros(3, np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
+        record = record_of(devices, 0, metrics)
+        record.state, record.history_file = state, run.history
+        for number in range(1, rounds + 1):
+            state.round = number
+            close_round(record, number, ids, metrics)
+            run.save(state, DeviceDeliveries(), lambda generation: None)
+        del record, state, run
+        history = root / HISTORY_FILE
+        size = history.stat().st_size
+        tracemalloc.start()
+        started = time.process_time()
+        again = Checkpoints(root, CheckpointPolicy(keep=2), num_parameters=3)
+        state, _ = again.start(resume=True, fresh=RunState(np.zeros(3, np.float32)))
+        record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, state, Roster(ids), Counter(),
+                           Traffic(), total_rounds=rounds + 1, total_steps=rounds + 1, history_file=again.history)
+        state.round = rounds + 1
+        close_round(record, rounds + 1, ids, metrics)
+        before = history.stat()
+        again.save(state, DeviceDeliveries(), lambda generation: None)
+        cpu = time.process_time() - started
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        after = history.stat()  # a file written whole is a new one (write_atomically); an appended one grew
+        written = after.st_size if after.st_ino != before.st_ino else after.st_size - before.st_size
+        return size / 2**20, held / 2**20, peak / 2**20, cpu, written / 2**20
+
+
 def encoded(make: object) -> tuple[int, float]:
     """Bytes and best-of-3 CPU ms of json.dumps(make())."""
     best, size = float("inf"), 0
@@ -172,6 +218,13 @@ def main() -> None:
         grows = [(mb - first) / max(args.rounds - 1, 1) for mb, first in ((whole, whole_1), (filed, filed_1))]
         print(f"{devices:>8} {whole:>17.2f} {grows[0]:>8.3f} {filed:>29.2f} {grows[1]:>8.3f} "
               f"{grows[0] / grows[1]:>17.1f}x")
+    print(f"\na coordinator resumed after {args.rounds} rounds, through its first round's checkpoint: the history "
+          "file's MB, the MB of Python's allocations it holds after that checkpoint and their peak (tracemalloc), the "
+          "CPU s, and the MB the checkpoint wrote")
+    print(f"{'devices':>8} {'file MB':>8} {'held MB':>8} {'peak MB':>8} {'CPU s':>7} {'written MB':>10}")
+    for devices in (int(n) for n in args.devices.split(",")):
+        size, held, peak, cpu, written = resumed(devices, args.rounds, args.metrics)
+        print(f"{devices:>8} {size:>8.2f} {held:>8.2f} {peak:>8.2f} {cpu:>7.2f} {written:>10.2f}")
 
 if __name__ == "__main__":
     main()

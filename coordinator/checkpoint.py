@@ -81,6 +81,7 @@ def standing(entries: Sequence[RoundEntry], history: Sequence[RoundEntry]) -> in
 
 
 T = TypeVar("T")
+HistoryLine = tuple[RoundEntry, int, Any]  # a line of the history file: its entry, the line's end, sha256 through it
 
 
 class PerEntry(Generic[T]):
@@ -89,18 +90,23 @@ class PerEntry(Generic[T]):
     anything of all of it again at every round's close grew with the run (encoding it for each checkpoint took 6 s
     of the coordinator's CPU at round 20 of such a fleet, and as long again for results.json:
     benchmarks/live_file.py). The run record's live forms are made so, each while its entry still holds its
-    values per device (`HistoryFile.hold`)."""
+    values per device (`HistoryFile.hold`), or of its entry read back whole (`HistoryFile.wholes`)."""
 
     def __init__(self, make: Callable[[RoundEntry], T]) -> None:
         self._make = make
         self._entries: list[RoundEntry] = []
         self._made: list[T] = []
 
-    def of(self, history: Sequence[RoundEntry]) -> list[T]:
+    def of(self, history: Sequence[RoundEntry],
+           wholes: Callable[[Sequence[RoundEntry], int], Iterable[RoundEntry]] | None = None) -> list[T]:
+        """What was made of each of `history`'s entries; `wholes(history, start)`: the entries from `start` on as
+        they are to be made of (the history file's, with the values per device they let go)."""
         kept = standing(self._entries, history)
         del self._entries[kept:], self._made[kept:]
-        self._entries.extend(history[kept:])
-        self._made.extend(self._make(entry) for entry in history[kept:])
+        if kept < len(history):
+            self._entries.extend(history[kept:])
+            self._made.extend(self._make(entry) for entry in (history[kept:] if wholes is None
+                                                                else wholes(history, kept)))
         return self._made
 
 
@@ -124,22 +130,25 @@ class HistoryFile:
 
     Crash safety: the lines are appended (and synced, where writes are to survive a power cut) before the
     generation's state is written, and a line is never changed while a generation names it; lines past the newest
-    state's count (a crash between the two writes) are cut at the next save. The first save of a process writes the
-    whole file at once (`write_atomically`): it knows nothing of the lines there (a resume from an older generation
-    leaves the newer ones' lines behind) and must not leave a half-written file if it dies. From then on it appends;
-    a history replaced in the process (none of the round loop's) is cut back to the entries it shares with the
-    file's and appended from there.
+    state's count (a crash between the two writes) are cut at the next save. A resumed process takes the lines its
+    generation names, checked by their sha256 (`lines_of`, `adopt`), and appends after them: the lines past them
+    (a newer generation's that did not load, a crash's tail) are cut at its first save, the ones it took are never
+    written again. A new process that finds no lines it knows writes the whole file at its first save
+    (`write_atomically`), so that dying there leaves no half-written file. From then on it appends; a history
+    replaced in the process (none of the round loop's) is cut back to the entries it shares with the file's and
+    appended from there.
 
-    Memory: an entry the file holds lets its values per device go once a newer one is held (`hold`), so the run
-    keeps of each round its own numbers and who took part, not every device's metrics; `texts` and `whole` give
-    them back from the file. A file removed by a hand while the run goes is written again from what the run keeps:
-    those rounds' values per device are then lost; from one cut or edited, only the lines as written are read back
-    (either said in the log where they are read)."""
+    Memory: an entry the file holds lets its values per device go once a newer one is held (`hold`), and a resumed
+    process's entries let them go as they are read (`lines_of`), so the run keeps of each round its own numbers and
+    who took part, not every device's metrics; `texts`, `wholes` and `whole` give them back from the file. A file
+    removed by a hand while the run goes is written again from what the run keeps: those rounds' values per device
+    are then lost; from one cut or edited, only the lines as written are read back (either said in the log where
+    they are read)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lines: list[tuple[RoundEntry, int, Any]] = []  # (entry, its line's end, sha256 through it), as written
-        self._written = False  # this process wrote the file whole: its lines are `_lines`
+        self._lines: list[HistoryLine] = []  # as written, or as read back by a resume (`adopt`)
+        self._written = False  # the file's first lines are `_lines` (this process wrote them, or read them back)
         self._released = 0  # the first lines whose entries let their values per device go
 
     def hold(self, history: Sequence[RoundEntry]) -> tuple[int, str]:
@@ -189,67 +198,95 @@ class HistoryFile:
         for entry in history[read:]:
             yield json.dumps(entry).encode()
 
-    def whole(self, history: Sequence[RoundEntry]) -> list[RoundEntry]:
-        """`history` with its values per device: the entries that let them go read back from the file (one that
-        does not parse, as kept)."""
-        read: list[RoundEntry] = []
-        for line, kept in zip(self._read_released(history), history):
+    def wholes(self, history: Sequence[RoundEntry], start: int = 0) -> Iterator[RoundEntry]:
+        """`history[start:]` with its values per device, an entry at a time: those that let them go read back from
+        the file (one that does not parse, as kept)."""
+        read = start
+        for line, kept in zip(self._read_released(history, start), history[start:]):
             try:
-                read.append(json.loads(line))
+                yield json.loads(line)
             except ValueError:
                 log.warning("%s: round %s's line is not JSON: given without its values per device", self.path,
                             kept.get("round"))
-                read.append(kept)
-        return [*read, *history[len(read):]]
+                yield kept
+            read += 1
+        yield from history[read:]
 
-    def _read_released(self, history: Sequence[RoundEntry]) -> Iterator[bytes]:
-        """The lines of `history`'s first entries that let their values per device go, read from the file; fewer
-        where the file no longer holds them as written (removed, cut or edited by a hand: a line of another length;
-        said in the log), those entries are then given as kept."""
+    def whole(self, history: Sequence[RoundEntry]) -> list[RoundEntry]:
+        """`history` with its values per device (`wholes`)."""
+        return list(self.wholes(history))
+
+    def _read_released(self, history: Sequence[RoundEntry], start: int = 0) -> Iterator[bytes]:
+        """The lines of `history`'s entries from `start` on that let their values per device go, read from the file;
+        fewer where the file no longer holds them as written (removed, cut or edited by a hand: a line of another
+        length; said in the log), those entries are then given as kept."""
         released = standing([entry for entry, _, _ in self._lines[:self._released]], history)
-        if not released:
+        if released <= start:
             return
-        read = start = 0
+        read = start
+        begin = self._lines[start - 1][1] if start else 0
         try:
             with open(self.path, "rb") as handle:
-                for line, (_, end, _) in zip(itertools.islice(handle, released), self._lines):
-                    if len(line) != end - start or not line.endswith(b"\n"):
+                handle.seek(begin)
+                for line, (_, end, _) in zip(itertools.islice(handle, released - start), self._lines[start:]):
+                    if len(line) != end - begin or not line.endswith(b"\n"):
                         break
                     yield line[:-1]
-                    read, start = read + 1, end
+                    read, begin = read + 1, end
         except OSError as err:
             log.warning("the run's history file is unreadable (%s)", err)
         if read < released:
             log.warning("%s holds %d of the %d rounds whose values per device only it keeps: the others are given "
-                        "without them", self.path, read, released)
+                        "without them", self.path, read - start, released - start)
 
     @staticmethod
     def read(path: Path, count: int, sha256: str) -> list[RoundEntry]:
-        """The first `count` entries of the file at `path`; StateError where it holds fewer, they do not match
-        `sha256`, or one is not JSON. Read a line at a time, each parsed as it comes: a long run's file (1.4 GB
+        """The first `count` entries of the file at `path`, whole; StateError where it holds fewer, they do not match
+        `sha256`, or one is not JSON (`lines_of`)."""
+        return [entry for entry, _, _ in HistoryFile._lines_at(path, count, sha256, release=False)]
+
+    def lines_of(self, count: int, sha256: str) -> list[HistoryLine]:
+        """This file's first `count` lines as a resumed run keeps them (`adopt`): each entry but the last without its
+        values per device (PER_DEVICE_VALUES, let go as it is read), with its line's end and the sha256 through it;
+        StateError as `read`. Nothing of this object changes: a generation's state may still be refused."""
+        return HistoryFile._lines_at(self.path, count, sha256, release=True)
+
+    def adopt(self, lines: list[HistoryLine]) -> None:
+        """The file's first lines are `lines` (`lines_of`), whose entries are the resumed run's history: its saves
+        append after them, as after lines this process wrote."""
+        self._lines, self._written, self._released = lines, True, max(len(lines) - 1, 0)
+
+    @staticmethod
+    def _lines_at(path: Path, count: int, sha256: str, release: bool) -> list[HistoryLine]:
+        """The first `count` lines of the file at `path` (`lines_of`; `release`: whether the entries but the last let
+        their values per device go). Read a line at a time, each parsed as it comes: a long run's file (1.4 GB
         after 200 rounds of 10,000 devices) is not held as bytes besides its entries."""
-        entries: list[RoundEntry] = []
-        digest, whole, not_json = hashlib.sha256(), 0, None
+        lines: list[HistoryLine] = []
+        digest, end, not_json = hashlib.sha256(), 0, None
         try:
             with open(path, "rb") if count else contextlib.nullcontext(io.BytesIO()) as handle:
                 for line in itertools.islice(handle, count):
                     if not line.endswith(b"\n"):
                         break
                     digest.update(line)
-                    whole += 1
+                    end += len(line)
                     try:
-                        entries.append(json.loads(line))
+                        entry = json.loads(line)
                     except ValueError as err:
-                        not_json = not_json or err
+                        not_json, entry = not_json or err, {}
+                    if release and lines:
+                        for name in PER_DEVICE_VALUES:
+                            lines[-1][0].pop(name, None)  # type: ignore[misc]
+                    lines.append((entry, end, digest.copy()))
         except OSError as err:
             raise StateError(f"its history ({path.name}) is unreadable: {err}") from None
-        if whole < count:
-            raise StateError(f"its history ({path.name}) holds {whole} whole lines, the state names {count}")
+        if len(lines) < count:
+            raise StateError(f"its history ({path.name}) holds {len(lines)} whole lines, the state names {count}")
         if digest.hexdigest() != sha256:
             raise StateError(f"its history's {count} lines ({path.name}) do not match their sha256")
         if not_json is not None:
             raise StateError(f"its history ({path.name}) holds a line that is not JSON: {not_json}")
-        return entries
+        return lines
 
 
 @dataclass
@@ -391,10 +428,12 @@ class RunSchedule:
 
 
 def load_run_state(directory: str | Path, num_parameters: int | None = None,
-                   schedule: RunSchedule | None = None) -> RunState | None:
+                   schedule: RunSchedule | None = None, history: HistoryFile | None = None) -> RunState | None:
     """The run state saved in `directory` (None when there is none); StateError when a field is missing or not of
     its type, the weights are not the model's `num_parameters` values, or it lies outside the run's `schedule`
-    (each when given)."""
+    (each when given). `history`: the checkpoint folder's history file as the resuming run holds it: a state that
+    loads gives it its lines (`HistoryFile.adopt`), its entries but the newest without their values per device;
+    None: the history whole."""
     saved = load_record(directory)
     if saved is None:
         return None
@@ -407,12 +446,18 @@ def load_run_state(directory: str | Path, num_parameters: int | None = None,
     record.pop("weights_file", None)
     record.pop("weights_sha256", None)
     lines, sha256 = record.pop("history_lines", None), record.pop("history_sha256", None)
+    adopted: list[HistoryLine] | None = None
     if "history" not in record and (lines is not None or sha256 is not None):  # in the folder's file
         if not _count(lines) or not isinstance(sha256, str):
             raise StateError(f"run state in {directory} is unreadable: history_lines or history_sha256 is not of "
                              "its type")
+        path = Path(directory).parent / HISTORY_FILE
         try:
-            record["history"] = HistoryFile.read(Path(directory).parent / HISTORY_FILE, lines, sha256)
+            if history is not None and history.path == path:
+                adopted = history.lines_of(lines, sha256)
+                record["history"] = [entry for entry, _, _ in adopted]
+            else:
+                record["history"] = HistoryFile.read(path, lines, sha256)
         except StateError as err:
             raise StateError(f"run state in {directory} is unreadable: {err}") from None
     unknown = sorted(set(record) - set(FIELD_CHECKS))
@@ -425,19 +470,21 @@ def load_run_state(directory: str | Path, num_parameters: int | None = None,
     refusal = None if schedule is None else schedule.refusal(state)
     if refusal is not None:
         raise StateError(f"run state in {directory} does not fit this run: {refusal}")
+    if adopted is not None and history is not None:
+        history.adopt(adopted)
     return state
 
 
-def load_latest(root: Path, num_parameters: int | None = None,
-                schedule: RunSchedule | None = None) -> tuple[RunState, Path] | None:
+def load_latest(root: Path, num_parameters: int | None = None, schedule: RunSchedule | None = None,
+                history: HistoryFile | None = None) -> tuple[RunState, Path] | None:
     """The newest generation under `root` that loads and verifies (a model of `num_parameters` values, when given),
     and its folder; None when there is none. Generations that do not load are skipped with a warning; when none
-    loads, StateError names each reason."""
+    loads, StateError names each reason. `history`: as `load_run_state`'s."""
     candidates: Sequence[Path] = [g for g in generations(root) if (g / STATE_FILE).exists()]
     failures = []
     for directory in candidates:
         try:
-            state = load_run_state(directory, num_parameters, schedule)
+            state = load_run_state(directory, num_parameters, schedule, history)
         except StateError as err:
             log.warning("checkpoint %s cannot be resumed (%s); trying the one before", directory.name, err)
             failures.append(f"{directory.name}: {err}")
@@ -477,7 +524,7 @@ class Checkpoints:
         folder holds a run and `resume` is not set."""
         if generations(self.root) and not resume:
             raise FileExistsError(f"{self.root} holds a run: pass --resume, or choose another `out`")
-        latest = load_latest(self.root, self.num_parameters, self.schedule) if resume else None
+        latest = load_latest(self.root, self.num_parameters, self.schedule, self.history) if resume else None
         if latest is None:
             return fresh, None
         state, directory = latest

@@ -111,7 +111,7 @@ class RunRecord:
         self._step_seconds: list[float] = []  # durations of the rounds completed in this process
         self._closed: PerEntry[_Closed] = PerEntry(_Closed.of)  # the entries as live.json and results() read them
         self.history_file = history_file
-        self._closed_entries()  # a resumed run's, while they hold their values per device
+        self._closed_entries()  # a resumed run's, each read back whole from the history file as it is made
 
     # --- what the round loop tells it -------------------------------------------------------------
 
@@ -237,7 +237,7 @@ class RunRecord:
 
     def _closed_entries(self) -> list[_Closed]:
         """The history's entries, each made for its readers once (again where the history was replaced)."""
-        return self._closed.of(self.state.history)
+        return self._closed.of(self.state.history, None if self.history_file is None else self.history_file.wholes)
 
     def _iaa_summary(self) -> dict[str, Any]:
         """IAA, AA and AFM over the rounds so far (per-client test data only)."""

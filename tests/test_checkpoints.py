@@ -82,8 +82,8 @@ def test_the_history_is_a_file_of_lines_each_generation_naming_its_own(tmp_path)
     """The history grows with rounds x devices: it is one file of the checkpoint folder, an entry a line, appended as
     rounds close (each entry encoded once), and each generation names its own lines, which it loads; a crash between
     the append and the state leaves a tail the next save cuts; a damaged line refuses the generations that name it,
-    and --resume falls back to one that does not; a new process writes the file whole once, then appends; a file
-    removed mid-run is written whole again. The entries kept in memory let their values per device go once a newer
+    and --resume falls back to one that does not; a resumed process takes the lines its generation names and
+    appends after them (the damaged line cut); a file removed mid-run is written whole again. The entries kept in memory let their values per device go once a newer
     one is in the file, which gives them back (`whole`)."""
     checkpoints = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)
     state = RunState(weights=np.zeros(3, dtype=np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
@@ -130,7 +130,7 @@ def test_the_history_is_a_file_of_lines_each_generation_naming_its_own(tmp_path)
     again = Checkpoints(tmp_path, CheckpointPolicy(keep=5), num_parameters=3)  # a resumed process
     state, _ = again.start(resume=True, fresh=state)
     checkpoints = again
-    close(5)  # the file written whole: round 5's line anew
+    close(5)  # round 5's line anew, after the 4 lines round 4 named
     assert load_latest(tmp_path, 3)[0].history == whole() and len(state.history) == 5
     history_file.unlink()  # removed by hand mid-run: the next save writes it whole
     close(6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.checkpoint import HistoryFile, RunState, load_run_state, save_run_state
+from coordinator.checkpoint import HistoryFile, RoundEntry, RunState, load_latest, load_run_state, save_run_state
 from coordinator.inbox import Registration, Status
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
@@ -38,13 +38,14 @@ class LinkCounters:
     connects: int = 1
 
 
-def make_record(total_steps: int = 6) -> tuple[RunRecord, Counter[str], LinkCounters]:
+def make_record(total_steps: int = 6, state: RunState | None = None, history_file: HistoryFile | None = None
+                ) -> tuple[RunRecord, Counter[str], LinkCounters]:
     counters: Counter[str] = Counter()
     traffic = LinkCounters()
     roster = Roster(["a", "b"])
-    state = RunState(weights=np.zeros(3, dtype=np.float32))
+    state = state or RunState(weights=np.zeros(3, dtype=np.float32))
     record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {"rounds_per_task": 2}, state, roster,
-                       counters, traffic, total_rounds=total_steps, total_steps=total_steps)
+                       counters, traffic, total_rounds=total_steps, total_steps=total_steps, history_file=history_file)
     return record, counters, traffic
 
 
@@ -155,24 +156,27 @@ def test_results_json_is_the_results_text():
     assert json.loads(text())["history"][0]["metrics"] == {"b": {"loss": 2.0}}
 
 
+def checkpointed_round(record: RunRecord, folder: Path, number: int) -> RoundEntry:
+    """Round `number` closed and checkpointed in `folder` as the coordinator does; its entry as written."""
+    entry = record.entry(round=number, task=0, selected=["a", "b"], received=["a", "b"], samples=3, accuracy=[0.5],
+                         metrics={"a": {"loss": float(number)}, "b": {"loss": 3.0 * number}},
+                         client_accuracy={"a": 0.25 * number})
+    record.state.history.append(entry)
+    record.state.round = number
+    save_run_state(folder / f"round-{number}", record.state, record.history_file)
+    record.round_closed(entry)
+    return json.loads(json.dumps(entry))
+
+
 def test_a_rounds_values_per_device_are_kept_in_the_history_file_not_in_memory(tmp_path, caplog):
     """The coordinator keeps of a round checkpointed before the last one its own numbers and who took part; its
     every device's metrics and each client's accuracy are in the checkpoint's history file, from which results()
     and results.json read them back whole, byte for byte what they were; live.json's device means were made
     while the round held them. A history file edited or removed by a hand: those rounds are given without them,
     said."""
-    record, _, _ = make_record()
-    record.history_file = HistoryFile(tmp_path / "history.jsonl")
+    record, _, _ = make_record(history_file=HistoryFile(tmp_path / "history.jsonl"))
     record.state.rng = dict(np.random.default_rng(0).bit_generator.state)
-    made = []
-    for number in (1, 2, 3):
-        entry = record.entry(round=number, task=0, selected=["a", "b"], received=["a", "b"], samples=3,
-                             accuracy=[0.5], metrics={"a": {"loss": float(number)}, "b": {"loss": 3.0 * number}},
-                             client_accuracy={"a": 0.25 * number})
-        made.append(json.loads(json.dumps(entry)))
-        record.state.history.append(entry)
-        save_run_state(tmp_path / f"round-{number}", record.state, record.history_file)
-        record.round_closed(entry)
+    made = [checkpointed_round(record, tmp_path, number) for number in (1, 2, 3)]
     kept = record.state.history
     assert [("metrics" in e, "client_accuracy" in e) for e in kept] == [(False, False), (False, False), (True, True)]
     assert [e["received"] for e in kept] == [["a", "b"]] * 3  # who took part, kept
@@ -191,6 +195,38 @@ def test_a_rounds_values_per_device_are_kept_in_the_history_file_not_in_memory(t
         (tmp_path / "history.jsonl").unlink()
         assert [("metrics" in e) for e in record.results()["history"]] == [False, False, True]
         assert "holds 0 of the 2 rounds" in caplog.text
+
+
+def test_a_resumed_run_holds_its_history_as_the_run_did_and_appends_to_its_file(tmp_path):
+    """A resume takes the history file's lines its generation names, and keeps of each entry what the run kept: its
+    values per device let go as it is read (all but the newest's), not held until the first save; live.json's
+    device means are made of each entry read back, results() and results.json give the entries whole; its first
+    save appends after the lines it took (a crash's tail cut), where it wrote the whole file again."""
+    path = tmp_path / "history.jsonl"
+    record, _, _ = make_record(history_file=HistoryFile(path))
+    record.state.rng = dict(np.random.default_rng(0).bit_generator.state)
+    made = [checkpointed_round(record, tmp_path, number) for number in (1, 2, 3)]
+    with path.open("ab") as handle:  # a crash after round 4's append, before its state
+        handle.write(b'{"round": 4, "ta')
+    inode = path.stat().st_ino
+
+    history = HistoryFile(path)
+    latest = load_latest(tmp_path, history=history)
+    assert latest is not None and latest[1].name == "round-3"
+    state = latest[0]
+    assert [("metrics" in e, "client_accuracy" in e) for e in state.history] == [(False, False)] * 2 + [(True, True)]
+    resumed, _, _ = make_record(state=state, history_file=history)
+    assert [e["device_means"] for e in resumed.live()["history"]] == [{"loss": 2.0 * n} for n in (1, 2, 3)]
+    assert resumed.results()["history"] == made
+    made.append(checkpointed_round(resumed, tmp_path, 4))
+    assert path.stat().st_ino == inode  # appended to, not written whole again
+    assert path.read_bytes().splitlines() == [json.dumps(entry).encode() for entry in made]
+    assert [("metrics" in e) for e in state.history] == [False] * 3 + [True]
+    assert resumed.results()["history"] == made
+    assert b"".join(resumed.results_json()) == json.dumps(resumed.results()).encode()
+    assert [e["device_means"] for e in resumed.live()["history"]] == [{"loss": 2.0 * n} for n in (1, 2, 3, 4)]
+    latest = load_latest(tmp_path)
+    assert latest is not None and latest[0].history == made  # the next resume's, whole
 
 
 def test_every_run_folder_gets_metrics_csv_and_a_tensorboard_log_that_tensorboard_reads(tmp_path):
