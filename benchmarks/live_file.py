@@ -1,6 +1,7 @@
 """The run's files that grow with rounds x devices, as a fleet grows: the dashboard's live.json (its bytes and the
 coordinator's CPU to encode it), with each round's every device metrics (what it carried before, and what
-results.json keeps) against each round's device means (`coordinator.run_record.live_entry`); results.json at a
+results.json keeps) against each round's device means (`coordinator.run_record.live_entry`), encoded whole against
+made in parts of the devices' rows and the rounds' entries each encoded once (`RunRecord.live_json`); results.json at a
 round's close, the whole record encoded again (as before) against its rounds copied from the checkpoint's history
 file (`RunRecord.results_json`, the same text); a checkpoint generation's run state at a round's close, with the
 history encoded whole into it or appended to the checkpoint folder's history file
@@ -169,6 +170,21 @@ def resumed(devices: int, rounds: int, metrics: int) -> tuple[float, float, floa
         return size / 2**20, held / 2**20, peak / 2**20, cpu, written / 2**20
 
 
+def in_parts(record: RunRecord, changed: float) -> float:
+    """Best-of-3 CPU ms of live.json made in parts (`RunRecord.live_json`), after a write that encoded every row,
+    with the rows of a `changed` share of the devices changed before each (a round's devices sent its work)."""
+    b"".join(record.live_json())
+    devices = list(record.roster.records)[:int(changed * len(record.roster.records))]
+    best = float("inf")
+    for _ in range(3):
+        for device in devices:
+            record.roster.asked_to_train(device)
+        started = time.process_time()
+        b"".join(record.live_json())
+        best = min(best, time.process_time() - started)
+    return best * 1000
+
+
 def encoded(make: object) -> tuple[int, float]:
     """Bytes and best-of-3 CPU ms of json.dumps(make())."""
     best, size = float("inf"), 0
@@ -185,15 +201,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--metrics", type=int, default=20)
     args = parser.parse_args()
-    print(f"live.json after {args.rounds} rounds, {args.metrics} metrics a device; CPU ms to encode, best of 3")
-    print(f"{'devices':>8} {'every device MB':>15} {'ms':>8} {'device means MB':>15} {'ms':>8} {'bytes':>7} "
-          f"{'CPU':>7}")
+    print(f"live.json after {args.rounds} rounds, {args.metrics} metrics a device; CPU ms to make and encode it, best "
+          "of 3: with every device's metrics (as before d4e45d6), with each round's device means encoded whole (as "
+          "before this commit), in parts (`RunRecord.live_json`: each device's row and round's entry encoded once), and "
+          "in parts with a tenth of the devices' rows changed since the last write (as in a round)")
+    print(f"{'devices':>8} {'every device MB':>15} {'ms':>8} {'device means MB':>15} {'whole ms':>8} {'parts ms':>8} "
+          f"{'a tenth new':>11} {'whole/parts':>11}")
     for devices in (int(n) for n in args.devices.split(",")):
         record = record_of(devices, args.rounds, args.metrics)
         whole_bytes, whole_ms = encoded(lambda: {**record.live(), "history": record.history})
         live_bytes, live_ms = encoded(record.live)
+        parts_ms = in_parts(record, 0.0)
+        changed_ms = in_parts(record, 0.1)
         print(f"{devices:>8} {whole_bytes / 2**20:>15.2f} {whole_ms:>8.1f} {live_bytes / 2**20:>15.2f} "
-              f"{live_ms:>8.1f} {whole_bytes / live_bytes:>6.1f}x {whole_ms / live_ms:>6.1f}x")
+              f"{live_ms:>8.1f} {parts_ms:>8.1f} {changed_ms:>11.1f} {live_ms / changed_ms:>10.1f}x")
     print(f"\nresults.json at round {args.rounds}'s close; CPU ms, best of 3")
     print(f"{'devices':>8} {'MB':>8} {'all rounds encoded':>18} {'copied from file':>16} {'CPU':>7}")
     for devices in (int(n) for n in args.devices.split(",")):

@@ -110,16 +110,6 @@ class PerEntry(Generic[T]):
         return self._made
 
 
-def json_with_history(fields: dict[str, Any], texts: Iterable[bytes]) -> Iterator[bytes]:
-    """The bytes of json.dumps(fields) with "history" moved last, its entries given as their texts
-    (`HistoryFile.texts`), in parts: a long run's history is not made into one string."""
-    text = json.dumps({**{name: value for name, value in fields.items() if name != "history"}, "history": []})
-    yield text[:-len("]}")].encode()
-    for number, entry in enumerate(texts):
-        yield b", " + entry if number else entry
-    yield b"]}"
-
-
 class HistoryFile:
     """The run's history as a file of the checkpoint folder, an entry's JSON text a line, appended as rounds close.
 

@@ -9,9 +9,15 @@ coordinator reacts (resend a round, stop waiting for a device) stays in the roun
 
 A status from an instance other than the device's newest registered one (the late last will of a replaced process)
 is passed over here, so no reader sees a stale offline.
+
+Each device's row of the table is kept as its JSON text until its record changes (`table_texts`): live.json carries
+the table and is written every second or two, so encoding every row at each write cost the coordinator in
+proportion to the fleet times the round's length, 6 % of its CPU at 10,000 devices (docs/results.md); a round
+changes each row a few times. Only this class changes a record, and a method that does drops its row.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -73,11 +79,13 @@ class Roster:
         # reason. For the run: a device does not get its budget back.
         self.spent: dict[str, str] = {}
         self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
+        self._rows: dict[str, bytes] = {}  # device -> its table row's JSON text, until its record changes
 
     def register(self, event: Registration) -> list[str] | None:
         """Take a registration; the two instances when an older process of the device registers again (two
         processes share its id), else None."""
         record = self.records[event.device]
+        self._rows.pop(event.device, None)
         record.profile, record.backend, record.last_seen = event.profile, event.backend, time.time()
         self.registered[event.device] = event  # online is what its (retained) status says
         if not event.instance:
@@ -108,6 +116,7 @@ class Roster:
         """Record a (current) status: online or not, with data or not, and an error's reason. `task`: the task the
         run is on, which a "no-data" that names none speaks for."""
         record = self.records[event.device]
+        self._rows.pop(event.device, None)
         record.state, record.last_seen = event.state, time.time()
         if event.state == "error":
             self.online.add(event.device)
@@ -128,11 +137,13 @@ class Roster:
     def asked_to_train(self, device: str) -> None:
         """The device was sent a round's work: "training" until its update (or its word that it cannot) comes. A
         device says nothing of a round's progress itself (edge_client/device.py `_publish_status`)."""
+        self._rows.pop(device, None)
         self.records[device].state = "training"
 
     def take_update(self, update: Update | Advertised) -> None:
         """Record what an accepted update says of its device: its round's work is done ("idle")."""
         record = self.records[update.device]
+        self._rows.pop(update.device, None)
         record.state = "idle"
         record.last_round = max(record.last_round, update.round)
         record.last_seen = time.time()
@@ -161,3 +172,9 @@ class Roster:
     def table(self) -> list[dict[str, Any]]:
         """Every device of the run, in the run's order, as the reports and the dashboard show it."""
         return [r.as_dict(d in self.online) for d, r in self.records.items()]
+
+    def table_texts(self) -> list[bytes]:
+        """`table()`'s rows as their JSON texts, each encoded once until its record changes."""
+        rows = self._rows
+        return [rows.get(d) or rows.setdefault(d, json.dumps(r.as_dict(d in self.online)).encode())
+                for d, r in self.records.items()]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import math
 import time
@@ -181,7 +180,7 @@ class RunLogs:
 
     def _write_live(self) -> None:
         try:
-            write_atomically(self.out / LIVE_FILE, json.dumps(self.record.live()).encode())
+            write_atomically(self.out / LIVE_FILE, self.record.live_json())
         except OSError as err:
             log.warning("live.json not written: %s", err)
 

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,7 +29,6 @@ from coordinator.checkpoint import (
     PerEntry,
     RoundEntry,
     RunState,
-    json_with_history,
 )
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
@@ -68,18 +67,36 @@ def live_entry(entry: RoundEntry) -> dict[str, Any]:
     return out
 
 
+def json_with_lists(fields: dict[str, Any], lists: Mapping[str, Iterable[bytes]]) -> Iterator[bytes]:
+    """The bytes of json.dumps(fields) with the fields named in `lists` moved last, in its order, each a list given
+    as its items' JSON texts, in parts: a long run's history and a large fleet's table are not made into one string,
+    and what was encoded before is not encoded again."""
+    head = json.dumps({name: value for name, value in fields.items() if name not in lists})
+    yield head[:-1].encode()
+    first = head == "{}"
+    for name, items in lists.items():
+        yield (b"" if first else b", ") + json.dumps(name).encode() + b": ["
+        first = False
+        for number, item in enumerate(items):
+            yield b", " + item if number else item
+        yield b"]"
+    yield b"}"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Closed:
     """What the record's readers make of a round entry of the history, made once (`PerEntry`)."""
 
     live: dict[str, Any]  # live_entry(entry)
+    live_text: bytes  # and its JSON text
     local_epsilon: float | None  # the largest local epsilon a device of the round reported (None: none did)
 
     @classmethod
     def of(cls, entry: RoundEntry) -> _Closed:
         spent = [metrics["local_epsilon"] for metrics in entry.get("metrics", {}).values()
                  if "local_epsilon" in metrics]
-        return cls(live_entry(entry), max(spent, default=None))
+        live = live_entry(entry)
+        return cls(live, json.dumps(live).encode(), max(spent, default=None))
 
 
 class Traffic(Protocol):
@@ -163,10 +180,10 @@ class RunRecord:
         """`results.json`: the run's outcome, accuracy matrix and summary numbers, counters, per-device problems,
         traffic and the history, whole (its values per device read back from the history file)."""
         history = self.history if self.history_file is None else self.history_file.whole(self.history)
-        return {**self._summary(), "history": history}
+        return {**self._summary(), "devices": self.roster.table(), "history": history}
 
     def _summary(self) -> dict[str, Any]:
-        """The results but the history."""
+        """The results but the devices' table and the history."""
         state = self.state
         done = len(state.accuracy_matrix)
         square = accuracy_matrix(state.accuracy_matrix) if done else None
@@ -202,7 +219,6 @@ class RunRecord:
             "without_data": sorted(self.roster.without_data),  # online devices that said they hold no data yet
             "privacy_spent": dict(self.roster.spent),  # devices past their local privacy budget, and why
             "duplicate_devices": self.roster.duplicates,
-            "devices": self.roster.table(),
             "bytes_sent": self.traffic.bytes_sent,
             "bytes_received": self.traffic.bytes_received,
             "reconnects": max(self.traffic.connects - 1, 0),
@@ -210,10 +226,23 @@ class RunRecord:
 
     def live(self) -> dict[str, Any]:
         """`live.json`, what the dashboard shows: the results so far, the open round and the progress."""
+        return {**self._live_fields(), "devices": self.roster.table(),
+                "history": [closed.live for closed in self._closed_entries()]}
+
+    def live_json(self) -> Iterator[bytes]:
+        """`live.json`: the bytes of json.dumps(self.live()), in parts, the devices' rows and the rounds' entries
+        as their texts, each encoded once (`Roster.table_texts`, `_Closed.live_text`): the dashboard reads it every
+        second and the coordinator rewrites it as often, so encoding every row and round again at each write cost
+        it in proportion to the fleet times the round's length."""
+        return json_with_lists(self._live_fields(), {
+            "devices": self.roster.table_texts(),
+            "history": [closed.live_text for closed in self._closed_entries()]})
+
+    def _live_fields(self) -> dict[str, Any]:
+        """`live()` but the devices' table and the history."""
         current = self.open_round
         return {
             **self._summary(),
-            "history": [closed.live for closed in self._closed_entries()],
             "updated_at": time.time(),
             "started_at": self.started_at,
             "steps_total": self.total_steps,
@@ -233,7 +262,7 @@ class RunRecord:
         coordinator by as much: benchmarks/live_file.py)."""
         texts = ((json.dumps(entry).encode() for entry in self.history) if self.history_file is None
                  else self.history_file.texts(self.history))
-        return json_with_history(self._summary(), texts)
+        return json_with_lists(self._summary(), {"devices": self.roster.table_texts(), "history": texts})
 
     def _closed_entries(self) -> list[_Closed]:
         """The history's entries, each made for its readers once (again where the history was replaced)."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator.checkpoint import HistoryFile, RoundEntry, RunState, load_latest, load_run_state, save_run_state
-from coordinator.inbox import Registration, Status
+from coordinator.inbox import Registration, Status, Update
 from coordinator.roster import Roster
 from coordinator.rounds import OpenRound
 from coordinator.run_logs import (
@@ -130,6 +130,33 @@ def test_live_json_carries_each_round_without_its_per_device_fields_and_with_its
     resumed = record.entry(round=1, task=0, accuracy=[0.7], metrics={"a": {"loss": 5.0}})
     record.state.history = [resumed]
     assert [(e["accuracy"], e["device_means"]) for e in record.live()["history"]] == [([0.7], {"loss": 5.0})]
+
+
+def test_live_json_is_the_live_text_as_the_devices_and_rounds_change():
+    """live.json is written in parts, each device's row and each round's entry encoded once (`Roster.table_texts`,
+    `RunRecord.live_json`): after each kind of change of a device's record, and a round's close, it reads as
+    live() does (but its clock)."""
+    record, _, _ = make_record()
+
+    def read_alike() -> bool:
+        written = json.loads(b"".join(record.live_json()))
+        live = record.live()
+        return {**written, "updated_at": 0} == {**live, "updated_at": 0} and list(written) == list(live)
+
+    assert read_alike()
+    record.roster.register(Registration("a", "ort", "pi4", "i"))
+    assert read_alike()
+    record.roster.take_status(Status("a", "online", 0, instance="i"), 0)
+    assert read_alike() and record.live()["devices"][0]["online"]
+    record.roster.asked_to_train("a")
+    assert read_alike()
+    record.roster.take_update(Update("a", 1, 0, "m", 3, {"stored_samples": 3, "stored_bytes": 120}, np.zeros(3),
+                                     label_counts=(1, 2)))
+    assert read_alike() and record.live()["devices"][0]["label_counts"] == [1, 2]
+    record.roster.take_status(Status("a", "offline", 1, instance="i"), 0)
+    assert read_alike() and not record.live()["devices"][0]["online"]
+    close_round(record, 1, 0, [0.5], ended_at=1.0)
+    assert read_alike() and len(record.live()["history"]) == 1
 
 
 def test_results_json_is_the_results_text():
