@@ -193,6 +193,60 @@ def test_a_connection_s_keepalive_is_looked_at_only_a_few_times_a_period():
         network.stop()
 
 
+def test_a_tick_looks_only_at_the_connections_whose_deadlines_are_due():
+    """A tick of the loop looks at a connection (its keepalive, its CONNACK's and its DISCONNECT's deadlines) only
+    when one of them is due, not at every connection at every tick: 200 connections with a keepalive of 10 s, over
+    two periods of ticks on the loop's own clock, are looked at KEEPALIVE_CHECKS times a period each, where every
+    tick looked at all of them; one whose CONNACK is late loses its socket at the first tick past its deadline, and
+    one closing at the first tick past its grace, as before."""
+    import socket
+    from collections import Counter
+
+    import paho.mqtt.client as mqtt
+
+    from edgefil.netloop import CONNACK_TIMEOUT_S, KEEPALIVE_CHECKS, TICK_S, _Connection
+
+    network = NetworkLoop()
+    network.stop()  # its thread gone: the test drives the loop's own methods, on a clock of its own
+    looked: Counter[str] = Counter()
+    housekeep = network._housekeep
+
+    def counted(conn: _Connection, now: float) -> None:
+        looked[conn.name] += 1
+        housekeep(conn, now)
+
+    network._housekeep = counted  # type: ignore[method-assign]
+    start, keepalive, count = 1000.0, 10, 200
+    ends = []
+    for k in range(count):
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"c{k}")
+        client.connect_async("127.0.0.1", 1, keepalive=keepalive)  # records the keepalive; nothing connects
+        end, other = socket.socketpair()
+        ends += [end, other]
+        conn = _Connection(client, f"c{k}", sock=end, keepalive_at=start)
+        if k == 0:  # its CONNACK never comes
+            conn.attempt_at, conn.keepalive_at = start, start + 100 * keepalive
+        if k == 1:  # closing: its DISCONNECT never goes out
+            conn.close_by, conn.keepalive_at = start + 3.0, start + 100 * keepalive
+        network._connections[client] = conn
+        network._plan_housekeeping(conn)
+    late, closing = list(network._connections.values())[:2]
+    ticks = int(2 * keepalive / TICK_S)
+    try:
+        for tick in range(ticks + 1):
+            now = start + tick * TICK_S
+            network._housekeep_due(now)
+            assert (late.sock is None) == (now >= start + CONNACK_TIMEOUT_S)
+            assert (closing.sock is None) == (now >= start + 3.0)
+        assert looked["c0"] == looked["c1"] == 1
+        checks = 2 * KEEPALIVE_CHECKS + 1  # each period's checks, and the first at the start
+        assert all(looked[f"c{k}"] == checks for k in range(2, count))
+        assert sum(looked.values()) < count * (ticks + 1) / 3  # every tick at every connection: (ticks + 1) each
+    finally:
+        for end in ends:
+            end.close()
+
+
 @needs_mosquitto
 def test_a_quiet_connection_keeps_alive_with_the_thinned_checks(tmp_path):
     """With its keepalive looked at only KEEPALIVE_CHECKS times a period, a connection that sends nothing still
