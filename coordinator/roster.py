@@ -12,7 +12,7 @@ is passed over here, so no reader sees a stale offline.
 
 Each device's row of the table is kept as its JSON text until its record changes (`table_texts`): live.json carries
 the table and is written every second or two, so encoding every row at each write cost the coordinator in
-proportion to the fleet times the round's length, 6 % of its CPU at 10,000 devices (docs/results.md); a round
+proportion to the fleet times the round's length, about 5 % of its CPU at 10,000 devices (docs/results.md); a round
 changes each row a few times. Only this class changes a record, and a method that does drops its row.
 """
 from __future__ import annotations
