@@ -56,13 +56,18 @@ class Traffic:
     connects = 1
 
 
+def new_record(ids: list[str], state: RunState, rounds: int, history_file: HistoryFile | None) -> RunRecord:
+    """A run record of the devices `ids` that trains `rounds` rounds from `state`."""
+    return RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, state, Roster(ids), Counter(),
+                     Traffic(), total_rounds=rounds, total_steps=rounds, history_file=history_file)
+
+
 def record_of(devices: int, rounds: int, metrics: int, folder: Path | None = None) -> RunRecord:
     """A record of `rounds` closed rounds; with `folder`, each checkpointed there as the coordinator does (the
     history file's, `HistoryFile`), so that the entries kept let their values per device go."""
     ids = [f"dev-{i:05d}" for i in range(devices)]
-    record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, RunState(np.zeros(3, np.float32)),
-                       Roster(ids), Counter(), Traffic(), total_rounds=rounds, total_steps=rounds,
-                       history_file=None if folder is None else HistoryFile(folder / HISTORY_FILE))
+    record = new_record(ids, RunState(np.zeros(3, np.float32)), rounds,
+                        None if folder is None else HistoryFile(folder / HISTORY_FILE))
     for number in range(1, rounds + 1):
         close_round(record, number, ids, metrics, folder)
     return record
@@ -143,8 +148,7 @@ def resumed(devices: int, rounds: int, metrics: int) -> tuple[float, float, floa
         root = Path(folder) / "checkpoint"
         run = Checkpoints(root, CheckpointPolicy(keep=2), num_parameters=3)
         state = RunState(np.zeros(3, np.float32), rng=dict(np.random.default_rng(0).bit_generator.state))
-        record = record_of(devices, 0, metrics)
-        record.state, record.history_file = state, run.history
+        record = new_record(ids, state, rounds + 1, run.history)
         for number in range(1, rounds + 1):
             state.round = number
             close_round(record, number, ids, metrics)
@@ -156,8 +160,7 @@ def resumed(devices: int, rounds: int, metrics: int) -> tuple[float, float, floa
         started = time.process_time()
         again = Checkpoints(root, CheckpointPolicy(keep=2), num_parameters=3)
         state, _ = again.start(resume=True, fresh=RunState(np.zeros(3, np.float32)))
-        record = RunRecord("lab", {"preset": "digits-class"}, {"name": "fedavg"}, {}, state, Roster(ids), Counter(),
-                           Traffic(), total_rounds=rounds + 1, total_steps=rounds + 1, history_file=again.history)
+        record = new_record(ids, state, rounds + 1, again.history)
         state.round = rounds + 1
         close_round(record, rounds + 1, ids, metrics)
         before = history.stat()

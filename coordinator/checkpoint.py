@@ -80,6 +80,12 @@ def standing(entries: Sequence[RoundEntry], history: Sequence[RoundEntry]) -> in
     return next((i for i, entry in enumerate(entries) if i >= len(history) or history[i] is not entry), len(entries))
 
 
+def let_go(entry: RoundEntry) -> None:
+    """The entry without its values per device (PER_DEVICE_VALUES): the history file keeps them."""
+    for name in PER_DEVICE_VALUES:
+        entry.pop(name, None)  # type: ignore[misc]
+
+
 T = TypeVar("T")
 HistoryLine = tuple[RoundEntry, int, Any]  # a line of the history file: its entry, the line's end, sha256 through it
 
@@ -161,7 +167,7 @@ class HistoryFile:
             end += len(line)
             made.append((entry, end, digest.copy()))
         if not self._written:
-            write_atomically(self.path, b"".join(added))
+            write_atomically(self.path, added)
             self._written = True
         elif added or self.path.stat().st_size != end:  # (a failed append's tail, cut)
             with open(self.path, "r+b") as handle:
@@ -173,8 +179,7 @@ class HistoryFile:
                     os.fsync(handle.fileno())
         lines.extend(made)  # written: a write that failed leaves them to the next save
         for entry, _, _ in lines[self._released:-1]:
-            for name in PER_DEVICE_VALUES:
-                entry.pop(name, None)  # type: ignore[misc]
+            let_go(entry)
         self._released = max(self._released, len(lines) - 1)
         return len(lines), digest.hexdigest()
 
@@ -265,8 +270,7 @@ class HistoryFile:
                     except ValueError as err:
                         not_json, entry = not_json or err, {}
                     if release and lines:
-                        for name in PER_DEVICE_VALUES:
-                            lines[-1][0].pop(name, None)  # type: ignore[misc]
+                        let_go(lines[-1][0])
                     lines.append((entry, end, digest.copy()))
         except OSError as err:
             raise StateError(f"its history ({path.name}) is unreadable: {err}") from None
