@@ -66,7 +66,8 @@ class HostProfile:
         share = 100.0 / len(busy)
         print(f"\nhost profile (perf, {FREQUENCY_HZ} Hz a CPU): {len(busy)} busy samples, "
               f"{len(busy) / len(samples) * 100:.0f} % of the host's; % of the busy ones")
-        tables = (("by process", lambda s: s[0]), ("by process and library", lambda s: f"{s[0]:<12} {s[1]}"),
+        tables = (("by process", lambda s: s[0]), ("by process and thread", lambda s: f"{s[0]:<12} {s[4]}"),
+                  ("by process and library", lambda s: f"{s[0]:<12} {s[1]}"),
                   ("in the kernel, by process and system call", lambda s: s[2] and f"{s[0]:<12} {s[2]}"),
                   ("in the kernel, by process and function", lambda s: s[3] and f"{s[0]:<12} {s[3]}"))
         for title, key in tables:
@@ -75,16 +76,19 @@ class HostProfile:
             for name, count in counts.most_common(top):
                 print(f"  {count * share:5.1f} %  {name}")
 
-    def _samples(self, roles: dict[int, str]) -> list[tuple[str, str, str, str]]:
-        """(role, library, system call or "", kernel function or "") of each sample."""
-        script = subprocess.run(["perf", "script", "-i", str(self.folder / "perf.data"), "-F", "pid,ip,sym,dso"],
+    def _samples(self, roles: dict[int, str]) -> list[tuple[str, str, str, str, str]]:
+        """(role, library, system call or "", kernel function or "", thread) of each sample: the thread by its name
+        in the system (edgefil/thread_names.py: a fleet worker's "device", "device-turns", its network loop's; an
+        unnamed one by its process's)."""
+        script = subprocess.run(["perf", "script", "-i", str(self.folder / "perf.data"), "-F", "comm,pid,ip,sym,dso"],
                                 capture_output=True, text=True, check=True).stdout
         out = []
         for block in script.split("\n\n"):
             lines = [line.strip() for line in block.strip().splitlines() if line.strip()]
             if len(lines) < 2:
                 continue
-            pid = int(lines[0].split()[0])
+            thread, pid_text = lines[0].rsplit(None, 1)  # a name may hold spaces; the pid is the line's last word
+            pid = int(pid_text)
             role = "idle" if pid == 0 else roles.get(pid, "other")
             frames = [line.split(None, 1)[1] if " " in line else line for line in lines[1:]]
             library = frames[0].rsplit("(", 1)[-1].rstrip(")").rsplit("/", 1)[-1]
@@ -93,7 +97,7 @@ class HostProfile:
                 library, kernel = "kernel", _symbol(frames[0])
                 calls = [_symbol(f) for f in frames if _symbol(f).startswith("__x64_sys_")]
                 call = calls[0].removeprefix("__x64_sys_") if calls else "(no system call)"
-            out.append((role, library, call, kernel))
+            out.append((role, library, call, kernel, thread.strip()))
         return out
 
 

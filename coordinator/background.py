@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from edgefil.thread_names import NamedThread
+
 log = logging.getLogger("edgefil.coordinator")
 T = TypeVar("T")
 
@@ -64,7 +66,7 @@ class BackgroundJob(Generic[T]):
             with self._lock:
                 self._result, self._ready = result, True
 
-        self._thread = threading.Thread(target=run, name=f"job-{self.name}", daemon=True)
+        self._thread = NamedThread(target=run, name=f"job-{self.name}", daemon=True)
         self._thread.start()
         return True
 

@@ -46,6 +46,7 @@ from typing import IO, Any
 from edgefil import topics
 from edgefil.durable import write_private
 from edgefil.lifetime import die_with_parent
+from edgefil.thread_names import NamedThread
 
 log = logging.getLogger("edgefil.broker")
 _RUNNING = re.compile(rb"mosquitto version \S+ running")
@@ -645,7 +646,7 @@ class EmbeddedBroker:
             finally:
                 ready.set()
 
-        self._thread = threading.Thread(target=run, name=f"amqtt-{self.port}", daemon=True)
+        self._thread = NamedThread(target=run, name=f"amqtt-{self.port}", daemon=True)
         self._thread.start()
         if not ready.wait(timeout) or self._stop is None:
             error = self._error

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import multiprocessing
 import queue
-import threading
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from coordinator.round_share import Heard, RoundOpening, RoundShare, SharePlan, 
 from coordinator.strategies import make_strategy
 from edgefil import topics, wire
 from edgefil.link import CONNECTED, BrokerSettings, Link
+from edgefil.thread_names import NamedThread
 
 log = logging.getLogger("edgefil.coordinator")
 READY_S = 60.0  # how long a worker may take to start (spawn, imports) and subscribe
@@ -160,7 +160,7 @@ class InboxWorkers:
         process.start()
         theirs.close()
         replies: queue.Queue[Any] = queue.Queue()
-        reader = threading.Thread(target=self._read, args=(replies, ours), daemon=True,
+        reader = NamedThread(target=self._read, args=(replies, ours), daemon=True,
                                   name=f"inbox-worker-{index}-reader")
         reader.start()
         if index < len(self._processes):
@@ -277,7 +277,7 @@ def serve(plan: WorkerPlan, index: int, count: int, connection: Connection) -> N
     except Exception as err:  # the coordinator's start says why, in one line
         connection.send(("failed", f"{type(err).__name__}: {err}"))
         return
-    threading.Thread(target=read_commands, daemon=True, name="commands").start()
+    NamedThread(target=read_commands, daemon=True, name="commands").start()
     connection.send(("ready", None))
     try:
         while True:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from edgefil.thread_names import NamedThread
 from models.manifest import Manifest
 
 T = TypeVar("T")
@@ -73,7 +74,7 @@ class Turns:
             raise RuntimeError("a device's turn asked for another turn: turns do not nest")
         with self._started:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread = NamedThread(target=self._serve, name=self._name, daemon=True)
                 self._thread.start()
         turn = _Turn(work)
         self._jobs.put(turn)

@@ -50,6 +50,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
+from edgefil.thread_names import NamedThread
 from edgefil.wakeups import ReaderGate
 
 log = logging.getLogger("edgefil.link")
@@ -113,7 +114,7 @@ class NetworkLoop:
         self._order = itertools.count()
         self._rng = random.Random(seed)
         self._next_tick = 0.0  # the next housekeeping pass
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = NamedThread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # --- the owner's side (any thread but the loop's, unless said) --------------------------------

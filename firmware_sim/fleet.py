@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from edge_client.trainers.choice import artifact_backends, resolve_backend
 from edgefil.durable import write_atomically, write_private
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, dump_toml
+from edgefil.thread_names import NamedThread
 from firmware_sim import disk
 from firmware_sim.adversary import OMNISCIENT
 from firmware_sim.client_shares import SHARES_FOLDER, write_shares
@@ -429,7 +429,7 @@ class ProcessWorkers:
             gone(f"fleet worker {k} ended (exit code {self.processes[k].exitcode}) and its devices with it: "
                  f"its log, logs/worker-{k}.log, says why", self._devices[k])
 
-        threading.Thread(target=wait, daemon=True, name="worker-watch").start()
+        NamedThread(target=wait, daemon=True, name="worker-watch").start()
 
     def stop(self) -> None:
         """Stop every worker, within STOP_GRACE_S for all of them together (then terminated)."""

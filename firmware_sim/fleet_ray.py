@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edgefil.durable import write_atomically
+from edgefil.thread_names import NamedThread
 from firmware_sim.fleet_worker import (
     LOG_FORMAT,
     STOP_GRACE_S,
@@ -204,7 +205,7 @@ class RayWorkers:
             gone(f"fleet worker {k} ended ({why}) and its devices with it: its log, logs/worker-{k}.log, says more",
                  self._devices[k])
 
-        threading.Thread(target=wait, daemon=True, name="worker-watch").start()
+        NamedThread(target=wait, daemon=True, name="worker-watch").start()
 
     def stop(self) -> None:
         self._stopping.set()

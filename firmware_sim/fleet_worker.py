@@ -18,6 +18,7 @@ from typing import IO, Any, NoReturn
 
 from edgefil.durable import set_power_loss_safe
 from edgefil.lifetime import die_with_parent
+from edgefil.thread_names import NamedThread
 
 PARENT_POLL_S = 1.0
 STOP_GRACE_S = 30.0  # how long a stopping worker waits for its devices, all of them together
@@ -411,7 +412,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
         finally:
             connected()
 
-    threads = [threading.Thread(target=run, args=(raw,), daemon=True) for raw in configs]
+    threads = [NamedThread(target=run, args=(raw,), daemon=True, name="device") for raw in configs]
     for thread in threads:
         thread.start()
     wait_for_stop()

@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from coordinator.preparation import PREPARING_FILE
+from edgefil.thread_names import NamedThread
 
 log = logging.getLogger("edgefil.dashboard")
 LIVE_FILE = "live.json"  # coordinator.run_logs writes these; the dashboard only reads them
@@ -167,7 +168,7 @@ class Dashboard:
         return f"http://{host}:{port}/" + (f"?token={self.token}" if self.token else "")
 
     def start(self) -> Dashboard:
-        self._thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
+        self._thread = NamedThread(target=self.server.serve_forever, name="dashboard", daemon=True)
         self._thread.start()
         return self
 
