@@ -161,7 +161,7 @@ class InboxWorkers:
         theirs.close()
         replies: queue.Queue[Any] = queue.Queue()
         reader = NamedThread(target=self._read, args=(replies, ours), daemon=True,
-                                  name=f"inbox-worker-{index}-reader")
+                             name=f"inbox-worker-{index}-reader")
         reader.start()
         if index < len(self._processes):
             self._connections[index].close()
