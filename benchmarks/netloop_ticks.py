@@ -1,11 +1,12 @@
 """What a network loop's ticks cost as its connections grow: every connection looked at every tick (as the loop
-did before bc839fc) against only those whose deadline is due (`NetworkLoop._housekeep_due`).
+did before c70fd34) against only those whose deadline is due (`NetworkLoop._housekeep_due`).
 
 A fleet worker's network loop (edgefil/netloop.py) ticks every TICK_S; at each tick it looked at every connection's
 deadlines (keepalive, CONNACK, close), most of which had none due: yappi put 2.8 % of a 10,000-device fleet's
 workers' profiled CPU there (3334 devices a worker; the profiler inflates short Python calls many times over, so
-this measures it without one), and its cost a device grew with the round's length, so with the fleet. Here `--connections` real paho clients (not connected: a loop's look at one whose
-keepalive is due runs paho's own check, which finds no socket and returns) with a keepalive of `--keepalive` s are
+this measures it without one), and its cost a device grew with the round's length, so with the fleet. Here
+`--connections` real paho clients (not connected: a loop's look at one whose keepalive is due runs paho's own check,
+which finds no socket and returns) with a keepalive of `--keepalive` s are
 held by a loop whose thread is stopped, and its ticks are driven on a clock of their own over `--seconds` s: the
 CPU us a second of ticks, both ways, best of 3.
 
@@ -41,7 +42,7 @@ def loop_of(connections: int, keepalive: int) -> NetworkLoop:
 
 
 def every_tick(network: NetworkLoop, seconds: float) -> float:
-    """CPU s of `seconds` of ticks, each looking at every connection (the loop before bc839fc)."""
+    """CPU s of `seconds` of ticks, each looking at every connection (the loop before c70fd34)."""
     started = time.process_time()
     for tick in range(int(seconds / TICK_S)):
         now = tick * TICK_S
