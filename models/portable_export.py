@@ -1,10 +1,12 @@
 """Export the portable training graphs: a whole training step in standard ONNX ops, for plain `onnxruntime`.
 
 onnxruntime-training stopped at 1.19.2 (x86_64, CPython <= 3.11). These graphs need only the inference build,
-which runs on aarch64 and current Pythons. Each graph is a torch function traced into core ATen ops (make_fx;
-the backward pass comes from torch.func.grad, so it is torch's own autograd) and converted by torch's ONNX
-exporter, with `models/onnx_backward.py` translating the two backward ops the exporter lacks. The weights are a
-graph input, one flat float32 buffer in manifest order, so a device keeps one buffer and never a checkpoint.
+which runs on aarch64 and current Pythons. Each graph of the model is a torch function traced into core ATen ops
+(make_fx; the backward pass comes from torch.func.grad, so it is torch's own autograd) and converted by torch's ONNX
+exporter, with `models/onnx_backward.py` translating the two backward ops the exporter lacks; the optimisers'
+updates, elementwise and the same for every model, are written as ONNX nodes (`models/update_graphs.py`). The
+weights are a graph input, one flat float32 buffer in manifest order, so a device keeps one buffer and never a
+checkpoint.
 
     portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
                              teacher_weights, soft_targets, soft_weights, class_costs, bce) -> (loss, gradient):
@@ -27,9 +29,10 @@ graph input, one flat float32 buffer in manifest order, so a device keeps one bu
 
 The optimizers' bias corrections (`step_size = lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)`) are computed by the
 device in float64 and fed as scalars, as torch computes them in Python floats: the graphs and torch.optim then
-take the same float32 steps. The proximal pull (`edge_client.trainers.base.proximal_pull`) is in the optimizer
-graphs, with mu = 0 when unused; so is each parameter's rate, lr * lr_scale (ones when unused), as torch.optim
-takes a parameter group's rate: SGD's step, AdamW's step and decoupled decay, and the pull all scale with it.
+take the same float32 steps (AdamW's within a rounding: models/update_graphs.py). The proximal pull
+(`edge_client.trainers.base.proximal_pull`) is in the optimizer graphs, with mu = 0 when unused; so is each
+parameter's rate, lr * lr_scale (ones when unused), as torch.optim takes a parameter group's rate: SGD's step,
+AdamW's step and decoupled decay, and the pull all scale with it.
 Batch size is dynamic everywhere except the per-sample norms, whose vmap folds the batch into convolution groups:
 that graph takes SAMPLE_NORM_CHUNK samples and the device pads the last chunk.
 """
@@ -64,6 +67,7 @@ from models.manifest import (
     ManifestError,
     ParameterInfo,
 )
+from models.update_graphs import UPDATES, update_graph
 from models.zoo import ClassifierModel
 
 log = logging.getLogger("edgefil.export")
@@ -71,9 +75,6 @@ SAMPLE_NORM_CHUNK = 16  # samples per run of the per-sample norm graph (fixed: v
 
 GRADIENT_INPUTS = ("weights", *(name for name, *_ in GRAPH_INPUTS))
 PLAIN_GRADIENT_INPUTS = GRADIENT_INPUTS[:5]  # weights, input, class_mask, targets, sample_weights
-SGD_INPUTS = ("weights", "gradient", "velocity", "lr", "momentum", "proximal_mu", "reference", "lr_scale")
-ADAMW_INPUTS = ("weights", "gradient", "exp_avg", "exp_avg_sq", "lr", "beta1", "beta2", "eps", "weight_decay",
-                "step_size", "bias_correction2_sqrt", "proximal_mu", "reference", "lr_scale")
 
 
 class _Unflatten:
@@ -162,53 +163,6 @@ class SampleGradNormsGraph(torch.nn.Module):
         return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0)
 
 
-class SgdGraph(torch.nn.Module):
-    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, velocity: torch.Tensor, lr: torch.Tensor,
-                momentum: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor, lr_scale: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        rate = lr * lr_scale
-        velocity = momentum * velocity + gradient
-        stepped = weights - rate * velocity
-        return stepped - rate * proximal_mu * (weights - reference), velocity
-
-
-class AdamWGraph(torch.nn.Module):
-    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
-                eps: torch.Tensor, weight_decay: torch.Tensor, step_size: torch.Tensor,
-                bias_correction2_sqrt: torch.Tensor, proximal_mu: torch.Tensor, reference: torch.Tensor,
-                lr_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rate = lr * lr_scale
-        decayed = weights * (1.0 - rate * weight_decay)
-        exp_avg = exp_avg + (gradient - exp_avg) * (1.0 - beta1)
-        exp_avg_sq = exp_avg_sq * beta2 + gradient * gradient * (1.0 - beta2)
-        denom = torch.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        stepped = decayed - step_size * lr_scale * (exp_avg / denom)
-        return stepped - rate * proximal_mu * (weights - reference), exp_avg, exp_avg_sq
-
-
-class SgdPlainGraph(torch.nn.Module):
-    """SgdGraph where momentum is 0, no proximal pull and every rate lr (models/manifest.py PLAIN_UPDATES): the same
-    floats (the whole graph's other terms add exactly 0 then), in 2 passes over the weights instead of 9."""
-
-    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
-        return weights - lr * gradient
-
-
-class AdamWPlainGraph(torch.nn.Module):
-    """AdamWGraph without the proximal pull and with every rate lr: the same floats, 14 passes instead of 24."""
-
-    def forward(self, weights: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
-                eps: torch.Tensor, weight_decay: torch.Tensor, step_size: torch.Tensor,
-                bias_correction2_sqrt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        decayed = weights * (1.0 - lr * weight_decay)
-        exp_avg = exp_avg + (gradient - exp_avg) * (1.0 - beta1)
-        exp_avg_sq = exp_avg_sq * beta2 + gradient * gradient * (1.0 - beta2)
-        denom = torch.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        return decayed - step_size * (exp_avg / denom), exp_avg, exp_avg_sq
-
-
 GraphSpec = tuple[torch.nn.Module, tuple, Sequence[str], Sequence[str], Sequence[int], bool]
 
 
@@ -229,6 +183,10 @@ def export_portable(
               if (graph in optional if graph in OPTIONAL_GRAPHS else base)]
     if not graphs:
         return []
+    updates = list(UPDATES) if base else []
+    size = sum(p.size for p in parameters)
+    for update in updates:  # written node by node, not traced (models/update_graphs.py): milliseconds
+        (out_dir / PORTABLE_MODELS[update]).write_bytes(update_graph(update, size).SerializeToString())
     helpers = export_helpers() if helpers is None else helpers
     with _Helpers(min(helpers, len(graphs) - 1), (model, parameters, input_shape, out_dir, graphs)) as pool:
         made: set[str] = set()
@@ -244,7 +202,7 @@ def export_portable(
     for optimizer, step in PLAIN_STEPS.items():
         fused_step(out_dir / PORTABLE_MODELS[PLAIN_GRADIENT], out_dir / PORTABLE_MODELS[PLAIN_UPDATES[optimizer]],
                    out_dir / PORTABLE_MODELS[step])
-    return [PORTABLE_MODELS[graph] for graph in (*graphs, *PLAIN_STEPS.values())]
+    return [PORTABLE_MODELS[graph] for graph in (*graphs, *updates, *PLAIN_STEPS.values())]
 
 
 def fused_step(gradient_path: Path, update_path: Path, path: Path) -> None:
@@ -302,12 +260,6 @@ def _graph_specs(model: ClassifierModel, parameters: Sequence[ParameterInfo], in
              F.one_hot(torch.arange(n) % classes, classes).float(), torch.ones(n), torch.zeros(n, classes),
              torch.zeros(n), torch.zeros(n, classes), torch.zeros(n), torch.zeros(n, classes), torch.zeros(1))
 
-    def flat(count: int) -> tuple[torch.Tensor, ...]:  # distinct tensors: torch.export merges aliased inputs
-        return tuple(torch.zeros(size) for _ in range(count))
-
-    def scalars(count: int) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.tensor(0.5) for _ in range(count))
-
     chunk = SAMPLE_NORM_CHUNK
     return {
         "gradient": (GradientGraph(model, parameters), (weights, *batch), GRADIENT_INPUTS, ("loss", "gradient"),
@@ -321,16 +273,8 @@ def _graph_specs(model: ClassifierModel, parameters: Sequence[ParameterInfo], in
             (weights, torch.zeros(chunk, *input_shape), torch.ones(classes),
              F.one_hot(torch.arange(chunk) % classes, classes).float()),
             ("weights", "input", "class_mask", "targets"), ("norms",), (), True),
-        "adamw": (AdamWGraph(), (*flat(4), *scalars(8), *flat(2)), ADAMW_INPUTS,
-                  ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
         "eval": (EvalGraph(model, parameters), (weights, *batch[:2]), ("weights", "input", "class_mask"),
                  ("logits", "features"), (1,), False),
-        "sgd": (SgdGraph(), (*flat(3), *scalars(3), *flat(2)), SGD_INPUTS,
-                ("new_weights", "new_velocity"), (), False),
-        "adamw_plain": (AdamWPlainGraph(), (*flat(4), *scalars(7)), ADAMW_INPUTS[:11],
-                        ("new_weights", "new_exp_avg", "new_exp_avg_sq"), (), False),
-        "sgd_plain": (SgdPlainGraph(), (*flat(2), *scalars(1)), ("weights", "gradient", "lr"), ("new_weights",), (),
-                      False),
     }
 
 
