@@ -62,10 +62,15 @@ PLAIN_GRADIENT = "gradient_plain"
 # `fused_step`): a plain step in one session run, its gradient never leaving the graph. Taken likewise.
 PLAIN_STEPS = {"sgd": "step_sgd_plain", "adamw": "step_adamw_plain"}
 PLAIN_GRAPHS = (PLAIN_GRADIENT, *PLAIN_UPDATES.values(), *PLAIN_STEPS.values())  # exported with every portable
-# set, required by none
+# set (sets exported before them hold the whole gradient and update instead)
 # The portable graphs only some methods run (each method says which: `ReplayPolicy.trainer_graphs`): an export may
-# leave them out (`export_model(graphs=...)`), and a trainer runs those its set holds (`Trainer.graphs`).
-OPTIONAL_GRAPHS: frozenset[str] = frozenset({"sample_grad_norms", "input_gradient"})
+# leave them out (`export_model(graphs=...)`), and a trainer runs those its set holds (`Trainer.graphs`). Among them
+# FULL_GRADIENT, the gradient of the whole loss (models/loss.py `training_loss`), which only a method that shapes its
+# loss with more than targets and sample weights runs (a teacher, soft targets, class costs, a sigmoid head: GLFC,
+# SDD, generator replay's alignment); every other step is plain and runs PLAIN_GRADIENT. The longest graph to
+# export, a third of a small model's export, which a run of a plain method is spared.
+FULL_GRADIENT = "gradient"
+OPTIONAL_GRAPHS: frozenset[str] = frozenset({FULL_GRADIENT, "sample_grad_norms", "input_gradient"})
 # The initial weights: float32, little-endian, manifest order, no header (absent from a nominal set).
 WEIGHTS = "weights.bin"
 # The files each trainer backend loads: "ort" runs ORT Training's artifacts, "portable" the standard-op graphs on

@@ -10,7 +10,8 @@ checkpoint.
 
     portable_gradient.onnx  (weights, input, class_mask, targets, sample_weights, teacher_logits,
                              teacher_weights, soft_targets, soft_weights, class_costs, bce) -> (loss, gradient):
-                             models/loss.py's loss and its gradient
+                             models/loss.py's loss and its gradient (optional: the methods whose loss is not
+                             plain, models/manifest.py FULL_GRADIENT)
     portable_gradient_plain.onnx
                             (weights, input, class_mask, targets, sample_weights) -> (loss, gradient): the
                              same for a step with the plain loss (models/manifest.py PLAIN_GRADIENT)

@@ -352,7 +352,7 @@ def test_the_optimisers_updates_are_written_as_nodes_and_compute_what_torch_does
     monkeypatch.setattr(portable_export, "_export_graph",
                         lambda *args: traced.append(args[-1].name) or export_graph(*args))
     written = portable_export.export_portable(model, parameters, (1, 8, 8), tmp_path, optional=(), helpers=0)
-    assert sorted(traced) == sorted(PORTABLE_MODELS[g] for g in ("gradient", "gradient_plain", "eval"))
+    assert sorted(traced) == sorted(PORTABLE_MODELS[g] for g in ("gradient_plain", "eval"))
     assert {PORTABLE_MODELS[u] for u in UPDATES} <= set(written) - set(traced)
 
     size = sum(p.size for p in parameters)
@@ -526,7 +526,7 @@ def test_one_kept_set_serves_every_seed_backend_and_graph_and_grows_by_what_it_l
     }
     parts = {folder: export_registered("mlp", 10, tmp_path / folder, (1, 8, 8), seed=seed, backends=backends,
                                        graphs=graphs, cache=True) for folder, (seed, backends, graphs) in asked.items()}
-    assert exported == [((), True), (("input_gradient", "sample_grad_norms"), False)] and whole == []
+    assert exported == [((), True), (("gradient", "input_gradient", "sample_grad_norms"), False)] and whole == []
     assert len(list((cache_dir() / ARTIFACTS).iterdir())) == 1
     for folder in ("torch-1", "norms-2"):  # no graph; the base graphs and an optional one exported apart from them
         seed, backends, graphs = asked[folder]

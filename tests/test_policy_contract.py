@@ -101,6 +101,28 @@ def test_every_policy_keeps_its_own_hooks_with_and_without_class_quotas(artifact
     learner.store.close()
 
 
+@pytest.mark.parametrize("name", [name for name in BUILT_IN if name not in TORCH_ONLY])
+def test_every_policy_trains_on_a_portable_set_of_only_the_graphs_it_declares(tmp_path, name):
+    """A fleet exports the optional graphs its method declares and no others (`trainer_graphs`; a plain method's set
+    lacks even the whole loss's gradient): every built-in method, with the options used here, trains two tasks on
+    the portable backend from such a set, so none runs a graph it did not declare."""
+    from edge_client.trainers.portable import PortableTrainer
+    from models.export import export_registered
+
+    policy = make_policy(name, **OPTIONS.get(name, {}))
+    folder = tmp_path / "artifacts"
+    export_registered("lenet", 10, folder, (1, 8, 8), seed=0, backends=("portable", "torch"),
+                      graphs=policy.trainer_graphs(), cache=True)
+    POLICIES.get(name).export_artifacts(OPTIONS.get(name, {}), folder)
+    trainer = PortableTrainer(folder, optimizer="sgd", lr=0.05)
+    assert trainer.graphs == policy.trainer_graphs()
+    store = ReplayStore.within(DeviceBudget(Budget(30, None)), tmp_path / "store", (1, 8, 8))
+    learner = Learner(trainer, store, policy, LearnerConfig(batch_size=8), seed=1)
+    learner.open_policy(tmp_path, folder)
+    _two_tasks(learner)
+    store.close()
+
+
 def test_grouping_is_a_quota_around_any_ranking_in_the_policys_own_order():
     """A ranking that knows no classes (by position, last first), under class quotas: the same quota per class,
     each class's samples in the ranking's order; under task quotas, the same per task."""

@@ -203,7 +203,8 @@ class ReplayPolicy(ABC):
     def trainer_graphs(self) -> frozenset[str]:
         """The optional trainer computations (`models.manifest.OPTIONAL_GRAPHS`) the policy runs with its options:
         a fleet exports only these of the optional graphs, and the learner refuses to open the policy on a trainer
-        that lacks one (`Trainer.graphs`). None by default."""
+        that lacks one (`Trainer.graphs`). None by default: a policy whose `training_set` or `fit` gives a loss that
+        is not plain (`LossInputs.plain`) says "gradient" (`models.manifest.FULL_GRADIENT`)."""
         return frozenset()
 
     def open(self, ctx: PolicyContext) -> None:

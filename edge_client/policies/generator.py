@@ -40,6 +40,7 @@ from edge_client.policies.base import AttachedValues, PolicyContext, ReplayPolic
 from edge_client.policies.no_replay import NoReplay
 from edge_client.trainers.base import LossInputs
 from models.generator_record import attachment_label, attachment_name
+from models.manifest import FULL_GRADIENT
 
 if TYPE_CHECKING:
     from edge_client.generators.bank import GeneratorBank
@@ -121,6 +122,10 @@ class GeneratorReplay(ReplayPolicy):
 
         shape = tuple(load_manifest(model_artifacts).input_shape)
         export_generator_artifacts(default_spec(kind, shape), folder, seed=seed)
+
+    def trainer_graphs(self) -> frozenset[str]:
+        """The alignment term (`lambda_align`) is a teacher's: the whole loss's gradient."""
+        return frozenset({FULL_GRADIENT}) if self.lambda_align > 0 else frozenset()
 
     def open(self, ctx: PolicyContext) -> None:
         from edge_client.generators.bank import GeneratorBank

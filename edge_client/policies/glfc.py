@@ -97,7 +97,7 @@ from edge_client.policies.herding import herding_order
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
 from edgefil.durable import npz_bytes, read_npz
 from models.glfc import decode_old_model, encode_gradient, prototype_name
-from models.manifest import HEAD_WEIGHT, WEIGHTS, named_parameter
+from models.manifest import FULL_GRADIENT, HEAD_WEIGHT, WEIGHTS, named_parameter
 
 if TYPE_CHECKING:
     from edge_client.config import Backend
@@ -314,8 +314,9 @@ class Glfc(ReplayPolicy):
                           backends=manifest.backends, cache=True, graphs=())
 
     def trainer_graphs(self) -> frozenset[str]:
-        """The prototype's refinement descends the input gradient."""
-        return frozenset({"input_gradient"}) if self.refine_steps else frozenset()
+        """Eq. 6's loss is a sigmoid head's (`glfc_loss`): the whole loss's gradient; the prototype's refinement
+        descends the input gradient."""
+        return frozenset({FULL_GRADIENT, "input_gradient"} if self.refine_steps else {FULL_GRADIENT})
 
     def open(self, ctx: PolicyContext) -> None:
         """The files GLFC keeps under M: the old model (when a relation term uses it), Gamma's weights (when

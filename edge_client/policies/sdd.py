@@ -47,6 +47,7 @@ from edge_client.policies.base import (
 )
 from edge_client.trainers.base import LossInputs, Proximal, class_rate_scale, iterate_batches, reverse_ce_costs
 from models.feature_stats import MIN_SAMPLES, STATISTICS, LayerStatistics, encode_statistics
+from models.manifest import FULL_GRADIENT
 from models.sdd import REPLAY, decode_replay, encode_replay
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class Sdd(ReplayPolicy):
             raise ValueError(f"log_zero (log 0 clamped) must be negative, got {self.log_zero}")
         if not 0.0 < self.replay_share <= 1.0:
             raise ValueError(f"replay_share must lie in (0, 1], got {self.replay_share}")
+
+    def trainer_graphs(self) -> frozenset[str]:
+        """Every step weighs its replayed samples and costs their classes (`fit`): the whole loss's gradient."""
+        return frozenset({FULL_GRADIENT})
 
     def open(self, ctx: PolicyContext) -> None:
         self._file = BudgetedFile(ctx.budget, REPLAY_HOLDER, Path(ctx.state_dir) / "sdd" / "replay.bin",

@@ -16,6 +16,7 @@ from edge_client.trainers.ort_capi import C
 from models.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
+    FULL_GRADIENT,
     OPTIMIZER_MODELS,
     PORTABLE_MODELS,
     TRAINING_MODEL,
@@ -159,9 +160,9 @@ class OrtTrainer(Trainer):
 
     @property
     def graphs(self) -> frozenset[str]:
-        """Per-sample norms of its own (a batch of one per sample); input gradients through the portable graph,
-        when the set holds it."""
-        return frozenset({"sample_grad_norms"}) | (self.manifest.optional_graphs & {"input_gradient"})
+        """The whole loss's gradient and per-sample norms of its own (a batch of one per sample); input gradients
+        through the portable graph, when the set holds it."""
+        return frozenset({FULL_GRADIENT, "sample_grad_norms"}) | (self.manifest.optional_graphs & {"input_gradient"})
 
     def _input_gradient(
         self, x: np.ndarray, y: np.ndarray, class_mask: np.ndarray, loss: LossInputs | None
