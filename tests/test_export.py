@@ -288,28 +288,35 @@ def test_a_cache_that_cannot_be_written_costs_only_the_keeping(tmp_path, monkeyp
 def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_leave_the_optional_ones_out(
         tmp_path, monkeypatch):
     """The portable graphs exported by this process alone and with a helper process beside it (taking graphs as it
-    is free) are the same bytes; without the optional graphs the set loads, lists none of them, a portable trainer says so when
-    asked for one (per-sample norms in "exact" mode) while everything else runs, and a learner refuses to open a
-    method that needs one (Re-Fed's "exact" importance) and opens it without ("last-layer")."""
+    is free) are the same bytes; without the optional graphs the set loads, lists none of them, a portable trainer
+    says so when asked for one (per-sample norms in "exact" mode, a loss that is not plain) while everything else
+    runs, and a learner refuses to open a method that needs one (Re-Fed's "exact" importance) and opens it without
+    ("last-layer")."""
+    from edge_client.trainers.base import LossInputs
     from models.export import export_registered
     from models.manifest import OPTIONAL_GRAPHS, PORTABLE_MODELS
 
     sets = {}
-    for helpers in (0, 1):
+    for helpers in (0, 1):  # two differentiated graphs: the whole loss's and the plain loss's gradient
         monkeypatch.setenv("EDGEFIL_EXPORT_HELPERS", str(helpers))
         sets[helpers] = export_registered("mlp", 4, tmp_path / str(helpers), (1, 8, 8),
-                                          backends=("portable", "torch"), graphs=())
+                                          backends=("portable", "torch"), graphs=("gradient",))
     assert sets[0].files == sets[1].files
-    manifest = load_manifest(tmp_path / "1")
+    export_registered("mlp", 4, tmp_path / "plain", (1, 8, 8), backends=("portable", "torch"), graphs=(),
+                      cache=True)
+    manifest = load_manifest(tmp_path / "plain")
     assert manifest.optional_graphs == frozenset()
     assert {PORTABLE_MODELS[g] for g in OPTIONAL_GRAPHS}.isdisjoint(manifest.files)
-    assert not any((tmp_path / "1" / PORTABLE_MODELS[g]).exists() for g in OPTIONAL_GRAPHS)
-    trainer = PortableTrainer(tmp_path / "1", optimizer="sgd", lr=0.1)
+    assert not any((tmp_path / "plain" / PORTABLE_MODELS[g]).exists() for g in OPTIONAL_GRAPHS)
+    trainer = PortableTrainer(tmp_path / "plain", optimizer="sgd", lr=0.1)
     x = np.random.default_rng(0).standard_normal((6, 1, 8, 8)).astype(np.float32)
     y = np.array([0, 1, 2, 3, 0, 1])
     assert trainer.graphs == frozenset()
     assert np.isfinite(trainer.fit(x, y, epochs=1))
+    assert np.isfinite(trainer.fit(x, y, epochs=1, loss=LossInputs(sample_weights=np.full(6, 0.5, np.float32))))
     assert trainer.per_sample_grad_norms(x, y, mode="last-layer").shape == (6,)
+    with pytest.raises(ValueError, match="no portable_gradient.onnx"):
+        trainer.fit(x, y, epochs=1, loss=LossInputs(head="sigmoid-bce"))
     with pytest.raises(ValueError, match="no portable_sample_grad_norms.onnx"):
         trainer.per_sample_grad_norms(x, y, mode="exact")
     with pytest.raises(ValueError, match="no portable_input_gradient.onnx"):
@@ -326,9 +333,9 @@ def test_graphs_exported_with_or_without_a_helper_are_the_same_and_a_set_may_lea
         learner = Learner(trainer, store, policy, LearnerConfig(), seed=0)
         if refused:
             with pytest.raises(ValueError, match="policy refed needs the optional trainer graphs sample_grad_norms"):
-                learner.open_policy(folder, tmp_path / "1")
+                learner.open_policy(folder, tmp_path / "plain")
         else:
-            learner.open_policy(folder, tmp_path / "1")
+            learner.open_policy(folder, tmp_path / "plain")
         store.close()
 
 
