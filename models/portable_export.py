@@ -176,37 +176,34 @@ def export_portable(
     others: models/export.py, the export cache).
 
     The graphs are independent, and each export is single-threaded Python (tracing and translating), so
-    `helpers` processes (default `export_helpers()`: one per other core) export some of the differentiated ones
-    while this one exports the others, each taking the next graph, longest first, when it is free. A helper that
-    cannot start, dies or fails leaves its graphs to this process, which exports them itself (and raises what it
-    raises)."""
+    `helpers` processes (default `export_helpers()`: one per other core, and none where only one graph is
+    differentiated) export some of them while this one exports the others, each taking the next graph, longest
+    first, when it is free. A helper that cannot start, dies or fails leaves its graphs to this process, which
+    exports them itself (and raises what it raises)."""
     model = model.cpu().eval()
     specs = _graph_specs(model, parameters, input_shape)
     graphs = [graph for graph in specs if (graph in optional if graph in OPTIONAL_GRAPHS else base)]
     if not graphs:
         return []
     # A helper pays its own start before its first graph (an interpreter, torch, the exporter's imports and
-    # registry: about 3 s here, what this process pays at its first graph too): worth it for the differentiated
-    # graphs (make_fx's trace of a backward pass, a second and more each for LeNet), not for the forward-only eval
-    # graph (a fifth of a second), which this process exports itself while the helpers finish. A plain method's
-    # set of LeNet thus starts no helper: its one differentiated graph and the eval graph in this process took 3.9
-    # s, with a helper taking the eval graph 4.8 s.
-    shared = [graph for graph in graphs if specs[graph][-1]]
-    own = [graph for graph in graphs if not specs[graph][-1]]
+    # registry: about 3 s here, what this process pays at its first graph too): worth it where a second
+    # differentiated graph (make_fx's trace of a backward pass, a second and more each for LeNet) is left for it,
+    # not for the forward-only eval graph alone (a fifth of a second). A plain method's set (one differentiated
+    # graph) thus starts none: LeNet's, in a fleet's cold start, 4.0-4.1 s, and 4.2-4.4 s with a helper that took
+    # the eval graph (docs/results.md).
+    differentiated = sum(1 for graph in graphs if specs[graph][-1])
     updates = list(UPDATES) if base else []
     size = sum(p.size for p in parameters)
     for update in updates:  # written node by node, not traced (models/update_graphs.py): milliseconds
         (out_dir / PORTABLE_MODELS[update]).write_bytes(update_graph(update, size).SerializeToString())
     helpers = export_helpers() if helpers is None else helpers
-    with _Helpers(min(helpers, len(shared) - 1), (model, parameters, input_shape, out_dir, shared)) as pool:
+    with _Helpers(min(helpers, differentiated - 1), (model, parameters, input_shape, out_dir, graphs)) as pool:
         made: set[str] = set()
         while (index := pool.take()) is not None:
-            _export_one(shared[index], model, parameters, input_shape, out_dir)
-            made.add(shared[index])
-        for graph in own:
-            _export_one(graph, model, parameters, input_shape, out_dir)
+            _export_one(graphs[index], model, parameters, input_shape, out_dir)
+            made.add(graphs[index])
         made |= pool.wait()
-    for graph in shared:
+    for graph in graphs:
         if graph not in made:  # a helper's that it did not make
             _export_one(graph, model, parameters, input_shape, out_dir)
     if not base:
