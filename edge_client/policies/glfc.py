@@ -301,7 +301,8 @@ class Glfc(ReplayPolicy):
     @classmethod
     def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
         """Gamma's artifacts beside the model's (for the backends the model serves), when missing, through the
-        host's export cache; none of the optional graphs: a device runs only Gamma's gradient. Host only."""
+        host's export cache; none of the optional graphs: a device runs only Gamma's gradient of the plain
+        cross-entropy. Host only."""
         folder = cls.gamma_folder(options, model_artifacts)
         if (folder / "manifest.json").is_file():
             return

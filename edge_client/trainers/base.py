@@ -416,9 +416,9 @@ class Trainer(ABC):
     def graphs(self) -> frozenset[str]:
         """The optional computations this trainer runs (`models.manifest.OPTIONAL_GRAPHS`: "gradient" for a step
         whose loss is not plain (`LossInputs.plain`), "input_gradient" for `input_gradient`, "sample_grad_norms" for
-        `per_sample_grad_norms(mode="exact")`): a backend whose
-        artifacts may lack their graphs says which it has, and the learner refuses a method that needs one it
-        lacks (`ReplayPolicy.trainer_graphs`) when it opens. All of them by default."""
+        `per_sample_grad_norms(mode="exact")`): a backend whose artifacts may lack their graphs says which it has,
+        and the learner refuses a method that needs one it lacks (`ReplayPolicy.trainer_graphs`) when it opens. All
+        of them by default."""
         return OPTIONAL_GRAPHS
 
     def _input_gradient(
