@@ -343,8 +343,8 @@ def test_the_optimisers_updates_are_written_as_nodes_and_compute_what_torch_does
     """The optimisers' updates are the same elementwise graphs for every model but their length: an export traces
     only the model's own graphs through torch's exporter and writes the updates node by node, and onnxruntime takes
     the steps torch takes (SGD with momentum and AdamW, each with a proximal pull and a rate a parameter): SGD's to
-    the bit, AdamW's within one float32 rounding at the weights' scale (onnxruntime's division and square root
-    round otherwise than torch's on about 2 % of the values, as in the graphs torch's exporter made of them)."""
+    the bit, AdamW's within one float32 rounding at the weights' scale (onnxruntime's square root rounds otherwise
+    than torch's: AdamW's new weights differ by an ulp on about 2 % of the values, as in the exported graphs)."""
     import onnxruntime as ort
     import torch
 
