@@ -12,13 +12,13 @@ commit: its state and its checkpoint) and delivers the first one after it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from edgefil.prctl import prctl
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -26,12 +26,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def die_with_parent() -> bool:
     """Ask for SIGTERM when the creating thread ends; False where the platform cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) == 0
-    except (OSError, AttributeError):
-        return False
+    call = prctl()
+    return call is not None and call(PR_SET_PDEATHSIG, int(signal.SIGTERM)) == 0
 
 
 def stop_processes(processes: Iterable[subprocess.Popen[Any]], grace_s: float) -> None:

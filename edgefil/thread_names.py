@@ -9,11 +9,9 @@ A process's main thread is never renamed here: its name is the process's own, wh
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
 import threading
-from typing import Any
+
+from edgefil.prctl import prctl
 
 PR_SET_NAME = 15  # linux/prctl.h
 OS_NAME_BYTES = 15  # the kernel's TASK_COMM_LEN, less its terminating NUL
@@ -22,20 +20,10 @@ OS_NAME_BYTES = 15  # the kernel's TASK_COMM_LEN, less its terminating NUL
 def name_this_thread(name: str) -> bool:
     """Give the calling thread `name` (its first OS_NAME_BYTES bytes) where the system shows it; False where the
     platform has no such call or it refused, or the calling thread is the main thread (the process's name)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
         return False
-    prctl = _prctl()
-    return prctl is not None and prctl(PR_SET_NAME, name.encode()[:OS_NAME_BYTES], 0, 0, 0) == 0
-
-
-@functools.cache
-def _prctl() -> Any:
-    """The C library's prctl, looked up once a process (a fleet worker starts thousands of device threads); None where
-    there is none."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+    call = prctl()
+    return call is not None and call(PR_SET_NAME, name.encode()[:OS_NAME_BYTES], 0, 0, 0) == 0
 
 
 class NamedThread(threading.Thread):

@@ -18,6 +18,7 @@ from typing import IO, Any, NoReturn
 
 from edgefil.durable import set_power_loss_safe
 from edgefil.lifetime import die_with_parent
+from edgefil.prctl import prctl
 from edgefil.thread_names import NamedThread
 
 PARENT_POLL_S = 1.0
@@ -448,16 +449,11 @@ def size_futex_hash(threads: int) -> int | None:
     """Give this process a futex hash of FUTEX_SLOTS_PER_THREAD slots per thread for `threads` (a power of two, 16
     at least); the slots, or None where the system keeps no futex hash per process (Linux before 6.16, other
     systems), which is left as it is."""
-    if not sys.platform.startswith("linux"):
+    call = prctl()
+    if call is None:
         return None
-    import ctypes
-
     slots = max(16, 1 << (FUTEX_SLOTS_PER_THREAD * max(threads, 1) - 1).bit_length())
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return slots if prctl(PR_FUTEX_HASH, PR_FUTEX_HASH_SET_SLOTS, slots, 0, 0) == 0 else None
+    return slots if call(PR_FUTEX_HASH, PR_FUTEX_HASH_SET_SLOTS, slots, 0, 0) == 0 else None
 
 
 def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:
