@@ -26,9 +26,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge_client.generators.training import make_generator_trainer
+from edge_client.generators.choice import make_generator_trainer
 from edge_client.trainers.pytorch import TorchTrainer
-from firmware_sim.datasets import ArrayDataset, load_digits_dataset, load_fashion_mnist, load_mnist1d
+from firmware_sim.array_dataset import ArrayDataset
+from firmware_sim.datasets import load_digits_dataset, load_fashion_mnist, load_mnist1d
 from firmware_sim.scenarios import FASHION_SCALE
 from models.export import export_registered
 from models.generator_record import GeneratorRecord, quantize

@@ -7,20 +7,18 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import logging
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from edgefil.logs import LOG_LEVELS, configure_logging
 from models.generator_kinds import GENERATOR_KINDS  # imports nothing: the CLI starts without numpy or torch
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # What the host extras bring and the device install leaves out (pyproject.toml), and the extra to install.
 HOST_ONLY = {name: "host" for name in ("torch", "torchvision", "onnx", "onnxscript", "sklearn", "matplotlib", "tqdm",
                                        "mnist1d", "threadpoolctl", "amqtt")} | {"ray": "host,ray"}
-OWN_PACKAGES = ("edgefil", "edge_client", "coordinator", "firmware_sim", "models")  # their loggers follow --log-level
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -349,17 +347,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(commands)
     add_report_parser(commands)
     return parser
-
-
-def configure_logging(level: str) -> None:
-    """edgefil's loggers at `level`; every other library's (onnxscript's optimizer alone logs hundreds of INFO lines
-    per export) at WARNING, unless `level` is DEBUG, which shows everything."""
-    logging.basicConfig(level=level if level == "DEBUG" else "WARNING",
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for package in OWN_PACKAGES:
-        logging.getLogger(package).setLevel(level)
-    # onnxruntime.training imports torch's cpp_extension, which warns about a missing CUDA runtime on CPU hosts.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

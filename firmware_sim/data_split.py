@@ -34,8 +34,7 @@ import numpy as np
 from edgefil.durable import npz_bytes, write_atomically
 from edgefil.settings import ConfigError
 from edgefil.topics import check_name
-from firmware_sim.own_data import own_scenario
-from firmware_sim.scenarios import PRESETS, ScenarioData, preset
+from firmware_sim.scenarios import PRESETS, ScenarioData, own_scenario, preset
 
 CLASSES_FILE = "classes.json"
 

@@ -12,37 +12,16 @@ import os
 import random
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgefil.durable import read_npz
+from firmware_sim.array_dataset import ArrayDataset, stratified_split
 from models.cache import cache_dir
 
 log = logging.getLogger("edgefil.datasets")
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """One dataset (or one domain of a domain-incremental stream) held in memory.
-
-    `x_*` are float32 with shape (N, *input_shape), channels first, scaled to [0, 1] for images;
-    `y_*` are int64 class indices in [0, num_classes).
-    """
-
-    name: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_classes: int
-    class_names: tuple[str, ...] | None = None  # class id -> name, where the data name them (an image folder's)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
 
 
 # --- embedded datasets: generated or bundled, never downloaded --------------------------------
@@ -62,14 +41,6 @@ _TEN_CLASS_DATASETS: tuple[str, ...] = (*EMBEDDED_DATASETS, *PACKAGED_DATASETS, 
 def known_num_classes(name: str) -> int | None:
     """Number of classes of `name` when it is known before loading (lets a Scenario fail early)."""
     return 10 if name in _TEN_CLASS_DATASETS else None
-
-
-def stratified_split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> ArrayDataset:
-    """Seeded train/test split keeping every class's share equal in both halves."""
-    from sklearn.model_selection import train_test_split
-
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
-    return ArrayDataset(name, x_tr, y_tr, x_te, y_te, num_classes=int(y.max()) + 1)
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 
 Each loader uses torchvision's own dataset class with ``download=False`` so the on-disk layout is
 exactly the one torchvision documents, then takes the whole ``.data`` array at once (no PIL
-round-trip) and returns an :class:`~firmware_sim.datasets.ArrayDataset`: float32 in [0, 1],
+round-trip) and returns an :class:`~firmware_sim.array_dataset.ArrayDataset`: float32 in [0, 1],
 channels first, int64 labels. torch/torchvision are imported lazily so this module imports on
 devices that only have numpy.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .datasets import ArrayDataset
+from .array_dataset import ArrayDataset
 
 FOLDER_DATASETS: tuple[str, ...] = ("mnist", "emnist", "usps", "svhn", "cifar10", "cifar100")
 

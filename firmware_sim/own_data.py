@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 from edgefil.durable import read_npy, read_npz
-from firmware_sim.datasets import ARRAYS, ArrayDataset, stratified_split
-from firmware_sim.scenarios import Scenario
+from firmware_sim.array_dataset import ArrayDataset, stratified_split
 
 log = logging.getLogger("edgefil.datasets")
 
@@ -35,15 +34,6 @@ GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})  # PIL's modes with o
 CHANNELS = (1, 3, 4)  # what a channel axis of an image array holds: grey, RGB, RGBA
 LAYOUTS = ("an .npz with x and y, a folder with x.npy and y.npy, or a folder of images with one subfolder per "
            "class")
-
-
-def own_scenario(source: str | Path, tasks: int | None, classes_per_task: int | None, **fields: Any) -> Scenario:
-    """The class-incremental scenario of the user's data at `source` (`--from`, with `fields` such as n_clients,
-    seed, calibration): how its classes are cut into tasks is the user's to say, so both counts are required."""
-    if tasks is None or classes_per_task is None:
-        raise ValueError("--from needs --tasks and --classes-per-task (how to cut your classes into tasks)")
-    return Scenario(dataset=ARRAYS, data_root=str(Path(source).resolve()), kind="class", n_tasks=tasks,
-                    classes_per_task=classes_per_task, **fields)
 
 
 def load_arrays(root: str, test_fraction: float = 0.25, seed: int = 0) -> ArrayDataset:

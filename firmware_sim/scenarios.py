@@ -14,6 +14,7 @@ import threading
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -21,7 +22,8 @@ import numpy as np
 
 from edgefil.settings import Where, convert
 
-from .datasets import ArrayDataset, load_dataset
+from .array_dataset import ArrayDataset
+from .datasets import ARRAYS, load_dataset
 from .scenario_kinds import KINDS, ScenarioKind, Task
 from .scenario_kinds.base import client_test_split, dirichlet_split, held_out
 
@@ -201,6 +203,16 @@ def preset(name: str, **overrides: Any) -> Scenario:
 
 
 # --- materialised scenario -----------------------------------------------------------------------
+
+def own_scenario(source: str | Path, tasks: int | None, classes_per_task: int | None, **fields: Any) -> Scenario:
+    """The class-incremental scenario of the user's data at `source` (`--from`, with `fields` such as n_clients,
+    seed, calibration; the data: firmware_sim/own_data.py): how its classes are cut into tasks is the user's to say,
+    so both counts are required."""
+    if tasks is None or classes_per_task is None:
+        raise ValueError("--from needs --tasks and --classes-per-task (how to cut your classes into tasks)")
+    return Scenario(dataset=ARRAYS, data_root=str(Path(source).resolve()), kind="class", n_tasks=tasks,
+                    classes_per_task=classes_per_task, **fields)
+
 
 OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
 

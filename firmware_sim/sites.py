@@ -23,6 +23,7 @@ from coordinator.broker import Bridge, Credentials, MosquittoBroker, Site, gener
 from coordinator.config import SiteDevices
 from edgefil.durable import write_private
 from edgefil.lifetime import die_with_parent
+from edgefil.logs import LOG_LEVELS
 from edgefil.settings import dump_toml
 from firmware_sim.fleet_worker import fleet_log_level
 
@@ -57,8 +58,6 @@ class SimulatedSites:
     def start(self, central: MosquittoBroker, artifacts: Path, logs: Path, keepalive: int | None) -> None:
         """Each site's broker, bridged to `central`, and its aggregator, logging at the fleet's level
         (`fleet_log_level`, where the command line has a name for it; else at its default, INFO)."""
-        from edgefil.cli import LOG_LEVELS
-
         address = central.address
         named = logging.getLevelName(fleet_log_level())
         level = ["--log-level", named] if named in LOG_LEVELS else []

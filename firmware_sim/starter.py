@@ -34,8 +34,7 @@ from coordinator.pki import write_fleet_credentials
 from edgefil.durable import write_private
 from edgefil.settings import load_toml
 from edgefil.topics import check_name
-from firmware_sim.own_data import own_scenario
-from firmware_sim.scenarios import PRESETS, Scenario, ScenarioData, preset
+from firmware_sim.scenarios import PRESETS, Scenario, ScenarioData, own_scenario, preset
 
 
 @dataclass(frozen=True)

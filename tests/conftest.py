@@ -23,7 +23,7 @@ def _log_levels_as_they_were():
     """The levels of edgefil's loggers (and the root's) as they were before the test: a test that runs the command
     line in this process (`edgefil.cli.main(["--log-level", ...])`) sets them, and a fleet started in this process
     by a later test would pass them on to its workers (`fleet_worker.fleet_log_level`)."""
-    from edgefil.cli import OWN_PACKAGES
+    from edgefil.logs import OWN_PACKAGES
 
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in OWN_PACKAGES)]
     levels = [logger.level for logger in loggers]

@@ -21,7 +21,7 @@ from fleet_harness import default_signals
 from coordinator.broker import mosquitto_path
 from coordinator.dashboard import Dashboard, run_view
 from coordinator.preparation import Preparation
-from edgefil.cli import OWN_PACKAGES
+from edgefil.logs import OWN_PACKAGES
 from models.export import export_registered
 
 ROOT = Path(__file__).resolve().parents[1]

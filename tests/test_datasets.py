@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from firmware_sim import datasets
-from firmware_sim.datasets import ArrayDataset, load_dataset
+from firmware_sim.array_dataset import ArrayDataset
+from firmware_sim.datasets import load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 N_DIGITS = 1797

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from firmware_sim.datasets import ArrayDataset
+from firmware_sim.array_dataset import ArrayDataset
 from firmware_sim.folders import (
     FOLDER_DATASETS,
     DatasetNotFoundError,

@@ -16,8 +16,8 @@ import torch
 
 from edge_client.generators import bank as bank_module
 from edge_client.generators.bank import BankFullError, GeneratorBank
+from edge_client.generators.choice import make_generator_trainer
 from edge_client.generators.sampler import OnnxSampler
-from edge_client.generators.training import make_generator_trainer
 from firmware_sim.datasets import load_digits_dataset
 from models.generator_record import (
     PRECISIONS,
@@ -381,7 +381,7 @@ SAMPLE_WITHOUT_TORCH = textwrap.dedent(
     import numpy as np
     from edge_client.generators.bank import GeneratorBank
     from edge_client.generators.sampler import OnnxSampler
-    from edge_client.generators.training import make_generator_trainer
+    from edge_client.generators.choice import make_generator_trainer
     bank, artifacts = GeneratorBank(sys.argv[1]), sys.argv[2]
     x = OnnxSampler(artifacts).sample(bank.get(3), 6, np.random.default_rng(0))
     trainer = make_generator_trainer(bank.get(3).spec, "ort", artifacts)

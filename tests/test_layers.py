@@ -3,6 +3,7 @@ the base classes speak only of policies, strategies and named payloads (docs/arc
 one of them means a method was threaded through generic code again."""
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -35,3 +36,84 @@ def test_no_generic_file_names_a_method(path):
     found = [f"{path}:{n}: {line.strip()}" for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
              if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+PACKAGES = ("edgefil", "edge_client", "coordinator", "firmware_sim", "models")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imported(tree: ast.Module, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project's modules that `module` imports, at its top or inside a function (a lazy import is an arrow to a
+    reader too), not those under `if TYPE_CHECKING:` (names for annotations only)."""
+    found: set[str] = set()
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if _type_checking_only(node):
+            skipped.update(id(child) for child in ast.walk(node))
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from package import module`
+    return {name for name in found if name in known and name != module}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_the_runtimes_modules_import_one_another_without_a_circle():
+    """Which way the data flow is read off the imports: a module that imports one that imports it back (at any
+    remove, lazily included) has no place in that order. Imports for annotations only (`if TYPE_CHECKING:`) are
+    not arrows: a scenario kind reads the Scenario it is registered for, whose validation looks the kind up."""
+    files = {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    graph = {module: _imported(ast.parse(path.read_text()), module, path.name == "__init__.py", set(files))
+             for module, path in files.items()}
+    assert _circles(graph) == []

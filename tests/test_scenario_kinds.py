@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgefil.settings import ConfigError, Where
-from firmware_sim.datasets import ArrayDataset
+from firmware_sim.array_dataset import ArrayDataset
 from firmware_sim.scenario_kinds import KINDS, ScenarioKind, Task
 from firmware_sim.scenario_kinds.base import dirichlet_task, one_dataset
 from firmware_sim.scenarios import PRESETS, Scenario, check_scenario, preset

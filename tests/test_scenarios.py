@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from edgefil.durable import read_npz
 from firmware_sim import scenarios
+from firmware_sim.array_dataset import ArrayDataset
 from firmware_sim.client_shares import ClientSource, write_shares
 from firmware_sim.data_split import add_data_parser
-from firmware_sim.datasets import ArrayDataset
 from firmware_sim.scenarios import PRESETS, Scenario, client_test_split, dirichlet_split, preset
 
 

@@ -1,26 +1,18 @@
-"""Training one class's generator: the interface both backends implement, and the factory (numpy only).
+"""Training one class's generator: the interface both backends implement, numpy only (which backend trains, and
+building its trainer: edge_client/generators/choice.py).
 
 `train` warm-starts from a stored record (its sampler, and its auxiliary model when kept, else a fresh one) or
 starts from scratch, and returns the new flat buffers (`flatten_module` order). Optimizer state does not survive
-a call: each class's training starts with fresh moments. Backends:
-
-- `torch` (`torch_training.TorchGeneratorTrainer`): WGAN-GP and VAE.
-- `ort` (`ort_training.OrtVaeTrainer`): the VAE only, on the exported ORT training artifacts, without torch.
-  WGAN-GP has no ORT path: its gradient penalty needs a gradient of a gradient (see models/generator_export.py).
+a call: each class's training starts with fresh moments.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from models.generator_kinds import VAE_KINDS
 from models.generator_record import GeneratorRecord
-
-BACKENDS = ("torch", "ort")
 
 
 class GeneratorTrainer(ABC):
@@ -65,28 +57,3 @@ class GeneratorTrainer(ABC):
 def batch_indices(n: int, batch_size: int, rng: np.random.Generator) -> np.ndarray:
     """One minibatch: `batch_size` distinct samples (all of them when the class has fewer)."""
     return rng.choice(n, size=min(batch_size, n), replace=False)
-
-
-def make_generator_trainer(spec: Mapping[str, Any], backend: str, artifact_dir: str | Path | None = None,
-                           **options: Any) -> GeneratorTrainer:
-    """The trainer for `spec` (a GeneratorSpec or its dict) on `backend`; `ort` needs the artifact folder."""
-    spec = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
-    if backend == "torch":
-        from edge_client.generators.torch_training import TorchGeneratorTrainer
-        from models.generators import GeneratorSpec
-
-        return TorchGeneratorTrainer(GeneratorSpec.from_dict(spec), **options)
-    if backend == "ort":
-        if spec.get("kind") not in VAE_KINDS:
-            raise ValueError(f"no ORT training for {spec.get('kind')!r} generators (only {VAE_KINDS}): the WGAN-GP "
-                             "gradient penalty needs a double backward that ORT's training graphs cannot express; "
-                             "use backend='torch'")
-        if artifact_dir is None:
-            raise ValueError("the ort backend trains the exported artifacts: pass artifact_dir")
-        from edge_client.generators.ort_training import OrtVaeTrainer
-
-        trainer = OrtVaeTrainer(artifact_dir, **options)
-        if trainer.spec != spec:
-            raise ValueError(f"{artifact_dir} holds artifacts for {trainer.spec}, not {spec}")
-        return trainer
-    raise ValueError(f"unknown generator backend {backend!r}; choose one of {BACKENDS}")

@@ -129,9 +129,9 @@ class GeneratorReplay(ReplayPolicy):
 
     def open(self, ctx: PolicyContext) -> None:
         from edge_client.generators.bank import GeneratorBank
+        from edge_client.generators.choice import BACKENDS as GENERATOR_BACKENDS
+        from edge_client.generators.choice import make_generator_trainer
         from edge_client.generators.sampler import OnnxSampler
-        from edge_client.generators.training import BACKENDS as GENERATOR_BACKENDS
-        from edge_client.generators.training import make_generator_trainer
 
         folder = Path(self.artifacts) if self.artifacts else ctx.artifacts.parent / f"generator-{self.kind}"
         if not (folder / "generator.json").exists():

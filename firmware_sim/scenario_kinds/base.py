@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from edgefil.registry import Registry
-from firmware_sim.datasets import ArrayDataset
+from firmware_sim.array_dataset import ArrayDataset
 
 if TYPE_CHECKING:
     from firmware_sim.scenarios import Scenario

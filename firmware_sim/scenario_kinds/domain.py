@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from firmware_sim.datasets import DOMAIN_STREAMS, ArrayDataset
+from firmware_sim.array_dataset import ArrayDataset
+from firmware_sim.datasets import DOMAIN_STREAMS
 from firmware_sim.scenario_kinds.base import ScenarioKind, Task, dirichlet_task
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from firmware_sim.datasets import DOMAIN_STREAMS, ArrayDataset, known_num_classes
+from firmware_sim.array_dataset import ArrayDataset
+from firmware_sim.datasets import DOMAIN_STREAMS, known_num_classes
 from firmware_sim.scenario_kinds.base import (
     ORDER,
     SHOTS,
