@@ -39,6 +39,8 @@ medians over `--repeats` (the two sides alternate which goes first):
                simulation engine starting and its first ClientApps being built (Flower, which starts them when
                round 1 asks for them), then round 1
   MB/device    the peak PSS of the side's process tree over N (fixed costs included: it falls with N)
+  anonymous    the peak of the tree's anonymous PSS: the memory its processes allocated, without the pages of the
+               libraries they map, which the host's page cache moves by up to a few hundred MB from run to run
   marginal     what one more device costs: (peak PSS at N - peak PSS at the N before) / (N - the N before), the first
                N against a fleet of `--base` devices (one per core: below that, either side starts fewer
                processes, and the first N's marginal would count a process, not a device); none for a first N
@@ -115,23 +117,32 @@ def process_name(pid: int, root: int) -> str:
 
 class PeakMemory(threading.Thread):
     """The peak, over the samples, of the summed PSS of a process and its descendants, and what each kind of
-    process held at that peak."""
+    process held at that peak; and the peak of their anonymous PSS (`Pss_Anon`): the memory the processes
+    allocated, without the pages of the files they map. Those, the libraries' above all, move with the state of
+    the host's page cache, not with the work: torch's CUDA build maps its CUDA libraries on a host without a GPU
+    too, and the pages of them that a process holds after its imports were 162-171 MB of edgefil's coordinator's
+    PSS in one run and 243 MB in the next with the page cache dropped (docs/results.md, issue 57); both sides
+    import torch."""
 
     def __init__(self, pid: int, every_s: float = 0.5) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every_s, self.peak = pid, every_s, 0
+        self.pid, self.every_s, self.peak, self.peak_anon = pid, every_s, 0, 0
         self.parts: dict[str, int] = {}
+        self.anon_parts: dict[str, int] = {}  # each kind's anonymous PSS at the PSS peak
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
             parts: dict[str, int] = {}
+            anon: dict[str, int] = {}
             for pid in descendants(self.pid):
                 name = process_name(pid, self.pid)
-                parts[name] = parts.get(name, 0) + int(memory_of(pid).get("Pss", 0))
-            total = sum(parts.values())
-            if total > self.peak:
-                self.peak, self.parts = total, parts
+                memory = memory_of(pid)
+                parts[name] = parts.get(name, 0) + int(memory.get("Pss", 0))
+                anon[name] = anon.get(name, 0) + int(memory.get("Pss_Anon", 0))
+            self.peak_anon = max(self.peak_anon, sum(anon.values()))
+            if sum(parts.values()) > self.peak:
+                self.peak, self.parts, self.anon_parts = sum(parts.values()), parts, anon
 
 
 def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path, cache: Path) -> dict[str, Any]:
@@ -146,7 +157,8 @@ def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: 
     lines = [line for line in output.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{side} N={n} failed ({proc.returncode}):\n{output[-3000:]}")
-    return {**json.loads(lines[-1][len(RESULT):]), "peak_pss": memory.peak, "peak_parts": memory.parts}
+    return {**json.loads(lines[-1][len(RESULT):]), "peak_pss": memory.peak, "peak_parts": memory.parts,
+            "peak_anon": memory.peak_anon, "peak_anon_parts": memory.anon_parts}
 
 
 # --- the shared data (project environment) --------------------------------------------------------
@@ -366,6 +378,7 @@ def main() -> None:
                     runs.append(run)
                     print(f"N={n} {side:12s} start {run['first_round_done_s']:6.1f} s  rounds "
                           f"{' '.join(f'{r:.2f}' for r in run['round_s'])} s  peak {run['peak_pss'] / 2**20:7.0f} MB"
+                          f" (anonymous {run['peak_anon'] / 2**20:.0f})"
                           f"  accuracy {run['accuracy']:.3f}  clients training {run['trained']:.0f}  samples a round "
                           f"{' '.join(map(str, run['samples']))}", flush=True)
         finished = True
@@ -391,6 +404,8 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
             return median([s for r in mine for s in r["samples"]])
         if figure in ("trained", "accuracy"):
             return median([r[figure] for r in mine])
+        if figure == "anon":
+            return median([r["peak_anon"] / 2**20 for r in mine])  # MB
         return median([r["peak_pss"] / 2**20 for r in mine])  # MB
 
     print("\nround s: the median round after the first; start s: until round 1 is done (edgefil: export from the "
@@ -422,6 +437,13 @@ def print_table(runs: list[dict[str, Any]], sizes: list[int], base: int) -> None
         (e_trained, e_samples, e_accuracy), (f_trained, f_samples, f_accuracy) = work["edgefil"], work["flower"]
         print(f"| {n:4d} | {e_trained:.0f} | {f_trained:.0f} | {e_samples:.0f} | {f_samples:.0f} | {e_accuracy:.3f} "
               f"| {f_accuracy:.3f} |")
+    print("\nthe processes' own memory: the peak of their anonymous PSS, the pages of the files they map (the "
+          "libraries') left out, which the host's page cache moves from run to run (PeakMemory)")
+    print("\n|    N | anonymous MB edgefil | Flower | ratio | MB/device edgefil | Flower |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        e_anon, f_anon = of(n, "edgefil", "anon"), of(n, "flower", "anon")
+        print(f"| {n:4d} | {e_anon:.0f} | {f_anon:.0f} | {f_anon / e_anon:.2f} | {e_anon / n:.2f} | {f_anon / n:.2f} |")
     print_cpu(runs, sizes)
 
 
@@ -447,14 +469,17 @@ def print_cpu(runs: list[dict[str, Any]], sizes: list[int]) -> None:
 
 def print_parts(runs: list[dict[str, Any]], sizes: list[int]) -> None:
     """Each side's peak PSS by kind of process (MB; the run at the median peak, the first repeat on a tie)."""
-    print("\npeak PSS by process (MB), at the peak; main = edgefil's coordinator or Flower's driver and engine")
+    print("\npeak PSS by process (MB), at the peak, and (in brackets) its anonymous part; main = edgefil's "
+          "coordinator or Flower's driver and engine")
     for side in ("edgefil", "flower"):
         for n in sizes:
             mine = sorted((r for r in runs if r["n"] == n and r["side"] == side), key=lambda r: r["peak_pss"])
             if mine:
-                parts = mine[(len(mine) - 1) // 2]["peak_parts"]
+                run = mine[(len(mine) - 1) // 2]
+                parts, anon = run["peak_parts"], run["peak_anon_parts"]
                 print(f"{side:8s} N={n:5d} " + "  ".join(
-                    f"{name} {size / 2**20:.0f}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])))
+                    f"{name} {size / 2**20:.0f} ({anon.get(name, 0) / 2**20:.0f})"
+                    for name, size in sorted(parts.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":
