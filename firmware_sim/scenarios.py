@@ -202,8 +202,6 @@ def preset(name: str, **overrides: Any) -> Scenario:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-# --- materialised scenario -----------------------------------------------------------------------
-
 def own_scenario(source: str | Path, tasks: int | None, classes_per_task: int | None, **fields: Any) -> Scenario:
     """The class-incremental scenario of the user's data at `source` (`--from`, with `fields` such as n_clients,
     seed, calibration; the data: firmware_sim/own_data.py): how its classes are cut into tasks is the user's to say,
@@ -213,6 +211,8 @@ def own_scenario(source: str | Path, tasks: int | None, classes_per_task: int | 
     return Scenario(dataset=ARRAYS, data_root=str(Path(source).resolve()), kind="class", n_tasks=tasks,
                     classes_per_task=classes_per_task, **fields)
 
+
+# --- materialised scenario -----------------------------------------------------------------------
 
 OLD_DATA_CACHED = 0.25  # the share of its old data a device caches at the last task under the default M
 

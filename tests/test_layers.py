@@ -1,6 +1,7 @@
-"""No generic file names a learning method: the device daemon, the learner, the coordinator, its gate, the wire and
-the base classes speak only of policies, strategies and named payloads (docs/architecture.md). A method's name in
-one of them means a method was threaded through generic code again."""
+"""The layers that import-linter cannot see. No generic file names a learning method: the device daemon, the learner,
+the coordinator, its gate, the wire and the base classes speak only of policies, strategies and named payloads
+(docs/architecture.md); a method's name in one of them means a method was threaded through generic code again. And
+no module imports one that imports it back: the order in which data flow is the order of the imports."""
 from __future__ import annotations
 
 import ast
