@@ -40,7 +40,7 @@ medians over `--repeats` (the two sides alternate which goes first):
                round 1 asks for them), then round 1
   MB/device    the peak PSS of the side's process tree over N (fixed costs included: it falls with N)
   anonymous    the peak of the tree's anonymous PSS: the memory its processes allocated, without the pages of the
-               libraries they map, which the host's page cache moves by up to a few hundred MB from run to run
+               libraries they map, which the host's page cache moves (by up to 250 MB of a coordinator's here)
   marginal     what one more device costs: (peak PSS at N - peak PSS at the N before) / (N - the N before), the first
                N against a fleet of `--base` devices (one per core: below that, either side starts fewer
                processes, and the first N's marginal would count a process, not a device); none for a first N
@@ -120,9 +120,9 @@ class PeakMemory(threading.Thread):
     process held at that peak; and the peak of their anonymous PSS (`Pss_Anon`): the memory the processes
     allocated, without the pages of the files they map. Those, the libraries' above all, move with the state of
     the host's page cache, not with the work: torch's CUDA build maps its CUDA libraries on a host without a GPU
-    too, and the pages of them that a process holds after its imports were 162-171 MB of edgefil's coordinator's
-    PSS in one run and 243 MB in the next with the page cache dropped (docs/results.md, issue 57); both sides
-    import torch."""
+    too, and the pages of them that a process holds after its imports were 156-217 MB of edgefil's coordinator's
+    PSS over a dozen runs, and 243 MB in one just after the page cache was dropped (docs/results.md, issue 57);
+    both sides import torch."""
 
     def __init__(self, pid: int, every_s: float = 0.5) -> None:
         super().__init__(daemon=True)
