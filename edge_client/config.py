@@ -35,21 +35,11 @@ from typing import Any, Literal
 from edge_client.budget import Budget
 from edge_client.policies import check_policy
 from edge_client.privacy import LocalPrivacySettings
+from edge_client.trainers.choice import TrainerSettings
 from edgefil.link import BrokerSettings
 from edgefil.settings import Where, build, load_toml
 from edgefil.topics import check_name
 from models.manifest import MANIFEST_NAME
-
-Backend = Literal["auto", "ort", "portable", "torch"]
-
-
-@dataclass(frozen=True)
-class TrainerSettings:
-    backend: Backend = "auto"  # edge_client/trainers/choice.py
-    optimizer: Literal["sgd", "adamw"] = "adamw"
-    lr: float = 1e-3
-    threads: int = 1
-    momentum: float = 0.0  # SGD momentum (portable and torch backends; ORT Training's SGD has none)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ from models.glfc import decode_old_model, encode_gradient, prototype_name
 from models.manifest import FULL_GRADIENT, HEAD_WEIGHT, WEIGHTS, named_parameter
 
 if TYPE_CHECKING:
-    from edge_client.config import Backend
+    from edge_client.trainers.choice import Backend
 
 log = logging.getLogger(__name__)
 RELATIONS = ("kl", "bce", "none")
@@ -338,8 +338,7 @@ class Glfc(ReplayPolicy):
 
     def _open_gamma(self, ctx: PolicyContext, state: Path) -> Trainer:
         """Gamma's trainer, its weights a file of M (copied from the artifacts at the first open)."""
-        from edge_client.config import TrainerSettings  # here: the config module imports the policies
-        from edge_client.trainers.choice import make_trainer
+        from edge_client.trainers.choice import TrainerSettings, make_trainer
 
         folder = self.gamma_folder({"gamma": self.gamma, "gamma_seed": self.gamma_seed}, ctx.artifacts)
         if not (folder / "manifest.json").is_file():

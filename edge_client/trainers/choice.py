@@ -11,18 +11,33 @@ cannot run here or the artifacts do not serve it.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from edge_client.config import TrainerSettings
 from edge_client.trainers.base import Trainer
 from models.manifest import ManifestError, load_manifest, require_served, runnable_backends
 
+Backend = Literal["auto", "ort", "portable", "torch"]
 AUTO_ORDER = ("portable", "ort", "torch")
 INSTALL_HINT = {
     "ort": "pip install 'edgefil[ort-training]' (CPython <= 3.11, x86_64 Linux)",
     "portable": "onnxruntime",
     "torch": "torch (pip install 'edgefil[torch-device]')",
 }
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """A device's [trainer] table (edge_client/config.py reads it into this): here, with the trainers it builds,
+    so that a trainer's user (a policy that trains a network of its own, GLFC's Gamma) builds one without the
+    device's config, which imports the policies."""
+
+    backend: Backend = "auto"
+    optimizer: Literal["sgd", "adamw"] = "adamw"
+    lr: float = 1e-3
+    threads: int = 1
+    momentum: float = 0.0  # SGD momentum (portable and torch backends; ORT Training's SGD has none)
 
 
 # The optional graphs a backend runs from another's artifacts: ORT Training's give no input gradient, the portable
