@@ -25,7 +25,12 @@ import numpy as np
 _shared_models: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
 # id of a payload object -> (a weak reference to it, the blob id it carries, the blob's fields): only while it lives
 _by_payload: dict[int, tuple[weakref.ref[Any], str, dict[str, Any]]] = {}
-_lock = threading.Lock()
+# Re-entrant: `remember_verified`'s weak reference calls back into it when its payload goes, and that may happen
+# in a thread that holds it already: a finalizer runs wherever the last reference goes, which the cyclic collector
+# can make any allocation, and a free-threaded build any point at which the thread frees what another let go of.
+# A plain lock there hung a fleet worker's network thread, and with it every device of the worker (workers on
+# CPython 3.13's free-threaded build: docs/results.md, "Fleet workers on a free-threaded CPython").
+_lock = threading.RLock()
 
 
 def shared_model(blob_id: str, weights: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -300,3 +301,53 @@ def test_a_worker_counts_the_devices_still_stopping_when_its_grace_ends_and_ends
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2 of 5 devices still stopping after" in log.read_text() and not hook.exists()
+
+
+def _gone_while_held(lock: object, drop: Callable[[], None]) -> bool:
+    """Whether `drop` (which lets the last reference to something with a finalizer go) returns when it runs in a
+    thread that holds `lock`, as a thread may when the cyclic collector or a free-threaded build runs the
+    finalizer there; False if it waits for the lock its own thread holds (a ceiling of 30 s on a hang)."""
+    done = threading.Event()
+
+    def run() -> None:
+        with lock:  # type: ignore[attr-defined]
+            drop()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(30)
+
+
+def test_a_verified_payload_may_go_in_a_thread_that_holds_the_shared_models_lock():
+    """The weak reference by which the process forgets a verified global model calls back into
+    edge_client/shared_models.py; where the payload's last reference goes in a thread inside that module's lock,
+    the callback must not wait for it (a fleet worker's network thread hung there, every device of the worker with
+    it, on CPython's free-threaded build)."""
+    from edge_client import shared_models
+
+    weights = shared_model("blob-gone", np.zeros(4, dtype=np.float32))
+    held = [memoryview(bytes(64))]
+    shared_models.remember_verified(held[0], "blob-gone", {"round": 1})
+    payload, key = held[0], id(held[0])
+    assert shared_models.verified_model(payload) is not None and weights is not None
+    del payload
+    assert _gone_while_held(shared_models._lock, held.clear)
+    assert key not in shared_models._by_payload  # forgotten
+
+
+def test_a_trainer_may_go_in_a_thread_that_holds_the_spare_pool_lock():
+    """A portable trainer's finalizer gives its size up in the process's spare pool (`_SparePool.leave`); where the
+    trainer's last reference goes in a thread inside one of the pool's calls, it must not wait for the pool's lock."""
+    import weakref
+
+    from edge_client.trainers.portable import _SparePool
+
+    class Holder:
+        pass
+
+    pool = _SparePool()
+    pool.join(8)
+    held = [Holder()]
+    weakref.finalize(held[0], pool.leave, 8)
+    assert _gone_while_held(pool._lock, held.clear)
+    assert pool.held(8) == 0 and not pool._users  # left

@@ -125,7 +125,9 @@ class _SparePool:
     def __init__(self) -> None:
         self._free: dict[int, list[Any]] = {}
         self._users: dict[int, int] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a trainer's finalizer calls `leave`, and it runs where the trainer's last reference goes, which
+        # may be in a thread inside one of these calls (edge_client/shared_models.py says when)
+        self._lock = threading.RLock()
 
     def join(self, size: int) -> None:
         with self._lock:
