@@ -8,7 +8,11 @@ through ResNet-18's 20 layers. AdamW 5e-2: Adam divides each gradient by its run
 gradient near zero (a dead ReLU's weights, ~1e-9) that two backends round differently (their convolution backward
 sums in another order) moves by a visible fraction of a step; ORT Training against torch shows the same effect.
 ResNet-18 (slow) gets 2e-2 for SGD: measured worst 1.2e-2 (teacher term with the proximal pull) and 3.1e-3 (momentum),
-against ORT Training's < 1e-3 on the same cases; the source of the larger drift is not found yet.
+against ORT Training's < 1e-3 on the same cases, and 1e-1 for AdamW (measured worst 6.4e-2, ORT Training with the proximal
+pull and every loss input). What drifts there is most likely the reference: against the same loss's gradient in float64
+(the torch model in double), the portable graphs and ORT Training are within 3e-5 of the largest gradient on ResNet-18
+(1e-7 to 5e-7 on the other models), torch 2.14's float32 CPU backward 2.5e-5 to 2e-4 (its input gradients 0.2-0.6 %, 1-2 %
+of them past a relative 1e-3); so the gradients are checked against that float64 reference (the epochs against torch's).
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ MODELS = [
     pytest.param(("resnet18_cifar", (3, 32, 32)), marks=pytest.mark.slow, id="resnet18_cifar"),
 ]
 SGD_TOLERANCE = {"resnet18_cifar": 2e-2}  # relative; 1e-3 for the others (module docstring)
+ADAMW_TOLERANCE = {"resnet18_cifar": 1e-1}  # relative; 5e-2 for the others (module docstring)
+# A gradient's largest gap to the float64 reference, over the reference's largest value (module docstring)
+GRADIENT_TOLERANCE = {"torch": 1e-3}  # 1e-4 for the ONNX Runtime backends
 LOSSES = ("plain", "sample_weights", "soft_targets", "teacher", "bce", "soft_target_term", "class_costs", "all")
 N, BATCH, LR = 24, 8, 0.05
 
@@ -94,8 +101,34 @@ def test_one_epoch_ends_at_the_same_weights_on_every_backend(model, optimizer, p
     for name in ("portable", "ort"):
         value, weights = results[name]
         assert value == pytest.approx(reference_loss, rel=1e-4, abs=1e-5), name
-        tolerance = SGD_TOLERANCE.get(load_manifest(directory).model, 1e-3) if optimizer == "sgd" else 5e-2
+        model_name = load_manifest(directory).model
+        tolerance = SGD_TOLERANCE.get(model_name, 1e-3) if optimizer == "sgd" else ADAMW_TOLERANCE.get(model_name, 5e-2)
         assert _relative_gap(weights, reference, start) <= tolerance, name
+
+
+def _float64_gradients(trainer: TorchTrainer, x: np.ndarray, y: np.ndarray, loss: LossInputs | None
+                       ) -> tuple[float, np.ndarray, np.ndarray]:
+    """The training loss at `trainer`'s weights (train mode, no class mask) and its gradients w.r.t. the weights (in
+    manifest order) and the inputs, computed in float64 on a copy of its torch model: the reference the backends'
+    float32 gradients are measured against (module docstring)."""
+    import copy
+
+    import torch
+
+    from edge_client.trainers.base import loss_arrays
+    from models.loss import training_loss
+
+    model = copy.deepcopy(trainer.model).double()
+    model.train()
+    inputs = torch.from_numpy(x).double().requires_grad_(True)
+    raw, _ = model(inputs)
+    arrays = loss_arrays(y, trainer.manifest.num_classes, None if loss is None else trainer._check_loss(loss, len(y)))
+    terms = [torch.from_numpy(a).double() if a.dtype.kind == "f" else torch.from_numpy(a) for a in arrays]
+    value = training_loss(raw, torch.from_numpy(trainer.mask(None)).double(), *terms)
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(value, [inputs, *(params[p.name] for p in trainer.manifest.parameters)])
+    weights = np.concatenate([g.detach().numpy().ravel() for g in grads[1:]])
+    return float(value.item()), weights, grads[0].detach().numpy()
 
 
 def _relative_gap(weights: np.ndarray, reference: np.ndarray, start: np.ndarray) -> float:
@@ -130,8 +163,9 @@ def test_per_sample_gradient_norms_agree_with_torch_func(model, mode):
 
 @pytest.mark.parametrize("loss", ["all"])
 def test_the_gradient_is_the_same_on_every_backend_and_moves_nothing(model, loss):
-    """Trainer.gradient (what Re-Fed's PIM steps with): the same loss and gradient, in manifest order, on the three
-    backends; the weights stay where they were."""
+    """Trainer.gradient (what Re-Fed's PIM steps with): the loss and its gradient, in manifest order, on the three
+    backends, each within its tolerance of the float64 reference (GRADIENT_TOLERANCE); the weights stay where they
+    were."""
     directory, shape = model
     rng = np.random.default_rng(4)
     x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
@@ -139,11 +173,12 @@ def test_the_gradient_is_the_same_on_every_backend_and_moves_nothing(model, loss
     trainers = _trainers(directory, "adamw")
     start = trainers["torch"].get_weights()
     results = {name: t.gradient(x, y, None, inputs) for name, t in trainers.items()}
-    reference_loss, reference = results["torch"]
+    reference_loss, reference, _ = _float64_gradients(trainers["torch"], x, y, inputs)
     for name, (value, gradient) in results.items():
         assert gradient.dtype == np.float32 and gradient.shape == start.shape
         assert value == pytest.approx(reference_loss, rel=1e-5)
-        assert np.abs(gradient - reference).max() <= 1e-4 * np.abs(reference).max(), name
+        gap = np.abs(gradient - reference).max() / np.abs(reference).max()
+        assert gap <= GRADIENT_TOLERANCE.get(name, 1e-4), name
         assert np.array_equal(trainers[name].get_weights(), start)
 
 
@@ -333,17 +368,19 @@ def test_a_torch_device_trains_with_its_configured_threads(export_artifacts):
 
 
 @pytest.mark.parametrize("loss", ["plain", "soft_target_term"])
-def test_input_gradients_agree_with_torch(model, loss):
-    """The gradient w.r.t. the inputs (what moves a sample, GLFC's prototype refinement): the portable graph, and
-    ORT Training's trainer through it, give torch's."""
+def test_input_gradients_agree_with_the_float64_reference(model, loss):
+    """The gradient w.r.t. the inputs (what moves a sample, GLFC's prototype refinement): the portable graph, ORT
+    Training's trainer through it, and torch's on the models where its float32 backward holds (not ResNet-18:
+    module docstring) give the float64 reference's."""
     directory, shape = model
     rng = np.random.default_rng(11)
     x, y = rng.random((N, *shape), dtype=np.float32), rng.integers(0, 10, N)
     inputs = _loss(loss, rng)
     trainers = _trainers(directory, "sgd")
-    expected_loss, expected = trainers["torch"].input_gradient(x, y, loss=inputs)
+    expected_loss, _, expected = _float64_gradients(trainers["torch"], x, y, inputs)
     assert expected.shape == x.shape and np.abs(expected).max() > 0
-    for name in ("portable", "ort"):
+    names = ("portable", "ort") if load_manifest(directory).model == "resnet18_cifar" else ("portable", "ort", "torch")
+    for name in names:
         value, gradient = trainers[name].input_gradient(x, y, loss=inputs)
         assert value == pytest.approx(expected_loss, rel=1e-5), name
         np.testing.assert_allclose(gradient, expected, rtol=1e-3, atol=1e-6 * np.abs(expected).max(), err_msg=name)
