@@ -33,7 +33,8 @@ INSTANCES_KEPT = 4  # a device's most recent process instances remembered (a dup
 class DeviceRecord:
     """One device as the coordinator knows it; `state` is "unseen" until it registers, then its last status
     (online states, "offline", "error", "no-data", "spent"), or "training" from the round message it was sent to its
-    update, "idle" after it (`Roster.asked_to_train`, `Roster.take_update`)."""
+    update, "idle" after it (`Roster.asked_to_train`, `Roster.take_update`), or "failed" once out of the run
+    (`Roster.fail`)."""
 
     device: str
     profile: str = ""
@@ -79,6 +80,8 @@ class Roster:
         # reason. For the run: a device does not get its budget back.
         self.spent: dict[str, str] = {}
         self.duplicates: dict[str, list[str]] = {}  # device -> instances seen running at once
+        # out of the run (`fail`): device -> why. For the run: what it says later is passed over
+        self.failed: dict[str, str] = {}
         self._rows: dict[str, bytes] = {}  # device -> its table row's JSON text, until its record changes
 
     def register(self, event: Registration) -> list[str] | None:
@@ -115,6 +118,8 @@ class Roster:
     def take_status(self, event: Status, task: int) -> None:
         """Record a (current) status: online or not, with data or not, and an error's reason. `task`: the task the
         run is on, which a "no-data" that names none speaks for."""
+        if event.device in self.failed:
+            return
         record = self.records[event.device]
         self._rows.pop(event.device, None)
         record.state, record.last_seen = event.state, time.time()
@@ -133,6 +138,16 @@ class Roster:
         else:
             self.without_data.pop(event.device, None)
             self.online.add(event.device)
+
+    def fail(self, device: str, why: str) -> None:
+        """The device is out of the run (its host said it failed to start, or stopped on an error, `why`): state
+        "failed", offline, `why` as its error, for the rest of the run."""
+        record = self.records[device]
+        self._rows.pop(device, None)
+        record.state, record.error = "failed", why
+        self.failed[device] = why
+        self.online.discard(device)
+        self.without_data.pop(device, None)
 
     def asked_to_train(self, device: str) -> None:
         """The device was sent a round's work: "training" until its update (or its word that it cannot) comes. A

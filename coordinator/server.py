@@ -30,8 +30,10 @@ instance id: a status from an instance other than the device's newest registered
 process) is passed over, and an older instance that registers again means two processes share one device id: counted
 ("duplicate-device"), logged, kept in the results and told to the device (a retained notice). A device whose labels hold
 classes outside the tasks' so far follows another class order than the test sets: warned about once per device and task
-("class-mismatch"). When the run ends (complete or failed; not when stopped to be resumed) the devices are told on
-`all/end`; a run in which no device's update was aggregated fails.
+("class-mismatch"). A device its owner says is out of the run (a simulated fleet's device that failed to start:
+`device_failed`) is taken as offline, kept as "failed" and not waited for. When the run ends (complete or failed;
+not when stopped to be resumed) the devices are told on `all/end`; a run in which no device's update was aggregated
+fails.
 
 What a learning method adds travels as named payloads, and this module never knows which method runs: an update's
 attachments go to the strategy (`inspect` when it arrives, `aggregate` with the round); a device's request is
@@ -46,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import queue
 import secrets
 import time
 from collections import Counter
@@ -121,6 +124,7 @@ class Coordinator:
         self.progress = progress
         self._aborted: str | None = None  # why the run must end now (`abort`), until the pump raises it
         self._gone_with_abort: tuple[str, ...] = ()  # the devices `abort` said are gone with it
+        self._failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # `device_failed`'s, for the pump
         rule = config.strategy["name"]
         options = {k: v for k, v in config.strategy.items() if k != "name"}
         refused = privacy_refused(config.privacy, rule, options)
@@ -314,6 +318,31 @@ class Coordinator:
         self._gone_with_abort = tuple(gone)
         self._aborted = reason
         self.link.wake()
+
+    def device_failed(self, device: str, why: str) -> None:
+        """A device is out of the run, from any thread (not a signal handler): its owner (a simulated fleet's
+        worker) says it failed to start, or stopped on an error, `why`. A device that never connected leaves no
+        last will, and the first round waits for the whole roster: in virtual time up to `wall_limit_s`, silent.
+        So at its next message or wait the run takes it as offline (the open round and a secure session stop
+        waiting for it), logs `why`, counts it ("device-failed") and keeps it in the roster as "failed" with `why`
+        as its error (results.json, the dashboard); the first round's wait counts the roster without it, and a run
+        whose quorum the devices left cannot reach ends at once (QuorumError)."""
+        self._failures.put((device, why))
+        self.link.wake()
+
+    def _take_failures(self) -> None:
+        """The devices `device_failed` said are out of the run, taken out as it says."""
+        while True:
+            try:
+                device, why = self._failures.get_nowait()
+            except queue.Empty:
+                return
+            if device not in self.roster.records or device in self.roster.failed:
+                continue
+            log.error("device %s is out of the run: %s (its fleet worker's log says more)", device, why)
+            self.counters["device-failed"] += 1
+            self._on_status(Status(device, "offline", self.state.round))
+            self.roster.fail(device, why)
 
     def _hear_goodbyes(self, grace_s: float) -> None:
         """After the end: every connected device answers it (offline as it exits, or its state as it stays for the
@@ -672,26 +701,37 @@ class Coordinator:
         roster = len(self.config.devices) if self._first_round else 0
         deadline = time.monotonic() + self._wait_limit()
         said = time.monotonic()
-        while (checked := time.monotonic()) < deadline and (
+        while (checked := time.monotonic()) < deadline and self._can_reach_quorum() and (
             len(self.roster.available(self.state.task)) < self.config.min_clients
-            or len(self.roster.connected()) < roster
+            or len(self.roster.connected()) < roster - len(self.roster.failed)
         ):
             every = max(CHECK_EVERY_S, (time.monotonic() - checked) / CHECK_SHARE)
             self._pump_for(min(every, deadline - time.monotonic()))
             if time.monotonic() - said >= WAITING_SAID_EVERY_S:  # a fleet's start can take minutes: say so
                 said = time.monotonic()
-                log.info("waiting for the fleet: %d of %d devices connected, %d can train (%.0f s left)",
-                         len(self.roster.connected()), len(self.config.devices), len(self._available()),
+                out = f", {len(self.roster.failed)} out of the run" if self.roster.failed else ""
+                log.info("waiting for the fleet: %d of %d devices connected, %d can train%s (%.0f s left)",
+                         len(self.roster.connected()), len(self.config.devices), len(self._available()), out,
                          deadline - said)
         self._first_round = False
         available = self._available()
         if len(available) < self.config.min_clients:
             self._check_spent()
+            failed = self.roster.failed
+            if not self._can_reach_quorum():
+                device, why = next(iter(failed.items()))
+                raise QuorumError(f"{len(failed)} of {len(self.config.devices)} devices are out of the run, and "
+                                  f"the quorum of {self.config.min_clients} cannot be reached without them ({device}: "
+                                  f"{why})")
             without = self.roster.without_data
             waiting = f" ({len(without)} more hold no data yet)" if without else ""
             raise QuorumError(f"{len(available)} devices online after {self._wait_limit():.0f} s"
                               f"{waiting}, quorum is {self.config.min_clients}")
         return available
+
+    def _can_reach_quorum(self) -> bool:
+        """Whether enough devices are left in the run for a round's quorum (`device_failed`)."""
+        return len(self.config.devices) - len(self.roster.failed) >= self.config.min_clients
 
     def _wait_limit(self) -> float:
         """How long to wait for devices to be online: `wait_for_devices_s`, or in virtual time `wall_limit_s` at
@@ -728,6 +768,7 @@ class Coordinator:
         next: rounds of 100 devices at 10,000 took 30-40 s instead of 5 (docs/results.md)."""
         self.logs.write_due()  # before the wait: the round files the last close left, once the next round is open
         item = self.link.get(timeout=max(min(timeout, self.logs.round_files_due_in()), 0.0))  # paced: woken when due
+        self._take_failures()
         if self._aborted is not None:
             reason, self._aborted = self._aborted, None  # raised once: the run's end still hears the devices
             for device in self._gone_with_abort:

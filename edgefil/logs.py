@@ -19,3 +19,9 @@ def configure_logging(level: str) -> None:
         logging.getLogger(package).setLevel(level)
     # onnxruntime.training imports torch's cpp_extension, which warns about a missing CUDA runtime on CPU hosts.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
+def error_line(err: BaseException) -> str:
+    """An exception as one line of a log or of a message to another process: its type and its message's first line
+    (a traceback's text, or a library's multi-line message, would break the line-per-event logs)."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from firmware_sim.fleet_worker import (
     ADVERSARY,
     DESCRIPTORS_PER_CONNECTION,
     STOP_GRACE_S,
+    DeviceFailed,
     crowded_keepalive,
     ensure_descriptors,
     fleet_heartbeat,
@@ -146,8 +148,9 @@ class Fleet:
             coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
                                       progress=progress)
             # a worker gone (killed for memory, crashed) took its devices: the run ends saying so, rather than
-            # waiting for them up to wall_limit_s
-            self.workers.watch(coordinator.abort)
+            # waiting for them up to wall_limit_s; a device that failed to start, or stopped on an error, is out of
+            # the run, which goes on without it (Coordinator.device_failed)
+            self.workers.watch(coordinator.abort, coordinator.device_failed)
             with coordinator_threads(self.workers.here()):
                 results = coordinator.run()
         finally:
@@ -389,6 +392,7 @@ class ProcessWorkers:
         self._stop_heard, self._stop_said = mp.get_context("spawn").Pipe(duplex=False)
         self.processes: list[mp.process.BaseProcess] = []
         self._devices: list[list[str]] = []  # each worker's devices, in the order of `processes`
+        self._failures: list[Connection] = []  # each worker's word on its devices out of the run (`watch`)
         self._mounted: list[Path] = []
         self._stopping = False
 
@@ -404,30 +408,49 @@ class ProcessWorkers:
         self._mounted = mount_disks([raw for share in shares for raw in share])
         context = mp.get_context("spawn")
         for k, share in enumerate(shares):
+            heard, said = context.Pipe(duplex=False)
             worker = context.Process(target=host_devices, daemon=True, args=(
                 share, self._stop_heard, str(logs / f"worker-{k}.log"), self.power_loss_safe, niceness,
-                fleet_log_level()))
+                fleet_log_level(), said))
             worker.start()
+            said.close()  # the worker's end: once it is gone, its pipe reads as ended
             self.processes.append(worker)
             self._devices.append([raw["device_id"] for raw in share])
+            self._failures.append(heard)
 
     def here(self) -> int:
         """How many of the workers run on this machine (beside the coordinator)."""
         return len(self.processes)
 
-    def watch(self, gone: Callable[[str, list[str]], None]) -> None:
-        """Call `gone` with a line and the worker's devices, from a thread of its own, if a worker ends before
-        `stop`: waits on the processes' sentinels and the word to stop (no polling)."""
+    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed = lambda device, why: None) -> None:
+        """From a thread of its own until `stop`: call `failed` with each device a worker says is out of the run and
+        why (`serve_devices`), and `gone` with a line and the worker's devices if a worker ends. Waits on the
+        workers' pipes, the processes' sentinels and the word to stop (no polling)."""
         sentinels = {worker.sentinel: k for k, worker in enumerate(self.processes)}
+        failures = list(self._failures)
 
         def wait() -> None:
-            ended = wait_for_ready([*sentinels, self._stop_heard])
-            if self._stopping:
-                return
-            k = next(sentinels[s] for s in ended if s in sentinels)
+            while True:
+                ended = wait_for_ready([*failures, *sentinels, self._stop_heard])
+                if self._stopping:
+                    return
+                for pipe in [p for p in failures if p in ended]:  # first: a device's word may precede its end
+                    heard(pipe)
+                dead = [sentinels[s] for s in ended if s in sentinels]
+                if dead:
+                    k = dead[0]
+                    break
             self.processes[k].join(EXIT_CODE_WAIT_S)  # its sentinel may be ready a moment before its exit code
             gone(f"fleet worker {k} ended (exit code {self.processes[k].exitcode}) and its devices with it: "
                  f"its log, logs/worker-{k}.log, says why", self._devices[k])
+
+        def heard(pipe: Connection) -> None:
+            try:
+                device, why = pipe.recv()
+            except (EOFError, OSError):  # the worker ended: its sentinel says so
+                failures.remove(pipe)
+                return
+            failed(device, why)
 
         NamedThread(target=wait, daemon=True, name="worker-watch").start()
 

@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from edgefil.durable import write_atomically
+from edgefil.logs import error_line
 from edgefil.thread_names import NamedThread
 from firmware_sim.fleet_worker import (
     LOG_FORMAT,
     STOP_GRACE_S,
+    DeviceFailed,
     fleet_log_level,
     mount_disks,
     serve_devices,
@@ -61,6 +63,8 @@ class DeviceHost:
 
     def __init__(self) -> None:
         self._stop = threading.Event()
+        self._failed: list[tuple[str, str]] = []  # its devices out of the run, and why, until `failures` takes them
+        self._failed_lock = threading.Lock()
 
     def node(self) -> str:
         import ray
@@ -91,7 +95,7 @@ class DeviceHost:
                 write_atomically(path, data)
         mounted = mount_disks(configs)
         try:
-            serve_devices(configs, self._stop.wait, power_loss_safe, niceness)
+            serve_devices(configs, self._stop.wait, power_loss_safe, niceness, failed=self._out_of_the_run)
         finally:
             from firmware_sim import disk
 
@@ -103,6 +107,17 @@ class DeviceHost:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def failures(self) -> list[tuple[str, str]]:
+        """The devices out of the run since the last call, each with why (`serve_devices`); taken, not copied, so
+        that an actor started again after its node died tells only its own."""
+        with self._failed_lock:
+            taken, self._failed = self._failed, []
+        return taken
+
+    def _out_of_the_run(self, device: str, why: str) -> None:
+        with self._failed_lock:
+            self._failed.append((device, why))
 
 
 def ray_module() -> Any:
@@ -185,15 +200,34 @@ class RayWorkers:
                                   timeout=timeout)
         return [str(n) for n in self._ray.get(ready)].count(self._ray.get_runtime_context().get_node_id())
 
-    def watch(self, gone: Callable[[str, list[str]], None]) -> None:
-        """Call `gone` with a line and the worker's devices, from a thread of its own, if a worker ends before `stop`
-        (its restarts spent, or failing): Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""
-        hosting = list(self._hosting)
+    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed = lambda device, why: None) -> None:
+        """From a thread of its own until `stop`: call `failed` with each device a worker says is out of the run and
+        why (`serve_devices`), and `gone` with a line and the worker's devices if a worker ends (its restarts spent,
+        or failing). Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""
+        hosting, actors = list(self._hosting), list(self._actors)
+        asked: dict[int, Any] = {}  # each worker's `failures` call not answered yet: its answer is never dropped
+
+        def tell_failures() -> None:
+            for k, actor in enumerate(actors):
+                if k not in asked:
+                    asked[k] = actor.failures.remote()
+            answered, _ = self._ray.wait(list(asked.values()), num_returns=len(asked), timeout=0)
+            for k, ref in list(asked.items()):
+                if ref not in answered:
+                    continue
+                del asked[k]
+                try:
+                    told = self._ray.get(ref)
+                except Exception:  # a worker started again, or gone: the wait for its end says so
+                    continue
+                for device, why in told:
+                    failed(device, why)
 
         def wait() -> None:
             ended: list[Any] = []
             while not ended and not self._stopping.is_set():
                 ended, _ = self._ray.wait(hosting, num_returns=1, timeout=WATCH_EVERY_S)
+                tell_failures()
             if self._stopping.is_set():
                 return
             k = hosting.index(ended[0])
@@ -201,7 +235,7 @@ class RayWorkers:
                 self._ray.get(ended[0])
                 why = "returned"
             except Exception as err:
-                why = f"{type(err).__name__}: {err}".splitlines()[0]
+                why = error_line(err)
             gone(f"fleet worker {k} ended ({why}) and its devices with it: its log, logs/worker-{k}.log, says more",
                  self._devices[k])
 

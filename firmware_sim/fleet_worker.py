@@ -18,6 +18,7 @@ from typing import IO, Any, NoReturn
 
 from edgefil.durable import set_power_loss_safe
 from edgefil.lifetime import die_with_parent
+from edgefil.logs import error_line
 from edgefil.prctl import prctl
 from edgefil.thread_names import NamedThread
 
@@ -63,6 +64,9 @@ CONNECTING_PER_WORKER = 16
 # the crowd every part keeps the fleet's niceness.
 WORKER_NICENESS = 10
 ADVERSARY = "adversary"  # a device table's key, beside the device config, for a compromised device (adversary.py)
+# What a worker tells its fleet of a device out of the run (it failed to start, or stopped on an error): the
+# device's id and a line that says why (`serve_devices`).
+DeviceFailed = Callable[[str, str], None]
 
 
 def worker_count(workers: int | None, devices: int, cores: int) -> int:
@@ -261,10 +265,11 @@ def fleet_log_level() -> int:
 
 
 def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str, power_loss_safe: bool,
-                 niceness: int = 0, log_level: int = logging.INFO) -> None:
+                 niceness: int = 0, log_level: int = logging.INFO, failures: Connection | None = None) -> None:
     """A worker process: `serve_devices` until the fleet says stop, SIGTERM arrives or the fleet process is gone,
     and then gone within EXIT_DEADLINE_S, whatever it is stuck on (ExitDeadline). Ctrl-C is the parent's to
-    handle. Its log, `log_file`, at `log_level` (`fleet_log_level`)."""
+    handle. Its log, `log_file`, at `log_level` (`fleet_log_level`); each device out of the run goes to the fleet
+    down `failures` (`FailureSender`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is the parent's to handle
     if hasattr(signal, "SIGALRM"):
@@ -272,9 +277,26 @@ def host_devices(configs: list[dict[str, Any]], stop: Connection, log_file: str,
     logging.basicConfig(filename=log_file, level=log_level, format=LOG_FORMAT)
     lean_log_records()
     deadline = ExitDeadline(EXIT_DEADLINE_S, log_file)
-    still_stopping = serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe, niceness)
+    still_stopping = serve_devices(configs, lambda: _wait_for_stop(stop, deadline.arm), power_loss_safe, niceness,
+                                   failed=FailureSender(failures) if failures is not None else None)
     if still_stopping:
         end_now(still_stopping, len(configs))
+
+
+class FailureSender:
+    """A worker process's word to its fleet that one of its devices is out of the run (`DeviceFailed`): the device
+    and the line that says why, down a pipe the fleet reads (`ProcessWorkers.watch`); one device thread at a time."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self._pipe = pipe
+        self._lock = threading.Lock()
+
+    def __call__(self, device: str, why: str) -> None:
+        with self._lock:
+            try:
+                self._pipe.send((device, why))
+            except OSError:  # the fleet is gone: the worker stops on its own (`_wait_for_stop`)
+                pass
 
 
 def end_now(still_stopping: int, devices: int) -> NoReturn:
@@ -348,14 +370,16 @@ def limit_torch_threads() -> None:
 
 
 def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], object], power_loss_safe: bool,
-                  niceness: int = 0) -> int:
+                  niceness: int = 0, failed: DeviceFailed | None = None) -> int:
     """Run the devices of `configs` (device config tables) until `wait_for_stop()` returns, then stop them: one
     thread per virtual device and one network thread that carries all their MQTT connections (edgefil.netloop). A
     worker process and a Ray actor (firmware_sim/fleet_ray.py) both host their devices with this. Their writes
     survive a power cut of the host only where `power_loss_safe` (`FleetConfig.power_loss_safe`; otherwise a
     killed worker: edgefil.durable). The process runs `niceness` nicer than it was started (`worker_niceness`), and
-    builds a device only while fewer than CONNECTING_PER_WORKER of those built are not yet connected. Returns how
-    many devices were still stopping when the stop's grace (STOP_GRACE_S, for all together) ended."""
+    builds a device only while fewer than CONNECTING_PER_WORKER of those built are not yet connected. A device that
+    fails to start, or stops on an error before the stop, is logged here and told to `failed` with a line that says
+    why: the coordinator learns of it from the fleet rather than waiting for a device that will not come. Returns
+    how many devices were still stopping when the stop's grace (STOP_GRACE_S, for all together) ended."""
     set_power_loss_safe(power_loss_safe)
     if niceness and hasattr(os, "nice"):
         os.nice(niceness)  # (the kernel stops at 19)
@@ -400,9 +424,10 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
             adversary = raw.pop(ADVERSARY, None)
             device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary,
                                                       stop_poll_s=None))  # woken by request_stop below
-        except Exception:
+        except Exception as err:
             connected()
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
+            out_of_the_run(raw["device_id"], f"it failed to start: {error_line(err)}")
             return
         with lock:
             devices.append(device)
@@ -410,13 +435,20 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
             run_until_stopped(device, connected=connected)  # as a device waits for its broker, however long
         except Exception as err:  # refused by the broker, or failing: its own log line
             logging.getLogger("edgefil.fleet").error("device %s stopped: %s", raw["device_id"], err)
+            out_of_the_run(raw["device_id"], f"it stopped: {error_line(err)}")
         finally:
             connected()
 
+    def out_of_the_run(device: str, why: str) -> None:
+        if failed is not None and not stopping.is_set():  # a device's error in the stop is the stop's
+            failed(device, why)
+
     threads = [NamedThread(target=run, args=(raw,), daemon=True, name="device") for raw in configs]
+    stopping = threading.Event()
     for thread in threads:
         thread.start()
     wait_for_stop()
+    stopping.set()
     with lock:
         for device in devices:
             device.request_stop()
@@ -458,7 +490,9 @@ def size_futex_hash(threads: int) -> int | None:
 
 def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:
     """Each emulated device's state folder on a disk of its profile's capacity (firmware_sim/disk.py), on the
-    machine this runs on: the folders mounted, for `disk.unmount` at the end."""
+    machine this runs on: the folders mounted, for `disk.unmount` at the end. A folder that cannot be made (a file
+    in its place) is said and passed over: its device cannot start either, and its worker tells the fleet so
+    (`serve_devices`), which goes on without it."""
     from firmware_sim import disk
     from firmware_sim.profiles import load_profile
 
@@ -467,6 +501,10 @@ def mount_disks(configs: list[dict[str, Any]]) -> list[Path]:
         emulation = raw.get("emulation")
         if emulation is not None:
             folder = Path(raw["state_dir"])
-            if disk.mount(folder, load_profile(emulation["profile"]).disk_bytes):
-                mounted.append(folder)
+            try:
+                if disk.mount(folder, load_profile(emulation["profile"]).disk_bytes):
+                    mounted.append(folder)
+            except OSError as err:
+                logging.getLogger("edgefil.fleet").warning("no emulated disk for %s: %s", raw["device_id"],
+                                                           error_line(err))
     return mounted

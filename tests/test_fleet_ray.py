@@ -106,6 +106,26 @@ def test_a_worker_lost_for_good_ends_the_run_in_one_line(tmp_path, cluster, expo
         fleet.run(progress=progress)
 
 
+def test_a_device_that_fails_to_start_on_a_node_is_out_of_the_run(tmp_path, cluster, export_artifacts):
+    """A device that cannot start in its worker (its state folder is a file) is told to the coordinator through the
+    worker's actor: the run goes on without it rather than waiting for it (its first round waits for the roster),
+    and completes with the device "failed" and why."""
+    shutil.copytree(export_artifacts("lenet", 10, (1, 8, 8)), tmp_path / "run" / "artifacts")  # exported once
+    (tmp_path / "run" / "devices").mkdir()
+    (tmp_path / "run" / "devices" / "dev-002").write_text("not a folder")
+    config = FleetConfig(
+        name="overray", out=tmp_path / "run", devices=4, workers=2, backend="ray",
+        trainer=TrainerSettings(backend="ort", optimizer="adamw", lr=3e-3),
+        ray=RaySettings(address=cluster.address), scenario={"preset": "digits-class", "n_tasks": 2},
+        policy={"name": "random"}, store=StoreSettings(max_samples=60), client={"epochs": 1},
+        coordinator={"rounds_per_task": 1, "min_clients": 3, "deadline_s": 600.0, "wait_for_devices_s": 600.0},
+    )
+    results = Fleet(config).run()
+    assert results["outcome"] == "complete" and results["counters"]["device-failed"] == 1
+    failed = [d for d in results["devices"] if d["state"] == "failed"]
+    assert [d["device"] for d in failed] == ["dev-002"] and failed[0]["error"].startswith("it failed to start: ")
+
+
 def test_an_address_where_no_cluster_answers_is_refused_in_one_line():
     from coordinator.broker import free_port
     from firmware_sim.fleet_ray import refuse_unreachable

@@ -171,6 +171,37 @@ def test_a_worker_that_dies_ends_the_run_in_one_line_and_it_resumes(tmp_path):
     assert final["outcome"] == "complete" and final["rounds_completed"] == 30
 
 
+@pytest.mark.parametrize("quorum", ["reachable", "out of reach"])
+def test_a_device_that_fails_to_start_is_out_of_the_run_and_not_waited_for(tmp_path, quorum):
+    """One device of four cannot start in its worker (its state folder is a file: a damaged run folder, which the
+    fleet cannot mount its emulated disk on either): its worker tells the fleet, and the coordinator, which would
+    otherwise wait for the whole roster up to wall_limit_s (virtual time), logs why and goes on without it: the run
+    completes with the device "failed" and the reason in results.json. Where the quorum needs every device, the run
+    ends at once in one line that says why."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="embedded").replace("rounds_per_task = 2", "rounds_per_task = 1")
+                    .replace("min_clients = 4", "min_clients = 3" if quorum == "reachable" else "min_clients = 4"))
+    out, log = tmp_path / "run", tmp_path / "fleet.log"
+    (out / "devices").mkdir(parents=True)
+    (out / "devices" / "dev-003").write_text("not a folder")
+    code = fleet(path).wait(CEILING_S)
+    said = log.read_text()
+    assert re.search(r"ERROR device dev-003 is out of the run: it failed to start: \w+", said), said[-3000:]
+    ended = json.loads((out / "results.json").read_text())
+    failed = {d["device"]: d for d in ended["devices"] if d["state"] == "failed"}
+    assert list(failed) == ["dev-003"] and failed["dev-003"]["error"].startswith("it failed to start"), failed
+    assert not failed["dev-003"]["online"]
+    if quorum == "reachable":
+        assert code == 0, said[-3000:]
+        assert ended["outcome"] == "complete" and ended["rounds_completed"] == 3
+        assert ended["counters"]["device-failed"] == 1
+    else:
+        assert code == 2, said[-3000:]
+        line = [line for line in said.splitlines() if line.startswith("edgefil fleet run:")]
+        assert len(line) == 1 and "quorum of 4 cannot be reached" in line[0] and "dev-003" in line[0], line
+        assert ended["rounds_completed"] == 0
+
+
 def wait_rounds(proc: subprocess.Popen, out: Path, rounds: int, log: Path) -> None:
     deadline = time.monotonic() + CEILING_S
     while rounds_done(out) < rounds:

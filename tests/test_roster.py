@@ -96,3 +96,19 @@ def test_a_device_sent_a_round_shows_training_until_its_update_or_its_word_that_
     table = {row["device"]: row for row in roster.table()}
     assert (table["a"]["state"], table["b"]["state"]) == ("idle", "error")
     assert roster.connected() == {"a", "b"}
+
+
+def test_a_device_out_of_the_run_stays_failed_with_its_reason_whatever_it_said_before_or_says_after():
+    """`fail` (its host says it failed to start, or stopped on an error): offline, "failed" with why, for the rest
+    of the run: a late status (its last will, a stray "idle") does not bring it back into the selection."""
+    roster = Roster(["a", "b"])
+    for device in ("a", "b"):
+        roster.register(Registration(device, "ort", "pc", device))
+        roster.take_status(Status(device, "idle", 0, instance=device), 0)
+    roster.fail("b", "it stopped: OSError: [Errno 28] No space left on device")
+    roster.take_status(Status("b", "idle", 1, instance="b"), 0)
+    roster.take_status(Status("b", "offline", 1, instance="b"), 0)
+    assert roster.connected() == roster.available(0) == {"a"} and roster.failed == {"b": roster.records["b"].error}
+    row = {row["device"]: row for row in roster.table()}["b"]
+    assert (row["state"], row["online"], row["error"]) == ("failed", False, "it stopped: OSError: [Errno 28] No "
+                                                           "space left on device")
