@@ -331,12 +331,10 @@ class Coordinator:
         self.link.wake()
 
     def _take_failures(self) -> None:
-        """The devices `device_failed` said are out of the run, taken out as it says."""
-        while True:
-            try:
-                device, why = self._failures.get_nowait()
-            except queue.Empty:
-                return
+        """The devices `device_failed` said are out of the run, taken out as it says (asked at every message: an
+        empty queue's answer, not a raised Empty)."""
+        while not self._failures.empty():  # this thread alone takes from it
+            device, why = self._failures.get()
             if device not in self.roster.records or device in self.roster.failed:
                 continue
             log.error("device %s is out of the run: %s (its fleet worker's log says more)", device, why)
