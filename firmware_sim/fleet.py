@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -393,6 +394,7 @@ class ProcessWorkers:
         self.processes: list[mp.process.BaseProcess] = []
         self._devices: list[list[str]] = []  # each worker's devices, in the order of `processes`
         self._failures: list[Connection] = []  # each worker's word on its devices out of the run (`watch`)
+        self._watching: threading.Thread | None = None
         self._mounted: list[Path] = []
         self._stopping = False
 
@@ -452,7 +454,8 @@ class ProcessWorkers:
                 return
             failed(device, why)
 
-        NamedThread(target=wait, daemon=True, name="worker-watch").start()
+        self._watching = NamedThread(target=wait, daemon=True, name="worker-watch")
+        self._watching.start()
 
     def stop(self) -> None:
         """Stop every worker, within STOP_GRACE_S for all of them together (then terminated)."""
@@ -463,6 +466,10 @@ class ProcessWorkers:
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.terminate()
+        if self._watching is not None:  # woken by the word to stop: done with the pipes before they close
+            self._watching.join(EXIT_CODE_WAIT_S)
+        while self._failures:
+            self._failures.pop().close()
         while self._mounted:
             disk.unmount(self._mounted.pop())
 
