@@ -211,6 +211,8 @@ class RayWorkers:
             for k, actor in enumerate(actors):
                 if k not in asked:
                     asked[k] = actor.failures.remote()
+            if not asked:
+                return
             answered, _ = self._ray.wait(list(asked.values()), num_returns=len(asked), timeout=0)
             for k, ref in list(asked.items()):
                 if ref not in answered:
