@@ -103,6 +103,9 @@ CHECK_EVERY_S = 0.05  # how often a wait for the fleet (registered, back online)
 # fleet started)
 CHECK_SHARE = 0.05
 END_GRACE_S = 30.0  # the longest the end of a run waits for the devices' answers to it (`_hear_goodbyes`)
+# Devices out of the run (`device_failed`) each said in the log at ERROR; past these, one line says the rest are in
+# results.json: a fleet whose every device fails to start (its nodes lack the backend) said so 10,000 times.
+FAILURES_SAID = 10
 
 
 class QuorumError(RuntimeError):
@@ -337,8 +340,11 @@ class Coordinator:
             device, why = self._failures.get()
             if device not in self.roster.records or device in self.roster.failed:
                 continue
-            log.error("device %s is out of the run: %s (its fleet worker's log says more)", device, why)
             self.counters["device-failed"] += 1
+            if self.counters["device-failed"] <= FAILURES_SAID:
+                log.error("device %s is out of the run: %s (its fleet worker's log says more)", device, why)
+            if self.counters["device-failed"] == FAILURES_SAID + 1:
+                log.error("more devices are out of the run: results.json and the dashboard list them, each with why")
             self._on_status(Status(device, "offline", self.state.round))
             self.roster.fail(device, why)
 

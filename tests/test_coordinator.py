@@ -197,6 +197,35 @@ def test_a_run_folder_with_a_checkpoint_needs_resume(tmp_path, export_artifacts)
     assert done.stderr.splitlines()[-1].startswith("edgefil coordinator: no checkpoint in"), done.stderr
 
 
+def test_devices_out_of_the_run_are_kept_failed_said_at_most_a_few_times_and_end_a_quorum_out_of_reach(
+        tmp_path, export_artifacts, caplog):
+    """`device_failed` (a fleet's worker says a device failed to start): the device is "failed" with why and
+    counted, once however often it is said, a device not of the run passed over; the first FAILURES_SAID are each
+    said at ERROR, then one line for the rest (a fleet whose 10,000 devices all fail said so 10,000 times); the
+    quorum is out of reach once fewer devices than it are left."""
+    from coordinator.server import FAILURES_SAID, Coordinator
+
+    devices = [f"d{k}" for k in range(FAILURES_SAID + 3)]
+    config = CoordinatorConfig.from_dict({
+        "fleet": FLEET, "out": "run", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "devices": devices, "scenario": {"preset": "digits-class", "n_clients": len(devices)}, "min_clients": 2,
+    }, base=tmp_path)
+    coordinator = Coordinator(config, test_sets=preset("digits-class", n_clients=len(devices)).build())
+    for device in [*devices[:-2], devices[0], "stranger"]:
+        coordinator.device_failed(device, f"it failed to start: OSError: {device}'s disk")
+    with caplog.at_level("ERROR", logger="edgefil.coordinator"):
+        coordinator._take_failures()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == FAILURES_SAID + 1 and said[0].startswith("device d0 is out of the run: it failed to start")
+    assert said[-1].startswith("more devices are out of the run")
+    assert coordinator.counters["device-failed"] == len(devices) - 2 and set(coordinator.roster.failed) == set(
+        devices[:-2])
+    assert coordinator.roster.records["d0"].state == "failed" and coordinator._can_reach_quorum()
+    coordinator.device_failed(devices[-1], "it stopped: RuntimeError: no")
+    coordinator._take_failures()
+    assert not coordinator._can_reach_quorum()
+
+
 def test_generations_beyond_keep_and_incomplete_ones_are_pruned(tmp_path):
     weights = np.zeros(3, dtype=np.float32)
     for round_ in range(1, 6):
