@@ -80,6 +80,10 @@ REPLAY_M = 1400  # more than any share: every device trains on all of its data, 
 WORK = {"preset": "digits-class", "n_tasks": 1, "classes_per_task": 10}  # with "n_clients": N (module docstring)
 CLIENT = {"mask_seen_classes": False, "fresh_optimizer": True}  # edgefil's rounds train as Flower's (module docstring)
 RESULT = "VS_FLOWER_RESULT "
+# The most one side's run may take: past it, the run is taken as hung, ended, and the benchmark fails saying so (a
+# Flower runtime that crashed left its server waiting for replies forever, and this waited with it). Runs at 3000
+# clients took under 3 minutes.
+SIDE_CEILING_S = 1800
 # edgefil's CPU seconds a round by process (fleet_scale's probe), and the devices' training among the workers'
 CPU_PARTS = {"coordinator": "cpu_coordinator", "broker": "cpu_broker", "workers": "cpu_workers",
              "training": "dev_sum"}
@@ -151,7 +155,12 @@ def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: 
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory = PeakMemory(proc.pid)
     memory.start()
-    output, _ = proc.communicate()
+    try:
+        output, _ = proc.communicate(timeout=SIDE_CEILING_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        output += f"\n(ended: still running after {SIDE_CEILING_S} s)"
     memory.done.set()
     memory.join()
     lines = [line for line in output.splitlines() if line.startswith(RESULT)]
@@ -305,8 +314,11 @@ def flower_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> di
                        evaluate_fn=evaluate)
 
     cores = len(os.sched_getaffinity(0))
+    # Ray of its own ("local"), as a user's simulation on a host without a cluster has: not one that Ray's file of the
+    # current cluster names (a Ray process killed before it cleaned up leaves it behind, and Flower's runtime then
+    # crashed on connecting to it and its server waited for replies forever), nor a user's cluster on this host
     run_simulation(server_app=server, client_app=client, num_supernodes=clients, backend_config={
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": cores},
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": cores, "address": "local"},
     })
     times = [t for t, _ in evaluated]
     return {"first_round_done_s": times[1] - t0, "round_s": [b - a for a, b in zip(times, times[1:])],
