@@ -21,6 +21,7 @@ the `ray` extra (`pip install 'edgefil[ray]'`) and edgefil installed on every no
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -143,6 +144,29 @@ def refuse_unreachable(address: str | None, timeout_s: float = 10.0) -> None:
         raise ConnectionError(f"no Ray cluster answers at {address} ({err.strerror or err})") from None
 
 
+def here_address(timeout_s: float = 2.0) -> str | None:
+    """What "Ray on this machine" (`address` left out) passes to `ray.init`: None, Ray's own choice (the cluster
+    running on this machine, else a new one), or "local" (a new one) where Ray's file of the machine's cluster names
+    one that does not answer: a Ray killed before it cleaned up leaves the file, and `ray.init` then waits minutes for
+    the dead cluster instead of starting one (seen: a killed test's cluster; Flower's simulation crashed on it)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    try:
+        from ray._common.utils import get_ray_address_file  # Ray's own rule for where the file is (2.55)
+
+        named = Path(get_ray_address_file(None)).read_text().strip()
+    except (ImportError, OSError):
+        return None
+    host, _, port = named.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        log.warning("Ray's file of this machine's cluster names %s, where none answers (a Ray that did not stop "
+                    "cleanly): starting a new one", named)
+        return "local"
+    return None
+
+
 class RayWorkers:
     """The fleet's workers on a Ray cluster: joined (or Ray started here) when made, left by `stop`."""
 
@@ -154,7 +178,8 @@ class RayWorkers:
         self._joined = not ray.is_initialized()
         if self._joined:
             refuse_unreachable(settings.address)
-            ray.init(address=settings.address, include_dashboard=False, logging_level=logging.WARNING,
+            address = settings.address if settings.address is not None else here_address()
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                      configure_logging=False)
         self._actors: list[Any] = []
         self._devices: list[list[str]] = []  # each worker's devices, in the order of `_actors`

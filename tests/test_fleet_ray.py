@@ -126,6 +126,28 @@ def test_a_device_that_fails_to_start_on_a_node_is_out_of_the_run(tmp_path, clus
     assert [d["device"] for d in failed] == ["dev-002"] and failed[0]["error"].startswith("it failed to start: ")
 
 
+def test_ray_on_this_machine_starts_its_own_where_ray_s_file_names_a_dead_cluster(tmp_path, monkeypatch):
+    """`address` left out: Ray's own choice (the machine's running cluster, else a new one), except where Ray's file
+    of the machine's cluster names one where nothing answers (a Ray killed before it cleaned up): there `ray.init`
+    waited minutes for it, and a new one ("local") is started instead."""
+    import socket
+
+    from coordinator.broker import free_port
+    from firmware_sim.fleet_ray import here_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert here_address() is None  # no file: no cluster here
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    assert here_address() == "local"
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{listening.getsockname()[1]}")
+        assert here_address() is None  # a cluster that answers is Ray's to join
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert here_address() is None  # the user's word
+
+
 def test_an_address_where_no_cluster_answers_is_refused_in_one_line():
     from coordinator.broker import free_port
     from firmware_sim.fleet_ray import refuse_unreachable
