@@ -320,6 +320,52 @@ def _gone_while_held(lock: AbstractContextManager[Any], drop: Callable[[], None]
     return done.wait(30)
 
 
+def test_a_worker_tells_which_devices_failed_to_start_or_stopped_on_an_error_and_not_those_of_its_stop(
+        tmp_path, monkeypatch):
+    """`serve_devices(failed=...)`: a device whose build raises (its disk) and one whose broker refuses it are told,
+    each with a line that says why; one that raises once the worker stops is the stop's, not told."""
+    from edge_client import device as device_module
+    from edgefil.link import ConnectionRefused
+    from firmware_sim import fleet_worker
+    from firmware_sim import virtual_device as virtual_device_module
+
+    class Hosted:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def request_stop(self) -> None:  # after the worker's word to stop, as a device's connection then closes
+            stopped.set()
+
+    def build(config: DeviceConfig, *args: Any, **kwargs: Any) -> Hosted:
+        if config.device_id == "dev-0":
+            raise OSError(28, "No space left on device")
+        return Hosted(config.device_id)
+
+    stopped = threading.Event()
+
+    def run(device: Hosted, connected: Callable[[], None]) -> None:
+        connected()
+        if device.name == "dev-1":
+            raise ConnectionRefused("broker at 127.0.0.1:1 refused: not authorised")
+        stopped.wait()
+        raise RuntimeError("its connection closed as the worker stopped")
+
+    monkeypatch.setattr(virtual_device_module, "virtual_device", build)
+    monkeypatch.setattr(device_module, "run_until_stopped", run)
+    for setting in ("set_worker_allocator", "size_futex_hash", "limit_torch_threads"):  # process-wide: not here
+        monkeypatch.setattr(fleet_worker, setting, lambda *_: None)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda _: None)
+    told: list[tuple[str, str]] = []
+    configs = [{"device_id": f"dev-{k}", "fleet": "lab", "artifacts": str(tmp_path), "state_dir": str(tmp_path / str(k)),
+                "broker": {"port": 1, "password": "pw"}, "store": {"max_samples": 10}, "policy": {"name": "random"}}
+               for k in range(3)]
+
+    assert fleet_worker.serve_devices(configs, lambda: wait_for(lambda: len(told) == 2, 30), False,
+                                      failed=lambda *said: told.append(said)) == 0
+    assert sorted(told) == [("dev-0", "it failed to start: OSError: [Errno 28] No space left on device"),
+                            ("dev-1", "it stopped: ConnectionRefused: broker at 127.0.0.1:1 refused: not authorised")]
+
+
 def test_a_verified_payload_may_go_in_a_thread_that_holds_the_shared_models_lock():
     """The weak reference by which the process forgets a verified global model calls back into
     edge_client/shared_models.py; where the payload's last reference goes in a thread inside that module's lock,
