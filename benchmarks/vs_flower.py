@@ -13,8 +13,9 @@ the very shards edgefil's selected devices train on, so both train and aggregate
 them, with the samples each side's rounds aggregate and the accuracy each reaches).
 
 - edgefil: `benchmarks/fleet_scale.py`'s instrumented fleet with the fleet's defaults (mosquitto, the workers it
-  sizes itself: one per core up to 3000 devices on 2 cores, the portable backend), random replay with M large
-  enough to hold every share. The fleet exports its model's artifacts itself, inside the timed run, through the
+  sizes itself: one per core up to 3000 devices on 2 cores, the portable backend, the devices' state parked on
+  disk between rounds: `--between-rounds memory` keeps it in memory, a device's own default), random replay with M
+  large enough to hold every share. The fleet exports its model's artifacts itself, inside the timed run, through the
   export cache (models/cache.py, `$EDGEFIL_CACHE` set per run): "cached", the cache filled once before the runs
   (every fleet run after a host's first), and, once per N, "cold", a cache without exports (a host's first run:
   the export itself). The cold cache keeps the digits split that the cache also holds (firmware_sim/datasets.py,
@@ -152,6 +153,8 @@ class PeakMemory(threading.Thread):
 def run_side(side: str, python: Path, n: int, args: argparse.Namespace, folder: Path, cache: Path) -> dict[str, Any]:
     command = [str(python), str(Path(__file__).resolve()), "--side", side, "--n", str(n),
                "--rounds", str(args.rounds), "--folder", str(folder), "--cache", str(cache), "--t0", repr(time.time())]
+    if side == "edgefil" and args.between_rounds:
+        command += ["--between-rounds", args.between_rounds]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory = PeakMemory(proc.pid)
     memory.start()
@@ -195,7 +198,8 @@ def write_shards(n: int, folder: Path) -> None:
 
 # --- edgefil's side (project environment) ---------------------------------------------------------
 
-def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> dict[str, Any]:
+def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path, between_rounds: str | None = None
+                 ) -> dict[str, Any]:
     import logging
 
     os.environ["EDGEFIL_CACHE"] = str(cache)  # before the fleet's export reads it
@@ -205,7 +209,7 @@ def edgefil_side(n: int, rounds: int, folder: Path, t0: float, cache: Path) -> d
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # workers=None: the fleet's own sizing
     options = argparse.Namespace(workers=None, backend="portable", replay_m=REPLAY_M, deadline_s=600.0, wait_s=600.0,
-                                 idle_s=0.0, rounds=rounds, per_device=0, profile=0)
+                                 idle_s=0.0, rounds=rounds, per_device=0, profile=0, between_rounds=between_rounds)
     from coordinator.guard_settings import OFF
 
     # the fleet exports, through the cache; every device trains over all ten classes, and the round is plain FedAvg
@@ -351,6 +355,8 @@ def main() -> None:
                              "actor per core)")
     parser.add_argument("--flower-venv", default=str(ROOT / ".venv-flower"))
     parser.add_argument("--json", default=None, help="also write every run's figures to this file")
+    parser.add_argument("--between-rounds", choices=("memory", "disk"), default=None,
+                        help="edgefil's devices' [learner] between_rounds (default: the fleet's, disk)")
     parser.add_argument("--side", choices=("edgefil", "flower"), help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -358,12 +364,15 @@ def main() -> None:
     parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
+        extra = {"between_rounds": args.between_rounds} if args.side == "edgefil" else {}
         side = edgefil_side if args.side == "edgefil" else flower_side
-        print(RESULT + json.dumps(side(args.n, args.rounds, Path(args.folder), args.t0, Path(args.cache))),
+        print(RESULT + json.dumps(side(args.n, args.rounds, Path(args.folder), args.t0, Path(args.cache), **extra)),
               flush=True)
         return
 
     flower_python = ensure_flower_venv(Path(args.flower_venv))
+    if args.between_rounds:
+        print(f"edgefil's devices keep their state between rounds in {args.between_rounds} (--between-rounds)")
     sizes = [int(n) for n in args.devices.split(",")]
     base = Path(tempfile.mkdtemp(prefix="vs-flower-"))
     pythons = {"edgefil": Path(sys.executable), "flower": flower_python}
