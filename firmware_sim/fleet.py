@@ -424,7 +424,7 @@ class ProcessWorkers:
         """How many of the workers run on this machine (beside the coordinator)."""
         return len(self.processes)
 
-    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed = lambda device, why: None) -> None:
+    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed) -> None:
         """From a thread of its own until `stop`: call `failed` with each device a worker says is out of the run and
         why (`serve_devices`), and `gone` with a line and the worker's devices if a worker ends. Waits on the
         workers' pipes, the processes' sentinels and the word to stop (no polling)."""

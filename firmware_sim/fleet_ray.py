@@ -135,13 +135,19 @@ def refuse_unreachable(address: str | None, timeout_s: float = 10.0) -> None:
     own connect retries for minutes on end. "auto" and None are Ray's to resolve."""
     if address is None or address in ("auto", "local"):
         return
+    try:
+        answer(address, timeout_s)
+    except OSError as err:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({err.strerror or err})") from None
+
+
+def answer(address: str, timeout_s: float) -> None:
+    """Connect to a Ray `host:port` (or `ray://host:port`) address and close again: OSError where nothing
+    listens, ValueError for an address of another form."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"[ray] address must be auto, HOST:PORT or ray://HOST:PORT; got {address!r}")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as err:
-        raise ConnectionError(f"no Ray cluster answers at {address} ({err.strerror or err})") from None
+    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
 
 
 def here_address(timeout_s: float = 2.0) -> str | None:
@@ -157,9 +163,8 @@ def here_address(timeout_s: float = 2.0) -> str | None:
         named = Path(get_ray_address_file(None)).read_text().strip()
     except (ImportError, OSError):
         return None
-    host, _, port = named.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        answer(named, timeout_s)
     except (OSError, ValueError):
         log.warning("Ray's file of this machine's cluster names %s, where none answers (a Ray that did not stop "
                     "cleanly): starting a new one", named)
@@ -225,7 +230,7 @@ class RayWorkers:
                                   timeout=timeout)
         return [str(n) for n in self._ray.get(ready)].count(self._ray.get_runtime_context().get_node_id())
 
-    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed = lambda device, why: None) -> None:
+    def watch(self, gone: Callable[[str, list[str]], None], failed: DeviceFailed) -> None:
         """From a thread of its own until `stop`: call `failed` with each device a worker says is out of the run and
         why (`serve_devices`), and `gone` with a line and the worker's devices if a worker ends (its restarts spent,
         or failing). Ray's wait has no wake-up, so the thread asks every WATCH_EVERY_S."""

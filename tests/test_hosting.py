@@ -305,21 +305,6 @@ def test_a_worker_counts_the_devices_still_stopping_when_its_grace_ends_and_ends
     assert "2 of 5 devices still stopping after" in log.read_text() and not hook.exists()
 
 
-def _gone_while_held(lock: AbstractContextManager[Any], drop: Callable[[], None]) -> bool:
-    """Whether `drop` (which lets the last reference to something with a finalizer go) returns when it runs in a
-    thread that holds `lock`, as a thread may when the cyclic collector or a free-threaded build runs the
-    finalizer there; False if it waits for the lock its own thread holds (a ceiling of 30 s on a hang)."""
-    done = threading.Event()
-
-    def run() -> None:
-        with lock:
-            drop()
-        done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return done.wait(30)
-
-
 def test_a_worker_tells_which_devices_failed_to_start_or_stopped_on_an_error_and_not_those_of_its_stop(
         tmp_path, monkeypatch):
     """`serve_devices(failed=...)`: a device whose build raises (its disk) and one whose broker refuses it are told,
@@ -364,6 +349,21 @@ def test_a_worker_tells_which_devices_failed_to_start_or_stopped_on_an_error_and
                                       failed=lambda *said: told.append(said)) == 0
     assert sorted(told) == [("dev-0", "it failed to start: OSError: [Errno 28] No space left on device"),
                             ("dev-1", "it stopped: ConnectionRefused: broker at 127.0.0.1:1 refused: not authorised")]
+
+
+def _gone_while_held(lock: AbstractContextManager[Any], drop: Callable[[], None]) -> bool:
+    """Whether `drop` (which lets the last reference to something with a finalizer go) returns when it runs in a
+    thread that holds `lock`, as a thread may when the cyclic collector or a free-threaded build runs the
+    finalizer there; False if it waits for the lock its own thread holds (a ceiling of 30 s on a hang)."""
+    done = threading.Event()
+
+    def run() -> None:
+        with lock:
+            drop()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(30)
 
 
 def test_a_verified_payload_may_go_in_a_thread_that_holds_the_shared_models_lock():
