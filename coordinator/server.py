@@ -90,6 +90,7 @@ from edgefil import topics
 from edgefil.collector import long_run
 from edgefil.lifetime import uninterrupted
 from edgefil.link import CONNECTED, ConnectionRefused, Link
+from edgefil.logs import LineQuota, names_line
 from edgefil.secagg import SecAggError
 from models.checkpoint import checkpoint_weights
 from models.manifest import load_manifest, manifest_digest
@@ -106,6 +107,9 @@ END_GRACE_S = 30.0  # the longest the end of a run waits for the devices' answer
 # Devices out of the run (`device_failed`) each said in the log at ERROR; past these, one line says the rest are in
 # results.json: a fleet whose every device fails to start (its nodes lack the backend) said so 10,000 times.
 FAILURES_SAID = 10
+# Registrations said at INFO from the run's start until its first round opens, and in each round after it; the others
+# at DEBUG (the first round's wait counts them in its lines): a 10,000-device fleet's start said each of them.
+REGISTRATIONS_SAID = 10
 
 
 class QuorumError(RuntimeError):
@@ -128,6 +132,8 @@ class Coordinator:
         self._aborted: str | None = None  # why the run must end now (`abort`), until the pump raises it
         self._gone_with_abort: tuple[str, ...] = ()  # the devices `abort` said are gone with it
         self._failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # `device_failed`'s, for the pump
+        self._failures_said = LineQuota(FAILURES_SAID)
+        self._registrations_said = LineQuota(REGISTRATIONS_SAID)  # renewed as each round opens
         rule = config.strategy["name"]
         options = {k: v for k, v in config.strategy.items() if k != "name"}
         refused = privacy_refused(config.privacy, rule, options)
@@ -341,9 +347,9 @@ class Coordinator:
             if device not in self.roster.records or device in self.roster.failed:
                 continue
             self.counters["device-failed"] += 1
-            if self.counters["device-failed"] <= FAILURES_SAID:
-                log.error("device %s is out of the run: %s (its fleet worker's log says more)", device, why)
-            if self.counters["device-failed"] == FAILURES_SAID + 1:
+            log.log(self._failures_said.level(logging.ERROR), "device %s is out of the run: %s (its fleet worker's "
+                    "log says more)", device, why)
+            if self._failures_said.just_spent:
                 log.error("more devices are out of the run: results.json and the dashboard list them, each with why")
             self._on_status(Status(device, "offline", self.state.round))
             self.roster.fail(device, why)
@@ -462,9 +468,9 @@ class Coordinator:
                 which = {d: why for d, why in collected.failed.items() if (d in collected.sitting_out) == expected}
                 if which:  # a device away on its schedule is the fleet as it is, not a fault: said, not warned
                     log.log(logging.INFO if expected else logging.WARNING, "round %d closed without %s (%s)", number,
-                            ", ".join(f"{d}: {why}" for d, why in sorted(which.items())), said)
+                            names_line(f"{d}: {why}" for d, why in sorted(which.items())), said)
             if missing:
-                log.warning("round %d closed without %s (deadline or offline)", number, ", ".join(missing))
+                log.warning("round %d closed without %s (deadline or offline)", number, names_line(missing))
                 self.counters["missed-deadline"] += len(missing)
             if len(collected.delivered) >= self.config.min_clients:
                 self._close(collected, aggregate)
@@ -475,7 +481,7 @@ class Coordinator:
             backoff = min(self.config.retry_backoff_s * 2 ** (attempt - 1), self.config.wait_for_devices_s)
             log.warning("round %d (attempt %d) got %d updates, quorum %d: running it again after up to %.0f s for "
                         "%s to come back", number, attempt, len(collected.delivered), self.config.min_clients,
-                        backoff, ", ".join(missing) or "devices")
+                        backoff, names_line(missing) or "devices")
             self._await_return(missing, backoff)
         self._check_spent()
         raise QuorumError(f"round {number} missed its quorum of {self.config.min_clients} "
@@ -567,7 +573,8 @@ class Coordinator:
     def _open(self, number: int, task: int, selected: list[str], earlier: OpenRound | None) -> OpenRound:
         """Publish the round's weights and ask the selected devices to train; `earlier`: the round's previous
         attempt, whose deliveries count in this one."""
-        log.info("round %d (task %d): selected %s", number, task, ", ".join(selected))
+        log.info("round %d (task %d): selected %s", number, task, names_line(selected))
+        self._registrations_said.renew()
         model = self.outbox.publish_weights(self.state.weights, number, self.state.round, task)
         self.open_round = opened = OpenRound.open(
             number, task, model, selected, self.config.deadline_s, virtual=self.config.virtual_time,
@@ -816,7 +823,11 @@ class Coordinator:
             self._on_secure_message(event)
 
     def _on_registration(self, event: Registration) -> None:
-        log.info("%s registered (%s backend, profile %s)", event.device, event.backend, event.profile)
+        log.log(self._registrations_said.level(logging.INFO), "%s registered (%s backend, profile %s)", event.device,
+                event.backend, event.profile)
+        if self._registrations_said.just_spent:
+            log.info("more devices registering: each said at DEBUG until the next round opens%s",
+                     " (the lines waiting for the fleet count them)" if self._first_round else "")
         both = self.roster.register(event)
         if both is not None:  # an older process of the device registered again: two processes share its id
             self.counters["duplicate-device"] += 1

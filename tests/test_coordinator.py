@@ -226,6 +226,39 @@ def test_devices_out_of_the_run_are_kept_failed_said_at_most_a_few_times_and_end
     assert not coordinator._can_reach_quorum()
 
 
+def test_a_large_fleets_console_says_a_few_registrations_a_round_and_names_a_few_selected_devices(
+        tmp_path, export_artifacts, caplog):
+    """A fleet of 10,000 devices put every registration on the coordinator's console and, each round, a line naming
+    all its selected devices: the first REGISTRATIONS_SAID registrations until the first round opens are said at
+    INFO, then one line says the others go to DEBUG (where each still is), and each round says its first ones again;
+    a round's line names NAMES_SHOWN devices and counts the rest."""
+    from coordinator.inbox import Registration
+    from coordinator.server import REGISTRATIONS_SAID, Coordinator
+    from edgefil.logs import NAMES_SHOWN
+
+    devices = [f"d{k:02d}" for k in range(max(REGISTRATIONS_SAID, NAMES_SHOWN) + 5)]
+    config = CoordinatorConfig.from_dict({
+        "fleet": FLEET, "out": "run", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "devices": devices, "scenario": {"preset": "digits-class", "n_clients": len(devices)},
+    }, base=tmp_path)
+    coordinator = Coordinator(config, test_sets=preset("digits-class", n_clients=len(devices)).build())
+    with caplog.at_level("DEBUG", logger="edgefil.coordinator"):
+        for device in devices:
+            coordinator._on_registration(Registration(device, "portable", "generic", "first"))
+        coordinator._first_round = False  # (as the first round's wait ends)
+        coordinator._open(1, 0, devices, None)
+        coordinator._on_registration(Registration(devices[0], "portable", "generic", "second"))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    registered = [(level, text.split()[0]) for level, text in lines if " registered (" in text]
+    assert registered == [("INFO", d) for d in devices[:REGISTRATIONS_SAID]] + [
+        ("DEBUG", d) for d in devices[REGISTRATIONS_SAID:]] + [("INFO", devices[0])]
+    told = [text for level, text in lines if text.startswith("more devices registering")]
+    assert len(told) == 1 and "waiting for the fleet" in told[0]
+    selected = next(text for _, text in lines if text.startswith("round 1 (task 0): selected"))
+    shown = ", ".join(devices[:NAMES_SHOWN])
+    assert selected == f"round 1 (task 0): selected {shown} and {len(devices) - NAMES_SHOWN} more"
+
+
 def test_generations_beyond_keep_and_incomplete_ones_are_pruned(tmp_path):
     weights = np.zeros(3, dtype=np.float32)
     for round_ in range(1, 6):
