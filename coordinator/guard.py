@@ -156,7 +156,8 @@ class UpdateBounds(GuardSettings):
         """The bounds that `settings` (a coordinator file's `[guard]`) set."""
         return settings if isinstance(settings, cls) else cls(**dataclasses.asdict(settings))
 
-    def selection(self, reference: ClassReference | None, heads: HeadLayout | None = None) -> KrumSelection:
+    def selection(self, reference: ClassReference | None, heads: HeadLayout | None = None,
+                  global_weights: np.ndarray | None = None) -> KrumSelection:
         """The round's Krum selection: none (a share of 0) in a round that has a calibration reference, unless
         `krum_when = "always"`. Krum compares updates with each other, so it reads a device that brings classes no
         other holds as an outlier (issue 56: the same honest device refused in 10 of 10 rounds); the reference
@@ -164,7 +165,7 @@ class UpdateBounds(GuardSettings):
         bounded without it (docs/security.md). A round without a reference has only the comparison with the others."""
         compared = reference is not None and self.reference != "off" and self.krum_when != "always"
         return KrumSelection(0.0 if compared else self.krum_share, self.hold, self.krum_radius,
-                             heads if self.krum_compare == "classes" else None, self.krum_floor)
+                             heads if self.krum_compare == "classes" else None, self.krum_floor, global_weights)
 
     def influence(self, widened: UpdateChanges, path: FleetPath, heads: HeadLayout | None
                   ) -> RoundInfluence | None:
@@ -227,7 +228,8 @@ class UpdateBounds(GuardSettings):
         checked = [c for c in (self.referenced(u, reference, counters, counts.value(), changes.value(), change)
                                for u, change in zip(progressing, compared)) if c is not None]
         checked = self.counted_once(widened, checked, counters)
-        kept = (selection or self.selection(reference, heads)).select(checked, counters, typical_distance)
+        kept = (selection or self.selection(reference, heads, global_weights)).select(checked, counters,
+                                                                                      typical_distance)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(widened, kept)
             directed = (self.directed(widened, u, total, counters, True, typical_distance) for u in kept)
@@ -620,7 +622,7 @@ class BoundedStream:
         # the direction check's reference: the changes of the updates taken so far
         self.total = np.zeros(global_weights.size, np.float64) if bounds.checks_direction else None
         # past the held updates, for the later ones
-        self.selection = bounds.selection(reference, heads)
+        self.selection = bounds.selection(reference, heads, global_weights)
         self.sent: list[tuple[ClientUpdate, float]] = []  # the held updates as sent, and their distances
         self.sent_rows: DistancesTo | None = None  # their rows, which a later update is measured against at once
 
