@@ -53,7 +53,8 @@ rule (`[guard]` in the coordinator file; what the defaults withstand is measured
   and honest bodies differ by about a hundredth of an update's length: a device whose one sample pointed its body
   elsewhere lay just beyond the radius. So a named update is also taken back within `krum_floor` (0.05) times the
   round's median distance from the global model of the centre: a twentieth of a typical update is no harm worth a
-  refusal.
+  refusal. An update that learnt nothing (the global model, claiming no samples) is neither scored nor a reference
+  (`KrumSelection`: in a 2000-device fleet such first arrivals had every learner after them refused).
 - **Direction** (`min_alignment`, -0.9 by default; -1: off): an update whose change points against the round's
   others (its cosine with the sum of the others' changes below `min_alignment`) is refused (`direction_bound =
   "reject"`), or turned (`"project"`): its component along the others' direction is raised until its cosine is
