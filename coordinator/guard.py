@@ -140,7 +140,7 @@ import numpy as np
 from coordinator.compute import UpdateChanges, distance, within_length
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import UNKNOWN_PATH, FleetPath, HeadLayout, RoundInfluence
-from coordinator.krum import KrumSelection
+from coordinator.krum import KrumSelection, learnt_nothing
 from coordinator.medians import RunningMedian, RunningTypical, typical
 from coordinator.reference import ClassReference, LossChange
 from coordinator.strategies.base import ClientUpdate
@@ -620,6 +620,7 @@ class BoundedStream:
         self.distances = RunningTypical()
         self.changes = RunningMedian()  # the calibration loss changes of the updates the reference passed
         self.held: list[tuple[ClientUpdate, float]] | None = []  # and their distances; None once they went on
+        self.held_learnt = 0  # of them, those that learnt something (`learnt_nothing`): `hold` of these are waited for
         # the direction check's reference: the changes of the updates taken so far
         self.total = np.zeros(global_weights.size, np.float64) if bounds.checks_direction else None
         # past the held updates, for the later ones
@@ -632,8 +633,14 @@ class BoundedStream:
         self.counts.add(update.num_samples)
         self.distances.add(moved)
         if self.held is not None:
+            if learnt_nothing(update, self.global_weights):
+                # held with the first ones, as the global model's own array (it holds no memory of its own), and not
+                # counted among them: Krum's reference and the copy check's are the first `hold` that learnt something
+                self.held.append((dataclasses.replace(update, weights=self.global_weights), moved))
+                return
             self.held.append((update, moved))
-            if len(self.held) >= self.bounds.hold:
+            self.held_learnt += 1
+            if self.held_learnt >= self.bounds.hold:
                 self._release()
             return
         bounded = self.bounds.bounded(
@@ -675,8 +682,9 @@ class BoundedStream:
         held, self.held = sorted(self.held or [], key=lambda item: item[0].device), None
         updates = [update for update, _ in held]
         if self.bounds.copy_factor:  # a later copy of one of them counts none of its samples: kept for the round
-            self.sent = held
-            self.sent_rows = self.bounds.taken_rows_of(self.global_weights, held)
+            # (one that claims no samples is no copy: `counted_once`; and the rows stay `hold` at most)
+            self.sent = [(u, d) for u, d in held if u.num_samples > 0]
+            self.sent_rows = self.bounds.taken_rows_of(self.global_weights, self.sent)
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection, self.reference, self.path, influence=self.influence,
                                         changes=self.changes, widened=self.widened):

@@ -96,16 +96,23 @@ def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
     return set(np.argsort(scores, kind="stable")[n - f:].tolist())
 
 
+def learnt_nothing(update: ClientUpdate, global_weights: np.ndarray | None) -> bool:
+    """The update is the global model as it was and claims no samples: what an honest device whose training left the
+    model unchanged sends (edgefil's edge_client/device.py `_claims`). No attack (it is the global model), and it says
+    nothing of what the round learns. False where `global_weights` is None (not known)."""
+    return (global_weights is not None and update.num_samples == 0
+            and np.array_equal(update.weights, global_weights))
+
+
 class KrumSelection:
     """A round's Krum selection (coordinator/guard.py's docstring): the f worst-scored of its first `hold` updates
     are refused, and each later update is refused when its score against the kept ones is worse than the worst of
     theirs. With a head layout, updates are compared on what neither one's classes own (`compared_distances`).
 
-    An update that learnt nothing (the global model as it was, claiming no samples: an honest device whose training
-    left it unchanged, edge_client/device.py `_claims`) is neither scored nor a reference: it is the global model,
-    no attack, and says nothing of what the round learns. Devices with little data answer first, and in a 2000-device
-    fleet the first 8 arrivals were mostly such: the kept ones' worst score was 0 and their spread 0, and every
-    update after them that learnt something was refused (606 of 2000 in round 1, all its learners; docs/security.md).
+    An update that learnt nothing (`learnt_nothing`) is neither scored nor a reference, and the first `hold` are
+    the first `hold` that learnt something: devices with little data answer first, and in a 2000-device fleet the
+    first 8 arrivals were mostly such; the kept ones' worst score was 0 and their spread 0, and every update after
+    them that learnt something was refused (606 of 2000 in round 1, all its learners; docs/security.md).
     `global_weights` None: every update is scored."""
 
     def __init__(self, share: float, hold: int, radius: float = 0.0, heads: HeadLayout | None = None,
@@ -125,13 +132,13 @@ class KrumSelection:
 
     def select(self, updates: list[ClientUpdate], counters: Counter[str],
                typical_distance: float | None = None) -> list[ClientUpdate]:
-        """The updates a round keeps, in order: the first `hold` less their outliers (those within reach of the
-        kept ones taken back), then each later one kept. `typical_distance`: the round's median distance from the
-        global model, for `krum_floor` (None: no floor)."""
+        """The updates a round keeps, in order: the first `hold` that learnt something less their outliers (those
+        within reach of the kept ones taken back), each later one kept, and every one that learnt nothing.
+        `typical_distance`: the round's median distance from the global model, for `krum_floor` (None: no floor)."""
         if not self.share:
             return updates
-        held = updates[: self.hold]
-        first = [u for u in held if not self._learnt_nothing(u)]
+        learnt = [u for u in updates if not learnt_nothing(u, self.global_weights)]
+        first, later = learnt[: self.hold], {id(u) for u in learnt[self.hold:]}
         self.reach = self.floor * (typical_distance or 0.0)
         among = compared_distances(first, self.heads) if len(first) > 2 else None
         outliers = krum_outliers(among, self.share) if among is not None else set()
@@ -149,12 +156,12 @@ class KrumSelection:
             self._distances_to = DistancesTo([u.weights for u in kept]) if DistancesTo.fits(len(kept), size) else None
             distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
             self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
-        return [u for u in held if id(u) not in refused] + [u for u in updates[self.hold:] if self.takes(u, counters)]
+        return [u for u in updates if id(u) not in refused and (id(u) not in later or self.takes(u, counters))]
 
     def takes(self, update: ClientUpdate, counters: Counter[str]) -> bool:
         """A later update: kept unless its score against the kept first ones is worse than any of theirs and it
         lies beyond reach of them."""
-        if not self.neighbours or self._learnt_nothing(update):
+        if not self.neighbours or learnt_nothing(update, self.global_weights):
             return True
         if self._distances_to is not None:
             distances = without_claimed_rows(self._distances_to(update.weights)[None, :], [update], self.neighbours,
@@ -167,11 +174,6 @@ class KrumSelection:
             return True
         self._refused(update, counters)
         return False
-
-    def _learnt_nothing(self, update: ClientUpdate) -> bool:
-        """The update is the global model and claims no samples (the class docstring)."""
-        return (self.global_weights is not None and update.num_samples == 0
-                and np.array_equal(update.weights, self.global_weights))
 
     def _place(self, kept: Sequence[ClientUpdate]) -> None:
         """The kept updates' mean, and the reach: `radius` x the farthest of them from it, at least the floor."""

@@ -383,25 +383,25 @@ def test_updates_that_learnt_nothing_are_no_krum_reference_for_the_learners_afte
     """A device whose training left the global model as it was claims no samples (edge_client/device.py `_claims`),
     and devices with little data answer first: in a 2000-device fleet the first 8 arrivals were mostly such, the
     kept ones' worst Krum score 0 and their spread 0, and every update that learnt something after them was refused
-    (606 of 2000 in round 1, all its learners). Those are no Krum reference, nor scored: the learners among the first
-    `hold` are, and a reversed update is still refused, held or streamed. Where none of the first `hold` learnt
-    anything, Krum has no reference for the round, and the other bounds stand (the direction check refuses it)."""
+    (606 of 2000 in round 1, all its learners). Those are no Krum reference, nor scored, nor counted among the
+    `hold` a stream waits for: the first `hold` that learnt something are the reference, and a reversed update is
+    still refused, held or streamed, however many of the first arrivals learnt nothing."""
     rng = np.random.default_rng(9)
     g = np.zeros(40, np.float32)
     learners = rng.normal(1.0, 0.1, 40) + rng.normal(0.0, 0.5, (12, 40))
     reversed_ = -learners[:1]
     weights = np.concatenate([np.zeros((6, 40)), learners[:2], learners[2:], reversed_])
     samples = [0] * 6 + [10] * 12 + [10]
-    for hold, refusal in ((8, "krum-outlier"), (4, "misaligned")):
+    for hold in (8, 4):
         taken: list[str] = []
         counters: Counter[str] = Counter()
-        stream = UpdateBounds(hold=hold).stream(g, lambda u: taken.append(u.device), counters)
+        stream = UpdateBounds(hold=hold).stream(g, lambda u, taken=taken: taken.append(u.device), counters)
         for update in updates_of(weights, samples):
             stream.add(update)
         stream.close()
-        assert taken == [f"d{k}" for k in range(18)] and counters == {refusal: 1}, (hold, counters)
+        assert sorted(taken) == sorted(f"d{k}" for k in range(18)) and counters == {"krum-outlier": 1}, hold
         held = UpdateBounds(hold=hold).apply(g, updates_of(weights, samples), Counter())
-        assert [u.device for u in held] == taken
+        assert sorted(u.device for u in held) == sorted(taken)  # (a stream's held ones go on in device order)
 
 
 def test_an_honest_update_krum_names_is_taken_back_within_the_radius_and_a_reversed_one_is_not():
