@@ -107,7 +107,8 @@ no bound to take, and none applies; such a device is no free rider either (it cl
 
 A rule that folds updates as they arrive (FedAvg, FedProx) cannot wait for the round's medians without holding the
 round, which is what folding avoids. For it the bounds stream (`BoundedStream`): the round's first `hold` updates
-(`[guard] hold`) wait and are bounded together, exactly as a round of that many; every later update is bounded as
+(`[guard] hold`) wait and are bounded together, exactly as a round of that many (an update that learnt nothing, the
+global model claiming no samples, waits with them uncounted: `KrumSelection`); every later update is bounded as
 it arrives by the medians over all updates so far, itself included, and goes on: its Krum score is taken against
 the held updates that were kept (refused when worse than the worst of theirs; they stay for the round, `hold`
 models at most) and its direction against the changes taken so far. A round of at most `hold` updates is bounded
