@@ -367,13 +367,15 @@ class UpdateBounds(GuardSettings):
         told, so none is refused and all share. Relative to the changes, not to the round's typical distance: two
         updates that both barely moved lie near each other without being one. Updates claiming no samples (the
         global model sent back by devices with nothing to train on) are alike by right and not counted. The first
-        `hold` updates are compared pairwise; each later one (a holding rule's whole round) with those, and counts
-        none of its samples where it copies one: a round costs `hold` distances an update, not N, as Krum's does."""
+        `hold` that claim samples are compared pairwise; each later one (a holding rule's whole round) with those, and
+        counts none of its samples where it copies one: a round costs `hold` distances an update, not N, as Krum's
+        does (a stream's held updates are the first `hold` that learnt something, and those that learnt nothing)."""
         if not self.copy_factor:
             return updates
-        first = updates[: self.hold]  # compared pairwise; each later one with these (as a stream's: `copied`)
-        claiming = [k for k, u in enumerate(first) if u.num_samples > 0]
-        moved = {k: widened.length(first[k].weights) for k in claiming}
+        # the first `hold` that claim samples, compared pairwise; each later one with these (as a stream's: `copied`)
+        claiming = [k for k, u in enumerate(updates) if u.num_samples > 0]
+        claiming, later = claiming[: self.hold], claiming[self.hold:]
+        moved = {k: widened.length(updates[k].weights) for k in claiming}
         group = {k: k for k in claiming}  # union-find over the pairs that are copies
 
         def root(k: int) -> int:
@@ -383,22 +385,23 @@ class UpdateBounds(GuardSettings):
 
         for a, i in enumerate(claiming):
             for j in claiming[a + 1:]:
-                if root(i) != root(j) and self.copies(first[i], first[j], moved[i], moved[j]):
+                if root(i) != root(j) and self.copies(updates[i], updates[j], moved[i], moved[j]):
                     group[root(j)] = root(i)
         sizes = Counter(root(k) for k in claiming)
-        shared = list(first)
+        shared = list(updates)
         for k in claiming:
             copies = sizes[root(k)]
             if copies > 1:
                 counters["copies"] += 1
                 log.warning("update of %s counts 1/%d of its samples: it is a copy of %d other update(s) of the round",
-                            first[k].device, copies, copies - 1)
-                shared[k] = dataclasses.replace(first[k], num_samples=first[k].num_samples // copies)
-        taken = [(first[k], moved[k]) for k in claiming]
-        rows = self.taken_rows_of(widened.global_weights, taken) if len(updates) > self.hold else None
-        return shared + [self.copied(u, widened.length(u.weights), taken, counters, rows,
-                                     widened.of(u.weights) if rows is not None else None)
-                         for u in updates[self.hold:]]
+                            updates[k].device, copies, copies - 1)
+                shared[k] = dataclasses.replace(updates[k], num_samples=updates[k].num_samples // copies)
+        taken = [(updates[k], moved[k]) for k in claiming]
+        rows = self.taken_rows_of(widened.global_weights, taken) if later else None
+        for k in later:
+            shared[k] = self.copied(updates[k], widened.length(updates[k].weights), taken, counters, rows,
+                                    widened.of(updates[k].weights) if rows is not None else None)
+        return shared
 
     def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float,
                apart: float | None = None) -> bool:

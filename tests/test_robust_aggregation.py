@@ -532,7 +532,8 @@ def test_copies_of_one_update_share_its_weight_held_or_streamed():
     """`copy_factor`: updates within 0.01 times the shorter of their changes of each other are one update sent k
     times, and each counts 1/k of its samples (the `mimic` attack: two devices sending an honest device's update as
     theirs made its data count three times); distinct updates, updates that both barely moved, and updates that claim
-    nothing are left as they are. Streamed, a later copy of a held update counts none of its samples."""
+    nothing are left as they are. Streamed, a later copy of a held update counts none of its samples. The first `hold`
+    compared pairwise are the first that claim samples: after updates that learnt nothing, copies are still found."""
     rng = np.random.default_rng(8)
     deltas = rng.standard_normal((6, 50)) * 0.01
     copied = np.concatenate([deltas, deltas[[2, 2]] + 1e-9])  # d6, d7: d2's update (float32 rounds the 1e-9 away)
@@ -560,6 +561,19 @@ def test_copies_of_one_update_share_its_weight_held_or_streamed():
     counters = Counter()  # a holding rule's whole round: past `hold`, each update is compared with the first ones
     held = dataclasses.replace(bounds, hold=4).apply(np.zeros(50, np.float32), updates_of(copied, [30] * 8), counters)
     assert [u.num_samples for u in held] == [30, 30, 30, 30, 30, 30, 0, 0] and counters == {"copies": 2}
+    # the first `hold` that claim samples are compared pairwise, however many that learnt nothing came first
+    after_nothing = updates_of(np.concatenate([np.zeros((4, 50)), deltas[:2], deltas[[1, 1]] + 1e-9]),
+                               [0, 0, 0, 0, 30, 30, 30, 30])
+    expected = [("d0", 0), ("d1", 0), ("d2", 0), ("d3", 0), ("d4", 30), ("d5", 10), ("d6", 10), ("d7", 10)]
+    taken, counters = [], Counter()
+    stream = dataclasses.replace(bounds, hold=4).stream(np.zeros(50, np.float32), taken.append, counters)
+    for update in after_nothing:
+        stream.add(update)
+    stream.close()
+    assert sorted((u.device, u.num_samples) for u in taken) == expected and counters == {"copies": 3}
+    counters = Counter()
+    held = dataclasses.replace(bounds, hold=4).apply(np.zeros(50, np.float32), after_nothing, counters)
+    assert [(u.device, u.num_samples) for u in held] == expected and counters == {"copies": 3}
     with pytest.raises(ValueError, match="copy_factor"):
         UpdateBounds(copy_factor=1.0)
 
