@@ -1,5 +1,6 @@
 """How edgefil's processes log: the levels the command line takes (`edgefil --log-level`), the packages whose
-loggers follow it, and setting them. Its own module, beneath the command line and the simulator both: a fleet
+loggers follow it, and setting them; and how a line stays one line (`error_line`) and a short one in a large fleet
+(`names_line`, `LineQuota`). Its own module, beneath the command line and the simulator both: a fleet
 passes its level on to the site aggregators it starts (firmware_sim/sites.py), as a level the command line takes,
 without importing the command line (which imports the simulator's commands)."""
 from __future__ import annotations
