@@ -146,6 +146,7 @@ from coordinator.medians import RunningMedian, RunningTypical, typical
 from coordinator.reference import ClassReference, LossChange
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import DistancesTo
+from edgefil.logs import names_line
 
 log = logging.getLogger("edgefil.coordinator")
 
@@ -292,14 +293,14 @@ class UpdateBounds(GuardSettings):
         if unreached:
             counters["unreached-classes"] += 1
             log.warning("update of %s dropped: it claims samples of classes the run has not reached (%s; tasks 0..%d "
-                        "bring %s)", update.device, ", ".join(map(str, unreached[:10])), reference.ctx.task,
+                        "bring %s)", update.device, names_line(map(str, unreached)), reference.ctx.task,
                         ", ".join(map(str, reference.ctx.seen_classes)))
             return None
         misplaced = reference.misplaced(update)
         if misplaced:
             counters["misplaced-classes"] += 1
             log.warning("update of %s dropped: it claims samples of task %d of classes %s, which the task does not "
-                        "bring (%s)", update.device, reference.ctx.task, ", ".join(map(str, misplaced[:10])),
+                        "bring (%s)", update.device, reference.ctx.task, names_line(map(str, misplaced)),
                         ", ".join(map(str, reference.ctx.task_classes)))
             return None
         change = reference.loss_change(update) if change is None else change

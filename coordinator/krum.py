@@ -101,7 +101,7 @@ def learnt_nothing(update: ClientUpdate, global_weights: np.ndarray | None) -> b
     model unchanged sends (edgefil's edge_client/device.py `_claims`). No attack (it is the global model), and it says
     nothing of what the round learns. False where `global_weights` is None (not known)."""
     return (global_weights is not None and update.num_samples == 0
-            and np.array_equal(update.weights, global_weights))
+            and (update.weights is global_weights or np.array_equal(update.weights, global_weights)))
 
 
 class KrumSelection:
