@@ -93,11 +93,11 @@ RANDOM = {"name": "random"}
 # ACGAN at every task switch (real data first) and FedCIL replays nothing.
 FEDCIL = {"name": "fedcil"}
 # GLFC at its defaults: Gamma the authors' sigmoid LeNet on images, the small `glfc_mlp` on signals (MNIST-1D's are
-# not images: `GAMMAS`, set by `Job.run` on both halves). The proxy's work is counted, not timed, and it waits for it
-# at a task's end, so the old model it picks does not depend on this host's speed; its input range is the scenario's.
+# not images: both halves' `gamma = "auto"`, models/glfc.py). The proxy's work is counted, not timed, and it waits for
+# it at a task's end, so the old model it picks does not depend on this host's speed; its input range is the
+# scenario's training data's.
 GLFC = {"name": "glfc"}
 GLFC_PROXY = {**STRATEGY, "name": "glfc"}
-GAMMAS = {"cnn1d": "glfc_mlp"}  # the model -> GLFC's Gamma (every other model: the default, glfc_lenet)
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"policy": RANDOM},
     "fedprox": {"policy": RANDOM, "strategy": {**STRATEGY, "name": "fedprox", "mu": 0.01}},
@@ -224,10 +224,6 @@ class Job:
         if self.guard:
             coordinator = options.get("coordinator", {})
             options["coordinator"] = {**coordinator, "guard": {**GUARD, **coordinator.get("guard", {}), **self.guard}}
-        gamma = GAMMAS.get(settings.model)
-        for half in ("policy", "strategy"):
-            if gamma is not None and options.get(half, {}).get("name") == "glfc":
-                options[half] = {"gamma": gamma, **options[half]}
         if options.get("strategy", {}).get("name") == "glfc":  # the proxy's reconstructions: the data's range
             data = load_dataset(PRESETS[settings.preset].dataset, **settings.dataset_options)
             parts = data if isinstance(data, list) else [data]  # a domain stream: one dataset per domain

@@ -67,6 +67,15 @@ class TestSets(Protocol):
         coordinator/reference.py); empty when there are none."""
 
 
+def input_range(data: TestSets) -> tuple[float, float]:
+    """[low, high] of every task's test inputs: the data's range, for a rule that makes inputs of its own and is not
+    told it (`Strategy.makes_inputs`); (0, 1), the image sets' range, where no task holds a test sample."""
+    parts = [x for x, _ in (data.task_test(t) for t in range(data.n_tasks)) if x.size]
+    if not parts:
+        return 0.0, 1.0
+    return min(float(x.min()) for x in parts), max(float(x.max()) for x in parts)
+
+
 class FolderTestSets:
     """A deployment's test data: `test-<t>.npz` files (arrays `x` float32, `y` int64), one per task, in a folder
     the operator keeps, read once. A task's classes are the labels its test set holds. No per-client data. A task

@@ -62,7 +62,7 @@ from coordinator.buffered import STALE, BufferedSchedule, Done, asynchronous_ref
 from coordinator.checkpoint import Checkpoints, RoundEntry, RunSchedule, RunState
 from coordinator.config import CoordinatorConfig
 from coordinator.containment import RULE_FAILED, ContainedStrategy
-from coordinator.evaluation import Evaluator, FolderTestSets, TestSets
+from coordinator.evaluation import Evaluator, FolderTestSets, TestSets, input_range
 from coordinator.host_training import HOST
 from coordinator.inbox import Inbox, Registration, Request, Status, Update, UpdateRefused
 from coordinator.inbox_workers import InboxWorkers, WorkerPlan, merged_into
@@ -83,6 +83,7 @@ from coordinator.strategies import (
     ClientUpdate,
     RoundContext,
     make_strategy,
+    makes_inputs,
     privacy_refused,
     secure_aggregation_refused,
 )
@@ -151,7 +152,9 @@ class Coordinator:
         self.data = test_sets
         reference_runs = config.guard.reference != "off" and any(
             len(test_sets.calibration(t)[1]) for t in range(test_sets.n_tasks))
-        strategy = make_strategy(config.strategy["name"], device=config.device, manifest=self.manifest, **options)
+        if makes_inputs(rule) and "input_range" not in options:
+            options["input_range"] = input_range(test_sets)  # where its inputs are made: the data's range
+        strategy = make_strategy(rule, device=config.device, manifest=self.manifest, **options)
         for setting, off, used in (("inbox_workers", "inbox_workers = 0", config.inbox_workers),
                                    ("sites", "no [[sites]]", config.sites)):
             refused = shares_refused(strategy, config.secure_aggregation.on, config.privacy.central, reference_runs,

@@ -146,8 +146,11 @@ class Fleet:
             preparing.step("starting a first device, then the workers and the coordinator")
             self._check_a_device_starts(artifacts, file)
             self._start_workers(artifacts)
-            coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
-                                      progress=progress)
+            try:
+                coordinator = Coordinator(self._coordinator_config(artifacts), resume=resume, test_sets=data,
+                                          progress=progress)
+            except ValueError as err:  # a rule's options the model does not take, a damaged checkpoint: one line
+                raise Where(file).error(None, f"the coordinator cannot start: {err}") from None
             # a worker gone (killed for memory, crashed) took its devices: the run ends saying so, rather than
             # waiting for them up to wall_limit_s; a device that failed to start, or stopped on an error, is out of
             # the run, which goes on without it (Coordinator.device_failed)
@@ -181,7 +184,7 @@ class Fleet:
         preparing.step("writing every client's share for the workers")
         write_shares(data, out / SHARES_FOLDER)  # again on a resume: the data a folder holds may have changed
         preparing.step("exporting the model")
-        artifacts = self._export(data, preparing)
+        artifacts = self._export(data, preparing, file)
         self.learner = self.config.learner_options(data)
         if self.config.profiles:
             preparing.step("measuring this host's speed for the devices' profiles")
@@ -210,7 +213,7 @@ class Fleet:
 
     # --- parts ------------------------------------------------------------------------------------
 
-    def _export(self, data: ScenarioData, preparing: Preparation) -> Path:
+    def _export(self, data: ScenarioData, preparing: Preparation, file: str) -> Path:
         """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`); the
         exporter's steps are `preparing`'s."""
         from models.export import export_registered, exportable_backends  # host only
@@ -228,7 +231,10 @@ class Fleet:
                               cache=True, graphs=graphs, model_args=self.config.model_args,
                               progress=preparing.step)
         options = dict(self.config.policy)
-        POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
+        try:
+            POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
+        except ValueError as err:  # a network of its own that the scenario's inputs do not fit (GLFC's Gamma)
+            raise Where(file).inner("policy").error(None, str(err)) from None
         return artifacts
 
     def _check_a_device_starts(self, artifacts: Path, file: str) -> None:
@@ -462,9 +468,11 @@ class ProcessWorkers:
         self._stopping = True
         self._stop_said.close()
         deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self.processes:
+        for k, worker in enumerate(self.processes):
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
+                log.warning("worker %d had not stopped within %.0f s: terminated (its devices' stores are crash-safe)",
+                            k, STOP_GRACE_S)
                 worker.terminate()
         if self._watching is not None:  # woken by the word to stop: done with the pipes before they close
             self._watching.join(EXIT_CODE_WAIT_S)

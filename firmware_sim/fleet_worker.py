@@ -431,6 +431,8 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
             return
         with lock:
             devices.append(device)
+            if stopping.is_set():  # the stop came while it was being built: it stops before it runs (a fleet that
+                device.request_stop()  # ended as its workers started waited out the whole grace for such devices)
         try:
             run_until_stopped(device, connected=connected)  # as a device waits for its broker, however long
         except Exception as err:  # refused by the broker, or failing: its own log line

@@ -20,7 +20,19 @@ PROTOTYPE_PREFIX = "glfc/prototype/"
 OLD_MODEL = "glfc/old-model"
 OLD_TASK = "glfc/old-task"
 MAX_PROTOTYPES = 256  # per update: a device uploads one per new class of its task
+GAMMA_AUTO = "auto"  # Gamma chosen by the model's inputs (`gamma_model`): both halves' default
+IMAGE_GAMMA, ANY_GAMMA = "glfc_lenet", "glfc_mlp"
 _NAME = re.compile(r"glfc/prototype/(\d{1,3})")
+
+
+def gamma_model(gamma: str, input_shape: Sequence[int]) -> str:
+    """The registered model Gamma is: `gamma` where it names one; for "auto" (both halves' default) the authors'
+    sigmoid LeNet where the inputs are images (channels, height, width) and the small `glfc_mlp` otherwise. The
+    paper encodes images only; a fleet of GLFC on a signal (MNIST-1D's) stopped at its export with the LeNet, so a
+    user had to know to name `glfc_mlp` on both halves (the benchmarks did)."""
+    if gamma != GAMMA_AUTO:
+        return gamma
+    return IMAGE_GAMMA if len(input_shape) == 3 else ANY_GAMMA
 
 
 def prototype_name(k: int) -> str:

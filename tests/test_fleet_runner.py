@@ -466,6 +466,31 @@ def test_a_fleet_whose_workers_would_pass_the_open_files_limit_is_refused_before
     assert not (tmp_path / "run" / "logs" / "worker-0.log").exists()
 
 
+def test_a_coordinator_that_cannot_start_ends_the_fleet_in_one_line(tmp_path):
+    """What only the coordinator sees as it starts, after the workers (here a damaged checkpoint to resume from; a
+    rule's option the model does not take, such as GLFC's Gamma named for images on a signal, is the same path):
+    the fleet ends with one line naming the file and why, its workers stopped at once, not with a traceback."""
+    from coordinator.checkpoint import generation_dir
+    from coordinator.server import CHECKPOINT_DIR
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(broker="mosquitto").replace("profiles = ", "# profiles = ").replace(
+        "devices = 4", "devices = 1").replace("workers = 2", "workers = 1").replace("min_clients = 4", "min_clients = 1"))
+    damaged = generation_dir(tmp_path / "run" / CHECKPOINT_DIR, 1)
+    damaged.mkdir(parents=True)
+    (damaged / "state.json").write_text("{not json")
+    done = subprocess.run([sys.executable, "-m", "edgefil.cli", "fleet", "run", str(path), "--resume"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=CEILING_S, preexec_fn=default_signals)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].startswith(f"edgefil fleet: {path}: the coordinator cannot start: "), \
+        done.stderr[-2000:]
+    assert "round-000001" in done.stderr.splitlines()[-1]
+    # its worker stopped when told, the device it was building included (that one ran on, unstopped, until the
+    # worker was terminated past the stop's grace)
+    assert "terminated" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_worker_spawned_after_torch_was_loaded_still_runs_torch_on_one_thread():
     """A benchmark script imports torch before it spawns a fleet (spawn re-imports its main module in every
     worker), so OMP_NUM_THREADS set in the worker comes too late: the pool is set directly, to one thread, or to

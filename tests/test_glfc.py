@@ -703,9 +703,45 @@ def test_a_fleet_on_the_ort_backend_exports_the_graph_glfcs_perturbation_borrows
                          store=StoreSettings(max_samples=60))
     fleet = Fleet(config)
     artifacts = fleet._export(SimpleNamespace(num_classes=10, input_shape=(1, 8, 8)),
-                              SimpleNamespace(step=lambda what: None))
+                              SimpleNamespace(step=lambda what: None), "fleet.toml")
     assert "input_gradient" in OrtTrainer(artifacts).graphs
     _learner(artifacts, tmp_path / "device", trainer=OrtTrainer(artifacts)).store.close()  # opens: no refusal
+
+
+def test_gamma_is_chosen_by_the_inputs_and_a_gamma_that_does_not_fit_them_is_refused_in_one_line(
+        tmp_path, export_artifacts):
+    """Both halves' default Gamma ("auto"): the authors' LeNet on images, `glfc_mlp` on a signal, the same network
+    on both halves (a fleet of GLFC on MNIST-1D stopped at its export with a traceback: the LeNet takes no signal).
+    A Gamma named that does not take the inputs: the fleet says so in one line naming [policy]."""
+    from types import SimpleNamespace
+
+    from edgefil.settings import ConfigError
+    from firmware_sim.fleet import Fleet
+    from firmware_sim.fleet_config import FleetConfig
+    from models.glfc import gamma_model
+
+    assert gamma_model("auto", (1, 8, 8)) == "glfc_lenet" and gamma_model("auto", (1, 40)) == "glfc_mlp"
+    assert gamma_model("glfc_mlp", (1, 8, 8)) == "glfc_mlp"
+    signal = export_artifacts("cnn1d", 10, (1, 40), backends=("portable", "torch"))
+    glfc = POLICIES.get("glfc")
+    glfc.export_artifacts({}, signal)
+    folder = glfc.gamma_folder({}, signal)
+    assert folder.name == "glfc-gamma-glfc_mlp-2021-1x40-10"
+    proxy = _proxy(signal)
+    assert list(proxy.gamma_parameters) == list(load_manifest(folder).parameters)
+    assert glfc.gamma_folder({}, export_artifacts("lenet", 10, (1, 8, 8))).name == "glfc-gamma-glfc_lenet-2021-1x8x8-10"
+    # beside a model of other inputs in the same folder (`artifacts`'s Gamma: glfc_mlp on 8x8), a Gamma of its own
+    assert glfc.gamma_folder(OPTIONS, export_artifacts("lenet", 10, (1, 8, 8))) != folder
+    config = FleetConfig(name="g", out=tmp_path / "fleet", devices=1, scenario={"preset": "mnist1d-class"},
+                         model="cnn1d", policy={"name": "glfc", "gamma": "glfc_lenet"})
+    (tmp_path / "fleet" / "artifacts").mkdir(parents=True)
+    for item in signal.iterdir():  # the model's artifacts, exported above: only the policy's export runs
+        (tmp_path / "fleet" / "artifacts" / item.name).symlink_to(item)
+    with pytest.raises(ConfigError) as refused:
+        Fleet(config)._export(SimpleNamespace(num_classes=10, input_shape=(1, 40)),
+                              SimpleNamespace(step=lambda what: None), "fleet.toml")
+    assert str(refused.value).startswith("fleet.toml: [policy] ") and "glfc_lenet" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
 def test_the_proxy_scores_every_model_of_the_task_on_its_reconstructions_at_the_tasks_end(artifacts):

@@ -542,3 +542,29 @@ def test_the_replay_set_and_the_sessions_samples_survive_a_resume(export_artifac
                          rounds_per_task=2)  # the session's next round: CSWA on the resumed X~, no generator
     after = resumed.aggregate(torch.from_numpy(start), [ClientUpdate("a", start.copy(), 3)], later)
     assert isinstance(after, AggregateResult) and after.broadcast == before.broadcast
+
+
+@pytest.mark.parametrize("given", [None, [0.0, 1.0]])
+def test_the_coordinator_gives_a_rule_that_makes_inputs_its_test_datas_range_unless_told(tmp_path, export_artifacts,
+                                                                                         given):
+    """A rule that makes inputs (SDD's generator, GLFC's reconstructions: `Strategy.makes_inputs`) makes them within
+    `input_range`; left out, the coordinator's test data's range, not [0, 1] (MNIST-1D's signals span about
+    [-4.6, 4.7], and a fleet's generator made them within [0, 1] unless the file said otherwise); a range given is
+    kept."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.evaluation import input_range
+    from coordinator.server import Coordinator
+    from firmware_sim.scenarios import preset
+
+    test_sets = preset("mnist1d-fewshot", n_clients=1).build()
+    low, high = input_range(test_sets)
+    x, _ = test_sets.task_test(0)
+    assert low <= float(x.min()) < -1 and high >= float(x.max()) > 2  # every task's inputs, not [0, 1]
+    config = CoordinatorConfig.from_dict({
+        "fleet": "f", "out": "run", "artifacts": str(export_artifacts("cnn1d", 10, (1, 40))), "devices": ["d1"],
+        "scenario": {"preset": "mnist1d-fewshot", "n_clients": 1},
+        "strategy": {"name": "sdd", **({} if given is None else {"input_range": given})},
+    }, base=tmp_path)
+    rule = Coordinator(config, test_sets=test_sets).strategy.strategy
+    assert isinstance(rule, SddCoordinator)
+    assert rule.input_range == ((low, high) if given is None else (0.0, 1.0))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.compute import as_tensor, resolve_device
-from coordinator.strategies import ClientUpdate, RoundContext, make_strategy, strategy_names
+from coordinator.strategies import ClientUpdate, RoundContext, make_strategy, makes_inputs, strategy_names
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedprox import FedProx
 
@@ -172,6 +172,19 @@ def test_make_strategy():
         make_strategy("scaffold")
     with pytest.raises(ValueError, match="manifest"):
         make_strategy("pfedgrp", device="cpu")
+
+
+def test_a_rule_that_makes_inputs_says_so_and_takes_their_range():
+    """`Strategy.makes_inputs` is the contract the coordinator reads to give a rule the data's range: every rule
+    that takes `input_range` declares it, and none declares it without taking one."""
+    import inspect
+
+    from coordinator.strategies.base import STRATEGIES
+
+    for name in strategy_names():
+        takes = "input_range" in inspect.signature(STRATEGIES.get(name)).parameters
+        assert makes_inputs(name) == takes, name
+    assert makes_inputs("glfc") and makes_inputs("sdd") and not makes_inputs("fedavg")
 
 
 def test_resolve_device():

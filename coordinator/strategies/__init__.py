@@ -59,6 +59,11 @@ def secure_aggregation_refused(secure: SecureAggregationSettings, name: str) -> 
     return secure_refused(secure, name, *_reads(name))
 
 
+def makes_inputs(name: str) -> bool:
+    """Whether rule `name` makes model inputs of its own (`Strategy.makes_inputs`): it takes `input_range`."""
+    return STRATEGIES.get(name).makes_inputs
+
+
 def _reads(name: str) -> tuple[BuiltFrom, bool]:
     rule = STRATEGIES.get(name)
     return rule.built_from, rule.reads_more
@@ -73,4 +78,4 @@ def make_strategy(
 
 
 __all__ = ["AggregateResult", "ClientUpdate", "Fold", "RefusedUpdate", "RoundContext", "Strategy", "make_strategy",
-           "strategy_names", "validate_updates"]
+           "makes_inputs", "strategy_names", "validate_updates"]

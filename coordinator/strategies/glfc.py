@@ -87,7 +87,15 @@ from coordinator.strategies.base import (
 from coordinator.strategies.fedavg import WeightedFold
 from edgefil.durable import npz_bytes, read_npz, write_atomically
 from models.flat_weights import load_flat_weights
-from models.glfc import MAX_PROTOTYPES, decode_gradient, encode_old_model, infer_label, is_prototype
+from models.glfc import (
+    GAMMA_AUTO,
+    MAX_PROTOTYPES,
+    decode_gradient,
+    encode_old_model,
+    gamma_model,
+    infer_label,
+    is_prototype,
+)
 from models.manifest import Manifest, ParameterInfo
 from models.zoo import build_for, build_model
 
@@ -100,6 +108,7 @@ MONITORS = ("task", "seen")
 class GlfcProxy(Strategy):
     name = "glfc"
     built_from = BuiltFrom.MEAN  # the global model is FedAvg's; the proxy's choice goes out as the broadcast
+    makes_inputs = True  # the proxy's reconstructions, clamped to `input_range`
 
     @classmethod
     def central_dp_refused(cls, options: Mapping[str, Any]) -> str | None:
@@ -116,7 +125,7 @@ class GlfcProxy(Strategy):
     def __init__(
         self,
         proxy: bool = True,
-        gamma: str = "glfc_lenet",
+        gamma: str = GAMMA_AUTO,
         gamma_seed: int = 2021,
         lbfgs_iterations: int = 100,
         lbfgs_lr: float = 1.0,
@@ -150,7 +159,8 @@ class GlfcProxy(Strategy):
         self.manifest: Manifest = manifest
         self.shape = tuple(manifest.input_shape)
         self.num_classes = manifest.num_classes
-        self.gamma = build_model(gamma, manifest.num_classes, self.shape, seed=gamma_seed).to(self.device).eval()
+        self.gamma = build_model(gamma_model(gamma, self.shape), manifest.num_classes, self.shape,
+                                 seed=gamma_seed).to(self.device).eval()
         self.gamma_parameters = tuple(ParameterInfo(n, tuple(p.shape)) for n, p in self.gamma.named_parameters())
         self.model = build_for(manifest).to(self.device).eval()
         self.job: BackgroundJob[tuple[int, np.ndarray, np.ndarray]] = BackgroundJob("glfc-proxy")

@@ -383,6 +383,7 @@ class SddCoordinator(Strategy):
     """The coordinator half (module docstring): the rule registered as "sdd"."""
 
     name = "sdd"
+    makes_inputs = True  # the generator's samples, within `input_range`
 
     def __init__(
         self,

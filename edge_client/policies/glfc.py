@@ -64,9 +64,10 @@ A round on a device:
    r_h at 0.07-0.1 nats, below every jump measured. It stays a weak signal on small tasks: where the stream
    names its tasks or a chunk brings unseen labels (`detect_new_tasks`), those say it for certain.
 
-Gamma is a registered model (`gamma`, default the authors' sigmoid LeNet, `glfc_mlp` for any input) built from
-`gamma_seed`, the fleet's shared secret: the host exports it beside the model's artifacts (`export_artifacts`, for
-the backends the model serves) and the proxy builds the same network from the same seed. Its weights are a
+Gamma is a registered model (`gamma`; "auto", the default: the authors' sigmoid LeNet on images, the small
+`glfc_mlp` on any other input, models/glfc.py `gamma_model`) built from `gamma_seed`, the fleet's shared secret: the
+host exports it beside the model's artifacts (`export_artifacts`, for the backends the model serves) and the proxy
+builds the same network from the same seed. Its weights are a
 `BudgetedFile` of M too (copied from the artifacts at open).
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ import hashlib
 import logging
 import math
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -96,7 +97,7 @@ from edge_client.policies.base import (
 from edge_client.policies.herding import herding_order
 from edge_client.trainers.base import LossInputs, Proximal, Trainer, iterate_batches, softmax
 from edgefil.durable import npz_bytes, read_npz
-from models.glfc import decode_old_model, encode_gradient, prototype_name
+from models.glfc import GAMMA_AUTO, decode_old_model, encode_gradient, gamma_model, prototype_name
 from models.manifest import FULL_GRADIENT, HEAD_WEIGHT, WEIGHTS, named_parameter
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ class Glfc(ReplayPolicy):
     refine_lr: float = 0.1
     refine_noise: float = 0.1
     refine_loss: str = "ce"
-    gamma: str = "glfc_lenet"  # the encoding network: a registered model
+    gamma: str = GAMMA_AUTO  # the encoding network: a registered model, or chosen by the inputs (`gamma_model`)
     gamma_seed: int = 2021  # its weights: the fleet's shared secret, the proxy's too
     old_model_share: float = 0.5  # the most of M's bytes the old model may take
     _trainer: Trainer | None = field(default=None, init=False, repr=False)
@@ -288,15 +289,29 @@ class Glfc(ReplayPolicy):
             raise ValueError(f"old_model_share must lie in (0, 1], got {self.old_model_share}")
         from models.zoo import REGISTRY
 
-        if self.gamma not in REGISTRY:
-            raise ValueError(f"gamma must be a registered model ({', '.join(sorted(REGISTRY))}), got {self.gamma!r}")
+        if self.gamma != GAMMA_AUTO and self.gamma not in REGISTRY:
+            raise ValueError(f"gamma must be \"{GAMMA_AUTO}\" or a registered model ({', '.join(sorted(REGISTRY))}), "
+                             f"got {self.gamma!r}")
 
     # --- host and open --------------------------------------------------------------------------
 
     @classmethod
     def gamma_folder(cls, options: Mapping[str, Any], model_artifacts: Path) -> Path:
-        gamma = options.get("gamma", cls.gamma)
-        return Path(model_artifacts).parent / f"glfc-gamma-{gamma}-{options.get('gamma_seed', cls.gamma_seed)}"
+        """Where Gamma's artifacts lie beside the model's: named by the network Gamma is (`gamma_model`), its seed
+        and what it takes and tells apart (the model's inputs and classes), so that two models' artifacts in one
+        folder keep a Gamma each (one named by network and seed alone was the first model's for both)."""
+        from models.manifest import load_manifest
+
+        manifest = load_manifest(model_artifacts)
+        gamma = cls.gamma_name(options, manifest.input_shape)
+        inputs = "x".join(str(size) for size in manifest.input_shape)
+        return Path(model_artifacts).parent / (f"glfc-gamma-{gamma}-{options.get('gamma_seed', cls.gamma_seed)}-"
+                                               f"{inputs}-{manifest.num_classes}")
+
+    @classmethod
+    def gamma_name(cls, options: Mapping[str, Any], input_shape: Sequence[int]) -> str:
+        """The registered model `options`' Gamma is, for a model of `input_shape`."""
+        return gamma_model(str(options.get("gamma", cls.gamma)), input_shape)
 
     @classmethod
     def export_artifacts(cls, options: Mapping[str, Any], model_artifacts: Path, seed: int = 0) -> None:
@@ -310,7 +325,7 @@ class Glfc(ReplayPolicy):
         from models.manifest import load_manifest
 
         manifest = load_manifest(model_artifacts)
-        export_registered(str(options.get("gamma", cls.gamma)), manifest.num_classes, folder,
+        export_registered(cls.gamma_name(options, manifest.input_shape), manifest.num_classes, folder,
                           input_shape=tuple(manifest.input_shape), seed=int(options.get("gamma_seed", cls.gamma_seed)),
                           backends=manifest.backends, cache=True, graphs=())
 
@@ -347,7 +362,7 @@ class Glfc(ReplayPolicy):
         held = self._files[GAMMA_HOLDER] = BudgetedFile(ctx.budget, GAMMA_HOLDER, state / "gamma" / "weights.f32")
         gamma = make_trainer(TrainerSettings(backend=cast("Backend", ctx.trainer.backend)), folder)
         if held.read() is None and not held.write((folder / WEIGHTS).read_bytes()):
-            raise ValueError(f"policy glfc: its encoding network {self.gamma} ({(folder / WEIGHTS).stat().st_size} "
+            raise ValueError(f"policy glfc: its encoding network {folder.name} ({(folder / WEIGHTS).stat().st_size} "
                              f"bytes) does not fit what [store] max_bytes leaves; choose a smaller gamma, set "
                              f"prototypes = false, or raise max_bytes")
         gamma.set_weights(np.frombuffer(held.read() or b"", dtype="<f4").astype(np.float32))
