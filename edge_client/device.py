@@ -48,7 +48,7 @@ import numpy as np
 
 from edge_client.budget import Budget, DeviceBudget
 from edge_client.config import DeviceConfig
-from edge_client.environment import Environment, RealEnvironment
+from edge_client.environment import Environment, RealEnvironment, TurnsClosed
 from edge_client.learner import Learner, LearnerConfig
 from edge_client.policies import ReplayPolicy, split_policy
 from edge_client.privacy import LocalPrivacy
@@ -372,6 +372,8 @@ class Device:
         """Train and upload; a round that cannot be trained is reported to the coordinator (status "error")."""
         try:
             self._train(message, global_weights)
+        except TurnsClosed:  # its process stops its devices: the round is left, nothing of it saved or sent
+            log.info("%s stops: round %d not trained", self.id, message["round"])
         except Exception as err:  # its data, its configuration, a diverged training: the coordinator must know
             reason = f"{type(err).__name__}: {err}"[:wire.MAX_TEXT_CHARS]
             log.error("%s cannot train round %d: %s", self.id, message["round"], reason)

@@ -57,6 +57,10 @@ class Environment(Protocol):
         """CPU seconds the calling device thread has worked, its turns included wherever they ran."""
 
 
+class TurnsClosed(Exception):
+    """The turns were closed (`Turns.close`: the process's devices are stopping): the work was not run."""
+
+
 class Turns:
     """The turns of the devices one process hosts: each `run` waits for the ones before it, in order, and runs on
     the one thread this object keeps (started at the first turn; a daemon, so a process that ends does not wait
@@ -67,11 +71,21 @@ class Turns:
         self._jobs: queue.SimpleQueue[_Turn] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._started = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """No more turns: the one running finishes, those waiting and any asked for later raise `TurnsClosed` in
+        their callers. A stopping fleet worker's devices queued hundreds of turns (a generator's training, seconds
+        each), and each ran before its device could see the stop: the worker outlived the stop's grace."""
+        self._closed = True
 
     def run(self, work: Callable[[], T]) -> T:
-        """`work`'s result; what it raised is raised here, in the caller's thread."""
+        """`work`'s result; what it raised is raised here, in the caller's thread (`TurnsClosed` where the turns
+        were closed before it ran)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("a device's turn asked for another turn: turns do not nest")
+        if self._closed:
+            raise TurnsClosed("the device's turns are closed: it is stopping")
         with self._started:
             if self._thread is None:
                 self._thread = NamedThread(target=self._serve, name=self._name, daemon=True)
@@ -86,6 +100,10 @@ class Turns:
     def _serve(self) -> None:
         while True:
             turn = self._jobs.get()
+            if self._closed:
+                turn.error = TurnsClosed("the device's turns are closed: it is stopping")
+                turn.done.release()
+                continue
             try:
                 turn.result = turn.work()
             except BaseException as err:  # the caller's to handle; this thread serves the next turn

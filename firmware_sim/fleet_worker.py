@@ -391,7 +391,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     ensure_descriptors(len(configs), "a fleet worker")
     from edge_client.config import DeviceConfig
     from edge_client.device import Device, run_until_stopped
-    from edge_client.environment import Turns
+    from edge_client.environment import Turns, TurnsClosed
     from edgefil.netloop import NetworkLoop
     from edgefil.wakeups import READERS_AWAKE, ReaderGate
     from firmware_sim.virtual_device import virtual_device
@@ -424,6 +424,9 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
             adversary = raw.pop(ADVERSARY, None)
             device = turns.run(lambda: virtual_device(DeviceConfig.from_dict(raw), network, turns, adversary,
                                                       stop_poll_s=None))  # woken by request_stop below
+        except TurnsClosed:  # the stop came before it was built
+            connected()
+            return
         except Exception as err:
             connected()
             logging.getLogger("edgefil.fleet").exception("device %s failed to start", raw["device_id"])
@@ -454,6 +457,7 @@ def serve_devices(configs: list[dict[str, Any]], wait_for_stop: Callable[[], obj
     with lock:
         for device in devices:
             device.request_stop()
+    turns.close()  # the turn running finishes; the devices waiting for theirs stop without them
     deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all (a device mid-step finishes it first)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

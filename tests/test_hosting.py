@@ -17,7 +17,7 @@ from test_netloop import needs_mosquitto, wait_for
 
 from coordinator.broker import Credentials, MosquittoBroker, free_port
 from edge_client.config import DeviceConfig
-from edge_client.environment import RealEnvironment, Turns
+from edge_client.environment import RealEnvironment, Turns, TurnsClosed
 from edge_client.policies.random_cache import RandomCache
 from edge_client.shared_models import shared_model
 from firmware_sim.virtual_device import virtual_device
@@ -158,6 +158,48 @@ def test_turns_run_one_at_a_time_in_order_and_raise_in_the_caller():
     assert turns.run(lambda: 3) == 3  # the turns thread serves on after a turn raised
     with pytest.raises(RuntimeError, match="turns do not nest"):
         turns.run(lambda: turns.run(lambda: 1))
+
+
+def test_closed_turns_finish_the_one_running_and_refuse_those_waiting_and_later():
+    """A stopping worker closes its turns: the turn running ends as it would, the turns queued behind it never run
+    (their callers get TurnsClosed), nor does one asked for after. Its devices queued hundreds of turns of seconds
+    each (a generator's training), and each ran before its device saw the stop."""
+    turns = Turns()
+    running, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first() -> str:
+        running.set()
+        release.wait(30)
+        ran.append("first")
+        return "one"
+
+    outcomes: dict[str, object] = {}
+
+    def call(name: str, work: Callable[[], object]) -> None:
+        try:
+            outcomes[name] = turns.run(work)
+        except TurnsClosed as err:
+            outcomes[name] = err
+
+    caller = threading.Thread(target=call, args=("first", first))
+    caller.start()
+    assert running.wait(30)
+    waiting = [threading.Thread(target=call, args=(f"queued-{k}", lambda k=k: ran.append(f"queued-{k}")))
+               for k in range(3)]
+    for thread in waiting:
+        thread.start()
+    while turns._jobs.qsize() < 3:  # wait for the event: three turns queued behind the first
+        time.sleep(0.001)
+    turns.close()
+    release.set()
+    for thread in (caller, *waiting):
+        thread.join(30)
+    assert ran == ["first"] and outcomes["first"] == "one"
+    assert all(isinstance(outcomes[f"queued-{k}"], TurnsClosed) for k in range(3))
+    with pytest.raises(TurnsClosed):
+        turns.run(lambda: ran.append("later"))
+    assert ran == ["first"]
 
 
 def test_a_device_s_cpu_time_counts_its_turns_on_the_turns_thread():
