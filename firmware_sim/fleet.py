@@ -214,8 +214,9 @@ class Fleet:
     # --- parts ------------------------------------------------------------------------------------
 
     def _export(self, data: ScenarioData, preparing: Preparation, file: str) -> Path:
-        """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`); the
-        exporter's steps are `preparing`'s."""
+        """The model's artifacts, and whatever the policy needs beside them (its `export_artifacts`; what it cannot
+        export for these inputs is refused in one line naming `file`'s [policy]); the exporter's steps are
+        `preparing`'s."""
         from models.export import export_registered, exportable_backends  # host only
 
         artifacts = self.config.out / "artifacts"
@@ -233,7 +234,7 @@ class Fleet:
         options = dict(self.config.policy)
         try:
             POLICIES.get(options.pop("name")).export_artifacts(options, artifacts, seed=self.config.seed)
-        except ValueError as err:  # a network of its own that the scenario's inputs do not fit (GLFC's Gamma)
+        except ValueError as err:  # a network of its own that the scenario's inputs do not fit
             raise Where(file).inner("policy").error(None, str(err)) from None
         return artifacts
 

@@ -174,8 +174,8 @@ class Strategy(ABC):
     reads_more: ClassVar[bool] = True
     # Whether the rule makes model inputs of its own (a reconstruction of a device's sample, a generator's samples):
     # such a rule takes `input_range`, the data's [low, high] its inputs are made within, which the coordinator sets
-    # to its test data's range where the rule's options leave it out (`Coordinator`; a fleet of GLFC or SDD on
-    # MNIST-1D, whose signals span about [-4.6, 4.7], made them within [0, 1] unless the file said otherwise).
+    # to its test data's range where the rule's options leave it out (`Coordinator`; such rules' fleets on MNIST-1D,
+    # whose signals span about [-4.6, 4.7], made them within [0, 1] unless the file said otherwise).
     makes_inputs: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str = "auto", manifest: Manifest | None = None) -> None:
