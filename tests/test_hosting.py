@@ -123,6 +123,30 @@ def test_a_hosted_device_starts_its_task_trains_and_finishes_its_round_in_its_tu
         device.learner.store.close()
 
 
+def test_a_hosted_device_whose_turns_are_closed_leaves_its_round_unsaved_and_unsent(tmp_path, export_artifacts,
+                                                                                     monkeypatch):
+    """Its worker stops (`Turns.close`): the round it was given is left, not reported as an error to the coordinator,
+    nothing of it saved or uploaded; the device saved before stays as it was."""
+    turns = Turns(name="turns-under-test")
+    config = DeviceConfig.from_dict({
+        "device_id": "dev-0", "fleet": "lab", "artifacts": str(export_artifacts("lenet", 10, (1, 8, 8))),
+        "state_dir": str(tmp_path / "state"), "broker": {"port": 1, "password": "pw"},
+        "store": {"max_samples": 30}, "policy": {"name": "random"},
+        "data": {"scenario": {"preset": "digits-class", "n_tasks": 2, "n_clients": 3}, "client": 0},
+    })
+    device = turns.run(lambda: virtual_device(config, turns=turns))
+    sent: list[tuple[object, ...]] = []
+    monkeypatch.setattr(device, "_publish_status", lambda *args, **kwargs: sent.append(("status", *args)))
+    monkeypatch.setattr(device, "_upload", lambda *args, **kwargs: sent.append(("upload", *args)))
+    try:
+        turns.close()
+        device._train_round({"round": 1, "task": 0, "model": "m", "config": {"epochs": 1}},
+                            device.trainer.get_weights())
+        assert sent == [] and device.learner.state.round == 0 and not len(device.learner.store)
+    finally:
+        device.learner.store.close()
+
+
 def test_turns_run_one_at_a_time_in_order_and_raise_in_the_caller():
     turns = Turns()
     order: list[str] = []
