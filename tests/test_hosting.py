@@ -214,6 +214,7 @@ def test_closed_turns_finish_the_one_running_and_refuse_those_waiting_and_later(
     for thread in waiting:
         thread.start()
     while turns._jobs.qsize() < 3:  # wait for the event: three turns queued behind the first
+        assert all(thread.is_alive() for thread in waiting)  # (a caller that died would never queue its turn)
         time.sleep(0.001)
     turns.close()
     release.set()
