@@ -400,8 +400,7 @@ class UpdateBounds(GuardSettings):
         taken = [(updates[k], moved[k]) for k in claiming]
         rows = self.taken_rows_of(widened.global_weights, taken) if later else None
         for k in later:
-            shared[k] = self.copied(updates[k], widened.length(updates[k].weights), taken, counters, rows,
-                                    widened.of(updates[k].weights) if rows is not None else None)
+            shared[k] = self.copied(updates[k], widened.length(updates[k].weights), taken, counters, rows, widened)
         return shared
 
     def copies(self, a: ClientUpdate, b: ClientUpdate, moved_a: float, moved_b: float,
@@ -418,15 +417,15 @@ class UpdateBounds(GuardSettings):
 
     def copied(self, update: ClientUpdate, moved: float, taken: Sequence[tuple[ClientUpdate, float]],
                counters: Counter[str], taken_rows: DistancesTo | None = None,
-               change: np.ndarray | None = None) -> ClientUpdate:
+               widened: UpdateChanges | None = None) -> ClientUpdate:
         """A later update of a stream (`moved`: its change's length), counting none of its samples where it is a
         copy of one taken before it (`taken`: those and their changes' lengths), whose samples count already
         (`counted_once` for the held ones). `taken_rows`: `taken`'s cached rows (`taken_rows_of`), which measure
-        the update against all of them at the cost of one distance; None: each pair measured alone. `change`: the
-        update's change from their origin, the global model, where the caller has it (`UpdateChanges.of`)."""
+        the update against all of them at the cost of one distance; None: each pair measured alone. `widened`: the
+        round's changes from their origin, the global model, where the caller has them (`UpdateChanges`)."""
         if not self.copy_factor or update.num_samples <= 0:
             return update
-        apart = np.sqrt(taken_rows(update.weights, change)) if taken_rows is not None else None
+        apart = np.sqrt(taken_rows(update.weights, widened)) if taken_rows is not None else None
         if not any(u.num_samples > 0 and self.copies(u, update, length, moved, None if apart is None else apart[k])
                    for k, (u, length) in enumerate(taken)):
             return update
@@ -661,9 +660,8 @@ class BoundedStream:
             bounded = self.bounds.referenced(bounded, self.reference, self.counters, self.counts.value(),
                                              self.changes.value(), change)
         if bounded is not None:
-            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters, self.sent_rows,
-                                         self.widened.of(bounded.weights) if self.sent_rows is not None else None)
-        if bounded is None or not self.selection.takes(bounded, self.counters):
+            bounded = self.bounds.copied(bounded, moved, self.sent, self.counters, self.sent_rows, self.widened)
+        if bounded is None or not self.selection.takes(bounded, self.counters, self.widened):
             return
         if self.total is not None:
             bounded = self.bounds.directed(self.widened, bounded, self.total, self.counters, False,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from coordinator.compute import distance
+from coordinator.compute import UpdateChanges, distance
 from coordinator.influence import HeadLayout, claimed_classes
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import DistancesTo, squared_distances
@@ -61,28 +61,54 @@ def without_claimed_rows(distances: np.ndarray, updates: Sequence[ClientUpdate],
                          heads: HeadLayout | None) -> np.ndarray:
     """`compared_distances`' whole squared distances (a row an update, a column one of `columns`) less what the head
     rows of the classes either of a pair claims contribute; as they are with `heads` None."""
-    if heads is None:
-        return distances
-    distances = distances.copy()
-    row_claims = [claimed_classes(u) for u in updates]
-    column_claims = [claimed_classes(u) for u in columns]
-    for c in set().union(*row_claims, *column_claims):
-        if c >= len(heads.rows):
-            continue
-        left_out = np.array([[c in a or c in b for b in column_claims] for a in row_claims])
-        if not left_out.any():
-            continue
-        apart = rows_apart(heads, c, [u.weights for u in updates], [u.weights for u in columns])
-        distances -= np.where(left_out, apart, 0.0)
-    return np.maximum(distances, 0.0)
+    return distances if heads is None else ClaimedRows(columns, heads).subtract(distances, updates)
 
 
-def rows_apart(heads: HeadLayout, c: int, mine: Sequence[np.ndarray], theirs: Sequence[np.ndarray]) -> np.ndarray:
-    """(len(mine), len(theirs)) squared distances between class c's head rows, in float64: what
-    `compared_distances` leaves out of two updates' distance."""
-    a = np.stack([w[heads.rows[c]] for w in mine]).astype(np.float64)
-    b = np.stack([w[heads.rows[c]] for w in theirs]).astype(np.float64)
-    return ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
+class ClaimedRows:
+    """What `without_claimed_rows` takes out of distances to a fixed set of `columns`: their claims and their
+    float64 head rows of each class, read once. A round's Krum selection measures every later update against the
+    same kept ones, and each time stacked their rows of each class claimed afresh, a class at a time: on MNIST-1D's
+    cnn1d, updates claiming one or two classes, that was a third of the coordinator's work an update
+    (docs/results.md, issue 57). The classes are taken in order, so that a pair's distance is the same float
+    however its claims were made."""
+
+    def __init__(self, columns: Sequence[ClientUpdate], heads: HeadLayout) -> None:
+        self.heads = heads
+        self.columns = list(columns)
+        claims = [claimed_classes(u) for u in self.columns]
+        self.claimed = {c for c in set().union(*claims) if c < len(heads.rows)}
+        # (classes, columns): whether each column claims each class
+        self._claiming = np.array([[c in claim for claim in claims] for c in range(len(heads.rows))])
+        # the columns' head rows, (classes, columns, row) in float64: `hold` heads at most
+        self._rows = np.stack([u.weights[heads.table] for u in self.columns], axis=1).astype(np.float64)
+        self._by_claims: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # `_compared`
+
+    def subtract(self, distances: np.ndarray, updates: Sequence[ClientUpdate]) -> np.ndarray:
+        """`distances` (a row an update, a column one of the columns) less each pair's claimed classes' rows."""
+        return np.stack([self._subtracted(row, update) for row, update in zip(distances, updates)])
+
+    def _subtracted(self, distances: np.ndarray, update: ClientUpdate) -> np.ndarray:
+        """One update's row: its distance to each column less the rows of the classes either claims, all its
+        classes measured at once and taken off in order."""
+        mine = tuple(sorted(c for c in claimed_classes(update) if c < len(self.heads.rows)))
+        distances = distances.copy()
+        classes, left_out = self._compared(mine)
+        if len(classes):
+            own = update.weights[self.heads.table[classes]].astype(np.float64)  # (classes, row)
+            apart = ((own[:, None, :] - self._rows[classes]) ** 2).sum(-1)
+            for taken in np.where(left_out, apart, 0.0):
+                distances -= taken
+        return np.maximum(distances, 0.0)
+
+    def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """For an update claiming `mine`: the classes either it or a column claims, in order, and which of its
+        pairs with the columns leave each out, (classes, columns). Kept by claims: a round's updates claim a few
+        sets of classes, and each is a few bytes a class."""
+        if mine not in self._by_claims:
+            classes = np.array(sorted(self.claimed.union(mine)), dtype=np.int64)
+            left_out = self._claiming[classes] | np.isin(classes, mine)[:, None]
+            self._by_claims[mine] = classes, left_out
+        return self._by_claims[mine]
 
 
 def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
@@ -125,6 +151,7 @@ class KrumSelection:
         self.heads = heads  # None: whole updates compared (`krum_compare = "whole"`)
         self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
         self._distances_to: DistancesTo | None = None  # a later update's distances to them (None: streamed)
+        self._claimed_rows: ClaimedRows | None = None  # their claims and head rows (None: whole updates compared)
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
         self.claimed: set[int] = set()  # the classes any of them claims
@@ -153,19 +180,23 @@ class KrumSelection:
         if len(kept) >= 2:
             self.neighbours = kept
             size = kept[0].weights.size
-            self._distances_to = DistancesTo([u.weights for u in kept]) if DistancesTo.fits(len(kept), size) else None
+            fits = DistancesTo.fits(len(kept), size)
+            self._distances_to = DistancesTo([u.weights for u in kept], self.global_weights) if fits else None
+            self._claimed_rows = ClaimedRows(kept, self.heads) if self.heads is not None else None
             distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
             self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
         return [u for u in updates if id(u) not in refused and (id(u) not in later or self.takes(u, counters))]
 
-    def takes(self, update: ClientUpdate, counters: Counter[str]) -> bool:
+    def takes(self, update: ClientUpdate, counters: Counter[str], widened: UpdateChanges | None = None) -> bool:
         """A later update: kept unless its score against the kept first ones is worse than any of theirs and it
-        lies beyond reach of them."""
+        lies beyond reach of them. `widened`: the round's changes from the global model, where the caller has them
+        (`UpdateChanges`)."""
         if not self.neighbours or learnt_nothing(update, self.global_weights):
             return True
         if self._distances_to is not None:
-            distances = without_claimed_rows(self._distances_to(update.weights)[None, :], [update], self.neighbours,
-                                             self.heads)
+            distances = self._distances_to(update.weights, widened)[None, :]
+            if self._claimed_rows is not None:
+                distances = self._claimed_rows.subtract(distances, [update])
         else:
             distances = compared_distances([update], self.heads, others=self.neighbours)
         if float(scored(distances, self._nearest(), among_themselves=False)[0]) <= self.worst:
@@ -191,9 +222,10 @@ class KrumSelection:
         assert self.centre is not None
         squared = distance(self.centre, update.weights) ** 2
         if self.heads is not None:
-            for c in claimed_classes(update) | self.claimed:
-                if c < len(self.heads.rows):
-                    squared -= float(rows_apart(self.heads, c, [update.weights], [self.centre])[0, 0])
+            classes = sorted(c for c in claimed_classes(update) | self.claimed if c < len(self.heads.rows))
+            positions = self.heads.table[classes]
+            for apart in ((update.weights[positions].astype(np.float64) - self.centre[positions]) ** 2).sum(-1):
+                squared -= float(apart)
         return math.sqrt(max(squared, 0.0))
 
     def _within_reach(self, update: ClientUpdate) -> bool:

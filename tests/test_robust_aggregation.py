@@ -13,7 +13,8 @@ from coordinator.compute import UpdateChanges
 from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
-from coordinator.influence import FleetPath, HeadLayout
+from coordinator.influence import FleetPath, HeadLayout, claimed_classes
+from coordinator.krum import without_claimed_rows
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import DistancesTo, sorted_mean, squared_distances
@@ -315,7 +316,7 @@ def test_a_rounds_changes_are_each_weights_own_whichever_came_between():
     later = values + np.float32(1)
     np.testing.assert_array_equal(widened.of(later), later.astype(np.float64) - g)
     rows = DistancesTo([a], g)
-    np.testing.assert_allclose(rows(later, widened.of(later)), rows(later), rtol=1e-12)
+    np.testing.assert_allclose(rows(later, widened), rows(later), rtol=1e-12)
 
 
 @pytest.mark.parametrize("compare", ["whole", "classes"])
@@ -346,6 +347,29 @@ def test_a_streamed_round_selects_the_same_with_the_kept_updates_distances_cache
         stream.close()
         outcomes.append((taken, counters))
     assert outcomes[0] == outcomes[1] and outcomes[0][1]["krum-outlier"] > 2  # later updates named too
+
+
+def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_claims_and_nothing_else():
+    """`ClaimedRows` (the kept updates' claims and head rows, read once a round): each pair's squared distance is the
+    sum over the positions outside the head rows of every class either of the two claims, whatever the claims (one
+    class, several, none, one no column claims, one past the head's classes), as the whole distances less those
+    rows."""
+    rng = np.random.default_rng(12)
+    heads = HeadLayout(tuple(np.arange(30 + 3 * c, 33 + 3 * c) for c in range(5)))
+    claims = [{1}, {0, 3}, set(), {4}, {2, 7}, {1, 2, 3}]
+    updates = [ClientUpdate(f"d{k}", rng.standard_normal(45).astype(np.float32), 10,
+                            trained_counts=[(0, c, 5) for c in claim]) for k, claim in enumerate(claims)]
+    rows, columns = updates[:4], updates[2:]
+    got = without_claimed_rows(
+        squared_distances([u.weights for u in updates], torch.device("cpu")).numpy()[:4, 2:], rows, columns, heads)
+    for i, mine in enumerate(rows):
+        for j, theirs in enumerate(columns):
+            kept = np.ones(45, dtype=bool)
+            for c in claimed_classes(mine) | claimed_classes(theirs):
+                if c < 5:
+                    kept[heads.rows[c]] = False
+            apart = mine.weights.astype(np.float64)[kept] - theirs.weights.astype(np.float64)[kept]
+            assert got[i, j] == pytest.approx(float(apart @ apart), rel=1e-9, abs=1e-9)
 
 
 def test_krum_selection_refuses_the_quarter_farthest_from_their_neighbours_and_fedavg_over_the_rest_is_multi_krum():

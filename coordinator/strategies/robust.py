@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from coordinator.compute import as_tensor
+from coordinator.compute import UpdateChanges, as_tensor
 from coordinator.privacy import BuiltFrom
 from coordinator.strategies.base import (
     OUTSIDE_A_RUN,
@@ -146,14 +146,19 @@ class DistancesTo:
     def fits(count: int, size: int, limit: int = DISTANCE_CACHE_BYTES) -> bool:
         return count * size * 8 <= limit
 
-    def __call__(self, update: np.ndarray, change: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, update: np.ndarray, widened: UpdateChanges | None = None) -> np.ndarray:
         """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form).
-        `change`: update - origin in float64, where the caller has it (coordinator/compute.py `UpdateChanges`)."""
-        wide = self._from_origin(update) if change is None else change
+        `widened`: the round's changes (coordinator/compute.py `UpdateChanges`), which hold the update's change and
+        its squared length where their global model is the rows' origin; else they are measured here."""
+        if widened is not None and widened.global_weights is self.origin:
+            wide, squared = widened.of(update), widened.squared(update)
+        else:
+            wide = self._from_origin(update)
+            squared = float(np.einsum("i,i->", wide, wide))
         # BLAS's gemv, unlike its dot of `compute.distance`, stayed the fastest beside busy cores: 8 rows of 31k and
         # of 1M values, 2 cores both busy, 0.08 and 8.2 ms against einsum's 0.28 and 12.5 (0.04 and 3.7 idle)
         products = self.rows @ wide
-        return np.maximum(self.norms + float(np.einsum("i,i->", wide, wide)) - 2 * products, 0.0)
+        return np.maximum(self.norms + squared - 2 * products, 0.0)
 
     def _from_origin(self, weights: np.ndarray) -> np.ndarray:
         if self.origin is None:
