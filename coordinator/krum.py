@@ -89,15 +89,13 @@ class ClaimedRows:
 
     def _subtracted(self, distances: np.ndarray, update: ClientUpdate) -> np.ndarray:
         """One update's row: its distance to each column less the rows of the classes either claims, all its
-        classes measured at once and taken off in order."""
+        classes measured and summed at once, in class order."""
         mine = tuple(sorted(c for c in claimed_classes(update) if c < len(self.heads.rows)))
-        distances = distances.copy()
         classes, left_out = self._compared(mine)
         if len(classes):
             own = update.weights[self.heads.table[classes]].astype(np.float64)  # (classes, row)
             apart = ((own[:, None, :] - self._rows[classes]) ** 2).sum(-1)
-            for taken in np.where(left_out, apart, 0.0):
-                distances -= taken
+            distances = distances - np.where(left_out, apart, 0.0).sum(0)
         return np.maximum(distances, 0.0)
 
     def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
