@@ -64,6 +64,10 @@ def without_claimed_rows(distances: np.ndarray, updates: Sequence[ClientUpdate],
     return distances if heads is None else ClaimedRows(columns, heads).subtract(distances, updates)
 
 
+CLAIMS_KEPT = 1024  # the sets of claims a round's `ClaimedRows` keeps what it compares for: 16 KB each at 1000 classes
+# and a `hold` of 8, a bound on the round's memory where every device claims other classes
+
+
 class ClaimedRows:
     """What `without_claimed_rows` takes out of distances to a fixed set of `columns`: their claims and their
     float64 head rows of each class, read once. A round's Krum selection measures every later update against the
@@ -102,13 +106,16 @@ class ClaimedRows:
 
     def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """For an update claiming `mine`: the classes either it or a column claims, in order, and which of its
-        pairs with the columns leave each out, (classes, columns). Kept by claims: a round's updates claim a few
-        sets of classes, and each is a few bytes a class."""
-        if mine not in self._by_claims:
-            classes = np.array(sorted(self.claimed.union(mine)), dtype=np.int64)
-            left_out = self._claiming[classes] | np.isin(classes, mine)[:, None]
+        pairs with the columns leave each out, (classes, columns). Kept by claims, CLAIMS_KEPT sets at most: a
+        round's updates claim a few sets of classes where there are few, and each is a few bytes a class."""
+        known = self._by_claims.get(mine)
+        if known is not None:
+            return known
+        classes = np.array(sorted(self.claimed.union(mine)), dtype=np.int64)
+        left_out = self._claiming[classes] | np.isin(classes, mine)[:, None]
+        if len(self._by_claims) < CLAIMS_KEPT:
             self._by_claims[mine] = classes, left_out
-        return self._by_claims[mine]
+        return classes, left_out
 
 
 def krum_outliers(distances: np.ndarray, share: float) -> set[int]:

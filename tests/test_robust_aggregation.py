@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator import krum
 from coordinator.compute import UpdateChanges
 from coordinator.config import CoordinatorConfig
 from coordinator.guard import UpdateBounds
 from coordinator.guard_settings import GuardSettings
 from coordinator.influence import FleetPath, HeadLayout, claimed_classes
-from coordinator.krum import without_claimed_rows
+from coordinator.krum import ClaimedRows
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientUpdate
 from coordinator.strategies.robust import DistancesTo, sorted_mean, squared_distances
@@ -349,19 +350,22 @@ def test_a_streamed_round_selects_the_same_with_the_kept_updates_distances_cache
     assert outcomes[0] == outcomes[1] and outcomes[0][1]["krum-outlier"] > 2  # later updates named too
 
 
-def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_claims_and_nothing_else():
+@pytest.mark.parametrize("kept", [0, 2, krum.CLAIMS_KEPT])
+def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_claims_and_nothing_else(kept, monkeypatch):
     """`ClaimedRows` (the kept updates' claims and head rows, read once a round): each pair's squared distance is the
     sum over the positions outside the head rows of every class either of the two claims, whatever the claims (one
     class, several, none, one no column claims, one past the head's classes), as the whole distances less those
-    rows."""
+    rows; and so whether what it compares for a set of claims is kept or not (`CLAIMS_KEPT` sets at most)."""
+    monkeypatch.setattr(krum, "CLAIMS_KEPT", kept)
     rng = np.random.default_rng(12)
     heads = HeadLayout(tuple(np.arange(30 + 3 * c, 33 + 3 * c) for c in range(5)))
     claims = [{1}, {0, 3}, set(), {4}, {2, 7}, {1, 2, 3}]
     updates = [ClientUpdate(f"d{k}", rng.standard_normal(45).astype(np.float32), 10,
                             trained_counts=[(0, c, 5) for c in claim]) for k, claim in enumerate(claims)]
     rows, columns = updates[:4], updates[2:]
-    got = without_claimed_rows(
-        squared_distances([u.weights for u in updates], torch.device("cpu")).numpy()[:4, 2:], rows, columns, heads)
+    claimed = ClaimedRows(columns, heads)
+    got = claimed.subtract(squared_distances([u.weights for u in updates], torch.device("cpu")).numpy()[:4, 2:], rows)
+    assert len(claimed._by_claims) == min(kept, 4)  # four sets of claims among the rows
     for i, mine in enumerate(rows):
         for j, theirs in enumerate(columns):
             kept = np.ones(45, dtype=bool)
