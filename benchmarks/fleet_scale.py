@@ -5,8 +5,8 @@ For each fleet size N (default 10, 50, 200) this runs a whole fleet in this proc
 here), on the embedded digits class-incremental scenario cut to one task (`n_tasks = 1`, two classes, the
 ~270 training samples split over the N clients), `--rounds` rounds, every device selected every round
 (`fraction = 1`; `min_clients` = the devices that hold data: past ~270 devices some hold none, say so and are
-not selected), random replay with M = `--replay-m`, one local epoch, no emulation (devices
-train at the host's speed). The total training data is the same at every N, so the devices' summed training
+not selected), random replay with M = `--replay-m`, one local epoch, the coordinator's guard without
+Krum selection (`--guard defaults`: with it), no emulation (devices train at the host's speed). The total training data is the same at every N, so the devices' summed training
 work per round stays about constant and what grows with N is overhead. With `--per-device K` the data grow with the
 fleet instead: MNIST-1D (the cnn1d model) generated (once, then cached) for about K training samples a device, one task of all 10
 classes, so (nearly) every device trains, as in a fleet whose every device collects data, and the round time per
@@ -522,6 +522,10 @@ def holding_data(work: dict) -> list[int]:
     return [k for k in range(work["n_clients"]) if len(data.tasks[0].client_train(k)[1]) > 0]
 
 
+# `--guard`: the coordinator's [guard] by name
+GUARDS: dict[str, dict[str, float]] = {"no-krum": {"krum_share": 0.0}, "defaults": {}}
+
+
 def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | None, broker: str,
               work: dict | None = None, client: dict | None = None, guard: dict | None = None,
               coordinator: dict | None = None) -> dict:
@@ -558,7 +562,7 @@ def run_fleet(n: int, args: argparse.Namespace, out: Path, artifacts: Path | Non
         coordinator={
             "rounds_per_task": args.rounds, "fraction": 1.0, "min_clients": len(holding_data(work)),
             "deadline_s": args.deadline_s, "wait_for_devices_s": args.wait_s, "max_attempts": 1,
-            "guard": {"krum_share": 0.0} if guard is None else guard, **(coordinator or {}),
+            "guard": GUARDS["no-krum"] if guard is None else guard, **(coordinator or {}),
             **({"inbox_workers": args.inbox_workers} if getattr(args, "inbox_workers", 0) else {}),
         },
         sites=getattr(args, "sites", 0),
@@ -868,7 +872,7 @@ def measure(n: int, broker: str, args: argparse.Namespace, out: Path, artifacts:
     asked; None where the fleet failed (said: the other sizes go on)."""
     t0 = time.perf_counter()
     try:
-        run = run_fleet(n, args, out, artifacts, broker)
+        run = run_fleet(n, args, out, artifacts, broker, guard=GUARDS[args.guard])
     except Exception as err:
         print(f"{broker} N={n}: the fleet failed: {type(err).__name__}: {err}", flush=True)
         return None
@@ -906,6 +910,10 @@ def main() -> None:
     parser.add_argument("--broker", default="mosquitto,embedded",
                         help="mosquitto, embedded, or both comma-separated (default: both)")
     parser.add_argument("--replay-m", type=int, default=50, help="replay store size M")
+    parser.add_argument("--guard", choices=sorted(GUARDS), default="no-krum",
+                        help="the coordinator's [guard]: its defaults without Krum selection (FedAvg over every "
+                             "update, as Flower's side does; the default), or its defaults (a fleet file's without "
+                             "[guard]: Krum selection where there are no calibration samples, as here)")
     parser.add_argument("--between-rounds", choices=("memory", "disk"), default=None,
                         help="the devices' [learner] between_rounds (default: the fleet's, disk)")
     parser.add_argument("--per-device", type=int, default=0,
