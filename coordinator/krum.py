@@ -202,10 +202,10 @@ class KrumSelection:
             return True
         if self._distances_to is not None:
             distances = self._distances_to(update.weights, widened)[None, :]
-            if self._claimed_rows is not None:
-                distances = self._claimed_rows.subtract(distances, [update])
-        else:
-            distances = compared_distances([update], self.heads, others=self.neighbours)
+        else:  # the kept ones' rows did not fit: the whole distances streamed again
+            distances = compared_distances([update], None, others=self.neighbours)
+        if self._claimed_rows is not None:  # their claimed rows left out as the round read them
+            distances = self._claimed_rows.subtract(distances, [update])
         if float(scored(distances, self._nearest(), among_themselves=False)[0]) <= self.worst:
             return True
         if self._within_reach(update):
