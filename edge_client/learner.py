@@ -226,12 +226,13 @@ class Learner:
         if self.fresh_optimizer:
             self.trainer.reset_optimizer()
         try:
-            state = replace(self.state, weights=self.trainer.get_weights())
-            record = save_state(directory, state.with_optimizer(self.trainer.optimizer_state()) if on_disk else state)
+            state = self.state.with_optimizer(self.trainer.optimizer_state() if on_disk else None,
+                                              weights=self.trainer.get_weights())
+            record = save_state(directory, state)
         except OSError:
             save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
             return False
-        self._saved_in = Path(directory), record
+        self._saved_in = directory if isinstance(directory, Path) else Path(directory), record
         return True
 
     def idle(self) -> None:

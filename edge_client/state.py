@@ -35,13 +35,14 @@ class ClientState:
     optimizer_buffers: list[str] = field(default_factory=list)
     optimizer_steps: int = 0
 
-    def with_optimizer(self, state: OptimizerState | None) -> ClientState:
-        """This state with `state` as its optimiser's (None: none saved)."""
+    def with_optimizer(self, state: OptimizerState | None, **changes: Any) -> ClientState:
+        """This state with `state` as its optimiser's (None: none saved), and any other `changes` of its fields
+        (a device's save gives its weights: one copy of the state a round)."""
         if state is None:
-            return replace(self, optimizer=None, optimizer_buffers=[], optimizer_steps=0)
+            return replace(self, optimizer=None, optimizer_buffers=[], optimizer_steps=0, **changes)
         names = sorted(state.buffers)
         return replace(self, optimizer=np.concatenate([state.buffers[name] for name in names]),
-                       optimizer_buffers=names, optimizer_steps=state.steps)
+                       optimizer_buffers=names, optimizer_steps=state.steps, **changes)
 
     def optimizer_state(self, size: int) -> OptimizerState | None:
         """The saved optimiser state, its buffers `size` values each; None when none was saved."""

@@ -59,6 +59,7 @@ RECORD_MAGIC = b"edgefil-state 1 "
 # and a fleet's device checks five buffers a round (its weights and two AdamW moments saved, the moments read back).
 # The written-once form, whose files sha256 names, and a slotted save made before: sha256.
 CHECKSUMS = ("crc32c", "sha256")
+_layouts: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # `_record_layout`'s, by class
 # What this process's last whole save in a folder wrote: (slot, sequence, record) and the identity of both slot
 # files after it (`_slots_identity`). The next save there takes the newest slot from it instead of reading and
 # checking both slots again; where another hand changed, replaced or removed a slot file since (an identity
@@ -282,7 +283,7 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
 
     The first save in a directory (or the first after an earlier form's) fills both slots (`_fill_older_slot`): no
     later save creates a file."""
-    directory = Path(directory)
+    directory = directory if isinstance(directory, Path) else Path(directory)  # not parsed again where it is one
     folder = os.fspath(directory)  # the files' paths joined as text: pathlib's joins took a fifth of a save's CPU
     known = _last_save(folder)
     newest = known[:3] if known is not None else _newest_slot(directory)
@@ -292,9 +293,8 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
     first = newest is None or newest[0] == ""  # no one-file slot here yet
     slot = SLOTS[0] if newest is None or first else next(s for s in SLOTS if s != newest[0])
     sequence = 1 if newest is None else newest[1] + 1
-    names = [f.name for f in fields(state)]
-    buffers = [name for name in BUFFERS if name in names]
-    record: dict[str, Any] = {name: getattr(state, name) for name in names if name not in BUFFERS}
+    names, buffers = _record_layout(type(state))
+    record: dict[str, Any] = {name: getattr(state, name) for name in names}
     blobs: dict[str, memoryview] = {}
     read: dict[str, memoryview] = {}
     for name in buffers:
@@ -320,6 +320,17 @@ def save_slotted(directory: str | Path, state: Any, keep_buffers: bool = False) 
         identity[SLOTS.index(slot)] = _file_identity(found)
     _last_saves[folder] = slot, sequence, written, tuple(identity)
     return written
+
+
+def _record_layout(kind: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A saved dataclass's fields: those its record holds, and its buffers (BUFFERS), found once a class (a device
+    saves every round)."""
+    layout = _layouts.get(kind)
+    if layout is None:
+        names = [f.name for f in fields(kind)]
+        layout = _layouts[kind] = (tuple(name for name in names if name not in BUFFERS),
+                                   tuple(name for name in BUFFERS if name in names))
+    return layout
 
 
 def _write_slot(folder: str, slot: str, sequence: int, record: dict[str, Any], buffers: Sequence[str],
