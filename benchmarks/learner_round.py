@@ -16,8 +16,16 @@ then `--rounds` measured. Each variant runs in a fresh process, the variants alt
 Printed: CPU ms a learner-round, the same against "memory", and the PSS (/proc/self/smaps_rollup) each learner
 adds, its trainer, store and state included, after the rounds.
 
+With `--phases`: what a device does besides training, phase by phase, in rounds that train and in rounds that do
+not. The same learners ("memory", so that a round that does not train reads nothing back), each round the global
+weights set, one epoch trained (or not), a view made for a policy's hook, the state saved, an update of the trained
+weights encoded for the wire and the learner idle, each phase's CPU time (its thread's) summed; rounds that train
+and rounds that do not alternate after the warm-up. Printed: each phase's CPU us a learner-round both ways, and
+their ratio: the work besides training costs what it does between two trainings (a fleet worker's every device
+trains between two of its own phases), which its cost in a round of its own understates.
+
     .venv/bin/python benchmarks/learner_round.py [--model cnn1d] [--n 200] [--samples 3] [--rounds 5]
-        [--repeats 3]
+        [--repeats 3] [--phases]
 """
 from __future__ import annotations
 
@@ -83,6 +91,58 @@ print(json.dumps({"ms": cpu / (n * rounds) * 1e3, "kib": (pss_bytes() - start) /
 """
 
 
+PHASES = ONE.split("def round_(number):")[0].replace('"disk" if variant == "disk" else "memory"', '"memory"') + """
+from edgefil import wire
+PHASE_NAMES = ("weights set", "training", "a view", "state saved", "update encoded", "idle")
+spent = {trains: dict.fromkeys(PHASE_NAMES, 0.0) for trains in (True, False)}
+
+def timed(trains, name, work):
+    start = time.thread_time()
+    result = work()
+    spent[trains][name] += time.thread_time() - start
+    return result
+
+def round_(number, trains):
+    for i, learner in enumerate(learners):
+        timed(trains, "weights set", lambda: learner.trainer.set_weights(weights))
+        if trains:
+            timed(trains, "training", learner.train)
+        timed(trains, "a view", learner.view)
+        learner.state.round = number
+        timed(trains, "state saved", lambda: learner.save(folder / str(i) / "state"))
+        timed(trains, "update encoded", lambda: wire.encode_blob(
+            "update", wire.weights_bytes(learner.trainer.get_weights()), device=f"d{i}", round=number, task=0,
+            model="ab" * 32, num_samples=samples, attachments=[], label_counts=learner.state.label_counts,
+            trained_counts=[], metrics={"loss": 0.5, "device_seconds": 0.01}))
+        timed(trains, "idle", learner.idle)
+
+for number in range(2):
+    round_(number, True)
+for trains in (True, False):
+    spent[trains] = dict.fromkeys(PHASE_NAMES, 0.0)
+for number in range(2, 2 + 2 * rounds):
+    round_(number, number % 2 == 0)
+print(json.dumps({"trains" if trains else "not": {name: cpu / (n * rounds) * 1e6 for name, cpu in phases.items()}
+                  for trains, phases in spent.items()}))
+"""
+
+
+def phases(args: argparse.Namespace) -> None:
+    """`--phases`: each phase's CPU in rounds that train and in rounds that do not (the module docstring)."""
+    done = subprocess.run([sys.executable, "-c", PHASES, "memory", args.model, str(args.n), str(args.samples),
+                           str(args.rounds)], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"phases: exit {done.returncode}\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    print(f"{args.n} learners of {args.model}, {args.samples} samples each, portable backend, AdamW, state in memory "
+          f"between rounds; {args.rounds} rounds that train and {args.rounds} that do not, alternated, after 2")
+    print(f"{'phase':>16} {'CPU us, training between':>25} {'not':>8} {'ratio':>7}")
+    for name, trained in result["trains"].items():
+        alone = result["not"][name]
+        ratio = f"{trained / alone:6.2f}x" if alone > 0 else "      -"
+        print(f"{name:>16} {trained:>25.1f} {alone:>8.1f} {ratio}")
+
+
 def measure(variant: str, args: argparse.Namespace) -> dict[str, float]:
     done = subprocess.run([sys.executable, "-c", ONE, variant, args.model, str(args.n), str(args.samples),
                            str(args.rounds)], cwd=ROOT, capture_output=True, text=True)
@@ -99,7 +159,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--phases", action="store_true",
+                        help="each phase's CPU in rounds that train and in rounds that do not")
     args = parser.parse_args()
+    if args.phases:
+        phases(args)
+        return
     best: dict[str, dict[str, float]] = {}
     for _ in range(args.repeats):
         for variant in VARIANTS:
