@@ -108,6 +108,8 @@ class Learner:
         self._detector = NoveltyDetector()
         self.budget = store.device_budget()
         self.global_weights: np.ndarray | None = None  # the latest global model received (read-only)
+        # the last view made: what it shows by value, what by identity, and the view (`view`)
+        self._last_view: tuple[tuple[Any, ...], tuple[Any, ...], RoundView] | None = None
 
     def open_policy(self, state_dir: str | Path, model_artifacts: str | Path) -> None:
         """Let the policy open what it keeps besides the store (its own files, within M), once the trainer is
@@ -127,16 +129,29 @@ class Learner:
     fresh_optimizer: bool = False  # the coordinator's round starts the optimiser afresh (module docstring)
 
     def view(self, global_weights: np.ndarray | None = None) -> RoundView:
-        """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest)."""
+        """What a policy's hook sees of this device now (`global_weights`: the model to show as the latest). The
+        last view again where nothing it shows has changed since (`_last_view`): a device's round asks for one at
+        each of its hooks (the global model's arrival, the round's requests, the training, the attachments), and
+        each made its class mask and counts afresh, 17 us a view beside a fleet's training (docs/results.md, issue
+        57). Its arrays are read-only, as the view is frozen: what one hook sees, the next sees."""
+        shown = self.global_weights if global_weights is None else global_weights
+        values = (self.state.task, self.state.n_seen, self.round_mask, self.known_classes, self.task_classes)
+        # the state's lists are replaced where they change, never changed in place; held here, none is another's id
+        held = (self.state.seen_classes, self.state.label_counts, self.state.task_counts, shown)
+        last = self._last_view
+        if last is not None and last[0] == values and all(a is b for a, b in zip(last[1], held)):
+            return last[2]
         k = self.trainer.manifest.num_classes
-        return RoundView(
-            trainer=self.trainer, rng=self.rng, batch_size=self.config.batch_size, class_mask=self.class_mask(),
-            task=self.state.task, label_counts=_padded(self.state.label_counts, k),
-            task_counts=_padded(self.state.task_counts, k), n_seen=self.state.n_seen,
-            global_weights=self.global_weights if global_weights is None else global_weights,
-            read_store=self._stored, count_store=self.store.__len__,
+        view = RoundView(
+            trainer=self.trainer, rng=self.rng, batch_size=self.config.batch_size,
+            class_mask=self.class_mask(), task=self.state.task,
+            label_counts=_read_only(_padded(self.state.label_counts, k)),
+            task_counts=_read_only(_padded(self.state.task_counts, k)), n_seen=self.state.n_seen,
+            global_weights=shown, read_store=self._stored, count_store=self.store.__len__,
             known_classes=self.known_classes, task_classes=self.task_classes,
         )
+        self._last_view = values, held, view
+        return view
 
     def global_model_arrived(self, weights: np.ndarray) -> None:
         """A global model reached the device (selected for the round or not): the policy's hook runs, and the
@@ -198,14 +213,15 @@ class Learner:
 
     def class_mask(self) -> np.ndarray | None:
         """The classes the device has seen, and those the coordinator says the fleet knows (`known_classes`); None
-        where the device does not mask (its `mask_seen_classes`, or the round's `round_mask` when it says)."""
+        where the device does not mask (its `mask_seen_classes`, or the round's `round_mask` when it says). Read-only:
+        a view holds it (`view`)."""
         masking = self.config.mask_seen_classes if self.round_mask is None else self.round_mask
         if not masking or not (self.state.seen_classes or self.known_classes):
             return None
         mask = np.zeros(self.trainer.manifest.num_classes, dtype=np.float32)
         mask[self.state.seen_classes] = 1.0
         mask[list(self.known_classes)] = 1.0
-        return mask
+        return _read_only(mask)
 
     # --- persistence ------------------------------------------------------------------------------
 
@@ -350,6 +366,11 @@ class Learner:
             x, y = x[pick], y[pick]
         if len(y):
             self.store.insert(x, y, self.state.task)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def _padded(counts: list[int], length: int) -> np.ndarray:

@@ -403,3 +403,36 @@ def test_the_round_can_turn_the_class_mask_on_or_off_whatever_the_device_says(ma
     assert Device._round_switch(device, {}, "mask_seen_classes") is None
     for bad in (1, "false", [True]):
         assert Device._round_switch(device, {"mask_seen_classes": bad}, "mask_seen_classes") is None
+
+
+def test_a_view_is_made_again_only_where_what_it_shows_changed_and_its_arrays_are_read_only(make_learner):
+    """A device's round asks for a view at each policy hook: while nothing it shows changed, the learner hands the
+    last one again; a new chunk, a new task, the fleet's classes, the round's mask or another global model each make
+    a new one showing the change. Hooks share it, so its arrays cannot be written."""
+    learner = make_learner()
+    learner.start_task(0, *_task_data([0, 1], 20, 0))
+    first = learner.view()
+    assert learner.view() is first
+    learner.train()  # training changes nothing a view shows
+    assert learner.view() is first
+    for name in ("class_mask", "label_counts", "task_counts"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(first, name)[0] = 5
+    learner.observe(Chunk(*_task_data([0, 2], 10, 1), task=0))
+    counted = learner.view()
+    assert counted is not first and counted.n_seen == 30 and counted.label_counts[2] > 0 == first.label_counts[2]
+    assert np.flatnonzero(counted.class_mask).tolist() == [0, 1, 2]
+    learner.known_classes = (0, 1, 2, 3)
+    known = learner.view()
+    assert known is not counted and np.flatnonzero(known.class_mask).tolist() == [0, 1, 2, 3]
+    learner.round_mask = False
+    unmasked = learner.view()
+    assert unmasked is not known and unmasked.class_mask is None
+    weights = learner.trainer.get_weights()
+    learner.global_model_arrived(weights)
+    arrived = learner.view()
+    assert arrived is not unmasked and arrived.global_weights is weights and learner.view() is arrived
+    assert learner.view(global_weights=weights + 1).global_weights is not weights
+    learner.start_task(1, *_task_data([4, 5], 10, 2))
+    moved = learner.view()
+    assert moved.task == 1 and moved.task_counts[[4, 5]].sum() == 10 and moved.task_counts[:4].sum() == 0
