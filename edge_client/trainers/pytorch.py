@@ -147,4 +147,6 @@ class TorchTrainer(Trainer):
         return norms
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        """`array` as a tensor on the trainer's device; a read-only one (a learner's view holds its class mask so:
+        edge_client/learner.py) copied, as torch's tensors are writable."""
+        return torch.from_numpy(array if array.flags.writeable else array.copy()).to(self.device)
