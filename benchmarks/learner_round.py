@@ -91,7 +91,10 @@ print(json.dumps({"ms": cpu / (n * rounds) * 1e3, "kib": (pss_bytes() - start) /
 """
 
 
-PHASES = ONE.split("def round_(number):")[0].replace('"disk" if variant == "disk" else "memory"', '"memory"') + """
+# `--phases`: ONE's learners (made with the variant "memory"), their rounds timed phase by phase
+_LEARNERS, _ROUNDS, _ = ONE.partition("def round_(number):")
+assert _ROUNDS, "ONE no longer defines round_(number): PHASES takes its learners from what comes before it"
+PHASES = _LEARNERS + """
 from edgefil import wire
 PHASE_NAMES = ("weights set", "training", "a view", "state saved", "update encoded", "idle")
 spent = {trains: dict.fromkeys(PHASE_NAMES, 0.0) for trains in (True, False)}
