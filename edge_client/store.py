@@ -230,6 +230,7 @@ class ReplayStore:
         self._length: int | None = None  # live samples, known since the last write
         self._counts: list[tuple[int, int, int]] | None = None  # `counts`, known since the last write
         self._kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # `samples()`, since the last write
+        self._bytes: int | None = None  # `bytes_on_disk`, since the last write or connection (`_measured_anew`)
         self._open(sample_shape)
 
     # ------------------------------------------------------------------ lifecycle
@@ -274,6 +275,7 @@ class ReplayStore:
         self._let_go = weakref.finalize(self, os.close, owner)  # a store dropped unclosed lets its lock go too
 
     def _connect(self) -> sqlite3.Connection:
+        self._bytes = None  # a connection may roll a crash's journal back, or make the files
         self._conn = sqlite3.connect(self._db, isolation_level=None, timeout=0, check_same_thread=False)
         try:
             self._configure(self._conn)
@@ -498,7 +500,7 @@ class ReplayStore:
 
         It ends with the freelist vacuumed, so the file shrinks at commit."""
         conn = self._connection()
-        self._length = self._counts = self._kept = None
+        self._length = self._counts = self._kept = self._bytes = None
         if not self._fits(peak):
             raise BudgetExceededError(f"{self.directory}: a write could take {peak} bytes, over max_bytes "
                                       f"{self.budget.max_bytes}; nothing was written")
@@ -516,6 +518,8 @@ class ReplayStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            finally:
+                self._bytes = None  # measured during the write: the files have changed since
 
     # ------------------------------------------------------------------ reads
 
@@ -587,8 +591,13 @@ class ReplayStore:
     def bytes_on_disk(self) -> int:
         """The directory and its files as M counts them (`budget.charged_bytes`): at least their allocated bytes
         (du's measure, what a disk quota charges) and their apparent size (`du --apparent-size`), and the same in
-        every run of the same operations, however the disk placed the blocks."""
-        return directory_bytes(self.directory, self._block)
+        every run of the same operations, however the disk placed the blocks. Measured again after each write and
+        each new connection, and kept between them, as the store's length and counts are: only they change its
+        files (the directory's lock keeps every other process of the device out), and a device's every update
+        reports them (`stored_bytes`), which cost a scan and a stat of each file a round (docs/results.md)."""
+        if self._bytes is None:
+            self._bytes = directory_bytes(self.directory, self._block)
+        return self._bytes
 
     def delete_headroom(self) -> int:
         """Bytes beyond `bytes_on_disk()` that starting a delete of every sample may take (its tombstones' and its

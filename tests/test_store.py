@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from edge_client import store as store_module
-from edge_client.budget import Budget
+from edge_client.budget import Budget, directory_bytes
 from edge_client.store import (
     DB_NAME,
     KEPT_SAMPLES_BYTES,
@@ -282,6 +282,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert y.dtype == tasks.dtype == np.int64
         allocated, apparent = usage(self.directory)
         assert max(allocated, apparent) <= store.bytes_on_disk()  # M's count covers both measures
+        # kept between writes (a device reports it every round), never other than measuring now would give
+        assert store.bytes_on_disk() == directory_bytes(self.directory, store._block)
         assert os.path.getsize(self.directory / (DB_NAME + "-journal")) == 0
         if self.budget.max_samples is not None:
             assert len(store) <= self.budget.max_samples
