@@ -101,7 +101,7 @@ class Learner:
         self.policy = policy
         # where the last whole save is, while the trainer holds what it holds, and its record where this process
         # saved it (None after a restart: the newest record there is read)
-        self._saved_in: tuple[Path, dict[str, Any] | None] | None = None
+        self._saved_in: tuple[str | Path, dict[str, Any] | None] | None = None
         self.config = config
         self.rng = np.random.default_rng(seed)
         self.state = ClientState()
@@ -248,7 +248,7 @@ class Learner:
         except OSError:
             save_state_keeping_weights(directory, replace(self.state, model="", metrics={}, weights=None))
             return False
-        self._saved_in = directory if isinstance(directory, Path) else Path(directory), record
+        self._saved_in = directory, record  # as given: a save parses no path it need not
         return True
 
     def idle(self) -> None:
@@ -266,7 +266,7 @@ class Learner:
         if last_save is not None:
             self.trainer.park(lambda weights, state: self._saved_training(*last_save, weights, state))
 
-    def _saved_training(self, directory: Path, record: dict[str, Any] | None, weights: bool, state: bool
+    def _saved_training(self, directory: str | Path, record: dict[str, Any] | None, weights: bool, state: bool
                         ) -> tuple[np.ndarray | None, OptimizerState | None]:
         """The weights and (or) the optimiser state of the last whole save (`record`, or the newest record there
         where None): what a parked trainer takes back."""
@@ -288,7 +288,7 @@ class Learner:
         if optimizer is not None and self.config.between_rounds == "disk":
             self.trainer.set_optimizer_state(optimizer)
         state = state.with_optimizer(None)  # the trainer holds it (a second copy here would cost what parking saves)
-        self._saved_in = (Path(directory), None) if whole else None
+        self._saved_in = (directory, None) if whole else None
         self.state = state
         self._detector = NoveltyDetector(state.seen_classes)
         return True

@@ -368,11 +368,11 @@ def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_cla
     assert len(claimed._by_claims) == min(kept, 4)  # four sets of claims among the rows
     for i, mine in enumerate(rows):
         for j, theirs in enumerate(columns):
-            kept = np.ones(45, dtype=bool)
+            outside = np.ones(45, dtype=bool)  # the positions outside the claimed classes' rows
             for c in claimed_classes(mine) | claimed_classes(theirs):
                 if c < 5:
-                    kept[heads.rows[c]] = False
-            apart = mine.weights.astype(np.float64)[kept] - theirs.weights.astype(np.float64)[kept]
+                    outside[heads.rows[c]] = False
+            apart = mine.weights.astype(np.float64)[outside] - theirs.weights.astype(np.float64)[outside]
             assert got[i, j] == pytest.approx(float(apart @ apart), rel=1e-9, abs=1e-9)
 
 
