@@ -76,46 +76,67 @@ class ClaimedRows:
     issue 57). The classes are taken in order, so that a pair's distance is the same float however its claims were
     made. The rows held are the kept ones' heads, a part of what their `DistancesTo` rows hold."""
 
-    def __init__(self, columns: Sequence[ClientUpdate], heads: HeadLayout) -> None:
+    def __init__(self, columns: Sequence[ClientUpdate], heads: HeadLayout, origin: np.ndarray | None = None) -> None:
+        """`origin`: the weights the head rows are measured from (the round's global model; None: zero), so that
+        the products' cancellation is relative to the rows' changes, not to the rows (`DistancesTo`'s origin)."""
         self.heads = heads
         self.columns = list(columns)
         claims = [claimed_classes(u) for u in self.columns]
         self.claimed = {c for c in set().union(*claims) if c < len(heads.rows)}
         # (classes, columns): whether each column claims each class
         self._claiming = np.array([[c in claim for claim in claims] for c in range(len(heads.rows))])
-        # the columns' head rows, (classes, columns, row) in float64: `hold` heads at most
-        self._rows = np.stack([u.weights[heads.table] for u in self.columns], axis=1).astype(np.float64)
-        self._by_claims: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # `_compared`
+        self._origin = None if origin is None else origin[heads.table].astype(np.float64)  # (classes, row)
+        # the columns' head rows from the origin, (classes, columns, row) in float64 (`hold` heads at most), and
+        # their squared lengths (classes, columns)
+        self._rows = np.stack([self._from_origin(u.weights[heads.table]) for u in self.columns], axis=1)
+        self._lengths = np.einsum("ckr,ckr->ck", self._rows, self._rows)
+        self._by_claims: dict[tuple[int, ...], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
 
     def subtract(self, distances: np.ndarray, updates: Sequence[ClientUpdate]) -> np.ndarray:
         """`distances` (a row an update, a column one of the columns) less each pair's claimed classes' rows."""
         if not len(updates):
             return np.maximum(distances, 0.0)
-        return np.stack([self._subtracted(row, update) for row, update in zip(distances, updates)])
+        return np.stack([self.subtracted(row, update) for row, update in zip(distances, updates)])
 
-    def _subtracted(self, distances: np.ndarray, update: ClientUpdate) -> np.ndarray:
-        """One update's row: its distance to each column less the rows of the classes either claims, all its
-        classes measured and summed at once, in class order."""
+    def subtracted(self, distances: np.ndarray, update: ClientUpdate) -> np.ndarray:
+        """One update's row of `subtract`: its distance to each column less the rows of the classes either claims,
+        each |own - row|^2 as |own|^2 + |row|^2 - 2 own.row (the columns' squared lengths summed once for a set
+        of claims), all its classes in a few calls: numpy's calls, not the arithmetic, were this row's cost (a
+        quarter of the default guard's work on an update; docs/results.md, issue 57)."""
         mine = tuple(sorted(c for c in claimed_classes(update) if c < len(self.heads.rows)))
-        classes, left_out = self._compared(mine)
-        if len(classes):
-            own = update.weights[self.heads.table[classes]].astype(np.float64)  # (classes, row)
-            apart = ((own[:, None, :] - self._rows[classes]) ** 2).sum(-1)
-            distances = distances - np.where(left_out, apart, 0.0).sum(0)
+        classes, left_out, their_lengths = self._compared(mine)
+        if len(left_out):
+            table, rows = (self.heads.table, self._rows) if classes is None else (self.heads.table[classes],
+                                                                                   self._rows[classes])
+            own = self._from_origin(update.weights[table], classes)  # (classes, row)
+            products = np.matmul(rows, own[:, :, None])[:, :, 0]  # (classes, columns)
+            own_lengths = np.einsum("cr,cr->c", own, own)
+            distances = distances - (own_lengths @ left_out + their_lengths
+                                     - 2.0 * np.einsum("ck,ck->k", left_out, products))
         return np.maximum(distances, 0.0)
 
-    def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """For an update claiming `mine`: the classes either it or a column claims, in order, and which of its
-        pairs with the columns leave each out, (classes, columns). Kept by claims, CLAIMS_KEPT sets at most: a
-        round's updates claim a few sets of classes where there are few, and each is a few bytes a class."""
+    def _from_origin(self, rows: np.ndarray, classes: np.ndarray | None = None) -> np.ndarray:
+        """Head rows (classes, row: those of `classes`, every class where None) from the origin, in float64."""
+        if self._origin is None:
+            return rows.astype(np.float64)
+        return np.subtract(rows, self._origin if classes is None else self._origin[classes], dtype=np.float64)
+
+    def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """For an update claiming `mine`: the classes either it or a column claims, in order (None where that is
+        every class: the columns' rows are then read as they are, not copied), which of its pairs with the columns
+        leave each out (classes, columns: 1.0 or 0.0), and the squared lengths of the rows each column leaves out,
+        summed. Kept by claims, CLAIMS_KEPT sets at most: a round's updates claim a few sets of classes where there
+        are few, and each is a few bytes a class."""
         known = self._by_claims.get(mine)
         if known is not None:
             return known
         classes = np.array(sorted(self.claimed.union(mine)), dtype=np.int64)
-        left_out = self._claiming[classes] | np.isin(classes, mine)[:, None]
+        left_out = (self._claiming[classes] | np.isin(classes, mine)[:, None]).astype(np.float64)
+        compared = (None if len(classes) == len(self._rows) else classes, left_out,
+                    np.einsum("ck,ck->k", left_out, self._lengths[classes]))
         if len(self._by_claims) < CLAIMS_KEPT:
-            self._by_claims[mine] = classes, left_out
-        return classes, left_out
+            self._by_claims[mine] = compared
+        return compared
 
 
 def krum_outliers(distances: np.ndarray, share: float) -> set[int]:
@@ -189,7 +210,8 @@ class KrumSelection:
             size = kept[0].weights.size
             fits = DistancesTo.fits(len(kept), size)
             self._distances_to = DistancesTo([u.weights for u in kept], self.global_weights) if fits else None
-            self._claimed_rows = ClaimedRows(kept, self.heads) if self.heads is not None else None
+            self._claimed_rows = (ClaimedRows(kept, self.heads, self.global_weights) if self.heads is not None
+                                  else None)
             distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
             self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
         return [u for u in updates if id(u) not in refused and (id(u) not in later or self.takes(u, counters))]
@@ -205,7 +227,7 @@ class KrumSelection:
         else:  # the kept ones' rows did not fit: the whole distances streamed again
             distances = compared_distances([update], None, others=self.neighbours)
         if self._claimed_rows is not None:  # their claimed rows left out as the round read them
-            distances = self._claimed_rows.subtract(distances, [update])
+            distances = self._claimed_rows.subtracted(distances[0], update)[None, :]
         if float(scored(distances, self._nearest(), among_themselves=False)[0]) <= self.worst:
             return True
         if self._within_reach(update):

@@ -351,19 +351,23 @@ def test_a_streamed_round_selects_the_same_with_the_kept_updates_distances_cache
 
 
 @pytest.mark.parametrize("kept", [0, 2, krum.CLAIMS_KEPT])
-def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_claims_and_nothing_else(kept, monkeypatch):
+@pytest.mark.parametrize("origin", [False, True])
+def test_a_pairs_compared_distance_leaves_out_the_rows_of_the_classes_either_claims_and_nothing_else(
+        kept, origin, monkeypatch):
     """`ClaimedRows` (the kept updates' claims and head rows, read once a round): each pair's squared distance is the
     sum over the positions outside the head rows of every class either of the two claims, whatever the claims (one
-    class, several, none, one no column claims, one past the head's classes), as the whole distances less those
-    rows; and so whether what it compares for a set of claims is kept or not (`CLAIMS_KEPT` sets at most)."""
+    class, several, none, one no column claims, one past the head's classes: every class compared, or some), as the
+    whole distances less those rows; and so whether what it compares for a set of claims is kept or not
+    (`CLAIMS_KEPT` sets at most), and whether the rows are measured from an origin (a round's global model) or not."""
     monkeypatch.setattr(krum, "CLAIMS_KEPT", kept)
     rng = np.random.default_rng(12)
     heads = HeadLayout(tuple(np.arange(30 + 3 * c, 33 + 3 * c) for c in range(5)))
     claims = [{1}, {0, 3}, set(), {4}, {2, 7}, {1, 2, 3}]
-    updates = [ClientUpdate(f"d{k}", rng.standard_normal(45).astype(np.float32), 10,
+    centre = rng.standard_normal(45).astype(np.float32) * 100  # the updates near it: the rows' products cancel
+    updates = [ClientUpdate(f"d{k}", centre + rng.standard_normal(45).astype(np.float32), 10,
                             trained_counts=[(0, c, 5) for c in claim]) for k, claim in enumerate(claims)]
     rows, columns = updates[:4], updates[2:]
-    claimed = ClaimedRows(columns, heads)
+    claimed = ClaimedRows(columns, heads, centre if origin else None)
     got = claimed.subtract(squared_distances([u.weights for u in updates], torch.device("cpu")).numpy()[:4, 2:], rows)
     assert len(claimed._by_claims) == min(kept, 4)  # four sets of claims among the rows
     for i, mine in enumerate(rows):
