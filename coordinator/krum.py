@@ -103,8 +103,7 @@ class ClaimedRows:
         each |own - row|^2 as |own|^2 + |row|^2 - 2 own.row (the columns' squared lengths summed once for a set
         of claims), all its classes in a few calls: numpy's calls, not the arithmetic, were this row's cost (a
         quarter of the default guard's work on an update; docs/results.md, issue 57)."""
-        mine = tuple(sorted(c for c in claimed_classes(update) if c < len(self.heads.rows)))
-        classes, left_out, their_lengths = self._compared(mine)
+        classes, left_out, their_lengths = self._compared(tuple(sorted(claimed_classes(update))))
         if len(left_out):
             table, rows = (self.heads.table, self._rows) if classes is None else (self.heads.table[classes],
                                                                                    self._rows[classes])
@@ -122,16 +121,18 @@ class ClaimedRows:
         return np.subtract(rows, self._origin if classes is None else self._origin[classes], dtype=np.float64)
 
     def _compared(self, mine: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """For an update claiming `mine`: the classes either it or a column claims, in order (None where that is
-        every class: the columns' rows are then read as they are, not copied), which of its pairs with the columns
-        leave each out (classes, columns: 1.0 or 0.0), and the squared lengths of the rows each column leaves out,
-        summed. Kept by claims, CLAIMS_KEPT sets at most: a round's updates claim a few sets of classes where there
+        """For an update claiming `mine` (in order): the classes either it or a column claims, in order (None where
+        that is every class: the columns' rows are then read as they are, not copied), which of its pairs with the
+        columns leave each out (classes, columns: 1.0 or 0.0), and the squared lengths of the rows each column leaves
+        out, summed. Kept by claims, CLAIMS_KEPT sets at most: a round's updates claim a few sets of classes where there
         are few, and each is a few bytes a class."""
         known = self._by_claims.get(mine)
         if known is not None:
             return known
-        classes = np.array(sorted(self.claimed.union(mine)), dtype=np.int64)
-        left_out = (self._claiming[classes] | np.isin(classes, mine)[:, None]).astype(np.float64)
+        own = {c for c in mine if c < len(self.heads.rows)}  # a class past the head's has no row
+        classes = np.array(sorted(self.claimed | own), dtype=np.int64)
+        mine_too = np.array([c in own for c in classes.tolist()], dtype=bool)[:, None]
+        left_out = (self._claiming[classes] | mine_too).astype(np.float64)
         compared = (None if len(classes) == len(self._rows) else classes, left_out,
                     np.einsum("ck,ck->k", left_out, self._lengths[classes]))
         if len(self._by_claims) < CLAIMS_KEPT:
