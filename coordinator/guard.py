@@ -205,14 +205,17 @@ class UpdateBounds(GuardSettings):
               measured: Sequence[float] | None = None, selection: KrumSelection | None = None,
               reference: ClassReference | None = None, path: FleetPath = UNKNOWN_PATH,
               heads: HeadLayout | None = None, influence: RoundInfluence | None = None,
-              changes: RunningMedian | None = None, widened: UpdateChanges | None = None) -> list[ClientUpdate]:
+              changes: RunningMedian | None = None, widened: UpdateChanges | None = None,
+              taken_rows: DistancesTo | None = None) -> list[ClientUpdate]:
         """A whole round's updates within the bounds (clipped ones are new arrays; the others are passed as they
         are). `measured`: their distances from the global model, when known already; `selection`: the round's Krum
         selection, which keeps what it learns for later updates (a stream's); `reference`: the round's calibration
         reference (None: no check); `path`: where the fleet's model has been (`FleetPath`) and `heads` the model's
         head layout, for the influence bounds, applied last; `influence`: a stream's (which learns from each batch),
         else the round's own; `changes`: a stream's calibration loss changes so far (`add_change`), which these
-        join; `widened`: a stream's changes from the global model (`UpdateChanges`), else the round's own."""
+        join; `widened`: a stream's changes from the global model (`UpdateChanges`), else the round's own;
+        `taken_rows`: a stream's rows of these updates for the copy check of its later ones, which Krum's selection
+        reads too (`KrumSelection.select`)."""
         widened = UpdateChanges(global_weights) if widened is None else widened
         if measured is None:
             measured = [widened.length(u.weights) if self.measures_distance else 0.0 for u in updates]
@@ -232,7 +235,7 @@ class UpdateBounds(GuardSettings):
                                for u, change in zip(progressing, compared)) if c is not None]
         checked = self.counted_once(widened, checked, counters)
         kept = (selection or self.selection(reference, heads, global_weights)).select(checked, counters,
-                                                                                      typical_distance)
+                                                                                      typical_distance, taken_rows)
         if self.checks_direction and len(kept) >= 2:
             total = change_sum(widened, kept)
             directed = (self.directed(widened, u, total, counters, True, typical_distance) for u in kept)
@@ -690,5 +693,5 @@ class BoundedStream:
             self.sent_rows = self.bounds.taken_rows_of(self.global_weights, self.sent)
         for update in self.bounds.apply(self.global_weights, updates, self.counters, [d for _, d in held],
                                         self.selection, self.reference, self.path, influence=self.influence,
-                                        changes=self.changes, widened=self.widened):
+                                        changes=self.changes, widened=self.widened, taken_rows=self.sent_rows):
             self._take(update)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -179,7 +179,8 @@ class KrumSelection:
         self.floor = floor  # `krum_floor`, in the round's median distances from the global model
         self.heads = heads  # None: whole updates compared (`krum_compare = "whole"`)
         self.neighbours: list[ClientUpdate] = []  # the first updates that were kept, for the round
-        self._distances_to: DistancesTo | None = None  # a later update's distances to them (None: streamed)
+        # a later update's distances to them (None: streamed)
+        self._distances_to: Callable[[np.ndarray, UpdateChanges | None], np.ndarray] | None = None
         self._claimed_rows: ClaimedRows | None = None  # their claims and head rows (None: whole updates compared)
         self.worst = math.inf  # the worst of their scores among themselves
         self.centre: np.ndarray | None = None  # the mean of the first updates Krum kept (float64)
@@ -187,10 +188,12 @@ class KrumSelection:
         self.reach = 0.0  # how far from it an update is taken back: `radius` x the farthest kept one, or the floor
 
     def select(self, updates: list[ClientUpdate], counters: Counter[str],
-               typical_distance: float | None = None) -> list[ClientUpdate]:
+               typical_distance: float | None = None, known_rows: DistancesTo | None = None) -> list[ClientUpdate]:
         """The updates a round keeps, in order: the first `hold` that learnt something less their outliers (those
         within reach of the kept ones taken back), each later one kept, and every one that learnt nothing.
-        `typical_distance`: the round's median distance from the global model, for `krum_floor` (None: no floor)."""
+        `typical_distance`: the round's median distance from the global model, for `krum_floor` (None: no floor);
+        `known_rows`: rows of the round's first updates from its global model that a later update is measured
+        against anyway (the copy check's), which serve here where they hold the kept ones (`DistancesTo.among`)."""
         if not self.share:
             return updates
         learnt = [u for u in updates if not learnt_nothing(u, self.global_weights)]
@@ -210,7 +213,11 @@ class KrumSelection:
             self.neighbours = kept
             size = kept[0].weights.size
             fits = DistancesTo.fits(len(kept), size)
-            self._distances_to = DistancesTo([u.weights for u in kept], self.global_weights) if fits else None
+            shared = None
+            if known_rows is not None and known_rows.origin is self.global_weights:
+                shared = known_rows.among([u.weights for u in kept])
+            self._distances_to = shared or (
+                DistancesTo([u.weights for u in kept], self.global_weights) if fits else None)
             self._claimed_rows = (ClaimedRows(kept, self.heads, self.global_weights) if self.heads is not None
                                   else None)
             distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)

@@ -316,8 +316,28 @@ def test_a_rounds_changes_are_each_weights_own_whichever_came_between():
     del b  # its change is in the buffer; the next array may take its place
     later = values + np.float32(1)
     np.testing.assert_array_equal(widened.of(later), later.astype(np.float64) - g)
-    rows = DistancesTo([a], g)
-    np.testing.assert_allclose(rows(later, widened), rows(later), rtol=1e-12)
+    np.testing.assert_allclose(DistancesTo([a], g)(later, widened), DistancesTo([a], g)(later), rtol=1e-12)
+
+
+def test_a_second_reader_of_the_rows_reads_the_last_updates_distances_and_only_its():
+    """`DistancesTo.among`: distances to some of the rows' very arrays (Krum's kept ones among the copy check's), read
+    from the rows' last measurement of that update, as a DistancesTo of those alone gives them; an array that is not
+    among the rows gets none; the last update's distances are its own, not those of another array, equal or not."""
+    rng = np.random.default_rng(13)
+    g = rng.standard_normal(300).astype(np.float32)
+    first = list(g + rng.standard_normal((5, 300)).astype(np.float32))
+    later, other = g + rng.standard_normal((2, 300)).astype(np.float32)
+    rows = DistancesTo(first, g)
+    kept = [first[3], first[0], first[4]]
+    among = rows.among(kept)
+    assert among is not None and rows.among([first[1], first[1].copy()]) is None
+    measured = rows(later)
+    assert rows(later) is measured and not measured.flags.writeable  # read again, as it was
+    np.testing.assert_array_equal(among(later), measured[[3, 0, 4]])
+    np.testing.assert_allclose(among(later), DistancesTo(kept, g)(later), rtol=1e-9)
+    same = later.copy()
+    assert rows(same) is not measured and rows(other) is not measured
+    np.testing.assert_allclose(among(other), DistancesTo(kept, g)(other), rtol=1e-9)
 
 
 @pytest.mark.parametrize("compare", ["whole", "classes"])

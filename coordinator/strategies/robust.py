@@ -22,7 +22,8 @@ All three need every update of the round at once (the coordinator holds them, up
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -141,15 +142,22 @@ class DistancesTo:
         self.origin = origin
         self.rows = np.stack([self._from_origin(other) for other in others])
         self.norms = np.einsum("ij,ij->i", self.rows, self.rows)
+        self._others = [weakref.ref(other) for other in others]  # which arrays the rows are (`among`)
+        self._last: tuple[weakref.ref[np.ndarray], np.ndarray] | None = None  # the last update's distances
 
     @staticmethod
     def fits(count: int, size: int, limit: int = DISTANCE_CACHE_BYTES) -> bool:
         return count * size * 8 <= limit
 
     def __call__(self, update: np.ndarray, widened: UpdateChanges | None = None) -> np.ndarray:
-        """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form).
-        `widened`: the round's changes (coordinator/compute.py `UpdateChanges`), which hold the update's change and
-        its squared length where their global model is the rows' origin; else they are measured here."""
+        """(len(others),) squared distances from `update`, as `squared_distances` gives them (its Gram's form),
+        read-only. `widened`: the round's changes (coordinator/compute.py `UpdateChanges`), which hold the update's
+        change and its squared length where their global model is the rows' origin; else they are measured here.
+        The last update's are kept (by its array's identity, a weak reference: an array that replaces a dead one at
+        its address is no match), for a second caller that measures it against these rows (`among`)."""
+        last = self._last
+        if last is not None and last[0]() is update:
+            return last[1]
         if widened is not None and widened.global_weights is self.origin:
             wide, squared = widened.of(update), widened.squared(update)
         else:
@@ -158,7 +166,28 @@ class DistancesTo:
         # BLAS's gemv, unlike its dot of `compute.distance`, stayed the fastest beside busy cores: 8 rows of 31k and
         # of 1M values, 2 cores both busy, 0.08 and 8.2 ms against einsum's 0.28 and 12.5 (0.04 and 3.7 idle)
         products = self.rows @ wide
-        return np.maximum(self.norms + squared - 2 * products, 0.0)
+        distances = np.maximum(self.norms + squared - 2 * products, 0.0)
+        distances.flags.writeable = False
+        self._last = weakref.ref(update), distances
+        return distances
+
+    def among(self, others: Sequence[np.ndarray]) -> Callable[[np.ndarray, UpdateChanges | None], np.ndarray] | None:
+        """Distances to `others` (some of the very arrays these rows were made of, measured from the same origin)
+        read from these rows: the guard's copy check and Krum each measure a round's later updates against the
+        round's first ones (all of them that claim samples, and Krum's kept ones of them), the same update one
+        after the other, so the second reads the first's distances (a gemv, 4 % of the default guard's work on an
+        update: docs/results.md, issue 57). None where one of `others` is not among them."""
+        positions: list[int] = []
+        for other in others:
+            found = next((k for k, ref in enumerate(self._others) if ref() is other), None)
+            if found is None:
+                return None
+            positions.append(found)
+        chosen = np.array(positions, dtype=np.int64)
+
+        def distances(update: np.ndarray, widened: UpdateChanges | None = None) -> np.ndarray:
+            return self(update, widened)[chosen]
+        return distances
 
     def _from_origin(self, weights: np.ndarray) -> np.ndarray:
         if self.origin is None:
