@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,9 @@ class RoundInfluence:
         self.lengths = RunningMedian()  # the lengths of the changes so far
         self.rows: dict[int, RunningMedian] = {}  # class -> the lengths of its rows from updates that claim it
         self.global_lengths: dict[int, float] = {}  # class -> the length of the global model's row
+        # class -> how long its row may be (`_rows_bounded`), inf for a class none claimed: changed only where a
+        # claimant is learnt, so an update is held against every class's bound at once, not a class at a time
+        self.limits: list[float] = [math.inf] * (len(self.heads.rows) if self.heads is not None else 0)
 
     def bound(self, updates: Sequence[ClientUpdate], counters: Counter[str]) -> list[ClientUpdate]:
         # each update's head-row lengths, measured once: the medians learn from them, then each update is bounded
@@ -151,19 +155,19 @@ class RoundInfluence:
             return
         for c in claimed_classes(update):
             if c < len(lengths):
-                self.rows.setdefault(c, RunningMedian()).add(lengths[c])
+                claimants = self.rows.setdefault(c, RunningMedian())
+                claimants.add(lengths[c])
+                self.limits[c] = self.row_factor * max(claimants.lower() or 0.0, self._global_length(c))
 
     def _rows_bounded(self, update: ClientUpdate, lengths: list[float], counters: Counter[str]) -> ClientUpdate:
         """The update with each class row at most `row_factor` x the lower median of its claimants' (a class one
         device claims: its own row's length, which it is within); a new array where one was longer
         (`row-clipped`)."""
-        if self.heads is None or not lengths:
+        if self.heads is None or not lengths or not any(map(operator.gt, lengths, self.limits)):
             return update
         weights: np.ndarray | None = None
-        for c, claimants in self.rows.items():
-            positions = self.heads.rows[c]
-            limit = self.row_factor * max(claimants.lower() or 0.0, self._global_length(c))
-            length = lengths[c]
+        for c in self.rows:
+            positions, limit, length = self.heads.rows[c], self.limits[c], lengths[c]
             if length <= limit:
                 continue
             if weights is None:
