@@ -38,7 +38,7 @@ def scored(distances: np.ndarray, neighbours: int, among_themselves: bool) -> np
 
 
 def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None,
-                       others: Sequence[ClientUpdate] | None = None) -> np.ndarray:
+                       others: Sequence[ClientUpdate] | None = None, origin: np.ndarray | None = None) -> np.ndarray:
     """Squared distances between updates (a row an update, a column one of `others`, else of the updates
     themselves), each pair compared on what neither's classes own (`krum_compare = "classes"`): the head row of a
     class either of the two claims (`claimed_classes`) is left out, and the body and the rows of the classes neither
@@ -48,20 +48,21 @@ def compared_distances(updates: Sequence[ClientUpdate], heads: HeadLayout | None
     classes only, not against the other (SDD's few-shot sessions: compared on the rows of the classes both held,
     such a device was still refused). What an update that undoes the round's learning changes is the body, which
     every pair compares; the rows are bounded by the row bound (coordinator/influence.py). `heads` None: the whole
-    updates (`"whole"`)."""
+    updates (`"whole"`); `origin`: what the head rows left out are measured from (`ClaimedRows`)."""
     columns = list(updates if others is None else others)
     rows = len(updates)
     every = list(updates) + ([] if others is None else columns)
     full = squared_distances([u.weights for u in every], CPU).numpy()
     distances = full[:rows, :rows] if others is None else full[:rows, rows:]
-    return without_claimed_rows(distances, updates, columns, heads)
+    return without_claimed_rows(distances, updates, columns, heads, origin)
 
 
 def without_claimed_rows(distances: np.ndarray, updates: Sequence[ClientUpdate], columns: Sequence[ClientUpdate],
-                         heads: HeadLayout | None) -> np.ndarray:
+                         heads: HeadLayout | None, origin: np.ndarray | None = None) -> np.ndarray:
     """`compared_distances`' whole squared distances (a row an update, a column one of `columns`) less what the head
-    rows of the classes either of a pair claims contribute; as they are with `heads` None."""
-    return distances if heads is None else ClaimedRows(columns, heads).subtract(distances, updates)
+    rows of the classes either of a pair claims contribute, measured from `origin` (`ClaimedRows`); as they are with
+    `heads` None."""
+    return distances if heads is None else ClaimedRows(columns, heads, origin).subtract(distances, updates)
 
 
 CLAIMS_KEPT = 1024  # the sets of claims a round's `ClaimedRows` keeps what it compares for: 16 KB each at 1000 classes
@@ -199,7 +200,7 @@ class KrumSelection:
         learnt = [u for u in updates if not learnt_nothing(u, self.global_weights)]
         first, later = learnt[: self.hold], {id(u) for u in learnt[self.hold:]}
         self.reach = self.floor * (typical_distance or 0.0)
-        among = compared_distances(first, self.heads) if len(first) > 2 else None
+        among = compared_distances(first, self.heads, origin=self.global_weights) if len(first) > 2 else None
         outliers = krum_outliers(among, self.share) if among is not None else set()
         if (self.radius or self.floor) and len(first) - len(outliers) >= 2:
             self._place([u for k, u in enumerate(first) if k not in outliers])
@@ -220,7 +221,8 @@ class KrumSelection:
                 DistancesTo([u.weights for u in kept], self.global_weights) if fits else None)
             self._claimed_rows = (ClaimedRows(kept, self.heads, self.global_weights) if self.heads is not None
                                   else None)
-            distances = among[np.ix_(kept_at, kept_at)] if among is not None else compared_distances(kept, self.heads)
+            distances = (among[np.ix_(kept_at, kept_at)] if among is not None
+                         else compared_distances(kept, self.heads, origin=self.global_weights))
             self.worst = float(scored(distances, self._nearest(), among_themselves=True).max())
         return [u for u in updates if id(u) not in refused and (id(u) not in later or self.takes(u, counters))]
 
