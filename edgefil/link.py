@@ -322,9 +322,12 @@ class Link:
         return self._subscribed.wait(timeout)
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until every QoS 1 message handed to paho is acknowledged (best effort before a clean exit)."""
+        """Wait until every QoS 1 message handed to paho is acknowledged (best effort before a clean exit), while
+        the link is connected: without a connection no acknowledgement can come before the owner exits (a fleet
+        killed by SIGKILL takes its site's broker with it, and the site's aggregator, told to stop, waited out its
+        whole timeout for the word it had published to that broker)."""
         deadline = time.monotonic() + timeout
-        while self._unacked and time.monotonic() < deadline:
+        while self._unacked and self.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         return not self._unacked
 

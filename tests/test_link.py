@@ -112,6 +112,25 @@ def test_reconnect_resubscribes_and_delivers_what_was_published_while_down(broke
         coordinator.stop()
 
 
+def test_a_link_whose_broker_is_gone_waits_for_no_acknowledgement(broker):
+    """A link that has lost its connection does not wait out `wait_idle`'s timeout for an acknowledgement that
+    cannot come: an owner stopping beside a broker gone with a killed fleet exits at once."""
+    device = Link(settings(broker, "dev-a", "pw-a"), "d")
+    device.start()
+    try:
+        broker.stop()
+        deadline = time.monotonic() + LISTENING_S
+        while device.connected and time.monotonic() < deadline:  # paho reads the connection's end
+            time.sleep(0.05)
+        assert not device.connected
+        device.publish(TOPIC, b"never acknowledged")  # waits in paho for a reconnect
+        started = time.monotonic()
+        assert not device.wait_idle(LISTENING_S)
+        assert time.monotonic() - started < LISTENING_S  # returned, not timed out
+    finally:
+        device.stop()
+
+
 def test_a_link_keeps_no_message_id_of_an_unacknowledged_publish(broker):
     """A QoS 0 message gets no PUBACK: the link waits for none and keeps none of its ids. (paho's on_publish also
     fired for each QoS 0 publish written, which the link kept as an acknowledgement that came early, one id a
